@@ -1,0 +1,48 @@
+# vigil: `make up` starts the whole system on this machine, `make test` runs every test.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: help install up demo down status logs test test-fast bench bench-quick clean
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP) ## Create .venv and install vigil with its pinned dependencies
+
+up: $(STAMP) ## Start Kafka, PostgreSQL and the four services under .run/, then run the demo
+	$(BIN)/vigil dev up
+	$(BIN)/vigil demo
+
+demo: $(STAMP) ## Run the demonstration against the running stack
+	$(BIN)/vigil demo
+
+down: ## Stop everything `make up` started
+	@if [ -x $(BIN)/vigil ]; then $(BIN)/vigil dev down; else echo "nothing to stop"; fi
+
+status: $(STAMP) ## Show which parts of the local stack run
+	$(BIN)/vigil dev status
+
+logs: ## Follow the services' logs
+	tail -F .run/logs/*.log
+
+test: $(STAMP) ## Run every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
+	$(BIN)/pytest -q
+
+bench: $(STAMP) ## Run the benchmarks (about 10 minutes) and print name: value lines
+	$(BIN)/python -m vigil.bench
+
+bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 2 minutes)
+	$(BIN)/python -m vigil.bench --quick
+
+clean: down ## Stop the stack and delete .run/ (Kafka jars, data, logs)
+	rm -rf .run

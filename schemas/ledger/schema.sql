@@ -1,0 +1,260 @@
+-- The vigil ledger: the canonical schema.
+--
+-- This is the source of truth for what the ledger looks like today. A fresh database may be
+-- built from this file alone; an existing one is brought here by schemas/ledger/migrations/
+-- in order. tests/test_migrations.py builds one database each way and requires that they
+-- match, so any change here needs a migration and vice versa.
+--
+-- Table and column names are an interface for operators and their tooling: add columns
+-- freely, never rename the ones ARCHITECTURE.md lists.
+--
+-- States are CHECK constraints mirrored by Python enums in services/vigil/ledger/states.py
+-- (tests/test_states.py keeps them in step). Next to each state: who moves rows out of it.
+
+-- events: one row per event, whatever its source.
+--   status: pending  -> running (worker claim) | dead (worker claim, attempts exhausted)
+--           running  -> done | pending (worker finish; or takeover after a lost partition)
+--           done     terminal (finished_at set)
+--           dead     -> pending only by an operator (`vigil dead retry`)
+CREATE TABLE events (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    user_id         text        NOT NULL,                 -- whose agent this wakes
+    source          text        NOT NULL,                 -- github, stripe, chat, timer, approval, a producer's name
+    source_id       text        NOT NULL,                 -- the source's own id: dedup key within (user, source)
+    kind            text        NOT NULL,                 -- what happened (chat.message, github.push, timer.schedule, ...)
+    payload         text        NOT NULL DEFAULT '{}',    -- event body as JSON text, as received
+    session_id      text,                                 -- resume this saved session (approval answers, replies)
+    headers         jsonb       NOT NULL DEFAULT '{}',    -- trace context and other metadata
+    occurred_at     timestamptz,                          -- when it happened at the source, if known
+    received_at     timestamptz NOT NULL,                 -- when ingest or the producer received it
+    recorded_at     timestamptz NOT NULL DEFAULT now(),   -- when the worker recorded it (starts the batch window)
+    status          text        NOT NULL DEFAULT 'pending',
+    attempts        integer     NOT NULL DEFAULT 0,       -- counted at claim: a crashed worker records nothing
+    claim_epoch     bigint,                               -- partition epoch of the claim that holds/held it
+    claimed_at      timestamptz,                          -- when the latest claim was made
+    next_attempt_at timestamptz,                          -- backoff: not claimable before this
+    finished_at     timestamptz,                          -- set exactly when done or dead
+    error           text,                                 -- why the latest attempt failed, or why it is dead
+    run_id          bigint,                               -- the run that finished it
+    retried_by      text,                                 -- operator who sent it back from dead
+    retried_at      timestamptz,                          -- and when
+    kafka_topic     text,                                 -- Kafka coordinates of the first copy, for audit
+    kafka_partition integer,
+    kafka_offset    bigint,
+    CONSTRAINT events_dedup_key UNIQUE (user_id, source, source_id),
+    CONSTRAINT events_status_valid CHECK (status IN ('pending', 'running', 'done', 'dead')),
+    CONSTRAINT events_finished_iff_terminal CHECK ((status IN ('done', 'dead')) = (finished_at IS NOT NULL)),
+    CONSTRAINT events_running_has_epoch CHECK (status <> 'running' OR claim_epoch IS NOT NULL),
+    CONSTRAINT events_attempts_nonnegative CHECK (attempts >= 0)
+);
+-- The claim reads a user's pending rows in id order; the scan reads users with pending rows.
+CREATE INDEX events_pending_by_user ON events (user_id, id) WHERE status = 'pending';
+-- Claim rule 4 (no second run for a user) and the takeover's hand-back read running rows.
+CREATE INDEX events_running_by_user ON events (user_id) WHERE status = 'running';
+CREATE INDEX events_dead ON events (finished_at) WHERE status = 'dead';
+
+-- partitions: the fencing token of each topic partition. A worker that is assigned a
+-- partition increments epoch; claims and finishes lock this row FOR SHARE and compare.
+CREATE TABLE partitions (
+    topic       text    NOT NULL,
+    partition   integer NOT NULL,
+    epoch       bigint  NOT NULL DEFAULT 0,   -- incremented at every assignment (takeover)
+    holder      text,                         -- worker id of the latest assignee (informational only)
+    acquired_at timestamptz,                  -- when the latest assignment happened
+    PRIMARY KEY (topic, partition)
+);
+
+-- users: one row per user seen.
+CREATE TABLE users (
+    user_id           text PRIMARY KEY,
+    home_topic        text        NOT NULL,               -- topic of the first event seen
+    home_partition    integer     NOT NULL,               -- its partition: only this partition's owner claims
+    first_seen_at     timestamptz NOT NULL DEFAULT now(),
+    last_delivery_at  timestamptz,                        -- dispatcher pacing: the latest delivery
+    urgent_day        date,                               -- dispatcher: the day urgent_count counts
+    urgent_count      integer     NOT NULL DEFAULT 0      -- urgent deliveries on urgent_day (operator cap)
+);
+CREATE INDEX users_home ON users (home_topic, home_partition);
+
+-- runs: audit of every finished run (written in the run's fenced finish).
+--   outcome: message (sent something) | nothing (quiet) | deferred (waiting for approval)
+--            | failed (the agent failed; its events went back to pending with a backoff)
+CREATE TABLE runs (
+    id                 bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    user_id            text        NOT NULL,
+    topic              text        NOT NULL,             -- the home partition it ran under
+    partition          integer     NOT NULL,
+    epoch              bigint      NOT NULL,             -- the fencing epoch of its claim
+    worker             text        NOT NULL,             -- worker id that ran it
+    event_ids          bigint[]    NOT NULL,             -- every event the run consumed
+    session_id         text,                             -- the session it ran in
+    started_at         timestamptz NOT NULL,
+    finished_at        timestamptz NOT NULL,
+    outcome            text        NOT NULL,
+    error              text,                             -- for failed runs
+    turns              integer     NOT NULL DEFAULT 0,   -- model calls made
+    input_tokens       integer     NOT NULL DEFAULT 0,
+    output_tokens      integer     NOT NULL DEFAULT 0,
+    cache_read_tokens  integer     NOT NULL DEFAULT 0,
+    cache_write_tokens integer     NOT NULL DEFAULT 0,
+    CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
+    CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
+);
+CREATE INDEX runs_by_user ON runs (user_id, started_at);
+
+-- outbox: messages a run decided to send, written in its fenced finish.
+--   status: pending   -> sending (dispatcher fixes delivery_id before the send)
+--           sending   -> delivered | pending (retry with backoff) | dead (dispatcher)
+--           delivered terminal; dead -> pending only by an operator
+CREATE TABLE outbox (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    user_id         text        NOT NULL,
+    run_id          bigint      NOT NULL REFERENCES runs (id),   -- the run that wrote it
+    epoch           bigint      NOT NULL,                        -- the fencing epoch it was written under
+    body            text        NOT NULL,                        -- the message text
+    urgent          boolean     NOT NULL DEFAULT false,          -- bypasses the pacing gap
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    status          text        NOT NULL DEFAULT 'pending',
+    delivery_id     uuid,                                        -- idempotency key of its delivery, fixed before sending
+    attempts        integer     NOT NULL DEFAULT 0,              -- delivery attempts
+    next_attempt_at timestamptz,                                 -- delivery backoff
+    delivered_at    timestamptz,
+    error           text,                                        -- latest delivery error
+    CONSTRAINT outbox_status_valid CHECK (status IN ('pending', 'sending', 'delivered', 'dead')),
+    CONSTRAINT outbox_delivered_has_time CHECK ((status = 'delivered') = (delivered_at IS NOT NULL)),
+    CONSTRAINT outbox_sending_has_delivery CHECK (status <> 'sending' OR delivery_id IS NOT NULL)
+);
+CREATE INDEX outbox_undelivered ON outbox (user_id, id) WHERE status IN ('pending', 'sending');
+-- Past messages for the agent's context come from delivered rows.
+CREATE INDEX outbox_delivered_by_user ON outbox (user_id, delivered_at) WHERE status = 'delivered';
+
+-- timers: follow-ups (one-off), schedules (interval or cron) and approval expiries.
+-- The scheduler moves rows: due advances, or done/skipped become true.
+CREATE TABLE timers (
+    id             text        NOT NULL,                  -- caller's id, unique per user
+    user_id        text        NOT NULL,
+    kind           text        NOT NULL,                  -- followup | schedule | approval_expiry
+    due            timestamptz NOT NULL,                  -- next occurrence, whole seconds
+    every_seconds  integer,                               -- fixed interval recurrence
+    cron           text,                                  -- 5-field cron recurrence, evaluated in tz
+    tz             text        NOT NULL DEFAULT 'UTC',    -- IANA zone for cron
+    catch_up       text        NOT NULL DEFAULT 'coalesce', -- coalesce | each | skip
+    max_lateness   integer,                               -- seconds: an older occurrence is skipped
+    payload        jsonb       NOT NULL DEFAULT '{}',     -- copied into every event it fires
+    fixed_key      text,                                  -- one-offs: the event's source_id instead of id@due
+    done           boolean     NOT NULL DEFAULT false,    -- one-off fired (or skipped), or deleted schedule
+    skipped        boolean     NOT NULL DEFAULT false,    -- one-off missed and skipped by policy
+    fired_count    integer     NOT NULL DEFAULT 0,
+    last_fired_at  timestamptz,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    updated_at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (user_id, id),
+    CONSTRAINT timers_kind_valid CHECK (kind IN ('followup', 'schedule', 'approval_expiry')),
+    CONSTRAINT timers_catch_up_valid CHECK (catch_up IN ('coalesce', 'each', 'skip')),
+    CONSTRAINT timers_one_recurrence CHECK (NOT (every_seconds IS NOT NULL AND cron IS NOT NULL)),
+    CONSTRAINT timers_interval_positive CHECK (every_seconds IS NULL OR every_seconds > 0),
+    CONSTRAINT timers_fixed_key_one_off CHECK (fixed_key IS NULL OR (every_seconds IS NULL AND cron IS NULL)),
+    CONSTRAINT timers_due_whole_seconds CHECK (due = date_trunc('second', due))
+);
+CREATE INDEX timers_due ON timers (due) WHERE NOT done;
+
+-- approvals: deferred tool calls. The answer and the expiry share the key request_id:
+-- whichever is stored first stands (answer IS NULL is the only state that moves).
+CREATE TABLE approvals (
+    request_id   text PRIMARY KEY,
+    user_id      text        NOT NULL,
+    session_id   text        NOT NULL,                    -- the saved session to resume
+    run_id       bigint,                                  -- the run that asked
+    tool         text        NOT NULL,
+    tool_use_id  text,                                    -- the model's tool_use block id
+    args_hash    text        NOT NULL,                    -- sha256 of the exact arguments
+    due          timestamptz NOT NULL,                    -- the deadline
+    on_expiry    text        NOT NULL DEFAULT 'deny',     -- deny | escalate | approve
+    escalations  integer     NOT NULL DEFAULT 0,          -- times asked again, louder
+    answer       text,                                    -- yes | no | expired; NULL while open
+    answered_at  timestamptz,                             -- when the answer was stored
+    received_at  timestamptz,                             -- when the answer request was received
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT approvals_on_expiry_valid CHECK (on_expiry IN ('deny', 'escalate', 'approve')),
+    CONSTRAINT approvals_answer_valid CHECK (answer IS NULL OR answer IN ('yes', 'no', 'expired')),
+    CONSTRAINT approvals_answered_has_time CHECK ((answer IS NULL) = (answered_at IS NULL))
+);
+CREATE INDEX approvals_by_user ON approvals (user_id, created_at);
+
+-- sessions: saved agent conversations.
+--   state: open (resumable) | waiting (mid tool call, for an approval) | closed (over budget or ended)
+CREATE TABLE sessions (
+    id          text PRIMARY KEY,
+    user_id     text        NOT NULL,
+    state       text        NOT NULL DEFAULT 'open',
+    messages    jsonb       NOT NULL DEFAULT '[]',        -- the Messages API conversation so far
+    size_bytes  integer     NOT NULL DEFAULT 0,           -- against the session size budget
+    blocks      integer     NOT NULL DEFAULT 0,           -- auto-mode permission blocks in this session
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    updated_at  timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT sessions_state_valid CHECK (state IN ('open', 'waiting', 'closed'))
+);
+CREATE INDEX sessions_by_user ON sessions (user_id, updated_at);
+
+-- memory: the agent's files under /memories, per user (the memory tool's store).
+CREATE TABLE memory (
+    user_id     text        NOT NULL,
+    path        text        NOT NULL,                     -- always under /memories/, never with ..
+    content     text        NOT NULL,
+    updated_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (user_id, path),
+    CONSTRAINT memory_path_confined CHECK (path LIKE '/memories/%' AND path NOT LIKE '%..%')
+);
+
+-- api_tokens: bearer tokens for the HTTP API (sha256 of the token; the token is shown once).
+CREATE TABLE api_tokens (
+    id          text PRIMARY KEY,
+    name        text        NOT NULL,
+    token_hash  text        NOT NULL UNIQUE,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    revoked_at  timestamptz                               -- a revoked token is refused with 403
+);
+
+-- hooks: webhook endpoints (POST /v1/hooks/{id}), each for one provider and one user.
+CREATE TABLE hooks (
+    id          text PRIMARY KEY,
+    provider    text        NOT NULL,                     -- github | stripe | standard-webhooks
+    user_id     text        NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    disabled_at timestamptz,
+    CONSTRAINT hooks_provider_valid CHECK (provider IN ('github', 'stripe', 'standard-webhooks'))
+);
+
+-- hook_secrets: signing secrets of a hook; several active at once during rotation.
+CREATE TABLE hook_secrets (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    hook_id     text        NOT NULL REFERENCES hooks (id) ON DELETE CASCADE,
+    secret      text        NOT NULL,                     -- needed in clear to verify HMACs
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    revoked_at  timestamptz
+);
+CREATE INDEX hook_secrets_active ON hook_secrets (hook_id) WHERE revoked_at IS NULL;
+
+-- channels: where a user's deliveries go. A user without a row gets the log channel.
+CREATE TABLE channels (
+    user_id           text PRIMARY KEY,
+    type              text        NOT NULL,               -- webhook | kafka | log
+    url               text,                               -- webhook target
+    secret            text,                               -- webhook signing secret (Standard Webhooks)
+    gap_seconds       integer,                            -- pacing gap override (else VIGIL_OUTBOX_GAP)
+    urgent_daily_cap  integer,                            -- urgent deliveries allowed per day (NULL: no cap)
+    created_at        timestamptz NOT NULL DEFAULT now(),
+    updated_at        timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT channels_type_valid CHECK (type IN ('webhook', 'kafka', 'log')),
+    CONSTRAINT channels_webhook_has_url CHECK (type <> 'webhook' OR (url IS NOT NULL AND secret IS NOT NULL)),
+    CONSTRAINT channels_gap_nonnegative CHECK (gap_seconds IS NULL OR gap_seconds >= 0)
+);
+
+-- audit: what operators did by hand (dead retry, token revoke, hook changes).
+CREATE TABLE audit (
+    id      bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at      timestamptz NOT NULL DEFAULT now(),
+    actor   text        NOT NULL,                         -- $USER of the operator, or the API token name
+    action  text        NOT NULL,
+    detail  jsonb       NOT NULL DEFAULT '{}'
+);

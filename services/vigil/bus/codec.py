@@ -1,0 +1,250 @@
+"""The event envelope on the wire: Avro, in one of two framings.
+
+- Without a schema registry: Avro *single-object encoding* (Avro spec): ``C3 01``, the
+  writer schema's 8-byte little-endian CRC-64-AVRO fingerprint, then the binary body. The
+  reader finds the writer schema by fingerprint among the schemas in ``schemas/`` (every
+  version kept there), so no server is needed and old bytes stay readable.
+- With ``VIGIL_SCHEMA_REGISTRY_URL``: the Confluent wire format (``00``, 4-byte schema id,
+  body), through ``confluent_kafka.schema_registry``.
+
+The decoder accepts either framing whatever the configuration, so a topic can move from one
+to the other. Anything it cannot read raises :class:`DecodeError` with the reason; callers
+send such messages to the dead-letter topic instead of crashing.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import fastavro
+from fastavro.schema import fingerprint, parse_schema, to_parsing_canonical_form
+
+from vigil.paths import schemas_dir
+
+SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+CONFLUENT_MAGIC = b"\x00"
+EVENT_SCHEMA_NAME = "vigil.v1.Event"
+DELIVERY_SCHEMA_NAME = "vigil.v1.Delivery"
+
+
+class DecodeError(Exception):
+    """Bytes that are not a readable event. ``reason`` is short and safe to log."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """The envelope every producer writes (schema ``vigil.v1.Event``)."""
+
+    user_id: str
+    source: str
+    source_id: str
+    kind: str
+    payload: str
+    received_at: datetime
+    occurred_at: datetime | None = None
+    session_id: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "user_id": self.user_id,
+            "source": self.source,
+            "source_id": self.source_id,
+            "kind": self.kind,
+            "occurred_at": self.occurred_at,
+            "received_at": self.received_at,
+            "payload": self.payload,
+            "session_id": self.session_id,
+            "headers": dict(self.headers),
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "Event":
+        return cls(
+            user_id=record["user_id"],
+            source=record["source"],
+            source_id=record["source_id"],
+            kind=record["kind"],
+            payload=record["payload"],
+            received_at=_aware(record["received_at"]),
+            occurred_at=_aware(record.get("occurred_at")),
+            session_id=record.get("session_id"),
+            headers=dict(record.get("headers") or {}),
+        )
+
+    def payload_json(self) -> Any:
+        return json.loads(self.payload)
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=timezone.utc)
+
+
+def load_schema_file(path) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _schema_versions(name: str) -> list[dict]:
+    """The current schema of ``name`` first, then every older version kept in history/."""
+    namespace, _, short = name.rpartition(".")
+    folder = schemas_dir().joinpath(*namespace.split("."))
+    versions = [load_schema_file(folder / f"{short}.avsc")]
+    history = folder / "history"
+    if history.is_dir():
+        for old in sorted(history.glob(f"{short}.*.avsc")):
+            versions.append(load_schema_file(old))
+    return versions
+
+
+class AvroCodec:
+    """Encode and decode one record type in either framing.
+
+    ``writer_schemas`` are extra schemas this reader accepts (older or newer compatible
+    versions); the files under ``schemas/`` are always known.
+    """
+
+    def __init__(
+        self,
+        name: str = EVENT_SCHEMA_NAME,
+        *,
+        schema_registry_url: str | None = None,
+        reader_schema: dict | None = None,
+        writer_schemas: list[dict] | None = None,
+        subject: str | None = None,
+    ):
+        versions = _schema_versions(name)
+        self.schema_json = reader_schema or versions[0]
+        self._schema = parse_schema(self.schema_json)
+        self._by_fingerprint: dict[bytes, Any] = {}
+        for raw in [self.schema_json, *versions, *(writer_schemas or [])]:
+            self.add_writer_schema(raw)
+        self._fingerprint = self.fingerprint_of(self.schema_json)
+        self._registry = None
+        self._serializer = None
+        self._deserializer = None
+        if schema_registry_url:
+            self._setup_registry(schema_registry_url, subject or f"{name}-value")
+
+    @staticmethod
+    def fingerprint_of(schema_json: dict) -> bytes:
+        canonical = to_parsing_canonical_form(parse_schema(schema_json))
+        # fastavro renders the CRC-64-AVRO value as the hex of its little-endian bytes,
+        # which is exactly the byte order single-object encoding puts on the wire.
+        return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
+
+    def add_writer_schema(self, schema_json: dict) -> None:
+        self._by_fingerprint[self.fingerprint_of(schema_json)] = parse_schema(schema_json)
+
+    def _setup_registry(self, url: str, subject: str) -> None:
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+        from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+
+        # new_client() also understands mock:// URLs (an in-process registry for tests).
+        self._registry = SchemaRegistryClient.new_client({"url": url})
+        schema_str = json.dumps(self.schema_json)
+        self._serializer = AvroSerializer(
+            self._registry,
+            schema_str,
+            conf={"auto.register.schemas": True, "subject.name.strategy": lambda *_: subject},
+        )
+        self._deserializer = AvroDeserializer(self._registry, schema_str)
+
+    # -- encode -------------------------------------------------------------------------
+
+    def encode_record(self, record: dict[str, Any], topic: str = "") -> bytes:
+        if self._serializer is not None:
+            from confluent_kafka.serialization import MessageField, SerializationContext
+
+            return self._serializer(record, SerializationContext(topic, MessageField.VALUE))
+        body = io.BytesIO()
+        body.write(SINGLE_OBJECT_MAGIC)
+        body.write(self._fingerprint)
+        fastavro.schemaless_writer(body, self._schema, record)
+        return body.getvalue()
+
+    # -- decode -------------------------------------------------------------------------
+
+    def decode_record(self, data: bytes | None, topic: str = "") -> dict[str, Any]:
+        if not data:
+            raise DecodeError("empty message")
+        if data[:2] == SINGLE_OBJECT_MAGIC:
+            if len(data) < 10:
+                raise DecodeError("truncated single-object header")
+            writer = self._by_fingerprint.get(bytes(data[2:10]))
+            if writer is None:
+                raise DecodeError(f"unknown schema fingerprint {bytes(data[2:10]).hex()}")
+            try:
+                return fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, self._schema)
+            except Exception as exc:  # fastavro raises many types on corrupt bodies
+                raise DecodeError(f"corrupt Avro body: {type(exc).__name__}: {exc}") from None
+        if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
+            if self._deserializer is None:
+                raise DecodeError(
+                    "Confluent-framed message but no schema registry configured "
+                    "(set VIGIL_SCHEMA_REGISTRY_URL)"
+                )
+            from confluent_kafka.serialization import MessageField, SerializationContext
+
+            try:
+                record = self._deserializer(data, SerializationContext(topic, MessageField.VALUE))
+            except Exception as exc:
+                raise DecodeError(f"schema registry decode failed: {type(exc).__name__}: {exc}") from None
+            if record is None:
+                raise DecodeError("schema registry decode returned nothing")
+            return record
+        raise DecodeError(f"unknown framing (first bytes {bytes(data[:2]).hex()})")
+
+
+class EventCodec(AvroCodec):
+    """:class:`AvroCodec` for ``vigil.v1.Event`` with :class:`Event` objects."""
+
+    def __init__(self, schema_registry_url: str | None = None, **kwargs: Any):
+        super().__init__(EVENT_SCHEMA_NAME, schema_registry_url=schema_registry_url, **kwargs)
+
+    def encode(self, event: Event, topic: str = "") -> bytes:
+        return self.encode_record(event.to_record(), topic)
+
+    def decode(self, data: bytes | None, topic: str = "") -> Event:
+        record = self.decode_record(data, topic)
+        try:
+            event = Event.from_record(record)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise DecodeError(f"record is not an event: missing or bad field {exc}") from None
+        _check_event(event)
+        return event
+
+
+def _check_event(event: Event) -> None:
+    """Checks Avro cannot express: the ledger relies on these to key and route the event."""
+    if not event.user_id:
+        raise DecodeError("user_id is empty")
+    if not event.source or not event.source_id:
+        raise DecodeError("source and source_id must be non-empty (they are the dedup key)")
+    if not event.kind:
+        raise DecodeError("kind is empty")
+    try:
+        json.loads(event.payload)
+    except ValueError as exc:
+        raise DecodeError(f"payload is not JSON: {exc}") from None
+
+
+_HEADER = struct.Struct(">bI")  # kept for tools that want to peek at Confluent schema ids
+
+
+def confluent_schema_id(data: bytes) -> int | None:
+    """The schema id of a Confluent-framed message, or None for another framing."""
+    if len(data) >= 5 and data[:1] == CONFLUENT_MAGIC:
+        return _HEADER.unpack(data[:5])[1]
+    return None

@@ -1,0 +1,200 @@
+"""Kafka clients as vigil configures them: producers, consumers, topics.
+
+Producers vigil owns all use the same settings (:func:`producer_config`): ``acks=all`` and
+idempotence, so an acknowledged event is on every in-sync replica exactly once per produce
+call; and the ``murmur2_random`` partitioner, which is the Java client's default. librdkafka's
+own default (``consistent_random``, CRC32) would put the same user on a different partition
+than a Java or Go producer does, and vigil's claim rule depends on one user landing on one
+home partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from vigil.bus.codec import Event, EventCodec
+from vigil.settings import CommonSettings
+
+log = logging.getLogger(__name__)
+
+# Batching: a few milliseconds of linger lets ingest's concurrent requests share a produce
+# request without adding latency a person would notice.
+PRODUCER_LINGER_MS = 5
+PRODUCER_BATCH_BYTES = 256 * 1024
+
+
+class ProduceError(Exception):
+    """The broker did not acknowledge an event (or not in time). Nothing may claim success."""
+
+
+def producer_config(settings: CommonSettings, **extra: object) -> dict:
+    config = settings.kafka_client_options()
+    config.update(
+        {
+            "acks": "all",
+            "enable.idempotence": True,
+            "partitioner": "murmur2_random",
+            "linger.ms": PRODUCER_LINGER_MS,
+            "batch.size": PRODUCER_BATCH_BYTES,
+            "compression.type": "lz4",
+            # Bound the whole delivery (retries included) so callers get an answer.
+            "message.timeout.ms": int(settings.produce_timeout_s * 1000),
+            "client.id": f"vigil-{settings.instance_id}",
+        }
+    )
+    config.update(extra)
+    return config
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (``org.apache.kafka.common.utils.Utils.murmur2``), as a signed int32."""
+    length = len(data)
+    seed = 0x9747B28C
+    m = 0x5BD1E995
+    r = 24
+    h = (seed ^ length) & 0xFFFFFFFF
+    for i in range(0, length - length % 4, 4):
+        k = data[i] | (data[i + 1] << 8) | (data[i + 2] << 16) | (data[i + 3] << 24)
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> r
+        k = (k * m) & 0xFFFFFFFF
+        h = (h * m) & 0xFFFFFFFF
+        h ^= k
+    tail = length % 4
+    base = length - tail
+    if tail == 3:
+        h ^= data[base + 2] << 16
+    if tail >= 2:
+        h ^= data[base + 1] << 8
+    if tail >= 1:
+        h ^= data[base]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def java_partition(key: bytes, partitions: int) -> int:
+    """The partition the Java client's default partitioner picks for a keyed record."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    topic: str
+    partition: int
+    offset: int
+
+
+class EventProducer:
+    """Produce events and wait until the broker acknowledged each of them.
+
+    :meth:`send` returns only when every event is acknowledged, or raises
+    :class:`ProduceError`: a failed delivery is an error, never ignored. A background thread
+    serves delivery callbacks so concurrent callers (ingest's request handlers) share one
+    producer and its batches.
+    """
+
+    def __init__(self, settings: CommonSettings, codec: EventCodec | None = None, **extra: object):
+        self.settings = settings
+        self.topic = settings.events_topic
+        self.codec = codec or EventCodec(settings.schema_registry_url)
+        self._producer = Producer(producer_config(settings, **extra))
+        self._closed = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="producer-poll", daemon=True)
+        self._poller.start()
+
+    def _poll_loop(self) -> None:
+        while not self._closed.is_set():
+            self._producer.poll(0.1)
+
+    def send(self, events: Iterable[Event], timeout: float | None = None, topic: str | None = None) -> list[Delivered]:
+        topic = topic or self.topic
+        messages = [(event.user_id.encode(), self.codec.encode(event, topic)) for event in events]
+        return self.send_raw(messages, topic, timeout)
+
+    def send_raw(
+        self,
+        messages: list[tuple[bytes | None, bytes]],
+        topic: str,
+        timeout: float | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> list[Delivered]:
+        timeout = self.settings.produce_timeout_s if timeout is None else timeout
+        results: list[Delivered | KafkaError | None] = [None] * len(messages)
+        remaining = [len(messages)]
+        done = threading.Event()
+        lock = threading.Lock()
+        if not messages:
+            return []
+
+        def callback(index: int):
+            def on_delivery(err, msg):
+                results[index] = err if err is not None else Delivered(msg.topic(), msg.partition(), msg.offset())
+                with lock:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        done.set()
+
+            return on_delivery
+
+        for index, (key, value) in enumerate(messages):
+            while True:
+                try:
+                    self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=callback(index))
+                    break
+                except BufferError:
+                    # Local queue full: let the poller drain it rather than fail the caller.
+                    time.sleep(0.005)
+                except KafkaException as exc:
+                    raise ProduceError(f"produce refused: {exc}") from None
+        if not done.wait(timeout + 1.0):
+            raise ProduceError(f"no acknowledgement from the broker within {timeout:.1f}s")
+        failures = [r for r in results if isinstance(r, KafkaError)]
+        if failures:
+            raise ProduceError(f"{len(failures)} of {len(messages)} not acknowledged: {failures[0].str()}")
+        return [r for r in results if isinstance(r, Delivered)]
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._producer.flush(timeout)
+        self._closed.set()
+        self._poller.join(1.0)
+
+
+def ensure_topics(settings: CommonSettings, topics: dict[str, int], replication: int = 1, timeout: float = 30.0) -> None:
+    """Create missing topics (name -> partitions). Existing topics are left as they are."""
+    admin = AdminClient(settings.kafka_client_options())
+    existing = admin.list_topics(timeout=timeout).topics
+    wanted = [NewTopic(name, num_partitions=count, replication_factor=replication) for name, count in topics.items() if name not in existing]
+    if not wanted:
+        return
+    for name, future in admin.create_topics(wanted, operation_timeout=timeout).items():
+        try:
+            future.result(timeout)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+    # Metadata for new topics reaches every client asynchronously; wait until it is visible
+    # so a consumer subscribing right after sees all partitions.
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = admin.list_topics(timeout=timeout).topics
+        if all(name in seen and len(seen[name].partitions) == count for name, count in topics.items()):
+            return
+        time.sleep(0.1)
+
+
+def broker_reachable(settings: CommonSettings, timeout: float = 2.0) -> bool:
+    try:
+        AdminClient(settings.kafka_client_options()).list_topics(timeout=timeout)
+        return True
+    except KafkaException:
+        return False

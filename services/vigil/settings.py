@@ -1,0 +1,178 @@
+"""Typed settings, read from ``VIGIL_*`` environment variables.
+
+Every service has one settings class: it subclasses :class:`CommonSettings` in its own
+package (``vigil/worker/settings.py`` and so on) and is loaded once at start-up through
+:func:`load`, which turns any validation failure into :class:`SettingsError` naming the
+variable, so a bad deployment fails at once with a message an operator can act on rather
+than crash-looping later.
+
+Each field's ``description`` is its documentation: ``vigil config`` prints the table that
+README.md carries, and a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, TypeVar
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "VIGIL_"
+KAFKA_OPT_PREFIX = "VIGIL_KAFKA_OPT_"
+
+DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:9092"
+DEFAULT_DATABASE_URL = "postgresql://vigil@127.0.0.1:5432/vigil"
+DEFAULT_EVENTS_TOPIC = "vigil.events"
+DEFAULT_DLQ_TOPIC = "vigil.events.dlq"
+DEFAULT_DELIVERIES_TOPIC = "vigil.deliveries"
+DEFAULT_PARTITIONS = 12
+DEFAULT_INGEST_PORT = 8080
+DEFAULT_WORKER_METRICS_PORT = 9102
+DEFAULT_SCHEDULER_METRICS_PORT = 9103
+DEFAULT_DISPATCHER_METRICS_PORT = 9104
+# Long enough for a broker leader election on a small cluster, short enough that an HTTP
+# client waiting on ingest gets a 503 before its own timeout fires.
+DEFAULT_PRODUCE_TIMEOUT_S = 10.0
+
+
+class SettingsError(Exception):
+    """A setting is missing or invalid; the message names the variable."""
+
+
+class CommonSettings(BaseSettings):
+    """Settings every vigil process reads."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    kafka_bootstrap: str = Field(
+        DEFAULT_KAFKA_BOOTSTRAP,
+        description="Kafka bootstrap servers, comma separated host:port.",
+    )
+    database_url: SecretStr = Field(
+        SecretStr(DEFAULT_DATABASE_URL),
+        description="PostgreSQL connection URL of the ledger (libpq form). Never logged.",
+    )
+    events_topic: str = Field(DEFAULT_EVENTS_TOPIC, description="Topic every event goes through.")
+    dlq_topic: str = Field(
+        DEFAULT_DLQ_TOPIC,
+        description="Dead-letter topic: undecodable messages and dead events, reason in headers.",
+    )
+    deliveries_topic: str = Field(
+        DEFAULT_DELIVERIES_TOPIC, description="Topic of the dispatcher's kafka delivery channel."
+    )
+    partitions: int = Field(
+        DEFAULT_PARTITIONS,
+        ge=1,
+        le=10_000,
+        description="Partitions of the events topic when vigil creates it (`vigil topics`).",
+    )
+    schema_registry_url: str | None = Field(
+        None,
+        description="Confluent Schema Registry URL. Set: Confluent wire format. Unset: Avro "
+        "single-object encoding (no server needed).",
+    )
+    produce_timeout_s: float = Field(
+        DEFAULT_PRODUCE_TIMEOUT_S,
+        gt=0,
+        le=300,
+        description="How long a producer waits for the broker's acknowledgement before the "
+        "caller sees a failure (ingest answers 503).",
+    )
+    instance_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Name of this process in the ledger (partition holder, run worker). "
+        "Default: hostname-pid.",
+    )
+    log_level: str = Field("INFO", description="Python log level: DEBUG, INFO, WARNING, ERROR.")
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap_has_port(cls, value: str) -> str:
+        for server in value.split(","):
+            host, sep, port = server.strip().rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"expected host:port[,host:port...], got {value!r}")
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url_scheme(cls, value: SecretStr) -> SecretStr:
+        raw = value.get_secret_value()
+        if not raw.startswith(("postgresql://", "postgres://")) and "=" not in raw:
+            raise ValueError("expected a postgresql:// URL or a libpq key=value string")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError("expected DEBUG, INFO, WARNING or ERROR")
+        return value.upper()
+
+    @property
+    def dsn(self) -> str:
+        return self.database_url.get_secret_value()
+
+    def kafka_client_options(self) -> dict[str, str]:
+        """Pass-through librdkafka settings for SASL/TLS clusters.
+
+        ``VIGIL_KAFKA_OPT_SECURITY_PROTOCOL=SASL_SSL`` becomes ``security.protocol``: librdkafka
+        names use dots and never underscores, so the mapping is unambiguous.
+        """
+        options = {"bootstrap.servers": self.kafka_bootstrap}
+        for name, value in os.environ.items():
+            if name.startswith(KAFKA_OPT_PREFIX) and len(name) > len(KAFKA_OPT_PREFIX):
+                options[name[len(KAFKA_OPT_PREFIX) :].lower().replace("_", ".")] = value
+        return options
+
+
+S = TypeVar("S", bound=CommonSettings)
+
+
+def load(cls: type[S], **overrides: Any) -> S:
+    """Read ``cls`` from the environment; raise :class:`SettingsError` naming the variable."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else "?"
+            variable = ENV_PREFIX + field.upper()
+            shown = os.environ.get(variable)
+            secret = "url" in field or "secret" in field or "key" in field
+            value = "" if shown is None or secret else f"={shown!r}"
+            problems.append(f"{variable}{value}: {error['msg']}")
+        raise SettingsError("invalid settings: " + "; ".join(problems)) from None
+
+
+def settings_table(classes: list[type[CommonSettings]]) -> str:
+    """The README's configuration table: every variable, its default and its meaning."""
+    rows: dict[str, tuple[str, str, list[str]]] = {}
+    for cls in classes:
+        for name, info in cls.model_fields.items():
+            common = name in CommonSettings.model_fields
+            service = "all" if common else getattr(cls, "service_name", cls.__name__)
+            variable = ENV_PREFIX + name.upper()
+            if info.default_factory is not None:
+                default = "(computed)"
+            elif isinstance(info.default, SecretStr):
+                default = f"`{info.default.get_secret_value()}`"
+            elif info.default is None:
+                default = "(unset)"
+            else:
+                default = f"`{info.default}`"
+            entry = rows.setdefault(variable, (default, info.description or "", []))
+            if service not in entry[2]:
+                entry[2].append(service)
+    lines = ["| variable | services | default | meaning |", "| --- | --- | --- | --- |"]
+    for variable in sorted(rows):
+        default, description, services = rows[variable]
+        who = "all" if "all" in services else ", ".join(sorted(services))
+        lines.append(f"| `{variable}` | {who} | {default} | {description} |")
+    lines.append(
+        f"| `{KAFKA_OPT_PREFIX}<NAME>` | all | (unset) | Any librdkafka setting, e.g. "
+        "`VIGIL_KAFKA_OPT_SASL_MECHANISMS=PLAIN` sets `sasl.mechanisms`. |"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""The test session's real Kafka broker and PostgreSQL server, and per-test isolation.
+
+If ``VIGIL_KAFKA_BOOTSTRAP`` and ``VIGIL_DATABASE_URL`` are both set, the suite uses that
+stack (for example the one ``make up`` started: ``. .run/env && make test``). Otherwise it
+starts its own broker and database on free ports in a temporary folder and stops them at
+the end.
+
+Isolation: every test gets a fresh database cloned from a template (the canonical schema,
+built once per session) and its own topic names, consumer group and ports, so tests never
+see each other's events, and several test sessions can share one stack.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from support import VigilProcess
+from vigil import devstack
+from vigil.ledger.migrate import apply_canonical
+
+
+@dataclass
+class Stack:
+    bootstrap: str
+    admin_dsn: str  # the server's maintenance database, for CREATE/DROP DATABASE
+    kafka: devstack.KafkaServer | None = None  # set when this session owns the broker
+    template: str = field(default_factory=lambda: f"vigil_tpl_{uuid.uuid4().hex[:8]}")
+
+    def dsn(self, database: str) -> str:
+        return psycopg.conninfo.make_conninfo(self.admin_dsn, dbname=database)
+
+
+def _admin_dsn(url: str) -> str:
+    return psycopg.conninfo.make_conninfo(url, dbname="postgres")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    bootstrap = os.environ.get("VIGIL_KAFKA_BOOTSTRAP")
+    database_url = os.environ.get("VIGIL_DATABASE_URL")
+    owned: list = []
+    if bootstrap and database_url:
+        st = Stack(bootstrap=bootstrap, admin_dsn=_admin_dsn(database_url))
+    else:
+        root = tmp_path_factory.mktemp("stack")
+        os.chmod(root, 0o755)
+        kafka_port = devstack.free_port()
+        libs = devstack.kafka_libs(Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run")) / "kafka")
+        kafka = devstack.KafkaServer(root / "kafka", kafka_port, devstack.free_port(), libs)
+        pg = devstack.PostgresServer(root / "pg" / "data", devstack.free_port())
+        kafka.start()
+        owned.append(kafka)
+        pg.start()
+        owned.append(pg)
+        st = Stack(bootstrap=kafka.bootstrap, admin_dsn=pg.url("postgres"), kafka=kafka)
+    with psycopg.connect(st.admin_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{st.template}"')
+    apply_canonical(st.dsn(st.template))
+    try:
+        yield st
+    finally:
+        with psycopg.connect(st.admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{st.template}" WITH (FORCE)')
+        for server in reversed(owned):
+            server.stop()
+
+
+@pytest.fixture
+def ledger(stack: Stack) -> str:
+    """A fresh ledger database for this test (a copy of the template); its DSN."""
+    name = f"vigil_t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(stack.admin_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{stack.template}"')
+    try:
+        yield stack.dsn(name)
+    finally:
+        with psycopg.connect(stack.admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@dataclass
+class Topics:
+    events: str
+    dlq: str
+    deliveries: str
+    partitions: int
+
+
+@pytest.fixture
+def topics(stack: Stack, request) -> Topics:
+    """Topics of this test only. ``@pytest.mark.partitions(n)`` sets the events topic's count."""
+    from confluent_kafka.admin import AdminClient
+
+    from vigil.bus.kafka import ensure_topics
+    from vigil.settings import CommonSettings
+
+    marker = request.node.get_closest_marker("partitions")
+    count = marker.args[0] if marker else 4
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    names = Topics(f"{prefix}.events", f"{prefix}.dlq", f"{prefix}.deliveries", count)
+    settings = CommonSettings(kafka_bootstrap=stack.bootstrap)
+    ensure_topics(settings, {names.events: count, names.dlq: 1, names.deliveries: 1})
+    yield names
+    AdminClient({"bootstrap.servers": stack.bootstrap}).delete_topics([names.events, names.dlq, names.deliveries])
+
+
+@pytest.fixture
+def vigil_env(stack: Stack, ledger: str, topics: Topics) -> dict[str, str]:
+    """VIGIL_* settings that point a service process at this test's ledger and topics."""
+    from vigil.devstack import free_port
+
+    return {
+        "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap,
+        "VIGIL_DATABASE_URL": ledger,
+        "VIGIL_EVENTS_TOPIC": topics.events,
+        "VIGIL_DLQ_TOPIC": topics.dlq,
+        "VIGIL_DELIVERIES_TOPIC": topics.deliveries,
+        "VIGIL_PARTITIONS": str(topics.partitions),
+        "VIGIL_WORKER_GROUP": f"{topics.events}.workers",
+        "VIGIL_INGEST_PORT": str(free_port()),
+        "VIGIL_WORKER_PORT": str(free_port()),
+        "VIGIL_SCHEDULER_PORT": str(free_port()),
+        "VIGIL_DISPATCHER_PORT": str(free_port()),
+        "VIGIL_LOG_LEVEL": "INFO",
+    }
+
+
+@pytest.fixture
+def spawn(tmp_path, request):
+    """Start ``vigil <args>`` processes; all of them are stopped when the test ends.
+
+    On failure the processes' logs are attached to the report.
+    """
+    started: list[VigilProcess] = []
+
+    def start(args: list[str], env: dict[str, str], name: str | None = None) -> VigilProcess:
+        label = name or f"{args[0]}-{len(started)}"
+        proc = VigilProcess(args, env, tmp_path / "logs" / f"{label}.log").start()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+    if request.node.rep_call_failed if hasattr(request.node, "rep_call_failed") else False:
+        for proc in started:
+            print(f"\n----- log of vigil {' '.join(proc.args)} ({proc.log_path}) -----\n{proc.log()[-6000:]}")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.rep_call_failed = report.failed
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "partitions(n): partition count of the test's events topic")

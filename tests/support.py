@@ -1,0 +1,121 @@
+"""Helpers for tests that run real processes against the real broker and database."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psycopg
+from psycopg.rows import dict_row
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition", interval: float = 0.05) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last value: {last!r})")
+
+
+def query(dsn: str, sql: str, params: Any = None) -> list[dict]:
+    with psycopg.connect(dsn, row_factory=dict_row, autocommit=True) as conn:
+        cur = conn.execute(sql, params)
+        return cur.fetchall() if cur.description else []
+
+
+def scalar(dsn: str, sql: str, params: Any = None) -> Any:
+    rows = query(dsn, sql, params)
+    return next(iter(rows[0].values())) if rows else None
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class VigilProcess:
+    """A ``vigil <args>`` subprocess with its log in a file; killed at test teardown."""
+
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    history: list[str] = field(default_factory=list)
+
+    def start(self) -> "VigilProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vigil", *self.args],
+            env={**os.environ, **self.env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+        )
+        out.close()
+        self.history.append(f"start pid {self.proc.pid}")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.history.append(f"signal {signal.Signals(sig).name}")
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to clean up, as in a machine or OOM kill."""
+        if self.alive():
+            self.signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM and wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            # A stopped process cannot act on SIGTERM.
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait(10)
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_healthy(self, port: int, timeout: float = 30.0) -> "VigilProcess":
+        def healthy() -> bool:
+            if not self.alive():
+                raise AssertionError(f"vigil {' '.join(self.args)} exited:\n{self.log()[-3000:]}")
+            return http_ok(f"http://127.0.0.1:{port}/healthz")
+
+        wait_for(healthy, timeout, f"vigil {' '.join(self.args)} health on :{port}")
+        return self

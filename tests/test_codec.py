@@ -1,0 +1,138 @@
+"""The event envelope on the wire: both framings, evolution, and bytes that are not events."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import struct
+from datetime import datetime, timezone
+
+import fastavro
+import pytest
+
+from vigil.bus.codec import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC, AvroCodec, DecodeError, Event, EventCodec
+
+NOW = datetime(2026, 11, 30, 12, 0, 0, 123000, tzinfo=timezone.utc)
+
+
+def sample(**changes) -> Event:
+    fields = dict(
+        user_id="user-1",
+        source="github",
+        source_id="delivery-7",
+        kind="github.push",
+        payload=json.dumps({"ref": "refs/heads/main", "text": "ünïcødé ✓"}),
+        received_at=NOW,
+        occurred_at=NOW,
+        session_id=None,
+        headers={"traceparent": "00-abc-def-01"},
+    )
+    fields.update(changes)
+    return Event(**fields)
+
+
+def crc64_avro(data: bytes) -> int:
+    """The Avro spec's reference fingerprint algorithm, written out independently."""
+    empty = 0xC15D213AA4D7A795
+    table = []
+    for i in range(256):
+        fp = i
+        for _ in range(8):
+            fp = (fp >> 1) ^ (empty & -(fp & 1))
+        table.append(fp)
+    fp = empty
+    for byte in data:
+        fp = (fp >> 8) ^ table[(fp ^ byte) & 0xFF]
+    return fp
+
+
+def test_round_trip_single_object():
+    codec = EventCodec()
+    data = codec.encode(sample())
+    assert data[:2] == SINGLE_OBJECT_MAGIC
+    assert codec.decode(data) == sample()
+
+
+def test_single_object_header_is_the_spec_fingerprint():
+    codec = EventCodec()
+    canonical = fastavro.schema.to_parsing_canonical_form(fastavro.parse_schema(codec.schema_json))
+    expected = struct.pack("<Q", crc64_avro(canonical.encode()))
+    assert codec.encode(sample())[2:10] == expected
+
+
+def test_optional_fields_absent_round_trip():
+    codec = EventCodec()
+    event = sample(occurred_at=None, session_id=None, headers={}, payload="{}")
+    assert codec.decode(codec.encode(event)) == event
+
+
+def test_new_reader_reads_old_bytes():
+    """An older writer (no session_id, no headers) is read by today's schema with defaults."""
+    current = EventCodec().schema_json
+    old = copy.deepcopy(current)
+    old["fields"] = [f for f in old["fields"] if f["name"] not in ("session_id", "headers")]
+    old_codec = AvroCodec("vigil.v1.Event", reader_schema=old)
+    record = {k: v for k, v in sample().to_record().items() if k not in ("session_id", "headers")}
+    old_bytes = old_codec.encode_record(record)
+
+    reader = EventCodec(writer_schemas=[old])
+    event = reader.decode(old_bytes)
+    assert event.session_id is None and event.headers == {}
+    assert event.source_id == "delivery-7"
+
+
+def test_unknown_fingerprint_is_a_decode_error():
+    data = bytearray(EventCodec().encode(sample()))
+    data[2:10] = b"\x00" * 8
+    with pytest.raises(DecodeError, match="unknown schema fingerprint"):
+        EventCodec().decode(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "empty"),
+        (None, "empty"),
+        (b"hello world", "unknown framing"),
+        (b"\xc3\x01\x00", "truncated"),
+        (CONFLUENT_MAGIC + b"\x00\x00\x00\x01abc", "no schema registry"),
+    ],
+)
+def test_undecodable_bytes_give_the_typed_error(data, reason):
+    with pytest.raises(DecodeError) as caught:
+        EventCodec().decode(data)
+    assert reason in caught.value.reason
+
+
+def test_corrupt_body_is_a_decode_error():
+    data = EventCodec().encode(sample())
+    with pytest.raises(DecodeError, match="corrupt Avro body"):
+        EventCodec().decode(data[:14])
+
+
+def test_semantic_checks_give_the_typed_error():
+    codec = EventCodec()
+    with pytest.raises(DecodeError, match="payload is not JSON"):
+        codec.decode(codec.encode(sample(payload="{not json")))
+    with pytest.raises(DecodeError, match="user_id is empty"):
+        codec.decode(codec.encode(sample(user_id="")))
+
+
+def test_confluent_framing_against_mock_registry():
+    """With a registry URL the codec writes the Confluent wire format; both framings decode."""
+    codec = EventCodec(schema_registry_url="mock://vigil-test")
+    data = codec.encode(sample(), topic="vigil.events")
+    assert data[:1] == CONFLUENT_MAGIC
+    assert codec.decode(data, topic="vigil.events") == sample()
+    # A registry-configured reader still reads single-object bytes from a registry-less producer.
+    assert codec.decode(EventCodec().encode(sample())) == sample()
+
+
+def test_schema_file_is_namespaced():
+    schema = EventCodec().schema_json
+    assert schema["namespace"] == "vigil.v1" and schema["name"] == "Event"
+    names = [f["name"] for f in schema["fields"]]
+    assert names == ["user_id", "source", "source_id", "kind", "occurred_at", "received_at", "payload", "session_id", "headers"]
+    body = io.BytesIO()
+    fastavro.schemaless_writer(body, fastavro.parse_schema(schema), sample().to_record())

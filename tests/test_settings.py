@@ -1,0 +1,75 @@
+"""Settings: bad values fail at start, naming the variable; secrets are never shown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vigil.settings import CommonSettings, SettingsError, load
+
+
+@pytest.mark.parametrize(
+    "variable, value, expected",
+    [
+        ("VIGIL_PARTITIONS", "abc", "VIGIL_PARTITIONS='abc'"),
+        ("VIGIL_PARTITIONS", "0", "VIGIL_PARTITIONS='0'"),
+        ("VIGIL_KAFKA_BOOTSTRAP", "localhost", "VIGIL_KAFKA_BOOTSTRAP"),
+        ("VIGIL_LOG_LEVEL", "LOUD", "VIGIL_LOG_LEVEL"),
+        ("VIGIL_PRODUCE_TIMEOUT_S", "-1", "VIGIL_PRODUCE_TIMEOUT_S"),
+    ],
+)
+def test_bad_value_names_the_variable(monkeypatch, variable, value, expected):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load(CommonSettings)
+    assert expected in str(caught.value)
+
+
+def test_bad_database_url_is_named_but_not_shown(monkeypatch):
+    monkeypatch.setenv("VIGIL_DATABASE_URL", "mysql://root:hunter2@db/x")
+    with pytest.raises(SettingsError) as caught:
+        load(CommonSettings)
+    assert "VIGIL_DATABASE_URL" in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+
+
+def test_secret_not_in_repr(monkeypatch):
+    monkeypatch.setenv("VIGIL_DATABASE_URL", "postgresql://u:hunter2@db/x")
+    assert "hunter2" not in repr(load(CommonSettings))
+
+
+def test_kafka_pass_through(monkeypatch):
+    monkeypatch.setenv("VIGIL_KAFKA_OPT_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("VIGIL_KAFKA_OPT_SASL_MECHANISMS", "PLAIN")
+    options = load(CommonSettings).kafka_client_options()
+    assert options["security.protocol"] == "SASL_SSL" and options["sasl.mechanisms"] == "PLAIN"
+
+
+@pytest.mark.parametrize("service", ["worker", "ingest", "scheduler", "dispatcher"])
+def test_service_refuses_to_start_with_a_bad_setting(service):
+    result = subprocess.run(
+        [sys.executable, "-m", "vigil", service],
+        env={"PATH": "/usr/bin:/bin", "VIGIL_PARTITIONS": "lots"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "VIGIL_PARTITIONS='lots'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_every_subcommand_has_help():
+    from click.testing import CliRunner
+
+    from vigil.cli import main
+
+    runner = CliRunner()
+    for name, command in main.commands.items():
+        result = runner.invoke(main, [name, "--help"])
+        assert result.exit_code == 0, name
+        subcommands = getattr(command, "commands", {})
+        for sub in subcommands:
+            assert runner.invoke(main, [name, sub, "--help"]).exit_code == 0, f"{name} {sub}"
