@@ -128,6 +128,7 @@ def vigil_env(stack: Stack, ledger: str, topics: Topics) -> dict[str, str]:
         "VIGIL_SCHEDULER_PORT": str(free_port()),
         "VIGIL_DISPATCHER_PORT": str(free_port()),
         "VIGIL_LOG_LEVEL": "INFO",
+        "VIGIL_APPROVAL_SECRET": "test-approval-secret",
     }
 
 

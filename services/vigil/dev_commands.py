@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import sys
 import time
@@ -58,6 +59,12 @@ def _stack_env(root: Path) -> dict[str, str]:
     }
     for name, (variable, port) in SERVICES.items():
         env[variable] = str(port)
+    # Generated once per stack and kept, so tokens already sent out stay valid across restarts.
+    secret_file = root / "approval_secret"
+    if not secret_file.exists():
+        secret_file.write_text(secrets.token_urlsafe(32))
+        secret_file.chmod(0o600)
+    env["VIGIL_APPROVAL_SECRET"] = secret_file.read_text().strip()
     for key, value in os.environ.items():
         if key.startswith("VIGIL_") and not key.startswith("VIGIL_DEV_"):
             env[key] = value

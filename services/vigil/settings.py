@@ -80,6 +80,11 @@ class CommonSettings(BaseSettings):
         description="How long a producer waits for the broker's acknowledgement before the "
         "caller sees a failure (ingest answers 503).",
     )
+    approval_secret: SecretStr | None = Field(
+        None,
+        description="Key that signs approval answer tokens (ingest verifies, worker signs). "
+        "Required by ingest and worker; `make up` generates one. Never logged.",
+    )
     instance_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Name of this process in the ledger (partition holder, run worker). "

@@ -1,0 +1,151 @@
+"""The interface between the worker and whatever runs the agent.
+
+A run is ``events + session + memory -> RunResult``. The agent never writes to the ledger
+itself: everything it wants to happen (messages, follow-up timers, approval requests,
+memory writes, the saved session) comes back in the :class:`RunResult`, and the worker
+commits all of it in one fenced transaction, or none of it when the claim went stale. That
+is what makes a slow worker's late finish harmless.
+
+The one exception is :meth:`RunContext.fold`, which claims more of the user's events under
+the same fenced epoch at a model-turn boundary (the ``fold`` policy for events that arrive
+mid-run).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Awaitable, Callable, Protocol
+
+from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    """A claimed event as the agent sees it."""
+
+    id: int
+    user_id: str
+    source: str
+    source_id: str
+    kind: str
+    payload: str
+    session_id: str | None
+    received_at: datetime
+    attempts: int
+
+    def payload_json(self) -> Any:
+        try:
+            return json.loads(self.payload)
+        except ValueError:
+            return self.payload
+
+
+@dataclass(frozen=True, slots=True)
+class SavedSession:
+    id: str
+    state: str  # SessionState value
+    messages: list[dict]
+    blocks: int = 0
+
+
+@dataclass(slots=True)
+class RunContext:
+    user_id: str
+    run_key: str  # unique per claim: "<user>:<epoch>:<first event id>:<attempt>", for idempotency keys
+    events: list[EventRow]
+    session: SavedSession | None
+    memory: dict[str, str]  # path -> content, the user's files under /memories
+    recent_messages: list[str]  # what was already delivered to the user, newest last
+    started_at: datetime
+    deadline: float  # time.monotonic() by which the run must finish
+    # Claims the user's newly pending events under this run's epoch (fold policy).
+    fold: Callable[[], Awaitable[list[EventRow]]] | None = None
+    # Answers to approval requests that this run resumes, request_id -> "yes" | "no" | "expired".
+    approvals: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class OutMessage:
+    text: str
+    urgent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NewTimer:
+    """A one-off follow-up (or an approval's expiry) the run sets for its user."""
+
+    id: str
+    due: datetime
+    kind: str = "followup"
+    payload: dict = field(default_factory=dict)
+    fixed_key: str | None = None
+    catch_up: CatchUp = CatchUp.COALESCE
+
+
+@dataclass(frozen=True, slots=True)
+class NewApproval:
+    request_id: str
+    session_id: str
+    tool: str
+    tool_use_id: str
+    args_hash: str
+    due: datetime
+    on_expiry: OnExpiry = OnExpiry.DENY
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryWrite:
+    path: str
+    content: str | None  # None deletes the file
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSave:
+    id: str
+    state: str  # SessionState value
+    messages: list[dict]
+    blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RunResult:
+    outcome: RunOutcome = RunOutcome.NOTHING
+    messages: list[OutMessage] = field(default_factory=list)
+    timers: list[NewTimer] = field(default_factory=list)
+    approvals: list[NewApproval] = field(default_factory=list)
+    memory_writes: list[MemoryWrite] = field(default_factory=list)
+    session: SessionSave | None = None
+    usage: Usage = field(default_factory=Usage)
+    # Events claimed mid-run through fold(); the finish marks them done with the rest.
+    folded_event_ids: list[int] = field(default_factory=list)
+
+
+class RetryLater(Exception):
+    """The run could not finish for a reason that is not the event's fault (the model API is
+    overloaded). The claim is released with a backoff and does not count toward the poison
+    bound, only toward ``VIGIL_TRANSIENT_MAX_ATTEMPTS``."""
+
+    def __init__(self, reason: str, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class Agent(Protocol):
+    """Runs one claim. Raising fails the attempt (counted toward the poison bound), except
+    :class:`RetryLater`."""
+
+    async def run(self, ctx: RunContext) -> RunResult: ...
+
+    async def close(self) -> None: ...

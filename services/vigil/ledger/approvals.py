@@ -1,0 +1,147 @@
+"""The approval rule, in one place: who stands when an answer and the deadline race.
+
+An approval request (a deferred tool call) is answered by a person through ingest, or
+expires through its ``approval_expiry`` timer in the scheduler. Both write the same row,
+``approvals.request_id``, and only ever out of ``answer IS NULL``: whichever is stored
+first stands and the other is a no-op. The answer path checks the deadline itself against
+the time the answer was *received*, so an answer that arrived in time is never expired by
+queue lag, and a late tap never revives an expired request.
+
+Either path then produces the same wake-up event, keyed ``('approval', request_id)``, so
+the owning worker resumes the saved session exactly once whatever raced. The expiry timer
+fires that event even when an answer was stored first: if the answer's own wake-up was lost
+(ingest crashed after its commit), the deadline delivers it.
+
+Answers are authenticated with a per-request capability token (HMAC of the request id
+and user under ``VIGIL_APPROVAL_SECRET``) that goes out with the question.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import psycopg
+
+from vigil.bus.codec import Event
+from vigil.ledger.queries import Q
+from vigil.ledger.states import ApprovalAnswer, OnExpiry
+
+UNKNOWN = "unknown"  # the answer path's reply for a request never made
+MAX_ESCALATIONS = 1  # escalate: ask again once, louder, then deny
+TOKEN_VERSION = "v1"
+
+
+@dataclass(frozen=True)
+class Standing:
+    """The answer that stands for a request after a write attempt."""
+
+    request_id: str
+    answer: str  # yes | no | expired | unknown
+    user_id: str | None = None
+    session_id: str | None = None
+    tool: str | None = None
+    tool_use_id: str | None = None
+    escalated: bool = False  # the expiry became a second ask
+    due: datetime | None = None
+
+
+def _standing(conn: psycopg.Connection, request_id: str, escalated: bool = False) -> Standing:
+    row = conn.execute(Q.approval_get, {"request_id": request_id}).fetchone()
+    if row is None:
+        return Standing(request_id, UNKNOWN)
+    row = dict(row) if not isinstance(row, dict) else row
+    return Standing(
+        request_id,
+        row["answer"] or "pending",
+        row["user_id"],
+        row["session_id"],
+        row["tool"],
+        row["tool_use_id"],
+        escalated,
+        row["due"],
+    )
+
+
+def answer(conn: psycopg.Connection, request_id: str, given: ApprovalAnswer, received_at: datetime) -> Standing:
+    """Store a person's answer (call inside a transaction; produce the wake-up after commit).
+
+    In time (``received_at`` before the deadline) and first: it stands. Late and first: the
+    request is stored as expired. Second: whatever was stored first stands.
+    """
+    if given not in (ApprovalAnswer.YES, ApprovalAnswer.NO):
+        raise ValueError("a person answers yes or no")
+    params = {"request_id": request_id, "answer": given.value, "received_at": received_at, "at": received_at}
+    if conn.execute(Q.approval_answer_in_time, params).fetchone() is None:
+        conn.execute(Q.approval_expire, params)
+    return _standing(conn, request_id)
+
+
+def expire(conn: psycopg.Connection, request_id: str, at: datetime, escalate_after: timedelta) -> Standing:
+    """The deadline passed (the scheduler's expiry timer; call inside a transaction).
+
+    Applies the request's policy: ``deny`` stores expired; ``approve`` stores yes;
+    ``escalate`` the first time moves the deadline by ``escalate_after`` and reports
+    ``escalated`` (the wake-up asks again, louder), then behaves as deny. If an answer was
+    already stored, nothing is written and that answer is reported.
+    """
+    params = {"request_id": request_id, "at": at, "received_at": None}
+    escalated = conn.execute(
+        Q.approval_escalate,
+        {**params, "new_due": at + escalate_after, "max_escalations": MAX_ESCALATIONS},
+    ).fetchone()
+    if escalated is not None:
+        return _standing(conn, request_id, escalated=True)
+    if conn.execute(Q.approval_approve_on_expiry, params).fetchone() is None:
+        conn.execute(Q.approval_expire, params)
+    return _standing(conn, request_id)
+
+
+def wake_event(standing: Standing, received_at: datetime | None = None) -> Event:
+    """The event that resumes the session. One key per request, so a duplicate is dropped;
+    an escalation has its own key (it is a second question, not the answer)."""
+    now = received_at or datetime.now(timezone.utc)
+    if standing.escalated:
+        source_id, kind = f"{standing.request_id}/escalation", "approval.escalate"
+    else:
+        source_id, kind = standing.request_id, "approval.answer"
+    payload = {
+        "request_id": standing.request_id,
+        "answer": standing.answer,
+        "tool": standing.tool,
+        "tool_use_id": standing.tool_use_id,
+    }
+    if standing.due is not None:
+        payload["due"] = standing.due.isoformat()
+    return Event(
+        user_id=standing.user_id or "",
+        source="approval",
+        source_id=source_id,
+        kind=kind,
+        payload=json.dumps(payload),
+        received_at=now,
+        session_id=standing.session_id,
+    )
+
+
+def args_hash(tool: str, arguments: dict) -> str:
+    """sha256 of the tool name and its exact arguments (canonical JSON)."""
+    canonical = json.dumps({"tool": tool, "input": arguments}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def sign_token(secret: str, request_id: str, user_id: str) -> str:
+    """The capability that lets the addressee, and only them, answer this request."""
+    mac = hmac.new(secret.encode(), f"{TOKEN_VERSION}|{request_id}|{user_id}".encode(), hashlib.sha256).digest()
+    return f"{TOKEN_VERSION}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
+
+
+def verify_token(secret: str, request_id: str, user_id: str, token: str) -> bool:
+    return hmac.compare_digest(sign_token(secret, request_id, user_id).encode(), token.encode())
+
+
+__all__ = ["Standing", "answer", "expire", "wake_event", "args_hash", "sign_token", "verify_token", "OnExpiry", "UNKNOWN"]

@@ -1,0 +1,42 @@
+-- Approvals: the answer and the expiry share the key request_id; the first stored stands.
+-- Every write below moves a row only out of "answer IS NULL", so nothing overwrites it.
+
+-- name: approval_create
+-- Written by the worker's fenced finish when a tool call needs approval.
+INSERT INTO approvals (request_id, user_id, session_id, run_id, tool, tool_use_id, args_hash, due, on_expiry)
+VALUES (%(request_id)s, %(user_id)s, %(session_id)s, %(run_id)s, %(tool)s, %(tool_use_id)s, %(args_hash)s, %(due)s, %(on_expiry)s)
+
+-- name: approval_answer_in_time
+-- Store a human answer if it was received before the deadline (received, not processed: queue lag never expires it).
+UPDATE approvals
+SET answer = %(answer)s, answered_at = now(), received_at = %(received_at)s
+WHERE request_id = %(request_id)s AND answer IS NULL AND due > %(received_at)s
+RETURNING answer
+
+-- name: approval_expire
+-- Store "expired" once the deadline has passed at %(at)s (a late answer, or the expiry timer).
+UPDATE approvals
+SET answer = 'expired', answered_at = now(), received_at = COALESCE(received_at, %(received_at)s)
+WHERE request_id = %(request_id)s AND answer IS NULL AND due <= %(at)s
+RETURNING answer
+
+-- name: approval_approve_on_expiry
+-- on_expiry = approve: the deadline passing counts as a yes.
+UPDATE approvals
+SET answer = 'yes', answered_at = now()
+WHERE request_id = %(request_id)s AND answer IS NULL AND due <= %(at)s AND on_expiry = 'approve'
+RETURNING answer
+
+-- name: approval_escalate
+-- on_expiry = escalate, first expiry: ask again with a new deadline instead of expiring.
+UPDATE approvals
+SET escalations = escalations + 1, due = %(new_due)s
+WHERE request_id = %(request_id)s AND answer IS NULL AND due <= %(at)s
+  AND on_expiry = 'escalate' AND escalations < %(max_escalations)s
+RETURNING escalations, due
+
+-- name: approval_get
+-- One approval request as stored.
+SELECT request_id, user_id, session_id, run_id, tool, tool_use_id, args_hash, due, on_expiry,
+       escalations, answer, answered_at, received_at, created_at
+FROM approvals WHERE request_id = %(request_id)s
