@@ -30,6 +30,7 @@ CREATE TABLE events (
     recorded_at     timestamptz NOT NULL DEFAULT now(),   -- when the worker recorded it (starts the batch window)
     status          text        NOT NULL DEFAULT 'pending',
     attempts        integer     NOT NULL DEFAULT 0,       -- counted at claim: a crashed worker records nothing
+    transient_failures integer NOT NULL DEFAULT 0,    -- model API overloads: released without counting an attempt
     claim_epoch     bigint,                               -- partition epoch of the claim that holds/held it
     claimed_at      timestamptz,                          -- when the latest claim was made
     next_attempt_at timestamptz,                          -- backoff: not claimable before this

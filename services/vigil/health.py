@@ -97,7 +97,9 @@ class HealthServer:
         deadline = time.monotonic() + 10
         while not self.server.started and time.monotonic() < deadline:
             if not self.thread.is_alive():
-                raise RuntimeError(f"health server could not listen on port {self.port}")
+                from vigil.service import StartupError
+
+                raise StartupError(f"port {self.port} is not free for /healthz and /metrics (set the service's VIGIL_*_PORT)")
             time.sleep(0.02)
         log.info("health and metrics on :%d (/healthz /readyz /metrics)", self.port)
         return self

@@ -15,6 +15,19 @@ from vigil.settings import CommonSettings, SettingsError, load
 S = TypeVar("S", bound=CommonSettings)
 
 
+class StartupError(Exception):
+    """The service cannot start (a port taken, a dependency refusing); the message says why."""
+
+
+def exit_on_startup_error(main):
+    """Run ``main()``; a StartupError becomes one line on stderr and exit code 2, no traceback."""
+    try:
+        return main()
+    except StartupError as exc:
+        click.echo(f"vigil: cannot start: {exc}", err=True)
+        sys.exit(2)
+
+
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         level=level,

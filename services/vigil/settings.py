@@ -143,7 +143,10 @@ def load(cls: type[S], **overrides: Any) -> S:
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            field = str(error["loc"][0]) if error["loc"] else "?"
+            if not error["loc"]:  # a rule across fields: its message names them
+                problems.append(str(error["msg"]).removeprefix("Value error, "))
+                continue
+            field = str(error["loc"][0])
             variable = ENV_PREFIX + field.upper()
             shown = os.environ.get(variable)
             secret = "url" in field or "secret" in field or "key" in field

@@ -16,6 +16,7 @@ CREATE TABLE events (
     recorded_at     timestamptz NOT NULL DEFAULT now(),
     status          text        NOT NULL DEFAULT 'pending',
     attempts        integer     NOT NULL DEFAULT 0,
+    transient_failures integer NOT NULL DEFAULT 0,
     claim_epoch     bigint,
     claimed_at      timestamptz,
     next_attempt_at timestamptz,

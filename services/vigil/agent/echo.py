@@ -22,6 +22,8 @@ from vigil.ledger.states import RunOutcome
 
 
 class EchoAgent:
+    needs_context = False  # echo reads only the events: skip loading session and memory
+
     def __init__(self) -> None:
         self.crash_on = os.environ.get("VIGIL_ECHO_CRASH_ON") or None
         self.fail_on = os.environ.get("VIGIL_ECHO_FAIL_ON") or None

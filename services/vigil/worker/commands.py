@@ -1,6 +1,10 @@
-"""`vigil worker` and its operator commands."""
+"""`vigil worker` and the operator commands for events: `vigil dead`, `vigil inbox`."""
 
 from __future__ import annotations
+
+import getpass
+import json
+import sys
 
 import click
 
@@ -8,12 +12,88 @@ import click
 @click.command("worker")
 def worker_command() -> None:
     """Run a worker: consume events, record them in the ledger, run the agent."""
-    from vigil.service import load_or_exit
-    from vigil.stub import run_idle
+    from vigil.service import exit_on_startup_error, load_or_exit
+    from vigil.worker.main import run
     from vigil.worker.settings import WorkerSettings
 
     settings = load_or_exit(WorkerSettings)
-    run_idle(settings, settings.worker_port, "worker")
+    sys.exit(exit_on_startup_error(lambda: run(settings)))
 
 
-commands = [worker_command]
+def _ledger():
+    from vigil.ledger.db import connect
+    from vigil.service import load_or_exit
+    from vigil.settings import CommonSettings
+
+    return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
+
+
+def _table(rows: list[dict], columns: list[str]) -> None:
+    if not rows:
+        click.echo("(none)")
+        return
+    text = [[("" if row[c] is None else str(row[c])).replace("\n", " ")[:60] for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in text)) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in text:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+@click.group()
+def dead() -> None:
+    """Dead events: attempts exhausted (poison) and kept with their error."""
+
+
+@dead.command("list")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def dead_list(limit: int, as_json: bool) -> None:
+    """List dead events, newest first."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        rows = conn.execute(Q.dead_list, {"limit": limit}).fetchall()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row, default=str))
+    else:
+        _table(rows, ["id", "user_id", "source", "source_id", "kind", "attempts", "finished_at", "error"])
+
+
+@dead.command("retry")
+@click.argument("ids", nargs=-1, type=int, required=True)
+@click.option("--actor", default=None, help="Who is retrying (default: your login name).")
+def dead_retry(ids: tuple[int, ...], actor: str | None) -> None:
+    """Send dead events back to pending with their attempts reset."""
+    from psycopg.types.json import Jsonb
+
+    from vigil.ledger.queries import Q
+
+    who = actor or getpass.getuser()
+    with _ledger() as conn:
+        with conn.transaction():
+            rows = conn.execute(Q.dead_retry, {"ids": list(ids), "actor": who}).fetchall()
+            detail = Jsonb({"requested": list(ids), "retried": [r["id"] for r in rows]})
+            conn.execute(Q.audit_insert, {"actor": who, "action": "dead.retry", "detail": detail})
+    missing = sorted(set(ids) - {r["id"] for r in rows})
+    click.echo(f"retried {len(rows)} event(s)" + (f"; not dead (left alone): {missing}" if missing else ""))
+
+
+@click.command()
+@click.argument("user_id")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def inbox(user_id: str, limit: int, as_json: bool) -> None:
+    """A user's events and their states, newest first."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        rows = conn.execute(Q.inbox, {"user_id": user_id, "limit": limit}).fetchall()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row, default=str))
+    else:
+        _table(rows, ["id", "source", "source_id", "kind", "status", "attempts", "claim_epoch", "run_id", "error"])
+
+
+commands = [worker_command, dead, inbox]

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from vigil.settings import DEFAULT_WORKER_METRICS_PORT, CommonSettings
+
+DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_BATCH_MAX = 50
+DEFAULT_BATCH_WINDOW_MS = 200
+DEFAULT_RUN_CONCURRENCY = 32
+# librdkafka's default: long enough to ride out a GC pause or a slow disk, short enough
+# that a dead worker's users wait less than a minute.
+DEFAULT_SESSION_TIMEOUT_MS = 45_000
 
 
 class WorkerSettings(CommonSettings):
@@ -15,3 +23,54 @@ class WorkerSettings(CommonSettings):
     worker_port: int = Field(
         DEFAULT_WORKER_METRICS_PORT, ge=1, le=65535, description="Port of the worker's /healthz, /readyz and /metrics."
     )
+    worker_group: str = Field("vigil-worker", min_length=1, description="Kafka consumer group of the workers.")
+    agent: str = Field("echo", pattern="^(echo|claude)$", description="Agent behind each run: `echo` or `claude`.")
+    max_attempts: int = Field(
+        DEFAULT_MAX_ATTEMPTS, ge=1, le=100, description="Claims an event gets before it is dead (counted at claim)."
+    )
+    transient_max_attempts: int = Field(
+        20, ge=1, le=1000,
+        description="Releases for model API overload (429/529/5xx) an event gets before they count as attempts.",
+    )
+    batch_max: int = Field(DEFAULT_BATCH_MAX, ge=1, le=1000, description="Most events one run takes.")
+    batch_window_ms: int = Field(
+        DEFAULT_BATCH_WINDOW_MS, ge=0, le=60_000,
+        description="A run starts no sooner than this after the user's oldest pending event was recorded, "
+        "so quick successive messages share one run.",
+    )
+    run_concurrency: int = Field(
+        DEFAULT_RUN_CONCURRENCY, ge=1, le=10_000, description="Runs one worker process executes at once."
+    )
+    run_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="Wall time a run may take before it is cancelled as a failed attempt."
+    )
+    backoff_base_s: float = Field(2.0, gt=0, le=3600, description="First retry backoff; doubles per attempt, with jitter.")
+    backoff_cap_s: float = Field(300.0, gt=0, le=86_400, description="Longest retry backoff.")
+    scan_interval_s: float = Field(
+        1.0, gt=0, le=60,
+        description="How often the worker looks in the ledger for work nobody woke it for "
+        "(other partitions' consumers, ended backoffs, recovered claims).",
+    )
+    finish_batch_max: int = Field(
+        200, ge=1, le=5000, description="Most finished runs committed together in one ledger transaction."
+    )
+    poll_batch_max: int = Field(1000, ge=1, le=100_000, description="Most Kafka messages recorded per ledger insert.")
+    kafka_session_timeout_ms: int = Field(
+        DEFAULT_SESSION_TIMEOUT_MS, ge=1000, le=3_600_000,
+        description="Consumer session timeout: how long a silent worker keeps its partitions.",
+    )
+    kafka_max_poll_interval_ms: int = Field(
+        300_000, ge=1000, le=86_400_000,
+        description="Consumer max.poll.interval.ms. Runs never block polling, so this only catches a hung poll loop.",
+    )
+    db_pool_max: int = Field(8, ge=2, le=200, description="Ledger connections of the run loop.")
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> "WorkerSettings":
+        if self.backoff_cap_s < self.backoff_base_s:
+            raise ValueError("VIGIL_BACKOFF_CAP_S must be at least VIGIL_BACKOFF_BASE_S")
+        return self
+
+    @property
+    def batch_window_s(self) -> float:
+        return self.batch_window_ms / 1000.0

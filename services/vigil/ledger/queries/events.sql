@@ -1,0 +1,155 @@
+-- Events: recording, the claim rules, and the finish. The worker's only writes to events.
+
+-- name: record_events
+-- One multi-row insert per polled batch; the UNIQUE key drops every duplicate (retried webhook, redelivered message, replayed timer).
+INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
+                    kafka_topic, kafka_partition, kafka_offset)
+SELECT * FROM unnest(%(user_id)s::text[], %(source)s::text[], %(source_id)s::text[], %(kind)s::text[],
+                     %(payload)s::text[], %(session_id)s::text[], %(headers)s::jsonb[], %(occurred_at)s::timestamptz[],
+                     %(received_at)s::timestamptz[], %(topic)s::text[], %(partition)s::int[], %(offset)s::bigint[])
+ON CONFLICT (user_id, source, source_id) DO NOTHING
+RETURNING user_id
+
+-- name: record_users
+-- A user's home partition is the partition of the first event seen for them, fixed from then on.
+INSERT INTO users (user_id, home_topic, home_partition)
+SELECT DISTINCT ON (user_id) user_id, topic, partition
+FROM unnest(%(user_id)s::text[], %(topic)s::text[], %(partition)s::int[]) AS n(user_id, topic, partition)
+ORDER BY user_id
+ON CONFLICT (user_id) DO NOTHING
+
+-- name: mark_exhausted_dead
+-- Claim rule 2: a pending row whose attempts reached the bound is dead (a poison event must never silently mute an agent).
+WITH owned AS (
+    -- FOR SHARE: a takeover must not slip between this check and the update.
+    SELECT p.topic, p.partition FROM partitions p
+    JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+      ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+    FOR SHARE OF p
+)
+UPDATE events e
+SET status = 'dead', finished_at = now(),
+    error = 'dead after ' || e.attempts || ' attempts' || coalesce(': ' || e.error, '')
+FROM users u, owned o
+WHERE u.user_id = e.user_id AND u.home_topic = o.topic AND u.home_partition = o.partition
+  AND e.status = 'pending' AND e.attempts >= %(max_attempts)s
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.occurred_at, e.error
+
+-- name: claim
+-- Claim rules 1-4 for up to %(max_users)s users of the partitions this worker owns at the given epochs.
+WITH owned AS (
+    -- FOR SHARE, held to commit: a takeover (UPDATE of this row) waits for the claim, and a
+    -- worker whose epoch is stale matches no row here and claims nothing.
+    SELECT p.topic, p.partition, p.epoch FROM partitions p
+    JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+      ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+    FOR SHARE OF p
+),
+waiting AS (
+    -- Users with pending work in owned partitions, not already running here (rule 4) or anywhere under the current epoch.
+    SELECT e.user_id, o.topic, o.partition, o.epoch, min(e.recorded_at) AS oldest
+    FROM events e
+    JOIN users u ON u.user_id = e.user_id
+    JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+    WHERE e.status = 'pending'
+      AND e.user_id <> ALL(%(busy)s::text[])
+      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
+    GROUP BY e.user_id, o.topic, o.partition, o.epoch
+    -- Something of theirs is claimable now: a retry whose backoff ended, or fresh rows past the window.
+    HAVING bool_or(e.attempts > 0 AND coalesce(e.next_attempt_at, now()) <= now())
+        OR (min(e.recorded_at) <= now() - make_interval(secs => %(window_s)s)
+            AND bool_or(e.attempts = 0 AND coalesce(e.next_attempt_at, now()) <= now()))
+    ORDER BY oldest
+    LIMIT %(max_users)s
+),
+ordered AS (
+    SELECT e.id, e.user_id, w.topic, w.partition, w.epoch, e.attempts, e.next_attempt_at, w.oldest,
+           row_number() OVER (PARTITION BY e.user_id ORDER BY e.id) AS n,
+           min(CASE WHEN e.attempts > 0 THEN e.id END) OVER (PARTITION BY e.user_id) AS first_retry
+    FROM events e JOIN waiting w ON w.user_id = e.user_id
+    WHERE e.status = 'pending'
+),
+chosen AS (
+    SELECT id, topic, partition, epoch FROM ordered
+    WHERE
+      -- Rule 3: the oldest pending row is a retry: it runs alone, and only once its backoff ended.
+      (n = 1 AND attempts > 0 AND coalesce(next_attempt_at, now()) <= now())
+      -- Otherwise: fresh rows in order, up to the batch limit, stopping before any retry row,
+      -- once the oldest has waited out the batch window (quick messages share one run).
+      OR (attempts = 0 AND (first_retry IS NULL OR id < first_retry) AND n <= %(batch_max)s
+          AND coalesce(next_attempt_at, now()) <= now()
+          AND oldest <= now() - make_interval(secs => %(window_s)s))
+)
+UPDATE events e
+SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
+FROM chosen c
+WHERE e.id = c.id AND e.status = 'pending'
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
+
+-- name: next_ready_at
+-- When the earliest not-yet-claimable pending row of the owned partitions becomes claimable (window or backoff).
+SELECT min(greatest(e.recorded_at + make_interval(secs => %(window_s)s), coalesce(e.next_attempt_at, e.recorded_at))) AS at
+FROM events e
+JOIN users u ON u.user_id = e.user_id
+JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
+  ON w.topic = u.home_topic AND w.partition = u.home_partition
+WHERE e.status = 'pending'
+
+-- name: claim_more
+-- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch.
+WITH owned AS (
+    SELECT 1 FROM partitions p
+    WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
+    FOR SHARE
+)
+UPDATE events e
+SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now()
+WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0
+  AND EXISTS (SELECT 1 FROM owned)
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch
+
+-- name: finish_done
+-- Finish: the run's events are done. Zero rows for a run whose claim is no longer ours.
+UPDATE events
+SET status = 'done', finished_at = now(), run_id = %(run_id)s, error = NULL
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s
+
+-- name: finish_failed
+-- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back.
+UPDATE events
+SET status = 'pending', claim_epoch = NULL, error = %(error)s, run_id = %(run_id)s,
+    next_attempt_at = now() + make_interval(secs => %(backoff_s)s),
+    attempts = CASE WHEN %(transient)s THEN attempts - 1 ELSE attempts END,
+    transient_failures = transient_failures + CASE WHEN %(transient)s THEN 1 ELSE 0 END
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s
+
+-- name: release_claim
+-- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted.
+UPDATE events
+SET status = 'pending', claim_epoch = NULL, attempts = greatest(attempts - 1, 0)
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s
+  AND EXISTS (SELECT 1 FROM partitions p WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s)
+
+-- name: oldest_pending_age
+-- Age in seconds of the oldest pending event (a stuck or starved agent shows here first).
+SELECT coalesce(extract(epoch FROM now() - min(recorded_at)), 0)::float8 AS age FROM events WHERE status = 'pending'
+
+-- name: dead_list
+-- Dead events, newest first, for operators.
+SELECT id, user_id, source, source_id, kind, attempts, error, finished_at, received_at
+FROM events WHERE status = 'dead' ORDER BY finished_at DESC, id DESC LIMIT %(limit)s
+
+-- name: dead_retry
+-- An operator sends dead events back: pending, attempts reset, who and when recorded.
+UPDATE events
+SET status = 'pending', attempts = 0, transient_failures = 0, finished_at = NULL, next_attempt_at = NULL,
+    claim_epoch = NULL, retried_by = %(actor)s, retried_at = now()
+WHERE id = ANY(%(ids)s) AND status = 'dead'
+RETURNING id, user_id
+
+-- name: inbox
+-- A user's events and their states, newest first.
+SELECT id, source, source_id, kind, status, attempts, claim_epoch, error, received_at, recorded_at, finished_at, run_id
+FROM events WHERE user_id = %(user_id)s ORDER BY id DESC LIMIT %(limit)s

@@ -1,0 +1,31 @@
+-- Fencing: one active run per user. Read services/vigil/worker/fencing.py for the rule.
+
+-- name: take_over_partition
+-- An assignment is a takeover: bump the epoch. Waits for in-flight claims/finishes that hold the row FOR SHARE.
+INSERT INTO partitions AS p (topic, partition, epoch, holder, acquired_at)
+VALUES (%(topic)s, %(partition)s, 1, %(holder)s, now())
+ON CONFLICT (topic, partition) DO UPDATE
+SET epoch = p.epoch + 1, holder = EXCLUDED.holder, acquired_at = now()
+RETURNING epoch
+
+-- name: hand_back_stale_claims
+-- Claims made under an older epoch of this partition belong to a worker that lost it: back to pending, with a backoff (their attempt counts: the worker may have crashed on them).
+UPDATE events e
+SET status = 'pending',
+    claim_epoch = NULL,
+    error = 'claim abandoned: its worker lost partition ' || %(partition)s || ' (epoch ' || e.claim_epoch || ')',
+    next_attempt_at = now() + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
+FROM users u
+WHERE u.user_id = e.user_id
+  AND u.home_topic = %(topic)s AND u.home_partition = %(partition)s
+  AND e.status = 'running' AND e.claim_epoch < %(epoch)s
+RETURNING e.id
+
+-- name: lock_epochs
+-- Finish: lock the partition rows FOR SHARE (a takeover's UPDATE waits for this transaction) and read their epochs.
+SELECT p.topic, p.partition, p.epoch
+FROM partitions p
+JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
+  ON p.topic = w.topic AND p.partition = w.partition
+ORDER BY p.topic, p.partition
+FOR SHARE OF p

@@ -1,0 +1,123 @@
+"""The claim rules, as ARCHITECTURE.md states them, executed by the ``claim`` query:
+
+1. Rows ``running`` under an older epoch go back to ``pending`` (done at takeover, see
+   :mod:`vigil.worker.fencing`; a claim only ever matches the current epoch).
+2. Rows ``pending`` with ``attempts >= max_attempts`` become ``dead`` (:func:`mark_dead`),
+   with a record on the dead-letter topic: a poison event must never silently mute an agent.
+3. If the user's oldest pending row is a retry (``attempts > 0``), it is claimed alone once
+   its backoff ended, so a poison event cannot take healthy events down with it; otherwise
+   all fresh pending rows of the user up to ``batch_max`` are claimed together, once the
+   oldest has waited out the batch window (three quick chat messages: one run, one reply).
+   Later fresh rows wait behind a retry, so runs follow event order per user.
+4. No claim for a user who already has a ``running`` row under the current epoch.
+
+Attempts are counted at claim time, because a worker that crashes mid-run records nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+
+import psycopg
+
+from vigil.agent.base import EventRow
+from vigil.ledger.queries import Q
+from vigil.worker.fencing import PartitionKey
+
+
+@dataclass(slots=True)
+class Claim:
+    """One user's claimed events: the unit a run works on."""
+
+    user_id: str
+    home: PartitionKey
+    epoch: int
+    events: list[EventRow]
+    transient_failures: int
+    oldest_recorded_at: datetime
+
+    @property
+    def event_ids(self) -> list[int]:
+        return [event.id for event in self.events]
+
+    @property
+    def attempt(self) -> int:
+        return max(event.attempts for event in self.events)
+
+
+def event_row(row: dict) -> EventRow:
+    return EventRow(
+        id=row["id"],
+        user_id=row["user_id"],
+        source=row["source"],
+        source_id=row["source_id"],
+        kind=row["kind"],
+        payload=row["payload"],
+        session_id=row["session_id"],
+        received_at=row["received_at"],
+        attempts=row["attempts"],
+    )
+
+
+def _owned_params(owned: dict[PartitionKey, int]) -> dict:
+    keys = sorted(owned)
+    return {
+        "topics": [k.topic for k in keys],
+        "partitions": [k.partition for k in keys],
+        "epochs": [owned[k] for k in keys],
+    }
+
+
+async def mark_dead(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int) -> list[dict]:
+    """Rule 2 for every owned partition. Returns the rows that became dead (for the DLQ)."""
+    if not owned:
+        return []
+    cur = await conn.execute(Q.mark_exhausted_dead, {**_owned_params(owned), "max_attempts": max_attempts})
+    return await cur.fetchall()
+
+
+async def claim(
+    conn: psycopg.AsyncConnection,
+    owned: dict[PartitionKey, int],
+    busy: list[str],
+    max_users: int,
+    batch_max: int,
+    window_s: float,
+) -> list[Claim]:
+    """Rules 3 and 4 for up to ``max_users`` users of the owned partitions."""
+    if not owned or max_users <= 0:
+        return []
+    cur = await conn.execute(
+        Q.claim,
+        {**_owned_params(owned), "busy": busy, "max_users": max_users, "batch_max": batch_max, "window_s": window_s},
+    )
+    by_user: dict[str, list[dict]] = defaultdict(list)
+    for row in await cur.fetchall():
+        by_user[row["user_id"]].append(row)
+    claims = []
+    for user_id, rows in by_user.items():
+        rows.sort(key=lambda r: r["id"])
+        epoch = rows[0]["claim_epoch"]
+        claims.append(
+            Claim(
+                user_id=user_id,
+                home=PartitionKey(rows[0]["home_topic"], rows[0]["home_partition"]),
+                epoch=epoch,
+                events=[event_row(r) for r in rows],
+                transient_failures=max(r["transient_failures"] for r in rows),
+                oldest_recorded_at=min(r["recorded_at"] for r in rows),
+            )
+        )
+    return claims
+
+
+async def claim_more(conn: psycopg.AsyncConnection, claim: Claim) -> list[EventRow]:
+    """Fold: the user's fresh pending events, claimed under the running claim's epoch."""
+    cur = await conn.execute(
+        Q.claim_more,
+        {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch, "user_id": claim.user_id},
+    )
+    rows = sorted(await cur.fetchall(), key=lambda r: r["id"])
+    return [event_row(r) for r in rows]

@@ -1,0 +1,248 @@
+"""The consumer thread: poll, record in the ledger, then store the offsets.
+
+The commit order, which tests/test_worker_*.py pin down:
+
+1. Poll a batch (up to ``VIGIL_POLL_BATCH_MAX`` messages).
+2. Undecodable messages: copy to the dead-letter topic and wait for the acknowledgement.
+3. Record every decoded event with one multi-row insert (duplicates dropped by the UNIQUE
+   key), and new users' home partitions, in one transaction. Commit.
+4. Only then store the batch's offsets (``enable.auto.offset.store=false``); the periodic
+   auto-commit sends stored offsets to the broker. A crash before 4 re-reads messages that
+   are already recorded, and the UNIQUE key makes that a no-op.
+5. Wake the run loop for the users that got new events.
+
+Rebalances: an assignment is a takeover in the ledger (:mod:`vigil.worker.fencing`) before
+any claim is made for it; a revoke cancels and releases that partition's runs, then commits
+the stored offsets synchronously; a *lost* partition (session timed out) commits nothing,
+because another worker may already have committed past us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from psycopg.types.json import Jsonb
+
+from vigil.bus.codec import DecodeError, EventCodec
+from vigil.bus.kafka import ProduceError
+from vigil.ledger.db import connect
+from vigil.ledger.queries import Q
+from vigil.worker import metrics
+from vigil.worker.fencing import PartitionKey, take_over
+from vigil.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 1.0
+STATS_INTERVAL_MS = 15_000
+
+
+def consumer_config(settings: WorkerSettings, on_stats) -> dict:
+    config = settings.kafka_client_options()
+    config.update(
+        {
+            "group.id": settings.worker_group,
+            "client.id": f"vigil-worker-{settings.instance_id}",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "enable.auto.commit": True,
+            # Offsets are stored by hand, after the ledger commit (step 4 above).
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": settings.kafka_session_timeout_ms,
+            "heartbeat.interval.ms": max(500, settings.kafka_session_timeout_ms // 5),
+            "max.poll.interval.ms": settings.kafka_max_poll_interval_ms,
+            "statistics.interval.ms": STATS_INTERVAL_MS,
+            "stats_cb": on_stats,
+        }
+    )
+    return config
+
+
+def _row_columns(events: list[tuple]) -> dict[str, list]:
+    columns = {name: [] for name in (
+        "user_id", "source", "source_id", "kind", "payload", "session_id", "headers",
+        "occurred_at", "received_at", "topic", "partition", "offset")}
+    for message, event in events:
+        columns["user_id"].append(event.user_id)
+        columns["source"].append(event.source)
+        columns["source_id"].append(event.source_id)
+        columns["kind"].append(event.kind)
+        columns["payload"].append(event.payload)
+        columns["session_id"].append(event.session_id)
+        columns["headers"].append(Jsonb(event.headers))
+        columns["occurred_at"].append(event.occurred_at)
+        columns["received_at"].append(event.received_at)
+        columns["topic"].append(message.topic())
+        columns["partition"].append(message.partition())
+        columns["offset"].append(message.offset())
+    return columns
+
+
+class ConsumerLoop(threading.Thread):
+    def __init__(self, settings: WorkerSettings, runner, loop: asyncio.AbstractEventLoop, dead_letters, stopping: threading.Event):
+        super().__init__(name="consumer", daemon=True)
+        self.settings = settings
+        self.runner = runner
+        self.loop = loop
+        self.dead_letters = dead_letters
+        self.stopping = stopping
+        self.codec = EventCodec(settings.schema_registry_url)
+        self.conn: psycopg.Connection | None = None
+        self.consumer: Consumer | None = None
+        self.assigned: set[PartitionKey] = set()
+        self.error: BaseException | None = None
+
+    # -- ledger connection ------------------------------------------------------------
+
+    def _db(self) -> psycopg.Connection:
+        if self.conn is None or self.conn.closed or self.conn.broken:
+            self.conn = connect(self.settings.dsn)
+        return self.conn
+
+    def _retrying(self, what: str, action):
+        """Run ``action(conn)`` until it succeeds or the worker stops (ledger outages)."""
+        while True:
+            try:
+                return action(self._db())
+            except psycopg.OperationalError as exc:
+                log.warning("%s failed (ledger unreachable?), retrying: %s", what, exc)
+                self.conn = None
+                if self.stopping.wait(RETRY_S):
+                    raise
+
+    # -- rebalance callbacks (run inside consume(), on this thread) ----------------------
+
+    def _call_runner(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def on_assign(self, consumer, partitions) -> None:
+        keys = [PartitionKey(p.topic, p.partition) for p in partitions]
+        if not keys:
+            return
+        epochs = self._retrying(
+            "takeover",
+            lambda conn: take_over(conn, keys, self.settings.instance_id, self.settings.backoff_base_s, self.settings.backoff_cap_s),
+        )
+        self.assigned.update(keys)
+        self._call_runner(self.runner.assign(epochs))
+
+    def on_revoke(self, consumer, partitions) -> None:
+        keys = [PartitionKey(p.topic, p.partition) for p in partitions]
+        self._call_runner(self.runner.revoke(keys))
+        try:
+            consumer.commit(asynchronous=False)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError._NO_OFFSET:
+                log.warning("offset commit on revoke failed: %s", exc)
+        self.assigned.difference_update(keys)
+
+    def on_lost(self, consumer, partitions) -> None:
+        keys = [PartitionKey(p.topic, p.partition) for p in partitions]
+        log.warning("partitions lost (session timed out): %s; committing nothing", [k.partition for k in keys])
+        self._call_runner(self.runner.revoke(keys, release=False))
+        self.assigned.difference_update(keys)
+
+    def on_stats(self, raw: str) -> None:
+        try:
+            stats = json.loads(raw)
+            for partition, info in stats.get("topics", {}).get(self.settings.events_topic, {}).get("partitions", {}).items():
+                lag = info.get("consumer_lag", -1)
+                if int(partition) >= 0 and lag >= 0:
+                    metrics.CONSUMER_LAG.labels(partition).set(lag)
+        except (ValueError, AttributeError):
+            pass
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # reported to the main thread, which exits non-zero
+            self.error = exc
+            log.exception("consumer loop died")
+            self.stopping.set()
+
+    def _run(self) -> None:
+        self.consumer = Consumer(consumer_config(self.settings, self.on_stats))
+        self.consumer.subscribe(
+            [self.settings.events_topic], on_assign=self.on_assign, on_revoke=self.on_revoke, on_lost=self.on_lost
+        )
+        try:
+            while not self.stopping.is_set():
+                messages = self.consumer.consume(num_messages=self.settings.poll_batch_max, timeout=0.2)
+                if messages:
+                    self._handle(messages)
+        finally:
+            # close() revokes the assignment (our on_revoke releases runs and commits).
+            self.consumer.close()
+            if self.conn is not None:
+                self.conn.close()
+
+    def _handle(self, messages: list) -> None:
+        good, bad = [], []
+        for message in messages:
+            error = message.error()
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consumer error: %s", error)
+                continue
+            metrics.EVENTS_CONSUMED.inc()
+            try:
+                good.append((message, self.codec.decode(message.value(), message.topic())))
+            except DecodeError as exc:
+                bad.append((message, exc.reason))
+        if bad:
+            while True:
+                try:
+                    self.dead_letters.publish_undecodable(bad)
+                    break
+                except ProduceError as exc:
+                    log.warning("dead-letter produce failed, retrying: %s", exc)
+                    if self.stopping.wait(RETRY_S):
+                        return
+            metrics.EVENTS_UNDECODABLE.inc(len(bad))
+            log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
+        new_users: set[str] = set()
+        if good:
+            columns = _row_columns(good)
+
+            def record(conn: psycopg.Connection) -> list:
+                with conn.transaction():
+                    conn.execute(Q.record_users, {k: columns[k] for k in ("user_id", "topic", "partition")})
+                    return conn.execute(Q.record_events, columns).fetchall()
+
+            try:
+                inserted = self._retrying("recording events", record)
+            except psycopg.OperationalError:
+                return  # stopping: nothing stored, the messages are read again next time
+            metrics.EVENTS_RECORDED.labels("new").inc(len(inserted))
+            metrics.EVENTS_RECORDED.labels("duplicate").inc(len(good) - len(inserted))
+            new_users = {row["user_id"] for row in inserted}
+        self._store_offsets(messages)
+        if new_users:
+            self.loop.call_soon_threadsafe(self.runner.wake, self.settings.batch_window_s)
+
+    def _store_offsets(self, messages: list) -> None:
+        highest: dict[tuple[str, int], int] = {}
+        for message in messages:
+            if message.error() is None:
+                key = (message.topic(), message.partition())
+                highest[key] = max(highest.get(key, -1), message.offset())
+        offsets = [
+            TopicPartition(topic, partition, offset + 1)
+            for (topic, partition), offset in highest.items()
+            if PartitionKey(topic, partition) in self.assigned
+        ]
+        if offsets:
+            try:
+                self.consumer.store_offsets(offsets=offsets)
+            except KafkaException as exc:
+                # A partition revoked between poll and store: its new owner reads from the
+                # last committed offset, and the ledger drops what we already recorded.
+                log.info("offsets not stored (partition moved): %s", exc)
+

@@ -1,0 +1,192 @@
+"""The finish: one fenced transaction per group of finished runs.
+
+Order inside the transaction:
+
+1. Lock every involved partition row ``FOR SHARE`` and read its epoch (``lock_epochs``). A
+   run whose claim epoch is no longer current is *stale*: nothing of it is written, it is
+   counted, and its events stay with the new owner, who handed them back at takeover.
+2. For each current run: the ``runs`` row, then its events (``done``; or back to ``pending``
+   with the error and a backoff for a failed attempt), outbox rows, timers, approval
+   requests, memory writes and the saved session.
+3. Commit.
+
+A crash before the commit leaves every claim ``running``: the next owner of the partition
+hands them back and they are retried (at-least-once execution). A crash after it leaves
+nothing to redo. Several runs share one transaction (group commit) because the ledger is
+the shared bottleneck; if any run's events do not match its claim (which fencing makes a
+bug, not a race), the group is rolled back and each run is committed on its own, so one
+bad run cannot refuse its neighbours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from vigil.agent.base import RunResult
+from vigil.ledger.queries import Q
+from vigil.ledger.states import RunOutcome
+from vigil.worker import metrics
+from vigil.worker.claims import Claim
+
+log = logging.getLogger(__name__)
+
+
+class FinishMismatch(Exception):
+    """A run's events were not all ``running`` under its epoch: refuse the run."""
+
+
+@dataclass(slots=True)
+class Finished:
+    """A run's outcome waiting to be committed."""
+
+    claim: Claim
+    started_at: datetime
+    result: RunResult | None = None
+    error: str | None = None  # set for a failed attempt
+    transient: bool = False  # model API overload: give the attempt back
+    backoff_s: float = 0.0
+    folded: list = field(default_factory=list)  # EventRows claimed mid-run
+
+    @property
+    def event_ids(self) -> list[int]:
+        return self.claim.event_ids + [event.id for event in self.folded]
+
+    @property
+    def outcome(self) -> RunOutcome:
+        return self.result.outcome if self.error is None and self.result else RunOutcome.FAILED
+
+
+def backoff_seconds(attempt: int, base: float, cap: float, retry_after: float | None = None) -> float:
+    """Exponential backoff with jitter (half to full), never shorter than a server's Retry-After."""
+    delay = min(cap, base * 2 ** max(attempt - 1, 0)) * random.uniform(0.5, 1.0)
+    return max(delay, retry_after or 0.0)
+
+
+def _run_params(run: Finished, worker: str) -> dict:
+    usage = run.result.usage if run.result else None
+    session = run.result.session if run.result else None
+    return {
+        "user_id": run.claim.user_id,
+        "topic": run.claim.home.topic,
+        "partition": run.claim.home.partition,
+        "epoch": run.claim.epoch,
+        "worker": worker,
+        "event_ids": run.event_ids,
+        "session_id": session.id if session else None,
+        "started_at": run.started_at,
+        "outcome": run.outcome.value,
+        "error": run.error,
+        "turns": usage.turns if usage else 0,
+        "input_tokens": usage.input_tokens if usage else 0,
+        "output_tokens": usage.output_tokens if usage else 0,
+        "cache_read_tokens": usage.cache_read_tokens if usage else 0,
+        "cache_write_tokens": usage.cache_write_tokens if usage else 0,
+    }
+
+
+async def _write_run(conn: psycopg.AsyncConnection, run: Finished, run_id: int) -> list[tuple]:
+    """Queue the run's writes (pipeline mode); return (cursor, expected rowcount) checks."""
+    claim = run.claim
+    ids = run.event_ids
+    checks = []
+    if run.error is None:
+        cur = await conn.execute(Q.finish_done, {"ids": ids, "epoch": claim.epoch, "run_id": run_id})
+        checks.append((cur, len(ids)))
+    else:
+        cur = await conn.execute(
+            Q.finish_failed,
+            {"ids": ids, "epoch": claim.epoch, "run_id": run_id, "error": run.error[:2000],
+             "backoff_s": run.backoff_s, "transient": run.transient},
+        )
+        checks.append((cur, len(ids)))
+        return checks
+    result = run.result
+    assert result is not None
+    user = claim.user_id
+    for message in result.messages:
+        await conn.execute(
+            Q.insert_outbox, {"user_id": user, "run_id": run_id, "epoch": claim.epoch, "body": message.text, "urgent": message.urgent}
+        )
+    for timer in result.timers:
+        await conn.execute(
+            Q.insert_timer,
+            {"id": timer.id, "user_id": user, "kind": timer.kind, "due": timer.due, "catch_up": str(timer.catch_up),
+             "payload": Jsonb(timer.payload), "fixed_key": timer.fixed_key},
+        )
+    for approval in result.approvals:
+        await conn.execute(
+            Q.approval_create,
+            {"request_id": approval.request_id, "user_id": user, "session_id": approval.session_id, "run_id": run_id,
+             "tool": approval.tool, "tool_use_id": approval.tool_use_id, "args_hash": approval.args_hash,
+             "due": approval.due, "on_expiry": str(approval.on_expiry)},
+        )
+    for write in result.memory_writes:
+        if write.content is None:
+            await conn.execute(Q.delete_memory, {"user_id": user, "path": write.path})
+        else:
+            await conn.execute(Q.upsert_memory, {"user_id": user, "path": write.path, "content": write.content})
+    if result.session is not None:
+        encoded = json.dumps(result.session.messages)
+        await conn.execute(
+            Q.upsert_session,
+            {"id": result.session.id, "user_id": user, "state": result.session.state, "messages": Jsonb(result.session.messages),
+             "size_bytes": len(encoded.encode()), "blocks": result.session.blocks},
+        )
+    return checks
+
+
+async def _commit(conn: psycopg.AsyncConnection, runs: list[Finished], worker: str) -> tuple[list[Finished], list[Finished]]:
+    """One transaction for ``runs``. Returns (committed, stale). Raises FinishMismatch."""
+    homes = sorted({run.claim.home for run in runs})
+    async with conn.transaction():
+        cur = await conn.execute(
+            Q.lock_epochs, {"topics": [h.topic for h in homes], "partitions": [h.partition for h in homes]}
+        )
+        current = {(row["topic"], row["partition"]): row["epoch"] for row in await cur.fetchall()}
+        valid = [r for r in runs if current.get((r.claim.home.topic, r.claim.home.partition)) == r.claim.epoch]
+        stale = [r for r in runs if r not in valid]
+        if valid:
+            async with conn.pipeline() as pipeline:
+                run_cursors = [await conn.execute(Q.insert_run, _run_params(run, worker)) for run in valid]
+                await pipeline.sync()
+                run_ids = [(await c.fetchone())["id"] for c in run_cursors]
+                checks = []
+                for run, run_id in zip(valid, run_ids):
+                    checks.extend(await _write_run(conn, run, run_id))
+                await pipeline.sync()
+            for cursor, expected in checks:
+                if cursor.rowcount != expected:
+                    raise FinishMismatch(f"{cursor.rowcount} of {expected} events still claimed")
+    return valid, stale
+
+
+async def commit_finished(conn: psycopg.AsyncConnection, runs: list[Finished], worker: str) -> tuple[list[Finished], list[Finished]]:
+    """Commit a group of finished runs (group commit, per-run fallback). Returns (committed, stale)."""
+    try:
+        committed, stale = await _commit(conn, runs, worker)
+    except FinishMismatch:
+        committed, stale = [], []
+        for run in runs:
+            try:
+                ok, refused = await _commit(conn, [run], worker)
+            except FinishMismatch as exc:
+                log.error("finish of %d event(s) refused: %s", len(run.event_ids), exc)
+                ok, refused = [], [run]
+            committed += ok
+            stale += refused
+    metrics.FINISH_BATCH.observe(len(runs))
+    if stale:
+        metrics.STALE_FINISHES.inc(len(stale))
+        for run in stale:
+            log.warning(
+                "stale finish refused: claim at epoch %d of partition %d is no longer current (%d events)",
+                run.claim.epoch, run.claim.home.partition, len(run.event_ids),
+            )
+    return committed, stale

@@ -1,0 +1,87 @@
+"""`vigil worker`: one process, three activities.
+
+- the consumer thread (:mod:`vigil.worker.consumer`): poll, record, store offsets;
+- the run loop (:mod:`vigil.worker.runner`) on an asyncio event loop in the main thread:
+  claim, run the agent, group-commit finishes;
+- the health server thread: /healthz, /readyz, /metrics.
+
+SIGTERM: stop claiming, give runs a grace period to finish and commit, release the rest,
+close the consumer (its revoke commits the stored offsets), exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from vigil.agent import make_agent
+from vigil.bus.kafka import EventProducer
+from vigil.health import HealthServer, Readiness, dependency_checks
+from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+from vigil.service import stop_event
+from vigil.worker.consumer import ConsumerLoop
+from vigil.worker.deadletters import DeadLetters
+from vigil.worker.runner import Runner
+from vigil.worker.settings import WorkerSettings
+
+log = logging.getLogger("vigil.worker")
+
+SHUTDOWN_GRACE_S = 10.0
+
+
+async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
+    loop = asyncio.get_running_loop()
+    agent = make_agent(settings)
+    producer = EventProducer(settings)
+    dead_letters = DeadLetters(settings, producer)
+    pool = AsyncConnectionPool(
+        settings.dsn,
+        min_size=2,
+        max_size=settings.db_pool_max,
+        kwargs={"autocommit": True, "row_factory": dict_row, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+        open=False,
+    )
+    await pool.open(wait=True, timeout=30)
+    runner = Runner(settings, agent, pool, dead_letters)
+    readiness = Readiness(dependency_checks(settings))
+    health = HealthServer(settings.worker_port, readiness).start()
+    consumer = ConsumerLoop(settings, runner, loop, dead_letters, stopping)
+    tasks = [
+        asyncio.create_task(runner.claim_loop(), name="claim-loop"),
+        asyncio.create_task(runner.finish_loop(), name="finish-loop"),
+        asyncio.create_task(runner.gauge_loop(), name="gauges"),
+    ]
+    consumer.start()
+    log.info(
+        "worker %s up: group %s, topic %s, agent %s, %d concurrent runs",
+        settings.instance_id, settings.worker_group, settings.events_topic, settings.agent, settings.run_concurrency,
+    )
+    while not stopping.is_set():
+        await asyncio.sleep(0.2)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception():
+                log.error("%s died: %r", task.get_name(), task.exception())
+                stopping.set()
+    await runner.drain(SHUTDOWN_GRACE_S)
+    # Let the finisher commit what drained before the consumer's revoke runs.
+    while not runner.finished.empty():
+        await asyncio.sleep(0.05)
+    await asyncio.to_thread(consumer.join, 60)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await agent.close()
+    await pool.close()
+    producer.close()
+    health.stop()
+    log.info("worker stopped")
+    return 1 if consumer.error else 0
+
+
+def run(settings: WorkerSettings) -> int:
+    stopping = stop_event()
+    return asyncio.run(serve(settings, stopping))

@@ -1,0 +1,39 @@
+"""The worker's metrics: what an SRE asks of the heart of vigil. No user id as a label."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+EVENTS_CONSUMED = Counter("vigil_events_consumed_total", "Kafka messages the workers polled.")
+EVENTS_RECORDED = Counter(
+    "vigil_events_recorded_total", "Events recorded in the ledger, by result (new or duplicate).", ["result"]
+)
+EVENTS_UNDECODABLE = Counter(
+    "vigil_events_undecodable_total", "Messages that did not decode and went to the dead-letter topic."
+)
+EVENTS_DEAD = Counter("vigil_events_dead_total", "Events that exhausted their attempts and became dead.")
+CLAIM_ATTEMPTS = Counter("vigil_claim_attempts_total", "Events claimed, by attempt number (1, 2, 3+).", ["attempt"])
+CLAIM_BATCH = Histogram(
+    "vigil_claim_batch_events", "Events per claimed run.", buckets=(1, 2, 3, 5, 10, 20, 50, 100, 200)
+)
+RUNS = Counter("vigil_runs_total", "Finished runs by outcome (message, nothing, deferred, failed, retry_later).", ["outcome"])
+RUN_SECONDS = Histogram(
+    "vigil_run_duration_seconds", "Agent run wall time, claim to finish commit.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+STALE_FINISHES = Counter(
+    "vigil_stale_finishes_total", "Finishes refused because the partition changed hands (fencing worked)."
+)
+RELEASED = Counter("vigil_claims_released_total", "Claims handed back without counting an attempt (revoke, shutdown).")
+HANDED_BACK = Counter(
+    "vigil_claims_recovered_total", "Claims of a worker that lost its partition, handed back to pending at takeover."
+)
+EPOCHS_HELD = Gauge("vigil_partition_epochs_held", "Partitions this worker owns (fencing epochs held).")
+CONSUMER_LAG = Gauge("vigil_consumer_lag_messages", "Messages behind the partition's high watermark.", ["partition"])
+OLDEST_PENDING = Gauge(
+    "vigil_oldest_pending_event_age_seconds", "Age of the oldest pending event in the ledger (all users)."
+)
+RUNS_IN_FLIGHT = Gauge("vigil_runs_in_flight", "Runs executing in this worker now.")
+FINISH_BATCH = Histogram(
+    "vigil_finish_batch_runs", "Runs committed per finish transaction (group commit).", buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500)
+)

@@ -1,0 +1,256 @@
+"""The run loop: claims from the ledger, runs the agent, group-commits the finishes.
+
+Runs are driven from the ledger, not from the poll loop: the consumer thread only records
+events and wakes this loop; a claim pass here picks whatever the claim rules allow for the
+partitions this worker owns, each run executes on its own task, and a finisher task commits
+finished runs together. A long run therefore never stalls polling, and events recorded by
+another worker's consumer (for a user whose home partition is ours), retries whose backoff
+ended, and claims recovered at takeover are found by the periodic pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from vigil.agent.base import Agent, RetryLater, RunContext
+from vigil.ledger.queries import Q
+from vigil.worker import metrics
+from vigil.worker.claims import Claim, claim, claim_more, mark_dead
+from vigil.worker.context import load_context
+from vigil.worker.fencing import PartitionKey
+from vigil.worker.finish import Finished, backoff_seconds, commit_finished
+from vigil.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+# A ledger error in the loop is retried after this long: long enough not to hammer a
+# database that is failing over, short enough that users barely notice.
+LEDGER_RETRY_S = 1.0
+GAUGE_INTERVAL_S = 15.0
+
+
+@dataclass(slots=True)
+class Active:
+    claim: Claim
+    task: asyncio.Task | None = None
+    folded: list = field(default_factory=list)
+
+
+class Runner:
+    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncConnectionPool, dead_letters) -> None:
+        self.settings = settings
+        self.agent = agent
+        self.pool = pool
+        self.dead_letters = dead_letters
+        self.owned: dict[PartitionKey, int] = {}
+        self.active: dict[str, Active] = {}
+        self.finished: asyncio.Queue[Finished] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._next_pass = 0.0
+        self._stopping = False
+        self._claim_lock = asyncio.Lock()
+
+    # -- called from the consumer thread (through the event loop) ------------------------
+
+    def wake(self, delay: float = 0.0) -> None:
+        """Schedule a claim pass no later than ``delay`` seconds from now."""
+        self._next_pass = min(self._next_pass, time.monotonic() + delay)
+        self._wake.set()
+
+    async def assign(self, epochs: dict[PartitionKey, int]) -> None:
+        async with self._claim_lock:
+            self.owned.update(epochs)
+        metrics.EPOCHS_HELD.set(len(self.owned))
+        self.wake()
+
+    async def revoke(self, keys: list[PartitionKey], release: bool = True) -> None:
+        """Stop claiming for ``keys``; cancel their runs and hand their claims back.
+
+        A release is fenced like a finish: if the new owner already took over, it matches
+        nothing and the takeover's hand-back has done the job.
+        """
+        async with self._claim_lock:
+            gone = {key: self.owned.pop(key) for key in keys if key in self.owned}
+        metrics.EPOCHS_HELD.set(len(self.owned))
+        victims = [a for a in self.active.values() if a.claim.home in gone]
+        for active in victims:
+            if active.task is not None:
+                active.task.cancel()
+        for active in victims:
+            if active.task is not None:
+                await asyncio.gather(active.task, return_exceptions=True)
+            self.active.pop(active.claim.user_id, None)
+            if release:
+                await self._release(active)
+        if victims:
+            log.info("revoked %d partition(s): %d run(s) cancelled and released", len(gone), len(victims))
+
+    async def _release(self, active: Active) -> None:
+        claim = active.claim
+        ids = claim.event_ids + [event.id for event in active.folded]
+        try:
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(
+                    Q.release_claim,
+                    {"ids": ids, "epoch": claim.epoch, "topic": claim.home.topic, "partition": claim.home.partition},
+                )
+                metrics.RELEASED.inc(cur.rowcount)
+        except psycopg.Error as exc:
+            log.warning("could not release a claim (the next owner recovers it): %s", exc)
+
+    # -- the loops -----------------------------------------------------------------------
+
+    async def claim_loop(self) -> None:
+        while not self._stopping:
+            timeout = max(0.0, self._next_pass - time.monotonic())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if self._stopping:
+                return
+            if time.monotonic() < self._next_pass:
+                continue
+            self._next_pass = time.monotonic() + self.settings.scan_interval_s
+            try:
+                await self._claim_pass()
+            except (psycopg.Error, OSError) as exc:
+                log.warning("claim pass failed, retrying: %s", exc)
+                self._next_pass = time.monotonic() + LEDGER_RETRY_S
+
+    async def _claim_pass(self) -> None:
+        free = self.settings.run_concurrency - len(self.active)
+        if free <= 0 or not self.owned:
+            return
+        async with self._claim_lock:
+            owned = dict(self.owned)
+            async with self.pool.connection() as conn:
+                dead = await mark_dead(conn, owned, self.settings.max_attempts)
+                claims = await claim(
+                    conn, owned, list(self.active), free, self.settings.batch_max, self.settings.batch_window_s
+                )
+                if len(claims) < free:
+                    await self._schedule_next_ready(conn, owned)
+        if dead:
+            metrics.EVENTS_DEAD.inc(len(dead))
+            await asyncio.to_thread(self.dead_letters.publish_dead, dead)
+        for c in claims:
+            metrics.CLAIM_BATCH.observe(len(c.events))
+            for event in c.events:
+                metrics.CLAIM_ATTEMPTS.labels(str(min(event.attempts, 3)) if event.attempts < 3 else "3+").inc()
+            active = Active(c)
+            self.active[c.user_id] = active
+            active.task = asyncio.create_task(self._run(active), name=f"run-{c.user_id}")
+        metrics.RUNS_IN_FLIGHT.set(len(self.active))
+        if len(claims) == free:
+            self.wake()  # there may be more; a finishing run frees a slot and wakes us
+
+    async def _schedule_next_ready(self, conn, owned: dict[PartitionKey, int]) -> None:
+        """Wake up exactly when a waiting row's batch window or backoff ends, not a scan later."""
+        keys = sorted(owned)
+        cur = await conn.execute(
+            Q.next_ready_at,
+            {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys], "window_s": self.settings.batch_window_s},
+        )
+        row = await cur.fetchone()
+        if row and row["at"] is not None:
+            delay = (row["at"] - datetime.now(timezone.utc)).total_seconds()
+            self._next_pass = min(self._next_pass, time.monotonic() + max(delay, 0.0) + 0.005)
+
+    async def _run(self, active: Active) -> None:
+        c = active.claim
+        started = datetime.now(timezone.utc)
+        finished = Finished(c, started, folded=active.folded)
+        try:
+            ctx = await self._context(active)
+            result = await asyncio.wait_for(self.agent.run(ctx), self.settings.run_timeout_s)
+            finished.result = result
+            finished.folded = active.folded
+        except asyncio.CancelledError:
+            raise  # revoked or shutting down: the claim is released by whoever cancelled
+        except RetryLater as exc:
+            exhausted = c.transient_failures + 1 >= self.settings.transient_max_attempts
+            finished.error = f"model unavailable: {exc.reason}"
+            finished.transient = not exhausted
+            finished.backoff_s = backoff_seconds(c.transient_failures + 1, self.settings.backoff_base_s, self.settings.backoff_cap_s, exc.retry_after)
+        except Exception as exc:  # the agent failed: a counted attempt
+            log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
+            finished.error = f"{type(exc).__name__}: {exc}"
+            finished.backoff_s = backoff_seconds(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
+        await self.finished.put(finished)
+
+    async def _context(self, active: Active) -> RunContext:
+        c = active.claim
+        attempt = c.attempt
+
+        async def fold():
+            async with self.pool.connection() as conn:
+                more = await claim_more(conn, c)
+            active.folded.extend(more)
+            return more
+
+        ctx = RunContext(
+            user_id=c.user_id,
+            run_key=f"{c.user_id}:{c.epoch}:{c.events[0].id}:{attempt}",
+            events=list(c.events),
+            session=None,
+            memory={},
+            recent_messages=[],
+            started_at=datetime.now(timezone.utc),
+            deadline=time.monotonic() + self.settings.run_timeout_s,
+            fold=fold,
+        )
+        if getattr(self.agent, "needs_context", True):
+            async with self.pool.connection() as conn:
+                await load_context(conn, ctx)
+        return ctx
+
+    async def finish_loop(self) -> None:
+        while True:
+            batch = [await self.finished.get()]
+            while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
+                batch.append(self.finished.get_nowait())
+            while True:
+                try:
+                    async with self.pool.connection() as conn:
+                        committed, stale = await commit_finished(conn, batch, self.settings.instance_id)
+                    break
+                except (psycopg.Error, OSError) as exc:
+                    log.warning("finish commit failed, retrying: %s", exc)
+                    await asyncio.sleep(LEDGER_RETRY_S)
+            now = datetime.now(timezone.utc)
+            for run in batch:
+                self.active.pop(run.claim.user_id, None)
+                label = "retry_later" if run.transient else run.outcome.value
+                metrics.RUNS.labels(label if run in committed else "stale").inc()
+                metrics.RUN_SECONDS.observe((now - run.started_at).total_seconds())
+            metrics.RUNS_IN_FLIGHT.set(len(self.active))
+            self.wake()
+
+    async def gauge_loop(self) -> None:
+        while not self._stopping:
+            try:
+                async with self.pool.connection() as conn:
+                    row = await (await conn.execute(Q.oldest_pending_age)).fetchone()
+                metrics.OLDEST_PENDING.set(row["age"])
+            except psycopg.Error:
+                pass
+            await asyncio.sleep(GAUGE_INTERVAL_S)
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutdown: no new claims; let runs finish for ``grace_s``, then cancel and release."""
+        self._stopping = True
+        self._wake.set()
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            await self.revoke(list(self.owned), release=True)

@@ -1,0 +1,79 @@
+"""The worker records every event once, batches a user's quick messages, and dead-letters garbage."""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import Consumer
+
+from support import query, scalar, wait_for
+from worker_support import FAST, assert_runs_consistent, chat, metric, produce, wait_all_done
+
+
+def start_worker(spawn, vigil_env, name="worker", **extra):
+    env = {**vigil_env, **FAST, "VIGIL_AGENT": "echo", **extra}
+    return spawn(["worker"], env, name=name).wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+
+
+def test_duplicate_delivery_and_redelivery_after_restart_give_one_row(stack, topics, ledger, vigil_env, spawn):
+    first = start_worker(spawn, vigil_env, "first")
+    webhook = chat("alice", "hello", source_id="gh-delivery-1")
+    produce(stack.bootstrap, topics.events, [webhook, webhook])  # the provider retried
+    wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status = 'done'") == 1, 30, "event done")
+    # SIGKILL before the auto-commit interval: the offsets were stored but never committed,
+    # so the next worker reads both copies again.
+    first.kill()
+    second = start_worker(spawn, vigil_env, "second")
+    port = int(vigil_env["VIGIL_WORKER_PORT"])
+    wait_for(lambda: metric(port, "vigil_events_recorded_total", 'result="duplicate"') >= 2, 30, "redelivered copies seen")
+    assert scalar(ledger, "SELECT count(*) FROM events WHERE source_id = 'gh-delivery-1'") == 1
+    assert scalar(ledger, "SELECT count(*) FROM outbox") == 1
+    assert second.alive()
+
+
+def test_three_quick_messages_one_run_one_reply(stack, topics, ledger, vigil_env, spawn):
+    start_worker(spawn, vigil_env, VIGIL_BATCH_WINDOW_MS="300")
+    produce(stack.bootstrap, topics.events, [chat("bob", "one"), chat("bob", "two"), chat("bob", "three")])
+    wait_all_done(ledger, 3)
+    runs = query(ledger, "SELECT event_ids, outcome FROM runs WHERE user_id = 'bob'")
+    assert len(runs) == 1 and len(runs[0]["event_ids"]) == 3
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox WHERE user_id = 'bob'")] == ["one\ntwo\nthree"]
+
+
+def test_events_during_a_run_go_to_the_next_run(stack, topics, ledger, vigil_env, spawn):
+    start_worker(spawn, vigil_env, VIGIL_ECHO_SLEEP_ON="slow:1.5")
+    produce(stack.bootstrap, topics.events, [chat("carol", "slow first")])
+    wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status = 'running'") == 1, 20, "first run started")
+    produce(stack.bootstrap, topics.events, [chat("carol", "second"), chat("carol", "third")])
+    wait_all_done(ledger, 3)
+    runs = query(ledger, "SELECT event_ids FROM runs WHERE user_id = 'carol' ORDER BY id")
+    assert [len(r["event_ids"]) for r in runs] == [1, 2]
+    assert_runs_consistent(ledger)
+
+
+def test_undecodable_bytes_go_to_the_dlq_and_nothing_stops(stack, topics, ledger, vigil_env, spawn):
+    worker = start_worker(spawn, vigil_env)
+    produce(stack.bootstrap, topics.events, [chat("dave", "before")], raw=[b"not avro at all", b"\xc3\x01garbage"])
+    produce(stack.bootstrap, topics.events, [chat("dave", "after")])
+    wait_all_done(ledger, 2)
+    consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"{topics.dlq}.check", "auto.offset.reset": "earliest"})
+    consumer.subscribe([topics.dlq])
+    found = []
+    deadline = time.monotonic() + 30
+    while len(found) < 2 and time.monotonic() < deadline:
+        message = consumer.poll(0.5)
+        if message is not None and not message.error():
+            found.append(message)
+    consumer.close()
+    assert sorted(m.value() for m in found) == sorted([b"not avro at all", b"\xc3\x01garbage"])
+    reasons = [dict(m.headers())["vigil-error"].decode() for m in found]
+    assert any("unknown framing" in r for r in reasons) and any("truncated" in r or "fingerprint" in r for r in reasons)
+    assert worker.alive()
+    assert metric(int(vigil_env["VIGIL_WORKER_PORT"]), "vigil_events_undecodable_total") == 2
+
+
+def test_bad_setting_is_a_clean_startup_error(spawn, vigil_env):
+    proc = spawn(["worker"], {**vigil_env, "VIGIL_MAX_ATTEMPTS": "zero"}, name="bad")
+    proc.proc.wait(30)
+    assert proc.proc.returncode == 2
+    assert "VIGIL_MAX_ATTEMPTS='zero'" in proc.log() and "Traceback" not in proc.log()

@@ -1,0 +1,155 @@
+"""Failure cases with real processes: frozen workers, poison events, random SIGKILLs,
+foreign partitioners. Each test is named after what must not happen."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from support import query, scalar, wait_for
+from worker_support import FAST, assert_runs_consistent, chat, metric, produce, statuses, wait_all_done
+
+
+def worker_env(vigil_env, port=None, **extra):
+    from vigil.devstack import free_port
+
+    return {**vigil_env, **FAST, "VIGIL_AGENT": "echo", "VIGIL_WORKER_PORT": str(port or free_port()), **extra}
+
+
+def start(spawn, env, name):
+    return spawn(["worker"], env, name=name).wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+
+
+@pytest.mark.partitions(1)
+def test_stale_epoch_finish_writes_nothing(stack, topics, ledger, vigil_env, spawn):
+    """A worker frozen past its session timeout loses the partition; the new owner re-claims and
+    finishes; the frozen one, resumed, has its finish refused: one run, one outbox row."""
+    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:3")
+    a = start(spawn, env_a, "a")
+    produce(stack.bootstrap, topics.events, [chat("erin", "slow reply please")])
+    wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status = 'running'") == 1, 20, "A claimed")
+    epoch_a = scalar(ledger, "SELECT claim_epoch FROM events")
+    a.signal(signal.SIGSTOP)
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:0.5")
+    start(spawn, env_b, "b")
+    wait_for(lambda: scalar(ledger, "SELECT epoch FROM partitions") > epoch_a, 30, "B took over (epoch + 1)")
+    wait_all_done(ledger, 1, timeout=30)
+    a.signal(signal.SIGCONT)
+    port_a = int(env_a["VIGIL_WORKER_PORT"])
+    wait_for(lambda: metric(port_a, "vigil_stale_finishes_total") >= 1, 30, "A's stale finish refused and counted")
+    runs = query(ledger, "SELECT epoch FROM runs")
+    assert len(runs) == 1 and runs[0]["epoch"] > epoch_a
+    assert scalar(ledger, "SELECT count(*) FROM outbox") == 1
+    assert scalar(ledger, "SELECT attempts FROM events") == 2  # A's claim counted, B's claim counted
+    assert_runs_consistent(ledger)
+
+
+class Supervisor:
+    """Restarts worker processes that die, like a process manager would."""
+
+    def __init__(self, spawn, env_factory, count: int):
+        self.spawn, self.env_factory = spawn, env_factory
+        self.workers = [self._start(i) for i in range(count)]
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _start(self, index: int):
+        return self.spawn(["worker"], self.env_factory(), name=f"w{index}-{time.monotonic_ns()}")
+
+    def _watch(self):
+        while not self._stop.wait(0.2):
+            for i, proc in enumerate(self.workers):
+                if not proc.alive():
+                    self.workers[i] = self._start(i)
+                    self.restarts += 1
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.mark.partitions(2)
+def test_poison_event_dies_after_three_claims_without_muting_others(stack, topics, ledger, vigil_env, spawn):
+    supervisor = Supervisor(spawn, lambda: worker_env(vigil_env, VIGIL_ECHO_CRASH_ON="poison"), 1)
+    try:
+        produce(stack.bootstrap, topics.events, [chat("frank", "poison pill"), chat("frank", "healthy one")])
+        produce(stack.bootstrap, topics.events, [chat(f"other{i}", f"hi {i}") for i in range(6)])
+        wait_for(lambda: statuses(ledger).get("dead", 0) == 1, 120, "poison event dead", interval=0.5)
+        wait_all_done(ledger, 7, timeout=60)
+    finally:
+        supervisor.stop()
+    poison = query(ledger, "SELECT status, attempts, error FROM events WHERE payload LIKE '%%poison%%'")[0]
+    assert poison["status"] == "dead" and poison["attempts"] == 3
+    assert "dead after 3 attempts" in poison["error"]
+    healthy = query(ledger, "SELECT status FROM events WHERE payload LIKE '%%healthy%%'")[0]
+    assert healthy["status"] == "done"
+    assert supervisor.restarts >= 3
+    assert_runs_consistent(ledger)
+
+
+@pytest.mark.slow
+@pytest.mark.partitions(4)
+def test_random_sigkills_lose_and_duplicate_nothing(stack, topics, ledger, vigil_env, spawn):
+    """2,000 events for 200 users through two workers killed at random moments."""
+    rng = random.Random(7)
+    supervisor = Supervisor(spawn, lambda: worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="zz:0"), 2)
+    users = [f"user{i:03d}" for i in range(200)]
+    total = 2000
+    kills = 0
+    try:
+        sent = 0
+        deadline = time.monotonic() + 20
+        while sent < total:
+            batch = [chat(rng.choice(users), f"message {sent + i}") for i in range(min(100, total - sent))]
+            produce(stack.bootstrap, topics.events, batch)
+            sent += len(batch)
+            if rng.random() < 0.35 and time.monotonic() < deadline:
+                victim = rng.choice(supervisor.workers)
+                if victim.alive():
+                    victim.kill()
+                    kills += 1
+            time.sleep(rng.uniform(0.05, 0.4))
+        for _ in range(2):  # and a couple more while the backlog drains
+            time.sleep(rng.uniform(0.5, 1.5))
+            rng.choice(supervisor.workers).kill()
+            kills += 1
+        wait_all_done(ledger, total, timeout=180)
+    finally:
+        supervisor.stop()
+    assert kills >= 3
+    assert statuses(ledger) == {"done": total}
+    assert_runs_consistent(ledger)
+    # Per-user order: a user's messages appear in replies in the order they were produced.
+    for row in query(ledger, "SELECT user_id, string_agg(body, E'\\n' ORDER BY id) AS text FROM outbox GROUP BY user_id"):
+        numbers = [int(line.split()[1]) for line in row["text"].splitlines()]
+        assert numbers == sorted(numbers), row["user_id"]
+
+
+@pytest.mark.partitions(4)
+def test_foreign_partitioner_never_gives_one_user_two_runs(stack, topics, ledger, vigil_env, spawn):
+    """One user's events on two partitions owned by two workers: still one run at a time."""
+    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:0.3", VIGIL_BATCH_WINDOW_MS="0")
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:0.3", VIGIL_BATCH_WINDOW_MS="0")
+    start(spawn, env_a, "a")
+    start(spawn, env_b, "b")
+    wait_for(lambda: scalar(ledger, "SELECT count(DISTINCT holder) FROM partitions") == 2, 30, "both workers hold partitions")
+    holders = query(ledger, "SELECT partition, holder FROM partitions ORDER BY partition")
+    first = holders[0]
+    other = next(h for h in holders if h["holder"] != first["holder"])
+    for i in range(20):
+        produce(stack.bootstrap, topics.events, [chat("gina", f"slow {i}")], partition=first["partition"] if i % 2 == 0 else other["partition"])
+        time.sleep(0.05)
+    wait_all_done(ledger, 20, timeout=60)
+    # The home partition is where the first *recorded* event came from, whichever consumer won.
+    home = scalar(ledger, "SELECT home_partition FROM users WHERE user_id = 'gina'")
+    assert home in (first["partition"], other["partition"])
+    assert scalar(ledger, "SELECT count(DISTINCT kafka_partition) FROM events") == 2
+    runs = query(ledger, "SELECT partition FROM runs WHERE user_id = 'gina'")
+    assert {r["partition"] for r in runs} == {home}, "runs claimed outside the home partition"
+    assert_runs_consistent(ledger)
