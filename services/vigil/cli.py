@@ -15,6 +15,7 @@ import click
 COMMAND_MODULES = [
     "vigil.ledger.commands",
     "vigil.dev_commands",
+    "vigil.demo",
     "vigil.worker.commands",
     "vigil.ingest.commands",
     "vigil.scheduler.commands",

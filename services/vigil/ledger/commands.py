@@ -15,6 +15,7 @@ SETTINGS_CLASSES = [
     "vigil.worker.settings:WorkerSettings",
     "vigil.scheduler.settings:SchedulerSettings",
     "vigil.dispatcher.settings:DispatcherSettings",
+    "vigil.agent.settings:AgentSettings",
 ]
 
 

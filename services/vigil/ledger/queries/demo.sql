@@ -1,0 +1,17 @@
+-- Read-only look-ups for `vigil demo`.
+
+-- name: demo_event_by_key
+-- An event by its dedup key.
+SELECT id, status, run_id FROM events WHERE user_id = %(user_id)s AND source = %(source)s AND source_id = %(source_id)s
+
+-- name: demo_event_done
+-- The event once its run finished.
+SELECT status, run_id FROM events WHERE id = %(id)s AND status = 'done'
+
+-- name: demo_run_reply
+-- The outbox row a run wrote, if any.
+SELECT id, body, status FROM outbox WHERE run_id = %(run_id)s ORDER BY id LIMIT 1
+
+-- name: demo_outbox_delivered
+-- An outbox row once delivered.
+SELECT status, delivery_id FROM outbox WHERE id = %(id)s AND status = 'delivered'

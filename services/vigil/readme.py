@@ -1,0 +1,21 @@
+"""``python -m vigil.readme``: refresh README.md's configuration table from the settings classes."""
+
+from __future__ import annotations
+
+import re
+
+from vigil.ledger.commands import all_settings_classes
+from vigil.paths import repo_root
+from vigil.settings import settings_table
+
+
+def main() -> None:
+    path = repo_root() / "README.md"
+    text = path.read_text()
+    table = settings_table(all_settings_classes())
+    text = re.sub(r"(<!-- config:start -->\n).*?(<!-- config:end -->)", lambda m: m.group(1) + table + "\n" + m.group(2), text, flags=re.S)
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
