@@ -1,0 +1,52 @@
+"""Operator commands against a real ledger: `vigil dead list|retry`, `vigil inbox`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from support import query
+
+
+def vigil(ledger: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VIGIL_DATABASE_URL": ledger}
+    return subprocess.run([sys.executable, "-m", "vigil", *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def seed(ledger: str) -> None:
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts, finished_at, error)
+           VALUES ('ann', 'chat', 'a1', 'chat.message', '{}', now(), 'dead', 3, now(), 'dead after 3 attempts: boom'),
+                  ('ann', 'chat', 'a2', 'chat.message', '{}', now(), 'done', 1, now(), NULL)""",
+    )
+
+
+def test_dead_list_and_retry_with_audit(ledger):
+    seed(ledger)
+    listed = vigil(ledger, "dead", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["source_id"], r["attempts"]) for r in rows] == [("a1", 3)]
+    dead_id = rows[0]["id"]
+    done_id = query(ledger, "SELECT id FROM events WHERE source_id = 'a2'")[0]["id"]
+
+    result = vigil(ledger, "dead", "retry", str(dead_id), str(done_id), "--actor", "oncall")
+    assert result.returncode == 0, result.stderr
+    assert "retried 1 event(s)" in result.stdout and str(done_id) in result.stdout
+    row = query(ledger, "SELECT status, attempts, retried_by, finished_at FROM events WHERE id = %s", (dead_id,))[0]
+    assert row == {"status": "pending", "attempts": 0, "retried_by": "oncall", "finished_at": None}
+    assert query(ledger, "SELECT status FROM events WHERE id = %s", (done_id,))[0]["status"] == "done"
+    audit = query(ledger, "SELECT actor, action, detail FROM audit")
+    assert audit == [{"actor": "oncall", "action": "dead.retry", "detail": {"requested": [dead_id, done_id], "retried": [dead_id]}}]
+
+
+def test_inbox_shows_states(ledger):
+    seed(ledger)
+    result = vigil(ledger, "inbox", "ann")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:5] == ["id", "source", "source_id", "kind", "status"]
+    assert any("dead" in line for line in lines) and any("done" in line for line in lines)
