@@ -1,23 +1,242 @@
-"""`vigil ingest` and its operator commands."""
+"""`vigil ingest` and its operator commands: `vigil tokens ...`, `vigil hooks ...`.
+
+A token or a secret is printed once, when it is made, and never again: the ledger keeps a
+token's sha256 only. Hook secrets are kept in clear (an HMAC cannot be checked against a
+hash), so `vigil hooks list` shows secret ids, never secrets. Every change is recorded in
+the `audit` table in the same transaction, without the secret.
+"""
 
 from __future__ import annotations
 
+import base64
+import getpass
+import json
+import secrets
+import sys
+
 import click
+
+from vigil.ledger.states import HookProvider
+
+ID_BYTES = 9  # 12 url-safe characters: unguessable enough for ids that are not secrets
+
+
+def emit(obj: dict, as_json: bool, text: str) -> None:
+    from vigil.cli import emit as cli_emit  # imported late: vigil.cli imports this module
+
+    cli_emit(obj, as_json, text)
+
+
+def _ledger():
+    from vigil.ledger.db import connect
+    from vigil.service import load_or_exit
+    from vigil.settings import CommonSettings
+
+    return connect(load_or_exit(CommonSettings).dsn)
+
+
+def _audit(conn, action: str, detail: dict) -> None:
+    from vigil.ledger.queries import Q
+
+    conn.execute(Q.ingest_audit, {"actor": getpass.getuser(), "action": action, "detail": json.dumps(detail)})
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + secrets.token_urlsafe(ID_BYTES)
 
 
 @click.command("ingest")
 def ingest_command() -> None:
-    """Run the ingest HTTP service."""
+    """Run the ingest HTTP service (API, webhooks, approvals, /healthz /readyz /metrics)."""
     import uvicorn
-    from starlette.applications import Starlette
 
-    from vigil.health import Readiness, dependency_checks, health_routes
+    from vigil.ingest.app import create_app
     from vigil.ingest.settings import IngestSettings
     from vigil.service import load_or_exit
 
     settings = load_or_exit(IngestSettings)
-    app = Starlette(routes=health_routes(Readiness(dependency_checks(settings))))
-    uvicorn.run(app, host=settings.ingest_host, port=settings.ingest_port, log_level="warning")
+    # No access log: it would carry paths and client addresses at request rate, and the
+    # metrics answer the questions an access log would.
+    uvicorn.run(
+        create_app(settings),
+        host=settings.ingest_host,
+        port=settings.ingest_port,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        timeout_graceful_shutdown=int(settings.produce_timeout_s) + 5,
+    )
 
 
-commands = [ingest_command]
+# -- tokens ------------------------------------------------------------------------------
+
+
+@click.group("tokens")
+def tokens() -> None:
+    """Bearer tokens for POST /v1/events and /v1/users/{user}/messages."""
+
+
+@tokens.command("create")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the token as one JSON object.")
+def token_create(name: str, as_json: bool) -> None:
+    """Create a token called NAME; it is printed once and stored hashed."""
+    from vigil.ingest.auth import new_token, token_hash
+    from vigil.ledger.queries import Q
+
+    token = new_token()
+    with _ledger() as conn:
+        row = conn.execute(Q.token_create, {"id": _new_id("tok_"), "name": name, "token_hash": token_hash(token)}).fetchone()
+        _audit(conn, "token.create", {"id": row["id"], "name": name})
+    emit(
+        {**row, "token": token},
+        as_json,
+        f"token {row['id']} ({name}):\n  {token}\nShown once: store it now. Use it as `Authorization: Bearer <token>`.",
+    )
+
+
+@tokens.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def token_list(as_json: bool) -> None:
+    """List tokens (never the tokens themselves)."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        rows = conn.execute(Q.token_list).fetchall()
+    for row in rows:
+        state = f"revoked {row['revoked_at']:%Y-%m-%d %H:%M}" if row["revoked_at"] else "active"
+        emit(row, as_json, f"{row['id']}  {row['name']:<24} created {row['created_at']:%Y-%m-%d %H:%M}  {state}")
+
+
+@tokens.command("revoke")
+@click.argument("token_id")
+def token_revoke(token_id: str) -> None:
+    """Revoke a token by id; ingest refuses it within VIGIL_INGEST_AUTH_CACHE_S seconds."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        row = conn.execute(Q.token_revoke, {"id": token_id}).fetchone()
+        if row is None:
+            known = conn.execute(Q.token_get, {"id": token_id}).fetchone()
+            raise click.ClickException(f"token {token_id} was revoked already" if known else f"no token {token_id}")
+        _audit(conn, "token.revoke", {"id": token_id})
+    click.echo(f"revoked {token_id} ({row['name']})")
+
+
+# -- hooks -------------------------------------------------------------------------------
+
+
+def new_secret(provider: HookProvider) -> str:
+    """A signing secret in the form the provider's tooling expects."""
+    raw = secrets.token_bytes(32)
+    if provider is HookProvider.GITHUB:
+        return raw.hex()  # pasted into the repository's webhook settings
+    # Standard Webhooks: whsec_ + base64 of the key. Stripe issues its own secrets (pass
+    # them with --secret-stdin); this form is what Stripe's look like.
+    return "whsec_" + base64.b64encode(raw).decode()
+
+
+def _secret(provider: HookProvider, from_stdin: bool) -> tuple[str, bool]:
+    """(secret, generated). Providers that issue their own secrets pass them on stdin,
+    which keeps them out of shell history and process listings."""
+    from vigil.ingest.signatures import valid_standard_secret
+
+    if not from_stdin:
+        return new_secret(provider), True
+    secret = sys.stdin.readline().strip()
+    if len(secret) < 16:
+        raise click.ClickException("the secret on stdin is shorter than 16 characters")
+    if provider is HookProvider.STANDARD_WEBHOOKS and not valid_standard_secret(secret):
+        raise click.ClickException("a standard-webhooks secret is whsec_ followed by base64 of at least 16 bytes")
+    return secret, False
+
+
+def _print_secret(obj: dict, as_json: bool, generated: bool, intro: str) -> None:
+    if not generated:
+        obj.pop("secret")  # the operator has it already; no need to echo it
+    text = intro + (f"\n  secret: {obj['secret']}\nShown once: store it in the provider's settings now." if generated else "")
+    emit(obj, as_json, text)
+
+
+@click.group("hooks")
+def hooks() -> None:
+    """Webhook endpoints: POST /v1/hooks/<id>, one provider and one user each."""
+
+
+@hooks.command("add")
+@click.option("--provider", type=click.Choice([p.value for p in HookProvider]), required=True)
+@click.option("--user", "user_id", required=True, help="The user whose agent the deliveries wake.")
+@click.option("--secret-stdin", is_flag=True, help="Read the secret from stdin (Stripe issues its own).")
+@click.option("--json", "as_json", is_flag=True, help="Print the hook as one JSON object, secret included.")
+def hook_add(provider: str, user_id: str, secret_stdin: bool, as_json: bool) -> None:
+    """Create a hook; its secret is printed once."""
+    from vigil.ledger.queries import Q
+
+    kind = HookProvider(provider)
+    secret, generated = _secret(kind, secret_stdin)
+    with _ledger() as conn:
+        hook = conn.execute(Q.hook_create, {"id": _new_id("hk_"), "provider": kind.value, "user_id": user_id}).fetchone()
+        added = conn.execute(Q.hook_secret_add, {"hook_id": hook["id"], "secret": secret}).fetchone()
+        _audit(conn, "hook.add", {"id": hook["id"], "provider": kind.value, "user_id": user_id, "secret_id": added["id"]})
+    obj = {**hook, "path": f"/v1/hooks/{hook['id']}", "secret_id": added["id"], "secret": secret}
+    _print_secret(obj, as_json, generated, f"hook {hook['id']} ({kind.value}, user {user_id}): POST /v1/hooks/{hook['id']}")
+
+
+@hooks.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def hook_list(as_json: bool) -> None:
+    """List hooks with the ids of their active secrets."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        rows = conn.execute(Q.hook_list).fetchall()
+    for row in rows:
+        state = "disabled" if row["disabled_at"] else f"secrets {row['active_secret_ids']}"
+        emit(row, as_json, f"{row['id']}  {row['provider']:<17} user {row['user_id']:<20} {state}")
+
+
+@hooks.command("rotate")
+@click.argument("hook_id")
+@click.option("--secret-stdin", is_flag=True, help="Read the new secret from stdin.")
+@click.option("--json", "as_json", is_flag=True, help="Print the new secret as one JSON object.")
+def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
+    """Add a secret to HOOK; the older ones stay valid until `hooks revoke-secret`."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        hook = conn.execute(Q.hook_for_delivery, {"hook_id": hook_id}).fetchone()
+        if hook is None or hook["disabled_at"] is not None:
+            raise click.ClickException(f"no active hook {hook_id}")
+        secret, generated = _secret(HookProvider(hook["provider"]), secret_stdin)
+        added = conn.execute(Q.hook_secret_add, {"hook_id": hook_id, "secret": secret}).fetchone()
+        if added is None:
+            raise click.ClickException(f"hook {hook_id} was disabled meanwhile")
+        _audit(conn, "hook.rotate", {"id": hook_id, "secret_id": added["id"]})
+    obj = {"hook_id": hook_id, "secret_id": added["id"], "secret": secret}
+    _print_secret(obj, as_json, generated, f"secret {added['id']} added to {hook_id}; older secrets stay valid")
+
+
+@hooks.command("revoke-secret")
+@click.argument("hook_id")
+@click.argument("secret_id", type=int)
+@click.option("--force", is_flag=True, help="Revoke even the last active secret (the hook then refuses every delivery).")
+def hook_revoke_secret(hook_id: str, secret_id: int, force: bool) -> None:
+    """Revoke one secret of HOOK (see `hooks list` for ids); effective within VIGIL_INGEST_AUTH_CACHE_S."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        if conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is None:
+            raise click.ClickException(f"no hook {hook_id}")
+        row = conn.execute(Q.hook_secret_revoke, {"hook_id": hook_id, "secret_id": secret_id, "force": force}).fetchone()
+        if row is None:
+            known = conn.execute(Q.hook_secret_get, {"hook_id": hook_id, "secret_id": secret_id}).fetchone()
+            if known is None:
+                raise click.ClickException(f"hook {hook_id} has no secret {secret_id}")
+            if known["revoked_at"] is not None:
+                raise click.ClickException(f"secret {secret_id} was revoked already")
+            raise click.ClickException(f"secret {secret_id} is the last active one; rotate first, or use --force")
+        _audit(conn, "hook.revoke_secret", {"id": hook_id, "secret_id": secret_id, "forced": force})
+    click.echo(f"revoked secret {secret_id} of {hook_id}")
+
+
+commands = [ingest_command, tokens, hooks]

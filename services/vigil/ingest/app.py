@@ -1,0 +1,114 @@
+"""The ingest ASGI application: routes, middleware, start-up and shutdown.
+
+Start-up opens the ledger pools and the producer without waiting for either dependency:
+ingest serves ``/healthz`` at once, ``/readyz`` says whether the broker and the ledger
+answer, and requests that need a missing dependency get a 503 with ``Retry-After`` (never
+a crash loop). Shutdown (SIGTERM) stops accepting, lets in-flight requests finish (their
+produce waits included), then flushes and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from psycopg_pool import ConnectionPool
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from vigil.health import Readiness, dependency_checks, health_routes
+from vigil.ingest import openapi
+from vigil.ingest.approvals_api import ApprovalsApi, BeforeAnswer
+from vigil.ingest.context import POOL_TIMEOUT_S, IngestContext
+from vigil.ingest.events_api import EventsApi
+from vigil.ingest.hooks import HookReceiver
+from vigil.ingest.metrics import RequestMetrics
+from vigil.ingest.requests import EXCEPTION_HANDLERS
+from vigil.ingest.settings import IngestSettings
+from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+
+log = logging.getLogger(__name__)
+
+MOUNTED_MODULES = ["vigil.scheduler.api"]  # modules exporting routes(ctx); see context.py
+# Approvals are rare next to events; a few connections serve them (see approvals_api).
+APPROVALS_POOL_SIZE = 4
+
+
+def mounted(ctx: IngestContext) -> tuple[list[Route], dict[str, Any]]:
+    """Routes and OpenAPI paths of the modules other areas mount on ingest, if installed."""
+    import importlib
+
+    routes: list[Route] = []
+    paths: dict[str, Any] = {}
+    for name in MOUNTED_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue  # that area has not written its API yet
+            raise
+        routes.extend(module.routes(ctx))
+        if hasattr(module, "openapi_paths"):
+            paths.update(module.openapi_paths())
+    return routes, paths
+
+
+def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None = None) -> Starlette:
+    """The application. ``before_answer`` is a test hook (see :mod:`vigil.ingest.approvals_api`)."""
+    ctx = IngestContext(settings)
+    answers_pool = ConnectionPool(
+        settings.dsn,
+        open=False,
+        min_size=1,
+        max_size=APPROVALS_POOL_SIZE,
+        timeout=POOL_TIMEOUT_S,
+        kwargs={"options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+        check=ConnectionPool.check_connection,
+        name="ingest-approvals",
+    )
+    events = EventsApi(settings, ctx.tokens, ctx.publisher)
+    hooks = HookReceiver(settings, ctx.pool, ctx.publisher)
+    answers = ApprovalsApi(settings, answers_pool, ctx.publisher, before_answer)
+    extra_routes, extra_paths = mounted(ctx)
+    document = openapi.document(extra_paths)
+
+    async def openapi_json(_: Request) -> Response:
+        return JSONResponse(document)
+
+    routes = [
+        Route("/v1/events", events.post_events, methods=["POST"]),
+        Route("/v1/users/{user_id}/messages", events.post_message, methods=["POST"]),
+        Route("/v1/hooks/{hook_id}", hooks.post, methods=["POST"]),
+        Route("/v1/approvals/{request_id}", answers.post, methods=["POST"]),
+        *extra_routes,
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        *health_routes(Readiness(dependency_checks(settings))),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette):
+        await ctx.pool.open(wait=False)
+        await asyncio.to_thread(answers_pool.open, wait=False)
+        await asyncio.to_thread(ctx.publisher.start)
+        log.info("ingest started (port %d)", settings.ingest_port)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(ctx.publisher.close)
+            await asyncio.to_thread(answers_pool.close)
+            await ctx.pool.close()
+            log.info("ingest stopped")
+
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(RequestMetrics)],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    return app

@@ -1,0 +1,67 @@
+"""What ingest lends to route modules mounted on it (the scheduler's timers API).
+
+A module that serves HTTP through ingest exports ``routes(ctx: IngestContext) -> list[Route]``
+(and optionally ``openapi_paths() -> dict``, merged into ``/openapi.json``). It gets the
+ledger pool, the bearer-token check, the body reader with ingest's limits, and the refusal
+type; ingest's middleware counts its requests and renders its refusals like its own.
+
+    async def create_timer(request):
+        caller = await ctx.authenticate(request)        # 401/403 or the Caller
+        body = await ctx.read_json(request)             # 415/413/400 or the document
+        async with ctx.ledger() as conn:                # 503 if the ledger is down
+            await conn.execute(Q.timer_create, {...})   # committed when the block exits
+        raise ctx.Refusal(409, "conflict", "...")       # -> {"error": "conflict", "detail": ...}
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+from starlette.requests import Request
+
+from vigil.ingest import requests as _requests
+from vigil.ingest.auth import Caller, TokenAuth, ledger
+from vigil.ingest.publisher import Publisher
+from vigil.ingest.settings import IngestSettings
+from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+
+# Checking out a connection waits at most this long before the caller gets a 503: a pool
+# exhausted for longer is an incident, and the client should back off rather than pile up.
+POOL_TIMEOUT_S = 5.0
+
+
+class IngestContext:
+    Refusal = _requests.Refusal
+    invalid = staticmethod(_requests.invalid)
+    received_at = staticmethod(_requests.received_at)
+
+    def __init__(self, settings: IngestSettings):
+        self.settings = settings
+        # Opened by the app's lifespan (not here: there is no event loop yet).
+        self.pool = AsyncConnectionPool(
+            settings.dsn,
+            open=False,
+            min_size=1,
+            max_size=settings.ingest_db_pool,
+            timeout=POOL_TIMEOUT_S,
+            kwargs={"options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+            check=AsyncConnectionPool.check_connection,
+            name="ingest",
+        )
+        self.publisher = Publisher(settings)
+        self.tokens = TokenAuth(self.pool, settings.ingest_auth_cache_s)
+
+    async def authenticate(self, request: Request) -> Caller:
+        """The caller's bearer token: a :class:`Caller`, or a 401/403 refusal."""
+        return await self.tokens(request)
+
+    async def read_json(self, request: Request) -> Any:
+        """The JSON body under ``VIGIL_MAX_BODY_BYTES``: 415, 413 or 400 refusals otherwise."""
+        return await _requests.read_json(request, self.settings.max_body_bytes)
+
+    def ledger(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection]:
+        """A pooled connection (dict rows) in one transaction; a ledger outage is a 503."""
+        return ledger(self.pool)

@@ -1,0 +1,173 @@
+"""``POST /v1/events`` (the producer API) and ``POST /v1/users/{user_id}/messages`` (chat).
+
+Both need a bearer token, validate everything before producing anything (one bad event in a
+batch refuses the whole batch, naming ``events[i].field``), and answer 202 only after the
+broker acknowledged every event.
+
+Sources that ingest itself vouches for (``chat``, webhook providers, ``timer``,
+``approval``) cannot be written through the producer API: a token holder could otherwise
+take a provider's delivery id, or forge an approval wake-up, before the real one arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vigil.bus.codec import Event
+from vigil.ingest.auth import TokenAuth
+from vigil.ingest.publisher import Publisher
+from vigil.ingest.requests import Refusal, invalid, read_json, received_at
+from vigil.ingest.settings import IngestSettings
+from vigil.ledger.states import HookProvider
+
+CHAT_SOURCE = "chat"
+CHAT_KIND = "chat.message"
+RESERVED_SOURCES = frozenset({CHAT_SOURCE, "timer", "approval", *(p.value for p in HookProvider)})
+MAX_TEXT_CHARS = 100_000
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
+def _printable(value: str) -> str:
+    # Ids become Kafka keys, ledger text and JSON keys: a NUL or a newline in them breaks
+    # PostgreSQL (text cannot hold NUL) or the operators' tools.
+    if not value.isprintable():
+        raise ValueError("must not contain control characters")
+    return value
+
+
+def _id(max_length: int):
+    return Annotated[str, Field(min_length=1, max_length=max_length), AfterValidator(_printable)]
+
+
+class EventIn(BaseModel):
+    """One event envelope as a producer sends it over HTTP (``vigil.v1.Event`` in JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    user_id: _id(256) = Field(description="Whose agent wakes; also the Kafka key.")
+    source: _id(64) = Field(description="The producer's name. chat, timer, approval and webhook providers are reserved.")
+    source_id: _id(512) = Field(description="The source's unique id of this event: the dedup key within (user_id, source).")
+    kind: _id(128) = Field(description="What happened, e.g. billing.invoice_paid.")
+    payload: JsonValue = Field(default_factory=dict, description="The event body (any JSON value; default {}).")
+    occurred_at: AwareDatetime | None = Field(None, description="When it happened at the source (RFC 3339 with offset).")
+    received_at: AwareDatetime | None = Field(None, description="When the producer received it; default: when ingest did.")
+    session_id: _id(256) | None = Field(None, description="Resume this saved agent session.")
+    headers: dict[_id(128), Annotated[str, Field(max_length=4096), AfterValidator(_printable)]] = Field(
+        default_factory=dict, max_length=32, description="Trace context and other metadata."
+    )
+
+    def event(self, arrived: datetime) -> Event:
+        return Event(
+            user_id=self.user_id,
+            source=self.source,
+            source_id=self.source_id,
+            kind=self.kind,
+            payload=json.dumps(self.payload, ensure_ascii=False, separators=(",", ":")),
+            received_at=self.received_at or arrived,
+            occurred_at=self.occurred_at,
+            session_id=self.session_id,
+            headers=dict(self.headers),
+        )
+
+
+class BatchIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    events: list[EventIn] = Field(min_length=1, description="Up to VIGIL_INGEST_MAX_BATCH events.")
+
+
+class MessageIn(BaseModel):
+    """A chat message from the user to their agent."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, description="The message, any Unicode.")
+
+
+class Accepted(BaseModel):
+    accepted: int = Field(description="Events the broker acknowledged.")
+    source_id: str | None = Field(None, description="The dedup key used (messages: the Idempotency-Key or a fresh uuid).")
+
+
+def field_path(loc: tuple[Any, ...]) -> str:
+    """``('events', 3, 'user_id')`` -> ``events[3].user_id``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "body"
+
+
+def refuse_validation(exc: ValidationError, prefix: tuple = ()) -> Refusal:
+    error = exc.errors(include_url=False, include_input=False)[0]
+    return invalid(field_path(prefix + tuple(error["loc"])), error["msg"], code="invalid_event")
+
+
+def parse_events(document: Any, max_batch: int) -> list[EventIn]:
+    if not isinstance(document, dict):
+        raise invalid("body", "expected an event object or {\"events\": [...]}", code="invalid_event")
+    if "events" in document:
+        raw = document["events"]
+        if isinstance(raw, list) and len(raw) > max_batch:
+            raise invalid("events", f"{len(raw)} events; at most {max_batch} per request", code="invalid_event")
+        try:
+            envelopes = BatchIn.model_validate(document).events
+        except ValidationError as exc:
+            raise refuse_validation(exc) from None
+        prefix: tuple = ("events",)
+    else:
+        try:
+            envelopes = [EventIn.model_validate(document)]
+        except ValidationError as exc:
+            raise refuse_validation(exc) from None
+        prefix = ()
+    for index, envelope in enumerate(envelopes):
+        if envelope.source in RESERVED_SOURCES:
+            where = field_path(prefix + ((index,) if prefix else ()) + ("source",))
+            raise invalid(where, f"{envelope.source!r} is reserved for ingest's own endpoints", code="invalid_event")
+    return envelopes
+
+
+class EventsApi:
+    def __init__(self, settings: IngestSettings, auth: TokenAuth, publisher: Publisher):
+        self.settings = settings
+        self.auth = auth
+        self.publisher = publisher
+
+    async def post_events(self, request: Request) -> Response:
+        await self.auth(request)
+        document = await read_json(request, self.settings.max_body_bytes)
+        envelopes = parse_events(document, self.settings.ingest_max_batch)
+        arrived = received_at(request)
+        delivered = await self.publisher.send([envelope.event(arrived) for envelope in envelopes], via="events")
+        return JSONResponse({"accepted": len(delivered)}, 202)
+
+    async def post_message(self, request: Request) -> Response:
+        await self.auth(request)
+        user_id = request.path_params["user_id"]
+        if len(user_id) > 256 or not user_id.isprintable():
+            raise invalid("user_id", "at most 256 printable characters")
+        key = request.headers.get("idempotency-key")
+        if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS and key.isprintable()):
+            raise invalid("Idempotency-Key", f"1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable characters")
+        try:
+            message = MessageIn.model_validate(await read_json(request, self.settings.max_body_bytes))
+        except ValidationError as exc:
+            raise refuse_validation(exc) from None
+        source_id = key or str(uuid.uuid4())
+        event = Event(
+            user_id=user_id,
+            source=CHAT_SOURCE,
+            source_id=source_id,
+            kind=CHAT_KIND,
+            payload=json.dumps({"text": message.text}, ensure_ascii=False),
+            received_at=received_at(request),
+        )
+        await self.publisher.send([event], via="messages")
+        return JSONResponse({"accepted": 1, "source_id": source_id}, 202)

@@ -1,0 +1,138 @@
+"""``POST /v1/hooks/{hook_id}``: a provider's delivery, verified, then produced.
+
+Order, and why: the hook is looked up (404 if unknown or disabled), the body is read under
+the size bound (415/413), the signature is checked on those raw bytes against every active
+secret (401), and only then is the body parsed (400) and the event produced (202 after the
+broker's acknowledgement, 503 otherwise). Nothing reaches the broker unverified.
+
+Each provider's delivery id is the event's ``source_id``, so the provider's retries of one
+delivery are one ledger row. A hook's secrets are cached like tokens; a delivery that fails
+against cached secrets older than a second is checked once more against fresh ones, so a
+secret added by ``vigil hooks rotate`` works at once while revocation still takes effect
+within ``VIGIL_INGEST_AUTH_CACHE_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vigil.bus.codec import Event
+from vigil.ingest.auth import fetch_one
+from vigil.ingest.cache import TtlCache
+from vigil.ingest.metrics import SIGNATURE_FAILURES
+from vigil.ingest.publisher import Publisher
+from vigil.ingest.requests import Refusal, invalid, parse_json, read_body, received_at, require_json
+from vigil.ingest.settings import IngestSettings
+from vigil.ingest.signatures import VERIFIERS, SignatureError
+from vigil.ledger.queries import Q
+from vigil.ledger.states import HookProvider
+
+log = logging.getLogger(__name__)
+
+# Fresh secrets are fetched again after a failed check only if the cached ones are older
+# than this, so a stream of forged deliveries costs at most one query per hook per second.
+RECHECK_AFTER_S = 1.0
+MAX_ID_CHARS = 256  # delivery ids and event types: providers use a few dozen characters
+MAX_HOOK_ID_CHARS = 64
+
+
+def _clean(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise invalid(field, "missing or empty")
+    if len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise invalid(field, f"longer than {MAX_ID_CHARS} characters or not printable")
+    return value
+
+
+def _object(document: Any) -> dict:
+    if not isinstance(document, dict):
+        raise invalid("body", "expected a JSON object")
+    return document
+
+
+def delivery_event(provider: HookProvider, user_id: str, request: Request, body: bytes, document: Any) -> Event:
+    """The event for one verified delivery: the provider's delivery id and event type."""
+    headers = request.headers
+    occurred_at = None
+    if provider is HookProvider.GITHUB:
+        source_id = _clean(headers.get("x-github-delivery"), "X-GitHub-Delivery")
+        event_type = _clean(headers.get("x-github-event"), "X-GitHub-Event")
+    elif provider is HookProvider.STRIPE:
+        document = _object(document)
+        source_id = _clean(document.get("id"), "id")
+        event_type = _clean(document.get("type"), "type")
+        if isinstance(document.get("created"), int):
+            occurred_at = datetime.fromtimestamp(document["created"], timezone.utc)
+    else:
+        source_id = _clean(headers.get("webhook-id") or headers.get("svix-id"), "webhook-id")
+        event_type = document.get("type") if isinstance(document, dict) else None
+        event_type = _clean(event_type, "type") if event_type is not None else "event"
+    extra = {"traceparent": headers["traceparent"]} if "traceparent" in headers else {}
+    return Event(
+        user_id=user_id,
+        source=provider.value,
+        source_id=source_id,
+        kind=f"{provider.value}.{event_type}",
+        # As received: the agent sees exactly what the provider sent (and what was signed).
+        payload=body.decode("utf-8"),
+        received_at=received_at(request),
+        occurred_at=occurred_at,
+        headers=extra,
+    )
+
+
+class HookReceiver:
+    def __init__(self, settings: IngestSettings, pool: AsyncConnectionPool, publisher: Publisher):
+        self.settings = settings
+        self.pool = pool
+        self.publisher = publisher
+        self.cache: TtlCache[dict] = TtlCache(settings.ingest_auth_cache_s)
+
+    async def _hook(self, hook_id: str) -> dict | None:
+        return await self.cache.get(hook_id, lambda: fetch_one(self.pool, Q.hook_for_delivery, {"hook_id": hook_id}))
+
+    async def _verify(self, hook: dict, provider: HookProvider, request: Request, body: bytes) -> None:
+        verify = VERIFIERS[provider]
+        tolerance = self.settings.webhook_tolerance_s
+        try:
+            verify(request.headers, body, hook["secrets"], time.time(), tolerance)
+            return
+        except SignatureError as first:
+            error = first
+            age = self.cache.age(hook["id"])
+            if error.reason == SignatureError.MISMATCH and age is not None and age > RECHECK_AFTER_S:
+                self.cache.forget(hook["id"])
+                fresh = await self._hook(hook["id"])
+                if fresh is not None and fresh["secrets"] != hook["secrets"]:
+                    try:
+                        verify(request.headers, body, fresh["secrets"], time.time(), tolerance)
+                        return
+                    except SignatureError as second:
+                        error = second
+        SIGNATURE_FAILURES.labels(provider.value, error.reason).inc()
+        raise Refusal(401, "invalid_signature", error.detail, reason=error.reason)
+
+    async def post(self, request: Request) -> Response:
+        hook_id = request.path_params["hook_id"]
+        hook = await self._hook(hook_id) if len(hook_id) <= MAX_HOOK_ID_CHARS else None
+        if hook is None or hook["disabled_at"] is not None:
+            raise Refusal(404, "unknown_hook", "no such hook")
+        provider = HookProvider(hook["provider"])
+        require_json(request)
+        body = await read_body(request, self.settings.max_body_bytes)
+        if not hook["secrets"]:
+            SIGNATURE_FAILURES.labels(provider.value, "no_active_secret").inc()
+            raise Refusal(401, "invalid_signature", "the hook has no active secret", reason="no_active_secret")
+        await self._verify(hook, provider, request, body)
+        event = delivery_event(provider, hook["user_id"], request, body, parse_json(body))
+        await self.publisher.send([event], via="hooks")
+        log.debug("hook %s: %s %s produced", hook_id, event.kind, event.source_id)
+        return JSONResponse({"accepted": 1, "source": event.source, "source_id": event.source_id}, 202)
+

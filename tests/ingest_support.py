@@ -1,0 +1,80 @@
+"""Helpers of the ingest tests: an ingest server for this test, tokens, reading the topic."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import psycopg
+from click.testing import CliRunner
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from vigil.bus.codec import Event, EventCodec
+from vigil.devstack import free_port
+from vigil.ingest.embedded import EmbeddedIngest
+from vigil.ingest.settings import IngestSettings
+
+APPROVAL_SECRET = "test-approval-secret"
+
+
+def ingest_settings(bootstrap: str, dsn: str, topic: str, **overrides: Any) -> IngestSettings:
+    values = {
+        "kafka_bootstrap": bootstrap,
+        "database_url": dsn,
+        "events_topic": topic,
+        "approval_secret": APPROVAL_SECRET,
+        "ingest_port": free_port(),
+        "produce_timeout_s": 5.0,
+        **overrides,
+    }
+    return IngestSettings(**values)
+
+
+def start_ingest(stack, ledger: str, topics, **overrides: Any) -> EmbeddedIngest:
+    app_options = {k: overrides.pop(k) for k in list(overrides) if k in ("before_answer",)}
+    return EmbeddedIngest(ingest_settings(stack.bootstrap, ledger, topics.events, **overrides), **app_options).start()
+
+
+def cli(dsn: str, *args: str, input: str | None = None) -> str:
+    """Run a `vigil` operator command in this process against ``dsn``; its stdout."""
+    from vigil.cli import main
+
+    result = CliRunner().invoke(main, list(args), env={"VIGIL_DATABASE_URL": dsn}, input=input, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def create_token(dsn: str, name: str = "tests") -> dict:
+    import json
+
+    return json.loads(cli(dsn, "tokens", "create", name, "--json"))
+
+
+def read_events(bootstrap: str, topic: str, expected: int, partitions: int = 4, timeout: float = 20.0, settle: float = 0.0) -> list[Event]:
+    """Every event on ``topic`` once ``expected`` have arrived (then ``settle`` seconds more,
+    to catch any extra copy that should not be there)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}", "enable.auto.commit": False})
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+    codec = EventCodec()
+    found: list[Event] = []
+    try:
+        deadline = time.monotonic() + timeout
+        extra_until = None
+        while time.monotonic() < deadline:
+            if len(found) >= expected and extra_until is None:
+                extra_until = time.monotonic() + settle
+            if extra_until is not None and time.monotonic() >= extra_until:
+                break
+            message = consumer.poll(0.2)
+            if message is None or message.error():
+                continue
+            found.append(codec.decode(message.value()))
+    finally:
+        consumer.close()
+    return found
+
+
+def ledger_count(dsn: str, sql: str, params: Any = None) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql, params).fetchone()[0]
