@@ -25,6 +25,9 @@ WITH owned AS (
     SELECT p.topic, p.partition FROM partitions p
     JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
       ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+    -- Locks taken in one global order (as lock_epochs and take_over do): no deadlock with a
+    -- takeover of several partitions.
+    ORDER BY p.topic, p.partition
     FOR SHARE OF p
 )
 UPDATE events e
@@ -43,6 +46,9 @@ WITH owned AS (
     SELECT p.topic, p.partition, p.epoch FROM partitions p
     JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
       ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+    -- Locks taken in one global order (as lock_epochs and take_over do): no deadlock with a
+    -- takeover of several partitions.
+    ORDER BY p.topic, p.partition
     FOR SHARE OF p
 ),
 waiting AS (
