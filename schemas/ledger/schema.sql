@@ -105,8 +105,11 @@ CREATE INDEX runs_by_user ON runs (user_id, started_at);
 
 -- outbox: messages a run decided to send, written in its fenced finish.
 --   status: pending   -> sending (dispatcher fixes delivery_id before the send)
---           sending   -> delivered | pending (retry with backoff) | dead (dispatcher)
+--           sending   -> delivered | pending (retry with backoff) | dead (dispatcher);
+--                        -> sending again once next_attempt_at passes (its dispatcher died
+--                           mid-send: another re-sends under the same delivery_id)
 --           delivered terminal; dead -> pending only by an operator
+-- Rows sent together share one delivery_id and move together (every update is by delivery_id).
 CREATE TABLE outbox (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     user_id         text        NOT NULL,
@@ -118,14 +121,23 @@ CREATE TABLE outbox (
     status          text        NOT NULL DEFAULT 'pending',
     delivery_id     uuid,                                        -- idempotency key of its delivery, fixed before sending
     attempts        integer     NOT NULL DEFAULT 0,              -- delivery attempts
-    next_attempt_at timestamptz,                                 -- delivery backoff
+    next_attempt_at timestamptz,                                 -- pending: backoff; sending: the send's lease
     delivered_at    timestamptz,
     error           text,                                        -- latest delivery error
+    fixed_at        timestamptz,                                 -- when delivery_id was fixed: the delivery's own time
+    channel         text,                                        -- channel of the latest attempt: webhook | kafka | log
+    dead_at         timestamptz,                                 -- when the dispatcher gave up on it
     CONSTRAINT outbox_status_valid CHECK (status IN ('pending', 'sending', 'delivered', 'dead')),
     CONSTRAINT outbox_delivered_has_time CHECK ((status = 'delivered') = (delivered_at IS NOT NULL)),
-    CONSTRAINT outbox_sending_has_delivery CHECK (status <> 'sending' OR delivery_id IS NOT NULL)
+    CONSTRAINT outbox_sending_has_delivery CHECK (status <> 'sending' OR delivery_id IS NOT NULL),
+    CONSTRAINT outbox_fixed_with_delivery CHECK ((delivery_id IS NULL) = (fixed_at IS NULL)),
+    CONSTRAINT outbox_dead_has_time CHECK ((status = 'dead') = (dead_at IS NOT NULL)),
+    CONSTRAINT outbox_channel_valid CHECK (channel IS NULL OR channel IN ('webhook', 'kafka', 'log'))
 );
 CREATE INDEX outbox_undelivered ON outbox (user_id, id) WHERE status IN ('pending', 'sending');
+-- The dispatcher finishes a delivery by its id; operators list dead deliveries newest first.
+CREATE INDEX outbox_by_delivery ON outbox (delivery_id) WHERE delivery_id IS NOT NULL;
+CREATE INDEX outbox_dead ON outbox (dead_at) WHERE status = 'dead';
 -- Past messages for the agent's context come from delivered rows.
 CREATE INDEX outbox_delivered_by_user ON outbox (user_id, delivered_at) WHERE status = 'delivered';
 
@@ -243,12 +255,13 @@ CREATE TABLE channels (
     url               text,                               -- webhook target
     secret            text,                               -- webhook signing secret (Standard Webhooks)
     gap_seconds       integer,                            -- pacing gap override (else VIGIL_OUTBOX_GAP)
-    urgent_daily_cap  integer,                            -- urgent deliveries allowed per day (NULL: no cap)
+    urgent_daily_cap  integer,                            -- urgent deliveries allowed per day (NULL: VIGIL_URGENT_DAILY_CAP)
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT channels_type_valid CHECK (type IN ('webhook', 'kafka', 'log')),
     CONSTRAINT channels_webhook_has_url CHECK (type <> 'webhook' OR (url IS NOT NULL AND secret IS NOT NULL)),
-    CONSTRAINT channels_gap_nonnegative CHECK (gap_seconds IS NULL OR gap_seconds >= 0)
+    CONSTRAINT channels_gap_nonnegative CHECK (gap_seconds IS NULL OR gap_seconds >= 0),
+    CONSTRAINT channels_urgent_cap_nonnegative CHECK (urgent_daily_cap IS NULL OR urgent_daily_cap >= 0)
 );
 
 -- audit: what operators did by hand (dead retry, token revoke, hook changes).

@@ -25,7 +25,7 @@ class RunOutcome(StrEnum):
 
 class OutboxStatus(StrEnum):
     PENDING = "pending"  # dispatcher: -> sending (delivery id fixed before the send)
-    SENDING = "sending"  # dispatcher: -> delivered | pending (retry) | dead
+    SENDING = "sending"  # dispatcher: -> delivered | pending (retry) | dead; re-sent once its lease ends
     DELIVERED = "delivered"  # terminal
     DEAD = "dead"  # operator only
 
@@ -83,5 +83,6 @@ CHECKED = {
     "approvals_answer_valid": ApprovalAnswer,
     "sessions_state_valid": SessionState,
     "channels_type_valid": ChannelType,
+    "outbox_channel_valid": ChannelType,
     "hooks_provider_valid": HookProvider,
 }
