@@ -196,6 +196,8 @@ CREATE INDEX approvals_by_user ON approvals (user_id, created_at);
 
 -- sessions: saved agent conversations.
 --   state: open (resumable) | waiting (mid tool call, for an approval) | closed (over budget or ended)
+--   Only the worker's finish moves them, as the agent decided: open -> waiting (a call needs approval)
+--   or closed (past the size budget); waiting -> open (the answer or expiry resumed it).
 CREATE TABLE sessions (
     id          text PRIMARY KEY,
     user_id     text        NOT NULL,
@@ -203,9 +205,12 @@ CREATE TABLE sessions (
     messages    jsonb       NOT NULL DEFAULT '[]',        -- the Messages API conversation so far
     size_bytes  integer     NOT NULL DEFAULT 0,           -- against the session size budget
     blocks      integer     NOT NULL DEFAULT 0,           -- auto-mode permission blocks in this session
+    consecutive_blocks integer NOT NULL DEFAULT 0,        -- ... since the last auto-mode call that passed
+    pending     jsonb,                                    -- while waiting: the deferred call (tool, input, request_id, ...)
     created_at  timestamptz NOT NULL DEFAULT now(),
     updated_at  timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT sessions_state_valid CHECK (state IN ('open', 'waiting', 'closed'))
+    CONSTRAINT sessions_state_valid CHECK (state IN ('open', 'waiting', 'closed')),
+    CONSTRAINT sessions_waiting_has_pending CHECK ((state = 'waiting') = (pending IS NOT NULL))
 );
 CREATE INDEX sessions_by_user ON sessions (user_id, updated_at);
 
@@ -217,6 +222,19 @@ CREATE TABLE memory (
     updated_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (user_id, path),
     CONSTRAINT memory_path_confined CHECK (path LIKE '/memories/%' AND path NOT LIKE '%..%')
+);
+
+-- refunds: the demo `refund` tool's record, standing in for a payment provider that honours
+-- idempotency keys: one refund per key (the approval's request id), however often it is called.
+CREATE TABLE refunds (
+    id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    idempotency_key  text          NOT NULL UNIQUE,
+    user_id          text          NOT NULL,
+    order_id         text          NOT NULL,
+    amount           numeric(12,2) NOT NULL,
+    reason           text,
+    created_at       timestamptz   NOT NULL DEFAULT now(),
+    CONSTRAINT refunds_amount_positive CHECK (amount > 0)
 );
 
 -- api_tokens: bearer tokens for the HTTP API (sha256 of the token; the token is shown once).
