@@ -1,19 +1,192 @@
-"""`vigil dispatcher` and its operator commands."""
+"""`vigil dispatcher` and its operator commands: `vigil channels`, `vigil outbox`."""
 
 from __future__ import annotations
 
 import click
 
+from vigil.ledger.states import ChannelType
+
+
+class Limit(click.ParamType):
+    """A whole number of seconds or deliveries, or `default` (back to the service setting)."""
+
+    name = "N|default"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        if str(value).strip().lower() == "default":
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a whole number or 'default'", param, ctx)
+        if number < 0:
+            self.fail("must be >= 0", param, ctx)
+        return number
+
+
+def _settings():
+    from vigil.dispatcher.settings import DispatcherSettings
+    from vigil.service import load_or_exit
+
+    return load_or_exit(DispatcherSettings)
+
+
+def _connect(settings):
+    from vigil.ledger import db
+
+    return db.connect(settings.dsn, autocommit=True)
+
 
 @click.command("dispatcher")
 def dispatcher_command() -> None:
-    """Run the dispatcher service."""
-    from vigil.dispatcher.settings import DispatcherSettings
-    from vigil.service import load_or_exit
-    from vigil.stub import run_idle
+    """Run the dispatcher: relay the outbox to each user's channel, paced per user."""
+    from vigil.dispatcher.main import serve
 
-    settings = load_or_exit(DispatcherSettings)
-    run_idle(settings, settings.dispatcher_port, "dispatcher")
+    serve(_settings())
 
 
-commands = [dispatcher_command]
+@click.group("channels")
+def channels() -> None:
+    """Where each user's deliveries go: webhook, kafka or log (the default)."""
+
+
+@channels.command("set")
+@click.argument("user")
+@click.option("--type", "type_", type=click.Choice([t.value for t in ChannelType]), required=True, help="Channel type.")
+@click.option("--url", help="Webhook target (--type webhook).")
+@click.option("--gap", type=Limit(), help="Seconds between deliveries for this user, or 'default'.")
+@click.option("--urgent-cap", type=Limit(), help="Urgent gap bypasses a day for this user, or 'default'.")
+@click.option("--rotate-secret", is_flag=True, help="Webhook: generate a new signing secret (printed once).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> None:
+    """Set USER's channel. A new webhook's signing secret is printed once: store it then.
+
+    \b
+    vigil channels set alice --type webhook --url https://example.com/hooks/vigil
+    vigil channels set alice --type webhook --url https://example.com/hooks/vigil --gap 600 --urgent-cap 2
+    vigil channels set bob --type kafka
+    vigil channels set carol --type log --gap default
+    """
+    from vigil.cli import emit
+    from vigil.dispatcher.operator import KEEP, ChannelError, set_channel
+
+    settings = _settings()
+    gap_source = click.get_current_context().get_parameter_source("gap")
+    cap_source = click.get_current_context().get_parameter_source("urgent_cap")
+    given = click.core.ParameterSource.COMMANDLINE
+    with _connect(settings) as conn:
+        try:
+            result = set_channel(
+                conn,
+                user,
+                ChannelType(type_),
+                url,
+                gap_seconds=gap if gap_source == given else KEEP,
+                urgent_cap=urgent_cap if cap_source == given else KEEP,
+                rotate_secret=rotate_secret,
+            )
+        except ChannelError as exc:
+            raise click.UsageError(str(exc)) from None
+    row = result.row
+    shown = {k: row[k] for k in ("user_id", "type", "url", "gap_seconds", "urgent_daily_cap")}
+    gap_text = f"gap {row['gap_seconds']}s" if row["gap_seconds"] is not None else f"gap {settings.outbox_gap}s (default)"
+    cap_text = (
+        f"urgent cap {row['urgent_daily_cap']}/day"
+        if row["urgent_daily_cap"] is not None
+        else f"urgent cap {settings.urgent_daily_cap}/day (default)"
+    )
+    text = f"{user}: {row['type']}{' ' + row['url'] if row['url'] else ''}, {gap_text}, {cap_text}"
+    if result.new_secret:
+        shown["secret"] = result.new_secret
+        text += f"\nsigning secret (shown only now; the receiver verifies webhook-signature with it):\n{result.new_secret}"
+    emit(shown, as_json, text)
+
+
+@channels.command("show")
+@click.argument("user")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def channels_show(user, as_json) -> None:
+    """Show USER's channel, the limits in effect and the pacing state (never the secret)."""
+    from vigil.cli import emit
+    from vigil.dispatcher.operator import show_channel, to_json
+
+    settings = _settings()
+    with _connect(settings) as conn:
+        shown = show_channel(conn, user, settings.outbox_gap, settings.urgent_daily_cap)
+    if as_json:
+        click.echo(to_json(shown))
+        return
+    lines = [
+        f"user:        {user}",
+        f"channel:     {shown['type']}{'' if shown['configured'] else ' (no channel set: the default)'}",
+    ]
+    if shown["url"]:
+        lines.append(f"url:         {shown['url']}  (signing secret {'set' if shown['secret_set'] else 'MISSING'})")
+    lines += [
+        f"gap:         {shown['gap_seconds']}s{' (default)' if shown['gap_is_default'] else ''}",
+        f"urgent cap:  {shown['urgent_daily_cap']}/day{' (default)' if shown['urgent_cap_is_default'] else ''}, "
+        f"used today: {shown['urgent_today']}",
+        f"last delivery: {shown['last_delivery_at'] or 'never'}",
+    ]
+    emit(shown, False, "\n".join(lines))
+
+
+def _preview(body: str, width: int = 60) -> str:
+    flat = " ".join(body.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+@click.command("outbox")
+@click.argument("user", required=False)
+@click.option("--dead", is_flag=True, help="List dead deliveries of every user instead.")
+@click.option("--revive", "revive_id", metavar="DELIVERY_ID", help="Send a dead delivery again under its own id.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def outbox(user, dead, revive_id, limit, as_json) -> None:
+    """USER's outbox rows (status, attempts, delivery id, error), newest first.
+
+    \b
+    vigil outbox alice
+    vigil outbox --dead
+    vigil outbox --revive 2f1c...   (a dead delivery, same id, attempts start over)
+    """
+    from vigil.dispatcher.operator import dead_deliveries, outbox_rows, revive_delivery, to_json
+
+    if sum(bool(x) for x in (user, dead, revive_id)) != 1:
+        raise click.UsageError("give exactly one of USER, --dead, --revive DELIVERY_ID")
+    settings = _settings()
+    with _connect(settings) as conn:
+        if revive_id:
+            rows = revive_delivery(conn, revive_id)
+            if not rows:
+                raise click.ClickException(f"no dead delivery {revive_id}")
+            click.echo(f"delivery {revive_id}: {len(rows)} messages back to pending for {rows[0]['user_id']}")
+            return
+        rows = dead_deliveries(conn, limit) if dead else outbox_rows(conn, user, limit)
+    if as_json:
+        for row in rows:
+            click.echo(to_json(row))
+        return
+    if not rows:
+        click.echo("no dead deliveries" if dead else f"no outbox rows for {user}")
+        return
+    if dead:
+        for row in rows:
+            click.echo(
+                f"{row['dead_at']:%Y-%m-%d %H:%M:%S}  {row['delivery_id']}  {row['user_id']}  {row['channel'] or '-'}  "
+                f"{row['messages']} msg  {row['attempts']} attempts  {row['error']}"
+            )
+        return
+    click.echo(f"{'id':>8}  {'status':<9}  {'att':>3}  {'delivery id':<36}  {'channel':<7}  created / body / error")
+    for row in rows:
+        urgent = " URGENT" if row["urgent"] else ""
+        click.echo(
+            f"{row['id']:>8}  {row['status']:<9}  {row['attempts']:>3}  {str(row['delivery_id'] or '-'):<36}  "
+            f"{row['channel'] or '-':<7}  {row['created_at']:%Y-%m-%d %H:%M:%S}{urgent}  {_preview(row['body'])}"
+            + (f"  error: {row['error']}" if row["error"] else "")
+        )
+
+
+commands = [dispatcher_command, channels, outbox]

@@ -1,0 +1,292 @@
+"""Delivery channels: a signed webhook, a Kafka topic, the log.
+
+A channel gets a :class:`Delivery` whose id and content were fixed in the ledger before the
+call, and answers with an :class:`Outcome`: delivered, retry (with the receiver's
+Retry-After if it gave one), or dead. A channel never raises for a receiver's failure, and
+never touches the ledger: the loop records the outcome.
+
+Every copy of a delivery carries the same bytes: the body is rendered only from what the
+ledger stored (the rows, the delivery id, the time it was fixed), so a copy re-sent after a
+crash is byte-identical and the receiver can drop it by id.
+"""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import sys
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import StrEnum
+from typing import IO, Callable, Protocol
+from uuid import UUID
+
+import httpx
+
+from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
+from vigil.bus.kafka import EventProducer, ProduceError
+from vigil.dispatcher.pacing import Row
+from vigil.ledger.states import ChannelType
+
+log = logging.getLogger(__name__)
+
+SECRET_PREFIX = "whsec_"
+SECRET_BYTES = 32  # Standard Webhooks: 24 to 64 random bytes
+SIGNATURE_VERSION = "v1"
+DELIVERY_TYPE = "vigil.delivery"
+JOIN_SEPARATOR = "\n\n"
+# 408 is a timeout reported by the receiver's own front end: retried like one.
+RETRIED_STATUSES = frozenset({408, 429})
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelConfig:
+    """A user's channel and pacing limits: their ``channels`` row, or the defaults."""
+
+    type: ChannelType
+    url: str | None = None
+    secret: str | None = None
+    gap_s: int | None = None  # None: VIGIL_OUTBOX_GAP
+    urgent_cap: int | None = None  # None: VIGIL_URGENT_DAILY_CAP
+
+
+LOG_CHANNEL = ChannelConfig(ChannelType.LOG)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One delivery as fixed in the ledger: the rows sharing ``delivery_id``, oldest first."""
+
+    delivery_id: UUID
+    user_id: str
+    rows: tuple[Row, ...]
+    attempt: int  # 1 for the first send; the fencing token of this attempt's outcome
+    fixed_at: datetime
+    channel: ChannelConfig
+
+    @property
+    def urgent(self) -> bool:
+        return any(row.urgent for row in self.rows)
+
+    @property
+    def created_at(self) -> datetime:
+        return min(row.created_at for row in self.rows)
+
+    def document(self) -> dict:
+        """What the receiver gets (Standard Webhooks' recommended ``type/timestamp/data``)."""
+        return {
+            "type": DELIVERY_TYPE,
+            "timestamp": self.fixed_at.isoformat(),
+            "data": {
+                "delivery_id": str(self.delivery_id),
+                "user_id": self.user_id,
+                "urgent": self.urgent,
+                "text": JOIN_SEPARATOR.join(row.body for row in self.rows),
+                "messages": [
+                    {
+                        "id": row.id,
+                        "run_id": row.run_id,
+                        "body": row.body,
+                        "urgent": row.urgent,
+                        "created_at": row.created_at.isoformat(),
+                    }
+                    for row in self.rows
+                ],
+            },
+        }
+
+    def body(self) -> bytes:
+        return json.dumps(self.document(), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Result(StrEnum):
+    DELIVERED = "delivered"
+    RETRY = "retry"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    result: Result
+    error: str | None = None
+    retry_after_s: float | None = None
+
+
+# -- Standard Webhooks signing ---------------------------------------------------------
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(SECRET_BYTES)).decode()
+
+
+def secret_key(secret: str) -> bytes:
+    return base64.b64decode(secret.removeprefix(SECRET_PREFIX), validate=True)
+
+
+def sign(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
+    """``webhook-signature``: HMAC-SHA256 over ``id.timestamp.body``, base64, version-tagged."""
+    mac = hmac.new(secret_key(secret), f"{message_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return f"{SIGNATURE_VERSION},{base64.b64encode(mac).decode()}"
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Retry-After as seconds: delta-seconds or an HTTP date (relative to this host's clock)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+
+
+# -- channels ---------------------------------------------------------------------------
+
+
+class Channel(Protocol):
+    def send(self, delivery: Delivery, now: datetime) -> Outcome: ...
+
+    def close(self) -> None: ...
+
+
+class WebhookChannel:
+    """HTTP POST, signed. 2xx delivered; 408, 429, 5xx, timeouts, refused connections are
+    retried; any other answer (a 410 for a gone endpoint, a 3xx: redirects are not followed
+    with a signed body) is final."""
+
+    def __init__(self, timeout_s: float, concurrency: int):
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self.client = httpx.Client(timeout=timeout_s, limits=limits, follow_redirects=False)
+        self.timeout_s = timeout_s
+
+    def send(self, delivery: Delivery, now: datetime) -> Outcome:
+        config = delivery.channel
+        if not config.url or not config.secret:
+            return Outcome(Result.DEAD, "webhook channel without url or secret")
+        body = delivery.body()
+        message_id = str(delivery.delivery_id)
+        # The attempt's own time: receivers reject stale timestamps (replay protection), so
+        # a retry hours later must not carry the first attempt's.
+        timestamp = int(now.timestamp())
+        headers = {
+            "content-type": "application/json",
+            "webhook-id": message_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": sign(config.secret, message_id, timestamp, body),
+            "user-agent": "vigil-dispatcher",
+        }
+        try:
+            response = self.client.post(config.url, content=body, headers=headers)
+        except httpx.TimeoutException:
+            return Outcome(Result.RETRY, f"no answer within {self.timeout_s:g}s")
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+            return Outcome(Result.DEAD, f"bad webhook url: {exc}")
+        except httpx.TransportError as exc:
+            return Outcome(Result.RETRY, f"{type(exc).__name__}: {exc}")
+        status = response.status_code
+        if 200 <= status < 300:
+            return Outcome(Result.DELIVERED)
+        error = f"HTTP {status}"
+        if status in RETRIED_STATUSES or status >= 500:
+            return Outcome(Result.RETRY, error, retry_after_seconds(response.headers.get("retry-after")))
+        return Outcome(Result.DEAD, f"{error} (not retried)")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class KafkaChannel:
+    """An Avro ``vigil.v1.Delivery`` record keyed by user, acknowledged by the broker."""
+
+    def __init__(self, topic: str, make_producer: Callable[[], EventProducer], schema_registry_url: str | None = None):
+        self.topic = topic
+        self.codec = AvroCodec(DELIVERY_SCHEMA_NAME, schema_registry_url=schema_registry_url)
+        self._make_producer = make_producer
+        self._producer: EventProducer | None = None
+        self._lock = threading.Lock()
+
+    def producer(self) -> EventProducer:
+        # Made on first use: a dispatcher whose users all have other channels opens no producer.
+        with self._lock:
+            if self._producer is None:
+                self._producer = self._make_producer()
+            return self._producer
+
+    def record(self, delivery: Delivery) -> dict:
+        return {
+            "delivery_id": str(delivery.delivery_id),
+            "user_id": delivery.user_id,
+            "messages": [row.body for row in delivery.rows],
+            "urgent": delivery.urgent,
+            "created_at": delivery.created_at,
+            # The fixed time, not the attempt's: every copy of a delivery is the same record.
+            "sent_at": delivery.fixed_at,
+        }
+
+    def send(self, delivery: Delivery, now: datetime) -> Outcome:
+        value = self.codec.encode_record(self.record(delivery), self.topic)
+        headers = [("delivery-id", str(delivery.delivery_id).encode())]
+        try:
+            self.producer().send_raw([(delivery.user_id.encode(), value)], self.topic, headers=headers)
+        except ProduceError as exc:
+            return Outcome(Result.RETRY, str(exc))
+        return Outcome(Result.DELIVERED)
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+
+
+class LogChannel:
+    """One JSON line per delivery on stdout (the demo's channel and the default)."""
+
+    def __init__(self, stream: IO[str] | None = None):
+        self.stream = stream
+        self._lock = threading.Lock()
+
+    def send(self, delivery: Delivery, now: datetime) -> Outcome:
+        line = json.dumps({"channel": "log", **delivery.document()}, sort_keys=True, ensure_ascii=False)
+        stream = self.stream or sys.stdout
+        try:
+            with self._lock:
+                stream.write(line + "\n")
+                stream.flush()
+        except OSError as exc:  # a closed or full stdout: the line may be lost, so retry
+            return Outcome(Result.RETRY, f"log write failed: {exc}")
+        return Outcome(Result.DELIVERED)
+
+    def close(self) -> None:
+        return None
+
+
+class Channels:
+    """The three channels of one dispatcher, chosen per delivery by its user's config."""
+
+    def __init__(self, webhook: Channel, kafka: Channel, log_channel: Channel):
+        self.by_type: dict[ChannelType, Channel] = {
+            ChannelType.WEBHOOK: webhook,
+            ChannelType.KAFKA: kafka,
+            ChannelType.LOG: log_channel,
+        }
+
+    def send(self, delivery: Delivery, now: datetime) -> Outcome:
+        try:
+            return self.by_type[delivery.channel.type].send(delivery, now)
+        except Exception as exc:  # a bug in a channel must cost one attempt, not the process
+            log.exception("channel %s failed on delivery %s", delivery.channel.type, delivery.delivery_id)
+            return Outcome(Result.RETRY, f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        for channel in self.by_type.values():
+            channel.close()

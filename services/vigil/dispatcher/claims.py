@@ -1,0 +1,206 @@
+"""The dispatcher's ledger side: the claim that fixes deliveries, and the recorded outcomes.
+
+The claim is one transaction, in this order:
+
+1. lock the ``users`` rows of users who may have something due (``FOR UPDATE SKIP LOCKED``:
+   another dispatcher's users are skipped, never waited for);
+2. read those users' unfinished outbox rows (a statement that starts after the locks are
+   held, so it sees everything the previous holder committed);
+3. :func:`vigil.dispatcher.pacing.plan` decides per user;
+4. fix a new delivery id on held rows and restart the user's gap, re-arm retries and lost
+   sends under their own ids, bury deliveries out of attempts: each one statement that
+   checks the state it expects;
+5. commit. Only then is anything sent.
+
+A crash before 5 leaves nothing (the locks go with the connection). A crash after it leaves
+rows ``sending`` under a lease: once it passes, a dispatcher sends them again with the same
+delivery id, which is what makes the send/commit gap harmless to an idempotent receiver.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from uuid import UUID
+
+import psycopg
+
+from vigil.dispatcher.channels import LOG_CHANNEL, ChannelConfig, Delivery
+from vigil.dispatcher.pacing import MAX_MESSAGES_PER_DELIVERY, Action, Decision, Pacing, Row, plan
+from vigil.ledger.queries import Q
+from vigil.ledger.states import ChannelType
+
+log = logging.getLogger(__name__)
+
+
+class ClaimConflict(Exception):
+    """A row changed under the claim's user lock: the transaction is rolled back."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    default_gap_s: int
+    default_urgent_cap: int
+    max_attempts: int
+    lease_s: float
+    batch_users: int
+    max_messages: int = MAX_MESSAGES_PER_DELIVERY
+
+
+@dataclass
+class Claimed:
+    deliveries: list[Delivery] = field(default_factory=list)
+    buried: list[Delivery] = field(default_factory=list)  # out of attempts with no outcome: now dead
+    lost: list[Delivery] = field(default_factory=list)  # re-armed after their lease ran out
+    bypasses: int = 0  # new deliveries inside the gap because of an urgent message
+    users_locked: int = 0
+
+
+def _config(row: dict) -> ChannelConfig:
+    if row["type"] is None:
+        return LOG_CHANNEL
+    return ChannelConfig(ChannelType(row["type"]), row["url"], row["secret"], row["gap_seconds"], row["urgent_daily_cap"])
+
+
+def _pacing(row: dict, config: ChannelConfig, limits: Limits) -> Pacing:
+    return Pacing(
+        user_id=row["user_id"],
+        last_delivery_at=row["last_delivery_at"],
+        urgent_day=row["urgent_day"],
+        urgent_count=row["urgent_count"],
+        gap_s=limits.default_gap_s if config.gap_s is None else config.gap_s,
+        urgent_cap=limits.default_urgent_cap if config.urgent_cap is None else config.urgent_cap,
+    )
+
+
+def _expect(what: str, returned: set, planned: set) -> None:
+    if returned != planned:
+        raise ClaimConflict(f"{what}: planned {len(planned)} rows, the ledger moved {len(returned)}")
+
+
+def claim(conn: psycopg.Connection, now: datetime, limits: Limits) -> Claimed:
+    """Fix what is due now and commit; returns the deliveries to send (see the module doc)."""
+    claimed = Claimed()
+    lease_until = now + timedelta(seconds=limits.lease_s)
+    with conn.transaction():
+        locked = conn.execute(
+            Q.outbox_lock_due_users,
+            {"now": now, "default_gap": limits.default_gap_s, "limit": limits.batch_users},
+        ).fetchall()
+        claimed.users_locked = len(locked)
+        if not locked:
+            return claimed
+        configs = {row["user_id"]: _config(row) for row in locked}
+        pacings = {row["user_id"]: _pacing(row, configs[row["user_id"]], limits) for row in locked}
+        rows: dict[str, list[Row]] = {user: [] for user in configs}
+        for row in conn.execute(
+            Q.outbox_unfinished_for_users, {"users": list(configs), "max_messages": limits.max_messages}
+        ).fetchall():
+            rows[row["user_id"]].append(Row(**row))
+        decisions = [plan(pacings[user], rows[user], now, limits.max_attempts, limits.max_messages) for user in configs]
+        decided = [d for d in decisions if d is not None]
+        _fix_new(conn, [d for d in decided if d.action is Action.NEW], configs, pacings, now, lease_until, claimed)
+        _rearm(conn, [d for d in decided if d.action is Action.RETRY], configs, now, lease_until, claimed)
+        _bury(conn, [d for d in decided if d.action is Action.BURY], configs, now, claimed)
+    return claimed
+
+
+def _fix_new(conn, new: list[Decision], configs, pacings, now, lease_until, claimed: Claimed) -> None:
+    if not new:
+        return
+    ids: dict[str, UUID] = {d.user_id: uuid.uuid4() for d in new}
+    row_ids = [row.id for d in new for row in d.rows]
+    returned = conn.execute(
+        Q.outbox_fix_deliveries,
+        {
+            "now": now,
+            "lease_until": lease_until,
+            "ids": row_ids,
+            "delivery_ids": [ids[d.user_id] for d in new for _ in d.rows],
+            "channels": [configs[d.user_id].type.value for d in new for _ in d.rows],
+        },
+    ).fetchall()
+    _expect("fix deliveries", {r["id"] for r in returned}, set(row_ids))
+    paced = conn.execute(
+        Q.outbox_record_pacing,
+        {
+            "now": now,
+            "today": now.date(),
+            "users": [d.user_id for d in new],
+            "seen": [pacings[d.user_id].last_delivery_at for d in new],
+            "bypass": [d.bypass for d in new],
+        },
+    ).fetchall()
+    _expect("record pacing", {r["user_id"] for r in paced}, {d.user_id for d in new})
+    for d in new:
+        claimed.deliveries.append(Delivery(ids[d.user_id], d.user_id, d.rows, 1, now, configs[d.user_id]))
+    claimed.bypasses += sum(1 for d in new if d.bypass)
+
+
+def _delivery(d: Decision, config: ChannelConfig, attempt: int) -> Delivery:
+    head = d.rows[0]
+    assert d.delivery_id is not None and head.fixed_at is not None
+    return Delivery(d.delivery_id, d.user_id, d.rows, attempt, head.fixed_at, config)
+
+
+def _rearm(conn, retries: list[Decision], configs, now, lease_until, claimed: Claimed) -> None:
+    if not retries:
+        return
+    returned = conn.execute(
+        Q.outbox_claim_retries,
+        {
+            "now": now,
+            "lease_until": lease_until,
+            "delivery_ids": [d.delivery_id for d in retries],
+            "channels": [configs[d.user_id].type.value for d in retries],
+        },
+    ).fetchall()
+    _expect("re-arm retries", {r["id"] for r in returned}, {row.id for d in retries for row in d.rows})
+    for d in retries:
+        delivery = _delivery(d, configs[d.user_id], d.rows[0].attempts + 1)
+        claimed.deliveries.append(delivery)
+        if d.lost:
+            claimed.lost.append(delivery)
+
+
+def _bury(conn, buried: list[Decision], configs, now, claimed: Claimed) -> None:
+    if not buried:
+        return
+    returned = conn.execute(Q.outbox_bury_lost, {"now": now, "delivery_ids": [d.delivery_id for d in buried]}).fetchall()
+    _expect("bury lost deliveries", {r["id"] for r in returned}, {row.id for d in buried for row in d.rows})
+    for d in buried:
+        delivery = _delivery(d, configs[d.user_id], d.rows[0].attempts)
+        claimed.buried.append(delivery)
+        log.warning("delivery %s to %s is dead: no outcome after %d attempts", d.delivery_id, d.user_id, delivery.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What the ledger now says about an attempt. ``stood`` False: the attempt was superseded."""
+
+    stood: bool
+    created_at: list[datetime] = field(default_factory=list)  # delivered rows' creation times
+
+
+def record_delivered(conn: psycopg.Connection, delivery: Delivery, now: datetime) -> Recorded:
+    rows = conn.execute(
+        Q.outbox_mark_delivered, {"now": now, "delivery_id": delivery.delivery_id, "attempt": delivery.attempt}
+    ).fetchall()
+    return Recorded(bool(rows), [r["created_at"] for r in rows])
+
+
+def record_retry(conn: psycopg.Connection, delivery: Delivery, at: datetime, error: str) -> Recorded:
+    rows = conn.execute(
+        Q.outbox_schedule_retry,
+        {"next_attempt_at": at, "error": error, "delivery_id": delivery.delivery_id, "attempt": delivery.attempt},
+    ).fetchall()
+    return Recorded(bool(rows))
+
+
+def record_dead(conn: psycopg.Connection, delivery: Delivery, now: datetime, error: str) -> Recorded:
+    rows = conn.execute(
+        Q.outbox_mark_dead, {"now": now, "error": error, "delivery_id": delivery.delivery_id, "attempt": delivery.attempt}
+    ).fetchall()
+    return Recorded(bool(rows))

@@ -1,0 +1,189 @@
+"""The dispatcher's loop: claim, send in parallel, record each outcome.
+
+One pass: :func:`vigil.dispatcher.claims.claim` fixes and commits what is due; the sends run
+on a thread pool (a slow receiver holds one thread, not the pass); each outcome is recorded
+in its own short transaction as soon as it arrives, fenced by the attempt number, so a
+crash loses at most the outcomes not yet recorded, and those deliveries are sent again under
+their own ids once their lease passes. Nothing here sends anything the ledger has not fixed
+first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from datetime import datetime, timedelta
+from typing import Callable
+
+import psycopg
+
+from vigil.dispatcher import metrics
+from vigil.dispatcher.channels import Channels, Delivery, Outcome, Result
+from vigil.dispatcher.claims import ClaimConflict, Limits, claim, record_dead, record_delivered, record_retry
+from vigil.dispatcher.clock import Clock
+from vigil.dispatcher.pacing import retry_delay
+from vigil.dispatcher.settings import DispatcherSettings
+from vigil.ledger import db
+from vigil.ledger.queries import Q
+from vigil.ledger.states import OutboxStatus
+
+log = logging.getLogger("vigil.dispatcher")
+
+# The backlog gauges cost a scan of the undelivered rows: every few seconds is plenty for a
+# dashboard and nothing for the database.
+BACKLOG_REFRESH_S = 10.0
+# After a database error: long enough not to spin on a restarting server.
+RECONNECT_PAUSE_S = 2.0
+
+
+def limits_of(settings: DispatcherSettings) -> Limits:
+    return Limits(
+        default_gap_s=settings.outbox_gap,
+        default_urgent_cap=settings.urgent_daily_cap,
+        max_attempts=settings.delivery_max_attempts,
+        lease_s=settings.delivery_lease_s,
+        batch_users=settings.dispatcher_batch_users,
+    )
+
+
+class Dispatcher:
+    """Relays the outbox. ``run_pass`` is one claim-send-record cycle (tests drive it directly)."""
+
+    def __init__(
+        self,
+        settings: DispatcherSettings,
+        clock: Clock,
+        channels: Channels,
+        connect: Callable[[], psycopg.Connection] | None = None,
+    ):
+        self.settings = settings
+        self.clock = clock
+        self.channels = channels
+        self.limits = limits_of(settings)
+        self._connect = connect or (lambda: db.connect(settings.dsn, autocommit=True))
+        self._conn: psycopg.Connection | None = None
+        self._pool = ThreadPoolExecutor(settings.dispatcher_concurrency, thread_name_prefix="send")
+        self._backlog_at = 0.0
+
+    @property
+    def conn(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+        return self._conn
+
+    def run_pass(self) -> int:
+        """Claim what is due, send it, record the outcomes. Returns the deliveries attempted."""
+        now = self.clock.now()
+        try:
+            claimed = claim(self.conn, now, self.limits)
+        except ClaimConflict as exc:
+            metrics.CLAIM_CONFLICTS.inc()
+            log.error("claim rolled back: %s", exc)
+            return 0
+        for delivery in claimed.lost:
+            metrics.RETRIES.labels(delivery.channel.type.value, "lost").inc()
+            log.warning("delivery %s to %s: lease ran out with no outcome, sending again", delivery.delivery_id, delivery.user_id)
+        for delivery in claimed.buried:
+            metrics.DEAD.labels(delivery.channel.type.value, "lost").inc()
+            metrics.DELIVERIES.labels(delivery.channel.type.value, Result.DEAD.value).inc()
+        metrics.URGENT_BYPASSES.inc(claimed.bypasses)
+        for delivery in claimed.deliveries:
+            if delivery.attempt == 1:
+                metrics.JOINED.observe(len(delivery.rows))
+        futures = {self._pool.submit(self.channels.send, d, self.clock.now()): d for d in claimed.deliveries}
+        for future in as_completed(futures):
+            self.record(futures[future], future.result())
+        return len(futures)
+
+    def record(self, delivery: Delivery, outcome: Outcome) -> None:
+        """Write one attempt's outcome (the send already happened; this is the commit after it)."""
+        channel = delivery.channel.type.value
+        if outcome.result is Result.DELIVERED and self.settings.dispatcher_crash_after_send:
+            log.warning("test hook: SIGKILL after delivery %s was accepted, before the commit", delivery.delivery_id)
+            os.kill(os.getpid(), signal.SIGKILL)
+        now = self.clock.now()
+        if outcome.result is Result.DELIVERED:
+            recorded = record_delivered(self.conn, delivery, now)
+            if recorded.stood:
+                metrics.DELIVERIES.labels(channel, Result.DELIVERED.value).inc()
+                for created_at in recorded.created_at:
+                    metrics.LATENCY.labels(channel).observe(max(0.0, (now - created_at).total_seconds()))
+                log.debug("delivered %s to %s (%d messages)", delivery.delivery_id, delivery.user_id, len(delivery.rows))
+        elif outcome.result is Result.RETRY and delivery.attempt < self.limits.max_attempts:
+            delay = retry_delay(
+                delivery.attempt,
+                self.settings.delivery_backoff_base_s,
+                self.settings.delivery_backoff_cap_s,
+                outcome.retry_after_s,
+            )
+            recorded = record_retry(self.conn, delivery, now + timedelta(seconds=delay), outcome.error or "failed")
+            if recorded.stood:
+                metrics.RETRIES.labels(channel, "failed").inc()
+                log.info(
+                    "delivery %s to %s: attempt %d failed (%s), next in %.0fs",
+                    delivery.delivery_id, delivery.user_id, delivery.attempt, outcome.error, delay,
+                )
+        else:
+            exhausted = outcome.result is Result.RETRY
+            reason = "exhausted" if exhausted else "rejected"
+            error = f"{outcome.error}; dead after {delivery.attempt} attempts" if exhausted else (outcome.error or "rejected")
+            recorded = record_dead(self.conn, delivery, now, error)
+            if recorded.stood:
+                metrics.DEAD.labels(channel, reason).inc()
+                metrics.DELIVERIES.labels(channel, Result.DEAD.value).inc()
+                log.warning("delivery %s to %s is dead: %s", delivery.delivery_id, delivery.user_id, error)
+        if not recorded.stood:
+            metrics.SUPERSEDED.labels(channel).inc()
+            log.warning(
+                "delivery %s attempt %d: outcome %s dropped, the lease was taken over (it went out again)",
+                delivery.delivery_id, delivery.attempt, outcome.result,
+            )
+
+    def refresh_backlog(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._backlog_at < BACKLOG_REFRESH_S:
+            return
+        self._backlog_at = time.monotonic()
+        counts = {OutboxStatus.PENDING.value: 0, OutboxStatus.SENDING.value: 0}
+        oldest: datetime | None = None
+        for row in self.conn.execute(Q.outbox_backlog).fetchall():
+            counts[row["status"]] = row["messages"]
+            oldest = row["oldest"] if oldest is None else min(oldest, row["oldest"])
+        for status, count in counts.items():
+            metrics.BACKLOG.labels(status).set(count)
+        age = 0.0 if oldest is None else max(0.0, (self.clock.now() - oldest).total_seconds())
+        metrics.OLDEST_AGE.set(age)
+
+    def run(self, stopping: threading.Event, on_health: Callable[[bool], None] = lambda ok: None) -> None:
+        """Passes until ``stopping`` is set; the pass in progress finishes and records first."""
+        while not stopping.is_set():
+            try:
+                attempted = self.run_pass()
+                self.refresh_backlog()
+                on_health(True)
+            except psycopg.OperationalError as exc:
+                # The ledger went away (restart, failover): nothing was sent that it had not
+                # fixed; reconnect and carry on.
+                log.error("ledger unavailable: %s", exc)
+                on_health(False)
+                self.close_connection()
+                stopping.wait(RECONNECT_PAUSE_S)
+                continue
+            metrics.LAST_PASS.set(time.time())
+            if attempted == 0:
+                stopping.wait(self.settings.dispatcher_poll_interval_s)
+
+    def close_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.channels.close()
+        self.close_connection()

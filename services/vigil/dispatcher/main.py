@@ -1,0 +1,52 @@
+"""`vigil dispatcher`: the loop on the main thread, health and metrics on another.
+
+SIGTERM: the pass in progress finishes (its sends are bounded by the HTTP and produce
+timeouts) and records its outcomes, then the process exits 0. SIGKILL at any point is safe:
+what was fixed but not recorded is sent again under the same delivery id after its lease.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vigil.bus.kafka import EventProducer
+from vigil.dispatcher.channels import Channels, KafkaChannel, LogChannel, WebhookChannel
+from vigil.dispatcher.clock import Clock, FileClock, SystemClock
+from vigil.dispatcher.loop import Dispatcher
+from vigil.dispatcher.settings import DispatcherSettings
+from vigil.health import HealthServer, Readiness, dependency_checks
+from vigil.service import stop_event
+
+log = logging.getLogger("vigil.dispatcher")
+
+
+def make_clock(settings: DispatcherSettings) -> Clock:
+    if settings.dispatcher_clock_file is not None:
+        log.warning("test hook: time is read from %s", settings.dispatcher_clock_file)
+        return FileClock(settings.dispatcher_clock_file)
+    return SystemClock()
+
+
+def make_channels(settings: DispatcherSettings) -> Channels:
+    return Channels(
+        webhook=WebhookChannel(settings.delivery_http_timeout_s, settings.dispatcher_concurrency),
+        kafka=KafkaChannel(settings.deliveries_topic, lambda: EventProducer(settings), settings.schema_registry_url),
+        log_channel=LogChannel(),
+    )
+
+
+def serve(settings: DispatcherSettings) -> None:
+    stopping = stop_event()
+    readiness = Readiness(dependency_checks(settings))
+    health = HealthServer(settings.dispatcher_port, readiness).start()
+    dispatcher = Dispatcher(settings, make_clock(settings), make_channels(settings))
+    log.info(
+        "dispatcher %s up: gap %ds, %d attempts, %d concurrent sends",
+        settings.instance_id, settings.outbox_gap, settings.delivery_max_attempts, settings.dispatcher_concurrency,
+    )
+    try:
+        dispatcher.run(stopping, on_health=lambda ok: readiness.set("ledger", ok))
+    finally:
+        dispatcher.close()
+        health.stop()
+    log.info("dispatcher stopped")

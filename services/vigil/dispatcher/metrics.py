@@ -1,0 +1,65 @@
+"""The dispatcher's Prometheus metrics, named for the question each answers.
+
+Labels are bounded: ``channel`` (webhook, kafka, log), ``result``, ``reason``, ``status``.
+Never a user id or a delivery id (those are in the ledger: `vigil outbox USER`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+BACKLOG = Gauge(
+    "vigil_outbox_backlog_messages",
+    "Outbox messages not yet delivered, by status (pending: held by pacing or waiting out a backoff; sending: in flight).",
+    ["status"],
+)
+OLDEST_AGE = Gauge(
+    "vigil_outbox_oldest_age_seconds",
+    "Age of the oldest undelivered outbox message (a gap's worth is normal; far more means deliveries are stuck).",
+)
+DELIVERIES = Counter(
+    "vigil_deliveries_total",
+    "Deliveries that reached a final result, by channel and result (delivered, dead).",
+    ["channel", "result"],
+)
+RETRIES = Counter(
+    "vigil_delivery_retries_total",
+    "Delivery attempts after the first, by channel and reason (failed: the receiver or broker said try again; "
+    "lost: the sending dispatcher vanished and the lease ran out).",
+    ["channel", "reason"],
+)
+DEAD = Counter(
+    "vigil_dead_deliveries_total",
+    "Deliveries given up on, by channel and reason (rejected: a final answer such as 410; exhausted: "
+    "VIGIL_DELIVERY_MAX_ATTEMPTS failed attempts; lost: no outcome recorded within the attempts).",
+    ["channel", "reason"],
+)
+JOINED = Histogram(
+    "vigil_delivery_joined_messages",
+    "Outbox messages joined into one delivery (held during the gap).",
+    buckets=(1, 2, 3, 5, 10, 20, 50, 100),
+)
+LATENCY = Histogram(
+    "vigil_delivery_latency_seconds",
+    "Time from a message's outbox row being written to its delivery being accepted, by channel (pacing included).",
+    ["channel"],
+    buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 14_400, 43_200, 86_400),
+)
+URGENT_BYPASSES = Counter(
+    "vigil_urgent_bypasses_total",
+    "Deliveries sent inside a user's gap because a message was urgent (each counts against the urgent daily cap).",
+)
+SUPERSEDED = Counter(
+    "vigil_delivery_superseded_total",
+    "Attempt outcomes dropped because the attempt's lease had been taken over (the delivery went out again: "
+    "raise VIGIL_DELIVERY_LEASE_S if this grows without crashes).",
+    ["channel"],
+)
+CLAIM_CONFLICTS = Counter(
+    "vigil_dispatcher_claim_conflicts_total",
+    "Claims rolled back because a row changed under the user lock (should stay 0; a rising count is a bug).",
+)
+LAST_PASS = Gauge(
+    "vigil_dispatcher_last_pass_timestamp_seconds",
+    "Unix time this dispatcher last finished a pass over the outbox (a stale value means the loop is stuck).",
+)

@@ -1,0 +1,143 @@
+"""What operators do to channels and deliveries, as functions (the CLI is a thin layer).
+
+``dead_deliveries`` is also what ``vigil dead`` lists next to dead events.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from urllib.parse import urlparse
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from vigil.dispatcher.channels import new_secret
+from vigil.ledger.queries import Q
+from vigil.ledger.states import ChannelType
+
+KEEP = object()  # "leave the stored value as it is" for the optional limits
+
+
+class ChannelError(ValueError):
+    """An operator's channel request that cannot be stored; the message says why."""
+
+
+@dataclass(frozen=True)
+class ChannelSet:
+    row: dict
+    new_secret: str | None  # shown once: only when this call generated it
+
+
+def check_url(url: str | None) -> str:
+    if not url:
+        raise ChannelError("--type webhook needs --url")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ChannelError(f"--url must be an http(s) URL, got {url!r}")
+    return url
+
+
+def set_channel(
+    conn: psycopg.Connection,
+    user_id: str,
+    type_: ChannelType,
+    url: str | None = None,
+    gap_seconds: int | None | object = KEEP,
+    urgent_cap: int | None | object = KEEP,
+    rotate_secret: bool = False,
+    actor: str | None = None,
+) -> ChannelSet:
+    """Create or change a user's channel in one transaction, audited (without the secret).
+
+    A webhook gets a generated signing secret the first time (or with ``rotate_secret``);
+    it is returned once and never shown again. ``KEEP`` leaves a stored limit as it is;
+    None puts it back to the service default.
+    """
+    if type_ is ChannelType.WEBHOOK:
+        url = check_url(url)
+    elif url:
+        raise ChannelError(f"--url is only for --type webhook, not {type_.value}")
+    for name, value in (("--gap", gap_seconds), ("--urgent-cap", urgent_cap)):
+        if value is not KEEP and value is not None and (not isinstance(value, int) or value < 0):
+            raise ChannelError(f"{name} must be a whole number >= 0")
+    with conn.transaction():
+        current = conn.execute(Q.channel_get_for_update, {"user_id": user_id}).fetchone()
+        # A webhook keeps its signing secret across edits (the receiver holds it); other
+        # types drop it, so a later webhook gets a fresh one.
+        stored = current["secret"] if current is not None and current["type"] == ChannelType.WEBHOOK else None
+        generated = new_secret() if type_ is ChannelType.WEBHOOK and (rotate_secret or not stored) else None
+        row = conn.execute(
+            Q.channel_set,
+            {
+                "user_id": user_id,
+                "type": type_.value,
+                "url": url,
+                "secret": generated or (stored if type_ is ChannelType.WEBHOOK else None),
+                "gap_seconds": None if gap_seconds is KEEP else gap_seconds,
+                "urgent_daily_cap": None if urgent_cap is KEEP else urgent_cap,
+                "keep_gap": gap_seconds is KEEP,
+                "keep_cap": urgent_cap is KEEP,
+            },
+        ).fetchone()
+        detail = {k: row[k] for k in ("user_id", "type", "url", "gap_seconds", "urgent_daily_cap")}
+        detail["secret_generated"] = generated is not None
+        conn.execute(Q.dispatcher_audit, {"actor": actor or _actor(), "action": "channel.set", "detail": Jsonb(detail)})
+    return ChannelSet(row=dict(row), new_secret=generated)
+
+
+def _actor() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def show_channel(conn: psycopg.Connection, user_id: str, default_gap: int, default_cap: int) -> dict:
+    """A user's channel with the limits in effect; the secret only as whether one is set."""
+    row = conn.execute(Q.channel_get, {"user_id": user_id}).fetchone()
+    pacing = conn.execute(Q.channel_pacing_state, {"user_id": user_id}).fetchone()
+    shown = {
+        "user_id": user_id,
+        "type": row["type"] if row else ChannelType.LOG.value,
+        "configured": row is not None,
+        "url": row["url"] if row else None,
+        "secret_set": bool(row and row["secret"]),
+        "gap_seconds": row["gap_seconds"] if row and row["gap_seconds"] is not None else default_gap,
+        "gap_is_default": not (row and row["gap_seconds"] is not None),
+        "urgent_daily_cap": row["urgent_daily_cap"] if row and row["urgent_daily_cap"] is not None else default_cap,
+        "urgent_cap_is_default": not (row and row["urgent_daily_cap"] is not None),
+        "last_delivery_at": pacing["last_delivery_at"] if pacing else None,
+        "urgent_today": (
+            pacing["urgent_count"] if pacing and pacing["urgent_day"] == datetime.now(timezone.utc).date() else 0
+        ),
+    }
+    return shown
+
+
+def outbox_rows(conn: psycopg.Connection, user_id: str, limit: int = 50) -> list[dict]:
+    return [dict(r) for r in conn.execute(Q.outbox_for_user, {"user_id": user_id, "limit": limit}).fetchall()]
+
+
+def dead_deliveries(conn: psycopg.Connection, limit: int = 100) -> list[dict]:
+    """Dead deliveries, newest first, one dict per delivery id: ``delivery_id, user_id,
+    dead_at, attempts, channel, error, messages, outbox_ids, created_at``."""
+    return [dict(r) for r in conn.execute(Q.outbox_dead_deliveries, {"limit": limit}).fetchall()]
+
+
+def revive_delivery(conn: psycopg.Connection, delivery_id: str, actor: str | None = None) -> list[dict]:
+    """Send a dead delivery again, same id, attempts starting over. Empty: nothing dead by that id."""
+    with conn.transaction():
+        rows = conn.execute(
+            Q.outbox_revive_dead, {"delivery_id": delivery_id, "now": datetime.now(timezone.utc)}
+        ).fetchall()
+        if rows:
+            detail = {"delivery_id": delivery_id, "user_id": rows[0]["user_id"], "outbox_ids": [r["id"] for r in rows]}
+            conn.execute(Q.dispatcher_audit, {"actor": actor or _actor(), "action": "delivery.revive", "detail": Jsonb(detail)})
+    return [dict(r) for r in rows]
+
+
+def to_json(obj: dict) -> str:
+    return json.dumps(obj, default=str, sort_keys=True)

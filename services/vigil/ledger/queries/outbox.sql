@@ -1,0 +1,142 @@
+-- Outbox: the dispatcher's claim, its outcomes, and the operators' views.
+--
+-- Every time comparison uses %(now)s, the dispatcher's clock, never now(): one clock decides
+-- gaps, backoffs and send leases, and tests move it. Rows of one delivery share delivery_id
+-- and every update after the claim is by delivery_id, so they always move together.
+-- Pacing state lives in users (last_delivery_at, urgent_day, urgent_count) and is only read
+-- and written while that users row is locked by the claim: that lock is what keeps two
+-- dispatchers from giving one user two deliveries inside a gap.
+
+-- name: outbox_lock_due_users
+-- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel.
+WITH due AS (
+    -- A fixed delivery whose backoff (pending) or send lease (sending) has run out.
+    SELECT o.user_id FROM outbox o
+    WHERE o.delivery_id IS NOT NULL AND o.status IN ('pending', 'sending') AND o.next_attempt_at <= %(now)s
+    UNION
+    -- Held messages whose gap has passed, or among which one is urgent (the plan checks the
+    -- urgent cap), of users with no delivery in flight. Only a prefilter, so that users
+    -- waiting out their gap (the normal state) are neither locked nor fill the limit:
+    -- vigil.dispatcher.pacing.plan decides, on rows read after the lock is held.
+    SELECT o.user_id FROM outbox o
+    JOIN users u ON u.user_id = o.user_id
+    LEFT JOIN channels c ON c.user_id = o.user_id
+    WHERE o.status = 'pending' AND o.delivery_id IS NULL
+      AND (o.urgent OR u.last_delivery_at IS NULL
+           OR u.last_delivery_at <= %(now)s - make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)))
+      AND NOT EXISTS (SELECT 1 FROM outbox f WHERE f.user_id = o.user_id AND f.delivery_id IS NOT NULL
+                      AND f.status IN ('pending', 'sending'))
+)
+SELECT u.user_id, u.last_delivery_at, u.urgent_day, u.urgent_count,
+       c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap
+FROM users u
+JOIN due d ON d.user_id = u.user_id
+LEFT JOIN channels c ON c.user_id = u.user_id
+ORDER BY u.last_delivery_at NULLS FIRST, u.user_id
+LIMIT %(limit)s
+-- SKIP LOCKED: a user another dispatcher is claiming right now is its business this pass;
+-- waiting for that lock would only serialise the replicas. Held until commit, so the
+-- pacing state read here cannot change under this claim.
+FOR UPDATE OF u SKIP LOCKED
+
+-- name: outbox_unfinished_for_users
+-- The unfinished rows (pending, sending) of locked users, oldest first: every row of a fixed delivery, the oldest %(max_messages)s held.
+SELECT id, user_id, run_id, body, urgent, created_at, status, delivery_id, attempts, next_attempt_at, fixed_at
+FROM (
+    SELECT o.*, row_number() OVER (PARTITION BY o.user_id, o.delivery_id ORDER BY o.id) AS n
+    FROM outbox o
+    WHERE o.user_id = ANY(%(users)s) AND o.status IN ('pending', 'sending')
+) ranked
+WHERE n <= %(max_messages)s OR delivery_id IS NOT NULL
+ORDER BY user_id, id
+
+-- name: outbox_fix_deliveries
+-- Fix a delivery id on held rows before anything is sent (pending -> sending, lease until %(lease_until)s).
+UPDATE outbox o
+SET status = 'sending', delivery_id = f.delivery_id, fixed_at = %(now)s, attempts = o.attempts + 1,
+    next_attempt_at = %(lease_until)s, channel = f.channel, error = NULL
+FROM unnest(%(ids)s::bigint[], %(delivery_ids)s::uuid[], %(channels)s::text[]) AS f(id, delivery_id, channel)
+WHERE o.id = f.id AND o.status = 'pending' AND o.delivery_id IS NULL
+RETURNING o.id
+
+-- name: outbox_record_pacing
+-- A new delivery restarts the user's gap; a bypass of it counts against today's urgent cap. Compare-and-set on the state the plan read.
+UPDATE users u
+SET last_delivery_at = %(now)s,
+    urgent_day = CASE WHEN p.bypass THEN %(today)s::date ELSE u.urgent_day END,
+    urgent_count = CASE WHEN NOT p.bypass THEN u.urgent_count
+                        WHEN u.urgent_day = %(today)s::date THEN u.urgent_count + 1
+                        ELSE 1 END
+FROM unnest(%(users)s::text[], %(seen)s::timestamptz[], %(bypass)s::boolean[]) AS p(user_id, seen, bypass)
+WHERE u.user_id = p.user_id AND u.last_delivery_at IS NOT DISTINCT FROM p.seen
+RETURNING u.user_id
+
+-- name: outbox_claim_retries
+-- Send fixed deliveries again under their own ids: a retry whose backoff ended, or a send whose lease ran out.
+UPDATE outbox o
+SET status = 'sending', attempts = o.attempts + 1, next_attempt_at = %(lease_until)s, channel = r.channel
+FROM unnest(%(delivery_ids)s::uuid[], %(channels)s::text[]) AS r(delivery_id, channel)
+WHERE o.delivery_id = r.delivery_id AND o.status IN ('pending', 'sending') AND o.next_attempt_at <= %(now)s
+RETURNING o.id, o.delivery_id, o.attempts
+
+-- name: outbox_bury_lost
+-- A delivery that used its last attempt without any outcome recorded (its dispatchers kept dying mid-send) is dead.
+UPDATE outbox
+SET status = 'dead', dead_at = %(now)s, next_attempt_at = NULL,
+    error = 'no outcome recorded after ' || attempts || ' attempts (dispatcher lost mid-send)' || coalesce('; last error: ' || error, '')
+WHERE delivery_id = ANY(%(delivery_ids)s::uuid[]) AND status IN ('pending', 'sending') AND next_attempt_at <= %(now)s
+RETURNING id, delivery_id
+
+-- name: outbox_mark_delivered
+-- The channel accepted attempt %(attempt)s. Zero rows: that attempt's lease was taken over (the delivery went out again).
+UPDATE outbox
+SET status = 'delivered', delivered_at = %(now)s, next_attempt_at = NULL, error = NULL
+WHERE delivery_id = %(delivery_id)s AND status = 'sending' AND attempts = %(attempt)s
+RETURNING id, created_at
+
+-- name: outbox_schedule_retry
+-- Attempt %(attempt)s failed and may be retried: back to pending, not before %(next_attempt_at)s.
+UPDATE outbox
+SET status = 'pending', next_attempt_at = %(next_attempt_at)s, error = %(error)s
+WHERE delivery_id = %(delivery_id)s AND status = 'sending' AND attempts = %(attempt)s
+RETURNING id
+
+-- name: outbox_mark_dead
+-- Attempt %(attempt)s failed for good (a final answer, or the last attempt): kept, listed, never sent again.
+UPDATE outbox
+SET status = 'dead', dead_at = %(now)s, next_attempt_at = NULL, error = %(error)s
+WHERE delivery_id = %(delivery_id)s AND status = 'sending' AND attempts = %(attempt)s
+RETURNING id
+
+-- name: outbox_backlog
+-- Undelivered rows by status and the oldest one's creation time (the backlog gauges).
+SELECT status, count(*) AS messages, min(created_at) AS oldest
+FROM outbox WHERE status IN ('pending', 'sending')
+GROUP BY status
+
+-- name: outbox_for_user
+-- A user's outbox, newest first (`vigil outbox USER`).
+SELECT id, run_id, epoch, created_at, status, urgent, attempts, delivery_id, channel, fixed_at,
+       next_attempt_at, delivered_at, dead_at, error, body
+FROM outbox WHERE user_id = %(user_id)s
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: outbox_dead_deliveries
+-- Dead deliveries, newest first: one row per delivery id (`vigil outbox --dead`, `vigil dead`).
+SELECT delivery_id, user_id, max(dead_at) AS dead_at, max(attempts) AS attempts, max(channel) AS channel,
+       max(error) AS error, count(*) AS messages, array_agg(id ORDER BY id) AS outbox_ids,
+       min(created_at) AS created_at
+FROM outbox
+WHERE status = 'dead'
+GROUP BY delivery_id, user_id
+ORDER BY max(dead_at) DESC
+LIMIT %(limit)s
+
+-- name: outbox_revive_dead
+-- Operator: send a dead delivery again under its own id (dead -> pending, attempts start over).
+UPDATE outbox
+SET status = 'pending', dead_at = NULL, attempts = 0, next_attempt_at = %(now)s,
+    error = 'revived by an operator; before: ' || coalesce(error, '')
+WHERE delivery_id = %(delivery_id)s AND status = 'dead'
+RETURNING id, user_id

@@ -1,0 +1,185 @@
+"""Test helpers for the dispatcher: a real HTTP receiver, a Standard Webhooks verifier
+written from the spec (not from the dispatcher's code), and ledger rows as the worker's
+fenced finish writes them."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+import psycopg
+
+T0 = datetime(2026, 3, 2, 9, 0, tzinfo=timezone.utc)  # a Monday morning, far from midnight
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def id(self) -> str:
+        return self.headers["webhook-id"]
+
+    @property
+    def document(self) -> dict:
+        return json.loads(self.body)
+
+    @property
+    def data(self) -> dict:
+        return self.document["data"]
+
+    @property
+    def user(self) -> str:
+        return self.data["user_id"]
+
+    @property
+    def bodies(self) -> list[str]:
+        return [m["body"] for m in self.data["messages"]]
+
+    @property
+    def timestamp(self) -> int:
+        return int(self.headers["webhook-timestamp"])
+
+
+def standard_webhooks_valid(secret: str, received: Received) -> bool:
+    """The receiver's check, from the Standard Webhooks spec: HMAC-SHA256 keyed with the
+    base64 part of the ``whsec_`` secret, over ``{webhook-id}.{webhook-timestamp}.{body}``,
+    base64; the header lists space-separated ``v1,<signature>`` entries."""
+    key = base64.b64decode(secret.split("_", 1)[1])
+    signed = f"{received.headers['webhook-id']}.{received.headers['webhook-timestamp']}.".encode() + received.body
+    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    offered = [part.split(",", 1) for part in received.headers["webhook-signature"].split(" ")]
+    return any(version == "v1" and hmac.compare_digest(sig, expected) for version, sig in offered)
+
+
+@dataclass
+class Receiver:
+    """An HTTP server on 127.0.0.1 recording every request. ``answer(request)`` returns
+    ``(status, headers)``; the default accepts everything."""
+
+    answer: Callable[[Received], tuple[int, dict[str, str]]] = lambda _r: (200, {})
+    requests: list[Received] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> "Receiver":
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                request = Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+                with receiver.lock:
+                    receiver.requests.append(request)
+                status, headers = receiver.answer(request)
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *_args):
+                return
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+
+    def got(self) -> list[Received]:
+        with self.lock:
+            return list(self.requests)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- ledger rows ------------------------------------------------------------------------
+
+
+def add_users(dsn: str, users: list[str]) -> None:
+    """``users`` rows as the worker records them on a user's first event."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "INSERT INTO users (user_id, home_topic, home_partition) SELECT u, 'test.events', 0 FROM unnest(%s::text[]) u",
+            (users,),
+        )
+
+
+def add_messages(dsn: str, messages: list[tuple[str, str, bool]], created_at: datetime | None = None) -> list[int]:
+    """Outbox rows ``(user, body, urgent)`` as a run's fenced finish writes them: one runs
+    row per message (the outbox's foreign key), epoch 1. Returns the outbox ids in order."""
+    with psycopg.connect(dsn) as conn:
+        ids = []
+        for user, body, urgent in messages:
+            run_id = conn.execute(
+                "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)"
+                " VALUES (%s, 'test.events', 0, 1, 'test', '{}', now(), now(), 'message') RETURNING id",
+                (user,),
+            ).fetchone()[0]
+            ids.append(
+                conn.execute(
+                    "INSERT INTO outbox (user_id, run_id, epoch, body, urgent, created_at)"
+                    " VALUES (%s, %s, 1, %s, %s, coalesce(%s, now())) RETURNING id",
+                    (user, run_id, body, urgent, created_at),
+                ).fetchone()[0]
+            )
+    return ids
+
+
+def add_message(dsn: str, user: str, body: str, urgent: bool = False, created_at: datetime | None = None) -> int:
+    return add_messages(dsn, [(user, body, urgent)], created_at)[0]
+
+
+def add_webhook_users(dsn: str, users: list[str], url: str, gap: int | None = None) -> dict[str, str]:
+    """Users with a webhook channel each (their own secret); returns user -> secret."""
+    from vigil.dispatcher.channels import new_secret
+
+    add_users(dsn, users)
+    secrets = {user: new_secret() for user in users}
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "INSERT INTO channels (user_id, type, url, secret, gap_seconds)"
+            " SELECT u, 'webhook', %s, s, %s FROM unnest(%s::text[], %s::text[]) AS t(u, s)",
+            (url, gap, list(secrets), list(secrets.values())),
+        )
+    return secrets
+
+
+def in_process_dispatcher(dsn: str, clock, log_stream=None, **overrides):
+    """A dispatcher in this process on the test's ledger, driven pass by pass with ``clock``."""
+    from vigil.bus.kafka import EventProducer
+    from vigil.dispatcher.channels import Channels, KafkaChannel, LogChannel, WebhookChannel
+    from vigil.dispatcher.loop import Dispatcher
+    from vigil.dispatcher.settings import DispatcherSettings
+
+    settings = DispatcherSettings(database_url=dsn, **{"delivery_http_timeout_s": 2.0, **overrides})
+    channels = Channels(
+        WebhookChannel(settings.delivery_http_timeout_s, settings.dispatcher_concurrency),
+        KafkaChannel(settings.deliveries_topic, lambda: EventProducer(settings)),
+        LogChannel(log_stream),
+    )
+    return Dispatcher(settings, clock, channels)
+
+
+def sample(name: str, labels: dict[str, str] | None = None) -> float:
+    """A metric's current value in this process (0 if never set)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0

@@ -1,0 +1,282 @@
+"""The dispatcher in this process, against the real ledger and a real HTTP receiver, on a
+clock the test moves: pacing (the source scenario, urgent messages, the daily cap), retries
+with backoff and Retry-After, dead deliveries, and the send lease."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import psycopg
+import pytest
+from dispatcher_support import (
+    T0,
+    Receiver,
+    add_message,
+    add_webhook_users,
+    in_process_dispatcher,
+    sample,
+    standard_webhooks_valid,
+)
+from support import query, scalar
+
+from vigil.dispatcher.channels import Outcome, Result
+from vigil.dispatcher.claims import claim
+from vigil.dispatcher.clock import ManualClock
+from vigil.dispatcher.operator import dead_deliveries
+
+MINUTE = 60
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver().start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def dispatch(ledger):
+    made = []
+
+    def make(clock, **overrides):
+        d = in_process_dispatcher(ledger, clock, **overrides)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def at(clock: ManualClock, minutes: float):
+    clock.set(T0 + timedelta(minutes=minutes))
+    return clock.now()
+
+
+def test_source_scenario_three_updates_in_an_hour_make_two_deliveries(ledger, receiver, dispatch):
+    """Seed 000 section 8: a 1 h gap, updates at minutes 0, 10 and 20: `update 0` at once,
+    `update 1` + `update 2` joined at minute 61."""
+    clock = ManualClock(T0)
+    d = dispatch(clock, outbox_gap=3600)
+    secret = add_webhook_users(ledger, ["ana"], receiver.url)["ana"]
+    for n, minute in enumerate((0, 10, 20)):
+        add_message(ledger, "ana", f"update {n}", created_at=at(clock, minute))
+        d.run_pass()
+    at(clock, 59.99)
+    d.run_pass()
+    assert [r.bodies for r in receiver.got()] == [["update 0"]], "only update 0 inside the first hour"
+
+    at(clock, 61)
+    d.run_pass()
+    got = receiver.got()
+    assert [r.bodies for r in got] == [["update 0"], ["update 1", "update 2"]]
+    assert got[1].data["text"] == "update 1\n\nupdate 2"
+    assert [r.timestamp for r in got] == [int(T0.timestamp()), int((T0 + timedelta(minutes=61)).timestamp())]
+    assert all(standard_webhooks_valid(secret, r) for r in got)
+    assert got[0].id != got[1].id
+    rows = query(ledger, "SELECT body, status, delivery_id::text AS d, attempts FROM outbox ORDER BY id")
+    assert [(r["status"], r["d"], r["attempts"]) for r in rows] == [
+        ("delivered", got[0].id, 1),
+        ("delivered", got[1].id, 1),
+        ("delivered", got[1].id, 1),
+    ]
+    assert scalar(ledger, "SELECT last_delivery_at FROM users") == T0 + timedelta(minutes=61)
+
+
+def test_urgent_inside_the_gap_goes_at_once_with_what_was_held_and_restarts_the_gap(ledger, receiver, dispatch):
+    clock = ManualClock(T0)
+    d = dispatch(clock, outbox_gap=3600)
+    add_webhook_users(ledger, ["ana"], receiver.url)
+    bypasses = sample("vigil_urgent_bypasses_total")
+    add_message(ledger, "ana", "morning summary", created_at=at(clock, 0))
+    d.run_pass()
+    add_message(ledger, "ana", "held note", created_at=at(clock, 2))
+    d.run_pass()
+    add_message(ledger, "ana", "the build is red", urgent=True, created_at=at(clock, 5))
+    d.run_pass()
+    got = receiver.got()
+    assert [r.bodies for r in got] == [["morning summary"], ["held note", "the build is red"]]
+    assert got[1].data["urgent"] is True
+    assert sample("vigil_urgent_bypasses_total") == bypasses + 1
+
+    # The urgent delivery at minute 5 restarted the gap: the next waits until minute 65.
+    add_message(ledger, "ana", "fyi", created_at=at(clock, 6))
+    at(clock, 64)
+    d.run_pass()
+    assert len(receiver.got()) == 2
+    at(clock, 65)
+    d.run_pass()
+    assert [r.bodies for r in receiver.got()][2] == ["fyi"]
+
+
+def test_urgent_daily_cap_makes_urgent_messages_wait_like_others_until_the_next_day(ledger, receiver, dispatch):
+    clock = ManualClock(T0)
+    d = dispatch(clock, outbox_gap=3600, urgent_daily_cap=5)
+    add_webhook_users(ledger, ["ana"], receiver.url)
+    with psycopg.connect(ledger) as conn:  # the operator's per-user cap wins over the default
+        conn.execute("UPDATE channels SET urgent_daily_cap = 1 WHERE user_id = 'ana'")
+    add_message(ledger, "ana", "hello", created_at=at(clock, 0))
+    d.run_pass()
+    add_message(ledger, "ana", "urgent one", urgent=True, created_at=at(clock, 5))
+    d.run_pass()
+    add_message(ledger, "ana", "urgent two", urgent=True, created_at=at(clock, 10))
+    d.run_pass()
+    at(clock, 64)
+    d.run_pass()
+    assert [r.bodies for r in receiver.got()] == [["hello"], ["urgent one"]], "the cap of 1 is used up"
+    at(clock, 65)
+    d.run_pass()
+    assert [r.bodies for r in receiver.got()][2] == ["urgent two"]
+    assert query(ledger, "SELECT urgent_day, urgent_count FROM users")[0] == {"urgent_day": T0.date(), "urgent_count": 1}
+
+    # A new UTC day: the cap starts over.
+    next_day = T0 + timedelta(days=1)
+    clock.set(next_day)
+    d.run_pass()
+    add_message(ledger, "ana", "plain", created_at=clock.now())
+    d.run_pass()
+    add_message(ledger, "ana", "urgent three", urgent=True, created_at=at(clock, 24 * 60 + 1))
+    d.run_pass()
+    assert [r.bodies for r in receiver.got()][-2:] == [["plain"], ["urgent three"]]
+
+
+def test_503_then_200_is_delivered_after_recovery_with_retries_counted_and_retry_after_honoured(
+    ledger, receiver, dispatch
+):
+    failures = {"left": 3}
+
+    def answer(_request):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            return 503, {"retry-after": "120"}
+        return 200, {}
+
+    receiver.answer = answer
+    clock = ManualClock(T0)
+    d = dispatch(clock, delivery_backoff_base_s=30, delivery_backoff_cap_s=600)
+    secret = add_webhook_users(ledger, ["ana"], receiver.url)["ana"]
+    add_message(ledger, "ana", "status report", created_at=T0)
+    retries = sample("vigil_delivery_retries_total", {"channel": "webhook", "reason": "failed"})
+    delivered = sample("vigil_deliveries_total", {"channel": "webhook", "result": "delivered"})
+
+    d.run_pass()
+    row = query(ledger, "SELECT status, attempts, next_attempt_at, error FROM outbox")[0]
+    assert (row["status"], row["attempts"], row["error"]) == ("pending", 1, "HTTP 503")
+    # Retry-After (120 s) beats the 30 s backoff.
+    assert row["next_attempt_at"] >= T0 + timedelta(seconds=120)
+    clock.set(T0 + timedelta(seconds=119))
+    d.run_pass()
+    assert len(receiver.got()) == 1, "no attempt before Retry-After has passed"
+
+    for _ in range(3):
+        clock.advance(700)  # past any backoff up to the cap
+        d.run_pass()
+    got = receiver.got()
+    assert len(got) == 4
+    assert len({r.id for r in got}) == 1 and len({r.body for r in got}) == 1, "every attempt is the same delivery"
+    assert all(standard_webhooks_valid(secret, r) for r in got)
+    row = query(ledger, "SELECT status, attempts, error, delivered_at FROM outbox")[0]
+    assert (row["status"], row["attempts"], row["error"]) == ("delivered", 4, None)
+    assert sample("vigil_delivery_retries_total", {"channel": "webhook", "reason": "failed"}) == retries + 3
+    assert sample("vigil_deliveries_total", {"channel": "webhook", "result": "delivered"}) == delivered + 1
+
+
+def test_410_is_dead_at_once_kept_and_listed(ledger, receiver, dispatch):
+    receiver.answer = lambda r: (410, {}) if r.path.endswith("/gone") else (200, {})
+    clock = ManualClock(T0)
+    d = dispatch(clock)
+    add_webhook_users(ledger, ["gone"], receiver.url.replace("/hook", "/gone"))
+    add_webhook_users(ledger, ["fine"], receiver.url)
+    dead = sample("vigil_dead_deliveries_total", {"channel": "webhook", "reason": "rejected"})
+    add_message(ledger, "gone", "are you there?", created_at=T0)
+    add_message(ledger, "fine", "hello", created_at=T0)
+    d.run_pass()
+    clock.advance(86_400)
+    d.run_pass()
+    assert sorted(r.path for r in receiver.got()) == ["/gone", "/hook"], "a 410 is never retried"
+    row = query(ledger, "SELECT status, attempts, error, dead_at, delivery_id::text AS d FROM outbox WHERE user_id = 'gone'")[0]
+    assert (row["status"], row["attempts"], row["error"]) == ("dead", 1, "HTTP 410 (not retried)")
+    assert row["dead_at"] == T0
+    assert sample("vigil_dead_deliveries_total", {"channel": "webhook", "reason": "rejected"}) == dead + 1
+    with psycopg.connect(ledger, row_factory=psycopg.rows.dict_row) as conn:
+        listed = dead_deliveries(conn, 10)
+    assert [(str(x["delivery_id"]), x["user_id"], x["messages"]) for x in listed] == [(row["d"], "gone", 1)]
+
+
+def test_failures_up_to_max_attempts_end_dead_and_timeouts_are_retried(ledger, receiver, dispatch):
+    import time
+
+    def answer(request):
+        if request.path.endswith("/slow"):
+            time.sleep(0.6)
+        return 500, {}
+
+    receiver.answer = answer
+    clock = ManualClock(T0)
+    d = dispatch(clock, delivery_max_attempts=3, delivery_http_timeout_s=0.3, delivery_backoff_cap_s=60)
+    add_webhook_users(ledger, ["ana"], receiver.url)
+    add_webhook_users(ledger, ["slow"], receiver.url.replace("/hook", "/slow"))
+    add_message(ledger, "ana", "one", created_at=T0)
+    add_message(ledger, "slow", "two", created_at=T0)
+    exhausted = sample("vigil_dead_deliveries_total", {"channel": "webhook", "reason": "exhausted"})
+    d.run_pass()
+    assert query(ledger, "SELECT error FROM outbox WHERE user_id = 'slow'")[0]["error"] == "no answer within 0.3s"
+    for _ in range(4):
+        clock.advance(120)
+        d.run_pass()
+    rows = query(ledger, "SELECT user_id, status, attempts, error FROM outbox ORDER BY user_id")
+    assert [(r["user_id"], r["status"], r["attempts"]) for r in rows] == [("ana", "dead", 3), ("slow", "dead", 3)]
+    assert rows[0]["error"] == "HTTP 500; dead after 3 attempts"
+    assert sample("vigil_dead_deliveries_total", {"channel": "webhook", "reason": "exhausted"}) == exhausted + 2
+    assert len([r for r in receiver.got() if r.path == "/hook"]) == 3
+
+
+def test_a_send_whose_dispatcher_vanished_goes_again_under_its_id_after_the_lease(ledger, receiver, dispatch):
+    clock = ManualClock(T0)
+    d = dispatch(clock, delivery_lease_s=300, delivery_max_attempts=3)
+    add_webhook_users(ledger, ["ana"], receiver.url)
+    add_message(ledger, "ana", "one", created_at=T0)
+    lost = sample("vigil_delivery_retries_total", {"channel": "webhook", "reason": "lost"})
+    # A dispatcher claims and dies before sending anything (its claim is committed).
+    first = claim(d.conn, clock.now(), d.limits).deliveries[0]
+    clock.advance(299)
+    assert d.run_pass() == 0, "the lease still stands"
+    clock.advance(2)
+    assert d.run_pass() == 1
+    got = receiver.got()
+    assert [r.id for r in got] == [str(first.delivery_id)]
+    assert sample("vigil_delivery_retries_total", {"channel": "webhook", "reason": "lost"}) == lost + 1
+    # The vanished dispatcher comes back and reports its attempt 1: too late, it is superseded.
+    superseded = sample("vigil_delivery_superseded_total", {"channel": "webhook"})
+    d.record(first, Outcome(Result.DELIVERED))
+    assert sample("vigil_delivery_superseded_total", {"channel": "webhook"}) == superseded + 1
+    assert query(ledger, "SELECT status, attempts FROM outbox")[0] == {"status": "delivered", "attempts": 2}
+
+
+def test_a_delivery_whose_dispatchers_keep_dying_is_buried_after_max_attempts(ledger, dispatch):
+    clock = ManualClock(T0)
+    d = dispatch(clock, delivery_lease_s=300, delivery_max_attempts=2)
+    add_webhook_users(ledger, ["ana"], "http://127.0.0.1:9/never")
+    add_message(ledger, "ana", "one", created_at=T0)
+    for _ in range(2):
+        assert len(claim(d.conn, clock.now(), d.limits).deliveries) == 1
+        clock.advance(301)
+    buried = claim(d.conn, clock.now(), d.limits).buried
+    assert len(buried) == 1
+    row = query(ledger, "SELECT status, attempts, error FROM outbox")[0]
+    assert (row["status"], row["attempts"]) == ("dead", 2)
+    assert row["error"].startswith("no outcome recorded after 2 attempts")
+
+
+def test_a_user_locked_by_another_claim_is_skipped_not_waited_for(ledger, receiver, dispatch):
+    clock = ManualClock(T0)
+    d = dispatch(clock)
+    add_webhook_users(ledger, ["ana", "bob"], receiver.url)
+    add_message(ledger, "ana", "for ana", created_at=T0)
+    add_message(ledger, "bob", "for bob", created_at=T0)
+    with psycopg.connect(ledger) as other:  # another dispatcher mid-claim on ana
+        other.execute("SELECT 1 FROM users WHERE user_id = 'ana' FOR UPDATE")
+        assert d.run_pass() == 1
+        assert [r.user for r in receiver.got()] == ["bob"]
+    assert d.run_pass() == 1
+    assert sorted(r.user for r in receiver.got()) == ["ana", "bob"]

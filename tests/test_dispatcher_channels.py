@@ -1,0 +1,151 @@
+"""The kafka and log channels, and the operator commands (`vigil channels`, `vigil outbox`)."""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+
+import pytest
+from click.testing import CliRunner
+from confluent_kafka import Consumer
+from dispatcher_support import T0, Receiver, add_message, add_users, in_process_dispatcher, standard_webhooks_valid
+from support import query, scalar, wait_for
+
+from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
+from vigil.cli import main
+from vigil.dispatcher.clock import ManualClock
+
+
+def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topics):
+    d = in_process_dispatcher(ledger, ManualClock(T0), kafka_bootstrap=stack.bootstrap, deliveries_topic=topics.deliveries)
+    try:
+        add_users(ledger, ["kai"])
+        runner = CliRunner()
+        result = runner.invoke(main, ["channels", "set", "kai", "--type", "kafka"], env={"VIGIL_DATABASE_URL": ledger})
+        assert result.exit_code == 0, result.output
+        add_message(ledger, "kai", "first", created_at=T0)
+        add_message(ledger, "kai", "second", created_at=T0)
+        assert d.run_pass() == 1
+    finally:
+        d.close()
+    consumer = Consumer(
+        {"bootstrap.servers": stack.bootstrap, "group.id": f"t-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "earliest"}
+    )
+    consumer.subscribe([topics.deliveries])
+    try:
+        message = wait_for(lambda: _polled(consumer), 30, "the delivery on the topic")
+    finally:
+        consumer.close()
+    record = AvroCodec(DELIVERY_SCHEMA_NAME).decode_record(message.value())
+    delivery_id = scalar(ledger, "SELECT DISTINCT delivery_id::text FROM outbox")
+    assert message.key() == b"kai"
+    assert dict(message.headers())["delivery-id"].decode() == delivery_id
+    assert (record["delivery_id"], record["user_id"], record["messages"]) == (delivery_id, "kai", ["first", "second"])
+    assert record["sent_at"] == T0
+    assert query(ledger, "SELECT DISTINCT status, channel FROM outbox") == [{"status": "delivered", "channel": "kafka"}]
+
+
+def _polled(consumer):
+    message = consumer.poll(0.5)
+    return message if message is not None and not message.error() else None
+
+
+def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
+    out = io.StringIO()
+    d = in_process_dispatcher(ledger, ManualClock(T0), log_stream=out)
+    try:
+        add_users(ledger, ["lee"])
+        add_message(ledger, "lee", "hello from the agent", created_at=T0)
+        d.run_pass()
+    finally:
+        d.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1
+    line = json.loads(lines[0])
+    assert line["channel"] == "log" and line["data"]["user_id"] == "lee"
+    assert line["data"]["messages"][0]["body"] == "hello from the agent"
+    assert line["data"]["delivery_id"] == scalar(ledger, "SELECT delivery_id::text FROM outbox")
+
+
+@pytest.fixture
+def cli(ledger):
+    runner = CliRunner()
+
+    def run(*args: str, ok: bool = True):
+        result = runner.invoke(main, list(args), env={"VIGIL_DATABASE_URL": ledger, "USER": "oncall"})
+        if ok:
+            assert result.exit_code == 0, result.output
+        return result
+
+    return run
+
+
+def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
+    add_users(ledger, ["ana"])
+    created = json.loads(cli("channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/a", "--gap", "600", "--json").output)
+    secret = created["secret"]
+    assert secret.startswith("whsec_") and created["gap_seconds"] == 600
+    assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") == secret
+
+    # Changing the URL keeps the secret (the receiver holds it) and the gap; nothing printed.
+    moved = cli("channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b")
+    assert "whsec_" not in moved.output and "gap 600s" in moved.output
+    assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") == secret
+    rotated = json.loads(cli("channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b", "--rotate-secret", "--json").output)
+    assert rotated["secret"] != secret
+
+    shown = cli("channels", "show", "ana").output + cli("channels", "show", "ana", "--json").output
+    assert "whsec_" not in shown and "http://127.0.0.1:1/b" in shown
+    back = json.loads(cli("channels", "set", "ana", "--type", "log", "--gap", "default", "--json").output)
+    assert (back["type"], back["url"], back["gap_seconds"]) == ("log", None, None)
+    assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") is None
+    audit = query(ledger, "SELECT actor, action, detail FROM audit ORDER BY id")
+    assert [a["action"] for a in audit] == ["channel.set"] * 4 and audit[0]["actor"] == "oncall"
+    assert all("whsec_" not in json.dumps(a["detail"]) for a in audit)
+
+
+@pytest.mark.parametrize(
+    "args, complaint",
+    [
+        (["--type", "webhook"], "needs --url"),
+        (["--type", "webhook", "--url", "ftp://x"], "http(s) URL"),
+        (["--type", "kafka", "--url", "http://x"], "only for --type webhook"),
+        (["--type", "log", "--gap", "-5"], "must be >= 0"),
+    ],
+)
+def test_channels_set_refuses_what_cannot_work(ledger, cli, args, complaint):
+    result = cli("channels", "set", "ana", *args, ok=False)
+    assert result.exit_code == 2 and complaint in result.output
+    assert scalar(ledger, "SELECT count(*) FROM channels") == 0
+
+
+def test_outbox_lists_rows_dead_deliveries_and_revives_one_under_its_id(ledger, cli):
+    receiver = Receiver(answer=lambda _r: (410, {})).start()
+    clock = ManualClock(T0)
+    d = in_process_dispatcher(ledger, clock)
+    try:
+        add_users(ledger, ["ana"])
+        secret = json.loads(cli("channels", "set", "ana", "--type", "webhook", "--url", receiver.url, "--json").output)["secret"]
+        add_message(ledger, "ana", "will be refused", created_at=T0)
+        d.run_pass()
+        delivery_id = scalar(ledger, "SELECT delivery_id::text FROM outbox")
+        listing = cli("outbox", "ana").output
+        assert "dead" in listing and delivery_id in listing and "HTTP 410 (not retried)" in listing
+        row = json.loads(cli("outbox", "ana", "--json").output.splitlines()[0])
+        assert (row["status"], row["attempts"], row["delivery_id"]) == ("dead", 1, delivery_id)
+        assert delivery_id in cli("outbox", "--dead").output
+
+        receiver.answer = lambda _r: (200, {})
+        cli("outbox", "--revive", delivery_id)
+        clock.set(T0.replace(year=2027))  # revival is due at once, whatever the dispatcher's clock says
+        d.run_pass()
+    finally:
+        d.close()
+        receiver.stop()
+    got = receiver.got()
+    assert [r.id for r in got] == [delivery_id, delivery_id]
+    assert got[0].body == got[1].body and standard_webhooks_valid(secret, got[1])
+    assert query(ledger, "SELECT status, attempts FROM outbox") == [{"status": "delivered", "attempts": 1}]
+    assert cli("outbox", "--revive", delivery_id, ok=False).exit_code == 1, "only a dead delivery can be revived"
+    assert cli("outbox", ok=False).exit_code == 2
