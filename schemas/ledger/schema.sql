@@ -142,7 +142,8 @@ CREATE INDEX outbox_dead ON outbox (dead_at) WHERE status = 'dead';
 CREATE INDEX outbox_delivered_by_user ON outbox (user_id, delivered_at) WHERE status = 'delivered';
 
 -- timers: follow-ups (one-off), schedules (interval or cron) and approval expiries.
--- The scheduler moves rows: due advances, or done/skipped become true.
+-- The scheduler moves rows: due advances, or done/skipped become true. DELETE through the
+-- API or `vigil timers rm` sets done with cancelled_at; re-registering the id revives it.
 CREATE TABLE timers (
     id             text        NOT NULL,                  -- caller's id, unique per user
     user_id        text        NOT NULL,
@@ -159,6 +160,11 @@ CREATE TABLE timers (
     skipped        boolean     NOT NULL DEFAULT false,    -- one-off missed and skipped by policy
     fired_count    integer     NOT NULL DEFAULT 0,
     last_fired_at  timestamptz,
+    -- Every occurrence at or before this instant was fired or passed over: a re-registration
+    -- (a deploy re-running its set-up with an old due) never fires them a second time.
+    handled_through timestamptz,
+    cancelled_at   timestamptz,                           -- set by DELETE / `vigil timers rm` (done too)
+    error          text,                                  -- why the scheduler gave up on a row it could not plan (done too)
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (user_id, id),
@@ -167,7 +173,9 @@ CREATE TABLE timers (
     CONSTRAINT timers_one_recurrence CHECK (NOT (every_seconds IS NOT NULL AND cron IS NOT NULL)),
     CONSTRAINT timers_interval_positive CHECK (every_seconds IS NULL OR every_seconds > 0),
     CONSTRAINT timers_fixed_key_one_off CHECK (fixed_key IS NULL OR (every_seconds IS NULL AND cron IS NULL)),
-    CONSTRAINT timers_due_whole_seconds CHECK (due = date_trunc('second', due))
+    CONSTRAINT timers_due_whole_seconds CHECK (due = date_trunc('second', due)),
+    CONSTRAINT timers_cancelled_is_done CHECK (cancelled_at IS NULL OR done),
+    CONSTRAINT timers_error_is_done CHECK (error IS NULL OR done)
 );
 CREATE INDEX timers_due ON timers (due) WHERE NOT done;
 
