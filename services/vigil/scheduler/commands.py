@@ -1,19 +1,159 @@
-"""`vigil scheduler` and its operator commands."""
+"""`vigil scheduler` (the service) and `vigil timers add|list|rm` (operators, scripts)."""
 
 from __future__ import annotations
+
+import json
+import time
 
 import click
 
 
 @click.command("scheduler")
 def scheduler_command() -> None:
-    """Run the scheduler service."""
+    """Run the scheduler service: due timers become events on the events topic."""
+    from vigil.bus.kafka import EventProducer
+    from vigil.health import HealthServer, Readiness, dependency_checks
+    from vigil.scheduler.loop import Scheduler, log
     from vigil.scheduler.settings import SchedulerSettings
-    from vigil.service import load_or_exit
-    from vigil.stub import run_idle
+    from vigil.service import load_or_exit, stop_event
 
     settings = load_or_exit(SchedulerSettings)
-    run_idle(settings, settings.scheduler_port, "scheduler")
+    stopping = stop_event()
+    readiness = Readiness(dependency_checks(settings))
+    try:
+        server = HealthServer(settings.scheduler_port, readiness).start()
+    except RuntimeError as exc:
+        raise click.ClickException(f"{exc} (VIGIL_SCHEDULER_PORT)") from None
+    producer = EventProducer(settings)
+    scheduler = Scheduler(settings, producer)
+    log.info(
+        "scheduler up: topic %s, tick %.1f s, batch %d, grace %d s, each cap %d",
+        settings.events_topic,
+        settings.scheduler_tick_s,
+        settings.scheduler_batch_size,
+        settings.scheduler_grace_s,
+        settings.scheduler_each_cap,
+    )
+    try:
+        scheduler.run(stopping, on_health=lambda ok: readiness.set("passes", ok))
+    finally:
+        producer.close()
+        scheduler.close()
+        server.stop()
+        log.info("scheduler stopped")
 
 
-commands = [scheduler_command]
+@click.group("timers")
+def timers_group() -> None:
+    """Create, list and cancel a user's timers (the same rules as the HTTP API)."""
+
+
+def _ledger():
+    from vigil.ledger.db import connect
+    from vigil.service import load_or_exit
+    from vigil.settings import CommonSettings
+
+    settings = load_or_exit(CommonSettings)
+    try:
+        return connect(settings.dsn, autocommit=True)
+    except Exception as exc:  # psycopg.OperationalError and friends: say so, no traceback
+        raise click.ClickException(f"cannot reach the ledger (VIGIL_DATABASE_URL): {exc}") from None
+
+
+def _line(timer: dict) -> str:
+    if timer["every"]:
+        recurrence = f"every {timer['every']} s"
+    elif timer["cron"]:
+        recurrence = f"cron '{timer['cron']}' in {timer['tz']}"
+    else:
+        recurrence = "once"
+    if timer["cancelled"]:
+        state = "cancelled"
+    elif timer["error"]:
+        state = f"set aside: {timer['error']}"
+    elif timer["done"]:
+        state = "skipped" if timer["skipped"] else "fired"
+    else:
+        state = f"due {timer['due_at']}"
+    return f"{timer['id']}  {timer['kind']}  {recurrence}  {timer['catch_up']}  {state}  fired {timer['fired_count']}x"
+
+
+@timers_group.command("add")
+@click.argument("user_id")
+@click.argument("timer_id")
+@click.option("--due", help="First occurrence: epoch seconds or RFC 3339 with an offset (2026-03-08T09:00:00Z).")
+@click.option("--every", type=int, help="Recur every this many seconds.")
+@click.option("--cron", help="Recur by a 5-field cron expression (minute hour day month weekday), in --tz.")
+@click.option("--tz", default="UTC", show_default=True, help="IANA time zone the cron expression is read in.")
+@click.option("--catch-up", "catch_up", type=click.Choice(["coalesce", "each", "skip"]), default="coalesce", show_default=True,
+              help="After an outage: one event for the latest missed occurrence, one per occurrence, or none.")
+@click.option("--max-lateness", type=int, help="Seconds: an occurrence older than this is skipped.")
+@click.option("--payload", default="{}", help="JSON object copied into every event the timer fires.")
+@click.option("--json", "as_json", is_flag=True, help="Print the stored timer as one JSON object.")
+def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, payload, as_json) -> None:
+    """Create a timer, or re-register it (never re-firing an occurrence already fired)."""
+    from vigil.cli import emit
+    from vigil.scheduler.timers import InvalidTimer, describe, parse_timer, upsert
+
+    try:
+        payload_obj = json.loads(payload)
+    except ValueError as exc:
+        raise click.UsageError(f"--payload is not JSON: {exc}") from None
+    body = {"id": timer_id, "due": due, "every": every, "cron": cron, "tz": tz, "catch_up": catch_up,
+            "max_lateness": max_lateness, "payload": payload_obj}
+    try:
+        timer = parse_timer(user_id, {k: v for k, v in body.items() if v is not None}, int(time.time()))
+    except InvalidTimer as exc:
+        option = "TIMER_ID" if exc.field == "id" else "USER_ID" if exc.field == "user_id" else f"--{exc.field.replace('_', '-')}"
+        raise click.UsageError(f"{option}: {exc.reason}") from None
+    with _ledger() as conn:
+        result = upsert(conn, timer)
+    if result.status == "conflict":
+        raise click.ClickException(result.reason)
+    shown = describe(result.row)
+    note = f" ({result.reason})" if result.reason else ""
+    emit({**shown, "status": result.status}, as_json, f"{result.status}: {_line(shown)}{note}")
+
+
+@timers_group.command("list")
+@click.argument("user_id")
+@click.option("--all", "include_done", is_flag=True, help="Include fired, skipped and cancelled timers.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def timers_list(user_id, include_done, as_json) -> None:
+    """List a user's timers, live ones only unless --all."""
+    from vigil.ledger.queries import Q
+    from vigil.scheduler.timers import describe
+
+    after = ""
+    with _ledger() as conn:
+        while True:
+            rows = conn.execute(
+                Q.timers_list, {"user_id": user_id, "include_done": include_done, "after": after, "limit": 500}
+            ).fetchall()
+            for row in rows:
+                shown = describe(row)
+                click.echo(json.dumps(shown) if as_json else _line(shown))
+            if len(rows) < 500:
+                break
+            after = rows[-1]["id"]
+
+
+@timers_group.command("rm")
+@click.argument("user_id")
+@click.argument("timer_id")
+def timers_rm(user_id, timer_id) -> None:
+    """Cancel a live timer: it fires nothing more (its row stays, so a re-registration cannot re-fire)."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        if conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id}).fetchone() is None:
+            row = conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id}).fetchone()
+            if row is None:
+                raise click.ClickException(f"no timer {timer_id!r} for user {user_id!r}")
+            if row["kind"] == "approval_expiry":
+                raise click.ClickException(f"{timer_id!r} is an approval's expiry timer: answer the approval instead")
+            raise click.ClickException(f"timer {timer_id!r} is not live (already fired, skipped or cancelled)")
+    click.echo(f"cancelled timer {timer_id!r} of user {user_id!r}")
+
+
+commands = [scheduler_command, timers_group]

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
+from vigil.scheduler.timing import DEFAULT_EACH_CAP, DEFAULT_GRACE
 from vigil.settings import DEFAULT_SCHEDULER_METRICS_PORT, CommonSettings
+
+# One second keeps a timer's lateness under a second or so while costing one indexed
+# query per second per replica when nothing is due.
+DEFAULT_TICK_S = 1.0
+# Rows locked per transaction: large enough that a backlog of thousands drains in a few
+# seconds, small enough that one broker round trip per batch stays well under the
+# statement timeout and a crash re-produces little.
+DEFAULT_BATCH_SIZE = 200
+# An escalated approval asks again and waits this long before the deadline policy denies.
+DEFAULT_ESCALATE_AFTER_S = 3600
 
 
 class SchedulerSettings(CommonSettings):
@@ -15,3 +26,50 @@ class SchedulerSettings(CommonSettings):
     scheduler_port: int = Field(
         DEFAULT_SCHEDULER_METRICS_PORT, ge=1, le=65535, description="Port of the scheduler's /healthz, /readyz and /metrics."
     )
+    scheduler_tick_s: float = Field(
+        DEFAULT_TICK_S,
+        gt=0,
+        le=60,
+        description="Seconds between scheduler passes when nothing is due (a backlog is drained without waiting).",
+    )
+    scheduler_batch_size: int = Field(
+        DEFAULT_BATCH_SIZE,
+        ge=1,
+        le=10_000,
+        description="Due timers locked, produced and committed per transaction.",
+    )
+    scheduler_grace_s: int = Field(
+        DEFAULT_GRACE,
+        ge=0,
+        le=86_400,
+        description="Lateness up to this many seconds counts as on time (the scheduler's own polling, not an outage): "
+        "`skip` timers still fire and `max_lateness` never suppresses such an occurrence. At least the tick.",
+    )
+    scheduler_each_cap: int = Field(
+        DEFAULT_EACH_CAP,
+        ge=1,
+        le=10_000,
+        description="Most events one `each` timer fires in one pass after an outage (the latest ones; older are skipped).",
+    )
+    scheduler_escalate_after_s: int = Field(
+        DEFAULT_ESCALATE_AFTER_S,
+        ge=1,
+        le=30 * 86_400,
+        description="An approval whose policy is `escalate` is asked again at its deadline with a new deadline this "
+        "many seconds later, then denied.",
+    )
+    scheduler_crash_after_produce: bool = Field(
+        False,
+        description="Test hook: SIGKILL the scheduler after the broker acknowledged a pass's events and before the "
+        "ledger commit (the crash the event keys make harmless). Never set in production.",
+    )
+
+    @field_validator("scheduler_grace_s")
+    @classmethod
+    def _grace_covers_tick(cls, value: int, info: ValidationInfo) -> int:
+        tick = info.data.get("scheduler_tick_s")
+        if tick is not None and value < tick:
+            # Otherwise a timer found one tick late would count as missed, and `skip`
+            # timers would drop occurrences depending on the tick's phase.
+            raise ValueError(f"must be at least VIGIL_SCHEDULER_TICK_S ({tick:g} s)")
+        return value

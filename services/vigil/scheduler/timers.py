@@ -1,0 +1,255 @@
+"""Timers as callers create them: one validation for the HTTP API and `vigil timers`.
+
+:func:`parse_timer` turns a request body into a :class:`NewTimer` or raises
+:class:`InvalidTimer` naming the field and the reason (the API's 400, the CLI's error). The
+store functions run the named queries in ``ledger/queries/timers.sql``; the re-registration
+rule lives in ``timer_upsert`` itself so that every writer gets it:
+
+* a live timer keeps its stored due when that is later than the new one, because the stored
+  due is already past every occurrence fired (a deploy re-running its set-up with the
+  schedule's first due time changes nothing);
+* a one-off that already fired (or was skipped) is not revived at or before that occurrence;
+* a cancelled schedule revived with an old due is lifted past ``handled_through`` by the
+  scheduler before it plans, so nothing fired before fires again;
+* and should anything still replay an occurrence, its event key ``<id>@<scheduled_for>`` makes
+  it a duplicate the ledger drops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from vigil.ledger.queries import Q
+from vigil.ledger.states import CatchUp, TimerKind
+from vigil.scheduler.timing import TimerSpec, next_occurrence, validate_cron, validate_tz
+
+# Ids appear in URLs (DELETE .../timers/{id}) and in event keys (<id>@<epoch>).
+TIMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_USER_ID_LENGTH = 256
+# The payload is copied into every event the timer fires; events should stay small.
+MAX_PAYLOAD_BYTES = 16 * 1024
+MAX_EPOCH = 253_402_300_799  # 9999-12-31T23:59:59Z, the last instant PostgreSQL and RFC 3339 share
+MAX_SECONDS = 2**31 - 1  # every_seconds and max_lateness are integer columns
+FIELDS = {"id", "due", "every", "cron", "tz", "catch_up", "max_lateness", "payload"}
+
+
+class InvalidTimer(ValueError):
+    """A timer request that cannot be stored; ``field`` names the culprit."""
+
+    def __init__(self, field_name: str, reason: str):
+        super().__init__(f"{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class NewTimer:
+    """A validated timer, ready for ``timer_upsert``."""
+
+    user_id: str
+    id: str
+    kind: TimerKind
+    due: int
+    every: int | None = None
+    cron: str | None = None
+    tz: str = "UTC"
+    catch_up: CatchUp = CatchUp.COALESCE
+    max_lateness: int | None = None
+    payload: dict = field(default_factory=dict)
+    fixed_key: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "user_id": self.user_id,
+            "id": self.id,
+            "kind": self.kind.value,
+            "due": datetime.fromtimestamp(self.due, timezone.utc),
+            "every_seconds": self.every,
+            "cron": self.cron,
+            "tz": self.tz,
+            "catch_up": self.catch_up.value,
+            "max_lateness": self.max_lateness,
+            "payload": Jsonb(self.payload),
+            "fixed_key": self.fixed_key,
+        }
+
+
+def parse_due(value: Any) -> int:
+    """Epoch seconds or an RFC 3339 time with an offset -> whole epoch seconds.
+
+    A fraction of a second rounds *up*: a timer never fires before the instant asked for.
+    """
+    if isinstance(value, bool) or value is None:
+        raise InvalidTimer("due", "expected epoch seconds or an RFC 3339 time such as 2026-03-08T09:00:00Z")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise InvalidTimer("due", "must be a finite number of epoch seconds")
+        epoch = math.ceil(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"-?\d+(\.\d+)?", text):
+            return parse_due(float(text) if "." in text else int(text))
+        try:
+            moment = datetime.fromisoformat(text.replace("z", "Z"))
+        except ValueError:
+            raise InvalidTimer("due", f"{value!r} is neither epoch seconds nor an RFC 3339 time") from None
+        if moment.tzinfo is None:
+            raise InvalidTimer("due", f"{value!r} has no UTC offset: add Z or +hh:mm (a bare local time is ambiguous)")
+        epoch = math.ceil(moment.timestamp())
+    else:
+        raise InvalidTimer("due", f"expected epoch seconds or an RFC 3339 string, got {type(value).__name__}")
+    if not 0 <= epoch <= MAX_EPOCH:
+        raise InvalidTimer("due", "must lie between 1970-01-01 and 9999-12-31")
+    return epoch
+
+
+def _whole_seconds(name: str, value: Any, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise InvalidTimer(name, f"expected a whole number of seconds, got {value!r}")
+    if not minimum <= value <= MAX_SECONDS:
+        raise InvalidTimer(name, f"must be between {minimum} and {MAX_SECONDS} seconds, got {value}")
+    return value
+
+
+def parse_timer(user_id: str, body: Any, now: int) -> NewTimer:
+    """Validate a create request (see the module docstring for the fields).
+
+    ``due`` may be left out of a recurring timer: a cron schedule starts at its next match
+    after ``now``, an interval one ``every`` seconds from ``now``. A one-off needs it.
+    """
+    if not isinstance(user_id, str) or not user_id or len(user_id) > MAX_USER_ID_LENGTH:
+        raise InvalidTimer("user_id", f"must be 1 to {MAX_USER_ID_LENGTH} characters")
+    if not isinstance(body, dict):
+        raise InvalidTimer("body", "expected a JSON object")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise InvalidTimer(unknown[0], f"unknown field (known: {', '.join(sorted(FIELDS))})")
+    timer_id = body.get("id")
+    if not isinstance(timer_id, str) or not TIMER_ID.match(timer_id):
+        raise InvalidTimer("id", "1 to 128 characters of letters, digits and . _ : -, starting with a letter or digit")
+    every = _whole_seconds("every", body.get("every"), 1)
+    cron = body.get("cron")
+    if every is not None and cron is not None:
+        raise InvalidTimer("cron", "a timer recurs by every or by cron, not both")
+    tz = body.get("tz", "UTC")
+    try:
+        validate_tz(tz)
+    except ValueError as exc:
+        raise InvalidTimer("tz", str(exc)) from None
+    if cron is not None:
+        if not isinstance(cron, str):
+            raise InvalidTimer("cron", "expected a 5-field cron expression as a string")
+        cron = " ".join(cron.split())
+        try:
+            validate_cron(cron, tz)
+        except ValueError as exc:
+            raise InvalidTimer("cron", str(exc)) from None
+    catch_up = body.get("catch_up", CatchUp.COALESCE.value)
+    if catch_up not in {c.value for c in CatchUp}:
+        raise InvalidTimer("catch_up", f"expected one of {', '.join(c.value for c in CatchUp)}, got {catch_up!r}")
+    max_lateness = _whole_seconds("max_lateness", body.get("max_lateness"), 0)
+    payload = body.get("payload", {})
+    if not isinstance(payload, dict):
+        raise InvalidTimer("payload", "expected a JSON object")
+    if len(json.dumps(payload, ensure_ascii=False).encode()) > MAX_PAYLOAD_BYTES:
+        raise InvalidTimer("payload", f"larger than {MAX_PAYLOAD_BYTES} bytes as JSON")
+    if body.get("due") is not None:
+        due = parse_due(body["due"])
+    elif cron is not None:
+        due = next_occurrence(TimerSpec(due=now, cron=cron, tz=tz).recurrence, now)
+        assert due is not None  # validate_cron proved a match within 50 years
+    elif every is not None:
+        due = now + every
+    else:
+        raise InvalidTimer("due", "required for a one-off timer (give every or cron to make it recur)")
+    recurring = every is not None or cron is not None
+    return NewTimer(
+        user_id=user_id,
+        id=timer_id,
+        kind=TimerKind.SCHEDULE if recurring else TimerKind.FOLLOWUP,
+        due=due,
+        every=every,
+        cron=cron,
+        tz=tz,
+        catch_up=CatchUp(catch_up),
+        max_lateness=max_lateness,
+        payload=payload,
+    )
+
+
+def _epoch(value: datetime | None) -> int | None:
+    return None if value is None else int(value.timestamp())
+
+
+def describe(row: dict) -> dict[str, Any]:
+    """A stored timer as the API and `vigil timers list --json` show it."""
+    return {
+        "id": row["id"],
+        "user_id": row["user_id"],
+        "kind": row["kind"],
+        "due": _epoch(row["due"]),
+        "due_at": row["due"].astimezone(timezone.utc).isoformat().replace("+00:00", "Z"),
+        "every": row["every_seconds"],
+        "cron": row["cron"],
+        "tz": row["tz"],
+        "catch_up": row["catch_up"],
+        "max_lateness": row["max_lateness"],
+        "payload": row["payload"],
+        "done": row["done"],
+        "skipped": row["skipped"],
+        "cancelled": row["cancelled_at"] is not None,
+        "fired_count": row["fired_count"],
+        "last_fired_at": _epoch(row["last_fired_at"]),
+        "error": row["error"],
+    }
+
+
+@dataclass(frozen=True)
+class Upserted:
+    """What ``timer_upsert`` did: ``status`` is created | updated | unchanged | conflict."""
+
+    status: str
+    row: dict | None
+    reason: str | None = None
+
+
+def upsert_outcome(returned: dict | None, existing: dict | None) -> Upserted:
+    """Interpret ``timer_upsert``: ``existing`` is read only when it returned nothing."""
+    if returned is not None:
+        return Upserted("created" if returned.pop("created") else "updated", returned)
+    if existing is not None and existing["kind"] == TimerKind.APPROVAL_EXPIRY:
+        return Upserted("conflict", existing, "this id belongs to an approval's expiry timer, which only its approval changes")
+    return Upserted(
+        "unchanged", existing, "this one-off already fired (or was skipped) at or after the given due; nothing fires again"
+    )
+
+
+def upsert(conn, timer: NewTimer) -> Upserted:
+    """Create or re-register ``timer`` on a sync connection (one transaction)."""
+    with conn.transaction():
+        cur = conn.cursor(row_factory=dict_row)
+        returned = cur.execute(Q.timer_upsert, timer.params()).fetchone()
+        existing = None if returned else cur.execute(Q.timer_get, timer.params()).fetchone()
+    return upsert_outcome(returned, existing)
+
+
+async def upsert_async(conn, timer: NewTimer) -> Upserted:
+    """:func:`upsert` on an async connection (the API's pool)."""
+    async with conn.transaction():
+        cur = conn.cursor(row_factory=dict_row)
+        returned = await (await cur.execute(Q.timer_upsert, timer.params())).fetchone()
+        existing = None if returned else await (await cur.execute(Q.timer_get, timer.params())).fetchone()
+    return upsert_outcome(returned, existing)
