@@ -1,0 +1,169 @@
+"""The timers HTTP API, mounted on ingest (``vigil.ingest.app.MOUNTED_MODULES``).
+
+``routes(ctx)`` takes ingest's :class:`vigil.ingest.context.IngestContext`: ``authenticate``
+(bearer token: 401/403), ``read_json`` (415/413/400), ``ledger()`` (a pooled connection with
+dict rows, one transaction, 503 when the ledger is down) and ``Refusal``/``invalid`` (rendered
+as ``{"error": code, "detail": ...}``). Validation is :func:`vigil.scheduler.timers.parse_timer`,
+shared with `vigil timers add`, so a bad cron expression or zone is a 400 saying why.
+
+- ``POST /v1/users/{user_id}/timers``: create (201) or re-register (200) a timer. A
+  re-registration never fires an occurrence already fired (see :mod:`vigil.scheduler.timers`);
+  when it changes nothing the 200 says so in ``note``.
+- ``GET /v1/users/{user_id}/timers``: live timers in id order (``?all=true`` adds fired,
+  skipped and cancelled ones; ``?limit=`` up to 1000, ``?after=<id>`` for the next page).
+- ``GET /v1/users/{user_id}/timers/{timer_id}``: one timer.
+- ``DELETE /v1/users/{user_id}/timers/{timer_id}``: cancel a live timer (204).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from vigil.ledger.queries import Q
+from vigil.ledger.states import TimerKind
+from vigil.scheduler.timers import MAX_USER_ID_LENGTH, TIMER_ID, InvalidTimer, describe, parse_timer, upsert_async
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+COLLECTION = "/v1/users/{user_id}/timers"
+ITEM = "/v1/users/{user_id}/timers/{timer_id}"
+
+
+def routes(ctx: Any) -> list[Route]:
+    def path_ids(request: Request, with_timer: bool = False) -> tuple[str, str | None]:
+        user_id = request.path_params["user_id"]
+        if not 0 < len(user_id) <= MAX_USER_ID_LENGTH:
+            raise ctx.invalid("user_id", f"must be 1 to {MAX_USER_ID_LENGTH} characters")
+        timer_id = request.path_params.get("timer_id") if with_timer else None
+        if with_timer and not TIMER_ID.match(timer_id or ""):
+            # No such id can exist, so this is the same 404 as an unknown one.
+            raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
+        return user_id, timer_id
+
+    async def create(request: Request) -> Response:
+        await ctx.authenticate(request)
+        user_id, _ = path_ids(request)
+        body = await ctx.read_json(request)
+        try:
+            timer = parse_timer(user_id, body, int(time.time()))
+        except InvalidTimer as exc:
+            raise ctx.invalid(exc.field, exc.reason) from None
+        async with ctx.ledger() as conn:
+            result = await upsert_async(conn, timer)
+        if result.status == "conflict":
+            raise ctx.Refusal(409, "conflict", result.reason)
+        shown = {**describe(result.row), "status": result.status}
+        if result.reason:
+            shown["note"] = result.reason
+        return JSONResponse(shown, status_code=201 if result.status == "created" else 200)
+
+    async def list_timers(request: Request) -> Response:
+        await ctx.authenticate(request)
+        user_id, _ = path_ids(request)
+        params = request.query_params
+        include_done = params.get("all", "false").lower()
+        if include_done not in {"true", "false", "1", "0"}:
+            raise ctx.invalid("all", "expected true or false")
+        raw_limit = params.get("limit", str(DEFAULT_PAGE))
+        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+            raise ctx.invalid("limit", f"expected a whole number from 1 to {MAX_PAGE}")
+        limit = int(raw_limit)
+        async with ctx.ledger() as conn:
+            cursor = await conn.execute(
+                Q.timers_list,
+                {"user_id": user_id, "include_done": include_done in {"true", "1"}, "after": params.get("after", ""), "limit": limit},
+            )
+            rows = await cursor.fetchall()
+        timers = [describe(row) for row in rows]
+        return JSONResponse({"timers": timers, "next_after": timers[-1]["id"] if len(timers) == limit else None})
+
+    async def get_timer(request: Request) -> Response:
+        await ctx.authenticate(request)
+        user_id, timer_id = path_ids(request, with_timer=True)
+        async with ctx.ledger() as conn:
+            row = await (await conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id})).fetchone()
+        if row is None:
+            raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
+        return JSONResponse(describe(row))
+
+    async def cancel(request: Request) -> Response:
+        await ctx.authenticate(request)
+        user_id, timer_id = path_ids(request, with_timer=True)
+        ids = {"user_id": user_id, "id": timer_id}
+        async with ctx.ledger() as conn:
+            cancelled = await (await conn.execute(Q.timer_cancel, ids)).fetchone()
+            row = None if cancelled else await (await conn.execute(Q.timer_get, ids)).fetchone()
+        if cancelled:
+            return Response(status_code=204)
+        if row is None:
+            raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
+        if row["kind"] == TimerKind.APPROVAL_EXPIRY:
+            raise ctx.Refusal(409, "conflict", "an approval's expiry timer ends with its approval; answer the approval instead")
+        raise ctx.Refusal(404, "not_found", f"timer {timer_id!r} is not live (already fired, skipped or cancelled)")
+
+    return [
+        Route(COLLECTION, create, methods=["POST"]),
+        Route(COLLECTION, list_timers, methods=["GET"]),
+        Route(ITEM, get_timer, methods=["GET"]),
+        Route(ITEM, cancel, methods=["DELETE"]),
+    ]
+
+
+_TIMER_SCHEMA = {
+    "type": "object",
+    "required": ["id"],
+    "additionalProperties": False,
+    "properties": {
+        "id": {"type": "string", "pattern": TIMER_ID.pattern, "description": "Unique per user; re-posting it re-registers."},
+        "due": {
+            "oneOf": [{"type": "integer"}, {"type": "string", "format": "date-time"}],
+            "description": "First occurrence: epoch seconds or RFC 3339 with an offset. Optional for recurring timers.",
+        },
+        "every": {"type": "integer", "minimum": 1, "description": "Recur every this many seconds."},
+        "cron": {"type": "string", "description": "5-field cron expression, evaluated in tz."},
+        "tz": {"type": "string", "default": "UTC", "description": "IANA time zone of the cron expression."},
+        "catch_up": {"type": "string", "enum": ["coalesce", "each", "skip"], "default": "coalesce"},
+        "max_lateness": {"type": "integer", "minimum": 0, "description": "Seconds; an older occurrence is skipped."},
+        "payload": {"type": "object", "description": "Copied into every event the timer fires."},
+    },
+}
+
+
+def openapi_paths() -> dict[str, Any]:
+    """The timers API for ingest's ``/openapi.json``."""
+    user = {"name": "user_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    timer = {"name": "timer_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    secured = [{"bearer": []}]
+    return {
+        COLLECTION: {
+            "post": {
+                "summary": "Create or re-register a timer",
+                "security": secured,
+                "parameters": [user],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _TIMER_SCHEMA}}},
+                "responses": {"201": {"description": "created"}, "200": {"description": "re-registered"},
+                              "400": {"description": "invalid field (the detail says why)"},
+                              "409": {"description": "the id belongs to an approval's expiry timer"}},
+            },
+            "get": {
+                "summary": "List a user's timers",
+                "security": secured,
+                "parameters": [user, {"name": "all", "in": "query", "schema": {"type": "boolean"}},
+                               {"name": "limit", "in": "query", "schema": {"type": "integer", "maximum": MAX_PAGE}},
+                               {"name": "after", "in": "query", "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "timers in id order, and next_after for the next page"}},
+            },
+        },
+        ITEM: {
+            "get": {"summary": "One timer", "security": secured, "parameters": [user, timer],
+                    "responses": {"200": {"description": "the timer"}, "404": {"description": "no such timer"}}},
+            "delete": {"summary": "Cancel a live timer", "security": secured, "parameters": [user, timer],
+                       "responses": {"204": {"description": "cancelled"}, "404": {"description": "no live timer"},
+                                     "409": {"description": "an approval's expiry timer"}}},
+        },
+    }
