@@ -123,24 +123,33 @@ def add_users(dsn: str, users: list[str]) -> None:
 
 
 def add_messages(dsn: str, messages: list[tuple[str, str, bool]], created_at: datetime | None = None) -> list[int]:
-    """Outbox rows ``(user, body, urgent)`` as a run's fenced finish writes them: one runs
-    row per message (the outbox's foreign key), epoch 1. Returns the outbox ids in order."""
+    """Outbox rows ``(user, body, urgent)`` as a run's fenced finish writes them: one runs row
+    per user (the outbox's foreign key), epoch 1, all in one transaction. Returns the outbox
+    ids in the order given."""
     with psycopg.connect(dsn) as conn:
-        ids = []
-        for user, body, urgent in messages:
-            run_id = conn.execute(
+        users = sorted({user for user, _, _ in messages})
+        runs = dict(
+            conn.execute(
                 "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)"
-                " VALUES (%s, 'test.events', 0, 1, 'test', '{}', now(), now(), 'message') RETURNING id",
-                (user,),
-            ).fetchone()[0]
-            ids.append(
-                conn.execute(
-                    "INSERT INTO outbox (user_id, run_id, epoch, body, urgent, created_at)"
-                    " VALUES (%s, %s, 1, %s, %s, coalesce(%s, now())) RETURNING id",
-                    (user, run_id, body, urgent, created_at),
-                ).fetchone()[0]
-            )
-    return ids
+                " SELECT u, 'test.events', 0, 1, 'test', '{}', now(), now(), 'message' FROM unnest(%s::text[]) u"
+                " RETURNING user_id, id",
+                (users,),
+            ).fetchall()
+        )
+        rows = conn.execute(
+            "INSERT INTO outbox (user_id, run_id, epoch, body, urgent, created_at)"
+            " SELECT u, r, 1, b, g, coalesce(%s, now())"
+            " FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::boolean[]) WITH ORDINALITY AS m(u, r, b, g, n)"
+            " ORDER BY n RETURNING id",
+            (
+                created_at,
+                [m[0] for m in messages],
+                [runs[m[0]] for m in messages],
+                [m[1] for m in messages],
+                [m[2] for m in messages],
+            ),
+        ).fetchall()
+    return [r[0] for r in rows]
 
 
 def add_message(dsn: str, user: str, body: str, urgent: bool = False, created_at: datetime | None = None) -> int:
@@ -183,3 +192,16 @@ def sample(name: str, labels: dict[str, str] | None = None) -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+def metric(port: int, name: str) -> float | None:
+    """A metric summed over its label sets, scraped from a dispatcher process's /metrics."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
+    return sum(values) if values else None
