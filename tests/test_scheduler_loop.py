@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 import pytest
 
 from scheduler_support import DAY, bodies, read_topic, record, topic_size, utc
-from support import query, scalar
+from support import query, scalar, wait_for
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.ledger import approvals
 from vigil.ledger.db import connect
@@ -281,3 +281,37 @@ def test_due_backlog_counts_due_live_timers(sched, ledger):
     assert sched.backlog() == (1, T0 - 120)
     at(sched, T0)
     assert sched.backlog() == (0, None)
+
+
+def test_the_loop_survives_its_ledger_connection_being_killed(stack, ledger, topics):
+    import threading
+
+    from prometheus_client import REGISTRY
+
+    def ledger_failures() -> float:
+        return REGISTRY.get_sample_value("vigil_scheduler_pass_failures_total", {"reason": "ledger"}) or 0.0
+
+    settings = make_settings(stack, ledger, topics, scheduler_tick_s=0.05, scheduler_grace_s=60)
+    producer = EventProducer(settings)
+    scheduler = Scheduler(settings, producer, FakeClock(T0))
+    stopping = threading.Event()
+    health: list[bool] = []
+    loop = threading.Thread(target=scheduler.run, args=(stopping, health.append), daemon=True)
+    failures = ledger_failures()
+    try:
+        loop.start()
+        wait_for(lambda: health, 10, "a first pass")
+        # What a database failover or an idle-connection reaper does to the scheduler.
+        query(ledger, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                      "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        add(ledger, {"id": "after", "due": T0})
+        wait_for(lambda: timer(ledger, "after")["done"], 10, "the timer to fire on a new connection")
+    finally:
+        stopping.set()
+        loop.join(10)
+        scheduler.close()
+        producer.close()
+    assert not loop.is_alive()
+    assert ledger_failures() == failures + 1
+    assert False in health and health[-1] is True
+    assert [e.source_id for e in read_topic(stack.bootstrap, topics.events)] == [f"after@{T0}"]

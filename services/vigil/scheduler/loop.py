@@ -364,8 +364,8 @@ class Scheduler:
         """
         tick = self.settings.scheduler_tick_s
         backoff = tick
-        counted = False
         startup: PassReport | None = None  # the start-up catch-up, while it lasts
+        counted = False
         while not stopping.is_set():
             try:
                 if not counted:
@@ -374,11 +374,21 @@ class Scheduler:
                     log.info("start-up: %d timer(s) overdue%s", overdue, late)
                     counted, startup = True, PassReport()
                 report = self.run_pass()
-            except (ProduceError, psycopg.Error) as exc:
-                reason = "broker" if isinstance(exc, ProduceError) else "ledger"
+                if startup is not None:
+                    startup.add(report)
+                    if not report.full:
+                        log.info("start-up catch-up done, %d timer(s) handled here: %s", startup.timers, startup.summary())
+                        startup = None
+                if not report.full or time.monotonic() - self._backlog_at > BACKLOG_REFRESH_S:
+                    self.backlog()
+            except Exception as exc:
+                # Whatever the pass had not committed rolled back, so retrying is safe. Exiting
+                # would only turn a broker or ledger outage into a crash loop.
+                reason = "broker" if isinstance(exc, ProduceError) else "ledger" if isinstance(exc, psycopg.Error) else "error"
                 metrics.PASS_FAILURES.labels(reason).inc()
-                log.warning("pass rolled back, timers stay due (%s): %s; retrying in %.1f s", reason, exc, backoff)
-                if reason == "ledger":
+                log.warning("pass failed, uncommitted timers stay due (%s): %s; retrying in %.1f s", reason, exc, backoff,
+                            exc_info=reason == "error")
+                if reason != "broker":
                     self.close()
                 on_health(False)
                 stopping.wait(backoff)
@@ -388,15 +398,5 @@ class Scheduler:
             on_health(True)
             if report.timers:
                 log.debug("pass: %d timer(s), %d event(s)", report.timers, report.events)
-            if startup is not None:
-                startup.add(report)
-                if not report.full:
-                    log.info("start-up catch-up done, %d timer(s) handled here: %s", startup.timers, startup.summary())
-                    startup = None
-            if not report.full or time.monotonic() - self._backlog_at > BACKLOG_REFRESH_S:
-                try:
-                    self.backlog()
-                except psycopg.Error:
-                    self.close()
             if not report.full:
                 stopping.wait(tick)

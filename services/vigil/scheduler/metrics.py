@@ -39,8 +39,8 @@ PASS_SECONDS = Histogram(
 )
 PASS_FAILURES = Counter(
     "vigil_scheduler_pass_failures_total",
-    "Passes rolled back, by reason (broker: no acknowledgement; ledger: database error). Their "
-    "timers stay due and are retried.",
+    "Passes rolled back, by reason (broker: no acknowledgement; ledger: database error; error: "
+    "anything else, with a traceback in the log). Their timers stay due and are retried.",
     ["reason"],
 )
 TIMERS_SET_ASIDE = Counter(
