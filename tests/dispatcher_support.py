@@ -17,6 +17,7 @@ from typing import Callable
 import psycopg
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=timezone.utc)  # a Monday morning, far from midnight
+PASS_METRIC = "vigil_dispatcher_last_pass_timestamp_seconds"  # the loop's heartbeat
 
 
 @dataclass

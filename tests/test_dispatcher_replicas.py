@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 from dispatcher_support import (
+    PASS_METRIC,
     T0,
     Receiver,
     add_message,
@@ -21,8 +22,6 @@ from dispatcher_support import (
 from support import query, scalar, wait_for
 
 from vigil.dispatcher.clock import write_clock_file
-
-PASS_METRIC = "vigil_dispatcher_last_pass_timestamp_seconds"
 
 
 @pytest.fixture

@@ -164,10 +164,11 @@ class Dispatcher:
                 attempted = self.run_pass()
                 self.refresh_backlog()
                 on_health(True)
-            except psycopg.OperationalError as exc:
-                # The ledger went away (restart, failover): nothing was sent that it had not
-                # fixed; reconnect and carry on.
-                log.error("ledger unavailable: %s", exc)
+            except psycopg.Error as exc:
+                # The ledger went away (restart, failover) or refused a statement: nothing was
+                # sent that it had not fixed, and what was sent but not recorded goes out
+                # again after its lease. Reconnect and carry on; a bug elsewhere still crashes.
+                log.error("ledger error, reconnecting: %s: %s", type(exc).__name__, exc)
                 on_health(False)
                 self.close_connection()
                 stopping.wait(RECONNECT_PAUSE_S)
