@@ -9,6 +9,13 @@ is what makes a slow worker's late finish harmless.
 The one exception is :meth:`RunContext.fold`, which claims more of the user's events under
 the same fenced epoch at a model-turn boundary (the ``fold`` policy for events that arrive
 mid-run).
+
+Sessions: every session an event of the claim names (``session_id``) is loaded into
+``RunContext.sessions`` (``session`` is the first of them, for callers that handle one).
+A run may resume several (two approvals answered at once); each one it touched comes back
+as ``RunResult.session`` (the run's main one) or in ``RunResult.other_sessions``.
+:func:`vigil.agent.context.load_context_parts` and
+:func:`vigil.agent.context.write_sessions` do the ledger side of both.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome
 
@@ -47,7 +54,23 @@ class SavedSession:
     id: str
     state: str  # SessionState value
     messages: list[dict]
-    blocks: int = 0
+    blocks: int = 0  # auto-mode permission blocks in this session, in total
+    consecutive_blocks: int = 0  # ... since the last auto-mode call that passed
+    # While waiting: the deferred tool call (request_id, tool_use_id, tool, input, args_hash,
+    # due, the results of the calls made beside it). Column sessions.pending.
+    pending: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRequest:
+    """An ``approvals`` row as the resuming run needs it."""
+
+    request_id: str
+    session_id: str
+    tool: str
+    tool_use_id: str | None
+    args_hash: str  # what the person approved: the run refuses to execute anything else
+    answer: str | None  # ApprovalAnswer value, None while open
 
 
 @dataclass(slots=True)
@@ -60,10 +83,15 @@ class RunContext:
     recent_messages: list[str]  # what was already delivered to the user, newest last
     started_at: datetime
     deadline: float  # time.monotonic() by which the run must finish
-    # Claims the user's newly pending events under this run's epoch (fold policy).
-    fold: Callable[[], Awaitable[list[EventRow]]] | None = None
+    # fold(sources): claims the user's newly pending events of these sources that carry no
+    # session_id, under this run's epoch (fold and interrupt policies).
+    fold: Callable[[Sequence[str]], Awaitable[list[EventRow]]] | None = None
     # Answers to approval requests that this run resumes, request_id -> "yes" | "no" | "expired".
     approvals: dict[str, str] = field(default_factory=dict)
+    # Every session named by an event of the claim, by id (``session`` is one of them).
+    sessions: dict[str, SavedSession] = field(default_factory=dict)
+    # The approval rows named by approval.* events of the claim, by request id.
+    approval_requests: dict[str, ApprovalRequest] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +135,8 @@ class SessionSave:
     state: str  # SessionState value
     messages: list[dict]
     blocks: int = 0
+    consecutive_blocks: int = 0
+    pending: dict | None = None  # the deferred call while state is waiting, else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +156,8 @@ class RunResult:
     approvals: list[NewApproval] = field(default_factory=list)
     memory_writes: list[MemoryWrite] = field(default_factory=list)
     session: SessionSave | None = None
+    # Further sessions the run resumed or closed (several approvals answered in one claim).
+    other_sessions: list[SessionSave] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
     # Events claimed mid-run through fold(); the finish marks them done with the rest.
     folded_event_ids: list[int] = field(default_factory=list)
