@@ -1,0 +1,138 @@
+"""The Claude agent: one run = the claim's conversations with the model, through the SDK.
+
+``ClaudeAgent.run(ctx)``:
+
+1. plans which conversation each event goes to (:mod:`vigil.agent.sessions`);
+2. builds the cached prefix once for the run (:mod:`vigil.agent.prompt`);
+3. runs each conversation (:mod:`vigil.agent.conversation`) against one shared budget of
+   turns, tokens and wall time;
+4. returns everything as a :class:`RunResult`: messages, follow-up and expiry timers,
+   approval requests, memory writes (the difference from the start), saved sessions,
+   token usage, folded event ids, and how it ended: ``deferred`` if a call waits for
+   approval, else ``message`` if anything is sent, else ``nothing``.
+
+It writes nothing itself; :class:`RetryLater` when the API stays unavailable, any other
+exception for a failed attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import anthropic
+
+from vigil.agent import metrics, model
+from vigil.agent.actions import action_tools
+from vigil.agent.base import RunContext, RunResult
+from vigil.agent.conversation import Conversation, RunState, Toolbox
+from vigil.agent.memory import Limits, MemoryFiles
+from vigil.agent.prompt import system_blocks, volatile_context
+from vigil.agent.sessions import plan
+from vigil.agent.settings import AgentSettings, EventPolicy, Permission
+from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
+from vigil.ledger.states import RunOutcome, SessionState
+from vigil.settings import SettingsError, load
+
+# The agent stops this long before the worker's own run timeout, so that a run stopped by
+# its wall-time budget still returns (and saves its session) instead of being cancelled.
+DEADLINE_MARGIN_S = 10.0
+
+
+def effective_permissions(settings: AgentSettings, actions: list[ActionTool]) -> dict[str, Permission]:
+    """Every tool's permission: defaults, then VIGIL_TOOL_PERMISSIONS. Raises SettingsError."""
+    permissions = {name: Permission.ALLOW for name in BUILTIN}
+    permissions.update({tool.name: tool.default_permission for tool in actions})
+    for name, permission in settings.permissions.items():
+        if name not in permissions:
+            raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: no tool named {name!r} (tools: {', '.join(permissions)})")
+        if name in BUILTIN and permission not in (Permission.ALLOW, Permission.DENY):
+            raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: {name} is built in and can only be allow or deny")
+        permissions[name] = permission
+    return permissions
+
+
+class ClaudeAgent:
+    needs_context = True  # the worker loads sessions, memory, past messages and approvals
+
+    def __init__(self, settings: AgentSettings, client: anthropic.AsyncAnthropic | None = None,
+                 actions: list[ActionTool] | None = None):
+        self.settings = settings
+        actions = action_tools(settings) if actions is None else actions
+        permissions = effective_permissions(settings, actions)
+        policies = settings.policies
+        if policies.get("approval", EventPolicy.QUEUE) is not EventPolicy.QUEUE:
+            raise SettingsError("VIGIL_EVENT_POLICIES: approval events resume their own session and are always queued")
+        builtins = builtin_definitions(settings)
+        definitions = [d for n, d in builtins.items() if permissions[n] is not Permission.DENY]
+        definitions += [t.definition() for t in actions if permissions[t.name] is not Permission.DENY]
+        # The SDK's own retries are off: model.create is the one retry policy (see there).
+        client = client or anthropic.AsyncAnthropic(max_retries=0)
+        self.box = Toolbox(
+            settings=settings,
+            client=client,
+            retry=model.RetryPolicy(
+                settings.model_retries, settings.model_backoff_s, settings.model_backoff_cap_s, settings.model_timeout_s
+            ),
+            actions={t.name: t for t in actions},
+            permissions=permissions,
+            definitions=definitions,
+            policies=policies,
+        )
+        self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)
+
+    @classmethod
+    def from_environment(cls) -> "ClaudeAgent":
+        """The agent as ``VIGIL_*`` and ``ANTHROPIC_*`` configure it; SettingsError names what is wrong."""
+        if not os.environ.get("ANTHROPIC_API_KEY") and not os.environ.get("ANTHROPIC_AUTH_TOKEN"):
+            raise SettingsError("ANTHROPIC_API_KEY: required with VIGIL_AGENT=claude")
+        return cls(load(AgentSettings))
+
+    async def close(self) -> None:
+        await self.box.client.close()
+
+    def _prefix(self, ctx: RunContext, memory: MemoryFiles, now: datetime) -> list[dict[str, Any]]:
+        path = self.settings.instructions_path
+        recent = ctx.recent_messages[-self.settings.recent_messages:] if self.settings.recent_messages else []
+        return system_blocks(path, memory.files.get(path), memory.index(path), volatile_context(now, recent))
+
+    async def run(self, ctx: RunContext) -> RunResult:
+        settings = self.settings
+        now = datetime.now(timezone.utc)
+        deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)
+        memory = MemoryFiles(ctx.memory, self.limits)
+        run = RunState(
+            ctx=ctx,
+            memory=memory,
+            budget=model.Budget(settings.max_turns, settings.max_run_tokens, deadline),
+            now=now,
+            system=self._prefix(ctx, memory, now),
+            approvals=dict(ctx.approval_requests),
+        )
+        laid_out = plan(ctx, settings.session_max_bytes)
+        result = RunResult()
+        saves = []
+        for thread in laid_out.threads:
+            ended = await Conversation(self.box, run, thread).converse()
+            result.messages += ended.outputs.messages
+            result.timers += ended.outputs.timers
+            result.approvals += ended.approvals
+            if ended.touched:
+                saves.append(thread.save(settings.session_max_bytes))
+        saves += laid_out.closed
+        metrics.SESSIONS_CLOSED.inc(sum(s.state == SessionState.CLOSED for s in saves))
+        if saves:
+            result.session, result.other_sessions = saves[0], saves[1:]
+        result.memory_writes = memory.writes()
+        result.usage = run.budget.usage()
+        result.folded_event_ids = [e.id for e in run.folded]
+        if result.approvals:
+            result.outcome = RunOutcome.DEFERRED
+        elif result.messages:
+            result.outcome = RunOutcome.MESSAGE
+        else:
+            result.outcome = RunOutcome.NOTHING
+        return result
+

@@ -1,0 +1,277 @@
+"""One conversation of a run: the loop over model calls and tool calls.
+
+Order of one conversation:
+
+1. A waiting session with no answer here only re-asks on ``approval.escalate``; done.
+2. The opening user turn: the deferred call's complete tool-result turn when resuming with
+   an answer (the approved tool runs here, once), then the conversation's events.
+3. Until the model stops calling tools or a budget runs out: call the model; run each
+   tool call through the permission gate; a call that needs approval ends the
+   conversation (the session waits); otherwise the results form the next user turn. At
+   each model-turn boundary, events that arrived meanwhile are claimed for sources whose
+   policy is ``fold`` (added to the turn) or ``interrupt`` (the conversation restarts from
+   its opening turn with them, dropping what it drafted since: messages, timers, memory
+   edits. Action tool calls already made cannot be undone, so the restart is told of them).
+
+Nothing here writes anywhere but the run's result: a crash at any point leaves the claim to
+be retried, except action tools, which act at once and are made safe to repeat by their
+idempotency key.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import anthropic
+
+from vigil.agent import metrics, model
+from vigil.agent.base import ApprovalRequest, EventRow, NewApproval, RunContext
+from vigil.agent.deferral import Deferral, defer, escalate, resolve, resumed_turn
+from vigil.agent.memory import MemoryFiles, MemoryRefused
+from vigil.agent.permissions import BlockCounters, Decision, Gate
+from vigil.agent.prompt import append_user, assistant_content, render_events, text_block, tool_result, with_conversation_breakpoint
+from vigil.agent.sessions import Thread
+from vigil.agent.settings import AgentSettings, EventPolicy, Permission
+from vigil.agent.tools import MEMORY, SEND_MESSAGE, SET_FOLLOWUP, ActionTool, CallContext, Outputs, ToolOutput, send_message, set_followup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Toolbox:
+    """What every run of one agent shares: settings, client, tools and their permissions."""
+
+    settings: AgentSettings
+    client: anthropic.AsyncAnthropic
+    retry: model.RetryPolicy
+    actions: dict[str, ActionTool]
+    permissions: dict[str, Permission]  # every known tool's effective permission
+    definitions: list[dict[str, Any]]  # the tools offered, in their fixed order
+    policies: dict[str, EventPolicy]
+
+    @property
+    def fold_sources(self) -> list[str]:
+        return sorted(s for s, p in self.policies.items() if p is not EventPolicy.QUEUE)
+
+
+@dataclass
+class RunState:
+    """One run, shared by its conversations."""
+
+    ctx: RunContext
+    memory: MemoryFiles
+    budget: model.Budget
+    now: datetime
+    system: list[dict[str, Any]]  # built once per run: the cached prefix must not move mid-run
+    approvals: dict[str, ApprovalRequest]
+    folded: list[EventRow] = field(default_factory=list)
+    stopped_by: str | None = None
+
+
+@dataclass
+class Ended:
+    outputs: Outputs
+    approvals: list[NewApproval] = field(default_factory=list)
+    touched: bool = False  # the session changed and must be saved
+
+
+class Conversation:
+    def __init__(self, box: Toolbox, run: RunState, thread: Thread):
+        self.box = box
+        self.run = run
+        self.thread = thread
+        self.gate = Gate(box.permissions, thread.counters)
+        self.outputs = Outputs()
+
+    async def converse(self) -> Ended:
+        thread, ctx = self.thread, self.run.ctx
+        if thread.waiting and thread.answer is None:
+            return self._reask()
+        opening: list[dict[str, Any]] = []
+        if thread.waiting:
+            opening += await self._resume()
+        if thread.events:
+            opening.append(text_block(render_events(thread.events)))
+        if not opening:
+            return Ended(self.outputs)
+        append_user(thread.messages, opening)
+        start = (copy.deepcopy(thread.messages), self.run.memory.checkpoint(), BlockCounters(**vars(thread.counters)))
+        folded_here: list[EventRow] = []
+        first = True
+        while True:
+            stop = self.run.budget.exhausted()
+            if stop is not None:
+                self.run.stopped_by = stop
+                metrics.BUDGET_STOPS.labels(stop).inc()
+                log.info("run stopped by its %s budget", stop)
+                break
+            if not first:
+                await self._boundary(start, folded_here)
+            first = False
+            response = await model.create(self.box.client, self._request(), self.run.budget, self.box.retry)
+            self.run.budget.add(response.usage)
+            content = assistant_content(response.content)
+            if content:  # an empty answer is legal but must not be stored: turns need content
+                thread.messages.append({"role": "assistant", "content": content})
+            uses = [b for b in content if b["type"] == "tool_use"]
+            if not uses:
+                if self.run.budget.exhausted() is None and await self._boundary(start, folded_here):
+                    continue
+                break
+            results, deferral = await self._call_tools(uses, content)
+            if deferral is not None:
+                thread.pending = deferral.pending
+                self.outputs.messages.append(deferral.question)
+                self.outputs.timers.append(deferral.timer)
+                return Ended(self.outputs, [deferral.approval], touched=True)
+            append_user(thread.messages, results)
+        return Ended(self.outputs, touched=True)
+
+    # ------------------------------------------------------------------ approvals
+
+    def _reask(self) -> Ended:
+        """A waiting session without its answer: an escalation asks again, louder."""
+        if not self.thread.escalations:
+            return Ended(self.outputs)
+        latest = self.thread.escalations[-1].payload_json()
+        due = latest.get("due") if isinstance(latest, dict) else None
+        secret = self.box.settings.approval_secret.get_secret_value()
+        self.thread.pending, message = escalate(self.thread.pending, due, self.run.ctx.user_id, secret)
+        self.outputs.messages.append(message)
+        return Ended(self.outputs, touched=True)
+
+    async def _resume(self) -> list[dict[str, Any]]:
+        thread = self.thread
+        pending = thread.pending
+        assert pending is not None
+        request = self.run.approvals.get(pending["request_id"])
+        resolved, decision = await resolve(
+            pending, request, user_id=self.run.ctx.user_id, session_id=thread.session_id,
+            gate=self.gate, tools=self.box.actions,
+        )
+        if decision == "approved":
+            self.outputs.actions.append(pending["summary"])
+        thread.pending = None
+        return resumed_turn(pending, resolved)
+
+    # ------------------------------------------------------------------ events mid-run
+
+    async def _boundary(self, start: tuple, folded_here: list[EventRow]) -> bool:
+        """Claim events that arrived mid-run (fold / interrupt sources). True if any came."""
+        ctx = self.run.ctx
+        sources = self.box.fold_sources
+        if ctx.fold is None or not sources:
+            return False
+        events = sorted(await ctx.fold(sources), key=lambda e: e.id)
+        if not events:
+            return False
+        self.run.folded.extend(events)
+        folded_here.extend(events)
+        if any(e.session_id for e in events):
+            log.warning("fold returned events that name a session; they are treated as new events")
+        interrupt = any(self.box.policies.get(e.source) is EventPolicy.INTERRUPT for e in events)
+        metrics.EVENTS_MID_RUN.labels("interrupt" if interrupt else "fold").inc(len(events))
+        if not interrupt:
+            append_user(self.thread.messages, [text_block(render_events(events))])
+            return True
+        messages, memory, counters = start
+        self.thread.messages = copy.deepcopy(messages)
+        self.run.memory.restore(memory)
+        self.thread.counters.total, self.thread.counters.consecutive = counters.total, counters.consecutive
+        done = self.outputs.actions
+        self.outputs = Outputs(actions=list(done))
+        blocks = [text_block("New events arrived while you were working; start over with all of them in mind.")]
+        if done:
+            blocks.append(text_block("Already done before this restart (cannot be undone): " + "; ".join(done)))
+        blocks.append(text_block(render_events(folded_here)))
+        append_user(self.thread.messages, blocks)
+        return True
+
+    # ------------------------------------------------------------------ one model call
+
+    def _request(self) -> dict[str, Any]:
+        settings, budget = self.box.settings, self.run.budget
+        return {
+            "model": settings.model,
+            "max_tokens": max(model.MIN_CALL_TOKENS, min(settings.max_output_tokens, budget.max_tokens - budget.spent)),
+            "system": self.run.system,
+            "tools": self.box.definitions,
+            "messages": with_conversation_breakpoint(self.thread.messages),
+        }
+
+    # ------------------------------------------------------------------ tools
+
+    async def _call_tools(self, uses: list[dict], turn: list[dict]) -> tuple[list[dict], Deferral | None]:
+        results: list[dict[str, Any]] = []
+        asked: tuple[ActionTool, dict] | None = None
+        for use in uses:
+            name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
+            if name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
+                output, decision = await self._action(self.box.actions[name], use, args, asked is not None)
+                if decision is Decision.ASK and asked is None:
+                    asked = (self.box.actions[name], use)
+                    continue
+            else:
+                output = self._builtin(name, args)
+                metrics.TOOL_CALLS.labels(name if name in self.box.permissions else "unknown", "error" if output.is_error else "ran").inc()
+            results.append(tool_result(use["id"], output.text, output.is_error))
+        if asked is None:
+            return results, None
+        tool, use = asked
+        settings = self.box.settings
+        deferral = defer(
+            tool, use, turn, results, user_id=self.run.ctx.user_id, session_id=self.thread.session_id,
+            now=self.run.now, deadline_s=settings.approval_deadline_s, on_expiry=settings.approval_on_expiry,
+            secret=settings.approval_secret.get_secret_value(),
+        )
+        metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
+        return results, deferral
+
+    def _builtin(self, name: str, args: dict[str, Any]) -> ToolOutput:
+        if name not in self.box.permissions or self.gate.permission(name) is Permission.DENY:
+            return ToolOutput(f"Not permitted: there is no tool {name} you may use.", True)
+        if name == SEND_MESSAGE:
+            return send_message(args, self.outputs, self.box.settings)
+        if name == SET_FOLLOWUP:
+            return set_followup(args, self.outputs, self.box.settings, self.run.now)
+        assert name == MEMORY
+        try:
+            return ToolOutput(self.run.memory.execute(args))
+        except MemoryRefused as refusal:
+            return ToolOutput(str(refusal), True)
+
+    async def _action(self, tool: ActionTool, use: dict, args: dict, already_asking: bool) -> tuple[ToolOutput, Decision | None]:
+        refusal = tool.check(args)
+        if refusal is not None:
+            metrics.TOOL_CALLS.labels(tool.name, "error").inc()
+            return ToolOutput(f"Not run: {refusal}.", True), None
+        was_fallen_back = self.gate.counters.fallen_back
+        verdict = self.gate.decide(tool.name, tool.risk(args))
+        if verdict.decision is Decision.RUN:
+            key = f"{self.run.ctx.run_key}:{use['id']}"
+            output = await tool.run(args, CallContext(self.run.ctx.user_id, use["id"], key))
+            self.outputs.actions.append(tool.describe(args))
+            metrics.TOOL_CALLS.labels(tool.name, "error" if output.is_error else "ran").inc()
+            return output, Decision.RUN
+        if verdict.decision is Decision.BLOCK:
+            metrics.TOOL_CALLS.labels(tool.name, "blocked").inc()
+            text = (
+                f"Blocked by the safety policy: {verdict.reason}. Do not retry this call as it is; "
+                "find another way that does not need it, or tell the person what you would need."
+            )
+            if self.gate.counters.fallen_back and not was_fallen_back:
+                metrics.AUTO_FALLBACKS.inc()
+                text += " After repeated blocks, such calls in this conversation now need the person's approval."
+            return ToolOutput(text, True), Decision.BLOCK
+        if already_asking:
+            metrics.TOOL_CALLS.labels(tool.name, "error").inc()
+            return ToolOutput(
+                "Not run: another call of this turn is already waiting for the person's approval. "
+                "Make this call again after that one is answered, if it is still needed.",
+                True,
+            ), None
+        return ToolOutput(""), Decision.ASK

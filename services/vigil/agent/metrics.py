@@ -1,0 +1,56 @@
+"""The agent's Prometheus metrics (exposed on the worker's /metrics).
+
+Labels take bounded values only: a result class, a token kind, a tool name from the
+registry, a decision, a budget name. Never a user id, a session or a request id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+MODEL_REQUESTS = Counter(
+    "vigil_model_requests_total",
+    "Model API calls by result: ok, rate_limited (429), overloaded (529), server_error (5xx), "
+    "connection_error, client_error (4xx), other_error.",
+    ["result"],
+)
+MODEL_SECONDS = Histogram(
+    "vigil_model_request_seconds",
+    "Duration of one model API call, failed ones included.",
+    buckets=(0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120),
+)
+MODEL_TOKENS = Counter(
+    "vigil_model_tokens_total",
+    "Tokens billed by the model API, by kind: input, output, cache_read, cache_write.",
+    ["kind"],
+)
+TOOL_CALLS = Counter(
+    "vigil_tool_calls_total",
+    "Tool calls the model made, by tool and what happened: ran, error (refused or failed), "
+    "blocked (auto-mode policy), denied (permission deny), deferred (waits for approval), "
+    "approved, refused_on_resume (approved but arguments or permission changed), declined (no or expired).",
+    ["tool", "decision"],
+)
+APPROVALS_REQUESTED = Counter(
+    "vigil_approvals_requested_total",
+    "Approval questions sent, by tool and kind: ask (first time), escalate (asked again, louder).",
+    ["tool", "kind"],
+)
+AUTO_FALLBACKS = Counter(
+    "vigil_auto_mode_fallbacks_total",
+    "Sessions whose auto mode fell back to asking after too many blocks.",
+)
+BUDGET_STOPS = Counter(
+    "vigil_agent_budget_stops_total",
+    "Runs stopped early by a budget: turns, tokens or wall_time.",
+    ["budget"],
+)
+SESSIONS_CLOSED = Counter(
+    "vigil_sessions_closed_total",
+    "Sessions closed past the size budget (the next run starts fresh from memory).",
+)
+EVENTS_MID_RUN = Counter(
+    "vigil_agent_mid_run_events_total",
+    "Events claimed during a run, by what the run did with them: fold or interrupt.",
+    ["policy"],
+)

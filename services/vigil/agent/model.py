@@ -1,0 +1,154 @@
+"""One model call, with the run's budgets and the retry policy for API failures.
+
+- 429 (rate limited), 529 (overloaded), other 5xx and connection failures are transient:
+  retried here with exponential backoff and jitter, never shorter than the server's
+  ``retry-after``, up to ``VIGIL_MODEL_RETRIES`` times and never past the run's deadline.
+  Then :class:`RetryLater`: the worker releases the claim with a backoff, without counting
+  an attempt toward the poison bound, because an API outage is not the event's fault.
+- A 5xx that says ``x-should-retry: false``, and every 4xx but 429 (a malformed request,
+  a bad key, a prompt too long), is the run's own problem: it propagates and the attempt
+  counts as failed, so a request that can never succeed ends dead instead of looping.
+
+The SDK's own retries are switched off (``max_retries=0``) so that this is the only policy
+and its attempts show in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import anthropic
+
+from vigil.agent import metrics
+from vigil.agent.base import RetryLater, Usage
+
+log = logging.getLogger(__name__)
+
+# A call is not started with less time than this left: it would be cut off mid-answer.
+MIN_CALL_SECONDS = 5.0
+# A call is not started with fewer tokens than this left in the run's budget.
+MIN_CALL_TOKENS = 256
+
+
+@dataclass
+class Budget:
+    """The run's limits and what it has spent."""
+
+    max_turns: int
+    max_tokens: int
+    deadline: float  # time.monotonic()
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+    @property
+    def spent(self) -> int:
+        return self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
+
+    def exhausted(self) -> str | None:
+        """Which budget stops the next call, or None."""
+        if self.turns >= self.max_turns:
+            return "turns"
+        if self.max_tokens - self.spent < MIN_CALL_TOKENS:
+            return "tokens"
+        if self.deadline - time.monotonic() < MIN_CALL_SECONDS:
+            return "wall_time"
+        return None
+
+    def add(self, usage: Any) -> None:
+        self.turns += 1
+        counts = {
+            "input": usage.input_tokens or 0,
+            "output": usage.output_tokens or 0,
+            "cache_read": getattr(usage, "cache_read_input_tokens", None) or 0,
+            "cache_write": getattr(usage, "cache_creation_input_tokens", None) or 0,
+        }
+        self.input_tokens += counts["input"]
+        self.output_tokens += counts["output"]
+        self.cache_read_tokens += counts["cache_read"]
+        self.cache_write_tokens += counts["cache_write"]
+        for kind, n in counts.items():
+            if n:
+                metrics.MODEL_TOKENS.labels(kind).inc(n)
+
+    def usage(self) -> Usage:
+        return Usage(self.turns, self.input_tokens, self.output_tokens, self.cache_read_tokens, self.cache_write_tokens)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    retries: int
+    backoff_s: float
+    backoff_cap_s: float
+    timeout_s: float
+
+
+def _retry_after(exc: anthropic.APIStatusError) -> float | None:
+    headers = exc.response.headers
+    try:
+        if "retry-after-ms" in headers:
+            return float(headers["retry-after-ms"]) / 1000.0
+        value = headers.get("retry-after")
+        if value is None:
+            return None
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def _transient(exc: Exception) -> tuple[bool, str, float | None]:
+    """(retry?, metric label, server's retry-after) for a failed call."""
+    if isinstance(exc, anthropic.APIConnectionError):  # includes timeouts
+        return True, "connection_error", None
+    if isinstance(exc, anthropic.APIStatusError):
+        status = exc.status_code
+        if status == 429:
+            return True, "rate_limited", _retry_after(exc)
+        if status == 529:
+            return True, "overloaded", _retry_after(exc)
+        if status >= 500:
+            if exc.response.headers.get("x-should-retry") == "false":
+                return False, "server_error", None
+            return True, "server_error", _retry_after(exc)
+        return False, "client_error", None
+    return False, "other_error", None
+
+
+async def create(client: anthropic.AsyncAnthropic, request: dict[str, Any], budget: Budget, policy: RetryPolicy) -> Any:
+    """``messages.create`` with retries; raises RetryLater when the API stays unavailable."""
+    attempt = 0
+    while True:
+        remaining = budget.deadline - time.monotonic()
+        started = time.monotonic()
+        try:
+            response = await client.messages.create(**request, timeout=max(1.0, min(policy.timeout_s, remaining)))
+        except Exception as exc:
+            retry, label, retry_after = _transient(exc)
+            metrics.MODEL_REQUESTS.labels(label).inc()
+            metrics.MODEL_SECONDS.observe(time.monotonic() - started)
+            if not retry:
+                raise
+            attempt += 1
+            delay = min(policy.backoff_cap_s, policy.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+            delay = max(delay, retry_after or 0.0)
+            left = budget.deadline - time.monotonic() - MIN_CALL_SECONDS
+            if attempt > policy.retries or delay > policy.backoff_cap_s or delay > left:
+                log.warning("model unavailable after %d attempt(s): %s", attempt, label)
+                raise RetryLater(f"{label} after {attempt} attempt(s)", retry_after) from exc
+            log.info("model call %s, retry %d in %.2fs", label, attempt, delay)
+            await asyncio.sleep(delay)
+            continue
+        metrics.MODEL_REQUESTS.labels("ok").inc()
+        metrics.MODEL_SECONDS.observe(time.monotonic() - started)
+        return response

@@ -1,0 +1,188 @@
+"""The tools the model is offered: three built in, and a registry of action tools.
+
+Built in (they only shape the run's result, so they are always ``allow`` or ``deny``):
+
+- ``send_message(text, urgent=false)``: a message for the outbox, the first way a run ends.
+  Not calling it is the quiet default: nothing is sent.
+- ``set_followup(delay_seconds | at, note)``: a one-off timer that wakes this user's agent
+  later with the note.
+- ``memory``: Anthropic's memory tool over the user's files (:mod:`vigil.agent.memory`).
+
+Action tools act on the world. Each is an :class:`ActionTool` subclass registered in
+:func:`vigil.agent.actions.action_tools`; docs/agent.md walks through adding one. The
+executor, not the model, hands a tool its idempotency key and any credential.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, ClassVar
+from uuid import uuid4
+
+from vigil.agent.base import NewTimer, OutMessage
+from vigil.agent.settings import AgentSettings, Permission
+from vigil.ledger.states import TimerKind
+
+SEND_MESSAGE = "send_message"
+SET_FOLLOWUP = "set_followup"
+MEMORY = "memory"
+BUILTIN = (SEND_MESSAGE, SET_FOLLOWUP, MEMORY)
+MAX_MESSAGE_CHARS = 4000
+MAX_NOTE_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    text: str
+    is_error: bool = False
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What the executor gives an action tool besides the model's arguments."""
+
+    user_id: str
+    tool_use_id: str
+    # Stable for this call: the approval's request id when the call was approved, else the
+    # claim's run key and the tool_use id. Pass it to the target system so a retried run
+    # (a crash before the finish committed) does not act twice.
+    idempotency_key: str
+
+
+class ActionTool(ABC):
+    """A tool that acts outside the run. Subclass, fill the class attributes, register it."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    input_schema: ClassVar[dict[str, Any]]
+    default_permission: ClassVar[Permission] = Permission.ASK
+
+    def definition(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "input_schema": self.input_schema}
+
+    def check(self, args: dict[str, Any]) -> str | None:
+        """A reason these arguments can never run (whatever the permission), or None."""
+        return None
+
+    def risk(self, args: dict[str, Any]) -> str | None:
+        """Auto mode's policy check: why this call is too risky to run unattended, or None."""
+        return None
+
+    def describe(self, args: dict[str, Any]) -> str:
+        """One line for the approval question: what exactly the person is asked to allow."""
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(args.items()))
+        return f"{self.name}({shown})"
+
+    @abstractmethod
+    async def run(self, args: dict[str, Any], call: CallContext) -> ToolOutput:
+        """Do it. Raise nothing the model should not read: failures are ToolOutput(is_error=True)."""
+
+
+@dataclass
+class Outputs:
+    """What one conversation produced for the result (dropped whole if it is interrupted)."""
+
+    messages: list[OutMessage] = field(default_factory=list)
+    timers: list[NewTimer] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)  # action tool calls that ran, described
+
+
+def builtin_definitions(settings: AgentSettings) -> dict[str, dict[str, Any]]:
+    return {
+        SEND_MESSAGE: {
+            "name": SEND_MESSAGE,
+            "description": (
+                "Send a message to the user. This is the only way to reach them: text you write "
+                "outside this tool is never delivered. Send only what is worth their attention; "
+                "saying nothing is fine. urgent=true skips the pacing gap: use it only for what "
+                f"cannot wait. At most {settings.max_messages_per_run} per run."
+            ),
+            "input_schema": {
+                "type": "object",
+                "properties": {
+                    "text": {"type": "string", "description": f"The message, at most {MAX_MESSAGE_CHARS} characters."},
+                    "urgent": {"type": "boolean", "description": "Deliver now, bypassing the pacing gap.", "default": False},
+                },
+                "required": ["text"],
+                "additionalProperties": False,
+            },
+        },
+        SET_FOLLOWUP: {
+            "name": SET_FOLLOWUP,
+            "description": (
+                "Wake yourself up later for this user: a one-off follow-up that arrives as a "
+                "timer.followup event carrying your note. Give delay_seconds or at (ISO 8601 with "
+                "a UTC offset), not both. Write the note so that your future self, who will not "
+                "remember this conversation, knows what to do."
+            ),
+            "input_schema": {
+                "type": "object",
+                "properties": {
+                    "delay_seconds": {"type": "integer", "minimum": 1, "description": "Seconds from now."},
+                    "at": {"type": "string", "description": "When, e.g. 2030-01-31T09:00:00+01:00."},
+                    "note": {"type": "string", "description": "What to do then."},
+                },
+                "required": ["note"],
+                "additionalProperties": False,
+            },
+        },
+        MEMORY: {"type": "memory_20250818", "name": MEMORY},
+    }
+
+
+def send_message(args: dict[str, Any], outputs: Outputs, settings: AgentSettings) -> ToolOutput:
+    text, urgent = args.get("text"), args.get("urgent", False)
+    if not isinstance(text, str) or not text.strip():
+        return ToolOutput("Not sent: text must be a non-empty string.", True)
+    if len(text) > MAX_MESSAGE_CHARS:
+        return ToolOutput(f"Not sent: {len(text)} characters, the limit is {MAX_MESSAGE_CHARS}. Shorten it.", True)
+    if not isinstance(urgent, bool):
+        return ToolOutput("Not sent: urgent must be true or false.", True)
+    if len(outputs.messages) >= settings.max_messages_per_run:
+        return ToolOutput(f"Not sent: this run already sent {len(outputs.messages)} messages, the limit.", True)
+    outputs.messages.append(OutMessage(text.strip(), urgent))
+    return ToolOutput("Queued for delivery" + (" (urgent)." if urgent else "."))
+
+
+def _followup_due(args: dict[str, Any], now: datetime) -> datetime | str:
+    delay, at = args.get("delay_seconds"), args.get("at")
+    if (delay is None) == (at is None):
+        return "give exactly one of delay_seconds and at"
+    if delay is not None:
+        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
+            return "delay_seconds must be a whole number of seconds, at least 1"
+        return now + timedelta(seconds=delay)
+    if not isinstance(at, str):
+        return "at must be an ISO 8601 string"
+    try:
+        when = datetime.fromisoformat(at)
+    except ValueError:
+        return f"at={at!r} is not ISO 8601"
+    if when.tzinfo is None:
+        return "at needs a UTC offset (e.g. +00:00), or the time is ambiguous"
+    return when
+
+
+def set_followup(args: dict[str, Any], outputs: Outputs, settings: AgentSettings, now: datetime) -> ToolOutput:
+    note = args.get("note")
+    if not isinstance(note, str) or not note.strip():
+        return ToolOutput("Not set: a note is required.", True)
+    if len(note) > MAX_NOTE_CHARS:
+        return ToolOutput(f"Not set: the note is over {MAX_NOTE_CHARS} characters.", True)
+    due = _followup_due(args, now)
+    if isinstance(due, str):
+        return ToolOutput(f"Not set: {due}.", True)
+    # Timers are kept in whole seconds; rounding up never fires early.
+    due = datetime.fromtimestamp(math.ceil(due.timestamp()), timezone.utc)
+    if due <= now:
+        return ToolOutput("Not set: that time is already past.", True)
+    if (due - now).total_seconds() > settings.followup_max_delay_s:
+        return ToolOutput(f"Not set: at most {settings.followup_max_delay_s} seconds ahead.", True)
+    if len(outputs.timers) >= settings.max_followups_per_run:
+        return ToolOutput("Not set: this run already set the most follow-ups it may.", True)
+    timer_id = f"followup-{uuid4().hex}"
+    outputs.timers.append(NewTimer(timer_id, due, TimerKind.FOLLOWUP.value, {"note": note.strip()}))
+    return ToolOutput(f"Follow-up {timer_id} set for {due.isoformat()}.")
