@@ -89,7 +89,7 @@ def test_sigkill_after_the_receiver_got_it_before_the_commit_resends_the_same_de
     assert rows == [{"status": "delivered", "d": got[0].id, "attempts": 2, "error": None}] * 2
     assert scalar(ledger, "SELECT last_delivery_at FROM users") == T0, "a re-send is not a new delivery for the gap"
     assert metric(port, 'vigil_delivery_retries_total{channel="webhook",reason="lost"}') == 1
-    assert restarted.alive()
+    assert restarted.stop() == 0, "SIGTERM: the pass in progress finishes, then a clean exit"
 
 
 def test_two_dispatchers_over_500_users_never_send_a_row_twice_nor_two_deliveries_inside_a_gap(

@@ -179,11 +179,11 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
                 f"{row['messages']} msg  {row['attempts']} attempts  {row['error']}"
             )
         return
-    click.echo(f"{'id':>8}  {'status':<9}  {'att':>3}  {'delivery id':<36}  {'channel':<7}  created / body / error")
+    click.echo(f"{'id':>8}  {'run':>8}  {'status':<9}  {'att':>3}  {'delivery id':<36}  {'channel':<7}  created / body / error")
     for row in rows:
         urgent = " URGENT" if row["urgent"] else ""
         click.echo(
-            f"{row['id']:>8}  {row['status']:<9}  {row['attempts']:>3}  {str(row['delivery_id'] or '-'):<36}  "
+            f"{row['id']:>8}  {row['run_id']:>8}  {row['status']:<9}  {row['attempts']:>3}  {str(row['delivery_id'] or '-'):<36}  "
             f"{row['channel'] or '-':<7}  {row['created_at']:%Y-%m-%d %H:%M:%S}{urgent}  {_preview(row['body'])}"
             + (f"  error: {row['error']}" if row["error"] else "")
         )

@@ -76,7 +76,13 @@ class Dispatcher:
         return self._conn
 
     def run_pass(self) -> int:
-        """Claim what is due, send it, record the outcomes. Returns the deliveries attempted."""
+        """Claim what is due, send it, record the outcomes. Returns the deliveries attempted.
+
+        Order: the claim commits the delivery ids (and the users' pacing), then the sends
+        run, then each outcome commits on its own. A crash after the claim or after a send
+        leaves rows ``sending`` under their lease: once it passes they go out again with the
+        same ids. A crash after an outcome's commit leaves nothing to redo.
+        """
         now = self.clock.now()
         try:
             claimed = claim(self.conn, now, self.limits)
@@ -94,10 +100,15 @@ class Dispatcher:
         for delivery in claimed.deliveries:
             if delivery.attempt == 1:
                 metrics.JOINED.observe(len(delivery.rows))
-        futures = {self._pool.submit(self.channels.send, d, self.clock.now()): d for d in claimed.deliveries}
+        futures = {self._pool.submit(self._send, d): d for d in claimed.deliveries}
         for future in as_completed(futures):
             self.record(futures[future], future.result())
         return len(futures)
+
+    def _send(self, delivery: Delivery) -> Outcome:
+        # The attempt's time is taken when the send starts, not when it was queued: a
+        # webhook's timestamp must be fresh when the receiver checks it.
+        return self.channels.send(delivery, self.clock.now())
 
     def record(self, delivery: Delivery, outcome: Outcome) -> None:
         """Write one attempt's outcome (the send already happened; this is the commit after it)."""

@@ -26,18 +26,22 @@ WITH due AS (
            OR u.last_delivery_at <= %(now)s - make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)))
       AND NOT EXISTS (SELECT 1 FROM outbox f WHERE f.user_id = o.user_id AND f.delivery_id IS NOT NULL
                       AND f.status IN ('pending', 'sending'))
+),
+locked AS (
+    SELECT u.user_id, u.last_delivery_at, u.urgent_day, u.urgent_count
+    FROM users u
+    WHERE u.user_id IN (SELECT user_id FROM due)
+    ORDER BY u.last_delivery_at NULLS FIRST, u.user_id
+    LIMIT %(limit)s
+    -- SKIP LOCKED: a user another dispatcher is claiming right now is its business this
+    -- pass; waiting for that lock would only serialise the replicas. Held until commit, so
+    -- the pacing state read here cannot change under this claim.
+    FOR UPDATE SKIP LOCKED
 )
-SELECT u.user_id, u.last_delivery_at, u.urgent_day, u.urgent_count,
+SELECT l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
        c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap
-FROM users u
-JOIN due d ON d.user_id = u.user_id
-LEFT JOIN channels c ON c.user_id = u.user_id
-ORDER BY u.last_delivery_at NULLS FIRST, u.user_id
-LIMIT %(limit)s
--- SKIP LOCKED: a user another dispatcher is claiming right now is its business this pass;
--- waiting for that lock would only serialise the replicas. Held until commit, so the
--- pacing state read here cannot change under this claim.
-FOR UPDATE OF u SKIP LOCKED
+FROM locked l
+LEFT JOIN channels c ON c.user_id = l.user_id
 
 -- name: outbox_unfinished_for_users
 -- The unfinished rows (pending, sending) of locked users, oldest first: every row of a fixed delivery, the oldest %(max_messages)s held.
