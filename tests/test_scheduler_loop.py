@@ -204,13 +204,13 @@ def test_cron_in_new_york_fires_at_the_right_instants_once_across_dst(sched, led
     assert len([t for t in hourly if day[0] <= t < day[1]]) == expected["hours_that_day"]
 
 
-def _approval(dsn: str, request_id: str, due: int, on_expiry: str) -> None:
+def _approval(dsn: str, request_id: str, due: int, on_expiry: str, deadline: float | None = None) -> None:
     with connect(dsn, autocommit=True) as conn:
         conn.execute(
             Q.approval_create,
             {"request_id": request_id, "user_id": USER, "session_id": f"s-{request_id}", "run_id": None,
              "tool": "refund", "tool_use_id": "toolu_1", "args_hash": "h", "on_expiry": on_expiry,
-             "due": datetime.fromtimestamp(due, timezone.utc)},
+             "due": datetime.fromtimestamp(due if deadline is None else deadline, timezone.utc)},
         )
         # What the worker's finish writes next to the request: the expiry, keyed by the request.
         upsert(conn, NewTimer(USER, f"approval:{request_id}", TimerKind.APPROVAL_EXPIRY, due,
@@ -242,6 +242,16 @@ def test_approval_expiry_denies_escalates_and_wakes_the_session(sched, ledger, s
     answers = {r["request_id"]: r["answer"] for r in query(ledger, "SELECT request_id, answer FROM approvals")}
     assert answers == {"refund-881": "expired", "refund-882": "expired", "refund-883": "yes"}
     assert scalar(ledger, "SELECT count(*) FROM timers WHERE NOT done") == 0
+
+
+def test_an_expiry_timer_earlier_than_its_approvals_deadline_waits_for_it(sched, ledger, stack, topics):
+    # The finish stores the timer in whole seconds (truncated) and the deadline as given.
+    _approval(ledger, "refund-7", T0, "deny", deadline=T0 + 0.4)
+    assert at(sched, T0).events == 0
+    assert int(timer(ledger, "approval:refund-7")["due"].timestamp()) == T0 + 1
+    assert scalar(ledger, "SELECT answer FROM approvals") is None  # never expired before its deadline
+    assert at(sched, T0 + 1).events == 1
+    assert scalar(ledger, "SELECT answer FROM approvals") == "expired"
 
 
 def test_unacknowledged_produce_advances_nothing(stack, ledger, topics):
