@@ -92,7 +92,9 @@ def step_recorded_and_answered(settings: CommonSettings, event: Event) -> str:
 def demo() -> None:
     """Show the running stack at work: an event in, recorded, answered, delivered."""
     settings = load_or_exit(CommonSettings)
-    user = "demo-user"
+    # A fresh user per run: the outbox pacing gap (an hour by default) would hold a second
+    # demo's reply for the same user.
+    user = f"demo-{uuid.uuid4().hex[:6]}"
     event = Event(
         user_id=user,
         source="chat",
