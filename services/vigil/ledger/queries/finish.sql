@@ -17,7 +17,9 @@ VALUES (%(user_id)s, %(run_id)s, %(epoch)s, %(body)s, %(urgent)s)
 -- name: insert_timer
 -- A follow-up or approval expiry set by the run. Re-setting the same id replaces a timer that has not fired yet.
 INSERT INTO timers AS t (id, user_id, kind, due, catch_up, payload, fixed_key)
-VALUES (%(id)s, %(user_id)s, %(kind)s, date_trunc('second', %(due)s::timestamptz), %(catch_up)s, %(payload)s, %(fixed_key)s)
+-- Due times are whole seconds: round up, so a follow-up never fires before the time asked for.
+VALUES (%(id)s, %(user_id)s, %(kind)s, date_trunc('second', %(due)s::timestamptz + interval '999999 microseconds'),
+        %(catch_up)s, %(payload)s, %(fixed_key)s)
 ON CONFLICT (user_id, id) DO UPDATE
 SET due = EXCLUDED.due, payload = EXCLUDED.payload, fixed_key = EXCLUDED.fixed_key, kind = EXCLUDED.kind,
     catch_up = EXCLUDED.catch_up, updated_at = now()
