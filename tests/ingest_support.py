@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 from click.testing import CliRunner
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
@@ -14,8 +16,11 @@ from vigil.bus.codec import Event, EventCodec
 from vigil.devstack import free_port
 from vigil.ingest.embedded import EmbeddedIngest
 from vigil.ingest.settings import IngestSettings
+from vigil.ledger import approvals
+from vigil.ledger.queries import Q
 
 APPROVAL_SECRET = "test-approval-secret"
+USER = "u-refunds"
 
 
 def ingest_settings(bootstrap: str, dsn: str, topic: str, **overrides: Any) -> IngestSettings:
@@ -78,3 +83,22 @@ def read_events(bootstrap: str, topic: str, expected: int, partitions: int = 4, 
 def ledger_count(dsn: str, sql: str, params: Any = None) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return conn.execute(sql, params).fetchone()[0]
+
+
+def make_request(dsn: str, request_id: str, due: datetime, user_id: str = USER) -> str:
+    """An approval request as the worker's finish writes it; returns its answer token."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            Q.approval_create,
+            {
+                "request_id": request_id, "user_id": user_id, "session_id": f"s-{request_id}", "run_id": None,
+                "tool": "refund", "tool_use_id": "toolu_1", "args_hash": approvals.args_hash("refund", {"amount": 1200}),
+                "due": due, "on_expiry": "deny",
+            },
+        )
+    return approvals.sign_token(APPROVAL_SECRET, request_id, user_id)
+
+
+def stored(dsn: str, request_id: str) -> dict:
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+        return conn.execute(Q.approval_get, {"request_id": request_id}).fetchone()

@@ -131,6 +131,8 @@ def test_wrong_content_type_is_415(client, ingest):
     refused(client.post("/v1/events", content=b"user_id=u1", headers={"Content-Type": "application/x-www-form-urlencoded"}), 415, "unsupported_media_type")
     refused(client.post("/v1/events", content=b"{}", headers={"Content-Type": "text/plain"}), 415, "unsupported_media_type")
     refused(client.post("/v1/users/u1/messages", content=b'{"text": "x"}', headers={"Content-Type": ""}), 415, "unsupported_media_type")
+    gzipped = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    refused(client.post("/v1/events", content=b"\x1f\x8b\x08\x00", headers=gzipped), 415, "unsupported_media_type")
     refused(httpx.post(f"{ingest.url}/v1/approvals/r1", content=b"answer=yes", headers={"Content-Type": "text/plain"}), 415, "unsupported_media_type")
 
 

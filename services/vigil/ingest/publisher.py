@@ -41,25 +41,27 @@ ACK_SLACK_S = 1.0
 class _Batch:
     """The acknowledgements of one send: settles ``future`` once every report is in."""
 
-    __slots__ = ("future", "loop", "results", "remaining", "lock")
+    __slots__ = ("future", "loop", "delivered", "errors", "remaining", "lock")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, size: int):
         self.loop = loop
         self.future: asyncio.Future = loop.create_future()
-        self.results: list[Delivered | KafkaError | None] = [None] * size
+        self.delivered: list[Delivered] = []
+        self.errors: list[KafkaError] = []
         self.remaining = size
         self.lock = threading.Lock()
 
-    def report(self, index: int):
-        def on_delivery(err, msg) -> None:
-            self.results[index] = err if err is not None else Delivered(msg.topic(), msg.partition(), msg.offset())
-            with self.lock:
-                self.remaining -= 1
-                last = self.remaining == 0
-            if last:
-                self.loop.call_soon_threadsafe(_settle, self.future)
-
-        return on_delivery
+    def on_delivery(self, err: KafkaError | None, msg) -> None:
+        """librdkafka's delivery report (on the poll thread); one wake-up of the loop per batch."""
+        with self.lock:
+            if err is not None:
+                self.errors.append(err)
+            else:
+                self.delivered.append(Delivered(msg.topic(), msg.partition(), msg.offset()))
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.loop.call_soon_threadsafe(_settle, self.future)
 
 
 def _settle(future: asyncio.Future) -> None:
@@ -120,6 +122,8 @@ class Publisher:
         return delivered
 
     async def _send(self, events: Sequence[Event]) -> list[Delivered]:
+        if not events:
+            return []
         if self._producer is None:
             raise ProduceError("the producer is not started")
         if self._fatal:
@@ -130,10 +134,10 @@ class Publisher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         batch = _Batch(loop, len(events))
-        for index, event in enumerate(events):
+        for event in events:
             while True:
                 try:
-                    producer.produce_nowait(event, batch.report(index))
+                    producer.produce_nowait(event, batch.on_delivery)
                     break
                 except BufferError:
                     if loop.time() > deadline:
@@ -145,10 +149,9 @@ class Publisher:
             await asyncio.wait_for(asyncio.shield(batch.future), max(0.0, deadline - loop.time()) + ACK_SLACK_S)
         except asyncio.TimeoutError:
             raise ProduceError(f"no acknowledgement within {timeout:.1f}s") from None
-        failures = [r for r in batch.results if isinstance(r, KafkaError)]
-        if failures:
-            raise ProduceError(f"{len(failures)} of {len(events)} not acknowledged: {failures[0].str()}")
-        return [r for r in batch.results if isinstance(r, Delivered)]
+        if batch.errors:
+            raise ProduceError(f"{len(batch.errors)} of {len(events)} not acknowledged: {batch.errors[0].str()}")
+        return batch.delivered
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait up to ``timeout`` for queued events (their requests are still waiting), then stop."""

@@ -61,6 +61,10 @@ def require_json(request: Request) -> None:
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         shown = media[:100] or "none"
         raise Refusal(415, "unsupported_media_type", f"expected Content-Type application/json, got {shown}")
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        # A compressed body would only fail later as malformed JSON; say what is wrong.
+        raise Refusal(415, "unsupported_media_type", f"Content-Encoding {encoding[:40]} is not supported; send the body uncompressed")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

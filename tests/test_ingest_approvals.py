@@ -1,0 +1,121 @@
+"""Approval answers through ingest: the cases of the source document's section 7 (a refund
+approval with a deadline), plus an answer that arrived in time but was processed late.
+
+Whichever of answer and expiry is stored first stands; the answer path checks the deadline
+against the time the request *arrived*; the body says which answer stands; the wake-up
+event is on the topic afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from ingest_support import APPROVAL_SECRET, USER, make_request, read_events, start_ingest, stored
+from vigil.ledger import approvals
+
+
+def run_expiry(dsn: str, request_id: str) -> str:
+    """What the scheduler's expiry timer does at the deadline."""
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+        return approvals.expire(conn, request_id, datetime.now(timezone.utc), timedelta(hours=1)).answer
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@pytest.fixture
+def ingest(stack, ledger, topics):
+    server = start_ingest(stack, ledger, topics)
+    yield server
+    server.stop()
+
+
+def answer(ingest, request_id: str, given: str, token: str) -> httpx.Response:
+    return httpx.post(f"{ingest.url}/v1/approvals/{request_id}", json={"answer": given, "token": token}, timeout=30)
+
+
+def test_expiry_stored_first_then_yes_gives_expired(ingest, ledger):
+    token = make_request(ledger, "r-expired-first", now() - timedelta(hours=1))
+    assert run_expiry(ledger, "r-expired-first") == "expired"
+    response = answer(ingest, "r-expired-first", "yes", token)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"request_id": "r-expired-first", "answer": "expired", "given": "yes"}
+    assert stored(ledger, "r-expired-first")["answer"] == "expired"
+
+
+def test_yes_after_the_deadline_before_any_scheduler_ran_gives_expired(ingest, ledger, stack, topics):
+    token = make_request(ledger, "r-late", now() - timedelta(seconds=1))
+    response = answer(ingest, "r-late", "yes", token)
+    assert response.status_code == 200 and response.json()["answer"] == "expired"
+    row = stored(ledger, "r-late")
+    assert row["answer"] == "expired" and row["received_at"] is not None
+    # The session still wakes, with the answer that stands.
+    [wake] = read_events(stack.bootstrap, topics.events, 1, topics.partitions)
+    assert (wake.user_id, wake.source, wake.source_id, wake.kind) == (USER, "approval", "r-late", "approval.answer")
+    assert json.loads(wake.payload)["answer"] == "expired" and wake.session_id == "s-r-late"
+
+
+def test_yes_then_no_gives_yes_and_a_later_expiry_changes_nothing(ingest, ledger, stack, topics):
+    token = make_request(ledger, "r-twice", now() + timedelta(hours=4))
+    first = answer(ingest, "r-twice", "yes", token)
+    second = answer(ingest, "r-twice", "no", token)
+    assert first.json() == {"request_id": "r-twice", "answer": "yes", "given": "yes"}
+    assert second.status_code == 200
+    assert second.json() == {"request_id": "r-twice", "answer": "yes", "given": "no"}
+    assert run_expiry(ledger, "r-twice") == "yes"
+    assert stored(ledger, "r-twice")["answer"] == "yes"
+    # Two wake-ups with one key: the ledger keeps one event (the worker's UNIQUE key).
+    wakes = read_events(stack.bootstrap, topics.events, 2, topics.partitions)
+    assert {(w.source, w.source_id) for w in wakes} == {("approval", "r-twice")}
+    assert all(json.loads(w.payload)["answer"] == "yes" for w in wakes)
+
+
+def test_answer_to_a_request_never_made_is_unknown(ingest, stack, topics):
+    token = approvals.sign_token(APPROVAL_SECRET, "r-never", USER)
+    response = answer(ingest, "r-never", "yes", token)
+    assert response.status_code == 404
+    assert response.json()["answer"] == "unknown" and response.json()["error"] == "unknown_request"
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+
+
+def test_answer_received_before_the_deadline_but_processed_after_it_stands(stack, ledger, topics):
+    due = now().replace(microsecond=0) + timedelta(seconds=2)
+
+    async def slow_step(_request):
+        # The request has been stamped on arrival; hold it until the deadline has passed.
+        while now() < due + timedelta(milliseconds=300):
+            await asyncio.sleep(0.05)
+
+    server = start_ingest(stack, ledger, topics, before_answer=slow_step)
+    try:
+        token = make_request(ledger, "r-in-time", due)
+        assert now() < due - timedelta(milliseconds=500), "the test machine is too slow for this timing"
+        response = answer(server, "r-in-time", "yes", token)
+    finally:
+        server.stop()
+    assert response.status_code == 200 and response.json()["answer"] == "yes"
+    row = stored(ledger, "r-in-time")
+    assert row["received_at"] < due < row["answered_at"], row
+    assert row["answer"] == "yes"
+
+
+def test_bad_token_is_403_and_stores_nothing(ingest, ledger, stack, topics):
+    make_request(ledger, "r-guarded", now() + timedelta(hours=1))
+    other_user = approvals.sign_token(APPROVAL_SECRET, "r-guarded", "someone-else")
+    other_secret = approvals.sign_token("not-the-secret", "r-guarded", USER)
+    for token in (other_user, other_secret, "v1.garbage"):
+        response = answer(ingest, "r-guarded", "yes", token)
+        assert response.status_code == 403 and response.json()["error"] == "invalid_token"
+    row = stored(ledger, "r-guarded")
+    assert row["answer"] is None and row["received_at"] is None
+    bad_answer = httpx.post(f"{ingest.url}/v1/approvals/r-guarded", json={"answer": "maybe", "token": other_user})
+    assert bad_answer.status_code == 400 and bad_answer.json()["field"] == "answer"
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
