@@ -1,0 +1,65 @@
+"""The shipped offline demonstration script (`make up` without ANTHROPIC_API_KEY), played
+against the real agent: every scenario of the demo must work with the agent's real tool
+names, inputs and result texts, or the demo would silently show nothing."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from vigil.agent import testing as t
+from vigil.agent.base import ApprovalRequest, OutMessage
+from vigil.agent.scripted_server import ScriptedServer
+from vigil.ledger.approvals import args_hash
+from vigil.ledger.states import RunOutcome, SessionState
+
+
+@pytest.fixture(scope="module")
+def demo():
+    with ScriptedServer() as server:  # the default script is the demo's
+        yield server
+
+
+def test_demo_chat_reply(demo):
+    [result] = t.run(demo.base_url, t.context([t.chat("hello there")]))
+    assert result.messages == [OutMessage("Hi! You said: hello there", False)]
+
+
+def test_demo_reminder_set_and_delivered(demo):
+    [asked] = t.run(demo.base_url, t.context([t.chat("remind me in a minute")]))
+    [timer] = asked.timers
+    assert asked.messages == [OutMessage("OK, I will remind you.", False)]
+    assert timedelta(seconds=59) < timer.due - datetime.now(timezone.utc) <= timedelta(seconds=61)
+
+    # What the scheduler's event for that timer looks like when it fires.
+    fired = t.event("timer.followup", {"timer_id": timer.id, "scheduled_for": int(timer.due.timestamp()),
+                                       "late_by": 0, "skipped": 0, "payload": timer.payload}, source="timer")
+    [due] = t.run(demo.base_url, t.context([fired]))
+    assert due.messages == [OutMessage("Reminder: you asked me to remind you a minute ago.", True)]
+
+
+def test_demo_refund_asks_and_expires_into_a_denial(demo):
+    [asked] = t.run(demo.base_url, t.context([t.chat("please refund order 1234")]))
+    assert asked.outcome is RunOutcome.DEFERRED and asked.session.state == SessionState.WAITING
+    [approval] = asked.approvals
+    assert approval.args_hash == args_hash("refund", {"order_id": "1234", "amount": 19.99})
+
+    expired = ApprovalRequest(approval.request_id, approval.session_id, "refund", approval.tool_use_id,
+                              approval.args_hash, "expired")
+    wake = t.event("approval.answer", {"request_id": approval.request_id, "answer": "expired"}, source="approval",
+                   session_id=approval.session_id)
+    [resumed] = t.run(demo.base_url, t.context([wake], sessions=[t.saved(asked)], approvals=[expired]))
+    assert resumed.messages == [OutMessage("The refund was not made (approval expired).", False)]
+
+
+def test_demo_remembers(demo):
+    memory: dict[str, str] = {}
+    [result] = t.run(demo.base_url, t.context([t.chat("remember that I like green tea")], memory=memory))
+    assert [(w.path, w.content) for w in result.memory_writes] == [("/memories/notes.md", "I like green tea\n")]
+    assert result.messages == [OutMessage("Noted, I will remember that.", False)]
+
+
+def test_demo_anything_else_is_quiet(demo):
+    [result] = t.run(demo.base_url, t.context([t.event("github.push", {"ref": "main"}, source="github")]))
+    assert result.outcome is RunOutcome.NOTHING and result.messages == []
