@@ -218,7 +218,7 @@ class AgentSettings(CommonSettings):
         "(queue | fold | interrupt). Default: queue.",
     )
     approval_deadline_s: int = Field(
-        DEFAULT_APPROVAL_DEADLINE_S, ge=10, le=30 * 86_400, description="How long an approval request waits for an answer."
+        DEFAULT_APPROVAL_DEADLINE_S, ge=2, le=30 * 86_400, description="How long an approval request waits for an answer."
     )
     approval_on_expiry: OnExpiry = Field(
         OnExpiry.DENY, description="What an unanswered approval becomes: deny, escalate (ask again, then deny) or approve."
