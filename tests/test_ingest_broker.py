@@ -79,3 +79,22 @@ def test_broker_down_gives_503_and_nothing_half_stored_then_recovers(own_kafka, 
     assert "during" not in keys and not any(k.startswith("b-") for k in keys), keys
     wakes = [e for e in events if e.source == "approval"]
     assert len(wakes) == 1 and json.loads(wakes[0].payload)["answer"] == "yes"
+
+
+def test_ledger_unreachable_gives_503_not_500(stack, topics):
+    """A token lookup needs the ledger; with the ledger down the caller is told to retry."""
+    dead_ledger = f"postgresql://vigil@127.0.0.1:{devstack.free_port()}/vigil"
+    ingest = start_ingest(stack, dead_ledger, topics)
+    try:
+        response = httpx.post(
+            f"{ingest.url}/v1/events",
+            json={"user_id": "u1", "source": "billing", "source_id": "s1", "kind": "billing.x"},
+            headers={"Authorization": "Bearer vgl_whatever"},
+            timeout=30,
+        )
+        assert response.status_code == 503, response.text
+        assert response.json()["error"] == "ledger_unavailable" and response.headers["retry-after"].isdigit()
+        assert httpx.get(f"{ingest.url}/healthz").status_code == 200  # alive: no crash loop
+        assert httpx.get(f"{ingest.url}/readyz").json()["checks"]["database"] is False
+    finally:
+        ingest.stop()

@@ -146,6 +146,17 @@ def test_rotation_keeps_both_secrets_valid_until_the_old_one_is_revoked(ingest, 
     assert hook["id"] in listed and hook["secret"] not in listed and new_secret not in listed
 
 
+def test_github_ping_is_verified_but_wakes_nobody(ingest, ledger, stack, topics):
+    hook = add_hook(ledger, "github")
+    body = b'{"zen": "Keep it logically awesome.", "hook_id": 1}'
+    headers = {**signed("github", hook["secret"], body, delivery="ping-1"), "X-GitHub-Event": "ping"}
+    response = post(ingest, hook, body, headers)
+    assert response.status_code == 200 and response.json()["accepted"] == 0
+    forged = {**headers, "X-Hub-Signature-256": "sha256=" + "0" * 64}
+    assert refusal_reason(post(ingest, hook, body, forged)) == "bad_signature"
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+
+
 def test_the_last_secret_is_not_revoked_without_force(ledger):
     from click.testing import CliRunner
 

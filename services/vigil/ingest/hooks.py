@@ -131,6 +131,9 @@ class HookReceiver:
             SIGNATURE_FAILURES.labels(provider.value, "no_active_secret").inc()
             raise Refusal(401, "invalid_signature", "the hook has no active secret", reason="no_active_secret")
         await self._verify(hook, provider, request, body)
+        if provider is HookProvider.GITHUB and request.headers.get("x-github-event") == "ping":
+            # GitHub's check that the hook is reachable: verified, but no agent should wake for it.
+            return JSONResponse({"accepted": 0, "detail": "ping verified; nothing produced"}, 200)
         event = delivery_event(provider, hook["user_id"], request, body, parse_json(body))
         await self.publisher.send([event], via="hooks")
         log.debug("hook %s: %s %s produced", hook_id, event.kind, event.source_id)

@@ -101,6 +101,7 @@ def paths() -> dict[str, Any]:
                 "requestBody": _json_body(None, "The provider's payload; the signature covers these exact bytes."),
                 "responses": {
                     **_ok("202", "Accepted", "Verified and acknowledged by the broker."),
+                    **_ok("200", "Accepted", "A GitHub ping: verified, nothing produced (accepted is 0)."),
                     "401": _error("Missing header, bad signature or stale timestamp; `reason` says which."),
                     "404": _error("No such hook (or it is disabled)."),
                     **REFUSALS,
