@@ -112,7 +112,9 @@ class ApprovalsApi:
         except psycopg.OperationalError:
             raise unavailable("ledger_unavailable", "the ledger did not answer") from None
         if standing is None:
-            # Nothing to wake and nothing stored; the body still says what stands.
+            # Nothing to wake and nothing stored; the body still says what stands. The token
+            # cannot be checked without the request's user, so this answer does not depend on
+            # it: it only tells that an unguessable id (the worker's uuid) was never issued.
             raise Refusal(404, "unknown_request", "no such approval request", answer=approvals.UNKNOWN)
         log.info("approval %s: given %s, stands %s", request_id, given.value, standing.answer)
         try:
