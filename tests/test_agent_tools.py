@@ -202,6 +202,7 @@ def test_a_denied_tool_is_not_offered(server):
     ("VIGIL_HTTP_ALLOWED_HOSTS", "not a host", "VIGIL_HTTP_ALLOWED_HOSTS"),
     ("VIGIL_CREDENTIAL_GITHUB_HOSTS", "api.github.com", "VIGIL_CREDENTIAL_GITHUB_HOSTS"),
     ("VIGIL_MAX_TURNS", "0", "VIGIL_MAX_TURNS"),
+    ("VIGIL_INSTRUCTIONS_PATH", "/memories/../etc/motd", "VIGIL_INSTRUCTIONS_PATH"),
 ])
 def test_bad_agent_settings_name_the_variable(monkeypatch, variable, value, named):
     monkeypatch.setenv("VIGIL_APPROVAL_SECRET", "s")

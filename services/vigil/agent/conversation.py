@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import anthropic
@@ -65,7 +65,7 @@ class RunState:
     ctx: RunContext
     memory: MemoryFiles
     budget: model.Budget
-    now: datetime
+    now: datetime  # when the run started (the prompt's "now"); tools read the clock when called
     system: list[dict[str, Any]]  # built once per run: the cached prefix must not move mid-run
     approvals: dict[str, ApprovalRequest]
     folded: list[EventRow] = field(default_factory=list)
@@ -225,7 +225,7 @@ class Conversation:
         settings = self.box.settings
         deferral = defer(
             tool, use, turn, results, user_id=self.run.ctx.user_id, session_id=self.thread.session_id,
-            now=self.run.now, deadline_s=settings.approval_deadline_s, on_expiry=settings.approval_on_expiry,
+            now=datetime.now(timezone.utc), deadline_s=settings.approval_deadline_s, on_expiry=settings.approval_on_expiry,
             secret=settings.approval_secret.get_secret_value(),
         )
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
@@ -237,7 +237,7 @@ class Conversation:
         if name == SEND_MESSAGE:
             return send_message(args, self.outputs, self.box.settings)
         if name == SET_FOLLOWUP:
-            return set_followup(args, self.outputs, self.box.settings, self.run.now)
+            return set_followup(args, self.outputs, self.box.settings, datetime.now(timezone.utc))
         assert name == MEMORY
         try:
             return ToolOutput(self.run.memory.execute(args))

@@ -23,6 +23,7 @@ from typing import ClassVar, TypeVar
 
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 
+from vigil.agent.memory import MemoryRefused, confine
 from vigil.ledger.states import OnExpiry
 from vigil.settings import CommonSettings
 
@@ -259,6 +260,14 @@ class AgentSettings(CommonSettings):
     def _policies_parse(cls, value: str) -> str:
         parse_event_policies(value)
         return value
+
+    @field_validator("instructions_path")
+    @classmethod
+    def _instructions_confined(cls, value: str) -> str:
+        try:
+            return confine(value)
+        except MemoryRefused as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("http_allowed_hosts")
     @classmethod
