@@ -191,3 +191,12 @@ def test_two_sessions_answered_in_one_claim_both_resume(agent_run, ledger):
     # The loose chat message joined the first resumed conversation rather than opening a third.
     assert "thanks" in json.dumps(saved[one.session.id].messages)
     assert "thanks" not in json.dumps(saved[two.session.id].messages)
+
+
+def test_the_answer_token_never_reaches_the_model(asked, agent_run, server):
+    # The question, once delivered, is one of the "already said" messages of the next run.
+    token = sign_token(t.TEST_SECRET, asked.approvals[0].request_id, "u1")
+    server.clear()
+    agent_run(t.context([t.chat("any news?")], recent=[m.text for m in asked.messages]))
+    sent = json.dumps(server.requests())
+    assert "Approval needed: refund 19.99" in sent and token not in sent

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from datetime import datetime
 from typing import Any
 
@@ -27,6 +28,10 @@ from vigil.agent.base import EventRow
 from vigil.agent.memory import ROOT
 
 CACHE = {"type": "ephemeral"}
+# Answer tokens of approval questions (vigil.ledger.approvals.sign_token): a delivered question
+# is a past message, but its token is the person's capability to approve and must never
+# reach the model, which could otherwise approve its own request through an allowed host.
+_ANSWER_TOKEN = re.compile(r"\bv\d+\.[A-Za-z0-9_-]{20,}")
 
 SYSTEM_PROMPT = """\
 You are an always-on assistant working in the background for one person. You are woken by \
@@ -79,7 +84,7 @@ def volatile_context(now: datetime, recent_messages: list[str]) -> str:
     lines = [f"# Now\n{now.isoformat(timespec='seconds')}"]
     if recent_messages:
         lines.append("\n# Messages the person already received from you (oldest first)")
-        lines += [f"- {json.dumps(text, ensure_ascii=False)}" for text in recent_messages]
+        lines += [f"- {json.dumps(_ANSWER_TOKEN.sub('[answer token]', text), ensure_ascii=False)}" for text in recent_messages]
     return "\n".join(lines)
 
 
