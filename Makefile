@@ -21,10 +21,10 @@ install: $(STAMP) ## Create .venv and install vigil with its pinned dependencies
 
 up: $(STAMP) ## Start Kafka, PostgreSQL and the four services under .run/, then run the demo
 	$(BIN)/vigil dev up
-	$(BIN)/vigil demo
+	. .run/env && $(BIN)/vigil demo
 
 demo: $(STAMP) ## Run the demonstration against the running stack
-	$(BIN)/vigil demo
+	. .run/env && $(BIN)/vigil demo
 
 down: ## Stop everything `make up` started
 	@if [ -x $(BIN)/vigil ]; then $(BIN)/vigil dev down; else echo "nothing to stop"; fi

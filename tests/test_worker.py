@@ -77,3 +77,11 @@ def test_bad_setting_is_a_clean_startup_error(spawn, vigil_env):
     proc.proc.wait(30)
     assert proc.proc.returncode == 2
     assert "VIGIL_MAX_ATTEMPTS='zero'" in proc.log() and "Traceback" not in proc.log()
+
+
+def test_claude_agent_without_a_key_is_a_clean_startup_error(spawn, vigil_env):
+    env = {**vigil_env, "VIGIL_AGENT": "claude", "ANTHROPIC_API_KEY": "", "ANTHROPIC_AUTH_TOKEN": ""}
+    proc = spawn(["worker"], env, name="nokey")
+    proc.proc.wait(30)
+    assert proc.proc.returncode == 2
+    assert "ANTHROPIC_API_KEY" in proc.log() and "Traceback" not in proc.log()

@@ -7,6 +7,10 @@ command exits non-zero, so ``make up`` ends in a visible failure rather than a s
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 import uuid
 from datetime import datetime, timezone
@@ -88,6 +92,62 @@ def step_recorded_and_answered(settings: CommonSettings, event: Event) -> str:
         return reply["body"]
 
 
+class AgentDemo:
+    """The agent's three endings and its timers, driven through the HTTP API like a client would."""
+
+    def __init__(self, settings: CommonSettings, user: str):
+        import httpx
+
+        self.settings, self.user, self.seen = settings, user, 0
+        port = os.environ.get("VIGIL_INGEST_PORT", "8080")
+        token = os.environ.get("VIGIL_API_TOKEN")
+        if not token:
+            raise DemoFailed("VIGIL_API_TOKEN is not set: `. .run/env` after `make up`")
+        with connect(settings.dsn, autocommit=True) as conn:  # what earlier steps delivered is not news
+            earlier = conn.execute(Q.demo_delivered_after, {"user_id": user, "after": 0}).fetchall()
+        self.seen = earlier[-1]["id"] if earlier else 0
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    def say(self, text: str) -> None:
+        response = self.http.post(
+            f"/v1/users/{self.user}/messages", json={"text": text}, headers={"Idempotency-Key": uuid.uuid4().hex}
+        )
+        if response.status_code != 202:
+            raise DemoFailed(f"POST /v1/users/{self.user}/messages answered {response.status_code}: {response.text}")
+        click.echo(f"  you: {text!r}  (POST /v1/users/{self.user}/messages -> 202)")
+
+    def expect(self, pattern: str, timeout: float, what: str) -> re.Match:
+        with connect(self.settings.dsn, autocommit=True) as conn:
+            def delivered():
+                for row in conn.execute(Q.demo_delivered_after, {"user_id": self.user, "after": self.seen}).fetchall():
+                    self.seen = row["id"]
+                    click.echo("  agent: " + row["body"].replace("\n", "\n         "))
+                    match = re.search(pattern, row["body"])
+                    if match:
+                        return match
+                return None
+
+            return _wait(delivered, timeout, what)
+
+    def run(self) -> None:
+        click.echo("3. a follow-up: the agent sets a timer, the scheduler fires it, the agent wakes again")
+        self.say("remind me in 5 seconds to stretch")
+        self.expect(r"(?i)reminder", 60, "the reminder")
+        click.echo("4. a deferred tool call, approved through the API")
+        self.say("please refund order 42")
+        question = self.expect(r"request_id: (\S+)[\s\S]*token: (\S+)", 60, "the approval question")
+        request_id, token = question.group(1), question.group(2)
+        answer = self.http.post(f"/v1/approvals/{request_id}", json={"answer": "yes", "token": token})
+        click.echo(f"  you: yes  (POST /v1/approvals/{request_id} -> {answer.status_code} {answer.json()})")
+        self.expect(r"(?i)refund was made", 60, "the refund to be made")
+        click.echo("5. a deferred tool call nobody answers: it expires into a denial")
+        self.say("please refund order 43")
+        self.expect(r"request_id: (\S+)", 60, "the approval question")
+        deadline = os.environ.get("VIGIL_APPROVAL_DEADLINE_S", "?")
+        click.echo(f"  (not answering; the deadline is {deadline}s away)")
+        self.expect(r"(?i)not made", 180, "the expiry to deny the refund")
+
+
 @click.command()
 def demo() -> None:
     """Show the running stack at work: an event in, recorded, answered, delivered."""
@@ -105,8 +165,13 @@ def demo() -> None:
     )
     click.echo("1. an event through the real broker")
     step_broker_round_trip(settings, event)
+    # The demo user's messages go out at once: the default pacing gap is an hour.
+    subprocess.run([sys.executable, "-m", "vigil", "channels", "set", user, "--type", "log", "--gap", "0"],
+                   check=True, capture_output=True)
     click.echo("2. recorded by a worker, answered by the agent, delivered on the user's channel")
     step_recorded_and_answered(settings, event)
+    if os.environ.get("VIGIL_AGENT", "claude") == "claude":
+        AgentDemo(settings, user).run()
     click.echo("demo: ok")
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shlex
+import subprocess
 import sys
 import time
 import urllib.request
@@ -65,6 +66,10 @@ def _stack_env(root: Path) -> dict[str, str]:
         secret_file.write_text(secrets.token_urlsafe(32))
         secret_file.chmod(0o600)
     env["VIGIL_APPROVAL_SECRET"] = secret_file.read_text().strip()
+    # The local stack runs the Claude agent (offline: the scripted server) with a deadline short
+    # enough that the demo can show an unanswered approval expiring.
+    env["VIGIL_AGENT"] = "claude"
+    env["VIGIL_APPROVAL_DEADLINE_S"] = "20"
     for key, value in os.environ.items():
         if key.startswith("VIGIL_") and not key.startswith("VIGIL_DEV_"):
             env[key] = value
@@ -102,10 +107,12 @@ def up(services: bool) -> None:
     child_env = {**os.environ, **env}
     vigil = [sys.executable, "-m", "vigil"]
     for step in (["migrate"], ["topics"]):
-        result = __import__("subprocess").run([*vigil, *step], env=child_env, capture_output=True, text=True)
+        result = subprocess.run([*vigil, *step], env=child_env, capture_output=True, text=True)
         if result.returncode != 0:
             raise click.ClickException(f"vigil {' '.join(step)} failed:\n{result.stderr}{result.stdout}")
         click.echo(f"            {result.stdout.strip()}")
+
+    env.update(_api_token(root, vigil, child_env))
 
     if not os.environ.get("ANTHROPIC_API_KEY"):
         env.update(_start_scripted_claude(root, child_env))
@@ -130,6 +137,21 @@ def up(services: bool) -> None:
     env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items())))
     env_file.chmod(0o600)
     click.echo(f"settings    {env_file}  (`. {env_file}` points a shell at this stack)")
+
+
+def _api_token(root: Path, vigil: list[str], env: dict) -> dict[str, str]:
+    """A bearer token for the local stack's HTTP API (`curl -H "Authorization: Bearer $VIGIL_API_TOKEN"`).
+
+    Created once and kept in .run/api_token (mode 600): the ledger stores only its hash.
+    """
+    token_file = root / "api_token"
+    if not token_file.exists():
+        result = subprocess.run([*vigil, "tokens", "create", "local-dev", "--json"], env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise click.ClickException(f"creating the local API token failed:\n{result.stderr}")
+        token_file.write_text(json.loads(result.stdout)["token"])
+        token_file.chmod(0o600)
+    return {"VIGIL_API_TOKEN": token_file.read_text().strip()}
 
 
 def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:

@@ -113,11 +113,12 @@ async def claim(
     return claims
 
 
-async def claim_more(conn: psycopg.AsyncConnection, claim: Claim) -> list[EventRow]:
+async def claim_more(conn: psycopg.AsyncConnection, claim: Claim, sources: list[str]) -> list[EventRow]:
     """Fold: the user's fresh pending events, claimed under the running claim's epoch."""
     cur = await conn.execute(
         Q.claim_more,
-        {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch, "user_id": claim.user_id},
+        {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch, "user_id": claim.user_id,
+         "sources": list(sources)},
     )
     rows = sorted(await cur.fetchall(), key=lambda r: r["id"])
     return [event_row(r) for r in rows]

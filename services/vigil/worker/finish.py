@@ -20,7 +20,6 @@ bad run cannot refuse its neighbours.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from vigil.agent.base import RunResult
+from vigil.agent.context import session_rows
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
 from vigil.worker import metrics
@@ -132,13 +132,8 @@ async def _write_run(conn: psycopg.AsyncConnection, run: Finished, run_id: int) 
             await conn.execute(Q.delete_memory, {"user_id": user, "path": write.path})
         else:
             await conn.execute(Q.upsert_memory, {"user_id": user, "path": write.path, "content": write.content})
-    if result.session is not None:
-        encoded = json.dumps(result.session.messages)
-        await conn.execute(
-            Q.upsert_session,
-            {"id": result.session.id, "user_id": user, "state": result.session.state, "messages": Jsonb(result.session.messages),
-             "size_bytes": len(encoded.encode()), "blocks": result.session.blocks},
-        )
+    for params in session_rows(user, result):
+        await conn.execute(Q.agent_session_upsert, params)
     return checks
 
 
@@ -167,11 +162,21 @@ async def _commit(conn: psycopg.AsyncConnection, runs: list[Finished], worker: s
     return valid, stale
 
 
+# What the ledger refuses about a run's *result* (a constraint it violates, a value it cannot
+# store) is that run's fault, not the database's: retrying the same commit would loop forever.
+REFUSED_RESULT = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
+
+
 async def commit_finished(conn: psycopg.AsyncConnection, runs: list[Finished], worker: str) -> tuple[list[Finished], list[Finished]]:
-    """Commit a group of finished runs (group commit, per-run fallback). Returns (committed, stale)."""
+    """Commit a group of finished runs (group commit, per-run fallback). Returns (committed, stale).
+
+    A run whose result the ledger refuses is committed as a failed attempt instead (its
+    events back to pending with the reason), so it ends dead after the attempt bound rather
+    than blocking every finish behind it.
+    """
     try:
         committed, stale = await _commit(conn, runs, worker)
-    except FinishMismatch:
+    except (FinishMismatch, *REFUSED_RESULT):
         committed, stale = [], []
         for run in runs:
             try:
@@ -179,6 +184,11 @@ async def commit_finished(conn: psycopg.AsyncConnection, runs: list[Finished], w
             except FinishMismatch as exc:
                 log.error("finish of %d event(s) refused: %s", len(run.event_ids), exc)
                 ok, refused = [], [run]
+            except REFUSED_RESULT as exc:
+                log.error("the ledger refused a run's result; recording a failed attempt: %s", exc)
+                run.result, run.error = None, f"finish refused by the ledger: {type(exc).__name__}: {exc}"[:2000]
+                run.backoff_s = backoff_seconds(run.claim.attempt, 1.0, 60.0)
+                ok, refused = await _commit(conn, [run], worker)
             committed += ok
             stale += refused
     metrics.FINISH_BATCH.observe(len(runs))

@@ -22,7 +22,8 @@ from vigil.agent import make_agent
 from vigil.bus.kafka import EventProducer
 from vigil.health import HealthServer, Readiness, dependency_checks
 from vigil.ledger.db import STATEMENT_TIMEOUT_MS
-from vigil.service import stop_event
+from vigil.service import StartupError, stop_event
+from vigil.settings import SettingsError
 from vigil.worker.consumer import ConsumerLoop
 from vigil.worker.deadletters import DeadLetters
 from vigil.worker.runner import Runner
@@ -35,7 +36,10 @@ SHUTDOWN_GRACE_S = 10.0
 
 async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     loop = asyncio.get_running_loop()
-    agent = make_agent(settings)
+    try:
+        agent = make_agent(settings)
+    except SettingsError as exc:  # e.g. VIGIL_AGENT=claude without ANTHROPIC_API_KEY
+        raise StartupError(str(exc)) from None
     producer = EventProducer(settings)
     dead_letters = DeadLetters(settings, producer)
     pool = AsyncConnectionPool(

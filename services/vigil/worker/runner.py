@@ -191,9 +191,9 @@ class Runner:
         c = active.claim
         attempt = c.attempt
 
-        async def fold():
+        async def fold(sources):
             async with self.pool.connection() as conn:
-                more = await claim_more(conn, c)
+                more = await claim_more(conn, c, sources)
             active.folded.extend(more)
             return more
 

@@ -24,7 +24,10 @@ class WorkerSettings(CommonSettings):
         DEFAULT_WORKER_METRICS_PORT, ge=1, le=65535, description="Port of the worker's /healthz, /readyz and /metrics."
     )
     worker_group: str = Field("vigil-worker", min_length=1, description="Kafka consumer group of the workers.")
-    agent: str = Field("echo", pattern="^(echo|claude)$", description="Agent behind each run: `echo` or `claude`.")
+    agent: str = Field(
+        "claude", pattern="^(echo|claude)$",
+        description="Agent behind each run: `claude` (needs ANTHROPIC_API_KEY) or `echo` (repeats chat messages, no model).",
+    )
     max_attempts: int = Field(
         DEFAULT_MAX_ATTEMPTS, ge=1, le=100, description="Claims an event gets before it is dead (counted at claim)."
     )

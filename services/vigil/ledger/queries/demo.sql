@@ -15,3 +15,7 @@ SELECT id, body, status FROM outbox WHERE run_id = %(run_id)s ORDER BY id LIMIT 
 -- name: demo_outbox_delivered
 -- An outbox row once delivered.
 SELECT status, delivery_id FROM outbox WHERE id = %(id)s AND status = 'delivered'
+
+-- name: demo_delivered_after
+-- A user's delivered messages after a given outbox id, oldest first.
+SELECT id, body FROM outbox WHERE user_id = %(user_id)s AND status = 'delivered' AND id > %(after)s ORDER BY id

@@ -112,6 +112,7 @@ WITH owned AS (
 UPDATE events e
 SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now()
 WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0
+  AND e.source = ANY(%(sources)s) AND e.session_id IS NULL
   AND EXISTS (SELECT 1 FROM owned)
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch

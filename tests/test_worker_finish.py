@@ -1,0 +1,82 @@
+"""The fenced finish against a real ledger, without processes: group commit and its refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+import psycopg
+from psycopg.rows import dict_row
+
+from support import query
+from vigil.agent.base import EventRow, MemoryWrite, OutMessage, RunResult
+from vigil.ledger.states import RunOutcome
+from vigil.worker.claims import Claim
+from vigil.worker.fencing import PartitionKey
+from vigil.worker.finish import Finished, commit_finished
+
+HOME = PartitionKey("events", 0)
+
+
+def seed(ledger: str, users: list[str], epoch: int = 1) -> dict[str, int]:
+    query(ledger, "INSERT INTO partitions (topic, partition, epoch) VALUES ('events', 0, %s)", (epoch,))
+    ids = {}
+    for user in users:
+        query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES (%s, 'events', 0)", (user,))
+        ids[user] = query(
+            ledger,
+            """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts, claim_epoch)
+               VALUES (%s, 'chat', %s, 'chat.message', '{}', now(), 'running', 1, %s) RETURNING id""",
+            (user, f"{user}-1", epoch),
+        )[0]["id"]
+    return ids
+
+
+def finished(user: str, event_id: int, result: RunResult, epoch: int = 1) -> Finished:
+    row = EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, datetime.now(timezone.utc), 1)
+    claim = Claim(user, HOME, epoch, [row], 0, datetime.now(timezone.utc))
+    return Finished(claim, datetime.now(timezone.utc), result=result)
+
+
+def commit(ledger: str, runs: list[Finished]):
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            return await commit_finished(conn, runs, "test-worker")
+
+    return asyncio.run(go())
+
+
+def test_group_commit_writes_every_run(ledger):
+    ids = seed(ledger, ["u1", "u2", "u3"])
+    runs = [finished(u, i, RunResult(RunOutcome.MESSAGE, messages=[OutMessage(f"hi {u}")])) for u, i in ids.items()]
+    committed, stale = commit(ledger, runs)
+    assert len(committed) == 3 and not stale
+    assert query(ledger, "SELECT count(*) AS n FROM events WHERE status = 'done'")[0]["n"] == 3
+    assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi u1", "hi u2", "hi u3"]
+
+
+def test_stale_epoch_finish_writes_nothing(ledger):
+    ids = seed(ledger, ["u1"], epoch=1)
+    query(ledger, "UPDATE partitions SET epoch = 2")  # a takeover happened meanwhile
+    committed, stale = commit(ledger, [finished("u1", ids["u1"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("late")]))])
+    assert not committed and len(stale) == 1
+    assert query(ledger, "SELECT count(*) AS n FROM outbox")[0]["n"] == 0
+    assert query(ledger, "SELECT count(*) AS n FROM runs")[0]["n"] == 0
+    assert query(ledger, "SELECT status FROM events")[0]["status"] == "running"
+
+
+def test_a_result_the_ledger_refuses_fails_that_run_only(ledger):
+    """A memory write outside /memories violates a CHECK: that run becomes a failed attempt,
+    its neighbour in the same group commit still lands, and nothing of the bad run is written."""
+    ids = seed(ledger, ["good", "bad"])
+    good = finished("good", ids["good"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("fine")]))
+    bad = finished("bad", ids["bad"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("never sent")],
+                                               memory_writes=[MemoryWrite("/etc/passwd", "x")]))
+    committed, stale = commit(ledger, [good, bad])
+    assert len(committed) == 2 and not stale
+    rows = {r["user_id"]: r for r in query(ledger, "SELECT user_id, status, error FROM events")}
+    assert rows["good"]["status"] == "done"
+    assert rows["bad"]["status"] == "pending" and "memory_path_confined" in rows["bad"]["error"]
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["fine"]
+    assert query(ledger, "SELECT outcome FROM runs WHERE user_id = 'bad'")[0]["outcome"] == "failed"
+    assert query(ledger, "SELECT count(*) AS n FROM memory")[0]["n"] == 0
