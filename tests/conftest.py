@@ -25,6 +25,15 @@ from vigil import devstack
 from vigil.ledger.migrate import apply_canonical
 
 
+# Only the stack's address comes from the caller's environment (`. .run/env && make test`):
+# every other VIGIL_ setting the services read is the test's own choice, so a developer's
+# shell (say, a short approval deadline for the demo) never changes what a test checks.
+KEPT = {"VIGIL_KAFKA_BOOTSTRAP", "VIGIL_DATABASE_URL", "VIGIL_DEV_RUN_DIR"}
+for _name in list(os.environ):
+    if (_name.startswith("VIGIL_") and _name not in KEPT) or _name.startswith("ANTHROPIC_"):
+        del os.environ[_name]
+
+
 @dataclass
 class Stack:
     bootstrap: str
