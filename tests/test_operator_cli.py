@@ -29,6 +29,7 @@ def test_dead_list_and_retry_with_audit(ledger):
     listed = vigil(ledger, "dead", "list", "--json")
     assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert {r.pop("dead") for r in rows} == {"event"}
     assert [(r["source_id"], r["attempts"]) for r in rows] == [("a1", 3)]
     dead_id = rows[0]["id"]
     done_id = query(ledger, "SELECT id FROM events WHERE source_id = 'a2'")[0]["id"]

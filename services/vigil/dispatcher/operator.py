@@ -84,7 +84,7 @@ def set_channel(
         ).fetchone()
         detail = {k: row[k] for k in ("user_id", "type", "url", "gap_seconds", "urgent_daily_cap")}
         detail["secret_generated"] = generated is not None
-        conn.execute(Q.dispatcher_audit, {"actor": actor or _actor(), "action": "channel.set", "detail": Jsonb(detail)})
+        conn.execute(Q.audit_insert, {"actor": actor or _actor(), "action": "channel.set", "detail": Jsonb(detail)})
     return ChannelSet(row=dict(row), new_secret=generated)
 
 
@@ -135,7 +135,7 @@ def revive_delivery(conn: psycopg.Connection, delivery_id: str, actor: str | Non
         ).fetchall()
         if rows:
             detail = {"delivery_id": delivery_id, "user_id": rows[0]["user_id"], "outbox_ids": [r["id"] for r in rows]}
-            conn.execute(Q.dispatcher_audit, {"actor": actor or _actor(), "action": "delivery.revive", "detail": Jsonb(detail)})
+            conn.execute(Q.audit_insert, {"actor": actor or _actor(), "action": "delivery.revive", "detail": Jsonb(detail)})
     return [dict(r) for r in rows]
 
 

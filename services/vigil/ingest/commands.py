@@ -38,7 +38,7 @@ def _ledger():
 def _audit(conn, action: str, detail: dict) -> None:
     from vigil.ledger.queries import Q
 
-    conn.execute(Q.ingest_audit, {"actor": getpass.getuser(), "action": action, "detail": json.dumps(detail)})
+    conn.execute(Q.audit_insert, {"actor": getpass.getuser(), "action": action, "detail": json.dumps(detail)})
 
 
 def _new_id(prefix: str) -> str:

@@ -48,16 +48,25 @@ def dead() -> None:
 @click.option("--limit", default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def dead_list(limit: int, as_json: bool) -> None:
-    """List dead events, newest first."""
+    """List dead events and dead deliveries, newest first."""
     from vigil.ledger.queries import Q
 
     with _ledger() as conn:
         rows = conn.execute(Q.dead_list, {"limit": limit}).fetchall()
+    from vigil.dispatcher import dead_deliveries
+
+    with _ledger() as conn:
+        deliveries = dead_deliveries(conn, limit)
     if as_json:
         for row in rows:
-            click.echo(json.dumps(row, default=str))
-    else:
-        _table(rows, ["id", "user_id", "source", "source_id", "kind", "attempts", "finished_at", "error"])
+            click.echo(json.dumps({"dead": "event", **row}, default=str))
+        for row in deliveries:
+            click.echo(json.dumps({"dead": "delivery", **row}, default=str))
+        return
+    click.echo("dead events (vigil dead retry ID...):")
+    _table(rows, ["id", "user_id", "source", "source_id", "kind", "attempts", "finished_at", "error"])
+    click.echo("\ndead deliveries (vigil outbox --revive DELIVERY_ID):")
+    _table(deliveries, ["delivery_id", "user_id", "channel", "attempts", "dead_at", "error"])
 
 
 @dead.command("retry")

@@ -27,6 +27,3 @@ SELECT user_id, type, url, secret FROM channels WHERE user_id = %(user_id)s FOR 
 -- A user's pacing state, for `vigil channels show`.
 SELECT last_delivery_at, urgent_day, urgent_count FROM users WHERE user_id = %(user_id)s
 
--- name: dispatcher_audit
--- Record an operator's channel change or delivery revival (never a secret).
-INSERT INTO audit (actor, action, detail) VALUES (%(actor)s, %(action)s, %(detail)s)

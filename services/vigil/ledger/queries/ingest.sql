@@ -68,10 +68,6 @@ RETURNING id, hook_id, revoked_at
 -- One secret's state (to explain a refused revocation), never its value.
 SELECT id, hook_id, created_at, revoked_at FROM hook_secrets WHERE id = %(secret_id)s AND hook_id = %(hook_id)s
 
--- name: ingest_audit
--- Record what an operator did to tokens or hooks (never a secret or a token in detail).
-INSERT INTO audit (actor, action, detail) VALUES (%(actor)s, %(action)s, %(detail)s)
-
 -- name: hook_lock
 -- Serialise changes to one hook's secrets (two revocations must not leave it with none).
 SELECT id, disabled_at FROM hooks WHERE id = %(hook_id)s FOR UPDATE
