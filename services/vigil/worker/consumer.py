@@ -2,14 +2,16 @@
 
 The commit order, which tests/test_worker_*.py pin down:
 
-1. Poll a batch (up to ``VIGIL_POLL_BATCH_MAX`` messages).
+1. Poll what has arrived, up to ``VIGIL_POLL_BATCH_MAX`` messages (waiting only for the
+   first one when nothing has).
 2. Undecodable messages: copy to the dead-letter topic and wait for the acknowledgement.
-3. Record every decoded event with one multi-row insert (duplicates dropped by the UNIQUE
-   key), and new users' home partitions, in one transaction. Commit.
+3. Record every decoded event in one transaction: a binary COPY into the connection's
+   staging table, then one statement inserting new users' home partitions and the events
+   (duplicates dropped by the UNIQUE key). Commit.
 4. Only then store the batch's offsets (``enable.auto.offset.store=false``); the periodic
    auto-commit sends stored offsets to the broker. A crash before 4 re-reads messages that
    are already recorded, and the UNIQUE key makes that a no-op.
-5. Wake the run loop for the users that got new events.
+5. Wake the run loop if any event was new.
 
 Rebalances: an assignment is a takeover in the ledger (:mod:`vigil.worker.fencing`) before
 any claim is made for it; a revoke cancels and releases that partition's runs, then commits
@@ -63,24 +65,22 @@ def consumer_config(settings: WorkerSettings, on_stats) -> dict:
     return config
 
 
-def _row_columns(events: list[tuple]) -> dict[str, list]:
-    columns = {name: [] for name in (
-        "user_id", "source", "source_id", "kind", "payload", "session_id", "headers",
-        "occurred_at", "received_at", "topic", "partition", "offset")}
-    for message, event in events:
-        columns["user_id"].append(event.user_id)
-        columns["source"].append(event.source)
-        columns["source_id"].append(event.source_id)
-        columns["kind"].append(event.kind)
-        columns["payload"].append(event.payload)
-        columns["session_id"].append(event.session_id)
-        columns["headers"].append(Jsonb(event.headers))
-        columns["occurred_at"].append(event.occurred_at)
-        columns["received_at"].append(event.received_at)
-        columns["topic"].append(message.topic())
-        columns["partition"].append(message.partition())
-        columns["offset"].append(message.offset())
-    return columns
+# Column types of record_copy, in its order (binary COPY needs them named).
+STAGING_TYPES = ["int4", "text", "text", "text", "text", "text", "text", "jsonb", "timestamptz", "timestamptz",
+                 "text", "int4", "int8"]
+# How long an idle poll waits for the next message. A poll never waits for a *full* batch:
+# consume(n, timeout) returns only when n messages came or the timeout passed, which at a
+# moderate rate held every event back by up to the whole timeout before it was recorded.
+IDLE_POLL_S = 0.2
+
+
+def _staging_rows(events: list[tuple]):
+    for n, (message, event) in enumerate(events):
+        yield (
+            n, event.user_id, event.source, event.source_id, event.kind, event.payload, event.session_id,
+            Jsonb(event.headers), event.occurred_at, event.received_at, message.topic(), message.partition(),
+            message.offset(),
+        )
 
 
 class ConsumerLoop(threading.Thread):
@@ -102,6 +102,8 @@ class ConsumerLoop(threading.Thread):
     def _db(self) -> psycopg.Connection:
         if self.conn is None or self.conn.closed or self.conn.broken:
             self.conn = connect(self.settings.dsn)
+            self.conn.execute(Q.record_staging)
+            self.conn.commit()
         return self.conn
 
     def _retrying(self, what: str, action):
@@ -174,7 +176,7 @@ class ConsumerLoop(threading.Thread):
         )
         try:
             while not self.stopping.is_set():
-                messages = self.consumer.consume(num_messages=self.settings.poll_batch_max, timeout=0.2)
+                messages = self._poll()
                 if messages:
                     self._handle(messages)
         finally:
@@ -182,6 +184,21 @@ class ConsumerLoop(threading.Thread):
             self.consumer.close()
             if self.conn is not None:
                 self.conn.close()
+
+    def _poll(self) -> list:
+        """What has arrived, up to a batch; when nothing has, wait for the first message only.
+
+        Batches form by themselves under load (whatever arrived while the last one was being
+        recorded), and a lone event is recorded as soon as it arrives.
+        """
+        batch = self.settings.poll_batch_max
+        messages = self.consumer.consume(num_messages=batch, timeout=0)
+        if messages:
+            return messages
+        messages = self.consumer.consume(num_messages=1, timeout=IDLE_POLL_S)
+        if messages and batch > 1:
+            messages += self.consumer.consume(num_messages=batch - 1, timeout=0)
+        return messages
 
     def _handle(self, messages: list) -> None:
         good, bad = [], []
@@ -207,24 +224,26 @@ class ConsumerLoop(threading.Thread):
                         return
             metrics.EVENTS_UNDECODABLE.inc(len(bad))
             log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
-        new_users: set[str] = set()
+        recorded = 0
         if good:
-            columns = _row_columns(good)
 
-            def record(conn: psycopg.Connection) -> list:
+            def record(conn: psycopg.Connection) -> int:
                 with conn.transaction():
-                    conn.execute(Q.record_users, {k: columns[k] for k in ("user_id", "topic", "partition")})
-                    return conn.execute(Q.record_events, columns).fetchall()
+                    with conn.cursor() as cur:
+                        with cur.copy(Q.record_copy) as copy:
+                            copy.set_types(STAGING_TYPES)
+                            for row in _staging_rows(good):
+                                copy.write_row(row)
+                        return cur.execute(Q.record_events).fetchone()["recorded"]
 
             try:
-                inserted = self._retrying("recording events", record)
+                recorded = self._retrying("recording events", record)
             except psycopg.OperationalError:
                 return  # stopping: nothing stored, the messages are read again next time
-            metrics.EVENTS_RECORDED.labels("new").inc(len(inserted))
-            metrics.EVENTS_RECORDED.labels("duplicate").inc(len(good) - len(inserted))
-            new_users = {row["user_id"] for row in inserted}
+            metrics.EVENTS_RECORDED.labels("new").inc(recorded)
+            metrics.EVENTS_RECORDED.labels("duplicate").inc(len(good) - recorded)
         self._store_offsets(messages)
-        if new_users:
+        if recorded:
             self.loop.call_soon_threadsafe(self.runner.wake, self.settings.batch_window_s)
 
     def _store_offsets(self, messages: list) -> None:
