@@ -13,6 +13,8 @@ see each other's events, and several test sessions can share one stack.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +59,11 @@ def stack(tmp_path_factory) -> Stack:
     if bootstrap and database_url:
         st = Stack(bootstrap=bootstrap, admin_dsn=_admin_dsn(database_url))
     else:
-        root = tmp_path_factory.mktemp("stack")
+        # Not under pytest's basetemp: pytest resets that folder to mode 700 whenever another
+        # session starts, and PostgreSQL runs as another account that must reach its data.
+        root = Path(tempfile.mkdtemp(prefix="vigil-test-stack-"))
         os.chmod(root, 0o755)
+        owned.append(root)
         kafka_port = devstack.free_port()
         libs = devstack.kafka_libs(Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run")) / "kafka")
         kafka = devstack.KafkaServer(root / "kafka", kafka_port, devstack.free_port(), libs)
@@ -76,8 +81,11 @@ def stack(tmp_path_factory) -> Stack:
     finally:
         with psycopg.connect(st.admin_dsn, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{st.template}" WITH (FORCE)')
-        for server in reversed(owned):
-            server.stop()
+        for thing in reversed(owned):
+            if isinstance(thing, Path):
+                shutil.rmtree(thing, ignore_errors=True)
+            else:
+                thing.stop()
 
 
 @pytest.fixture
