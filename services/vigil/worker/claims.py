@@ -85,13 +85,19 @@ async def claim(
     max_users: int,
     batch_max: int,
     window_s: float,
+    max_attempts: int,
 ) -> list[Claim]:
-    """Rules 3 and 4 for up to ``max_users`` users of the owned partitions."""
+    """Rules 3 and 4 for up to ``max_users`` users of the owned partitions.
+
+    A row whose attempts are exhausted is never claimed: it waits for :func:`mark_dead`,
+    which runs once per scan interval rather than on every pass (it reads every pending row).
+    """
     if not owned or max_users <= 0:
         return []
     cur = await conn.execute(
         Q.claim,
-        {**_owned_params(owned), "busy": busy, "max_users": max_users, "batch_max": batch_max, "window_s": window_s},
+        {**_owned_params(owned), "busy": busy, "max_users": max_users, "batch_max": batch_max,
+         "window_s": window_s, "max_attempts": max_attempts},
     )
     by_user: dict[str, list[dict]] = defaultdict(list)
     for row in await cur.fetchall():

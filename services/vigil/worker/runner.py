@@ -54,6 +54,7 @@ class Runner:
         self.finished: asyncio.Queue[Finished] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._next_pass = 0.0
+        self._next_dead_check = 0.0
         self._stopping = False
         self._claim_lock = asyncio.Lock()
 
@@ -67,6 +68,7 @@ class Runner:
     async def assign(self, epochs: dict[PartitionKey, int]) -> None:
         async with self._claim_lock:
             self.owned.update(epochs)
+            self._next_dead_check = 0.0  # the takeover may have handed back exhausted claims
         metrics.EPOCHS_HELD.set(len(self.owned))
         self.wake()
 
@@ -133,9 +135,15 @@ class Runner:
         async with self._claim_lock:
             owned = dict(self.owned)
             async with self.pool.connection() as conn:
-                dead = await mark_dead(conn, owned, self.settings.max_attempts)
+                dead = []
+                # Rule 2 reads every pending row, so it runs once per scan interval, not on
+                # every pass; the claim never takes an exhausted row in between.
+                if time.monotonic() >= self._next_dead_check:
+                    self._next_dead_check = time.monotonic() + self.settings.scan_interval_s
+                    dead = await mark_dead(conn, owned, self.settings.max_attempts)
                 claims = await claim(
-                    conn, owned, list(self.active), free, self.settings.batch_max, self.settings.batch_window_s
+                    conn, owned, list(self.active), free, self.settings.batch_max, self.settings.batch_window_s,
+                    self.settings.max_attempts,
                 )
                 if len(claims) < free:
                     await self._schedule_next_ready(conn, owned)
@@ -158,7 +166,8 @@ class Runner:
         keys = sorted(owned)
         cur = await conn.execute(
             Q.next_ready_at,
-            {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys], "window_s": self.settings.batch_window_s},
+            {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys],
+             "window_s": self.settings.batch_window_s, "max_attempts": self.settings.max_attempts},
         )
         row = await cur.fetchone()
         if row and row["at"] is not None:

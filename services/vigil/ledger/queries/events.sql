@@ -53,8 +53,8 @@ WHERE u.user_id = e.user_id AND u.home_topic = o.topic AND u.home_partition = o.
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.occurred_at, e.error
 
 -- name: claim
--- Claim rules 1-4 for up to %(max_users)s users of the partitions this worker owns at the given epochs.
-WITH owned AS (
+-- Claim rules 2-4 for up to %(max_users)s users of the partitions this worker owns at the given epochs; costs one index probe per user with pending rows, however many rows wait.
+WITH RECURSIVE owned AS (
     -- FOR SHARE, held to commit: a takeover (UPDATE of this row) waits for the claim, and a
     -- worker whose epoch is stale matches no row here and claims nothing.
     SELECT p.topic, p.partition, p.epoch FROM partitions p
@@ -65,40 +65,52 @@ WITH owned AS (
     ORDER BY p.topic, p.partition
     FOR SHARE OF p
 ),
+pending_users (user_id) AS (
+    -- Every user with pending rows, found by skipping through events_pending_by_user one user
+    -- at a time: the pass reads one entry per waiting user, not every waiting event, so a
+    -- backlog does not slow down the passes that work it off.
+    (SELECT user_id FROM events WHERE status = 'pending' ORDER BY user_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT e.user_id FROM events e WHERE e.status = 'pending' AND e.user_id > p.user_id ORDER BY e.user_id LIMIT 1)
+    FROM pending_users p WHERE p.user_id IS NOT NULL
+),
 waiting AS (
-    -- Users with pending work in owned partitions, not already running here (rule 4) or anywhere under the current epoch.
-    SELECT e.user_id, o.topic, o.partition, o.epoch, min(e.recorded_at) AS oldest
-    FROM events e
-    JOIN users u ON u.user_id = e.user_id
+    -- Users of owned partitions whose oldest pending row is claimable now, not already running
+    -- here (rule 4) or anywhere under the current epoch.
+    SELECT p.user_id, o.topic, o.partition, o.epoch, f.recorded_at AS oldest
+    FROM pending_users p
+    JOIN users u ON u.user_id = p.user_id
     JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
-    WHERE e.status = 'pending'
-      AND e.user_id <> ALL(%(busy)s::text[])
-      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
-    GROUP BY e.user_id, o.topic, o.partition, o.epoch
-    -- Something of theirs is claimable now: a retry whose backoff ended, or fresh rows past the window.
-    HAVING bool_or(e.attempts > 0 AND coalesce(e.next_attempt_at, now()) <= now())
-        OR (min(e.recorded_at) <= now() - make_interval(secs => %(window_s)s)
-            AND bool_or(e.attempts = 0 AND coalesce(e.next_attempt_at, now()) <= now()))
+    CROSS JOIN LATERAL (
+        SELECT e.attempts, e.next_attempt_at, e.recorded_at FROM events e
+        WHERE e.user_id = p.user_id AND e.status = 'pending' ORDER BY e.id LIMIT 1
+    ) f
+    WHERE p.user_id <> ALL(%(busy)s::text[])
+      AND coalesce(f.next_attempt_at, now()) <= now()
+      AND CASE WHEN f.attempts > 0
+               -- Rule 3: the oldest pending row is a retry whose backoff ended. Rule 2: never
+               -- one whose attempts are exhausted (mark_exhausted_dead makes it dead).
+               THEN f.attempts < %(max_attempts)s
+               -- Fresh rows once the oldest has waited out the batch window (quick messages share one run).
+               ELSE f.recorded_at <= now() - make_interval(secs => %(window_s)s) END
+      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
     ORDER BY oldest
     LIMIT %(max_users)s
 ),
-ordered AS (
-    SELECT e.id, e.user_id, w.topic, w.partition, w.epoch, e.attempts, e.next_attempt_at, w.oldest,
-           row_number() OVER (PARTITION BY e.user_id ORDER BY e.id) AS n,
-           min(CASE WHEN e.attempts > 0 THEN e.id END) OVER (PARTITION BY e.user_id) AS first_retry
-    FROM events e JOIN waiting w ON w.user_id = e.user_id
-    WHERE e.status = 'pending'
-),
 chosen AS (
-    SELECT id, topic, partition, epoch FROM ordered
-    WHERE
-      -- Rule 3: the oldest pending row is a retry: it runs alone, and only once its backoff ended.
-      (n = 1 AND attempts > 0 AND coalesce(next_attempt_at, now()) <= now())
-      -- Otherwise: fresh rows in order, up to the batch limit, stopping before any retry row,
-      -- once the oldest has waited out the batch window (quick messages share one run).
-      OR (attempts = 0 AND (first_retry IS NULL OR id < first_retry) AND n <= %(batch_max)s
-          AND coalesce(next_attempt_at, now()) <= now()
-          AND oldest <= now() - make_interval(secs => %(window_s)s))
+    -- Each waiting user's first pending rows in order: a retry alone; otherwise fresh rows up
+    -- to the batch limit, stopping before any retry row, so runs follow event order per user.
+    SELECT b.id, w.topic, w.partition, w.epoch
+    FROM waiting w
+    CROSS JOIN LATERAL (
+        SELECT f.id, f.attempts, f.next_attempt_at,
+               row_number() OVER (ORDER BY f.id) AS n,
+               min(CASE WHEN f.attempts > 0 THEN f.id END) OVER () AS first_retry
+        FROM (SELECT e.id, e.attempts, e.next_attempt_at FROM events e
+              WHERE e.user_id = w.user_id AND e.status = 'pending' ORDER BY e.id LIMIT %(batch_max)s) f
+    ) b
+    WHERE (b.n = 1 AND b.attempts > 0)
+       OR (b.attempts = 0 AND (b.first_retry IS NULL OR b.id < b.first_retry) AND coalesce(b.next_attempt_at, now()) <= now())
 )
 UPDATE events e
 SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
@@ -108,13 +120,27 @@ RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_i
           e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 
 -- name: next_ready_at
--- When the earliest not-yet-claimable pending row of the owned partitions becomes claimable (window or backoff).
-SELECT min(greatest(e.recorded_at + make_interval(secs => %(window_s)s), coalesce(e.next_attempt_at, e.recorded_at))) AS at
-FROM events e
-JOIN users u ON u.user_id = e.user_id
+-- When the next user of the owned partitions becomes claimable (window or backoff); users running now are left out, their finish wakes the loop.
+WITH RECURSIVE pending_users (user_id) AS (
+    -- The same skip scan as claim: one index probe per user with pending rows.
+    (SELECT user_id FROM events WHERE status = 'pending' ORDER BY user_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT e.user_id FROM events e WHERE e.status = 'pending' AND e.user_id > p.user_id ORDER BY e.user_id LIMIT 1)
+    FROM pending_users p WHERE p.user_id IS NOT NULL
+)
+SELECT min(CASE WHEN f.attempts > 0 THEN coalesce(f.next_attempt_at, now())
+                ELSE greatest(f.recorded_at + make_interval(secs => %(window_s)s), coalesce(f.next_attempt_at, f.recorded_at)) END) AS at
+FROM pending_users p
+JOIN users u ON u.user_id = p.user_id
 JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
   ON w.topic = u.home_topic AND w.partition = u.home_partition
-WHERE e.status = 'pending'
+CROSS JOIN LATERAL (
+    SELECT e.attempts, e.next_attempt_at, e.recorded_at FROM events e
+    WHERE e.user_id = p.user_id AND e.status = 'pending' ORDER BY e.id LIMIT 1
+) f
+-- An exhausted row waits for mark_exhausted_dead's next pass, not for a time.
+WHERE f.attempts < %(max_attempts)s
+  AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running')
 
 -- name: claim_more
 -- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch.
