@@ -5,9 +5,10 @@ Order inside the transaction:
 1. Lock every involved partition row ``FOR SHARE`` and read its epoch (``lock_epochs``). A
    run whose claim epoch is no longer current is *stale*: nothing of it is written, it is
    counted, and its events stay with the new owner, who handed them back at takeover.
-2. For each current run: the ``runs`` row, then its events (``done``; or back to ``pending``
-   with the error and a backoff for a failed attempt), outbox rows, timers, approval
-   requests, memory writes and the saved session.
+2. For all current runs at once (``finish_runs``, one statement): their ``runs`` rows, the
+   done runs' events and their outbox rows. Then, for runs that have them: a failed
+   attempt's events back to ``pending`` with the error and a backoff, timers, approval
+   requests, memory writes and saved sessions.
 3. Commit.
 
 A crash before the commit leaves every claim ``running``: the next owner of the partition
@@ -69,51 +70,62 @@ def backoff_seconds(attempt: int, base: float, cap: float, retry_after: float | 
     return max(delay, retry_after or 0.0)
 
 
-def _run_params(run: Finished, worker: str) -> dict:
-    usage = run.result.usage if run.result else None
-    session = run.result.session if run.result else None
-    return {
-        "user_id": run.claim.user_id,
-        "topic": run.claim.home.topic,
-        "partition": run.claim.home.partition,
-        "epoch": run.claim.epoch,
-        "worker": worker,
-        "event_ids": run.event_ids,
-        "session_id": session.id if session else None,
-        "started_at": run.started_at,
-        "outcome": run.outcome.value,
-        "error": run.error,
-        "turns": usage.turns if usage else 0,
-        "input_tokens": usage.input_tokens if usage else 0,
-        "output_tokens": usage.output_tokens if usage else 0,
-        "cache_read_tokens": usage.cache_read_tokens if usage else 0,
-        "cache_write_tokens": usage.cache_write_tokens if usage else 0,
-    }
+def _group_params(runs: list[Finished], worker: str) -> dict:
+    """finish_runs' parameters: one array per column, a run per position; messages flat."""
+    params: dict[str, list] = {name: [] for name in (
+        "user_id", "topic", "partition", "epoch", "event_ids", "session_id", "started_at", "outcome", "error",
+        "turns", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+        "message_user", "message_body", "message_urgent")}
+    for run in runs:
+        claim, result = run.claim, run.result
+        usage = result.usage if result else None
+        session = result.session if result else None
+        params["user_id"].append(claim.user_id)
+        params["topic"].append(claim.home.topic)
+        params["partition"].append(claim.home.partition)
+        params["epoch"].append(claim.epoch)
+        params["event_ids"].append("{" + ",".join(str(i) for i in run.event_ids) + "}")
+        params["session_id"].append(session.id if session else None)
+        params["started_at"].append(run.started_at)
+        params["outcome"].append(run.outcome.value)
+        params["error"].append(run.error)
+        params["turns"].append(usage.turns if usage else 0)
+        params["input_tokens"].append(usage.input_tokens if usage else 0)
+        params["output_tokens"].append(usage.output_tokens if usage else 0)
+        params["cache_read_tokens"].append(usage.cache_read_tokens if usage else 0)
+        params["cache_write_tokens"].append(usage.cache_write_tokens if usage else 0)
+        if run.error is None and result is not None:
+            for message in result.messages:
+                params["message_user"].append(claim.user_id)
+                params["message_body"].append(message.text)
+                params["message_urgent"].append(message.urgent)
+    return {**params, "worker": worker}
 
 
-async def _write_run(conn: psycopg.AsyncConnection, run: Finished, run_id: int) -> list[tuple]:
-    """Queue the run's writes (pipeline mode); return (cursor, expected rowcount) checks."""
+def _has_more(run: Finished) -> bool:
+    """Does the run write anything besides its row, its done events and its messages?"""
+    if run.error is not None:
+        return True
+    result = run.result
+    return result is not None and bool(
+        result.timers or result.approvals or result.memory_writes or session_rows(run.claim.user_id, result)
+    )
+
+
+async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int) -> list[tuple]:
+    """Queue a run's other writes (pipeline mode); return (cursor, expected rowcount) checks."""
     claim = run.claim
-    ids = run.event_ids
-    checks = []
-    if run.error is None:
-        cur = await conn.execute(Q.finish_done, {"ids": ids, "epoch": claim.epoch, "run_id": run_id})
-        checks.append((cur, len(ids)))
-    else:
+    if run.error is not None:
+        ids = run.event_ids
         cur = await conn.execute(
             Q.finish_failed,
             {"ids": ids, "epoch": claim.epoch, "run_id": run_id, "error": run.error[:2000],
              "backoff_s": run.backoff_s, "transient": run.transient},
         )
-        checks.append((cur, len(ids)))
-        return checks
+        return [(cur, len(ids))]
     result = run.result
     assert result is not None
     user = claim.user_id
-    for message in result.messages:
-        await conn.execute(
-            Q.insert_outbox, {"user_id": user, "run_id": run_id, "epoch": claim.epoch, "body": message.text, "urgent": message.urgent}
-        )
     for timer in result.timers:
         await conn.execute(
             Q.insert_timer,
@@ -134,11 +146,16 @@ async def _write_run(conn: psycopg.AsyncConnection, run: Finished, run_id: int) 
             await conn.execute(Q.upsert_memory, {"user_id": user, "path": write.path, "content": write.content})
     for params in session_rows(user, result):
         await conn.execute(Q.agent_session_upsert, params)
-    return checks
+    return []
 
 
 async def _commit(conn: psycopg.AsyncConnection, runs: list[Finished], worker: str) -> tuple[list[Finished], list[Finished]]:
-    """One transaction for ``runs``. Returns (committed, stale). Raises FinishMismatch."""
+    """One transaction for ``runs``. Returns (committed, stale). Raises FinishMismatch.
+
+    Whatever the group's size: one statement locks the epochs, one (``finish_runs``) writes
+    every run's row, done events and messages; only runs with more to write (failures,
+    timers, approvals, memory, sessions) add statements, pipelined.
+    """
     homes = sorted({run.claim.home for run in runs})
     async with conn.transaction():
         cur = await conn.execute(
@@ -148,14 +165,21 @@ async def _commit(conn: psycopg.AsyncConnection, runs: list[Finished], worker: s
         valid = [r for r in runs if current.get((r.claim.home.topic, r.claim.home.partition)) == r.claim.epoch]
         stale = [r for r in runs if r not in valid]
         if valid:
-            async with conn.pipeline() as pipeline:
-                run_cursors = [await conn.execute(Q.insert_run, _run_params(run, worker)) for run in valid]
-                await pipeline.sync()
-                run_ids = [(await c.fetchone())["id"] for c in run_cursors]
-                checks = []
-                for run, run_id in zip(valid, run_ids):
-                    checks.extend(await _write_run(conn, run, run_id))
-                await pipeline.sync()
+            # finish_runs matches a run's messages to it by user: one run per user per group,
+            # which the runner guarantees (a user's next claim waits for this commit).
+            assert len({r.claim.user_id for r in valid}) == len(valid), "two runs of one user in one finish"
+            cur = await conn.execute(Q.finish_runs, _group_params(valid, worker))
+            ids = {row["user_id"]: (row["id"], row["done"]) for row in await cur.fetchall()}
+            for run in valid:
+                run_id, done = ids[run.claim.user_id]
+                if run.error is None and done != len(run.event_ids):
+                    raise FinishMismatch(f"{done} of {len(run.event_ids)} events still claimed")
+            checks: list[tuple] = []
+            more = [run for run in valid if _has_more(run)]
+            if more:
+                async with conn.pipeline():
+                    for run in more:
+                        checks.extend(await _write_more(conn, run, ids[run.claim.user_id][0]))
             for cursor, expected in checks:
                 if cursor.rowcount != expected:
                     raise FinishMismatch(f"{cursor.rowcount} of {expected} events still claimed")

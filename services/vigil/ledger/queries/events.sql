@@ -157,12 +157,6 @@ WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch
 
--- name: finish_done
--- Finish: the run's events are done. Zero rows for a run whose claim is no longer ours.
-UPDATE events
-SET status = 'done', finished_at = now(), run_id = %(run_id)s, error = NULL
-WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s
-
 -- name: finish_failed
 -- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back.
 UPDATE events

@@ -1,18 +1,44 @@
 -- The finish: everything a run decided, written in one fenced transaction with its events'
 -- new state (see services/vigil/worker/finish.py for the order and what a crash leaves).
 
--- name: insert_run
--- The run's audit row; its id ties the outbox rows and events to it.
-INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, session_id, started_at, finished_at,
-                  outcome, error, turns, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens)
-VALUES (%(user_id)s, %(topic)s, %(partition)s, %(epoch)s, %(worker)s, %(event_ids)s, %(session_id)s, %(started_at)s, now(),
-        %(outcome)s, %(error)s, %(turns)s, %(input_tokens)s, %(output_tokens)s, %(cache_read_tokens)s, %(cache_write_tokens)s)
-RETURNING id
-
--- name: insert_outbox
--- A message the run decided to send, under the epoch it was written with.
-INSERT INTO outbox (user_id, run_id, epoch, body, urgent)
-VALUES (%(user_id)s, %(run_id)s, %(epoch)s, %(body)s, %(urgent)s)
+-- name: finish_runs
+-- Group commit of the runs whose epochs were checked: every run's audit row, the done runs' events and their outbox rows, in one statement for the whole group (one round trip however many runs). Returns each run's id and how many of its events were still claimed; a run's other writes follow by its id.
+WITH new_runs AS (
+    INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, session_id, started_at, finished_at,
+                      outcome, error, turns, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens)
+    SELECT r.user_id, r.topic, r.partition, r.epoch, %(worker)s, r.event_ids::bigint[], r.session_id, r.started_at, now(),
+           r.outcome, r.error, r.turns, r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens
+    FROM unnest(%(user_id)s::text[], %(topic)s::text[], %(partition)s::int[], %(epoch)s::bigint[], %(event_ids)s::text[],
+                %(session_id)s::text[], %(started_at)s::timestamptz[], %(outcome)s::text[], %(error)s::text[],
+                %(turns)s::int[], %(input_tokens)s::int[], %(output_tokens)s::int[], %(cache_read_tokens)s::int[],
+                %(cache_write_tokens)s::int[])
+         WITH ORDINALITY AS r(user_id, topic, partition, epoch, event_ids, session_id, started_at, outcome, error, turns,
+                              input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, n)
+    ORDER BY r.n
+    RETURNING id, user_id, epoch, outcome, event_ids
+),
+done AS (
+    -- A run's events are done only while still claimed under its epoch; fewer rows than it
+    -- claimed means the claim is no longer ours (the caller refuses the run).
+    UPDATE events e
+    SET status = 'done', finished_at = now(), run_id = r.id, error = NULL
+    FROM new_runs r, unnest(r.event_ids) AS d(id)
+    WHERE r.outcome <> 'failed' AND e.id = d.id AND e.status = 'running' AND e.claim_epoch = r.epoch
+    RETURNING e.run_id
+),
+messages AS (
+    -- The messages the done runs decided to send, under the epoch they were written with
+    -- (a run has one user: its messages are matched to its row by user).
+    INSERT INTO outbox (user_id, run_id, epoch, body, urgent)
+    SELECT r.user_id, r.id, r.epoch, m.body, m.urgent
+    FROM unnest(%(message_user)s::text[], %(message_body)s::text[], %(message_urgent)s::boolean[])
+         WITH ORDINALITY AS m(user_id, body, urgent, n)
+    JOIN new_runs r ON r.user_id = m.user_id
+    ORDER BY m.n
+)
+SELECT r.id, r.user_id, count(d.run_id)::int AS done
+FROM new_runs r LEFT JOIN done d ON d.run_id = r.id
+GROUP BY r.id, r.user_id
 
 -- name: insert_timer
 -- A follow-up or approval expiry set by the run. Re-setting the same id replaces a timer that has not fired yet.
