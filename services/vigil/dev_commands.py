@@ -32,6 +32,7 @@ SERVICES = {
     "dispatcher": ("VIGIL_DISPATCHER_PORT", 9104),
 }
 SCRIPTED_CLAUDE_PORT = 8765
+OFFLINE_KEY = "offline-demo"  # what the scripted server is given as a key: it checks only that one is sent
 
 
 def run_dir() -> Path:
@@ -114,7 +115,8 @@ def up(services: bool) -> None:
 
     env.update(_api_token(root, vigil, child_env))
 
-    if not os.environ.get("ANTHROPIC_API_KEY"):
+    # A shell that sourced .run/env carries the offline placeholder key: still offline.
+    if os.environ.get("ANTHROPIC_API_KEY", OFFLINE_KEY) == OFFLINE_KEY:
         env.update(_start_scripted_claude(root, child_env))
         child_env.update(env)
 
@@ -171,7 +173,7 @@ def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:
         )
     devstack.wait_until(lambda: devstack.port_open(port), 30, "scripted Claude server", logfile)
     click.echo(f"claude      http://127.0.0.1:{port}  (offline: scripted Messages API, {script.name})")
-    return {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": "offline-demo"}
+    return {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": OFFLINE_KEY}
 
 
 @dev.command()
