@@ -1,0 +1,221 @@
+"""vigil's own figures, each measured on real ``vigil worker`` processes.
+
+- ``record_events_per_s``: events produced to the topic and recorded in ``events`` by one
+  worker, no runs. The users' home partitions are on another topic (``users`` rows written
+  first), so the worker records every event exactly as it always does but no claim ever
+  matches: the claim loop still wakes and queries, it just finds nothing of its own. Rate:
+  events / (first produce call .. the worker's ``vigil_events_recorded_total`` reached them).
+- ``e2e_events_per_s`` / ``e2e_runs_per_s``: record, claim, the echo agent's run, the fenced
+  finish with its outbox row, for 1,000 users, at the default batch window. The workers are
+  up before the first event; each round offers load paced evenly over ``e2e_seconds`` at
+  1.25 times the best rate seen so far (a first, uncounted round starts from the record rate),
+  so the worker runs saturated while batches form as events arrive. Rate: events (runs) /
+  (first produce call .. the last run's ``finished_at``).
+- ``e2e_latency_p50_ms`` / ``p99``: at a fixed offered load of half ``e2e_events_per_s``, per
+  event ``runs.finished_at - events.received_at`` (the producer stamps ``received_at`` when it
+  hands the event over; ``finished_at`` is the finish transaction's ``now()``, a few ms before
+  its commit). At the default window (which alone puts 200 ms under every event's latency)
+  and at a small one.
+- ``scale_2_workers_ratio``: the e2e rounds again with a second worker process in the group.
+- ``worker_rss_mb``: one worker's resident memory over a long stretch of half load spread over
+  10,000 users, sampled twice a second; after a warm-up third, the growth from the second
+  third to the last is ``worker_rss_growth_mb``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from datetime import datetime, timezone
+
+import psycopg
+from psycopg.rows import dict_row
+
+from vigil.bench import load
+from vigil.bench.figures import Figure, Report
+from vigil.bench.plan import Plan
+from vigil.bench.procs import Workers
+from vigil.bench.sql import B
+from vigil.bench.stack import BenchStack
+
+POLL_S = 0.05
+DRAIN_TIMEOUT_S = 180.0
+FOREIGN_TOPIC = "bench.elsewhere"  # the record workload's users' home: no worker owns it
+SATURATE = 1.25  # offered load of an e2e round over the best rate seen so far
+RSS_SAMPLE_S = 0.5
+
+
+def _query(dsn: str, sql: str, params: dict | None = None) -> list[dict]:
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+# -- record ------------------------------------------------------------------------------
+
+
+def record(stack: BenchStack, plan: Plan, report: Report) -> Figure:
+    samples = []
+    with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(B.foreign_home_users, {"topic": FOREIGN_TOPIC, "user_ids": [load.user_id(i, plan.users) for i in range(plan.users)]})
+        with Workers(stack, dsn, topics, 1) as workers:
+            workers.wait_ready()
+            producer = load.BenchProducer(stack.bootstrap, topics.events)
+            for round_ in range(plan.rounds):
+                messages = load.encoded(plan.record_events, plan.users, f"rec{round_}")
+                target = workers.metric("vigil_events_recorded_total", 'result="new"') + len(messages)
+                background = producer.in_thread(producer.blast, messages)
+                deadline = time.monotonic() + DRAIN_TIMEOUT_S
+                while workers.metric("vigil_events_recorded_total", 'result="new"') < target:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"round {round_}: events not recorded within {DRAIN_TIMEOUT_S:.0f}s")
+                    workers.check()
+                    time.sleep(POLL_S / 2)
+                finished = time.time()
+                produced = background.result()
+                samples.append(len(messages) / (finished - produced.started))
+    return report.add(Figure("record_events_per_s", samples, note=f"1 worker, {plan.users} users, no runs"))
+
+
+# -- end to end --------------------------------------------------------------------------
+
+
+class EndToEnd:
+    """One database and topic for the throughput, latency and scale-out rounds."""
+
+    def __init__(self, stack: BenchStack, plan: Plan, dsn: str, topics, users: int):
+        self.stack = stack
+        self.plan = plan
+        self.dsn = dsn
+        self.topics = topics
+        self.users = users
+        self.producer = load.BenchProducer(stack.bootstrap, topics.events)
+        self.rounds = 0
+
+    def _source(self, label: str) -> str:
+        self.rounds += 1
+        return f"{label}{self.rounds}"
+
+    def _drain(self, workers: Workers, source: str, expected: int) -> dict:
+        """Wait until every event of the round is done; its totals."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        with psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row) as conn:
+            while time.monotonic() < deadline:
+                workers.check()
+                row = conn.execute(B.round_totals, {"source": source}).fetchone() if self._quiet(conn) else None
+                if row and row["done"] >= expected:
+                    return row
+                time.sleep(POLL_S)
+        raise RuntimeError(f"round {source}: not all {expected} events done within {DRAIN_TIMEOUT_S:.0f}s")
+
+    @staticmethod
+    def _quiet(conn) -> bool:
+        return conn.execute(B.unfinished).fetchone()["n"] == 0
+
+    def throughput_round(self, workers: Workers, rate: float, seconds: float) -> tuple[float, float, float]:
+        """Offer ``rate`` events/s for ``seconds``; (events/s, runs/s, events per run) achieved."""
+        source = self._source("e2e")
+        produced = self.producer.in_thread(self.producer.paced, rate, seconds, self.users, source).result()
+        # Let the round's last events reach the ledger before asking whether all are done.
+        time.sleep(0.3)
+        totals = self._drain(workers, source, produced.count)
+        elapsed = totals["last_finished"].timestamp() - produced.started
+        return produced.count / elapsed, totals["runs"] / elapsed, produced.count / max(1, totals["runs"])
+
+    def throughput(self, workers: Workers, start_rate: float) -> tuple[list[float], list[float], list[float], float]:
+        """A first uncounted round at ``start_rate``, then ``rounds`` saturated rounds."""
+        best = 0.0
+        events, runs, per_run = [], [], []
+        rate = start_rate
+        for n in range(self.plan.rounds + 1):
+            # The first round only finds the rate: short, so a slow worker does not spend
+            # minutes draining a backlog offered at the record rate.
+            seconds = self.plan.e2e_seconds / (4 if n == 0 else 1)
+            ev, rn, batch = self.throughput_round(workers, rate, seconds)
+            best = max(best, ev)
+            if n > 0:
+                events.append(ev)
+                runs.append(rn)
+                per_run.append(batch)
+            rate = SATURATE * best
+        return events, runs, per_run, rate
+
+    def latency(self, workers: Workers, rate: float) -> tuple[list[float], list[float]]:
+        """Rounds at a fixed ``rate``: per round, p50 and p99 of produce-to-finished (ms)."""
+        p50s, p99s = [], []
+        for _ in range(self.plan.rounds):
+            source = self._source("lat")
+            produced = self.producer.in_thread(self.producer.paced, rate, self.plan.latency_seconds, self.users, source).result()
+            time.sleep(0.3)
+            self._drain(workers, source, produced.count)
+            # The first tenth of the round is warm-up (the group may still be settling).
+            since = datetime.fromtimestamp(produced.started + self.plan.latency_seconds / 10, timezone.utc)
+            ms = [row["ms"] for row in _query(self.dsn, B.round_latencies, {"source": source, "since": since})]
+            p50s.append(_percentile(ms, 50))
+            p99s.append(_percentile(ms, 99))
+        return p50s, p99s
+
+
+def _percentile(sorted_values: list[float], pct: float) -> float:
+    if not sorted_values:
+        raise RuntimeError("no latencies measured")
+    index = min(len(sorted_values) - 1, max(0, round(pct / 100 * len(sorted_values) + 0.5) - 1))
+    return float(sorted_values[index])
+
+
+def end_to_end(stack: BenchStack, plan: Plan, report: Report, record_rate: float) -> None:
+    window = f"window {plan.default_window_ms} ms"
+    with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
+        e2e = EndToEnd(stack, plan, dsn, topics, plan.users)
+        with Workers(stack, dsn, topics, 1) as workers:
+            workers.wait_ready()
+            events, runs, per_run, _ = e2e.throughput(workers, record_rate)
+            note = f"1 worker, {plan.users} users, {window}, {statistics.median(per_run):.1f} events per run"
+            one = report.add(Figure("e2e_events_per_s", events, note=note)).value
+            report.add(Figure("e2e_runs_per_s", runs, note=note))
+            half = one / 2
+            p50, p99 = e2e.latency(workers, half)
+            note = f"offered {half:.0f} events/s, 1 worker, {window}"
+            report.add(Figure("e2e_latency_p50_ms", p50, note=note))
+            report.add(Figure("e2e_latency_p99_ms", p99, note=note))
+            workers.add()
+            workers.wait_ready()
+            events2, _, per_run2, _ = e2e.throughput(workers, SATURATE * one)
+            two = statistics.median(events2)
+            report.add(Figure("e2e_2_workers_events_per_s", events2,
+                              note=f"2 workers, {window}, {statistics.median(per_run2):.1f} events per run"))
+            report.add(Figure("scale_2_workers_ratio", [e / one for e in events2],
+                              note=f"median {two:.0f} over {one:.0f} events/s"))
+        small = f"window {plan.small_window_ms} ms"
+        with Workers(stack, dsn, topics, 1, VIGIL_BATCH_WINDOW_MS=str(plan.small_window_ms)) as workers:
+            workers.wait_ready()
+            p50, p99 = e2e.latency(workers, half)
+            note = f"offered {half:.0f} events/s, 1 worker, {small}"
+            report.add(Figure(f"e2e_latency_p50_ms_window_{plan.small_window_ms}ms", p50, note=note))
+            report.add(Figure(f"e2e_latency_p99_ms_window_{plan.small_window_ms}ms", p99, note=note))
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def memory(stack: BenchStack, plan: Plan, report: Report, rate: float) -> None:
+    with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
+        with Workers(stack, dsn, topics, 1) as workers:
+            workers.wait_ready()
+            worker = workers.procs[0]
+            producer = load.BenchProducer(stack.bootstrap, topics.events)
+            background = producer.in_thread(producer.paced, rate, plan.memory_seconds, plan.memory_users, "mem")
+            samples = []
+            while background.is_alive():
+                workers.check()
+                samples.append(worker.rss_mb())
+                time.sleep(RSS_SAMPLE_S)
+            background.result()
+    third = max(1, len(samples) // 3)
+    settled = samples[third:]
+    middle, last = samples[third : 2 * third], samples[2 * third :]
+    note = f"{plan.memory_users} users, {rate:.0f} events/s for {plan.memory_seconds:.0f} s"
+    report.add(Figure("worker_rss_mb", settled, per="samples after warm-up", note=note))
+    growth = statistics.median(last) - statistics.median(middle or last)
+    report.add(Figure("worker_rss_growth_mb", [growth], per="run",
+                      note=f"median of the last third minus the middle third; start {samples[0]:.0f} MB"))

@@ -1,0 +1,60 @@
+"""How big each workload is: the full run (``make bench``, under 10 minutes on 2 cores) and
+the quick smoke run (``--quick``, under 2 minutes, only checks that every figure comes out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vigil.worker.settings import DEFAULT_BATCH_WINDOW_MS
+
+# The second latency figure's window: small enough that the runtime's own latency shows,
+# large enough that a burst of one user's messages still shares a run.
+SMALL_WINDOW_MS = 10
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    rounds: int  # measured rounds per figure (the median is printed)
+    partitions: int  # of the events topic
+    users: int  # the end-to-end workloads' user count
+    raw_events: int  # raw Kafka and raw PostgreSQL: events per round
+    record_events: int  # record_events_per_s: events per round
+    e2e_seconds: float  # end-to-end throughput: how long each round offers load
+    latency_seconds: float  # latency at half load: how long each round offers load
+    memory_users: int
+    memory_seconds: float  # the memory run: one long stretch of half load
+    http_seconds: float  # each HTTP mode, each round
+    http_concurrency: int = 64
+    http_batch: int = 50  # events per batched POST /v1/events
+    default_window_ms: int = DEFAULT_BATCH_WINDOW_MS
+    small_window_ms: int = SMALL_WINDOW_MS
+
+
+FULL = Plan(
+    name="full",
+    rounds=3,
+    partitions=12,
+    users=1000,
+    raw_events=100_000,
+    record_events=50_000,
+    e2e_seconds=8.0,
+    latency_seconds=10.0,
+    memory_users=10_000,
+    memory_seconds=75.0,
+    http_seconds=4.0,
+)
+
+QUICK = Plan(
+    name="quick",
+    rounds=1,
+    partitions=12,
+    users=1000,
+    raw_events=5_000,
+    record_events=5_000,
+    e2e_seconds=1.5,
+    latency_seconds=2.5,
+    memory_users=10_000,
+    memory_seconds=6.0,
+    http_seconds=1.0,
+)

@@ -1,0 +1,54 @@
+-- The benchmark's own statements: the raw PostgreSQL limit and reading results back.
+-- Loaded by name like the ledger's queries (vigil.ledger.queries.parse).
+
+-- name: raw_insert_events
+-- The raw limit, as a plain client writes it: events-shaped rows as arrays, one multi-row insert per batch, duplicates dropped; no users, no RETURNING.
+INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
+                    kafka_topic, kafka_partition, kafka_offset)
+SELECT * FROM unnest(%(user_id)s::text[], %(source)s::text[], %(source_id)s::text[], %(kind)s::text[],
+                     %(payload)s::text[], %(session_id)s::text[], %(headers)s::jsonb[], %(occurred_at)s::timestamptz[],
+                     %(received_at)s::timestamptz[], %(topic)s::text[], %(partition)s::int[], %(offset)s::bigint[])
+ON CONFLICT (user_id, source, source_id) DO NOTHING
+
+-- name: raw_insert_staged
+-- The raw limit fed the way the worker feeds it: the batch binary-copied into the staging table (record_staging, record_copy), then one multi-row insert, duplicates dropped; no users, no RETURNING.
+INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
+                    kafka_topic, kafka_partition, kafka_offset)
+SELECT user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
+       kafka_topic, kafka_partition, kafka_offset
+FROM incoming_events ORDER BY n
+ON CONFLICT (user_id, source, source_id) DO NOTHING
+
+-- name: truncate_events
+-- Between raw rounds: every round inserts into an empty table.
+TRUNCATE events
+
+-- name: foreign_home_users
+-- The record workload's users live on another topic's partitions: the worker records their events but never claims them.
+INSERT INTO users (user_id, home_topic, home_partition)
+SELECT user_id, %(topic)s, 0 FROM unnest(%(user_ids)s::text[]) AS u(user_id)
+
+-- name: unfinished
+-- Progress of an end-to-end round: events not yet done (both partial indexes, cheap while the backlog is small).
+SELECT (SELECT count(*) FROM events WHERE status = 'pending') + (SELECT count(*) FROM events WHERE status = 'running') AS n
+
+-- name: round_totals
+-- An end-to-end round's outcome: its events (by source), their runs, and when the last run finished.
+SELECT count(*) FILTER (WHERE e.status = 'done') AS done,
+       count(*) FILTER (WHERE e.status <> 'done') AS not_done,
+       count(DISTINCT e.run_id) AS runs,
+       max(r.finished_at) AS last_finished
+FROM events e LEFT JOIN runs r ON r.id = e.run_id
+WHERE e.source = %(source)s
+
+-- name: round_latencies
+-- Produce-to-finished latency of each event of a round, in ms: the run's finished_at (finish transaction) minus the event's received_at (stamped by the producer).
+SELECT extract(epoch FROM r.finished_at - e.received_at) * 1000 AS ms
+FROM events e JOIN runs r ON r.id = e.run_id
+WHERE e.source = %(source)s AND e.status = 'done' AND e.received_at >= %(since)s
+ORDER BY 1
+
+-- name: outbox_count
+-- Outbox rows written by a round's runs (echo writes one per run with a chat message).
+SELECT count(*) AS n FROM outbox o JOIN runs r ON r.id = o.run_id
+WHERE r.id IN (SELECT DISTINCT run_id FROM events WHERE source = %(source)s)

@@ -1,0 +1,9 @@
+"""The benchmark's named statements (``bench/queries.sql``), loaded like the ledger's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vigil.ledger.queries import Queries, parse
+
+B = Queries(parse((Path(__file__).resolve().parent / "queries.sql").read_text(encoding="utf-8"), "bench/queries.sql"))

@@ -1,0 +1,47 @@
+"""The benchmarks' smoke mode: every figure comes out. Nothing here is about speed.
+
+``python -m vigil.bench --quick`` runs every workload tiny, on the test session's own stack
+(through ``VIGIL_KAFKA_BOOTSTRAP`` and ``VIGIL_DATABASE_URL``), with real worker and ingest
+processes, and must print a value for each figure and the summary.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from support import REPO, query
+from vigil.bench.__main__ import figure_names
+from vigil.bench.plan import QUICK
+
+QUICK_BUDGET_S = 120
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(QUICK_BUDGET_S + 60)
+def test_quick_bench_prints_every_figure_and_cleans_up(stack):
+    env = {**os.environ, "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap, "VIGIL_DATABASE_URL": stack.admin_dsn}
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "vigil.bench", "--quick"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=QUICK_BUDGET_S + 30,
+    )
+    took = time.monotonic() - started
+    output = result.stdout
+    assert result.returncode == 0, f"exit {result.returncode}\n{output}\n{result.stderr[-4000:]}"
+    for name in figure_names(QUICK):
+        line = re.search(rf"^{re.escape(name)}: ([0-9.+-]+) \(min [0-9.+-]+, max [0-9.+-]+, \d+ ", output, re.MULTILINE)
+        assert line, f"no value for {name}:\n{output}"
+    assert re.search(r"^machine: \d+ cores", output, re.MULTILINE)
+    assert re.search(r"^postgresql: \d+", output, re.MULTILINE)
+    assert re.search(r"^kafka: ", output, re.MULTILINE)
+    assert "summary (ratios against the targets" in output
+    assert took < QUICK_BUDGET_S, f"--quick took {took:.0f}s"
+    # Everything the bench created is gone: its databases (and its topics, dropped with them).
+    left = query(stack.admin_dsn, "SELECT datname FROM pg_database WHERE datname LIKE 'vigil_bench_%%'")
+    assert left == [], left
