@@ -91,7 +91,8 @@ def up(services: bool) -> None:
     env = _stack_env(root)
     kafka_port = int(env["VIGIL_KAFKA_BOOTSTRAP"].rsplit(":", 1)[1])
     try:
-        libs = devstack.kafka_libs(root / "kafka")
+        # VIGIL_DEV_KAFKA_LIBS reuses jars fetched elsewhere (tests start stacks in temp folders).
+        libs = Path(os.environ["VIGIL_DEV_KAFKA_LIBS"]) if os.environ.get("VIGIL_DEV_KAFKA_LIBS") else devstack.kafka_libs(root / "kafka")
         kafka = devstack.KafkaServer(root / "kafka" / "data", kafka_port, int(os.environ.get("VIGIL_DEV_KAFKA_CONTROLLER_PORT", kafka_port + 1)), libs)
         kafka.start()
         click.echo(f"kafka       {kafka.bootstrap}  (Apache Kafka, KRaft, logs {kafka.logfile})")

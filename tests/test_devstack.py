@@ -1,0 +1,65 @@
+"""`vigil dev up` / `down` (what `make up` / `make down` run): real processes, twice is harmless,
+and down leaves nothing of the stack running."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from support import REPO, http_ok
+from vigil import devstack
+
+
+@pytest.mark.slow
+def test_dev_up_twice_then_down_leaves_nothing_running():
+    root = Path(tempfile.mkdtemp(prefix="vigil-devstack-"))
+    os.chmod(root, 0o755)
+    ports = {name: devstack.free_port() for name in (
+        "VIGIL_DEV_KAFKA_PORT", "VIGIL_DEV_KAFKA_CONTROLLER_PORT", "VIGIL_DEV_PG_PORT", "VIGIL_DEV_CLAUDE_PORT",
+        "VIGIL_INGEST_PORT", "VIGIL_WORKER_PORT", "VIGIL_SCHEDULER_PORT", "VIGIL_DISPATCHER_PORT")}
+    env = {
+        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
+        "VIGIL_DEV_RUN_DIR": str(root),
+        "VIGIL_DEV_KAFKA_LIBS": str(devstack.kafka_libs(REPO / ".run" / "kafka")),
+        **{k: str(v) for k, v in ports.items()},
+    }
+
+    def vigil(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "vigil", *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+    try:
+        first = vigil("dev", "up")
+        assert first.returncode == 0, first.stdout + first.stderr
+        for name in ("kafka", "postgresql", "claude", "ingest", "worker", "scheduler", "dispatcher", "settings"):
+            assert any(line.startswith(name) for line in first.stdout.splitlines()), f"{name} not reported:\n{first.stdout}"
+        pids = {p.name: p.read_text() for p in (root / "pids").glob("*.pid")}
+        assert set(pids) == {"ingest.pid", "worker.pid", "scheduler.pid", "dispatcher.pid", "scripted-claude.pid"}
+        for variable in ("VIGIL_INGEST_PORT", "VIGIL_WORKER_PORT", "VIGIL_SCHEDULER_PORT", "VIGIL_DISPATCHER_PORT"):
+            assert http_ok(f"http://127.0.0.1:{ports[variable]}/readyz"), variable
+        settings = (root / "env").read_text()
+        assert f"export VIGIL_KAFKA_BOOTSTRAP=127.0.0.1:{ports['VIGIL_DEV_KAFKA_PORT']}" in settings
+        assert "VIGIL_API_TOKEN=" in settings and oct((root / "env").stat().st_mode)[-3:] == "600"
+
+        again = vigil("dev", "up")
+        assert again.returncode == 0, again.stderr
+        assert {p.name: p.read_text() for p in (root / "pids").glob("*.pid")} == pids, "a second up restarted something"
+
+        all_pids = [int(v) for v in pids.values()]
+        all_pids.append(int((root / "kafka" / "data" / "kafka.pid").read_text()))
+        all_pids.append(int((root / "pg" / "postgres.pid").read_text()))
+        down = vigil("dev", "down")
+        assert down.returncode == 0, down.stderr
+        assert "kafka" in down.stdout and "postgresql" in down.stdout
+        alive = [pid for pid in all_pids if devstack.pid_alive(pid)]
+        assert not alive, f"still running after down: {alive}"
+        for port in ports.values():
+            assert not devstack.port_open(port), f"port {port} still open"
+    finally:
+        vigil("dev", "down")
+        shutil.rmtree(root, ignore_errors=True)
