@@ -43,6 +43,8 @@ DRAIN_TIMEOUT_S = 180.0
 FOREIGN_TOPIC = "bench.elsewhere"  # the record workload's users' home: no worker owns it
 SATURATE = 1.25  # offered load of an e2e round over the best rate seen so far
 RSS_SAMPLE_S = 0.5
+FIRST_RUN_S = 0.5  # after the batch window: poll, record, claim and finish of the first runs
+MIN_ROUND_S = 2.0  # an e2e round shorter than this has no stretch left to count
 
 
 def _query(dsn: str, sql: str, params: dict | None = None) -> list[dict]:
@@ -91,6 +93,7 @@ class EndToEnd:
         self.users = users
         self.producer = load.BenchProducer(stack.bootstrap, topics.events)
         self.rounds = 0
+        self.window_s = plan.default_window_ms / 1000
 
     def _source(self, label: str) -> str:
         self.rounds += 1
@@ -113,24 +116,37 @@ class EndToEnd:
         return conn.execute(B.unfinished).fetchone()["n"] == 0
 
     def throughput_round(self, workers: Workers, rate: float, seconds: float) -> tuple[float, float, float]:
-        """Offer ``rate`` events/s for ``seconds``; (events/s, runs/s, events per run) achieved."""
+        """Offer ``rate`` events/s for ``seconds``; (events/s, runs/s, events per run) finished.
+
+        The rate is what finished while load was still arriving, after the first quarter of
+        the round (the backlog has built up by then if the offer exceeds what the worker
+        does): the drain after the last event, whose length says nothing about throughput,
+        does not count.
+        """
         source = self._source("e2e")
         produced = self.producer.in_thread(self.producer.paced, rate, seconds, self.users, source).result()
         # Let the round's last events reach the ledger before asking whether all are done.
         time.sleep(0.3)
-        totals = self._drain(workers, source, produced.count)
-        elapsed = totals["last_finished"].timestamp() - produced.started
-        return produced.count / elapsed, totals["runs"] / elapsed, produced.count / max(1, totals["runs"])
+        self._drain(workers, source, produced.count)
+        # Nothing can finish before the batch window and the first claim: start counting
+        # once the first runs could have gone through.
+        skip = max(seconds / 4, self.window_s + FIRST_RUN_S)
+        since = datetime.fromtimestamp(produced.started + skip, timezone.utc)
+        until = datetime.fromtimestamp(produced.started + seconds, timezone.utc)
+        row = _query(self.dsn, B.finished_between, {"since": since, "until": until})[0]
+        span = seconds - skip
+        return row["events"] / span, row["runs"] / span, row["events"] / max(1, row["runs"])
 
     def throughput(self, workers: Workers, start_rate: float) -> tuple[list[float], list[float], list[float], float]:
-        """A first uncounted round at ``start_rate``, then ``rounds`` saturated rounds."""
+        """A first uncounted round at ``start_rate``, then ``rounds`` rounds offering more than
+        the best rate seen so far (if a round kept up with its offer, the next offers more)."""
         best = 0.0
         events, runs, per_run = [], [], []
         rate = start_rate
         for n in range(self.plan.rounds + 1):
             # The first round only finds the rate: short, so a slow worker does not spend
             # minutes draining a backlog offered at the record rate.
-            seconds = self.plan.e2e_seconds / (4 if n == 0 else 1)
+            seconds = max(self.plan.e2e_seconds / 4, MIN_ROUND_S) if n == 0 else self.plan.e2e_seconds
             ev, rn, batch = self.throughput_round(workers, rate, seconds)
             best = max(best, ev)
             if n > 0:

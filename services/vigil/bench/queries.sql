@@ -48,7 +48,7 @@ FROM events e JOIN runs r ON r.id = e.run_id
 WHERE e.source = %(source)s AND e.status = 'done' AND e.received_at >= %(since)s
 ORDER BY 1
 
--- name: outbox_count
--- Outbox rows written by a round's runs (echo writes one per run with a chat message).
-SELECT count(*) AS n FROM outbox o JOIN runs r ON r.id = o.run_id
-WHERE r.id IN (SELECT DISTINCT run_id FROM events WHERE source = %(source)s)
+-- name: finished_between
+-- Events and runs finished in a stretch of an end-to-end round (only one round's events are in flight at a time).
+SELECT coalesce(sum(cardinality(event_ids)), 0)::int AS events, count(*)::int AS runs
+FROM runs WHERE finished_at >= %(since)s AND finished_at < %(until)s
