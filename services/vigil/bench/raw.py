@@ -39,11 +39,13 @@ def raw_kafka(stack: BenchStack, plan: Plan, report: Report) -> Figure:
                 [sys.executable, "-m", "vigil.bench.rawconsume", stack.bootstrap, topics.events,
                  str(plan.partitions), str(len(messages))],
                 stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
             )
             try:
                 if reader.stdout.readline().strip() != "ready":
-                    raise RuntimeError("the raw consumer did not start")
+                    reader.kill()
+                    raise RuntimeError(f"the raw consumer did not start: {reader.stderr.read()[-500:]}")
                 producer = load.BenchProducer(stack.bootstrap, topics.events)
                 produced = producer.blast(messages)
                 out, _ = reader.communicate(timeout=180)

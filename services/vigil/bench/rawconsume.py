@@ -14,19 +14,30 @@ from __future__ import annotations
 import sys
 import time
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 # The same fetch sizes a vigil worker's consumer has (librdkafka defaults), and the
 # worker's poll batch.
 BATCH = 1000
 TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 60.0
 
 
 def main(bootstrap: str, topic: str, partitions: int, count: int) -> int:
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.raw", "enable.auto.commit": False})
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
-    for p in range(partitions):  # connect to the leader before the clock starts
-        consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+    # Connect to the leader before the clock starts. A broker that has just started may not
+    # answer for its new topic yet: ask again until it does.
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for p in range(partitions):
+        while True:
+            try:
+                consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5)
+                break
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
     print("ready", flush=True)
     seen = 0
     size = 0
