@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import struct
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -239,12 +238,3 @@ def _check_event(event: Event) -> None:
     except ValueError as exc:
         raise DecodeError(f"payload is not JSON: {exc}") from None
 
-
-_HEADER = struct.Struct(">bI")  # kept for tools that want to peek at Confluent schema ids
-
-
-def confluent_schema_id(data: bytes) -> int | None:
-    """The schema id of a Confluent-framed message, or None for another framing."""
-    if len(data) >= 5 and data[:1] == CONFLUENT_MAGIC:
-        return _HEADER.unpack(data[:5])[1]
-    return None
