@@ -162,8 +162,10 @@ async def _commit(conn: psycopg.AsyncConnection, runs: list[Finished], worker: s
             Q.lock_epochs, {"topics": [h.topic for h in homes], "partitions": [h.partition for h in homes]}
         )
         current = {(row["topic"], row["partition"]): row["epoch"] for row in await cur.fetchall()}
-        valid = [r for r in runs if current.get((r.claim.home.topic, r.claim.home.partition)) == r.claim.epoch]
-        stale = [r for r in runs if r not in valid]
+        valid, stale = [], []
+        for r in runs:  # one pass: `r in valid` would compare whole dataclasses, O(n^2) per group
+            fresh = current.get((r.claim.home.topic, r.claim.home.partition)) == r.claim.epoch
+            (valid if fresh else stale).append(r)
         if valid:
             # finish_runs matches a run's messages to it by user: one run per user per group,
             # which the runner guarantees (a user's next claim waits for this commit).

@@ -236,10 +236,11 @@ class Runner:
                     log.warning("finish commit failed, retrying: %s", exc)
                     await asyncio.sleep(LEDGER_RETRY_S)
             now = datetime.now(timezone.utc)
+            landed = {id(run) for run in committed}  # identity: runs are not values to compare
             for run in batch:
                 self.active.pop(run.claim.user_id, None)
                 label = "retry_later" if run.transient else run.outcome.value
-                metrics.RUNS.labels(label if run in committed else "stale").inc()
+                metrics.RUNS.labels(label if id(run) in landed else "stale").inc()
                 metrics.RUN_SECONDS.observe((now - run.started_at).total_seconds())
             metrics.RUNS_IN_FLIGHT.set(len(self.active))
             self.wake()
