@@ -11,7 +11,9 @@ from datetime import datetime, timezone
 import fastavro
 import pytest
 
-from vigil.bus.codec import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC, AvroCodec, DecodeError, Event, EventCodec
+from vigil.bus.codec import (
+    CONFLUENT_MAGIC, EVENT_ROW_FIELDS, SINGLE_OBJECT_MAGIC, AvroCodec, DecodeError, Event, EventCodec,
+)
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, 123000, tzinfo=timezone.utc)
 
@@ -30,6 +32,14 @@ def sample(**changes) -> Event:
     )
     fields.update(changes)
     return Event(**fields)
+
+
+def old_writer(*dropped: str) -> tuple[dict, bytes]:
+    """An older writer's schema (today's without ``dropped`` fields) and the sample in its bytes."""
+    schema = copy.deepcopy(EventCodec().schema_json)
+    schema["fields"] = [f for f in schema["fields"] if f["name"] not in dropped]
+    record = {k: v for k, v in sample().to_record().items() if k not in dropped}
+    return schema, AvroCodec("vigil.v1.Event", reader_schema=schema).encode_record(record)
 
 
 def crc64_avro(data: bytes) -> int:
@@ -69,13 +79,7 @@ def test_optional_fields_absent_round_trip():
 
 def test_new_reader_reads_old_bytes():
     """An older writer (no session_id, no headers) is read by today's schema with defaults."""
-    current = EventCodec().schema_json
-    old = copy.deepcopy(current)
-    old["fields"] = [f for f in old["fields"] if f["name"] not in ("session_id", "headers")]
-    old_codec = AvroCodec("vigil.v1.Event", reader_schema=old)
-    record = {k: v for k, v in sample().to_record().items() if k not in ("session_id", "headers")}
-    old_bytes = old_codec.encode_record(record)
-
+    old, old_bytes = old_writer("session_id", "headers")
     reader = EventCodec(writer_schemas=[old])
     event = reader.decode(old_bytes)
     assert event.session_id is None and event.headers == {}
@@ -136,3 +140,58 @@ def test_schema_file_is_namespaced():
     assert names == ["user_id", "source", "source_id", "kind", "occurred_at", "received_at", "payload", "session_id", "headers"]
     body = io.BytesIO()
     fastavro.schemaless_writer(body, fastavro.parse_schema(schema), sample().to_record())
+
+
+def test_decode_row_gives_the_fields_decode_gives():
+    codec = EventCodec()
+    for event in (sample(), sample(occurred_at=None, session_id="s-1", headers={})):
+        row = codec.decode_row(codec.encode(event))
+        assert row == tuple(getattr(event, name) for name in EVENT_ROW_FIELDS)
+
+
+def test_decode_row_reads_old_bytes_with_defaults():
+    old, old_bytes = old_writer("session_id", "headers")
+    row = EventCodec(writer_schemas=[old]).decode_row(old_bytes)
+    assert dict(zip(EVENT_ROW_FIELDS, row)) == {**sample().to_record(), "session_id": None, "headers": {}}
+
+
+def test_own_schema_bytes_are_read_without_resolution(monkeypatch):
+    """Resolution is for other writers' schemas; our own bytes skip fastavro's schema comparison."""
+    calls = []
+    real = fastavro.schemaless_reader
+    monkeypatch.setattr(fastavro, "schemaless_reader", lambda fo, writer, reader: calls.append(reader) or real(fo, writer, reader))
+    old, old_bytes = old_writer("headers")
+    codec = EventCodec(writer_schemas=[old])
+    codec.decode(codec.encode(sample()))
+    codec.decode(old_bytes)
+    assert calls[0] is None and calls[1] is not None
+
+
+@pytest.mark.parametrize(
+    "payload",
+    ['{"a": 1}', '  {"a": 1}\n', "[]", '"text"', "3", "NaN", "null", '{"a": [1, 2, {"b": null}]}', '"\\ud800"',
+     "", " ", "{", '{"a": 1} x', "{} {}", "\ufeff{}", "{'a': 1}", "[1,]", '{"a" 1}', "tru", "0x10"],
+)
+def test_payload_check_agrees_with_json_loads(payload):
+    try:
+        json.loads(payload)
+        valid = True
+    except ValueError:
+        valid = False
+    codec = EventCodec()
+    data = codec.encode(sample(payload=payload))
+    if valid:
+        assert codec.decode_row(data)[4] == payload and codec.decode(data).payload == payload
+    else:
+        for decode in (codec.decode, codec.decode_row):
+            with pytest.raises(DecodeError, match="payload is not JSON"):
+                decode(data)
+
+
+def test_payload_nested_past_the_recursion_limit_is_a_decode_error():
+    """json.loads raises RecursionError here, which once escaped the codec and stopped the consumer."""
+    codec = EventCodec()
+    data = codec.encode(sample(payload="[" * 100_000 + "]" * 100_000))
+    for decode in (codec.decode, codec.decode_row):
+        with pytest.raises(DecodeError, match="payload is not JSON"):
+            decode(data)
