@@ -12,6 +12,11 @@
 4. No claim for a user who already has a ``running`` row under the current epoch.
 
 Attempts are counted at claim time, because a worker that crashes mid-run records nothing.
+
+Who gets the free run slots: waiting users round-robin in ``user_id`` order from a cursor
+kept by the runner, so every waiting user gets a turn before anyone gets a second one, and
+a pass reads only the users it looks at (never the whole backlog: a worker that falls
+behind must not get slower at catching up).
 """
 
 from __future__ import annotations
@@ -86,31 +91,48 @@ async def claim(
     batch_max: int,
     window_s: float,
     max_attempts: int,
-) -> list[Claim]:
-    """Rules 3 and 4 for up to ``max_users`` users of the owned partitions.
+    cursor: str = "",
+) -> tuple[list[Claim], str]:
+    """Rules 3 and 4 for up to ``max_users`` users of the owned partitions. Returns the
+    claims and the cursor for the next pass.
 
-    A row whose attempts are exhausted is never claimed: it waits for :func:`mark_dead`,
-    which runs once per scan interval rather than on every pass (it reads every pending row).
+    Users are served round-robin in ``user_id`` order: first those after ``cursor``, then,
+    if that did not fill the pass, from the start up to ``cursor``. Every waiting user gets
+    a turn within one round, and a pass reads only the users it looks at, not the whole
+    backlog. A row whose attempts are exhausted is never claimed: it waits for
+    :func:`mark_dead`, which runs once per scan interval (it reads every pending row).
     """
     if not owned or max_users <= 0:
-        return []
-    cur = await conn.execute(
-        Q.claim,
-        {**_owned_params(owned), "busy": busy, "max_users": max_users, "batch_max": batch_max,
-         "window_s": window_s, "max_attempts": max_attempts},
-    )
+        return [], cursor
+    params = {**_owned_params(owned), "busy": busy, "batch_max": batch_max, "window_s": window_s,
+              "max_attempts": max_attempts}
+    origin = cursor
+    rows = await (await conn.execute(Q.claim, {**params, "after": origin, "until": None, "max_users": max_users})).fetchall()
+    if rows:
+        cursor = rows[0]["cursor"]
+    claims = _claims(rows)
+    if len(claims) < max_users and origin:
+        # Wrap around: the users up to where this pass started (all after it were looked at).
+        wrap = {**params, "after": "", "until": origin, "max_users": max_users - len(claims)}
+        rows = await (await conn.execute(Q.claim, wrap)).fetchall()
+        if rows:
+            cursor = rows[0]["cursor"]
+        claims += _claims(rows)
+    return claims, cursor
+
+
+def _claims(rows: list[dict]) -> list[Claim]:
     by_user: dict[str, list[dict]] = defaultdict(list)
-    for row in await cur.fetchall():
+    for row in rows:
         by_user[row["user_id"]].append(row)
     claims = []
     for user_id, rows in by_user.items():
         rows.sort(key=lambda r: r["id"])
-        epoch = rows[0]["claim_epoch"]
         claims.append(
             Claim(
                 user_id=user_id,
                 home=PartitionKey(rows[0]["home_topic"], rows[0]["home_partition"]),
-                epoch=epoch,
+                epoch=rows[0]["claim_epoch"],
                 events=[event_row(r) for r in rows],
                 transient_failures=max(r["transient_failures"] for r in rows),
                 oldest_recorded_at=min(r["recorded_at"] for r in rows),

@@ -75,7 +75,7 @@ def _group_params(runs: list[Finished], worker: str) -> dict:
     params: dict[str, list] = {name: [] for name in (
         "user_id", "topic", "partition", "epoch", "event_ids", "session_id", "started_at", "outcome", "error",
         "turns", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
-        "message_user", "message_body", "message_urgent")}
+        "message_user", "message_body", "message_urgent", "done_ids")}
     for run in runs:
         claim, result = run.claim, run.result
         usage = result.usage if result else None
@@ -95,6 +95,7 @@ def _group_params(runs: list[Finished], worker: str) -> dict:
         params["cache_read_tokens"].append(usage.cache_read_tokens if usage else 0)
         params["cache_write_tokens"].append(usage.cache_write_tokens if usage else 0)
         if run.error is None and result is not None:
+            params["done_ids"].extend(run.event_ids)
             for message in result.messages:
                 params["message_user"].append(claim.user_id)
                 params["message_body"].append(message.text)

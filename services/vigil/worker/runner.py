@@ -57,6 +57,7 @@ class Runner:
         self._next_dead_check = 0.0
         self._stopping = False
         self._claim_lock = asyncio.Lock()
+        self._cursor = ""  # round-robin position among waiting users (see claims.claim)
 
     # -- called from the consumer thread (through the event loop) ------------------------
 
@@ -141,9 +142,9 @@ class Runner:
                 if time.monotonic() >= self._next_dead_check:
                     self._next_dead_check = time.monotonic() + self.settings.scan_interval_s
                     dead = await mark_dead(conn, owned, self.settings.max_attempts)
-                claims = await claim(
+                claims, self._cursor = await claim(
                     conn, owned, list(self.active), free, self.settings.batch_max, self.settings.batch_window_s,
-                    self.settings.max_attempts,
+                    self.settings.max_attempts, self._cursor,
                 )
                 if len(claims) < free:
                     await self._schedule_next_ready(conn, owned)

@@ -53,7 +53,7 @@ WHERE u.user_id = e.user_id AND u.home_topic = o.topic AND u.home_partition = o.
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.occurred_at, e.error
 
 -- name: claim
--- Claim rules 2-4 for up to %(max_users)s users of the partitions this worker owns at the given epochs; costs one index probe per user with pending rows, however many rows wait.
+-- Claim rules 2-4 for up to %(max_users)s users of the partitions this worker owns at the given epochs, taking users in user_id order after %(after)s (up to %(until)s if given): a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many users wait.
 WITH RECURSIVE owned AS (
     -- FOR SHARE, held to commit: a takeover (UPDATE of this row) waits for the claim, and a
     -- worker whose epoch is stale matches no row here and claims nothing.
@@ -66,26 +66,38 @@ WITH RECURSIVE owned AS (
     FOR SHARE OF p
 ),
 pending_users (user_id) AS (
-    -- Every user with pending rows, found by skipping through events_pending_by_user one user
-    -- at a time: the pass reads one entry per waiting user, not every waiting event, so a
-    -- backlog does not slow down the passes that work it off.
-    (SELECT user_id FROM events WHERE status = 'pending' ORDER BY user_id LIMIT 1)
+    -- Users with pending rows after the cursor, found by skipping through
+    -- events_pending_by_user one user at a time. Evaluated lazily: the LIMIT below stops the
+    -- skip scan as soon as enough users are claimable, so a backlog of many waiting users
+    -- does not make every pass read all of them (passes would slow down as work piles up).
+    (SELECT user_id FROM events
+     WHERE status = 'pending' AND user_id > %(after)s AND (%(until)s::text IS NULL OR user_id <= %(until)s::text)
+     ORDER BY user_id LIMIT 1)
     UNION ALL
-    SELECT (SELECT e.user_id FROM events e WHERE e.status = 'pending' AND e.user_id > p.user_id ORDER BY e.user_id LIMIT 1)
+    SELECT (SELECT e.user_id FROM events e
+            WHERE e.status = 'pending' AND e.user_id > p.user_id AND (%(until)s::text IS NULL OR e.user_id <= %(until)s::text)
+            ORDER BY e.user_id LIMIT 1)
     FROM pending_users p WHERE p.user_id IS NOT NULL
 ),
 waiting AS (
     -- Users of owned partitions whose oldest pending row is claimable now, not already running
     -- here (rule 4) or anywhere under the current epoch.
-    SELECT p.user_id, o.topic, o.partition, o.epoch, f.recorded_at AS oldest
+    -- Every step is a probe for the user at hand, in skip-scan order, so the LIMIT stops the
+    -- whole pipeline early: the LIMIT 1 / OFFSET 0 keep the planner from turning the probes
+    -- into joins over every user of the owned partitions or every running row.
+    SELECT p.user_id, o.topic, o.partition, o.epoch
     FROM pending_users p
-    JOIN users u ON u.user_id = p.user_id
-    JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+    CROSS JOIN LATERAL (
+        SELECT o.topic, o.partition, o.epoch FROM users u
+        JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+        WHERE u.user_id = p.user_id LIMIT 1
+    ) o
     CROSS JOIN LATERAL (
         SELECT e.attempts, e.next_attempt_at, e.recorded_at FROM events e
         WHERE e.user_id = p.user_id AND e.status = 'pending' ORDER BY e.id LIMIT 1
     ) f
-    WHERE p.user_id <> ALL(%(busy)s::text[])
+    WHERE p.user_id IS NOT NULL
+      AND p.user_id <> ALL(%(busy)s::text[])
       AND coalesce(f.next_attempt_at, now()) <= now()
       AND CASE WHEN f.attempts > 0
                -- Rule 3: the oldest pending row is a retry whose backoff ended. Rule 2: never
@@ -93,8 +105,8 @@ waiting AS (
                THEN f.attempts < %(max_attempts)s
                -- Fresh rows once the oldest has waited out the batch window (quick messages share one run).
                ELSE f.recorded_at <= now() - make_interval(secs => %(window_s)s) END
-      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
-    ORDER BY oldest
+      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch
+                      OFFSET 0)
     LIMIT %(max_users)s
 ),
 chosen AS (
@@ -111,13 +123,17 @@ chosen AS (
     ) b
     WHERE (b.n = 1 AND b.attempts > 0)
        OR (b.attempts = 0 AND (b.first_retry IS NULL OR b.id < b.first_retry) AND coalesce(b.next_attempt_at, now()) <= now())
+),
+claimed AS (
+    UPDATE events e
+    SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
+    FROM chosen c
+    WHERE e.id = c.id AND e.status = 'pending'
+    RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+              e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 )
-UPDATE events e
-SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
-FROM chosen c
-WHERE e.id = c.id AND e.status = 'pending'
-RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
-          e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
+-- The next pass starts after the last user claimed here, in the ledger's own text order.
+SELECT claimed.*, max(user_id) OVER () AS cursor FROM claimed
 
 -- name: next_ready_at
 -- When the next user of the owned partitions becomes claimable (window or backoff); users running now are left out, their finish wakes the loop.

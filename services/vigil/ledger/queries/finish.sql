@@ -20,10 +20,13 @@ WITH new_runs AS (
 done AS (
     -- A run's events are done only while still claimed under its epoch; fewer rows than it
     -- claimed means the claim is no longer ours (the caller refuses the run).
+    -- Driven by the flat id list (primary-key probes), never by the running rows: joined
+    -- the other way, the planner matched every running row against every run of the group.
     UPDATE events e
     SET status = 'done', finished_at = now(), run_id = r.id, error = NULL
-    FROM new_runs r, unnest(r.event_ids) AS d(id)
-    WHERE r.outcome <> 'failed' AND e.id = d.id AND e.status = 'running' AND e.claim_epoch = r.epoch
+    FROM new_runs r
+    WHERE e.id = ANY(%(done_ids)s::bigint[]) AND r.user_id = e.user_id AND r.outcome <> 'failed'
+      AND e.status = 'running' AND e.claim_epoch = r.epoch
     RETURNING e.run_id
 ),
 messages AS (

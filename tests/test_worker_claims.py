@@ -1,0 +1,116 @@
+"""The claim pass and the group finish against a real ledger, without processes: who gets a
+turn, and that a pass costs what it claims, not what waits.
+
+The cost tests read PostgreSQL's own account of the statement (EXPLAIN ANALYZE): no plan
+node may touch more rows than a small multiple of the work asked for. Both statements once
+read every waiting user (claim) or matched every running row against every run (finish),
+which made the worker slower the further it fell behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+import psycopg
+from psycopg.rows import dict_row
+
+from support import query
+from vigil.agent.base import EventRow, OutMessage, RunResult
+from vigil.ledger.queries import Q
+from vigil.ledger.states import RunOutcome
+from vigil.worker.claims import Claim, claim
+from vigil.worker.fencing import PartitionKey
+from vigil.worker.finish import Finished, _group_params
+
+HOME = PartitionKey("events", 0)
+OWNED = {HOME: 1}
+
+
+def seed_pending(ledger: str, users: int, per_user: int = 1, status: str = "pending") -> list[str]:
+    """``users`` users at home on HOME with ``per_user`` events each, the lower-numbered
+    users' events older (so an oldest-first claim would always prefer them)."""
+    names = [f"u{i:05d}" for i in range(users)]
+    query(ledger, "INSERT INTO partitions (topic, partition, epoch) VALUES ('events', 0, 1) ON CONFLICT DO NOTHING")
+    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) SELECT unnest(%s::text[]), 'events', 0", (names,))
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, attempts,
+                              claim_epoch)
+           SELECT u, 'chat', u || '-' || k, 'chat.message', '{}', now(), now() - interval '1 hour' + n * interval '1 ms',
+                  %(status)s, %(attempts)s, %(epoch)s
+           FROM unnest(%(users)s::text[]) WITH ORDINALITY AS x(u, n), generate_series(1, %(per_user)s) AS k""",
+        {"users": names, "per_user": per_user, "status": status,
+         "attempts": 1 if status == "running" else 0, "epoch": 1 if status == "running" else None},
+    )
+    query(ledger, "ANALYZE events")
+    return names
+
+
+def claim_pass(ledger: str, max_users: int, cursor: str, busy: list[str] | None = None):
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            return await claim(conn, OWNED, busy or [], max_users, 50, 0.0, 3, cursor)
+
+    return asyncio.run(go())
+
+
+def hand_back(ledger: str) -> None:
+    """As if every claimed run failed transiently: its events pending again, attempt given back."""
+    query(ledger, "UPDATE events SET status = 'pending', claim_epoch = NULL, attempts = 0 WHERE status = 'running'")
+
+
+def test_every_waiting_user_gets_a_turn_before_anyone_gets_two(ledger):
+    users = seed_pending(ledger, 25)
+    cursor, served = "", []
+    for _ in range(3):
+        claims, cursor = claim_pass(ledger, 10, cursor)
+        served.append([c.user_id for c in claims])
+        hand_back(ledger)
+    # Round-robin in user order, wrapping around: the oldest (lowest) users do not win every pass.
+    assert sorted(served[0]) == users[0:10]
+    assert sorted(served[1]) == users[10:20]
+    assert sorted(served[2]) == sorted(users[20:25] + users[0:5])
+    assert cursor == users[4]
+
+
+def test_busy_and_running_users_are_skipped_not_counted(ledger):
+    users = seed_pending(ledger, 6)
+    claims, _ = claim_pass(ledger, 3, "", busy=[users[0]])
+    assert sorted(c.user_id for c in claims) == users[1:4]
+    # Rule 4 from the ledger's side: users 1-3 are running now, so the next pass takes 4, 5, 0.
+    claims, _ = claim_pass(ledger, 3, "")
+    assert sorted(c.user_id for c in claims) == [users[0], users[4], users[5]]
+
+
+def _max_rows_per_node(plan: dict) -> int:
+    here = int(plan.get("Actual Rows", 0) * plan.get("Actual Loops", 1))
+    return max([here] + [_max_rows_per_node(child) for child in plan.get("Plans", [])])
+
+
+def _explain(ledger: str, sql: str, params: dict) -> int:
+    with psycopg.connect(ledger, row_factory=dict_row) as conn:
+        plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params).fetchone()["QUERY PLAN"][0]["Plan"]
+        conn.rollback()
+    return _max_rows_per_node(plan)
+
+
+def test_a_claim_pass_reads_what_it_claims_not_the_backlog(ledger):
+    seed_pending(ledger, 3000)
+    params = {"topics": ["events"], "partitions": [0], "epochs": [1], "busy": [], "max_users": 10, "batch_max": 50,
+              "window_s": 0.0, "max_attempts": 3, "after": "u01000", "until": None}
+    # 10 users claimed out of 3,000 waiting: no step of the plan may read hundreds of them.
+    assert _explain(ledger, Q.claim, params) <= 50
+
+
+def test_a_group_finish_reads_its_runs_not_every_running_row(ledger):
+    users = seed_pending(ledger, 3000, status="running")
+    ids = {r["user_id"]: r["id"] for r in query(ledger, "SELECT user_id, id FROM events WHERE user_id = ANY(%s)", (users[:20],))}
+    now = datetime.now(timezone.utc)
+    runs = []
+    for user, event_id in ids.items():
+        row = EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, now, 1)
+        runs.append(Finished(Claim(user, HOME, 1, [row], 0, now), datetime(2020, 1, 1, tzinfo=timezone.utc),
+                             result=RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")])))
+    # 20 runs finished among 3,000 running users: the plan stays near 20 rows per step.
+    assert _explain(ledger, Q.finish_runs, _group_params(runs, "test-worker")) <= 100
