@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from confluent_kafka import Consumer
@@ -56,20 +57,41 @@ def test_undecodable_bytes_go_to_the_dlq_and_nothing_stops(stack, topics, ledger
     produce(stack.bootstrap, topics.events, [chat("dave", "before")], raw=[b"not avro at all", b"\xc3\x01garbage"])
     produce(stack.bootstrap, topics.events, [chat("dave", "after")])
     wait_all_done(ledger, 2)
-    consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"{topics.dlq}.check", "auto.offset.reset": "earliest"})
-    consumer.subscribe([topics.dlq])
-    found = []
-    deadline = time.monotonic() + 30
-    while len(found) < 2 and time.monotonic() < deadline:
-        message = consumer.poll(0.5)
-        if message is not None and not message.error():
-            found.append(message)
-    consumer.close()
+    found = read_dead_letters(stack.bootstrap, topics.dlq, 2)
     assert sorted(m.value() for m in found) == sorted([b"not avro at all", b"\xc3\x01garbage"])
     reasons = [dict(m.headers())["vigil-error"].decode() for m in found]
     assert any("unknown framing" in r for r in reasons) and any("truncated" in r or "fingerprint" in r for r in reasons)
     assert worker.alive()
     assert metric(int(vigil_env["VIGIL_WORKER_PORT"]), "vigil_events_undecodable_total") == 2
+
+
+def test_bad_payloads_go_to_the_dlq_and_the_rest_of_their_batch_is_recorded(stack, topics, ledger, vigil_env, spawn):
+    """Avro that decodes but is not an event the ledger can take: dead-lettered with the reason,
+    alone. A payload nested past Python's recursion limit once stopped the consumer."""
+    worker = start_worker(spawn, vigil_env)
+    deep = dataclasses.replace(chat("ed", "deep"), payload="[" * 100_000 + "]" * 100_000)
+    not_json = dataclasses.replace(chat("ed", "not json"), payload="{not json")
+    traced = dataclasses.replace(chat("ed", "traced"), headers={"traceparent": "00-abc-def-01"})
+    produce(stack.bootstrap, topics.events, [chat("ed", "before"), deep, not_json, traced])
+    wait_all_done(ledger, 2)
+    found = read_dead_letters(stack.bootstrap, topics.dlq, 2)
+    assert sorted(len(m.value()) for m in found)[1] > 200_000
+    assert all("payload is not JSON" in dict(m.headers())["vigil-error"].decode() for m in found)
+    assert scalar(ledger, "SELECT headers->>'traceparent' FROM events WHERE payload LIKE '%%traced%%'") == "00-abc-def-01"
+    assert worker.alive()
+
+
+def read_dead_letters(bootstrap: str, topic: str, count: int) -> list:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.check", "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic])
+    found = []
+    deadline = time.monotonic() + 30
+    while len(found) < count and time.monotonic() < deadline:
+        message = consumer.poll(0.5)
+        if message is not None and not message.error():
+            found.append(message)
+    consumer.close()
+    return found
 
 
 def test_bad_setting_is_a_clean_startup_error(spawn, vigil_env):

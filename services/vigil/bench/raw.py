@@ -25,7 +25,6 @@ from vigil.bench.figures import Figure, Report
 from vigil.bench.plan import Plan
 from vigil.bench.sql import B
 from vigil.bench.stack import BenchStack
-from vigil.ledger.queries import Q
 
 RAW_USERS = 1000
 
@@ -91,13 +90,11 @@ def _insert_unnest(conn: psycopg.Connection, columns: dict[str, list]) -> None:
 
 
 def _insert_staged(conn: psycopg.Connection, columns: dict[str, list]) -> None:
-    from vigil.worker.consumer import STAGING_TYPES
+    """The worker's own COPY (:func:`vigil.worker.consumer.copy_rows`)."""
+    from vigil.worker.consumer import copy_rows
 
     with conn.cursor() as cur:
-        with cur.copy(Q.record_copy) as copy:
-            copy.set_types(STAGING_TYPES)
-            for n, row in enumerate(zip(*columns.values())):
-                copy.write_row((n, *row))
+        copy_rows(cur, ((n, *row) for n, row in enumerate(zip(*columns.values()))))
         cur.execute(B.raw_insert_staged, prepare=True)
 
 
@@ -106,10 +103,11 @@ METHODS = {"staged": _insert_staged, "unnest": _insert_unnest}
 
 def raw_pg(stack: BenchStack, plan: Plan, report: Report, batch: int) -> Figure:
     """Both ways a plain client writes a batch: the faster one is the limit, per round."""
+    from vigil.worker.consumer import prepare_record_connection
+
     rates: dict[str, list[float]] = {name: [] for name in METHODS}
     with stack.ledger() as dsn, psycopg.connect(dsn) as conn:
-        conn.execute(Q.record_staging)
-        conn.commit()
+        prepare_record_connection(conn)
         for round_ in range(plan.rounds + 1):  # round 0 warms the cache and prepares the statements
             for name, insert in METHODS.items():
                 conn.execute(B.truncate_events)

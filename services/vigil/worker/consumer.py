@@ -25,10 +25,11 @@ import asyncio
 import json
 import logging
 import threading
+from collections.abc import Iterable
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from psycopg.types.json import Jsonb
+from psycopg.types.json import set_json_dumps
 
 from vigil.bus.codec import DecodeError, EventCodec
 from vigil.bus.kafka import ProduceError
@@ -74,13 +75,25 @@ STAGING_TYPES = ["int4", "text", "text", "text", "text", "text", "text", "jsonb"
 IDLE_POLL_S = 0.2
 
 
-def _staging_rows(events: list[tuple]):
-    for n, (message, event) in enumerate(events):
-        yield (
-            n, event.user_id, event.source, event.source_id, event.kind, event.payload, event.session_id,
-            Jsonb(event.headers), event.occurred_at, event.received_at, message.topic(), message.partition(),
-            message.offset(),
-        )
+def _headers_json(headers: dict[str, str]) -> str:
+    # Most events carry no headers; json.dumps costs several microseconds even for {},
+    # more than the rest of the row's COPY formatting.
+    return json.dumps(headers) if headers else "{}"
+
+
+def prepare_record_connection(conn: psycopg.Connection) -> None:
+    """Make ``conn`` ready for :func:`copy_rows`: its staging table, and its JSON dumps."""
+    set_json_dumps(_headers_json, context=conn)
+    conn.execute(Q.record_staging)
+    conn.commit()
+
+
+def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
+    """Binary-COPY staging rows (``STAGING_TYPES`` order, headers a dict) into the staging table."""
+    with cur.copy(Q.record_copy) as copy:
+        copy.set_types(STAGING_TYPES)
+        for row in rows:
+            copy.write_row(row)
 
 
 class ConsumerLoop(threading.Thread):
@@ -102,8 +115,7 @@ class ConsumerLoop(threading.Thread):
     def _db(self) -> psycopg.Connection:
         if self.conn is None or self.conn.closed or self.conn.broken:
             self.conn = connect(self.settings.dsn)
-            self.conn.execute(Q.record_staging)
-            self.conn.commit()
+            prepare_record_connection(self.conn)
         return self.conn
 
     def _retrying(self, what: str, action):
@@ -201,18 +213,7 @@ class ConsumerLoop(threading.Thread):
         return messages
 
     def _handle(self, messages: list) -> None:
-        good, bad = [], []
-        for message in messages:
-            error = message.error()
-            if error is not None:
-                if error.code() != KafkaError._PARTITION_EOF:
-                    log.warning("consumer error: %s", error)
-                continue
-            metrics.EVENTS_CONSUMED.inc()
-            try:
-                good.append((message, self.codec.decode(message.value(), message.topic())))
-            except DecodeError as exc:
-                bad.append((message, exc.reason))
+        rows, bad, highest = self._decode(messages)
         if bad:
             while True:
                 try:
@@ -225,15 +226,12 @@ class ConsumerLoop(threading.Thread):
             metrics.EVENTS_UNDECODABLE.inc(len(bad))
             log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
         recorded = 0
-        if good:
+        if rows:
 
             def record(conn: psycopg.Connection) -> int:
                 with conn.transaction():
                     with conn.cursor() as cur:
-                        with cur.copy(Q.record_copy) as copy:
-                            copy.set_types(STAGING_TYPES)
-                            for row in _staging_rows(good):
-                                copy.write_row(row)
+                        copy_rows(cur, rows)
                         return cur.execute(Q.record_events).fetchone()["recorded"]
 
             try:
@@ -241,17 +239,37 @@ class ConsumerLoop(threading.Thread):
             except psycopg.OperationalError:
                 return  # stopping: nothing stored, the messages are read again next time
             metrics.EVENTS_RECORDED.labels("new").inc(recorded)
-            metrics.EVENTS_RECORDED.labels("duplicate").inc(len(good) - recorded)
-        self._store_offsets(messages)
+            metrics.EVENTS_RECORDED.labels("duplicate").inc(len(rows) - recorded)
+        self._store_offsets(highest)
         if recorded:
             self.loop.call_soon_threadsafe(self.runner.wake, self.settings.batch_window_s)
 
-    def _store_offsets(self, messages: list) -> None:
-        highest: dict[tuple[str, int], int] = {}
+    def _decode(self, messages: list) -> tuple[list[tuple], list[tuple], dict[tuple[str, int], int]]:
+        """Staging rows of the decodable messages, ``(message, reason)`` of the others, and the
+        highest offset polled per partition.
+
+        Once per polled message, so kept to what the COPY needs: the codec hands back the
+        event's fields in staging order, and the metrics are counted per batch.
+        """
+        rows, bad, highest = [], [], {}
+        decode = self.codec.decode_row
         for message in messages:
-            if message.error() is None:
-                key = (message.topic(), message.partition())
-                highest[key] = max(highest.get(key, -1), message.offset())
+            error = message.error()
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consumer error: %s", error)
+                continue
+            topic, partition, offset = message.topic(), message.partition(), message.offset()
+            # A partition's messages arrive in offset order: the last one seen is the highest.
+            highest[topic, partition] = offset
+            try:
+                rows.append((len(rows), *decode(message.value(), topic), topic, partition, offset))
+            except DecodeError as exc:
+                bad.append((message, exc.reason))
+        metrics.EVENTS_CONSUMED.inc(len(rows) + len(bad))
+        return rows, bad, highest
+
+    def _store_offsets(self, highest: dict[tuple[str, int], int]) -> None:
         offsets = [
             TopicPartition(topic, partition, offset + 1)
             for (topic, partition), offset in highest.items()
@@ -264,4 +282,3 @@ class ConsumerLoop(threading.Thread):
                 # A partition revoked between poll and store: its new owner reads from the
                 # last committed offset, and the ledger drops what we already recorded.
                 log.info("offsets not stored (partition moved): %s", exc)
-
