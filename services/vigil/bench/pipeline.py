@@ -45,6 +45,9 @@ SATURATE = 1.25  # offered load of an e2e round over the best rate seen so far
 RSS_SAMPLE_S = 0.5
 FIRST_RUN_S = 0.5  # after the batch window: poll, record, claim and finish of the first runs
 MIN_ROUND_S = 2.0  # an e2e round shorter than this has no stretch left to count
+RECORDED_NEW = "vigil_events_recorded_total"
+RECORD_LOOK_MIN_S = 0.025  # a record round's finish is seen at most this late, plus one scrape
+RECORD_LOOK_SHARE = 0.05  # and no look waits longer than this share of the round so far
 
 
 def _query(dsn: str, sql: str, params: dict | None = None) -> list[dict]:
@@ -65,18 +68,36 @@ def record(stack: BenchStack, plan: Plan, report: Report) -> Figure:
             producer = load.BenchProducer(stack.bootstrap, topics.events)
             for round_ in range(plan.rounds):
                 messages = load.encoded(plan.record_events, plan.users, f"rec{round_}")
-                target = workers.metric("vigil_events_recorded_total", 'result="new"') + len(messages)
+                before = workers.metric(RECORDED_NEW, 'result="new"')
                 background = producer.in_thread(producer.blast, messages)
-                deadline = time.monotonic() + DRAIN_TIMEOUT_S
-                while workers.metric("vigil_events_recorded_total", 'result="new"') < target:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"round {round_}: events not recorded within {DRAIN_TIMEOUT_S:.0f}s")
-                    workers.check()
-                    time.sleep(POLL_S / 2)
-                finished = time.time()
+                finished = _wait_recorded(workers, before, len(messages), f"round {round_}")
                 produced = background.result()
                 samples.append(len(messages) / (finished - produced.started))
     return report.add(Figure("record_events_per_s", samples, note=f"1 worker, {plan.users} users, no runs"))
+
+
+def _wait_recorded(workers: Workers, before: float, count: int, what: str) -> float:
+    """Wall-clock time at which the worker's count of new events reached ``before + count``.
+
+    Every look is a /metrics scrape that the worker's interpreter serves while it records: at
+    40 a second (what this loop once did) the serving thread held about a third as many
+    py-spy samples as the consumer thread it competes with for the GIL. So the waits follow
+    the rate seen so far, half the time the rest should take, bounded by a share of the time
+    so far (a rate that picks up late is overshot by at most that share, never by more).
+    """
+    started = time.monotonic()
+    deadline = started + DRAIN_TIMEOUT_S
+    while True:
+        done = workers.metric(RECORDED_NEW, 'result="new"') - before
+        if done >= count:
+            return time.time()
+        now = time.monotonic()
+        if now > deadline:
+            raise RuntimeError(f"{what}: events not recorded within {DRAIN_TIMEOUT_S:.0f}s")
+        workers.check()
+        elapsed = now - started
+        left = (count - done) * elapsed / done if done > 0 else elapsed
+        time.sleep(max(RECORD_LOOK_MIN_S, min(left / 2, RECORD_LOOK_SHARE * elapsed)))
 
 
 # -- end to end --------------------------------------------------------------------------
