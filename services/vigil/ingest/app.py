@@ -94,12 +94,12 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
     async def lifespan(_: Starlette):
         await ctx.pool.open(wait=False)
         await asyncio.to_thread(answers_pool.open, wait=False)
-        await asyncio.to_thread(ctx.publisher.start)
+        await ctx.publisher.start()
         log.info("ingest started (port %d)", settings.ingest_port)
         try:
             yield
         finally:
-            await asyncio.to_thread(ctx.publisher.close)
+            await ctx.publisher.close()
             await asyncio.to_thread(answers_pool.close)
             await ctx.pool.close()
             log.info("ingest stopped")

@@ -1,9 +1,12 @@
-"""Producing from request handlers without blocking the event loop.
+"""Producing from request handlers without blocking the event loop, or leaving it.
 
-:class:`EventProducer` waits for acknowledgements on a thread; a request handler instead
-awaits an asyncio future that the producer's delivery callback settles (from the
-producer's poll thread, through ``call_soon_threadsafe``), one wake-up per request however
-many events it carries. Concurrent requests share the producer and its batches.
+The producer's delivery reports are served on the event loop itself: while any send waits
+for its acknowledgement, the loop polls the producer every ``POLL_INTERVAL_S`` (without
+waiting), and each report settles its request's future directly. There is no poll thread:
+with one, every report took the GIL from the loop thread and woke the loop through
+``call_soon_threadsafe``, and at 64 concurrent single-event requests that traffic, not the
+broker, set the pace (see docs/performance.md). Concurrent requests share the producer and
+its batches.
 
 A handler answers 2xx only after :meth:`Publisher.send` returned, that is after the broker
 acknowledged every event (``acks=all``); any failure, including no answer within
@@ -16,20 +19,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from typing import Sequence
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Producer
 
-from vigil.bus.codec import Event
-from vigil.bus.kafka import Delivered, EventProducer, ProduceError
+from vigil.bus.codec import Event, EventCodec
+from vigil.bus.kafka import Delivered, ProduceError, producer_config
 from vigil.ingest.metrics import EVENTS_PRODUCED, PRODUCE_FAILURES, PRODUCE_SECONDS
 from vigil.ingest.requests import unavailable
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
+# How often the loop serves delivery reports while a send waits for one. A report waits
+# half of it on average, small next to the producer's own linger (5 ms); a poll that finds
+# nothing costs about a microsecond.
+POLL_INTERVAL_S = 0.001
+# ... and while nothing waits: only the producer's error callbacks (a fatal error, a broker
+# going down) come then, and they need no haste.
+IDLE_POLL_INTERVAL_S = 0.1
 # Local queue full (librdkafka's buffer): how often to try again. The wait as a whole is
 # bounded by the produce timeout, so a stuck broker still ends in a 503.
 QUEUE_FULL_RETRY_S = 0.005
@@ -39,43 +48,32 @@ ACK_SLACK_S = 1.0
 
 
 class _Batch:
-    """The acknowledgements of one send: settles ``future`` once every report is in."""
+    """The acknowledgements of one send: settles ``future`` once every report is in.
 
-    __slots__ = ("future", "loop", "delivered", "errors", "remaining", "lock")
+    Reports arrive on the event loop's thread (the loop polls the producer), so the future
+    is settled directly.
+    """
+
+    __slots__ = ("future", "delivered", "errors", "remaining")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, size: int):
-        self.loop = loop
         self.future: asyncio.Future = loop.create_future()
         self.delivered: list[Delivered] = []
         self.errors: list[KafkaError] = []
         self.remaining = size
-        self.lock = threading.Lock()
 
     def on_delivery(self, err: KafkaError | None, msg) -> None:
-        """librdkafka's delivery report (on the poll thread); one wake-up of the loop per batch."""
-        with self.lock:
-            if err is not None:
-                self.errors.append(err)
-            else:
-                self.delivered.append(Delivered(msg.topic(), msg.partition(), msg.offset()))
-            self.remaining -= 1
-            last = self.remaining == 0
-        if last:
-            self.loop.call_soon_threadsafe(_settle, self.future)
+        if err is not None:
+            self.errors.append(err)
+        else:
+            self.delivered.append(Delivered(msg.topic(), msg.partition(), msg.offset()))
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():  # the waiter may have given up
+            self.future.set_result(True)
 
-
-def _settle(future: asyncio.Future) -> None:
-    if not future.done():  # the waiter may have given up already
-        future.set_result(None)
-
-
-class _NonBlockingProducer(EventProducer):
-    """:class:`EventProducer` plus a produce call that returns at once (the ack comes later)."""
-
-    def produce_nowait(self, event: Event, on_delivery) -> None:
-        """Queue one event; raises BufferError when the local queue is full."""
-        value = self.codec.encode(event, self.topic)
-        self._producer.produce(self.topic, value=value, key=event.user_id.encode(), on_delivery=on_delivery)
+    def expire(self) -> None:
+        if not self.future.done():
+            self.future.set_result(False)
 
 
 class Publisher:
@@ -83,17 +81,27 @@ class Publisher:
 
     def __init__(self, settings: CommonSettings):
         self.settings = settings
+        self.topic = settings.events_topic
         self._fatal = False
         self._last_error: int | None = None
-        self._producer: _NonBlockingProducer | None = None
+        self._codec: EventCodec | None = None
+        self._producer: Producer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._poll_handle: asyncio.TimerHandle | None = None
+        self._waiting = 0  # sends waiting for their acknowledgements
+        self._metrics: dict[str, tuple] = {}
 
-    def start(self) -> None:
-        """Connect (librdkafka connects in the background: a broker that is down now is not an error)."""
+    async def start(self) -> None:
+        """Connect (librdkafka connects in the background: a broker that is down now is not
+        an error) and start serving the producer's callbacks on this event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._codec = await asyncio.to_thread(EventCodec, self.settings.schema_registry_url)
         self._producer = self._new_producer()
+        self._poll_soon(IDLE_POLL_INTERVAL_S)
 
-    def _new_producer(self) -> _NonBlockingProducer:
+    def _new_producer(self) -> Producer:
         self._fatal = False
-        return _NonBlockingProducer(self.settings, error_cb=self._on_error)
+        return Producer(producer_config(self.settings, error_cb=self._on_error))
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
@@ -105,21 +113,43 @@ class Publisher:
             log.warning("Kafka: %s", err.str())
         self._last_error = err.code()
 
+    def _poll_soon(self, delay: float) -> None:
+        if self._poll_handle is not None:
+            self._poll_handle.cancel()
+        self._poll_handle = self._loop.call_later(delay, self._poll)
+
+    def _poll(self) -> None:
+        """Serve delivery reports and error callbacks; poll again soon while a send waits."""
+        self._poll_handle = None
+        if self._producer is None:
+            return
+        self._producer.poll(0)
+        self._poll_soon(POLL_INTERVAL_S if self._waiting else IDLE_POLL_INTERVAL_S)
+
     async def send(self, events: Sequence[Event], via: str) -> list[Delivered]:
         """Produce ``events`` and return once the broker acknowledged all of them.
 
         Raises a 503 :class:`~vigil.ingest.requests.Refusal` otherwise. ``via`` is the
         endpoint family, for metrics.
         """
+        seconds, produced, failures = self._metrics_for(via)
         started = time.perf_counter()
         try:
             delivered = await self._send(events)
         except ProduceError as exc:
-            PRODUCE_FAILURES.labels(via).inc()
+            failures.inc()
             raise unavailable("broker_unavailable", f"the event broker did not acknowledge: {exc}") from None
-        PRODUCE_SECONDS.labels(via).observe(time.perf_counter() - started)
-        EVENTS_PRODUCED.labels(via).inc(len(delivered))
+        seconds.observe(time.perf_counter() - started)
+        produced.inc(len(delivered))
         return delivered
+
+    def _metrics_for(self, via: str) -> tuple:
+        # Looking a labelled child up costs more than using it; there are four families.
+        metrics = self._metrics.get(via)
+        if metrics is None:
+            metrics = (PRODUCE_SECONDS.labels(via), EVENTS_PRODUCED.labels(via), PRODUCE_FAILURES.labels(via))
+            self._metrics[via] = metrics
+        return metrics
 
     async def _send(self, events: Sequence[Event]) -> list[Delivered]:
         if not events:
@@ -127,34 +157,57 @@ class Publisher:
         if self._producer is None:
             raise ProduceError("the producer is not started")
         if self._fatal:
+            # Reports the old producer still has fail their batches now; a batch whose
+            # report never comes ends at its deadline (503).
             old, self._producer = self._producer, self._new_producer()
-            await asyncio.to_thread(old.close, 0)
+            old.poll(0)
         producer = self._producer
         timeout = self.settings.produce_timeout_s
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         deadline = loop.time() + timeout
         batch = _Batch(loop, len(events))
-        for event in events:
-            while True:
-                try:
-                    producer.produce_nowait(event, batch.on_delivery)
-                    break
-                except BufferError:
-                    if loop.time() > deadline:
-                        raise ProduceError("the producer's local queue stayed full") from None
-                    await asyncio.sleep(QUEUE_FULL_RETRY_S)
-                except KafkaException as exc:
-                    raise ProduceError(f"produce refused: {exc}") from None
+        self._waiting += 1
+        if self._waiting == 1:
+            self._poll_soon(POLL_INTERVAL_S)
         try:
-            await asyncio.wait_for(asyncio.shield(batch.future), max(0.0, deadline - loop.time()) + ACK_SLACK_S)
-        except asyncio.TimeoutError:
-            raise ProduceError(f"no acknowledgement within {timeout:.1f}s") from None
+            for event in events:
+                value = self._codec.encode(event, self.topic)
+                key = event.user_id.encode()
+                while True:
+                    try:
+                        producer.produce(self.topic, value=value, key=key, on_delivery=batch.on_delivery)
+                        break
+                    except BufferError:
+                        if loop.time() > deadline:
+                            raise ProduceError("the producer's local queue stayed full") from None
+                        await asyncio.sleep(QUEUE_FULL_RETRY_S)
+                    except KafkaException as exc:
+                        raise ProduceError(f"produce refused: {exc}") from None
+            expiry = loop.call_at(deadline + ACK_SLACK_S, batch.expire)
+            try:
+                acknowledged = await batch.future
+            finally:
+                expiry.cancel()
+        finally:
+            self._waiting -= 1
+        if not acknowledged:
+            raise ProduceError(f"no acknowledgement within {timeout:.1f}s")
         if batch.errors:
             raise ProduceError(f"{len(batch.errors)} of {len(events)} not acknowledged: {batch.errors[0].str()}")
         return batch.delivered
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Wait up to ``timeout`` for queued events (their requests are still waiting), then stop."""
-        if self._producer is not None:
-            self._producer.close(timeout)
-            self._producer = None
+    async def close(self, timeout: float = 5.0) -> None:
+        """Serve reports up to ``timeout`` until queued events are answered (their requests
+        are still waiting), then stop."""
+        producer = self._producer
+        if producer is None:
+            return
+        deadline = time.monotonic() + timeout
+        while len(producer) > 0 and time.monotonic() < deadline:
+            producer.poll(0)
+            await asyncio.sleep(POLL_INTERVAL_S)
+        producer.poll(0)
+        if self._poll_handle is not None:
+            self._poll_handle.cancel()
+            self._poll_handle = None
+        self._producer = None
