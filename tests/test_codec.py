@@ -5,15 +5,17 @@ from __future__ import annotations
 import copy
 import io
 import json
+import random
 import struct
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import fastavro
 import pytest
 
 from vigil.bus.codec import (
-    CONFLUENT_MAGIC, EVENT_ROW_FIELDS, SINGLE_OBJECT_MAGIC, AvroCodec, DecodeError, Event, EventCodec,
+    CONFLUENT_MAGIC, EVENT_ROW_FIELDS, SINGLE_OBJECT_MAGIC, AvroCodec, DecodeError, Event, EventCodec, compile_reader,
 )
+from vigil.paths import schemas_dir
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, 123000, tzinfo=timezone.utc)
 
@@ -155,16 +157,79 @@ def test_decode_row_reads_old_bytes_with_defaults():
     assert dict(zip(EVENT_ROW_FIELDS, row)) == {**sample().to_record(), "session_id": None, "headers": {}}
 
 
-def test_own_schema_bytes_are_read_without_resolution(monkeypatch):
-    """Resolution is for other writers' schemas; our own bytes skip fastavro's schema comparison."""
+def test_own_schema_bytes_are_read_directly_and_others_resolved(monkeypatch):
+    """fastavro, with resolution, is for other writers' schemas; our own bytes skip both."""
     calls = []
     real = fastavro.schemaless_reader
     monkeypatch.setattr(fastavro, "schemaless_reader", lambda fo, writer, reader: calls.append(reader) or real(fo, writer, reader))
     old, old_bytes = old_writer("headers")
     codec = EventCodec(writer_schemas=[old])
-    codec.decode(codec.encode(sample()))
+    assert codec.decode(codec.encode(sample())) == sample()
+    assert calls == []
     codec.decode(old_bytes)
-    assert calls[0] is None and calls[1] is not None
+    assert len(calls) == 1 and calls[0] is not None
+
+
+def random_event(rng: random.Random) -> Event:
+    def text() -> str:
+        return "".join(rng.choice(["a", "é", "✓", "\U0001F600", "\x00", "z" * 70]) for _ in range(rng.randint(0, 5)))
+
+    return Event(
+        user_id=text(), source=text(), source_id=text(), kind=text(), payload=text(),
+        received_at=datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(milliseconds=rng.randint(-10**13, 10**13)),
+        occurred_at=rng.choice([None, NOW + timedelta(milliseconds=rng.randint(0, 10**6))]),
+        session_id=rng.choice([None, text()]),
+        headers={text(): text() for _ in range(rng.randint(0, 3))},
+    )
+
+
+def corrupted(rng: random.Random, body: bytes) -> bytes:
+    out = bytearray(body)
+    roll = rng.random()
+    if roll < 0.3:
+        return bytes(out[: rng.randint(0, len(out))])
+    at = rng.randrange(len(out))
+    if roll < 0.8:
+        out[at] = rng.randrange(256)
+    else:
+        out[at:at + 1] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 12)))
+    return bytes(out)
+
+
+def test_direct_reader_reads_what_fastavro_reads():
+    """On valid bodies the same records; on corrupted ones it never accepts what fastavro
+    rejects or reads differently (it may reject more: a union branch of -1, which fastavro
+    takes as the last branch)."""
+    codec = EventCodec()
+    read = compile_reader(codec.schema_json)
+    schema = fastavro.parse_schema(codec.schema_json)
+    rng = random.Random(7)
+    accepted = 0
+    for _ in range(500):
+        body = codec.encode(random_event(rng))[10:]
+        assert read(body, 0) == fastavro.schemaless_reader(io.BytesIO(body), schema, None)
+        for _ in range(10):
+            bad = corrupted(rng, body)
+            try:
+                ours = read(bad, 0)
+            except (IndexError, ValueError, OverflowError):
+                continue
+            assert ours == fastavro.schemaless_reader(io.BytesIO(bad), schema, None)
+            accepted += 1
+    assert accepted > 100  # the corruptions left some bodies readable, so both sides were compared
+
+
+def test_direct_reader_refuses_what_it_does_not_know():
+    assert compile_reader(fastavro.schema.load_schema(str(schemas_dir() / "vigil" / "v1" / "Delivery.avsc"))) is None
+    uuid_field = {"type": "record", "name": "R", "fields": [{"name": "id", "type": {"type": "string", "logicalType": "uuid"}}]}
+    assert compile_reader(uuid_field) is None
+    data = EventCodec().encode(sample(session_id=None, headers={}))
+    assert data[-2:] == b"\x00\x00"  # session_id's null branch, the empty map
+    bad = data[:-2] + b"\x01\x00\x00"  # branch -1, an empty string, the empty map
+    schema = fastavro.parse_schema(EventCodec().schema_json)
+    assert fastavro.schemaless_reader(io.BytesIO(bad[10:]), schema, None)["session_id"] == ""
+    with pytest.raises(DecodeError, match="union branch -1"):
+        EventCodec().decode(bad)
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,10 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
+from functools import partial
 from operator import itemgetter
-from typing import Any
+from typing import Any, Callable
 
 import fastavro
 from fastavro.schema import fingerprint, parse_schema, to_parsing_canonical_form
@@ -133,6 +134,7 @@ class AvroCodec:
         self._by_fingerprint: dict[bytes, Any] = {self._fingerprint: self._schema}
         for raw in [*versions, *(writer_schemas or [])]:
             self.add_writer_schema(raw)
+        self._read_own = compile_reader(self.schema_json)
         self._registry = None
         self._serializer = None
         self._deserializer = None
@@ -189,13 +191,15 @@ class AvroCodec:
             writer = self._by_fingerprint.get(bytes(data[2:10]))
             if writer is None:
                 raise DecodeError(f"unknown schema fingerprint {bytes(data[2:10]).hex()}")
-            # Written with the reader's own schema (nearly every message): no resolution.
-            # Given both, fastavro compares the two parsed schemas, deeply, on every call only
-            # to find they are equal; that was a third of the read.
-            reader = None if writer is self._schema else self._schema
             try:
-                return fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, reader)
-            except Exception as exc:  # fastavro raises many types on corrupt bodies
+                if writer is self._schema:
+                    # Written with the reader's own schema (nearly every message): no
+                    # resolution, and no generic reader set up per message where ours can.
+                    if self._read_own is not None:
+                        return self._read_own(data, 10)
+                    return fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, None)
+                return fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, self._schema)
+            except Exception as exc:  # fastavro (and ours) raise many types on corrupt bodies
                 raise DecodeError(f"corrupt Avro body: {type(exc).__name__}: {exc}") from None
         if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
             if self._deserializer is None:
@@ -213,6 +217,119 @@ class AvroCodec:
                 raise DecodeError("schema registry decode returned nothing")
             return record
         raise DecodeError(f"unknown framing (first bytes {bytes(data[:2]).hex()})")
+
+
+# -- a direct reader for the types the envelopes use ----------------------------------------
+#
+# fastavro's schemaless_reader is generic: per message it builds a decoder, an options dict
+# and named-schema tables, then walks the parsed schema, which costs more than reading a
+# 130-byte envelope (8 us against 5 us, CPU time). compile_reader() builds a reader for a
+# record whose fields are strings, longs, timestamp-millis, ["null", T] and maps of those;
+# for any other schema it returns None and fastavro reads. Corrupt bodies raise (IndexError,
+# ValueError, UnicodeDecodeError, OverflowError), which decode_record turns into DecodeError;
+# bytes after the record are ignored, as fastavro ignores them. tests/test_codec.py checks
+# it against fastavro on valid and on corrupted bodies.
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MAX_VARINT_SHIFT = 63  # a long is at most 10 bytes of 7 bits
+
+
+def _read_long(data: bytes, pos: int) -> tuple[int, int]:
+    """The zig-zag varint at ``pos``, and the position after it."""
+    byte = data[pos]
+    if byte < 0x80:
+        return (byte >> 1) ^ -(byte & 1), pos + 1
+    value, shift = byte & 0x7F, 7
+    while True:
+        pos += 1
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return (value >> 1) ^ -(value & 1), pos + 1
+        shift += 7
+        if shift > _MAX_VARINT_SHIFT:
+            raise ValueError("varint longer than a long")
+
+
+def _read_string(data: bytes, pos: int) -> tuple[str, int]:
+    size = data[pos]
+    if size < 0x80:  # a length under 64: one byte, read here (a call less for most strings)
+        size, pos = (size >> 1) ^ -(size & 1), pos + 1
+    else:
+        size, pos = _read_long(data, pos)
+    end = pos + size
+    if size < 0 or end > len(data):  # a slice would silently come back short
+        raise ValueError(f"string of {size} bytes at {pos} runs past the body")
+    return data[pos:end].decode(), end
+
+
+def _read_timestamp_millis(data: bytes, pos: int) -> tuple[datetime, int]:
+    millis, pos = _read_long(data, pos)
+    return _EPOCH + timedelta(milliseconds=millis), pos
+
+
+def _read_optional(read: Callable, data: bytes, pos: int) -> tuple[Any, int]:
+    branch, pos = _read_long(data, pos)
+    if branch == 0:
+        return None, pos
+    if branch == 1:
+        return read(data, pos)
+    raise ValueError(f"union branch {branch} of a two-branch union")
+
+
+def _read_map(read: Callable, data: bytes, pos: int) -> tuple[dict, int]:
+    items = {}
+    while True:
+        count, pos = _read_long(data, pos)
+        if count == 0:
+            return items, pos
+        if count < 0:  # a block that also gives its size in bytes
+            count = -count
+            _, pos = _read_long(data, pos)
+        for _ in range(count):
+            key, pos = _read_string(data, pos)
+            items[key], pos = read(data, pos)
+
+
+def _type_reader(avro_type: Any) -> Callable | None:
+    if avro_type == "string":
+        return _read_string
+    if avro_type == "long":
+        return _read_long
+    if isinstance(avro_type, list):
+        if len(avro_type) == 2 and avro_type[0] == "null" and (read := _type_reader(avro_type[1])):
+            return partial(_read_optional, read)
+        return None
+    if not isinstance(avro_type, dict):
+        return None
+    logical = avro_type.get("logicalType")
+    if avro_type.get("type") == "long" and logical == "timestamp-millis":
+        return _read_timestamp_millis
+    if logical is not None:  # fastavro gives other logical types their Python types
+        return None
+    if avro_type.get("type") == "map" and (read := _type_reader(avro_type.get("values"))):
+        return partial(_read_map, read)
+    if avro_type.get("type") in ("string", "long"):
+        return _type_reader(avro_type["type"])
+    return None
+
+
+def compile_reader(schema: dict) -> Callable[[bytes, int], dict] | None:
+    """A reader of ``schema``'s records from a position in the bytes, or None if it has a type
+    the direct reader does not know."""
+    if not isinstance(schema, dict) or schema.get("type") != "record":
+        return None
+    fields = [(field["name"], _type_reader(field["type"])) for field in schema["fields"]]
+    if any(read is None for _, read in fields):
+        return None
+
+    def read_record(data: bytes, pos: int) -> dict:
+        record = {}
+        for name, read in fields:
+            record[name], pos = read(data, pos)
+        return record
+
+    return read_record
 
 
 class EventCodec(AvroCodec):
