@@ -7,10 +7,15 @@ The commit order, which tests/test_worker_*.py pin down:
 2. Undecodable messages: copy to the dead-letter topic and wait for the acknowledgement.
 3. Record every decoded event in one transaction: a binary COPY into the connection's
    staging table, then one statement inserting new users' home partitions and the events
-   (duplicates dropped by the UNIQUE key). Commit.
-4. Only then store the batch's offsets (``enable.auto.offset.store=false``); the periodic
-   auto-commit sends stored offsets to the broker. A crash before 4 re-reads messages that
-   are already recorded, and the UNIQUE key makes that a no-op.
+   (duplicates dropped by the UNIQUE key). Commit. This runs on a second thread, the
+   recorder, while this thread polls and decodes the next batch: the two overlap, the
+   decode on this core and the statement in PostgreSQL, instead of taking turns.
+4. Only once that commit is done, store the batch's offsets (``enable.auto.offset.store=
+   false``); the periodic auto-commit sends stored offsets to the broker. Batches are
+   settled in the order they were polled, one in flight at a time, and the one in flight
+   is settled before this thread blocks on an empty topic, so nothing waits on the next
+   message. A crash before 4 re-reads messages that are already recorded, and the UNIQUE
+   key makes that a no-op.
 5. Wake the run loop if any event was new.
 
 Rebalances: an assignment is a takeover in the ledger (:mod:`vigil.worker.fencing`) before
@@ -26,6 +31,8 @@ import json
 import logging
 import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -96,6 +103,14 @@ def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
             copy.write_row(row)
 
 
+class InFlight(NamedTuple):
+    """A batch handed to the recorder thread and not yet settled."""
+
+    recorded: Future  # new events recorded, or None if the worker stopped before the ledger answered
+    highest: dict[tuple[str, int], int]  # the offsets to store once it is committed
+    rows: int
+
+
 class ConsumerLoop(threading.Thread):
     def __init__(self, settings: WorkerSettings, runner, loop: asyncio.AbstractEventLoop, dead_letters, stopping: threading.Event):
         super().__init__(name="consumer", daemon=True)
@@ -109,6 +124,12 @@ class ConsumerLoop(threading.Thread):
         self.consumer: Consumer | None = None
         self.assigned: set[PartitionKey] = set()
         self.error: BaseException | None = None
+        # The recorder: one thread, so batches commit in the order they were polled. It and
+        # the rebalance callbacks share self.conn; the callbacks settle the batch in flight
+        # before they touch it.
+        self.recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
+        self.in_flight: InFlight | None = None
+        self.abandoned = False  # a batch was given up (stopping with the ledger down): store no more offsets
 
     # -- ledger connection ------------------------------------------------------------
 
@@ -138,6 +159,7 @@ class ConsumerLoop(threading.Thread):
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
         if not keys:
             return
+        self._settle()
         epochs = self._retrying(
             "takeover",
             lambda conn: take_over(conn, keys, self.settings.instance_id, self.settings.backoff_base_s, self.settings.backoff_cap_s),
@@ -147,6 +169,7 @@ class ConsumerLoop(threading.Thread):
 
     def on_revoke(self, consumer, partitions) -> None:
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
+        self._settle()  # the batch in flight stores its offsets before they are committed
         self._call_runner(self.runner.revoke(keys))
         try:
             consumer.commit(asynchronous=False)
@@ -192,10 +215,14 @@ class ConsumerLoop(threading.Thread):
                 if messages:
                     self._handle(messages)
         finally:
-            # close() revokes the assignment (our on_revoke releases runs and commits).
-            self.consumer.close()
-            if self.conn is not None:
-                self.conn.close()
+            try:
+                self._settle()
+            finally:
+                # close() revokes the assignment (our on_revoke releases runs and commits).
+                self.consumer.close()
+                self.recorder.shutdown()
+                if self.conn is not None:
+                    self.conn.close()
 
     def _poll(self) -> list:
         """What has arrived, up to a batch; when nothing has, wait for the first message only.
@@ -207,6 +234,7 @@ class ConsumerLoop(threading.Thread):
         messages = self.consumer.consume(num_messages=batch, timeout=0)
         if messages:
             return messages
+        self._settle()  # before waiting: the batch in flight's offsets and wake-up must not wait too
         messages = self.consumer.consume(num_messages=1, timeout=IDLE_POLL_S)
         if messages and batch > 1:
             messages += self.consumer.consume(num_messages=batch - 1, timeout=0)
@@ -225,22 +253,42 @@ class ConsumerLoop(threading.Thread):
                         return
             metrics.EVENTS_UNDECODABLE.inc(len(bad))
             log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
-        recorded = 0
+        self._settle()
         if rows:
+            self.in_flight = InFlight(self.recorder.submit(self._record, rows), highest, len(rows))
+        else:
+            self._store_offsets(highest)
 
-            def record(conn: psycopg.Connection) -> int:
-                with conn.transaction():
-                    with conn.cursor() as cur:
-                        copy_rows(cur, rows)
-                        return cur.execute(Q.record_events).fetchone()["recorded"]
+    def _record(self, rows: list[tuple]) -> int | None:
+        """On the recorder thread: the batch in one transaction; how many events were new, or
+        None if the worker stopped while the ledger was unreachable."""
 
-            try:
-                recorded = self._retrying("recording events", record)
-            except psycopg.OperationalError:
-                return  # stopping: nothing stored, the messages are read again next time
-            metrics.EVENTS_RECORDED.labels("new").inc(recorded)
-            metrics.EVENTS_RECORDED.labels("duplicate").inc(len(rows) - recorded)
-        self._store_offsets(highest)
+        def record(conn: psycopg.Connection) -> int:
+            with conn.transaction():
+                with conn.cursor() as cur:
+                    copy_rows(cur, rows)
+                    return cur.execute(Q.record_events).fetchone()["recorded"]
+
+        try:
+            return self._retrying("recording events", record)
+        except psycopg.OperationalError:
+            return None
+
+    def _settle(self) -> None:
+        """Wait for the batch in flight; once it is committed, count it, store its offsets and
+        wake the run loop. A recorder error other than an unreachable ledger is raised here."""
+        if self.in_flight is None:
+            return
+        batch, self.in_flight = self.in_flight, None
+        recorded = batch.recorded.result()
+        if recorded is None:
+            # Stopping with the ledger down: nothing of this batch, or of any later one, is
+            # stored, so all of it is read again next time.
+            self.abandoned = True
+            return
+        metrics.EVENTS_RECORDED.labels("new").inc(recorded)
+        metrics.EVENTS_RECORDED.labels("duplicate").inc(batch.rows - recorded)
+        self._store_offsets(batch.highest)
         if recorded:
             self.loop.call_soon_threadsafe(self.runner.wake, self.settings.batch_window_s)
 
@@ -270,6 +318,8 @@ class ConsumerLoop(threading.Thread):
         return rows, bad, highest
 
     def _store_offsets(self, highest: dict[tuple[str, int], int]) -> None:
+        if self.abandoned:
+            return
         offsets = [
             TopicPartition(topic, partition, offset + 1)
             for (topic, partition), offset in highest.items()
