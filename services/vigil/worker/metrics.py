@@ -37,3 +37,9 @@ RUNS_IN_FLIGHT = Gauge("vigil_runs_in_flight", "Runs executing in this worker no
 FINISH_BATCH = Histogram(
     "vigil_finish_batch_runs", "Runs committed per finish transaction (group commit).", buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500)
 )
+LEDGER_SECONDS = Histogram(
+    "vigil_worker_ledger_seconds",
+    "Wall time of the run loop's ledger steps: a claim pass, a group finish (including retries' waits).",
+    ["step"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)

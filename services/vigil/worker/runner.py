@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 # A ledger error in the loop is retried after this long: long enough not to hammer a
 # database that is failing over, short enough that users barely notice.
 LEDGER_RETRY_S = 1.0
+# Requested passes closer together than this are one pass (the consumer asks after every batch).
+TIMER_MERGE_S = 0.005
+# A pass for a backoff's end comes this much after it (the ledger's clock decides, not ours).
+BACKOFF_SLACK_S = 0.005
 GAUGE_INTERVAL_S = 15.0
 
 
@@ -53,7 +57,9 @@ class Runner:
         self.active: dict[str, Active] = {}
         self.finished: asyncio.Queue[Finished] = asyncio.Queue()
         self._wake = asyncio.Event()
-        self._next_pass = 0.0
+        self._timers: list[float] = []  # monotonic times of requested passes, ascending
+        self._pass_now = False
+        self._next_scan = 0.0
         self._next_dead_check = 0.0
         self._stopping = False
         self._claim_lock = asyncio.Lock()
@@ -62,9 +68,24 @@ class Runner:
     # -- called from the consumer thread (through the event loop) ------------------------
 
     def wake(self, delay: float = 0.0) -> None:
-        """Schedule a claim pass no later than ``delay`` seconds from now."""
-        self._next_pass = min(self._next_pass, time.monotonic() + delay)
-        self._wake.set()
+        """Schedule a claim pass no later than ``delay`` seconds from now.
+
+        Every wake-up is kept until it is due (a pass in between does not cancel it): the
+        consumer asks for one when the batch window of what it just recorded ends, the
+        finisher when a failed run's backoff ends. Wake-ups a few milliseconds apart are
+        merged. Work this process cannot know about (rows recorded by another worker's
+        consumer, an operator's retry) is found by the pass every ``scan_interval_s``.
+        """
+        if delay <= 0:
+            self._pass_now = True
+        else:
+            at = time.monotonic() + delay
+            if self._timers and abs(self._timers[-1] - at) < TIMER_MERGE_S:
+                return
+            self._timers.append(at)
+            if len(self._timers) > 1 and self._timers[-2] > at:
+                self._timers.sort()  # rare: delays differ (windows vs backoffs)
+        self._wake.set()  # the loop recomputes when its next pass is due
 
     async def assign(self, epochs: dict[PartitionKey, int]) -> None:
         async with self._claim_lock:
@@ -72,6 +93,22 @@ class Runner:
             self._next_dead_check = 0.0  # the takeover may have handed back exhausted claims
         metrics.EPOCHS_HELD.set(len(self.owned))
         self.wake()
+        # The takeover handed the previous owner's claims back with jittered backoffs: wake
+        # when each ends, so they come back one by one as they did before this process
+        # (a poison event among them then tends to run, and crash us, alone).
+        keys = sorted(epochs)
+        try:
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(
+                    Q.backoff_ends, {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys]}
+                )
+                ends = [row["at"] for row in await cur.fetchall()]
+        except psycopg.Error as exc:
+            log.warning("could not read backoffs after a takeover (the periodic pass finds them): %s", exc)
+            return
+        now = datetime.now(timezone.utc)
+        for at in ends:
+            self.wake((at - now).total_seconds() + BACKOFF_SLACK_S)
 
     async def revoke(self, keys: list[PartitionKey], release: bool = True) -> None:
         """Stop claiming for ``keys``; cancel their runs and hand their claims back.
@@ -112,22 +149,25 @@ class Runner:
 
     async def claim_loop(self) -> None:
         while not self._stopping:
-            timeout = max(0.0, self._next_pass - time.monotonic())
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-            if self._stopping:
-                return
-            if time.monotonic() < self._next_pass:
+            now = time.monotonic()
+            due = now if self._pass_now else min(self._next_scan, self._timers[0] if self._timers else self._next_scan)
+            if due > now:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), due - now)
+                except asyncio.TimeoutError:
+                    pass
                 continue
-            self._next_pass = time.monotonic() + self.settings.scan_interval_s
+            self._pass_now = False
+            while self._timers and self._timers[0] <= now:
+                self._timers.pop(0)
+            self._next_scan = now + self.settings.scan_interval_s
             try:
-                await self._claim_pass()
+                with metrics.LEDGER_SECONDS.labels("claim").time():
+                    await self._claim_pass()
             except (psycopg.Error, OSError) as exc:
                 log.warning("claim pass failed, retrying: %s", exc)
-                self._next_pass = time.monotonic() + LEDGER_RETRY_S
+                self._next_scan = time.monotonic() + LEDGER_RETRY_S
 
     async def _claim_pass(self) -> None:
         free = self.settings.run_concurrency - len(self.active)
@@ -146,8 +186,6 @@ class Runner:
                     conn, owned, list(self.active), free, self.settings.batch_max, self.settings.batch_window_s,
                     self.settings.max_attempts, self._cursor,
                 )
-                if len(claims) < free:
-                    await self._schedule_next_ready(conn, owned)
         if dead:
             metrics.EVENTS_DEAD.inc(len(dead))
             await asyncio.to_thread(self.dead_letters.publish_dead, dead)
@@ -161,19 +199,6 @@ class Runner:
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         if len(claims) == free:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us
-
-    async def _schedule_next_ready(self, conn, owned: dict[PartitionKey, int]) -> None:
-        """Wake up exactly when a waiting row's batch window or backoff ends, not a scan later."""
-        keys = sorted(owned)
-        cur = await conn.execute(
-            Q.next_ready_at,
-            {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys],
-             "window_s": self.settings.batch_window_s, "max_attempts": self.settings.max_attempts},
-        )
-        row = await cur.fetchone()
-        if row and row["at"] is not None:
-            delay = (row["at"] - datetime.now(timezone.utc)).total_seconds()
-            self._next_pass = min(self._next_pass, time.monotonic() + max(delay, 0.0) + 0.005)
 
     async def _run(self, active: Active) -> None:
         c = active.claim
@@ -228,6 +253,7 @@ class Runner:
             batch = [await self.finished.get()]
             while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
                 batch.append(self.finished.get_nowait())
+            began = time.monotonic()
             while True:
                 try:
                     async with self.pool.connection() as conn:
@@ -236,10 +262,13 @@ class Runner:
                 except (psycopg.Error, OSError) as exc:
                     log.warning("finish commit failed, retrying: %s", exc)
                     await asyncio.sleep(LEDGER_RETRY_S)
+            metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
             now = datetime.now(timezone.utc)
             landed = {id(run) for run in committed}  # identity: runs are not values to compare
             for run in batch:
                 self.active.pop(run.claim.user_id, None)
+                if run.error is not None and id(run) in landed:
+                    self.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
                 label = "retry_later" if run.transient else run.outcome.value
                 metrics.RUNS.labels(label if id(run) in landed else "stale").inc()
                 metrics.RUN_SECONDS.observe((now - run.started_at).total_seconds())

@@ -10,7 +10,10 @@ from vigil.settings import DEFAULT_WORKER_METRICS_PORT, CommonSettings
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_BATCH_MAX = 50
-DEFAULT_BATCH_WINDOW_MS = 200
+# Long enough that events arriving together (one poll batch, a webhook burst, a message and
+# its edit) share a run; no longer, because every event waits it out. Messages a person types
+# seconds apart are not a window's job: they go to the next run, or fold into the running one.
+DEFAULT_BATCH_WINDOW_MS = 50
 DEFAULT_RUN_CONCURRENCY = 32
 # librdkafka's default: long enough to ride out a GC pause or a slow disk, short enough
 # that a dead worker's users wait less than a minute.

@@ -135,28 +135,16 @@ claimed AS (
 -- The next pass starts after the last user claimed here, in the ledger's own text order.
 SELECT claimed.*, max(user_id) OVER () AS cursor FROM claimed
 
--- name: next_ready_at
--- When the next user of the owned partitions becomes claimable (window or backoff); users running now are left out, their finish wakes the loop.
-WITH RECURSIVE pending_users (user_id) AS (
-    -- The same skip scan as claim: one index probe per user with pending rows.
-    (SELECT user_id FROM events WHERE status = 'pending' ORDER BY user_id LIMIT 1)
-    UNION ALL
-    SELECT (SELECT e.user_id FROM events e WHERE e.status = 'pending' AND e.user_id > p.user_id ORDER BY e.user_id LIMIT 1)
-    FROM pending_users p WHERE p.user_id IS NOT NULL
-)
-SELECT min(CASE WHEN f.attempts > 0 THEN coalesce(f.next_attempt_at, now())
-                ELSE greatest(f.recorded_at + make_interval(secs => %(window_s)s), coalesce(f.next_attempt_at, f.recorded_at)) END) AS at
-FROM pending_users p
-JOIN users u ON u.user_id = p.user_id
+-- name: backoff_ends
+-- When rows of these partitions that wait out a backoff become claimable: read once at takeover, whose hand-back set backoffs this process did not choose (the runner wakes at each; its own failures it times itself).
+SELECT DISTINCT e.next_attempt_at AS at
+FROM events e
+JOIN users u ON u.user_id = e.user_id
 JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
   ON w.topic = u.home_topic AND w.partition = u.home_partition
-CROSS JOIN LATERAL (
-    SELECT e.attempts, e.next_attempt_at, e.recorded_at FROM events e
-    WHERE e.user_id = p.user_id AND e.status = 'pending' ORDER BY e.id LIMIT 1
-) f
--- An exhausted row waits for mark_exhausted_dead's next pass, not for a time.
-WHERE f.attempts < %(max_attempts)s
-  AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running')
+WHERE e.status = 'pending' AND e.next_attempt_at > now()
+ORDER BY 1
+LIMIT 1000
 
 -- name: claim_more
 -- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch.
