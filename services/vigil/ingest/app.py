@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from typing import Any
 
@@ -95,6 +96,10 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
         await ctx.pool.open(wait=False)
         await asyncio.to_thread(answers_pool.open, wait=False)
         await ctx.publisher.start()
+        # Everything allocated so far (modules, schemas, the app) lives as long as the
+        # process: keep it out of the collector's full passes, which otherwise walked all of
+        # it every few seconds under load and held every request up while they did.
+        gc.freeze()
         log.info("ingest started (port %d)", settings.ingest_port)
         try:
             yield

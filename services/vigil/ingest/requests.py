@@ -100,7 +100,9 @@ def parse_json(body: bytes) -> Any:
     except UnicodeDecodeError:
         raise Refusal(400, "invalid_json", "the body is not UTF-8") from None
     try:
-        return json.loads(text, parse_constant=_not_json)
+        if text.startswith("\ufeff"):
+            return json.loads(text)  # raises json.loads's own error for a byte order mark
+        return DECODER.decode(text)
     except ValueError as exc:
         raise Refusal(400, "invalid_json", f"malformed JSON: {exc}") from None
     except RecursionError:
@@ -110,6 +112,10 @@ def parse_json(body: bytes) -> Any:
 def _not_json(name: str) -> None:
     # Python's json accepts NaN and Infinity; other consumers of the payload would not.
     raise ValueError(f"{name} is not valid JSON")
+
+
+# One decoder for every request: json.loads with an option builds a new one per call.
+DECODER = json.JSONDecoder(parse_constant=_not_json)
 
 
 async def read_json(request: Request, limit: int) -> Any:
