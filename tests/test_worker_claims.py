@@ -19,7 +19,7 @@ from support import query
 from vigil.agent.base import EventRow, OutMessage, RunResult
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
-from vigil.worker.claims import Claim, claim
+from vigil.worker.claims import Claim, claim, mark_dead
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, _group_params
 
@@ -114,3 +114,21 @@ def test_a_group_finish_reads_its_runs_not_every_running_row(ledger):
                              result=RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")])))
     # 20 runs finished among 3,000 running users: the plan stays near 20 rows per step.
     assert _explain(ledger, Q.finish_runs, _group_params(runs, "test-worker")) <= 100
+
+
+def test_rule_2_reads_the_retries_not_the_backlog(ledger):
+    seed_pending(ledger, 1000, per_user=5)
+    query(ledger, "UPDATE events SET attempts = 3 WHERE user_id = 'u00007'")  # one exhausted user among 5,000 rows
+    query(ledger, "ANALYZE events")
+    params = {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3}
+    assert _explain(ledger, Q.mark_exhausted_dead, params) <= 50
+    dead = claim_dead(ledger)
+    assert sorted(r["user_id"] for r in dead) == ["u00007"] * 5
+
+
+def claim_dead(ledger: str) -> list[dict]:
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            return await mark_dead(conn, OWNED, 3)
+
+    return asyncio.run(go())

@@ -53,6 +53,8 @@ CREATE INDEX events_pending_by_user ON events (user_id, id) WHERE status = 'pend
 -- Claim rule 4 (no second run for a user) and the takeover's hand-back read running rows.
 CREATE INDEX events_running_by_user ON events (user_id) WHERE status = 'running';
 CREATE INDEX events_dead ON events (finished_at) WHERE status = 'dead';
+-- Claim rule 2 finds exhausted rows among the retries only (a handful, whatever the backlog).
+CREATE INDEX events_retries ON events (user_id) WHERE status = 'pending' AND attempts > 0;
 
 -- partitions: the fencing token of each topic partition. A worker that is assigned a
 -- partition increments epoch; claims and finishes lock this row FOR SHARE and compare.

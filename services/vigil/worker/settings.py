@@ -14,7 +14,9 @@ DEFAULT_BATCH_MAX = 50
 # its edit) share a run; no longer, because every event waits it out. Messages a person types
 # seconds apart are not a window's job: they go to the next run, or fold into the running one.
 DEFAULT_BATCH_WINDOW_MS = 50
-DEFAULT_RUN_CONCURRENCY = 32
+# Runs wait on the model API almost all the time (seconds per call, little CPU), so one
+# process holds many; 429s from a rate limit are retried later without counting an attempt.
+DEFAULT_RUN_CONCURRENCY = 128
 # librdkafka's default: long enough to ride out a GC pause or a slow disk, short enough
 # that a dead worker's users wait less than a minute.
 DEFAULT_SESSION_TIMEOUT_MS = 45_000

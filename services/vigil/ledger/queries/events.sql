@@ -43,13 +43,23 @@ WITH owned AS (
     -- takeover of several partitions.
     ORDER BY p.topic, p.partition
     FOR SHARE OF p
+),
+exhausted AS MATERIALIZED (
+    -- Through events_retries (its predicate spelled out so the planner can use it): the rows
+    -- that were tried, not every pending row; then a home probe per row (LIMIT 1: never a
+    -- join over every user of the owned partitions).
+    SELECT e.id FROM events e
+    CROSS JOIN LATERAL (
+        SELECT 1 FROM users u JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+        WHERE u.user_id = e.user_id LIMIT 1
+    ) mine
+    WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts >= %(max_attempts)s
 )
 UPDATE events e
 SET status = 'dead', finished_at = now(),
     error = 'dead after ' || e.attempts || ' attempts' || coalesce(': ' || e.error, '')
-FROM users u, owned o
-WHERE u.user_id = e.user_id AND u.home_topic = o.topic AND u.home_partition = o.partition
-  AND e.status = 'pending' AND e.attempts >= %(max_attempts)s
+FROM exhausted x
+WHERE e.id = x.id AND e.status = 'pending' AND e.attempts >= %(max_attempts)s
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.occurred_at, e.error
 
 -- name: claim
