@@ -14,7 +14,7 @@
 - ``e2e_latency_p50_ms`` / ``p99``: at a fixed offered load of half ``e2e_events_per_s``, per
   event ``runs.finished_at - events.received_at`` (the producer stamps ``received_at`` when it
   hands the event over; ``finished_at`` is the finish transaction's ``now()``, a few ms before
-  its commit). At the default window (which alone puts 200 ms under every event's latency)
+  its commit). At the default window (which alone puts its length under every event's latency)
   and at a small one.
 - ``scale_2_workers_ratio``: the e2e rounds again with a second worker process in the group.
 - ``worker_rss_mb``: one worker's resident memory over a long stretch of half load spread over
