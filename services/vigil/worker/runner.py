@@ -11,6 +11,7 @@ ended, and claims recovered at takeover are found by the periodic pass.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from dataclasses import dataclass, field
@@ -57,7 +58,8 @@ class Runner:
         self.active: dict[str, Active] = {}
         self.finished: asyncio.Queue[Finished] = asyncio.Queue()
         self._wake = asyncio.Event()
-        self._timers: list[float] = []  # monotonic times of requested passes, ascending
+        self._timers: list[float] = []  # monotonic times of requested passes (a heap)
+        self._last_timer = 0.0
         self._pass_now = False
         self._next_scan = 0.0
         self._next_dead_check = 0.0
@@ -80,11 +82,10 @@ class Runner:
             self._pass_now = True
         else:
             at = time.monotonic() + delay
-            if self._timers and abs(self._timers[-1] - at) < TIMER_MERGE_S:
+            if abs(self._last_timer - at) < TIMER_MERGE_S:
                 return
-            self._timers.append(at)
-            if len(self._timers) > 1 and self._timers[-2] > at:
-                self._timers.sort()  # rare: delays differ (windows vs backoffs)
+            self._last_timer = at
+            heapq.heappush(self._timers, at)
         self._wake.set()  # the loop recomputes when its next pass is due
 
     async def assign(self, epochs: dict[PartitionKey, int]) -> None:
@@ -160,7 +161,7 @@ class Runner:
                 continue
             self._pass_now = False
             while self._timers and self._timers[0] <= now:
-                self._timers.pop(0)
+                heapq.heappop(self._timers)
             self._next_scan = now + self.settings.scan_interval_s
             try:
                 with metrics.LEDGER_SECONDS.labels("claim").time():
