@@ -10,6 +10,7 @@ which made the worker slower the further it fell behind.
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import datetime, timezone
 
 import psycopg
@@ -132,3 +133,40 @@ def claim_dead(ledger: str) -> list[dict]:
             return await mark_dead(conn, OWNED, 3)
 
     return asyncio.run(go())
+
+
+def test_a_pass_in_between_does_not_cancel_a_requested_one(monkeypatch):
+    """The loop's scheduling alone (its passes recorded, no ledger): a wake-up asked for at
+    +0.3 s still happens when passes run in between, and the periodic pass comes a scan interval after the last pass."""
+    from vigil.settings import load
+    from vigil.worker.runner import Runner
+    from vigil.worker.settings import WorkerSettings
+
+    monkeypatch.setenv("VIGIL_DATABASE_URL", "postgresql://unused@127.0.0.1/unused")
+    settings = load(WorkerSettings, scan_interval_s=1.0)
+    runner = Runner(settings, agent=None, pool=None, dead_letters=None)
+    passes: list[float] = []
+
+    async def record_pass():
+        passes.append(time.monotonic() - start)
+
+    runner._claim_pass = record_pass
+
+    async def go():
+        loop_task = asyncio.create_task(runner.claim_loop())
+        await asyncio.sleep(0.05)  # the first pass (at start) is done
+        runner.wake(0.3)  # the window of what was just recorded ends then
+        await asyncio.sleep(0.1)
+        runner.wake()  # a finish frees a slot: a pass now
+        await asyncio.sleep(1.4)
+        runner._stopping = True
+        runner._wake.set()
+        await loop_task
+
+    start = time.monotonic()
+    asyncio.run(go())
+    assert passes[0] < 0.05
+    assert any(0.12 < t < 0.2 for t in passes), passes  # the immediate one
+    assert any(0.33 < t < 0.45 for t in passes), passes  # the requested one, not cancelled by it
+    assert any(1.33 < t < 1.5 for t in passes), passes  # the periodic one, a scan interval after the last
+    assert len(passes) == 4, passes
