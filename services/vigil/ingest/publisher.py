@@ -123,8 +123,12 @@ class Publisher:
         self._poll_handle = None
         if self._producer is None:
             return
-        self._producer.poll(0)
-        self._poll_soon(POLL_INTERVAL_S if self._waiting else IDLE_POLL_INTERVAL_S)
+        try:
+            self._producer.poll(0)
+        finally:
+            # Even if a callback raised: without the next poll every later send would wait
+            # for its deadline.
+            self._poll_soon(POLL_INTERVAL_S if self._waiting else IDLE_POLL_INTERVAL_S)
 
     async def send(self, events: Sequence[Event], via: str) -> list[Delivered]:
         """Produce ``events`` and return once the broker acknowledged all of them.
