@@ -158,9 +158,13 @@ class EndToEnd:
         span = seconds - skip
         return row["events"] / span, row["runs"] / span, row["events"] / max(1, row["runs"])
 
-    def throughput(self, workers: Workers, start_rate: float) -> tuple[list[float], list[float], list[float], float]:
+    def throughput(
+        self, workers: Workers, start_rate: float, floor: float = 0.0
+    ) -> tuple[list[float], list[float], list[float], float]:
         """A first uncounted round at ``start_rate``, then ``rounds`` rounds offering more than
-        the best rate seen so far (if a round kept up with its offer, the next offers more)."""
+        the best rate seen so far (if a round kept up with its offer, the next offers more),
+        and never less than ``floor``: one disturbed round (a rebalance still settling) must
+        not make every later round offer, and so measure, almost nothing."""
         best = 0.0
         events, runs, per_run = [], [], []
         rate = start_rate
@@ -174,7 +178,7 @@ class EndToEnd:
                 events.append(ev)
                 runs.append(rn)
                 per_run.append(batch)
-            rate = SATURATE * best
+            rate = max(floor, SATURATE * best)
         return events, runs, per_run, rate
 
     def latency(self, workers: Workers, rate: float) -> tuple[list[float], list[float]]:
@@ -217,7 +221,8 @@ def end_to_end(stack: BenchStack, plan: Plan, report: Report, record_rate: float
             report.add(Figure("e2e_latency_p99_ms", p99, note=note))
             workers.add()
             workers.wait_ready()
-            events2, _, per_run2, _ = e2e.throughput(workers, SATURATE * one)
+            # Two workers are offered at least what saturates one: whatever they finish of it.
+            events2, _, per_run2, _ = e2e.throughput(workers, SATURATE * one, floor=SATURATE * one)
             two = statistics.median(events2)
             report.add(Figure("e2e_2_workers_events_per_s", events2,
                               note=f"2 workers, {window}, {statistics.median(per_run2):.1f} events per run"))
