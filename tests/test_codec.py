@@ -253,6 +253,17 @@ def test_payload_check_agrees_with_json_loads(payload):
                 decode(data)
 
 
+@pytest.mark.parametrize(
+    "changes", [dict(user_id="a\x00b"), dict(source_id="\x00"), dict(session_id="s\x00"), dict(headers={"k": "v\x00"})]
+)
+def test_nul_the_ledger_cannot_store_is_a_decode_error(changes):
+    codec = EventCodec()
+    data = codec.encode(sample(**changes))
+    for decode in (codec.decode, codec.decode_row):
+        with pytest.raises(DecodeError, match="NUL"):
+            decode(data)
+
+
 def test_payload_nested_past_the_recursion_limit_is_a_decode_error():
     """json.loads raises RecursionError here, which once escaped the codec and stopped the consumer."""
     codec = EventCodec()

@@ -65,18 +65,23 @@ def test_undecodable_bytes_go_to_the_dlq_and_nothing_stops(stack, topics, ledger
     assert metric(int(vigil_env["VIGIL_WORKER_PORT"]), "vigil_events_undecodable_total") == 2
 
 
-def test_bad_payloads_go_to_the_dlq_and_the_rest_of_their_batch_is_recorded(stack, topics, ledger, vigil_env, spawn):
+def test_events_the_ledger_cannot_take_go_to_the_dlq_and_the_rest_of_their_batch_is_recorded(
+    stack, topics, ledger, vigil_env, spawn
+):
     """Avro that decodes but is not an event the ledger can take: dead-lettered with the reason,
-    alone. A payload nested past Python's recursion limit once stopped the consumer."""
+    alone. A payload nested past Python's recursion limit, and a NUL that PostgreSQL text
+    cannot hold (it failed the whole batch's COPY), once stopped the consumer."""
     worker = start_worker(spawn, vigil_env)
     deep = dataclasses.replace(chat("ed", "deep"), payload="[" * 100_000 + "]" * 100_000)
     not_json = dataclasses.replace(chat("ed", "not json"), payload="{not json")
+    nul = dataclasses.replace(chat("ed", "nul"), source_id="id\x00")
     traced = dataclasses.replace(chat("ed", "traced"), headers={"traceparent": "00-abc-def-01"})
-    produce(stack.bootstrap, topics.events, [chat("ed", "before"), deep, not_json, traced])
+    produce(stack.bootstrap, topics.events, [chat("ed", "before"), deep, not_json, nul, traced])
     wait_all_done(ledger, 2)
-    found = read_dead_letters(stack.bootstrap, topics.dlq, 2)
-    assert sorted(len(m.value()) for m in found)[1] > 200_000
-    assert all("payload is not JSON" in dict(m.headers())["vigil-error"].decode() for m in found)
+    found = read_dead_letters(stack.bootstrap, topics.dlq, 3)
+    reasons = sorted(dict(m.headers())["vigil-error"].decode() for m in found)
+    assert len(reasons) == 3 and "NUL" in reasons[0] and all("payload is not JSON" in r for r in reasons[1:])
+    assert max(len(m.value()) for m in found) > 200_000
     assert scalar(ledger, "SELECT headers->>'traceparent' FROM events WHERE payload LIKE '%%traced%%'") == "00-abc-def-01"
     assert worker.alive()
 

@@ -347,7 +347,7 @@ class EventCodec(AvroCodec):
             event = Event.from_record(record)
         except (KeyError, TypeError, AttributeError) as exc:
             raise DecodeError(f"record is not an event: missing or bad field {exc}") from None
-        _check(event.user_id, event.source, event.source_id, event.kind, event.payload)
+        _check(event.user_id, event.source, event.source_id, event.kind, event.payload, event.session_id, event.headers)
         return event
 
     def decode_row(self, data: bytes | None, topic: str = "") -> tuple:
@@ -364,7 +364,7 @@ class EventCodec(AvroCodec):
                 row = (*row[:7], _aware(occurred_at), _aware(received_at))
         except (KeyError, TypeError, AttributeError) as exc:
             raise DecodeError(f"record is not an event: missing or bad field {exc}") from None
-        _check(*row[:5])
+        _check(*row[:7])
         return row
 
 
@@ -375,14 +375,22 @@ EVENT_ROW_FIELDS = (
 _event_row = itemgetter(*EVENT_ROW_FIELDS)
 
 
-def _check(user_id: str, source: str, source_id: str, kind: str, payload: str) -> None:
-    """Checks Avro cannot express: the ledger relies on these to key and route the event."""
+def _check(
+    user_id: str, source: str, source_id: str, kind: str, payload: str, session_id: str | None, headers: dict[str, str]
+) -> None:
+    """Checks Avro cannot express: the ledger relies on these to key, route and store the event."""
     if not user_id:
         raise DecodeError("user_id is empty")
     if not source or not source_id:
         raise DecodeError("source and source_id must be non-empty (they are the dedup key)")
     if not kind:
         raise DecodeError("kind is empty")
+    # PostgreSQL's text and jsonb cannot hold U+0000: one such event failed its whole batch's
+    # COPY, which stopped the worker, and again after every restart. (The payload needs no
+    # look: JSON text has no raw NUL, and an escaped one is plain text to the ledger.)
+    for text in (user_id, source, source_id, kind, session_id or "", *headers, *headers.values()):
+        if "\x00" in text:
+            raise DecodeError("a field holds U+0000 (NUL), which the ledger cannot store")
     if not _scans_as_json(payload):
         try:
             json.loads(payload)
