@@ -48,7 +48,7 @@ exhausted AS MATERIALIZED (
     -- Through events_retries (its predicate spelled out so the planner can use it): the rows
     -- that were tried, not every pending row; then a home probe per row (LIMIT 1: never a
     -- join over every user of the owned partitions).
-    SELECT e.id FROM events e
+    SELECT e.id, e.status FROM events e
     CROSS JOIN LATERAL (
         SELECT 1 FROM users u JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
         WHERE u.user_id = e.user_id LIMIT 1
@@ -59,7 +59,8 @@ UPDATE events e
 SET status = 'dead', finished_at = now(),
     error = 'dead after ' || e.attempts || ' attempts' || coalesce(': ' || e.error, '')
 FROM exhausted x
-WHERE e.id = x.id AND e.status = 'pending' AND e.attempts >= %(max_attempts)s
+-- Join clauses only (see claim): the rows by id, whatever the statistics say about pending.
+WHERE e.id = x.id AND e.status = x.status AND e.attempts >= %(max_attempts)s
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.occurred_at, e.error
 
 -- name: claim
@@ -119,10 +120,13 @@ waiting AS (
                       OFFSET 0)
     LIMIT %(max_users)s
 ),
-chosen AS (
+chosen AS MATERIALIZED (
     -- Each waiting user's first pending rows in order: a retry alone; otherwise fresh rows up
     -- to the batch limit, stopping before any retry row, so runs follow event order per user.
-    SELECT b.id, w.topic, w.partition, w.epoch
+    -- MATERIALIZED: evaluated once. On a queue table the statistics are often stale (no
+    -- pending rows at the last ANALYZE); once they made the planner scan every pending row
+    -- and run this whole pipeline again for each (51 s for one pass).
+    SELECT b.id, 'pending'::text AS status, w.topic, w.partition, w.epoch
     FROM waiting w
     CROSS JOIN LATERAL (
         SELECT f.id, f.attempts, f.next_attempt_at,
@@ -138,7 +142,9 @@ claimed AS (
     UPDATE events e
     SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
     FROM chosen c
-    WHERE e.id = c.id AND e.status = 'pending'
+    -- The status check as a join clause, not a restriction: a restriction would let the
+    -- planner start from events_pending_by_user (every pending row) instead of the ids.
+    WHERE e.id = c.id AND e.status = c.status
     RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
               e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 )
