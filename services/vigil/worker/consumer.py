@@ -103,12 +103,16 @@ def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
             copy.write_row(row)
 
 
+# Bound of the known-users set (about 100 bytes each); past it the set starts over.
+KNOWN_USERS_MAX = 500_000
+
 class InFlight(NamedTuple):
     """A batch handed to the recorder thread and not yet settled."""
 
     recorded: Future  # new events recorded, or None if the worker stopped before the ledger answered
     highest: dict[tuple[str, int], int]  # the offsets to store once it is committed
     rows: int
+    users: set[str]  # whose users row exists once it is committed
 
 
 class ConsumerLoop(threading.Thread):
@@ -128,6 +132,9 @@ class ConsumerLoop(threading.Thread):
         # the rebalance callbacks share self.conn; the callbacks settle the batch in flight
         # before they touch it.
         self.recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
+        # Users whose users row (home partition) a committed batch of ours has seen: the upsert
+        # of home partitions cost each batch an index probe per event for nothing.
+        self.known_users: set[str] = set()
         self.in_flight: InFlight | None = None
         self.abandoned = False  # a batch was given up (stopping with the ledger down): store no more offsets
 
@@ -255,19 +262,22 @@ class ConsumerLoop(threading.Thread):
             log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
         self._settle()
         if rows:
-            self.in_flight = InFlight(self.recorder.submit(self._record, rows), highest, len(rows))
+            users = {row[1] for row in rows}
+            unknown = sorted(users - self.known_users)
+            self.in_flight = InFlight(self.recorder.submit(self._record, rows, unknown), highest, len(rows), users)
         else:
             self._store_offsets(highest)
 
-    def _record(self, rows: list[tuple]) -> int | None:
+    def _record(self, rows: list[tuple], unknown_users: list[str]) -> int | None:
         """On the recorder thread: the batch in one transaction; how many events were new, or
-        None if the worker stopped while the ledger was unreachable."""
+        None if the worker stopped while the ledger was unreachable. Home partitions are
+        written only for ``unknown_users`` (those this process has not seen committed)."""
 
         def record(conn: psycopg.Connection) -> int:
             with conn.transaction():
                 with conn.cursor() as cur:
                     copy_rows(cur, rows)
-                    return cur.execute(Q.record_events).fetchone()["recorded"]
+                    return cur.execute(Q.record_events, {"unknown_users": unknown_users}).fetchone()["recorded"]
 
         try:
             return self._retrying("recording events", record)
@@ -286,6 +296,11 @@ class ConsumerLoop(threading.Thread):
             # stored, so all of it is read again next time.
             self.abandoned = True
             return
+        # Every user of a committed batch has its users row now (inserted or already there;
+        # rows are never deleted): later batches skip the upsert for them.
+        if len(self.known_users) > KNOWN_USERS_MAX:
+            self.known_users.clear()
+        self.known_users.update(batch.users)
         metrics.EVENTS_RECORDED.labels("new").inc(recorded)
         metrics.EVENTS_RECORDED.labels("duplicate").inc(batch.rows - recorded)
         self._store_offsets(batch.highest)

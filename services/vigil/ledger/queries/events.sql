@@ -14,10 +14,11 @@ COPY incoming_events (n, user_id, source, source_id, kind, payload, session_id, 
                       kafka_topic, kafka_partition, kafka_offset) FROM STDIN (FORMAT BINARY)
 
 -- name: record_events
--- One statement per polled batch: new users' home partitions (the partition of the first event seen, fixed from then on), then every event; the UNIQUE key drops every duplicate (retried webhook, redelivered message, replayed timer). Returns how many were new.
+-- One statement per polled batch: new users' home partitions (the partition of the first event seen, fixed from then on; only for %(unknown_users)s, those the worker has not seen committed), then every event; the UNIQUE key drops every duplicate (retried webhook, redelivered message, replayed timer). Returns how many were new.
 WITH new_users AS (
     INSERT INTO users (user_id, home_topic, home_partition)
     SELECT DISTINCT ON (user_id) user_id, kafka_topic, kafka_partition FROM incoming_events
+    WHERE user_id = ANY(%(unknown_users)s::text[])
     ORDER BY user_id, n
     ON CONFLICT (user_id) DO NOTHING
 ),
