@@ -100,21 +100,20 @@ async def claim(
     if that did not fill the pass, from the start up to ``cursor``. Every waiting user gets
     a turn within one round, and a pass reads only the users it looks at, not the whole
     backlog. A row whose attempts are exhausted is never claimed: it waits for
-    :func:`mark_dead`, which runs once per scan interval (it reads every pending row).
+    :func:`mark_dead`, which runs once per scan interval.
     """
     if not owned or max_users <= 0:
         return [], cursor
     params = {**_owned_params(owned), "busy": busy, "batch_max": batch_max, "window_s": window_s,
               "max_attempts": max_attempts}
-    origin = cursor
-    rows = await (await conn.execute(Q.claim, {**params, "after": origin, "until": None, "max_users": max_users})).fetchall()
-    if rows:
-        cursor = rows[0]["cursor"]
-    claims = _claims(rows)
-    if len(claims) < max_users and origin:
-        # Wrap around: the users up to where this pass started (all after it were looked at).
-        wrap = {**params, "after": "", "until": origin, "max_users": max_users - len(claims)}
-        rows = await (await conn.execute(Q.claim, wrap)).fetchall()
+    claims: list[Claim] = []
+    # The users after the cursor; then, wrapping around, those up to where this pass started.
+    ranges = [(cursor, None)] + ([("", cursor)] if cursor else [])
+    for after, until in ranges:
+        if len(claims) == max_users:
+            break
+        cur = await conn.execute(Q.claim, {**params, "after": after, "until": until, "max_users": max_users - len(claims)})
+        rows = await cur.fetchall()
         if rows:
             cursor = rows[0]["cursor"]
         claims += _claims(rows)

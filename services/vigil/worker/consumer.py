@@ -105,6 +105,8 @@ def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
 
 # Bound of the known-users set (about 100 bytes each); past it the set starts over.
 KNOWN_USERS_MAX = 500_000
+USER_COLUMN = 1  # a staging row's user_id (after n)
+
 
 class InFlight(NamedTuple):
     """A batch handed to the recorder thread and not yet settled."""
@@ -262,7 +264,7 @@ class ConsumerLoop(threading.Thread):
             log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
         self._settle()
         if rows:
-            users = {row[1] for row in rows}
+            users = {row[USER_COLUMN] for row in rows}
             unknown = sorted(users - self.known_users)
             self.in_flight = InFlight(self.recorder.submit(self._record, rows, unknown), highest, len(rows), users)
         else:

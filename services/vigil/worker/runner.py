@@ -3,9 +3,10 @@
 Runs are driven from the ledger, not from the poll loop: the consumer thread only records
 events and wakes this loop; a claim pass here picks whatever the claim rules allow for the
 partitions this worker owns, each run executes on its own task, and a finisher task commits
-finished runs together. A long run therefore never stalls polling, and events recorded by
-another worker's consumer (for a user whose home partition is ours), retries whose backoff
-ended, and claims recovered at takeover are found by the periodic pass.
+finished runs together. A long run therefore never stalls polling. Passes come when asked
+for (a batch window or a backoff ending, a free slot, a takeover) and every scan interval,
+which finds what this process was not told about: events recorded by another worker's
+consumer for a user whose home partition is ours, an operator's retry.
 """
 
 from __future__ import annotations
@@ -178,8 +179,8 @@ class Runner:
             owned = dict(self.owned)
             async with self.pool.connection() as conn:
                 dead = []
-                # Rule 2 reads every pending row, so it runs once per scan interval, not on
-                # every pass; the claim never takes an exhausted row in between.
+                # Rule 2 once per scan interval, not on every pass; the claim never takes an
+                # exhausted row in between.
                 if time.monotonic() >= self._next_dead_check:
                     self._next_dead_check = time.monotonic() + self.settings.scan_interval_s
                     dead = await mark_dead(conn, owned, self.settings.max_attempts)
