@@ -20,8 +20,8 @@ from support import query
 from vigil.agent.base import EventRow, OutMessage, RunResult
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
-from vigil.worker.claims import Claim, claim, mark_dead
-from vigil.worker.fencing import PartitionKey
+from vigil.worker.claims import Claim, alone_due, claim, claim_alone, mark_dead
+from vigil.worker.fencing import PartitionKey, take_over
 from vigil.worker.finish import Finished, _group_params
 
 HOME = PartitionKey("events", 0)
@@ -94,6 +94,91 @@ def _explain(ledger: str, sql: str, params: dict) -> int:
         plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params).fetchone()["QUERY PLAN"][0]["Plan"]
         conn.rollback()
     return _max_rows_per_node(plan)
+
+
+def crash_and_take_over(ledger: str) -> int:
+    """The worker holding HOME died: the next one takes over (epoch + 1) and hands back."""
+    with psycopg.connect(ledger, row_factory=dict_row) as conn:
+        epochs = take_over(conn, [HOME], "next-worker", 0.0, 0.0, 3)
+    query(ledger, "UPDATE events SET next_attempt_at = NULL")  # backoffs are not the point here
+    return epochs[HOME]
+
+
+def run_alone(ledger: str, epoch: int):
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            owned = {HOME: epoch}
+            return await alone_due(conn, owned, 3), await claim_alone(conn, owned, 3)
+
+    return asyncio.run(go())
+
+
+def test_only_an_event_that_ran_alone_can_die_of_a_crash(ledger):
+    """Claim rule 3: a crash takes every run in flight down. Three crashes caused by one
+    poison event once killed every event that happened to run beside it all three times."""
+    users = seed_pending(ledger, 3)
+    epoch = 1
+    for crash in (1, 2):  # two claims in company, each lost with the worker
+        claims, _ = claim_pass_at(ledger, epoch, 10)
+        assert sorted(c.user_id for c in claims) == users, f"crash {crash}: everyone was claimed together"
+        epoch = crash_and_take_over(ledger)
+    rows = query(ledger, "SELECT status, attempts, lost_claims FROM events ORDER BY user_id")
+    assert [(r["status"], r["attempts"], r["lost_claims"]) for r in rows] == [("pending", 2, 2)] * 3
+    # Their last attempts are not for the round robin: each runs alone, one at a time.
+    assert claim_pass_at(ledger, epoch, 10)[0] == []
+    due, lone = run_alone(ledger, epoch)
+    assert due is not None and lone is not None and lone.user_id == users[0] and lone.attempt == 3
+    # The worker dies again with this one alone: now the crash is its own, and it is dead.
+    epoch = crash_and_take_over(ledger)
+    dead = mark_dead_at(ledger, epoch)
+    assert [r["user_id"] for r in dead] == [users[0]]
+    assert "dead after 3 attempts" in dead[0]["error"]
+    # The others still get their lone last attempts.
+    due, lone = run_alone(ledger, epoch)
+    assert lone is not None and lone.user_id == users[1]
+
+
+def test_a_last_attempt_lost_in_company_is_not_counted(ledger):
+    """Events on their last attempt after two failures of their own, claimed together and
+    lost with their worker: nobody dies, and each gets its last attempt alone."""
+    users = seed_pending(ledger, 3)
+    query(ledger, "UPDATE events SET attempts = 2")
+    claims, _ = claim_pass_at(ledger, 1, 10)
+    assert sorted(c.user_id for c in claims) == users and {c.attempt for c in claims} == {3}
+    epoch = crash_and_take_over(ledger)
+    assert mark_dead_at(ledger, epoch) == []
+    rows = query(ledger, "SELECT status, attempts, lost_claims FROM events ORDER BY user_id")
+    assert [(r["status"], r["attempts"], r["lost_claims"]) for r in rows] == [("pending", 2, 1)] * 3
+    assert claim_pass_at(ledger, epoch, 10)[0] == []
+    assert run_alone(ledger, epoch)[1].user_id == users[0]
+
+
+def test_a_lone_attempt_keeps_its_users_order(ledger):
+    """Later events of the user wait behind the lone attempt; other users do not."""
+    seed_pending(ledger, 2)
+    query(ledger, """UPDATE events SET attempts = 2, lost_claims = 1 WHERE user_id = 'u00000'""")
+    query(ledger, """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at)
+                     VALUES ('u00000', 'chat', 'later', 'chat.message', now(), now() - interval '1 minute')""")
+    claims, _ = claim_pass_at(ledger, 1, 10)
+    assert [c.user_id for c in claims] == ["u00001"]
+    due, lone = run_alone(ledger, 1)
+    assert lone is not None and [e.source_id for e in lone.events] == ["u00000-1"]
+
+
+def claim_pass_at(ledger: str, epoch: int, max_users: int):
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            return await claim(conn, {HOME: epoch}, [], max_users, 50, 0.0, 3, "")
+
+    return asyncio.run(go())
+
+
+def mark_dead_at(ledger: str, epoch: int) -> list[dict]:
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            return await mark_dead(conn, {HOME: epoch}, 3)
+
+    return asyncio.run(go())
 
 
 def test_a_claim_pass_reads_what_it_claims_not_the_backlog(ledger):

@@ -42,6 +42,7 @@ CREATE TABLE events (
     kafka_topic     text,                                 -- Kafka coordinates of the first copy, for audit
     kafka_partition integer,
     kafka_offset    bigint,
+    lost_claims     integer     NOT NULL DEFAULT 0,       -- claims lost with their worker (crash, freeze): see claim rule 3
     CONSTRAINT events_dedup_key UNIQUE (user_id, source, source_id),
     CONSTRAINT events_status_valid CHECK (status IN ('pending', 'running', 'done', 'dead')),
     CONSTRAINT events_finished_iff_terminal CHECK ((status IN ('done', 'dead')) = (finished_at IS NOT NULL)),

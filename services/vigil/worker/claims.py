@@ -9,6 +9,14 @@
    all fresh pending rows of the user up to ``batch_max`` are claimed together, once the
    oldest has waited out the batch window (three quick chat messages: one run, one reply).
    Later fresh rows wait behind a retry, so runs follow event order per user.
+   **The last attempt of an event lost with its worker before runs alone**
+   (:func:`claim_alone`): the runner claims it only with no other run in flight and claims
+   nothing else until it finishes. A crash takes down every run in flight, and each lost
+   claim counted an attempt; so the takeover never lets a claim lost in company use up an
+   event's last attempt (query ``hand_back_stale_claims``), and a crash becomes an event's
+   death only when the event ran alone. A poison event that kills its worker therefore dies
+   after ``max_attempts`` claims, the last of them alone, and the events that happened to
+   run beside it lose at most ``max_attempts - 1`` attempts, never their lives.
 4. No claim for a user who already has a ``running`` row under the current epoch.
 
 Attempts are counted at claim time, because a worker that crashes mid-run records nothing.
@@ -81,6 +89,24 @@ async def mark_dead(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int
         return []
     cur = await conn.execute(Q.mark_exhausted_dead, {**_owned_params(owned), "max_attempts": max_attempts})
     return await cur.fetchall()
+
+
+async def alone_due(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int) -> datetime | None:
+    """When the first last attempt that must run alone may be claimed; None if none waits."""
+    if not owned:
+        return None
+    cur = await conn.execute(Q.alone_due, {**_owned_params(owned), "max_attempts": max_attempts})
+    row = await cur.fetchone()
+    return row["at"] if row else None
+
+
+async def claim_alone(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int) -> Claim | None:
+    """Rule 3's lone last attempt: one such row, for a runner with nothing else in flight."""
+    if not owned:
+        return None
+    cur = await conn.execute(Q.claim_alone, {**_owned_params(owned), "max_attempts": max_attempts})
+    claims = _claims(await cur.fetchall())
+    return claims[0] if claims else None
 
 
 async def claim(

@@ -171,7 +171,8 @@ class ConsumerLoop(threading.Thread):
         self._settle()
         epochs = self._retrying(
             "takeover",
-            lambda conn: take_over(conn, keys, self.settings.instance_id, self.settings.backoff_base_s, self.settings.backoff_cap_s),
+            lambda conn: take_over(conn, keys, self.settings.instance_id, self.settings.backoff_base_s, self.settings.backoff_cap_s,
+                                   self.settings.max_attempts),
         )
         self.assigned.update(keys)
         self._call_runner(self.runner.assign(epochs))

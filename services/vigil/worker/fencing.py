@@ -7,6 +7,8 @@ Each topic partition has a row in ``partitions`` with an ``epoch``:
    increments the partition's epoch in one transaction (:func:`take_over`) and hands every
    event left ``running`` under an older epoch back to ``pending``: the worker that claimed
    it lost the partition, maybe by crashing, maybe by freezing past its session timeout.
+   The lost claim counts as an attempt, but never as the last one unless the event ran
+   alone (claim rule 3 in :mod:`vigil.worker.claims`).
 2. **Claims and finishes are fenced.** Both lock the partition row ``FOR SHARE`` and check
    ``epoch = my_epoch`` (queries ``claim``, ``lock_epochs``). The takeover's ``UPDATE`` of that
    row therefore waits for in-flight claims and finishes, and once it commits, every later
@@ -47,6 +49,7 @@ def take_over(
     holder: str,
     backoff_base_s: float,
     backoff_cap_s: float,
+    max_attempts: int,
 ) -> dict[PartitionKey, int]:
     """Rule 1, for every newly assigned partition in one transaction. Returns the new epochs.
 
@@ -69,6 +72,7 @@ def take_over(
                     "epoch": epoch,
                     "backoff_base": backoff_base_s,
                     "backoff_cap": backoff_cap_s,
+                    "max_attempts": max_attempts,
                 },
             ).fetchall()
             epochs[key] = epoch

@@ -28,6 +28,10 @@ RELEASED = Counter("vigil_claims_released_total", "Claims handed back without co
 HANDED_BACK = Counter(
     "vigil_claims_recovered_total", "Claims of a worker that lost its partition, handed back to pending at takeover."
 )
+LONE_RUNS = Counter(
+    "vigil_lone_runs_total",
+    "Last attempts of events lost with their worker before, run with nothing else in flight (claim rule 3).",
+)
 EPOCHS_HELD = Gauge("vigil_partition_epochs_held", "Partitions this worker owns (fencing epochs held).")
 CONSUMER_LAG = Gauge("vigil_consumer_lag_messages", "Messages behind the partition's high watermark.", ["partition"])
 OLDEST_PENDING = Gauge(

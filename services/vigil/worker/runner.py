@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 from vigil.agent.base import Agent, RetryLater, RunContext
 from vigil.ledger.queries import Q
 from vigil.worker import metrics
-from vigil.worker.claims import Claim, claim, claim_more, mark_dead
+from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead
 from vigil.worker.context import load_context
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, backoff_seconds, commit_finished
@@ -47,6 +47,7 @@ class Active:
     claim: Claim
     task: asyncio.Task | None = None
     folded: list = field(default_factory=list)
+    alone: bool = False  # a lost event's last attempt: nothing else runs beside it
 
 
 class Runner:
@@ -64,6 +65,7 @@ class Runner:
         self._pass_now = False
         self._next_scan = 0.0
         self._next_dead_check = 0.0
+        self._alone_at: datetime | None = None  # when a last attempt that must run alone is due
         self._stopping = False
         self._claim_lock = asyncio.Lock()
         self._cursor = ""  # round-robin position among waiting users (see claims.claim)
@@ -179,15 +181,13 @@ class Runner:
             owned = dict(self.owned)
             async with self.pool.connection() as conn:
                 dead = []
-                # Rule 2 once per scan interval, not on every pass; the claim never takes an
-                # exhausted row in between.
+                # Rule 2 and the look for lone last attempts once per scan interval, not on
+                # every pass; the claim never takes an exhausted or lone row in between.
                 if time.monotonic() >= self._next_dead_check:
                     self._next_dead_check = time.monotonic() + self.settings.scan_interval_s
                     dead = await mark_dead(conn, owned, self.settings.max_attempts)
-                claims, self._cursor = await claim(
-                    conn, owned, list(self.active), free, self.settings.batch_max, self.settings.batch_window_s,
-                    self.settings.max_attempts, self._cursor,
-                )
+                    self._alone_at = await alone_due(conn, owned, self.settings.max_attempts)
+                claims, alone = await self._claim(conn, owned, free)
         if dead:
             metrics.EVENTS_DEAD.inc(len(dead))
             await asyncio.to_thread(self.dead_letters.publish_dead, dead)
@@ -195,12 +195,38 @@ class Runner:
             metrics.CLAIM_BATCH.observe(len(c.events))
             for event in c.events:
                 metrics.CLAIM_ATTEMPTS.labels(str(min(event.attempts, 3)) if event.attempts < 3 else "3+").inc()
-            active = Active(c)
+            active = Active(c, alone=alone)
             self.active[c.user_id] = active
             active.task = asyncio.create_task(self._run(active), name=f"run-{c.user_id}")
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         if len(claims) == free:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us
+
+    async def _claim(self, conn, owned: dict[PartitionKey, int], free: int) -> tuple[list[Claim], bool]:
+        """Claim rule 3's lone last attempts before anything else, then the round robin.
+        Returns the claims and whether they are a lone attempt."""
+        if any(a.alone for a in self.active.values()):
+            return [], False  # nothing runs beside a lone attempt
+        if self._alone_at is not None:
+            wait_s = (self._alone_at - datetime.now(timezone.utc)).total_seconds()
+            if wait_s > 0:
+                self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
+            elif self.active:
+                return [], False  # drain: each finishing run wakes a pass; the last one empties the worker
+            else:
+                lone = await claim_alone(conn, owned, self.settings.max_attempts)
+                self._next_dead_check = 0.0  # after it: dead? another one waiting?
+                if lone is not None:
+                    metrics.LONE_RUNS.inc()
+                    log.warning("event %d runs alone: its last attempt, and a worker was lost with it before",
+                                lone.events[0].id)
+                    return [lone], True
+                self._alone_at = None
+        claims, self._cursor = await claim(
+            conn, owned, list(self.active), free, self.settings.batch_max, self.settings.batch_window_s,
+            self.settings.max_attempts, self._cursor,
+        )
+        return claims, False
 
     async def _run(self, active: Active) -> None:
         c = active.claim

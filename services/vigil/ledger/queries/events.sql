@@ -105,7 +105,7 @@ waiting AS (
         WHERE u.user_id = p.user_id LIMIT 1
     ) o
     CROSS JOIN LATERAL (
-        SELECT e.attempts, e.next_attempt_at, e.recorded_at FROM events e
+        SELECT e.attempts, e.lost_claims, e.next_attempt_at, e.recorded_at FROM events e
         WHERE e.user_id = p.user_id AND e.status = 'pending' ORDER BY e.id LIMIT 1
     ) f
     WHERE p.user_id IS NOT NULL
@@ -113,8 +113,10 @@ waiting AS (
       AND coalesce(f.next_attempt_at, now()) <= now()
       AND CASE WHEN f.attempts > 0
                -- Rule 3: the oldest pending row is a retry whose backoff ended. Rule 2: never
-               -- one whose attempts are exhausted (mark_exhausted_dead makes it dead).
-               THEN f.attempts < %(max_attempts)s
+               -- one whose attempts are exhausted (mark_exhausted_dead makes it dead). Never
+               -- the last attempt of a row lost with its worker before: that one runs alone
+               -- (claim_alone).
+               THEN f.attempts < %(max_attempts)s AND NOT (f.lost_claims > 0 AND f.attempts = %(max_attempts)s - 1)
                -- Fresh rows once the oldest has waited out the batch window (quick messages share one run).
                ELSE f.recorded_at <= now() - make_interval(secs => %(window_s)s) END
       AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch
@@ -152,6 +154,54 @@ claimed AS (
 -- The next pass starts after the last user claimed here, in the ledger's own text order.
 SELECT claimed.*, max(user_id) OVER () AS cursor FROM claimed
 
+-- name: alone_due
+-- Claim rule 3, the last attempt of an event lost with its worker before: when the first of these (on the owned partitions, at the user's turn: its oldest pending row) may be claimed. NULL: none waits.
+WITH owned AS (
+    SELECT p.topic, p.partition FROM partitions p
+    JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+      ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+)
+SELECT min(coalesce(e.next_attempt_at, now())) AS at
+FROM events e
+-- Through events_retries (its predicate spelled out): the tried rows only.
+WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
+  AND EXISTS (SELECT 1 FROM users u JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+              WHERE u.user_id = e.user_id)
+  AND NOT EXISTS (SELECT 1 FROM events o WHERE o.user_id = e.user_id AND o.status = 'pending' AND o.id < e.id)
+
+-- name: claim_alone
+-- Claim rule 3, the last attempt of an event lost with its worker before: one such row, claimed by a worker with no other run in flight (the runner sees to that), so that if it crashes the worker again, the crash is its own and no other event pays an attempt for it.
+WITH owned AS (
+    -- FOR SHARE, as in claim: fenced by the epochs, locks in one global order.
+    SELECT p.topic, p.partition, p.epoch FROM partitions p
+    JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+      ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+    ORDER BY p.topic, p.partition
+    FOR SHARE OF p
+),
+chosen AS MATERIALIZED (
+    SELECT e.id, e.status, o.topic, o.partition, o.epoch
+    FROM events e
+    CROSS JOIN LATERAL (
+        SELECT o.topic, o.partition, o.epoch FROM users u
+        JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+        WHERE u.user_id = e.user_id LIMIT 1
+    ) o
+    WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
+      AND coalesce(e.next_attempt_at, now()) <= now()
+      -- At the user's turn (runs follow event order per user) and no run of the user (rule 4).
+      AND NOT EXISTS (SELECT 1 FROM events b WHERE b.user_id = e.user_id AND b.status = 'pending' AND b.id < e.id)
+      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
+    ORDER BY e.next_attempt_at NULLS FIRST, e.id
+    LIMIT 1
+)
+UPDATE events e
+SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
+FROM chosen c
+WHERE e.id = c.id AND e.status = c.status
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
+
 -- name: backoff_ends
 -- When rows of these partitions that wait out a backoff become claimable: read once at takeover, whose hand-back set backoffs this process did not choose (the runner wakes at each; its own failures it times itself).
 SELECT DISTINCT e.next_attempt_at AS at
@@ -172,7 +222,7 @@ WITH owned AS (
 )
 UPDATE events e
 SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now()
-WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0
+WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0 AND e.lost_claims = 0
   AND e.source = ANY(%(sources)s) AND e.session_id IS NULL
   AND EXISTS (SELECT 1 FROM owned)
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
@@ -206,7 +256,7 @@ FROM events WHERE status = 'dead' ORDER BY finished_at DESC, id DESC LIMIT %(lim
 -- name: dead_retry
 -- An operator sends dead events back: pending, attempts reset, who and when recorded.
 UPDATE events
-SET status = 'pending', attempts = 0, transient_failures = 0, finished_at = NULL, next_attempt_at = NULL,
+SET status = 'pending', attempts = 0, transient_failures = 0, lost_claims = 0, finished_at = NULL, next_attempt_at = NULL,
     claim_epoch = NULL, retried_by = %(actor)s, retried_at = now()
 WHERE id = ANY(%(ids)s) AND status = 'dead'
 RETURNING id, user_id

@@ -9,10 +9,14 @@ SET epoch = p.epoch + 1, holder = EXCLUDED.holder, acquired_at = now()
 RETURNING epoch
 
 -- name: hand_back_stale_claims
--- Claims made under an older epoch of this partition belong to a worker that lost it: back to pending, with a backoff (their attempt counts: the worker may have crashed on them).
+-- Claims made under an older epoch of this partition belong to a worker that lost it: back to pending, with a backoff. Their attempt counts (the worker may have crashed on them), except that a claim lost in company never uses up the last attempt: only a claim that ran alone (an event lost before, on its last attempt: claim rule 3) can make a crash an event's death.
 UPDATE events e
 SET status = 'pending',
     claim_epoch = NULL,
+    -- attempts >= max after a claim means the claim was for the last attempt; it ran alone
+    -- exactly when the event had been lost before (the claim rules choose so).
+    attempts = CASE WHEN e.attempts >= %(max_attempts)s AND e.lost_claims = 0 THEN %(max_attempts)s - 1 ELSE e.attempts END,
+    lost_claims = e.lost_claims + 1,
     error = 'claim abandoned: its worker lost partition ' || %(partition)s || ' (epoch ' || e.claim_epoch || ')',
     next_attempt_at = now() + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
 FROM users u
