@@ -263,5 +263,5 @@ RETURNING id, user_id
 
 -- name: inbox
 -- A user's events and their states, newest first.
-SELECT id, source, source_id, kind, status, attempts, claim_epoch, error, received_at, recorded_at, finished_at, run_id
+SELECT id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at, recorded_at, finished_at, run_id
 FROM events WHERE user_id = %(user_id)s ORDER BY id DESC LIMIT %(limit)s
