@@ -141,6 +141,8 @@ CREATE INDEX outbox_undelivered ON outbox (user_id, id) WHERE status IN ('pendin
 -- The dispatcher finishes a delivery by its id; operators list dead deliveries newest first.
 CREATE INDEX outbox_by_delivery ON outbox (delivery_id) WHERE delivery_id IS NOT NULL;
 CREATE INDEX outbox_dead ON outbox (dead_at) WHERE status = 'dead';
+-- Retention deletes old runs: the foreign key's check and the prune find their outbox rows here.
+CREATE INDEX outbox_by_run ON outbox (run_id);
 -- Past messages for the agent's context come from delivered rows.
 CREATE INDEX outbox_delivered_by_user ON outbox (user_id, delivered_at) WHERE status = 'delivered';
 

@@ -27,13 +27,22 @@ def scheduler_command() -> None:
     producer = EventProducer(settings)
     scheduler = Scheduler(settings, producer)
     log.info(
-        "scheduler up: topic %s, tick %.1f s, batch %d, grace %d s, each cap %d",
+        "scheduler up: topic %s, tick %.1f s, batch %d, grace %d s, each cap %d, retention %s",
         settings.events_topic,
         settings.scheduler_tick_s,
         settings.scheduler_batch_size,
         settings.scheduler_grace_s,
         settings.scheduler_each_cap,
+        f"{settings.retention_days:g} days" if settings.retention_days else "off",
     )
+    from vigil.ledger.retention import Pruner
+    from vigil.scheduler import metrics
+
+    def pruned(counts: dict[str, int]) -> None:
+        for table, n in counts.items():
+            metrics.PRUNED.labels(table).inc(n)
+
+    Pruner(settings.dsn, settings.retention_days, stopping, on_pruned=pruned).start()
     try:
         scheduler.run(stopping, on_health=lambda ok: readiness.set("passes", ok))
     finally:

@@ -53,3 +53,8 @@ APPROVAL_EXPIRIES = Counter(
     "already answered, unknown request).",
     ["outcome"],
 )
+PRUNED = Counter(
+    "vigil_ledger_pruned_rows_total",
+    "Rows retention deleted from the ledger (finished events, delivered or dead outbox rows, runs, done timers).",
+    ["table"],
+)

@@ -16,6 +16,10 @@ DEFAULT_TICK_S = 1.0
 # seconds, small enough that one broker round trip per batch stays well under the
 # statement timeout and a crash re-produces little.
 DEFAULT_BATCH_SIZE = 200
+# Finished work is kept a month; a duplicate is recognised for a week (GitHub and Stripe
+# retry webhooks for up to three days).
+DEFAULT_RETENTION_DAYS = 30.0
+DEFAULT_DEDUP_WINDOW_DAYS = 7.0
 # An escalated approval asks again and waits this long before the deadline policy denies.
 DEFAULT_ESCALATE_AFTER_S = 3600
 
@@ -58,6 +62,21 @@ class SchedulerSettings(CommonSettings):
         description="An approval whose policy is `escalate` is asked again at its deadline with a new deadline this "
         "many seconds later, then denied.",
     )
+    retention_days: float = Field(
+        DEFAULT_RETENTION_DAYS,
+        ge=0,
+        le=3650,
+        description="Finished events, delivered or dead outbox messages, their runs and done timers are deleted "
+        "this many days after they finished (the scheduler prunes hourly). 0 keeps everything. At least the dedup "
+        "window.",
+    )
+    dedup_window_days: float = Field(
+        DEFAULT_DEDUP_WINDOW_DAYS,
+        gt=0,
+        le=3650,
+        description="A redelivered or retried event is recognised as a duplicate at least this long after it was "
+        "recorded (longer than any webhook provider retries); retention may not delete its key sooner.",
+    )
     scheduler_crash_after_produce: bool = Field(
         False,
         description="Test hook: SIGKILL the scheduler after the broker acknowledged a pass's events and before the "
@@ -72,4 +91,13 @@ class SchedulerSettings(CommonSettings):
             # Otherwise a timer found one tick late would count as missed, and `skip`
             # timers would drop occurrences depending on the tick's phase.
             raise ValueError(f"must be at least VIGIL_SCHEDULER_TICK_S ({tick:g} s)")
+        return value
+
+    @field_validator("dedup_window_days")
+    @classmethod
+    def _retention_keeps_the_window(cls, value: float, info: ValidationInfo) -> float:
+        retention = info.data.get("retention_days")
+        if retention and retention < value:
+            # Deleting an event deletes its dedup key: a retry after that would run again.
+            raise ValueError(f"VIGIL_RETENTION_DAYS ({retention:g}) must be at least the dedup window ({value:g} days)")
         return value

@@ -1,0 +1,99 @@
+"""Retention: finished work older than VIGIL_RETENTION_DAYS leaves the ledger, nothing else
+does, and retention can never be shorter than the dedup window."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from support import query, scalar, wait_for
+from vigil.ledger.db import connect
+from vigil.ledger.retention import prune
+from vigil.scheduler.settings import SchedulerSettings
+from vigil.settings import SettingsError, load
+from worker_support import metric
+
+
+def seed(dsn: str) -> None:
+    """Per table, rows old and finished (to go), and rows young or unfinished (to stay)."""
+    old, young = "now() - interval '40 days'", "now() - interval '1 day'"
+    query(dsn, f"""
+        INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status, finished_at, attempts,
+                            claim_epoch)
+        VALUES ('u', 'chat', 'old-done-1', 'chat.message', {old}, {old}, 'done', {old}, 1, 1),
+               ('u', 'chat', 'old-done-2', 'chat.message', {old}, {old}, 'done', {old}, 1, 1),
+               ('u', 'chat', 'old-done-3', 'chat.message', {old}, {old}, 'done', {old}, 1, 1),
+               ('u', 'chat', 'old-dead', 'chat.message', {old}, {old}, 'dead', {old}, 3, 1),
+               ('u', 'chat', 'young-done', 'chat.message', {young}, {young}, 'done', {young}, 1, 1),
+               ('u', 'chat', 'old-pending', 'chat.message', {old}, {old}, 'pending', NULL, 0, NULL),
+               ('u', 'chat', 'old-running', 'chat.message', {old}, {old}, 'running', NULL, 1, 1)""")
+    query(dsn, f"""
+        INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)
+        VALUES ('u', 'events', 0, 1, 'w', '{{1}}', {old}, {old}, 'message'),      -- its message delivered: goes
+               ('u', 'events', 0, 1, 'w', '{{2}}', {old}, {old}, 'message'),      -- its message still pending: stays
+               ('u', 'events', 0, 1, 'w', '{{3}}', {old}, {old}, 'nothing'),      -- no message: goes
+               ('u', 'events', 0, 1, 'w', '{{5}}', {young}, {young}, 'nothing')   -- young: stays""")
+    runs = [r["id"] for r in query(dsn, "SELECT id FROM runs ORDER BY id")]
+    query(dsn, f"""
+        INSERT INTO outbox (user_id, run_id, epoch, body, created_at, status, delivered_at, dead_at)
+        VALUES ('u', {runs[0]}, 1, 'delivered long ago', {old}, 'delivered', {old}, NULL),
+               ('u', {runs[1]}, 1, 'still to deliver', {old}, 'pending', NULL, NULL),
+               ('u', {runs[0]}, 1, 'given up long ago', {old}, 'dead', NULL, {old})""")
+    query(dsn, f"""
+        INSERT INTO timers (id, user_id, kind, due, done, updated_at)
+        VALUES ('fired', 'u', 'followup', date_trunc('second', {old}), true, {old}),
+               ('live', 'u', 'followup', date_trunc('second', now()) + interval '1 day', false, {old}),
+               ('fired-lately', 'u', 'followup', date_trunc('second', {young}), true, {young})""")
+
+
+def left(dsn: str) -> dict[str, list]:
+    return {
+        "events": [r["source_id"] for r in query(dsn, "SELECT source_id FROM events ORDER BY id")],
+        "outbox": [r["body"] for r in query(dsn, "SELECT body FROM outbox ORDER BY id")],
+        "runs": [r["event_ids"][0] for r in query(dsn, "SELECT event_ids FROM runs ORDER BY id")],
+        "timers": [r["id"] for r in query(dsn, "SELECT id FROM timers ORDER BY id")],
+    }
+
+
+KEPT = {
+    "events": ["young-done", "old-pending", "old-running"],
+    "outbox": ["still to deliver"],
+    "runs": [2, 5],
+    "timers": ["fired-lately", "live"],
+}
+
+
+def test_prune_deletes_finished_work_past_retention_and_nothing_else(ledger):
+    seed(ledger)
+    with connect(ledger, autocommit=True) as conn:
+        # Batches of two: the old events take two batches, the loop must go on after a full one.
+        counts = prune(conn, 30, batch=2)
+    assert counts == {"events": 4, "outbox": 2, "runs": 2, "timers": 1}
+    assert left(ledger) == KEPT
+    with connect(ledger, autocommit=True) as conn:
+        assert prune(conn, 30) == {"events": 0, "outbox": 0, "runs": 0, "timers": 0}
+
+
+def test_retention_shorter_than_the_dedup_window_is_refused(monkeypatch):
+    monkeypatch.setenv("VIGIL_RETENTION_DAYS", "3")
+    with pytest.raises(SettingsError) as caught:
+        load(SchedulerSettings)
+    assert "VIGIL_DEDUP_WINDOW_DAYS" in str(caught.value) and "VIGIL_RETENTION_DAYS (3)" in str(caught.value)
+    monkeypatch.setenv("VIGIL_RETENTION_DAYS", "0")  # off: nothing is deleted, any window is fine
+    assert load(SchedulerSettings).retention_days == 0
+    result = subprocess.run([sys.executable, "-m", "vigil", "scheduler"],
+                            env={"PATH": "/usr/bin:/bin", "VIGIL_RETENTION_DAYS": "3"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "VIGIL_DEDUP_WINDOW_DAYS" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_scheduler_prunes_at_start(stack, ledger, topics, vigil_env, spawn):
+    seed(ledger)
+    env = {**vigil_env, "VIGIL_SCHEDULER_TICK_S": "0.2"}
+    port = int(env["VIGIL_SCHEDULER_PORT"])
+    spawn(["scheduler"], env, name="scheduler").wait_healthy(port)
+    wait_for(lambda: left(ledger) == KEPT, 30, "old finished work pruned", interval=0.2)
+    wait_for(lambda: metric(port, 'vigil_ledger_pruned_rows_total{table="events"}') == 4, 10, "prune counted")
+    assert scalar(ledger, "SELECT count(*) FROM events") == 3
