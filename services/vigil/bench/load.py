@@ -73,6 +73,18 @@ class BenchProducer:
             producer_config(settings, **{"delivery.report.only.error": True, "on_delivery": self._on_delivery})
         )
 
+    def close(self) -> None:
+        """Flush and close: a producer left to the garbage collector outlives the bench's
+        broker and fills the end of the output with connection-refused lines."""
+        self.producer.flush(10)
+        self.producer.close()
+
+    def __enter__(self) -> "BenchProducer":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def _on_delivery(self, err, _msg) -> None:
         if err is not None:
             self.errors.append(err)

@@ -65,14 +65,14 @@ def record(stack: BenchStack, plan: Plan, report: Report) -> Figure:
             conn.execute(B.foreign_home_users, {"topic": FOREIGN_TOPIC, "user_ids": [load.user_id(i, plan.users) for i in range(plan.users)]})
         with Workers(stack, dsn, topics, 1) as workers:
             workers.wait_ready()
-            producer = load.BenchProducer(stack.bootstrap, topics.events)
-            for round_ in range(plan.rounds):
-                messages = load.encoded(plan.record_events, plan.users, f"rec{round_}")
-                before = workers.metric(RECORDED_NEW, 'result="new"')
-                background = producer.in_thread(producer.blast, messages)
-                finished = _wait_recorded(workers, before, len(messages), f"round {round_}")
-                produced = background.result()
-                samples.append(len(messages) / (finished - produced.started))
+            with load.BenchProducer(stack.bootstrap, topics.events) as producer:
+                for round_ in range(plan.rounds):
+                    messages = load.encoded(plan.record_events, plan.users, f"rec{round_}")
+                    before = workers.metric(RECORDED_NEW, 'result="new"')
+                    background = producer.in_thread(producer.blast, messages)
+                    finished = _wait_recorded(workers, before, len(messages), f"round {round_}")
+                    produced = background.result()
+                    samples.append(len(messages) / (finished - produced.started))
     return report.add(Figure("record_events_per_s", samples, note=f"1 worker, {plan.users} users, no runs"))
 
 
@@ -205,36 +205,44 @@ def _percentile(sorted_values: list[float], pct: float) -> float:
 
 
 def end_to_end(stack: BenchStack, plan: Plan, report: Report, record_rate: float) -> None:
-    window = f"window {plan.default_window_ms} ms"
     with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
         e2e = EndToEnd(stack, plan, dsn, topics, plan.users)
-        with Workers(stack, dsn, topics, 1) as workers:
-            workers.wait_ready()
-            events, runs, per_run, _ = e2e.throughput(workers, record_rate)
-            note = f"1 worker, {plan.users} users, {window}, {statistics.median(per_run):.1f} events per run"
-            one = report.add(Figure("e2e_events_per_s", events, note=note)).value
-            report.add(Figure("e2e_runs_per_s", runs, note=note))
-            half = one / 2
-            p50, p99 = e2e.latency(workers, half)
-            note = f"offered {half:.0f} events/s, 1 worker, {window}"
-            report.add(Figure("e2e_latency_p50_ms", p50, note=note))
-            report.add(Figure("e2e_latency_p99_ms", p99, note=note))
-            workers.add()
-            workers.wait_ready()
-            # Two workers are offered at least what saturates one: whatever they finish of it.
-            events2, _, per_run2, _ = e2e.throughput(workers, SATURATE * one, floor=SATURATE * one)
-            two = statistics.median(events2)
-            report.add(Figure("e2e_2_workers_events_per_s", events2,
-                              note=f"2 workers, {window}, {statistics.median(per_run2):.1f} events per run"))
-            report.add(Figure("scale_2_workers_ratio", [e / one for e in events2],
-                              note=f"median {two:.0f} over {one:.0f} events/s"))
-        small = f"window {plan.small_window_ms} ms"
-        with Workers(stack, dsn, topics, 1, VIGIL_BATCH_WINDOW_MS=str(plan.small_window_ms)) as workers:
-            workers.wait_ready()
-            p50, p99 = e2e.latency(workers, half)
-            note = f"offered {half:.0f} events/s, 1 worker, {small}"
-            report.add(Figure(f"e2e_latency_p50_ms_window_{plan.small_window_ms}ms", p50, note=note))
-            report.add(Figure(f"e2e_latency_p99_ms_window_{plan.small_window_ms}ms", p99, note=note))
+        try:
+            _end_to_end(stack, plan, report, e2e, record_rate)
+        finally:
+            e2e.producer.close()
+
+
+def _end_to_end(stack: BenchStack, plan: Plan, report: Report, e2e: EndToEnd, record_rate: float) -> None:
+    window = f"window {plan.default_window_ms} ms"
+    dsn, topics = e2e.dsn, e2e.topics
+    with Workers(stack, dsn, topics, 1) as workers:
+        workers.wait_ready()
+        events, runs, per_run, _ = e2e.throughput(workers, record_rate)
+        note = f"1 worker, {plan.users} users, {window}, {statistics.median(per_run):.1f} events per run"
+        one = report.add(Figure("e2e_events_per_s", events, note=note)).value
+        report.add(Figure("e2e_runs_per_s", runs, note=note))
+        half = one / 2
+        p50, p99 = e2e.latency(workers, half)
+        note = f"offered {half:.0f} events/s, 1 worker, {window}"
+        report.add(Figure("e2e_latency_p50_ms", p50, note=note))
+        report.add(Figure("e2e_latency_p99_ms", p99, note=note))
+        workers.add()
+        workers.wait_ready()
+        # Two workers are offered at least what saturates one: whatever they finish of it.
+        events2, _, per_run2, _ = e2e.throughput(workers, SATURATE * one, floor=SATURATE * one)
+        two = statistics.median(events2)
+        report.add(Figure("e2e_2_workers_events_per_s", events2,
+                          note=f"2 workers, {window}, {statistics.median(per_run2):.1f} events per run"))
+        report.add(Figure("scale_2_workers_ratio", [e / one for e in events2],
+                          note=f"median {two:.0f} over {one:.0f} events/s"))
+    small = f"window {plan.small_window_ms} ms"
+    with Workers(stack, dsn, topics, 1, VIGIL_BATCH_WINDOW_MS=str(plan.small_window_ms)) as workers:
+        workers.wait_ready()
+        p50, p99 = e2e.latency(workers, half)
+        note = f"offered {half:.0f} events/s, 1 worker, {small}"
+        report.add(Figure(f"e2e_latency_p50_ms_window_{plan.small_window_ms}ms", p50, note=note))
+        report.add(Figure(f"e2e_latency_p99_ms_window_{plan.small_window_ms}ms", p99, note=note))
 
 
 # -- memory ------------------------------------------------------------------------------
@@ -245,14 +253,14 @@ def memory(stack: BenchStack, plan: Plan, report: Report, rate: float) -> None:
         with Workers(stack, dsn, topics, 1) as workers:
             workers.wait_ready()
             worker = workers.procs[0]
-            producer = load.BenchProducer(stack.bootstrap, topics.events)
-            background = producer.in_thread(producer.paced, rate, plan.memory_seconds, plan.memory_users, "mem")
             samples = []
-            while background.is_alive():
-                workers.check()
-                samples.append(worker.rss_mb())
-                time.sleep(RSS_SAMPLE_S)
-            background.result()
+            with load.BenchProducer(stack.bootstrap, topics.events) as producer:
+                background = producer.in_thread(producer.paced, rate, plan.memory_seconds, plan.memory_users, "mem")
+                while background.is_alive():
+                    workers.check()
+                    samples.append(worker.rss_mb())
+                    time.sleep(RSS_SAMPLE_S)
+                background.result()
     third = max(1, len(samples) // 3)
     settled = samples[third:]
     middle, last = samples[third : 2 * third], samples[2 * third :]

@@ -45,8 +45,8 @@ def raw_kafka(stack: BenchStack, plan: Plan, report: Report) -> Figure:
                 if reader.stdout.readline().strip() != "ready":
                     reader.kill()
                     raise RuntimeError(f"the raw consumer did not start: {reader.stderr.read()[-500:]}")
-                producer = load.BenchProducer(stack.bootstrap, topics.events)
-                produced = producer.blast(messages)
+                with load.BenchProducer(stack.bootstrap, topics.events) as producer:
+                    produced = producer.blast(messages)
                 out, _ = reader.communicate(timeout=180)
             finally:
                 if reader.poll() is None:
