@@ -56,6 +56,16 @@ CREATE INDEX events_running_by_user ON events (user_id) WHERE status = 'running'
 CREATE INDEX events_dead ON events (finished_at) WHERE status = 'dead';
 -- Claim rule 2 finds exhausted rows among the retries only (a handful, whatever the backlog).
 CREATE INDEX events_retries ON events (user_id) WHERE status = 'pending' AND attempts > 0;
+-- A queue table: vacuumed after a few thousand dead rows, whatever its size (the claim walks
+-- the partial indexes, which keep dead entries until VACUUM; see migration 0009).
+ALTER TABLE events SET (
+    autovacuum_vacuum_scale_factor = 0.0,
+    autovacuum_vacuum_threshold = 5000,
+    autovacuum_vacuum_insert_scale_factor = 0.0,
+    autovacuum_vacuum_insert_threshold = 20000,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0
+);
 
 -- partitions: the fencing token of each topic partition. A worker that is assigned a
 -- partition increments epoch; claims and finishes lock this row FOR SHARE and compare.
@@ -143,6 +153,11 @@ CREATE INDEX outbox_by_delivery ON outbox (delivery_id) WHERE delivery_id IS NOT
 CREATE INDEX outbox_dead ON outbox (dead_at) WHERE status = 'dead';
 -- Retention deletes old runs: the foreign key's check and the prune find their outbox rows here.
 CREATE INDEX outbox_by_run ON outbox (run_id);
+ALTER TABLE outbox SET (
+    autovacuum_vacuum_scale_factor = 0.0,
+    autovacuum_vacuum_threshold = 5000,
+    autovacuum_vacuum_cost_delay = 0
+);
 -- Past messages for the agent's context come from delivered rows.
 CREATE INDEX outbox_delivered_by_user ON outbox (user_id, delivered_at) WHERE status = 'delivered';
 
