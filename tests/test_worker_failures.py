@@ -101,6 +101,40 @@ def test_poison_event_dies_after_three_claims_without_muting_others(stack, topic
     assert_runs_consistent(ledger)
 
 
+@pytest.mark.partitions(1)
+def test_a_lone_attempt_waits_for_runs_in_flight_only_so_long(stack, topics, ledger, vigil_env, spawn):
+    """A lost event's last attempt runs alone, but a run that takes minutes must not stall
+    the worker for minutes: after VIGIL_LONE_DRAIN_S it is cancelled and released (its
+    attempt given back), the lone attempt runs, and the released run comes back after."""
+    # An event lost with a crashed worker before, due in 4 s, its last attempt to come.
+    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('lone', %s, 0)", (topics.events,))
+    query(ledger, """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims,
+                                         next_attempt_at, error)
+                     VALUES ('lone', 'chat', 'lost-twice', 'chat.message', '{"text": "again"}', now(), 2, 2,
+                             now() + interval '4 seconds', 'claim abandoned: its worker lost partition 0')""")
+    env = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="glacial:45", VIGIL_LONE_DRAIN_S="2")
+    worker = start(spawn, env, "w")
+    produce(stack.bootstrap, topics.events, [chat("slowpoke", "a glacial request")])
+    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "running", 20,
+             "the slow run started")
+    began = time.monotonic()
+    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'lone'") == "done", 30,
+             "the lone attempt done", interval=0.2)
+    # Due after ~4 s, then at most the 2 s drain: far sooner than the 45 s run would have allowed.
+    assert time.monotonic() - began < 20
+    port = int(env["VIGIL_WORKER_PORT"])
+    assert metric(port, "vigil_lone_runs_total") == 1
+    assert metric(port, "vigil_claims_released_total") >= 1
+    slow = query(ledger, "SELECT status, attempts FROM events WHERE user_id = 'slowpoke'")[0]
+    # Released, attempt given back; claimed again once the lone attempt finished.
+    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "running", 20,
+             "the released run claimed again")
+    assert scalar(ledger, "SELECT attempts FROM events WHERE user_id = 'slowpoke'") == 1, slow
+    lone = query(ledger, "SELECT attempts, lost_claims FROM events WHERE user_id = 'lone'")[0]
+    assert (lone["attempts"], lone["lost_claims"]) == (3, 2)
+    assert worker.alive()
+
+
 @pytest.mark.slow
 @pytest.mark.partitions(4)
 def test_random_sigkills_lose_and_duplicate_nothing(stack, topics, ledger, vigil_env, spawn):

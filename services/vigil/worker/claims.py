@@ -10,8 +10,9 @@
    oldest has waited out the batch window (three quick chat messages: one run, one reply).
    Later fresh rows wait behind a retry, so runs follow event order per user.
    **The last attempt of an event lost with its worker before runs alone**
-   (:func:`claim_alone`): the runner claims it only with no other run in flight and claims
-   nothing else until it finishes. A crash takes down every run in flight, and each lost
+   (:func:`claim_alone`): the runner claims it only with no other run in flight (it waits
+   for them up to ``VIGIL_LONE_DRAIN_S``, then releases the rest) and claims nothing else
+   until it finishes. A crash takes down every run in flight, and each lost
    claim counted an attempt; so the takeover never lets a claim lost in company use up an
    event's last attempt (query ``hand_back_stale_claims``), and a crash becomes an event's
    death only when the event ran alone. A poison event that kills its worker therefore dies

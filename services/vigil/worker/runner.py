@@ -66,6 +66,7 @@ class Runner:
         self._next_scan = 0.0
         self._next_dead_check = 0.0
         self._alone_at: datetime | None = None  # when a last attempt that must run alone is due
+        self._drain_until: float | None = None  # draining for it: when to release what still runs
         self._stopping = False
         self._claim_lock = asyncio.Lock()
         self._cursor = ""  # round-robin position among waiting users (see claims.claim)
@@ -187,6 +188,8 @@ class Runner:
                     self._next_dead_check = time.monotonic() + self.settings.scan_interval_s
                     dead = await mark_dead(conn, owned, self.settings.max_attempts)
                     self._alone_at = await alone_due(conn, owned, self.settings.max_attempts)
+                    if self._alone_at is None:
+                        self._drain_until = None
                 claims, alone = await self._claim(conn, owned, free)
         if dead:
             metrics.EVENTS_DEAD.inc(len(dead))
@@ -211,11 +214,12 @@ class Runner:
             wait_s = (self._alone_at - datetime.now(timezone.utc)).total_seconds()
             if wait_s > 0:
                 self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
-            elif self.active:
-                return [], False  # drain: each finishing run wakes a pass; the last one empties the worker
+            elif self.active and not await self._drained():
+                return [], False  # draining: each finishing run wakes a pass, and so does the deadline
             else:
                 lone = await claim_alone(conn, owned, self.settings.max_attempts)
                 self._next_dead_check = 0.0  # after it: dead? another one waiting?
+                self._drain_until = None
                 if lone is not None:
                     metrics.LONE_RUNS.inc()
                     log.warning("event %d runs alone: its last attempt, and a worker was lost with it before",
@@ -227,6 +231,32 @@ class Runner:
             self.settings.max_attempts, self._cursor,
         )
         return claims, False
+
+    async def _drained(self) -> bool:
+        """Drain for a lone attempt: wait for the runs in flight, up to ``lone_drain_s``;
+        then cancel and release the rest (their attempts are given back, as on a revoke).
+        True once nothing runs."""
+        now = time.monotonic()
+        if self._drain_until is None:
+            self._drain_until = now + self.settings.lone_drain_s
+            log.info("a lost event's last attempt runs alone: waiting up to %.0f s for %d run(s) in flight",
+                     self.settings.lone_drain_s, len(self.active))
+        if now < self._drain_until:
+            self.wake(self._drain_until - now + BACKOFF_SLACK_S)
+            return False
+        # Runs already finished only wait for their commit: let the finisher have them.
+        victims = [a for a in self.active.values() if a.task is not None and not a.task.done()]
+        for active in victims:
+            active.task.cancel()
+        for active in victims:
+            await asyncio.gather(active.task, return_exceptions=True)
+            self.active.pop(active.claim.user_id, None)
+            await self._release(active)
+        if victims:
+            log.warning("released %d run(s) still in flight after %.0f s, for a lone attempt",
+                        len(victims), self.settings.lone_drain_s)
+        metrics.RUNS_IN_FLIGHT.set(len(self.active))
+        return not self.active
 
     async def _run(self, active: Active) -> None:
         c = active.claim

@@ -52,6 +52,11 @@ class WorkerSettings(CommonSettings):
     run_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="Wall time a run may take before it is cancelled as a failed attempt."
     )
+    lone_drain_s: float = Field(
+        30.0, gt=0, le=86_400,
+        description="An event lost with a crashed worker runs its last attempt alone: the worker waits this long "
+        "for its runs in flight to finish, then cancels and releases the rest (their attempts given back).",
+    )
     backoff_base_s: float = Field(2.0, gt=0, le=3600, description="First retry backoff; doubles per attempt, with jitter.")
     backoff_cap_s: float = Field(300.0, gt=0, le=86_400, description="Longest retry backoff.")
     scan_interval_s: float = Field(
