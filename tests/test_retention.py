@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -74,6 +75,30 @@ def test_prune_deletes_finished_work_past_retention_and_nothing_else(ledger):
     assert left(ledger) == KEPT
     with connect(ledger, autocommit=True) as conn:
         assert prune(conn, 30) == {"events": 0, "outbox": 0, "runs": 0, "timers": 0}
+
+
+def test_two_schedulers_pruning_at_once_share_the_work(ledger):
+    """Replicas prune at the same time: each batch locks its rows SKIP LOCKED, so neither
+    waits on the other, nothing is deleted twice and nothing is left behind."""
+    query(ledger, """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status,
+                                         finished_at, attempts, claim_epoch)
+                     SELECT 'u' || (g % 50), 'chat', 'old-' || g, 'chat.message', now() - interval '40 days',
+                            now() - interval '40 days', 'done', now() - interval '40 days', 1, 1
+                     FROM generate_series(1, 20000) AS g""")
+    results: list[dict] = []
+
+    def one():
+        with connect(ledger, autocommit=True) as conn:
+            results.append(prune(conn, 30, batch=500))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 2
+    assert sum(r["events"] for r in results) == 20000
+    assert scalar(ledger, "SELECT count(*) FROM events") == 0
 
 
 def test_retention_shorter_than_the_dedup_window_is_refused(monkeypatch):
