@@ -125,6 +125,12 @@ class Runner:
             gone = {key: self.owned.pop(key) for key in keys if key in self.owned}
         metrics.EPOCHS_HELD.set(len(self.owned))
         victims = [a for a in self.active.values() if a.claim.home in gone]
+        await self._cancel(victims, release)
+        if victims:
+            log.info("revoked %d partition(s): %d run(s) cancelled and released", len(gone), len(victims))
+
+    async def _cancel(self, victims: list[Active], release: bool = True) -> None:
+        """Cancel these runs, forget them, and (``release``) hand their claims back."""
         for active in victims:
             if active.task is not None:
                 active.task.cancel()
@@ -134,8 +140,6 @@ class Runner:
             self.active.pop(active.claim.user_id, None)
             if release:
                 await self._release(active)
-        if victims:
-            log.info("revoked %d partition(s): %d run(s) cancelled and released", len(gone), len(victims))
 
     async def _release(self, active: Active) -> None:
         claim = active.claim
@@ -246,12 +250,7 @@ class Runner:
             return False
         # Runs already finished only wait for their commit: let the finisher have them.
         victims = [a for a in self.active.values() if a.task is not None and not a.task.done()]
-        for active in victims:
-            active.task.cancel()
-        for active in victims:
-            await asyncio.gather(active.task, return_exceptions=True)
-            self.active.pop(active.claim.user_id, None)
-            await self._release(active)
+        await self._cancel(victims)
         if victims:
             log.warning("released %d run(s) still in flight after %.0f s, for a lone attempt",
                         len(victims), self.settings.lone_drain_s)
