@@ -204,5 +204,9 @@ def metric(port: int, name: str) -> float | None:
             text = response.read().decode()
     except OSError:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
     return sum(values) if values else None

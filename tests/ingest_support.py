@@ -56,10 +56,14 @@ def create_token(dsn: str, name: str = "tests") -> dict:
     return json.loads(cli(dsn, "tokens", "create", name, "--json"))
 
 
-def read_events(bootstrap: str, topic: str, expected: int, partitions: int = 4, timeout: float = 20.0, settle: float = 0.0) -> list[Event]:
+def read_events(
+    bootstrap: str, topic: str, expected: int, partitions: int = 4, timeout: float = 20.0, settle: float = 0.0
+) -> list[Event]:
     """Every event on ``topic`` once ``expected`` have arrived (then ``settle`` seconds more,
     to catch any extra copy that should not be there)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}", "enable.auto.commit": False})
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}", "enable.auto.commit": False}
+    )
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
     codec = EventCodec()
     found: list[Event] = []
@@ -91,9 +95,15 @@ def make_request(dsn: str, request_id: str, due: datetime, user_id: str = USER) 
         conn.execute(
             Q.approval_create,
             {
-                "request_id": request_id, "user_id": user_id, "session_id": f"s-{request_id}", "run_id": None,
-                "tool": "refund", "tool_use_id": "toolu_1", "args_hash": approvals.args_hash("refund", {"amount": 1200}),
-                "due": due, "on_expiry": "deny",
+                "request_id": request_id,
+                "user_id": user_id,
+                "session_id": f"s-{request_id}",
+                "run_id": None,
+                "tool": "refund",
+                "tool_use_id": "toolu_1",
+                "args_hash": approvals.args_hash("refund", {"amount": 1200}),
+                "due": due,
+                "on_expiry": "deny",
             },
         )
     return approvals.sign_token(APPROVAL_SECRET, request_id, user_id)

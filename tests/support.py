@@ -18,7 +18,9 @@ from psycopg.rows import dict_row
 REPO = Path(__file__).resolve().parent.parent
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition", interval: float = 0.05) -> Any:
+def wait_for(
+    condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition", interval: float = 0.05
+) -> Any:
     """Poll ``condition`` until it returns something truthy; fail the test after ``timeout``."""
     deadline = time.monotonic() + timeout
     last: Any = None

@@ -39,8 +39,10 @@ def run(server, *ctxs, **overrides):
 
 
 def say(pattern, text, urgent=False):
-    return {"when": {"user_text": pattern},
-            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": text, "urgent": urgent}}]}
+    return {
+        "when": {"user_text": pattern},
+        "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": text, "urgent": urgent}}],
+    }
 
 
 def test_a_chat_message_gets_a_reply(serve):
@@ -75,12 +77,21 @@ def test_nothing_worth_saying_ends_quietly(serve):
 
 
 def test_a_follow_up_is_returned_as_a_timer(serve):
-    server = serve([
-        {"when": {"tool_result": "set_followup"}, "reply": []},
-        {"when": {"user_text": r"remind me in (?P<n>\d+) seconds"},
-         "reply": [{"type": "tool_use", "name": "set_followup",
-                    "input": {"delay_seconds": "{n:int}", "note": "stretch your legs"}}]},
-    ])
+    server = serve(
+        [
+            {"when": {"tool_result": "set_followup"}, "reply": []},
+            {
+                "when": {"user_text": r"remind me in (?P<n>\d+) seconds"},
+                "reply": [
+                    {
+                        "type": "tool_use",
+                        "name": "set_followup",
+                        "input": {"delay_seconds": "{n:int}", "note": "stretch your legs"},
+                    }
+                ],
+            },
+        ]
+    )
     before = datetime.now(timezone.utc)
     [result] = run(server, t.context([t.chat("remind me in 90 seconds")]))
 
@@ -93,11 +104,20 @@ def test_a_follow_up_is_returned_as_a_timer(serve):
 
 
 def test_a_follow_up_in_the_past_is_refused_to_the_model(serve):
-    server = serve([
-        {"when": {"tool_result": "set_followup"}, "reply": []},
-        {"reply": [{"type": "tool_use", "name": "set_followup",
-                    "input": {"at": "2001-01-01T00:00:00+00:00", "note": "too late"}}]},
-    ])
+    server = serve(
+        [
+            {"when": {"tool_result": "set_followup"}, "reply": []},
+            {
+                "reply": [
+                    {
+                        "type": "tool_use",
+                        "name": "set_followup",
+                        "input": {"at": "2001-01-01T00:00:00+00:00", "note": "too late"},
+                    }
+                ]
+            },
+        ]
+    )
     [result] = run(server, t.context([t.chat("whenever")]))
     assert result.timers == []
     refusal = server.requests()[-1]["messages"][-1]["content"][0]
@@ -105,8 +125,7 @@ def test_a_follow_up_in_the_past_is_refused_to_the_model(serve):
 
 
 def test_rate_limited_twice_then_the_run_succeeds(serve):
-    server = serve([{"times": 2, "error": {"status": 429, "retry_after": 0}},
-                    END_AFTER_SEND, say("hello", "Hello!")])
+    server = serve([{"times": 2, "error": {"status": 429, "retry_after": 0}}, END_AFTER_SEND, say("hello", "Hello!")])
     [result] = run(server, t.context([t.chat("hello")]))
     assert result.messages == [OutMessage("Hello!", False)]
     assert len(server.requests()) == 4  # two refused, then the reply and its end
@@ -129,7 +148,10 @@ def test_a_bad_request_is_a_failed_attempt_not_a_retry(serve):
 
 def test_the_cached_prefix_is_identical_across_runs_and_marked(serve):
     server = serve([END_AFTER_SEND, say("(?s).", "ok")])
-    memory = {"/memories/instructions.md": "Call me Ada.\n", "/memories/people/bob.md": "# Bob, my brother\nLikes chess"}
+    memory = {
+        "/memories/instructions.md": "Call me Ada.\n",
+        "/memories/people/bob.md": "# Bob, my brother\nLikes chess",
+    }
     first, second = run(
         server,
         t.context([t.chat("one")], memory=dict(memory)),
@@ -141,7 +163,10 @@ def test_the_cached_prefix_is_identical_across_runs_and_marked(serve):
     assert json.dumps(a["tools"]) == json.dumps(b["tools"])
     assert json.dumps(a["system"][:2]) == json.dumps(b["system"][:2])
     assert [blk.get("cache_control") for blk in a["system"]] == [{"type": "ephemeral"}, {"type": "ephemeral"}, None]
-    assert "Call me Ada." in a["system"][1]["text"] and "/memories/people/bob.md -- Bob, my brother" in a["system"][1]["text"]
+    assert (
+        "Call me Ada." in a["system"][1]["text"]
+        and "/memories/people/bob.md -- Bob, my brother" in a["system"][1]["text"]
+    )
     assert "Likes chess" not in a["system"][1]["text"]  # only the index: details are fetched on demand
     assert '"ok"' in b["system"][2]["text"]  # what was already said: after the cached part
     assert first.usage.cache_write_tokens > 0
@@ -149,14 +174,27 @@ def test_the_cached_prefix_is_identical_across_runs_and_marked(serve):
 
 
 def test_instructions_are_loaded_on_every_run(serve):
-    server = serve([
-        {"when": {"tool_result": "memory"}, "reply": []},
-        {"when": {"user_text": "call me (?P<name>\\w+)"},
-         "reply": [{"type": "tool_use", "name": "memory",
-                    "input": {"command": "str_replace", "path": "/memories/instructions.md",
-                              "old_str": "Answer briefly.", "new_str": "Answer briefly. Call me {name}."}}]},
-        {"reply": []},
-    ])
+    server = serve(
+        [
+            {"when": {"tool_result": "memory"}, "reply": []},
+            {
+                "when": {"user_text": "call me (?P<name>\\w+)"},
+                "reply": [
+                    {
+                        "type": "tool_use",
+                        "name": "memory",
+                        "input": {
+                            "command": "str_replace",
+                            "path": "/memories/instructions.md",
+                            "old_str": "Answer briefly.",
+                            "new_str": "Answer briefly. Call me {name}.",
+                        },
+                    }
+                ],
+            },
+            {"reply": []},
+        ]
+    )
     memory = {"/memories/instructions.md": "Answer briefly."}
     first, second = run(
         server,
@@ -227,11 +265,13 @@ def test_queue_is_the_default_and_never_folds(serve):
 
 
 def test_interrupt_drops_the_draft_and_starts_over(serve):
-    server = serve([
-        say("start over", "the pager says the site is down"),
-        END_AFTER_SEND,
-        say("first", "a draft nobody should see"),
-    ])
+    server = serve(
+        [
+            say("start over", "the pager says the site is down"),
+            END_AFTER_SEND,
+            say("first", "a draft nobody should see"),
+        ]
+    )
     page = t.event("pager.alert", {"text": "site down"}, source="pager")
     fold, _ = fold_once(page)
     [result] = run(server, t.context([t.chat("first")], fold=fold), event_policies="pager=interrupt")

@@ -21,16 +21,26 @@ REFUND_INPUT = {"order_id": "A17", "amount": 19.99}
 # Refund outcomes first: a resumed turn also carries the result of the send_message made
 # beside the refund call.
 SCRIPT = [
-    {"when": {"tool_result": "refund", "tool_result_text": r"\b(denied|expired)\b"},
-     "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "No refund ({1})."}}]},
-    {"when": {"tool_result": "refund", "tool_result_error": True},
-     "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "The refund failed."}}]},
-    {"when": {"tool_result": "refund"},
-     "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Refund done."}}]},
-    {"when": {"user_text": "refund order A17"},
-     "reply": [{"type": "text", "text": "The customer was charged twice."},
-               {"type": "tool_use", "name": "send_message", "input": {"text": "Asking you about the refund."}},
-               {"type": "tool_use", "name": "refund", "input": REFUND_INPUT}]},
+    {
+        "when": {"tool_result": "refund", "tool_result_text": r"\b(denied|expired)\b"},
+        "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "No refund ({1})."}}],
+    },
+    {
+        "when": {"tool_result": "refund", "tool_result_error": True},
+        "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "The refund failed."}}],
+    },
+    {
+        "when": {"tool_result": "refund"},
+        "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Refund done."}}],
+    },
+    {
+        "when": {"user_text": "refund order A17"},
+        "reply": [
+            {"type": "text", "text": "The customer was charged twice."},
+            {"type": "tool_use", "name": "send_message", "input": {"text": "Asking you about the refund."}},
+            {"type": "tool_use", "name": "refund", "input": REFUND_INPUT},
+        ],
+    },
     {"when": {"tool_result": "send_message"}, "reply": []},
     {"reply": []},
 ]
@@ -59,10 +69,16 @@ def refunds(dsn):
 def answer(asked, given: str, *, args=REFUND_INPUT, source_id=None):
     """The approval row as the ledger holds it after the answer, and the wake-up event."""
     [approval] = asked.approvals
-    row = ApprovalRequest(approval.request_id, approval.session_id, "refund", approval.tool_use_id,
-                          args_hash("refund", args), given)
-    wake = t.event("approval.answer", {"request_id": approval.request_id, "answer": given, "tool": "refund"},
-                   source="approval", session_id=approval.session_id, source_id=source_id or approval.request_id)
+    row = ApprovalRequest(
+        approval.request_id, approval.session_id, "refund", approval.tool_use_id, args_hash("refund", args), given
+    )
+    wake = t.event(
+        "approval.answer",
+        {"request_id": approval.request_id, "answer": given, "tool": "refund"},
+        source="approval",
+        session_id=approval.session_id,
+        source_id=source_id or approval.request_id,
+    )
     return row, wake
 
 
@@ -80,7 +96,11 @@ def test_a_call_needing_approval_ends_the_run_and_asks(asked, ledger, server):
     assert timedelta(seconds=3590) < approval.due - datetime.now(timezone.utc) <= timedelta(seconds=3601)
     [timer] = asked.timers
     assert (timer.kind, timer.fixed_key, timer.payload, timer.due) == (
-        "approval_expiry", approval.request_id, {"request_id": approval.request_id}, approval.due)
+        "approval_expiry",
+        approval.request_id,
+        {"request_id": approval.request_id},
+        approval.due,
+    )
     # The send_message made beside the deferred call went out; the question is urgent and signed.
     chat_reply, question = asked.messages
     assert chat_reply == OutMessage("Asking you about the refund.", False)
@@ -115,8 +135,9 @@ def test_approved_runs_the_tool_once_even_when_the_answer_comes_twice(asked, age
     assert len(refunds(ledger)) == 1
     # The resumed turn answers both calls of the saved turn, in order, so the API accepts it.
     results = first.session.messages[2]["content"]
-    assert [r["tool_use_id"] for r in results] == [b["id"] for b in asked.session.messages[-1]["content"]
-                                                  if b["type"] == "tool_use"]
+    assert [r["tool_use_id"] for r in results] == [
+        b["id"] for b in asked.session.messages[-1]["content"] if b["type"] == "tool_use"
+    ]
 
 
 @pytest.mark.parametrize("given, word", [("no", "denied"), ("expired", "expired")])
@@ -159,8 +180,13 @@ def test_an_unverifiable_answer_counts_as_denied(asked, agent_run, ledger):
 def test_escalation_asks_again_louder_and_keeps_waiting(asked, agent_run, server):
     [approval] = asked.approvals
     later = (approval.due + timedelta(hours=1)).isoformat()
-    escalation = t.event("approval.escalate", {"request_id": approval.request_id, "due": later}, source="approval",
-                         session_id=approval.session_id, source_id=f"{approval.request_id}/escalation")
+    escalation = t.event(
+        "approval.escalate",
+        {"request_id": approval.request_id, "due": later},
+        source="approval",
+        session_id=approval.session_id,
+        source_id=f"{approval.request_id}/escalation",
+    )
     server.clear()
     [result] = agent_run(t.context([escalation], sessions=[t.saved(asked)]))
 
@@ -180,8 +206,9 @@ def test_a_message_to_a_waiting_session_starts_a_new_one(asked, agent_run):
 def test_two_sessions_answered_in_one_claim_both_resume(agent_run, ledger):
     one, two = agent_run(t.context([t.chat("refund order A17")]), t.context([t.chat("refund order A17")]))
     (row1, wake1), (row2, wake2) = answer(one, "yes"), answer(two, "no")
-    [both] = agent_run(t.context([wake1, wake2, t.chat("thanks")], sessions=[t.saved(one), t.saved(two)],
-                                 approvals=[row1, row2]))
+    [both] = agent_run(
+        t.context([wake1, wake2, t.chat("thanks")], sessions=[t.saved(one), t.saved(two)], approvals=[row1, row2])
+    )
 
     saved = {s.id: s for s in [both.session, *both.other_sessions]}
     assert set(saved) == {one.session.id, two.session.id}

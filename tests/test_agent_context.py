@@ -16,9 +16,19 @@ from vigil.agent.base import RunResult, SessionSave
 from vigil.agent.context import load_context_parts, session_rows
 from vigil.ledger.queries import Q
 
-PENDING = {"request_id": "apr-1", "tool_use_id": "toolu_1", "tool": "refund", "input": {"order_id": "A1", "amount": 5},
-           "args_hash": "h", "due": "2030-01-01T00:00:00+00:00", "on_expiry": "deny", "summary": "refund 5",
-           "reason": "", "order": ["toolu_1"], "results": []}
+PENDING = {
+    "request_id": "apr-1",
+    "tool_use_id": "toolu_1",
+    "tool": "refund",
+    "input": {"order_id": "A1", "amount": 5},
+    "args_hash": "h",
+    "due": "2030-01-01T00:00:00+00:00",
+    "on_expiry": "deny",
+    "summary": "refund 5",
+    "reason": "",
+    "order": ["toolu_1"],
+    "results": [],
+}
 WAITING = SessionSave("ses-wait", "waiting", [{"role": "user", "content": "refund"}], 2, 1, PENDING)
 OPEN = SessionSave("ses-open", "open", [{"role": "user", "content": "hi"}])
 
@@ -33,17 +43,34 @@ def seed(dsn: str) -> None:
     store(dsn, "u1", RunResult(session=WAITING, other_sessions=[OPEN]))
     store(dsn, "intruder", RunResult(session=SessionSave("ses-other", "open", [])))
     with psycopg.connect(dsn) as conn:
-        conn.execute("INSERT INTO memory (user_id, path, content) VALUES ('u1', '/memories/a.md', 'A'), "
-                     "('intruder', '/memories/secret.md', 'S')")
-        conn.execute("INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome) "
-                     "VALUES ('u1', 't', 0, 1, 'w', '{}', now(), now(), 'message')")
+        conn.execute(
+            "INSERT INTO memory (user_id, path, content) VALUES ('u1', '/memories/a.md', 'A'), "
+            "('intruder', '/memories/secret.md', 'S')"
+        )
+        conn.execute(
+            "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome) "
+            "VALUES ('u1', 't', 0, 1, 'w', '{}', now(), now(), 'message')"
+        )
         for n, status in enumerate(["delivered", "delivered", "pending"]):
-            conn.execute("INSERT INTO outbox (user_id, run_id, epoch, body, status, delivered_at) "
-                         "VALUES ('u1', 1, 1, %s, %s, CASE WHEN %s = 'delivered' THEN now() + make_interval(secs => %s) END)",
-                         (f"said {n}", status, status, n))
-        conn.execute(Q.approval_create, {"request_id": "apr-1", "user_id": "u1", "session_id": "ses-wait", "run_id": None,
-                                         "tool": "refund", "tool_use_id": "toolu_1", "args_hash": "h",
-                                         "due": "2030-01-01T00:00:00+00:00", "on_expiry": "deny"})
+            conn.execute(
+                "INSERT INTO outbox (user_id, run_id, epoch, body, status, delivered_at) "
+                "VALUES ('u1', 1, 1, %s, %s, CASE WHEN %s = 'delivered' THEN now() + make_interval(secs => %s) END)",
+                (f"said {n}", status, status, n),
+            )
+        conn.execute(
+            Q.approval_create,
+            {
+                "request_id": "apr-1",
+                "user_id": "u1",
+                "session_id": "ses-wait",
+                "run_id": None,
+                "tool": "refund",
+                "tool_use_id": "toolu_1",
+                "args_hash": "h",
+                "due": "2030-01-01T00:00:00+00:00",
+                "on_expiry": "deny",
+            },
+        )
         conn.execute("UPDATE approvals SET answer = 'yes', answered_at = now() WHERE request_id = 'apr-1'")
 
 
@@ -78,14 +105,20 @@ def test_load_context_parts_reads_the_users_own_rows(ledger):
 
 def test_sessions_are_stored_with_their_pending_call_and_resaved(ledger):
     seed(ledger)
-    store(ledger, "u1", RunResult(session=SessionSave("ses-wait", "open", WAITING.messages + [{"role": "user", "content": "x"}])))
+    store(
+        ledger,
+        "u1",
+        RunResult(session=SessionSave("ses-wait", "open", WAITING.messages + [{"role": "user", "content": "x"}])),
+    )
     rows = {r["id"]: r for r in query(ledger, "SELECT id, user_id, state, pending, size_bytes, blocks FROM sessions")}
     assert rows["ses-wait"]["state"] == "open" and rows["ses-wait"]["pending"] is None
     assert rows["ses-wait"]["size_bytes"] > 0
     assert rows["ses-open"]["state"] == "open"
     # An upsert never takes over another user's session.
     store(ledger, "intruder", RunResult(session=SessionSave("ses-open", "closed", [])))
-    assert query(ledger, "SELECT user_id, state FROM sessions WHERE id = 'ses-open'") == [{"user_id": "u1", "state": "open"}]
+    assert query(ledger, "SELECT user_id, state FROM sessions WHERE id = 'ses-open'") == [
+        {"user_id": "u1", "state": "open"}
+    ]
 
 
 def test_a_waiting_session_without_its_call_is_refused(ledger):

@@ -33,8 +33,17 @@ def test_demo_reminder_set_and_delivered(demo):
     assert timedelta(seconds=59) < timer.due - datetime.now(timezone.utc) <= timedelta(seconds=61)
 
     # What the scheduler's event for that timer looks like when it fires.
-    fired = t.event("timer.followup", {"timer_id": timer.id, "scheduled_for": int(timer.due.timestamp()),
-                                       "late_by": 0, "skipped": 0, "payload": timer.payload}, source="timer")
+    fired = t.event(
+        "timer.followup",
+        {
+            "timer_id": timer.id,
+            "scheduled_for": int(timer.due.timestamp()),
+            "late_by": 0,
+            "skipped": 0,
+            "payload": timer.payload,
+        },
+        source="timer",
+    )
     [due] = t.run(demo.base_url, t.context([fired]))
     assert due.messages == [OutMessage("Reminder: you asked me to remind you a minute ago.", True)]
 
@@ -45,10 +54,15 @@ def test_demo_refund_asks_and_expires_into_a_denial(demo):
     [approval] = asked.approvals
     assert approval.args_hash == args_hash("refund", {"order_id": "1234", "amount": 19.99})
 
-    expired = ApprovalRequest(approval.request_id, approval.session_id, "refund", approval.tool_use_id,
-                              approval.args_hash, "expired")
-    wake = t.event("approval.answer", {"request_id": approval.request_id, "answer": "expired"}, source="approval",
-                   session_id=approval.session_id)
+    expired = ApprovalRequest(
+        approval.request_id, approval.session_id, "refund", approval.tool_use_id, approval.args_hash, "expired"
+    )
+    wake = t.event(
+        "approval.answer",
+        {"request_id": approval.request_id, "answer": "expired"},
+        source="approval",
+        session_id=approval.session_id,
+    )
     [resumed] = t.run(demo.base_url, t.context([wake], sessions=[t.saved(asked)], approvals=[expired]))
     assert resumed.messages == [OutMessage("The refund was not made (approval expired).", False)]
 

@@ -28,17 +28,25 @@ WORKER_STORES_DEFERRED_CALLS = hasattr(finish, "session_rows")
 
 SCRIPT = {
     "rules": [
-        {"when": {"tool_result": "refund", "tool_result_text": r"\b(denied|expired)\b"},
-         "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "No refund ({1})."}}]},
-        {"when": {"tool_result": "refund"},
-         "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Refund done."}}]},
+        {
+            "when": {"tool_result": "refund", "tool_result_text": r"\b(denied|expired)\b"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "No refund ({1})."}}],
+        },
+        {
+            "when": {"tool_result": "refund"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Refund done."}}],
+        },
         {"when": {"tool_result": "send_message"}, "reply": []},
-        {"when": {"user_text": r"refund order (?P<order>\w+)"},
-         "reply": [{"type": "tool_use", "name": "refund", "input": {"order_id": "{order}", "amount": 19.99}}]},
+        {
+            "when": {"user_text": r"refund order (?P<order>\w+)"},
+            "reply": [{"type": "tool_use", "name": "refund", "input": {"order_id": "{order}", "amount": 19.99}}],
+        },
         {"when": {"user_text": "flaky"}, "times": 2, "error": {"status": 429, "retry_after": 0}},
         {"when": {"user_text": "overloaded"}, "error": {"status": 529, "retry_after": 0}},
-        {"when": {"user_text": "flaky"},
-         "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Made it through."}}]},
+        {
+            "when": {"user_text": "flaky"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Made it through."}}],
+        },
     ]
 }
 
@@ -51,9 +59,16 @@ def claude():
 
 
 def worker_env(vigil_env, claude, **extra):
-    return {**vigil_env, **FAST, "VIGIL_AGENT": "claude", "ANTHROPIC_BASE_URL": claude.base_url,
-            "ANTHROPIC_API_KEY": "scripted-test-key", "VIGIL_MODEL": "claude-scripted-1",
-            "VIGIL_MODEL_BACKOFF_S": "0.05", **extra}
+    return {
+        **vigil_env,
+        **FAST,
+        "VIGIL_AGENT": "claude",
+        "ANTHROPIC_BASE_URL": claude.base_url,
+        "ANTHROPIC_API_KEY": "scripted-test-key",
+        "VIGIL_MODEL": "claude-scripted-1",
+        "VIGIL_MODEL_BACKOFF_S": "0.05",
+        **extra,
+    }
 
 
 def outbox(dsn, user):
@@ -66,7 +81,8 @@ def test_approval_answered_through_ingest_and_one_left_to_expire(claude, stack, 
     spawn(["worker"], env, name="worker").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
     spawn(["ingest"], vigil_env, name="ingest").wait_healthy(int(vigil_env["VIGIL_INGEST_PORT"]))
     spawn(["scheduler"], {**vigil_env, "VIGIL_SCHEDULER_TICK_S": "0.2"}, name="scheduler").wait_healthy(
-        int(vigil_env["VIGIL_SCHEDULER_PORT"]))
+        int(vigil_env["VIGIL_SCHEDULER_PORT"])
+    )
     produce(stack.bootstrap, topics.events, [chat("dana", "please refund order A17"), chat("erin", "refund order B2")])
 
     wait_for(lambda: len(outbox(ledger, "dana")) == 1, 60, "dana's approval question", interval=0.2)
@@ -85,7 +101,11 @@ def test_approval_answered_through_ingest_and_one_left_to_expire(claude, stack, 
     assert refunds == [{"user_id": "dana", "idempotency_key": request_id, "order_id": "A17"}]
     runs = query(ledger, "SELECT user_id, outcome, session_id, input_tokens FROM runs ORDER BY id")
     assert sorted((r["user_id"], r["outcome"]) for r in runs) == [
-        ("dana", "deferred"), ("dana", "message"), ("erin", "deferred"), ("erin", "message")]
+        ("dana", "deferred"),
+        ("dana", "message"),
+        ("erin", "deferred"),
+        ("erin", "message"),
+    ]
     assert all(r["input_tokens"] > 0 for r in runs)
     for user in ("dana", "erin"):  # each answer resumed the session that asked
         asked, resumed = [r["session_id"] for r in runs if r["user_id"] == user]
@@ -103,8 +123,12 @@ def test_model_overload_is_retried_and_never_kills_the_event(claude, stack, ledg
     wait_for(lambda: outbox(ledger, "fay") == ["Made it through."], 60, "fay's reply after two 429s", interval=0.2)
     # Each of gus's runs makes two calls (one retry) and is released; past twice the
     # poison bound of releases, the event is still pending, its attempts given back.
-    wait_for(lambda: scalar(ledger, "SELECT transient_failures FROM events WHERE user_id = 'gus'") >= 5, 60,
-             "gus's event released five times", interval=0.2)
+    wait_for(
+        lambda: scalar(ledger, "SELECT transient_failures FROM events WHERE user_id = 'gus'") >= 5,
+        60,
+        "gus's event released five times",
+        interval=0.2,
+    )
     [gus] = query(ledger, "SELECT status, attempts FROM events WHERE user_id = 'gus'")
     assert gus["status"] in ("pending", "running") and gus["attempts"] <= 1
     assert query(ledger, "SELECT status FROM events WHERE user_id = 'fay'") == [{"status": "done"}]

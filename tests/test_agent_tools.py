@@ -45,10 +45,18 @@ def last_results(server):
 # ---------------------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("path", [
-    "/memories/../etc/passwd", "/etc/passwd", "memories/notes.md", "/memories/a/./b.md", "/memories//x",
-    "/memoriesX/notes.md", "/memories/notes..md",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/memories/../etc/passwd",
+        "/etc/passwd",
+        "memories/notes.md",
+        "/memories/a/./b.md",
+        "/memories//x",
+        "/memoriesX/notes.md",
+        "/memories/notes..md",
+    ],
+)
 def test_memory_paths_outside_memories_are_refused(path):
     files = MemoryFiles({}, Limits(1000, 10_000, 10))
     with pytest.raises(MemoryRefused):
@@ -57,12 +65,20 @@ def test_memory_paths_outside_memories_are_refused(path):
 
 
 def test_memory_traversal_through_the_model_is_refused_readably(server):
-    [result] = run(server, [
-        {"when": {"tool_result": "memory"}, "reply": []},
-        {"reply": [call("memory", command="create", path="/memories/../../etc/cron.d/x", file_text="* * * * * evil"),
-                   call("memory", command="view", path="/etc/shadow"),
-                   call("memory", command="rename", old_path="/memories/notes.md", new_path="/tmp/notes.md")]},
-    ], t.context([t.chat("hi")], memory={"/memories/notes.md": "mine"}))
+    [result] = run(
+        server,
+        [
+            {"when": {"tool_result": "memory"}, "reply": []},
+            {
+                "reply": [
+                    call("memory", command="create", path="/memories/../../etc/cron.d/x", file_text="* * * * * evil"),
+                    call("memory", command="view", path="/etc/shadow"),
+                    call("memory", command="rename", old_path="/memories/notes.md", new_path="/tmp/notes.md"),
+                ]
+            },
+        ],
+        t.context([t.chat("hi")], memory={"/memories/notes.md": "mine"}),
+    )
 
     texts = [r["content"] for r in last_results(server)]
     assert all(r.get("is_error") for r in last_results(server))
@@ -126,13 +142,22 @@ def echo():
 def test_a_credential_reaches_the_host_but_never_the_model(server, echo, monkeypatch, caplog):
     monkeypatch.setenv("VIGIL_CREDENTIAL_BILLING", SECRET)
     caplog.set_level(logging.DEBUG)
-    [result] = run(server, [
-        {"when": {"tool_result": "send_message"}, "reply": []},
-        {"when": {"tool_result": "http_request"},
-         "reply": [call("send_message", text="Balance fetched."),
-                   call("memory", command="create", path="/memories/last.md", file_text="checked balance")]},
-        {"reply": [call("http_request", method="GET", url=f"{echo}/balance", credential="billing")]},
-    ], t.context([t.chat("what is my balance?")]), http_allowed_hosts="127.0.0.1")
+    [result] = run(
+        server,
+        [
+            {"when": {"tool_result": "send_message"}, "reply": []},
+            {
+                "when": {"tool_result": "http_request"},
+                "reply": [
+                    call("send_message", text="Balance fetched."),
+                    call("memory", command="create", path="/memories/last.md", file_text="checked balance"),
+                ],
+            },
+            {"reply": [call("http_request", method="GET", url=f"{echo}/balance", credential="billing")]},
+        ],
+        t.context([t.chat("what is my balance?")]),
+        http_allowed_hosts="127.0.0.1",
+    )
 
     [received] = _Echo.seen
     assert received["headers"]["Authorization"] == f"Bearer {SECRET}"
@@ -140,22 +165,36 @@ def test_a_credential_reaches_the_host_but_never_the_model(server, echo, monkeyp
     assert SECRET not in bodies
     assert "[credential billing]" in bodies  # the echoed header reached the model redacted
     assert "billing" in json.dumps(server.requests()[0]["tools"])  # the model knows the name only
-    everything = json.dumps([result.session.messages, [m.text for m in result.messages],
-                             [(w.path, w.content) for w in result.memory_writes]])
+    everything = json.dumps(
+        [
+            result.session.messages,
+            [m.text for m in result.messages],
+            [(w.path, w.content) for w in result.memory_writes],
+        ]
+    )
     assert SECRET not in everything and SECRET not in caplog.text
     assert result.messages[0].text == "Balance fetched."
 
 
-@pytest.mark.parametrize("tool_input, reason", [
-    ({"method": "GET", "url": "https://example.org/"}, "not on the allow-list"),
-    ({"method": "GET", "url": "http://127.0.0.1:1/", "headers": {"Authorization": "Bearer guess"}}, "may not be set by hand"),
-    ({"method": "GET", "url": "http://127.0.0.1:1/", "credential": "nope"}, "no credential named"),
-    ({"method": "GET", "url": "file:///etc/passwd"}, "only http and https"),
-])
+@pytest.mark.parametrize(
+    "tool_input, reason",
+    [
+        ({"method": "GET", "url": "https://example.org/"}, "not on the allow-list"),
+        (
+            {"method": "GET", "url": "http://127.0.0.1:1/", "headers": {"Authorization": "Bearer guess"}},
+            "may not be set by hand",
+        ),
+        ({"method": "GET", "url": "http://127.0.0.1:1/", "credential": "nope"}, "no credential named"),
+        ({"method": "GET", "url": "file:///etc/passwd"}, "only http and https"),
+    ],
+)
 def test_http_requests_outside_the_rules_are_refused(server, tool_input, reason):
-    run(server, [{"when": {"tool_result": "http_request"}, "reply": []},
-                 {"reply": [call("http_request", **tool_input)]}],
-        t.context([t.chat("go")]), http_allowed_hosts="127.0.0.1")
+    run(
+        server,
+        [{"when": {"tool_result": "http_request"}, "reply": []}, {"reply": [call("http_request", **tool_input)]}],
+        t.context([t.chat("go")]),
+        http_allowed_hosts="127.0.0.1",
+    )
     [refusal] = last_results(server)
     assert refusal["is_error"] and reason in refusal["content"]
 
@@ -165,13 +204,24 @@ def test_http_requests_outside_the_rules_are_refused(server, tool_input, reason)
 
 def test_auto_mode_blocks_risky_calls_then_falls_back_to_asking(server, echo):
     post = call("http_request", method="POST", url=f"{echo}/transfer", body="{}")
-    [result] = run(server, [
-        {"when": {"tool_result": "http_request", "tool_result_error": True}, "reply": [post]},
-        {"reply": [post]},
-    ], t.context([t.chat("move the money")]), http_allowed_hosts="127.0.0.1")
+    [result] = run(
+        server,
+        [
+            {"when": {"tool_result": "http_request", "tool_result_error": True}, "reply": [post]},
+            {"reply": [post]},
+        ],
+        t.context([t.chat("move the money")]),
+        http_allowed_hosts="127.0.0.1",
+    )
 
-    blocked = [r for req in server.requests() for m in req["messages"] if m["role"] == "user"
-               for r in m["content"] if isinstance(r, dict) and "Blocked by the safety policy" in str(r.get("content"))]
+    blocked = [
+        r
+        for req in server.requests()
+        for m in req["messages"]
+        if m["role"] == "user"
+        for r in m["content"]
+        if isinstance(r, dict) and "Blocked by the safety policy" in str(r.get("content"))
+    ]
     assert len({b["tool_use_id"] for b in blocked}) == 3
     assert "now need the person's approval" in server.requests()[-1]["messages"][-1]["content"][0]["content"]
     assert result.outcome is RunOutcome.DEFERRED and result.approvals[0].tool == "http_request"
@@ -181,9 +231,15 @@ def test_auto_mode_blocks_risky_calls_then_falls_back_to_asking(server, echo):
 
 
 def test_auto_mode_lets_safe_calls_through(server, echo):
-    [result] = run(server, [{"when": {"tool_result": "http_request"}, "reply": []},
-                            {"reply": [call("http_request", method="GET", url=f"{echo}/status")]}],
-                   t.context([t.chat("status?")]), http_allowed_hosts="127.0.0.1")
+    [result] = run(
+        server,
+        [
+            {"when": {"tool_result": "http_request"}, "reply": []},
+            {"reply": [call("http_request", method="GET", url=f"{echo}/status")]},
+        ],
+        t.context([t.chat("status?")]),
+        http_allowed_hosts="127.0.0.1",
+    )
     assert len(_Echo.seen) == 1 and result.outcome is RunOutcome.NOTHING
     assert result.session.consecutive_blocks == 0
 
@@ -196,14 +252,17 @@ def test_a_denied_tool_is_not_offered(server):
 # ---------------------------------------------------------------------------- settings
 
 
-@pytest.mark.parametrize("variable, value, named", [
-    ("VIGIL_TOOL_PERMISSIONS", "refund=sometimes", "VIGIL_TOOL_PERMISSIONS"),
-    ("VIGIL_EVENT_POLICIES", "chat=later", "VIGIL_EVENT_POLICIES"),
-    ("VIGIL_HTTP_ALLOWED_HOSTS", "not a host", "VIGIL_HTTP_ALLOWED_HOSTS"),
-    ("VIGIL_CREDENTIAL_GITHUB_HOSTS", "api.github.com", "VIGIL_CREDENTIAL_GITHUB_HOSTS"),
-    ("VIGIL_MAX_TURNS", "0", "VIGIL_MAX_TURNS"),
-    ("VIGIL_INSTRUCTIONS_PATH", "/memories/../etc/motd", "VIGIL_INSTRUCTIONS_PATH"),
-])
+@pytest.mark.parametrize(
+    "variable, value, named",
+    [
+        ("VIGIL_TOOL_PERMISSIONS", "refund=sometimes", "VIGIL_TOOL_PERMISSIONS"),
+        ("VIGIL_EVENT_POLICIES", "chat=later", "VIGIL_EVENT_POLICIES"),
+        ("VIGIL_HTTP_ALLOWED_HOSTS", "not a host", "VIGIL_HTTP_ALLOWED_HOSTS"),
+        ("VIGIL_CREDENTIAL_GITHUB_HOSTS", "api.github.com", "VIGIL_CREDENTIAL_GITHUB_HOSTS"),
+        ("VIGIL_MAX_TURNS", "0", "VIGIL_MAX_TURNS"),
+        ("VIGIL_INSTRUCTIONS_PATH", "/memories/../etc/motd", "VIGIL_INSTRUCTIONS_PATH"),
+    ],
+)
 def test_bad_agent_settings_name_the_variable(monkeypatch, variable, value, named):
     monkeypatch.setenv("VIGIL_APPROVAL_SECRET", "s")
     monkeypatch.setenv("VIGIL_CREDENTIAL_GITHUB", SECRET)

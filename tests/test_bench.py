@@ -29,7 +29,11 @@ def test_quick_bench_prints_every_figure_and_cleans_up(stack):
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "vigil.bench", "--quick"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=QUICK_BUDGET_S + 30,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=QUICK_BUDGET_S + 30,
     )
     took = time.monotonic() - started
     output = result.stdout

@@ -13,7 +13,14 @@ import fastavro
 import pytest
 
 from vigil.bus.codec import (
-    CONFLUENT_MAGIC, EVENT_ROW_FIELDS, SINGLE_OBJECT_MAGIC, AvroCodec, DecodeError, Event, EventCodec, compile_reader,
+    CONFLUENT_MAGIC,
+    EVENT_ROW_FIELDS,
+    SINGLE_OBJECT_MAGIC,
+    AvroCodec,
+    DecodeError,
+    Event,
+    EventCodec,
+    compile_reader,
 )
 from vigil.paths import schemas_dir
 
@@ -139,7 +146,17 @@ def test_schema_file_is_namespaced():
     schema = EventCodec().schema_json
     assert schema["namespace"] == "vigil.v1" and schema["name"] == "Event"
     names = [f["name"] for f in schema["fields"]]
-    assert names == ["user_id", "source", "source_id", "kind", "occurred_at", "received_at", "payload", "session_id", "headers"]
+    assert names == [
+        "user_id",
+        "source",
+        "source_id",
+        "kind",
+        "occurred_at",
+        "received_at",
+        "payload",
+        "session_id",
+        "headers",
+    ]
     body = io.BytesIO()
     fastavro.schemaless_writer(body, fastavro.parse_schema(schema), sample().to_record())
 
@@ -161,7 +178,9 @@ def test_own_schema_bytes_are_read_directly_and_others_resolved(monkeypatch):
     """fastavro, with resolution, is for other writers' schemas; our own bytes skip both."""
     calls = []
     real = fastavro.schemaless_reader
-    monkeypatch.setattr(fastavro, "schemaless_reader", lambda fo, writer, reader: calls.append(reader) or real(fo, writer, reader))
+    monkeypatch.setattr(
+        fastavro, "schemaless_reader", lambda fo, writer, reader: calls.append(reader) or real(fo, writer, reader)
+    )
     old, old_bytes = old_writer("headers")
     codec = EventCodec(writer_schemas=[old])
     assert codec.decode(codec.encode(sample())) == sample()
@@ -172,11 +191,15 @@ def test_own_schema_bytes_are_read_directly_and_others_resolved(monkeypatch):
 
 def random_event(rng: random.Random) -> Event:
     def text() -> str:
-        return "".join(rng.choice(["a", "é", "✓", "\U0001F600", "\x00", "z" * 70]) for _ in range(rng.randint(0, 5)))
+        return "".join(rng.choice(["a", "é", "✓", "\U0001f600", "\x00", "z" * 70]) for _ in range(rng.randint(0, 5)))
 
     return Event(
-        user_id=text(), source=text(), source_id=text(), kind=text(), payload=text(),
-        received_at=datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(milliseconds=rng.randint(-10**13, 10**13)),
+        user_id=text(),
+        source=text(),
+        source_id=text(),
+        kind=text(),
+        payload=text(),
+        received_at=datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(milliseconds=rng.randint(-(10**13), 10**13)),
         occurred_at=rng.choice([None, NOW + timedelta(milliseconds=rng.randint(0, 10**6))]),
         session_id=rng.choice([None, text()]),
         headers={text(): text() for _ in range(rng.randint(0, 3))},
@@ -192,7 +215,7 @@ def corrupted(rng: random.Random, body: bytes) -> bytes:
     if roll < 0.8:
         out[at] = rng.randrange(256)
     else:
-        out[at:at + 1] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 12)))
+        out[at : at + 1] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 12)))
     return bytes(out)
 
 
@@ -221,7 +244,11 @@ def test_direct_reader_reads_what_fastavro_reads():
 
 def test_direct_reader_refuses_what_it_does_not_know():
     assert compile_reader(fastavro.schema.load_schema(str(schemas_dir() / "vigil" / "v1" / "Delivery.avsc"))) is None
-    uuid_field = {"type": "record", "name": "R", "fields": [{"name": "id", "type": {"type": "string", "logicalType": "uuid"}}]}
+    uuid_field = {
+        "type": "record",
+        "name": "R",
+        "fields": [{"name": "id", "type": {"type": "string", "logicalType": "uuid"}}],
+    }
     assert compile_reader(uuid_field) is None
     data = EventCodec().encode(sample(session_id=None, headers={}))
     assert data[-2:] == b"\x00\x00"  # session_id's null branch, the empty map
@@ -234,8 +261,28 @@ def test_direct_reader_refuses_what_it_does_not_know():
 
 @pytest.mark.parametrize(
     "payload",
-    ['{"a": 1}', '  {"a": 1}\n', "[]", '"text"', "3", "NaN", "null", '{"a": [1, 2, {"b": null}]}', '"\\ud800"',
-     "", " ", "{", '{"a": 1} x', "{} {}", "\ufeff{}", "{'a': 1}", "[1,]", '{"a" 1}', "tru", "0x10"],
+    [
+        '{"a": 1}',
+        '  {"a": 1}\n',
+        "[]",
+        '"text"',
+        "3",
+        "NaN",
+        "null",
+        '{"a": [1, 2, {"b": null}]}',
+        '"\\ud800"',
+        "",
+        " ",
+        "{",
+        '{"a": 1} x',
+        "{} {}",
+        "\ufeff{}",
+        "{'a': 1}",
+        "[1,]",
+        '{"a" 1}',
+        "tru",
+        "0x10",
+    ],
 )
 def test_payload_check_agrees_with_json_loads(payload):
     try:

@@ -20,24 +20,39 @@ from vigil import devstack
 def test_dev_up_twice_then_down_leaves_nothing_running():
     root = Path(tempfile.mkdtemp(prefix="vigil-devstack-"))
     os.chmod(root, 0o755)
-    ports = {name: devstack.free_port() for name in (
-        "VIGIL_DEV_KAFKA_PORT", "VIGIL_DEV_KAFKA_CONTROLLER_PORT", "VIGIL_DEV_PG_PORT", "VIGIL_DEV_CLAUDE_PORT",
-        "VIGIL_INGEST_PORT", "VIGIL_WORKER_PORT", "VIGIL_SCHEDULER_PORT", "VIGIL_DISPATCHER_PORT")}
+    ports = {
+        name: devstack.free_port()
+        for name in (
+            "VIGIL_DEV_KAFKA_PORT",
+            "VIGIL_DEV_KAFKA_CONTROLLER_PORT",
+            "VIGIL_DEV_PG_PORT",
+            "VIGIL_DEV_CLAUDE_PORT",
+            "VIGIL_INGEST_PORT",
+            "VIGIL_WORKER_PORT",
+            "VIGIL_SCHEDULER_PORT",
+            "VIGIL_DISPATCHER_PORT",
+        )
+    }
     env = {
-        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
         "VIGIL_DEV_RUN_DIR": str(root),
         "VIGIL_DEV_KAFKA_LIBS": str(devstack.kafka_libs(REPO / ".run" / "kafka")),
         **{k: str(v) for k, v in ports.items()},
     }
 
     def vigil(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "vigil", *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        return subprocess.run(
+            [sys.executable, "-m", "vigil", *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+        )
 
     try:
         first = vigil("dev", "up")
         assert first.returncode == 0, first.stdout + first.stderr
         for name in ("kafka", "postgresql", "claude", "ingest", "worker", "scheduler", "dispatcher", "settings"):
-            assert any(line.startswith(name) for line in first.stdout.splitlines()), f"{name} not reported:\n{first.stdout}"
+            assert any(line.startswith(name) for line in first.stdout.splitlines()), (
+                f"{name} not reported:\n{first.stdout}"
+            )
         pids = {p.name: p.read_text() for p in (root / "pids").glob("*.pid")}
         assert set(pids) == {"ingest.pid", "worker.pid", "scheduler.pid", "dispatcher.pid", "scripted-claude.pid"}
         for variable in ("VIGIL_INGEST_PORT", "VIGIL_WORKER_PORT", "VIGIL_SCHEDULER_PORT", "VIGIL_DISPATCHER_PORT"):

@@ -127,7 +127,10 @@ def test_urgent_daily_cap_makes_urgent_messages_wait_like_others_until_the_next_
     at(clock, 65)
     d.run_pass()
     assert [r.bodies for r in receiver.got()][2] == ["urgent two"]
-    assert query(ledger, "SELECT urgent_day, urgent_count FROM users")[0] == {"urgent_day": T0.date(), "urgent_count": 1}
+    assert query(ledger, "SELECT urgent_day, urgent_count FROM users")[0] == {
+        "urgent_day": T0.date(),
+        "urgent_count": 1,
+    }
 
     # A new UTC day: the cap starts over.
     next_day = T0 + timedelta(days=1)
@@ -194,7 +197,9 @@ def test_410_is_dead_at_once_kept_and_listed(ledger, receiver, dispatch):
     clock.advance(86_400)
     d.run_pass()
     assert sorted(r.path for r in receiver.got()) == ["/gone", "/hook"], "a 410 is never retried"
-    row = query(ledger, "SELECT status, attempts, error, dead_at, delivery_id::text AS d FROM outbox WHERE user_id = 'gone'")[0]
+    row = query(
+        ledger, "SELECT status, attempts, error, dead_at, delivery_id::text AS d FROM outbox WHERE user_id = 'gone'"
+    )[0]
     assert (row["status"], row["attempts"], row["error"]) == ("dead", 1, "HTTP 410 (not retried)")
     assert row["dead_at"] == T0
     assert sample("vigil_dead_deliveries_total", {"channel": "webhook", "reason": "rejected"}) == dead + 1

@@ -18,7 +18,9 @@ from vigil.dispatcher.clock import ManualClock
 
 
 def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topics):
-    d = in_process_dispatcher(ledger, ManualClock(T0), kafka_bootstrap=stack.bootstrap, deliveries_topic=topics.deliveries)
+    d = in_process_dispatcher(
+        ledger, ManualClock(T0), kafka_bootstrap=stack.bootstrap, deliveries_topic=topics.deliveries
+    )
     try:
         add_users(ledger, ["kai"])
         runner = CliRunner()
@@ -83,7 +85,11 @@ def cli(ledger):
 
 def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
     add_users(ledger, ["ana"])
-    created = json.loads(cli("channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/a", "--gap", "600", "--json").output)
+    created = json.loads(
+        cli(
+            "channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/a", "--gap", "600", "--json"
+        ).output
+    )
     secret = created["secret"]
     assert secret.startswith("whsec_") and created["gap_seconds"] == 600
     assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") == secret
@@ -92,7 +98,11 @@ def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
     moved = cli("channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b")
     assert "whsec_" not in moved.output and "gap 600s" in moved.output
     assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") == secret
-    rotated = json.loads(cli("channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b", "--rotate-secret", "--json").output)
+    rotated = json.loads(
+        cli(
+            "channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b", "--rotate-secret", "--json"
+        ).output
+    )
     assert rotated["secret"] != secret
 
     shown = cli("channels", "show", "ana").output + cli("channels", "show", "ana", "--json").output
@@ -126,7 +136,9 @@ def test_outbox_lists_rows_dead_deliveries_and_revives_one_under_its_id(ledger, 
     d = in_process_dispatcher(ledger, clock)
     try:
         add_users(ledger, ["ana"])
-        secret = json.loads(cli("channels", "set", "ana", "--type", "webhook", "--url", receiver.url, "--json").output)["secret"]
+        secret = json.loads(cli("channels", "set", "ana", "--type", "webhook", "--url", receiver.url, "--json").output)[
+            "secret"
+        ]
         add_message(ledger, "ana", "will be refused", created_at=T0)
         d.run_pass()
         delivery_id = scalar(ledger, "SELECT delivery_id::text FROM outbox")

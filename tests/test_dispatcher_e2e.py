@@ -20,7 +20,9 @@ def test_chat_message_in_through_ingest_reply_out_through_the_webhook(spawn, vig
     receiver = Receiver().start()
     try:
         user = "u-e2e-dispatch"
-        secret = json.loads(cli(ledger, "channels", "set", user, "--type", "webhook", "--url", receiver.url, "--json"))["secret"]
+        secret = json.loads(cli(ledger, "channels", "set", user, "--type", "webhook", "--url", receiver.url, "--json"))[
+            "secret"
+        ]
         token = create_token(ledger)["token"]
         ports = {name: int(vigil_env[f"VIGIL_{name.upper()}_PORT"]) for name in ("worker", "ingest", "dispatcher")}
         spawn(["worker"], {**vigil_env, **FAST, "VIGIL_AGENT": "echo"}, name="worker").wait_healthy(ports["worker"])
@@ -39,7 +41,10 @@ def test_chat_message_in_through_ingest_reply_out_through_the_webhook(spawn, vig
         (reply,) = receiver.got()
         assert standard_webhooks_valid(secret, reply)
         assert reply.user == user and reply.bodies == ["hello vigil"]
-        row = query(ledger, "SELECT o.run_id, o.epoch, o.status, o.delivery_id::text AS d, r.event_ids FROM outbox o JOIN runs r ON r.id = o.run_id")[0]
+        row = query(
+            ledger,
+            "SELECT o.run_id, o.epoch, o.status, o.delivery_id::text AS d, r.event_ids FROM outbox o JOIN runs r ON r.id = o.run_id",
+        )[0]
         assert (row["status"], row["d"]) == ("delivered", reply.id)
         assert reply.data["messages"][0]["run_id"] == row["run_id"]
         assert scalar(ledger, "SELECT kind FROM events WHERE id = %s", (row["event_ids"][0],)) == "chat.message"

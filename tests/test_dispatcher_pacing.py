@@ -48,7 +48,12 @@ def test_a_delivery_in_flight_holds_everything_behind_it():
     waiting = [row(1, status="pending", delivery=delivery, attempts=1, next_at=later), row(2, urgent=True)]
     assert plan(pacing(last=T0), waiting, later - timedelta(seconds=1), 5) is None
     retry = plan(pacing(last=T0), waiting, later, 5)
-    assert (retry.action, retry.delivery_id, [r.id for r in retry.rows], retry.lost) == (Action.RETRY, delivery, [1], False)
+    assert (retry.action, retry.delivery_id, [r.id for r in retry.rows], retry.lost) == (
+        Action.RETRY,
+        delivery,
+        [1],
+        False,
+    )
 
 
 def test_a_lost_send_is_retried_then_buried_when_out_of_attempts():
@@ -66,7 +71,14 @@ def test_joined_messages_are_bounded():
 
 @pytest.mark.parametrize(
     "attempt, retry_after, low, high",
-    [(1, None, 30, 33), (2, None, 60, 66), (5, None, 480, 528), (12, None, 3600, 3600), (1, 120, 120, 120), (1, 10**9, 86_400, 86_400)],
+    [
+        (1, None, 30, 33),
+        (2, None, 60, 66),
+        (5, None, 480, 528),
+        (12, None, 3600, 3600),
+        (1, 120, 120, 120),
+        (1, 10**9, 86_400, 86_400),
+    ],
 )
 def test_retry_delay_doubles_is_capped_and_honours_retry_after(attempt, retry_after, low, high):
     delay = retry_delay(attempt, 30, 3600, retry_after, random.Random(7))

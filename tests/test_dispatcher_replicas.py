@@ -119,7 +119,11 @@ def test_two_dispatchers_over_500_users_never_send_a_row_twice_nor_two_deliverie
     assert {u: len(r) for u, r in per_user.items() if len(r) != 1} == {}, "one delivery per user inside the gap"
 
     write_clock_file(clock_file, T0 + timedelta(seconds=3600))
-    wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox WHERE status <> 'delivered'") == 0, 90, "every row delivered")
+    wait_for(
+        lambda: scalar(ledger, "SELECT count(*) FROM outbox WHERE status <> 'delivered'") == 0,
+        90,
+        "every row delivered",
+    )
     passes_after(ports, time.time())
 
     got = receiver.got()

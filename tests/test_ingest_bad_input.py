@@ -23,7 +23,9 @@ def ingest(stack, ledger, topics):
     server = start_ingest(stack, ledger, topics, max_body_bytes=LIMIT, ingest_max_batch=5)
     yield server
     server.stop()
-    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == [], "a refused request produced"
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == [], (
+        "a refused request produced"
+    )
 
 
 @pytest.fixture
@@ -74,10 +76,16 @@ def test_envelope_validation_is_400_naming_the_field(client, body, field):
 
 
 def test_message_validation_is_400_naming_the_field(client):
-    assert refused(client.post("/v1/users/u1/messages", json={"txt": "hi"}), 400, "invalid_event")["field"] in ("text", "txt")
+    assert refused(client.post("/v1/users/u1/messages", json={"txt": "hi"}), 400, "invalid_event")["field"] in (
+        "text",
+        "txt",
+    )
     assert refused(client.post("/v1/users/u1/messages", json={"text": ""}), 400, "invalid_event")["field"] == "text"
     key = {b"Idempotency-Key": b"k\xa0"}  # valid HTTP (obs-text), not a printable key
-    assert refused(client.post("/v1/users/u1/messages", json={"text": "hi"}, headers=key), 400, "invalid_request")["field"] == "Idempotency-Key"
+    assert (
+        refused(client.post("/v1/users/u1/messages", json={"text": "hi"}, headers=key), 400, "invalid_request")["field"]
+        == "Idempotency-Key"
+    )
 
 
 def test_unknown_hook_is_404(ingest):
@@ -128,17 +136,36 @@ def test_chunked_body_over_the_limit_is_413_while_streaming(ingest, client):
 
 
 def test_wrong_content_type_is_415(client, ingest):
-    refused(client.post("/v1/events", content=b"user_id=u1", headers={"Content-Type": "application/x-www-form-urlencoded"}), 415, "unsupported_media_type")
-    refused(client.post("/v1/events", content=b"{}", headers={"Content-Type": "text/plain"}), 415, "unsupported_media_type")
-    refused(client.post("/v1/users/u1/messages", content=b'{"text": "x"}', headers={"Content-Type": ""}), 415, "unsupported_media_type")
+    refused(
+        client.post("/v1/events", content=b"user_id=u1", headers={"Content-Type": "application/x-www-form-urlencoded"}),
+        415,
+        "unsupported_media_type",
+    )
+    refused(
+        client.post("/v1/events", content=b"{}", headers={"Content-Type": "text/plain"}), 415, "unsupported_media_type"
+    )
+    refused(
+        client.post("/v1/users/u1/messages", content=b'{"text": "x"}', headers={"Content-Type": ""}),
+        415,
+        "unsupported_media_type",
+    )
     gzipped = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     refused(client.post("/v1/events", content=b"\x1f\x8b\x08\x00", headers=gzipped), 415, "unsupported_media_type")
-    refused(httpx.post(f"{ingest.url}/v1/approvals/r1", content=b"answer=yes", headers={"Content-Type": "text/plain"}), 415, "unsupported_media_type")
+    refused(
+        httpx.post(f"{ingest.url}/v1/approvals/r1", content=b"answer=yes", headers={"Content-Type": "text/plain"}),
+        415,
+        "unsupported_media_type",
+    )
 
 
 def test_very_long_header_values_are_refused_cleanly(client, ingest):
     long_key = {"Idempotency-Key": "k" * 8000}
-    assert refused(client.post("/v1/users/u1/messages", json={"text": "hi"}, headers=long_key), 400, "invalid_request")["field"] == "Idempotency-Key"
+    assert (
+        refused(client.post("/v1/users/u1/messages", json={"text": "hi"}, headers=long_key), 400, "invalid_request")[
+            "field"
+        ]
+        == "Idempotency-Key"
+    )
     long_token = {"Authorization": "Bearer " + "t" * 60_000}
     refused(httpx.post(f"{ingest.url}/v1/events", json=good(), headers=long_token), 401, "unauthorized")
     signature = {"X-Hub-Signature-256": "sha256=" + "0" * 60_000}

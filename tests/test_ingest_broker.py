@@ -28,7 +28,9 @@ PRODUCE_TIMEOUT_S = 3.0
 @pytest.fixture
 def own_kafka(tmp_path):
     run_dir = Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run"))
-    kafka = devstack.KafkaServer(tmp_path / "kafka", devstack.free_port(), devstack.free_port(), devstack.kafka_libs(run_dir / "kafka"))
+    kafka = devstack.KafkaServer(
+        tmp_path / "kafka", devstack.free_port(), devstack.free_port(), devstack.kafka_libs(run_dir / "kafka")
+    )
     kafka.start()
     ensure_topics(CommonSettings(kafka_bootstrap=kafka.bootstrap), {TOPIC: 1})
     yield kafka
@@ -48,7 +50,9 @@ def test_broker_down_gives_503_and_nothing_half_stored_then_recovers(own_kafka, 
             return client.post("/v1/users/u-outage/messages", json={"text": key}, headers={"Idempotency-Key": key})
 
         assert message("before").status_code == 202
-        approval_token = make_request(ledger, "r-outage", datetime.now(timezone.utc) + timedelta(hours=1), user_id="u-outage")
+        approval_token = make_request(
+            ledger, "r-outage", datetime.now(timezone.utc) + timedelta(hours=1), user_id="u-outage"
+        )
 
         own_kafka.stop()
         started = time.monotonic()
@@ -57,13 +61,21 @@ def test_broker_down_gives_503_and_nothing_half_stored_then_recovers(own_kafka, 
         assert time.monotonic() - started < PRODUCE_TIMEOUT_S + 3
         assert during.headers["retry-after"].isdigit()
         assert during.json()["error"] == "broker_unavailable"
-        batch = [{"user_id": "u-outage", "source": "billing", "source_id": f"b-{n}", "kind": "billing.x"} for n in range(3)]
+        batch = [
+            {"user_id": "u-outage", "source": "billing", "source_id": f"b-{n}", "kind": "billing.x"} for n in range(3)
+        ]
         assert client.post("/v1/events", json={"events": batch}).status_code == 503
         # The answer is committed in the ledger; only its wake-up could not be produced.
-        refused_answer = httpx.post(f"{ingest.url}/v1/approvals/r-outage", json={"answer": "yes", "token": approval_token})
+        refused_answer = httpx.post(
+            f"{ingest.url}/v1/approvals/r-outage", json={"answer": "yes", "token": approval_token}
+        )
         assert refused_answer.status_code == 503 and refused_answer.json()["answer"] == "yes"
         assert stored(ledger, "r-outage")["answer"] == "yes"
-        wait_for(lambda: httpx.get(f"{ingest.url}/readyz").status_code == 503, timeout=10, what="/readyz to report the broker down")
+        wait_for(
+            lambda: httpx.get(f"{ingest.url}/readyz").status_code == 503,
+            timeout=10,
+            what="/readyz to report the broker down",
+        )
 
         own_kafka.start()
         wait_for(lambda: message("after").status_code == 202, timeout=60, interval=0.5, what="ingest to produce again")

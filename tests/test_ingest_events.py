@@ -28,15 +28,30 @@ def client(ingest, ledger):
 
 
 def envelope(n: int, **fields) -> dict:
-    return {"user_id": f"user-{n % 3}", "source": "billing", "source_id": f"inv-{n}", "kind": "billing.invoice_paid", "payload": {"n": n}, **fields}
+    return {
+        "user_id": f"user-{n % 3}",
+        "source": "billing",
+        "source_id": f"inv-{n}",
+        "kind": "billing.invoice_paid",
+        "payload": {"n": n},
+        **fields,
+    }
 
 
 def test_single_event_is_on_the_topic_when_202_is_answered(client, stack, topics):
-    response = client.post("/v1/events", json=envelope(1, occurred_at="2026-03-01T09:30:00+09:00", headers={"traceparent": "00-abc-def-01"}))
+    response = client.post(
+        "/v1/events",
+        json=envelope(1, occurred_at="2026-03-01T09:30:00+09:00", headers={"traceparent": "00-abc-def-01"}),
+    )
     assert response.status_code == 202, response.text
     assert response.json() == {"accepted": 1}
     [event] = read_events(stack.bootstrap, topics.events, 1, topics.partitions)
-    assert (event.user_id, event.source, event.source_id, event.kind) == ("user-1", "billing", "inv-1", "billing.invoice_paid")
+    assert (event.user_id, event.source, event.source_id, event.kind) == (
+        "user-1",
+        "billing",
+        "inv-1",
+        "billing.invoice_paid",
+    )
     assert json.loads(event.payload) == {"n": 1}
     assert event.occurred_at.isoformat() == "2026-03-01T00:30:00+00:00"
     assert event.headers == {"traceparent": "00-abc-def-01"}
@@ -64,8 +79,12 @@ def test_unicode_and_empty_payloads(client, stack, topics):
 
 
 def test_chat_message_idempotency_key_is_the_source_id(client, stack, topics):
-    first = client.post("/v1/users/u-42/messages", json={"text": "hi there"}, headers={"Idempotency-Key": "client-key-1"})
-    retry = client.post("/v1/users/u-42/messages", json={"text": "hi there"}, headers={"Idempotency-Key": "client-key-1"})
+    first = client.post(
+        "/v1/users/u-42/messages", json={"text": "hi there"}, headers={"Idempotency-Key": "client-key-1"}
+    )
+    retry = client.post(
+        "/v1/users/u-42/messages", json={"text": "hi there"}, headers={"Idempotency-Key": "client-key-1"}
+    )
     fresh = client.post("/v1/users/u-42/messages", json={"text": "and again"})
     assert first.status_code == retry.status_code == fresh.status_code == 202
     assert first.json()["source_id"] == retry.json()["source_id"] == "client-key-1"

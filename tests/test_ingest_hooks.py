@@ -48,7 +48,11 @@ def signed(provider: str, secret: str, body: bytes, *, delivery: str, at: int | 
         return {"Stripe-Signature": f"t={at},v1={hex_hmac(secret.encode(), f'{at}.'.encode() + body)}"}
     key = base64.b64decode(secret.removeprefix("whsec_"))
     mac = hmac.new(key, f"{delivery}.{at}.".encode() + body, hashlib.sha256).digest()
-    return {"webhook-id": delivery, "webhook-timestamp": str(at), "webhook-signature": "v1," + base64.b64encode(mac).decode()}
+    return {
+        "webhook-id": delivery,
+        "webhook-timestamp": str(at),
+        "webhook-signature": "v1," + base64.b64encode(mac).decode(),
+    }
 
 
 def body_for(provider: str, delivery: str) -> bytes:
@@ -62,7 +66,20 @@ def body_for(provider: str, delivery: str) -> bytes:
 
 def add_hook(ledger: str, provider: str) -> dict:
     if provider == "stripe":
-        created = json.loads(cli(ledger, "hooks", "add", "--provider", provider, "--user", "u-hooks", "--secret-stdin", "--json", input=STRIPE_ISSUED + "\n"))
+        created = json.loads(
+            cli(
+                ledger,
+                "hooks",
+                "add",
+                "--provider",
+                provider,
+                "--user",
+                "u-hooks",
+                "--secret-stdin",
+                "--json",
+                input=STRIPE_ISSUED + "\n",
+            )
+        )
         return {**created, "secret": STRIPE_ISSUED}
     created = json.loads(cli(ledger, "hooks", "add", "--provider", provider, "--user", "u-hooks", "--json"))
     if provider == "standard-webhooks":
@@ -71,7 +88,9 @@ def add_hook(ledger: str, provider: str) -> dict:
 
 
 def post(ingest, hook: dict, body: bytes, headers: dict) -> httpx.Response:
-    return httpx.post(f"{ingest.url}/v1/hooks/{hook['id']}", content=body, headers={"Content-Type": "application/json", **headers})
+    return httpx.post(
+        f"{ingest.url}/v1/hooks/{hook['id']}", content=body, headers={"Content-Type": "application/json", **headers}
+    )
 
 
 def refusal_reason(response: httpx.Response) -> str:
@@ -105,7 +124,11 @@ def test_tampered_missing_and_stale_are_401_and_produce_nothing(ingest, ledger, 
     tampered = body.replace(b"1200", b"9999") if provider == "stripe" else body.replace(b"main", b"evil")
     assert tampered != body
     assert refusal_reason(post(ingest, hook, tampered, headers)) == "bad_signature"
-    signature_header = {"github": "X-Hub-Signature-256", "stripe": "Stripe-Signature", "standard-webhooks": "webhook-signature"}[provider]
+    signature_header = {
+        "github": "X-Hub-Signature-256",
+        "stripe": "Stripe-Signature",
+        "standard-webhooks": "webhook-signature",
+    }[provider]
     unsigned = {k: v for k, v in headers.items() if k != signature_header}
     assert refusal_reason(post(ingest, hook, body, unsigned)) == "missing_header"
     wrong_secret = signed(provider, "whsec_" + base64.b64encode(b"k" * 32).decode(), body, delivery=delivery)
@@ -165,7 +188,9 @@ def test_the_last_secret_is_not_revoked_without_force(ledger):
     from vigil.cli import main
 
     hook = add_hook(ledger, "github")
-    result = CliRunner().invoke(main, ["hooks", "revoke-secret", hook["id"], str(hook["secret_id"])], env={"VIGIL_DATABASE_URL": ledger})
+    result = CliRunner().invoke(
+        main, ["hooks", "revoke-secret", hook["id"], str(hook["secret_id"])], env={"VIGIL_DATABASE_URL": ledger}
+    )
     assert result.exit_code != 0 and "last active" in result.output
     cli(ledger, "hooks", "revoke-secret", hook["id"], str(hook["secret_id"]), "--force")
 

@@ -54,8 +54,16 @@ def test_a_delivery_retried_three_times_gives_one_ledger_row(spawn, vigil_env, l
         assert httpx.post(f"{url}/v1/hooks/{hook['id']}", content=body, headers=headers).status_code == 202
 
     worker_port = int(vigil_env["VIGIL_WORKER_PORT"])
-    wait_for(lambda: metric(worker_port, "vigil_events_recorded_total", 'result="duplicate"') >= 2, 60, "both retries seen by the worker")
-    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE source_id = 'gh-delivery-e2e'") == "done", 60, "the delivery's run")
+    wait_for(
+        lambda: metric(worker_port, "vigil_events_recorded_total", 'result="duplicate"') >= 2,
+        60,
+        "both retries seen by the worker",
+    )
+    wait_for(
+        lambda: scalar(ledger, "SELECT status FROM events WHERE source_id = 'gh-delivery-e2e'") == "done",
+        60,
+        "the delivery's run",
+    )
     assert scalar(ledger, "SELECT count(*) FROM events WHERE source = 'github' AND source_id = 'gh-delivery-e2e'") == 1
     assert scalar(ledger, "SELECT kind FROM events WHERE source_id = 'gh-delivery-e2e'") == "github.push"
     assert scalar(ledger, "SELECT count(*) FROM runs WHERE user_id = 'u-e2e'") == 1
@@ -78,14 +86,24 @@ def test_secrets_and_tokens_never_reach_the_log(spawn, vigil_env, ledger):
     forged = {**headers, "X-Hub-Signature-256": "sha256=" + "ab" * 32}
     assert httpx.post(f"{url}/v1/hooks/{hook['id']}", content=body, headers=forged).status_code == 401
     assert httpx.post(f"{url}/v1/approvals/r-logs", json={"answer": "yes", "token": approval_token}).status_code == 200
-    assert httpx.post(f"{url}/v1/approvals/r-logs", json={"answer": "no", "token": approval_token + "x"}).status_code == 403
+    assert (
+        httpx.post(f"{url}/v1/approvals/r-logs", json={"answer": "no", "token": approval_token + "x"}).status_code
+        == 403
+    )
     # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status tells why.
     assert ingest.stop() in (0, -signal.SIGTERM)
 
     log = ingest.log()
     assert "refused with 401" in log and "approval r-logs" in log, "the DEBUG log was not written at all"
     assert "ingest stopped" in log
-    for secret in (token, bad_token, hook["secret"], approval_token, headers["X-Hub-Signature-256"][7:], vigil_env["VIGIL_APPROVAL_SECRET"]):
+    for secret in (
+        token,
+        bad_token,
+        hook["secret"],
+        approval_token,
+        headers["X-Hub-Signature-256"][7:],
+        vigil_env["VIGIL_APPROVAL_SECRET"],
+    ):
         assert secret not in log
 
 
@@ -97,12 +115,20 @@ def test_served_openapi_is_the_committed_one(stack, ledger, topics):
         server.stop()
     committed = json.loads(openapi.COMMITTED.read_text())
     assert served == committed, "openapi.json is stale: run `python -m vigil.ingest.openapi --write` and commit it"
-    assert {"/v1/events", "/v1/users/{user_id}/messages", "/v1/hooks/{hook_id}", "/v1/approvals/{request_id}"} <= set(served["paths"])
+    assert {"/v1/events", "/v1/users/{user_id}/messages", "/v1/hooks/{hook_id}", "/v1/approvals/{request_id}"} <= set(
+        served["paths"]
+    )
 
 
 def test_ingest_refuses_to_start_without_an_approval_secret(vigil_env):
     env = {k: v for k, v in vigil_env.items() if k != "VIGIL_APPROVAL_SECRET"}
-    result = subprocess.run([sys.executable, "-m", "vigil", "ingest"], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "vigil", "ingest"],
+        env={"PATH": "/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "VIGIL_APPROVAL_SECRET" in result.stderr
 
 
@@ -112,7 +138,10 @@ def test_metrics_count_requests_by_route_template_and_produce_latency(stack, led
         token = create_token(ledger)["token"]
         auth = {"Authorization": f"Bearer {token}"}
         for user in ("u-a", "u-b"):
-            assert httpx.post(f"{server.url}/v1/users/{user}/messages", json={"text": "x"}, headers=auth).status_code == 202
+            assert (
+                httpx.post(f"{server.url}/v1/users/{user}/messages", json={"text": "x"}, headers=auth).status_code
+                == 202
+            )
         httpx.post(f"{server.url}/v1/users/u-a/messages", json={"text": "x"})
         httpx.get(f"{server.url}/no/such/path")
         text = httpx.get(f"{server.url}/metrics").text

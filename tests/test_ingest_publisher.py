@@ -21,8 +21,14 @@ from vigil.settings import CommonSettings
 
 
 def _event(n: int) -> Event:
-    return Event(user_id=f"u{n % 7}", source="tests", source_id=f"pub-{n}", kind="test.event",
-                 payload="{}", received_at=datetime.now(timezone.utc))
+    return Event(
+        user_id=f"u{n % 7}",
+        source="tests",
+        source_id=f"pub-{n}",
+        kind="test.event",
+        payload="{}",
+        received_at=datetime.now(timezone.utc),
+    )
 
 
 def test_concurrent_sends_return_with_their_acknowledgements_and_no_poll_thread(stack, topics):
@@ -32,8 +38,10 @@ def test_concurrent_sends_return_with_their_acknowledgements_and_no_poll_thread(
         publisher = Publisher(settings)
         await publisher.start()
         try:
-            results = await asyncio.gather(*(publisher.send([_event(n)], via="events") for n in range(40)),
-                                           publisher.send([_event(n) for n in range(40, 90)], via="events"))
+            results = await asyncio.gather(
+                *(publisher.send([_event(n)], via="events") for n in range(40)),
+                publisher.send([_event(n) for n in range(40, 90)], via="events"),
+            )
             assert not [t for t in threading.enumerate() if t.name == "producer-poll"]
             return results
         finally:

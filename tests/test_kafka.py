@@ -16,15 +16,21 @@ from vigil.settings import CommonSettings
 def test_produce_and_consume_a_real_event(stack, topics):
     settings = CommonSettings(kafka_bootstrap=stack.bootstrap, events_topic=topics.events)
     event = Event(
-        user_id="user-7", source="chat", source_id="m-1", kind="chat.message",
-        payload='{"text": "hello"}', received_at=datetime.now(timezone.utc).replace(microsecond=0),
+        user_id="user-7",
+        source="chat",
+        source_id="m-1",
+        kind="chat.message",
+        payload='{"text": "hello"}',
+        received_at=datetime.now(timezone.utc).replace(microsecond=0),
     )
     producer = EventProducer(settings)
     try:
         [where] = producer.send([event])
     finally:
         producer.close()
-    consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"{topics.events}.read", "auto.offset.reset": "earliest"})
+    consumer = Consumer(
+        {"bootstrap.servers": stack.bootstrap, "group.id": f"{topics.events}.read", "auto.offset.reset": "earliest"}
+    )
     try:
         consumer.subscribe([topics.events])
         message = None

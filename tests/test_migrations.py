@@ -93,8 +93,11 @@ def test_queue_tables_are_vacuumed_after_a_few_thousand_dead_rows(ledger):
     """events and outbox are queues: the claim walks partial indexes that keep dead entries
     until VACUUM. With the default share-of-the-table threshold a busy ledger held twice as
     many dead rows as live ones and claims slowed by an order of magnitude."""
-    rows = query(ledger, """SELECT relname, reloptions FROM pg_class
-                            WHERE relname IN ('events', 'outbox') AND relnamespace = 'public'::regnamespace""")
+    rows = query(
+        ledger,
+        """SELECT relname, reloptions FROM pg_class
+                            WHERE relname IN ('events', 'outbox') AND relnamespace = 'public'::regnamespace""",
+    )
     options = {r["relname"]: dict(o.split("=") for o in r["reloptions"] or []) for r in rows}
     for table in ("events", "outbox"):
         assert options[table].get("autovacuum_vacuum_scale_factor") == "0.0", table

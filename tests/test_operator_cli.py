@@ -41,7 +41,9 @@ def test_dead_list_and_retry_with_audit(ledger):
     assert row == {"status": "pending", "attempts": 0, "retried_by": "oncall", "finished_at": None}
     assert query(ledger, "SELECT status FROM events WHERE id = %s", (done_id,))[0]["status"] == "done"
     audit = query(ledger, "SELECT actor, action, detail FROM audit")
-    assert audit == [{"actor": "oncall", "action": "dead.retry", "detail": {"requested": [dead_id, done_id], "retried": [dead_id]}}]
+    assert audit == [
+        {"actor": "oncall", "action": "dead.retry", "detail": {"requested": [dead_id, done_id], "retried": [dead_id]}}
+    ]
 
 
 def test_inbox_shows_states(ledger):

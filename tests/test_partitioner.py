@@ -43,7 +43,14 @@ def test_producer_puts_keys_on_the_java_partition(stack, topics):
     producer = EventProducer(settings)
     try:
         events = [
-            Event(user_id=key, source="test", source_id=f"k{i}", kind="test", payload="{}", received_at=datetime.now(timezone.utc))
+            Event(
+                user_id=key,
+                source="test",
+                source_id=f"k{i}",
+                kind="test",
+                payload="{}",
+                received_at=datetime.now(timezone.utc),
+            )
             for i, (key, _, _) in enumerate(JAVA_VECTORS)
             if key
         ]

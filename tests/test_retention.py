@@ -20,7 +20,9 @@ from worker_support import metric
 def seed(dsn: str) -> None:
     """Per table, rows old and finished (to go), and rows young or unfinished (to stay)."""
     old, young = "now() - interval '40 days'", "now() - interval '1 day'"
-    query(dsn, f"""
+    query(
+        dsn,
+        f"""
         INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status, finished_at, attempts,
                             claim_epoch)
         VALUES ('u', 'chat', 'old-done-1', 'chat.message', {old}, {old}, 'done', {old}, 1, 1),
@@ -29,24 +31,34 @@ def seed(dsn: str) -> None:
                ('u', 'chat', 'old-dead', 'chat.message', {old}, {old}, 'dead', {old}, 3, 1),
                ('u', 'chat', 'young-done', 'chat.message', {young}, {young}, 'done', {young}, 1, 1),
                ('u', 'chat', 'old-pending', 'chat.message', {old}, {old}, 'pending', NULL, 0, NULL),
-               ('u', 'chat', 'old-running', 'chat.message', {old}, {old}, 'running', NULL, 1, 1)""")
-    query(dsn, f"""
+               ('u', 'chat', 'old-running', 'chat.message', {old}, {old}, 'running', NULL, 1, 1)""",
+    )
+    query(
+        dsn,
+        f"""
         INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)
         VALUES ('u', 'events', 0, 1, 'w', '{{1}}', {old}, {old}, 'message'),      -- its message delivered: goes
                ('u', 'events', 0, 1, 'w', '{{2}}', {old}, {old}, 'message'),      -- its message still pending: stays
                ('u', 'events', 0, 1, 'w', '{{3}}', {old}, {old}, 'nothing'),      -- no message: goes
-               ('u', 'events', 0, 1, 'w', '{{5}}', {young}, {young}, 'nothing')   -- young: stays""")
+               ('u', 'events', 0, 1, 'w', '{{5}}', {young}, {young}, 'nothing')   -- young: stays""",
+    )
     runs = [r["id"] for r in query(dsn, "SELECT id FROM runs ORDER BY id")]
-    query(dsn, f"""
+    query(
+        dsn,
+        f"""
         INSERT INTO outbox (user_id, run_id, epoch, body, created_at, status, delivered_at, dead_at)
         VALUES ('u', {runs[0]}, 1, 'delivered long ago', {old}, 'delivered', {old}, NULL),
                ('u', {runs[1]}, 1, 'still to deliver', {old}, 'pending', NULL, NULL),
-               ('u', {runs[0]}, 1, 'given up long ago', {old}, 'dead', NULL, {old})""")
-    query(dsn, f"""
+               ('u', {runs[0]}, 1, 'given up long ago', {old}, 'dead', NULL, {old})""",
+    )
+    query(
+        dsn,
+        f"""
         INSERT INTO timers (id, user_id, kind, due, done, updated_at)
         VALUES ('fired', 'u', 'followup', date_trunc('second', {old}), true, {old}),
                ('live', 'u', 'followup', date_trunc('second', now()) + interval '1 day', false, {old}),
-               ('fired-lately', 'u', 'followup', date_trunc('second', {young}), true, {young})""")
+               ('fired-lately', 'u', 'followup', date_trunc('second', {young}), true, {young})""",
+    )
 
 
 def left(dsn: str) -> dict[str, list]:
@@ -80,11 +92,14 @@ def test_prune_deletes_finished_work_past_retention_and_nothing_else(ledger):
 def test_two_schedulers_pruning_at_once_share_the_work(ledger):
     """Replicas prune at the same time: each batch locks its rows SKIP LOCKED, so neither
     waits on the other, nothing is deleted twice and nothing is left behind."""
-    query(ledger, """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status,
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status,
                                          finished_at, attempts, claim_epoch)
                      SELECT 'u' || (g % 50), 'chat', 'old-' || g, 'chat.message', now() - interval '40 days',
                             now() - interval '40 days', 'done', now() - interval '40 days', 1, 1
-                     FROM generate_series(1, 20000) AS g""")
+                     FROM generate_series(1, 20000) AS g""",
+    )
     results: list[dict] = []
 
     def one():
@@ -108,9 +123,13 @@ def test_retention_shorter_than_the_dedup_window_is_refused(monkeypatch):
     assert "VIGIL_DEDUP_WINDOW_DAYS" in str(caught.value) and "VIGIL_RETENTION_DAYS (3)" in str(caught.value)
     monkeypatch.setenv("VIGIL_RETENTION_DAYS", "0")  # off: nothing is deleted, any window is fine
     assert load(SchedulerSettings).retention_days == 0
-    result = subprocess.run([sys.executable, "-m", "vigil", "scheduler"],
-                            env={"PATH": "/usr/bin:/bin", "VIGIL_RETENTION_DAYS": "3"},
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "vigil", "scheduler"],
+        env={"PATH": "/usr/bin:/bin", "VIGIL_RETENTION_DAYS": "3"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "VIGIL_DEDUP_WINDOW_DAYS" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -78,7 +78,9 @@ def api(stack, ledger, vigil_env, spawn):
     spawn(["ingest"], vigil_env, name="ingest").wait_healthy(port)
     env = {**vigil_env, "VIGIL_SCHEDULER_TICK_S": "0.2"}
     spawn(["scheduler"], env, name="scheduler").wait_healthy(int(env["VIGIL_SCHEDULER_PORT"]))
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=10) as client:
+    with httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=10
+    ) as client:
         yield client
 
 
@@ -98,14 +100,26 @@ def test_timers_api_creates_lists_cancels_and_the_scheduler_fires(api, ledger, s
     assert soon.status_code == 201
     wait_for(lambda: topic_size(stack.bootstrap, topics.events) == 1, 20, "the one-off to fire")
     (event,) = read_topic(stack.bootstrap, topics.events)
-    assert (event.user_id, event.source, event.source_id, event.kind) == ("alice", "timer", f"soon@{now + 1}", "timer.followup")
+    assert (event.user_id, event.source, event.source_id, event.kind) == (
+        "alice",
+        "timer",
+        f"soon@{now + 1}",
+        "timer.followup",
+    )
     assert json.loads(event.payload)["payload"] == {"note": "call back"}
     refired = api.post("/v1/users/alice/timers", json={"id": "soon", "due": now + 1})
-    assert refired.status_code == 200 and refired.json()["status"] == "unchanged" and "already fired" in refired.json()["note"]
+    assert (
+        refired.status_code == 200
+        and refired.json()["status"] == "unchanged"
+        and "already fired" in refired.json()["note"]
+    )
 
     listed = api.get("/v1/users/alice/timers")
     assert [t["id"] for t in listed.json()["timers"]] == ["digest"]
-    assert [t["id"] for t in api.get("/v1/users/alice/timers", params={"all": "true"}).json()["timers"]] == ["digest", "soon"]
+    assert [t["id"] for t in api.get("/v1/users/alice/timers", params={"all": "true"}).json()["timers"]] == [
+        "digest",
+        "soon",
+    ]
     assert api.get("/v1/users/alice/timers/soon").json()["fired_count"] == 1
     assert api.get("/v1/users/alice/timers", params={"limit": "1"}).json()["next_after"] == "digest"
 
@@ -113,7 +127,9 @@ def test_timers_api_creates_lists_cancels_and_the_scheduler_fires(api, ledger, s
     gone = api.delete("/v1/users/alice/timers/digest")
     assert gone.status_code == 404 and "not live" in gone.json()["detail"]
     assert api.delete("/v1/users/alice/timers/nope").status_code == 404
-    assert query(ledger, "SELECT done, cancelled_at IS NOT NULL AS c FROM timers WHERE id = 'digest'") == [{"done": True, "c": True}]
+    assert query(ledger, "SELECT done, cancelled_at IS NOT NULL AS c FROM timers WHERE id = 'digest'") == [
+        {"done": True, "c": True}
+    ]
 
 
 def test_timers_api_refuses_bad_requests_precisely(api, ledger):
@@ -122,14 +138,22 @@ def test_timers_api_refuses_bad_requests_precisely(api, ledger):
     assert bad_cron.json()["field"] == "cron" and "bad hour field '25'" in bad_cron.json()["detail"]
     bad_zone = api.post("/v1/users/alice/timers", json={"id": "x", "cron": "0 9 * * *", "tz": "Mars/Base"})
     assert bad_zone.status_code == 400 and "unknown time zone 'Mars/Base'" in bad_zone.json()["detail"]
-    assert api.post("/v1/users/alice/timers", content=b"{nope", headers={"Content-Type": "application/json"}).status_code == 400
+    assert (
+        api.post("/v1/users/alice/timers", content=b"{nope", headers={"Content-Type": "application/json"}).status_code
+        == 400
+    )
     assert api.get("/v1/users/alice/timers", params={"limit": "0"}).status_code == 400
     anonymous = httpx.post(api.base_url.join("/v1/users/alice/timers"), json={"id": "x", "due": 1})
     assert anonymous.status_code == 401
 
-    query(ledger, "INSERT INTO timers (id, user_id, kind, due, fixed_key) VALUES ('approval:r1', 'alice', "
-                  "'approval_expiry', date_trunc('second', now()) + interval '1 hour', 'r1')")
+    query(
+        ledger,
+        "INSERT INTO timers (id, user_id, kind, due, fixed_key) VALUES ('approval:r1', 'alice', "
+        "'approval_expiry', date_trunc('second', now()) + interval '1 hour', 'r1')",
+    )
     taken = api.post("/v1/users/alice/timers", json={"id": "approval:r1", "due": 1})
     assert taken.status_code == 409
     assert api.delete("/v1/users/alice/timers/approval:r1").status_code == 409
-    assert query(ledger, "SELECT kind, done FROM timers WHERE id = 'approval:r1'") == [{"kind": "approval_expiry", "done": False}]
+    assert query(ledger, "SELECT kind, done FROM timers WHERE id = 'approval:r1'") == [
+        {"kind": "approval_expiry", "done": False}
+    ]

@@ -127,8 +127,13 @@ def test_outage_of_three_occurrences_and_ten_minutes(sched, ledger, stack, topic
 
     (coalesced,) = by_timer["digest-coalesce"]
     body = json.loads(coalesced.payload)
-    assert body == {"timer_id": "digest-coalesce", "scheduled_for": T0 + 4 * DAY, "late_by": 600, "skipped": 3,
-                    "payload": {}}
+    assert body == {
+        "timer_id": "digest-coalesce",
+        "scheduled_for": T0 + 4 * DAY,
+        "late_by": 600,
+        "skipped": 3,
+        "payload": {},
+    }
     assert coalesced.kind == "timer.schedule" and coalesced.source == "timer"
     next_due = timer(ledger, "digest-coalesce")["due"].timestamp()
     assert round((next_due - later) / 3600, 1) == 23.8
@@ -170,21 +175,31 @@ def test_each_is_capped_and_a_missed_skip_one_off_is_marked(stack, ledger, topic
     ("start", "day", "expected"),
     [
         # Spring forward, 2026-03-08: 02:00 EST jumps to 03:00 EDT (07:00 UTC).
-        (utc(2026, 3, 7, 12), (utc(2026, 3, 8, 5), utc(2026, 3, 9, 4)), {
-            "gap": [utc(2026, 3, 8, 7, 0), utc(2026, 3, 9, 6, 30)],  # 02:30 does not exist: 03:00 EDT
-            "fold": [utc(2026, 3, 8, 6, 30), utc(2026, 3, 9, 5, 30)],
-            "hours_that_day": 23,
-        }),
+        (
+            utc(2026, 3, 7, 12),
+            (utc(2026, 3, 8, 5), utc(2026, 3, 9, 4)),
+            {
+                "gap": [utc(2026, 3, 8, 7, 0), utc(2026, 3, 9, 6, 30)],  # 02:30 does not exist: 03:00 EDT
+                "fold": [utc(2026, 3, 8, 6, 30), utc(2026, 3, 9, 5, 30)],
+                "hours_that_day": 23,
+            },
+        ),
         # Fall back, 2026-11-01: 02:00 EDT returns to 01:00 EST (06:00 UTC).
-        (utc(2026, 10, 31, 12), (utc(2026, 11, 1, 4), utc(2026, 11, 2, 5)), {
-            "gap": [utc(2026, 11, 1, 7, 30), utc(2026, 11, 2, 7, 30)],
-            "fold": [utc(2026, 11, 1, 5, 30), utc(2026, 11, 2, 6, 30)],  # 01:30 twice: the first only
-            "hours_that_day": 25,
-        }),
+        (
+            utc(2026, 10, 31, 12),
+            (utc(2026, 11, 1, 4), utc(2026, 11, 2, 5)),
+            {
+                "gap": [utc(2026, 11, 1, 7, 30), utc(2026, 11, 2, 7, 30)],
+                "fold": [utc(2026, 11, 1, 5, 30), utc(2026, 11, 2, 6, 30)],  # 01:30 twice: the first only
+                "hours_that_day": 25,
+            },
+        ),
     ],
     ids=["spring-forward", "fall-back"],
 )
-def test_cron_in_new_york_fires_at_the_right_instants_once_across_dst(sched, ledger, stack, topics, start, day, expected):
+def test_cron_in_new_york_fires_at_the_right_instants_once_across_dst(
+    sched, ledger, stack, topics, start, day, expected
+):
     tz = {"tz": "America/New_York"}
     add(ledger, {"id": "gap", "cron": "30 2 * * *", **tz}, now=start)
     add(ledger, {"id": "fold", "cron": "30 1 * * *", **tz}, now=start)
@@ -208,13 +223,30 @@ def _approval(dsn: str, request_id: str, due: int, on_expiry: str, deadline: flo
     with connect(dsn, autocommit=True) as conn:
         conn.execute(
             Q.approval_create,
-            {"request_id": request_id, "user_id": USER, "session_id": f"s-{request_id}", "run_id": None,
-             "tool": "refund", "tool_use_id": "toolu_1", "args_hash": "h", "on_expiry": on_expiry,
-             "due": datetime.fromtimestamp(due if deadline is None else deadline, timezone.utc)},
+            {
+                "request_id": request_id,
+                "user_id": USER,
+                "session_id": f"s-{request_id}",
+                "run_id": None,
+                "tool": "refund",
+                "tool_use_id": "toolu_1",
+                "args_hash": "h",
+                "on_expiry": on_expiry,
+                "due": datetime.fromtimestamp(due if deadline is None else deadline, timezone.utc),
+            },
         )
         # What the worker's finish writes next to the request: the expiry, keyed by the request.
-        upsert(conn, NewTimer(USER, f"approval:{request_id}", TimerKind.APPROVAL_EXPIRY, due,
-                              payload={"request_id": request_id}, fixed_key=request_id))
+        upsert(
+            conn,
+            NewTimer(
+                USER,
+                f"approval:{request_id}",
+                TimerKind.APPROVAL_EXPIRY,
+                due,
+                payload={"request_id": request_id},
+                fixed_key=request_id,
+            ),
+        )
 
 
 def test_approval_expiry_denies_escalates_and_wakes_the_session(sched, ledger, stack, topics):
@@ -276,8 +308,12 @@ def test_unacknowledged_produce_advances_nothing(stack, ledger, topics):
 
 def test_a_row_that_cannot_be_planned_is_set_aside_not_retried_forever(sched, ledger, stack, topics):
     add(ledger, {"id": "good", "due": T0})
-    query(ledger, "INSERT INTO timers (id, user_id, kind, due, cron, tz) VALUES ('bad', %s, 'schedule', to_timestamp(%s), "
-                  "'0 9 * * *', 'Mars/Olympus_Mons')", (USER, T0 - 60))
+    query(
+        ledger,
+        "INSERT INTO timers (id, user_id, kind, due, cron, tz) VALUES ('bad', %s, 'schedule', to_timestamp(%s), "
+        "'0 9 * * *', 'Mars/Olympus_Mons')",
+        (USER, T0 - 60),
+    )
     report = at(sched, T0)
     assert report.events == 1 and report.by_policy[("*", "set_aside")] == 1
     bad = timer(ledger, "bad")
@@ -312,8 +348,11 @@ def test_the_loop_survives_its_ledger_connection_being_killed(stack, ledger, top
         loop.start()
         wait_for(lambda: health, 10, "a first pass")
         # What a database failover or an idle-connection reaper does to the scheduler.
-        query(ledger, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                      "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        query(
+            ledger,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
         add(ledger, {"id": "after", "due": T0})
         wait_for(lambda: timer(ledger, "after")["done"], 10, "the timer to fire on a new connection")
     finally:

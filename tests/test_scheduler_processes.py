@@ -47,7 +47,9 @@ def assert_each_occurrence_once_in_the_ledger(dsn: str, bootstrap: str, topic: s
     return produced
 
 
-def test_two_scheduler_processes_over_1000_due_timers_produce_each_occurrence_once(stack, ledger, topics, vigil_env, spawn):
+def test_two_scheduler_processes_over_1000_due_timers_produce_each_occurrence_once(
+    stack, ledger, topics, vigil_env, spawn
+):
     from vigil.devstack import free_port
 
     first = start_scheduler(spawn, vigil_env, "first")
@@ -59,7 +61,9 @@ def test_two_scheduler_processes_over_1000_due_timers_produce_each_occurrence_on
     # Nothing was produced twice, not even to the topic: the replicas took disjoint batches.
     assert topic_size(stack.bootstrap, topics.events) == 1000
     assert_each_occurrence_once_in_the_ledger(ledger, stack.bootstrap, topics.events, 1000)
-    shares = [metric(port, "vigil_timer_events_total") for port in (int(vigil_env["VIGIL_SCHEDULER_PORT"]), second_port)]
+    shares = [
+        metric(port, "vigil_timer_events_total") for port in (int(vigil_env["VIGIL_SCHEDULER_PORT"]), second_port)
+    ]
     assert sum(shares) == 1000 and all(shares), f"both replicas should have fired some: {shares}"
     assert first.alive() and second.alive()
 
@@ -83,7 +87,9 @@ def test_sigkill_between_produce_and_commit_leaves_each_occurrence_once(stack, l
 
 
 def vigil_cli(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vigil", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "vigil", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_timers_from_the_cli_fire_in_real_time_and_an_outage_is_reported(stack, ledger, topics, vigil_env, spawn):
@@ -92,8 +98,20 @@ def test_timers_from_the_cli_fire_in_real_time_and_an_outage_is_reported(stack, 
     env = {**os.environ, **vigil_env}
     now = int(time.time())
     # Overdue at start-up: a daily digest whose last three occurrences and ten minutes passed.
-    added = vigil_cli(env, "timers", "add", "alice", "digest", "--every", str(DAY), "--due", str(now - 3 * DAY - 600),
-                      "--payload", '{"task": "daily digest"}', "--json")
+    added = vigil_cli(
+        env,
+        "timers",
+        "add",
+        "alice",
+        "digest",
+        "--every",
+        str(DAY),
+        "--due",
+        str(now - 3 * DAY - 600),
+        "--payload",
+        '{"task": "daily digest"}',
+        "--json",
+    )
     assert added.returncode == 0, added.stderr
     assert json.loads(added.stdout)["status"] == "created"
     bad = vigil_cli(env, "timers", "add", "alice", "x", "--cron", "61 * * * *")
@@ -103,7 +121,9 @@ def test_timers_from_the_cli_fire_in_real_time_and_an_outage_is_reported(stack, 
     assert vigil_cli(env, "timers", "add", "alice", "tick", "--every", "1", "--due", str(now + 2)).returncode == 0
     assert vigil_cli(env, "timers", "add", "bob", "soon", "--due", str(now + 3)).returncode == 0
 
-    wait_for(lambda: topic_size(stack.bootstrap, topics.events) >= 5, 30, "the overdue digest, three ticks and the one-off")
+    wait_for(
+        lambda: topic_size(stack.bootstrap, topics.events) >= 5, 30, "the overdue digest, three ticks and the one-off"
+    )
     assert vigil_cli(env, "timers", "rm", "alice", "tick").returncode == 0
     events = read_topic(stack.bootstrap, topics.events)
     by_timer: dict[str, list] = {}
@@ -126,5 +146,7 @@ def test_timers_from_the_cli_fire_in_real_time_and_an_outage_is_reported(stack, 
     log = scheduler.log()
     assert "start-up: 1 timer(s) overdue" in log
     assert "coalesce: 1 timer(s) -> 1 event(s), 3 occurrence(s) skipped" in log
-    listed = [json.loads(line) for line in vigil_cli(env, "timers", "list", "alice", "--all", "--json").stdout.splitlines()]
+    listed = [
+        json.loads(line) for line in vigil_cli(env, "timers", "list", "alice", "--all", "--json").stdout.splitlines()
+    ]
     assert {t["id"]: (t["done"], t["cancelled"]) for t in listed} == {"digest": (False, False), "tick": (True, True)}

@@ -95,8 +95,14 @@ def user(text: str) -> dict:
 
 
 def test_text_reply(serve):
-    server = serve([{"when": {"user_text": r"(?i)hello (?P<who>\w+)"},
-                     "reply": [{"type": "text", "text": "Hi {who}, {{literally}} {unknown}"}]}])
+    server = serve(
+        [
+            {
+                "when": {"user_text": r"(?i)hello (?P<who>\w+)"},
+                "reply": [{"type": "text", "text": "Hi {who}, {{literally}} {unknown}"}],
+            }
+        ]
+    )
     msg = client(server).messages.create(model=MODEL, max_tokens=256, messages=[user("hello Ada")])
 
     assert isinstance(msg, anthropic.types.Message)
@@ -111,13 +117,21 @@ def test_text_reply(serve):
 
 
 def test_tool_use_round_trip(serve):
-    server = serve([
-        {"when": {"tool_result": "send_message", "tool_result_text": r"queued as (\d+)"},
-         "reply": [{"type": "text", "text": "sent, id {1}"}]},
-        {"when": {"user_text": r"tell (?P<who>\w+) (?P<what>.+)"},
-         "reply": [{"type": "text", "text": "On it."},
-                   {"type": "tool_use", "name": "send_message", "input": {"text": "{who}: {what}", "urgent": False}}]},
-    ])
+    server = serve(
+        [
+            {
+                "when": {"tool_result": "send_message", "tool_result_text": r"queued as (\d+)"},
+                "reply": [{"type": "text", "text": "sent, id {1}"}],
+            },
+            {
+                "when": {"user_text": r"tell (?P<who>\w+) (?P<what>.+)"},
+                "reply": [
+                    {"type": "text", "text": "On it."},
+                    {"type": "tool_use", "name": "send_message", "input": {"text": "{who}: {what}", "urgent": False}},
+                ],
+            },
+        ]
+    )
     c = client(server)
     messages = [user("tell Bob lunch is ready")]
     first = c.messages.create(model=MODEL, max_tokens=256, tools=[SEND_MESSAGE], messages=messages)
@@ -138,12 +152,21 @@ def test_tool_use_round_trip(serve):
 
 
 def test_async_client_round_trip(serve):
-    server = serve([
-        {"when": {"tool_result": "set_followup", "tool_result_error": True}, "reply": [{"type": "text", "text": "failed"}]},
-        {"when": {"tool_result": "set_followup"}, "reply": []},
-        {"when": {"user_text": r"in (?P<n>\d+)s"},
-         "reply": [{"type": "tool_use", "name": "set_followup", "input": {"delay_seconds": "{n:int}", "note": "n={n}"}}]},
-    ])
+    server = serve(
+        [
+            {
+                "when": {"tool_result": "set_followup", "tool_result_error": True},
+                "reply": [{"type": "text", "text": "failed"}],
+            },
+            {"when": {"tool_result": "set_followup"}, "reply": []},
+            {
+                "when": {"user_text": r"in (?P<n>\d+)s"},
+                "reply": [
+                    {"type": "tool_use", "name": "set_followup", "input": {"delay_seconds": "{n:int}", "note": "n={n}"}}
+                ],
+            },
+        ]
+    )
 
     async def talk() -> tuple[anthropic.types.Message, anthropic.types.Message]:
         async with anthropic.AsyncAnthropic(base_url=server.base_url, api_key="sk-test", max_retries=0) as c:
@@ -152,8 +175,16 @@ def test_async_client_round_trip(serve):
             call = first.content[0]
             messages += [
                 {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                              "content": [{"type": "text", "text": "scheduled"}]}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": call.id,
+                            "content": [{"type": "text", "text": "scheduled"}],
+                        }
+                    ],
+                },
             ]
             second = await c.messages.create(model=MODEL, max_tokens=256, tools=[SET_FOLLOWUP], messages=messages)
             return first, second
@@ -164,22 +195,33 @@ def test_async_client_round_trip(serve):
 
 
 def test_rule_calling_a_tool_not_offered_is_skipped(serve):
-    server = serve([
-        {"reply": [{"type": "tool_use", "name": "refund", "input": {"order_id": "1", "amount": 1}}]},
-        {"reply": [{"type": "text", "text": "no tools"}]},
-    ])
+    server = serve(
+        [
+            {"reply": [{"type": "tool_use", "name": "refund", "input": {"order_id": "1", "amount": 1}}]},
+            {"reply": [{"type": "text", "text": "no tools"}]},
+        ]
+    )
     c = client(server)
     assert c.messages.create(model=MODEL, max_tokens=64, messages=[user("x")]).content[0].text == "no tools"
     offered = c.messages.create(model=MODEL, max_tokens=64, tools=[REFUND], messages=[user("x")])
     assert offered.content[0].name == "refund"
-    refused = c.messages.create(model=MODEL, max_tokens=64, tools=[REFUND], tool_choice={"type": "none"},
-                                messages=[user("x")])
+    refused = c.messages.create(
+        model=MODEL, max_tokens=64, tools=[REFUND], tool_choice={"type": "none"}, messages=[user("x")]
+    )
     assert refused.content[0].text == "no tools"
 
 
 def test_long_reply_is_cut_at_max_tokens(serve):
-    server = serve([{"reply": [{"type": "text", "text": "word " * 100},
-                               {"type": "tool_use", "name": "send_message", "input": {"text": "late"}}]}])
+    server = serve(
+        [
+            {
+                "reply": [
+                    {"type": "text", "text": "word " * 100},
+                    {"type": "tool_use", "name": "send_message", "input": {"text": "late"}},
+                ]
+            }
+        ]
+    )
     msg = client(server).messages.create(model=MODEL, max_tokens=10, tools=[SEND_MESSAGE], messages=[user("x")])
     assert msg.stop_reason == "max_tokens"
     assert [b.type for b in msg.content] == ["text"] and len(msg.content[0].text) < 50
@@ -189,10 +231,12 @@ def test_long_reply_is_cut_at_max_tokens(serve):
 
 
 def test_429_twice_then_success(serve):
-    server = serve([
-        {"times": 2, "error": {"status": 429, "message": "slow down", "retry_after": 3}},
-        {"reply": [{"type": "text", "text": "finally"}]},
-    ])
+    server = serve(
+        [
+            {"times": 2, "error": {"status": 429, "message": "slow down", "retry_after": 3}},
+            {"reply": [{"type": "text", "text": "finally"}]},
+        ]
+    )
     c = client(server)
     for _ in range(2):
         with pytest.raises(anthropic.RateLimitError) as info:
@@ -204,10 +248,12 @@ def test_429_twice_then_success(serve):
 
 
 def test_sdk_retries_through_429s_on_its_own(serve):
-    server = serve([
-        {"times": 2, "error": {"status": 429, "retry_after": 0.01}},
-        {"reply": [{"type": "text", "text": "ok"}]},
-    ])
+    server = serve(
+        [
+            {"times": 2, "error": {"status": 429, "retry_after": 0.01}},
+            {"reply": [{"type": "text", "text": "ok"}]},
+        ]
+    )
     msg = client(server, max_retries=2).messages.create(model=MODEL, max_tokens=64, messages=[user("x")])
     assert msg.content[0].text == "ok"
     assert len(server.requests()) == 3
@@ -250,8 +296,11 @@ def test_invalid_transcripts_are_rejected_like_the_real_api(serve):
     with pytest.raises(anthropic.BadRequestError, match="without `tool_result` blocks"):
         c.messages.create(model=MODEL, max_tokens=64, tools=[SEND_MESSAGE], messages=unanswered)
 
-    orphan = [user("a"), {"role": "assistant", "content": "ok"},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "?"}]}]
+    orphan = [
+        user("a"),
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "?"}]},
+    ]
     with pytest.raises(anthropic.BadRequestError, match="unexpected `tool_use_id`"):
         c.messages.create(model=MODEL, max_tokens=64, tools=[SEND_MESSAGE], messages=orphan)
 
@@ -282,8 +331,11 @@ def test_headers_are_checked(serve):
     assert no_version.status_code == 400 and no_version.json()["error"]["type"] == "invalid_request_error"
     both = http.post(url, json=body, headers={"x-api-key": "k", "anthropic-version": "2023-06-01"})
     assert both.status_code == 200 and both.json()["type"] == "message"
-    missing_model = http.post(url, json={"max_tokens": 8, "messages": [user("x")]},
-                               headers={"x-api-key": "k", "anthropic-version": "2023-06-01"})
+    missing_model = http.post(
+        url,
+        json={"max_tokens": 8, "messages": [user("x")]},
+        headers={"x-api-key": "k", "anthropic-version": "2023-06-01"},
+    )
     assert missing_model.status_code == 400 and "model" in missing_model.json()["error"]["message"]
     nowhere = http.get(server.base_url + "/v1/models")
     assert nowhere.status_code == 404 and nowhere.json()["type"] == "error"
@@ -311,9 +363,11 @@ def test_prompt_cache_creation_then_read(serve):
 
     # The conversation grows and the marker moves to the newest turn: the old prefix is still read
     # (the marker itself is not part of the cached content), only the new part is written.
-    grown = [{"role": "user", "content": [{"type": "text", "text": "event one " * 40}]},
-             {"role": "assistant", "content": "noted"},
-             {"role": "user", "content": [{"type": "text", "text": "event two " * 40, "cache_control": cc}]}]
+    grown = [
+        {"role": "user", "content": [{"type": "text", "text": "event one " * 40}]},
+        {"role": "assistant", "content": "noted"},
+        {"role": "user", "content": [{"type": "text", "text": "event two " * 40, "cache_control": cc}]},
+    ]
     three = c.messages.create(model=MODEL, max_tokens=64, tools=tools, system=system, messages=grown).usage
     assert three.cache_read_input_tokens == one.cache_creation_input_tokens
     assert 0 < three.cache_creation_input_tokens < one.cache_creation_input_tokens
@@ -394,8 +448,14 @@ def test_secrets_are_not_logged(serve, caplog):
 
 
 def test_script_errors_are_caught_early():
-    for bad in ({"rules": "nope"}, [{"reply": [{"type": "image"}]}], [{"when": {"user_txt": "x"}}],
-                [{"reply": [], "error": {"status": 429}}], [{"times": -1}], [{"error": {"status": 200}}]):
+    for bad in (
+        {"rules": "nope"},
+        [{"reply": [{"type": "image"}]}],
+        [{"when": {"user_txt": "x"}}],
+        [{"reply": [], "error": {"status": 429}}],
+        [{"times": -1}],
+        [{"error": {"status": 200}}],
+    ):
         with pytest.raises(ScriptError):
             compile_script(bad)
     with pytest.raises(ValueError):
@@ -407,18 +467,29 @@ def test_script_errors_are_caught_early():
 
 def event_turn(kind: str, payload: dict, *, payload_as_text: bool = False) -> dict:
     # The avro envelope carries the payload as JSON text; accept either rendering.
-    event = {"user_id": "u1", "source": "chat", "kind": kind,
-             "payload": json.dumps(payload) if payload_as_text else payload}
+    event = {
+        "user_id": "u1",
+        "source": "chat",
+        "kind": kind,
+        "payload": json.dumps(payload) if payload_as_text else payload,
+    }
     return {"role": "user", "content": [{"type": "text", "text": json.dumps(event)}]}
 
 
-def run_agent(c: anthropic.Anthropic, messages: list[dict], tool_results: dict[str, str],
-              *, stop_at: str | None = None, max_rounds: int = 6) -> list[tuple[str, dict]]:
+def run_agent(
+    c: anthropic.Anthropic,
+    messages: list[dict],
+    tool_results: dict[str, str],
+    *,
+    stop_at: str | None = None,
+    max_rounds: int = 6,
+) -> list[tuple[str, dict]]:
     """A miniature worker loop: call, run the tools with canned results, until the turn ends."""
     calls: list[tuple[str, dict]] = []
     for _ in range(max_rounds):
-        msg = c.messages.create(model=MODEL, max_tokens=1024, system="You are vigil.", tools=AGENT_TOOLS,
-                                messages=messages)
+        msg = c.messages.create(
+            model=MODEL, max_tokens=1024, system="You are vigil.", tools=AGENT_TOOLS, messages=messages
+        )
         if msg.content:
             messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]})
         uses = [b for b in msg.content if b.type == "tool_use"]
@@ -427,9 +498,15 @@ def run_agent(c: anthropic.Anthropic, messages: list[dict], tool_results: dict[s
             return calls
         if stop_at and any(b.name == stop_at for b in uses):
             return calls  # deferred, as the worker does for a tool that needs approval
-        messages.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": b.id, "content": tool_results.get(b.name, "ok")} for b in uses
-        ]})
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": tool_results.get(b.name, "ok")}
+                    for b in uses
+                ],
+            }
+        )
     raise AssertionError(f"the agent looped: {calls}")
 
 
@@ -446,8 +523,11 @@ def test_demo_chat_message_gets_a_friendly_reply(demo, payload_as_text):
 
 
 def test_demo_remind_me_in_a_minute(demo):
-    calls = run_agent(demo, [event_turn("chat.message", {"text": "remind me in a minute"})],
-                      {"set_followup": "follow-up scheduled", "send_message": "queued"})
+    calls = run_agent(
+        demo,
+        [event_turn("chat.message", {"text": "remind me in a minute"})],
+        {"set_followup": "follow-up scheduled", "send_message": "queued"},
+    )
     assert calls == [
         ("set_followup", {"delay_seconds": 60, "note": "you asked me to remind you a minute ago."}),
         ("send_message", {"text": "OK, I will remind you.", "urgent": False}),
@@ -455,8 +535,11 @@ def test_demo_remind_me_in_a_minute(demo):
 
 
 def test_demo_remind_me_in_seconds(demo):
-    calls = run_agent(demo, [event_turn("chat.message", {"text": "remind me in 5 seconds"}, payload_as_text=True)],
-                      {"send_message": "queued"})
+    calls = run_agent(
+        demo,
+        [event_turn("chat.message", {"text": "remind me in 5 seconds"}, payload_as_text=True)],
+        {"send_message": "queued"},
+    )
     assert calls[0] == ("set_followup", {"delay_seconds": 5, "note": "you asked me to remind you 5 seconds ago."})
 
 
@@ -467,19 +550,25 @@ def test_demo_followup_timer_sends_the_reminder(demo):
 
 
 def test_demo_remember(demo):
-    calls = run_agent(demo, [event_turn("chat.message", {"text": "remember that my dog is called Rex"})],
-                      {"memory": "File created successfully at: /memories/notes.md"})
+    calls = run_agent(
+        demo,
+        [event_turn("chat.message", {"text": "remember that my dog is called Rex"})],
+        {"memory": "File created successfully at: /memories/notes.md"},
+    )
     assert calls == [
         ("memory", {"command": "create", "path": "/memories/notes.md", "file_text": "my dog is called Rex\n"}),
         ("send_message", {"text": "Noted, I will remember that.", "urgent": False}),
     ]
 
 
-@pytest.mark.parametrize("outcome, expected", [
-    ("approved: refund of 19.99 for order 42 issued", "Done: the refund was made."),
-    ("denied by the user", "The refund was not made (approval denied)."),
-    ("approval expired", "The refund was not made (approval expired)."),
-])
+@pytest.mark.parametrize(
+    "outcome, expected",
+    [
+        ("approved: refund of 19.99 for order 42 issued", "Done: the refund was made."),
+        ("denied by the user", "The refund was not made (approval denied)."),
+        ("approval expired", "The refund was not made (approval expired)."),
+    ],
+)
 def test_demo_refund_with_approval(demo, outcome, expected):
     messages = [event_turn("chat.message", {"text": "please refund order 42"})]
     calls = run_agent(demo, messages, {}, stop_at="refund")
@@ -487,16 +576,27 @@ def test_demo_refund_with_approval(demo, outcome, expected):
 
     # Later, the approval's outcome resumes the session as the refund's tool_result.
     refund_id = messages[-1]["content"][0]["id"]
-    messages.append({"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": refund_id, "content": outcome, "is_error": "approved" not in outcome}
-    ]})
+    messages.append(
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": refund_id,
+                    "content": outcome,
+                    "is_error": "approved" not in outcome,
+                }
+            ],
+        }
+    )
     calls = run_agent(demo, messages, {"send_message": "queued"})
     assert calls == [("send_message", {"text": expected, "urgent": False})]
 
 
 def test_demo_other_events_end_quietly(demo):
-    msg = demo.messages.create(model=MODEL, max_tokens=256, tools=AGENT_TOOLS,
-                               messages=[event_turn("github.push", {"ref": "main"})])
+    msg = demo.messages.create(
+        model=MODEL, max_tokens=256, tools=AGENT_TOOLS, messages=[event_turn("github.push", {"ref": "main"})]
+    )
     assert msg.stop_reason == "end_turn" and [b.type for b in msg.content] == ["text"]
 
 
@@ -512,7 +612,9 @@ def test_command_line_entry_serves_a_script(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "vigil.agent.scripted_server", "--script", str(script), "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="k", max_retries=0)

@@ -313,9 +313,24 @@ def test_stepped_minutes_follow_elapsed_time_through_the_repeated_hour() -> None
     [
         ("30 2 * * *", utc(2026, 3, 7, 5, 0), utc(2026, 3, 9, 5, 0), [utc(2026, 3, 7, 7, 30), utc(2026, 3, 8, 7, 0)]),
         ("0 9 * * *", utc(2026, 3, 7, 5, 0), utc(2026, 3, 9, 5, 0), [utc(2026, 3, 7, 14, 0), utc(2026, 3, 8, 13, 0)]),
-        ("30 1 * * *", utc(2026, 10, 31, 4, 0), utc(2026, 11, 2, 4, 0), [utc(2026, 10, 31, 5, 30), utc(2026, 11, 1, 5, 30)]),
-        ("30 2 * * *", utc(2026, 10, 31, 4, 0), utc(2026, 11, 2, 4, 0), [utc(2026, 10, 31, 6, 30), utc(2026, 11, 1, 7, 30)]),
-        ("0 9 * * *", utc(2026, 10, 31, 4, 0), utc(2026, 11, 2, 4, 0), [utc(2026, 10, 31, 13, 0), utc(2026, 11, 1, 14, 0)]),
+        (
+            "30 1 * * *",
+            utc(2026, 10, 31, 4, 0),
+            utc(2026, 11, 2, 4, 0),
+            [utc(2026, 10, 31, 5, 30), utc(2026, 11, 1, 5, 30)],
+        ),
+        (
+            "30 2 * * *",
+            utc(2026, 10, 31, 4, 0),
+            utc(2026, 11, 2, 4, 0),
+            [utc(2026, 10, 31, 6, 30), utc(2026, 11, 1, 7, 30)],
+        ),
+        (
+            "0 9 * * *",
+            utc(2026, 10, 31, 4, 0),
+            utc(2026, 11, 2, 4, 0),
+            [utc(2026, 10, 31, 13, 0), utc(2026, 11, 1, 14, 0)],
+        ),
     ],
 )
 def test_scheduler_loop_fires_each_dst_day_occurrence_once(
@@ -382,9 +397,7 @@ def test_bisection_past_the_scan_limit_agrees_with_the_full_walk(
     full = plan(spec, due + outage, each_cap=7)
     monkeypatch.setattr(timing, "CRON_SCAN_LIMIT", 5)
     bisected = plan(spec, due + outage, each_cap=7)
-    assert [(o.scheduled_for, o.late_by) for o in bisected.fire] == [
-        (o.scheduled_for, o.late_by) for o in full.fire
-    ]
+    assert [(o.scheduled_for, o.late_by) for o in bisected.fire] == [(o.scheduled_for, o.late_by) for o in full.fire]
     assert bisected.next_due == full.next_due
     assert not full.skipped_is_lower_bound and bisected.skipped_is_lower_bound
     assert bisected.skipped_total <= full.skipped_total

@@ -26,7 +26,9 @@ def test_duplicate_delivery_and_redelivery_after_restart_give_one_row(stack, top
     first.kill()
     second = start_worker(spawn, vigil_env, "second")
     port = int(vigil_env["VIGIL_WORKER_PORT"])
-    wait_for(lambda: metric(port, "vigil_events_recorded_total", 'result="duplicate"') >= 2, 30, "redelivered copies seen")
+    wait_for(
+        lambda: metric(port, "vigil_events_recorded_total", 'result="duplicate"') >= 2, 30, "redelivered copies seen"
+    )
     assert scalar(ledger, "SELECT count(*) FROM events WHERE source_id = 'gh-delivery-1'") == 1
     assert scalar(ledger, "SELECT count(*) FROM outbox") == 1
     assert second.alive()
@@ -44,7 +46,9 @@ def test_three_quick_messages_one_run_one_reply(stack, topics, ledger, vigil_env
 def test_events_during_a_run_go_to_the_next_run(stack, topics, ledger, vigil_env, spawn):
     start_worker(spawn, vigil_env, VIGIL_ECHO_SLEEP_ON="slow:1.5")
     produce(stack.bootstrap, topics.events, [chat("carol", "slow first")])
-    wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status = 'running'") == 1, 20, "first run started")
+    wait_for(
+        lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status = 'running'") == 1, 20, "first run started"
+    )
     produce(stack.bootstrap, topics.events, [chat("carol", "second"), chat("carol", "third")])
     wait_all_done(ledger, 3)
     runs = query(ledger, "SELECT event_ids FROM runs WHERE user_id = 'carol' ORDER BY id")
@@ -82,7 +86,9 @@ def test_events_the_ledger_cannot_take_go_to_the_dlq_and_the_rest_of_their_batch
     reasons = sorted(dict(m.headers())["vigil-error"].decode() for m in found)
     assert len(reasons) == 3 and "NUL" in reasons[0] and all("payload is not JSON" in r for r in reasons[1:])
     assert max(len(m.value()) for m in found) > 200_000
-    assert scalar(ledger, "SELECT headers->>'traceparent' FROM events WHERE payload LIKE '%%traced%%'") == "00-abc-def-01"
+    assert (
+        scalar(ledger, "SELECT headers->>'traceparent' FROM events WHERE payload LIKE '%%traced%%'") == "00-abc-def-01"
+    )
     assert worker.alive()
 
 

@@ -33,7 +33,11 @@ def seed_pending(ledger: str, users: int, per_user: int = 1, status: str = "pend
     users' events older (so an oldest-first claim would always prefer them)."""
     names = [f"u{i:05d}" for i in range(users)]
     query(ledger, "INSERT INTO partitions (topic, partition, epoch) VALUES ('events', 0, 1) ON CONFLICT DO NOTHING")
-    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) SELECT unnest(%s::text[]), 'events', 0", (names,))
+    query(
+        ledger,
+        "INSERT INTO users (user_id, home_topic, home_partition) SELECT unnest(%s::text[]), 'events', 0",
+        (names,),
+    )
     query(
         ledger,
         """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, attempts,
@@ -41,8 +45,13 @@ def seed_pending(ledger: str, users: int, per_user: int = 1, status: str = "pend
            SELECT u, 'chat', u || '-' || k, 'chat.message', '{}', now(), now() - interval '1 hour' + n * interval '1 ms',
                   %(status)s, %(attempts)s, %(epoch)s
            FROM unnest(%(users)s::text[]) WITH ORDINALITY AS x(u, n), generate_series(1, %(per_user)s) AS k""",
-        {"users": names, "per_user": per_user, "status": status,
-         "attempts": 1 if status == "running" else 0, "epoch": 1 if status == "running" else None},
+        {
+            "users": names,
+            "per_user": per_user,
+            "status": status,
+            "attempts": 1 if status == "running" else 0,
+            "epoch": 1 if status == "running" else None,
+        },
     )
     query(ledger, "ANALYZE events")
     return names
@@ -157,8 +166,11 @@ def test_a_lone_attempt_keeps_its_users_order(ledger):
     """Later events of the user wait behind the lone attempt; other users do not."""
     seed_pending(ledger, 2)
     query(ledger, """UPDATE events SET attempts = 2, lost_claims = 1 WHERE user_id = 'u00000'""")
-    query(ledger, """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at)
-                     VALUES ('u00000', 'chat', 'later', 'chat.message', now(), now() - interval '1 minute')""")
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at)
+                     VALUES ('u00000', 'chat', 'later', 'chat.message', now(), now() - interval '1 minute')""",
+    )
     claims, _ = claim_pass_at(ledger, 1, 10)
     assert [c.user_id for c in claims] == ["u00001"]
     due, lone = run_alone(ledger, 1)
@@ -183,8 +195,18 @@ def mark_dead_at(ledger: str, epoch: int) -> list[dict]:
 
 def test_a_claim_pass_reads_what_it_claims_not_the_backlog(ledger):
     seed_pending(ledger, 3000)
-    params = {"topics": ["events"], "partitions": [0], "epochs": [1], "busy": [], "max_users": 10, "batch_max": 50,
-              "window_s": 0.0, "max_attempts": 3, "after": "u01000", "until": None}
+    params = {
+        "topics": ["events"],
+        "partitions": [0],
+        "epochs": [1],
+        "busy": [],
+        "max_users": 10,
+        "batch_max": 50,
+        "window_s": 0.0,
+        "max_attempts": 3,
+        "after": "u01000",
+        "until": None,
+    }
     # 10 users claimed out of 3,000 waiting: no step of the plan may read hundreds of them.
     assert _explain(ledger, Q.claim, params) <= 50
 
@@ -196,23 +218,45 @@ def test_a_claim_pass_stays_cheap_when_the_statistics_say_nothing_waits(ledger):
     seed_pending(ledger, 3000, per_user=2, status="running")  # ANALYZEd: no pending rows at all
     query(ledger, "ALTER TABLE events SET (autovacuum_enabled = false)")  # keep them stale
     query(ledger, "UPDATE events SET status = 'pending', claim_epoch = NULL, attempts = 0")
-    params = {"topics": ["events"], "partitions": [0], "epochs": [1], "busy": [], "max_users": 10, "batch_max": 50,
-              "window_s": 0.0, "max_attempts": 3, "after": "u01000", "until": None}
+    params = {
+        "topics": ["events"],
+        "partitions": [0],
+        "epochs": [1],
+        "busy": [],
+        "max_users": 10,
+        "batch_max": 50,
+        "window_s": 0.0,
+        "max_attempts": 3,
+        "after": "u01000",
+        "until": None,
+    }
     assert _explain(ledger, Q.claim, params) <= 100
     query(ledger, "UPDATE events SET attempts = 3 WHERE user_id = 'u00007'")
-    assert _explain(ledger, Q.mark_exhausted_dead, {"topics": ["events"], "partitions": [0], "epochs": [1],
-                                                    "max_attempts": 3}) <= 100
+    assert (
+        _explain(
+            ledger, Q.mark_exhausted_dead, {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3}
+        )
+        <= 100
+    )
 
 
 def test_a_group_finish_reads_its_runs_not_every_running_row(ledger):
     users = seed_pending(ledger, 3000, status="running")
-    ids = {r["user_id"]: r["id"] for r in query(ledger, "SELECT user_id, id FROM events WHERE user_id = ANY(%s)", (users[:20],))}
+    ids = {
+        r["user_id"]: r["id"]
+        for r in query(ledger, "SELECT user_id, id FROM events WHERE user_id = ANY(%s)", (users[:20],))
+    }
     now = datetime.now(timezone.utc)
     runs = []
     for user, event_id in ids.items():
         row = EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, now, 1)
-        runs.append(Finished(Claim(user, HOME, 1, [row], 0, now), datetime(2020, 1, 1, tzinfo=timezone.utc),
-                             result=RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")])))
+        runs.append(
+            Finished(
+                Claim(user, HOME, 1, [row], 0, now),
+                datetime(2020, 1, 1, tzinfo=timezone.utc),
+                result=RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")]),
+            )
+        )
     # 20 runs finished among 3,000 running users: the plan stays near 20 rows per step.
     assert _explain(ledger, Q.finish_runs, _group_params(runs, "test-worker")) <= 100
 

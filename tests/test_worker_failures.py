@@ -108,18 +108,28 @@ def test_a_lone_attempt_waits_for_runs_in_flight_only_so_long(stack, topics, led
     attempt given back), the lone attempt runs, and the released run comes back after."""
     # An event lost with a crashed worker before, due in 4 s, its last attempt to come.
     query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('lone', %s, 0)", (topics.events,))
-    query(ledger, """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims,
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims,
                                          next_attempt_at, error)
                      VALUES ('lone', 'chat', 'lost-twice', 'chat.message', '{"text": "again"}', now(), 2, 2,
-                             now() + interval '4 seconds', 'claim abandoned: its worker lost partition 0')""")
+                             now() + interval '4 seconds', 'claim abandoned: its worker lost partition 0')""",
+    )
     env = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="glacial:45", VIGIL_LONE_DRAIN_S="2")
     worker = start(spawn, env, "w")
     produce(stack.bootstrap, topics.events, [chat("slowpoke", "a glacial request")])
-    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "running", 20,
-             "the slow run started")
+    wait_for(
+        lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "running",
+        20,
+        "the slow run started",
+    )
     began = time.monotonic()
-    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'lone'") == "done", 30,
-             "the lone attempt done", interval=0.2)
+    wait_for(
+        lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'lone'") == "done",
+        30,
+        "the lone attempt done",
+        interval=0.2,
+    )
     # Due after ~4 s, then at most the 2 s drain: far sooner than the 45 s run would have allowed.
     assert time.monotonic() - began < 20
     port = int(env["VIGIL_WORKER_PORT"])
@@ -127,8 +137,11 @@ def test_a_lone_attempt_waits_for_runs_in_flight_only_so_long(stack, topics, led
     assert metric(port, "vigil_claims_released_total") >= 1
     slow = query(ledger, "SELECT status, attempts FROM events WHERE user_id = 'slowpoke'")[0]
     # Released, attempt given back; claimed again once the lone attempt finished.
-    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "running", 20,
-             "the released run claimed again")
+    wait_for(
+        lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "running",
+        20,
+        "the released run claimed again",
+    )
     assert scalar(ledger, "SELECT attempts FROM events WHERE user_id = 'slowpoke'") == 1, slow
     lone = query(ledger, "SELECT attempts, lost_claims FROM events WHERE user_id = 'lone'")[0]
     assert (lone["attempts"], lone["lost_claims"]) == (3, 2)
@@ -168,7 +181,9 @@ def test_random_sigkills_lose_and_duplicate_nothing(stack, topics, ledger, vigil
     assert statuses(ledger) == {"done": total}
     assert_runs_consistent(ledger)
     # Per-user order: a user's messages appear in replies in the order they were produced.
-    for row in query(ledger, "SELECT user_id, string_agg(body, E'\\n' ORDER BY id) AS text FROM outbox GROUP BY user_id"):
+    for row in query(
+        ledger, "SELECT user_id, string_agg(body, E'\\n' ORDER BY id) AS text FROM outbox GROUP BY user_id"
+    ):
         numbers = [int(line.split()[1]) for line in row["text"].splitlines()]
         assert numbers == sorted(numbers), row["user_id"]
 
@@ -180,12 +195,19 @@ def test_foreign_partitioner_never_gives_one_user_two_runs(stack, topics, ledger
     env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:0.3", VIGIL_BATCH_WINDOW_MS="0")
     start(spawn, env_a, "a")
     start(spawn, env_b, "b")
-    wait_for(lambda: scalar(ledger, "SELECT count(DISTINCT holder) FROM partitions") == 2, 30, "both workers hold partitions")
+    wait_for(
+        lambda: scalar(ledger, "SELECT count(DISTINCT holder) FROM partitions") == 2, 30, "both workers hold partitions"
+    )
     holders = query(ledger, "SELECT partition, holder FROM partitions ORDER BY partition")
     first = holders[0]
     other = next(h for h in holders if h["holder"] != first["holder"])
     for i in range(20):
-        produce(stack.bootstrap, topics.events, [chat("gina", f"slow {i}")], partition=first["partition"] if i % 2 == 0 else other["partition"])
+        produce(
+            stack.bootstrap,
+            topics.events,
+            [chat("gina", f"slow {i}")],
+            partition=first["partition"] if i % 2 == 0 else other["partition"],
+        )
         time.sleep(0.05)
     wait_all_done(ledger, 20, timeout=60)
     # The home partition is where the first *recorded* event came from, whichever consumer won.

@@ -58,7 +58,9 @@ def test_group_commit_writes_every_run(ledger):
 def test_stale_epoch_finish_writes_nothing(ledger):
     ids = seed(ledger, ["u1"], epoch=1)
     query(ledger, "UPDATE partitions SET epoch = 2")  # a takeover happened meanwhile
-    committed, stale = commit(ledger, [finished("u1", ids["u1"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("late")]))])
+    committed, stale = commit(
+        ledger, [finished("u1", ids["u1"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("late")]))]
+    )
     assert not committed and len(stale) == 1
     assert query(ledger, "SELECT count(*) AS n FROM outbox")[0]["n"] == 0
     assert query(ledger, "SELECT count(*) AS n FROM runs")[0]["n"] == 0
@@ -70,8 +72,13 @@ def test_a_result_the_ledger_refuses_fails_that_run_only(ledger):
     its neighbour in the same group commit still lands, and nothing of the bad run is written."""
     ids = seed(ledger, ["good", "bad"])
     good = finished("good", ids["good"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("fine")]))
-    bad = finished("bad", ids["bad"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("never sent")],
-                                               memory_writes=[MemoryWrite("/etc/passwd", "x")]))
+    bad = finished(
+        "bad",
+        ids["bad"],
+        RunResult(
+            RunOutcome.MESSAGE, messages=[OutMessage("never sent")], memory_writes=[MemoryWrite("/etc/passwd", "x")]
+        ),
+    )
     committed, stale = commit(ledger, [good, bad])
     assert len(committed) == 2 and not stale
     rows = {r["user_id"]: r for r in query(ledger, "SELECT user_id, status, error FROM events")}

@@ -36,7 +36,9 @@ def chat(user: str, text: str, source_id: str | None = None) -> Event:
     )
 
 
-def produce(bootstrap: str, topic: str, events: list[Event], partition: int | None = None, raw: list[bytes] | None = None) -> None:
+def produce(
+    bootstrap: str, topic: str, events: list[Event], partition: int | None = None, raw: list[bytes] | None = None
+) -> None:
     """Produce with the Java-compatible partitioner, or to an explicit partition (a producer
     with another partitioner, as far as vigil can tell)."""
     producer = Producer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "acks": "all"})
@@ -68,13 +70,21 @@ def statuses(dsn: str) -> dict[str, int]:
 
 
 def wait_all_done(dsn: str, total: int, timeout: float = 60.0) -> None:
-    wait_for(lambda: statuses(dsn).get("done", 0) == total, timeout, f"{total} events done (now {statuses(dsn)})", interval=0.2)
+    wait_for(
+        lambda: statuses(dsn).get("done", 0) == total,
+        timeout,
+        f"{total} events done (now {statuses(dsn)})",
+        interval=0.2,
+    )
 
 
 def assert_runs_consistent(dsn: str) -> None:
     """Every done event in exactly one run; no user had overlapping runs; per-user runs follow event order;
     each message run has exactly one outbox row."""
-    rows = query(dsn, "SELECT id, user_id, event_ids, started_at, finished_at, outcome, partition FROM runs ORDER BY user_id, started_at")
+    rows = query(
+        dsn,
+        "SELECT id, user_id, event_ids, started_at, finished_at, outcome, partition FROM runs ORDER BY user_id, started_at",
+    )
     seen: dict[int, int] = {}
     for run in rows:
         for event_id in run["event_ids"]:
@@ -87,9 +97,14 @@ def assert_runs_consistent(dsn: str) -> None:
         by_user.setdefault(run["user_id"], []).append(run)
     for user, runs in by_user.items():
         for before, after in zip(runs, runs[1:]):
-            assert after["started_at"] >= before["finished_at"], f"{user}: runs {before['id']} and {after['id']} overlap"
+            assert after["started_at"] >= before["finished_at"], (
+                f"{user}: runs {before['id']} and {after['id']} overlap"
+            )
             assert max(before["event_ids"]) < min(after["event_ids"]), f"{user}: run {after['id']} took older events"
-    counts = query(dsn, "SELECT r.id, r.outcome, count(o.id) AS n FROM runs r LEFT JOIN outbox o ON o.run_id = r.id GROUP BY r.id, r.outcome")
+    counts = query(
+        dsn,
+        "SELECT r.id, r.outcome, count(o.id) AS n FROM runs r LEFT JOIN outbox o ON o.run_id = r.id GROUP BY r.id, r.outcome",
+    )
     for row in counts:
         expected = 1 if row["outcome"] == "message" else 0
         assert row["n"] == expected, f"run {row['id']} ({row['outcome']}) has {row['n']} outbox rows"

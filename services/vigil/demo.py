@@ -47,8 +47,16 @@ def step_broker_round_trip(settings: CommonSettings, event: Event) -> None:
         [where] = producer.send([event])
     finally:
         producer.close()
-    click.echo(f"  produced {event.kind} for {event.user_id} -> {where.topic}[{where.partition}] offset {where.offset} (acks=all)")
-    consumer = Consumer({**settings.kafka_client_options(), "group.id": f"vigil-demo-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False})
+    click.echo(
+        f"  produced {event.kind} for {event.user_id} -> {where.topic}[{where.partition}] offset {where.offset} (acks=all)"
+    )
+    consumer = Consumer(
+        {
+            **settings.kafka_client_options(),
+            "group.id": f"vigil-demo-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+        }
+    )
     try:
         consumer.assign([TopicPartition(where.topic, where.partition, where.offset)])
         message = _wait(lambda: _poll_ok(consumer), 20, "the event to be read back")
@@ -80,7 +88,9 @@ def step_recorded_and_answered(settings: CommonSettings, event: Event) -> str:
             "the run to finish",
         )
         reply = conn.execute(Q.demo_run_reply, {"run_id": done["run_id"]}).fetchone()
-        click.echo(f"  run {done['run_id']} finished; outbox row {reply['id'] if reply else '-'}: {reply['body'] if reply else '(nothing to say)'!r}")
+        click.echo(
+            f"  run {done['run_id']} finished; outbox row {reply['id'] if reply else '-'}: {reply['body'] if reply else '(nothing to say)'!r}"
+        )
         if reply is None:
             return ""
         delivered = _wait(
@@ -106,7 +116,9 @@ class AgentDemo:
         with connect(settings.dsn, autocommit=True) as conn:  # what earlier steps delivered is not news
             earlier = conn.execute(Q.demo_delivered_after, {"user_id": user, "after": 0}).fetchall()
         self.seen = earlier[-1]["id"] if earlier else 0
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        self.http = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=30
+        )
 
     def say(self, text: str) -> None:
         response = self.http.post(
@@ -118,6 +130,7 @@ class AgentDemo:
 
     def expect(self, pattern: str, timeout: float, what: str) -> re.Match:
         with connect(self.settings.dsn, autocommit=True) as conn:
+
             def delivered():
                 for row in conn.execute(Q.demo_delivered_after, {"user_id": self.user, "after": self.seen}).fetchall():
                     self.seen = row["id"]
@@ -166,8 +179,11 @@ def demo() -> None:
     click.echo("1. an event through the real broker")
     step_broker_round_trip(settings, event)
     # The demo user's messages go out at once: the default pacing gap is an hour.
-    subprocess.run([sys.executable, "-m", "vigil", "channels", "set", user, "--type", "log", "--gap", "0"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "vigil", "channels", "set", user, "--type", "log", "--gap", "0"],
+        check=True,
+        capture_output=True,
+    )
     click.echo("2. recorded by a worker, answered by the agent, delivered on the user's channel")
     step_recorded_and_answered(settings, event)
     if os.environ.get("VIGIL_AGENT", "claude") == "claude":

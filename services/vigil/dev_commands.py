@@ -92,8 +92,17 @@ def up(services: bool) -> None:
     kafka_port = int(env["VIGIL_KAFKA_BOOTSTRAP"].rsplit(":", 1)[1])
     try:
         # VIGIL_DEV_KAFKA_LIBS reuses jars fetched elsewhere (tests start stacks in temp folders).
-        libs = Path(os.environ["VIGIL_DEV_KAFKA_LIBS"]) if os.environ.get("VIGIL_DEV_KAFKA_LIBS") else devstack.kafka_libs(root / "kafka")
-        kafka = devstack.KafkaServer(root / "kafka" / "data", kafka_port, int(os.environ.get("VIGIL_DEV_KAFKA_CONTROLLER_PORT", kafka_port + 1)), libs)
+        libs = (
+            Path(os.environ["VIGIL_DEV_KAFKA_LIBS"])
+            if os.environ.get("VIGIL_DEV_KAFKA_LIBS")
+            else devstack.kafka_libs(root / "kafka")
+        )
+        kafka = devstack.KafkaServer(
+            root / "kafka" / "data",
+            kafka_port,
+            int(os.environ.get("VIGIL_DEV_KAFKA_CONTROLLER_PORT", kafka_port + 1)),
+            libs,
+        )
         kafka.start()
         click.echo(f"kafka       {kafka.bootstrap}  (Apache Kafka, KRaft, logs {kafka.logfile})")
         local_pg_url = f"postgresql://vigil@127.0.0.1:{os.environ.get('VIGIL_DEV_PG_PORT', '5432')}/vigil"
@@ -149,7 +158,9 @@ def _api_token(root: Path, vigil: list[str], env: dict) -> dict[str, str]:
     """
     token_file = root / "api_token"
     if not token_file.exists():
-        result = subprocess.run([*vigil, "tokens", "create", "local-dev", "--json"], env=env, capture_output=True, text=True)
+        result = subprocess.run(
+            [*vigil, "tokens", "create", "local-dev", "--json"], env=env, capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise click.ClickException(f"creating the local API token failed:\n{result.stderr}")
         token_file.write_text(json.loads(result.stdout)["token"])
@@ -167,7 +178,17 @@ def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:
     logfile = root / "logs" / "scripted-claude.log"
     if devstack.read_pid(pidfile) is None:
         devstack.spawn(
-            [sys.executable, "-m", "vigil.agent.scripted_server", "--script", str(script), "--host", "127.0.0.1", "--port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "vigil.agent.scripted_server",
+                "--script",
+                str(script),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
             logfile,
             pidfile,
             env=env,

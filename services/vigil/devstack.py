@@ -77,7 +77,14 @@ def read_pid(pidfile: Path) -> int | None:
     return pid if pid_alive(pid) else None
 
 
-def spawn(args: list[str], logfile: Path, pidfile: Path, env: dict | None = None, user: str | None = None, cwd: Path | None = None) -> int:
+def spawn(
+    args: list[str],
+    logfile: Path,
+    pidfile: Path,
+    env: dict | None = None,
+    user: str | None = None,
+    cwd: Path | None = None,
+) -> int:
     logfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     with open(logfile, "ab") as out:
@@ -215,7 +222,17 @@ class KafkaServer:
         classpath = str(self.libs / "*")
         if not (self.data_dir / "log" / "meta.properties").exists():
             result = subprocess.run(
-                [java, "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", uuid.uuid4().hex[:22], "-c", str(config)],
+                [
+                    java,
+                    "-cp",
+                    classpath,
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "-t",
+                    uuid.uuid4().hex[:22],
+                    "-c",
+                    str(config),
+                ],
                 capture_output=True,
                 text=True,
             )
@@ -327,7 +344,17 @@ class PostgresServer:
             os.chown(self.logfile, entry.pw_uid, entry.pw_gid)
         if not (self.data_dir / "PG_VERSION").exists():
             result = subprocess.run(
-                [str(bindir / "initdb"), "-D", str(self.data_dir), "-U", self.user, "--auth=trust", "-E", "UTF8", "--no-sync"],
+                [
+                    str(bindir / "initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    "-U",
+                    self.user,
+                    "--auth=trust",
+                    "-E",
+                    "UTF8",
+                    "--no-sync",
+                ],
                 capture_output=True,
                 text=True,
                 user=run_as,
@@ -339,20 +366,30 @@ class PostgresServer:
         spawn(
             [
                 str(bindir / "postgres"),
-                "-D", str(self.data_dir),
-                "-p", str(self.port),
-                "-c", "listen_addresses=127.0.0.1",
-                "-c", f"unix_socket_directories={self.data_dir}",
+                "-D",
+                str(self.data_dir),
+                "-p",
+                str(self.port),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                f"unix_socket_directories={self.data_dir}",
                 # A dev and test server: losing the last transactions on a machine crash is
                 # acceptable, and fsync would make every test several times slower.
-                "-c", "fsync=off",
-                "-c", "synchronous_commit=off",
-                "-c", "full_page_writes=off",
-                "-c", "max_connections=300",
-                "-c", "shared_buffers=256MB",
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+                "-c",
+                "max_connections=300",
+                "-c",
+                "shared_buffers=256MB",
                 # The ledger's queue tables churn: look for tables to vacuum every few
                 # seconds, not every minute (their thresholds are set by migration 0009).
-                "-c", "autovacuum_naptime=5s",
+                "-c",
+                "autovacuum_naptime=5s",
             ],
             self.logfile,
             self.pidfile,

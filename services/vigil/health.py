@@ -99,7 +99,9 @@ class HealthServer:
             if not self.thread.is_alive():
                 from vigil.service import StartupError
 
-                raise StartupError(f"port {self.port} is not free for /healthz and /metrics (set the service's VIGIL_*_PORT)")
+                raise StartupError(
+                    f"port {self.port} is not free for /healthz and /metrics (set the service's VIGIL_*_PORT)"
+                )
             time.sleep(0.02)
         log.info("health and metrics on :%d (/healthz /readyz /metrics)", self.port)
         return self

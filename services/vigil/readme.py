@@ -13,7 +13,12 @@ def main() -> None:
     path = repo_root() / "README.md"
     text = path.read_text()
     table = settings_table(all_settings_classes())
-    text = re.sub(r"(<!-- config:start -->\n).*?(<!-- config:end -->)", lambda m: m.group(1) + table + "\n" + m.group(2), text, flags=re.S)
+    text = re.sub(
+        r"(<!-- config:start -->\n).*?(<!-- config:end -->)",
+        lambda m: m.group(1) + table + "\n" + m.group(2),
+        text,
+        flags=re.S,
+    )
     path.write_text(text)
 
 

@@ -87,8 +87,7 @@ class CommonSettings(BaseSettings):
     )
     instance_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
-        description="Name of this process in the ledger (partition holder, run worker). "
-        "Default: hostname-pid.",
+        description="Name of this process in the ledger (partition holder, run worker). Default: hostname-pid.",
     )
     log_level: str = Field("INFO", description="Python log level: DEBUG, INFO, WARNING, ERROR.")
 

@@ -57,8 +57,12 @@ def effective_permissions(settings: AgentSettings, actions: list[ActionTool]) ->
 class ClaudeAgent:
     needs_context = True  # the worker loads sessions, memory, past messages and approvals
 
-    def __init__(self, settings: AgentSettings, client: anthropic.AsyncAnthropic | None = None,
-                 actions: list[ActionTool] | None = None):
+    def __init__(
+        self,
+        settings: AgentSettings,
+        client: anthropic.AsyncAnthropic | None = None,
+        actions: list[ActionTool] | None = None,
+    ):
         self.settings = settings
         actions = action_tools(settings) if actions is None else actions
         permissions = effective_permissions(settings, actions)
@@ -95,7 +99,7 @@ class ClaudeAgent:
 
     def _prefix(self, ctx: RunContext, memory: MemoryFiles, now: datetime) -> list[dict[str, Any]]:
         path = self.settings.instructions_path
-        recent = ctx.recent_messages[-self.settings.recent_messages:] if self.settings.recent_messages else []
+        recent = ctx.recent_messages[-self.settings.recent_messages :] if self.settings.recent_messages else []
         return system_blocks(path, memory.files.get(path), memory.index(path), volatile_context(now, recent))
 
     async def run(self, ctx: RunContext) -> RunResult:
@@ -135,4 +139,3 @@ class ClaudeAgent:
         else:
             result.outcome = RunOutcome.NOTHING
         return result
-

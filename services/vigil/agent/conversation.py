@@ -33,10 +33,27 @@ from vigil.agent.base import ApprovalRequest, EventRow, NewApproval, RunContext
 from vigil.agent.deferral import Deferral, defer, escalate, resolve, resumed_turn
 from vigil.agent.memory import MemoryFiles, MemoryRefused
 from vigil.agent.permissions import BlockCounters, Decision, Gate
-from vigil.agent.prompt import append_user, assistant_content, render_events, text_block, tool_result, with_conversation_breakpoint
+from vigil.agent.prompt import (
+    append_user,
+    assistant_content,
+    render_events,
+    text_block,
+    tool_result,
+    with_conversation_breakpoint,
+)
 from vigil.agent.sessions import Thread
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission
-from vigil.agent.tools import MEMORY, SEND_MESSAGE, SET_FOLLOWUP, ActionTool, CallContext, Outputs, ToolOutput, send_message, set_followup
+from vigil.agent.tools import (
+    MEMORY,
+    SEND_MESSAGE,
+    SET_FOLLOWUP,
+    ActionTool,
+    CallContext,
+    Outputs,
+    ToolOutput,
+    send_message,
+    set_followup,
+)
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +167,12 @@ class Conversation:
         assert pending is not None
         request = self.run.approvals.get(pending["request_id"])
         resolved, decision = await resolve(
-            pending, request, user_id=self.run.ctx.user_id, session_id=thread.session_id,
-            gate=self.gate, tools=self.box.actions,
+            pending,
+            request,
+            user_id=self.run.ctx.user_id,
+            session_id=thread.session_id,
+            gate=self.gate,
+            tools=self.box.actions,
         )
         if decision == "approved":
             self.outputs.actions.append(pending["summary"])
@@ -217,15 +238,24 @@ class Conversation:
                     continue
             else:
                 output = self._builtin(name, args)
-                metrics.TOOL_CALLS.labels(name if name in self.box.permissions else "unknown", "error" if output.is_error else "ran").inc()
+                metrics.TOOL_CALLS.labels(
+                    name if name in self.box.permissions else "unknown", "error" if output.is_error else "ran"
+                ).inc()
             results.append(tool_result(use["id"], output.text, output.is_error))
         if asked is None:
             return results, None
         tool, use = asked
         settings = self.box.settings
         deferral = defer(
-            tool, use, turn, results, user_id=self.run.ctx.user_id, session_id=self.thread.session_id,
-            now=datetime.now(timezone.utc), deadline_s=settings.approval_deadline_s, on_expiry=settings.approval_on_expiry,
+            tool,
+            use,
+            turn,
+            results,
+            user_id=self.run.ctx.user_id,
+            session_id=self.thread.session_id,
+            now=datetime.now(timezone.utc),
+            deadline_s=settings.approval_deadline_s,
+            on_expiry=settings.approval_on_expiry,
             secret=settings.approval_secret.get_secret_value(),
         )
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
@@ -244,7 +274,9 @@ class Conversation:
         except MemoryRefused as refusal:
             return ToolOutput(str(refusal), True)
 
-    async def _action(self, tool: ActionTool, use: dict, args: dict, already_asking: bool) -> tuple[ToolOutput, Decision | None]:
+    async def _action(
+        self, tool: ActionTool, use: dict, args: dict, already_asking: bool
+    ) -> tuple[ToolOutput, Decision | None]:
         refusal = tool.check(args)
         if refusal is not None:
             metrics.TOOL_CALLS.labels(tool.name, "error").inc()

@@ -110,7 +110,11 @@ def defer(
         pending=pending,
         approval=NewApproval(request_id, session_id, tool.name, use["id"], digest, due, on_expiry),
         timer=NewTimer(
-            f"approval-{request_id}", due, TimerKind.APPROVAL_EXPIRY.value, {"request_id": request_id}, fixed_key=request_id
+            f"approval-{request_id}",
+            due,
+            TimerKind.APPROVAL_EXPIRY.value,
+            {"request_id": request_id},
+            fixed_key=request_id,
         ),
         question=OutMessage(question_text(pending, user_id, secret), urgent=True),
     )
@@ -150,15 +154,20 @@ async def resolve(
         return tool_result(use_id, text, is_error), decision
 
     if (
-        request is None or request.session_id != session_id or request.tool != name
+        request is None
+        or request.session_id != session_id
+        or request.tool != name
         or request.answer not in ("yes", "no", "expired")
     ):
-        return result(f"Not done: the answer to request {request_id} could not be verified, so it counts as denied.", "declined")
+        return result(
+            f"Not done: the answer to request {request_id} could not be verified, so it counts as denied.", "declined"
+        )
     if request.answer == "no":
         return result(f"Not done: the person denied this request ({request_id}).", "declined")
     if request.answer == "expired":
         return result(
-            f"Not done: the approval request {request_id} expired without an answer, so it counts as denied.", "declined"
+            f"Not done: the approval request {request_id} expired without an answer, so it counts as denied.",
+            "declined",
         )
     tool = tools.get(name)
     if tool is None or not gate.may_run_approved(name):

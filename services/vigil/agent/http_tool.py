@@ -79,7 +79,9 @@ class HttpRequestTool(ActionTool):
     name = "http_request"
     default_permission = Permission.AUTO
 
-    def __init__(self, allowed_hosts: tuple[str, ...], credentials: dict[str, Credential], timeout_s: float, max_bytes: int):
+    def __init__(
+        self, allowed_hosts: tuple[str, ...], credentials: dict[str, Credential], timeout_s: float, max_bytes: int
+    ):
         self.allowed_hosts = allowed_hosts
         self.credentials = credentials
         self.timeout_s = timeout_s
@@ -122,7 +124,9 @@ class HttpRequestTool(ActionTool):
         if not host_allowed(host, port, self.allowed_hosts):
             return f"{host} is not on the allow-list ({', '.join(self.allowed_hosts)})"
         headers = args.get("headers") or {}
-        if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
             return "headers must map names to strings"
         taken = sorted(h for h in headers if h.lower() in FORBIDDEN_HEADERS)
         if taken:

@@ -101,7 +101,9 @@ class MemoryFiles:
             "rename": self._rename,
         }.get(command if isinstance(command, str) else "")
         if handler is None:
-            raise MemoryRefused(f"Unknown command {command!r}: use view, create, str_replace, insert, delete or rename.")
+            raise MemoryRefused(
+                f"Unknown command {command!r}: use view, create, str_replace, insert, delete or rename."
+            )
         return handler(args)
 
     def _under(self, directory: str) -> list[str]:
@@ -152,7 +154,8 @@ class MemoryFiles:
         view_range = args.get("view_range")
         if view_range is not None:
             if (
-                not isinstance(view_range, list) or len(view_range) != 2
+                not isinstance(view_range, list)
+                or len(view_range) != 2
                 or not all(isinstance(n, int) and not isinstance(n, bool) for n in view_range)
             ):
                 raise MemoryRefused("view_range is [first_line, last_line], with -1 for the end.")
@@ -182,7 +185,9 @@ class MemoryFiles:
         if count == 0:
             raise MemoryRefused(f"No replacement was performed: old_str does not appear verbatim in {path}.")
         if count > 1:
-            raise MemoryRefused(f"No replacement was performed: old_str appears {count} times in {path}; make it unique.")
+            raise MemoryRefused(
+                f"No replacement was performed: old_str appears {count} times in {path}; make it unique."
+            )
         self._store(path, content.replace(old, new, 1))
         return f"The memory file {path} has been edited."
 
@@ -215,7 +220,7 @@ class MemoryFiles:
             raise MemoryRefused(f"Cannot move {old} into itself.")
         if new in self.files or self._under(new):
             raise MemoryRefused(f"The destination {new} already exists.")
-        moves = {old: new} if old in self.files else {p: new + p[len(old):] for p in self._under(old)}
+        moves = {old: new} if old in self.files else {p: new + p[len(old) :] for p in self._under(old)}
         if not moves:
             raise MemoryRefused(f"The path {old} does not exist.")
         taken = {p: c for p, c in self.files.items() if p not in moves}

@@ -84,7 +84,9 @@ def volatile_context(now: datetime, recent_messages: list[str]) -> str:
     lines = [f"# Now\n{now.isoformat(timespec='seconds')}"]
     if recent_messages:
         lines.append("\n# Messages the person already received from you (oldest first)")
-        lines += [f"- {json.dumps(_ANSWER_TOKEN.sub('[answer token]', text), ensure_ascii=False)}" for text in recent_messages]
+        lines += [
+            f"- {json.dumps(_ANSWER_TOKEN.sub('[answer token]', text), ensure_ascii=False)}" for text in recent_messages
+        ]
     return "\n".join(lines)
 
 

@@ -167,8 +167,9 @@ class ScriptError(ValueError):
 class ApiError(Exception):
     """Raised inside a handler to answer with an error in the real API's shape."""
 
-    def __init__(self, status: int, message: str, error_type: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, error_type: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -370,8 +371,12 @@ def _validate(body: Any) -> None:
         breakpoints += _cache_control_ttl(tool) is not None
 
     choice = body.get("tool_choice")
-    if choice is not None and (not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none")):
-        raise ApiError(400, "tool_choice: Input tag does not match any of the expected tags: 'auto', 'any', 'tool', 'none'")
+    if choice is not None and (
+        not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none")
+    ):
+        raise ApiError(
+            400, "tool_choice: Input tag does not match any of the expected tags: 'auto', 'any', 'tool', 'none'"
+        )
 
     last = len(messages) - 1
     for i, message in enumerate(messages):
@@ -385,7 +390,8 @@ def _validate(body: Any) -> None:
             raise ApiError(400, f"messages.{i}.content: Input should be a valid string or list")
         if not content and not (i == last and role == "assistant"):
             raise ApiError(
-                400, f"messages.{i}: all messages must have non-empty content except for the optional final assistant message"
+                400,
+                f"messages.{i}: all messages must have non-empty content except for the optional final assistant message",
             )
         for j, block in enumerate(_content_blocks(content)):
             if not isinstance(block, dict) or not isinstance(block.get("type"), str):
@@ -580,12 +586,14 @@ def _build_content(rule: _Rule, captures: dict[str, str], max_tokens: int) -> tu
         if block["type"] == "text":
             content.append({"type": "text", "text": _substitute(block["text"], captures)})
         else:
-            content.append({
-                "type": "tool_use",
-                "id": _new_id("toolu_"),
-                "name": block["name"],
-                "input": _substitute(block.get("input", {}), captures),
-            })
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": _new_id("toolu_"),
+                    "name": block["name"],
+                    "input": _substitute(block.get("input", {}), captures),
+                }
+            )
 
     if _tokens(len(_canonical(content))) > max_tokens:
         # The model stops mid-output: text is cut, a tool call that does not fit never appears.
@@ -694,8 +702,12 @@ class _Backend:
 
         empty = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
         if not breakpoints or _tokens(cumulative[breakpoints[-1]]) < self._options["cache_min_tokens"]:
-            return {"input_tokens": all_tokens + _FRAMING_TOKENS, "cache_creation_input_tokens": 0,
-                    "cache_read_input_tokens": 0, "cache_creation": empty}
+            return {
+                "input_tokens": all_tokens + _FRAMING_TOKENS,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation": empty,
+            }
 
         with self._lock:
             now = time.monotonic()
@@ -759,8 +771,9 @@ async def _create_message(request: Request) -> Response:
         chosen = backend.choose(turn)
         if chosen is None:
             log.warning("no script rule matched request %s", request_id)
-            raise ApiError(500, "scripted server: no script rule matched this request",
-                           headers={"x-should-retry": "false"})
+            raise ApiError(
+                500, "scripted server: no script rule matched this request", headers={"x-should-retry": "false"}
+            )
         rule, captures = chosen
         log.info("request %s answered by %s", request_id, rule.label)
         if rule.delay:

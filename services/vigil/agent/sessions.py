@@ -110,7 +110,10 @@ def plan(ctx: RunContext, budget_bytes: int) -> Plan:
             continue
         if saved.state == SessionState.OPEN and size_bytes(saved.messages) > budget_bytes:
             closed.setdefault(
-                saved.id, SessionSave(saved.id, SessionState.CLOSED.value, saved.messages, saved.blocks, saved.consecutive_blocks)
+                saved.id,
+                SessionSave(
+                    saved.id, SessionState.CLOSED.value, saved.messages, saved.blocks, saved.consecutive_blocks
+                ),
             )
             loose.append(event)
             continue

@@ -130,7 +130,7 @@ def parse_hosts(value: str) -> tuple[str, ...]:
 def read_credentials(environ: Mapping[str, str], allowed_hosts: tuple[str, ...]) -> dict[str, Credential]:
     """``VIGIL_CREDENTIAL_<NAME>[_HOSTS|_HEADER]`` -> credentials by lower-case name."""
     names = sorted(
-        key[len(CREDENTIAL_PREFIX):]
+        key[len(CREDENTIAL_PREFIX) :]
         for key in environ
         if key.startswith(CREDENTIAL_PREFIX) and not key.endswith(("_HOSTS", "_HEADER"))
     )
@@ -166,7 +166,9 @@ class AgentSettings(CommonSettings):
     model: str = Field(DEFAULT_MODEL, min_length=1, description="Claude model id the agent calls.")
     max_turns: int = Field(DEFAULT_MAX_TURNS, ge=1, le=200, description="Most model calls in one run.")
     max_run_tokens: int = Field(
-        DEFAULT_MAX_RUN_TOKENS, ge=1000, le=10_000_000,
+        DEFAULT_MAX_RUN_TOKENS,
+        ge=1000,
+        le=10_000_000,
         description="Most tokens (input, output, cache reads and writes) one run may use; the run stops "
         "at the next turn boundary past it.",
     )
@@ -174,13 +176,17 @@ class AgentSettings(CommonSettings):
         DEFAULT_MAX_OUTPUT_TOKENS, ge=16, le=64_000, description="max_tokens of each model call."
     )
     run_wall_s: float = Field(
-        DEFAULT_RUN_WALL_S, gt=0, le=3600,
+        DEFAULT_RUN_WALL_S,
+        gt=0,
+        le=3600,
         description="Wall time of one run; the agent stops at the next turn boundary past it and saves "
         "its session. Keep below VIGIL_RUN_TIMEOUT_S.",
     )
     model_timeout_s: float = Field(DEFAULT_MODEL_TIMEOUT_S, gt=0, le=600, description="Timeout of one model call.")
     model_retries: int = Field(
-        DEFAULT_MODEL_RETRIES, ge=0, le=10,
+        DEFAULT_MODEL_RETRIES,
+        ge=0,
+        le=10,
         description="Retries of a model call after 429, 529, 5xx or a connection error, inside the run; "
         "then the claim is released for later (not counted as a failed attempt).",
     )
@@ -188,11 +194,15 @@ class AgentSettings(CommonSettings):
         DEFAULT_MODEL_BACKOFF_S, gt=0, le=60, description="First backoff between model call retries; doubles."
     )
     model_backoff_cap_s: float = Field(
-        DEFAULT_MODEL_BACKOFF_CAP_S, gt=0, le=600,
+        DEFAULT_MODEL_BACKOFF_CAP_S,
+        gt=0,
+        le=600,
         description="Longest wait between model call retries; a longer Retry-After releases the claim instead.",
     )
     session_max_bytes: int = Field(
-        DEFAULT_SESSION_MAX_BYTES, ge=1000, le=50_000_000,
+        DEFAULT_SESSION_MAX_BYTES,
+        ge=1000,
+        le=50_000_000,
         description="Session size budget: past it the session is closed and the next run starts fresh from memory.",
     )
     memory_file_max_bytes: int = Field(
@@ -203,26 +213,35 @@ class AgentSettings(CommonSettings):
     )
     memory_max_files: int = Field(DEFAULT_MEMORY_MAX_FILES, ge=1, le=100_000, description="Most memory files per user.")
     instructions_path: str = Field(
-        DEFAULT_INSTRUCTIONS_PATH, pattern=r"^/memories/[A-Za-z0-9_./-]+$",
+        DEFAULT_INSTRUCTIONS_PATH,
+        pattern=r"^/memories/[A-Za-z0-9_./-]+$",
         description="Memory file holding the user's standing instructions, loaded into every run.",
     )
     recent_messages: int = Field(
-        DEFAULT_RECENT_MESSAGES, ge=0, le=200,
+        DEFAULT_RECENT_MESSAGES,
+        ge=0,
+        le=200,
         description="Delivered messages shown to the agent so it does not repeat itself.",
     )
     tool_permissions: str = Field(
-        "", description="Per-tool permission overrides, e.g. `refund=ask,http_request=auto` "
+        "",
+        description="Per-tool permission overrides, e.g. `refund=ask,http_request=auto` "
         "(allow | deny | ask | auto). Unlisted tools keep their default.",
     )
     event_policies: str = Field(
-        "", description="What an event arriving mid-run does, per source, e.g. `chat=fold,pager=interrupt` "
+        "",
+        description="What an event arriving mid-run does, per source, e.g. `chat=fold,pager=interrupt` "
         "(queue | fold | interrupt). Default: queue.",
     )
     approval_deadline_s: int = Field(
-        DEFAULT_APPROVAL_DEADLINE_S, ge=2, le=30 * 86_400, description="How long an approval request waits for an answer."
+        DEFAULT_APPROVAL_DEADLINE_S,
+        ge=2,
+        le=30 * 86_400,
+        description="How long an approval request waits for an answer.",
     )
     approval_on_expiry: OnExpiry = Field(
-        OnExpiry.DENY, description="What an unanswered approval becomes: deny, escalate (ask again, then deny) or approve."
+        OnExpiry.DENY,
+        description="What an unanswered approval becomes: deny, escalate (ask again, then deny) or approve.",
     )
     max_messages_per_run: int = Field(
         DEFAULT_MAX_MESSAGES_PER_RUN, ge=1, le=100, description="Most send_message calls one run may make."
@@ -234,16 +253,20 @@ class AgentSettings(CommonSettings):
         DEFAULT_FOLLOWUP_MAX_DELAY_S, ge=60, le=10 * 365 * 86_400, description="Furthest ahead a follow-up may be set."
     )
     http_allowed_hosts: str = Field(
-        "", description="Hosts `http_request` may call, comma separated (`host` any port, `host:port` that port). "
+        "",
+        description="Hosts `http_request` may call, comma separated (`host` any port, `host:port` that port). "
         "Empty: the tool is not offered.",
     )
     http_timeout_s: float = Field(DEFAULT_HTTP_TIMEOUT_S, gt=0, le=300, description="Timeout of one http_request call.")
     http_max_response_bytes: int = Field(
-        DEFAULT_HTTP_MAX_RESPONSE_BYTES, ge=256, le=10_000_000,
+        DEFAULT_HTTP_MAX_RESPONSE_BYTES,
+        ge=256,
+        le=10_000_000,
         description="Most response bytes http_request hands back to the model (the rest is cut).",
     )
     refund_auto_limit: float = Field(
-        DEFAULT_REFUND_AUTO_LIMIT, ge=0,
+        DEFAULT_REFUND_AUTO_LIMIT,
+        ge=0,
         description="With `refund=auto`: larger refunds are blocked by the policy check.",
     )
 

@@ -24,8 +24,15 @@ TEST_SECRET = "test-approval-secret"
 _ids = itertools.count(1000)
 
 
-def event(kind: str = "chat.message", payload: Any = None, *, source: str = "chat", user_id: str = "u1",
-          session_id: str | None = None, source_id: str | None = None) -> EventRow:
+def event(
+    kind: str = "chat.message",
+    payload: Any = None,
+    *,
+    source: str = "chat",
+    user_id: str = "u1",
+    session_id: str | None = None,
+    source_id: str | None = None,
+) -> EventRow:
     """A claimed event; ``payload`` is JSON-encoded unless it is already a string."""
     event_id = next(_ids)
     return EventRow(
@@ -45,9 +52,17 @@ def chat(text: str, **kwargs: Any) -> EventRow:
     return event("chat.message", {"text": text}, **kwargs)
 
 
-def context(events: list[EventRow], *, user_id: str = "u1", memory: dict[str, str] | None = None,
-            sessions: list[SavedSession] = (), approvals: list[ApprovalRequest] = (),
-            recent: list[str] = (), fold=None, seconds: float = 120.0) -> RunContext:
+def context(
+    events: list[EventRow],
+    *,
+    user_id: str = "u1",
+    memory: dict[str, str] | None = None,
+    sessions: list[SavedSession] = (),
+    approvals: list[ApprovalRequest] = (),
+    recent: list[str] = (),
+    fold=None,
+    seconds: float = 120.0,
+) -> RunContext:
     saved = {s.id: s for s in sessions}
     return RunContext(
         user_id=user_id,

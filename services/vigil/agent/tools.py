@@ -104,7 +104,11 @@ def builtin_definitions(settings: AgentSettings) -> dict[str, dict[str, Any]]:
                 "type": "object",
                 "properties": {
                     "text": {"type": "string", "description": f"The message, at most {MAX_MESSAGE_CHARS} characters."},
-                    "urgent": {"type": "boolean", "description": "Deliver now, bypassing the pacing gap.", "default": False},
+                    "urgent": {
+                        "type": "boolean",
+                        "description": "Deliver now, bypassing the pacing gap.",
+                        "default": False,
+                    },
                 },
                 "required": ["text"],
                 "additionalProperties": False,

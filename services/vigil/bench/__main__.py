@@ -87,7 +87,12 @@ def summary(report: Report, plan: Plan) -> None:
     kafka, pg, rec = v("raw_kafka_events_per_s"), v("raw_pg_rows_per_s"), v("record_events_per_s")
     if None not in (kafka, pg, rec):
         ratio = rec / min(kafka, pg)
-        line("record_vs_raw", ratio, f"record {fmt(rec)} / min(raw_kafka {fmt(kafka)}, raw_pg {fmt(pg)}) = {ratio:.2f} (target >= 0.50)", ratio >= 0.5)
+        line(
+            "record_vs_raw",
+            ratio,
+            f"record {fmt(rec)} / min(raw_kafka {fmt(kafka)}, raw_pg {fmt(pg)}) = {ratio:.2f} (target >= 0.50)",
+            ratio >= 0.5,
+        )
     else:
         line("record_vs_raw", None, "missing input", None)
     e2e = v("e2e_events_per_s")
@@ -98,19 +103,41 @@ def summary(report: Report, plan: Plan) -> None:
         line("e2e_vs_raw_pg", None, "missing input", None)
     p99, p99_small = v("e2e_latency_p99_ms"), v(f"e2e_latency_p99_ms_window_{plan.small_window_ms}ms")
     if p99 is not None:
-        line(f"latency_p99_window_{plan.default_window_ms}ms", p99,
-             f"{fmt(p99)} ms at half load, default window {plan.default_window_ms} ms (target < 250)", p99 < 250)
+        line(
+            f"latency_p99_window_{plan.default_window_ms}ms",
+            p99,
+            f"{fmt(p99)} ms at half load, default window {plan.default_window_ms} ms (target < 250)",
+            p99 < 250,
+        )
     if p99_small is not None:
-        line(f"latency_p99_window_{plan.small_window_ms}ms", p99_small,
-             f"{fmt(p99_small)} ms at half load, window {plan.small_window_ms} ms (target < 250)", p99_small < 250)
+        line(
+            f"latency_p99_window_{plan.small_window_ms}ms",
+            p99_small,
+            f"{fmt(p99_small)} ms at half load, window {plan.small_window_ms} ms (target < 250)",
+            p99_small < 250,
+        )
     ratio = v("ingest_http_ratio")
-    line("ingest_vs_trivial", ratio, f"{ratio:.2f} single-event POSTs per trivial GET (target >= 0.50)" if ratio is not None else "missing", None if ratio is None else ratio >= 0.5)
+    line(
+        "ingest_vs_trivial",
+        ratio,
+        f"{ratio:.2f} single-event POSTs per trivial GET (target >= 0.50)" if ratio is not None else "missing",
+        None if ratio is None else ratio >= 0.5,
+    )
     growth, rss = v("worker_rss_growth_mb"), v("worker_rss_mb")
     if None not in (growth, rss):
-        line("memory_flat", growth, f"growth {growth:+.1f} MB after warm-up at {fmt(rss)} MB (target: within {FLAT_SHARE:.0%})",
-             growth <= FLAT_SHARE * rss)
+        line(
+            "memory_flat",
+            growth,
+            f"growth {growth:+.1f} MB after warm-up at {fmt(rss)} MB (target: within {FLAT_SHARE:.0%})",
+            growth <= FLAT_SHARE * rss,
+        )
     scale = v("scale_2_workers_ratio")
-    line("scale_2_workers", scale, f"{scale:.2f} x one worker (no target; 2 cores shared with broker, database, producer)" if scale else "missing", None)
+    line(
+        "scale_2_workers",
+        scale,
+        f"{scale:.2f} x one worker (no target; 2 cores shared with broker, database, producer)" if scale else "missing",
+        None,
+    )
 
 
 def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
@@ -128,11 +155,18 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
             "raw_kafka": (["raw_kafka_events_per_s"], lambda: raw.raw_kafka(stack, plan, report)),
             "raw_pg": (["raw_pg_rows_per_s"], lambda: raw.raw_pg(stack, plan, report, settings.poll_batch_max)),
             "record": (["record_events_per_s"], lambda: pipeline.record(stack, plan, report)),
-            "e2e": ([n for n in figure_names(plan) if n.startswith(("e2e_", "scale_"))],
-                    lambda: pipeline.end_to_end(stack, plan, report, report.value("record_events_per_s") or FALLBACK_RATE)),
-            "memory": (["worker_rss_mb", "worker_rss_growth_mb"],
-                       lambda: pipeline.memory(stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2)),
-            "ingest": ([n for n in figure_names(plan) if "http" in n], lambda: ingest_http.ingest_http(stack, plan, report)),
+            "e2e": (
+                [n for n in figure_names(plan) if n.startswith(("e2e_", "scale_"))],
+                lambda: pipeline.end_to_end(stack, plan, report, report.value("record_events_per_s") or FALLBACK_RATE),
+            ),
+            "memory": (
+                ["worker_rss_mb", "worker_rss_growth_mb"],
+                lambda: pipeline.memory(stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2),
+            ),
+            "ingest": (
+                [n for n in figure_names(plan) if "http" in n],
+                lambda: ingest_http.ingest_http(stack, plan, report),
+            ),
         }
         for name, (figures, action) in workloads.items():
             if only is None or name in only:

@@ -36,14 +36,23 @@ USERS = 1000
 def _token(env: dict[str, str]) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "vigil", "tokens", "create", "bench", "--json"],
-        env=env, capture_output=True, text=True, timeout=60, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     return json.loads(out)["token"]
 
 
 def _envelope(n: int) -> dict:
-    return {"user_id": f"u{n % USERS:05d}", "source": "bench", "source_id": f"http-{n}", "kind": "chat.message",
-            "payload": {"text": f"bench message, about as long as a short chat line: status? #{n}"}}
+    return {
+        "user_id": f"u{n % USERS:05d}",
+        "source": "bench",
+        "source_id": f"http-{n}",
+        "kind": "chat.message",
+        "payload": {"text": f"bench message, about as long as a short chat line: status? #{n}"},
+    }
 
 
 def _modes(port: int, token: str, batch: int) -> dict:
@@ -63,8 +72,13 @@ def _modes(port: int, token: str, batch: int) -> dict:
 
 
 def ingest_http(stack: BenchStack, plan: Plan, report: Report) -> None:
-    names = ["trivial_http_requests_per_s", "ingest_http_events_per_s", "ingest_http_batched_events_per_s",
-             "ingest_http_ratio", "ingest_http_batched_ratio"]
+    names = [
+        "trivial_http_requests_per_s",
+        "ingest_http_events_per_s",
+        "ingest_http_batched_events_per_s",
+        "ingest_http_ratio",
+        "ingest_http_batched_ratio",
+    ]
     try:
         from vigil.ingest.app import create_app  # noqa: F401  (is ingest there at all?)
     except ImportError as exc:
@@ -101,10 +115,27 @@ def ingest_http(stack: BenchStack, plan: Plan, report: Report) -> None:
     conc = f"concurrency {plan.http_concurrency}"
     refusals = f", {refused} non-2xx answers" if refused else ""
     report.add(Figure("trivial_http_requests_per_s", rates["trivial"], note=f"GET /healthz, {conc}"))
-    report.add(Figure("ingest_http_events_per_s", rates["single"], note=f"1 event per POST /v1/events, {conc}{refusals}"))
-    report.add(Figure("ingest_http_batched_events_per_s", rates["batched"],
-                      note=f"{plan.http_batch} events per POST /v1/events, {conc}"))
-    report.add(Figure("ingest_http_ratio", [s / t for s, t in zip(rates["single"], rates["trivial"])],
-                      note="single-event requests/s over trivial requests/s, per round"))
-    report.add(Figure("ingest_http_batched_ratio", [b / t for b, t in zip(rates["batched"], rates["trivial"])],
-                      note="batched events/s over trivial requests/s, per round"))
+    report.add(
+        Figure("ingest_http_events_per_s", rates["single"], note=f"1 event per POST /v1/events, {conc}{refusals}")
+    )
+    report.add(
+        Figure(
+            "ingest_http_batched_events_per_s",
+            rates["batched"],
+            note=f"{plan.http_batch} events per POST /v1/events, {conc}",
+        )
+    )
+    report.add(
+        Figure(
+            "ingest_http_ratio",
+            [s / t for s, t in zip(rates["single"], rates["trivial"])],
+            note="single-event requests/s over trivial requests/s, per round",
+        )
+    )
+    report.add(
+        Figure(
+            "ingest_http_batched_ratio",
+            [b / t for b, t in zip(rates["batched"], rates["trivial"])],
+            note="batched events/s over trivial requests/s, per round",
+        )
+    )

@@ -62,7 +62,10 @@ def record(stack: BenchStack, plan: Plan, report: Report) -> Figure:
     samples = []
     with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(B.foreign_home_users, {"topic": FOREIGN_TOPIC, "user_ids": [load.user_id(i, plan.users) for i in range(plan.users)]})
+            conn.execute(
+                B.foreign_home_users,
+                {"topic": FOREIGN_TOPIC, "user_ids": [load.user_id(i, plan.users) for i in range(plan.users)]},
+            )
         with Workers(stack, dsn, topics, 1) as workers:
             workers.wait_ready()
             with load.BenchProducer(stack.bootstrap, topics.events) as producer:
@@ -186,7 +189,9 @@ class EndToEnd:
         p50s, p99s = [], []
         for _ in range(self.plan.rounds):
             source = self._source("lat")
-            produced = self.producer.in_thread(self.producer.paced, rate, self.plan.latency_seconds, self.users, source).result()
+            produced = self.producer.in_thread(
+                self.producer.paced, rate, self.plan.latency_seconds, self.users, source
+            ).result()
             time.sleep(0.3)
             self._drain(workers, source, produced.count)
             # The first tenth of the round is warm-up (the group may still be settling).
@@ -232,10 +237,18 @@ def _end_to_end(stack: BenchStack, plan: Plan, report: Report, e2e: EndToEnd, re
         # Two workers are offered at least what saturates one: whatever they finish of it.
         events2, _, per_run2, _ = e2e.throughput(workers, SATURATE * one, floor=SATURATE * one)
         two = statistics.median(events2)
-        report.add(Figure("e2e_2_workers_events_per_s", events2,
-                          note=f"2 workers, {window}, {statistics.median(per_run2):.1f} events per run"))
-        report.add(Figure("scale_2_workers_ratio", [e / one for e in events2],
-                          note=f"median {two:.0f} over {one:.0f} events/s"))
+        report.add(
+            Figure(
+                "e2e_2_workers_events_per_s",
+                events2,
+                note=f"2 workers, {window}, {statistics.median(per_run2):.1f} events per run",
+            )
+        )
+        report.add(
+            Figure(
+                "scale_2_workers_ratio", [e / one for e in events2], note=f"median {two:.0f} over {one:.0f} events/s"
+            )
+        )
     small = f"window {plan.small_window_ms} ms"
     with Workers(stack, dsn, topics, 1, VIGIL_BATCH_WINDOW_MS=str(plan.small_window_ms)) as workers:
         workers.wait_ready()
@@ -267,5 +280,11 @@ def memory(stack: BenchStack, plan: Plan, report: Report, rate: float) -> None:
     note = f"{plan.memory_users} users, {rate:.0f} events/s for {plan.memory_seconds:.0f} s"
     report.add(Figure("worker_rss_mb", settled, per="samples after warm-up", note=note))
     growth = statistics.median(last) - statistics.median(middle or last)
-    report.add(Figure("worker_rss_growth_mb", [growth], per="run",
-                      note=f"median of the last third minus the middle third; start {samples[0]:.0f} MB"))
+    report.add(
+        Figure(
+            "worker_rss_growth_mb",
+            [growth],
+            per="run",
+            note=f"median of the last third minus the middle third; start {samples[0]:.0f} MB",
+        )
+    )

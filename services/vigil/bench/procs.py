@@ -60,7 +60,9 @@ class Service:
 
     def check(self) -> None:
         if not self.alive():
-            raise ServiceDied(f"{self.name} exited ({self.proc.returncode if self.proc else '?'}):\n{self.log()[-3000:]}")
+            raise ServiceDied(
+                f"{self.name} exited ({self.proc.returncode if self.proc else '?'}):\n{self.log()[-3000:]}"
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -148,9 +150,13 @@ class Workers:
     def add(self) -> Service:
         port = free_port()
         env = base_env(self.stack, self.dsn, self.topics)
-        env.update({"VIGIL_AGENT": "echo", "VIGIL_WORKER_GROUP": self.group, "VIGIL_WORKER_PORT": str(port), **self.settings})
+        env.update(
+            {"VIGIL_AGENT": "echo", "VIGIL_WORKER_GROUP": self.group, "VIGIL_WORKER_PORT": str(port), **self.settings}
+        )
         index = len(self.procs)
-        service = Service(f"worker-{index}", ["worker"], env, port, self.stack.workdir / f"{self.topics.events}-worker-{index}.log")
+        service = Service(
+            f"worker-{index}", ["worker"], env, port, self.stack.workdir / f"{self.topics.events}-worker-{index}.log"
+        )
         self.procs.append(service.start())
         return service
 

@@ -35,8 +35,15 @@ def raw_kafka(stack: BenchStack, plan: Plan, report: Report) -> Figure:
         with stack.topics(plan.partitions) as topics:
             messages = load.encoded(plan.raw_events, RAW_USERS, f"raw{round_}")
             reader = subprocess.Popen(
-                [sys.executable, "-m", "vigil.bench.rawconsume", stack.bootstrap, topics.events,
-                 str(plan.partitions), str(len(messages))],
+                [
+                    sys.executable,
+                    "-m",
+                    "vigil.bench.rawconsume",
+                    stack.bootstrap,
+                    topics.events,
+                    str(plan.partitions),
+                    str(len(messages)),
+                ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -56,8 +63,13 @@ def raw_kafka(stack: BenchStack, plan: Plan, report: Report) -> Figure:
                 raise RuntimeError(f"the raw consumer read {seen} of {len(messages)}")
             samples.append(len(messages) / (float(finished) - produced.started))
     size = sum(len(v) for _, v in messages) / len(messages)
-    return report.add(Figure("raw_kafka_events_per_s", samples,
-                             note=f"{plan.raw_events} events of {size:.0f} B, {RAW_USERS} keys, {plan.partitions} partitions"))
+    return report.add(
+        Figure(
+            "raw_kafka_events_per_s",
+            samples,
+            note=f"{plan.raw_events} events of {size:.0f} B, {RAW_USERS} keys, {plan.partitions} partitions",
+        )
+    )
 
 
 def _batches(count: int, batch: int, source: str) -> list[dict[str, list]]:
@@ -121,8 +133,11 @@ def raw_pg(stack: BenchStack, plan: Plan, report: Report, batch: int) -> Figure:
                 if round_ > 0:
                     rates[name].append(plan.raw_events / elapsed)
     best = [max(pair) for pair in zip(*rates.values())]
-    figure = report.add(Figure("raw_pg_rows_per_s", best,
-                               note=f"batches of {batch} rows, one transaction each, the faster way per round"))
+    figure = report.add(
+        Figure(
+            "raw_pg_rows_per_s", best, note=f"batches of {batch} rows, one transaction each, the faster way per round"
+        )
+    )
     for name, samples in rates.items():
         report.add(Figure(f"raw_pg_{name}_rows_per_s", samples, note=_METHOD_NOTES[name]))
     return figure

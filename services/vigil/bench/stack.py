@@ -55,8 +55,13 @@ class BenchStack:
         stack: BenchStack | None = None
         try:
             if bootstrap and database_url:
-                stack = cls(bootstrap, psycopg.conninfo.make_conninfo(database_url, dbname="postgres"), temp / "logs",
-                            _local_kafka_version(), temp=temp)
+                stack = cls(
+                    bootstrap,
+                    psycopg.conninfo.make_conninfo(database_url, dbname="postgres"),
+                    temp / "logs",
+                    _local_kafka_version(),
+                    temp=temp,
+                )
             else:
                 stack = cls._start_own(temp)
             stack.workdir.mkdir(parents=True, exist_ok=True)

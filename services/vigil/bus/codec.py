@@ -204,8 +204,7 @@ class AvroCodec:
         if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
             if self._deserializer is None:
                 raise DecodeError(
-                    "Confluent-framed message but no schema registry configured "
-                    "(set VIGIL_SCHEMA_REGISTRY_URL)"
+                    "Confluent-framed message but no schema registry configured (set VIGIL_SCHEMA_REGISTRY_URL)"
                 )
             from confluent_kafka.serialization import MessageField, SerializationContext
 
@@ -370,7 +369,15 @@ class EventCodec(AvroCodec):
 
 # What the ledger stores of an event, in the order of the consumer's staging table.
 EVENT_ROW_FIELDS = (
-    "user_id", "source", "source_id", "kind", "payload", "session_id", "headers", "occurred_at", "received_at",
+    "user_id",
+    "source",
+    "source_id",
+    "kind",
+    "payload",
+    "session_id",
+    "headers",
+    "occurred_at",
+    "received_at",
 )
 _event_row = itemgetter(*EVENT_ROW_FIELDS)
 
@@ -413,4 +420,3 @@ def _scans_as_json(text: str) -> bool:
         return _scan_json(text, 0)[1] == len(text)
     except (StopIteration, ValueError, TypeError, RecursionError):
         return False
-

@@ -169,11 +169,17 @@ class EventProducer:
         self._poller.join(1.0)
 
 
-def ensure_topics(settings: CommonSettings, topics: dict[str, int], replication: int = 1, timeout: float = 30.0) -> None:
+def ensure_topics(
+    settings: CommonSettings, topics: dict[str, int], replication: int = 1, timeout: float = 30.0
+) -> None:
     """Create missing topics (name -> partitions). Existing topics are left as they are."""
     admin = AdminClient(settings.kafka_client_options())
     existing = admin.list_topics(timeout=timeout).topics
-    wanted = [NewTopic(name, num_partitions=count, replication_factor=replication) for name, count in topics.items() if name not in existing]
+    wanted = [
+        NewTopic(name, num_partitions=count, replication_factor=replication)
+        for name, count in topics.items()
+        if name not in existing
+    ]
     if not wanted:
         return
     for name, future in admin.create_topics(wanted, operation_timeout=timeout).items():

@@ -61,7 +61,9 @@ class Claimed:
 def _config(row: dict) -> ChannelConfig:
     if row["type"] is None:
         return LOG_CHANNEL
-    return ChannelConfig(ChannelType(row["type"]), row["url"], row["secret"], row["gap_seconds"], row["urgent_daily_cap"])
+    return ChannelConfig(
+        ChannelType(row["type"]), row["url"], row["secret"], row["gap_seconds"], row["urgent_daily_cap"]
+    )
 
 
 def _pacing(row: dict, config: ChannelConfig, limits: Limits) -> Pacing:
@@ -168,12 +170,16 @@ def _rearm(conn, retries: list[Decision], configs, now, lease_until, claimed: Cl
 def _bury(conn, buried: list[Decision], configs, now, claimed: Claimed) -> None:
     if not buried:
         return
-    returned = conn.execute(Q.outbox_bury_lost, {"now": now, "delivery_ids": [d.delivery_id for d in buried]}).fetchall()
+    returned = conn.execute(
+        Q.outbox_bury_lost, {"now": now, "delivery_ids": [d.delivery_id for d in buried]}
+    ).fetchall()
     _expect("bury lost deliveries", {r["id"] for r in returned}, {row.id for d in buried for row in d.rows})
     for d in buried:
         delivery = _delivery(d, configs[d.user_id], d.rows[0].attempts)
         claimed.buried.append(delivery)
-        log.warning("delivery %s to %s is dead: no outcome after %d attempts", d.delivery_id, d.user_id, delivery.attempt)
+        log.warning(
+            "delivery %s to %s is dead: no outcome after %d attempts", d.delivery_id, d.user_id, delivery.attempt
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +207,7 @@ def record_retry(conn: psycopg.Connection, delivery: Delivery, at: datetime, err
 
 def record_dead(conn: psycopg.Connection, delivery: Delivery, now: datetime, error: str) -> Recorded:
     rows = conn.execute(
-        Q.outbox_mark_dead, {"now": now, "error": error, "delivery_id": delivery.delivery_id, "attempt": delivery.attempt}
+        Q.outbox_mark_dead,
+        {"now": now, "error": error, "delivery_id": delivery.delivery_id, "attempt": delivery.attempt},
     ).fetchall()
     return Recorded(bool(rows))

@@ -91,7 +91,9 @@ def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> N
             raise click.UsageError(str(exc)) from None
     row = result.row
     shown = {k: row[k] for k in ("user_id", "type", "url", "gap_seconds", "urgent_daily_cap")}
-    gap_text = f"gap {row['gap_seconds']}s" if row["gap_seconds"] is not None else f"gap {settings.outbox_gap}s (default)"
+    gap_text = (
+        f"gap {row['gap_seconds']}s" if row["gap_seconds"] is not None else f"gap {settings.outbox_gap}s (default)"
+    )
     cap_text = (
         f"urgent cap {row['urgent_daily_cap']}/day"
         if row["urgent_daily_cap"] is not None
@@ -100,7 +102,9 @@ def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> N
     text = f"{user}: {row['type']}{' ' + row['url'] if row['url'] else ''}, {gap_text}, {cap_text}"
     if result.new_secret:
         shown["secret"] = result.new_secret
-        text += f"\nsigning secret (shown only now; the receiver verifies webhook-signature with it):\n{result.new_secret}"
+        text += (
+            f"\nsigning secret (shown only now; the receiver verifies webhook-signature with it):\n{result.new_secret}"
+        )
     emit(shown, as_json, text)
 
 
@@ -179,7 +183,9 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
                 f"{row['messages']} msg  {row['attempts']} attempts  {row['error']}"
             )
         return
-    click.echo(f"{'id':>8}  {'run':>8}  {'status':<9}  {'att':>3}  {'delivery id':<36}  {'channel':<7}  created / body / error")
+    click.echo(
+        f"{'id':>8}  {'run':>8}  {'status':<9}  {'att':>3}  {'delivery id':<36}  {'channel':<7}  created / body / error"
+    )
     for row in rows:
         urgent = " URGENT" if row["urgent"] else ""
         click.echo(

@@ -92,7 +92,11 @@ class Dispatcher:
             return 0
         for delivery in claimed.lost:
             metrics.RETRIES.labels(delivery.channel.type.value, "lost").inc()
-            log.warning("delivery %s to %s: lease ran out with no outcome, sending again", delivery.delivery_id, delivery.user_id)
+            log.warning(
+                "delivery %s to %s: lease ran out with no outcome, sending again",
+                delivery.delivery_id,
+                delivery.user_id,
+            )
         for delivery in claimed.buried:
             metrics.DEAD.labels(delivery.channel.type.value, "lost").inc()
             metrics.DELIVERIES.labels(delivery.channel.type.value, Result.DEAD.value).inc()
@@ -123,7 +127,9 @@ class Dispatcher:
                 metrics.DELIVERIES.labels(channel, Result.DELIVERED.value).inc()
                 for created_at in recorded.created_at:
                     metrics.LATENCY.labels(channel).observe(max(0.0, (now - created_at).total_seconds()))
-                log.debug("delivered %s to %s (%d messages)", delivery.delivery_id, delivery.user_id, len(delivery.rows))
+                log.debug(
+                    "delivered %s to %s (%d messages)", delivery.delivery_id, delivery.user_id, len(delivery.rows)
+                )
         elif outcome.result is Result.RETRY and delivery.attempt < self.limits.max_attempts:
             delay = retry_delay(
                 delivery.attempt,
@@ -136,12 +142,20 @@ class Dispatcher:
                 metrics.RETRIES.labels(channel, "failed").inc()
                 log.info(
                     "delivery %s to %s: attempt %d failed (%s), next in %.0fs",
-                    delivery.delivery_id, delivery.user_id, delivery.attempt, outcome.error, delay,
+                    delivery.delivery_id,
+                    delivery.user_id,
+                    delivery.attempt,
+                    outcome.error,
+                    delay,
                 )
         else:
             exhausted = outcome.result is Result.RETRY
             reason = "exhausted" if exhausted else "rejected"
-            error = f"{outcome.error}; dead after {delivery.attempt} attempts" if exhausted else (outcome.error or "rejected")
+            error = (
+                f"{outcome.error}; dead after {delivery.attempt} attempts"
+                if exhausted
+                else (outcome.error or "rejected")
+            )
             recorded = record_dead(self.conn, delivery, now, error)
             if recorded.stood:
                 metrics.DEAD.labels(channel, reason).inc()
@@ -151,7 +165,9 @@ class Dispatcher:
             metrics.SUPERSEDED.labels(channel).inc()
             log.warning(
                 "delivery %s attempt %d: outcome %s dropped, the lease was taken over (it went out again)",
-                delivery.delivery_id, delivery.attempt, outcome.result,
+                delivery.delivery_id,
+                delivery.attempt,
+                outcome.result,
             )
 
     def refresh_backlog(self, force: bool = False) -> None:

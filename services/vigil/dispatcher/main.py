@@ -42,7 +42,10 @@ def serve(settings: DispatcherSettings) -> None:
     dispatcher = Dispatcher(settings, make_clock(settings), make_channels(settings))
     log.info(
         "dispatcher %s up: gap %ds, %d attempts, %d concurrent sends",
-        settings.instance_id, settings.outbox_gap, settings.delivery_max_attempts, settings.dispatcher_concurrency,
+        settings.instance_id,
+        settings.outbox_gap,
+        settings.delivery_max_attempts,
+        settings.dispatcher_concurrency,
     )
     try:
         dispatcher.run(stopping, on_health=lambda ok: readiness.set("ledger", ok))

@@ -135,7 +135,9 @@ def revive_delivery(conn: psycopg.Connection, delivery_id: str, actor: str | Non
         ).fetchall()
         if rows:
             detail = {"delivery_id": delivery_id, "user_id": rows[0]["user_id"], "outbox_ids": [r["id"] for r in rows]}
-            conn.execute(Q.audit_insert, {"actor": actor or _actor(), "action": "delivery.revive", "detail": Jsonb(detail)})
+            conn.execute(
+                Q.audit_insert, {"actor": actor or _actor(), "action": "delivery.revive", "detail": Jsonb(detail)}
+            )
     return [dict(r) for r in rows]
 
 

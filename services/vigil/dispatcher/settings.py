@@ -39,7 +39,10 @@ class DispatcherSettings(CommonSettings):
     service_name: ClassVar[str] = "dispatcher"
 
     dispatcher_port: int = Field(
-        DEFAULT_DISPATCHER_METRICS_PORT, ge=1, le=65535, description="Port of the dispatcher's /healthz, /readyz and /metrics."
+        DEFAULT_DISPATCHER_METRICS_PORT,
+        ge=1,
+        le=65535,
+        description="Port of the dispatcher's /healthz, /readyz and /metrics.",
     )
     outbox_gap: int = Field(
         DEFAULT_OUTBOX_GAP_S,
@@ -56,10 +59,16 @@ class DispatcherSettings(CommonSettings):
         "Per user: `vigil channels set USER ... --urgent-cap`.",
     )
     delivery_max_attempts: int = Field(
-        DEFAULT_MAX_ATTEMPTS, ge=1, le=1000, description="Attempts a delivery gets before it is dead (kept, listed, counted)."
+        DEFAULT_MAX_ATTEMPTS,
+        ge=1,
+        le=1000,
+        description="Attempts a delivery gets before it is dead (kept, listed, counted).",
     )
     delivery_backoff_base_s: float = Field(
-        DEFAULT_BACKOFF_BASE_S, gt=0, le=86_400, description="Wait after a delivery's first failed attempt; doubles per attempt."
+        DEFAULT_BACKOFF_BASE_S,
+        gt=0,
+        le=86_400,
+        description="Wait after a delivery's first failed attempt; doubles per attempt.",
     )
     delivery_backoff_cap_s: float = Field(
         DEFAULT_BACKOFF_CAP_S,
@@ -68,7 +77,10 @@ class DispatcherSettings(CommonSettings):
         description="Longest wait between delivery attempts (a receiver's longer Retry-After is still honoured).",
     )
     delivery_http_timeout_s: float = Field(
-        DEFAULT_HTTP_TIMEOUT_S, gt=0, le=300, description="Webhook channel: seconds a receiver gets to answer before the attempt fails."
+        DEFAULT_HTTP_TIMEOUT_S,
+        gt=0,
+        le=300,
+        description="Webhook channel: seconds a receiver gets to answer before the attempt fails.",
     )
     delivery_lease_s: float = Field(
         DEFAULT_LEASE_S,

@@ -54,7 +54,9 @@ class AnswerIn(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     answer: Literal["yes", "no"] = Field(description="The person's decision.")
-    token: str = Field(min_length=1, max_length=MAX_TOKEN_CHARS, description="The capability that came with the question.")
+    token: str = Field(
+        min_length=1, max_length=MAX_TOKEN_CHARS, description="The capability that came with the question."
+    )
 
 
 class AnswerOut(BaseModel):
@@ -73,7 +75,13 @@ BeforeAnswer = Callable[[Request], Awaitable[None]]
 
 
 class ApprovalsApi:
-    def __init__(self, settings: IngestSettings, pool: ConnectionPool, publisher: Publisher, before_answer: BeforeAnswer | None = None):
+    def __init__(
+        self,
+        settings: IngestSettings,
+        pool: ConnectionPool,
+        publisher: Publisher,
+        before_answer: BeforeAnswer | None = None,
+    ):
         self.secret = settings.approval_secret.get_secret_value()
         self.pool = pool
         self.publisher = publisher

@@ -90,7 +90,9 @@ def token_create(name: str, as_json: bool) -> None:
 
     token = new_token()
     with _ledger() as conn:
-        row = conn.execute(Q.token_create, {"id": _new_id("tok_"), "name": name, "token_hash": token_hash(token)}).fetchone()
+        row = conn.execute(
+            Q.token_create, {"id": _new_id("tok_"), "name": name, "token_hash": token_hash(token)}
+        ).fetchone()
         _audit(conn, "token.create", {"id": row["id"], "name": name})
     emit(
         {**row, "token": token},
@@ -158,7 +160,9 @@ def _secret(provider: HookProvider, from_stdin: bool) -> tuple[str, bool]:
 def _print_secret(obj: dict, as_json: bool, generated: bool, intro: str) -> None:
     if not generated:
         obj.pop("secret")  # the operator has it already; no need to echo it
-    text = intro + (f"\n  secret: {obj['secret']}\nShown once: store it in the provider's settings now." if generated else "")
+    text = intro + (
+        f"\n  secret: {obj['secret']}\nShown once: store it in the provider's settings now." if generated else ""
+    )
     emit(obj, as_json, text)
 
 
@@ -179,11 +183,17 @@ def hook_add(provider: str, user_id: str, secret_stdin: bool, as_json: bool) -> 
     kind = HookProvider(provider)
     secret, generated = _secret(kind, secret_stdin)
     with _ledger() as conn:
-        hook = conn.execute(Q.hook_create, {"id": _new_id("hk_"), "provider": kind.value, "user_id": user_id}).fetchone()
+        hook = conn.execute(
+            Q.hook_create, {"id": _new_id("hk_"), "provider": kind.value, "user_id": user_id}
+        ).fetchone()
         added = conn.execute(Q.hook_secret_add, {"hook_id": hook["id"], "secret": secret}).fetchone()
-        _audit(conn, "hook.add", {"id": hook["id"], "provider": kind.value, "user_id": user_id, "secret_id": added["id"]})
+        _audit(
+            conn, "hook.add", {"id": hook["id"], "provider": kind.value, "user_id": user_id, "secret_id": added["id"]}
+        )
     obj = {**hook, "path": f"/v1/hooks/{hook['id']}", "secret_id": added["id"], "secret": secret}
-    _print_secret(obj, as_json, generated, f"hook {hook['id']} ({kind.value}, user {user_id}): POST /v1/hooks/{hook['id']}")
+    _print_secret(
+        obj, as_json, generated, f"hook {hook['id']} ({kind.value}, user {user_id}): POST /v1/hooks/{hook['id']}"
+    )
 
 
 @hooks.command("list")
@@ -223,7 +233,9 @@ def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
 @hooks.command("revoke-secret")
 @click.argument("hook_id")
 @click.argument("secret_id", type=int)
-@click.option("--force", is_flag=True, help="Revoke even the last active secret (the hook then refuses every delivery).")
+@click.option(
+    "--force", is_flag=True, help="Revoke even the last active secret (the hook then refuses every delivery)."
+)
 def hook_revoke_secret(hook_id: str, secret_id: int, force: bool) -> None:
     """Revoke one secret of HOOK (see `hooks list` for ids); effective within VIGIL_INGEST_AUTH_CACHE_S."""
     from vigil.ledger.queries import Q
@@ -231,7 +243,9 @@ def hook_revoke_secret(hook_id: str, secret_id: int, force: bool) -> None:
     with _ledger() as conn:
         if conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is None:
             raise click.ClickException(f"no hook {hook_id}")
-        row = conn.execute(Q.hook_secret_revoke, {"hook_id": hook_id, "secret_id": secret_id, "force": force}).fetchone()
+        row = conn.execute(
+            Q.hook_secret_revoke, {"hook_id": hook_id, "secret_id": secret_id, "force": force}
+        ).fetchone()
         if row is None:
             known = conn.execute(Q.hook_secret_get, {"hook_id": hook_id, "secret_id": secret_id}).fetchone()
             if known is None:

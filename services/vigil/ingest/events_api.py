@@ -54,12 +54,20 @@ class EventIn(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     user_id: _id(256) = Field(description="Whose agent wakes; also the Kafka key.")
-    source: _id(64) = Field(description="The producer's name. chat, timer, approval and webhook providers are reserved.")
-    source_id: _id(512) = Field(description="The source's unique id of this event: the dedup key within (user_id, source).")
+    source: _id(64) = Field(
+        description="The producer's name. chat, timer, approval and webhook providers are reserved."
+    )
+    source_id: _id(512) = Field(
+        description="The source's unique id of this event: the dedup key within (user_id, source)."
+    )
     kind: _id(128) = Field(description="What happened, e.g. billing.invoice_paid.")
     payload: JsonValue = Field(default_factory=dict, description="The event body (any JSON value; default {}).")
-    occurred_at: AwareDatetime | None = Field(None, description="When it happened at the source (RFC 3339 with offset).")
-    received_at: AwareDatetime | None = Field(None, description="When the producer received it; default: when ingest did.")
+    occurred_at: AwareDatetime | None = Field(
+        None, description="When it happened at the source (RFC 3339 with offset)."
+    )
+    received_at: AwareDatetime | None = Field(
+        None, description="When the producer received it; default: when ingest did."
+    )
     session_id: _id(256) | None = Field(None, description="Resume this saved agent session.")
     headers: dict[_id(128), Annotated[str, Field(max_length=4096), AfterValidator(_printable)]] = Field(
         default_factory=dict, max_length=32, description="Trace context and other metadata."
@@ -95,7 +103,9 @@ class MessageIn(BaseModel):
 
 class Accepted(BaseModel):
     accepted: int = Field(description="Events the broker acknowledged.")
-    source_id: str | None = Field(None, description="The dedup key used (messages: the Idempotency-Key or a fresh uuid).")
+    source_id: str | None = Field(
+        None, description="The dedup key used (messages: the Idempotency-Key or a fresh uuid)."
+    )
 
 
 def field_path(loc: tuple[Any, ...]) -> str:
@@ -113,7 +123,7 @@ def refuse_validation(exc: ValidationError, prefix: tuple = ()) -> Refusal:
 
 def parse_events(document: Any, max_batch: int) -> list[EventIn]:
     if not isinstance(document, dict):
-        raise invalid("body", "expected an event object or {\"events\": [...]}", code="invalid_event")
+        raise invalid("body", 'expected an event object or {"events": [...]}', code="invalid_event")
     if "events" in document:
         raw = document["events"]
         if isinstance(raw, list) and len(raw) > max_batch:

@@ -138,4 +138,3 @@ class HookReceiver:
         await self.publisher.send([event], via="hooks")
         log.debug("hook %s: %s %s produced", hook_id, event.kind, event.source_id)
         return JSONResponse({"accepted": 1, "source": event.source, "source_id": event.source_id}, 202)
-

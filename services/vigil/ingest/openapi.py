@@ -26,17 +26,28 @@ def _error(description: str, **headers: str) -> dict:
         "content": {"application/json": {"schema": {"$ref": REF.format(model="Error")}}},
     }
     if headers:
-        response["headers"] = {name: {"schema": {"type": "string"}, "description": text} for name, text in headers.items()}
+        response["headers"] = {
+            name: {"schema": {"type": "string"}, "description": text} for name, text in headers.items()
+        }
     return response
 
 
 def _json_body(ref: str | None, description: str) -> dict:
-    schema = {"$ref": REF.format(model=ref)} if ref else {"description": "Any JSON document, exactly as the provider sent it."}
+    schema = (
+        {"$ref": REF.format(model=ref)}
+        if ref
+        else {"description": "Any JSON document, exactly as the provider sent it."}
+    )
     return {"required": True, "description": description, "content": {"application/json": {"schema": schema}}}
 
 
 def _ok(status: str, ref: str, description: str) -> dict:
-    return {status: {"description": description, "content": {"application/json": {"schema": {"$ref": REF.format(model=ref)}}}}}
+    return {
+        status: {
+            "description": description,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=ref)}}},
+        }
+    }
 
 
 REFUSALS = {
@@ -55,7 +66,13 @@ BEARER = {
 
 
 def _header(name: str, description: str, required: bool = False) -> dict:
-    return {"name": name, "in": "header", "required": required, "description": description, "schema": {"type": "string"}}
+    return {
+        "name": name,
+        "in": "header",
+        "required": required,
+        "description": description,
+        "schema": {"type": "string"},
+    }
 
 
 def _path(name: str, description: str) -> dict:
@@ -67,7 +84,7 @@ def paths() -> dict[str, Any]:
     return {
         "/v1/events": {
             "post": {
-                "summary": "Produce events (one envelope, or {\"events\": [...]})",
+                "summary": 'Produce events (one envelope, or {"events": [...]})',
                 "security": secured,
                 "requestBody": _json_body("EventsRequest", "One envelope, or a batch of up to VIGIL_INGEST_MAX_BATCH."),
                 "responses": {**_ok("202", "Accepted", "The broker acknowledged every event."), **BEARER, **REFUSALS},
@@ -79,7 +96,9 @@ def paths() -> dict[str, Any]:
                 "security": secured,
                 "parameters": [
                     _path("user_id", "Whose agent the message is for."),
-                    _header("Idempotency-Key", "The message's dedup key: a client's retry with the same key is one event."),
+                    _header(
+                        "Idempotency-Key", "The message's dedup key: a client's retry with the same key is one event."
+                    ),
                 ],
                 "requestBody": _json_body("MessageIn", "The message."),
                 "responses": {**_ok("202", "Accepted", "The broker acknowledged the message."), **BEARER, **REFUSALS},
@@ -114,7 +133,9 @@ def paths() -> dict[str, Any]:
                 "parameters": [_path("request_id", "The approval request being answered.")],
                 "requestBody": _json_body("AnswerIn", "The answer and the token that came with the question."),
                 "responses": {
-                    **_ok("200", "AnswerOut", "Stored (or an earlier answer stands); the session's wake-up was produced."),
+                    **_ok(
+                        "200", "AnswerOut", "Stored (or an earlier answer stands); the session's wake-up was produced."
+                    ),
                     "403": _error("The token does not grant an answer to this request. Nothing stored."),
                     "404": _error("No such request: `answer` is `unknown`."),
                     **REFUSALS,
@@ -162,13 +183,15 @@ def document(extra_paths: dict[str, Any] | None = None) -> dict[str, Any]:
             "title": "vigil ingest",
             "version": "1",
             "description": "Events, chat messages, webhooks and approval answers into vigil. Every "
-            "refusal is {\"error\": code, \"detail\": ...} and stores nothing; 2xx only after the "
+            'refusal is {"error": code, "detail": ...} and stores nothing; 2xx only after the '
             "broker acknowledged.",
         },
         "paths": {**paths(), **(extra_paths or {})},
         "components": {
             "schemas": schemas(),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "`vigil tokens create NAME`"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "`vigil tokens create NAME`"}
+            },
         },
     }
 

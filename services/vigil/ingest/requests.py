@@ -37,7 +37,9 @@ class Refusal(Exception):
         self.extra = extra
 
     def response(self) -> Response:
-        return JSONResponse({"error": self.code, "detail": self.detail, **self.extra}, self.status, headers=self.headers)
+        return JSONResponse(
+            {"error": self.code, "detail": self.detail, **self.extra}, self.status, headers=self.headers
+        )
 
 
 def unavailable(code: str, detail: str, **extra: Any) -> Refusal:
@@ -64,7 +66,11 @@ def require_json(request: Request) -> None:
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         # A compressed body would only fail later as malformed JSON; say what is wrong.
-        raise Refusal(415, "unsupported_media_type", f"Content-Encoding {encoding[:40]} is not supported; send the body uncompressed")
+        raise Refusal(
+            415,
+            "unsupported_media_type",
+            f"Content-Encoding {encoding[:40]} is not supported; send the body uncompressed",
+        )
 
 
 async def read_body(request: Request, limit: int) -> bytes:

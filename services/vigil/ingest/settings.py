@@ -47,7 +47,7 @@ class IngestSettings(CommonSettings):
         DEFAULT_MAX_BATCH_EVENTS,
         ge=1,
         le=10_000,
-        description="Most events one `POST /v1/events` may carry in `{\"events\": [...]}`.",
+        description='Most events one `POST /v1/events` may carry in `{"events": [...]}`.',
     )
     ingest_auth_cache_s: float = Field(
         DEFAULT_AUTH_CACHE_S,

@@ -119,7 +119,9 @@ def _standard_keys(secrets: Sequence[str]) -> list[bytes]:
     return keys
 
 
-def verify_standard(headers: Mapping[str, str], body: bytes, secrets: Sequence[str], now: float, tolerance: int) -> None:
+def verify_standard(
+    headers: Mapping[str, str], body: bytes, secrets: Sequence[str], now: float, tolerance: int
+) -> None:
     """Standard Webhooks: ``webhook-signature: v1,<base64 HMAC-SHA256> ...`` (space
     separated) over ``<webhook-id>.<webhook-timestamp>.<body>``. Svix's ``svix-*`` header
     names are the same scheme and accepted too."""

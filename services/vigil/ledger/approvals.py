@@ -130,7 +130,9 @@ def wake_event(standing: Standing, received_at: datetime | None = None) -> Event
 
 def args_hash(tool: str, arguments: dict) -> str:
     """sha256 of the tool name and its exact arguments (canonical JSON)."""
-    canonical = json.dumps({"tool": tool, "input": arguments}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = json.dumps(
+        {"tool": tool, "input": arguments}, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -144,4 +146,14 @@ def verify_token(secret: str, request_id: str, user_id: str, token: str) -> bool
     return hmac.compare_digest(sign_token(secret, request_id, user_id).encode(), token.encode())
 
 
-__all__ = ["Standing", "answer", "expire", "wake_event", "args_hash", "sign_token", "verify_token", "OnExpiry", "UNKNOWN"]
+__all__ = [
+    "Standing",
+    "answer",
+    "expire",
+    "wake_event",
+    "args_hash",
+    "sign_token",
+    "verify_token",
+    "OnExpiry",
+    "UNKNOWN",
+]

@@ -48,9 +48,15 @@ def topics() -> None:
     settings = load_or_exit(CommonSettings)
     ensure_topics(
         settings,
-        {settings.events_topic: settings.partitions, settings.dlq_topic: settings.partitions, settings.deliveries_topic: settings.partitions},
+        {
+            settings.events_topic: settings.partitions,
+            settings.dlq_topic: settings.partitions,
+            settings.deliveries_topic: settings.partitions,
+        },
     )
-    click.echo(f"topics ready: {settings.events_topic} ({settings.partitions} partitions), {settings.dlq_topic}, {settings.deliveries_topic}")
+    click.echo(
+        f"topics ready: {settings.events_topic} ({settings.partitions} partitions), {settings.dlq_topic}, {settings.deliveries_topic}"
+    )
 
 
 @click.command()

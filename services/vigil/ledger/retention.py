@@ -42,8 +42,13 @@ MAX_BATCHES = 500
 TABLES = (("events", "prune_events"), ("outbox", "prune_outbox"), ("runs", "prune_runs"), ("timers", "prune_timers"))
 
 
-def prune(conn: psycopg.Connection, retention_days: float, now: datetime | None = None,
-          batch: int = BATCH, max_batches: int = MAX_BATCHES) -> dict[str, int]:
+def prune(
+    conn: psycopg.Connection,
+    retention_days: float,
+    now: datetime | None = None,
+    batch: int = BATCH,
+    max_batches: int = MAX_BATCHES,
+) -> dict[str, int]:
     """Delete what retention allows, table by table. Returns the rows deleted per table."""
     before = (now or datetime.now(timezone.utc)) - timedelta(days=retention_days)
     deleted: dict[str, int] = {}
@@ -62,8 +67,14 @@ def prune(conn: psycopg.Connection, retention_days: float, now: datetime | None 
 class Pruner:
     """Prunes now and every ``interval_s`` on a daemon thread until ``stopping`` is set."""
 
-    def __init__(self, dsn: str, retention_days: float, stopping: threading.Event, on_pruned=lambda counts: None,
-                 interval_s: float = PRUNE_INTERVAL_S):
+    def __init__(
+        self,
+        dsn: str,
+        retention_days: float,
+        stopping: threading.Event,
+        on_pruned=lambda counts: None,
+        interval_s: float = PRUNE_INTERVAL_S,
+    ):
         self.dsn, self.retention_days, self.stopping = dsn, retention_days, stopping
         self.on_pruned, self.interval_s = on_pruned, interval_s
         self.thread = threading.Thread(target=self._loop, name="retention", daemon=True)
@@ -81,8 +92,12 @@ class Pruner:
                     counts = prune(conn, self.retention_days)
                 self.on_pruned(counts)
                 if any(counts.values()):
-                    log.info("retention (%g days): deleted %s in %.1f s", self.retention_days,
-                             ", ".join(f"{n} {table}" for table, n in counts.items() if n), time.monotonic() - began)
+                    log.info(
+                        "retention (%g days): deleted %s in %.1f s",
+                        self.retention_days,
+                        ", ".join(f"{n} {table}" for table, n in counts.items() if n),
+                        time.monotonic() - began,
+                    )
             except psycopg.Error as exc:
                 log.warning("retention prune failed (next try in %.0f s): %s", self.interval_s, exc)
             self.stopping.wait(self.interval_s)

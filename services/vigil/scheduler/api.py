@@ -76,7 +76,12 @@ def routes(ctx: Any) -> list[Route]:
         async with ctx.ledger() as conn:
             cursor = await conn.execute(
                 Q.timers_list,
-                {"user_id": user_id, "include_done": include_done in {"true", "1"}, "after": params.get("after", ""), "limit": limit},
+                {
+                    "user_id": user_id,
+                    "include_done": include_done in {"true", "1"},
+                    "after": params.get("after", ""),
+                    "limit": limit,
+                },
             )
             rows = await cursor.fetchall()
         timers = [describe(row) for row in rows]
@@ -103,7 +108,9 @@ def routes(ctx: Any) -> list[Route]:
         if row is None:
             raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
         if row["kind"] == TimerKind.APPROVAL_EXPIRY:
-            raise ctx.Refusal(409, "conflict", "an approval's expiry timer ends with its approval; answer the approval instead")
+            raise ctx.Refusal(
+                409, "conflict", "an approval's expiry timer ends with its approval; answer the approval instead"
+            )
         raise ctx.Refusal(404, "not_found", f"timer {timer_id!r} is not live (already fired, skipped or cancelled)")
 
     return [
@@ -119,7 +126,11 @@ _TIMER_SCHEMA = {
     "required": ["id"],
     "additionalProperties": False,
     "properties": {
-        "id": {"type": "string", "pattern": TIMER_ID.pattern, "description": "Unique per user; re-posting it re-registers."},
+        "id": {
+            "type": "string",
+            "pattern": TIMER_ID.pattern,
+            "description": "Unique per user; re-posting it re-registers.",
+        },
         "due": {
             "oneOf": [{"type": "integer"}, {"type": "string", "format": "date-time"}],
             "description": "First occurrence: epoch seconds or RFC 3339 with an offset. Optional for recurring timers.",
@@ -146,24 +157,41 @@ def openapi_paths() -> dict[str, Any]:
                 "security": secured,
                 "parameters": [user],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _TIMER_SCHEMA}}},
-                "responses": {"201": {"description": "created"}, "200": {"description": "re-registered"},
-                              "400": {"description": "invalid field (the detail says why)"},
-                              "409": {"description": "the id belongs to an approval's expiry timer"}},
+                "responses": {
+                    "201": {"description": "created"},
+                    "200": {"description": "re-registered"},
+                    "400": {"description": "invalid field (the detail says why)"},
+                    "409": {"description": "the id belongs to an approval's expiry timer"},
+                },
             },
             "get": {
                 "summary": "List a user's timers",
                 "security": secured,
-                "parameters": [user, {"name": "all", "in": "query", "schema": {"type": "boolean"}},
-                               {"name": "limit", "in": "query", "schema": {"type": "integer", "maximum": MAX_PAGE}},
-                               {"name": "after", "in": "query", "schema": {"type": "string"}}],
+                "parameters": [
+                    user,
+                    {"name": "all", "in": "query", "schema": {"type": "boolean"}},
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "maximum": MAX_PAGE}},
+                    {"name": "after", "in": "query", "schema": {"type": "string"}},
+                ],
                 "responses": {"200": {"description": "timers in id order, and next_after for the next page"}},
             },
         },
         ITEM: {
-            "get": {"summary": "One timer", "security": secured, "parameters": [user, timer],
-                    "responses": {"200": {"description": "the timer"}, "404": {"description": "no such timer"}}},
-            "delete": {"summary": "Cancel a live timer", "security": secured, "parameters": [user, timer],
-                       "responses": {"204": {"description": "cancelled"}, "404": {"description": "no live timer"},
-                                     "409": {"description": "an approval's expiry timer"}}},
+            "get": {
+                "summary": "One timer",
+                "security": secured,
+                "parameters": [user, timer],
+                "responses": {"200": {"description": "the timer"}, "404": {"description": "no such timer"}},
+            },
+            "delete": {
+                "summary": "Cancel a live timer",
+                "security": secured,
+                "parameters": [user, timer],
+                "responses": {
+                    "204": {"description": "cancelled"},
+                    "404": {"description": "no live timer"},
+                    "409": {"description": "an approval's expiry timer"},
+                },
+            },
         },
     }

@@ -94,8 +94,14 @@ def _line(timer: dict) -> str:
 @click.option("--every", type=int, help="Recur every this many seconds.")
 @click.option("--cron", help="Recur by a 5-field cron expression (minute hour day month weekday), in --tz.")
 @click.option("--tz", default="UTC", show_default=True, help="IANA time zone the cron expression is read in.")
-@click.option("--catch-up", "catch_up", type=click.Choice(["coalesce", "each", "skip"]), default="coalesce", show_default=True,
-              help="After an outage: one event for the latest missed occurrence, one per occurrence, or none.")
+@click.option(
+    "--catch-up",
+    "catch_up",
+    type=click.Choice(["coalesce", "each", "skip"]),
+    default="coalesce",
+    show_default=True,
+    help="After an outage: one event for the latest missed occurrence, one per occurrence, or none.",
+)
 @click.option("--max-lateness", type=int, help="Seconds: an occurrence older than this is skipped.")
 @click.option("--payload", default="{}", help="JSON object copied into every event the timer fires.")
 @click.option("--json", "as_json", is_flag=True, help="Print the stored timer as one JSON object.")
@@ -108,12 +114,26 @@ def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, 
         payload_obj = json.loads(payload)
     except ValueError as exc:
         raise click.UsageError(f"--payload is not JSON: {exc}") from None
-    body = {"id": timer_id, "due": due, "every": every, "cron": cron, "tz": tz, "catch_up": catch_up,
-            "max_lateness": max_lateness, "payload": payload_obj}
+    body = {
+        "id": timer_id,
+        "due": due,
+        "every": every,
+        "cron": cron,
+        "tz": tz,
+        "catch_up": catch_up,
+        "max_lateness": max_lateness,
+        "payload": payload_obj,
+    }
     try:
         timer = parse_timer(user_id, {k: v for k, v in body.items() if v is not None}, int(time.time()))
     except InvalidTimer as exc:
-        option = "TIMER_ID" if exc.field == "id" else "USER_ID" if exc.field == "user_id" else f"--{exc.field.replace('_', '-')}"
+        option = (
+            "TIMER_ID"
+            if exc.field == "id"
+            else "USER_ID"
+            if exc.field == "user_id"
+            else f"--{exc.field.replace('_', '-')}"
+        )
         raise click.UsageError(f"{option}: {exc.reason}") from None
     with _ledger() as conn:
         result = upsert(conn, timer)

@@ -264,7 +264,9 @@ class Scheduler:
             # The approval's deadline is later than this timer (moved by hand): wait for it.
             return Outcome(row, next_due=math.ceil(standing.due.timestamp()), approval="not_yet_due")
         outcome = Outcome(
-            row, events=[approvals.wake_event(standing, received_at=_utc(now))], scheduled=[_epoch(due)],
+            row,
+            events=[approvals.wake_event(standing, received_at=_utc(now))],
+            scheduled=[_epoch(due)],
             handled_through=_epoch(due),
         )
         if standing.escalated and standing.due is not None:
@@ -304,7 +306,12 @@ class Scheduler:
             if o.set_aside is not None:
                 conn.execute(
                     Q.timer_set_aside,
-                    {"user_id": o.row["user_id"], "id": o.row["id"], "expected_due": o.row["due"], "error": o.set_aside},
+                    {
+                        "user_id": o.row["user_id"],
+                        "id": o.row["id"],
+                        "expected_due": o.row["due"],
+                        "error": o.set_aside,
+                    },
                 )
         if not planned:
             return
@@ -377,17 +384,30 @@ class Scheduler:
                 if startup is not None:
                     startup.add(report)
                     if not report.full:
-                        log.info("start-up catch-up done, %d timer(s) handled here: %s", startup.timers, startup.summary())
+                        log.info(
+                            "start-up catch-up done, %d timer(s) handled here: %s", startup.timers, startup.summary()
+                        )
                         startup = None
                 if not report.full or time.monotonic() - self._backlog_at > BACKLOG_REFRESH_S:
                     self.backlog()
             except Exception as exc:
                 # Whatever the pass had not committed rolled back, so retrying is safe. Exiting
                 # would only turn a broker or ledger outage into a crash loop.
-                reason = "broker" if isinstance(exc, ProduceError) else "ledger" if isinstance(exc, psycopg.Error) else "error"
+                reason = (
+                    "broker"
+                    if isinstance(exc, ProduceError)
+                    else "ledger"
+                    if isinstance(exc, psycopg.Error)
+                    else "error"
+                )
                 metrics.PASS_FAILURES.labels(reason).inc()
-                log.warning("pass failed, uncommitted timers stay due (%s): %s; retrying in %.1f s", reason, exc, backoff,
-                            exc_info=reason == "error")
+                log.warning(
+                    "pass failed, uncommitted timers stay due (%s): %s; retrying in %.1f s",
+                    reason,
+                    exc,
+                    backoff,
+                    exc_info=reason == "error",
+                )
                 if reason != "broker":
                     self.close()
                 on_health(False)

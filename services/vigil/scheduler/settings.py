@@ -28,7 +28,10 @@ class SchedulerSettings(CommonSettings):
     service_name: ClassVar[str] = "scheduler"
 
     scheduler_port: int = Field(
-        DEFAULT_SCHEDULER_METRICS_PORT, ge=1, le=65535, description="Port of the scheduler's /healthz, /readyz and /metrics."
+        DEFAULT_SCHEDULER_METRICS_PORT,
+        ge=1,
+        le=65535,
+        description="Port of the scheduler's /healthz, /readyz and /metrics.",
     )
     scheduler_tick_s: float = Field(
         DEFAULT_TICK_S,

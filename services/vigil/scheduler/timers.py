@@ -231,9 +231,13 @@ def upsert_outcome(returned: dict | None, existing: dict | None) -> Upserted:
     if returned is not None:
         return Upserted("created" if returned.pop("created") else "updated", returned)
     if existing is not None and existing["kind"] == TimerKind.APPROVAL_EXPIRY:
-        return Upserted("conflict", existing, "this id belongs to an approval's expiry timer, which only its approval changes")
+        return Upserted(
+            "conflict", existing, "this id belongs to an approval's expiry timer, which only its approval changes"
+        )
     return Upserted(
-        "unchanged", existing, "this one-off already fired (or was skipped) at or after the given due; nothing fires again"
+        "unchanged",
+        existing,
+        "this one-off already fired (or was skipped) at or after the given due; nothing fires again",
     )
 
 

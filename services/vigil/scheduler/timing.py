@@ -154,9 +154,7 @@ class TimerSpec:
         if self.every is not None and self.cron is not None:
             raise ValueError("a timer recurs by every or by cron, not both")
         if self.catch_up not in CATCH_UP_POLICIES:
-            raise ValueError(
-                f"catch_up must be one of {', '.join(CATCH_UP_POLICIES)}, got {self.catch_up!r}"
-            )
+            raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP_POLICIES)}, got {self.catch_up!r}")
         if self.max_lateness is not None:
             _require_int("max_lateness", self.max_lateness)
             if self.max_lateness < 0:
@@ -212,15 +210,13 @@ def validate_tz(tz: str) -> ZoneInfo:
         raise ValueError("time zone is empty: use an IANA name such as 'Europe/Berlin' or 'UTC'")
     if tz in _HOST_DEPENDENT_ZONES:
         raise ValueError(
-            f"time zone {tz!r} depends on the server's configuration: use an IANA name "
-            "such as 'America/New_York'"
+            f"time zone {tz!r} depends on the server's configuration: use an IANA name such as 'America/New_York'"
         )
     try:
         return ZoneInfo(tz)
     except ZoneInfoNotFoundError:
         raise ValueError(
-            f"unknown time zone {tz!r}: use an IANA name such as 'America/New_York' "
-            "(names are case-sensitive)"
+            f"unknown time zone {tz!r}: use an IANA name such as 'America/New_York' (names are case-sensitive)"
         ) from None
     except (ValueError, OSError) as exc:
         raise ValueError(f"invalid time zone {tz!r}: {exc}") from None
@@ -295,9 +291,9 @@ def next_occurrence(recurrence: Recurrence | None, after_epoch: int) -> int | No
     if recurrence is None:
         return None
     if isinstance(recurrence, Interval):
-        return recurrence.anchor + interval_due_count(
-            recurrence.anchor, recurrence.every, after_epoch
-        ) * recurrence.every
+        return (
+            recurrence.anchor + interval_due_count(recurrence.anchor, recurrence.every, after_epoch) * recurrence.every
+        )
     if isinstance(recurrence, Cron):
         return next(_cron_after(recurrence.expr, validate_tz(recurrence.tz), after_epoch), None)
     raise TypeError(f"not a recurrence: {recurrence!r}")

@@ -92,7 +92,9 @@ async def mark_dead(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int
     return await cur.fetchall()
 
 
-async def alone_due(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int) -> datetime | None:
+async def alone_due(
+    conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int
+) -> datetime | None:
     """When the first last attempt that must run alone may be claimed; None if none waits."""
     if not owned:
         return None
@@ -131,15 +133,22 @@ async def claim(
     """
     if not owned or max_users <= 0:
         return [], cursor
-    params = {**_owned_params(owned), "busy": busy, "batch_max": batch_max, "window_s": window_s,
-              "max_attempts": max_attempts}
+    params = {
+        **_owned_params(owned),
+        "busy": busy,
+        "batch_max": batch_max,
+        "window_s": window_s,
+        "max_attempts": max_attempts,
+    }
     claims: list[Claim] = []
     # The users after the cursor; then, wrapping around, those up to where this pass started.
     ranges = [(cursor, None)] + ([("", cursor)] if cursor else [])
     for after, until in ranges:
         if len(claims) == max_users:
             break
-        cur = await conn.execute(Q.claim, {**params, "after": after, "until": until, "max_users": max_users - len(claims)})
+        cur = await conn.execute(
+            Q.claim, {**params, "after": after, "until": until, "max_users": max_users - len(claims)}
+        )
         rows = await cur.fetchall()
         if rows:
             cursor = rows[0]["cursor"]
@@ -171,8 +180,13 @@ async def claim_more(conn: psycopg.AsyncConnection, claim: Claim, sources: list[
     """Fold: the user's fresh pending events, claimed under the running claim's epoch."""
     cur = await conn.execute(
         Q.claim_more,
-        {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch, "user_id": claim.user_id,
-         "sources": list(sources)},
+        {
+            "topic": claim.home.topic,
+            "partition": claim.home.partition,
+            "epoch": claim.epoch,
+            "user_id": claim.user_id,
+            "sources": list(sources),
+        },
     )
     rows = sorted(await cur.fetchall(), key=lambda r: r["id"])
     return [event_row(r) for r in rows]

@@ -102,7 +102,21 @@ def inbox(user_id: str, limit: int, as_json: bool) -> None:
         for row in rows:
             click.echo(json.dumps(row, default=str))
     else:
-        _table(rows, ["id", "source", "source_id", "kind", "status", "attempts", "lost_claims", "claim_epoch", "run_id", "error"])
+        _table(
+            rows,
+            [
+                "id",
+                "source",
+                "source_id",
+                "kind",
+                "status",
+                "attempts",
+                "lost_claims",
+                "claim_epoch",
+                "run_id",
+                "error",
+            ],
+        )
 
 
 commands = [worker_command, dead, inbox]

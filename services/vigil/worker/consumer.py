@@ -74,8 +74,21 @@ def consumer_config(settings: WorkerSettings, on_stats) -> dict:
 
 
 # Column types of record_copy, in its order (binary COPY needs them named).
-STAGING_TYPES = ["int4", "text", "text", "text", "text", "text", "text", "jsonb", "timestamptz", "timestamptz",
-                 "text", "int4", "int8"]
+STAGING_TYPES = [
+    "int4",
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "jsonb",
+    "timestamptz",
+    "timestamptz",
+    "text",
+    "int4",
+    "int8",
+]
 # How long an idle poll waits for the next message. A poll never waits for a *full* batch:
 # consume(n, timeout) returns only when n messages came or the timeout passed, which at a
 # moderate rate held every event back by up to the whole timeout before it was recorded.
@@ -118,7 +131,9 @@ class InFlight(NamedTuple):
 
 
 class ConsumerLoop(threading.Thread):
-    def __init__(self, settings: WorkerSettings, runner, loop: asyncio.AbstractEventLoop, dead_letters, stopping: threading.Event):
+    def __init__(
+        self, settings: WorkerSettings, runner, loop: asyncio.AbstractEventLoop, dead_letters, stopping: threading.Event
+    ):
         super().__init__(name="consumer", daemon=True)
         self.settings = settings
         self.runner = runner
@@ -171,8 +186,14 @@ class ConsumerLoop(threading.Thread):
         self._settle()
         epochs = self._retrying(
             "takeover",
-            lambda conn: take_over(conn, keys, self.settings.instance_id, self.settings.backoff_base_s, self.settings.backoff_cap_s,
-                                   self.settings.max_attempts),
+            lambda conn: take_over(
+                conn,
+                keys,
+                self.settings.instance_id,
+                self.settings.backoff_base_s,
+                self.settings.backoff_cap_s,
+                self.settings.max_attempts,
+            ),
         )
         self.assigned.update(keys)
         self._call_runner(self.runner.assign(epochs))
@@ -197,7 +218,9 @@ class ConsumerLoop(threading.Thread):
     def on_stats(self, raw: str) -> None:
         try:
             stats = json.loads(raw)
-            for partition, info in stats.get("topics", {}).get(self.settings.events_topic, {}).get("partitions", {}).items():
+            for partition, info in (
+                stats.get("topics", {}).get(self.settings.events_topic, {}).get("partitions", {}).items()
+            ):
                 lag = info.get("consumer_lag", -1)
                 if int(partition) >= 0 and lag >= 0:
                     metrics.CONSUMER_LAG.labels(partition).set(lag)

@@ -40,9 +40,14 @@ class DeadLetters:
         """Events that exhausted their attempts. Best effort: the ledger row is the record."""
         for row in rows:
             event = Event(
-                user_id=row["user_id"], source=row["source"], source_id=row["source_id"], kind=row["kind"],
-                payload=row["payload"], received_at=row["received_at"] or datetime.now(timezone.utc),
-                occurred_at=row["occurred_at"], session_id=row["session_id"],
+                user_id=row["user_id"],
+                source=row["source"],
+                source_id=row["source_id"],
+                kind=row["kind"],
+                payload=row["payload"],
+                received_at=row["received_at"] or datetime.now(timezone.utc),
+                occurred_at=row["occurred_at"],
+                session_id=row["session_id"],
             )
             headers = [
                 ("vigil-error", (row["error"] or "attempts exhausted").encode()[:1000]),
@@ -50,8 +55,10 @@ class DeadLetters:
                 ("vigil-event-id", str(row["id"]).encode()),
             ]
             try:
-                self.producer.send_raw([(event.user_id.encode(), self.codec.encode(event, self.topic))], self.topic, headers=headers)
+                self.producer.send_raw(
+                    [(event.user_id.encode(), self.codec.encode(event, self.topic))], self.topic, headers=headers
+                )
             except ProduceError as exc:
-                log.error("dead event %d not copied to %s (it stays dead in the ledger): %s", row["id"], self.topic, exc)
-
-
+                log.error(
+                    "dead event %d not copied to %s (it stays dead in the ledger): %s", row["id"], self.topic, exc
+                )

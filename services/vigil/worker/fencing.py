@@ -80,7 +80,10 @@ def take_over(
                 metrics.HANDED_BACK.inc(len(recovered))
                 log.warning(
                     "took over %s[%d] at epoch %d: %d claim(s) of the previous owner back to pending",
-                    key.topic, key.partition, epoch, len(recovered),
+                    key.topic,
+                    key.partition,
+                    epoch,
+                    len(recovered),
                 )
     log.info("partitions taken over: %s", ", ".join(f"{k.partition}@{e}" for k, e in sorted(epochs.items())))
     return epochs

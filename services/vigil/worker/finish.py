@@ -72,10 +72,29 @@ def backoff_seconds(attempt: int, base: float, cap: float, retry_after: float | 
 
 def _group_params(runs: list[Finished], worker: str) -> dict:
     """finish_runs' parameters: one array per column, a run per position; messages flat."""
-    params: dict[str, list] = {name: [] for name in (
-        "user_id", "topic", "partition", "epoch", "event_ids", "session_id", "started_at", "outcome", "error",
-        "turns", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
-        "message_user", "message_body", "message_urgent", "done_ids")}
+    params: dict[str, list] = {
+        name: []
+        for name in (
+            "user_id",
+            "topic",
+            "partition",
+            "epoch",
+            "event_ids",
+            "session_id",
+            "started_at",
+            "outcome",
+            "error",
+            "turns",
+            "input_tokens",
+            "output_tokens",
+            "cache_read_tokens",
+            "cache_write_tokens",
+            "message_user",
+            "message_body",
+            "message_urgent",
+            "done_ids",
+        )
+    }
     for run in runs:
         claim, result = run.claim, run.result
         usage = result.usage if result else None
@@ -120,8 +139,14 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
         ids = run.event_ids
         cur = await conn.execute(
             Q.finish_failed,
-            {"ids": ids, "epoch": claim.epoch, "run_id": run_id, "error": run.error[:2000],
-             "backoff_s": run.backoff_s, "transient": run.transient},
+            {
+                "ids": ids,
+                "epoch": claim.epoch,
+                "run_id": run_id,
+                "error": run.error[:2000],
+                "backoff_s": run.backoff_s,
+                "transient": run.transient,
+            },
         )
         return [(cur, len(ids))]
     result = run.result
@@ -130,15 +155,30 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
     for timer in result.timers:
         await conn.execute(
             Q.insert_timer,
-            {"id": timer.id, "user_id": user, "kind": timer.kind, "due": timer.due, "catch_up": str(timer.catch_up),
-             "payload": Jsonb(timer.payload), "fixed_key": timer.fixed_key},
+            {
+                "id": timer.id,
+                "user_id": user,
+                "kind": timer.kind,
+                "due": timer.due,
+                "catch_up": str(timer.catch_up),
+                "payload": Jsonb(timer.payload),
+                "fixed_key": timer.fixed_key,
+            },
         )
     for approval in result.approvals:
         await conn.execute(
             Q.approval_create,
-            {"request_id": approval.request_id, "user_id": user, "session_id": approval.session_id, "run_id": run_id,
-             "tool": approval.tool, "tool_use_id": approval.tool_use_id, "args_hash": approval.args_hash,
-             "due": approval.due, "on_expiry": str(approval.on_expiry)},
+            {
+                "request_id": approval.request_id,
+                "user_id": user,
+                "session_id": approval.session_id,
+                "run_id": run_id,
+                "tool": approval.tool,
+                "tool_use_id": approval.tool_use_id,
+                "args_hash": approval.args_hash,
+                "due": approval.due,
+                "on_expiry": str(approval.on_expiry),
+            },
         )
     for write in result.memory_writes:
         if write.content is None:
@@ -150,7 +190,9 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
     return []
 
 
-async def _commit(conn: psycopg.AsyncConnection, runs: list[Finished], worker: str) -> tuple[list[Finished], list[Finished]]:
+async def _commit(
+    conn: psycopg.AsyncConnection, runs: list[Finished], worker: str
+) -> tuple[list[Finished], list[Finished]]:
     """One transaction for ``runs``. Returns (committed, stale). Raises FinishMismatch.
 
     Whatever the group's size: one statement locks the epochs, one (``finish_runs``) writes
@@ -194,7 +236,9 @@ async def _commit(conn: psycopg.AsyncConnection, runs: list[Finished], worker: s
 REFUSED_RESULT = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 
 
-async def commit_finished(conn: psycopg.AsyncConnection, runs: list[Finished], worker: str) -> tuple[list[Finished], list[Finished]]:
+async def commit_finished(
+    conn: psycopg.AsyncConnection, runs: list[Finished], worker: str
+) -> tuple[list[Finished], list[Finished]]:
     """Commit a group of finished runs (group commit, per-run fallback). Returns (committed, stale).
 
     A run whose result the ledger refuses is committed as a failed attempt instead (its
@@ -224,6 +268,8 @@ async def commit_finished(conn: psycopg.AsyncConnection, runs: list[Finished], w
         for run in stale:
             log.warning(
                 "stale finish refused: claim at epoch %d of partition %d is no longer current (%d events)",
-                run.claim.epoch, run.claim.home.partition, len(run.event_ids),
+                run.claim.epoch,
+                run.claim.home.partition,
+                len(run.event_ids),
             )
     return committed, stale

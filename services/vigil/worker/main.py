@@ -62,7 +62,11 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     consumer.start()
     log.info(
         "worker %s up: group %s, topic %s, agent %s, %d concurrent runs",
-        settings.instance_id, settings.worker_group, settings.events_topic, settings.agent, settings.run_concurrency,
+        settings.instance_id,
+        settings.worker_group,
+        settings.events_topic,
+        settings.agent,
+        settings.run_concurrency,
     )
     while not stopping.is_set():
         await asyncio.sleep(0.2)

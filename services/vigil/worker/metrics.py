@@ -16,9 +16,12 @@ CLAIM_ATTEMPTS = Counter("vigil_claim_attempts_total", "Events claimed, by attem
 CLAIM_BATCH = Histogram(
     "vigil_claim_batch_events", "Events per claimed run.", buckets=(1, 2, 3, 5, 10, 20, 50, 100, 200)
 )
-RUNS = Counter("vigil_runs_total", "Finished runs by outcome (message, nothing, deferred, failed, retry_later).", ["outcome"])
+RUNS = Counter(
+    "vigil_runs_total", "Finished runs by outcome (message, nothing, deferred, failed, retry_later).", ["outcome"]
+)
 RUN_SECONDS = Histogram(
-    "vigil_run_duration_seconds", "Agent run wall time, claim to finish commit.",
+    "vigil_run_duration_seconds",
+    "Agent run wall time, claim to finish commit.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
 STALE_FINISHES = Counter(
@@ -39,7 +42,9 @@ OLDEST_PENDING = Gauge(
 )
 RUNS_IN_FLIGHT = Gauge("vigil_runs_in_flight", "Runs executing in this worker now.")
 FINISH_BATCH = Histogram(
-    "vigil_finish_batch_runs", "Runs committed per finish transaction (group commit).", buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500)
+    "vigil_finish_batch_runs",
+    "Runs committed per finish transaction (group commit).",
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500),
 )
 LEDGER_SECONDS = Histogram(
     "vigil_worker_ledger_seconds",

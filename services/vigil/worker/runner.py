@@ -226,13 +226,20 @@ class Runner:
                 self._drain_until = None
                 if lone is not None:
                     metrics.LONE_RUNS.inc()
-                    log.warning("event %d runs alone: its last attempt, and a worker was lost with it before",
-                                lone.events[0].id)
+                    log.warning(
+                        "event %d runs alone: its last attempt, and a worker was lost with it before", lone.events[0].id
+                    )
                     return [lone], True
                 self._alone_at = None
         claims, self._cursor = await claim(
-            conn, owned, list(self.active), free, self.settings.batch_max, self.settings.batch_window_s,
-            self.settings.max_attempts, self._cursor,
+            conn,
+            owned,
+            list(self.active),
+            free,
+            self.settings.batch_max,
+            self.settings.batch_window_s,
+            self.settings.max_attempts,
+            self._cursor,
         )
         return claims, False
 
@@ -243,8 +250,11 @@ class Runner:
         now = time.monotonic()
         if self._drain_until is None:
             self._drain_until = now + self.settings.lone_drain_s
-            log.info("a lost event's last attempt runs alone: waiting up to %.0f s for %d run(s) in flight",
-                     self.settings.lone_drain_s, len(self.active))
+            log.info(
+                "a lost event's last attempt runs alone: waiting up to %.0f s for %d run(s) in flight",
+                self.settings.lone_drain_s,
+                len(self.active),
+            )
         if now < self._drain_until:
             self.wake(self._drain_until - now + BACKOFF_SLACK_S)
             return False
@@ -252,8 +262,11 @@ class Runner:
         victims = [a for a in self.active.values() if a.task is not None and not a.task.done()]
         await self._cancel(victims)
         if victims:
-            log.warning("released %d run(s) still in flight after %.0f s, for a lone attempt",
-                        len(victims), self.settings.lone_drain_s)
+            log.warning(
+                "released %d run(s) still in flight after %.0f s, for a lone attempt",
+                len(victims),
+                self.settings.lone_drain_s,
+            )
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         return not self.active
 
@@ -272,7 +285,9 @@ class Runner:
             exhausted = c.transient_failures + 1 >= self.settings.transient_max_attempts
             finished.error = f"model unavailable: {exc.reason}"
             finished.transient = not exhausted
-            finished.backoff_s = backoff_seconds(c.transient_failures + 1, self.settings.backoff_base_s, self.settings.backoff_cap_s, exc.retry_after)
+            finished.backoff_s = backoff_seconds(
+                c.transient_failures + 1, self.settings.backoff_base_s, self.settings.backoff_cap_s, exc.retry_after
+            )
         except Exception as exc:  # the agent failed: a counted attempt
             log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
             finished.error = f"{type(exc).__name__}: {exc}"

@@ -30,19 +30,24 @@ class WorkerSettings(CommonSettings):
     )
     worker_group: str = Field("vigil-worker", min_length=1, description="Kafka consumer group of the workers.")
     agent: str = Field(
-        "claude", pattern="^(echo|claude)$",
+        "claude",
+        pattern="^(echo|claude)$",
         description="Agent behind each run: `claude` (needs ANTHROPIC_API_KEY) or `echo` (repeats chat messages, no model).",
     )
     max_attempts: int = Field(
         DEFAULT_MAX_ATTEMPTS, ge=1, le=100, description="Claims an event gets before it is dead (counted at claim)."
     )
     transient_max_attempts: int = Field(
-        20, ge=1, le=1000,
+        20,
+        ge=1,
+        le=1000,
         description="Releases for model API overload (429/529/5xx) an event gets before they count as attempts.",
     )
     batch_max: int = Field(DEFAULT_BATCH_MAX, ge=1, le=1000, description="Most events one run takes.")
     batch_window_ms: int = Field(
-        DEFAULT_BATCH_WINDOW_MS, ge=0, le=60_000,
+        DEFAULT_BATCH_WINDOW_MS,
+        ge=0,
+        le=60_000,
         description="A run starts no sooner than this after the user's oldest pending event was recorded, "
         "so quick successive messages share one run.",
     )
@@ -53,14 +58,20 @@ class WorkerSettings(CommonSettings):
         600.0, gt=0, le=86_400, description="Wall time a run may take before it is cancelled as a failed attempt."
     )
     lone_drain_s: float = Field(
-        30.0, gt=0, le=86_400,
+        30.0,
+        gt=0,
+        le=86_400,
         description="An event lost with a crashed worker runs its last attempt alone: the worker waits this long "
         "for its runs in flight to finish, then cancels and releases the rest (their attempts given back).",
     )
-    backoff_base_s: float = Field(2.0, gt=0, le=3600, description="First retry backoff; doubles per attempt, with jitter.")
+    backoff_base_s: float = Field(
+        2.0, gt=0, le=3600, description="First retry backoff; doubles per attempt, with jitter."
+    )
     backoff_cap_s: float = Field(300.0, gt=0, le=86_400, description="Longest retry backoff.")
     scan_interval_s: float = Field(
-        1.0, gt=0, le=60,
+        1.0,
+        gt=0,
+        le=60,
         description="How often the worker looks in the ledger for work nobody woke it for "
         "(other partitions' consumers, ended backoffs, recovered claims).",
     )
@@ -69,11 +80,15 @@ class WorkerSettings(CommonSettings):
     )
     poll_batch_max: int = Field(1000, ge=1, le=100_000, description="Most Kafka messages recorded per ledger insert.")
     kafka_session_timeout_ms: int = Field(
-        DEFAULT_SESSION_TIMEOUT_MS, ge=1000, le=3_600_000,
+        DEFAULT_SESSION_TIMEOUT_MS,
+        ge=1000,
+        le=3_600_000,
         description="Consumer session timeout: how long a silent worker keeps its partitions.",
     )
     kafka_max_poll_interval_ms: int = Field(
-        300_000, ge=1000, le=86_400_000,
+        300_000,
+        ge=1000,
+        le=86_400_000,
         description="Consumer max.poll.interval.ms. Runs never block polling, so this only catches a hung poll loop.",
     )
     db_pool_max: int = Field(8, ge=2, le=200, description="Ledger connections of the run loop.")
