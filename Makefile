@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install up demo down status logs test test-fast bench bench-quick clean
+.PHONY: help install up demo down status logs test test-fast lint fmt bench bench-quick clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -35,8 +35,16 @@ status: $(STAMP) ## Show which parts of the local stack run
 logs: ## Follow the services' logs
 	tail -F .run/logs/*.log
 
-test: $(STAMP) ## Run every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
+test: lint ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
 	$(BIN)/pytest -q
+
+lint: $(STAMP) ## ruff: lint and check formatting (settings in pyproject.toml)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: $(STAMP) ## ruff: fix what can be fixed and format
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 bench: $(STAMP) ## Run the benchmarks (about 10 minutes) and print name: value lines
 	$(BIN)/python -m vigil.bench

@@ -26,7 +26,6 @@ from support import VigilProcess
 from vigil import devstack
 from vigil.ledger.migrate import apply_canonical
 
-
 # Only the stack's address comes from the caller's environment (`. .run/env && make test`):
 # every other VIGIL_ setting the services read is the test's own choice, so a developer's
 # shell (say, a short approval deadline for the demo) never changes what a test checks.

@@ -9,14 +9,14 @@ import hashlib
 import hmac
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 import psycopg
 
-T0 = datetime(2026, 3, 2, 9, 0, tzinfo=timezone.utc)  # a Monday morning, far from midnight
+T0 = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)  # a Monday morning, far from midnight
 PASS_METRIC = "vigil_dispatcher_last_pass_timestamp_seconds"  # the loop's heartbeat
 
 
@@ -71,7 +71,7 @@ class Receiver:
     requests: list[Received] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self) -> "Receiver":
+    def start(self) -> Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -118,7 +118,8 @@ def add_users(dsn: str, users: list[str]) -> None:
     """``users`` rows as the worker records them on a user's first event."""
     with psycopg.connect(dsn) as conn:
         conn.execute(
-            "INSERT INTO users (user_id, home_topic, home_partition) SELECT u, 'test.events', 0 FROM unnest(%s::text[]) u",
+            "INSERT INTO users (user_id, home_topic, home_partition)"
+            " SELECT u, 'test.events', 0 FROM unnest(%s::text[]) u",
             (users,),
         )
 
@@ -131,7 +132,8 @@ def add_messages(dsn: str, messages: list[tuple[str, str, bool]], created_at: da
         users = sorted({user for user, _, _ in messages})
         runs = dict(
             conn.execute(
-                "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)"
+                "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids,"
+                " started_at, finished_at, outcome)"
                 " SELECT u, 'test.events', 0, 1, 'test', '{}', now(), now(), 'message' FROM unnest(%s::text[]) u"
                 " RETURNING user_id, id",
                 (users,),

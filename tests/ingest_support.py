@@ -8,9 +8,9 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 from click.testing import CliRunner
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from psycopg.rows import dict_row
 
 from vigil.bus.codec import Event, EventCodec
 from vigil.devstack import free_port

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
@@ -18,7 +18,7 @@ DAY = 86_400
 
 
 def utc(*fields: int) -> int:
-    return int(datetime(*fields, tzinfo=timezone.utc).timestamp())
+    return int(datetime(*fields, tzinfo=UTC).timestamp())
 
 
 def topic_size(bootstrap: str, topic: str) -> int:

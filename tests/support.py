@@ -8,9 +8,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -61,7 +62,7 @@ class VigilProcess:
     proc: subprocess.Popen | None = None
     history: list[str] = field(default_factory=list)
 
-    def start(self) -> "VigilProcess":
+    def start(self) -> VigilProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
@@ -113,7 +114,7 @@ class VigilProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def wait_healthy(self, port: int, timeout: float = 30.0) -> "VigilProcess":
+    def wait_healthy(self, port: int, timeout: float = 30.0) -> VigilProcess:
         def healthy() -> bool:
             if not self.alive():
                 raise AssertionError(f"vigil {' '.join(self.args)} exited:\n{self.log()[-3000:]}")

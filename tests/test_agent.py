@@ -4,7 +4,7 @@ the three endings, follow-ups, budgets, API failures, the cached prefix, events 
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import anthropic
 import pytest
@@ -92,14 +92,14 @@ def test_a_follow_up_is_returned_as_a_timer(serve):
             },
         ]
     )
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     [result] = run(server, t.context([t.chat("remind me in 90 seconds")]))
 
     assert result.outcome is RunOutcome.NOTHING  # a timer is not a message
     [timer] = result.timers
     assert timer.kind == "followup" and timer.payload == {"note": "stretch your legs"}
     assert timer.due.microsecond == 0
-    assert before + timedelta(seconds=90) <= timer.due <= datetime.now(timezone.utc) + timedelta(seconds=91)
+    assert before + timedelta(seconds=90) <= timer.due <= datetime.now(UTC) + timedelta(seconds=91)
     assert "set for" in server.requests()[-1]["messages"][-1]["content"][0]["content"]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -93,7 +93,7 @@ def test_a_call_needing_approval_ends_the_run_and_asks(asked, ledger, server):
     [approval] = asked.approvals
     assert approval.tool == "refund" and approval.args_hash == args_hash("refund", REFUND_INPUT)
     assert approval.on_expiry is OnExpiry.DENY and approval.due.microsecond == 0
-    assert timedelta(seconds=3590) < approval.due - datetime.now(timezone.utc) <= timedelta(seconds=3601)
+    assert timedelta(seconds=3590) < approval.due - datetime.now(UTC) <= timedelta(seconds=3601)
     [timer] = asked.timers
     assert (timer.kind, timer.fixed_key, timer.payload, timer.due) == (
         "approval_expiry",

@@ -4,7 +4,7 @@ names, inputs and result texts, or the demo would silently show nothing."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -30,7 +30,7 @@ def test_demo_reminder_set_and_delivered(demo):
     [asked] = t.run(demo.base_url, t.context([t.chat("remind me in a minute")]))
     [timer] = asked.timers
     assert asked.messages == [OutMessage("OK, I will remind you.", False)]
-    assert timedelta(seconds=59) < timer.due - datetime.now(timezone.utc) <= timedelta(seconds=61)
+    assert timedelta(seconds=59) < timer.due - datetime.now(UTC) <= timedelta(seconds=61)
 
     # What the scheduler's event for that timer looks like when it fires.
     fired = t.event(

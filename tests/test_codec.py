@@ -7,7 +7,7 @@ import io
 import json
 import random
 import struct
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import fastavro
 import pytest
@@ -24,7 +24,7 @@ from vigil.bus.codec import (
 )
 from vigil.paths import schemas_dir
 
-NOW = datetime(2026, 11, 30, 12, 0, 0, 123000, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 30, 12, 0, 0, 123000, tzinfo=UTC)
 
 
 def sample(**changes) -> Event:
@@ -199,7 +199,7 @@ def random_event(rng: random.Random) -> Event:
         source_id=text(),
         kind=text(),
         payload=text(),
-        received_at=datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(milliseconds=rng.randint(-(10**13), 10**13)),
+        received_at=datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=rng.randint(-(10**13), 10**13)),
         occurred_at=rng.choice([None, NOW + timedelta(milliseconds=rng.randint(0, 10**6))]),
         session_id=rng.choice([None, text()]),
         headers={text(): text() for _ in range(rng.randint(0, 3))},

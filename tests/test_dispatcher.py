@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+
 from dispatcher_support import (
     T0,
     Receiver,
@@ -18,7 +19,6 @@ from dispatcher_support import (
     standard_webhooks_valid,
 )
 from support import query, scalar
-
 from vigil.dispatcher.channels import Outcome, Result
 from vigil.dispatcher.claims import claim
 from vigil.dispatcher.clock import ManualClock

@@ -9,9 +9,9 @@ import uuid
 import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer
+
 from dispatcher_support import T0, Receiver, add_message, add_users, in_process_dispatcher, standard_webhooks_valid
 from support import query, scalar, wait_for
-
 from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
 from vigil.cli import main
 from vigil.dispatcher.clock import ManualClock

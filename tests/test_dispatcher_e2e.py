@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+
 from dispatcher_support import PASS_METRIC, Receiver, metric, standard_webhooks_valid
 from ingest_support import cli, create_token
 from support import query, scalar, wait_for
@@ -43,7 +44,8 @@ def test_chat_message_in_through_ingest_reply_out_through_the_webhook(spawn, vig
         assert reply.user == user and reply.bodies == ["hello vigil"]
         row = query(
             ledger,
-            "SELECT o.run_id, o.epoch, o.status, o.delivery_id::text AS d, r.event_ids FROM outbox o JOIN runs r ON r.id = o.run_id",
+            "SELECT o.run_id, o.epoch, o.status, o.delivery_id::text AS d, r.event_ids"
+            " FROM outbox o JOIN runs r ON r.id = o.run_id",
         )[0]
         assert (row["status"], row["d"]) == ("delivered", reply.id)
         assert reply.data["messages"][0]["run_id"] == row["run_id"]
@@ -59,7 +61,9 @@ def test_chat_message_in_through_ingest_reply_out_through_the_webhook(spawn, vig
         wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox") == 2, 90, "the second reply in the outbox")
         moment = time.time()
         for _ in range(2):
-            wait_for(lambda: (metric(ports["dispatcher"], PASS_METRIC) or 0) > moment, 30, "a dispatcher pass")
+            wait_for(
+                lambda moment=moment: (metric(ports["dispatcher"], PASS_METRIC) or 0) > moment, 30, "a dispatcher pass"
+            )
             moment = time.time()
         assert len(receiver.got()) == 1
         assert scalar(ledger, "SELECT status FROM outbox ORDER BY id DESC LIMIT 1") == "pending"

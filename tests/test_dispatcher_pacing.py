@@ -7,8 +7,8 @@ from datetime import date, timedelta
 from uuid import uuid4
 
 import pytest
-from dispatcher_support import T0
 
+from dispatcher_support import T0
 from vigil.dispatcher.channels import retry_after_seconds, sign
 from vigil.dispatcher.pacing import Action, Pacing, Row, plan, retry_delay
 

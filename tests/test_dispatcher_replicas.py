@@ -9,6 +9,7 @@ from collections import defaultdict
 from datetime import timedelta
 
 import pytest
+
 from dispatcher_support import (
     PASS_METRIC,
     T0,
@@ -20,7 +21,6 @@ from dispatcher_support import (
     standard_webhooks_valid,
 )
 from support import query, scalar, wait_for
-
 from vigil.dispatcher.clock import write_clock_file
 
 
@@ -52,7 +52,11 @@ def passes_after(ports: list[int], moment: float, timeout: float = 30) -> None:
     """Wait until every dispatcher finished a pass that started after ``moment``: a pass that
     finishes after moment + its own start may have started before, so wait for two."""
     for _ in range(2):
-        wait_for(lambda: all((metric(p, PASS_METRIC) or 0) > moment for p in ports), timeout, "a full dispatcher pass")
+
+        def passed(moment=moment):
+            return all((metric(p, PASS_METRIC) or 0) > moment for p in ports)
+
+        wait_for(passed, timeout, "a full dispatcher pass")
         moment = time.time()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import psycopg
@@ -24,11 +24,11 @@ from vigil.ledger import approvals
 def run_expiry(dsn: str, request_id: str) -> str:
     """What the scheduler's expiry timer does at the deadline."""
     with psycopg.connect(dsn, row_factory=dict_row) as conn:
-        return approvals.expire(conn, request_id, datetime.now(timezone.utc), timedelta(hours=1)).answer
+        return approvals.expire(conn, request_id, datetime.now(UTC), timedelta(hours=1)).answer
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @pytest.fixture

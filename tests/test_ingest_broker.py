@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -50,9 +50,7 @@ def test_broker_down_gives_503_and_nothing_half_stored_then_recovers(own_kafka, 
             return client.post("/v1/users/u-outage/messages", json={"text": key}, headers={"Idempotency-Key": key})
 
         assert message("before").status_code == 202
-        approval_token = make_request(
-            ledger, "r-outage", datetime.now(timezone.utc) + timedelta(hours=1), user_id="u-outage"
-        )
+        approval_token = make_request(ledger, "r-outage", datetime.now(UTC) + timedelta(hours=1), user_id="u-outage")
 
         own_kafka.stop()
         started = time.monotonic()

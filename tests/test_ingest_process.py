@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -77,7 +77,7 @@ def test_secrets_and_tokens_never_reach_the_log(spawn, vigil_env, ledger):
     bad_token = "vgl_" + uuid.uuid4().hex + "-wrong"
     hook = json.loads(cli(ledger, "hooks", "add", "--provider", "github", "--user", "u-logs", "--json"))
     body, headers = github_delivery(hook["secret"], "gh-logs-1")
-    approval_token = make_request(ledger, "r-logs", datetime.now(timezone.utc) + timedelta(hours=1), user_id="u-logs")
+    approval_token = make_request(ledger, "r-logs", datetime.now(UTC) + timedelta(hours=1), user_id="u-logs")
 
     auth = {"Authorization": f"Bearer {token}"}
     assert httpx.post(f"{url}/v1/users/u-logs/messages", json={"text": "hi"}, headers=auth).status_code == 202

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
@@ -21,7 +20,7 @@ def test_produce_and_consume_a_real_event(stack, topics):
         source_id="m-1",
         kind="chat.message",
         payload='{"text": "hello"}',
-        received_at=datetime.now(timezone.utc).replace(microsecond=0),
+        received_at=datetime.now(UTC).replace(microsecond=0),
     )
     producer = EventProducer(settings)
     try:

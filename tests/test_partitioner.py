@@ -7,8 +7,9 @@ first six are also the ones in Kafka's ``UtilsTest``.
 
 from __future__ import annotations
 
+from datetime import UTC
+
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
 from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, java_partition, murmur2
@@ -37,7 +38,7 @@ def test_murmur2_matches_java(key, hashed, partition):
 
 @pytest.mark.partitions(12)
 def test_producer_puts_keys_on_the_java_partition(stack, topics):
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     settings = CommonSettings(kafka_bootstrap=stack.bootstrap, events_topic=topics.events)
     producer = EventProducer(settings)
@@ -49,7 +50,7 @@ def test_producer_puts_keys_on_the_java_partition(stack, topics):
                 source_id=f"k{i}",
                 kind="test",
                 payload="{}",
-                received_at=datetime.now(timezone.utc),
+                received_at=datetime.now(UTC),
             )
             for i, (key, _, _) in enumerate(JAVA_VECTORS)
             if key

@@ -5,6 +5,7 @@ agent and SDK talking to the scripted Messages API server."""
 from __future__ import annotations
 
 import json
+
 import pytest
 
 from support import query, scalar, wait_for

@@ -7,7 +7,7 @@ broker acknowledged (every message on the test's topic) and what the ledger hold
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -232,7 +232,7 @@ def _approval(dsn: str, request_id: str, due: int, on_expiry: str, deadline: flo
                 "tool_use_id": "toolu_1",
                 "args_hash": "h",
                 "on_expiry": on_expiry,
-                "due": datetime.fromtimestamp(due if deadline is None else deadline, timezone.utc),
+                "due": datetime.fromtimestamp(due if deadline is None else deadline, UTC),
             },
         )
         # What the worker's finish writes next to the request: the expiry, keyed by the request.
@@ -255,7 +255,7 @@ def test_approval_expiry_denies_escalates_and_wakes_the_session(sched, ledger, s
     _approval(ledger, "refund-882", due, "escalate")
     _approval(ledger, "refund-883", due, "deny")
     with connect(ledger) as conn:  # 883 was answered in time
-        approvals.answer(conn, "refund-883", ApprovalAnswer.YES, datetime.fromtimestamp(T0 + 3600, timezone.utc))
+        approvals.answer(conn, "refund-883", ApprovalAnswer.YES, datetime.fromtimestamp(T0 + 3600, UTC))
 
     at(sched, due + 5)
     escalated_due = due + sched.settings.scheduler_escalate_after_s

@@ -24,7 +24,8 @@ except ModuleNotFoundError:  # running from a checkout without the package insta
     sys.path.insert(0, str(ROOT / "services"))
     from vigil.agent import scripted_server
 
-from vigil.agent.scripted_server import DEMO_SCRIPT_PATH, ScriptedServer, ScriptError, compile_script
+# After the path fallback above, hence E402.
+from vigil.agent.scripted_server import DEMO_SCRIPT_PATH, ScriptedServer, ScriptError, compile_script  # noqa: E402
 
 MODEL = "claude-scripted-1"
 SEND_MESSAGE = {
@@ -77,7 +78,7 @@ def serve(shared_server):
     return use
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _client(base_url: str, max_retries: int) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=base_url, api_key="sk-test-not-real", max_retries=max_retries)
 

@@ -8,7 +8,7 @@ March 8, EDT (UTC-4) until 02:00 local on Sunday November 1, EST after.
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -38,7 +38,7 @@ NY = "America/New_York"
 
 
 def utc(*fields: int) -> int:
-    return int(datetime(*fields, tzinfo=timezone.utc).timestamp())
+    return int(datetime(*fields, tzinfo=UTC).timestamp())
 
 
 T0 = utc(2026, 1, 5, 9, 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import psycopg
 from psycopg.rows import dict_row
@@ -42,7 +42,8 @@ def seed_pending(ledger: str, users: int, per_user: int = 1, status: str = "pend
         ledger,
         """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, attempts,
                               claim_epoch)
-           SELECT u, 'chat', u || '-' || k, 'chat.message', '{}', now(), now() - interval '1 hour' + n * interval '1 ms',
+           SELECT u, 'chat', u || '-' || k, 'chat.message', '{}', now(),
+                  now() - interval '1 hour' + n * interval '1 ms',
                   %(status)s, %(attempts)s, %(epoch)s
            FROM unnest(%(users)s::text[]) WITH ORDINALITY AS x(u, n), generate_series(1, %(per_user)s) AS k""",
         {
@@ -246,14 +247,14 @@ def test_a_group_finish_reads_its_runs_not_every_running_row(ledger):
         r["user_id"]: r["id"]
         for r in query(ledger, "SELECT user_id, id FROM events WHERE user_id = ANY(%s)", (users[:20],))
     }
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     runs = []
     for user, event_id in ids.items():
         row = EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, now, 1)
         runs.append(
             Finished(
                 Claim(user, HOME, 1, [row], 0, now),
-                datetime(2020, 1, 1, tzinfo=timezone.utc),
+                datetime(2020, 1, 1, tzinfo=UTC),
                 result=RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")]),
             )
         )

@@ -79,7 +79,10 @@ def test_poison_event_dies_after_three_claims_without_muting_others(stack, topic
     """Scenario 4. The other users' runs are slow, so they are in flight each time the poison
     event kills the worker: they lose claims with it, but only the poison event dies (its
     last attempt ran alone); they once died beside it, three crashes and they were dead too."""
-    env = lambda: worker_env(vigil_env, VIGIL_ECHO_CRASH_ON="poison", VIGIL_ECHO_SLEEP_ON="slow:1.5")
+
+    def env():
+        return worker_env(vigil_env, VIGIL_ECHO_CRASH_ON="poison", VIGIL_ECHO_SLEEP_ON="slow:1.5")
+
     supervisor = Supervisor(spawn, env, 1)
     try:
         produce(stack.bootstrap, topics.events, [chat("frank", "poison pill"), chat("frank", "healthy one")])

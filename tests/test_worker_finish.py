@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import psycopg
 from psycopg.rows import dict_row
@@ -25,7 +25,8 @@ def seed(ledger: str, users: list[str], epoch: int = 1) -> dict[str, int]:
         query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES (%s, 'events', 0)", (user,))
         ids[user] = query(
             ledger,
-            """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts, claim_epoch)
+            """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts,
+                                   claim_epoch)
                VALUES (%s, 'chat', %s, 'chat.message', '{}', now(), 'running', 1, %s) RETURNING id""",
             (user, f"{user}-1", epoch),
         )[0]["id"]
@@ -33,9 +34,9 @@ def seed(ledger: str, users: list[str], epoch: int = 1) -> dict[str, int]:
 
 
 def finished(user: str, event_id: int, result: RunResult, epoch: int = 1) -> Finished:
-    row = EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, datetime.now(timezone.utc), 1)
-    claim = Claim(user, HOME, epoch, [row], 0, datetime.now(timezone.utc))
-    return Finished(claim, datetime.now(timezone.utc), result=result)
+    row = EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, datetime.now(UTC), 1)
+    claim = Claim(user, HOME, epoch, [row], 0, datetime.now(UTC))
+    return Finished(claim, datetime.now(UTC), result=result)
 
 
 def commit(ledger: str, runs: list[Finished]):

@@ -6,7 +6,7 @@ import json
 import re
 import urllib.request
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from confluent_kafka import Producer
 
@@ -32,7 +32,7 @@ def chat(user: str, text: str, source_id: str | None = None) -> Event:
         source_id=source_id or uuid.uuid4().hex,
         kind="chat.message",
         payload=json.dumps({"text": text}),
-        received_at=datetime.now(timezone.utc),
+        received_at=datetime.now(UTC),
     )
 
 
@@ -83,7 +83,8 @@ def assert_runs_consistent(dsn: str) -> None:
     each message run has exactly one outbox row."""
     rows = query(
         dsn,
-        "SELECT id, user_id, event_ids, started_at, finished_at, outcome, partition FROM runs ORDER BY user_id, started_at",
+        "SELECT id, user_id, event_ids, started_at, finished_at, outcome, partition"
+        " FROM runs ORDER BY user_id, started_at",
     )
     seen: dict[int, int] = {}
     for run in rows:
@@ -103,7 +104,8 @@ def assert_runs_consistent(dsn: str) -> None:
             assert max(before["event_ids"]) < min(after["event_ids"]), f"{user}: run {after['id']} took older events"
     counts = query(
         dsn,
-        "SELECT r.id, r.outcome, count(o.id) AS n FROM runs r LEFT JOIN outbox o ON o.run_id = r.id GROUP BY r.id, r.outcome",
+        "SELECT r.id, r.outcome, count(o.id) AS n"
+        " FROM runs r LEFT JOIN outbox o ON o.run_id = r.id GROUP BY r.id, r.outcome",
     )
     for row in counts:
         expected = 1 if row["outcome"] == "message" else 0

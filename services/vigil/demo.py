@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import click
 from confluent_kafka import Consumer, TopicPartition
@@ -48,7 +48,8 @@ def step_broker_round_trip(settings: CommonSettings, event: Event) -> None:
     finally:
         producer.close()
     click.echo(
-        f"  produced {event.kind} for {event.user_id} -> {where.topic}[{where.partition}] offset {where.offset} (acks=all)"
+        f"  produced {event.kind} for {event.user_id} -> {where.topic}[{where.partition}]"
+        f" offset {where.offset} (acks=all)"
     )
     consumer = Consumer(
         {
@@ -89,7 +90,8 @@ def step_recorded_and_answered(settings: CommonSettings, event: Event) -> str:
         )
         reply = conn.execute(Q.demo_run_reply, {"run_id": done["run_id"]}).fetchone()
         click.echo(
-            f"  run {done['run_id']} finished; outbox row {reply['id'] if reply else '-'}: {reply['body'] if reply else '(nothing to say)'!r}"
+            f"  run {done['run_id']} finished; outbox row {reply['id'] if reply else '-'}:"
+            f" {reply['body'] if reply else '(nothing to say)'!r}"
         )
         if reply is None:
             return ""
@@ -174,7 +176,7 @@ def demo() -> None:
         source_id=f"demo-{uuid.uuid4().hex[:12]}",
         kind="chat.message",
         payload=json.dumps({"text": "hello vigil"}),
-        received_at=datetime.now(timezone.utc),
+        received_at=datetime.now(UTC),
     )
     click.echo("1. an event through the real broker")
     step_broker_round_trip(settings, event)

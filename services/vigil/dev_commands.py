@@ -15,7 +15,6 @@ import secrets
 import shlex
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -59,7 +58,7 @@ def _stack_env(root: Path) -> dict[str, str]:
         "VIGIL_DELIVERIES_TOPIC": "vigil.deliveries",
         "VIGIL_PARTITIONS": "12",
     }
-    for name, (variable, port) in SERVICES.items():
+    for _name, (variable, port) in SERVICES.items():
         env[variable] = str(port)
     # Generated once per stack and kept, so tokens already sent out stay valid across restarts.
     secret_file = root / "approval_secret"
@@ -131,7 +130,7 @@ def up(services: bool) -> None:
         child_env.update(env)
 
     if services:
-        for name, (variable, _) in SERVICES.items():
+        for name in SERVICES:
             pidfile = root / "pids" / f"{name}.pid"
             if devstack.read_pid(pidfile) is None:
                 devstack.spawn([*vigil, name], root / "logs" / f"{name}.log", pidfile, env=child_env, cwd=repo_root())
@@ -139,7 +138,8 @@ def up(services: bool) -> None:
             port = env[variable]
             logfile = root / "logs" / f"{name}.log"
             try:
-                devstack.wait_until(lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), 60, name, logfile)
+                url = f"http://127.0.0.1:{port}/healthz"
+                devstack.wait_until(lambda url=url: _http_ok(url), 60, name, logfile)
             except devstack.StackError as exc:
                 raise click.ClickException(str(exc)) from None
             where = "HTTP API, /healthz /readyz /metrics" if name == "ingest" else "/healthz /readyz /metrics"

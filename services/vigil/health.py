@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import psycopg
 import uvicorn
@@ -92,7 +92,7 @@ class HealthServer:
         self.thread = threading.Thread(target=self.server.run, name="health", daemon=True)
         self.port = port
 
-    def start(self) -> "HealthServer":
+    def start(self) -> HealthServer:
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started and time.monotonic() < deadline:

@@ -21,9 +21,10 @@ as ``RunResult.session`` (the run's main one) or in ``RunResult.other_sessions``
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import anthropic
@@ -88,7 +88,7 @@ class ClaudeAgent:
         self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)
 
     @classmethod
-    def from_environment(cls) -> "ClaudeAgent":
+    def from_environment(cls) -> ClaudeAgent:
         """The agent as ``VIGIL_*`` and ``ANTHROPIC_*`` configure it; SettingsError names what is wrong."""
         if not os.environ.get("ANTHROPIC_API_KEY") and not os.environ.get("ANTHROPIC_AUTH_TOKEN"):
             raise SettingsError("ANTHROPIC_API_KEY: required with VIGIL_AGENT=claude")
@@ -104,7 +104,7 @@ class ClaudeAgent:
 
     async def run(self, ctx: RunContext) -> RunResult:
         settings = self.settings
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)
         memory = MemoryFiles(ctx.memory, self.limits)
         run = RunState(

@@ -8,7 +8,6 @@ Only the user's own rows are ever read or written.
 
 from __future__ import annotations
 
-
 import psycopg
 from psycopg.types.json import Jsonb
 

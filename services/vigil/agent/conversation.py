@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import anthropic
@@ -105,7 +105,7 @@ class Conversation:
         self.outputs = Outputs()
 
     async def converse(self) -> Ended:
-        thread, ctx = self.thread, self.run.ctx
+        thread, _ctx = self.thread, self.run.ctx
         if thread.waiting and thread.answer is None:
             return self._reask()
         opening: list[dict[str, Any]] = []
@@ -253,7 +253,7 @@ class Conversation:
             results,
             user_id=self.run.ctx.user_id,
             session_id=self.thread.session_id,
-            now=datetime.now(timezone.utc),
+            now=datetime.now(UTC),
             deadline_s=settings.approval_deadline_s,
             on_expiry=settings.approval_on_expiry,
             secret=settings.approval_secret.get_secret_value(),
@@ -267,7 +267,7 @@ class Conversation:
         if name == SEND_MESSAGE:
             return send_message(args, self.outputs, self.box.settings)
         if name == SET_FOLLOWUP:
-            return set_followup(args, self.outputs, self.box.settings, datetime.now(timezone.utc))
+            return set_followup(args, self.outputs, self.box.settings, datetime.now(UTC))
         assert name == MEMORY
         try:
             return ToolOutput(self.run.memory.execute(args))

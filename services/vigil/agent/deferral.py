@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import uuid4
 
@@ -54,7 +54,7 @@ class Deferral:
 
 
 def _whole_second(when: datetime) -> datetime:
-    return datetime.fromtimestamp(math.ceil(when.timestamp()), timezone.utc)
+    return datetime.fromtimestamp(math.ceil(when.timestamp()), UTC)
 
 
 def question_text(pending: dict[str, Any], user_id: str, secret: str, *, again: bool = False) -> str:

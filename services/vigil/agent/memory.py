@@ -224,7 +224,7 @@ class MemoryFiles:
         if not moves:
             raise MemoryRefused(f"The path {old} does not exist.")
         taken = {p: c for p, c in self.files.items() if p not in moves}
-        for source, target in moves.items():
+        for _source, target in moves.items():
             confine(target)  # a long old prefix can push the new path past the length limit
             if any(p.startswith(target + "/") or target.startswith(p + "/") for p in taken):
                 raise MemoryRefused(f"{target} would collide with an existing file or directory.")

@@ -391,7 +391,8 @@ def _validate(body: Any) -> None:
         if not content and not (i == last and role == "assistant"):
             raise ApiError(
                 400,
-                f"messages.{i}: all messages must have non-empty content except for the optional final assistant message",
+                f"messages.{i}: all messages must have non-empty content"
+                " except for the optional final assistant message",
             )
         for j, block in enumerate(_content_blocks(content)):
             if not isinstance(block, dict) or not isinstance(block.get("type"), str):
@@ -481,7 +482,7 @@ class _Turn:
     offered_tools: set[str]
 
     @classmethod
-    def from_body(cls, body: dict[str, Any]) -> "_Turn":
+    def from_body(cls, body: dict[str, Any]) -> _Turn:
         messages = body["messages"]
         user_index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
         texts: list[str] = []
@@ -908,7 +909,7 @@ class ScriptedServer:
     def set_script(self, script: Any) -> None:
         self._backend.set_script(script)
 
-    def __enter__(self) -> "ScriptedServer":
+    def __enter__(self) -> ScriptedServer:
         self.start()
         return self
 

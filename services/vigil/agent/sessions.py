@@ -57,11 +57,11 @@ class Thread:
     new: bool = False
 
     @classmethod
-    def fresh(cls) -> "Thread":
+    def fresh(cls) -> Thread:
         return cls(f"ses-{uuid4().hex}", [], BlockCounters(), new=True)
 
     @classmethod
-    def resumed(cls, saved: SavedSession) -> "Thread":
+    def resumed(cls, saved: SavedSession) -> Thread:
         counters = BlockCounters(saved.blocks, saved.consecutive_blocks)
         return cls(saved.id, [dict(m) for m in saved.messages], counters, saved.pending)
 

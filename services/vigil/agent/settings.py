@@ -299,7 +299,7 @@ class AgentSettings(CommonSettings):
         return value
 
     @model_validator(mode="after")
-    def _credentials_and_order(self) -> "AgentSettings":
+    def _credentials_and_order(self) -> AgentSettings:
         if self.model_backoff_cap_s < self.model_backoff_s:
             raise ValueError("VIGIL_MODEL_BACKOFF_CAP_S must be at least VIGIL_MODEL_BACKOFF_S")
         self._credentials = read_credentials(os.environ, self.allowed_hosts)

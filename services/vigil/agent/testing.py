@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import anthropic
@@ -43,7 +43,7 @@ def event(
         kind=kind,
         payload=payload if isinstance(payload, str) else json.dumps(payload if payload is not None else {}),
         session_id=session_id,
-        received_at=datetime.now(timezone.utc),
+        received_at=datetime.now(UTC),
         attempts=1,
     )
 
@@ -71,7 +71,7 @@ def context(
         session=next(iter(saved.values()), None),
         memory={} if memory is None else memory,
         recent_messages=list(recent),
-        started_at=datetime.now(timezone.utc),
+        started_at=datetime.now(UTC),
         deadline=time.monotonic() + seconds,
         fold=fold,
         approvals={a.request_id: a.answer for a in approvals if a.answer},

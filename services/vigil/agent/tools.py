@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
 from uuid import uuid4
 
@@ -180,7 +180,7 @@ def set_followup(args: dict[str, Any], outputs: Outputs, settings: AgentSettings
     if isinstance(due, str):
         return ToolOutput(f"Not set: {due}.", True)
     # Timers are kept in whole seconds; rounding up never fires early.
-    due = datetime.fromtimestamp(math.ceil(due.timestamp()), timezone.utc)
+    due = datetime.fromtimestamp(math.ceil(due.timestamp()), UTC)
     if due <= now:
         return ToolOutput("Not set: that time is already past.", True)
     if (due - now).total_seconds() > settings.followup_max_delay_s:

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from confluent_kafka import KafkaError, Producer
 
@@ -41,13 +41,13 @@ def event(index: int, users: int, source: str, received_at: datetime | None = No
         source_id=f"{source}-{index}",
         kind=KIND,
         payload=json.dumps({"text": f"{TEXT} #{index}"}),
-        received_at=received_at or datetime.now(timezone.utc),
+        received_at=received_at or datetime.now(UTC),
     )
 
 
 def encoded(count: int, users: int, source: str) -> list[tuple[bytes, bytes]]:
     """``count`` events as (key, value) pairs, encoded before any clock starts."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     out = []
     for index in range(count):
         ev = event(index, users, source, now)
@@ -79,7 +79,7 @@ class BenchProducer:
         self.producer.flush(10)
         self.producer.close()
 
-    def __enter__(self) -> "BenchProducer":
+    def __enter__(self) -> BenchProducer:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -125,7 +125,7 @@ class BenchProducer:
         while sent < total:
             due = min(total, int((time.monotonic() - start) * rate) + 1)
             if due > sent:
-                now = datetime.now(timezone.utc)
+                now = datetime.now(UTC)
                 for index in range(first + sent, first + due):
                     ev = event(index, users, source, now)
                     self._produce(ev.user_id.encode(), CODEC.encode(ev))
@@ -134,7 +134,7 @@ class BenchProducer:
             time.sleep(TICK_S)
         return self._finish(sent, started)
 
-    def in_thread(self, method, *args) -> "Background":
+    def in_thread(self, method, *args) -> Background:
         return Background(method, args)
 
 

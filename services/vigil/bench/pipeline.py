@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import psycopg
 from psycopg.rows import dict_row
@@ -155,8 +155,8 @@ class EndToEnd:
         # Nothing can finish before the batch window and the first claim: start counting
         # once the first runs could have gone through.
         skip = max(seconds / 4, self.window_s + FIRST_RUN_S)
-        since = datetime.fromtimestamp(produced.started + skip, timezone.utc)
-        until = datetime.fromtimestamp(produced.started + seconds, timezone.utc)
+        since = datetime.fromtimestamp(produced.started + skip, UTC)
+        until = datetime.fromtimestamp(produced.started + seconds, UTC)
         row = _query(self.dsn, B.finished_between, {"since": since, "until": until})[0]
         span = seconds - skip
         return row["events"] / span, row["runs"] / span, row["events"] / max(1, row["runs"])
@@ -195,7 +195,7 @@ class EndToEnd:
             time.sleep(0.3)
             self._drain(workers, source, produced.count)
             # The first tenth of the round is warm-up (the group may still be settling).
-            since = datetime.fromtimestamp(produced.started + self.plan.latency_seconds / 10, timezone.utc)
+            since = datetime.fromtimestamp(produced.started + self.plan.latency_seconds / 10, UTC)
             ms = [row["ms"] for row in _query(self.dsn, B.round_latencies, {"source": source, "since": since})]
             p50s.append(_percentile(ms, 50))
             p99s.append(_percentile(ms, 99))

@@ -38,7 +38,7 @@ class Service:
     log_path: Path
     proc: subprocess.Popen | None = None
 
-    def start(self) -> "Service":
+    def start(self) -> Service:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
@@ -74,7 +74,7 @@ class Service:
         except OSError:
             return None
 
-    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> "Service":
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> Service:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check()
@@ -160,7 +160,7 @@ class Workers:
         self.procs.append(service.start())
         return service
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Workers":
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> Workers:
         """Healthy, and every partition held by exactly one of them (the group settled)."""
         for proc in self.procs:
             proc.wait_healthy(timeout)
@@ -186,7 +186,7 @@ class Workers:
         for proc in self.procs:
             proc.stop()
 
-    def __enter__(self) -> "Workers":
+    def __enter__(self) -> Workers:
         return self
 
     def __exit__(self, *_: object) -> None:

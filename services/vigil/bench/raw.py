@@ -15,7 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -74,7 +74,7 @@ def raw_kafka(stack: BenchStack, plan: Plan, report: Report) -> Figure:
 
 def _batches(count: int, batch: int, source: str) -> list[dict[str, list]]:
     """Column arrays as the worker's consumer builds them, ``batch`` rows each."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     out = []
     for start in range(0, count, batch):
         rows = [load.event(i, RAW_USERS, source, now) for i in range(start, min(count, start + batch))]

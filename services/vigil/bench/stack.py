@@ -16,9 +16,9 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import psycopg
 
@@ -47,7 +47,7 @@ class BenchStack:
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, keep_logs: bool = False) -> Iterator["BenchStack"]:
+    def open(cls, keep_logs: bool = False) -> Iterator[BenchStack]:
         bootstrap = os.environ.get("VIGIL_KAFKA_BOOTSTRAP")
         database_url = os.environ.get("VIGIL_DATABASE_URL")
         temp = Path(tempfile.mkdtemp(prefix="vigil-bench-"))
@@ -74,7 +74,7 @@ class BenchStack:
                 shutil.rmtree(temp, ignore_errors=True)
 
     @classmethod
-    def _start_own(cls, temp: Path) -> "BenchStack":
+    def _start_own(cls, temp: Path) -> BenchStack:
         run_dir = Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run"))
         libs = devstack.kafka_libs(run_dir / "kafka")
         kafka = devstack.KafkaServer(temp / "kafka", devstack.free_port(), devstack.free_port(), libs)
@@ -138,7 +138,8 @@ class BenchStack:
         where = "started by the bench" if self.own else "external, named by VIGIL_*"
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         return [
-            f"machine: {os.cpu_count()} cores ({_cpu_model()}), {_memory_gb():.1f} GB, {platform.system()} {platform.release()}",
+            f"machine: {os.cpu_count()} cores ({_cpu_model()}), {_memory_gb():.1f} GB,"
+            f" {platform.system()} {platform.release()}",
             f"python: {platform.python_version()} ({platform.python_implementation()})",
             f"postgresql: {pg_version} (fsync={fsync}, synchronous_commit={sync_commit}; {where})",
             f"kafka: {self.kafka_version} at {self.bootstrap} ({where})",

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from operator import itemgetter
-from typing import Any, Callable
+from typing import Any
 
 import fastavro
 from fastavro.schema import fingerprint, parse_schema, to_parsing_canonical_form
@@ -69,7 +70,7 @@ class Event:
         }
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> "Event":
+    def from_record(cls, record: dict[str, Any]) -> Event:
         return cls(
             user_id=record["user_id"],
             source=record["source"],
@@ -89,7 +90,7 @@ class Event:
 def _aware(value: datetime | None) -> datetime | None:
     if value is None or value.tzinfo is not None:
         return value
-    return value.replace(tzinfo=timezone.utc)
+    return value.replace(tzinfo=UTC)
 
 
 def load_schema_file(path) -> dict:
@@ -229,7 +230,7 @@ class AvroCodec:
 # bytes after the record are ignored, as fastavro ignores them. tests/test_codec.py checks
 # it against fastavro on valid and on corrupted bodies.
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MAX_VARINT_SHIFT = 63  # a long is at most 10 bytes of 7 bits
 
 

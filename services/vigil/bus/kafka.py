@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -182,7 +182,7 @@ def ensure_topics(
     ]
     if not wanted:
         return
-    for name, future in admin.create_topics(wanted, operation_timeout=timeout).items():
+    for _name, future in admin.create_topics(wanted, operation_timeout=timeout).items():
         try:
             future.result(timeout)
         except KafkaException as exc:

@@ -8,7 +8,7 @@ moves the clock moves everything (gaps, backoffs, send leases, the urgent cap's 
 from __future__ import annotations
 
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -19,7 +19,7 @@ class Clock(Protocol):
 
 class SystemClock:
     def now(self) -> datetime:
-        return datetime.now(timezone.utc)
+        return datetime.now(UTC)
 
 
 class ManualClock:
@@ -58,7 +58,7 @@ class FileClock:
 
     def _read(self) -> datetime | None:
         try:
-            return datetime.fromtimestamp(float(self.path.read_text().strip()), timezone.utc)
+            return datetime.fromtimestamp(float(self.path.read_text().strip()), UTC)
         except (OSError, ValueError):
             return None
 

@@ -189,7 +189,8 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
     for row in rows:
         urgent = " URGENT" if row["urgent"] else ""
         click.echo(
-            f"{row['id']:>8}  {row['run_id']:>8}  {row['status']:<9}  {row['attempts']:>3}  {str(row['delivery_id'] or '-'):<36}  "
+            f"{row['id']:>8}  {row['run_id']:>8}  {row['status']:<9}  {row['attempts']:>3}  "
+            f"{str(row['delivery_id'] or '-'):<36}  "
             f"{row['channel'] or '-':<7}  {row['created_at']:%Y-%m-%d %H:%M:%S}{urgent}  {_preview(row['body'])}"
             + (f"  error: {row['error']}" if row["error"] else "")
         )

@@ -10,7 +10,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 BACKLOG = Gauge(
     "vigil_outbox_backlog_messages",
-    "Outbox messages not yet delivered, by status (pending: held by pacing or waiting out a backoff; sending: in flight).",
+    "Outbox messages not yet delivered, by status"
+    " (pending: held by pacing or waiting out a backoff; sending: in flight).",
     ["status"],
 )
 OLDEST_AGE = Gauge(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import getpass
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from urllib.parse import urlparse
 
 import psycopg
@@ -110,9 +110,7 @@ def show_channel(conn: psycopg.Connection, user_id: str, default_gap: int, defau
         "urgent_daily_cap": row["urgent_daily_cap"] if row and row["urgent_daily_cap"] is not None else default_cap,
         "urgent_cap_is_default": not (row and row["urgent_daily_cap"] is not None),
         "last_delivery_at": pacing["last_delivery_at"] if pacing else None,
-        "urgent_today": (
-            pacing["urgent_count"] if pacing and pacing["urgent_day"] == datetime.now(timezone.utc).date() else 0
-        ),
+        "urgent_today": (pacing["urgent_count"] if pacing and pacing["urgent_day"] == datetime.now(UTC).date() else 0),
     }
     return shown
 
@@ -130,9 +128,7 @@ def dead_deliveries(conn: psycopg.Connection, limit: int = 100) -> list[dict]:
 def revive_delivery(conn: psycopg.Connection, delivery_id: str, actor: str | None = None) -> list[dict]:
     """Send a dead delivery again, same id, attempts starting over. Empty: nothing dead by that id."""
     with conn.transaction():
-        rows = conn.execute(
-            Q.outbox_revive_dead, {"delivery_id": delivery_id, "now": datetime.now(timezone.utc)}
-        ).fetchall()
+        rows = conn.execute(Q.outbox_revive_dead, {"delivery_id": delivery_id, "now": datetime.now(UTC)}).fetchall()
         if rows:
             detail = {"delivery_id": delivery_id, "user_id": rows[0]["user_id"], "outbox_ids": [r["id"] for r in rows]}
             conn.execute(

@@ -110,7 +110,7 @@ class DispatcherSettings(CommonSettings):
     )
 
     @model_validator(mode="after")
-    def _consistent(self) -> "DispatcherSettings":
+    def _consistent(self) -> DispatcherSettings:
         if self.delivery_backoff_cap_s < self.delivery_backoff_base_s:
             raise ValueError("VIGIL_DELIVERY_BACKOFF_CAP_S must be at least VIGIL_DELIVERY_BACKOFF_BASE_S")
         # A claimed batch is sent `concurrency` at a time, each send bounded by its timeout;

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Awaitable, Callable, Literal
+from typing import Literal
 
 import psycopg
 from psycopg.rows import dict_row

@@ -39,7 +39,7 @@ class EmbeddedIngest:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.settings.ingest_port}"
 
-    def start(self) -> "EmbeddedIngest":
+    def start(self) -> EmbeddedIngest:
         self.thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.server.started:
@@ -52,7 +52,7 @@ class EmbeddedIngest:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def __enter__(self) -> "EmbeddedIngest":
+    def __enter__(self) -> EmbeddedIngest:
         return self.start()
 
     def __exit__(self, *_: Any) -> None:

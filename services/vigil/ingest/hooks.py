@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
@@ -69,7 +69,7 @@ def delivery_event(provider: HookProvider, user_id: str, request: Request, body:
         source_id = _clean(document.get("id"), "id")
         event_type = _clean(document.get("type"), "type")
         if isinstance(document.get("created"), int):
-            occurred_at = datetime.fromtimestamp(document["created"], timezone.utc)
+            occurred_at = datetime.fromtimestamp(document["created"], UTC)
     else:
         source_id = _clean(headers.get("webhook-id") or headers.get("svix-id"), "webhook-id")
         event_type = document.get("type") if isinstance(document, dict) else None

@@ -7,7 +7,7 @@ status code, a provider, an endpoint family. Never a user id, a token or a hook 
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from prometheus_client import Counter, Histogram
 
@@ -63,7 +63,7 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope["vigil.received_at"] = datetime.now(timezone.utc)
+        scope["vigil.received_at"] = datetime.now(UTC)
         started = time.perf_counter()
         status = [500]
 

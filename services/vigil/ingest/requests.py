@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -54,7 +54,7 @@ def invalid(field: str, detail: str, code: str = "invalid_request") -> Refusal:
 def received_at(request: Request) -> datetime:
     """When the request arrived (stamped by the middleware before anything else ran)."""
     stamp = request.scope.get("vigil.received_at")
-    return stamp if stamp is not None else datetime.now(timezone.utc)
+    return stamp if stamp is not None else datetime.now(UTC)
 
 
 def require_json(request: Request) -> None:

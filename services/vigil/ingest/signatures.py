@@ -17,7 +17,7 @@ import base64
 import binascii
 import hashlib
 import hmac
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from vigil.ledger.states import HookProvider
 

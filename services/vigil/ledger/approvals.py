@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 
@@ -104,7 +104,7 @@ def expire(conn: psycopg.Connection, request_id: str, at: datetime, escalate_aft
 def wake_event(standing: Standing, received_at: datetime | None = None) -> Event:
     """The event that resumes the session. One key per request, so a duplicate is dropped;
     an escalation has its own key (it is a second question, not the answer)."""
-    now = received_at or datetime.now(timezone.utc)
+    now = received_at or datetime.now(UTC)
     if standing.escalated:
         source_id, kind = f"{standing.request_id}/escalation", "approval.escalate"
     else:

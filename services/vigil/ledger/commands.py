@@ -55,7 +55,8 @@ def topics() -> None:
         },
     )
     click.echo(
-        f"topics ready: {settings.events_topic} ({settings.partitions} partitions), {settings.dlq_topic}, {settings.deliveries_topic}"
+        f"topics ready: {settings.events_topic} ({settings.partitions} partitions),"
+        f" {settings.dlq_topic}, {settings.deliveries_topic}"
     )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 
@@ -50,7 +50,7 @@ def prune(
     max_batches: int = MAX_BATCHES,
 ) -> dict[str, int]:
     """Delete what retention allows, table by table. Returns the rows deleted per table."""
-    before = (now or datetime.now(timezone.utc)) - timedelta(days=retention_days)
+    before = (now or datetime.now(UTC)) - timedelta(days=retention_days)
     deleted: dict[str, int] = {}
     for table, query in TABLES:
         total = 0
@@ -79,7 +79,7 @@ class Pruner:
         self.on_pruned, self.interval_s = on_pruned, interval_s
         self.thread = threading.Thread(target=self._loop, name="retention", daemon=True)
 
-    def start(self) -> "Pruner":
+    def start(self) -> Pruner:
         if self.retention_days > 0:
             self.thread.start()
         return self

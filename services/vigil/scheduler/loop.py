@@ -33,7 +33,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 import psycopg
@@ -87,7 +87,7 @@ def _epoch(value: datetime | None) -> int | None:
 
 
 def _utc(epoch: float) -> datetime:
-    return datetime.fromtimestamp(epoch, timezone.utc)
+    return datetime.fromtimestamp(epoch, UTC)
 
 
 def _span(seconds: float) -> str:
@@ -133,7 +133,7 @@ class PassReport:
     by_policy: Counter = field(default_factory=Counter)  # (catch_up, what) -> count
     approvals: Counter = field(default_factory=Counter)
 
-    def add(self, other: "PassReport") -> None:
+    def add(self, other: PassReport) -> None:
         self.timers += other.timers
         self.events += other.events
         self.by_policy.update(other.by_policy)

@@ -56,7 +56,8 @@ class SchedulerSettings(CommonSettings):
         DEFAULT_EACH_CAP,
         ge=1,
         le=10_000,
-        description="Most events one `each` timer fires in one pass after an outage (the latest ones; older are skipped).",
+        description="Most events one `each` timer fires in one pass after an outage"
+        " (the latest ones; older are skipped).",
     )
     scheduler_escalate_after_s: int = Field(
         DEFAULT_ESCALATE_AFTER_S,

@@ -21,7 +21,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from psycopg.rows import dict_row
@@ -71,7 +71,7 @@ class NewTimer:
             "user_id": self.user_id,
             "id": self.id,
             "kind": self.kind.value,
-            "due": datetime.fromtimestamp(self.due, timezone.utc),
+            "due": datetime.fromtimestamp(self.due, UTC),
             "every_seconds": self.every,
             "cron": self.cron,
             "tz": self.tz,
@@ -201,7 +201,7 @@ def describe(row: dict) -> dict[str, Any]:
         "user_id": row["user_id"],
         "kind": row["kind"],
         "due": _epoch(row["due"]),
-        "due_at": row["due"].astimezone(timezone.utc).isoformat().replace("+00:00", "Z"),
+        "due_at": row["due"].astimezone(UTC).isoformat().replace("+00:00", "Z"),
         "every": row["every_seconds"],
         "cron": row["cron"],
         "tz": row["tz"],

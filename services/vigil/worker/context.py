@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import psycopg
 
 from vigil.agent.base import RunContext

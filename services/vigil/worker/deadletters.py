@@ -9,9 +9,9 @@ produces the record again rather than losing it.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.settings import CommonSettings
 
@@ -45,7 +45,7 @@ class DeadLetters:
                 source_id=row["source_id"],
                 kind=row["kind"],
                 payload=row["payload"],
-                received_at=row["received_at"] or datetime.now(timezone.utc),
+                received_at=row["received_at"] or datetime.now(UTC),
                 occurred_at=row["occurred_at"],
                 session_id=row["session_id"],
             )

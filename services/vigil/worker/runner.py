@@ -16,7 +16,7 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
@@ -111,7 +111,7 @@ class Runner:
         except psycopg.Error as exc:
             log.warning("could not read backoffs after a takeover (the periodic pass finds them): %s", exc)
             return
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         for at in ends:
             self.wake((at - now).total_seconds() + BACKOFF_SLACK_S)
 
@@ -164,7 +164,7 @@ class Runner:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), due - now)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             self._pass_now = False
@@ -215,7 +215,7 @@ class Runner:
         if any(a.alone for a in self.active.values()):
             return [], False  # nothing runs beside a lone attempt
         if self._alone_at is not None:
-            wait_s = (self._alone_at - datetime.now(timezone.utc)).total_seconds()
+            wait_s = (self._alone_at - datetime.now(UTC)).total_seconds()
             if wait_s > 0:
                 self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
             elif self.active and not await self._drained():
@@ -272,7 +272,7 @@ class Runner:
 
     async def _run(self, active: Active) -> None:
         c = active.claim
-        started = datetime.now(timezone.utc)
+        started = datetime.now(UTC)
         finished = Finished(c, started, folded=active.folded)
         try:
             ctx = await self._context(active)
@@ -311,7 +311,7 @@ class Runner:
             session=None,
             memory={},
             recent_messages=[],
-            started_at=datetime.now(timezone.utc),
+            started_at=datetime.now(UTC),
             deadline=time.monotonic() + self.settings.run_timeout_s,
             fold=fold,
         )
@@ -335,7 +335,7 @@ class Runner:
                     log.warning("finish commit failed, retrying: %s", exc)
                     await asyncio.sleep(LEDGER_RETRY_S)
             metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             landed = {id(run) for run in committed}  # identity: runs are not values to compare
             for run in batch:
                 self.active.pop(run.claim.user_id, None)

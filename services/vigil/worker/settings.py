@@ -32,7 +32,8 @@ class WorkerSettings(CommonSettings):
     agent: str = Field(
         "claude",
         pattern="^(echo|claude)$",
-        description="Agent behind each run: `claude` (needs ANTHROPIC_API_KEY) or `echo` (repeats chat messages, no model).",
+        description="Agent behind each run: `claude` (needs ANTHROPIC_API_KEY)"
+        " or `echo` (repeats chat messages, no model).",
     )
     max_attempts: int = Field(
         DEFAULT_MAX_ATTEMPTS, ge=1, le=100, description="Claims an event gets before it is dead (counted at claim)."
@@ -94,7 +95,7 @@ class WorkerSettings(CommonSettings):
     db_pool_max: int = Field(8, ge=2, le=200, description="Ledger connections of the run loop.")
 
     @model_validator(mode="after")
-    def _backoff_order(self) -> "WorkerSettings":
+    def _backoff_order(self) -> WorkerSettings:
         if self.backoff_cap_s < self.backoff_base_s:
             raise ValueError("VIGIL_BACKOFF_CAP_S must be at least VIGIL_BACKOFF_BASE_S")
         return self
