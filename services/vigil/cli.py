@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "vigil.dev_commands",
     "vigil.demo",
     "vigil.worker.commands",
+    "vigil.worker.task_commands",
     "vigil.ingest.commands",
     "vigil.scheduler.commands",
     "vigil.dispatcher.commands",

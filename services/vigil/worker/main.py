@@ -2,7 +2,8 @@
 
 - the consumer thread (:mod:`vigil.worker.consumer`): poll, record, store offsets;
 - the run loop (:mod:`vigil.worker.runner`) on an asyncio event loop in the main thread:
-  claim, run the agent, group-commit finishes;
+  claim, run the agent, group-commit finishes; beside it, on the same loop, background
+  tasks (:mod:`vigil.worker.tasks`): claim, execute under a heartbeat, reap, report;
 - the health server thread: /healthz, /readyz, /metrics.
 
 SIGTERM: stop claiming, give runs a grace period to finish and commit, release the rest,
@@ -28,6 +29,7 @@ from vigil.worker.consumer import ConsumerLoop
 from vigil.worker.deadletters import DeadLetters
 from vigil.worker.runner import Runner
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.tasks import TaskExecutor
 
 log = logging.getLogger("vigil.worker")
 
@@ -54,10 +56,12 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     readiness = Readiness(dependency_checks(settings))
     health = HealthServer(settings.worker_port, readiness).start()
     consumer = ConsumerLoop(settings, runner, loop, dead_letters, stopping)
+    executor = TaskExecutor(settings, agent, pool, producer)
     tasks = [
         asyncio.create_task(runner.claim_loop(), name="claim-loop"),
         asyncio.create_task(runner.finish_loop(), name="finish-loop"),
         asyncio.create_task(runner.gauge_loop(), name="gauges"),
+        *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
     ]
     consumer.start()
     log.info(
@@ -74,7 +78,7 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
             if task.done() and not task.cancelled() and task.exception():
                 log.error("%s died: %r", task.get_name(), task.exception())
                 stopping.set()
-    await runner.drain(SHUTDOWN_GRACE_S)
+    await asyncio.gather(runner.drain(SHUTDOWN_GRACE_S), executor.stop(SHUTDOWN_GRACE_S))
     # Let the finisher commit what drained before the consumer's revoke runs.
     while not runner.finished.empty():
         await asyncio.sleep(0.05)
