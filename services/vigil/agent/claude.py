@@ -24,9 +24,9 @@ from typing import Any
 
 import anthropic
 
-from vigil.agent import metrics, model
+from vigil.agent import delegation, metrics, model
 from vigil.agent.actions import action_tools
-from vigil.agent.base import RunContext, RunResult
+from vigil.agent.base import RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.prompt import system_blocks, volatile_context
@@ -102,6 +102,25 @@ class ClaudeAgent:
         recent = ctx.recent_messages[-self.settings.recent_messages :] if self.settings.recent_messages else []
         return system_blocks(path, memory.files.get(path), memory.index(path), volatile_context(now, recent))
 
+    async def run_task(self, ctx: TaskContext) -> TaskResult:
+        """Execute a background task: a child conversation with the task's tools, re-checked
+        against this worker's permissions (a tool since set to ask or deny is dropped)."""
+        box = self.box
+        child = delegation.Child(
+            client=box.client,
+            settings=self.settings,
+            retry=box.retry,
+            actions=box.actions,
+            permissions=box.permissions,
+            user_id=ctx.user_id,
+            key=ctx.task_id,
+            tools=ctx.tools,
+            delegation=ctx.delegation,
+            budget=model.Budget(self.settings.max_turns, ctx.token_budget, ctx.deadline),
+            usage=ctx.usage,
+        )
+        return TaskResult(await delegation.run_child(child, ctx.instructions))
+
     async def run(self, ctx: RunContext) -> RunResult:
         settings = self.settings
         now = datetime.now(UTC)
@@ -122,6 +141,7 @@ class ClaudeAgent:
             ended = await Conversation(self.box, run, thread).converse()
             result.messages += ended.outputs.messages
             result.timers += ended.outputs.timers
+            result.tasks += ended.outputs.tasks
             result.approvals += ended.approvals
             if ended.touched:
                 saves.append(thread.save(settings.session_max_bytes))
