@@ -286,3 +286,45 @@ def test_a_task_whose_holders_keep_dying_ends_lost_with_the_reason(ledger):
     assert final.status == TaskStatus.LOST and final.finished_at is not None
     assert "no heartbeat from h2" in final.error and "attempt 2 of 2" in final.error
     assert again == []  # never silently re-created or re-run
+
+
+# -- the HTTP API: the owner chain reads and cancels ----------------------------------------
+
+
+def test_tasks_api_lists_shows_and_cancels_with_json_errors(stack, topics, ledger):
+    """GET the user's tasks and one task; cancel a queued one (200, audited with the token's
+    name); a second cancel is a 409; unknown and malformed ids are 404s, never 500s."""
+    import httpx
+
+    from ingest_support import create_token, start_ingest
+    from vigil.ledger import tasks as ledger_tasks
+
+    async def seed():
+        conn = await _tasks_conn(ledger)
+        await ledger_tasks.create(conn, _new_task("tsk_" + "a" * 20))
+        await conn.close()
+
+    asyncio.run(seed())
+    token = create_token(ledger, "owner-app")["token"]
+    ingest = start_ingest(stack, ledger, topics)
+    try:
+        auth = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=ingest.url, headers=auth, timeout=10) as http:
+            listed = http.get("/v1/users/race/tasks").json()["tasks"]
+            assert [t["id"] for t in listed] == ["tsk_" + "a" * 20] and listed[0]["status"] == "queued"
+            one = http.get("/v1/tasks/tsk_" + "a" * 20)
+            assert one.status_code == 200 and one.json()["owner_chain"] == ["race", "race:1:1:1"]
+            cancelled = http.post("/v1/tasks/tsk_" + "a" * 20 + "/cancel")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+            again = http.post("/v1/tasks/tsk_" + "a" * 20 + "/cancel")
+            assert again.status_code == 409 and again.json()["error"] == "conflict"
+            for bad in ("/v1/tasks/tsk_" + "b" * 20, "/v1/tasks/nope", "/v1/tasks/tsk_%00"):
+                answer = http.get(bad)
+                assert answer.status_code == 404 and answer.json()["error"] == "not_found", bad
+            assert http.get("/v1/users/race/tasks?status=bogus").status_code == 400
+            assert httpx.get(ingest.url + "/v1/users/race/tasks").status_code == 401
+    finally:
+        ingest.stop()
+    audit = query(ledger, "SELECT actor, action FROM audit WHERE action = 'task.cancel'")
+    assert audit == [{"actor": "owner-app", "action": "task.cancel"}]
+    assert scalar(ledger, "SELECT cancel_requested_by FROM tasks") == "owner-app"

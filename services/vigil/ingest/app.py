@@ -35,7 +35,7 @@ from vigil.ledger.db import STATEMENT_TIMEOUT_MS
 
 log = logging.getLogger(__name__)
 
-MOUNTED_MODULES = ["vigil.scheduler.api"]  # modules exporting routes(ctx); see context.py
+MOUNTED_MODULES = ["vigil.scheduler.api", "vigil.ingest.tasks_api"]  # modules exporting routes(ctx); see context.py
 # Approvals are rare next to events; a few connections serve them (see approvals_api).
 APPROVALS_POOL_SIZE = 4
 
