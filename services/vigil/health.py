@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 READY_REFRESH_S = 2.0
 CHECK_TIMEOUT_S = 1.0
 READY_STALE_S = 10.0
+FIRST_PASS_WAIT_S = 0.5
 
 
 class DatabaseCheck:
@@ -125,14 +126,23 @@ class Readiness:
                 log.exception("readiness check failed")
             time.sleep(max(0.1, READY_REFRESH_S - (time.monotonic() - started)))
 
+    def start(self) -> Readiness:
+        """Start the background checks (idempotent); services call it at start-up."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="readiness", daemon=True)
+                self._thread.start()
+        return self
+
     def status(self) -> dict[str, bool]:
-        """Last results, at once; the first call starts the refresher and waits for one pass."""
+        """Last results, at once; until the first pass ends, every check counts as failed.
+
+        The first call starts the checks if the service did not, and waits for their first
+        pass at most FIRST_PASS_WAIT_S, which stays under the probe's timeout.
+        """
         if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="readiness", daemon=True)
-                    self._thread.start()
-            deadline = time.monotonic() + CHECK_TIMEOUT_S * (len(self.checks) + 1)
+            self.start()
+            deadline = time.monotonic() + FIRST_PASS_WAIT_S
             while self._at == 0.0 and time.monotonic() < deadline:
                 time.sleep(0.02)
         with self._lock:
@@ -165,6 +175,7 @@ class HealthServer:
     """uvicorn on a daemon thread serving the health routes."""
 
     def __init__(self, port: int, readiness: Readiness, host: str = "0.0.0.0"):
+        self.readiness = readiness
         app = Starlette(routes=health_routes(readiness))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
         self.server = uvicorn.Server(config)
@@ -176,6 +187,7 @@ class HealthServer:
     def start(self) -> HealthServer:
         from vigil.service import StartupError
 
+        self.readiness.start()
         # Bind here, not in uvicorn's thread: a port taken is then one StartupError line
         # (exit 2) instead of uvicorn's own error log followed by ours.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
@@ -31,7 +32,16 @@ from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger("vigil.worker")
 
-SHUTDOWN_GRACE_S = 10.0
+# Of VIGIL_SHUTDOWN_GRACE_S, what is kept after the runs' drain for committing their finishes
+# and closing the consumer (its revoke commits offsets and leaves the group): a close rarely
+# takes a second, but a broker that is failing over can hold it for several.
+CLOSE_RESERVE_S = 10.0
+
+
+def shutdown_budget(grace_s: float) -> tuple[float, float]:
+    """Split the shutdown grace into (seconds for runs, seconds for finishes and close)."""
+    reserve = min(CLOSE_RESERVE_S, grace_s / 2)
+    return grace_s - reserve, reserve
 
 
 async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
@@ -74,11 +84,19 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
             if task.done() and not task.cancelled() and task.exception():
                 log.error("%s died: %r", task.get_name(), task.exception())
                 stopping.set()
-    await runner.drain(SHUTDOWN_GRACE_S)
+    # Bounded end to end by VIGIL_SHUTDOWN_GRACE_S, so the pod's grace never SIGKILLs a
+    # shutdown half way: runs that outlive their share are cancelled and released by the drain.
+    runs_s, _close_s = shutdown_budget(settings.shutdown_grace_s)
+    deadline = time.monotonic() + settings.shutdown_grace_s
+    await runner.drain(runs_s)
     # Let the finisher commit what drained before the consumer's revoke runs.
-    while not runner.finished.empty():
+    while not runner.finished.empty() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await asyncio.to_thread(consumer.join, 60)
+    await asyncio.to_thread(consumer.join, max(0.5, deadline - time.monotonic()))
+    if consumer.is_alive():
+        # The ledger holds each partition's position, so the next owner resumes correctly;
+        # only the group's rebalance waits for the session timeout.
+        log.warning("consumer did not close within VIGIL_SHUTDOWN_GRACE_S=%g; exiting", settings.shutdown_grace_s)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
