@@ -30,7 +30,7 @@ from support import REPO
 
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ["dev", "prod"]
-TOOLS = Path(os.environ.get("VIGIL_TOOLS_DIR", Path.home() / ".cache" / "vigil" / "tools"))
+TOOLS = Path.home() / ".cache" / "vigil" / "tools"  # the Makefile's TOOLS
 GO_TOOLS = {
     "kustomize": ("sigs.k8s.io/kustomize/kustomize/v5", "v5.8.2"),
     "kube-score": ("github.com/zegl/kube-score/cmd/kube-score", "v1.20.0"),
