@@ -196,3 +196,17 @@ def test_json_on_config():
     rows = {row["variable"]: row for row in json.loads(result.stdout)}
     assert rows["VIGIL_TOPIC_REPLICATION"]["default"] == "`3`"
     assert rows["VIGIL_SHUTDOWN_GRACE_S"]["services"] == "worker"
+
+
+def test_json_on_revoke_rm_and_retry(ledger):
+    env = {"VIGIL_DATABASE_URL": ledger}
+    token = json.loads(vigil("tokens", "create", "ci", "--json", env=env).stdout)
+    revoked = vigil("tokens", "revoke", token["id"], "--json", env=env)
+    assert json.loads(revoked.stdout) == {"revoked": token["id"], "name": "ci"}, revoked.stderr
+
+    assert vigil("timers", "add", "ann", "t1", "--due", "2099-01-01T00:00:00Z", env=env).returncode == 0
+    removed = vigil("timers", "rm", "ann", "t1", "--json", env=env)
+    assert json.loads(removed.stdout) == {"cancelled": "t1", "user_id": "ann"}, removed.stderr
+
+    retried = vigil("dead", "retry", "424242", "--json", env=env)
+    assert json.loads(retried.stdout) == {"retried": [], "not_dead": [424242]}, retried.stderr
