@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from support import scalar, wait_for
+from support import query, scalar, wait_for
 from vigil.devstack import free_port
 from vigil.health import DatabaseCheck, HealthServer, Readiness, dependency_checks
 from vigil.settings import CommonSettings
@@ -61,34 +61,45 @@ def test_readiness_reuses_one_connection(ledger):
     assert check() and check._conn is first
 
 
-@pytest.mark.slow
-@pytest.mark.partitions(1)
-def test_worker_shutdown_ends_within_its_grace_despite_a_long_run(stack, topics, ledger, vigil_env, spawn):
-    """A run that would take 45 s must not hold SIGTERM past VIGIL_SHUTDOWN_GRACE_S: it is
-    cancelled and released (back to pending) and the worker exits 0."""
-    grace = 6.0
-    port = free_port()
-    env = {
-        **vigil_env,
-        **FAST,
-        "VIGIL_AGENT": "echo",
-        "VIGIL_WORKER_PORT": str(port),
-        "VIGIL_ECHO_SLEEP_ON": "glacial:45",
-        "VIGIL_SHUTDOWN_GRACE_S": str(grace),
-    }
-    worker = spawn(["worker"], env, name="w").wait_healthy(port)
-    produce(stack.bootstrap, topics.events, [chat("slowpoke", "a glacial request")])
+def worker_env(vigil_env, port: int, **extra: str) -> dict[str, str]:
+    return {**vigil_env, **FAST, "VIGIL_AGENT": "echo", "VIGIL_WORKER_PORT": str(port), **extra}
+
+
+def sigterm_while_running(spawn, stack, topics, ledger, env, text: str) -> tuple[int, float]:
+    worker = spawn(["worker"], env, name="w").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+    produce(stack.bootstrap, topics.events, [chat("slowpoke", text)])
     wait_for(
         lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "running",
         30,
-        "the slow run started",
+        "the run started",
     )
     started = time.monotonic()
     worker.signal(signal.SIGTERM)
-    code = worker.proc.wait(grace + 10)
-    took = time.monotonic() - started
+    code = worker.proc.wait(float(env["VIGIL_SHUTDOWN_GRACE_S"]) + 10)
     assert code == 0, worker.log()[-3000:]
-    # The runs' share (grace minus the close reserve) plus the close: within the grace and
-    # the interpreter's exit, well under the pod's termination grace (VIGIL_SHUTDOWN_GRACE_S + 5).
+    return code, time.monotonic() - started
+
+
+@pytest.mark.slow
+@pytest.mark.partitions(1)
+def test_worker_shutdown_ends_within_its_grace_despite_a_long_run(stack, topics, ledger, vigil_env, spawn):
+    """A run that would take 45 s must not hold SIGTERM past VIGIL_SHUTDOWN_GRACE_S: it gets
+    its share of the grace, then is cancelled and released (back to pending), exit 0."""
+    grace = 8.0
+    env = worker_env(vigil_env, free_port(), VIGIL_ECHO_SLEEP_ON="glacial:45", VIGIL_SHUTDOWN_GRACE_S=str(grace))
+    _, took = sigterm_while_running(spawn, stack, topics, ledger, env, "a glacial request")
+    # Within the grace and the interpreter's exit: under the pod's grace (VIGIL_SHUTDOWN_GRACE_S + 10).
     assert took < grace + 3, took
+    assert took >= grace / 2 - 0.5, took  # the run had its share (half of 8 s) before it was cancelled
     assert scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "pending"
+
+
+@pytest.mark.slow
+@pytest.mark.partitions(1)
+def test_sigterm_lets_a_short_run_finish_instead_of_redoing_it(stack, topics, ledger, vigil_env, spawn):
+    """A run that ends within its share of the grace commits: no cancelled run to do again."""
+    env = worker_env(vigil_env, free_port(), VIGIL_ECHO_SLEEP_ON="slow:2", VIGIL_SHUTDOWN_GRACE_S="14")
+    _, took = sigterm_while_running(spawn, stack, topics, ledger, env, "a slow request")
+    assert took < 14 + 3, took
+    row = query(ledger, "SELECT status, attempts FROM events WHERE user_id = 'slowpoke'")[0]
+    assert (row["status"], row["attempts"]) == ("done", 1)

@@ -6,7 +6,8 @@
 - the health server thread: /healthz, /readyz, /metrics.
 
 SIGTERM: stop claiming, give runs a grace period to finish and commit, release the rest,
-close the consumer (its revoke commits the stored offsets), exit 0.
+close the consumer (its revoke commits the stored offsets), exit 0; all of it within
+VIGIL_SHUTDOWN_GRACE_S, so the pod's termination grace never cuts it short.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     runner = Runner(settings, agent, pool, dead_letters)
     readiness = Readiness(dependency_checks(settings))
     health = HealthServer(settings.worker_port, readiness).start()
-    consumer = ConsumerLoop(settings, runner, loop, dead_letters, stopping)
+    # The consumer has its own stop: it stays in the group while runs drain (closing it
+    # revokes the partitions, which would cancel every run at once) and closes after them.
+    closing = threading.Event()
+    consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing)
     tasks = [
         asyncio.create_task(runner.claim_loop(), name="claim-loop"),
         asyncio.create_task(runner.finish_loop(), name="finish-loop"),
@@ -80,6 +84,8 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     )
     while not stopping.is_set():
         await asyncio.sleep(0.2)
+        if closing.is_set():  # the consumer died (it sets its stop): the worker stops too
+            stopping.set()
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception():
                 log.error("%s died: %r", task.get_name(), task.exception())
@@ -92,6 +98,7 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     # Let the finisher commit what drained before the consumer's revoke runs.
     while not runner.finished.empty() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    closing.set()
     await asyncio.to_thread(consumer.join, max(0.5, deadline - time.monotonic()))
     if consumer.is_alive():
         # The ledger holds each partition's position, so the next owner resumes correctly;
