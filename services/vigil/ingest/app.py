@@ -88,7 +88,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
         Route("/v1/approvals/{request_id}", answers.post, methods=["POST"]),
         *extra_routes,
         Route("/openapi.json", openapi_json, methods=["GET"]),
-        *health_routes(Readiness(dependency_checks(settings))),
+        *health_routes(Readiness(dependency_checks(settings), gating=set())),
     ]
 
     @contextlib.asynccontextmanager

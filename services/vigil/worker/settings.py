@@ -20,6 +20,9 @@ DEFAULT_RUN_CONCURRENCY = 128
 # librdkafka's default: long enough to ride out a GC pause or a slow disk, short enough
 # that a dead worker's users wait less than a minute.
 DEFAULT_SESSION_TIMEOUT_MS = 45_000
+# Five seconds inside Kubernetes' default 30 s termination grace, which leaves the kubelet
+# room for the preStop sleep's end and the SIGKILL it sends at the grace's end.
+DEFAULT_SHUTDOWN_GRACE_S = 25.0
 
 
 class WorkerSettings(CommonSettings):
@@ -29,6 +32,13 @@ class WorkerSettings(CommonSettings):
         DEFAULT_WORKER_METRICS_PORT, ge=1, le=65535, description="Port of the worker's /healthz, /readyz and /metrics."
     )
     worker_group: str = Field("vigil-worker", min_length=1, description="Kafka consumer group of the workers.")
+    shutdown_grace_s: float = Field(
+        DEFAULT_SHUTDOWN_GRACE_S,
+        ge=2,
+        le=3600,
+        description="Seconds from SIGTERM to exit: runs get all but the last ones (up to 10 s, kept for "
+        "committing finishes and closing the consumer). Keep the pod's termination grace above it.",
+    )
     agent: str = Field(
         "claude",
         pattern="^(echo|claude)$",
