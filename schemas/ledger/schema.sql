@@ -221,6 +221,8 @@ CREATE TABLE approvals (
     CONSTRAINT approvals_answered_has_time CHECK ((answer IS NULL) = (answered_at IS NULL))
 );
 CREATE INDEX approvals_by_user ON approvals (user_id, created_at);
+-- The operator console lists open requests by deadline (migration 0015).
+CREATE INDEX approvals_open_by_due ON approvals (due, request_id) WHERE answer IS NULL;
 
 -- sessions: saved agent conversations.
 --   state: open (resumable) | waiting (mid tool call, for an approval) | closed (over budget or ended)

@@ -16,6 +16,7 @@ SETTINGS_CLASSES = [
     "vigil.scheduler.settings:SchedulerSettings",
     "vigil.dispatcher.settings:DispatcherSettings",
     "vigil.agent.settings:AgentSettings",
+    "vigil.console.settings:ConsoleSettings",
 ]
 
 

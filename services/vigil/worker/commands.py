@@ -74,18 +74,13 @@ def dead_list(limit: int, as_json: bool) -> None:
 @click.option("--actor", default=None, help="Who is retrying (default: your login name).")
 def dead_retry(ids: tuple[int, ...], actor: str | None) -> None:
     """Send dead events back to pending with their attempts reset."""
-    from psycopg.types.json import Jsonb
-
-    from vigil.ledger.queries import Q
+    from vigil.ledger.events import retry_dead_events
 
     who = actor or getpass.getuser()
     with _ledger() as conn:
-        with conn.transaction():
-            rows = conn.execute(Q.dead_retry, {"ids": list(ids), "actor": who}).fetchall()
-            detail = Jsonb({"requested": list(ids), "retried": [r["id"] for r in rows]})
-            conn.execute(Q.audit_insert, {"actor": who, "action": "dead.retry", "detail": detail})
-    missing = sorted(set(ids) - {r["id"] for r in rows})
-    click.echo(f"retried {len(rows)} event(s)" + (f"; not dead (left alone): {missing}" if missing else ""))
+        result = retry_dead_events(conn, list(ids), who)
+    missing = result.missing
+    click.echo(f"retried {len(result.retried)} event(s)" + (f"; not dead (left alone): {missing}" if missing else ""))
 
 
 @click.command()
