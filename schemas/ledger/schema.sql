@@ -115,6 +115,8 @@ CREATE TABLE runs (
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );
 CREATE INDEX runs_by_user ON runs (user_id, started_at);
+-- The operator console's runs/s: a range scan over the last minutes (migration 0015).
+CREATE INDEX runs_by_finish ON runs (finished_at);
 
 -- outbox: messages a run decided to send, written in its fenced finish.
 --   status: pending   -> sending (dispatcher fixes delivery_id before the send)

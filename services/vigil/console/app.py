@@ -361,7 +361,7 @@ class Console:
             raise Refused(400, "bad_event_id", "event ids are whole numbers") from None
         if not ids or len(ids) > MAX_RETRY_IDS:
             raise Refused(400, "bad_event_id", f"choose between 1 and {MAX_RETRY_IDS} dead events")
-        result = await self.read(retry_dead_events, ids, operator.actor, "console")
+        result = await self.read(retry_dead_events, ids, operator.actor)
         ACTIONS.labels("dead.retry").inc()
         log.info("%s retried dead events %s", operator.actor, result.retried)
         retried, missing = ",".join(map(str, result.retried)), ",".join(map(str, result.missing))

@@ -25,7 +25,7 @@ from vigil.ledger.queries import Q
 COUNT_CAP = 100_000
 # Searching a source id without its user scans the newest events only (there is no index on
 # source_id alone; the dedup key's index starts with the user).
-SOURCE_ID_WINDOW = 200_000
+SOURCE_ID_WINDOW = 100_000
 # A page that waits longer than this on the ledger is failing; say so rather than hang.
 CONSOLE_STATEMENT_TIMEOUT_MS = 5_000
 # The far end of every keyset: "before" the end of time, "after" its beginning.
@@ -319,7 +319,9 @@ def run_writes(conn: psycopg.Connection, runs: list[RunRow], limit: int = 500) -
     assert all(r.user_id == user_id for r in runs), "run_writes takes one user's runs"
     instants = [r.finished_at for r in runs]
     outbox = _rows(OutboxRow, _fetch(conn, Q.console_outbox_of_runs, {"run_ids": ids, "limit": limit}))
-    approvals = _rows(ApprovalRow, _fetch(conn, Q.console_approvals_of_runs, {"run_ids": ids, "limit": limit}))
+    approvals = _rows(
+        ApprovalRow, _fetch(conn, Q.console_approvals_of_runs, {"user_id": user_id, "run_ids": ids, "limit": limit})
+    )
     params = {"user_id": user_id, "instants": instants, "limit": limit}
     timers = _rows(TimerRow, _fetch(conn, Q.console_timers_set_at, params))
     memory = _rows(MemoryWrite, _fetch(conn, Q.console_memory_written_at, params))

@@ -11,22 +11,23 @@
 -- same finish are equal to the microsecond (one run per user per finish group).
 
 -- name: console_pending_backlog
--- Pending events (up to %(cap)s of them) and the oldest one's receive time among those counted.
-SELECT count(*)::int AS pending, min(received_at) AS oldest
-FROM (SELECT received_at FROM events WHERE status = 'pending' LIMIT %(cap)s) p
+-- Pending events (up to %(cap)s of them) and the earliest recorded one (lowest id), read from the pending index alone.
+WITH p AS MATERIALIZED (SELECT id FROM events WHERE status = 'pending' LIMIT %(cap)s)
+SELECT (SELECT count(*) FROM p)::int AS pending,
+       (SELECT received_at FROM events WHERE id = (SELECT min(id) FROM p) AND status = 'pending') AS oldest
 
 -- name: console_oldest_pending
--- The oldest pending events among the first %(cap)s found, with their users (links into timelines).
+-- The earliest recorded pending events (lowest ids) among the first %(cap)s found, with their users (links into timelines).
+WITH p AS MATERIALIZED (SELECT id FROM events WHERE status = 'pending' LIMIT %(cap)s)
 SELECT id, user_id, source, kind, attempts, received_at
-FROM (SELECT id, user_id, source, kind, attempts, received_at FROM events WHERE status = 'pending' LIMIT %(cap)s) p
-ORDER BY received_at, id
-LIMIT %(limit)s
+FROM events
+WHERE id IN (SELECT id FROM p ORDER BY id LIMIT %(limit)s) AND status = 'pending'
+ORDER BY id
 
 -- name: console_runs_per_minute
--- Runs finished per minute over the last %(minutes)s minutes, read from the newest %(cap)s runs (ids grow with finish time).
+-- Runs finished per minute over the last %(minutes)s minutes (counting stops at %(cap)s runs).
 SELECT date_trunc('minute', finished_at) AS minute, count(*)::int AS runs
-FROM (SELECT finished_at FROM runs ORDER BY id DESC LIMIT %(cap)s) r
-WHERE finished_at > now() - make_interval(mins => %(minutes)s)
+FROM (SELECT finished_at FROM runs WHERE finished_at > now() - make_interval(mins => %(minutes)s) LIMIT %(cap)s) r
 GROUP BY 1
 ORDER BY 1
 
@@ -82,7 +83,7 @@ LIMIT %(limit)s
 -- name: console_approvals_of_runs
 -- Approval requests the given runs wrote, with their answers.
 SELECT request_id, user_id, run_id, tool, due, on_expiry, escalations, answer, answered_at, received_at, created_at
-FROM approvals WHERE run_id = ANY(%(run_ids)s::bigint[])
+FROM approvals WHERE user_id = %(user_id)s AND run_id = ANY(%(run_ids)s::bigint[])
 ORDER BY created_at
 LIMIT %(limit)s
 
