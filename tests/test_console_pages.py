@@ -211,3 +211,16 @@ def test_lists_show_open_approvals_late_timers_and_partitions(console, ledger):
     assert ">41<" in partitions and "worker-&lt;b&gt;x&lt;/b&gt;" in partitions
     overview = console.get("/").text
     assert "Dead in the last hour" in overview and "1 events" in overview
+
+
+def test_approval_answer_tokens_in_messages_are_not_shown(console, ledger):
+    from vigil.ledger.approvals import sign_token
+
+    seeded = seed_user(ledger)
+    token = sign_token("secret", "apr-1", seeded.user)
+    with __import__("psycopg").connect(ledger) as conn:
+        conn.execute("UPDATE outbox SET body = %s WHERE id = %s", (f"Approve? token: {token}", seeded.outbox_id))
+    login(console, ledger)
+    for path in [f"/users/{seeded.user}", f"/runs/{seeded.run_id}", f"/deliveries/{seeded.delivery_id}"]:
+        page = console.get(path).text
+        assert token not in page and "v1.(answer token hidden)" in page, path

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -130,10 +131,20 @@ def _pretty(text: str) -> str:
         return text
 
 
+# An approval question carries the signed answer token (vigil.ledger.approvals.sign_token:
+# "v1." and 43 base64url characters): whoever reads it can answer for the user. The console
+# shows the message without it; the user's channel got the real one.
+APPROVAL_TOKEN = re.compile(r"\bv1\.[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])")
+
+
+def _redact(text: str) -> str:
+    return APPROVAL_TOKEN.sub("v1.(answer token hidden)", text)
+
+
 def environment() -> Environment:
     # Autoescape every template whatever its extension: nothing here is meant to emit raw HTML.
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(default=True))
-    env.filters.update(ago=_ago, when=_when, pretty=_pretty, q=lambda v: quote(str(v), safe=""))
+    env.filters.update(ago=_ago, when=_when, pretty=_pretty, redact=_redact, q=lambda v: quote(str(v), safe=""))
     return env
 
 
