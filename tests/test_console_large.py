@@ -10,6 +10,7 @@ The figures are printed and written to `.run/console-timings.txt`.
 
 from __future__ import annotations
 
+import html
 import statistics
 import time
 
@@ -129,7 +130,9 @@ def test_every_page_answers_in_under_200_ms_with_a_million_events(spawn, ledger,
             "run": f"/runs/{a_run}",
             "delivery": f"/deliveries/{delivery}",
             "dead letters": "/dead",
-            "dead letters, second page": client.get("/dead").text.split('href="/dead?events_before=')[1].split('"')[0],
+            "dead letters, second page": html.unescape(
+                client.get("/dead").text.split('href="/dead?events_before=')[1].split('"')[0]
+            ),
             "approvals": "/approvals",
             "timers": "/timers",
             "partitions": "/partitions",

@@ -224,3 +224,22 @@ def test_approval_answer_tokens_in_messages_are_not_shown(console, ledger):
     for path in [f"/users/{seeded.user}", f"/runs/{seeded.run_id}", f"/deliveries/{seeded.delivery_id}"]:
         page = console.get(path).text
         assert token not in page and "v1.(answer token hidden)" in page, path
+
+
+def test_dead_letters_page_through_rows_microseconds_apart(console, ledger):
+    with __import__("psycopg").connect(ledger) as conn:
+        # Deaths microseconds apart: a cursor rounded to milliseconds would skip some of them.
+        conn.execute(
+            "INSERT INTO events (user_id, source, source_id, kind, received_at, status, attempts, finished_at)"
+            " SELECT 'carol~x', 'chat', 'd' || g, 'chat.message', now(), 'dead', 5,"
+            " '2026-01-01Z'::timestamptz + make_interval(secs => g * 0.000137) FROM generate_series(1, 120) g"
+        )
+    login(console, ledger)
+    seen, path = [], "/dead"
+    while path:
+        page = console.get(path).text
+        seen += [int(i) for i in re.findall(r'name="event_id" value="(\d+)"', page)]
+        more = re.search(r'href="(/dead\?events_before=[^"]+)"', page)
+        path = more.group(1).replace("&amp;", "&") if more else None
+    assert len(seen) == 120 and len(set(seen)) == 120
+    assert console.get("/dead?events_before=not-json").status_code == 200  # a bad cursor is the first page

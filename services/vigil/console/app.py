@@ -337,8 +337,8 @@ class Console:
             "dead.html",
             events=events,
             deliveries=deliveries,
-            events_next=f"{_when(events[-1].finished_at)}~{events[-1].id}" if len(events) == PAGE else None,
-            outbox_next=f"{_when(outbox[-1].dead_at)}~{outbox[-1].id}" if len(outbox) == PAGE else None,
+            events_next=_cursor(events[-1].finished_at, events[-1].id) if len(events) == PAGE else None,
+            outbox_next=_cursor(outbox[-1].dead_at, outbox[-1].id) if len(outbox) == PAGE else None,
             done=request.query_params,
         )
 
@@ -346,7 +346,7 @@ class Console:
         await self.operator(request, auth.Need.READ)
         after = _keyset(request.query_params.get("after"), str)
         rows = await self.read(ledger.open_approvals, after, PAGE)
-        nxt = f"{_when(rows[-1].due)}~{rows[-1].request_id}" if len(rows) == PAGE else None
+        nxt = _cursor(rows[-1].due, rows[-1].request_id) if len(rows) == PAGE else None
         return self.page(request, "approvals.html", rows=rows, next=nxt)
 
     async def timers(self, request: Request) -> Response:
@@ -354,7 +354,7 @@ class Console:
         after = _keyset(request.query_params.get("after"), str, parts=3)
         now = self.clock()
         rows = await self.read(ledger.timers_due_before, now + TIMERS_SOON, after, PAGE)
-        nxt = f"{_when(rows[-1].due)}~{rows[-1].user_id}~{rows[-1].id}" if len(rows) == PAGE else None
+        nxt = _cursor(rows[-1].due, rows[-1].user_id, rows[-1].id) if len(rows) == PAGE else None
         return self.page(request, "timers.html", rows=rows, next=nxt, soon=TIMERS_SOON)
 
     async def partitions(self, request: Request) -> Response:
@@ -402,17 +402,22 @@ def _safe_next(target: str | None) -> str:
     return target
 
 
+def _cursor(t: datetime, *rest: int | str) -> str:
+    """A list page's keyset for its "next" link: JSON, the time at full precision (a rounded
+    one would skip the rows between it and the real one), ids of any text."""
+    return json.dumps([t.isoformat(), *rest], separators=(",", ":"))
+
+
 def _keyset(text: str | None, last: type, parts: int = 2) -> tuple | None:
-    """A list page's keyset from its query string: 'time~...~id'; None (first page) if malformed."""
+    """The keyset a "next" link carries (see _cursor); None (the first page) if malformed."""
     if not text:
         return None
-    pieces = text.split("~")
-    if len(pieces) != parts:
-        return None
     try:
-        t = datetime.fromisoformat(pieces[0].replace("Z", "+00:00"))
-        return (t, *pieces[1:-1], last(pieces[-1]))
-    except ValueError:
+        pieces = json.loads(text)
+        if not isinstance(pieces, list) or len(pieces) != parts or not all(isinstance(p, str) for p in pieces[:-1]):
+            return None
+        return (datetime.fromisoformat(pieces[0]), *pieces[1:-1], last(pieces[-1]))
+    except (ValueError, TypeError):
         return None
 
 
@@ -441,7 +446,8 @@ def create_app(settings: ConsoleSettings) -> Starlette:
     ]
 
     async def refused(request: Request, exc: Refused) -> Response:
-        if exc.status == 401 and request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+        signed_out = exc.status == 401 or exc.code == "token_revoked"
+        if signed_out and request.method == "GET" and "text/html" in request.headers.get("accept", ""):
             target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             response = RedirectResponse(f"/login?{urlencode({'next': target})}", status_code=303)
             response.delete_cookie(auth.COOKIE, path="/")
