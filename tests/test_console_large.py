@@ -1,7 +1,7 @@
 """Every console page answers in under 200 ms with a ledger of 1,000,000 events.
 
 The ledger is filled in SQL with generate_series (a few tens of seconds): 10,000 users with
-98 events each and one heavy user with 20,000, 1% pending, 0.2% dead; a run per ten events
+99 events each and one heavy user with 10,000, 1% pending, 0.2% dead; a run per ten events
 (100,000 runs), a message per run (delivered, 0.5% undelivered, 1% dead), 10,000 timers,
 10,000 approvals (2,000 open). Then a real `vigil console` process serves the pages and the
 test measures each with a real HTTP client: one warm-up request, then the median of five.
@@ -25,7 +25,7 @@ BUDGET_S = 0.200
 SAMPLES = 5
 
 FILL = [
-    # 980,000 events of 10,000 users, spread over the last week, then 20,000 of one heavy user.
+    # 990,000 events of 10,000 users, spread over the last week, then 10,000 of one heavy user.
     """
     INSERT INTO users (user_id, home_topic, home_partition)
     SELECT 'u' || g, 'vigil.events', g % 12 FROM generate_series(0, 9999) g
@@ -34,7 +34,7 @@ FILL = [
     """
     INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, attempts,
                         claim_epoch, finished_at, error)
-    SELECT CASE WHEN g <= 980000 THEN 'u' || (g % 10000) ELSE 'heavy' END,
+    SELECT CASE WHEN g <= 990000 THEN 'u' || (g % 10000) ELSE 'heavy' END,
            CASE WHEN g % 3 = 0 THEN 'github' ELSE 'chat' END,
            'src-' || g,
            CASE WHEN g % 3 = 0 THEN 'github.push' ELSE 'chat.message' END,
@@ -52,7 +52,7 @@ FILL = [
     """
     INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome,
                       turns, input_tokens, output_tokens)
-    SELECT CASE WHEN r * 10 <= 980000 THEN 'u' || ((r * 10) % 10000) ELSE 'heavy' END, 'vigil.events', 0, 1,
+    SELECT CASE WHEN r * 10 <= 990000 THEN 'u' || ((r * 10) % 10000) ELSE 'heavy' END, 'vigil.events', 0, 1,
            'worker-1', ARRAY(SELECT generate_series(r * 10 - 9, r * 10))::bigint[],
            now() - make_interval(secs => (1000000 - r * 10) * 0.6),
            now() - make_interval(secs => (1000000 - r * 10) * 0.6 - 1),
@@ -123,8 +123,8 @@ def test_every_page_answers_in_under_200_ms_with_a_million_events(spawn, ledger,
         second_page = client.get("/users/heavy").text.split('id="older" href="')[1].split('"')[0]
         pages = {
             "overview": "/",
-            "timeline (98 events, 10 runs)": "/users/u40",
-            "timeline (20,000 events)": "/users/heavy",
+            "timeline (99 events, 10 runs)": "/users/u40",
+            "timeline (10,000 events)": "/users/heavy",
             "timeline, second page": second_page.replace("&amp;", "&"),
             "event": f"/events/{heavy_event}",
             "run": f"/runs/{a_run}",

@@ -149,6 +149,8 @@ def test_search_finds_user_source_id_delivery_and_run(console, ledger):
     login(console, ledger)
     assert console.get("/search?q=alice").headers["location"] == "/users/alice"
     assert console.get("/search?q=msg-1").headers["location"] == f"/events/{seeded.events[0]}"
+    assert console.get("/search?q=msg-1&user=alice").headers["location"] == f"/events/{seeded.events[0]}"
+    assert console.get("/search?q=msg-1&user=bob&kind=source_id").status_code == 200  # bob has no such event
     assert console.get(f"/search?q={seeded.delivery_id}").headers["location"] == f"/deliveries/{seeded.delivery_id}"
     assert console.get(f"/search?q={seeded.run_id}&kind=run").headers["location"] == f"/runs/{seeded.run_id}"
     assert console.get(f"/search?q={seeded.events[0]}&kind=event").headers["location"] == (
