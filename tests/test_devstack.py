@@ -31,6 +31,7 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
             "VIGIL_WORKER_PORT",
             "VIGIL_SCHEDULER_PORT",
             "VIGIL_DISPATCHER_PORT",
+            "VIGIL_CONSOLE_PORT",
         )
     }
     env = {
@@ -49,13 +50,14 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
     try:
         first = vigil("dev", "up")
         assert first.returncode == 0, first.stdout + first.stderr
-        for name in ("kafka", "postgresql", "claude", "ingest", "worker", "scheduler", "dispatcher", "settings"):
+        services = {"ingest", "worker", "scheduler", "dispatcher", "console"}
+        for name in ["kafka", "postgresql", "claude", *services, "settings"]:
             assert any(line.startswith(name) for line in first.stdout.splitlines()), (
                 f"{name} not reported:\n{first.stdout}"
             )
         pids = {p.name: p.read_text() for p in (root / "pids").glob("*.pid")}
-        assert set(pids) == {"ingest.pid", "worker.pid", "scheduler.pid", "dispatcher.pid", "scripted-claude.pid"}
-        for variable in ("VIGIL_INGEST_PORT", "VIGIL_WORKER_PORT", "VIGIL_SCHEDULER_PORT", "VIGIL_DISPATCHER_PORT"):
+        assert set(pids) == {f"{name}.pid" for name in services} | {"scripted-claude.pid"}
+        for variable in [f"VIGIL_{name.upper()}_PORT" for name in services]:
             assert http_ok(f"http://127.0.0.1:{ports[variable]}/readyz"), variable
         settings = (root / "env").read_text()
         assert f"export VIGIL_KAFKA_BOOTSTRAP=127.0.0.1:{ports['VIGIL_DEV_KAFKA_PORT']}" in settings

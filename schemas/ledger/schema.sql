@@ -115,6 +115,8 @@ CREATE TABLE runs (
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );
 CREATE INDEX runs_by_user ON runs (user_id, started_at);
+-- The operator console's runs/s: a range scan over the last minutes (migration 0015).
+CREATE INDEX runs_by_finish ON runs (finished_at);
 
 -- outbox: messages a run decided to send, written in its fenced finish.
 --   status: pending   -> sending (dispatcher fixes delivery_id before the send)
@@ -221,6 +223,8 @@ CREATE TABLE approvals (
     CONSTRAINT approvals_answered_has_time CHECK ((answer IS NULL) = (answered_at IS NULL))
 );
 CREATE INDEX approvals_by_user ON approvals (user_id, created_at);
+-- The operator console lists open requests by deadline (migration 0015).
+CREATE INDEX approvals_open_by_due ON approvals (due, request_id) WHERE answer IS NULL;
 
 -- sessions: saved agent conversations.
 --   state: open (resumable) | waiting (mid tool call, for an approval) | closed (over budget or ended)

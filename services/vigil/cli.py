@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "vigil.scheduler.commands",
     "vigil.dispatcher.commands",
     "vigil.agent.commands",
+    "vigil.console.commands",
 ]
 
 

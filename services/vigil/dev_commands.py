@@ -29,6 +29,7 @@ SERVICES = {
     "worker": ("VIGIL_WORKER_PORT", 9102),
     "scheduler": ("VIGIL_SCHEDULER_PORT", 9103),
     "dispatcher": ("VIGIL_DISPATCHER_PORT", 9104),
+    "console": ("VIGIL_CONSOLE_PORT", 9105),
 }
 SCRIPTED_CLAUDE_PORT = 8765
 OFFLINE_KEY = "offline-demo"  # what the scripted server is given as a key: it checks only that one is sent
@@ -143,7 +144,10 @@ def up(services: bool) -> None:
                 devstack.wait_until(lambda url=url: _http_ok(url), 60, name, logfile)
             except devstack.StackError as exc:
                 raise click.ClickException(str(exc)) from None
-            where = "HTTP API, /healthz /readyz /metrics" if name == "ingest" else "/healthz /readyz /metrics"
+            where = {
+                "ingest": "HTTP API, /healthz /readyz /metrics",
+                "console": "operator console: log in with $VIGIL_API_TOKEN; /healthz /readyz /metrics",
+            }.get(name, "/healthz /readyz /metrics")
             click.echo(f"{name:<11} http://127.0.0.1:{port}  ({where}, logs {logfile})")
 
     env_file = root / "env"

@@ -18,6 +18,7 @@ SETTINGS_CLASSES = [
     "vigil.scheduler.settings:SchedulerSettings",
     "vigil.dispatcher.settings:DispatcherSettings",
     "vigil.agent.settings:AgentSettings",
+    "vigil.console.settings:ConsoleSettings",
 ]
 
 

@@ -76,21 +76,16 @@ def dead_list(limit: int, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def dead_retry(ids: tuple[int, ...], actor: str | None, as_json: bool) -> None:
     """Send dead events back to pending with their attempts reset."""
-    from psycopg.types.json import Jsonb
-
-    from vigil.ledger.queries import Q
+    from vigil.ledger.events import retry_dead_events
 
     who = actor or getpass.getuser()
     with _ledger() as conn:
-        with conn.transaction():
-            rows = conn.execute(Q.dead_retry, {"ids": list(ids), "actor": who}).fetchall()
-            detail = Jsonb({"requested": list(ids), "retried": [r["id"] for r in rows]})
-            conn.execute(Q.audit_insert, {"actor": who, "action": "dead.retry", "detail": detail})
-    missing = sorted(set(ids) - {r["id"] for r in rows})
+        result = retry_dead_events(conn, list(ids), who)
+    missing = result.missing
     from vigil.cli import emit
 
-    text = f"retried {len(rows)} event(s)" + (f"; not dead (left alone): {missing}" if missing else "")
-    emit({"retried": [r["id"] for r in rows], "not_dead": missing}, as_json, text)
+    text = f"retried {len(result.retried)} event(s)" + (f"; not dead (left alone): {missing}" if missing else "")
+    emit({"retried": list(result.retried), "not_dead": missing}, as_json, text)
 
 
 @click.command()

@@ -1,0 +1,1 @@
+"""The operator console: server-rendered pages over the ledger (``vigil console``)."""

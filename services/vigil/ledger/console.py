@@ -1,0 +1,451 @@
+"""The operator console's reads: a connection and typed arguments in, dataclasses out.
+
+The only caller of ``queries/console.sql`` (same stem). Every function is bounded: it
+returns at most ``limit`` rows and pages by keyset; the overview's counts stop at ``cap``.
+The console's writes are not here: a retry is the operators' own code
+(:func:`vigil.ledger.events.retry_dead_events`, :func:`vigil.dispatcher.operator.revive_delivery`),
+so the page and the CLI cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+from uuid import UUID
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from vigil.ledger.queries import Q
+
+# The overview's counts stop here: a backlog this size is an incident whatever its exact
+# size, and counting millions of rows would make the page an incident of its own.
+COUNT_CAP = 100_000
+# Searching a source id without its user scans the newest events only (there is no index on
+# source_id alone; the dedup key's index starts with the user).
+SOURCE_ID_WINDOW = 100_000
+# A page that waits longer than this on the ledger is failing; say so rather than hang.
+CONSOLE_STATEMENT_TIMEOUT_MS = 5_000
+# The far end of every keyset: "before" the end of time, "after" its beginning.
+FAR_FUTURE = datetime(9999, 1, 1, tzinfo=UTC)
+FAR_PAST = datetime(1970, 1, 1, tzinfo=UTC)
+EVENT_KIND, RUN_KIND = 0, 1  # tiebreak of the timeline's merged keyset (same instant: runs first)
+
+
+def open_pool(dsn: str, max_size: int = 4) -> ConnectionPool:
+    """The console's connections: read-mostly, autocommit, a short statement timeout."""
+    return ConnectionPool(
+        dsn,
+        open=False,
+        min_size=1,
+        max_size=max_size,
+        timeout=5,
+        kwargs={
+            "autocommit": True,
+            "row_factory": dict_row,
+            "options": f"-c statement_timeout={CONSOLE_STATEMENT_TIMEOUT_MS}",
+        },
+        check=ConnectionPool.check_connection,
+        name="console",
+    )
+
+
+T = TypeVar("T")
+
+
+def _rows(cls: type[T], rows: list[dict]) -> list[T]:
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    return [cls(**{n: row[n] for n in names}) for row in rows]
+
+
+def _fetch(conn: psycopg.Connection, sql: str, params: dict[str, Any]) -> list[dict]:
+    return conn.execute(sql, params).fetchall()
+
+
+# -- rows ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EventRow:
+    id: int
+    user_id: str
+    source: str
+    source_id: str
+    kind: str
+    status: str
+    attempts: int
+    lost_claims: int
+    claim_epoch: int | None
+    error: str | None
+    received_at: datetime
+    finished_at: datetime | None
+    run_id: int | None
+
+
+@dataclass(frozen=True)
+class EventDetail(EventRow):
+    payload: str
+    headers: str
+    session_id: str | None
+    next_attempt_at: datetime | None
+    retried_by: str | None
+    retried_at: datetime | None
+    kafka_topic: str | None
+    kafka_partition: int | None
+    kafka_offset: int | None
+
+
+@dataclass(frozen=True)
+class RunRow:
+    id: int
+    user_id: str
+    epoch: int
+    worker: str
+    event_ids: list[int]
+    started_at: datetime
+    finished_at: datetime
+    outcome: str
+    error: str | None
+    turns: int
+    input_tokens: int
+    output_tokens: int
+    cache_read_tokens: int
+    cache_write_tokens: int
+
+    @property
+    def duration_s(self) -> float:
+        return (self.finished_at - self.started_at).total_seconds()
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
+
+
+@dataclass(frozen=True)
+class RunDetail(RunRow):
+    topic: str
+    partition: int
+    session_id: str | None
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    id: int
+    user_id: str
+    run_id: int
+    epoch: int
+    body: str
+    urgent: bool
+    created_at: datetime
+    status: str
+    delivery_id: UUID | None
+    attempts: int
+    next_attempt_at: datetime | None
+    delivered_at: datetime | None
+    dead_at: datetime | None
+    channel: str | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class ApprovalRow:
+    request_id: str
+    user_id: str
+    run_id: int | None
+    tool: str
+    due: datetime
+    on_expiry: str
+    escalations: int
+    answer: str | None
+    answered_at: datetime | None
+    received_at: datetime | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class TimerRow:
+    id: str
+    user_id: str
+    kind: str
+    due: datetime
+    every_seconds: int | None
+    cron: str | None
+    tz: str
+    catch_up: str
+    done: bool
+    fired_count: int
+    last_fired_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class MemoryWrite:
+    path: str
+    bytes: int
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class PartitionRow:
+    topic: str
+    partition: int
+    epoch: int
+    holder: str | None
+    acquired_at: datetime | None
+
+
+@dataclass(frozen=True)
+class UserRow:
+    user_id: str
+    home_topic: str
+    home_partition: int
+    first_seen_at: datetime
+    last_delivery_at: datetime | None
+
+
+@dataclass(frozen=True)
+class PendingEvent:
+    id: int
+    user_id: str
+    source: str
+    kind: str
+    attempts: int
+    received_at: datetime
+
+
+@dataclass(frozen=True)
+class Overview:
+    pending: int  # capped at COUNT_CAP
+    oldest_pending: datetime | None
+    runs_per_minute: list[tuple[datetime, int]]  # the last few minutes, oldest first
+    dead_events_last_hour: int
+    dead_outbox_rows_last_hour: int
+    undelivered: int
+    oldest_undelivered: datetime | None
+    oldest_pending_events: list[PendingEvent]
+    recent_runs: list[RunRow]
+    cap: int = COUNT_CAP
+
+
+@dataclass(frozen=True)
+class RunWrites:
+    """What one run wrote besides its events' new state."""
+
+    outbox: list[OutboxRow]
+    approvals: list[ApprovalRow]
+    timers: list[TimerRow]
+    memory: list[MemoryWrite]
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A keyset position: (time, kind, id) as the page's order compares it."""
+
+    t: datetime
+    k: int
+    i: int
+
+    def encode(self) -> str:
+        return f"{self.t.isoformat()}~{self.k}~{self.i}"
+
+    @classmethod
+    def decode(cls, text: str | None) -> Cursor | None:
+        """None for a missing or malformed cursor (the first page)."""
+        if not text:
+            return None
+        try:
+            t, k, i = text.split("~")
+            return cls(datetime.fromisoformat(t), int(k), int(i))
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    at: datetime
+    event: EventRow | None = None
+    run: RunRow | None = None
+    writes: RunWrites | None = None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    user: UserRow | None
+    entries: list[TimelineEntry]  # newest first: events (by receive time) and runs (by start)
+    next: Cursor | None  # the keyset of the next (older) page; None on the last
+
+
+# -- overview ----------------------------------------------------------------------------
+
+
+def overview(conn: psycopg.Connection, now: datetime, minutes: int = 5, limit: int = 10) -> Overview:
+    """The numbers an on-call person checks first, each read with a bounded scan."""
+    backlog = _fetch(conn, Q.console_pending_backlog, {"cap": COUNT_CAP})[0]
+    oldest = _fetch(conn, Q.console_oldest_pending, {"cap": COUNT_CAP, "limit": limit})
+    per_minute = _fetch(conn, Q.console_runs_per_minute, {"cap": COUNT_CAP, "minutes": minutes})
+    dead = _fetch(conn, Q.console_dead_since, {"since": now - timedelta(hours=1), "cap": COUNT_CAP})[0]
+    outbox = _fetch(conn, Q.console_outbox_backlog, {"cap": COUNT_CAP})[0]
+    recent = _fetch(conn, Q.console_recent_runs, {"limit": limit})
+    return Overview(
+        pending=backlog["pending"],
+        oldest_pending=backlog["oldest"],
+        runs_per_minute=[(r["minute"], r["runs"]) for r in per_minute],
+        dead_events_last_hour=dead["dead_events"],
+        dead_outbox_rows_last_hour=dead["dead_outbox_rows"],
+        undelivered=outbox["undelivered"],
+        oldest_undelivered=outbox["oldest"],
+        oldest_pending_events=_rows(PendingEvent, oldest),
+        recent_runs=_rows(RunRow, recent),
+    )
+
+
+# -- a user's timeline -------------------------------------------------------------------
+
+
+def user(conn: psycopg.Connection, user_id: str) -> UserRow | None:
+    rows = _rows(UserRow, _fetch(conn, Q.console_user_seen, {"user_id": user_id}))
+    return rows[0] if rows else None
+
+
+def run_writes(conn: psycopg.Connection, runs: list[RunRow], limit: int = 500) -> dict[int, RunWrites]:
+    """What each of ``runs`` (one user's) wrote: outbox rows, approvals, timers, memory."""
+    if not runs:
+        return {}
+    ids = [r.id for r in runs]
+    user_id = runs[0].user_id
+    assert all(r.user_id == user_id for r in runs), "run_writes takes one user's runs"
+    instants = [r.finished_at for r in runs]
+    outbox = _rows(OutboxRow, _fetch(conn, Q.console_outbox_of_runs, {"run_ids": ids, "limit": limit}))
+    approvals = _rows(
+        ApprovalRow, _fetch(conn, Q.console_approvals_of_runs, {"user_id": user_id, "run_ids": ids, "limit": limit})
+    )
+    params = {"user_id": user_id, "instants": instants, "limit": limit}
+    timers = _rows(TimerRow, _fetch(conn, Q.console_timers_set_at, params))
+    memory = _rows(MemoryWrite, _fetch(conn, Q.console_memory_written_at, params))
+    result = {}
+    for run in runs:
+        result[run.id] = RunWrites(
+            outbox=[o for o in outbox if o.run_id == run.id],
+            approvals=[a for a in approvals if a.run_id == run.id],
+            timers=[t for t in timers if run.finished_at in (t.created_at, t.updated_at)],
+            memory=[m for m in memory if m.updated_at == run.finished_at],
+        )
+    return result
+
+
+def timeline(conn: psycopg.Connection, user_id: str, before: Cursor | None = None, limit: int = 50) -> Timeline:
+    """A user's events and runs merged newest first, each run with what it wrote.
+
+    One page is ``limit`` entries before ``before``; the order is (time, kind, id)
+    descending, where an event's time is its receive time and a run's its start.
+    """
+    at = before or Cursor(FAR_FUTURE, RUN_KIND + 1, 0)
+    params = {"user_id": user_id, "t": at.t, "k": at.k, "i": at.i, "limit": limit + 1}
+    events = _rows(EventRow, _fetch(conn, Q.console_user_events_page, params))
+    runs = _rows(RunRow, _fetch(conn, Q.console_user_runs_page, params))
+    merged = sorted(
+        [(e.received_at, EVENT_KIND, e.id, e) for e in events] + [(r.started_at, RUN_KIND, r.id, r) for r in runs],
+        key=lambda x: (x[0], x[1], x[2]),
+        reverse=True,
+    )
+    page, rest = merged[:limit], merged[limit:]
+    shown_runs = [x[3] for x in page if x[1] == RUN_KIND]
+    writes = run_writes(conn, shown_runs)
+    entries = [
+        TimelineEntry(at=t, event=obj if kind == EVENT_KIND else None)
+        if kind == EVENT_KIND
+        else TimelineEntry(at=t, run=obj, writes=writes[obj.id])
+        for t, kind, _i, obj in page
+    ]
+    last = page[-1] if page and rest else None
+    return Timeline(
+        user=user(conn, user_id),
+        entries=entries,
+        next=Cursor(last[0], last[1], last[2]) if last else None,
+    )
+
+
+# -- one thing by id ---------------------------------------------------------------------
+
+
+def event(conn: psycopg.Connection, event_id: int) -> EventDetail | None:
+    rows = _rows(EventDetail, _fetch(conn, Q.console_event, {"id": event_id}))
+    return rows[0] if rows else None
+
+
+def runs_of_event(conn: psycopg.Connection, e: EventRow, limit: int = 50) -> list[RunRow]:
+    """The runs that took ``e`` (failed attempts and the one that finished it), oldest first."""
+    params = {"user_id": e.user_id, "since": e.received_at, "event_id": e.id, "limit": limit}
+    return _rows(RunRow, _fetch(conn, Q.console_runs_of_event, params))
+
+
+def run(conn: psycopg.Connection, run_id: int) -> RunDetail | None:
+    rows = _rows(RunDetail, _fetch(conn, Q.console_run, {"id": run_id}))
+    return rows[0] if rows else None
+
+
+def events_by_id(conn: psycopg.Connection, ids: list[int], limit: int = 500) -> list[EventRow]:
+    return _rows(EventRow, _fetch(conn, Q.console_events_by_id, {"ids": ids, "limit": limit}))
+
+
+def delivery(conn: psycopg.Connection, delivery_id: UUID, limit: int = 500) -> list[OutboxRow]:
+    """The outbox rows sent together under one delivery id (empty: no such delivery)."""
+    return _rows(OutboxRow, _fetch(conn, Q.console_delivery, {"delivery_id": delivery_id, "limit": limit}))
+
+
+def events_by_source_id(
+    conn: psycopg.Connection, source_id: str, user_id: str | None = None, limit: int = 50
+) -> list[EventRow]:
+    """Events with this source id: all of one user's, or any user's among the newest
+    ``SOURCE_ID_WINDOW`` events."""
+    params = {"source_id": source_id, "user_id": user_id, "window": SOURCE_ID_WINDOW, "limit": limit}
+    return _rows(EventRow, _fetch(conn, Q.console_events_by_source_id, params))
+
+
+# -- lists an operator acts on -----------------------------------------------------------
+
+
+def dead_events(
+    conn: psycopg.Connection, before: tuple[datetime, int] | None = None, limit: int = 50
+) -> list[EventRow]:
+    """Dead events, newest death first, before the keyset ``(finished_at, id)``."""
+    t, i = before or (FAR_FUTURE, 0)
+    return _rows(EventRow, _fetch(conn, Q.console_dead_events_page, {"t": t, "i": i, "limit": limit}))
+
+
+def dead_outbox_rows(
+    conn: psycopg.Connection, before: tuple[datetime, int] | None = None, limit: int = 50
+) -> list[OutboxRow]:
+    """Dead outbox rows, newest death first, before the keyset ``(dead_at, id)``; rows of one
+    delivery share its delivery id (and are revived together)."""
+    t, i = before or (FAR_FUTURE, 0)
+    return _rows(OutboxRow, _fetch(conn, Q.console_dead_outbox_page, {"t": t, "i": i, "limit": limit}))
+
+
+def open_approvals(
+    conn: psycopg.Connection, after: tuple[datetime, str] | None = None, limit: int = 50
+) -> list[ApprovalRow]:
+    """Approval requests with no answer yet, nearest deadline first."""
+    t, i = after or (FAR_PAST, "")
+    return _rows(ApprovalRow, _fetch(conn, Q.console_open_approvals, {"t": t, "i": i, "limit": limit}))
+
+
+def timers_due_before(
+    conn: psycopg.Connection, until: datetime, after: tuple[datetime, str, str] | None = None, limit: int = 50
+) -> list[TimerRow]:
+    """Live timers due before ``until``, the latest-overdue first (a due in the past is late)."""
+    t, u, i = after or (FAR_PAST, "", "")
+    params = {"until": until, "t": t, "u": u, "i": i, "limit": limit}
+    return _rows(TimerRow, _fetch(conn, Q.console_timers_due_before, params))
+
+
+def partitions(conn: psycopg.Connection, limit: int = 10_000) -> list[PartitionRow]:
+    return _rows(PartitionRow, _fetch(conn, Q.console_partitions, {"limit": limit}))
+
+
+def token_by_hash(conn: psycopg.Connection, digest: str) -> dict | None:
+    """The API token with this sha256 (id, name, revoked_at), as ingest checks it."""
+    return conn.execute(Q.token_by_hash, {"token_hash": digest}).fetchone()

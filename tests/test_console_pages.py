@@ -1,0 +1,247 @@
+"""The console application in this process against a real ledger: access, escaping, CSRF,
+the retry actions and what each page shows. The browser and the whole stack are in
+test_console_browser.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from starlette.testclient import TestClient
+
+from console_support import XSS, seed_user
+from ingest_support import cli, create_token
+from support import query, scalar
+
+HTML = {"accept": "text/html"}
+
+
+@pytest.fixture
+def console(ledger):
+    from vigil.console.app import create_app
+    from vigil.console.settings import ConsoleSettings
+
+    app = create_app(ConsoleSettings(database_url=ledger, console_auth_cache_s=0))
+    with TestClient(app, base_url="http://console.test", follow_redirects=False) as client:
+        yield client
+
+
+def login(console, ledger) -> dict:
+    token = create_token(ledger, "ops-alice")
+    answer = console.post("/login", data={"token": token["token"], "next": "/dead"})
+    assert answer.status_code == 303 and answer.headers["location"] == "/dead"
+    return token
+
+
+def csrf_of(html: str) -> str:
+    return re.search(r'name="csrf" value="([0-9a-f]{64})"', html).group(1)
+
+
+def test_every_page_needs_a_token(console, ledger):
+    seeded = seed_user(ledger)
+    pages = [
+        "/",
+        "/dead",
+        "/approvals",
+        "/timers",
+        "/partitions",
+        f"/users/{seeded.user}",
+        f"/events/{seeded.events[0]}",
+        f"/runs/{seeded.run_id}",
+        f"/deliveries/{seeded.delivery_id}",
+        "/search?q=alice",
+    ]
+    for path in pages:
+        answer = console.get(path)
+        assert answer.status_code == 401, path
+        assert answer.json()["error"] == "unauthorized"
+        browser = console.get(path, headers=HTML)
+        assert browser.status_code == 303 and browser.headers["location"].startswith("/login?next="), path
+    assert console.get("/", headers={"authorization": "Bearer vgl_not-a-token"}).status_code == 401
+    # Health and metrics are for probes and Prometheus, like every service's.
+    assert console.get("/healthz").status_code == 200
+    assert console.get("/metrics").status_code == 200
+    token = create_token(ledger)
+    assert console.get("/", headers={"authorization": f"Bearer {token['token']}"}).status_code == 200
+    cli(ledger, "tokens", "revoke", token["id"])
+    revoked = console.get("/", headers={"authorization": f"Bearer {token['token']}"})
+    assert revoked.status_code == 403 and revoked.json()["error"] == "token_revoked"
+
+
+def test_login_sets_an_httponly_strict_cookie_and_refuses_bad_tokens(console, ledger):
+    bad = console.post("/login", data={"token": "vgl_wrong", "next": "/"})
+    assert bad.status_code == 401 and "not valid" in bad.text and "set-cookie" not in bad.headers
+    login(console, ledger)
+    cookie = console.cookies.jar
+    (c,) = list(cookie)
+    assert c.name == "vigil_console" and c.has_nonstandard_attr("HttpOnly")
+    header = console.post("/login", data={"token": create_token(ledger)["token"]}).headers["set-cookie"]
+    assert "HttpOnly" in header and "SameSite=strict" in header and "Path=/" in header
+    page = console.get("/")
+    assert page.status_code == 200 and "Pending events" in page.text
+    assert "script-src" not in page.headers["content-security-policy"]  # default-src 'none': no script at all
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
+    # An open redirect is not a login target.
+    assert console.post("/login", data={"token": "x", "next": "//evil.example"}).status_code == 401
+    ok = console.post("/login", data={"token": create_token(ledger)["token"], "next": "//evil.example/x"})
+    assert ok.headers["location"] == "/"
+
+
+def test_attacker_controlled_text_is_escaped_everywhere(console, ledger):
+    seeded = seed_user(ledger)
+    login(console, ledger)
+    for path in [
+        f"/users/{seeded.user}",
+        f"/events/{seeded.events[1]}",
+        f"/runs/{seeded.run_id}",
+        f"/deliveries/{seeded.delivery_id}",
+        "/dead",
+        "/search?q=" + XSS,
+    ]:
+        page = console.get(path)
+        assert page.status_code == 200, path
+        assert XSS not in page.text, path
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text, path
+
+
+def test_timeline_shows_events_runs_and_what_each_run_wrote(console, ledger):
+    seeded = seed_user(ledger)
+    login(console, ledger)
+    page = console.get(f"/users/{seeded.user}").text
+    for needle in [
+        f'href="/events/{seeded.events[0]}"',
+        f'href="/runs/{seeded.run_id}"',
+        f'href="/deliveries/{seeded.delivery_id}"',
+        "followup-1",
+        "apr-1",
+        "/memories/notes.md",
+        "epoch 7",
+        "1280 tokens",
+        "billing.invoice_paid",
+    ]:
+        assert needle in page, needle
+    # In time order, newest first: the run (a second ago), the dead event (a minute), the run's events (two).
+    assert page.index(f'id="run-{seeded.run_id}"') < page.index(f'id="event-{seeded.dead_event}"')
+    assert page.index(f'id="event-{seeded.dead_event}"') < page.index(f'id="event-{seeded.events[0]}"')
+    assert console.get("/users/nobody-at-all").status_code == 404
+
+
+def test_timeline_pages_by_keyset_without_losing_or_repeating_entries(console, ledger):
+    with __import__("psycopg").connect(ledger) as conn:
+        conn.execute("INSERT INTO users (user_id, home_topic, home_partition) VALUES ('bob', 't', 0)")
+        # 120 events received at the same instant: the keyset's tiebreak is the id.
+        conn.execute(
+            "INSERT INTO events (user_id, source, source_id, kind, received_at)"
+            " SELECT 'bob', 'chat', 'm' || g, 'chat.message', '2026-01-01Z' FROM generate_series(1, 120) g"
+        )
+    login(console, ledger)
+    seen, path = [], "/users/bob"
+    while path:
+        page = console.get(path).text
+        seen += [int(i) for i in re.findall(r'id="event-(\d+)"', page)]
+        more = re.search(r'id="older" href="([^"]+)"', page)
+        path = more.group(1).replace("&amp;", "&") if more else None
+    assert len(seen) == 120 and len(set(seen)) == 120 and seen == sorted(seen, reverse=True)
+
+
+def test_search_finds_user_source_id_delivery_and_run(console, ledger):
+    seeded = seed_user(ledger)
+    login(console, ledger)
+    assert console.get("/search?q=alice").headers["location"] == "/users/alice"
+    assert console.get("/search?q=msg-1").headers["location"] == f"/events/{seeded.events[0]}"
+    assert console.get("/search?q=msg-1&user=alice").headers["location"] == f"/events/{seeded.events[0]}"
+    assert console.get("/search?q=msg-1&user=bob&kind=source_id").status_code == 200  # bob has no such event
+    assert console.get(f"/search?q={seeded.delivery_id}").headers["location"] == f"/deliveries/{seeded.delivery_id}"
+    assert console.get(f"/search?q={seeded.run_id}&kind=run").headers["location"] == f"/runs/{seeded.run_id}"
+    assert console.get(f"/search?q={seeded.events[0]}&kind=event").headers["location"] == (
+        f"/events/{seeded.events[0]}"
+    )
+    missing = console.get("/search?q=no-such-thing")
+    assert missing.status_code == 200 and 'id="no-match"' in missing.text
+
+
+def test_retry_needs_the_csrf_token_and_is_audited_with_the_operator(console, ledger):
+    seeded = seed_user(ledger)
+    login(console, ledger)
+    page = console.get("/dead").text
+    assert f'value="{seeded.dead_event}"' in page and seeded.delivery_id in page
+    # A forged form (no CSRF value, or another's) changes nothing.
+    for forged in ({}, {"csrf": "0" * 64}):
+        answer = console.post("/dead/events/retry", data={"event_id": str(seeded.dead_event), **forged})
+        assert answer.status_code == 403 and answer.json()["error"] == "csrf"
+        assert console.post(f"/deliveries/{seeded.delivery_id}/revive", data=forged).status_code == 403
+    assert scalar(ledger, "SELECT status FROM events WHERE id = %s", (seeded.dead_event,)) == "dead"
+    assert scalar(ledger, "SELECT count(*) FROM audit WHERE action IN ('dead.retry', 'delivery.revive')") == 0
+
+    csrf = csrf_of(page)
+    answer = console.post("/dead/events/retry", data={"event_id": str(seeded.dead_event), "csrf": csrf})
+    assert answer.status_code == 303 and answer.headers["location"].startswith("/dead?retried=")
+    row = query(ledger, "SELECT status, attempts, retried_by FROM events WHERE id = %s", (seeded.dead_event,))[0]
+    assert (row["status"], row["attempts"]) == ("pending", 0) and row["retried_by"].startswith("ops-alice (tok_")
+    answer = console.post(f"/deliveries/{seeded.delivery_id}/revive", data={"csrf": csrf})
+    assert answer.headers["location"] == f"/deliveries/{seeded.delivery_id}?revived=1"
+    assert scalar(ledger, "SELECT status FROM outbox WHERE id = %s", (seeded.outbox_id,)) == "pending"
+    audit = query(
+        ledger, "SELECT actor, action, detail FROM audit WHERE action IN ('dead.retry', 'delivery.revive') ORDER BY id"
+    )
+    assert [a["action"] for a in audit] == ["dead.retry", "delivery.revive"]
+    assert all(a["actor"].startswith("ops-alice (tok_") and a["actor"].endswith("via console") for a in audit)
+    assert audit[0]["detail"] == {"requested": [seeded.dead_event], "retried": [seeded.dead_event]}
+    # A second click finds nothing dead: left alone, and said so.
+    again = console.post(f"/deliveries/{seeded.delivery_id}/revive", data={"csrf": csrf})
+    assert again.headers["location"].endswith("?not_dead=1")
+
+
+def test_lists_show_open_approvals_late_timers_and_partitions(console, ledger):
+    seed_user(ledger)
+    with __import__("psycopg").connect(ledger) as conn:
+        conn.execute(
+            "INSERT INTO timers (id, user_id, kind, due) VALUES ('late-one', 'alice', 'followup',"
+            " date_trunc('second', now()) - interval '5 min'), ('far-off', 'alice', 'followup',"
+            " date_trunc('second', now()) + interval '5 hours')"
+        )
+        conn.execute(
+            "INSERT INTO partitions (topic, partition, epoch, holder, acquired_at)"
+            " VALUES ('vigil.events', 2, 41, 'worker-<b>x</b>', now())"
+        )
+    login(console, ledger)
+    approvals = console.get("/approvals").text
+    assert "apr-1" in approvals and "refund" in approvals
+    timers = console.get("/timers").text
+    assert "late-one" in timers and "<b>late</b>" in timers and "far-off" not in timers
+    partitions = console.get("/partitions").text
+    assert ">41<" in partitions and "worker-&lt;b&gt;x&lt;/b&gt;" in partitions
+    overview = console.get("/").text
+    assert "Dead in the last hour" in overview and "1 events" in overview
+
+
+def test_approval_answer_tokens_in_messages_are_not_shown(console, ledger):
+    from vigil.ledger.approvals import sign_token
+
+    seeded = seed_user(ledger)
+    token = sign_token("secret", "apr-1", seeded.user)
+    with __import__("psycopg").connect(ledger) as conn:
+        conn.execute("UPDATE outbox SET body = %s WHERE id = %s", (f"Approve? token: {token}", seeded.outbox_id))
+    login(console, ledger)
+    for path in [f"/users/{seeded.user}", f"/runs/{seeded.run_id}", f"/deliveries/{seeded.delivery_id}"]:
+        page = console.get(path).text
+        assert token not in page and "v1.(answer token hidden)" in page, path
+
+
+def test_dead_letters_page_through_rows_microseconds_apart(console, ledger):
+    with __import__("psycopg").connect(ledger) as conn:
+        # Deaths microseconds apart: a cursor rounded to milliseconds would skip some of them.
+        conn.execute(
+            "INSERT INTO events (user_id, source, source_id, kind, received_at, status, attempts, finished_at)"
+            " SELECT 'carol~x', 'chat', 'd' || g, 'chat.message', now(), 'dead', 5,"
+            " '2026-01-01Z'::timestamptz + make_interval(secs => g * 0.000137) FROM generate_series(1, 120) g"
+        )
+    login(console, ledger)
+    seen, path = [], "/dead"
+    while path:
+        page = console.get(path).text
+        seen += [int(i) for i in re.findall(r'name="event_id" value="(\d+)"', page)]
+        more = re.search(r'href="(/dead\?events_before=[^"]+)"', page)
+        path = more.group(1).replace("&amp;", "&") if more else None
+    assert len(seen) == 120 and len(set(seen)) == 120
+    assert console.get("/dead?events_before=not-json").status_code == 200  # a bad cursor is the first page
