@@ -83,10 +83,10 @@ def test_prune_deletes_finished_work_past_retention_and_nothing_else(ledger):
     with connect(ledger, autocommit=True) as conn:
         # Batches of two: the old events take two batches, the loop must go on after a full one.
         counts = prune(conn, 30, batch=2)
-    assert counts == {"events": 4, "outbox": 2, "runs": 2, "timers": 1}
+    assert counts == {"events": 4, "outbox": 2, "runs": 2, "timers": 1, "event_keys": 0}
     assert left(ledger) == KEPT
     with connect(ledger, autocommit=True) as conn:
-        assert prune(conn, 30) == {"events": 0, "outbox": 0, "runs": 0, "timers": 0}
+        assert prune(conn, 30) == {"events": 0, "outbox": 0, "runs": 0, "timers": 0, "event_keys": 0}
 
 
 def test_two_schedulers_pruning_at_once_share_the_work(ledger):

@@ -1,21 +1,30 @@
-"""Retention: the ledger forgets finished work after ``VIGIL_RETENTION_DAYS``.
+"""Retention: the ledger forgets finished work after ``VIGIL_RETENTION_DAYS``, and dedup keys
+after ``VIGIL_DEDUP_WINDOW_DAYS``.
 
-What goes, oldest first, in batches (``queries/retention.sql``):
+``events`` is partitioned by the UTC day of ``recorded_at``. The scheduler keeps the
+partitions made ahead (``PARTITIONS_AHEAD_DAYS``; rows that landed in the default partition
+move to their day) and drops a day once the whole day is older than retention: one ``DROP``
+per day, whatever it held, never a row-by-row delete. Before the drop, the day's events still
+``pending`` or ``running`` are carried to the current day (their ``recorded_at`` becomes the
+time of the carry), so unfinished work stays whatever its age. Retention counts from the
+day an event was recorded, so an event finished late goes with its day.
 
-- events that are ``done`` or ``dead``; their dedup keys go with them, so retention is never
-  shorter than the dedup window (``VIGIL_DEDUP_WINDOW_DAYS``, checked at start-up): a webhook
-  retried or a message redelivered inside the window is still dropped as a duplicate;
+The dedup keys live apart, in ``event_keys``: a retried webhook is dropped for the whole
+dedup window, also after its first copy's day was dropped. Keys older than the window are
+deleted in batches (a narrow table).
+
+What else goes, oldest first, in batches (``queries/retention.sql``):
+
 - outbox messages ``delivered`` or ``dead``;
 - runs that no outbox row points at any more (the outbox goes first);
 - timers that are done (fired one-offs, cancelled schedules).
 
 What stays: anything pending, running or waiting for delivery, whatever its age; sessions,
-memory, approvals, users, the audit trail. The scheduler prunes once at start and then every
-``PRUNE_INTERVAL_S`` on a thread of its own, so a long prune never delays a timer. Several
-replicas may prune at once: each batch locks its rows ``SKIP LOCKED``.
-
-Dropping a whole time partition would be cheaper than deleting rows; ``events`` is one table
-today (see docs), so this deletes in batches small enough to keep each transaction short.
+memory, approvals, users, the audit trail. The scheduler runs this once at start and then
+every ``PRUNE_INTERVAL_S`` on a thread of its own, so a long prune never delays a timer.
+Several replicas may prune at once: partitions are made under an advisory lock, a day is
+dropped under the lock on ``events`` (the second replica finds it gone), and each batch of
+the other tables locks its rows ``SKIP LOCKED``.
 """
 
 from __future__ import annotations
@@ -23,9 +32,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, time as dtime, timedelta
 
 import psycopg
+from psycopg import sql
 
 from vigil.ledger.db import connect
 from vigil.ledger.queries import Q
@@ -33,13 +43,53 @@ from vigil.ledger.queries import Q
 log = logging.getLogger("vigil.retention")
 
 PRUNE_INTERVAL_S = 3600.0
+# Days of events partitions made ahead of today: the scheduler may be down this long before
+# new events land in the default partition (which still takes them; the next run moves them).
+PARTITIONS_AHEAD_DAYS = 3
 # Rows per DELETE: each batch is one short transaction (tens of milliseconds).
 BATCH = 2000
 # Batches per table per prune: a large first prune is spread over several intervals rather
 # than holding the ledger busy for minutes.
 MAX_BATCHES = 500
+# How long a day's drop waits for the lock on events before trying at the next prune: while
+# it waits, statements that come after it queue behind it.
+DROP_LOCK_TIMEOUT = "2s"
 # Order matters: the outbox before the runs it points at.
-TABLES = (("events", "prune_events"), ("outbox", "prune_outbox"), ("runs", "prune_runs"), ("timers", "prune_timers"))
+TABLES = (("outbox", "prune_outbox"), ("runs", "prune_runs"), ("timers", "prune_timers"))
+DEFAULT_DEDUP_WINDOW_DAYS = 7.0
+
+
+def ensure_partitions(conn: psycopg.Connection, ahead: int = PARTITIONS_AHEAD_DAYS) -> int:
+    """Make the days of ``events`` from yesterday to ``ahead`` days ahead. Returns how many were made."""
+    with conn.transaction():
+        return conn.execute(Q.ensure_partitions, {"ahead": ahead}).fetchone()["made"]
+
+
+def drop_event_day(conn: psycopg.Connection, name: str, day: date) -> int:
+    """Drop one day partition of ``events``. Returns the events it dropped.
+
+    Order: count the day (no lock: only this function writes a day past retention), then in
+    one transaction lock ``events``, carry the day's unfinished events to today, drop the
+    day. A crash before the commit leaves the day whole; another replica that dropped it
+    first leaves nothing to do (0).
+    """
+    table = sql.Identifier(name)
+    try:
+        with conn.transaction():
+            total = conn.execute(sql.SQL(Q.count_event_day).format(partition=table)).fetchone()["n"]
+    except psycopg.errors.UndefinedTable:
+        return 0
+    lo = datetime.combine(day, dtime(), UTC)
+    with conn.transaction():
+        conn.execute(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'")
+        conn.execute(Q.lock_events)
+        if not conn.execute(Q.event_day_exists, {"name": name}).fetchone()["present"]:
+            return 0
+        carried = conn.execute(Q.carry_unfinished, {"lo": lo, "hi": lo + timedelta(days=1)}).rowcount
+        conn.execute(sql.SQL(Q.drop_event_day).format(partition=table))
+    if carried:
+        log.info("retention: %d unfinished event(s) of %s carried to today", carried, day)
+    return total - carried
 
 
 def prune(
@@ -48,15 +98,23 @@ def prune(
     now: datetime | None = None,
     batch: int = BATCH,
     max_batches: int = MAX_BATCHES,
+    dedup_window_days: float = DEFAULT_DEDUP_WINDOW_DAYS,
 ) -> dict[str, int]:
-    """Delete what retention allows, table by table. Returns the rows deleted per table."""
-    before = (now or datetime.now(UTC)) - timedelta(days=retention_days)
-    deleted: dict[str, int] = {}
-    for table, query in TABLES:
+    """Make the coming days, drop the days past retention, delete what else retention allows
+    table by table and the expired dedup keys. Returns the rows deleted per table."""
+    now = now or datetime.now(UTC)
+    before = now - timedelta(days=retention_days)
+    ensure_partitions(conn)
+    deleted: dict[str, int] = {"events": 0}
+    for row in conn.execute(Q.event_days_past, {"before": before}).fetchall():
+        deleted["events"] += drop_event_day(conn, row["name"], row["day"])
+    batches = [(table, query, before) for table, query in TABLES]
+    batches.append(("event_keys", "prune_event_keys", now - timedelta(days=dedup_window_days)))
+    for table, query, cutoff in batches:
         total = 0
         for _ in range(max_batches):
             with conn.transaction():
-                n = conn.execute(Q[query], {"before": before, "batch": batch}).rowcount
+                n = conn.execute(Q[query], {"before": cutoff, "batch": batch}).rowcount
             total += n
             if n < batch:
                 break
@@ -65,7 +123,8 @@ def prune(
 
 
 class Pruner:
-    """Prunes now and every ``interval_s`` on a daemon thread until ``stopping`` is set."""
+    """Keeps the events partitions made ahead and prunes (when ``retention_days`` > 0), now and
+    every ``interval_s``, on a daemon thread until ``stopping`` is set."""
 
     def __init__(
         self,
@@ -74,14 +133,16 @@ class Pruner:
         stopping: threading.Event,
         on_pruned=lambda counts: None,
         interval_s: float = PRUNE_INTERVAL_S,
+        dedup_window_days: float = DEFAULT_DEDUP_WINDOW_DAYS,
     ):
         self.dsn, self.retention_days, self.stopping = dsn, retention_days, stopping
         self.on_pruned, self.interval_s = on_pruned, interval_s
+        self.dedup_window_days = dedup_window_days
         self.thread = threading.Thread(target=self._loop, name="retention", daemon=True)
 
     def start(self) -> Pruner:
-        if self.retention_days > 0:
-            self.thread.start()
+        # Always: the partitions ahead are needed whether or not anything is ever deleted.
+        self.thread.start()
         return self
 
     def _loop(self) -> None:
@@ -89,7 +150,11 @@ class Pruner:
             began = time.monotonic()
             try:
                 with connect(self.dsn, autocommit=True) as conn:
-                    counts = prune(conn, self.retention_days)
+                    if self.retention_days > 0:
+                        counts = prune(conn, self.retention_days, dedup_window_days=self.dedup_window_days)
+                    else:
+                        ensure_partitions(conn)
+                        counts = {}
                 self.on_pruned(counts)
                 if any(counts.values()):
                     log.info(

@@ -14,7 +14,7 @@ COPY incoming_events (n, user_id, source, source_id, kind, payload, session_id, 
                       kafka_topic, kafka_partition, kafka_offset) FROM STDIN (FORMAT BINARY)
 
 -- name: record_events
--- One statement per polled batch: new users' home partitions (the partition of the first event seen, fixed from then on; only for %(unknown_users)s, those the worker has not seen committed), then every event; the UNIQUE key drops every duplicate (retried webhook, redelivered message, replayed timer). Returns how many were new.
+-- One statement per polled batch: new users' home partitions (the partition of the first event seen, fixed from then on; only for %(unknown_users)s, those the worker has not seen committed), then every event whose dedup key is new in event_keys (retried webhook, redelivered message, replayed timer: dropped, also after the first copy's partition was dropped). Returns how many were new.
 WITH new_users AS (
     INSERT INTO users (user_id, home_topic, home_partition)
     SELECT DISTINCT ON (user_id) user_id, kafka_topic, kafka_partition FROM incoming_events
@@ -22,13 +22,24 @@ WITH new_users AS (
     ORDER BY user_id, n
     ON CONFLICT (user_id) DO NOTHING
 ),
+new_keys AS (
+    -- The key table's primary key decides; of two copies in one batch the first stands.
+    INSERT INTO event_keys (user_id, source, source_id)
+    SELECT user_id, source, source_id FROM incoming_events ORDER BY n
+    ON CONFLICT (user_id, source, source_id) DO NOTHING
+    RETURNING user_id, source, source_id
+),
+firsts AS (
+    SELECT DISTINCT ON (i.user_id, i.source, i.source_id) i.*
+    FROM incoming_events i JOIN new_keys k USING (user_id, source, source_id)
+    ORDER BY i.user_id, i.source, i.source_id, i.n
+),
 recorded AS (
     INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
                         kafka_topic, kafka_partition, kafka_offset)
     SELECT user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
            kafka_topic, kafka_partition, kafka_offset
-    FROM incoming_events ORDER BY n
-    ON CONFLICT (user_id, source, source_id) DO NOTHING
+    FROM firsts ORDER BY n
     RETURNING 1
 )
 SELECT count(*)::int AS recorded FROM recorded
