@@ -288,3 +288,26 @@ def memory(stack: BenchStack, plan: Plan, report: Report, rate: float) -> None:
             note=f"median of the last third minus the middle third; start {samples[0]:.0f} MB",
         )
     )
+
+
+# -- single-event runs -------------------------------------------------------------------
+
+
+def single_event_runs(stack: BenchStack, plan: Plan, report: Report, start_rate: float) -> None:
+    """``e2e_single_event_runs_per_s``: the e2e rounds with every run carrying one event, so
+    the figure is what a run costs, not an event: ``plan.memory_users`` users (a user's next
+    event comes seconds after its last) and ``VIGIL_BATCH_MAX=1`` (a user's events that did
+    pile up still go one per run)."""
+    with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
+        e2e = EndToEnd(stack, plan, dsn, topics, plan.memory_users)
+        try:
+            with Workers(stack, dsn, topics, 1, VIGIL_BATCH_MAX="1") as workers:
+                workers.wait_ready()
+                _, runs, per_run, _ = e2e.throughput(workers, start_rate)
+        finally:
+            e2e.producer.close()
+    note = (
+        f"1 worker, {plan.memory_users} users, window {plan.default_window_ms} ms, VIGIL_BATCH_MAX=1, "
+        f"{statistics.median(per_run):.2f} events per run"
+    )
+    report.add(Figure("e2e_single_event_runs_per_s", runs, note=note))

@@ -65,3 +65,31 @@ ORDER BY 1
 -- Events and runs finished in a stretch of an end-to-end round (only one round's events are in flight at a time).
 SELECT coalesce(sum(cardinality(event_ids)), 0)::int AS events, count(*)::int AS runs
 FROM runs WHERE finished_at >= %(since)s AND finished_at < %(until)s
+
+-- name: retention_make_day
+-- The partition of one past day.
+SELECT ensure_event_partitions(0, ARRAY[%(day)s::date])
+
+-- name: retention_fill_day
+-- One day of finished events, with their dedup keys, in that day's partition.
+WITH keys AS (
+    INSERT INTO event_keys (user_id, source, source_id, recorded_at)
+    SELECT 'u' || (g %% 1000), 'chat', 'old-' || g, %(day)s::date + (g %% 86400) * interval '1 second'
+    FROM generate_series(1, %(n)s) AS g
+    RETURNING user_id, source, source_id, recorded_at
+)
+INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, finished_at, attempts,
+                    claim_epoch)
+SELECT user_id, source, source_id, 'chat.message', '{"text": "an old chat message of about this size"}', recorded_at,
+       recorded_at, 'done', recorded_at, 1, 1
+FROM keys
+
+-- name: count_keys
+-- Dedup keys left.
+SELECT count(*)::bigint AS n FROM event_keys
+
+-- name: cost_counters
+-- What the ledger database has written so far: rows (every table and partition), WAL bytes, committed transactions.
+SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables)::bigint AS rows_written,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS wal_bytes,
+       (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())::bigint AS transactions

@@ -1,13 +1,12 @@
 """Retention: the ledger forgets finished work after ``VIGIL_RETENTION_DAYS``, and dedup keys
 after ``VIGIL_DEDUP_WINDOW_DAYS``.
 
-``events`` is partitioned by the UTC day of ``recorded_at``. The scheduler keeps the
-partitions made ahead (``PARTITIONS_AHEAD_DAYS``; rows that landed in the default partition
-move to their day) and drops a day once the whole day is older than retention: one ``DROP``
-per day, whatever it held, never a row-by-row delete. Before the drop, the day's events still
-``pending`` or ``running`` are carried to the current day (their ``recorded_at`` becomes the
-time of the carry), so unfinished work stays whatever its age. Retention counts from the
-day an event was recorded, so an event finished late goes with its day.
+``events`` keeps its finished rows (``done``, ``dead``) in ``events_finished``, partitioned
+by the UTC day of ``finished_at``. The scheduler keeps the days made ahead
+(``PARTITIONS_AHEAD_DAYS``; rows that landed in the default partition move to their day) and
+drops a day once the whole day is older than retention: one ``DROP`` per day, whatever it
+held, never a row-by-row delete. Pending and running events live in ``events_live``, which
+retention never touches, so unfinished work stays whatever its age.
 
 The dedup keys live apart, in ``event_keys``: a retried webhook is dropped for the whole
 dedup window, also after its first copy's day was dropped. Keys older than the window are
@@ -23,8 +22,8 @@ What stays: anything pending, running or waiting for delivery, whatever its age;
 memory, approvals, users, the audit trail. The scheduler runs this once at start and then
 every ``PRUNE_INTERVAL_S`` on a thread of its own, so a long prune never delays a timer.
 Several replicas may prune at once: partitions are made under an advisory lock, a day is
-dropped under the lock on ``events`` (the second replica finds it gone), and each batch of
-the other tables locks its rows ``SKIP LOCKED``.
+dropped once (the second replica finds it gone and counts nothing), and each batch of the
+other tables locks its rows ``SKIP LOCKED``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import UTC, date, datetime, time as dtime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 from psycopg import sql
@@ -51,8 +50,8 @@ BATCH = 2000
 # Batches per table per prune: a large first prune is spread over several intervals rather
 # than holding the ledger busy for minutes.
 MAX_BATCHES = 500
-# How long a day's drop waits for the lock on events before trying at the next prune: while
-# it waits, statements that come after it queue behind it.
+# How long a day's drop waits for its lock before trying at the next prune: while it waits,
+# finishes that come after it queue behind it.
 DROP_LOCK_TIMEOUT = "2s"
 # Order matters: the outbox before the runs it points at.
 TABLES = (("outbox", "prune_outbox"), ("runs", "prune_runs"), ("timers", "prune_timers"))
@@ -60,18 +59,19 @@ DEFAULT_DEDUP_WINDOW_DAYS = 7.0
 
 
 def ensure_partitions(conn: psycopg.Connection, ahead: int = PARTITIONS_AHEAD_DAYS) -> int:
-    """Make the days of ``events`` from yesterday to ``ahead`` days ahead. Returns how many were made."""
+    """Make the days of finished events from yesterday to ``ahead`` days ahead. Returns how many were made."""
     with conn.transaction():
         return conn.execute(Q.ensure_partitions, {"ahead": ahead}).fetchone()["made"]
 
 
-def drop_event_day(conn: psycopg.Connection, name: str, day: date) -> int:
-    """Drop one day partition of ``events``. Returns the events it dropped.
+def drop_event_day(conn: psycopg.Connection, name: str) -> int:
+    """Drop one day partition of finished events. Returns the events it dropped.
 
-    Order: count the day (no lock: only this function writes a day past retention), then in
-    one transaction lock ``events``, carry the day's unfinished events to today, drop the
-    day. A crash before the commit leaves the day whole; another replica that dropped it
-    first leaves nothing to do (0).
+    Order: count the day, then drop it, each in its own short transaction. The drop locks
+    ``events_finished`` (never the live queue the claims read): a finish moving rows in
+    waits for it (milliseconds), and the drop waits at most ``DROP_LOCK_TIMEOUT`` for the
+    finishes in flight, else it is tried again at the next prune. Another replica that
+    dropped the day first leaves nothing to count (0).
     """
     table = sql.Identifier(name)
     try:
@@ -79,17 +79,13 @@ def drop_event_day(conn: psycopg.Connection, name: str, day: date) -> int:
             total = conn.execute(sql.SQL(Q.count_event_day).format(partition=table)).fetchone()["n"]
     except psycopg.errors.UndefinedTable:
         return 0
-    lo = datetime.combine(day, dtime(), UTC)
-    with conn.transaction():
-        conn.execute(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'")
-        conn.execute(Q.lock_events)
-        if not conn.execute(Q.event_day_exists, {"name": name}).fetchone()["present"]:
-            return 0
-        carried = conn.execute(Q.carry_unfinished, {"lo": lo, "hi": lo + timedelta(days=1)}).rowcount
-        conn.execute(sql.SQL(Q.drop_event_day).format(partition=table))
-    if carried:
-        log.info("retention: %d unfinished event(s) of %s carried to today", carried, day)
-    return total - carried
+    try:
+        with conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'")
+            conn.execute(sql.SQL(Q.drop_event_day).format(partition=table))
+    except psycopg.errors.UndefinedTable:
+        return 0  # another replica dropped it between the count and the drop
+    return total
 
 
 def prune(
@@ -107,7 +103,7 @@ def prune(
     ensure_partitions(conn)
     deleted: dict[str, int] = {"events": 0}
     for row in conn.execute(Q.event_days_past, {"before": before}).fetchall():
-        deleted["events"] += drop_event_day(conn, row["name"], row["day"])
+        deleted["events"] += drop_event_day(conn, row["name"])
     batches = [(table, query, before) for table, query in TABLES]
     batches.append(("event_keys", "prune_event_keys", now - timedelta(days=dedup_window_days)))
     for table, query, cutoff in batches:

@@ -72,7 +72,8 @@ SET status = 'dead', finished_at = now(),
     error = 'dead after ' || e.attempts || ' attempts' || coalesce(': ' || e.error, '')
 FROM exhausted x
 -- Join clauses only (see claim): the rows by id, whatever the statistics say about pending.
-WHERE e.id = x.id AND e.status = x.status AND e.attempts >= %(max_attempts)s
+-- The live queue only (see claim).
+WHERE e.id = x.id AND e.status = x.status AND e.attempts >= %(max_attempts)s AND e.status IN ('pending', 'running')
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.occurred_at, e.error
 
 -- name: claim
@@ -158,7 +159,9 @@ claimed AS (
     FROM chosen c
     -- The status check as a join clause, not a restriction: a restriction would let the
     -- planner start from events_pending_by_user (every pending row) instead of the ids.
-    WHERE e.id = c.id AND e.status = c.status
+    -- The IN list names the live queue (events_live), so the plan reads that partition only,
+    -- and matches no partial index's predicate.
+    WHERE e.id = c.id AND e.status = c.status AND e.status IN ('pending', 'running')
     RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
               e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 )
@@ -209,7 +212,7 @@ chosen AS MATERIALIZED (
 UPDATE events e
 SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
 FROM chosen c
-WHERE e.id = c.id AND e.status = c.status
+WHERE e.id = c.id AND e.status = c.status AND e.status IN ('pending', 'running')
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 

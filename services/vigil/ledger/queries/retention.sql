@@ -4,36 +4,23 @@
 -- once without waiting on each other or deleting a row twice.
 
 -- name: ensure_partitions
--- The day partitions of events from yesterday to %(ahead)s days ahead (and the days of rows waiting in the default partition), made before anyone needs them.
+-- The day partitions of finished events from yesterday to %(ahead)s days ahead (and the days of rows waiting in the default partition), made before anyone needs them.
 SELECT ensure_event_partitions(%(ahead)s) AS made
 
 -- name: event_days_past
--- The day partitions of events whose whole day is older than %(before)s, oldest first (events_pYYYYMMDD: the name is the day).
-SELECT c.relname AS name, to_date(substr(c.relname, 9), 'YYYYMMDD') AS day
+-- The day partitions of finished events whose whole day is older than %(before)s, oldest first (events_finished_pYYYYMMDD: the name is the day).
+SELECT c.relname AS name
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-WHERE i.inhparent = 'events'::regclass AND c.relname ~ '^events_p[0-9]{8}$'
-  AND (to_date(substr(c.relname, 9), 'YYYYMMDD') + 1)::timestamp AT TIME ZONE 'UTC' <= %(before)s
+WHERE i.inhparent = 'events_finished'::regclass AND c.relname ~ '^events_finished_p[0-9]{8}$'
+  AND (to_date(substr(c.relname, 18), 'YYYYMMDD') + 1)::timestamp AT TIME ZONE 'UTC' <= %(before)s
 ORDER BY c.relname
 
 -- name: count_event_day
--- Rows in one day partition, counted before the drop (outside its lock: nobody writes a day past retention but the carry below).
+-- Rows in one day of finished events, counted before the drop (only an operator's `vigil dead retry` takes rows out of a day).
 SELECT count(*)::bigint AS n FROM {partition}
 
--- name: lock_events
--- The drop's lock, over the parent and every partition: statements that started before it finish first, later ones wait (a few ms); so no claim or finish holds a row the carry moves.
-LOCK TABLE events IN ACCESS EXCLUSIVE MODE
-
--- name: event_day_exists
--- Whether the day partition is still there once the lock is held (another scheduler may have dropped it).
-SELECT to_regclass(%(name)s) IS NOT NULL AS present
-
--- name: carry_unfinished
--- Pending and running events of a day leaving retention move to the current day (recorded_at set to now: row movement), so dropping the day never loses work.
-UPDATE events SET recorded_at = now()
-WHERE recorded_at >= %(lo)s AND recorded_at < %(hi)s AND status IN ('pending', 'running')
-
 -- name: drop_event_day
--- Retention of events: the whole day partition goes at once (detached and dropped in one step; its dedup keys stay in event_keys).
+-- Retention of events: a whole day of finished events goes at once (detached and dropped in one step; the live queue and the dedup keys are other tables, untouched).
 DROP TABLE {partition}
 
 -- name: prune_event_keys
