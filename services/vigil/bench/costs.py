@@ -32,7 +32,8 @@ from vigil.bench.sql import B
 from vigil.bench.stack import BenchStack
 
 TICKS = 100.0  # clock ticks per second in /proc (USER_HZ, 100 on Linux)
-STATS_SETTLE_S = 1.5  # backends report their counters at most once a second when idle
+# Backends report their counters at most once a second, and an idle one within 10 s: the
+# full run waits that long before each reading (the quick run less: its counts may fall short).
 COUNTERS = ("worker_cpu_us", "pg_cpu_us", "rows_written", "wal_bytes", "transactions")
 
 
@@ -89,13 +90,13 @@ def _pass(stack: BenchStack, plan: Plan, users: int, rate: float, **settings: st
             with Workers(stack, dsn, topics, 1, **settings) as workers:
                 workers.wait_ready()
                 pid = workers.procs[0].pid
-                time.sleep(STATS_SETTLE_S)
+                time.sleep(plan.cost_settle_s)
                 before = _snapshot(dsn, pid, postmaster)
                 source = "cost"
                 produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, users, source).result()
                 time.sleep(0.3)
                 totals = e2e._drain(workers, source, produced.count)
-                time.sleep(STATS_SETTLE_S)
+                time.sleep(plan.cost_settle_s)
                 after = _snapshot(dsn, pid, postmaster)
         finally:
             e2e.producer.close()

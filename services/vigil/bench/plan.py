@@ -27,6 +27,7 @@ class Plan:
     http_seconds: float  # each HTTP mode, each round
     retention_events: int  # retention_drop_day_s: events in the day dropped
     cost_seconds: float  # each pass of the cost counters offers load this long
+    cost_settle_s: float  # and waits this long for PostgreSQL's counters before reading them
     http_concurrency: int = 64
     http_batch: int = 50  # events per batched POST /v1/events
     default_window_ms: int = DEFAULT_BATCH_WINDOW_MS
@@ -47,6 +48,7 @@ FULL = Plan(
     http_seconds=4.0,
     retention_events=1_000_000,
     cost_seconds=10.0,
+    cost_settle_s=11.0,
 )
 
 QUICK = Plan(
@@ -63,4 +65,5 @@ QUICK = Plan(
     http_seconds=1.0,
     retention_events=50_000,
     cost_seconds=1.5,
+    cost_settle_s=1.5,
 )
