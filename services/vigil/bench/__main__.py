@@ -182,7 +182,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
                 lambda: pipeline.end_to_end(stack, plan, report, report.value("record_events_per_s") or FALLBACK_RATE),
             ),
             "single": (
-                ["e2e_single_event_runs_per_s"],
+                ["e2e_single_event_runs_per_s", *[n for n in figure_names(plan) if n.endswith("_per_run")]],
                 lambda: pipeline.single_event_runs(
                     stack, plan, report, report.value("e2e_runs_per_s") or FALLBACK_RATE / 2
                 ),
@@ -196,16 +196,11 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
                 lambda: ingest_http.ingest_http(stack, plan, report),
             ),
             "retention": (["retention_drop_day_s"], lambda: retention.drop_day(stack, plan, report)),
-            # Half load of each shape (the latency rounds' shape): the counts, not the rate,
-            # are the figures.
+            # Half load of the e2e shape: the counts, not the rate, are the figures.
             "costs": (
-                [n for n in figure_names(plan) if n.startswith("cost_")],
-                lambda: costs.costs(
-                    stack,
-                    plan,
-                    report,
-                    (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2,
-                    (report.value("e2e_single_event_runs_per_s") or FALLBACK_RATE / 2) / 2,
+                [n for n in figure_names(plan) if n.startswith("cost_") and n.endswith("_per_event")],
+                lambda: pipeline.per_event_costs(
+                    stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2
                 ),
             ),
         }

@@ -3,10 +3,11 @@
 Two passes on one worker (echo agent), each half load of its shape offered for
 ``plan.cost_seconds`` and drained, with every counter read before and after:
 
-- ``..._per_event``: ``plan.users`` users (the e2e shape: a run takes what a user's events
-  piled up in the batch window), per event recorded and finished;
-- ``..._per_run``: ``plan.memory_users`` users and ``VIGIL_BATCH_MAX=1`` (every run carries one
-  event: what a run costs on its own), per run.
+- ``..._per_event`` (workload ``costs``, ``pipeline.per_event_costs``): ``plan.users`` users (the e2e shape: a run takes
+  what a user's events piled up in the batch window), per event recorded and finished;
+- ``..._per_run`` (workload ``single``, after its throughput rounds, same worker):
+  ``plan.memory_users`` users and ``VIGIL_BATCH_MAX=1`` (every run carries one event: what a
+  run costs on its own), per run.
 
 Counters: the worker process's CPU time (``/proc``); PostgreSQL's CPU time (the postmaster,
 its live backends and the children it reaped, so vacuum and the checkpointer count too: the
@@ -20,16 +21,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg.rows import dict_row
 
 from vigil.bench.figures import Figure, Report
-from vigil.bench.pipeline import EndToEnd
-from vigil.bench.plan import Plan
 from vigil.bench.procs import Workers
 from vigil.bench.sql import B
-from vigil.bench.stack import BenchStack
+
+if TYPE_CHECKING:  # the workloads in pipeline.py call these with their EndToEnd
+    from vigil.bench.pipeline import EndToEnd
 
 TICKS = 100.0  # clock ticks per second in /proc (USER_HZ, 100 on Linux)
 # Backends report their counters at most once a second, and an idle one within 10 s: the
@@ -81,34 +83,23 @@ def _snapshot(dsn: str, worker_pid: int, postmaster: int | None) -> dict[str, fl
     }
 
 
-def _pass(stack: BenchStack, plan: Plan, users: int, rate: float, **settings: str) -> tuple[dict, int, int]:
-    """Offer ``rate`` events/s; the counters' growth, and the events and runs finished."""
-    with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
-        postmaster = _postmaster(dsn)
-        e2e = EndToEnd(stack, plan, dsn, topics, users)
-        try:
-            with Workers(stack, dsn, topics, 1, **settings) as workers:
-                workers.wait_ready()
-                pid = workers.procs[0].pid
-                time.sleep(plan.cost_settle_s)
-                before = _snapshot(dsn, pid, postmaster)
-                source = "cost"
-                produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, users, source).result()
-                time.sleep(0.3)
-                totals = e2e._drain(workers, source, produced.count)
-                time.sleep(plan.cost_settle_s)
-                after = _snapshot(dsn, pid, postmaster)
-        finally:
-            e2e.producer.close()
+def measure(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[dict, int, int]:
+    """Offer ``rate`` events/s to ``e2e``'s users and drain; the counters' growth, and the
+    events and runs finished (the only round in flight)."""
+    plan, dsn = e2e.plan, e2e.dsn
+    postmaster = _postmaster(dsn)
+    pid = workers.procs[0].pid
+    time.sleep(plan.cost_settle_s)
+    before = _snapshot(dsn, pid, postmaster)
+    source = e2e._source("cost")
+    produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, e2e.users, source).result()
+    time.sleep(0.3)
+    totals = e2e._drain(workers, source, produced.count)
+    time.sleep(plan.cost_settle_s)
+    after = _snapshot(dsn, pid, postmaster)
     return {k: after[k] - before[k] for k in COUNTERS}, int(totals["done"]), int(totals["runs"])
 
 
-def costs(stack: BenchStack, plan: Plan, report: Report, rate: float, single_rate: float) -> None:
-    grown, events, runs = _pass(stack, plan, plan.users, rate)
-    note = f"{events} events in {runs} runs ({events / max(runs, 1):.1f} per run), {rate:.0f} events/s offered"
+def add_figures(report: Report, unit: str, grown: dict, count: int, note: str) -> None:
     for name in COUNTERS:
-        report.add(Figure(f"cost_{name}_per_event", [grown[name] / max(events, 1)], per="run", note=note))
-    grown, events, runs = _pass(stack, plan, plan.memory_users, single_rate, VIGIL_BATCH_MAX="1")
-    note = f"{runs} single-event runs, {single_rate:.0f} events/s offered to {plan.memory_users} users"
-    for name in COUNTERS:
-        report.add(Figure(f"cost_{name}_per_run", [grown[name] / max(runs, 1)], per="run", note=note))
+        report.add(Figure(f"cost_{name}_per_{unit}", [grown[name] / max(count, 1)], per="run", note=note))

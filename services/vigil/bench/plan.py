@@ -63,7 +63,7 @@ QUICK = Plan(
     memory_users=10_000,
     memory_seconds=6.0,
     http_seconds=1.0,
-    retention_events=50_000,
-    cost_seconds=1.5,
-    cost_settle_s=1.5,
+    retention_events=20_000,
+    cost_seconds=1.0,
+    cost_settle_s=1.0,
 )
