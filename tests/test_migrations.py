@@ -131,7 +131,7 @@ def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, 
     )
     before = query(dsn, "SELECT id, user_id, source, source_id, status, attempts, claim_epoch FROM events ORDER BY id")
 
-    assert migrate(dsn) == ["0011_partitioned_events"]
+    assert "0011_partitioned_events" in migrate(dsn)  # with any later migration
     after = query(dsn, "SELECT id, user_id, source, source_id, status, attempts, claim_epoch FROM events ORDER BY id")
     assert after == before
     parts = {
