@@ -4,7 +4,7 @@ history of finished events (events_finished, a partition per day), however long 
 Cost tests read PostgreSQL's own account of each statement (EXPLAIN ANALYZE, as
 tests/test_worker_claims.py does): every relation in the plan, and the rows each node
 touched. A statement that planned or scanned a month of day partitions would cost each claim
-and finish a lock and an index probe per day (1.7 times the claim's time at 36 partitions,
+and finish a lock and an index probe per day (1.8 times the claim's time at 36 partitions,
 measured while choosing this layout: docs/scaling.md).
 """
 
