@@ -64,14 +64,17 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Event]
 
 def record(dsn: str, events: list[Event]) -> int:
     """What the worker's recording step does: insert each event, duplicates dropped by the
-    ledger's UNIQUE (user_id, source, source_id). Returns the rows that were new."""
+    ledger's dedup key (the primary key of event_keys). Returns the rows that were new."""
     with psycopg.connect(dsn) as conn:
         new = 0
         for event in events:
             cursor = conn.execute(
+                "WITH k AS (INSERT INTO event_keys (user_id, source, source_id) VALUES (%s, %s, %s) "
+                "ON CONFLICT DO NOTHING RETURNING 1) "
                 "INSERT INTO events (user_id, source, source_id, kind, payload, received_at) "
-                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (user_id, source, source_id) DO NOTHING",
-                (event.user_id, event.source, event.source_id, event.kind, event.payload, event.received_at),
+                "SELECT %s, %s, %s, %s, %s, %s FROM k",
+                (event.user_id, event.source, event.source_id)
+                + (event.user_id, event.source, event.source_id, event.kind, event.payload, event.received_at),
             )
             new += cursor.rowcount
         return new

@@ -93,12 +93,57 @@ def test_queue_tables_are_vacuumed_after_a_few_thousand_dead_rows(ledger):
     """events and outbox are queues: the claim walks partial indexes that keep dead entries
     until VACUUM. With the default share-of-the-table threshold a busy ledger held twice as
     many dead rows as live ones and claims slowed by an order of magnitude."""
+    # events keeps its queue (pending and running rows) in the partition events_live.
     rows = query(
         ledger,
         """SELECT relname, reloptions FROM pg_class
-                            WHERE relname IN ('events', 'outbox') AND relnamespace = 'public'::regnamespace""",
+                            WHERE relname IN ('events_live', 'outbox') AND relnamespace = 'public'::regnamespace""",
     )
     options = {r["relname"]: dict(o.split("=") for o in r["reloptions"] or []) for r in rows}
-    for table in ("events", "outbox"):
+    for table in ("events_live", "outbox"):
         assert options[table].get("autovacuum_vacuum_scale_factor") == "0.0", table
         assert int(options[table]["autovacuum_vacuum_threshold"]) <= 10_000, table
+
+
+def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, tmp_path):
+    """A ledger from before the split (one events table holding its own dedup key) keeps
+    every row, id and state; finished rows land in their day, the queue in events_live,
+    every key in event_keys, and new events continue the ids."""
+    import shutil
+
+    from vigil.ledger.migrate import migrations_dir
+
+    for path in migrations_dir().glob("*.sql"):
+        if int(path.name[:4]) < 11:
+            shutil.copy(path, tmp_path / path.name)
+    dsn = empty_db()
+    migrate(dsn, tmp_path)
+    query(
+        dsn,
+        """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status, attempts,
+                              claim_epoch, finished_at)
+           VALUES ('u', 'chat', 'old-done', 'chat.message', now(), now() - interval '9 days', 'done', 1, 1,
+                   now() - interval '9 days'),
+                  ('u', 'chat', 'old-dead', 'chat.message', now(), now() - interval '8 days', 'dead', 3, 1,
+                   now() - interval '8 days'),
+                  ('u', 'chat', 'waiting', 'chat.message', now(), now() - interval '8 days', 'pending', 0, NULL, NULL),
+                  ('v', 'chat', 'claimed', 'chat.message', now(), now(), 'running', 1, 4, NULL)""",
+    )
+    before = query(dsn, "SELECT id, user_id, source, source_id, status, attempts, claim_epoch FROM events ORDER BY id")
+
+    assert "0011_partitioned_events" in migrate(dsn)  # with any later migration
+    after = query(dsn, "SELECT id, user_id, source, source_id, status, attempts, claim_epoch FROM events ORDER BY id")
+    assert after == before
+    parts = {
+        r["source_id"]: r["part"] for r in query(dsn, "SELECT source_id, tableoid::regclass::text AS part FROM events")
+    }
+    assert parts["waiting"] == parts["claimed"] == "events_live"
+    assert parts["old-done"].startswith("events_finished_p") and parts["old-dead"].startswith("events_finished_p")
+    keys = query(dsn, "SELECT user_id, source, source_id FROM event_keys ORDER BY source_id")
+    assert [k["source_id"] for k in keys] == ["claimed", "old-dead", "old-done", "waiting"]
+    new = query(
+        dsn,
+        "INSERT INTO events (user_id, source, source_id, kind, received_at) VALUES ('w', 'chat', 'n', 'k', now()) "
+        "RETURNING id",
+    )[0]["id"]
+    assert new > max(r["id"] for r in before)

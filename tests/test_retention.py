@@ -6,14 +6,18 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from support import query, scalar, wait_for
 from vigil.ledger.db import connect
-from vigil.ledger.retention import prune
+from vigil.ledger.queries import Q
+from vigil.ledger.retention import drop_event_day, prune
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.settings import SettingsError, load
+from vigil.worker.consumer import copy_rows, prepare_record_connection
 from worker_support import metric
 
 
@@ -83,10 +87,10 @@ def test_prune_deletes_finished_work_past_retention_and_nothing_else(ledger):
     with connect(ledger, autocommit=True) as conn:
         # Batches of two: the old events take two batches, the loop must go on after a full one.
         counts = prune(conn, 30, batch=2)
-    assert counts == {"events": 4, "outbox": 2, "runs": 2, "timers": 1}
+    assert counts == {"events": 4, "outbox": 2, "runs": 2, "timers": 1, "event_keys": 0}
     assert left(ledger) == KEPT
     with connect(ledger, autocommit=True) as conn:
-        assert prune(conn, 30) == {"events": 0, "outbox": 0, "runs": 0, "timers": 0}
+        assert prune(conn, 30) == {"events": 0, "outbox": 0, "runs": 0, "timers": 0, "event_keys": 0}
 
 
 def test_two_schedulers_pruning_at_once_share_the_work(ledger):
@@ -141,3 +145,87 @@ def test_the_scheduler_prunes_at_start(stack, ledger, topics, vigil_env, spawn):
     wait_for(lambda: left(ledger) == KEPT, 30, "old finished work pruned", interval=0.2)
     wait_for(lambda: metric(port, 'vigil_ledger_pruned_rows_total{table="events"}') == 4, 10, "prune counted")
     assert scalar(ledger, "SELECT count(*) FROM events") == 3
+
+
+def record_via_worker(dsn: str, user_id: str, source: str, source_id: str) -> int:
+    """The worker's own recording statement for one event; returns how many were new."""
+    now = datetime.now(UTC)
+    row = (1, user_id, source, source_id, "github.push", "{}", None, {}, None, now, "events", 0, 1)
+    with connect(dsn) as conn:
+        prepare_record_connection(conn)
+        with conn.transaction(), conn.cursor() as cur:
+            copy_rows(cur, [row])
+            return cur.execute(Q.record_events, {"unknown_users": []}).fetchone()["recorded"]
+
+
+def event_days(dsn: str) -> set[str]:
+    return {
+        r["relname"]
+        for r in query(
+            dsn,
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'events_finished'::regclass",
+        )
+    }
+
+
+def test_a_retried_webhook_is_dropped_after_its_events_day_was(ledger):
+    """The dedup key lives in event_keys for the dedup window, whatever happened to the
+    event's partition: the provider's retry three days later is still a duplicate after
+    retention (one day here) dropped the day of the first copy; past the window it is new."""
+    assert record_via_worker(ledger, "u", "github", "delivery-1") == 1
+    # The first copy ran three days ago.
+    query(
+        ledger,
+        """UPDATE events SET status = 'done', finished_at = now() - interval '3 days', attempts = 1, claim_epoch = 1,
+                             recorded_at = now() - interval '3 days'""",
+    )
+    query(ledger, "UPDATE event_keys SET recorded_at = now() - interval '3 days'")
+    day = "events_finished_p" + (datetime.now(UTC) - timedelta(days=3)).strftime("%Y%m%d")
+    with connect(ledger, autocommit=True) as conn:
+        counts = prune(conn, 1, dedup_window_days=7)
+    assert counts["events"] == 1 and counts["event_keys"] == 0
+    assert day not in event_days(ledger)
+    assert scalar(ledger, "SELECT count(*) FROM events") == 0
+
+    assert record_via_worker(ledger, "u", "github", "delivery-1") == 0
+    assert scalar(ledger, "SELECT count(*) FROM events") == 0
+    assert record_via_worker(ledger, "u", "github", "delivery-2") == 1
+
+    # Five days on, the first key is past the 7-day window: a copy now is a new event.
+    with connect(ledger, autocommit=True) as conn:
+        counts = prune(conn, 30, now=datetime.now(UTC) + timedelta(days=5), dedup_window_days=7)
+    assert counts["event_keys"] == 1
+    assert record_via_worker(ledger, "u", "github", "delivery-1") == 1
+
+
+def test_dropping_a_day_drops_it_whole_and_fast_and_keeps_its_keys(ledger):
+    """A day of finished events goes in one DROP: no row-by-row delete, a short lock on
+    events whatever the day held (the bench's `retention_drop_day_s` does this with a
+    million rows), and every dedup key stays."""
+    n = 100_000
+    query(ledger, "SELECT ensure_event_partitions(3, ARRAY[(now() AT TIME ZONE 'UTC' - interval '40 days')::date])")
+    query(
+        ledger,
+        """WITH k AS (INSERT INTO event_keys (user_id, source, source_id, recorded_at)
+                      SELECT 'u' || (g %% 500), 'chat', 'm-' || g, now() - interval '40 days'
+                      FROM generate_series(1, %(n)s) g
+                      RETURNING user_id, source, source_id, recorded_at)
+           INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status, finished_at,
+                               attempts, claim_epoch)
+           SELECT user_id, source, source_id, 'chat.message', recorded_at, recorded_at, 'done', recorded_at, 1, 1
+           FROM k""",
+        {"n": n},
+    )
+    day = "events_finished_p" + (datetime.now(UTC) - timedelta(days=40)).strftime("%Y%m%d")
+    with connect(ledger, autocommit=True) as conn:
+        began = time.monotonic()
+        dropped = drop_event_day(conn, day)
+        took = time.monotonic() - began
+    assert dropped == n
+    assert took < 1.0, f"dropping a day of {n} events took {took:.2f} s"
+    assert day not in event_days(ledger)
+    assert scalar(ledger, "SELECT count(*) FROM events") == 0
+    # The keys stay for the dedup window (counted from now: 40 days old here, so the next
+    # prune with a 7-day window deletes them, in batches, which is the keys' own retention).
+    assert scalar(ledger, "SELECT count(*) FROM event_keys") == n

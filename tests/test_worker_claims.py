@@ -217,7 +217,8 @@ def test_a_claim_pass_stays_cheap_when_the_statistics_say_nothing_waits(ledger):
     With such statistics the planner once scanned every pending row and re-ran the whole
     claim for each of them (51 s for one pass in the two-worker benchmark)."""
     seed_pending(ledger, 3000, per_user=2, status="running")  # ANALYZEd: no pending rows at all
-    query(ledger, "ALTER TABLE events SET (autovacuum_enabled = false)")  # keep them stale
+    # keep them stale (the queue part of events: events_live)
+    query(ledger, "ALTER TABLE events_live SET (autovacuum_enabled = false)")
     query(ledger, "UPDATE events SET status = 'pending', claim_epoch = NULL, attempts = 0")
     params = {
         "topics": ["events"],

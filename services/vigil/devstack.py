@@ -313,6 +313,9 @@ class PostgresServer:
     port: int
     user: str = "vigil"
     database: str = "vigil"
+    # Production durability (fsync, synchronous commit, full page writes): the bench measures
+    # with it; dev and test servers trade it for speed.
+    durable: bool = False
 
     @property
     def pidfile(self) -> Path:
@@ -377,11 +380,11 @@ class PostgresServer:
                 # A dev and test server: losing the last transactions on a machine crash is
                 # acceptable, and fsync would make every test several times slower.
                 "-c",
-                "fsync=off",
+                f"fsync={'on' if self.durable else 'off'}",
                 "-c",
-                "synchronous_commit=off",
+                f"synchronous_commit={'on' if self.durable else 'off'}",
                 "-c",
-                "full_page_writes=off",
+                f"full_page_writes={'on' if self.durable else 'off'}",
                 "-c",
                 "max_connections=300",
                 "-c",

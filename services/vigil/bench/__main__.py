@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from vigil.bench import ingest_http, pipeline, raw
+from vigil.bench import costs, ingest_http, pipeline, raw, retention
 from vigil.bench.figures import Figure, Report, fmt
 from vigil.bench.plan import FULL, QUICK, Plan
 from vigil.bench.stack import BenchStack
@@ -33,6 +33,7 @@ FIGURES = [
     "e2e_latency_p99_ms_window_{small}ms",
     "e2e_2_workers_events_per_s",
     "scale_2_workers_ratio",
+    "e2e_single_event_runs_per_s",
     "trivial_http_requests_per_s",
     "ingest_http_events_per_s",
     "ingest_http_batched_events_per_s",
@@ -40,8 +41,10 @@ FIGURES = [
     "ingest_http_batched_ratio",
     "worker_rss_mb",
     "worker_rss_growth_mb",
+    "retention_drop_day_s",
+    *[f"cost_{name}_per_{unit}" for unit in ("event", "run") for name in costs.COUNTERS],
 ]
-WORKLOADS = ["raw_kafka", "raw_pg", "record", "e2e", "memory", "ingest"]
+WORKLOADS = ["raw_kafka", "raw_pg", "record", "e2e", "single", "memory", "ingest", "retention", "costs"]
 # "Memory flat": growth after warm-up within this share of the resident size (allocator noise).
 FLAT_SHARE = 0.05
 FALLBACK_RATE = 1000.0  # events/s for a workload whose input figure failed
@@ -101,6 +104,17 @@ def summary(report: Report, plan: Plan) -> None:
         line("e2e_vs_raw_pg", ratio, f"e2e {fmt(e2e)} / raw_pg {fmt(pg)} = {ratio:.2f} (target >= 0.25)", ratio >= 0.25)
     else:
         line("e2e_vs_raw_pg", None, "missing input", None)
+    single = v("e2e_single_event_runs_per_s")
+    if None not in (single, pg):
+        ratio = single / pg
+        line(
+            "single_event_runs_vs_raw_pg",
+            ratio,
+            f"single-event runs {fmt(single)} / raw_pg {fmt(pg)} = {ratio:.3f} (target >= 0.05)",
+            ratio >= 0.05,
+        )
+    else:
+        line("single_event_runs_vs_raw_pg", None, "missing input", None)
     p99, p99_small = v("e2e_latency_p99_ms"), v(f"e2e_latency_p99_ms_window_{plan.small_window_ms}ms")
     if p99 is not None:
         line(
@@ -131,6 +145,13 @@ def summary(report: Report, plan: Plan) -> None:
             f"growth {growth:+.1f} MB after warm-up at {fmt(rss)} MB (target: within {FLAT_SHARE:.0%})",
             growth <= FLAT_SHARE * rss,
         )
+    drop = v("retention_drop_day_s")
+    line(
+        "retention_drop_day",
+        drop,
+        f"{drop:.2f} s to drop a day of events, dedup keys kept (target < 1 s)" if drop is not None else "missing",
+        None if drop is None else drop < 1.0,
+    )
     scale = v("scale_2_workers_ratio")
     line(
         "scale_2_workers",
@@ -147,6 +168,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
         report.say(f"vigil bench ({plan.name}): {plan.rounds} measured round(s) per figure")
         for text in stack.machine():
             report.say(text)
+        report.durability = stack.durability()
         settings = _worker_settings(report)
         if keep_logs:
             report.say(f"logs: {stack.workdir}")
@@ -156,8 +178,14 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
             "raw_pg": (["raw_pg_rows_per_s"], lambda: raw.raw_pg(stack, plan, report, settings.poll_batch_max)),
             "record": (["record_events_per_s"], lambda: pipeline.record(stack, plan, report)),
             "e2e": (
-                [n for n in figure_names(plan) if n.startswith(("e2e_", "scale_"))],
+                [n for n in figure_names(plan) if n.startswith(("e2e_", "scale_")) and "single" not in n],
                 lambda: pipeline.end_to_end(stack, plan, report, report.value("record_events_per_s") or FALLBACK_RATE),
+            ),
+            "single": (
+                ["e2e_single_event_runs_per_s", *[n for n in figure_names(plan) if n.endswith("_per_run")]],
+                lambda: pipeline.single_event_runs(
+                    stack, plan, report, report.value("e2e_runs_per_s") or FALLBACK_RATE / 2
+                ),
             ),
             "memory": (
                 ["worker_rss_mb", "worker_rss_growth_mb"],
@@ -166,6 +194,14 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
             "ingest": (
                 [n for n in figure_names(plan) if "http" in n],
                 lambda: ingest_http.ingest_http(stack, plan, report),
+            ),
+            "retention": (["retention_drop_day_s"], lambda: retention.drop_day(stack, plan, report)),
+            # Half load of the e2e shape: the counts, not the rate, are the figures.
+            "costs": (
+                [n for n in figure_names(plan) if n.startswith("cost_") and n.endswith("_per_event")],
+                lambda: pipeline.per_event_costs(
+                    stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2
+                ),
             ),
         }
         for name, (figures, action) in workloads.items():

@@ -46,11 +46,14 @@ class Report:
     def __init__(self, out=None):
         self.out = out or sys.stdout
         self.figures: dict[str, Figure] = {}
+        self.durability = ""  # the ledger's durability, appended to every figure's note
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
 
     def add(self, figure: Figure) -> Figure:
+        if self.durability:
+            figure.note = f"{figure.note}; {self.durability}" if figure.note else self.durability
         self.figures[figure.name] = figure
         self.say(figure.line())
         return figure

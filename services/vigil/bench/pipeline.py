@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 import psycopg
 from psycopg.rows import dict_row
 
-from vigil.bench import load
+from vigil.bench import costs, load
 from vigil.bench.figures import Figure, Report
 from vigil.bench.plan import Plan
 from vigil.bench.procs import Workers
@@ -288,3 +288,48 @@ def memory(stack: BenchStack, plan: Plan, report: Report, rate: float) -> None:
             note=f"median of the last third minus the middle third; start {samples[0]:.0f} MB",
         )
     )
+
+
+# -- single-event runs -------------------------------------------------------------------
+
+
+def single_event_runs(stack: BenchStack, plan: Plan, report: Report, start_rate: float) -> None:
+    """``e2e_single_event_runs_per_s``: the e2e rounds with every run carrying one event, so
+    the figure is what a run costs, not an event: ``plan.memory_users`` users (a user's next
+    event comes seconds after its last) and ``VIGIL_BATCH_MAX=1`` (a user's events that did
+    pile up still go one per run). Then, on the same worker at half that rate, the per-run
+    cost counters (``vigil.bench.costs``)."""
+    with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
+        e2e = EndToEnd(stack, plan, dsn, topics, plan.memory_users)
+        try:
+            with Workers(stack, dsn, topics, 1, VIGIL_BATCH_MAX="1") as workers:
+                workers.wait_ready()
+                _, runs, per_run, _ = e2e.throughput(workers, start_rate)
+                note = (
+                    f"1 worker, {plan.memory_users} users, window {plan.default_window_ms} ms, VIGIL_BATCH_MAX=1, "
+                    f"{statistics.median(per_run):.2f} events per run"
+                )
+                report.add(Figure("e2e_single_event_runs_per_s", runs, note=note))
+                rate = statistics.median(runs) / 2
+                grown, _, finished = costs.measure(e2e, workers, rate)
+                note = f"{finished} single-event runs, {rate:.0f} events/s offered to {plan.memory_users} users"
+                costs.add_figures(report, "run", grown, finished, note)
+        finally:
+            e2e.producer.close()
+
+
+# -- cost per event ----------------------------------------------------------------------
+
+
+def per_event_costs(stack: BenchStack, plan: Plan, report: Report, rate: float) -> None:
+    """The per-event cost counters (``vigil.bench.costs``) at ``rate`` over ``plan.users``."""
+    with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
+        e2e = EndToEnd(stack, plan, dsn, topics, plan.users)
+        try:
+            with Workers(stack, dsn, topics, 1) as workers:
+                workers.wait_ready()
+                grown, events, runs = costs.measure(e2e, workers, rate)
+        finally:
+            e2e.producer.close()
+    note = f"{events} events in {runs} runs ({events / max(runs, 1):.1f} per run), {rate:.0f} events/s offered"
+    costs.add_figures(report, "event", grown, events, note)

@@ -25,6 +25,9 @@ class Plan:
     memory_users: int
     memory_seconds: float  # the memory run: one long stretch of half load
     http_seconds: float  # each HTTP mode, each round
+    retention_events: int  # retention_drop_day_s: events in the day dropped
+    cost_seconds: float  # each pass of the cost counters offers load this long
+    cost_settle_s: float  # and waits this long for PostgreSQL's counters before reading them
     http_concurrency: int = 64
     http_batch: int = 50  # events per batched POST /v1/events
     default_window_ms: int = DEFAULT_BATCH_WINDOW_MS
@@ -43,6 +46,9 @@ FULL = Plan(
     memory_users=10_000,
     memory_seconds=75.0,
     http_seconds=4.0,
+    retention_events=1_000_000,
+    cost_seconds=10.0,
+    cost_settle_s=11.0,
 )
 
 QUICK = Plan(
@@ -57,4 +63,7 @@ QUICK = Plan(
     memory_users=10_000,
     memory_seconds=6.0,
     http_seconds=1.0,
+    retention_events=20_000,
+    cost_seconds=1.0,
+    cost_settle_s=1.0,
 )

@@ -2,26 +2,39 @@
 -- Loaded by name like the ledger's queries (vigil.ledger.queries.parse).
 
 -- name: raw_insert_events
--- The raw limit, as a plain client writes it: events-shaped rows as arrays, one multi-row insert per batch, duplicates dropped; no users, no RETURNING.
+-- The raw limit, as a plain client writes it: events-shaped rows as arrays, one multi-row insert per batch, duplicates dropped by the ledger's key table (event_keys); no users, no RETURNING.
+WITH batch AS (
+    SELECT * FROM unnest(%(user_id)s::text[], %(source)s::text[], %(source_id)s::text[], %(kind)s::text[],
+                         %(payload)s::text[], %(session_id)s::text[], %(headers)s::jsonb[], %(occurred_at)s::timestamptz[],
+                         %(received_at)s::timestamptz[], %(topic)s::text[], %(partition)s::int[], %(offset)s::bigint[])
+         AS b(user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at, kafka_topic,
+              kafka_partition, kafka_offset)
+),
+new_keys AS (
+    INSERT INTO event_keys (user_id, source, source_id) SELECT user_id, source, source_id FROM batch
+    ON CONFLICT (user_id, source, source_id) DO NOTHING
+    RETURNING user_id, source, source_id
+)
 INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
                     kafka_topic, kafka_partition, kafka_offset)
-SELECT * FROM unnest(%(user_id)s::text[], %(source)s::text[], %(source_id)s::text[], %(kind)s::text[],
-                     %(payload)s::text[], %(session_id)s::text[], %(headers)s::jsonb[], %(occurred_at)s::timestamptz[],
-                     %(received_at)s::timestamptz[], %(topic)s::text[], %(partition)s::int[], %(offset)s::bigint[])
-ON CONFLICT (user_id, source, source_id) DO NOTHING
+SELECT b.* FROM batch b JOIN new_keys k USING (user_id, source, source_id)
 
 -- name: raw_insert_staged
--- The raw limit fed the way the worker feeds it: the batch binary-copied into the staging table (record_staging, record_copy), then one multi-row insert, duplicates dropped; no users, no RETURNING.
+-- The raw limit fed the way the worker feeds it: the batch binary-copied into the staging table (record_staging, record_copy), then one multi-row insert, duplicates dropped by the ledger's key table (event_keys); no users, no RETURNING.
+WITH new_keys AS (
+    INSERT INTO event_keys (user_id, source, source_id) SELECT user_id, source, source_id FROM incoming_events
+    ON CONFLICT (user_id, source, source_id) DO NOTHING
+    RETURNING user_id, source, source_id
+)
 INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
                     kafka_topic, kafka_partition, kafka_offset)
-SELECT user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
-       kafka_topic, kafka_partition, kafka_offset
-FROM incoming_events ORDER BY n
-ON CONFLICT (user_id, source, source_id) DO NOTHING
+SELECT i.user_id, i.source, i.source_id, i.kind, i.payload, i.session_id, i.headers, i.occurred_at, i.received_at,
+       i.kafka_topic, i.kafka_partition, i.kafka_offset
+FROM incoming_events i JOIN new_keys k USING (user_id, source, source_id) ORDER BY i.n
 
 -- name: truncate_events
 -- Between raw rounds: every round inserts into an empty table.
-TRUNCATE events
+TRUNCATE events, event_keys
 
 -- name: foreign_home_users
 -- The record workload's users live on another topic's partitions: the worker records their events but never claims them.
@@ -52,3 +65,31 @@ ORDER BY 1
 -- Events and runs finished in a stretch of an end-to-end round (only one round's events are in flight at a time).
 SELECT coalesce(sum(cardinality(event_ids)), 0)::int AS events, count(*)::int AS runs
 FROM runs WHERE finished_at >= %(since)s AND finished_at < %(until)s
+
+-- name: retention_make_day
+-- The partition of one past day.
+SELECT ensure_event_partitions(0, ARRAY[%(day)s::date])
+
+-- name: retention_fill_day
+-- One day of finished events, with their dedup keys, in that day's partition.
+WITH keys AS (
+    INSERT INTO event_keys (user_id, source, source_id, recorded_at)
+    SELECT 'u' || (g %% 1000), 'chat', 'old-' || g, %(day)s::date + (g %% 86400) * interval '1 second'
+    FROM generate_series(1, %(n)s) AS g
+    RETURNING user_id, source, source_id, recorded_at
+)
+INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, finished_at, attempts,
+                    claim_epoch)
+SELECT user_id, source, source_id, 'chat.message', '{"text": "an old chat message of about this size"}', recorded_at,
+       recorded_at, 'done', recorded_at, 1, 1
+FROM keys
+
+-- name: count_keys
+-- Dedup keys left.
+SELECT count(*)::bigint AS n FROM event_keys
+
+-- name: cost_counters
+-- What the ledger database has written so far: rows (every table and partition), WAL bytes, committed transactions.
+SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables)::bigint AS rows_written,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS wal_bytes,
+       (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())::bigint AS transactions

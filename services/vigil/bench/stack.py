@@ -78,7 +78,7 @@ class BenchStack:
         run_dir = Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run"))
         libs = devstack.kafka_libs(run_dir / "kafka")
         kafka = devstack.KafkaServer(temp / "kafka", devstack.free_port(), devstack.free_port(), libs)
-        pg = devstack.PostgresServer(temp / "pg" / "data", devstack.free_port())
+        pg = devstack.PostgresServer(temp / "pg" / "data", devstack.free_port(), durable=True)
         stack = cls(kafka.bootstrap, "", temp / "logs", _jar_version(libs), temp=temp)
         try:
             kafka.start()
@@ -129,6 +129,13 @@ class BenchStack:
             for future in futures.values():
                 with contextlib.suppress(Exception):
                     future.result(30)
+
+    def durability(self) -> str:
+        """The durability every figure is taken at, printed beside each one."""
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            sync_commit = conn.execute("SHOW synchronous_commit").fetchone()[0]
+            fsync = conn.execute("SHOW fsync").fetchone()[0]
+        return f"pg synchronous_commit={sync_commit} fsync={fsync}"
 
     def machine(self) -> list[str]:
         """What the figures were measured on, printed before them."""

@@ -41,7 +41,9 @@ def scheduler_command() -> None:
         for table, n in counts.items():
             metrics.PRUNED.labels(table).inc(n)
 
-    Pruner(settings.dsn, settings.retention_days, stopping, on_pruned=pruned).start()
+    Pruner(
+        settings.dsn, settings.retention_days, stopping, on_pruned=pruned, dedup_window_days=settings.dedup_window_days
+    ).start()
     try:
         scheduler.run(stopping, on_health=lambda ok: readiness.set("passes", ok))
     finally:

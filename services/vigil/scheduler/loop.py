@@ -17,7 +17,7 @@ rolls the transaction back: the timers are still due and the next pass plans the
 A crash between the acknowledgement and the commit (``VIGIL_SCHEDULER_CRASH_AFTER_PRODUCE``
 places one there) leaves events on the topic and the timers unchanged: the next pass
 re-produces the same occurrences under the same keys (``<timer id>@<scheduled_for>``), and
-the ledger's ``UNIQUE (user_id, source, source_id)`` drops the copies. (A coalescing timer
+the ledger's dedup key (``event_keys``: user_id, source, source_id) drops the copies. (A coalescing timer
 whose next occurrence came due meanwhile fires that one too: each occurrence still lands
 once.) The loop never starts a run itself; the worker does, from the ledger.
 """

@@ -55,6 +55,7 @@ APPROVAL_EXPIRIES = Counter(
 )
 PRUNED = Counter(
     "vigil_ledger_pruned_rows_total",
-    "Rows retention deleted from the ledger (finished events, delivered or dead outbox rows, runs, done timers).",
+    "Rows retention deleted from the ledger (finished events, delivered or dead outbox rows, runs, done timers, "
+    "expired dedup keys).",
     ["table"],
 )

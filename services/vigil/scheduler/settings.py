@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from vigil.ledger.retention import DEFAULT_DEDUP_WINDOW_DAYS
 from vigil.scheduler.timing import DEFAULT_EACH_CAP, DEFAULT_GRACE
 from vigil.settings import DEFAULT_SCHEDULER_METRICS_PORT, CommonSettings
 
@@ -19,7 +20,6 @@ DEFAULT_BATCH_SIZE = 200
 # Finished work is kept a month; a duplicate is recognised for a week (GitHub and Stripe
 # retry webhooks for up to three days).
 DEFAULT_RETENTION_DAYS = 30.0
-DEFAULT_DEDUP_WINDOW_DAYS = 7.0
 # An escalated approval asks again and waits this long before the deadline policy denies.
 DEFAULT_ESCALATE_AFTER_S = 3600
 

@@ -1,8 +1,15 @@
 -- Read-only look-ups for `vigil demo`.
 
 -- name: demo_event_by_key
--- An event by its dedup key.
-SELECT id, status, run_id FROM events WHERE user_id = %(user_id)s AND source = %(source)s AND source_id = %(source_id)s
+-- An event by its dedup key (the live queue by its partial indexes, the finished days by user).
+SELECT id, status, run_id FROM events
+WHERE user_id = %(user_id)s AND source = %(source)s AND source_id = %(source_id)s AND status = 'pending'
+UNION ALL
+SELECT id, status, run_id FROM events
+WHERE user_id = %(user_id)s AND source = %(source)s AND source_id = %(source_id)s AND status = 'running'
+UNION ALL
+SELECT id, status, run_id FROM events
+WHERE user_id = %(user_id)s AND source = %(source)s AND source_id = %(source_id)s AND status IN ('done', 'dead')
 
 -- name: demo_event_done
 -- The event once its run finished.

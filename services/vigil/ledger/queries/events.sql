@@ -14,7 +14,7 @@ COPY incoming_events (n, user_id, source, source_id, kind, payload, session_id, 
                       kafka_topic, kafka_partition, kafka_offset) FROM STDIN (FORMAT BINARY)
 
 -- name: record_events
--- One statement per polled batch: new users' home partitions (the partition of the first event seen, fixed from then on; only for %(unknown_users)s, those the worker has not seen committed), then every event; the UNIQUE key drops every duplicate (retried webhook, redelivered message, replayed timer). Returns how many were new.
+-- One statement per polled batch: new users' home partitions (the partition of the first event seen, fixed from then on; only for %(unknown_users)s, those the worker has not seen committed), then every event whose dedup key is new in event_keys (retried webhook, redelivered message, replayed timer: dropped, also after the first copy's partition was dropped). Returns how many were new.
 WITH new_users AS (
     INSERT INTO users (user_id, home_topic, home_partition)
     SELECT DISTINCT ON (user_id) user_id, kafka_topic, kafka_partition FROM incoming_events
@@ -22,13 +22,24 @@ WITH new_users AS (
     ORDER BY user_id, n
     ON CONFLICT (user_id) DO NOTHING
 ),
+new_keys AS (
+    -- The key table's primary key decides; of two copies in one batch the first stands.
+    INSERT INTO event_keys (user_id, source, source_id)
+    SELECT user_id, source, source_id FROM incoming_events ORDER BY n
+    ON CONFLICT (user_id, source, source_id) DO NOTHING
+    RETURNING user_id, source, source_id
+),
+firsts AS (
+    SELECT DISTINCT ON (i.user_id, i.source, i.source_id) i.*
+    FROM incoming_events i JOIN new_keys k USING (user_id, source, source_id)
+    ORDER BY i.user_id, i.source, i.source_id, i.n
+),
 recorded AS (
     INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
                         kafka_topic, kafka_partition, kafka_offset)
     SELECT user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
            kafka_topic, kafka_partition, kafka_offset
-    FROM incoming_events ORDER BY n
-    ON CONFLICT (user_id, source, source_id) DO NOTHING
+    FROM firsts ORDER BY n
     RETURNING 1
 )
 SELECT count(*)::int AS recorded FROM recorded
@@ -61,7 +72,8 @@ SET status = 'dead', finished_at = now(),
     error = 'dead after ' || e.attempts || ' attempts' || coalesce(': ' || e.error, '')
 FROM exhausted x
 -- Join clauses only (see claim): the rows by id, whatever the statistics say about pending.
-WHERE e.id = x.id AND e.status = x.status AND e.attempts >= %(max_attempts)s
+-- The live queue only (see claim).
+WHERE e.id = x.id AND e.status = x.status AND e.attempts >= %(max_attempts)s AND e.status IN ('pending', 'running')
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.occurred_at, e.error
 
 -- name: claim
@@ -147,7 +159,9 @@ claimed AS (
     FROM chosen c
     -- The status check as a join clause, not a restriction: a restriction would let the
     -- planner start from events_pending_by_user (every pending row) instead of the ids.
-    WHERE e.id = c.id AND e.status = c.status
+    -- The IN list names the live queue (events_live), so the plan reads that partition only,
+    -- and matches no partial index's predicate.
+    WHERE e.id = c.id AND e.status = c.status AND e.status IN ('pending', 'running')
     RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
               e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 )
@@ -163,10 +177,12 @@ WITH owned AS (
 )
 SELECT min(coalesce(e.next_attempt_at, now())) AS at
 FROM events e
+-- The user's home by primary key, per tried row (OFFSET 0: never a join that starts from
+-- every user of the owned partitions, which read 3,000 users to find no row).
+CROSS JOIN LATERAL (SELECT u.home_topic, u.home_partition FROM users u WHERE u.user_id = e.user_id OFFSET 0) u
 -- Through events_retries (its predicate spelled out): the tried rows only.
 WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
-  AND EXISTS (SELECT 1 FROM users u JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
-              WHERE u.user_id = e.user_id)
+  AND EXISTS (SELECT 1 FROM owned o WHERE o.topic = u.home_topic AND o.partition = u.home_partition)
   AND NOT EXISTS (SELECT 1 FROM events o WHERE o.user_id = e.user_id AND o.status = 'pending' AND o.id < e.id)
 
 -- name: claim_alone
@@ -198,7 +214,7 @@ chosen AS MATERIALIZED (
 UPDATE events e
 SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
 FROM chosen c
-WHERE e.id = c.id AND e.status = c.status
+WHERE e.id = c.id AND e.status = c.status AND e.status IN ('pending', 'running')
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 
@@ -262,6 +278,13 @@ WHERE id = ANY(%(ids)s) AND status = 'dead'
 RETURNING id, user_id
 
 -- name: inbox
--- A user's events and their states, newest first.
+-- A user's events and their states, newest first: the live queue through its partial indexes (it has no index of every row by user: one less index entry on every record and claim), the finished days through events_finished_by_user.
 SELECT id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at, recorded_at, finished_at, run_id
-FROM events WHERE user_id = %(user_id)s ORDER BY id DESC LIMIT %(limit)s
+FROM (
+    SELECT * FROM events WHERE user_id = %(user_id)s AND status = 'pending'
+    UNION ALL
+    SELECT * FROM events WHERE user_id = %(user_id)s AND status = 'running'
+    UNION ALL
+    (SELECT * FROM events WHERE user_id = %(user_id)s AND status IN ('done', 'dead') ORDER BY id DESC LIMIT %(limit)s)
+) mine
+ORDER BY id DESC LIMIT %(limit)s

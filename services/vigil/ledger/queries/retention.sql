@@ -1,13 +1,33 @@
 -- Retention: what the ledger forgets, and when. Read services/vigil/ledger/retention.py.
--- Each statement deletes one batch, oldest first; FOR UPDATE SKIP LOCKED lets any number of
--- scheduler replicas prune at once without waiting on each other or deleting a row twice.
+-- Events go a whole day at a time (a partition dropped); every other statement deletes one
+-- batch, oldest first, FOR UPDATE SKIP LOCKED, so any number of scheduler replicas prune at
+-- once without waiting on each other or deleting a row twice.
 
--- name: prune_events
--- Finished events (done or dead) past retention. Their dedup keys go with them, which is why retention is never shorter than the dedup window. Walks the primary key: ids follow recording time, so the old rows are at the front.
-DELETE FROM events WHERE id IN (
-    SELECT id FROM events
-    WHERE status IN ('done', 'dead') AND recorded_at < %(before)s AND finished_at < %(before)s
-    ORDER BY id
+-- name: ensure_partitions
+-- The day partitions of finished events from yesterday to %(ahead)s days ahead (and the days of rows waiting in the default partition), made before anyone needs them.
+SELECT ensure_event_partitions(%(ahead)s) AS made
+
+-- name: event_days_past
+-- The day partitions of finished events whose whole day is older than %(before)s, oldest first (events_finished_pYYYYMMDD: the name is the day).
+SELECT c.relname AS name
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'events_finished'::regclass AND c.relname ~ '^events_finished_p[0-9]{8}$'
+  AND (to_date(substr(c.relname, 18), 'YYYYMMDD') + 1)::timestamp AT TIME ZONE 'UTC' <= %(before)s
+ORDER BY c.relname
+
+-- name: count_event_day
+-- Rows in one day of finished events, counted before the drop (only an operator's `vigil dead retry` takes rows out of a day).
+SELECT count(*)::bigint AS n FROM {partition}
+
+-- name: drop_event_day
+-- Retention of events: a whole day of finished events goes at once (detached and dropped in one step; the live queue and the dedup keys are other tables, untouched).
+DROP TABLE {partition}
+
+-- name: prune_event_keys
+-- Dedup keys older than the dedup window: a copy of such an event arriving now is new again. Through the BRIN index on recorded_at.
+DELETE FROM event_keys WHERE (user_id, source, source_id) IN (
+    SELECT user_id, source, source_id FROM event_keys
+    WHERE recorded_at < %(before)s
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 )

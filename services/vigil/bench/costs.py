@@ -1,0 +1,105 @@
+"""What an event and a run cost, counted rather than timed: the figures behind docs/scaling.md.
+
+Two passes on one worker (echo agent), each half load of its shape offered for
+``plan.cost_seconds`` and drained, with every counter read before and after:
+
+- ``..._per_event`` (workload ``costs``, ``pipeline.per_event_costs``): ``plan.users`` users (the e2e shape: a run takes
+  what a user's events piled up in the batch window), per event recorded and finished;
+- ``..._per_run`` (workload ``single``, after its throughput rounds, same worker):
+  ``plan.memory_users`` users and ``VIGIL_BATCH_MAX=1`` (every run carries one event: what a
+  run costs on its own), per run.
+
+Counters: the worker process's CPU time (``/proc``); PostgreSQL's CPU time (the postmaster,
+its live backends and the children it reaped, so vacuum and the checkpointer count too: the
+bench's server serves nothing else, a shared one would add its neighbours); rows written
+(inserts, updates and deletes in ``pg_stat_user_tables``; a row moved by an UPDATE counts once);
+WAL bytes; committed transactions of the ledger database. CPU times depend on the machine
+and its neighbours; the counts do not.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psycopg
+from psycopg.rows import dict_row
+
+from vigil.bench.figures import Figure, Report
+from vigil.bench.procs import Workers
+from vigil.bench.sql import B
+
+if TYPE_CHECKING:  # the workloads in pipeline.py call these with their EndToEnd
+    from vigil.bench.pipeline import EndToEnd
+
+TICKS = 100.0  # clock ticks per second in /proc (USER_HZ, 100 on Linux)
+# Backends report their counters at most once a second, and an idle one within 10 s: the
+# full run waits that long before each reading (the quick run less: its counts may fall short).
+COUNTERS = ("worker_cpu_us", "pg_cpu_us", "rows_written", "wal_bytes", "transactions")
+
+
+def _cpu_s(pid: int, children: bool = False) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # After the name: state is field 3, utime 14, stime 15, cutime 16, cstime 17 (1-based).
+    used = int(fields[11]) + int(fields[12])
+    if children:
+        used += int(fields[13]) + int(fields[14])
+    return used / TICKS
+
+
+def _postmaster(dsn: str) -> int | None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+    try:
+        return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None  # PostgreSQL on another machine: its CPU cannot be read from here
+
+
+def _pg_cpu_s(postmaster: int) -> float:
+    total = _cpu_s(postmaster, children=True)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[1]) == postmaster:
+                    total += (int(stat[11]) + int(stat[12])) / TICKS
+            except OSError:
+                continue  # gone meanwhile: its time is in the postmaster's cutime now
+    return total
+
+
+def _snapshot(dsn: str, worker_pid: int, postmaster: int | None) -> dict[str, float]:
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(B.cost_counters).fetchone()
+    return {
+        "worker_cpu_us": _cpu_s(worker_pid) * 1e6,
+        "pg_cpu_us": _pg_cpu_s(postmaster) * 1e6 if postmaster else 0.0,
+        "rows_written": float(row["rows_written"]),
+        "wal_bytes": float(row["wal_bytes"]),
+        "transactions": float(row["transactions"]),
+    }
+
+
+def measure(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[dict, int, int]:
+    """Offer ``rate`` events/s to ``e2e``'s users and drain; the counters' growth, and the
+    events and runs finished (the only round in flight)."""
+    plan, dsn = e2e.plan, e2e.dsn
+    postmaster = _postmaster(dsn)
+    pid = workers.procs[0].pid
+    time.sleep(plan.cost_settle_s)
+    before = _snapshot(dsn, pid, postmaster)
+    source = e2e._source("cost")
+    produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, e2e.users, source).result()
+    time.sleep(0.3)
+    totals = e2e._drain(workers, source, produced.count)
+    time.sleep(plan.cost_settle_s)
+    after = _snapshot(dsn, pid, postmaster)
+    return {k: after[k] - before[k] for k in COUNTERS}, int(totals["done"]), int(totals["runs"])
+
+
+def add_figures(report: Report, unit: str, grown: dict, count: int, note: str) -> None:
+    for name in COUNTERS:
+        report.add(Figure(f"cost_{name}_per_{unit}", [grown[name] / max(count, 1)], per="run", note=note))
