@@ -86,7 +86,9 @@ class HealthServer:
 
     def __init__(self, port: int, readiness: Readiness, host: str = "0.0.0.0"):
         app = Starlette(routes=health_routes(readiness))
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", log_config=None, access_log=False, lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the service owns the signals
         self.thread = threading.Thread(target=self.server.run, name="health", daemon=True)

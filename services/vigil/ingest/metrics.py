@@ -80,3 +80,13 @@ class RequestMetrics:
             method = scope["method"] if scope["method"] in METHODS else "OTHER"
             REQUESTS.labels(template, method, str(status[0])).inc()
             REQUEST_SECONDS.labels(template).observe(time.perf_counter() - started)
+
+
+# Every bounded label value starts at zero, so increase() sees the first failure of each.
+for _via in ("events", "messages", "hooks", "approvals"):
+    EVENTS_PRODUCED.labels(_via)
+    PRODUCE_FAILURES.labels(_via)
+    PRODUCE_SECONDS.labels(_via)
+for _provider in ("github", "stripe", "standard-webhooks"):
+    for _reason in ("missing_header", "malformed_header", "stale_timestamp", "bad_signature", "no_active_secret"):
+        SIGNATURE_FAILURES.labels(_provider, _reason)

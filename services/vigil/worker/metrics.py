@@ -52,3 +52,18 @@ LEDGER_SECONDS = Histogram(
     ["step"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+TOPIC_PARTITIONS = Gauge(
+    "vigil_events_topic_partitions",
+    "Partitions of the events topic, as this worker's consumer sees them (alert when the workers hold fewer).",
+)
+
+# Every bounded label value starts at zero, so a dashboard shows the series before the first
+# occurrence and increase() sees the first one (a series born at 1 has no increase).
+for _result in ("new", "duplicate"):
+    EVENTS_RECORDED.labels(_result)
+for _attempt in ("1", "2", "3+"):
+    CLAIM_ATTEMPTS.labels(_attempt)
+for _outcome in ("message", "nothing", "deferred", "failed", "retry_later", "stale"):
+    RUNS.labels(_outcome)
+for _step in ("claim", "finish"):
+    LEDGER_SECONDS.labels(_step)
