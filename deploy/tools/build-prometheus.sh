@@ -21,7 +21,8 @@ if [ -x "$OUT/promtool" ] && [ -x "$OUT/prometheus" ]; then
   echo "$OUT"
   exit 0
 fi
-command -v go >/dev/null 2>&1 || { echo "build-prometheus: the Go toolchain (go) is not on PATH" >&2; exit 2; }
+command -v go >/dev/null 2>&1 || PATH="$PATH:/usr/local/go/bin"  # the Go toolchain's usual home
+command -v go >/dev/null 2>&1 || { echo "build-prometheus: the Go toolchain (go 1.26+) is not on PATH" >&2; exit 2; }
 mkdir -p "$OUT"
 exec 9>"$OUT.lock"
 flock 9
