@@ -134,8 +134,7 @@ def test_every_recording_rule_and_dashboard_query_returns_series(
         "scheduler": {**vigil_env, "VIGIL_SCHEDULER_TICK_S": "0.2"},
         "dispatcher": {**vigil_env, "VIGIL_DISPATCHER_POLL_INTERVAL_S": "0.1"},
     }
-    for name in SERVICES:
-        spawn([name], envs[name], name=name).wait_healthy(ports[name])
+    procs = {name: spawn([name], envs[name], name=name).wait_healthy(ports[name]) for name in SERVICES}
 
     with Prometheus(tools / "prometheus", tmp_path, ports) as prom:
         wait_for(prom.targets_up, 60, "prometheus scraping all four services")
@@ -184,3 +183,14 @@ def test_every_recording_rule_and_dashboard_query_returns_series(
         except AssertionError:
             raise AssertionError("queries that return no series:\n" + "\n".join(missing)) from None
         print(json.dumps({"recording_rules": len(records), "panels": len(panels), "queries": len(targets)}))
+
+    # Structured logs: every line a service logged is one JSON object naming the service; the
+    # SDK's per-request lines (one per model call) are not there. (The dispatcher's log
+    # channel writes its deliveries to stdout, also JSON, without a level.)
+    for name, proc in procs.items():
+        lines = proc.log().splitlines()
+        records = [json.loads(line) for line in lines]  # a traceback line or a raw librdkafka line fails here
+        logged = [r for r in records if "level" in r]
+        assert logged, f"{name} logged nothing"
+        assert all(r["service"] == name and r["msg"] and r["logger"] and r["ts"] for r in logged), name
+        assert not [r for r in logged if "HTTP Request" in r["msg"]], f"{name} logs one line per HTTP request"

@@ -73,6 +73,15 @@ def test_rules_read_only_metrics_that_exist():
     for rule in alert_rules() + recording_rules():
         unknown = metric_names(rule["expr"]) - exported
         assert not unknown, f"{rule.get('alert') or rule.get('record')} reads metrics no service exports: {unknown}"
+    from prometheus_support import dashboard_panels
+
+    records = {rule["record"] for rule in recording_rules()}
+    for panel in dashboard_panels():
+        for target in panel["targets"]:
+            unknown = metric_names(target["expr"]) - exported
+            assert not unknown, f"panel {panel['title']!r} reads metrics no service exports: {unknown}"
+            for record in re.findall(r"\bvigil:[a-z0-9_:]+", target["expr"]):
+                assert record in records, f"panel {panel['title']!r} reads {record}, which no rule records"
 
 
 def _anchors(markdown: str) -> set[str]:
@@ -131,3 +140,19 @@ def test_promtool_unit_tests_pass(promtool, tmp_path):
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS" in done.stdout
+
+
+def test_dashboard_is_generated_and_well_formed():
+    from prometheus_support import DASHBOARD, dashboard_panels
+
+    done = subprocess.run(
+        [sys.executable, str(DASHBOARD.parent / "generate.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    panels = dashboard_panels()
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}"
+        for target in panel["targets"]:
+            assert metric_names(target["expr"]) or "vigil:" in target["expr"] or "up{" in target["expr"], target

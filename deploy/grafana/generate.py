@@ -53,9 +53,9 @@ OVERVIEW = [
     ),
     panel("Consumer lag by partition", ("vigil:consumer_lag_messages:max", "partition {{partition}}")),
     panel(
-        "Oldest pending event",
-        ("vigil:oldest_pending_event_age_seconds:max", "oldest pending"),
-        unit="s",
+        "Pending events and the oldest one's age",
+        ("vigil:pending_events:max", "pending"),
+        ("vigil:oldest_pending_event_age_seconds:max", "oldest pending (s)"),
         description="Age of the oldest event waiting for a run, all users"
         " (max over workers: every worker reads the ledger).",
     ),

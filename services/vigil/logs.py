@@ -20,11 +20,12 @@ import logging
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import IO
 
 FIELDS = ("user_id", "event_id", "run_id", "partition", "epoch", "trace_id")
 # Per-request INFO lines from HTTP clients (214 of 227 worker lines in one demo run were the
 # SDK's "HTTP Request: POST ..."); warnings and errors from them still come through.
-QUIET = ("httpx", "httpcore", "anthropic", "uvicorn.access", "psycopg.pool")
+QUIET = ("httpx", "httpx2", "httpcore", "anthropic", "uvicorn.access", "psycopg.pool")
 
 _context: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vigil_log_context", default=None)
 
@@ -68,9 +69,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, ensure_ascii=False)
 
 
-def setup(level: str = "INFO", fmt: str = "json", service: str = "vigil") -> None:
-    """Route every logger to stderr in ``fmt`` (json or text) at ``level``."""
-    handler = logging.StreamHandler(sys.stderr)
+def setup(level: str = "INFO", fmt: str = "json", service: str = "vigil", stream: IO[str] | None = None) -> None:
+    """Route every logger to ``stream`` (stderr) in ``fmt`` (json or text) at ``level``."""
+    handler = logging.StreamHandler(stream or sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter(service))
     else:

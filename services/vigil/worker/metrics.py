@@ -40,6 +40,7 @@ CONSUMER_LAG = Gauge("vigil_consumer_lag_messages", "Messages behind the partiti
 OLDEST_PENDING = Gauge(
     "vigil_oldest_pending_event_age_seconds", "Age of the oldest pending event in the ledger (all users)."
 )
+PENDING = Gauge("vigil_pending_events", "Events pending in the ledger, all users (every worker reports the same).")
 RUNS_IN_FLIGHT = Gauge("vigil_runs_in_flight", "Runs executing in this worker now.")
 FINISH_BATCH = Histogram(
     "vigil_finish_batch_runs",

@@ -356,6 +356,7 @@ class Runner:
                 async with self.pool.connection() as conn:
                     row = await (await conn.execute(Q.oldest_pending_age)).fetchone()
                 metrics.OLDEST_PENDING.set(row["age"])
+                metrics.PENDING.set(row["pending"])
             except psycopg.Error:
                 pass
             await asyncio.sleep(GAUGE_INTERVAL_S)
