@@ -52,3 +52,25 @@ def test_text_format_for_a_terminal(captured):
     logs.setup("INFO", "text", service="ingest", stream=captured)
     logging.getLogger("vigil.ingest").info("hello")
     assert captured.getvalue().rstrip().endswith("INFO ingest vigil.ingest: hello")
+
+
+def test_ingest_lines_name_the_trace_of_an_incoming_traceparent(captured):
+    import asyncio
+
+    from vigil.ingest.metrics import RequestMetrics
+
+    logs.setup("INFO", "json", service="ingest", stream=captured)
+
+    async def app(scope, receive, send):
+        logging.getLogger("vigil.ingest.test").info("handling")
+        await send({"type": "http.response.start", "status": 202, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message):
+        return None
+
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    for headers in ([(b"traceparent", f"00-{trace}-00f067aa0ba902b7-01".encode())], [(b"traceparent", b"junk")], []):
+        asyncio.run(RequestMetrics(app)({"type": "http", "method": "POST", "headers": headers}, None, send))
+    first, second, third = lines(captured)
+    assert first["trace_id"] == trace and "trace_id" not in second and "trace_id" not in third
