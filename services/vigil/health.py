@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import psycopg
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, disable_created_metrics, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,6 +25,11 @@ from vigil.bus.kafka import broker_reachable
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
+
+# No `_created` series: prometheus_client adds one per counter and histogram label set, which
+# doubles the series count and no dashboard or rule of vigil reads. Every service serves
+# /metrics through this module (ingest mounts health_routes), so this is the one place.
+disable_created_metrics()
 
 # Readiness probes arrive every few seconds; one real check per interval is plenty and keeps
 # a probe storm from turning into a connection storm on the database.

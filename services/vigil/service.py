@@ -9,14 +9,9 @@ import threading
 from typing import TypeVar
 
 import click
-from prometheus_client import disable_created_metrics
 
 from vigil import logs
 from vigil.settings import CommonSettings, SettingsError, load
-
-# No `_created` series: prometheus_client adds one per counter and histogram label set, which
-# doubles the series count and no dashboard or rule of vigil reads.
-disable_created_metrics()
 
 S = TypeVar("S", bound=CommonSettings)
 
