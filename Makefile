@@ -36,6 +36,7 @@ logs: ## Follow the services' logs
 	tail -F .run/logs/*.log
 
 test: lint tools ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
+	@bash deploy/tools/build-prometheus.sh >/dev/null  # promtool + prometheus, built once per machine
 	$(BIN)/pytest -q
 
 lint: $(STAMP) ## ruff: lint and check formatting (settings in pyproject.toml)

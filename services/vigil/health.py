@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import psycopg
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, disable_created_metrics, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,6 +26,11 @@ from starlette.routing import Route
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
+
+# No `_created` series: prometheus_client adds one per counter and histogram label set, which
+# doubles the series count and no dashboard or rule of vigil reads. Every service serves
+# /metrics through this module (ingest mounts health_routes), so this is the one place.
+disable_created_metrics()
 
 # Checks run on a background thread every READY_REFRESH_S, never in the probe's request: a
 # probe answers from the last results at once, so it always fits the probe's 1 s timeout,
@@ -177,7 +182,9 @@ class HealthServer:
     def __init__(self, port: int, readiness: Readiness, host: str = "0.0.0.0"):
         self.readiness = readiness
         app = Starlette(routes=health_routes(readiness))
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", log_config=None, access_log=False, lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the service owns the signals
         self.port = port

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import click
 
+from vigil import logs
 from vigil.settings import CommonSettings, SettingsError, load
 
 S = TypeVar("S", bound=CommonSettings)
@@ -108,16 +109,10 @@ def require_schema(settings: CommonSettings) -> None:
         )
 
 
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    # Connection-level chatter would drown the service's own lines.
-    for noisy in ("httpx", "uvicorn.access", "psycopg.pool"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def setup_logging(level: str = "INFO", fmt: str = "json") -> None:
+    """JSON lines (or text) on stderr, named after the command that runs (worker, ingest, ...)."""
+    ctx = click.get_current_context(silent=True)
+    logs.setup(level, fmt, service=ctx.info_name if ctx is not None and ctx.info_name else "vigil")
 
 
 def load_or_exit(cls: type[S]) -> S:
@@ -127,7 +122,7 @@ def load_or_exit(cls: type[S]) -> S:
     except SettingsError as exc:
         click.echo(f"vigil: {exc}", err=True)
         sys.exit(2)
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     return settings
 
 

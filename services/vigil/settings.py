@@ -12,15 +12,17 @@ README.md carries, and a test keeps the two in step.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "VIGIL_"
 KAFKA_OPT_PREFIX = "VIGIL_KAFKA_OPT_"
+KAFKA_LOGGER = logging.getLogger("vigil.kafka")  # librdkafka's log, through Python logging
 
 DEFAULT_KAFKA_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_DATABASE_URL = "postgresql://vigil@127.0.0.1:5432/vigil"
@@ -118,6 +120,11 @@ class CommonSettings(BaseSettings):
         description="Name of this process in the ledger (partition holder, run worker). Default: hostname-pid.",
     )
     log_level: str = Field("INFO", description="Python log level: DEBUG, INFO, WARNING, ERROR.")
+    log_format: Literal["json", "text"] = Field(
+        "json",
+        description="Log lines on stderr: json (one object per line: ts, level, service, logger, msg, and "
+        "user_id, event_id, run_id, partition, epoch, trace_id where known) or text (for a terminal).",
+    )
 
     @field_validator("kafka_bootstrap")
     @classmethod
@@ -162,13 +169,14 @@ class CommonSettings(BaseSettings):
     def dsn(self) -> str:
         return self.database_url.get_secret_value()
 
-    def kafka_client_options(self) -> dict[str, str]:
+    def kafka_client_options(self) -> dict[str, object]:
         """Pass-through librdkafka settings for SASL/TLS clusters.
 
         ``VIGIL_KAFKA_OPT_SECURITY_PROTOCOL=SASL_SSL`` becomes ``security.protocol``: librdkafka
-        names use dots and never underscores, so the mapping is unambiguous.
+        names use dots and never underscores, so the mapping is unambiguous. librdkafka's own
+        log lines go to the ``vigil.kafka`` logger (JSON like every other line), not raw to stderr.
         """
-        options = {"bootstrap.servers": self.kafka_bootstrap}
+        options: dict[str, object] = {"bootstrap.servers": self.kafka_bootstrap, "logger": KAFKA_LOGGER}
         for name, value in os.environ.items():
             if name.startswith(KAFKA_OPT_PREFIX) and len(name) > len(KAFKA_OPT_PREFIX):
                 options[name[len(KAFKA_OPT_PREFIX) :].lower().replace("_", ".")] = value

@@ -54,3 +54,13 @@ EVENTS_MID_RUN = Counter(
     "Events claimed during a run, by what the run did with them: fold or interrupt.",
     ["policy"],
 )
+
+# Every bounded label value starts at zero (tool names are per deployment and appear on use).
+for _result in ("ok", "rate_limited", "overloaded", "server_error", "connection_error", "client_error", "other_error"):
+    MODEL_REQUESTS.labels(_result)
+for _kind in ("input", "output", "cache_read", "cache_write"):
+    MODEL_TOKENS.labels(_kind)
+for _budget in ("turns", "tokens", "wall_time"):
+    BUDGET_STOPS.labels(_budget)
+for _policy in ("fold", "interrupt"):
+    EVENTS_MID_RUN.labels(_policy)

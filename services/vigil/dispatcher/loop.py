@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 
 import psycopg
 
+from vigil import logs
 from vigil.dispatcher import metrics
 from vigil.dispatcher.channels import Channels, Delivery, Outcome, Result
 from vigil.dispatcher.claims import ClaimConflict, Limits, claim, record_dead, record_delivered, record_retry
@@ -116,6 +117,10 @@ class Dispatcher:
 
     def record(self, delivery: Delivery, outcome: Outcome) -> None:
         """Write one attempt's outcome (the send already happened; this is the commit after it)."""
+        with logs.context(user_id=delivery.user_id):  # every line about it names the user
+            self._record(delivery, outcome)
+
+    def _record(self, delivery: Delivery, outcome: Outcome) -> None:
         channel = delivery.channel.type.value
         if outcome.result is Result.DELIVERED and self.settings.dispatcher_crash_after_send:
             log.warning("test hook: SIGKILL after delivery %s was accepted, before the commit", delivery.delivery_id)

@@ -64,3 +64,14 @@ LAST_PASS = Gauge(
     "vigil_dispatcher_last_pass_timestamp_seconds",
     "Unix time this dispatcher last finished a pass over the outbox (a stale value means the loop is stuck).",
 )
+
+# Every bounded label value starts at zero, so increase() sees a channel's first dead delivery.
+for _channel in ("webhook", "kafka", "log"):
+    for _result in ("delivered", "dead"):
+        DELIVERIES.labels(_channel, _result)
+    for _reason in ("rejected", "exhausted", "lost"):
+        DEAD.labels(_channel, _reason)
+    for _reason in ("failed", "lost"):
+        RETRIES.labels(_channel, _reason)
+    LATENCY.labels(_channel)
+    SUPERSEDED.labels(_channel)

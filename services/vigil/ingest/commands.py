@@ -67,6 +67,7 @@ def ingest_command() -> None:
         host=settings.ingest_host,
         port=settings.ingest_port,
         log_level="warning",
+        log_config=None,  # keep vigil's handler (JSON lines), set up by load_or_exit
         access_log=False,
         server_header=False,
         timeout_graceful_shutdown=int(settings.produce_timeout_s) + 5,

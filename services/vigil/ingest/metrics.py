@@ -11,6 +11,8 @@ from datetime import UTC, datetime
 
 from prometheus_client import Counter, Histogram
 
+from vigil import logs
+
 REQUESTS = Counter(
     "vigil_ingest_requests_total",
     "HTTP requests answered by ingest, by route template, method and status.",
@@ -49,6 +51,16 @@ UNMATCHED = "unmatched"  # no route: one label value for every unknown path
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
+def trace_id(scope) -> str | None:
+    """The trace id of a well-formed ``traceparent`` header (version-traceid-parentid-flags)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"traceparent":
+            parts = value.decode("latin-1").strip().split("-")
+            if len(parts) >= 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+                return parts[1].lower()
+    return None
+
+
 class RequestMetrics:
     """Pure ASGI middleware: stamps the arrival time, then counts the response.
 
@@ -73,10 +85,22 @@ class RequestMetrics:
             await send(message)
 
         try:
-            await self.app(scope, receive, counting_send)
+            # A W3C traceparent's trace id names every line logged while answering the request.
+            with logs.context(trace_id=trace_id(scope)):
+                await self.app(scope, receive, counting_send)
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or UNMATCHED
             method = scope["method"] if scope["method"] in METHODS else "OTHER"
             REQUESTS.labels(template, method, str(status[0])).inc()
             REQUEST_SECONDS.labels(template).observe(time.perf_counter() - started)
+
+
+# Every bounded label value starts at zero, so increase() sees the first failure of each.
+for _via in ("events", "messages", "hooks", "approvals"):
+    EVENTS_PRODUCED.labels(_via)
+    PRODUCE_FAILURES.labels(_via)
+    PRODUCE_SECONDS.labels(_via)
+for _provider in ("github", "stripe", "standard-webhooks"):
+    for _reason in ("missing_header", "malformed_header", "stale_timestamp", "bad_signature", "no_active_secret"):
+        SIGNATURE_FAILURES.labels(_provider, _reason)

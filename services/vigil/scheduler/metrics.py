@@ -59,3 +59,16 @@ PRUNED = Counter(
     "expired dedup keys).",
     ["table"],
 )
+
+# Every bounded label value starts at zero, so increase() sees the first occurrence of each.
+for _kind in ("followup", "schedule", "approval_expiry"):
+    LATENESS.labels(_kind)
+    for _policy in ("coalesce", "each", "skip"):
+        EVENTS_FIRED.labels(_kind, _policy)
+        OCCURRENCES_SKIPPED.labels(_kind, _policy)
+for _reason in ("broker", "ledger", "error"):
+    PASS_FAILURES.labels(_reason)
+for _outcome in ("expired", "yes", "no", "escalated", "unknown", "not_yet_due"):
+    APPROVAL_EXPIRIES.labels(_outcome)
+for _table in ("events", "outbox", "runs", "timers"):
+    PRUNED.labels(_table)

@@ -208,21 +208,26 @@ class ConsumerLoop(threading.Thread):
             if exc.args[0].code() != KafkaError._NO_OFFSET:
                 log.warning("offset commit on revoke failed: %s", exc)
         self.assigned.difference_update(keys)
+        _forget_lag(keys)
 
     def on_lost(self, consumer, partitions) -> None:
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
         log.warning("partitions lost (session timed out): %s; committing nothing", [k.partition for k in keys])
         self._call_runner(self.runner.revoke(keys, release=False))
         self.assigned.difference_update(keys)
+        _forget_lag(keys)
 
     def on_stats(self, raw: str) -> None:
         try:
             stats = json.loads(raw)
-            for partition, info in (
-                stats.get("topics", {}).get(self.settings.events_topic, {}).get("partitions", {}).items()
-            ):
+            partitions = stats.get("topics", {}).get(self.settings.events_topic, {}).get("partitions", {})
+            metrics.TOPIC_PARTITIONS.set(sum(1 for partition in partitions if int(partition) >= 0))
+            for partition, info in partitions.items():
                 lag = info.get("consumer_lag", -1)
-                if int(partition) >= 0 and lag >= 0:
+                # Only partitions this worker holds: a revoked one's series is removed, and
+                # librdkafka may keep reporting it for a while after the revoke.
+                held = PartitionKey(self.settings.events_topic, int(partition)) in self.assigned
+                if int(partition) >= 0 and lag >= 0 and held:
                     metrics.CONSUMER_LAG.labels(partition).set(lag)
         except (ValueError, AttributeError):
             pass
@@ -373,3 +378,13 @@ class ConsumerLoop(threading.Thread):
                 # A partition revoked between poll and store: its new owner reads from the
                 # last committed offset, and the ledger drops what we already recorded.
                 log.info("offsets not stored (partition moved): %s", exc)
+
+
+def _forget_lag(keys) -> None:
+    """Drop the lag series of partitions this worker no longer holds: their new owner reports
+    them, and a frozen last value here would read as lag nobody is working off."""
+    for key in keys:
+        try:
+            metrics.CONSUMER_LAG.remove(str(key.partition))
+        except KeyError:
+            pass

@@ -296,5 +296,6 @@ async def commit_finished(
                 run.claim.epoch,
                 run.claim.home.partition,
                 len(run.event_ids),
+                extra={"user_id": run.claim.user_id, "partition": run.claim.home.partition, "epoch": run.claim.epoch},
             )
     return committed, stale

@@ -40,6 +40,7 @@ CONSUMER_LAG = Gauge("vigil_consumer_lag_messages", "Messages behind the partiti
 OLDEST_PENDING = Gauge(
     "vigil_oldest_pending_event_age_seconds", "Age of the oldest pending event in the ledger (all users)."
 )
+PENDING = Gauge("vigil_pending_events", "Events pending in the ledger, all users (every worker reports the same).")
 RUNS_IN_FLIGHT = Gauge("vigil_runs_in_flight", "Runs executing in this worker now.")
 FINISH_BATCH = Histogram(
     "vigil_finish_batch_runs",
@@ -52,6 +53,21 @@ LEDGER_SECONDS = Histogram(
     ["step"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+TOPIC_PARTITIONS = Gauge(
+    "vigil_events_topic_partitions",
+    "Partitions of the events topic, as this worker's consumer sees them (alert when the workers hold fewer).",
+)
+
+# Every bounded label value starts at zero, so a dashboard shows the series before the first
+# occurrence and increase() sees the first one (a series born at 1 has no increase).
+for _result in ("new", "duplicate"):
+    EVENTS_RECORDED.labels(_result)
+for _attempt in ("1", "2", "3+"):
+    CLAIM_ATTEMPTS.labels(_attempt)
+for _outcome in ("message", "nothing", "deferred", "failed", "retry_later", "stale"):
+    RUNS.labels(_outcome)
+for _step in ("claim", "finish"):
+    LEDGER_SECONDS.labels(_step)
 
 # Background tasks (services/vigil/worker/tasks.py). Ledger-wide gauges: every worker reports
 # the same value, so aggregate them with max(), never sum().
@@ -87,3 +103,7 @@ TASK_LATE_OUTCOMES = Counter(
 TASK_RESULTS_REPORTED = Counter(
     "vigil_task_results_reported_total", "Result events produced for terminal tasks (one per task)."
 )
+for _status in ("succeeded", "failed", "cancelled", "timed_out", "lost"):
+    TASKS.labels(_status)
+for _status in ("queued", "lost", "timed_out"):
+    TASKS_REAPED.labels(_status)

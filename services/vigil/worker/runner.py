@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.ledger.queries import Q
 from vigil.worker import metrics
@@ -204,7 +205,9 @@ class Runner:
                 metrics.CLAIM_ATTEMPTS.labels(str(min(event.attempts, 3)) if event.attempts < 3 else "3+").inc()
             active = Active(c, alone=alone)
             self.active[c.user_id] = active
-            active.task = asyncio.create_task(self._run(active), name=f"run-{c.user_id}")
+            # The task copies the context: every line the run logs names its user and claim.
+            with logs.context(user_id=c.user_id, event_id=c.events[0].id, partition=c.home.partition, epoch=c.epoch):
+                active.task = asyncio.create_task(self._run(active), name=f"run-{c.user_id}")
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         if len(claims) == free:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us
@@ -361,6 +364,7 @@ class Runner:
                 async with self.pool.connection() as conn:
                     row = await (await conn.execute(Q.oldest_pending_age)).fetchone()
                 metrics.OLDEST_PENDING.set(row["age"])
+                metrics.PENDING.set(row["pending"])
             except psycopg.Error:
                 pass
             await asyncio.sleep(GAUGE_INTERVAL_S)

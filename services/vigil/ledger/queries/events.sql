@@ -261,8 +261,10 @@ WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s
   AND EXISTS (SELECT 1 FROM partitions p WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s)
 
 -- name: oldest_pending_age
--- Age in seconds of the oldest pending event (a stuck or starved agent shows here first).
-SELECT coalesce(extract(epoch FROM now() - min(recorded_at)), 0)::float8 AS age FROM events WHERE status = 'pending'
+-- Age in seconds of the oldest pending event (a stuck or starved agent shows here first), and
+-- how many are pending (the same scan of the pending rows answers both).
+SELECT coalesce(extract(epoch FROM now() - min(recorded_at)), 0)::float8 AS age, count(*) AS pending
+FROM events WHERE status = 'pending'
 
 -- name: dead_list
 -- Dead events, newest first, for operators.

@@ -1,0 +1,312 @@
+"""Write vigil.json, the Grafana dashboard, from the panel lists below.
+
+    python deploy/grafana/generate.py          # rewrite the dashboard
+    python deploy/grafana/generate.py --check  # exit 1 if vigil.json is out of date
+
+Plain dictionaries rather than a dashboard library: the dashboard is timeseries panels with
+PromQL targets, and the JSON model of those is small and stable. Heavy queries read the
+recording rules of deploy/prometheus/vigil.rules.yaml (`vigil:*`); ledger-wide gauges use
+max() (every replica reports the same value). tests/test_observability_live.py evaluates
+every target here against a real Prometheus scraping real services and fails on any that
+returns no series.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DASHBOARD = HERE / "vigil.json"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+WIDTH = 24
+
+
+def panel(title: str, *targets: tuple[str, str], unit: str = "short", description: str = "") -> dict:
+    """A timeseries panel; each target is (PromQL, legend)."""
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "fieldConfig": {"defaults": {"unit": unit, "min": 0}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+        "targets": [
+            {"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend}
+            for i, (expr, legend) in enumerate(targets)
+        ],
+    }
+
+
+OVERVIEW = [
+    panel(
+        "Ingest requests by route and status",
+        ("sum by (route, status) (vigil:ingest_requests:rate5m)", "{{route}} {{status}}"),
+        unit="reqps",
+    ),
+    panel(
+        "Ingest latency by route (p50, p99)",
+        ("vigil:ingest_request_duration_seconds:p99_5m", "p99 {{route}}"),
+        ("vigil:ingest_request_duration_seconds:p50_5m", "p50 {{route}}"),
+        unit="s",
+    ),
+    panel("Consumer lag by partition", ("vigil:consumer_lag_messages:max", "partition {{partition}}")),
+    panel(
+        "Pending events and the oldest one's age",
+        ("vigil:pending_events:max", "pending"),
+        ("vigil:oldest_pending_event_age_seconds:max", "oldest pending (s)"),
+        description="Age of the oldest event waiting for a run, all users"
+        " (max over workers: every worker reads the ledger).",
+    ),
+    panel("Runs by outcome", ("vigil:runs:rate5m", "{{outcome}}"), unit="ops"),
+    panel(
+        "Run duration (p50, p99)",
+        ("vigil:run_duration_seconds:p50_5m", "p50"),
+        ("vigil:run_duration_seconds:p99_5m", "p99"),
+        unit="s",
+    ),
+    panel("Model tokens by kind", ("vigil:model_tokens:rate5m", "{{kind}}"), unit="short"),
+    panel(
+        "Model calls by result (overloads, rate limits, errors)",
+        ("vigil:model_requests:rate5m", "{{result}}"),
+        unit="reqps",
+    ),
+    panel(
+        "Outbox backlog",
+        ("vigil:outbox_backlog_messages:max", "{{status}}"),
+        description="Undelivered outbox messages (max over dispatchers: every dispatcher reads the ledger).",
+    ),
+    panel("Outbox oldest undelivered", ("vigil:outbox_oldest_age_seconds:max", "oldest"), unit="s"),
+    panel("Deliveries by channel and result", ("vigil:deliveries:rate5m", "{{channel}} {{result}}"), unit="ops"),
+    panel(
+        "Dead events and dead deliveries (last hour)",
+        ("sum(increase(vigil_events_dead_total[1h]))", "dead events"),
+        ("sum by (channel, reason) (increase(vigil_dead_deliveries_total[1h]))", "dead {{channel}} {{reason}}"),
+    ),
+    panel(
+        "Timers due and oldest due",
+        ("vigil:timer_due_backlog_timers:max", "due timers"),
+        ("vigil:timer_oldest_due_age_seconds:max", "oldest due (s)"),
+    ),
+    panel("Timer lateness p99 by kind", ("vigil:timer_lateness_seconds:p99_10m", "{{kind}}"), unit="s"),
+    panel("Targets up", ('sum by (job) (up{job=~"vigil-.+"})', "{{job}}")),
+    panel(
+        "Partitions held",
+        ("vigil:partition_epochs_held:sum", "held"),
+        ("max(vigil_events_topic_partitions)", "in topic"),
+    ),
+]
+
+INGEST = [
+    panel("Events acknowledged by entry point", ("vigil:ingest_events_produced:rate5m", "{{via}}"), unit="ops"),
+    panel("Broker acknowledgement p99", ("vigil:ingest_produce_duration_seconds:p99_5m", "{{via}}"), unit="s"),
+    panel(
+        "Produce failures (503s)",
+        ("sum by (via) (rate(vigil_ingest_produce_failures_total[5m]))", "{{via}}"),
+        unit="ops",
+    ),
+    panel(
+        "Webhook signature failures",
+        ("sum by (provider, reason) (rate(vigil_webhook_signature_failures_total[5m]))", "{{provider}} {{reason}}"),
+        unit="ops",
+    ),
+    panel(
+        "Requests by method and status",
+        ("sum by (method, status) (vigil:ingest_requests:rate5m)", "{{method}} {{status}}"),
+        unit="reqps",
+    ),
+]
+
+WORKER = [
+    panel(
+        "Events consumed and recorded",
+        ("sum(rate(vigil_events_consumed_total[5m]))", "consumed"),
+        ("vigil:events_recorded:rate5m", "recorded {{result}}"),
+        unit="ops",
+    ),
+    panel(
+        "Claims by attempt",
+        ("sum by (attempt) (rate(vigil_claim_attempts_total[5m]))", "attempt {{attempt}}"),
+        unit="ops",
+    ),
+    panel(
+        "Events per run (p50, p99)",
+        ("histogram_quantile(0.5, sum by (le) (rate(vigil_claim_batch_events_bucket[5m])))", "p50"),
+        ("histogram_quantile(0.99, sum by (le) (rate(vigil_claim_batch_events_bucket[5m])))", "p99"),
+    ),
+    panel("Runs in flight by worker", ("sum by (instance) (vigil_runs_in_flight)", "{{instance}}")),
+    panel("Partitions held by worker", ("sum by (instance) (vigil_partition_epochs_held)", "{{instance}}")),
+    panel(
+        "Ledger step p99 (claim pass, group finish)",
+        ("histogram_quantile(0.99, sum by (step, le) (rate(vigil_worker_ledger_seconds_bucket[5m])))", "{{step}}"),
+        unit="s",
+    ),
+    panel(
+        "Runs per finish transaction (p50)",
+        ("histogram_quantile(0.5, sum by (le) (rate(vigil_finish_batch_runs_bucket[5m])))", "p50"),
+    ),
+    panel(
+        "Fencing and recovery",
+        ("sum(rate(vigil_stale_finishes_total[5m]))", "stale finishes"),
+        ("sum(rate(vigil_claims_recovered_total[5m]))", "claims recovered"),
+        ("sum(rate(vigil_claims_released_total[5m]))", "claims released"),
+        ("sum(rate(vigil_lone_runs_total[5m]))", "lone runs"),
+        unit="ops",
+    ),
+    panel(
+        "Undecodable messages",
+        ("sum(rate(vigil_events_undecodable_total[5m]))", "to the dead-letter topic"),
+        unit="ops",
+    ),
+]
+
+AGENT = [
+    panel("Model call p99", ("vigil:model_request_seconds:p99_5m", "p99"), unit="s"),
+    panel(
+        "Tool calls by tool and decision",
+        ("sum by (tool, decision) (rate(vigil_tool_calls_total[5m]))", "{{tool}} {{decision}}"),
+        unit="ops",
+    ),
+    panel(
+        "Approvals requested",
+        ("sum by (tool, kind) (increase(vigil_approvals_requested_total[1h]))", "{{tool}} {{kind}}"),
+    ),
+    panel(
+        "Budget stops, mid-run events, fallbacks, closed sessions",
+        ("sum by (budget) (increase(vigil_agent_budget_stops_total[1h]))", "budget {{budget}}"),
+        ("sum by (policy) (increase(vigil_agent_mid_run_events_total[1h]))", "mid-run {{policy}}"),
+        ("sum(increase(vigil_auto_mode_fallbacks_total[1h]))", "auto-mode fallbacks"),
+        ("sum(increase(vigil_sessions_closed_total[1h]))", "sessions closed"),
+    ),
+]
+
+SCHEDULER = [
+    panel(
+        "Timer events by kind and catch-up",
+        ("sum by (kind, catch_up) (rate(vigil_timer_events_total[5m]))", "{{kind}} {{catch_up}}"),
+        unit="ops",
+    ),
+    panel(
+        "Skipped occurrences",
+        ("sum by (kind, catch_up) (increase(vigil_timer_skipped_occurrences_total[1h]))", "{{kind}} {{catch_up}}"),
+    ),
+    panel(
+        "Pass duration p99",
+        ("histogram_quantile(0.99, sum by (le) (rate(vigil_scheduler_pass_duration_seconds_bucket[5m])))", "p99"),
+        unit="s",
+    ),
+    panel(
+        "Pass failures and timers set aside",
+        ("sum by (reason) (rate(vigil_scheduler_pass_failures_total[5m]))", "failed: {{reason}}"),
+        ("sum(rate(vigil_timer_set_aside_total[5m]))", "set aside"),
+        unit="ops",
+    ),
+    panel(
+        "Approval deadlines by outcome",
+        ("sum by (outcome) (increase(vigil_approval_expiries_total[1h]))", "{{outcome}}"),
+    ),
+    panel("Rows pruned by retention", ("sum by (table) (increase(vigil_ledger_pruned_rows_total[1h]))", "{{table}}")),
+]
+
+DISPATCHER = [
+    panel(
+        "Delivery latency p99 by channel (pacing included)",
+        ("vigil:delivery_latency_seconds:p99_10m", "{{channel}}"),
+        unit="s",
+    ),
+    panel(
+        "Retries by channel and reason",
+        ("sum by (channel, reason) (rate(vigil_delivery_retries_total[5m]))", "{{channel}} {{reason}}"),
+        unit="ops",
+    ),
+    panel(
+        "Messages joined per delivery (p50)",
+        ("histogram_quantile(0.5, sum by (le) (rate(vigil_delivery_joined_messages_bucket[10m])))", "p50"),
+    ),
+    panel(
+        "Urgent bypasses, superseded outcomes, claim conflicts",
+        ("sum(rate(vigil_urgent_bypasses_total[5m]))", "urgent bypasses"),
+        ("sum by (channel) (rate(vigil_delivery_superseded_total[5m]))", "superseded {{channel}}"),
+        ("sum(rate(vigil_dispatcher_claim_conflicts_total[5m]))", "claim conflicts"),
+        unit="ops",
+    ),
+    panel(
+        "Seconds since each dispatcher's last pass",
+        ("time() - max by (instance) (vigil_dispatcher_last_pass_timestamp_seconds)", "{{instance}}"),
+        unit="s",
+    ),
+]
+
+ROWS = [
+    ("Overview", OVERVIEW, False),
+    ("ingest", INGEST, True),
+    ("worker", WORKER, True),
+    ("agent (in the worker)", AGENT, True),
+    ("scheduler", SCHEDULER, True),
+    ("dispatcher", DISPATCHER, True),
+]
+
+
+def dashboard() -> dict:
+    panels, y, next_id = [], 0, 1
+    for title, row_panels, collapsed in ROWS:
+        row = {
+            "type": "row",
+            "title": title,
+            "id": next_id,
+            "collapsed": collapsed,
+            "gridPos": {"h": 1, "w": WIDTH, "x": 0, "y": y},
+            "panels": [],
+        }
+        next_id += 1
+        y += 1
+        panels.append(row)
+        for i, p in enumerate(row_panels):
+            placed = {**p, "id": next_id, "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": y + (i // 3) * 8}}
+            next_id += 1
+            (row["panels"] if collapsed else panels).append(placed)
+        y += ((len(row_panels) + 2) // 3) * 8
+    return {
+        "uid": "vigil",
+        "title": "vigil",
+        "description": "vigil, an always-on agent runtime: overview first, then one row per service. "
+        "Runbooks: docs/operations.md.",
+        "tags": ["vigil"],
+        "timezone": "utc",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                    "hide": 0,
+                }
+            ]
+        },
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def main(argv: list[str]) -> int:
+    text = json.dumps(dashboard(), indent=2) + "\n"
+    if "--check" in argv:
+        if not DASHBOARD.exists() or DASHBOARD.read_text() != text:
+            print(f"{DASHBOARD} is out of date: run python deploy/grafana/generate.py", file=sys.stderr)
+            return 1
+        return 0
+    DASHBOARD.write_text(text)
+    print(f"wrote {DASHBOARD}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
