@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vigil.bus.kafka import broker_reachable
+from vigil.httpserver import HEALTH_LIMITS, server_config
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class HealthServer:
 
     def __init__(self, port: int, readiness: Readiness, host: str = "0.0.0.0"):
         app = Starlette(routes=health_routes(readiness))
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+        config = server_config(app, host, port, HEALTH_LIMITS, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the service owns the signals
         self.thread = threading.Thread(target=self.server.run, name="health", daemon=True)

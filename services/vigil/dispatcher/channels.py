@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import secrets
 import sys
 import threading
@@ -249,15 +250,31 @@ class KafkaChannel:
             self._producer.close()
 
 
+# An approval answer token (vigil.ledger.approvals.sign_token): "v1." and 43 base64url
+# characters. Whoever holds one can answer the request, so a log line must not carry it.
+APPROVAL_TOKEN = re.compile(r"\bv1\.[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])")
+REDACTED_TOKEN = "v1.[redacted]"
+
+
+def redact(text: str) -> str:
+    """``text`` with every approval answer token replaced by :data:`REDACTED_TOKEN`."""
+    return APPROVAL_TOKEN.sub(REDACTED_TOKEN, text)
+
+
 class LogChannel:
-    """One JSON line per delivery on stdout (the demo's channel and the default)."""
+    """One JSON line per delivery on stdout (the demo's channel and the default).
+
+    Approval answer tokens are redacted: a log file is read by more people than the
+    addressee (and kept longer). The full message, token included, stays in the ledger's
+    outbox row, where an operator who needs it reads it.
+    """
 
     def __init__(self, stream: IO[str] | None = None):
         self.stream = stream
         self._lock = threading.Lock()
 
     def send(self, delivery: Delivery, now: datetime) -> Outcome:
-        line = json.dumps({"channel": "log", **delivery.document()}, sort_keys=True, ensure_ascii=False)
+        line = redact(json.dumps({"channel": "log", **delivery.document()}, sort_keys=True, ensure_ascii=False))
         stream = self.stream or sys.stdout
         try:
             with self._lock:

@@ -72,6 +72,16 @@ class HookProvider(StrEnum):
     STANDARD_WEBHOOKS = "standard-webhooks"
 
 
+class Scope(StrEnum):
+    """What an API token may do (``api_tokens.scopes``); see :func:`vigil.ingest.auth.permits`."""
+
+    EVENTS = "events"  # POST /v1/events
+    MESSAGES = "messages"  # POST /v1/users/{user}/messages
+    TIMERS = "timers"  # /v1/users/{user}/timers
+    APPROVALS = "approvals"  # answering approvals on a person's behalf (operator consoles)
+    ADMIN = "admin"  # operator routes
+
+
 # constraint name -> enum it mirrors; the test walks this map.
 CHECKED = {
     "events_status_valid": EventStatus,
@@ -85,4 +95,5 @@ CHECKED = {
     "channels_type_valid": ChannelType,
     "outbox_channel_valid": ChannelType,
     "hooks_provider_valid": HookProvider,
+    "api_tokens_scopes_valid": Scope,
 }
