@@ -33,6 +33,9 @@ KEPT = {"VIGIL_KAFKA_BOOTSTRAP", "VIGIL_DATABASE_URL", "VIGIL_DEV_RUN_DIR"}
 for _name in list(os.environ):
     if (_name.startswith("VIGIL_") and _name not in KEPT) or _name.startswith("ANTHROPIC_"):
         del os.environ[_name]
+# The tests' webhook receivers and HTTP servers listen on 127.0.0.1, which outbound HTTP
+# refuses unless allowed (issue 16); the security tests build their own stricter policy.
+os.environ["VIGIL_OUTBOUND_ALLOWED_NETS"] = "127.0.0.0/8,::1/128"
 
 
 @dataclass

@@ -90,6 +90,12 @@ class CommonSettings(BaseSettings):
         description="Name of this process in the ledger (partition holder, run worker). Default: hostname-pid.",
     )
     log_level: str = Field("INFO", description="Python log level: DEBUG, INFO, WARNING, ERROR.")
+    outbound_allowed_nets: str = Field(
+        "",
+        description="Comma-separated IP networks outbound HTTP (webhook channels, the agent's http_request) may "
+        "reach although they are not public, e.g. `127.0.0.0/8,::1/128` for a local receiver. Default: none; "
+        "loopback, private, link-local (cloud metadata) and other non-global addresses are refused.",
+    )
 
     @field_validator("kafka_bootstrap")
     @classmethod
@@ -108,6 +114,14 @@ class CommonSettings(BaseSettings):
             raise ValueError("expected a postgresql:// URL or a libpq key=value string")
         return value
 
+    @field_validator("outbound_allowed_nets")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        from vigil.outbound import parse_nets
+
+        parse_nets(value)
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _known_level(cls, value: str) -> str:
@@ -118,6 +132,12 @@ class CommonSettings(BaseSettings):
     @property
     def dsn(self) -> str:
         return self.database_url.get_secret_value()
+
+    def outbound_policy(self):
+        """The :class:`vigil.outbound.AddressPolicy` of ``VIGIL_OUTBOUND_ALLOWED_NETS``."""
+        from vigil.outbound import AddressPolicy, parse_nets
+
+        return AddressPolicy(parse_nets(self.outbound_allowed_nets))
 
     def kafka_client_options(self) -> dict[str, str]:
         """Pass-through librdkafka settings for SASL/TLS clusters.

@@ -35,6 +35,7 @@ from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.dispatcher.pacing import Row
 from vigil.ledger.states import ChannelType
+from vigil.outbound import AddressPolicy, BlockedAddress, guarded_transport, url_problem
 
 log = logging.getLogger(__name__)
 
@@ -165,17 +166,26 @@ class Channel(Protocol):
 class WebhookChannel:
     """HTTP POST, signed. 2xx delivered; 408, 429, 5xx, timeouts, refused connections are
     retried; any other answer (a 410 for a gone endpoint, a 3xx: redirects are not followed
-    with a signed body) is final."""
+    with a signed body) is final.
 
-    def __init__(self, timeout_s: float, concurrency: int):
+    Only the status and ``Retry-After`` of the answer are used: its body is never read, so a
+    receiver answering 50 MB costs nothing (the connection is closed instead of reused). The
+    target must pass ``policy`` (:mod:`vigil.outbound`): a refused address is dead at once.
+    """
+
+    def __init__(self, timeout_s: float, concurrency: int, policy: AddressPolicy | None = None):
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self.client = httpx.Client(timeout=timeout_s, limits=limits, follow_redirects=False)
+        transport = guarded_transport(policy or AddressPolicy(), limits=limits)
+        self.client = httpx.Client(timeout=timeout_s, transport=transport, follow_redirects=False, trust_env=False)
         self.timeout_s = timeout_s
 
     def send(self, delivery: Delivery, now: datetime) -> Outcome:
         config = delivery.channel
         if not config.url or not config.secret:
             return Outcome(Result.DEAD, "webhook channel without url or secret")
+        problem = url_problem(config.url)
+        if problem is not None:
+            return Outcome(Result.DEAD, f"bad webhook url: {problem}")
         body = delivery.body()
         message_id = str(delivery.delivery_id)
         # The attempt's own time: receivers reject stale timestamps (replay protection), so
@@ -189,19 +199,25 @@ class WebhookChannel:
             "user-agent": "vigil-dispatcher",
         }
         try:
-            response = self.client.post(config.url, content=body, headers=headers)
+            with self.client.stream("POST", config.url, content=body, headers=headers) as response:
+                status = response.status_code
+                retry_after = response.headers.get("retry-after")
         except httpx.TimeoutException:
             return Outcome(Result.RETRY, f"no answer within {self.timeout_s:g}s")
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
             return Outcome(Result.DEAD, f"bad webhook url: {exc}")
+        except httpx.ConnectError as exc:
+            if isinstance(exc.__context__, BlockedAddress) or isinstance(exc.__cause__, BlockedAddress):
+                # An operator must change the URL or the policy; retrying changes nothing.
+                return Outcome(Result.DEAD, f"refused target: {exc}")
+            return Outcome(Result.RETRY, f"{type(exc).__name__}: {exc}")
         except httpx.TransportError as exc:
             return Outcome(Result.RETRY, f"{type(exc).__name__}: {exc}")
-        status = response.status_code
         if 200 <= status < 300:
             return Outcome(Result.DELIVERED)
         error = f"HTTP {status}"
         if status in RETRIED_STATUSES or status >= 500:
-            return Outcome(Result.RETRY, error, retry_after_seconds(response.headers.get("retry-after")))
+            return Outcome(Result.RETRY, error, retry_after_seconds(retry_after))
         return Outcome(Result.DEAD, f"{error} (not retried)")
 
     def close(self) -> None:
