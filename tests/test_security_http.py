@@ -101,7 +101,7 @@ def test_half_sent_request_is_408_and_closed(spawn, vigil_env, ledger):
         "half a head": b"POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Ty",
         "half a body": (
             b"POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + token.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"user_id\""
+            b"Authorization: Bearer " + token.encode() + b'\r\nContent-Length: 100\r\n\r\n{"user_id"'
         ),
     }
     for name, sent in cases.items():
@@ -174,9 +174,9 @@ def test_memory_stays_flat_under_500_slow_and_500_oversized_clients(spawn, vigil
     assert timed_out == 500
 
     refused = 0
-    for batch in range(10):
+    for _ in range(10):
         oversized = []
-        for _ in range(50):
+        for _client in range(50):
             sock = socket.create_connection(("127.0.0.1", port))
             oversized.append(sock)
             try:
