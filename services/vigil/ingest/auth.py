@@ -141,7 +141,7 @@ class TokenAuth:
     def __init__(self, pool: AsyncConnectionPool, cache_seconds: float, rate: float = 0.0, burst: int = 1):
         self.pool = pool
         self.cache: TtlCache[dict] = TtlCache(cache_seconds)
-        self.misses = MissGuard(self._all_hashes)
+        self.misses = MissGuard("token", self._all_hashes)
         self.limit = RateLimit(rate, burst)
 
     async def _all_hashes(self) -> frozenset[str]:
@@ -161,10 +161,11 @@ class TokenAuth:
             raise _unauthorized("unknown token")
         digest = token_hash(token)
         row = None
-        if self.cache.age(digest) is not None or await self.misses.worth_looking_up(digest):
+        looked_up = self.cache.age(digest) is not None or await self.misses.worth_looking_up(digest)
+        if looked_up:
             row = await self.cache.get(digest, lambda: fetch_one(self.pool, Q.token_by_hash, {"token_hash": digest}))
         if row is None:
-            self.misses.missed()
+            self.misses.missed(looked_up)
             raise _unauthorized("unknown token")
         if row["revoked_at"] is not None:
             raise Refusal(403, "token_revoked", f"token {row['id']} was revoked")

@@ -14,6 +14,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from vigil.ingest.metrics import UNKNOWN_KEYS
+
 V = TypeVar("V")
 
 # A bound on memory whatever the table sizes; clearing everything at once is crude but only
@@ -76,8 +78,11 @@ class MissGuard:
     created less than a second ago may therefore be refused once.
     """
 
-    def __init__(self, load_all: Callable[[], Awaitable[frozenset[str]]], budget: int = 50, refresh_s: float = 1.0):
+    def __init__(
+        self, kind: str, load_all: Callable[[], Awaitable[frozenset[str]]], budget: int = 50, refresh_s: float = 1.0
+    ):
         self.load_all = load_all
+        self._counted = (UNKNOWN_KEYS.labels(kind, "true"), UNKNOWN_KEYS.labels(kind, "false"))
         self.budget = budget
         self.refresh_s = refresh_s
         self._window = 0.0
@@ -86,8 +91,11 @@ class MissGuard:
         self._known_at = 0.0
         self._loading: asyncio.Future | None = None
 
-    def missed(self) -> None:
-        """A lookup found nothing: it counts against this second's budget."""
+    def missed(self, looked_up: bool = True) -> None:
+        """A key was unknown; if the ledger was asked, it counts against this second's budget."""
+        self._counted[0 if looked_up else 1].inc()
+        if not looked_up:
+            return
         now = time.monotonic()
         if now - self._window >= 1.0:
             self._window, self._misses = now, 0

@@ -98,7 +98,7 @@ class HookReceiver:
         self.pool = pool
         self.publisher = publisher
         self.cache: TtlCache[dict] = TtlCache(settings.ingest_auth_cache_s)
-        self.misses = MissGuard(self._all_ids)
+        self.misses = MissGuard("hook", self._all_ids)
 
     async def _all_ids(self) -> frozenset[str]:
         async with ledger(self.pool) as conn:
@@ -107,6 +107,7 @@ class HookReceiver:
 
     async def _hook(self, hook_id: str) -> dict | None:
         if self.cache.age(hook_id) is None and not await self.misses.worth_looking_up(hook_id):
+            self.misses.missed(looked_up=False)
             return None
         hook = await self.cache.get(hook_id, lambda: fetch_one(self.pool, Q.hook_for_delivery, {"hook_id": hook_id}))
         if hook is None:
