@@ -62,6 +62,10 @@ class ServerLimits:
     keep_alive_s: int = 5
 
 
+# After a refusal, how long the client's further bytes are read and dropped before the
+# socket closes (see BoundedHttpToolsProtocol._linger).
+LINGER_S = 1.0
+
 # The health and metrics ports: probes and scrapes only.
 HEALTH_LIMITS = ServerLimits(max_head_bytes=8 * 1024, max_headers=50, body_timeout_s=10.0, max_connections=100)
 
@@ -105,8 +109,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._unset_keepalive_if_required()
-        if self._in_head and self._read_timer is None:
-            self._arm(self.limits.head_timeout_s, "head")  # a later request on a kept-alive connection
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -130,6 +132,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        if self._read_timer is None:  # a later request on a kept-alive connection
+            self._arm(self.limits.head_timeout_s, "head")
         self._in_head = True
         self._head_bytes = 0
         self._header_count = 0
@@ -186,14 +190,25 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(_Refuse(408, f"{phase}_timeout", "request_timeout", detail))
 
     def _refuse(self, refusal: _Refuse, retry_after: int | None = None) -> None:
-        """Answer ``refusal`` (unless the application already answered) and close."""
+        """Answer ``refusal`` and close; every later byte from the client is discarded.
+
+        An earlier request of the same connection whose answer is still being prepared
+        (pipelining) keeps its answer: it may already have been acted on. The connection
+        just closes after it. A request whose body was still arriving (a body timeout) gets
+        the refusal, and its application sees a disconnect.
+        """
         self._refused = True
         self._disarm()
         REFUSED.labels(refusal.reason).inc()
         log.debug("refused a connection: %d %s", refusal.status, refusal.detail)
         if self.transport.is_closing():
             return
-        if self.cycle is None or not self.cycle.response_started:
+        cycle = self.cycle
+        running = cycle is not None and not cycle.response_complete
+        if running and not cycle.more_body:
+            cycle.keep_alive = False  # uvicorn closes the connection after this answer
+            return
+        if not running or not cycle.response_started:  # a finished cycle is an earlier request's
             body = json.dumps({"error": refusal.code, "detail": refusal.detail}).encode()
             head = [
                 STATUS_LINE[refusal.status],
@@ -204,11 +219,28 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             if retry_after is not None:
                 head.append(b"retry-after: %d\r\n" % retry_after)
             self.transport.write(b"".join(head) + b"\r\n" + body)
-            if self.cycle is not None:
-                # The application may still be running: its response goes nowhere.
-                self.cycle.response_started = True
-                self.cycle.keep_alive = False
-        self.transport.close()
+        if running:
+            # Its application's reads end and its writes go nowhere (uvicorn's own
+            # disconnect handling, done now rather than when the socket is gone).
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Send FIN after the answer and discard what the client still sends for a moment.
+
+        Closing at once, with the client's unread bytes (the rest of a huge head, a body)
+        in the socket, makes the kernel send RST, and an RST can destroy the answer before
+        the client reads it. The wait is bounded, and nothing is buffered meanwhile.
+        """
+        try:
+            self.transport.resume_reading()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            self.transport.close()
+            return
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def bounded_protocol(limits: ServerLimits) -> type[BoundedHttpToolsProtocol]:
