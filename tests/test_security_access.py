@@ -157,3 +157,26 @@ def test_a_flood_of_unknown_tokens_and_hooks_is_not_a_flood_of_queries(ingest, l
         answered_from_set = unknown(kind, "false") - before[(kind, "false")]
         assert looked_up + answered_from_set == 400
         assert answered_from_set > 0 and looked_up < 400, (kind, looked_up)
+
+
+def test_hooks_disable_stops_deliveries(stack, ledger, topics):
+    """Finding: there was no command to disable a hook."""
+    server = start_ingest(stack, ledger, topics, ingest_auth_cache_s=0)
+    try:
+        hook = json.loads(cli(ledger, "hooks", "add", "--provider", "github", "--user", "u1", "--json"))
+        url = f"{server.url}/v1/hooks/{hook['id']}"
+        signature = {"X-Hub-Signature-256": "sha256=00"}
+        assert httpx.post(url, json={}, headers=signature).status_code == 401  # there, signature wrong
+        assert "disabled" in cli(ledger, "hooks", "disable", hook["id"])
+        assert httpx.post(url, json={}, headers=signature).status_code == 404
+        again = CliRunner().invoke(main_cli(), ["hooks", "disable", hook["id"]], env={"VIGIL_DATABASE_URL": ledger})
+        assert again.exit_code == 1 and "already" in again.output
+        assert ledger_count(ledger, "SELECT count(*) FROM audit WHERE action = 'hook.disable'") == 1
+    finally:
+        server.stop()
+
+
+def main_cli():
+    from vigil.cli import main
+
+    return main

@@ -305,4 +305,20 @@ def hook_revoke_secret(hook_id: str, secret_id: int, force: bool) -> None:
     click.echo(f"revoked secret {secret_id} of {hook_id}")
 
 
+@hooks.command("disable")
+@click.argument("hook_id")
+def hook_disable(hook_id: str) -> None:
+    """Disable HOOK: its deliveries get 404 within VIGIL_INGEST_AUTH_CACHE_S. Its rows stay for audit."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        row = conn.execute(Q.hook_disable, {"hook_id": hook_id}).fetchone()
+        if row is None:
+            if conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is None:
+                raise click.ClickException(f"no hook {hook_id}")
+            raise click.ClickException(f"hook {hook_id} is disabled already")
+        _audit(conn, "hook.disable", {"id": hook_id})
+    click.echo(f"disabled {hook_id} ({row['provider']} for {row['user_id']})")
+
+
 commands = [ingest_command, tokens, hooks]

@@ -79,3 +79,9 @@ SELECT token_hash FROM api_tokens
 -- name: hook_ids
 -- Every hook id: ingest's negative cache under a flood of deliveries to unknown hooks.
 SELECT id FROM hooks
+
+-- name: hook_disable
+-- Disable a hook that is still enabled (deliveries get 404 within VIGIL_INGEST_AUTH_CACHE_S); zero rows: unknown or disabled already.
+UPDATE hooks SET disabled_at = now()
+WHERE id = %(hook_id)s AND disabled_at IS NULL
+RETURNING id, provider, user_id, disabled_at
