@@ -136,8 +136,8 @@ def test_webhook_with_credentials_in_the_url_is_refused_and_never_shown(ledger):
 
 
 def test_webhook_answer_body_is_never_read():
-    """Finding: a 50 MB answer raised the dispatcher's memory by 51 MB, kept. Only the status
-    line and headers are read now: a receiver announcing 50 MB and sending them slowly is
+    """Finding: a 50 MB answer raised the dispatcher's memory by 51 MB, kept. At most 64 KiB
+    of an answer are read now: a receiver announcing 50 MB and sending them slowly is
     delivered at once."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

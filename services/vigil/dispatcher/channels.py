@@ -46,6 +46,9 @@ DELIVERY_TYPE = "vigil.delivery"
 JOIN_SEPARATOR = "\n\n"
 # 408 is a timeout reported by the receiver's own front end: retried like one.
 RETRIED_STATUSES = frozenset({408, 429})
+# A receiver's answer is read up to this many bytes (then dropped): enough for any
+# acknowledgement, and the bound on what a hostile receiver can make the dispatcher read.
+MAX_ANSWER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +171,8 @@ class WebhookChannel:
     retried; any other answer (a 410 for a gone endpoint, a 3xx: redirects are not followed
     with a signed body) is final.
 
-    Only the status and ``Retry-After`` of the answer are used: its body is never read, so a
-    receiver answering 50 MB costs nothing (the connection is closed instead of reused). The
+    Only the status and ``Retry-After`` of the answer are used: at most ``MAX_ANSWER_BYTES``
+    of its body are read (and dropped), so a receiver answering 50 MB costs nothing. The
     target must pass ``policy`` (:mod:`vigil.outbound`): a refused address is dead at once.
     """
 
@@ -202,6 +205,14 @@ class WebhookChannel:
             with self.client.stream("POST", config.url, content=body, headers=headers) as response:
                 status = response.status_code
                 retry_after = response.headers.get("retry-after")
+                # Read a small answer to its end so the connection is reused (a new
+                # connection per delivery overflows small receivers' accept queues); stop
+                # at the bound, and the connection is closed instead.
+                read = 0
+                for chunk in response.iter_raw():
+                    read += len(chunk)
+                    if read > MAX_ANSWER_BYTES:
+                        break
         except httpx.TimeoutException:
             return Outcome(Result.RETRY, f"no answer within {self.timeout_s:g}s")
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
