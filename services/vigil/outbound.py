@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
+from vigil.settings import parse_networks
+
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -34,16 +36,8 @@ class BlockedAddress(httpcore.ConnectError):
 
 
 def parse_nets(text: str) -> tuple[Network, ...]:
-    """``"127.0.0.0/8, ::1/128"`` -> networks; ValueError naming the bad entry."""
-    nets = []
-    for entry in text.split(","):
-        entry = entry.strip()
-        if entry:
-            try:
-                nets.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
-                raise ValueError(f"{entry!r} is not an IP network such as 10.0.0.0/8 or ::1/128") from None
-    return tuple(nets)
+    """``"127.0.0.0/8, ::1/128"`` -> networks (the parser of ``VIGIL_OUTBOUND_ALLOWED_NETS``)."""
+    return parse_networks(text)
 
 
 def url_problem(url: str) -> str | None:

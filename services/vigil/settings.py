@@ -12,6 +12,7 @@ README.md carries, and a test keeps the two in step.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from typing import Any, TypeVar
@@ -117,9 +118,7 @@ class CommonSettings(BaseSettings):
     @field_validator("outbound_allowed_nets")
     @classmethod
     def _networks(cls, value: str) -> str:
-        from vigil.outbound import parse_nets
-
-        parse_nets(value)
+        parse_networks(value)
         return value
 
     @field_validator("log_level")
@@ -135,9 +134,9 @@ class CommonSettings(BaseSettings):
 
     def outbound_policy(self):
         """The :class:`vigil.outbound.AddressPolicy` of ``VIGIL_OUTBOUND_ALLOWED_NETS``."""
-        from vigil.outbound import AddressPolicy, parse_nets
+        from vigil.outbound import AddressPolicy  # imports httpx: only for the services that send
 
-        return AddressPolicy(parse_nets(self.outbound_allowed_nets))
+        return AddressPolicy(parse_networks(self.outbound_allowed_nets))
 
     def kafka_client_options(self) -> dict[str, str]:
         """Pass-through librdkafka settings for SASL/TLS clusters.
@@ -153,6 +152,19 @@ class CommonSettings(BaseSettings):
 
 
 S = TypeVar("S", bound=CommonSettings)
+
+
+def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """``"127.0.0.0/8, ::1/128"`` -> networks; ValueError naming the bad entry."""
+    nets = []
+    for entry in text.split(","):
+        entry = entry.strip()
+        if entry:
+            try:
+                nets.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP network such as 10.0.0.0/8 or ::1/128") from None
+    return tuple(nets)
 
 
 def load(cls: type[S], **overrides: Any) -> S:
