@@ -36,6 +36,10 @@ for _name in list(os.environ):
 # The session's broker is a single one: topics are created with one copy.
 os.environ["VIGIL_TOPIC_REPLICATION"] = "1"
 
+# The tests' webhook receivers and HTTP servers listen on 127.0.0.1, which outbound HTTP
+# refuses unless allowed (issue 16); the security tests build their own stricter policy.
+os.environ["VIGIL_OUTBOUND_ALLOWED_NETS"] = "127.0.0.0/8,::1/128"
+
 
 @dataclass
 class Stack:

@@ -183,7 +183,7 @@ def in_process_dispatcher(dsn: str, clock, log_stream=None, **overrides):
 
     settings = DispatcherSettings(database_url=dsn, **{"delivery_http_timeout_s": 2.0, **overrides})
     channels = Channels(
-        WebhookChannel(settings.delivery_http_timeout_s, settings.dispatcher_concurrency),
+        WebhookChannel(settings.delivery_http_timeout_s, settings.dispatcher_concurrency, settings.outbound_policy()),
         KafkaChannel(settings.deliveries_topic, lambda: EventProducer(settings)),
         LogChannel(log_stream),
     )

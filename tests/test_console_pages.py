@@ -68,6 +68,25 @@ def test_every_page_needs_a_token(console, ledger):
     assert revoked.status_code == 403 and revoked.json()["error"] == "token_revoked"
 
 
+def test_the_console_takes_an_operator_token_only(console, ledger):
+    """Scoped tokens: admin opens it; a token without admin, or held to some users, does not."""
+    import json
+
+    def token(*args: str) -> str:
+        return json.loads(cli(ledger, "tokens", "create", *args, "--json"))["token"]
+
+    for refused in (
+        token("app", "--scope", "events,messages"),
+        token("ops-team-a", "--scope", "admin", "--users", "a*"),
+    ):
+        answer = console.get("/", headers={"authorization": f"Bearer {refused}"})
+        assert answer.status_code == 403 and answer.json()["error"] == "forbidden"
+        assert console.post("/login", data={"token": refused, "next": "/"}).status_code in (303, 403)
+        assert console.get("/dead", headers={"authorization": f"Bearer {refused}"}).status_code == 403
+    admin = token("ops", "--scope", "admin")
+    assert console.get("/", headers={"authorization": f"Bearer {admin}"}).status_code == 200
+
+
 def test_login_sets_an_httponly_strict_cookie_and_refuses_bad_tokens(console, ledger):
     bad = console.post("/login", data={"token": "vgl_wrong", "next": "/"})
     assert bad.status_code == 401 and "not valid" in bad.text and "set-cookie" not in bad.headers

@@ -318,9 +318,11 @@ def test_tasks_api_lists_shows_and_cancels_with_json_errors(stack, topics, ledge
             assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
             again = http.post("/v1/tasks/tsk_" + "a" * 20 + "/cancel")
             assert again.status_code == 409 and again.json()["error"] == "conflict"
-            for bad in ("/v1/tasks/tsk_" + "b" * 20, "/v1/tasks/nope", "/v1/tasks/tsk_%00"):
+            for bad in ("/v1/tasks/tsk_" + "b" * 20, "/v1/tasks/nope"):
                 answer = http.get(bad)
                 assert answer.status_code == 404 and answer.json()["error"] == "not_found", bad
+            nul = http.get("/v1/tasks/tsk_%00")  # refused at the edge, before any route (issue 16)
+            assert nul.status_code == 400 and "error" in nul.json()
             assert http.get("/v1/users/race/tasks?status=bogus").status_code == 400
             assert httpx.get(ingest.url + "/v1/users/race/tasks").status_code == 401
     finally:
@@ -328,3 +330,49 @@ def test_tasks_api_lists_shows_and_cancels_with_json_errors(stack, topics, ledge
     audit = query(ledger, "SELECT actor, action FROM audit WHERE action = 'task.cancel'")
     assert audit == [{"actor": "owner-app", "action": "task.cancel"}]
     assert scalar(ledger, "SELECT cancel_requested_by FROM tasks") == "owner-app"
+
+
+def test_a_token_scoped_to_another_user_cannot_list_read_or_cancel_the_task(stack, topics, ledger):
+    """The owner chain alone: a token for alice's work gets 403 on race's tasks, and the task is
+    untouched; a token without the messages scope gets 403 even for its own user."""
+    import httpx
+
+    from ingest_support import cli, start_ingest
+    from vigil.ledger import tasks as ledger_tasks
+
+    task_id = "tsk_" + "c" * 20
+
+    async def seed():
+        conn = await _tasks_conn(ledger)
+        await ledger_tasks.create(conn, _new_task(task_id))
+        await conn.close()
+
+    asyncio.run(seed())
+
+    def token(*args: str) -> str:
+        import json
+
+        return json.loads(cli(ledger, "tokens", "create", *args, "--json"))["token"]
+
+    alices = token("alice-app", "--scope", "messages", "--users", "alice")
+    timers_only = token("race-timers", "--scope", "timers", "--users", "race")
+    owner = token("race-app", "--scope", "messages", "--users", "race")
+    ingest = start_ingest(stack, ledger, topics)
+    try:
+        for other in (alices, timers_only):
+            with httpx.Client(base_url=ingest.url, headers={"Authorization": f"Bearer {other}"}, timeout=10) as http:
+                for answer in (
+                    http.get("/v1/users/race/tasks"),
+                    http.get(f"/v1/tasks/{task_id}"),
+                    http.post(f"/v1/tasks/{task_id}/cancel"),
+                ):
+                    assert answer.status_code == 403 and answer.json()["error"] == "forbidden", answer.text
+                    assert "tsk_" not in answer.text  # learns nothing of the task
+        assert scalar(ledger, "SELECT status FROM tasks") == "queued"
+        assert scalar(ledger, "SELECT cancel_requested_at FROM tasks") is None
+        with httpx.Client(base_url=ingest.url, headers={"Authorization": f"Bearer {owner}"}, timeout=10) as http:
+            assert http.get(f"/v1/tasks/{task_id}").status_code == 200
+            assert http.post(f"/v1/tasks/{task_id}/cancel").status_code == 200
+    finally:
+        ingest.stop()
+    assert scalar(ledger, "SELECT status FROM tasks") == "cancelled"

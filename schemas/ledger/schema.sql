@@ -413,7 +413,11 @@ CREATE TABLE api_tokens (
     name        text        NOT NULL,
     token_hash  text        NOT NULL UNIQUE,
     created_at  timestamptz NOT NULL DEFAULT now(),
-    revoked_at  timestamptz                               -- a revoked token is refused with 403
+    revoked_at  timestamptz,                              -- a revoked token is refused with 403
+    scopes      text[],                                   -- route families it may use; NULL: all (tokens from before 0013)
+    users       text[],                                   -- users it may act for (`prefix*` for a prefix); NULL: any
+    CONSTRAINT api_tokens_scopes_valid
+        CHECK (scopes <@ ARRAY['events', 'messages', 'timers', 'approvals', 'admin']::text[])
 );
 
 -- hooks: webhook endpoints (POST /v1/hooks/{id}), each for one provider and one user.

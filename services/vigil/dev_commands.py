@@ -72,6 +72,8 @@ def _stack_env(root: Path) -> dict[str, str]:
     # enough that the demo can show an unanswered approval expiring.
     env["VIGIL_AGENT"] = "claude"
     env["VIGIL_APPROVAL_DEADLINE_S"] = "20"
+    # The demo's receivers run on this machine; outbound HTTP refuses loopback otherwise.
+    env["VIGIL_OUTBOUND_ALLOWED_NETS"] = "127.0.0.0/8,::1/128"
     for key, value in os.environ.items():
         if key.startswith("VIGIL_") and not key.startswith("VIGIL_DEV_"):
             env[key] = value

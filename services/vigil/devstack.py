@@ -87,7 +87,9 @@ def spawn(
 ) -> int:
     logfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
-    with open(logfile, "ab") as out:
+    # 0600: service logs may carry user content; only the stack's owner reads them.
+    with open(os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
+        os.fchmod(out.fileno(), 0o600)  # a file left by an older stack keeps its mode otherwise
         proc = subprocess.Popen(
             args,
             stdout=out,

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from vigil.httpserver import HEALTH_LIMITS, server_config
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -182,9 +183,7 @@ class HealthServer:
     def __init__(self, port: int, readiness: Readiness, host: str = "0.0.0.0"):
         self.readiness = readiness
         app = Starlette(routes=health_routes(readiness))
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", log_config=None, access_log=False, lifespan="off"
-        )
+        config = server_config(app, host, port, HEALTH_LIMITS, log_level="warning", log_config=None, lifespan="off")
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the service owns the signals
         self.port = port

@@ -12,6 +12,7 @@ README.md carries, and a test keeps the two in step.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -125,6 +126,12 @@ class CommonSettings(BaseSettings):
         description="Log lines on stderr: json (one object per line: ts, level, service, logger, msg, and "
         "user_id, event_id, run_id, partition, epoch, trace_id where known) or text (for a terminal).",
     )
+    outbound_allowed_nets: str = Field(
+        "",
+        description="Comma-separated IP networks outbound HTTP (webhook channels, the agent's http_request) may "
+        "reach although they are not public, e.g. `127.0.0.0/8,::1/128` for a local receiver. Default: none; "
+        "loopback, private, link-local (cloud metadata) and other non-global addresses are refused.",
+    )
 
     @field_validator("kafka_bootstrap")
     @classmethod
@@ -141,6 +148,12 @@ class CommonSettings(BaseSettings):
         raw = value.get_secret_value()
         if not raw.startswith(("postgresql://", "postgres://")) and "=" not in raw:
             raise ValueError("expected a postgresql:// URL or a libpq key=value string")
+        return value
+
+    @field_validator("outbound_allowed_nets")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        parse_networks(value)
         return value
 
     @field_validator("log_level")
@@ -169,6 +182,12 @@ class CommonSettings(BaseSettings):
     def dsn(self) -> str:
         return self.database_url.get_secret_value()
 
+    def outbound_policy(self):
+        """The :class:`vigil.outbound.AddressPolicy` of ``VIGIL_OUTBOUND_ALLOWED_NETS``."""
+        from vigil.outbound import AddressPolicy  # imports httpx: only for the services that send
+
+        return AddressPolicy(parse_networks(self.outbound_allowed_nets))
+
     def kafka_client_options(self) -> dict[str, object]:
         """Pass-through librdkafka settings for SASL/TLS clusters.
 
@@ -184,6 +203,19 @@ class CommonSettings(BaseSettings):
 
 
 S = TypeVar("S", bound=CommonSettings)
+
+
+def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """``"127.0.0.0/8, ::1/128"`` -> networks; ValueError naming the bad entry."""
+    nets = []
+    for entry in text.split(","):
+        entry = entry.strip()
+        if entry:
+            try:
+                nets.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP network such as 10.0.0.0/8 or ::1/128") from None
+    return tuple(nets)
 
 
 def load(cls: type[S], **overrides: Any) -> S:

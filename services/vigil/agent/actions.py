@@ -128,7 +128,11 @@ def action_tools(settings: AgentSettings) -> list[ActionTool]:
     if settings.allowed_hosts:
         tools.append(
             HttpRequestTool(
-                settings.allowed_hosts, settings.credentials, settings.http_timeout_s, settings.http_max_response_bytes
+                settings.allowed_hosts,
+                settings.credentials,
+                settings.http_timeout_s,
+                settings.http_max_response_bytes,
+                settings.outbound_policy(),
             )
         )
     tools.append(RefundTool(settings.dsn, settings.refund_auto_limit))

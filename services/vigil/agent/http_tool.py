@@ -6,7 +6,8 @@ host, and adds the header itself. The secret is therefore never in the model's a
 the transcript, memory or a log line, and a response that echoes it back (an echo service,
 an error page quoting the request) has it replaced before the model reads it.
 
-What the tool refuses outright (whatever the permission): a host not on the allow-list,
+What the tool refuses outright (whatever the permission): a host not on the allow-list, a
+host that resolves to a non-public address not allowed by ``VIGIL_OUTBOUND_ALLOWED_NETS``,
 a scheme other than http(s), a credential sent over plain http to anything but loopback,
 headers that carry authority (the model must use a credential name instead), redirects
 (a 3xx is handed back, not followed, so an allowed host cannot bounce the call elsewhere).
@@ -24,6 +25,7 @@ import httpx
 
 from vigil.agent.settings import Credential, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
+from vigil.outbound import AddressPolicy, BlockedAddress, guarded_async_transport
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,17 @@ class HttpRequestTool(ActionTool):
     default_permission = Permission.AUTO
 
     def __init__(
-        self, allowed_hosts: tuple[str, ...], credentials: dict[str, Credential], timeout_s: float, max_bytes: int
+        self,
+        allowed_hosts: tuple[str, ...],
+        credentials: dict[str, Credential],
+        timeout_s: float,
+        max_bytes: int,
+        policy: AddressPolicy | None = None,
     ):
         self.allowed_hosts = allowed_hosts
+        # An allowed name can still resolve to a private address (a typo'd internal name, a
+        # rebinding DNS answer): the address it resolves to is checked at connect time.
+        self.policy = policy or AddressPolicy()
         self.credentials = credentials
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
@@ -180,7 +190,10 @@ class HttpRequestTool(ActionTool):
             headers[credential.header] = credential.header_value()
         host = urlsplit(url).hostname
         try:
-            async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False, trust_env=False) as client:
+            transport = guarded_async_transport(self.policy)
+            async with httpx.AsyncClient(
+                timeout=self.timeout_s, follow_redirects=False, trust_env=False, transport=transport
+            ) as client:
                 async with client.stream(method, url, headers=headers, content=args.get("body")) as response:
                     body = b""
                     async for chunk in response.aiter_bytes():
@@ -189,6 +202,8 @@ class HttpRequestTool(ActionTool):
                             break
         except httpx.HTTPError as exc:
             log.info("http_request %s %s failed: %s", method, host, type(exc).__name__)
+            if isinstance(exc.__cause__, BlockedAddress):
+                return ToolOutput(f"Not sent: {exc.__cause__}.", True)
             return ToolOutput(f"The request failed: {type(exc).__name__}.", True)
         log.info("http_request %s %s -> %d", method, host, response.status_code)
         cut = len(body) > self.max_bytes

@@ -206,7 +206,14 @@ class Console:
             raise Refused(401, "unauthorized", "unknown token")
         if row["revoked_at"] is not None:
             raise Refused(403, "token_revoked", f"token {row['id']} was revoked")
-        operator = auth.Operator(row["id"], row["name"], auth.csrf_for(token))
+        scopes, users = row.get("scopes"), row.get("users")
+        operator = auth.Operator(
+            row["id"],
+            row["name"],
+            auth.csrf_for(token),
+            None if scopes is None else frozenset(scopes),
+            None if users is None else tuple(users),
+        )
         if not auth.permits(operator, need):
             raise Refused(403, "forbidden", f"token {row['id']} may not {need.value} here")
         request.scope["vigil.operator"] = operator

@@ -7,7 +7,7 @@ it). Actions (retries) are POSTs that carry a CSRF token derived from the sessio
 a form on another site cannot know it, and the server keeps no session state.
 
 What a token may do is decided in one place, :func:`permits`, so that scoped tokens (the
-hardening issue) change one function: until they exist every valid token is an operator.
+hardening issue) are checked in one function: the console takes an ``admin`` token.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import hmac
 from dataclasses import dataclass
 from enum import StrEnum
 
-from vigil.ingest.auth import MAX_TOKEN_CHARS, token_hash
+from vigil.ingest.auth import MAX_TOKEN_CHARS, Caller, token_hash
+from vigil.ingest.auth import permits as ingest_permits
+from vigil.ledger.states import Scope
 
 COOKIE = "vigil_console"
 CSRF_FIELD = "csrf"
@@ -35,6 +37,8 @@ class Operator:
     token_id: str
     name: str
     csrf: str  # the value this session's forms must send back
+    scopes: frozenset[str] | None = None  # the token's scopes (None: every scope, an old token)
+    users: tuple[str, ...] | None = None  # the users it may act for (None: any)
 
     @property
     def actor(self) -> str:
@@ -43,10 +47,12 @@ class Operator:
 
 
 def permits(operator: Operator, need: Need) -> bool:
-    """The one authorization check. Until scoped tokens land, any valid token is an operator
-    who may read and retry; point this at the scope check then (READ: operator scope, WRITE:
-    write scope)."""
-    return True
+    """The one authorization check: the console shows every user's work and acts on it, so it
+    takes an operator token, one with the ``admin`` scope (:func:`vigil.ingest.auth.permits`)
+    and no restriction to some users. Reading and retrying need the same today; ``need`` is
+    where a read-only operator scope would go."""
+    caller = Caller(operator.token_id, operator.name, operator.scopes, operator.users)
+    return operator.users is None and ingest_permits(caller, Scope.ADMIN)
 
 
 def presented_token(authorization: str | None, cookie: str | None) -> str | None:

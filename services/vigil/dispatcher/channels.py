@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import secrets
 import sys
 import threading
@@ -34,6 +35,7 @@ from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.dispatcher.pacing import Row
 from vigil.ledger.states import ChannelType
+from vigil.outbound import AddressPolicy, BlockedAddress, guarded_transport, url_problem
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ DELIVERY_TYPE = "vigil.delivery"
 JOIN_SEPARATOR = "\n\n"
 # 408 is a timeout reported by the receiver's own front end: retried like one.
 RETRIED_STATUSES = frozenset({408, 429})
+# A receiver's answer is read up to this many bytes (then dropped): enough for any
+# acknowledgement, and the bound on what a hostile receiver can make the dispatcher read.
+MAX_ANSWER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,17 +169,26 @@ class Channel(Protocol):
 class WebhookChannel:
     """HTTP POST, signed. 2xx delivered; 408, 429, 5xx, timeouts, refused connections are
     retried; any other answer (a 410 for a gone endpoint, a 3xx: redirects are not followed
-    with a signed body) is final."""
+    with a signed body) is final.
 
-    def __init__(self, timeout_s: float, concurrency: int):
+    Only the status and ``Retry-After`` of the answer are used: at most ``MAX_ANSWER_BYTES``
+    of its body are read (and dropped), so a receiver answering 50 MB costs nothing. The
+    target must pass ``policy`` (:mod:`vigil.outbound`): a refused address is dead at once.
+    """
+
+    def __init__(self, timeout_s: float, concurrency: int, policy: AddressPolicy | None = None):
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self.client = httpx.Client(timeout=timeout_s, limits=limits, follow_redirects=False)
+        transport = guarded_transport(policy or AddressPolicy(), limits=limits)
+        self.client = httpx.Client(timeout=timeout_s, transport=transport, follow_redirects=False, trust_env=False)
         self.timeout_s = timeout_s
 
     def send(self, delivery: Delivery, now: datetime) -> Outcome:
         config = delivery.channel
         if not config.url or not config.secret:
             return Outcome(Result.DEAD, "webhook channel without url or secret")
+        problem = url_problem(config.url)
+        if problem is not None:
+            return Outcome(Result.DEAD, f"bad webhook url: {problem}")
         body = delivery.body()
         message_id = str(delivery.delivery_id)
         # The attempt's own time: receivers reject stale timestamps (replay protection), so
@@ -188,19 +202,33 @@ class WebhookChannel:
             "user-agent": "vigil-dispatcher",
         }
         try:
-            response = self.client.post(config.url, content=body, headers=headers)
+            with self.client.stream("POST", config.url, content=body, headers=headers) as response:
+                status = response.status_code
+                retry_after = response.headers.get("retry-after")
+                # Read a small answer to its end so the connection is reused (a new
+                # connection per delivery overflows small receivers' accept queues); stop
+                # at the bound, and the connection is closed instead.
+                read = 0
+                for chunk in response.iter_raw():
+                    read += len(chunk)
+                    if read > MAX_ANSWER_BYTES:
+                        break
         except httpx.TimeoutException:
             return Outcome(Result.RETRY, f"no answer within {self.timeout_s:g}s")
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
             return Outcome(Result.DEAD, f"bad webhook url: {exc}")
+        except httpx.ConnectError as exc:
+            if isinstance(exc.__context__, BlockedAddress) or isinstance(exc.__cause__, BlockedAddress):
+                # An operator must change the URL or the policy; retrying changes nothing.
+                return Outcome(Result.DEAD, f"refused target: {exc}")
+            return Outcome(Result.RETRY, f"{type(exc).__name__}: {exc}")
         except httpx.TransportError as exc:
             return Outcome(Result.RETRY, f"{type(exc).__name__}: {exc}")
-        status = response.status_code
         if 200 <= status < 300:
             return Outcome(Result.DELIVERED)
         error = f"HTTP {status}"
         if status in RETRIED_STATUSES or status >= 500:
-            return Outcome(Result.RETRY, error, retry_after_seconds(response.headers.get("retry-after")))
+            return Outcome(Result.RETRY, error, retry_after_seconds(retry_after))
         return Outcome(Result.DEAD, f"{error} (not retried)")
 
     def close(self) -> None:
@@ -249,15 +277,31 @@ class KafkaChannel:
             self._producer.close()
 
 
+# An approval answer token (vigil.ledger.approvals.sign_token): "v1." and 43 base64url
+# characters. Whoever holds one can answer the request, so a log line must not carry it.
+APPROVAL_TOKEN = re.compile(r"\bv1\.[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])")
+REDACTED_TOKEN = "v1.[redacted]"
+
+
+def redact(text: str) -> str:
+    """``text`` with every approval answer token replaced by :data:`REDACTED_TOKEN`."""
+    return APPROVAL_TOKEN.sub(REDACTED_TOKEN, text)
+
+
 class LogChannel:
-    """One JSON line per delivery on stdout (the demo's channel and the default)."""
+    """One JSON line per delivery on stdout (the demo's channel and the default).
+
+    Approval answer tokens are redacted: a log file is read by more people than the
+    addressee (and kept longer). The full message, token included, stays in the ledger's
+    outbox row, where an operator who needs it reads it.
+    """
 
     def __init__(self, stream: IO[str] | None = None):
         self.stream = stream
         self._lock = threading.Lock()
 
     def send(self, delivery: Delivery, now: datetime) -> Outcome:
-        line = json.dumps({"channel": "log", **delivery.document()}, sort_keys=True, ensure_ascii=False)
+        line = redact(json.dumps({"channel": "log", **delivery.document()}, sort_keys=True, ensure_ascii=False))
         stream = self.stream or sys.stdout
         try:
             with self._lock:

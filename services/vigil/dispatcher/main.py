@@ -29,7 +29,9 @@ def make_clock(settings: DispatcherSettings) -> Clock:
 
 def make_channels(settings: DispatcherSettings) -> Channels:
     return Channels(
-        webhook=WebhookChannel(settings.delivery_http_timeout_s, settings.dispatcher_concurrency),
+        webhook=WebhookChannel(
+            settings.delivery_http_timeout_s, settings.dispatcher_concurrency, settings.outbound_policy()
+        ),
         kafka=KafkaChannel(settings.deliveries_topic, lambda: EventProducer(settings), settings.schema_registry_url),
         log_channel=LogChannel(),
     )

@@ -17,6 +17,7 @@ from psycopg.types.json import Jsonb
 from vigil.dispatcher.channels import new_secret
 from vigil.ledger.queries import Q
 from vigil.ledger.states import ChannelType
+from vigil.outbound import url_problem
 
 KEEP = object()  # "leave the stored value as it is" for the optional limits
 
@@ -37,6 +38,10 @@ def check_url(url: str | None) -> str:
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ChannelError(f"--url must be an http(s) URL, got {url!r}")
+    problem = url_problem(url)
+    if problem is not None:
+        # Not echoed: the URL may hold a password.
+        raise ChannelError(f"--url: {problem}")
     return url
 
 

@@ -29,7 +29,7 @@ from vigil.ingest.context import POOL_TIMEOUT_S, IngestContext
 from vigil.ingest.events_api import EventsApi
 from vigil.ingest.hooks import HookReceiver
 from vigil.ingest.metrics import RequestMetrics
-from vigil.ingest.requests import EXCEPTION_HANDLERS
+from vigil.ingest.requests import EXCEPTION_HANDLERS, TargetCheck
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger.db import STATEMENT_TIMEOUT_MS
 
@@ -111,7 +111,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
 
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RequestMetrics)],
+        middleware=[Middleware(RequestMetrics), Middleware(TargetCheck)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )

@@ -51,6 +51,7 @@ def ingest_command() -> None:
     """Run the ingest HTTP service (API, webhooks, approvals, /healthz /readyz /metrics)."""
     import uvicorn
 
+    from vigil.httpserver import server_config
     from vigil.ingest.app import create_app
     from vigil.ingest.settings import IngestSettings
     from vigil.service import load_or_exit, require_schema
@@ -62,16 +63,16 @@ def ingest_command() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # No access log: it would carry paths and client addresses at request rate, and the
     # metrics answer the questions an access log would.
-    uvicorn.run(
+    config = server_config(
         create_app(settings),
-        host=settings.ingest_host,
-        port=settings.ingest_port,
+        settings.ingest_host,
+        settings.ingest_port,
+        settings.server_limits(),
         log_level="warning",
         log_config=None,  # keep vigil's handler (JSON lines), set up by load_or_exit
-        access_log=False,
-        server_header=False,
         timeout_graceful_shutdown=int(settings.produce_timeout_s) + 5,
     )
+    uvicorn.Server(config).run()
 
 
 # -- tokens ------------------------------------------------------------------------------
@@ -82,20 +83,60 @@ def tokens() -> None:
     """Bearer tokens for POST /v1/events and /v1/users/{user}/messages."""
 
 
+def _split(values: tuple[str, ...]) -> list[str] | None:
+    items = [item.strip() for value in values for item in value.split(",") if item.strip()]
+    return sorted(set(items)) or None
+
+
+def _check_users(users: list[str] | None) -> None:
+    for entry in users or ():
+        bare = entry.removesuffix("*")
+        if not entry.isprintable() or "*" in bare or (not bare and entry != "*"):
+            raise click.BadParameter(f"{entry!r}: a user id, or a prefix ending in *", param_hint="--users")
+
+
 @tokens.command("create")
 @click.argument("name")
+@click.option(
+    "--scope",
+    "scopes",
+    multiple=True,
+    help="What the token may do: events, messages, timers, approvals, admin (repeat or comma-separate). "
+    "Default: everything.",
+)
+@click.option(
+    "--users",
+    "users",
+    multiple=True,
+    help="Users the token may act for: ids, or prefixes ending in * (repeat or comma-separate). Default: any user.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the token as one JSON object.")
-def token_create(name: str, as_json: bool) -> None:
+def token_create(name: str, scopes: tuple[str, ...], users: tuple[str, ...], as_json: bool) -> None:
     """Create a token called NAME; it is printed once and stored hashed."""
     from vigil.ingest.auth import new_token, token_hash
     from vigil.ledger.queries import Q
+    from vigil.ledger.states import Scope
 
+    scope_list = _split(scopes)
+    known = {scope.value for scope in Scope}
+    for scope in scope_list or ():
+        if scope not in known:
+            raise click.BadParameter(f"{scope!r}: expected one of {', '.join(sorted(known))}", param_hint="--scope")
+    user_list = _split(users)
+    _check_users(user_list)
     token = new_token()
     with _ledger() as conn:
         row = conn.execute(
-            Q.token_create, {"id": _new_id("tok_"), "name": name, "token_hash": token_hash(token)}
+            Q.token_create,
+            {
+                "id": _new_id("tok_"),
+                "name": name,
+                "token_hash": token_hash(token),
+                "scopes": scope_list,
+                "users": user_list,
+            },
         ).fetchone()
-        _audit(conn, "token.create", {"id": row["id"], "name": name})
+        _audit(conn, "token.create", {"id": row["id"], "name": name, "scopes": scope_list, "users": user_list})
     emit(
         {**row, "token": token},
         as_json,
@@ -113,7 +154,14 @@ def token_list(as_json: bool) -> None:
         rows = conn.execute(Q.token_list).fetchall()
     for row in rows:
         state = f"revoked {row['revoked_at']:%Y-%m-%d %H:%M}" if row["revoked_at"] else "active"
-        emit(row, as_json, f"{row['id']}  {row['name']:<24} created {row['created_at']:%Y-%m-%d %H:%M}  {state}")
+        scope = ",".join(row["scopes"]) if row["scopes"] is not None else "all"
+        users = ",".join(row["users"]) if row["users"] is not None else "any"
+        emit(
+            row,
+            as_json,
+            f"{row['id']}  {row['name']:<24} created {row['created_at']:%Y-%m-%d %H:%M}  {state}"
+            f"  scope={scope} users={users}",
+        )
 
 
 @tokens.command("revoke")
@@ -259,6 +307,22 @@ def hook_revoke_secret(hook_id: str, secret_id: int, force: bool, as_json: bool)
             raise click.ClickException(f"secret {secret_id} is the last active one; rotate first, or use --force")
         _audit(conn, "hook.revoke_secret", {"id": hook_id, "secret_id": secret_id, "forced": force})
     emit({"hook": hook_id, "revoked_secret": secret_id}, as_json, f"revoked secret {secret_id} of {hook_id}")
+
+
+@hooks.command("disable")
+@click.argument("hook_id")
+def hook_disable(hook_id: str) -> None:
+    """Disable HOOK: its deliveries get 404 within VIGIL_INGEST_AUTH_CACHE_S. Its rows stay for audit."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        row = conn.execute(Q.hook_disable, {"hook_id": hook_id}).fetchone()
+        if row is None:
+            if conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is None:
+                raise click.ClickException(f"no hook {hook_id}")
+            raise click.ClickException(f"hook {hook_id} is disabled already")
+        _audit(conn, "hook.disable", {"id": hook_id})
+    click.echo(f"disabled {hook_id} ({row['provider']} for {row['user_id']})")
 
 
 commands = [ingest_command, tokens, hooks]

@@ -6,7 +6,8 @@ ledger pool, the bearer-token check, the body reader with ingest's limits, and t
 type; ingest's middleware counts its requests and renders its refusals like its own.
 
     async def create_timer(request):
-        caller = await ctx.authenticate(request)        # 401/403 or the Caller
+        caller = await ctx.authenticate(request)        # 401/403/429 or the Caller
+        ctx.authorize(caller, Scope.TIMERS, user_id)    # 403 unless the token may act for user_id
         body = await ctx.read_json(request)             # 415/413/400 or the document
         async with ctx.ledger() as conn:                # 503 if the ledger is down
             await conn.execute(Q.timer_create, {...})   # committed when the block exits
@@ -23,10 +24,11 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.requests import Request
 
 from vigil.ingest import requests as _requests
-from vigil.ingest.auth import Caller, TokenAuth, ledger
+from vigil.ingest.auth import Caller, TokenAuth, authorize, ledger, permits
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+from vigil.ledger.states import Scope
 
 # Checking out a connection waits at most this long before the caller gets a 503: a pool
 # exhausted for longer is an incident, and the client should back off rather than pile up.
@@ -37,6 +39,8 @@ class IngestContext:
     Refusal = _requests.Refusal
     invalid = staticmethod(_requests.invalid)
     received_at = staticmethod(_requests.received_at)
+    permits = staticmethod(permits)  # may this token use scope S (for user U)? see vigil.ingest.auth
+    authorize = staticmethod(authorize)  # the same, or a 403 refusal
 
     def __init__(self, settings: IngestSettings):
         self.settings = settings
@@ -52,11 +56,14 @@ class IngestContext:
             name="ingest",
         )
         self.publisher = Publisher(settings)
-        self.tokens = TokenAuth(self.pool, settings.ingest_auth_cache_s)
+        self.tokens = TokenAuth(
+            self.pool, settings.ingest_auth_cache_s, settings.ingest_token_rate, settings.ingest_token_burst
+        )
 
-    async def authenticate(self, request: Request) -> Caller:
-        """The caller's bearer token: a :class:`Caller`, or a 401/403 refusal."""
-        return await self.tokens(request)
+    async def authenticate(self, request: Request, scope: Scope | None = None, user_id: str | None = None) -> Caller:
+        """The caller's bearer token: a :class:`Caller`, or a 401/403/429 refusal; with
+        ``scope`` (and ``user_id``), also a 403 unless the token may do that."""
+        return await self.tokens(request, scope, user_id)
 
     async def read_json(self, request: Request) -> Any:
         """The JSON body under ``VIGIL_MAX_BODY_BYTES``: 415, 413 or 400 refusals otherwise."""

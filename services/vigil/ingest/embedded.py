@@ -13,6 +13,7 @@ from typing import Any
 
 import uvicorn
 
+from vigil.httpserver import server_config
 from vigil.ingest.app import create_app
 from vigil.ingest.settings import IngestSettings
 
@@ -23,13 +24,8 @@ class EmbeddedIngest:
     def __init__(self, settings: IngestSettings, **app_options: Any):
         self.settings = settings
         self.app = create_app(settings, **app_options)
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=settings.ingest_port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
+        config = server_config(
+            self.app, "127.0.0.1", settings.ingest_port, settings.server_limits(), log_level="warning", lifespan="on"
         )
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the host process owns signals

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, ValidationError
@@ -21,17 +21,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vigil.bus.codec import Event
-from vigil.ingest.auth import TokenAuth
+from vigil.ingest.auth import TokenAuth, authorize
 from vigil.ingest.publisher import Publisher
-from vigil.ingest.requests import Refusal, invalid, read_json, received_at
+from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem
 from vigil.ingest.settings import IngestSettings
-from vigil.ledger.states import HookProvider
+from vigil.ledger.states import HookProvider, Scope
 
 CHAT_SOURCE = "chat"
 CHAT_KIND = "chat.message"
 RESERVED_SOURCES = frozenset({CHAT_SOURCE, "timer", "approval", *(p.value for p in HookProvider)})
 MAX_TEXT_CHARS = 100_000
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+# Avro's timestamp-millis counts from 1970 in a signed long, so any year from 1 fits; the
+# ledger's timestamptz too. Year 1 in UTC is where Python's datetime ends.
+MIN_YEAR = 1
 # json.dumps with options builds a new encoder per call; the payload is re-encoded for every event.
 PAYLOAD_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
@@ -39,9 +42,25 @@ PAYLOAD_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 def _printable(value: str) -> str:
     # Ids become Kafka keys, ledger text and JSON keys: a NUL or a newline in them breaks
     # PostgreSQL (text cannot hold NUL) or the operators' tools.
-    if not value.isprintable():
-        raise ValueError("must not contain control characters")
+    problem = text_problem(value, ident=True)
+    if problem is not None:
+        raise ValueError(problem)
     return value
+
+
+def _in_range(value: datetime) -> datetime:
+    # 9999-12-31T23:59:59-23:59 is a valid RFC 3339 time whose UTC instant is in year
+    # 10000: no datetime, Avro timestamp or ledger column downstream can carry it.
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("must lie between years 1 and 9999 in UTC") from None
+    if utc.year < MIN_YEAR:
+        raise ValueError(f"must lie between years {MIN_YEAR} and 9999 in UTC")
+    return value
+
+
+Instant = Annotated[AwareDatetime, AfterValidator(_in_range)]
 
 
 def _id(max_length: int):
@@ -62,12 +81,8 @@ class EventIn(BaseModel):
     )
     kind: _id(128) = Field(description="What happened, e.g. billing.invoice_paid.")
     payload: JsonValue = Field(default_factory=dict, description="The event body (any JSON value; default {}).")
-    occurred_at: AwareDatetime | None = Field(
-        None, description="When it happened at the source (RFC 3339 with offset)."
-    )
-    received_at: AwareDatetime | None = Field(
-        None, description="When the producer received it; default: when ingest did."
-    )
+    occurred_at: Instant | None = Field(None, description="When it happened at the source (RFC 3339 with offset).")
+    received_at: Instant | None = Field(None, description="When the producer received it; default: when ingest did.")
     session_id: _id(256) | None = Field(None, description="Resume this saved agent session.")
     headers: dict[_id(128), Annotated[str, Field(max_length=4096), AfterValidator(_printable)]] = Field(
         default_factory=dict, max_length=32, description="Trace context and other metadata."
@@ -153,24 +168,30 @@ class EventsApi:
         self.publisher = publisher
 
     async def post_events(self, request: Request) -> Response:
-        await self.auth(request)
-        document = await read_json(request, self.settings.max_body_bytes)
+        caller = await self.auth(request, Scope.EVENTS)
+        document = await read_json(request, self.settings.max_body_bytes, "invalid_event")
         envelopes = parse_events(document, self.settings.ingest_max_batch)
+        if caller.users is not None:  # a token for some users: every event must be for one of them
+            batch = "events" in document
+            for index, envelope in enumerate(envelopes):
+                authorize(caller, Scope.EVENTS, envelope.user_id, f"events[{index}].user_id" if batch else "user_id")
         arrived = received_at(request)
         delivered = await self.publisher.send([envelope.event(arrived) for envelope in envelopes], via="events")
         # The body JSONResponse would render, without its json.dumps: this is the hot path.
         return Response(b'{"accepted":%d}' % len(delivered), 202, media_type="application/json")
 
     async def post_message(self, request: Request) -> Response:
-        await self.auth(request)
+        caller = await self.auth(request)
         user_id = request.path_params["user_id"]
-        if len(user_id) > 256 or not user_id.isprintable():
+        if len(user_id) > 256 or text_problem(user_id, ident=True):
             raise invalid("user_id", "at most 256 printable characters")
+        authorize(caller, Scope.MESSAGES, user_id)
         key = request.headers.get("idempotency-key")
-        if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS and key.isprintable()):
-            raise invalid("Idempotency-Key", f"1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable characters")
+        # ASCII only: header bytes arrive as latin-1, so a UTF-8 key would be stored as mojibake.
+        if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS and key.isascii() and key.isprintable()):
+            raise invalid("Idempotency-Key", f"1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters")
         try:
-            message = MessageIn.model_validate(await read_json(request, self.settings.max_body_bytes))
+            message = MessageIn.model_validate(await read_json(request, self.settings.max_body_bytes, "invalid_event"))
         except ValidationError as exc:
             raise refuse_validation(exc) from None
         source_id = key or str(uuid.uuid4())

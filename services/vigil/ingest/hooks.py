@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vigil.bus.codec import Event
-from vigil.ingest.auth import fetch_one
-from vigil.ingest.cache import TtlCache
+from vigil.ingest.auth import fetch_one, ledger
+from vigil.ingest.cache import MissGuard, TtlCache
 from vigil.ingest.metrics import SIGNATURE_FAILURES
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, invalid, parse_json, read_body, received_at, require_json
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 RECHECK_AFTER_S = 1.0
 MAX_ID_CHARS = 256  # delivery ids and event types: providers use a few dozen characters
 MAX_HOOK_ID_CHARS = 64
+MAX_EPOCH = 253_402_300_799  # 9999-12-31T23:59:59Z
 
 
 def _clean(value: Any, field: str) -> str:
@@ -68,8 +69,11 @@ def delivery_event(provider: HookProvider, user_id: str, request: Request, body:
         document = _object(document)
         source_id = _clean(document.get("id"), "id")
         event_type = _clean(document.get("type"), "type")
-        if isinstance(document.get("created"), int):
-            occurred_at = datetime.fromtimestamp(document["created"], UTC)
+        created = document.get("created")
+        if isinstance(created, int) and not isinstance(created, bool):
+            if not 0 <= created <= MAX_EPOCH:
+                raise invalid("created", "must be Unix seconds between 1970 and 9999")
+            occurred_at = datetime.fromtimestamp(created, UTC)
     else:
         source_id = _clean(headers.get("webhook-id") or headers.get("svix-id"), "webhook-id")
         event_type = document.get("type") if isinstance(document, dict) else None
@@ -94,9 +98,21 @@ class HookReceiver:
         self.pool = pool
         self.publisher = publisher
         self.cache: TtlCache[dict] = TtlCache(settings.ingest_auth_cache_s)
+        self.misses = MissGuard("hook", self._all_ids)
+
+    async def _all_ids(self) -> frozenset[str]:
+        async with ledger(self.pool) as conn:
+            cursor = await conn.execute(Q.hook_ids)
+            return frozenset(row["id"] for row in await cursor.fetchall())
 
     async def _hook(self, hook_id: str) -> dict | None:
-        return await self.cache.get(hook_id, lambda: fetch_one(self.pool, Q.hook_for_delivery, {"hook_id": hook_id}))
+        if self.cache.age(hook_id) is None and not await self.misses.worth_looking_up(hook_id):
+            self.misses.missed(looked_up=False)
+            return None
+        hook = await self.cache.get(hook_id, lambda: fetch_one(self.pool, Q.hook_for_delivery, {"hook_id": hook_id}))
+        if hook is None:
+            self.misses.missed()
+        return hook
 
     async def _verify(self, hook: dict, provider: HookProvider, request: Request, body: bytes) -> None:
         verify = VERIFIERS[provider]

@@ -46,6 +46,13 @@ PRODUCE_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
+UNKNOWN_KEYS = Counter(
+    "vigil_ingest_unknown_keys_total",
+    "Requests with an unknown API token or hook id, by kind (token, hook) and whether the ledger was asked "
+    "(looked_up false: answered from the set of existing keys during a flood).",
+    ["kind", "looked_up"],
+)
+
 UNMATCHED = "unmatched"  # no route: one label value for every unknown path
 # Clients may send any method token; anything else is one label value, keeping it bounded.
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})

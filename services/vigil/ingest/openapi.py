@@ -53,7 +53,9 @@ def _ok(status: str, ref: str, description: str) -> dict:
 REFUSALS = {
     "400": _error("Malformed JSON or a field that fails validation; `field` names it."),
     "413": _error("The body is larger than VIGIL_MAX_BODY_BYTES (refused before it is read whole)."),
+    "408": _error("The request head or body did not arrive in time (VIGIL_INGEST_*_TIMEOUT_S); closed."),
     "415": _error("The Content-Type is not application/json."),
+    "431": _error("The request line and headers are larger than VIGIL_INGEST_MAX_HEADER_BYTES."),
     "503": _error(
         "The broker (or the ledger) did not acknowledge in time. Nothing was acknowledged; retry.",
         **{"Retry-After": "Seconds to wait before retrying."},
@@ -61,7 +63,8 @@ REFUSALS = {
 }
 BEARER = {
     "401": _error("Missing or unknown bearer token.", **{"WWW-Authenticate": "Bearer"}),
-    "403": _error("The token was revoked."),
+    "403": _error("The token was revoked, or lacks the scope or the user (`forbidden`)."),
+    "429": _error("The token is over VIGIL_INGEST_TOKEN_RATE on this process.", **{"Retry-After": "Seconds to wait."}),
 }
 
 

@@ -27,7 +27,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from vigil.bus.codec import Event, EventCodec
 from vigil.bus.kafka import Delivered, ProduceError, producer_config
 from vigil.ingest.metrics import EVENTS_PRODUCED, PRODUCE_FAILURES, PRODUCE_SECONDS
-from vigil.ingest.requests import unavailable
+from vigil.ingest.requests import Refusal, invalid, unavailable
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ QUEUE_FULL_RETRY_S = 0.005
 # Slack over librdkafka's own message timeout: its delivery report (a failure) normally
 # settles the future first; this bound only matters if the report never comes.
 ACK_SLACK_S = 1.0
+# librdkafka counts a record's framing (length varints, attributes, headers count) against
+# message.max.bytes too; a few dozen bytes, bounded generously.
+MESSAGE_FRAMING_BYTES = 512
 
 
 class _Batch:
@@ -82,6 +85,8 @@ class Publisher:
     def __init__(self, settings: CommonSettings):
         self.settings = settings
         self.topic = settings.events_topic
+        # Ingest's settings carry the message bound its body bound derives from.
+        self.max_message_bytes: int | None = getattr(settings, "kafka_message_max_bytes", None)
         self._fatal = False
         self._last_error: int | None = None
         self._codec: EventCodec | None = None
@@ -101,7 +106,10 @@ class Publisher:
 
     def _new_producer(self) -> Producer:
         self._fatal = False
-        return Producer(producer_config(self.settings, error_cb=self._on_error))
+        config = producer_config(self.settings, error_cb=self._on_error)
+        if self.max_message_bytes is not None:
+            config["message.max.bytes"] = self.max_message_bytes
+        return Producer(config)
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
@@ -165,6 +173,9 @@ class Publisher:
             # report never comes ends at its deadline (503).
             old, self._producer = self._producer, self._new_producer()
             old.poll(0)
+        # Every event is encoded and measured before the first is produced: one that cannot be
+        # sent refuses the whole request, and nothing of it reaches the broker.
+        encoded = self._encode(events)
         producer = self._producer
         timeout = self.settings.produce_timeout_s
         loop = self._loop
@@ -174,9 +185,7 @@ class Publisher:
         if self._waiting == 1:
             self._poll_soon(POLL_INTERVAL_S)
         try:
-            for event in events:
-                value = self._codec.encode(event, self.topic)
-                key = event.user_id.encode()
+            for key, value in encoded:
                 while True:
                     try:
                         producer.produce(self.topic, value=value, key=key, on_delivery=batch.on_delivery)
@@ -199,6 +208,31 @@ class Publisher:
         if batch.errors:
             raise ProduceError(f"{len(batch.errors)} of {len(events)} not acknowledged: {batch.errors[0].str()}")
         return batch.delivered
+
+    def _encode(self, events: Sequence[Event]) -> list[tuple[bytes, bytes]]:
+        """Each event as (key, value); a 400 or 413 refusal for the first that cannot be sent.
+
+        The request's validation should have caught both already; this is the backstop that
+        keeps "accepted, then refused by the producer" (a 503 no retry can cure) impossible.
+        """
+        limit = self.max_message_bytes
+        encoded = []
+        for index, event in enumerate(events):
+            where = f"events[{index}]" if len(events) > 1 else "event"
+            try:
+                value = self._codec.encode(event, self.topic)
+                key = event.user_id.encode()
+            except (ValueError, TypeError, OverflowError) as exc:  # a lone surrogate, a date out of range
+                raise invalid(where, f"cannot be encoded ({type(exc).__name__})", code="invalid_event") from None
+            if limit is not None and len(value) + len(key) + MESSAGE_FRAMING_BYTES > limit:
+                raise Refusal(
+                    413,
+                    "event_too_large",
+                    f"{where} is {len(value)} bytes as a Kafka message; the broker takes at most {limit}",
+                    field=where,
+                )
+            encoded.append((key, value))
+        return encoded
 
     async def close(self, timeout: float = 5.0) -> None:
         """Serve reports up to ``timeout`` until queued events are answered (their requests

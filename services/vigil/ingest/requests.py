@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,11 @@ def require_json(request: Request) -> None:
     media = content_type.split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         shown = media[:100] or "none"
-        raise Refusal(415, "unsupported_media_type", f"expected Content-Type application/json, got {shown}")
+        hint = ""
+        if media == "application/x-www-form-urlencoded":
+            # GitHub's default for a new webhook: the fix is a setting on GitHub's side.
+            hint = " (a GitHub webhook: set its Content type to application/json)"
+        raise Refusal(415, "unsupported_media_type", f"expected Content-Type application/json, got {shown}{hint}")
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         # A compressed body would only fail later as malformed JSON; say what is wrong.
@@ -96,7 +102,9 @@ def too_large(limit: int) -> Refusal:
     return Refusal(413, "body_too_large", f"request body is larger than {limit} bytes", headers={"Connection": "close"})
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes, code: str = "invalid_json") -> Any:
+    """The document; 400 ``invalid_json`` if it is not JSON, 400 ``code`` if a string in it
+    breaks the text rule (see :func:`check_document`)."""
     if not body.strip():
         raise Refusal(400, "invalid_json", "the body is empty; expected a JSON document")
     try:
@@ -108,11 +116,16 @@ def parse_json(body: bytes) -> Any:
     try:
         if text.startswith("\ufeff"):
             return json.loads(text)  # raises json.loads's own error for a byte order mark
-        return DECODER.decode(text)
+        document = DECODER.decode(text)
     except ValueError as exc:
         raise Refusal(400, "invalid_json", f"malformed JSON: {exc}") from None
     except RecursionError:
         raise Refusal(400, "invalid_json", "JSON nested too deeply") from None
+    if "\\u" in text:
+        # A lone surrogate or a NUL can only arrive as a \u escape (the text itself is strict
+        # UTF-8, and raw control characters are not JSON), so only such bodies are walked.
+        check_document(document, code)
+    return document
 
 
 def _not_json(name: str) -> None:
@@ -120,14 +133,72 @@ def _not_json(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: would be stored as the text Infinity
+        raise ValueError(f"{text[:40]} is out of range for a JSON number")
+    return value
+
+
 # One decoder for every request: json.loads with an option builds a new one per call.
-DECODER = json.JSONDecoder(parse_constant=_not_json)
+DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 
 
-async def read_json(request: Request, limit: int) -> Any:
+# -- the one rule for text ---------------------------------------------------------------
+
+
+def text_problem(value: str, *, ident: bool = False) -> str | None:
+    """Why ``value`` cannot be stored as text, or None.
+
+    Every text field: valid Unicode scalar values (no lone surrogate: it has no UTF-8
+    encoding, so Kafka, the codec and PostgreSQL all refuse it later) and no NUL
+    (PostgreSQL text and jsonb cannot hold one). Ids (``ident``: user ids, sources, keys,
+    anything used in a URL, a Kafka key or an operator's terminal) also have no control
+    or other non-printable characters.
+    """
+    if "\x00" in value:
+        return "must not contain NUL"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode (a lone surrogate is not)"
+    if ident and not value.isprintable():
+        return "must not contain control characters"
+    return None
+
+
+def check_text(value: str, field: str, *, ident: bool = False) -> str:
+    """``value``, or a 400 naming ``field`` (see :func:`text_problem`)."""
+    problem = text_problem(value, ident=ident)
+    if problem is not None:
+        raise invalid(field, problem)
+    return value
+
+
+def check_document(document: Any, code: str = "invalid_json") -> None:
+    """Every key and string of a parsed JSON document passes :func:`text_problem`; else a
+    400 whose ``field`` is the path to it (``events[1].payload.note``; ``body`` for the root)."""
+    stack: list[tuple[Any, str]] = [(document, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            problem = text_problem(value)
+            if problem is not None:
+                raise invalid(where or "body", problem, code)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                problem = text_problem(key)
+                if problem is not None:
+                    raise invalid(where or "body", f"a key {problem}", code)
+                stack.append((item, f"{where}.{key[:64]}" if where else key[:64]))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{index}]") for index, item in enumerate(value))
+
+
+async def read_json(request: Request, limit: int, code: str = "invalid_json") -> Any:
     """415, 413 and 400 checks in that order, then the parsed document."""
     require_json(request)
-    return parse_json(await read_body(request, limit))
+    return parse_json(await read_body(request, limit), code)
 
 
 # -- exception handlers -----------------------------------------------------------------
@@ -151,10 +222,60 @@ async def on_http_exception(_: Request, exc: Exception) -> Response:
     return JSONResponse({"error": code, "detail": exc.detail}, exc.status_code, headers=exc.headers)
 
 
+async def on_disconnect(_: Request, exc: Exception) -> Response:
+    # The client went away (or the server's read timeout closed it) while its body was
+    # read: nothing was produced, and nobody is left to read an answer.
+    log.debug("client disconnected before its body was read")
+    return JSONResponse({"error": "client_disconnected", "detail": "the request body was not received"}, 400)
+
+
 async def on_unexpected(_: Request, exc: Exception) -> Response:
     # The request was not acknowledged, so a retry is safe; the traceback is for operators.
     log.error("unexpected error", exc_info=exc)
     return JSONResponse({"error": "internal", "detail": "unexpected error; retry later"}, 500)
 
 
-EXCEPTION_HANDLERS = {Refusal: on_refusal, HTTPException: on_http_exception, Exception: on_unexpected}
+EXCEPTION_HANDLERS = {
+    Refusal: on_refusal,
+    HTTPException: on_http_exception,
+    ClientDisconnect: on_disconnect,
+    Exception: on_unexpected,
+}
+
+
+# -- the path and query rule, before any route ------------------------------------------
+
+
+def target_problem(scope: dict) -> Refusal | None:
+    """The path and query string as the client sent them follow the text rule for ids.
+
+    uvicorn decodes percent-escapes leniently (invalid UTF-8 becomes U+FFFD, so two raw ids
+    would name one user) and passes a ``%00`` through to PostgreSQL: both are refused here,
+    once, for every route.
+    """
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    for name, raw in (("path", raw_path), ("query", scope.get("query_string", b"").replace(b"+", b" "))):
+        if not raw:
+            continue
+        try:
+            text = unquote_to_bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return invalid(name, "percent-escapes do not decode as UTF-8")
+        if not text.isprintable():
+            return invalid(name, "must not contain control characters (a %00, a newline)")
+    return None
+
+
+class TargetCheck:
+    """Pure ASGI middleware: :func:`target_problem`, answered before routing."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = target_problem(scope)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,7 +1,8 @@
 """The background tasks HTTP API, mounted on ingest (``vigil.ingest.app.MOUNTED_MODULES``).
 
 Only the owner chain may read, wait on or cancel a task: a caller whose token may act for
-the task's user (:func:`may_act_for`). Anyone else gets a 403 and learns nothing more.
+the task's user (:func:`may_act_for`: the ``messages`` scope for that user, or ``admin``).
+Anyone else gets a 403 and learns nothing more.
 
 - ``GET /v1/users/{user_id}/tasks``: the user's tasks, newest first (``?status=``,
   ``?limit=`` up to 200, ``?before=<created_at>`` for the next page).
@@ -22,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from vigil.ingest.auth import Caller
+from vigil.ingest.auth import Caller, permits
 from vigil.ledger import tasks as ledger
 from vigil.ledger.queries import Q
-from vigil.ledger.states import TaskStatus
+from vigil.ledger.states import Scope, TaskStatus
 
 TASK_ID = re.compile(r"^tsk_[0-9a-f]{20}$")
 MAX_USER_ID_LENGTH = 200
@@ -39,10 +40,10 @@ CANCEL = "/v1/tasks/{task_id}/cancel"
 def may_act_for(caller: Caller, user_id: str) -> bool:
     """The owner-chain rule for tasks: may this caller act for this user's work?
 
-    Every API token acts for every user today (tokens carry no scope yet); this is the one
-    place that changes when they do."""
-    check = getattr(caller, "may_act_for", None)
-    return True if check is None else bool(check(user_id))
+    A task belongs to the conversation that delegated it, so whoever may talk to the agent
+    for the user (the ``messages`` scope, for that user) may read, wait on and cancel it;
+    ``admin`` tokens act for everyone (:func:`vigil.ingest.auth.permits`)."""
+    return permits(caller, Scope.MESSAGES, user_id)
 
 
 def routes(ctx: Any) -> list[Route]:

@@ -87,6 +87,16 @@ class HookProvider(StrEnum):
     STANDARD_WEBHOOKS = "standard-webhooks"
 
 
+class Scope(StrEnum):
+    """What an API token may do (``api_tokens.scopes``); see :func:`vigil.ingest.auth.permits`."""
+
+    EVENTS = "events"  # POST /v1/events
+    MESSAGES = "messages"  # POST /v1/users/{user}/messages
+    TIMERS = "timers"  # /v1/users/{user}/timers
+    APPROVALS = "approvals"  # answering approvals on a person's behalf (operator consoles)
+    ADMIN = "admin"  # operator routes
+
+
 # constraint name -> enum it mirrors; the test walks this map.
 CHECKED = {
     "events_status_valid": EventStatus,
@@ -101,4 +111,5 @@ CHECKED = {
     "outbox_channel_valid": ChannelType,
     "hooks_provider_valid": HookProvider,
     "tasks_status_valid": TaskStatus,
+    "api_tokens_scopes_valid": Scope,
 }

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vigil.ledger.queries import Q
-from vigil.ledger.states import TimerKind
+from vigil.ledger.states import Scope, TimerKind
 from vigil.scheduler.timers import MAX_USER_ID_LENGTH, TIMER_ID, InvalidTimer, describe, parse_timer, upsert_async
 
 DEFAULT_PAGE = 100
@@ -35,10 +35,19 @@ ITEM = "/v1/users/{user_id}/timers/{timer_id}"
 
 
 def routes(ctx: Any) -> list[Route]:
+    async def authorized(request: Request, with_timer: bool = False) -> tuple[str, str | None]:
+        """401/429 for the token, 400 for the ids, 403 unless the token may act for the user."""
+        caller = await ctx.authenticate(request)
+        ids = path_ids(request, with_timer)
+        ctx.authorize(caller, Scope.TIMERS, ids[0])
+        return ids
+
     def path_ids(request: Request, with_timer: bool = False) -> tuple[str, str | None]:
         user_id = request.path_params["user_id"]
         if not 0 < len(user_id) <= MAX_USER_ID_LENGTH:
             raise ctx.invalid("user_id", f"must be 1 to {MAX_USER_ID_LENGTH} characters")
+        if not user_id.isprintable():  # a %0A or %01 in the path (ingest refuses a %00 before routing)
+            raise ctx.invalid("user_id", "must not contain control characters")
         timer_id = request.path_params.get("timer_id") if with_timer else None
         if with_timer and not TIMER_ID.match(timer_id or ""):
             # No such id can exist, so this is the same 404 as an unknown one.
@@ -46,14 +55,24 @@ def routes(ctx: Any) -> list[Route]:
         return user_id, timer_id
 
     async def create(request: Request) -> Response:
-        await ctx.authenticate(request)
-        user_id, _ = path_ids(request)
+        user_id, _ = await authorized(request)
         body = await ctx.read_json(request)
+        settings = ctx.settings
         try:
-            timer = parse_timer(user_id, body, int(time.time()))
+            timer = parse_timer(user_id, body, int(time.time()), min_every=settings.min_timer_every_s)
         except InvalidTimer as exc:
             raise ctx.invalid(exc.field, exc.reason) from None
         async with ctx.ledger() as conn:
+            await conn.execute(Q.timers_quota_lock, {"user_id": user_id})
+            live = await (await conn.execute(Q.timers_live_count, {"user_id": user_id, "id": timer.id})).fetchone()
+            if live["live"] >= settings.max_timers_per_user:
+                # Re-registering a timer the user has is always allowed; only a new one counts.
+                raise ctx.Refusal(
+                    429,
+                    "quota_exceeded",
+                    f"the user has {settings.max_timers_per_user} live timers (VIGIL_MAX_TIMERS_PER_USER); "
+                    "cancel one first",
+                )
             result = await upsert_async(conn, timer)
         if result.status == "conflict":
             raise ctx.Refusal(409, "conflict", result.reason)
@@ -63,8 +82,7 @@ def routes(ctx: Any) -> list[Route]:
         return JSONResponse(shown, status_code=201 if result.status == "created" else 200)
 
     async def list_timers(request: Request) -> Response:
-        await ctx.authenticate(request)
-        user_id, _ = path_ids(request)
+        user_id, _ = await authorized(request)
         params = request.query_params
         include_done = params.get("all", "false").lower()
         if include_done not in {"true", "false", "1", "0"}:
@@ -88,8 +106,7 @@ def routes(ctx: Any) -> list[Route]:
         return JSONResponse({"timers": timers, "next_after": timers[-1]["id"] if len(timers) == limit else None})
 
     async def get_timer(request: Request) -> Response:
-        await ctx.authenticate(request)
-        user_id, timer_id = path_ids(request, with_timer=True)
+        user_id, timer_id = await authorized(request, with_timer=True)
         async with ctx.ledger() as conn:
             row = await (await conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id})).fetchone()
         if row is None:
@@ -97,8 +114,7 @@ def routes(ctx: Any) -> list[Route]:
         return JSONResponse(describe(row))
 
     async def cancel(request: Request) -> Response:
-        await ctx.authenticate(request)
-        user_id, timer_id = path_ids(request, with_timer=True)
+        user_id, timer_id = await authorized(request, with_timer=True)
         ids = {"user_id": user_id, "id": timer_id}
         async with ctx.ledger() as conn:
             cancelled = await (await conn.execute(Q.timer_cancel, ids)).fetchone()
@@ -135,7 +151,11 @@ _TIMER_SCHEMA = {
             "oneOf": [{"type": "integer"}, {"type": "string", "format": "date-time"}],
             "description": "First occurrence: epoch seconds or RFC 3339 with an offset. Optional for recurring timers.",
         },
-        "every": {"type": "integer", "minimum": 1, "description": "Recur every this many seconds."},
+        "every": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "Recur every this many seconds (at least VIGIL_MIN_TIMER_EVERY_S, 60 by default).",
+        },
         "cron": {"type": "string", "description": "5-field cron expression, evaluated in tz."},
         "tz": {"type": "string", "default": "UTC", "description": "IANA time zone of the cron expression."},
         "catch_up": {"type": "string", "enum": ["coalesce", "each", "skip"], "default": "coalesce"},
@@ -161,7 +181,9 @@ def openapi_paths() -> dict[str, Any]:
                     "201": {"description": "created"},
                     "200": {"description": "re-registered"},
                     "400": {"description": "invalid field (the detail says why)"},
+                    "403": {"description": "the token may not manage this user's timers"},
                     "409": {"description": "the id belongs to an approval's expiry timer"},
+                    "429": {"description": "the user has VIGIL_MAX_TIMERS_PER_USER live timers"},
                 },
             },
             "get": {

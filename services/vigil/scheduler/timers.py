@@ -118,20 +118,39 @@ def _whole_seconds(name: str, value: Any, minimum: int) -> int | None:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise InvalidTimer(name, f"expected a whole number of seconds, got {value!r}")
+            raise InvalidTimer(name, f"expected a whole number of seconds, got {type(value).__name__}")
     if not minimum <= value <= MAX_SECONDS:
-        raise InvalidTimer(name, f"must be between {minimum} and {MAX_SECONDS} seconds, got {value}")
+        # The value is not echoed: it may be hundreds of digits long.
+        raise InvalidTimer(name, f"must be between {minimum} and {MAX_SECONDS} seconds")
     return value
 
 
-def parse_timer(user_id: str, body: Any, now: int) -> NewTimer:
+def _has_nul(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def parse_timer(user_id: str, body: Any, now: int, min_every: int = 1) -> NewTimer:
     """Validate a create request (see the module docstring for the fields).
 
     ``due`` may be left out of a recurring timer: a cron schedule starts at its next match
     after ``now``, an interval one ``every`` seconds from ``now``. A one-off needs it.
+    ``min_every`` is the API's floor for intervals (``VIGIL_MIN_TIMER_EVERY_S``).
     """
     if not isinstance(user_id, str) or not user_id or len(user_id) > MAX_USER_ID_LENGTH:
         raise InvalidTimer("user_id", f"must be 1 to {MAX_USER_ID_LENGTH} characters")
+    if not user_id.isprintable():  # also refuses NUL and lone surrogates
+        raise InvalidTimer("user_id", "must not contain control characters")
     if not isinstance(body, dict):
         raise InvalidTimer("body", "expected a JSON object")
     unknown = sorted(set(body) - FIELDS)
@@ -140,7 +159,7 @@ def parse_timer(user_id: str, body: Any, now: int) -> NewTimer:
     timer_id = body.get("id")
     if not isinstance(timer_id, str) or not TIMER_ID.match(timer_id):
         raise InvalidTimer("id", "1 to 128 characters of letters, digits and . _ : -, starting with a letter or digit")
-    every = _whole_seconds("every", body.get("every"), 1)
+    every = _whole_seconds("every", body.get("every"), min_every)
     cron = body.get("cron")
     if every is not None and cron is not None:
         raise InvalidTimer("cron", "a timer recurs by every or by cron, not both")
@@ -164,7 +183,13 @@ def parse_timer(user_id: str, body: Any, now: int) -> NewTimer:
     payload = body.get("payload", {})
     if not isinstance(payload, dict):
         raise InvalidTimer("payload", "expected a JSON object")
-    if len(json.dumps(payload, ensure_ascii=False).encode()) > MAX_PAYLOAD_BYTES:
+    try:
+        encoded = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode()
+    except (ValueError, UnicodeEncodeError):
+        raise InvalidTimer("payload", "must be valid JSON text (no lone surrogate, no NaN or Infinity)") from None
+    if _has_nul(payload):
+        raise InvalidTimer("payload", "must not contain NUL (the ledger's jsonb cannot hold one)")
+    if len(encoded) > MAX_PAYLOAD_BYTES:
         raise InvalidTimer("payload", f"larger than {MAX_PAYLOAD_BYTES} bytes as JSON")
     if body.get("due") is not None:
         due = parse_due(body["due"])

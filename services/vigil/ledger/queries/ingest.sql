@@ -3,17 +3,17 @@
 
 -- name: token_create
 -- A new API token; only its sha256 is stored.
-INSERT INTO api_tokens (id, name, token_hash)
-VALUES (%(id)s, %(name)s, %(token_hash)s)
-RETURNING id, name, created_at
+INSERT INTO api_tokens (id, name, token_hash, scopes, users)
+VALUES (%(id)s, %(name)s, %(token_hash)s, %(scopes)s, %(users)s)
+RETURNING id, name, created_at, scopes, users
 
 -- name: token_by_hash
 -- The token a bearer presents, by the sha256 of what was presented (hot path, cached by ingest).
-SELECT id, name, revoked_at FROM api_tokens WHERE token_hash = %(token_hash)s
+SELECT id, name, revoked_at, scopes, users FROM api_tokens WHERE token_hash = %(token_hash)s
 
 -- name: token_list
 -- Every token, newest first, without hashes.
-SELECT id, name, created_at, revoked_at FROM api_tokens ORDER BY created_at DESC, id
+SELECT id, name, created_at, revoked_at, scopes, users FROM api_tokens ORDER BY created_at DESC, id
 
 -- name: token_revoke
 -- Revoke a token that is still active; zero rows: unknown id or revoked already.
@@ -71,3 +71,17 @@ SELECT id, hook_id, created_at, revoked_at FROM hook_secrets WHERE id = %(secret
 -- name: hook_lock
 -- Serialise changes to one hook's secrets (two revocations must not leave it with none).
 SELECT id, disabled_at FROM hooks WHERE id = %(hook_id)s FOR UPDATE
+
+-- name: token_hashes
+-- Every token hash: ingest's negative cache under a flood of unknown tokens (a set, refreshed at most once a second).
+SELECT token_hash FROM api_tokens
+
+-- name: hook_ids
+-- Every hook id: ingest's negative cache under a flood of deliveries to unknown hooks.
+SELECT id FROM hooks
+
+-- name: hook_disable
+-- Disable a hook that is still enabled (deliveries get 404 within VIGIL_INGEST_AUTH_CACHE_S); zero rows: unknown or disabled already.
+UPDATE hooks SET disabled_at = now()
+WHERE id = %(hook_id)s AND disabled_at IS NULL
+RETURNING id, provider, user_id, disabled_at

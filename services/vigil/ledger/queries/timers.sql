@@ -94,3 +94,11 @@ RETURNING id
 SELECT count(*) AS due, min(due) AS oldest
 FROM timers
 WHERE NOT done AND due <= %(now)s
+
+-- name: timers_quota_lock
+-- Serialise timer creation per user until commit, so two concurrent creates cannot both pass VIGIL_MAX_TIMERS_PER_USER (a statement of its own: the count must take its snapshot after the lock is held).
+SELECT pg_advisory_xact_lock(hashtextextended('vigil.timers:' || %(user_id)s, 0))
+
+-- name: timers_live_count
+-- Live timers of a user other than the one being (re-)registered (the quota's count).
+SELECT count(*) AS live FROM timers WHERE user_id = %(user_id)s AND NOT done AND id <> %(id)s

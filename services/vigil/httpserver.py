@@ -1,0 +1,264 @@
+"""Bounded HTTP/1.1 serving for every vigil port (ingest's API and the health ports).
+
+uvicorn with httptools bounds neither the request head nor the time a client may take to
+send it: a 32 MB header is buffered whole by the parser, a half-sent request holds its
+connection (and its buffer) forever, and nothing caps the number of open connections. Its
+own options do not reach these: ``h11_max_incomplete_event_size`` only applies to the h11
+parser, and ``limit_concurrency`` answers 503 only once a head is complete.
+
+:class:`BoundedHttpToolsProtocol` is uvicorn's httptools protocol with those bounds added
+at the protocol level, before any ASGI application sees the request:
+
+- the head (request line and headers) is at most ``max_head_bytes`` and ``max_headers``
+  headers: 431, counted while it arrives, so at most one socket read past the bound is
+  ever buffered;
+- the head must arrive within ``head_timeout_s`` of the connection (or of the first byte
+  of a later request on a kept-alive connection), the body within ``body_timeout_s`` of the
+  head: 408 and the connection closed;
+- at most ``max_connections`` connections per process: a connection past the cap gets a
+  503 and is closed at once;
+- a kept-alive connection idles at most ``keep_alive_s``;
+- a request the parser cannot read (an unknown method, a malformed line) gets a JSON 400
+  instead of uvicorn's plain-text one.
+
+Every refusal has ingest's error shape, ``{"error": code, "detail": ...}``, and closes the
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import httptools
+import uvicorn
+from prometheus_client import Counter
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+
+REFUSED = Counter(
+    "vigil_http_refused_total",
+    "Requests or connections refused by the HTTP server before the application saw them, by reason.",
+    ["reason"],  # head_too_large | too_many_headers | head_timeout | body_timeout | too_many_connections | malformed
+)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The bounds of one HTTP server. Defaults fit an API whose heads are a few hundred bytes."""
+
+    # Browsers and proxies send heads of a few KiB; nginx's default buffers are 8 KiB.
+    max_head_bytes: int = 16 * 1024
+    max_headers: int = 100
+    # A real client sends its head in one packet; ten seconds covers a slow mobile link.
+    head_timeout_s: float = 10.0
+    # 1 MiB over a slow link; a body that takes longer is a slow-loris, not a client.
+    body_timeout_s: float = 30.0
+    max_connections: int = 1000
+    keep_alive_s: int = 5
+
+
+# After a refusal, how long the client's further bytes are read and dropped before the
+# socket closes (see BoundedHttpToolsProtocol._linger).
+LINGER_S = 1.0
+
+# The health and metrics ports: probes and scrapes only.
+HEALTH_LIMITS = ServerLimits(max_head_bytes=8 * 1024, max_headers=50, body_timeout_s=10.0, max_connections=100)
+
+
+class _Refuse(Exception):
+    def __init__(self, status: int, reason: str, code: str, detail: str):
+        super().__init__(detail)
+        self.status, self.reason, self.code, self.detail = status, reason, code, detail
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds of :class:`ServerLimits` (see the module)."""
+
+    limits: ClassVar[ServerLimits] = ServerLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_count = 0
+        self._refused = False
+        self._read_timer: asyncio.TimerHandle | None = None
+
+    # -- the connection ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(
+                _Refuse(503, "too_many_connections", "overloaded", "too many open connections; retry later"),
+                retry_after=1,
+            )
+            return
+        self._arm(self.limits.head_timeout_s, "head")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(_Refuse(400, "malformed", "invalid_request", "protocol upgrades are not supported"))
+            return
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Refuse):
+                self._refuse(cause)
+            else:
+                self._refuse(_Refuse(400, "malformed", "invalid_request", "malformed HTTP request"))
+            return
+        if self._in_head:
+            # The whole read belongs to an unfinished head: count it before the next read
+            # is buffered. (A head completed in this read was counted exactly by on_header.)
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_head_bytes:
+                self._refuse(self._head_too_large())
+
+    # -- parser callbacks -------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._read_timer is None:  # a later request on a kept-alive connection
+            self._arm(self.limits.head_timeout_s, "head")
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_count = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_headers:
+            raise _Refuse(
+                431, "too_many_headers", "headers_too_large", f"more than {self.limits.max_headers} header fields"
+            )
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._arm(self.limits.body_timeout_s, "body")
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    # -- refusals ---------------------------------------------------------------------
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.limits.max_head_bytes:
+            raise self._head_too_large()
+
+    def _head_too_large(self) -> _Refuse:
+        return _Refuse(
+            431,
+            "head_too_large",
+            "headers_too_large",
+            f"the request line and headers are larger than {self.limits.max_head_bytes} bytes",
+        )
+
+    def _arm(self, seconds: float, phase: str) -> None:
+        self._disarm()
+        self._read_timer = self.loop.call_later(seconds, self._timed_out, phase, seconds)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _timed_out(self, phase: str, seconds: float) -> None:
+        self._read_timer = None
+        detail = f"the request {phase} did not arrive within {seconds:g}s"
+        self._refuse(_Refuse(408, f"{phase}_timeout", "request_timeout", detail))
+
+    def _refuse(self, refusal: _Refuse, retry_after: int | None = None) -> None:
+        """Answer ``refusal`` and close; every later byte from the client is discarded.
+
+        An earlier request of the same connection whose answer is still being prepared
+        (pipelining) keeps its answer: it may already have been acted on. The connection
+        just closes after it. A request whose body was still arriving (a body timeout) gets
+        the refusal, and its application sees a disconnect.
+        """
+        self._refused = True
+        self._disarm()
+        REFUSED.labels(refusal.reason).inc()
+        log.debug("refused a connection: %d %s", refusal.status, refusal.detail)
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        running = cycle is not None and not cycle.response_complete
+        if running and not cycle.more_body:
+            cycle.keep_alive = False  # uvicorn closes the connection after this answer
+            return
+        if not running or not cycle.response_started:  # a finished cycle is an earlier request's
+            body = json.dumps({"error": refusal.code, "detail": refusal.detail}).encode()
+            head = [
+                STATUS_LINE[refusal.status],
+                b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n",
+            ]
+            if retry_after is not None:
+                head.append(b"retry-after: %d\r\n" % retry_after)
+            self.transport.write(b"".join(head) + b"\r\n" + body)
+        if running:
+            # Its application's reads end and its writes go nowhere (uvicorn's own
+            # disconnect handling, done now rather than when the socket is gone).
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Send FIN after the answer and discard what the client still sends for a moment.
+
+        Closing at once, with the client's unread bytes (the rest of a huge head, a body)
+        in the socket, makes the kernel send RST, and an RST can destroy the answer before
+        the client reads it. The wait is bounded, and nothing is buffered meanwhile.
+        """
+        try:
+            self.transport.resume_reading()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            self.transport.close()
+            return
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def bounded_protocol(limits: ServerLimits) -> type[BoundedHttpToolsProtocol]:
+    """A protocol class carrying ``limits`` (uvicorn builds one instance per connection)."""
+    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), {"limits": limits})
+
+
+def server_config(app: Any, host: str, port: int, limits: ServerLimits, **options: Any) -> uvicorn.Config:
+    """A uvicorn config serving ``app`` within ``limits``; access log off, no Server header."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=bounded_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_s,
+        # Also bounds the head if anyone switches to h11.
+        h11_max_incomplete_event_size=limits.max_head_bytes,
+        access_log=False,
+        server_header=False,
+        **options,
+    )

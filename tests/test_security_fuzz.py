@@ -1,0 +1,178 @@
+"""Issue 16: a bounded fuzz of the HTTP API. Every operation in the committed OpenAPI
+document (``services/vigil/ingest/openapi.json``) is called with generated path ids (any
+Unicode, raw percent-escapes, NUL, lone surrogates), query strings, headers and bodies
+(well-formed envelopes with hostile values, arbitrary JSON, JSON text with \\u escapes no
+encoder would write, non-JSON bytes). The server must never answer 5xx, every refusal must
+be the JSON error shape, and nothing may be produced or stored beyond what 2xx answers
+acknowledged. Hypothesis keeps it to a fixed number of examples (well under a minute)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ingest_support import cli, create_token, ledger_count, read_events, start_ingest
+
+OPENAPI = json.loads((Path(__file__).parent.parent / "services/vigil/ingest/openapi.json").read_text())
+OPERATIONS = sorted(
+    (method.upper(), path)
+    for path, operations in OPENAPI["paths"].items()
+    for method in operations
+    if path.startswith("/v1/")
+)
+EXAMPLES = 500  # about 25 s on a 2-core machine
+
+texts = st.one_of(
+    st.sampled_from(["u1", "alice", "team-a/bob", "", " ", "x" * 300, "é", "日本"]),
+    st.text(max_size=40),
+    st.text(alphabet=st.characters(codec="utf-8", categories=["Cc", "Zl", "Zs", "So"]), max_size=5),
+)
+# Path segments as a client could send them: quoted text, or raw escapes of any bytes.
+segments = st.one_of(
+    texts.map(lambda t: quote(t, safe="")),
+    st.binary(min_size=1, max_size=8).map(lambda b: "".join(f"%{byte:02X}" for byte in b)),
+    st.sampled_from(["%00", "a%00b", "%ED%A0%80", "%FF", "%0A", "..", "%2F"]),
+)
+json_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        texts,
+    ),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(texts, inner, max_size=4)),
+    max_leaves=12,
+)
+instants = st.one_of(
+    st.datetimes(timezones=st.timezones()).map(lambda d: d.isoformat()),
+    st.sampled_from(["9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+00:01", "2026-01-01T00:00:00", "x"]),
+)
+envelopes = st.fixed_dictionaries(
+    {"user_id": texts, "source": texts, "source_id": texts, "kind": texts},
+    optional={
+        "payload": json_values,
+        "occurred_at": instants,
+        "received_at": instants,
+        "session_id": texts,
+        "headers": st.dictionaries(texts, texts, max_size=3),
+        "bogus": json_values,
+    },
+)
+timers = st.fixed_dictionaries(
+    {"id": texts},
+    optional={
+        "due": st.one_of(st.integers(min_value=-(2**40), max_value=2**40), instants),
+        "every": st.one_of(st.integers(min_value=-5, max_value=2**33), st.floats(allow_nan=False)),
+        "cron": st.sampled_from(["* * * * *", "0 9 * * 1", "61 * * * *", "x"]),
+        "tz": st.sampled_from(["UTC", "Asia/Tokyo", "Mars/Olympus", ""]),
+        "catch_up": st.sampled_from(["coalesce", "each", "skip", "all"]),
+        "max_lateness": st.integers(min_value=-1, max_value=2**33),
+        "payload": json_values,
+    },
+)
+documents = st.one_of(
+    envelopes,
+    st.fixed_dictionaries({"events": st.lists(envelopes, max_size=3)}),
+    timers,
+    st.fixed_dictionaries({"text": texts}),
+    st.fixed_dictionaries({"answer": st.sampled_from(["yes", "no", "maybe"]), "token": texts}),
+    json_values,
+)
+
+
+def encoded(document) -> bytes:
+    return json.dumps(document, ensure_ascii=False).encode("utf-8", errors="surrogatepass")
+
+
+# JSON text an encoder would never write: lone surrogates and NUL as escapes, huge numbers.
+hostile_texts = st.sampled_from(
+    [
+        '{"user_id":"u1","source":"s","source_id":"1","kind":"k","payload":{"\\ud800":1}}',
+        '{"text":"\\udfff"}',
+        '{"text":"a\\u0000b"}',
+        '{"id":"t1","due":2000000000,"payload":{"x":1e999}}',
+        '{"id":"t1","every":' + "9" * 400 + "}",
+        '{"events":[{"user_id":"u1","source":"s","source_id":"1","kind":"k"},{"user_id":"\\ud800"}]}',
+        "[" * 5000,
+        "{}",
+        "",
+    ]
+).map(str.encode)
+bodies = st.one_of(documents.map(encoded), hostile_texts, st.binary(max_size=64))
+content_types = st.sampled_from(
+    ["application/json", "application/json", "application/vnd.x+json", "text/plain", "", "application/json; x=1"]
+)
+
+
+@pytest.fixture
+def target(stack, ledger, topics):
+    server = start_ingest(stack, ledger, topics, max_timers_per_user=20)
+    token = create_token(ledger)["token"]
+    scoped = json.loads(cli(ledger, "tokens", "create", "s", "--scope", "events", "--users", "u*", "--json"))
+    hook = json.loads(cli(ledger, "hooks", "add", "--provider", "github", "--user", "u1", "--json"))
+    seen = {"events": 0, "timers": 0}
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client, token, scoped["token"], hook["id"], seen
+    server.stop()
+    produced = read_events(stack.bootstrap, topics.events, seen["events"], topics.partitions, settle=1.0)
+    assert len(produced) == seen["events"], "a refused request produced, or an acknowledged one did not"
+    assert ledger_count(ledger, "SELECT count(*) FROM timers") == seen["timers"], "a refused request stored a timer"
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    operation=st.sampled_from(OPERATIONS),
+    ids=st.lists(segments, min_size=2, max_size=2),
+    query=st.one_of(st.just(""), st.text(max_size=20).map(lambda t: "?after=" + quote(t)), segments.map("?x=".__add__)),
+    body=bodies,
+    content_type=content_types,
+    auth=st.sampled_from(["token", "scoped", "junk", "none"]),
+    use_real_hook=st.booleans(),
+    key=st.one_of(st.none(), st.binary(min_size=1, max_size=20)),
+)
+def test_no_request_is_a_500_and_refusals_store_nothing(
+    target, operation, ids, query, body, content_type, auth, use_real_hook, key
+):
+    client, token, scoped, hook_id, seen = target
+    method, template = operation
+    names = re.findall(r"{(\w+)}", template)
+    values = dict(zip(names, ids, strict=False))
+    if "hook_id" in values and use_real_hook:
+        values["hook_id"] = hook_id
+    path = template
+    for name, value in values.items():
+        path = path.replace("{" + name + "}", value)
+    headers: dict[bytes, bytes] = {b"content-type": content_type.encode()}
+    if auth != "none":
+        bearer = {"token": token, "scoped": scoped, "junk": "vgl_nope"}[auth]
+        headers[b"authorization"] = f"Bearer {bearer}".encode()
+    if key is not None:
+        headers[b"idempotency-key"] = key.replace(b"\r", b"").replace(b"\n", b"") or b"k"
+    if use_real_hook:
+        headers[b"x-hub-signature-256"] = b"sha256=00"
+    try:
+        response = client.request(method, path + query, content=body if method != "GET" else None, headers=headers)
+    except httpx.LocalProtocolError:
+        return  # a request httpx itself will not send (an illegal header byte)
+    status = response.status_code
+    assert status < 500, (method, path, query, body[:200], response.text[:500])
+    if status >= 400:
+        shown = response.json()
+        assert isinstance(shown.get("error"), str) and isinstance(shown.get("detail"), str), shown
+    elif method == "POST" and template == "/v1/users/{user_id}/timers" and status == 201:
+        seen["timers"] += 1
+    elif status == 202:
+        seen["events"] += response.json()["accepted"]

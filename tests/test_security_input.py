@@ -1,0 +1,187 @@
+"""Issue 16, bad input: every finding refused at the edge with a precise 4xx in the JSON
+error shape, nothing produced (the topic is read after every test) and nothing stored (the
+timers table too), and never a 500 or a logged traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+
+import httpx
+import pytest
+
+from ingest_support import create_token, ledger_count, read_events, start_ingest
+from test_ingest_hooks import add_hook, signed
+from vigil.ingest.settings import IngestSettings
+from vigil.settings import SettingsError, load
+
+
+@pytest.fixture
+def ingest(stack, ledger, topics, caplog):
+    server = start_ingest(stack, ledger, topics, kafka_message_max_bytes=64 * 1024)
+    caplog.set_level(logging.WARNING)
+    yield server
+    server.stop()
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == [], "a refusal produced"
+    assert ledger_count(ledger, "SELECT count(*) FROM timers") == 0, "a refusal stored a timer"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], "a refusal logged an error: " + "; ".join(r.getMessage() for r in errors)
+
+
+@pytest.fixture
+def client(ingest, ledger):
+    token = create_token(ledger)["token"]
+    with httpx.Client(base_url=ingest.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
+        yield c
+
+
+def good(**fields) -> dict:
+    return {"user_id": "u1", "source": "billing", "source_id": "s1", "kind": "billing.x", "payload": {}, **fields}
+
+
+def refused(response: httpx.Response, status: int, error: str) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert body["error"] == error and isinstance(body["detail"], str) and body["detail"], body
+    return body
+
+
+def raw_json(client: httpx.Client, path: str, text: str) -> httpx.Response:
+    """POST ``text`` as it is (json= would refuse to encode a lone surrogate)."""
+    return client.post(path, content=text.encode(), headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/v1/hooks/hk_%00"),
+        ("POST", "/v1/approvals/apr-%00"),
+        ("GET", "/v1/users/a%00/timers"),
+        ("POST", "/v1/users/a%00/timers"),
+        ("DELETE", "/v1/users/a%00/timers/t1"),
+        ("GET", "/v1/users/a/timers?after=%00"),
+        ("POST", "/v1/users/a%00/messages"),
+    ],
+)
+def test_nul_in_a_path_or_query_is_400_before_the_ledger(client, method, path):
+    """Finding: a NUL reached PostgreSQL: 500 and a 6.4 KB traceback logged twice."""
+    body = refused(client.request(method, path, json={"text": "x"}), 400, "invalid_request")
+    assert body["field"] in ("path", "query")
+
+
+def test_lone_surrogate_in_the_second_event_refuses_the_batch(client):
+    """Finding: 500 after the first event was already produced and recorded."""
+    first = json.dumps(good(source_id="s1"))
+    for second in (
+        '{"user_id":"u1","source":"billing","source_id":"s2","kind":"k","payload":{"\\ud800":1}}',
+        '{"user_id":"u1","source":"billing","source_id":"s2","kind":"k","payload":{"a":"x\\udfff"}}',
+        '{"user_id":"u1","source":"billing","source_id":"s2","kind":"k","payload":["\\u0000"]}',
+    ):
+        body = refused(raw_json(client, "/v1/events", f'{{"events":[{first},{second}]}}'), 400, "invalid_event")
+        assert body["field"].startswith("events[1].payload")
+
+
+@pytest.mark.parametrize("field", ["occurred_at", "received_at"])
+@pytest.mark.parametrize("instant", ["9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+00:01"])
+def test_instant_outside_the_codecs_range_is_400(client, field, instant):
+    """Finding: 202, then dead-lettered by the worker (`date value out of range`)."""
+    body = refused(client.post("/v1/events", json=good(**{field: instant})), 400, "invalid_event")
+    assert body["field"] == field
+
+
+def test_signed_standard_webhooks_body_with_a_lone_surrogate_is_400(ingest, ledger):
+    """Finding: 202, then the run failed three times and the event died."""
+    hook = add_hook(ledger, "standard-webhooks")
+    payload = b'{"type": "invoice.paid", "note": "\\ud800"}'
+    signature = signed("standard-webhooks", hook["secret"], payload, delivery="m1")
+    headers = {"Content-Type": "application/json", **signature}
+    refused(httpx.post(f"{ingest.url}/v1/hooks/{hook['id']}", content=payload, headers=headers), 400, "invalid_json")
+
+
+def test_stripe_created_out_of_range_is_400(ingest, ledger):
+    """Finding: 500."""
+    hook = add_hook(ledger, "stripe")
+    for created in (10**12, -1, 2**70):
+        payload = json.dumps({"id": "evt_1", "type": "invoice.paid", "created": created}).encode()
+        headers = {"Content-Type": "application/json", **signed("stripe", hook["secret"], payload, delivery="evt_1")}
+        body = refused(
+            httpx.post(f"{ingest.url}/v1/hooks/{hook['id']}", content=payload, headers=headers), 400, "invalid_request"
+        )
+        assert body["field"] == "created"
+
+
+def test_github_form_encoded_delivery_is_415_with_a_hint(ingest, ledger):
+    hook = add_hook(ledger, "github")
+    response = httpx.post(
+        f"{ingest.url}/v1/hooks/{hook['id']}",
+        content=b"payload=%7B%7D",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert "application/json" in refused(response, 415, "unsupported_media_type")["detail"]
+    assert "GitHub" in response.json()["detail"]
+
+
+def test_timers_api_refuses_control_characters_nul_surrogates_and_huge_numbers(client):
+    """Finding: user ids with \\n and \\x01 accepted; 500 for a NUL or lone surrogate in the
+    payload; a 309-digit number echoed in an error; ``1e999`` stored as the text Infinity."""
+    for user in ("a%0Ab", "a%01b"):
+        timer = {"id": "t1", "due": 2_000_000_000}
+        refused(client.post(f"/v1/users/{user}/timers", json=timer), 400, "invalid_request")
+    for payload in ('{"x":"\\u0000"}', '{"\\ud800":1}', '{"x":"\\udc00"}'):
+        text = f'{{"id":"t1","due":2000000000,"payload":{payload}}}'
+        refused(raw_json(client, "/v1/users/u1/timers", text), 400, "invalid_json")
+    huge = "9" * 309
+    body = refused(raw_json(client, "/v1/users/u1/timers", f'{{"id":"t1","every":{huge}}}'), 400, "invalid_request")
+    assert huge[:20] not in body["detail"] and len(body["detail"]) < 200
+    infinite = '{"id":"t1","due":2000000000,"payload":{"x":1e999}}'
+    refused(raw_json(client, "/v1/users/u1/timers", infinite), 400, "invalid_json")
+
+
+def test_invalid_utf8_in_a_path_is_400_so_two_raw_ids_never_collapse(client):
+    """Finding: invalid UTF-8 in a path became U+FFFD, so %FF and %FE named one user."""
+    for raw in ("%FF", "%FE", "a%E9"):
+        body = refused(client.post(f"/v1/users/{raw}/messages", json={"text": "hi"}), 400, "invalid_request")
+        assert body["field"] == "path"
+
+
+def test_non_ascii_idempotency_key_is_400(client):
+    """Finding: a UTF-8 Idempotency-Key was stored as mojibake."""
+    key = {b"Idempotency-Key": "clé-1".encode()}
+    body = refused(client.post("/v1/users/u1/messages", json={"text": "hi"}, headers=key), 400, "invalid_request")
+    assert body["field"] == "Idempotency-Key"
+
+
+def test_event_that_grows_past_the_message_bound_when_encoded_is_413(client):
+    """The backstop behind the body bound: a body under VIGIL_MAX_BODY_BYTES whose event is
+    larger once encoded (1e5 is re-encoded as 100000.0) is refused before anything is produced."""
+    numbers = ",".join(["1e5"] * 11_000)  # 44 KB of body under the 48 KiB bound; ~100 KB encoded
+    text = json.dumps({"events": [good(source_id="small"), good(source_id="big", payload="P")]})
+    text = text.replace('"P"', f"[{numbers}]")
+    body = refused(raw_json(client, "/v1/events", text), 413, "event_too_large")
+    assert body["field"] == "events[1]"
+
+
+def test_body_bound_over_the_message_bound_is_a_startup_error(monkeypatch):
+    """The body bound derives from the producer's message bound and is checked at start-up."""
+    monkeypatch.setenv("VIGIL_APPROVAL_SECRET", "x")
+    monkeypatch.setenv("VIGIL_MAX_BODY_BYTES", str(1024 * 1024))
+    with pytest.raises(SettingsError, match="VIGIL_MAX_BODY_BYTES"):
+        load(IngestSettings)
+    monkeypatch.delenv("VIGIL_MAX_BODY_BYTES")
+    settings = load(IngestSettings)
+    assert settings.max_body_bytes < settings.kafka_message_max_bytes <= 1_048_588  # the broker's default
+
+
+def test_client_that_disconnects_mid_body_logs_no_error(ingest, ledger):
+    token = create_token(ledger, "gone")["token"]
+    with socket.create_connection(("127.0.0.1", ingest.settings.ingest_port)) as sock:
+        sock.sendall(
+            b"POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + token.encode() + b"\r\nContent-Length: 5000\r\n\r\n{"
+        )
+        time.sleep(0.5)
+    time.sleep(0.5)  # the fixture asserts nothing was logged at ERROR
