@@ -26,7 +26,7 @@ from vigil.ingest import requests as _requests
 from vigil.ingest.auth import Caller, TokenAuth, ledger
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.settings import IngestSettings
-from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+from vigil.ledger.db import SESSION_OPTIONS
 
 # Checking out a connection waits at most this long before the caller gets a 503: a pool
 # exhausted for longer is an incident, and the client should back off rather than pile up.
@@ -47,7 +47,7 @@ class IngestContext:
             min_size=1,
             max_size=settings.ingest_db_pool,
             timeout=POOL_TIMEOUT_S,
-            kwargs={"options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+            kwargs={"options": SESSION_OPTIONS},
             check=AsyncConnectionPool.check_connection,
             name="ingest",
         )

@@ -17,9 +17,11 @@ DEFAULT_BATCH_WINDOW_MS = 50
 # Runs wait on the model API almost all the time (seconds per call, little CPU), so one
 # process holds many; 429s from a rate limit are retried later without counting an attempt.
 DEFAULT_RUN_CONCURRENCY = 128
-# librdkafka's default: long enough to ride out a GC pause or a slow disk, short enough
-# that a dead worker's users wait less than a minute.
-DEFAULT_SESSION_TIMEOUT_MS = 45_000
+# How long a crashed worker's users wait before another worker runs them (failover), about
+# this plus a rebalance. librdkafka's heartbeats come from a background thread, so a busy run
+# loop or a slow ledger never misses one: 10 s rides out a GC pause or a short network blip
+# and keeps failover under 15 s (librdkafka's default of 45 s made users wait nearly a minute).
+DEFAULT_SESSION_TIMEOUT_MS = 10_000
 
 
 class WorkerSettings(CommonSettings):
@@ -75,6 +77,13 @@ class WorkerSettings(CommonSettings):
         le=60,
         description="How often the worker looks in the ledger for work nobody woke it for "
         "(other partitions' consumers, ended backoffs, recovered claims).",
+    )
+    heal_interval_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="How often a worker releases claims at its own epochs that no run of its holds (a finish "
+        "whose commit the ledger lost); also on assignment and after a finish commit that failed.",
     )
     finish_batch_max: int = Field(
         200, ge=1, le=5000, description="Most finished runs committed together in one ledger transaction."
