@@ -64,9 +64,21 @@ def pid_alive(pid: int) -> bool:
     # A zombie child still answers kill(0); reap it if it is ours.
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
+        if done:
+            return False
     except ChildProcessError:
-        return True
+        pass
+    # Someone else's zombie (a killed service whose parent has not reaped it yet) is dead too.
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (macOS): kill(0) is all there is
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")".
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
 
 
 def read_pid(pidfile: Path) -> int | None:
