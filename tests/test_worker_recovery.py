@@ -160,3 +160,34 @@ def test_the_heal_never_releases_a_live_run(stack, topics, ledger, vigil_env, sp
     assert metric(port, "vigil_claims_healed_total") == 0
     assert scalar(ledger, "SELECT max(lost_claims) FROM events") == 0
     assert scalar(ledger, "SELECT count(*) FROM runs") == 5
+
+
+@pytest.mark.partitions(2)
+def test_a_killed_workers_users_do_not_wait_more_than_15_s(stack, topics, ledger, vigil_env, spawn):
+    """Failover at the default session timeout: SIGKILL the worker that owns a user's home
+    partition; the user's next message runs on the other worker within 15 s."""
+    import time
+
+    from vigil.devstack import free_port
+
+    def env():
+        # The default VIGIL_KAFKA_SESSION_TIMEOUT_MS: this measures the shipped failover time.
+        return {**vigil_env, "VIGIL_AGENT": "echo", "VIGIL_WORKER_PORT": str(free_port())}
+
+    a = start(spawn, env(), "a")
+    b = start(spawn, env(), "b")
+    holders = "SELECT count(DISTINCT holder) FROM partitions"
+    wait_for(lambda: scalar(ledger, holders) == 2, 60, "each worker owns a partition", interval=0.5)
+    produce(stack.bootstrap, topics.events, [chat(f"f{i}", "hello", f"first-{i}") for i in range(8)])
+    wait_all_done(ledger, 8)
+    victim_holder = scalar(ledger, "SELECT holder FROM partitions WHERE partition = 0")
+    victim = a if victim_holder in a.log() else b
+    users = [r["user_id"] for r in query(ledger, "SELECT user_id FROM users WHERE home_partition = 0")]
+    assert users, "no user homed on partition 0"
+    victim.kill()
+    killed = time.monotonic()
+    produce(stack.bootstrap, topics.events, [chat(u, "again", f"second-{u}") for u in users])
+    wait_all_done(ledger, 8 + len(users), timeout=30)
+    failover = time.monotonic() - killed
+    print(f"failover: SIGKILL -> the killed worker's users run again in {failover:.1f} s")
+    assert failover < 15

@@ -386,8 +386,11 @@ class PostgresServer:
                 "listen_addresses=127.0.0.1",
                 "-c",
                 f"unix_socket_directories={self.data_dir}",
-                # A dev and test server: losing the last transactions on a machine crash is
-                # acceptable, and fsync would make every test several times slower.
+                # A dev and test server simulates process kills, not machine crashes: without
+                # fsync a killed server still has every commit whose WAL was written (the OS
+                # keeps it), and fsync would make every test several times slower. The
+                # server-wide synchronous_commit=off stays on purpose: vigil's sessions set it
+                # on themselves (vigil.ledger.db), and `make chaos` kills this server to prove it.
                 "-c",
                 "fsync=off",
                 "-c",
