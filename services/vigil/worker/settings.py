@@ -93,7 +93,8 @@ class WorkerSettings(CommonSettings):
         DEFAULT_SESSION_TIMEOUT_MS,
         ge=1000,
         le=3_600_000,
-        description="Consumer session timeout: how long a silent worker keeps its partitions.",
+        description="Consumer session timeout: how long a silent worker keeps its partitions, so about how long "
+        "a crashed worker's users wait before another worker runs them (failover; see docs/faults.md).",
     )
     kafka_max_poll_interval_ms: int = Field(
         300_000,
