@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install up demo down status logs test test-fast lint fmt bench bench-quick clean lock tools
+.PHONY: help install up demo down status logs test test-fast lint fmt bench bench-quick chaos clean lock tools
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -19,9 +19,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## Create .venv and install vigil with its pinned dependencies
 
-up: $(STAMP) ## Start Kafka, PostgreSQL and the four services under .run/, then run the demo
-	$(BIN)/vigil dev up
-	. .run/env && $(BIN)/vigil demo
+up: $(STAMP) ## Start Kafka, PostgreSQL and the four services under .run/, then run the demo (not when already up)
+	$(BIN)/vigil dev up --demo
 
 demo: $(STAMP) ## Run the demonstration against the running stack
 	. .run/env && $(BIN)/vigil demo
@@ -52,6 +51,10 @@ bench: $(STAMP) ## Run the benchmarks (about 10 minutes) and print name: value l
 
 bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 2 minutes)
 	$(BIN)/python -m vigil.bench --quick
+
+SEED ?= 1
+chaos: $(STAMP) ## The nemesis under load on a stack of its own (.run/chaos): 30 faults, seeded (SEED=n); ends PASS or FAIL
+	$(BIN)/python -m vigil.chaos --seed $(SEED) $(CHAOS_ARGS)
 
 clean: down ## Stop the stack and delete .run/ (Kafka jars, data, logs)
 	rm -rf .run

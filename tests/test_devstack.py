@@ -4,7 +4,9 @@ and down leaves nothing of the stack running."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,9 +65,25 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
         assert f"export VIGIL_KAFKA_BOOTSTRAP=127.0.0.1:{ports['VIGIL_DEV_KAFKA_PORT']}" in settings
         assert "VIGIL_API_TOKEN=" in settings and oct((root / "env").stat().st_mode)[-3:] == "600"
 
-        again = vigil("dev", "up")
+        # The dev ports are kept: a shell that sourced .run/env finds this same stack.
+        assert f"export VIGIL_DEV_PG_PORT={ports['VIGIL_DEV_PG_PORT']}" in settings
+        assert f"export VIGIL_DEV_KAFKA_PORT={ports['VIGIL_DEV_KAFKA_PORT']}" in settings
+
+        again = vigil("dev", "up", "--demo")
         assert again.returncode == 0, again.stderr
         assert {p.name: p.read_text() for p in (root / "pids").glob("*.pid")} == pids, "a second up restarted something"
+        assert "demo        not run again" in again.stdout  # `make up` on a running stack
+
+        # A killed service is reported dead at once (even before its zombie is reaped), and
+        # the next up brings it back.
+        os.kill(int(pids["ingest.pid"]), signal.SIGKILL)
+        devstack.wait_until(lambda: not devstack.pid_alive(int(pids["ingest.pid"])), 10, "ingest gone")
+        status = vigil("dev", "status").stdout
+        assert re.search(r"^ingest\s+dead", status, re.MULTILINE), status
+        assert re.search(r"^worker\s+running pid", status, re.MULTILINE), status
+        assert vigil("dev", "up").returncode == 0
+        assert (root / "pids" / "ingest.pid").read_text() != pids["ingest.pid"]
+        pids["ingest.pid"] = (root / "pids" / "ingest.pid").read_text()
 
         all_pids = [int(v) for v in pids.values()]
         all_pids.append(int((root / "kafka" / "data" / "kafka.pid").read_text()))

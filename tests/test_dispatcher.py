@@ -285,3 +285,39 @@ def test_a_user_locked_by_another_claim_is_skipped_not_waited_for(ledger, receiv
         assert [r.user for r in receiver.got()] == ["bob"]
     assert d.run_pass() == 1
     assert sorted(r.user for r in receiver.got()) == ["ana", "bob"]
+
+
+def test_a_send_whose_ledger_went_away_does_not_wait_out_its_lease(ledger, dispatch):
+    """The ledger drops the dispatcher's connection while a send is in flight: the outcome
+    cannot be recorded then, and is recorded as soon as the ledger answers again, not after
+    the lease (which held back every newer message of that user for its whole length)."""
+
+    def drop_the_ledger(_request):
+        # The receiver answers only once the dispatcher's session is gone (a failover, a restart).
+        query(
+            ledger,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        return 200, {}
+
+    receiver = Receiver(answer=drop_the_ledger).start()
+    try:
+        clock = ManualClock(T0)
+        d = dispatch(clock, delivery_lease_s=300)
+        add_webhook_users(ledger, ["ana"], receiver.url)
+        add_message(ledger, "ana", "one", created_at=T0)
+        settled = sample("vigil_delivery_outcomes_settled_after_reconnect_total")
+        with pytest.raises(psycopg.OperationalError):
+            d.run_pass()
+        assert query(ledger, "SELECT status FROM outbox")[0]["status"] == "sending"
+        d.close_connection()  # what the loop does on a ledger error
+        receiver.answer = lambda _r: (200, {})
+        clock.advance(1)  # nowhere near the lease
+        d.run_pass()
+        row = query(ledger, "SELECT status, attempts FROM outbox")[0]
+        assert row == {"status": "delivered", "attempts": 1}
+        assert len(receiver.got()) == 1, "recorded, not sent again"
+        assert sample("vigil_delivery_outcomes_settled_after_reconnect_total") == settled + 1
+    finally:
+        receiver.stop()

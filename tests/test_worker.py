@@ -21,9 +21,12 @@ def test_duplicate_delivery_and_redelivery_after_restart_give_one_row(stack, top
     webhook = chat("alice", "hello", source_id="gh-delivery-1")
     produce(stack.bootstrap, topics.events, [webhook, webhook])  # the provider retried
     wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status = 'done'") == 1, 30, "event done")
-    # SIGKILL before the auto-commit interval: the offsets were stored but never committed,
-    # so the next worker reads both copies again.
+    # SIGKILL before the auto-commit interval: the offsets were stored but never committed.
+    # The ledger's own position would skip both copies; without it (a ledger that never
+    # recorded from the partition, as after an upgrade) the next worker starts at the group's
+    # committed offset and reads both copies again.
     first.kill()
+    query(ledger, "DELETE FROM consumer_positions")
     second = start_worker(spawn, vigil_env, "second")
     port = int(vigil_env["VIGIL_WORKER_PORT"])
     wait_for(

@@ -85,9 +85,22 @@ def dev() -> None:
     """The local stack: real Kafka, real PostgreSQL and the four services, under .run/."""
 
 
+# Where the stack listens and keeps its data: kept in .run/env, so that `make up` from a shell
+# that sourced it finds the same stack (and does not take its own PostgreSQL for an external one).
+DEV_SETTINGS = (
+    "VIGIL_DEV_RUN_DIR",
+    "VIGIL_DEV_KAFKA_PORT",
+    "VIGIL_DEV_KAFKA_CONTROLLER_PORT",
+    "VIGIL_DEV_PG_PORT",
+    "VIGIL_DEV_CLAUDE_PORT",
+    "VIGIL_DEV_KAFKA_LIBS",
+)
+
+
 @dev.command()
 @click.option("--services/--no-services", default=True, help="Start the four vigil services too.")
-def up(services: bool) -> None:
+@click.option("--demo", is_flag=True, help="Run `vigil demo` afterwards, only if this started the stack's services.")
+def up(services: bool, demo: bool) -> None:
     """Start everything (idempotent) and write .run/env."""
     root = run_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -133,10 +146,12 @@ def up(services: bool) -> None:
         env.update(_start_scripted_claude(root, child_env))
         child_env.update(env)
 
+    started = []
     if services:
         for name in SERVICES:
             pidfile = root / "pids" / f"{name}.pid"
             if devstack.read_pid(pidfile) is None:
+                started.append(name)
                 devstack.spawn([*vigil, name], root / "logs" / f"{name}.log", pidfile, env=child_env, cwd=repo_root())
         for name, (variable, _) in SERVICES.items():
             port = env[variable]
@@ -152,12 +167,27 @@ def up(services: bool) -> None:
             }.get(name, "/healthz /readyz /metrics")
             click.echo(f"{name:<11} http://127.0.0.1:{port}  ({where}, logs {logfile})")
 
+    kept = {
+        "VIGIL_DEV_RUN_DIR": str(root),
+        "VIGIL_DEV_KAFKA_PORT": str(kafka_port),
+        "VIGIL_DEV_KAFKA_CONTROLLER_PORT": str(kafka.controller_port),
+        "VIGIL_DEV_PG_PORT": os.environ.get("VIGIL_DEV_PG_PORT", "5432"),
+        **{k: os.environ[k] for k in DEV_SETTINGS if os.environ.get(k)},
+    }
     env_file = root / "env"
     # The virtualenv's bin first on PATH, so `vigil ...` works in the shell that sourced it.
     path_line = f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"\n'
-    env_file.write_text(path_line + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items())))
+    env_file.write_text(
+        path_line + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted({**env, **kept}.items()))
+    )
     env_file.chmod(0o600)
     click.echo(f"settings    {env_file}  (`. {env_file}` points a shell at this stack)")
+    if demo and "worker" in started:
+        result = subprocess.run([*vigil, "demo"], env={**child_env, **env})
+        if result.returncode != 0:
+            raise SystemExit(result.returncode)
+    elif demo:
+        click.echo("demo        not run again: the stack was already up (`make demo` runs it)")
 
 
 def _api_token(root: Path, vigil: list[str], env: dict) -> dict[str, str]:
@@ -230,8 +260,11 @@ def status() -> None:
     rows["kafka"] = root / "kafka" / "data" / "kafka.pid"
     rows["postgresql"] = root / "pg" / "postgres.pid"
     for name, pidfile in rows.items():
-        pid = devstack.read_pid(pidfile)
-        click.echo(f"{name:<16} {'running pid ' + str(pid) if pid else 'stopped'}")
+        pid = devstack.read_pid(pidfile)  # a killed process not yet reaped (a zombie) counts as stopped
+        if pid:
+            click.echo(f"{name:<16} running pid {pid}")
+        else:
+            click.echo(f"{name:<16} {'dead (pid file left behind)' if pidfile.exists() else 'stopped'}")
 
 
 commands = [dev]

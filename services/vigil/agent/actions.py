@@ -19,12 +19,11 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 
 from vigil.agent.http_tool import HttpRequestTool
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
-from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+from vigil.ledger.db import connection_kwargs
 from vigil.ledger.queries import Q
 
 log = logging.getLogger(__name__)
@@ -100,9 +99,7 @@ class RefundTool(ActionTool):
             "amount": _amount(args["amount"]),
             "reason": args.get("reason"),
         }
-        async with await psycopg.AsyncConnection.connect(
-            self.dsn, autocommit=True, row_factory=dict_row, options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"
-        ) as conn:
+        async with await psycopg.AsyncConnection.connect(self.dsn, **connection_kwargs(autocommit=True)) as conn:
             row = await (await conn.execute(Q.refund_record, params)).fetchone()
             repeated = row is None
             if repeated:

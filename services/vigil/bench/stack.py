@@ -24,6 +24,7 @@ import psycopg
 
 from vigil import devstack
 from vigil.bus.kafka import ensure_topics
+from vigil.ledger.db import SESSION_OPTIONS
 from vigil.ledger.migrate import apply_canonical
 from vigil.settings import CommonSettings
 
@@ -143,13 +144,19 @@ class BenchStack:
             pg_version = conn.execute("SHOW server_version").fetchone()[0]
             fsync = conn.execute("SHOW fsync").fetchone()[0]
             sync_commit = conn.execute("SHOW synchronous_commit").fetchone()[0]
+        with psycopg.connect(self.admin_dsn, options=SESSION_OPTIONS, autocommit=True) as conn:
+            session_commit = conn.execute("SHOW synchronous_commit").fetchone()[0]
         where = "started by the bench" if self.own else "external, named by VIGIL_*"
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         return [
             f"machine: {os.cpu_count()} cores ({_cpu_model()}), {_memory_gb():.1f} GB,"
             f" {platform.system()} {platform.release()}",
             f"python: {platform.python_version()} ({platform.python_implementation()})",
-            f"postgresql: {pg_version} (fsync={fsync}, synchronous_commit={sync_commit}; {where})",
+            f"postgresql: {pg_version} (fsync={fsync}, server synchronous_commit={sync_commit}; {where})",
+            # Every figure, raw limits included, is taken at this: what vigil's sessions set.
+            f"durability: synchronous_commit={session_commit} in every ledger session (vigil's and the raw"
+            f" limits'); fsync={fsync}"
+            + ("" if fsync == "on" else " (a process kill loses nothing; a machine crash may)"),
             f"kafka: {self.kafka_version} at {self.bootstrap} ({where})",
             f"load average at start: {load}",
         ]

@@ -4,7 +4,9 @@ One pass: :func:`vigil.dispatcher.claims.claim` fixes and commits what is due; t
 on a thread pool (a slow receiver holds one thread, not the pass); each outcome is recorded
 in its own short transaction as soon as it arrives, fenced by the attempt number, so a
 crash loses at most the outcomes not yet recorded, and those deliveries are sent again under
-their own ids once their lease passes. Nothing here sends anything the ledger has not fixed
+their own ids once their lease passes. A ledger that goes away after a send loses nothing:
+the outcome is kept and recorded as soon as the ledger answers again (:meth:`Dispatcher.settle`),
+so the row does not sit ``sending`` for the whole lease. Nothing here sends anything the ledger has not fixed
 first.
 """
 
@@ -69,6 +71,8 @@ class Dispatcher:
         self._conn: psycopg.Connection | None = None
         self._pool = ThreadPoolExecutor(settings.dispatcher_concurrency, thread_name_prefix="send")
         self._backlog_at = 0.0
+        # Sends whose outcome is not recorded yet (the ledger went away after the send).
+        self._unrecorded: list[tuple[Delivery, Outcome]] = []
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -84,6 +88,10 @@ class Dispatcher:
         leaves rows ``sending`` under their lease: once it passes they go out again with the
         same ids. A crash after an outcome's commit leaves nothing to redo.
         """
+        # First what an earlier pass sent but could not record (the ledger went away).
+        left_over = len(self._unrecorded)
+        self.settle()
+        metrics.SETTLED_AFTER_RECONNECT.inc(left_over)
         now = self.clock.now()
         try:
             claimed = claim(self.conn, now, self.limits)
@@ -106,9 +114,36 @@ class Dispatcher:
             if delivery.attempt == 1:
                 metrics.JOINED.observe(len(delivery.rows))
         futures = {self._pool.submit(self._send, d): d for d in claimed.deliveries}
+        failed: psycopg.Error | None = None
         for future in as_completed(futures):
-            self.record(futures[future], future.result())
+            self._unrecorded.append((futures[future], future.result()))
+            if failed is None:
+                try:
+                    self.settle()
+                except psycopg.Error as exc:
+                    # The ledger went away mid-pass: the other sends still finish, and their
+                    # outcomes wait with this one for the reconnect.
+                    failed = exc
+        if failed is not None:
+            raise failed
         return len(futures)
+
+    def settle(self) -> None:
+        """Record the outcomes of sends this dispatcher made but could not record yet (the ledger
+        went away after the send). Called as soon as the ledger answers again, before the next
+        claim: the rows leave ``sending`` now instead of after their lease, and a user's newer
+        messages stop waiting behind them. Each record is fenced by the attempt number, so an
+        outcome whose lease another dispatcher took over in the meantime is dropped."""
+        while self._unrecorded:
+            delivery, outcome = self._unrecorded[0]
+            try:
+                self.record(delivery, outcome)
+            except psycopg.OperationalError:
+                raise  # the ledger is away: kept for the reconnect
+            except psycopg.Error:
+                self._unrecorded.pop(0)  # refused, not unreachable: the lease sends it again
+                raise
+            self._unrecorded.pop(0)
 
     def _send(self, delivery: Delivery) -> Outcome:
         # The attempt's time is taken when the send starts, not when it was queued: a

@@ -29,6 +29,11 @@ RETRIES = Counter(
     "lost: the sending dispatcher vanished and the lease ran out).",
     ["channel", "reason"],
 )
+SETTLED_AFTER_RECONNECT = Counter(
+    "vigil_delivery_outcomes_settled_after_reconnect_total",
+    "Sends whose outcome could not be recorded when they finished (the ledger went away) and was recorded "
+    "as soon as it answered again, instead of the row waiting out its lease.",
+)
 DEAD = Counter(
     "vigil_dead_deliveries_total",
     "Deliveries given up on, by channel and reason (rejected: a final answer such as 410; exhausted: "

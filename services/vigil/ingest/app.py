@@ -31,7 +31,7 @@ from vigil.ingest.hooks import HookReceiver
 from vigil.ingest.metrics import RequestMetrics
 from vigil.ingest.requests import EXCEPTION_HANDLERS, TargetCheck
 from vigil.ingest.settings import IngestSettings
-from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+from vigil.ledger.db import SESSION_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
         min_size=1,
         max_size=APPROVALS_POOL_SIZE,
         timeout=POOL_TIMEOUT_S,
-        kwargs={"options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+        kwargs={"options": SESSION_OPTIONS},
         check=ConnectionPool.check_connection,
         name="ingest-approvals",
     )

@@ -27,7 +27,7 @@ from vigil.ingest import requests as _requests
 from vigil.ingest.auth import Caller, TokenAuth, authorize, ledger, permits
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.settings import IngestSettings
-from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+from vigil.ledger.db import SESSION_OPTIONS
 from vigil.ledger.states import Scope
 
 # Checking out a connection waits at most this long before the caller gets a 503: a pool
@@ -51,7 +51,7 @@ class IngestContext:
             min_size=1,
             max_size=settings.ingest_db_pool,
             timeout=POOL_TIMEOUT_S,
-            kwargs={"options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+            kwargs={"options": SESSION_OPTIONS},
             check=AsyncConnectionPool.check_connection,
             name="ingest",
         )

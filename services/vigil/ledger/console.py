@@ -46,7 +46,8 @@ def open_pool(dsn: str, max_size: int = 4) -> ConnectionPool:
         kwargs={
             "autocommit": True,
             "row_factory": dict_row,
-            "options": f"-c statement_timeout={CONSOLE_STATEMENT_TIMEOUT_MS}",
+            # Durable like every ledger session (a retry's audit row); a shorter statement timeout.
+            "options": f"-c statement_timeout={CONSOLE_STATEMENT_TIMEOUT_MS} -c synchronous_commit=on",
         },
         check=ConnectionPool.check_connection,
         name="console",

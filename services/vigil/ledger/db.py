@@ -10,10 +10,18 @@ from psycopg.rows import dict_row
 STATEMENT_TIMEOUT_MS = 30_000
 
 
+# Every session vigil opens: the statement timeout, and synchronous commit whatever the
+# server's default. A commit vigil acts on (an offset stored, a 2xx answered, a delivery sent)
+# must survive the server's crash: with synchronous_commit=off, the commits of the last few
+# hundred milliseconds vanish with the process, after the worker stored the Kafka offsets past
+# them. (A server may still be set to off for other clients; the session setting wins.)
+SESSION_OPTIONS = f"-c statement_timeout={STATEMENT_TIMEOUT_MS} -c synchronous_commit=on"
+
+
+def connection_kwargs(*, autocommit: bool = False, rows=dict_row) -> dict:
+    """What every ledger connection (single or pooled) is opened with."""
+    return {"autocommit": autocommit, "row_factory": rows, "options": SESSION_OPTIONS}
+
+
 def connect(dsn: str, *, autocommit: bool = False, rows=dict_row) -> psycopg.Connection:
-    return psycopg.connect(
-        dsn,
-        autocommit=autocommit,
-        row_factory=rows,
-        options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
-    )
+    return psycopg.connect(dsn, **connection_kwargs(autocommit=autocommit, rows=rows))

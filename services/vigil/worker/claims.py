@@ -75,7 +75,7 @@ def event_row(row: dict) -> EventRow:
     )
 
 
-def _owned_params(owned: dict[PartitionKey, int]) -> dict:
+def owned_params(owned: dict[PartitionKey, int]) -> dict:
     keys = sorted(owned)
     return {
         "topics": [k.topic for k in keys],
@@ -88,7 +88,7 @@ async def mark_dead(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int
     """Rule 2 for every owned partition. Returns the rows that became dead (for the DLQ)."""
     if not owned:
         return []
-    cur = await conn.execute(Q.mark_exhausted_dead, {**_owned_params(owned), "max_attempts": max_attempts})
+    cur = await conn.execute(Q.mark_exhausted_dead, {**owned_params(owned), "max_attempts": max_attempts})
     return await cur.fetchall()
 
 
@@ -98,7 +98,7 @@ async def alone_due(
     """When the first last attempt that must run alone may be claimed; None if none waits."""
     if not owned:
         return None
-    cur = await conn.execute(Q.alone_due, {**_owned_params(owned), "max_attempts": max_attempts})
+    cur = await conn.execute(Q.alone_due, {**owned_params(owned), "max_attempts": max_attempts})
     row = await cur.fetchone()
     return row["at"] if row else None
 
@@ -107,7 +107,7 @@ async def claim_alone(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, i
     """Rule 3's lone last attempt: one such row, for a runner with nothing else in flight."""
     if not owned:
         return None
-    cur = await conn.execute(Q.claim_alone, {**_owned_params(owned), "max_attempts": max_attempts})
+    cur = await conn.execute(Q.claim_alone, {**owned_params(owned), "max_attempts": max_attempts})
     claims = _claims(await cur.fetchall())
     return claims[0] if claims else None
 
@@ -134,7 +134,7 @@ async def claim(
     if not owned or max_users <= 0:
         return [], cursor
     params = {
-        **_owned_params(owned),
+        **owned_params(owned),
         "busy": busy,
         "batch_max": batch_max,
         "window_s": window_s,

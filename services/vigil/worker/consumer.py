@@ -7,7 +7,8 @@ The commit order, which tests/test_worker_*.py pin down:
 2. Undecodable messages: copy to the dead-letter topic and wait for the acknowledgement.
 3. Record every decoded event in one transaction: a binary COPY into the connection's
    staging table, then one statement inserting new users' home partitions and the events
-   (duplicates dropped by the UNIQUE key). Commit. This runs on a second thread, the
+   (duplicates dropped by the UNIQUE key), then each partition's next offset into
+   ``consumer_positions`` (``record_positions``). Commit. This runs on a second thread, the
    recorder, while this thread polls and decodes the next batch: the two overlap, the
    decode on this core and the statement in PostgreSQL, instead of taking turns.
 4. Only once that commit is done, store the batch's offsets (``enable.auto.offset.store=
@@ -17,6 +18,13 @@ The commit order, which tests/test_worker_*.py pin down:
    message. A crash before 4 re-reads messages that are already recorded, and the UNIQUE
    key makes that a no-op.
 5. Wake the run loop if any event was new.
+
+The ledger, not the group's committed offset, decides what was consumed: on assignment each
+partition resumes at the ledger's position (the committed offset only for a partition the
+ledger has never recorded from). A ledger that lost its last commits (asynchronous commit
+and a crash, a failover to an asynchronous replica, a restored backup) lost the positions
+with them, so those events are read again and recorded; the Kafka offsets are still
+committed, for lag monitoring and for partitions the ledger has not seen.
 
 Rebalances: an assignment is a takeover in the ledger (:mod:`vigil.worker.fencing`) before
 any claim is made for it; a revoke cancels and releases that partition's runs, then commits
@@ -35,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg.types.json import set_json_dumps
 
 from vigil.bus.codec import DecodeError, EventCodec
@@ -99,6 +107,15 @@ def _headers_json(headers: dict[str, str]) -> str:
     # Most events carry no headers; json.dumps costs several microseconds even for {},
     # more than the rest of the row's COPY formatting.
     return json.dumps(headers) if headers else "{}"
+
+
+def read_positions(conn: psycopg.Connection, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
+    """The ledger's next offset for each of ``keys`` it has recorded from."""
+    rows = conn.execute(
+        Q.read_positions, {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys]}
+    ).fetchall()
+    conn.commit()
+    return {PartitionKey(row["topic"], row["partition"]): row["next_offset"] for row in rows}
 
 
 def prepare_record_connection(conn: psycopg.Connection) -> None:
@@ -197,6 +214,12 @@ class ConsumerLoop(threading.Thread):
         )
         self.assigned.update(keys)
         self._call_runner(self.runner.assign(epochs))
+        positions = self._retrying("reading consumer positions", lambda conn: read_positions(conn, keys))
+        consumer.incremental_assign(
+            [TopicPartition(k.topic, k.partition, positions.get(k, OFFSET_INVALID)) for k in keys]
+        )
+        resumed = {k.partition: offset for k, offset in sorted(positions.items())}
+        log.info("resuming at the ledger's positions %s (others at the group's committed offset)", resumed)
 
     def on_revoke(self, consumer, partitions) -> None:
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
@@ -292,23 +315,38 @@ class ConsumerLoop(threading.Thread):
             metrics.EVENTS_UNDECODABLE.inc(len(bad))
             log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
         self._settle()
-        if rows:
+        if highest:
             users = {row[USER_COLUMN] for row in rows}
             unknown = sorted(users - self.known_users)
-            self.in_flight = InFlight(self.recorder.submit(self._record, rows, unknown), highest, len(rows), users)
-        else:
-            self._store_offsets(highest)
+            self.in_flight = InFlight(
+                self.recorder.submit(self._record, rows, unknown, highest), highest, len(rows), users
+            )
 
-    def _record(self, rows: list[tuple], unknown_users: list[str]) -> int | None:
+    def _record(self, rows: list[tuple], unknown_users: list[str], highest: dict[tuple[str, int], int]) -> int | None:
         """On the recorder thread: the batch in one transaction; how many events were new, or
         None if the worker stopped while the ledger was unreachable. Home partitions are
-        written only for ``unknown_users`` (those this process has not seen committed)."""
+        written only for ``unknown_users`` (those this process has not seen committed).
+
+        The same transaction moves the ledger's consumer positions past the batch
+        (``record_positions``), so the ledger's position and the events it covers commit or
+        vanish together; a batch of undecodable messages only (already on the dead-letter
+        topic) moves the positions alone."""
+        keys = sorted(highest)
+        positions = {
+            "topics": [topic for topic, _ in keys],
+            "partitions": [partition for _, partition in keys],
+            "next_offsets": [highest[key] + 1 for key in keys],
+        }
 
         def record(conn: psycopg.Connection) -> int:
             with conn.transaction():
                 with conn.cursor() as cur:
-                    copy_rows(cur, rows)
-                    return cur.execute(Q.record_events, {"unknown_users": unknown_users}).fetchone()["recorded"]
+                    recorded = 0
+                    if rows:
+                        copy_rows(cur, rows)
+                        recorded = cur.execute(Q.record_events, {"unknown_users": unknown_users}).fetchone()["recorded"]
+                    cur.execute(Q.record_positions, positions)
+                    return recorded
 
         try:
             return self._retrying("recording events", record)

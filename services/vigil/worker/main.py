@@ -18,13 +18,12 @@ import logging
 import threading
 import time
 
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from vigil.agent import make_agent
 from vigil.bus.kafka import EventProducer
 from vigil.health import HealthServer, Readiness, dependency_checks
-from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+from vigil.ledger.db import connection_kwargs
 from vigil.service import StartupError, stop_event
 from vigil.settings import SettingsError
 from vigil.worker.consumer import ConsumerLoop
@@ -59,7 +58,7 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
         settings.dsn,
         min_size=2,
         max_size=settings.db_pool_max,
-        kwargs={"autocommit": True, "row_factory": dict_row, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+        kwargs=connection_kwargs(autocommit=True),
         open=False,
     )
     await pool.open(wait=True, timeout=30)

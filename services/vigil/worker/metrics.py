@@ -31,6 +31,10 @@ RELEASED = Counter("vigil_claims_released_total", "Claims handed back without co
 HANDED_BACK = Counter(
     "vigil_claims_recovered_total", "Claims of a worker that lost its partition, handed back to pending at takeover."
 )
+HEALED = Counter(
+    "vigil_claims_healed_total",
+    "Claims at this worker's own epochs that no run held (a finish the ledger lost), released to pending.",
+)
 LONE_RUNS = Counter(
     "vigil_lone_runs_total",
     "Last attempts of events lost with their worker before, run with nothing else in flight (claim rule 3).",

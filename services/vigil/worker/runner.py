@@ -25,7 +25,7 @@ from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.ledger.queries import Q
 from vigil.worker import metrics
-from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead
+from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead, owned_params
 from vigil.worker.context import load_context
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, backoff_seconds, commit_finished
@@ -66,6 +66,7 @@ class Runner:
         self._pass_now = False
         self._next_scan = 0.0
         self._next_dead_check = 0.0
+        self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
         self._alone_at: datetime | None = None  # when a last attempt that must run alone is due
         self._drain_until: float | None = None  # draining for it: when to release what still runs
         self._stopping = False
@@ -97,6 +98,7 @@ class Runner:
         async with self._claim_lock:
             self.owned.update(epochs)
             self._next_dead_check = 0.0  # the takeover may have handed back exhausted claims
+            self._next_heal = 0.0
         metrics.EPOCHS_HELD.set(len(self.owned))
         self.wake()
         # The takeover handed the previous owner's claims back with jittered backoffs: wake
@@ -181,7 +183,7 @@ class Runner:
 
     async def _claim_pass(self) -> None:
         free = self.settings.run_concurrency - len(self.active)
-        if free <= 0 or not self.owned:
+        if not self.owned or (free <= 0 and time.monotonic() < self._next_heal):
             return
         async with self._claim_lock:
             owned = dict(self.owned)
@@ -195,7 +197,10 @@ class Runner:
                     self._alone_at = await alone_due(conn, owned, self.settings.max_attempts)
                     if self._alone_at is None:
                         self._drain_until = None
-                claims, alone = await self._claim(conn, owned, free)
+                if time.monotonic() >= self._next_heal:
+                    self._next_heal = time.monotonic() + self.settings.heal_interval_s
+                    await self._heal(conn, owned)
+                claims, alone = await self._claim(conn, owned, free) if free > 0 else ([], False)
         if dead:
             metrics.EVENTS_DEAD.inc(len(dead))
             await asyncio.to_thread(self.dead_letters.publish_dead, dead)
@@ -211,6 +216,35 @@ class Runner:
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         if len(claims) == free:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us
+
+    async def _heal(self, conn, owned: dict[PartitionKey, int]) -> None:
+        """Release the claims at our epochs that no run of ours holds.
+
+        Such a row is a finish the ledger lost (its commit vanished with a crashed server or a
+        failover) or a run this process forgot: left alone it would mute its user (claim rule
+        4) until the next rebalance. It runs inside the claim pass, under the claim lock, so
+        every claim this process made is already in ``self.active`` and the only rows it can
+        match are orphans. Counted as lost with their worker, as a takeover counts them.
+        """
+        cur = await conn.execute(
+            Q.release_orphaned_claims,
+            {
+                **owned_params(owned),
+                "busy": list(self.active),
+                "max_attempts": self.settings.max_attempts,
+                "backoff_base": self.settings.backoff_base_s,
+                "backoff_cap": self.settings.backoff_cap_s,
+            },
+        )
+        healed = await cur.fetchall()
+        if healed:
+            metrics.HEALED.inc(len(healed))
+            log.warning(
+                "released %d claim(s) at our epoch that no run held (a lost finish?): %d user(s)",
+                len(healed),
+                len({row["user_id"] for row in healed}),
+            )
+            self.wake(self.settings.backoff_base_s + BACKOFF_SLACK_S)
 
     async def _claim(self, conn, owned: dict[PartitionKey, int], free: int) -> tuple[list[Claim], bool]:
         """Claim rule 3's lone last attempts before anything else, then the round robin.
@@ -344,6 +378,9 @@ class Runner:
                     break
                 except (psycopg.Error, OSError) as exc:
                     log.warning("finish commit failed, retrying: %s", exc)
+                    # Its outcome is unknown (the commit may have landed, or landed and then
+                    # been lost): once the ledger answers again, look for orphaned claims.
+                    self._next_heal = 0.0
                     await asyncio.sleep(LEDGER_RETRY_S)
             metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
             now = datetime.now(UTC)

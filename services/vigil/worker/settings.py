@@ -17,9 +17,11 @@ DEFAULT_BATCH_WINDOW_MS = 50
 # Runs wait on the model API almost all the time (seconds per call, little CPU), so one
 # process holds many; 429s from a rate limit are retried later without counting an attempt.
 DEFAULT_RUN_CONCURRENCY = 128
-# librdkafka's default: long enough to ride out a GC pause or a slow disk, short enough
-# that a dead worker's users wait less than a minute.
-DEFAULT_SESSION_TIMEOUT_MS = 45_000
+# How long a crashed worker's users wait before another worker runs them (failover), about
+# this plus a rebalance. librdkafka's heartbeats come from a background thread, so a busy run
+# loop or a slow ledger never misses one: 10 s rides out a GC pause or a short network blip
+# and keeps failover under 15 s (librdkafka's default of 45 s made users wait nearly a minute).
+DEFAULT_SESSION_TIMEOUT_MS = 10_000
 # Five seconds inside Kubernetes' default 30 s termination grace, which leaves the kubelet
 # room for the preStop sleep's end and the SIGKILL it sends at the grace's end.
 DEFAULT_SHUTDOWN_GRACE_S = 25.0
@@ -86,6 +88,13 @@ class WorkerSettings(CommonSettings):
         description="How often the worker looks in the ledger for work nobody woke it for "
         "(other partitions' consumers, ended backoffs, recovered claims).",
     )
+    heal_interval_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="How often a worker releases claims at its own epochs that no run of its holds (a finish "
+        "whose commit the ledger lost); also on assignment and after a finish commit that failed.",
+    )
     finish_batch_max: int = Field(
         200, ge=1, le=5000, description="Most finished runs committed together in one ledger transaction."
     )
@@ -94,7 +103,8 @@ class WorkerSettings(CommonSettings):
         DEFAULT_SESSION_TIMEOUT_MS,
         ge=1000,
         le=3_600_000,
-        description="Consumer session timeout: how long a silent worker keeps its partitions.",
+        description="Consumer session timeout: how long a silent worker keeps its partitions, so about how long "
+        "a crashed worker's users wait before another worker runs them (failover; see docs/faults.md).",
     )
     kafka_max_poll_interval_ms: int = Field(
         300_000,

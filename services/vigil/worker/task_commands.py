@@ -17,20 +17,14 @@ COLUMNS = ["id", "user_id", "status", "attempts", "depth", "created_at", "finish
 
 async def _connect():
     import psycopg
-    from psycopg.rows import dict_row
 
-    from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+    from vigil.ledger.db import connection_kwargs
     from vigil.service import load_or_exit
     from vigil.settings import CommonSettings
 
     settings = load_or_exit(CommonSettings)
     # A ledger that does not answer is one line and exit 3 (vigil.service.VigilGroup).
-    return await psycopg.AsyncConnection.connect(
-        settings.dsn,
-        autocommit=True,
-        row_factory=dict_row,
-        options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
-    )
+    return await psycopg.AsyncConnection.connect(settings.dsn, **connection_kwargs(autocommit=True))
 
 
 def _run(coro):

@@ -1,0 +1,173 @@
+"""The chaos run's verdict: the invariants, from the ledger and the dispatcher's delivery log.
+
+- acknowledged -> recorded exactly once (``lost``: an acknowledged message with no event);
+- each event in exactly one run that did not fail, each message under one delivery id
+  (``duplicated``: a second run of an event, a second delivery id for one message, a second
+  event for one key);
+- no overlapping runs per user (``overlaps``);
+- runs in event order per user, and events in the order the user sent them (``misordered``);
+- nothing left pending or running, every message delivered (``stuck``);
+- every service ready at the end.
+
+Copies of one delivery id (a dispatcher killed between the send and its commit sends it
+again) are counted, not failed: the receiver drops them by id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from vigil.chaos.load import Acked
+from vigil.ledger.db import connect
+from vigil.ledger.queries import Q
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float  # wall clock when injected
+    restart_s: float | None = None  # how long `vigil dev up` took to bring it back
+    recovery_s: float | None = None  # injection -> first run of a message sent after it
+
+
+@dataclass
+class Verdict:
+    acked: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    overlaps: int = 0
+    misordered: int = 0
+    stuck: int = 0
+    copies: int = 0  # extra copies of a delivery id (allowed)
+    not_ready: list[str] = field(default_factory=list)
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not (self.lost or self.duplicated or self.overlaps or self.misordered or self.stuck or self.not_ready)
+
+    def note(self, text: str) -> None:
+        if len(self.examples) < 20:
+            self.examples.append(text)
+
+
+def unsettled(dsn: str, prefix: str, acked: list[Acked]) -> tuple[int, int, int]:
+    """Acknowledged messages not recorded yet, events not finished, messages not delivered."""
+    with connect(dsn, autocommit=True) as conn:
+        params = {"prefix": prefix + "%"}
+        row = conn.execute(Q.chaos_unsettled, params).fetchone()
+        recorded = {(e["user_id"], e["source_id"]) for e in conn.execute(Q.chaos_events, params).fetchall()}
+    missing = sum(1 for a in acked if (a.user, a.key) not in recorded)
+    return missing, row["events"], row["messages"]
+
+
+def deliveries(log: Path) -> list[dict]:
+    """The log channel's delivery documents, as the dispatcher wrote them (across restarts)."""
+    found = []
+    if not log.exists():
+        return found
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith('{"channel": "log"'):
+            try:
+                found.append(json.loads(line)["data"])
+            except (ValueError, KeyError):
+                continue  # a line cut by a SIGKILL mid-write
+    return found
+
+
+def verdict(dsn: str, prefix: str, acked: list[Acked], log: Path, ready: dict[str, bool]) -> tuple[Verdict, dict]:
+    """Check every invariant. Returns the verdict and the ledger's rows (for recovery times)."""
+    with connect(dsn, autocommit=True) as conn:
+        params = {"prefix": prefix + "%"}
+        events = conn.execute(Q.chaos_events, params).fetchall()
+        runs = conn.execute(Q.chaos_runs, params).fetchall()
+        outbox = conn.execute(Q.chaos_outbox, params).fetchall()
+    v = Verdict(acked=len(acked))
+    v.not_ready = [name for name, ok in ready.items() if not ok]
+
+    # Acknowledged -> recorded exactly once.
+    rows_by_key = Counter((e["user_id"], e["source_id"]) for e in events)
+    for a in acked:
+        n = rows_by_key.get((a.user, a.key), 0)
+        if n == 0:
+            v.lost += 1
+            v.note(f"lost: {a.key} acknowledged at {a.acked_at:.3f} and not in events")
+        elif n > 1:
+            v.duplicated += n - 1
+            v.note(f"duplicated: {a.key} recorded {n} times")
+
+    # Each event in exactly one run that did not fail; every event finished.
+    ran = Counter(i for r in runs if r["outcome"] != "failed" for i in r["event_ids"])
+    for e in events:
+        n = ran.get(e["id"], 0)
+        if e["status"] != "done":
+            v.stuck += 1
+            v.note(f"stuck: event {e['id']} ({e['source_id']}) is {e['status']}")
+        elif n == 0:
+            v.stuck += 1
+            v.note(f"stuck: event {e['id']} done without a run")
+        if n > 1:
+            v.duplicated += n - 1
+            v.note(f"duplicated: event {e['id']} in {n} runs")
+
+    # No overlapping runs per user, and runs in event order.
+    by_user: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_user[r["user_id"]].append(r)
+    for user, user_runs in by_user.items():
+        for before, after in zip(user_runs, user_runs[1:]):
+            if after["started_at"] < before["finished_at"]:
+                v.overlaps += 1
+                v.note(f"overlap: {user} runs {before['id']} and {after['id']}")
+            if before["outcome"] != "failed" and max(before["event_ids"]) > min(after["event_ids"]):
+                v.misordered += 1
+                v.note(f"order: {user} run {after['id']} took events older than run {before['id']}")
+    # Events in the order each user sent them (a user sends the next only once acknowledged).
+    seq_of = {(a.user, a.key): a.seq for a in acked}
+    last: dict[str, int] = {}
+    for e in events:
+        seq = seq_of.get((e["user_id"], e["source_id"]))
+        if seq is None:
+            continue
+        if seq < last.get(e["user_id"], -1):
+            v.misordered += 1
+            v.note(f"order: {e['source_id']} recorded after a later message of its user")
+        last[e["user_id"]] = max(seq, last.get(e["user_id"], -1))
+
+    # Every message delivered, under one delivery id (copies of that id allowed).
+    ids_of: dict[int, set[str]] = defaultdict(set)
+    copies = Counter()
+    for d in deliveries(log):
+        copies[d["delivery_id"]] += 1
+        for m in d.get("messages", []):
+            ids_of[m["id"]].add(d["delivery_id"])
+    v.copies = sum(n - 1 for n in copies.values())
+    for m in outbox:
+        if m["status"] != "delivered":
+            v.stuck += 1
+            v.note(f"stuck: message {m['id']} is {m['status']}")
+        elif not ids_of.get(m["id"]):
+            v.stuck += 1
+            v.note(f"stuck: message {m['id']} marked delivered, never in the delivery log")
+        if len(ids_of.get(m["id"], ())) > 1:
+            v.duplicated += 1
+            v.note(f"duplicated: message {m['id']} under delivery ids {sorted(ids_of[m['id']])}")
+    return v, {"events": events, "runs": runs}
+
+
+def recovery_times(faults: list[Fault], rows: dict) -> None:
+    """Each fault's recovery: from its injection to the end of the first run whose events were
+    all received after it (the whole path works again: ingest, broker, worker, ledger)."""
+    received = {e["id"]: e["received_at"] for e in rows["events"]}
+    firsts: list[tuple[datetime, datetime]] = []  # (newest event of the run received, run finished)
+    for r in rows["runs"]:
+        times = [received[i] for i in r["event_ids"] if i in received]
+        if times and r["finished_at"] is not None:
+            firsts.append((min(times), r["finished_at"]))
+    for fault in faults:
+        after = [done.timestamp() for got, done in firsts if got.timestamp() >= fault.at]
+        fault.recovery_s = (min(after) - fault.at) if after else None

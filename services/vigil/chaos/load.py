@@ -1,0 +1,85 @@
+"""The chaos run's clients: users sending chat messages through ingest, one at a time each,
+every message retried with its Idempotency-Key until ingest acknowledges it (as a chat client
+does), so that what was acknowledged is exactly what the ledger must hold."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+# A refused or unanswered request is sent again after this long (or the server's Retry-After,
+# whichever is shorter: the client must keep pressing through a fault to measure it).
+RETRY_S = 0.5
+REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    user: str
+    seq: int
+    key: str
+    sent_at: float  # wall clock, first attempt
+    acked_at: float  # wall clock
+
+
+@dataclass
+class Load:
+    url: str
+    token: str
+    users: int
+    rate: float  # messages per second, all users together
+    seed: int
+    acked: list[Acked] = field(default_factory=list)
+    refusals: dict[str, int] = field(default_factory=dict)  # status or error kind -> count
+    give_up_at: float = math.inf  # monotonic: a message not acknowledged by then is not counted
+    _sending: bool = True
+
+    def user_id(self, n: int) -> str:
+        return f"chaos-{self.seed}-u{n:03d}"
+
+    def stop_sending(self, give_up_in_s: float) -> None:
+        """No new messages; those in flight are still retried until acknowledged, for up to
+        ``give_up_in_s`` (a message given up is not counted as acknowledged)."""
+        self.give_up_at = time.monotonic() + give_up_in_s
+        self._sending = False
+
+    async def run(self) -> None:
+        """Every user's loop, until sending stops and every begun message is acknowledged or given up."""
+        limits = httpx.Limits(max_connections=self.users, max_keepalive_connections=self.users)
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+            await asyncio.gather(*(self._user(client, n) for n in range(self.users)))
+
+    async def _user(self, client: httpx.AsyncClient, n: int) -> None:
+        rng = random.Random(f"{self.seed}-{n}")
+        user = self.user_id(n)
+        interval = self.users / self.rate
+        await asyncio.sleep(rng.uniform(0, interval))
+        seq = 0
+        while self._sending:
+            key = f"{user}-m{seq:05d}"
+            sent_at = time.time()
+            if await self._send(client, user, key, seq):
+                self.acked.append(Acked(user, seq, key, sent_at, time.time()))
+            seq += 1
+            await asyncio.sleep(rng.expovariate(1 / interval))
+
+    async def _send(self, client: httpx.AsyncClient, user: str, key: str, seq: int) -> bool:
+        headers = {"Authorization": f"Bearer {self.token}", "Idempotency-Key": key}
+        body = {"text": f"message {seq} from {user}"}
+        while time.monotonic() < self.give_up_at:
+            try:
+                response = await client.post(f"{self.url}/v1/users/{user}/messages", json=body, headers=headers)
+                if 200 <= response.status_code < 300:
+                    return True
+                outcome = str(response.status_code)
+                wait = min(RETRY_S, float(response.headers.get("Retry-After", RETRY_S)))
+            except httpx.HTTPError as exc:
+                outcome, wait = type(exc).__name__, RETRY_S
+            self.refusals[outcome] = self.refusals.get(outcome, 0) + 1
+            await asyncio.sleep(wait)
+        return False

@@ -1,0 +1,166 @@
+"""The chaos run's stack: started, faulted and restarted through ``vigil dev up``, as an
+operator would bring it back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from vigil import devstack
+from vigil.paths import repo_root
+
+SERVICES = ("ingest", "worker", "scheduler", "dispatcher")
+# A restart that fails (PostgreSQL's old backends still exiting, a port not yet free) is tried
+# again after this long, up to this many times.
+RESTART_PAUSE_S = 1.0
+RESTART_TRIES = 20
+
+
+@dataclass
+class Ports:
+    kafka: int
+    controller: int
+    pg: int
+    ingest: int
+    worker: int
+    scheduler: int
+    dispatcher: int
+    claude: int
+
+    @classmethod
+    def pick(cls, base: int | None) -> Ports:
+        if base is None:
+            return cls(*(devstack.free_port() for _ in range(8)))
+        return cls(*range(base, base + 8))
+
+
+class ChaosStack:
+    def __init__(self, root: Path, ports: Ports, session_timeout_ms: int, extra_env: dict[str, str]):
+        self.root = root
+        self.ports = ports
+        self.session_timeout_ms = session_timeout_ms
+        # The broker's jars: wherever the developer's stack keeps them (fetched once).
+        libs_root = Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run"))
+        self.libs = devstack.kafka_libs(libs_root / "kafka")
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("VIGIL_", "ANTHROPIC_"))}
+        self.env = {
+            **base,
+            "VIGIL_DEV_RUN_DIR": str(root),
+            "VIGIL_DEV_KAFKA_LIBS": str(self.libs),
+            "VIGIL_DEV_KAFKA_PORT": str(ports.kafka),
+            "VIGIL_DEV_KAFKA_CONTROLLER_PORT": str(ports.controller),
+            "VIGIL_DEV_PG_PORT": str(ports.pg),
+            "VIGIL_DEV_CLAUDE_PORT": str(ports.claude),
+            "VIGIL_INGEST_PORT": str(ports.ingest),
+            "VIGIL_WORKER_PORT": str(ports.worker),
+            "VIGIL_SCHEDULER_PORT": str(ports.scheduler),
+            "VIGIL_DISPATCHER_PORT": str(ports.dispatcher),
+            # The load: chat messages echoed back (no model), every reply delivered at once.
+            "VIGIL_AGENT": "echo",
+            "VIGIL_OUTBOX_GAP": "0",
+            "VIGIL_KAFKA_SESSION_TIMEOUT_MS": str(session_timeout_ms),
+            **extra_env,
+        }
+
+    # -- whole stack ------------------------------------------------------------------
+
+    def fresh(self) -> None:
+        """A new stack: nothing of an earlier run (data, logs, pids) is kept."""
+        self.down()
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True)
+
+    def up(self) -> float:
+        """``vigil dev up`` until it succeeds; the seconds it took."""
+        began = time.monotonic()
+        last = ""
+        for _ in range(RESTART_TRIES):
+            result = subprocess.run(
+                [sys.executable, "-m", "vigil", "dev", "up"], env=self.env, capture_output=True, text=True
+            )
+            if result.returncode == 0:
+                return time.monotonic() - began
+            last = (result.stderr or result.stdout)[-1500:]
+            time.sleep(RESTART_PAUSE_S)
+        raise RuntimeError(f"vigil dev up kept failing:\n{last}")
+
+    def down(self) -> None:
+        if self.root.exists():
+            subprocess.run([sys.executable, "-m", "vigil", "dev", "down"], env=self.env, capture_output=True)
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://vigil@127.0.0.1:{self.ports.pg}/vigil"
+
+    @property
+    def ingest_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.ingest}"
+
+    def api_token(self) -> str:
+        return (self.root / "api_token").read_text().strip()
+
+    def dispatcher_log(self) -> Path:
+        return self.root / "logs" / "dispatcher.log"
+
+    # -- faults -----------------------------------------------------------------------
+
+    def pidfile(self, part: str) -> Path:
+        if part == "kafka":
+            return self.root / "kafka" / "data" / "kafka.pid"
+        if part == "postgres":
+            return self.root / "pg" / "postgres.pid"
+        return self.root / "pids" / f"{part}.pid"
+
+    def pid(self, part: str) -> int | None:
+        return devstack.read_pid(self.pidfile(part))
+
+    def kill(self, part: str) -> bool:
+        """SIGKILL ``part``'s whole process group (PostgreSQL: the server and its backends,
+        as a crash takes them). False if it was not running."""
+        pid = self.pid(part)
+        if pid is None:
+            return False
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        deadline = time.monotonic() + 10
+        while devstack.pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return True
+
+    def freeze(self, part: str, seconds: float) -> bool:
+        """SIGSTOP ``part`` for ``seconds`` (past its session timeout), then SIGCONT."""
+        pid = self.pid(part)
+        if pid is None:
+            return False
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return True
+
+    def ready(self) -> dict[str, bool]:
+        """Each service's /readyz (Kafka and PostgreSQL reachable from it)."""
+        ports = {
+            "ingest": self.ports.ingest,
+            "worker": self.ports.worker,
+            "scheduler": self.ports.scheduler,
+            "dispatcher": self.ports.dispatcher,
+        }
+        found = {}
+        for name, port in ports.items():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
+                    found[name] = response.status == 200
+            except OSError:
+                found[name] = False
+        return found
