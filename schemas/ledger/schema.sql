@@ -140,6 +140,8 @@ CREATE TABLE outbox (
     fixed_at        timestamptz,                                 -- when delivery_id was fixed: the delivery's own time
     channel         text,                                        -- channel of the latest attempt: webhook | kafka | log
     dead_at         timestamptz,                                 -- when the dispatcher gave up on it
+    session_id      text,                                        -- the conversation that wrote it: a reply resumes it
+    deadline        timestamptz,                                 -- worthless after this (an approval question): never held by the urgent cap
     CONSTRAINT outbox_status_valid CHECK (status IN ('pending', 'sending', 'delivered', 'dead')),
     CONSTRAINT outbox_delivered_has_time CHECK ((status = 'delivered') = (delivered_at IS NOT NULL)),
     CONSTRAINT outbox_sending_has_delivery CHECK (status <> 'sending' OR delivery_id IS NOT NULL),

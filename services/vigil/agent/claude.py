@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -56,6 +57,11 @@ def effective_permissions(settings: AgentSettings, actions: list[ActionTool]) ->
 
 class ClaudeAgent:
     needs_context = True  # the worker loads sessions, memory, past messages and approvals
+
+    @property
+    def recent_messages(self) -> int:
+        """How many past messages the worker loads for a run (VIGIL_RECENT_MESSAGES)."""
+        return self.settings.recent_messages
 
     def __init__(
         self,
@@ -99,8 +105,11 @@ class ClaudeAgent:
 
     def _prefix(self, ctx: RunContext, memory: MemoryFiles, now: datetime) -> list[dict[str, Any]]:
         path = self.settings.instructions_path
-        recent = ctx.recent_messages[-self.settings.recent_messages :] if self.settings.recent_messages else []
-        return system_blocks(path, memory.files.get(path), memory.index(path), volatile_context(now, recent))
+        limit = self.settings.recent_messages
+        queued = ctx.queued_messages[-limit:] if limit else []
+        recent = ctx.recent_messages[-(limit - len(queued)) :] if limit > len(queued) else []
+        volatile = volatile_context(now, recent, queued)
+        return system_blocks(path, memory.files.get(path), memory.index(path), volatile)
 
     async def run(self, ctx: RunContext) -> RunResult:
         settings = self.settings
@@ -120,7 +129,9 @@ class ClaudeAgent:
         saves = []
         for thread in laid_out.threads:
             ended = await Conversation(self.box, run, thread).converse()
-            result.messages += ended.outputs.messages
+            # Each message names its conversation, so that a reply to its delivery resumes it.
+            sid = thread.session_id
+            result.messages += [replace(m, session_id=m.session_id or sid) for m in ended.outputs.messages]
             result.timers += ended.outputs.timers
             result.approvals += ended.approvals
             if ended.touched:

@@ -80,13 +80,15 @@ def system_blocks(instructions_path: str, instructions: str | None, index: str, 
     ]
 
 
-def volatile_context(now: datetime, recent_messages: list[str]) -> str:
+def volatile_context(now: datetime, recent_messages: list[str], queued: list[str] | None = None) -> str:
     lines = [f"# Now\n{now.isoformat(timespec='seconds')}"]
-    if recent_messages:
-        lines.append("\n# Messages the person already received from you (oldest first)")
-        lines += [
-            f"- {json.dumps(_ANSWER_TOKEN.sub('[answer token]', text), ensure_ascii=False)}" for text in recent_messages
-        ]
+    for title, texts in (
+        ("Messages the person already received from you (oldest first)", recent_messages),
+        ("Messages you already sent, queued and not delivered yet (oldest first; do not repeat them)", queued or []),
+    ):
+        if texts:
+            lines.append(f"\n# {title}")
+            lines += [f"- {json.dumps(_ANSWER_TOKEN.sub('[answer token]', t), ensure_ascii=False)}" for t in texts]
     return "\n".join(lines)
 
 

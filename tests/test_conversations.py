@@ -1,0 +1,157 @@
+"""Conversations that continue, on real processes: ingest, a worker running the Claude agent
+against the scripted Messages API, and the dispatcher delivering to a webhook receiver.
+
+- A reply naming the delivery it answers (``in_reply_to``) resumes the session that wrote
+  it: the model's request for the reply carries the first run's transcript. A message that
+  names nothing starts a new session, as before.
+- Auto mode's block counters live with the session, so they add up across wake-ups: the
+  fourth risky call in a row, three runs later, asks the person instead of being blocked.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from dispatcher_support import Receiver
+from ingest_support import cli, create_token
+from support import query, scalar, wait_for
+from vigil.agent.scripted_server import ScriptedServer
+from worker_support import FAST
+
+# User-text rules first: a message that resumes a session is appended to the turn that holds
+# the previous run's last tool result, and must be answered, not taken for that result.
+SCRIPT = {
+    "rules": [
+        {
+            "when": {"user_text": "what did I ask you to keep"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Still on it."}}],
+        },
+        {
+            "when": {"user_text": r"keep (?P<word>[a-z]+) in mind"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Noted {word}."}}],
+        },
+        {
+            "when": {"user_text": r"refund (?P<order>\w+) in full"},
+            "reply": [{"type": "tool_use", "name": "refund", "input": {"order_id": "{order}", "amount": 500}}],
+        },
+        {
+            "when": {"tool_result": "refund", "tool_result_error": True},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "I may not do that alone."}}],
+        },
+        {"when": {"tool_result": "send_message"}, "reply": []},
+    ]
+}
+
+
+@pytest.fixture
+def claude():
+    with ScriptedServer(SCRIPT) as server:
+        yield server
+
+
+@pytest.fixture
+def receiver():
+    receiver = Receiver().start()
+    yield receiver
+    receiver.stop()
+
+
+class Stack:
+    """ingest + worker (Claude, scripted) + dispatcher, one user's webhook channel without a gap."""
+
+    def __init__(self, spawn, vigil_env, ledger, claude, receiver, user, **worker_extra):
+        self.user, self.ledger, self.receiver = user, ledger, receiver
+        cli(ledger, "channels", "set", user, "--type", "webhook", "--url", receiver.url, "--gap", "0")
+        self.token = create_token(ledger)["token"]
+        ports = {name: int(vigil_env[f"VIGIL_{name.upper()}_PORT"]) for name in ("worker", "ingest", "dispatcher")}
+        worker_env = {
+            **vigil_env,
+            **FAST,
+            "VIGIL_AGENT": "claude",
+            "ANTHROPIC_BASE_URL": claude.base_url,
+            "ANTHROPIC_API_KEY": "scripted-test-key",
+            "VIGIL_MODEL": "claude-scripted-1",
+            **worker_extra,
+        }
+        spawn(["worker"], worker_env, name="worker").wait_healthy(ports["worker"])
+        spawn(["ingest"], vigil_env, name="ingest").wait_healthy(ports["ingest"])
+        env = {**vigil_env, "VIGIL_DISPATCHER_POLL_INTERVAL_S": "0.1"}
+        spawn(["dispatcher"], env, name="dispatcher").wait_healthy(ports["dispatcher"])
+        self.url = f"http://127.0.0.1:{ports['ingest']}/v1/users/{user}/messages"
+
+    def say(self, body: dict) -> httpx.Response:
+        return httpx.post(self.url, json=body, headers={"Authorization": f"Bearer {self.token}"}, timeout=30)
+
+    def delivery(self, n: int) -> dict:
+        """The n-th delivery's data (1-based), once it arrived."""
+        wait_for(lambda: len(self.receiver.got()) >= n, 90, f"delivery {n} at the receiver", interval=0.2)
+        return self.receiver.got()[n - 1].data
+
+
+def transcript_text(request: dict) -> str:
+    return json.dumps(request["messages"], ensure_ascii=False)
+
+
+def test_reply_to_a_delivery_resumes_its_session(spawn, vigil_env, ledger, claude, receiver):
+    stack = Stack(spawn, vigil_env, ledger, claude, receiver, "u-conv")
+    assert stack.say({"text": "please keep pineapple in mind"}).status_code == 202
+    first = stack.delivery(1)
+    assert [m["body"] for m in first["messages"]] == ["Noted pineapple."]
+    session = first["session_id"]
+    assert session and first["messages"][0]["session_id"] == session
+    assert scalar(ledger, "SELECT session_id FROM runs") == session
+
+    # Refused precisely, nothing produced: a delivery this user never got, or both names at once.
+    unknown = stack.say({"text": "x", "in_reply_to": "00000000-0000-4000-8000-000000000000"})
+    assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_delivery", unknown.text
+    both = stack.say({"text": "x", "in_reply_to": first["delivery_id"], "session_id": session})
+    assert both.status_code == 400 and both.json()["field"] == "in_reply_to", both.text
+
+    reply = stack.say({"text": "what did I ask you to keep?", "in_reply_to": first["delivery_id"]})
+    assert reply.status_code == 202 and reply.json()["session_id"] == session, reply.text
+    second = stack.delivery(2)
+    assert [m["body"] for m in second["messages"]] == ["Still on it."]
+    assert second["session_id"] == session
+
+    # The model's request for the reply carried the first run's conversation.
+    asked = next(r for r in claude.requests() if "what did I ask you to keep" in transcript_text(r))
+    assert "please keep pineapple in mind" in transcript_text(asked)
+    assert "Noted pineapple." in transcript_text(asked)
+    runs = query(ledger, "SELECT session_id FROM runs ORDER BY id")
+    assert [r["session_id"] for r in runs] == [session, session]
+
+    # A message naming nothing starts a new conversation, as before.
+    assert stack.say({"text": "what did I ask you to keep now"}).status_code == 202
+    third = stack.delivery(3)
+    assert third["session_id"] not in (None, session)
+    fresh = [r for r in claude.requests() if "what did I ask you to keep now" in transcript_text(r)][0]
+    assert "pineapple" not in transcript_text(fresh)
+
+
+def test_auto_mode_blocks_add_up_across_wake_ups(spawn, vigil_env, ledger, claude, receiver):
+    stack = Stack(
+        spawn, vigil_env, ledger, claude, receiver, "u-auto", VIGIL_TOOL_PERMISSIONS="refund=auto"
+    )  # refunds above VIGIL_REFUND_AUTO_LIMIT (50) are risky: blocked in auto mode
+    assert stack.say({"text": "refund A1 in full"}).status_code == 202
+    previous = stack.delivery(1)
+    session = previous["session_id"]
+    for n, expected in ((2, 2), (3, 3)):
+        assert scalar(ledger, "SELECT consecutive_blocks FROM sessions WHERE id = %s", (session,)) == expected - 1
+        body = {"text": f"refund A{n} in full", "in_reply_to": previous["delivery_id"]}
+        assert stack.say(body).json()["session_id"] == session
+        previous = stack.delivery(n)
+        assert [m["body"] for m in previous["messages"]] == ["I may not do that alone."]
+    row = query(ledger, "SELECT blocks, consecutive_blocks, state FROM sessions WHERE id = %s", (session,))[0]
+    assert (row["blocks"], row["consecutive_blocks"], row["state"]) == (3, 3, "open")
+
+    # Three blocks in a row, over three wake-ups: the fourth call asks the person instead.
+    assert stack.say({"text": "refund A4 in full", "in_reply_to": previous["delivery_id"]}).status_code == 202
+    question = stack.delivery(4)
+    assert question["messages"][0]["body"].startswith("Approval needed: refund")
+    assert question["session_id"] == session
+    assert scalar(ledger, "SELECT state FROM sessions WHERE id = %s", (session,)) == "waiting"
+    assert scalar(ledger, "SELECT deadline IS NOT NULL FROM outbox ORDER BY id DESC LIMIT 1")
+    assert scalar(ledger, "SELECT count(*) FROM sessions WHERE user_id = 'u-auto'") == 1
