@@ -6,6 +6,8 @@ against the scripted Messages API, and the dispatcher delivering to a webhook re
   names nothing starts a new session, as before.
 - Auto mode's block counters live with the session, so they add up across wake-ups: the
   fourth risky call in a row, three runs later, asks the person instead of being blocked.
+- Past messages: the worker loads ``VIGIL_RECENT_MESSAGES`` of them (not a fixed 20), and
+  those the outbox still holds back for the pacing gap are among them, marked queued.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from __future__ import annotations
 import json
 
 import httpx
+import psycopg
 import pytest
 
-from dispatcher_support import Receiver
+from dispatcher_support import Receiver, add_messages
 from ingest_support import cli, create_token
 from support import query, scalar, wait_for
 from vigil.agent.scripted_server import ScriptedServer
-from worker_support import FAST
+from worker_support import FAST, chat, produce
 
 # User-text rules first: a message that resumes a session is appended to the turn that holds
 # the previous run's last tool result, and must be answered, not taken for that result.
@@ -155,3 +158,28 @@ def test_auto_mode_blocks_add_up_across_wake_ups(spawn, vigil_env, ledger, claud
     assert scalar(ledger, "SELECT state FROM sessions WHERE id = %s", (session,)) == "waiting"
     assert scalar(ledger, "SELECT deadline IS NOT NULL FROM outbox ORDER BY id DESC LIMIT 1")
     assert scalar(ledger, "SELECT count(*) FROM sessions WHERE user_id = 'u-auto'") == 1
+
+
+def test_past_messages_show_what_the_outbox_still_holds(spawn, vigil_env, ledger, claude, stack, topics):
+    user = "u-past"
+    ids = add_messages(ledger, [(user, f"old news {n}", False) for n in range(25)] + [(user, "held back", False)])
+    with psycopg.connect(ledger) as conn:  # 25 delivered, the last one still held for the gap
+        conn.execute("UPDATE outbox SET status = 'delivered', delivered_at = now() WHERE id = ANY(%s)", (ids[:-1],))
+    env = {
+        **vigil_env,
+        **FAST,
+        "VIGIL_AGENT": "claude",
+        "ANTHROPIC_BASE_URL": claude.base_url,
+        "ANTHROPIC_API_KEY": "scripted-test-key",
+        "VIGIL_MODEL": "claude-scripted-1",
+        "VIGIL_RECENT_MESSAGES": "30",
+    }
+    spawn(["worker"], env, name="worker").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+    produce(stack.bootstrap, topics.events, [chat(user, "please keep mango in mind")])
+    wait_for(lambda: scalar(ledger, "SELECT count(*) FROM runs WHERE worker <> %s", ("test",)) == 1, 60, "the run")
+
+    [asked] = [r for r in claude.requests() if "mango" in transcript_text(r)][:1]
+    volatile = asked["system"][2]["text"]
+    delivered, queued = volatile.split("queued and not delivered yet")
+    assert all(f'"old news {n}"' in delivered for n in range(25)), "all 25 delivered, past the old fixed 20"
+    assert '"held back"' in queued and '"held back"' not in delivered
