@@ -8,6 +8,9 @@ against the scripted Messages API, and the dispatcher delivering to a webhook re
   fourth risky call in a row, three runs later, asks the person instead of being blocked.
 - Past messages: the worker loads ``VIGIL_RECENT_MESSAGES`` of them (not a fixed 20), and
   those the outbox still holds back for the pacing gap are among them, marked queued.
+- Task progress: one run writes ``/memories/tasks/<name>.md``; after a worker restart the
+  next run finds it first in the memory index and continues from it.
+- An event that died is told to the agent once, at the user's next run.
 """
 
 from __future__ import annotations
@@ -28,6 +31,36 @@ from worker_support import FAST, chat, produce
 # the previous run's last tool result, and must be answered, not taken for that result.
 SCRIPT = {
     "rules": [
+        {"when": {"user_text": "poison pill"}, "error": {"status": 400, "message": "cannot be processed"}},
+        {
+            "when": {"user_text": "start the invoice migration"},
+            "reply": [
+                {
+                    "type": "tool_use",
+                    "name": "memory",
+                    "input": {
+                        "command": "create",
+                        "path": "/memories/tasks/invoices.md",
+                        "file_text": "# Migrate the invoices\nDone: batch 1 of 3.\nNext: batch 2 of 3.\n",
+                    },
+                }
+            ],
+        },
+        {
+            "when": {"user_text": "carry on with the migration"},
+            "reply": [
+                {
+                    "type": "tool_use",
+                    "name": "memory",
+                    "input": {"command": "view", "path": "/memories/tasks/invoices.md"},
+                }
+            ],
+        },
+        {
+            "when": {"tool_result": "memory", "tool_result_text": r"Next: (?P<next>[^\n]+)"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Continuing with {next}"}}],
+        },
+        {"when": {"tool_result": "memory"}, "reply": []},
         {
             "when": {"user_text": "what did I ask you to keep"},
             "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Still on it."}}],
@@ -134,10 +167,20 @@ def test_reply_to_a_delivery_resumes_its_session(spawn, vigil_env, ledger, claud
     assert "pineapple" not in transcript_text(fresh)
 
 
-def test_auto_mode_blocks_add_up_across_wake_ups(spawn, vigil_env, ledger, claude, receiver):
+def test_auto_mode_blocks_add_up_across_wake_ups_then_the_question_escalates_until_denied(
+    spawn, vigil_env, ledger, claude, receiver
+):
     stack = Stack(
-        spawn, vigil_env, ledger, claude, receiver, "u-auto", VIGIL_TOOL_PERMISSIONS="refund=auto"
-    )  # refunds above VIGIL_REFUND_AUTO_LIMIT (50) are risky: blocked in auto mode
+        spawn,
+        vigil_env,
+        ledger,
+        claude,
+        receiver,
+        "u-auto",
+        VIGIL_TOOL_PERMISSIONS="refund=auto",  # refunds above VIGIL_REFUND_AUTO_LIMIT (50) are risky
+        VIGIL_APPROVAL_ON_EXPIRY="escalate",
+        VIGIL_APPROVAL_DEADLINE_S="3",
+    )
     assert stack.say({"text": "refund A1 in full"}).status_code == 202
     previous = stack.delivery(1)
     session = previous["session_id"]
@@ -158,6 +201,26 @@ def test_auto_mode_blocks_add_up_across_wake_ups(spawn, vigil_env, ledger, claud
     assert scalar(ledger, "SELECT state FROM sessions WHERE id = %s", (session,)) == "waiting"
     assert scalar(ledger, "SELECT deadline IS NOT NULL FROM outbox ORDER BY id DESC LIMIT 1")
     assert scalar(ledger, "SELECT count(*) FROM sessions WHERE user_id = 'u-auto'") == 1
+
+    # Nobody answers: with `escalate` the question comes again at every deadline, and the
+    # tool never runs on silence, until an operator denies it.
+    env = {**vigil_env, "VIGIL_SCHEDULER_TICK_S": "0.2", "VIGIL_SCHEDULER_ESCALATE_AFTER_S": "3"}
+    spawn(["scheduler"], env, name="scheduler").wait_healthy(int(vigil_env["VIGIL_SCHEDULER_PORT"]))
+
+    def bodies() -> list[str]:
+        return [m["body"] for r in receiver.got() for m in r.data["messages"]]
+
+    wait_for(lambda: sum(b.startswith("STILL WAITING") for b in bodies()) >= 2, 60, "two escalations", interval=0.2)
+    [request_id] = [r["request_id"] for r in query(ledger, "SELECT request_id FROM approvals")]
+    listed = json.loads(cli(ledger, "approvals", "list", "--user", "u-auto", "--json"))
+    assert listed["request_id"] == request_id and listed["answer"] is None and listed["escalations"] >= 2
+    assert "denied" in cli(ledger, "approvals", "deny", request_id)
+    wait_for(lambda: bodies()[-1] == "I may not do that alone.", 60, "the reply to the denial", interval=0.2)
+    assert scalar(ledger, "SELECT answer FROM approvals") == "no"
+    assert scalar(ledger, "SELECT state FROM sessions WHERE id = %s", (session,)) == "open"
+    assert scalar(ledger, "SELECT count(*) FROM refunds") == 0
+    denial = [r for r in claude.requests() if "the person denied this request" in transcript_text(r)]
+    assert denial and "refund A1 in full" in transcript_text(denial[0])
 
 
 def test_past_messages_show_what_the_outbox_still_holds(spawn, vigil_env, ledger, claude, stack, topics):
@@ -183,3 +246,64 @@ def test_past_messages_show_what_the_outbox_still_holds(spawn, vigil_env, ledger
     delivered, queued = volatile.split("queued and not delivered yet")
     assert all(f'"old news {n}"' in delivered for n in range(25)), "all 25 delivered, past the old fixed 20"
     assert '"held back"' in queued and '"held back"' not in delivered
+
+
+def claude_worker_env(vigil_env, claude, **extra) -> dict[str, str]:
+    return {
+        **vigil_env,
+        **FAST,
+        "VIGIL_AGENT": "claude",
+        "ANTHROPIC_BASE_URL": claude.base_url,
+        "ANTHROPIC_API_KEY": "scripted-test-key",
+        "VIGIL_MODEL": "claude-scripted-1",
+        **extra,
+    }
+
+
+def agent_runs(dsn: str, user: str) -> int:
+    return scalar(dsn, "SELECT count(*) FROM runs WHERE user_id = %s", (user,))
+
+
+def test_task_progress_written_by_one_run_is_read_after_a_worker_restart(
+    spawn, vigil_env, ledger, claude, stack, topics
+):
+    user = "u-task"
+    env = claude_worker_env(vigil_env, claude)
+    port = int(env["VIGIL_WORKER_PORT"])
+    first = spawn(["worker"], env, name="worker-1").wait_healthy(port)
+    produce(stack.bootstrap, topics.events, [chat(user, "please start the invoice migration")])
+    wait_for(lambda: agent_runs(ledger, user) == 1, 60, "the first run", interval=0.2)
+    assert scalar(ledger, "SELECT content FROM memory WHERE path = '/memories/tasks/invoices.md'").startswith(
+        "# Migrate the invoices"
+    )
+    first.stop()
+
+    spawn(["worker"], env, name="worker-2").wait_healthy(port)
+    produce(stack.bootstrap, topics.events, [chat(user, "carry on with the migration")])
+    wait_for(lambda: agent_runs(ledger, user) == 2, 60, "the second run", interval=0.2)
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox WHERE user_id = %s", (user,))] == [
+        "Continuing with batch 2 of 3."
+    ]
+    carried = next(r for r in claude.requests() if "carry on with the migration" in transcript_text(r))
+    index = carried["system"][1]["text"].split("# Memory index", 1)[1]
+    first_entry = index.strip().splitlines()[1]
+    assert first_entry == "- task in progress: /memories/tasks/invoices.md -- Migrate the invoices"
+
+
+def test_a_dead_event_is_told_to_the_agent_once(spawn, vigil_env, ledger, claude, stack, topics):
+    user = "u-dead"
+    env = claude_worker_env(vigil_env, claude, VIGIL_MAX_ATTEMPTS="2")
+    spawn(["worker"], env, name="worker").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+    produce(stack.bootstrap, topics.events, [chat(user, "a poison pill")])
+    wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status = 'dead'") == 1, 60, "the dead event")
+
+    def volatile_of(text: str) -> str:
+        asked = [r for r in claude.requests() if text in transcript_text(r)]
+        return asked[0]["system"][2]["text"]
+
+    for n, text in enumerate(("keep kiwi in mind", "keep lime in mind"), 1):
+        produce(stack.bootstrap, topics.events, [chat(user, text)])
+        wait_for(lambda n=n: scalar(ledger, "SELECT count(*) FROM runs WHERE outcome = 'message'") == n, 60, text)
+    told, later = volatile_of("keep kiwi in mind"), volatile_of("keep lime in mind")
+    assert "failed every attempt" in told and '"kind": "chat.message"' in told and '"attempts": 2' in told
+    assert "failed every attempt" not in later

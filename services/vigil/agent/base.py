@@ -92,6 +92,9 @@ class RunContext:
     # Messages already sent by earlier runs that the outbox still holds (pacing gap, a retry),
     # oldest first: not delivered yet, but the agent must not say them again.
     queued_messages: list[str] = field(default_factory=list)
+    # The user's events that died (attempts used up) since their last run that did not fail:
+    # dicts of id, source, kind, received_at, attempts, error. The agent hears of them once.
+    dead_events: list[dict] = field(default_factory=list)
     # Every session named by an event of the claim, by id (``session`` is one of them).
     sessions: dict[str, SavedSession] = field(default_factory=dict)
     # The approval rows named by approval.* events of the claim, by request id.

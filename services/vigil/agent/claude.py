@@ -108,7 +108,7 @@ class ClaudeAgent:
         limit = self.settings.recent_messages
         queued = ctx.queued_messages[-limit:] if limit else []
         recent = ctx.recent_messages[-(limit - len(queued)) :] if limit > len(queued) else []
-        volatile = volatile_context(now, recent, queued)
+        volatile = volatile_context(now, recent, queued, ctx.dead_events)
         return system_blocks(path, memory.files.get(path), memory.index(path), volatile)
 
     async def run(self, ctx: RunContext) -> RunResult:

@@ -40,7 +40,7 @@ from vigil.ledger.states import OnExpiry, TimerKind
 MAX_REASON_CHARS = 400
 _ON_EXPIRY_WORDS = {
     OnExpiry.DENY: "it counts as a no",
-    OnExpiry.ESCALATE: "you will be asked once more, then it counts as a no",
+    OnExpiry.ESCALATE: "you will be asked again until you answer; nothing happens meanwhile",
     OnExpiry.APPROVE: "it goes ahead",
 }
 

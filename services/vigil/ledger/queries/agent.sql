@@ -22,6 +22,17 @@ SELECT body, queued FROM (
 ) past
 ORDER BY queued DESC, at DESC LIMIT %(limit)s
 
+-- name: agent_dead_events
+-- The user's events given up on (dead) since their last run that did not fail started: the agent hears of them once, at its next run. Dead events are rare: the events_dead index, then the user filter.
+WITH told AS (
+    SELECT max(started_at) AS at FROM runs WHERE user_id = %(user_id)s AND outcome <> 'failed'
+)
+SELECT e.id, e.source, e.kind, e.received_at, e.attempts, e.error
+FROM events e, told
+WHERE e.status = 'dead' AND e.user_id = %(user_id)s AND e.finished_at > coalesce(told.at, '-infinity')
+ORDER BY e.finished_at
+LIMIT %(limit)s
+
 -- name: agent_approvals_load
 -- The approval requests named by a claim's approval events, with the hash of what was approved.
 SELECT request_id, session_id, tool, tool_use_id, args_hash, answer
