@@ -25,7 +25,7 @@ from dispatcher_support import Receiver, add_messages
 from ingest_support import cli, create_token
 from support import query, scalar, wait_for
 from vigil.agent.scripted_server import ScriptedServer
-from worker_support import FAST, chat, produce
+from worker_support import chat, claude_env, produce
 
 # User-text rules first: a message that resumes a session is appended to the turn that holds
 # the previous run's last tool result, and must be answered, not taken for that result.
@@ -103,15 +103,7 @@ class Stack:
         cli(ledger, "channels", "set", user, "--type", "webhook", "--url", receiver.url, "--gap", "0")
         self.token = create_token(ledger)["token"]
         ports = {name: int(vigil_env[f"VIGIL_{name.upper()}_PORT"]) for name in ("worker", "ingest", "dispatcher")}
-        worker_env = {
-            **vigil_env,
-            **FAST,
-            "VIGIL_AGENT": "claude",
-            "ANTHROPIC_BASE_URL": claude.base_url,
-            "ANTHROPIC_API_KEY": "scripted-test-key",
-            "VIGIL_MODEL": "claude-scripted-1",
-            **worker_extra,
-        }
+        worker_env = claude_env(vigil_env, claude.base_url, **worker_extra)
         spawn(["worker"], worker_env, name="worker").wait_healthy(ports["worker"])
         spawn(["ingest"], vigil_env, name="ingest").wait_healthy(ports["ingest"])
         env = {**vigil_env, "VIGIL_DISPATCHER_POLL_INTERVAL_S": "0.1"}
@@ -228,15 +220,7 @@ def test_past_messages_show_what_the_outbox_still_holds(spawn, vigil_env, ledger
     ids = add_messages(ledger, [(user, f"old news {n}", False) for n in range(25)] + [(user, "held back", False)])
     with psycopg.connect(ledger) as conn:  # 25 delivered, the last one still held for the gap
         conn.execute("UPDATE outbox SET status = 'delivered', delivered_at = now() WHERE id = ANY(%s)", (ids[:-1],))
-    env = {
-        **vigil_env,
-        **FAST,
-        "VIGIL_AGENT": "claude",
-        "ANTHROPIC_BASE_URL": claude.base_url,
-        "ANTHROPIC_API_KEY": "scripted-test-key",
-        "VIGIL_MODEL": "claude-scripted-1",
-        "VIGIL_RECENT_MESSAGES": "30",
-    }
+    env = claude_env(vigil_env, claude.base_url, VIGIL_RECENT_MESSAGES="30")
     spawn(["worker"], env, name="worker").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
     produce(stack.bootstrap, topics.events, [chat(user, "please keep mango in mind")])
     wait_for(lambda: scalar(ledger, "SELECT count(*) FROM runs WHERE worker <> %s", ("test",)) == 1, 60, "the run")
@@ -248,18 +232,6 @@ def test_past_messages_show_what_the_outbox_still_holds(spawn, vigil_env, ledger
     assert '"held back"' in queued and '"held back"' not in delivered
 
 
-def claude_worker_env(vigil_env, claude, **extra) -> dict[str, str]:
-    return {
-        **vigil_env,
-        **FAST,
-        "VIGIL_AGENT": "claude",
-        "ANTHROPIC_BASE_URL": claude.base_url,
-        "ANTHROPIC_API_KEY": "scripted-test-key",
-        "VIGIL_MODEL": "claude-scripted-1",
-        **extra,
-    }
-
-
 def agent_runs(dsn: str, user: str) -> int:
     return scalar(dsn, "SELECT count(*) FROM runs WHERE user_id = %s", (user,))
 
@@ -268,7 +240,7 @@ def test_task_progress_written_by_one_run_is_read_after_a_worker_restart(
     spawn, vigil_env, ledger, claude, stack, topics
 ):
     user = "u-task"
-    env = claude_worker_env(vigil_env, claude)
+    env = claude_env(vigil_env, claude.base_url)
     port = int(env["VIGIL_WORKER_PORT"])
     first = spawn(["worker"], env, name="worker-1").wait_healthy(port)
     produce(stack.bootstrap, topics.events, [chat(user, "please start the invoice migration")])
@@ -292,7 +264,7 @@ def test_task_progress_written_by_one_run_is_read_after_a_worker_restart(
 
 def test_a_dead_event_is_told_to_the_agent_once(spawn, vigil_env, ledger, claude, stack, topics):
     user = "u-dead"
-    env = claude_worker_env(vigil_env, claude, VIGIL_MAX_ATTEMPTS="2")
+    env = claude_env(vigil_env, claude.base_url, VIGIL_MAX_ATTEMPTS="2")
     spawn(["worker"], env, name="worker").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
     produce(stack.bootstrap, topics.events, [chat(user, "a poison pill")])
     wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status = 'dead'") == 1, 60, "the dead event")

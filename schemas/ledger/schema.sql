@@ -244,6 +244,15 @@ CREATE TABLE sessions (
 );
 CREATE INDEX sessions_by_user ON sessions (user_id, updated_at);
 
+-- agent_policies: per-user overrides of deployment-wide agent settings, set by operators
+-- (`vigil policies set`). event_policies has VIGIL_EVENT_POLICIES's syntax and wins over it
+-- source by source: what an event arriving mid-run does (queue | fold | interrupt).
+CREATE TABLE agent_policies (
+    user_id        text PRIMARY KEY,
+    event_policies text        NOT NULL DEFAULT '',
+    updated_at     timestamptz NOT NULL DEFAULT now()
+);
+
 -- memory: the agent's files under /memories, per user (the memory tool's store).
 CREATE TABLE memory (
     user_id     text        NOT NULL,

@@ -5,3 +5,11 @@
 -- after its deadline can no longer be answered.
 ALTER TABLE outbox ADD COLUMN session_id text;
 ALTER TABLE outbox ADD COLUMN deadline timestamptz;
+
+-- Per-user overrides of deployment-wide agent settings (`vigil policies set`): what an
+-- event arriving mid-run does, per source, over VIGIL_EVENT_POLICIES.
+CREATE TABLE agent_policies (
+    user_id        text PRIMARY KEY,
+    event_policies text        NOT NULL DEFAULT '',
+    updated_at     timestamptz NOT NULL DEFAULT now()
+);

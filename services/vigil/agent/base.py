@@ -95,6 +95,9 @@ class RunContext:
     # The user's events that died (attempts used up) since their last run that did not fail:
     # dicts of id, source, kind, received_at, attempts, error. The agent hears of them once.
     dead_events: list[dict] = field(default_factory=list)
+    # The user's own event policies (``agent_policies``, VIGIL_EVENT_POLICIES's syntax): they
+    # win over the deployment's, source by source.
+    event_policies: str = ""
     # Every session named by an event of the claim, by id (``session`` is one of them).
     sessions: dict[str, SavedSession] = field(default_factory=dict)
     # The approval rows named by approval.* events of the claim, by request id.

@@ -17,6 +17,7 @@ exception for a failed attempt.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import replace
@@ -32,10 +33,12 @@ from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.sessions import plan
-from vigil.agent.settings import AgentSettings, EventPolicy, Permission
+from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
 from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
 from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
+
+log = logging.getLogger(__name__)
 
 # The agent stops this long before the worker's own run timeout, so that a run stopped by
 # its wall-time budget still returns (and saves its session) instead of being cancelled.
@@ -111,6 +114,21 @@ class ClaudeAgent:
         volatile = volatile_context(now, recent, queued, ctx.dead_events)
         return system_blocks(path, memory.files.get(path), memory.index(path), volatile)
 
+    def policies_for(self, ctx: RunContext) -> dict[str, EventPolicy]:
+        """The deployment's event policies with the user's own (``agent_policies``) over them.
+        An override the ledger holds but that no longer parses is ignored, loudly: a user's
+        row must not fail every run of theirs."""
+        policies = dict(self.box.policies)
+        if not ctx.event_policies:
+            return policies
+        try:
+            own = parse_event_policies(ctx.event_policies)
+        except ValueError as exc:
+            log.warning("ignoring the user's event policies (agent_policies): %s", exc)
+            return policies
+        own.pop("approval", None)  # approval answers resume their own session: always queued
+        return policies | own
+
     async def run(self, ctx: RunContext) -> RunResult:
         settings = self.settings
         now = datetime.now(UTC)
@@ -123,6 +141,7 @@ class ClaudeAgent:
             now=now,
             system=self._prefix(ctx, memory, now),
             approvals=dict(ctx.approval_requests),
+            policies=self.policies_for(ctx),
         )
         laid_out = plan(ctx, settings.session_max_bytes)
         result = RunResult()

@@ -1,4 +1,5 @@
 """`vigil approvals list|deny`: operators see the questions waiting for people and decide.
+`vigil policies show|set`: one user's overrides of the deployment's agent settings.
 
 An approval whose policy is ``escalate`` fails closed: it is asked again at every deadline
 and never runs the tool on silence, so a request nobody will answer (a person gone on
@@ -64,4 +65,48 @@ def approvals_deny(request_id) -> None:
     click.echo(f"{request_id}: denied; the session of {standing.user_id} resumes with the denial")
 
 
-commands = [approvals]
+@click.group("policies")
+def policies() -> None:
+    """Per-user agent settings: what an event arriving mid-run does, per source."""
+
+
+def _show(row) -> str:
+    return f"{row['user_id']}: event policies {row['event_policies'] or '(the deployment default)'}"
+
+
+@policies.command("show")
+@click.argument("user_id")
+def policies_show(user_id) -> None:
+    """The user's overrides (VIGIL_EVENT_POLICIES applies to every source they do not name)."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        row = conn.execute(Q.agent_policies_get, {"user_id": user_id}).fetchone()
+    click.echo(_show(row or {"user_id": user_id, "event_policies": ""}))
+
+
+@policies.command("set")
+@click.argument("user_id")
+@click.argument("event_policies")
+def policies_set(user_id, event_policies) -> None:
+    """Replace the user's event policies, e.g. 'chat=fold,pager=interrupt' ('' clears them).
+
+    Each source named wins over VIGIL_EVENT_POLICIES for this user: queue (the next run),
+    fold (joins the running run at its next model turn), interrupt (the run starts over with it).
+    """
+    from vigil.agent.settings import parse_event_policies
+    from vigil.ledger.queries import Q
+
+    try:
+        parsed = parse_event_policies(event_policies)
+    except ValueError as exc:
+        raise click.UsageError(f"EVENT_POLICIES: {exc}") from None
+    if "approval" in parsed:
+        raise click.UsageError("EVENT_POLICIES: approval events resume their own session and are always queued")
+    canonical = ",".join(f"{source}={policy.value}" for source, policy in sorted(parsed.items()))
+    with _ledger() as conn:
+        row = conn.execute(Q.agent_policies_set, {"user_id": user_id, "event_policies": canonical}).fetchone()
+    click.echo(_show(row))
+
+
+commands = [approvals, policies]

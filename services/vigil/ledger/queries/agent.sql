@@ -33,6 +33,16 @@ WHERE e.status = 'dead' AND e.user_id = %(user_id)s AND e.finished_at > coalesce
 ORDER BY e.finished_at
 LIMIT %(limit)s
 
+-- name: agent_policies_get
+-- The user's overrides of deployment-wide agent settings (none: no row).
+SELECT user_id, event_policies, updated_at FROM agent_policies WHERE user_id = %(user_id)s
+
+-- name: agent_policies_set
+-- Operators (`vigil policies set`): replace the user's overrides ('' clears them).
+INSERT INTO agent_policies (user_id, event_policies) VALUES (%(user_id)s, %(event_policies)s)
+ON CONFLICT (user_id) DO UPDATE SET event_policies = EXCLUDED.event_policies, updated_at = now()
+RETURNING user_id, event_policies, updated_at
+
 -- name: agent_approvals_load
 -- The approval requests named by a claim's approval events, with the hash of what was approved.
 SELECT request_id, session_id, tool, tool_use_id, args_hash, answer
