@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install up demo down status logs test test-fast lint fmt bench bench-quick clean
+.PHONY: help install up demo down status logs test test-fast lint fmt bench bench-quick clean lock tools
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -35,7 +35,7 @@ status: $(STAMP) ## Show which parts of the local stack run
 logs: ## Follow the services' logs
 	tail -F .run/logs/*.log
 
-test: lint ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
+test: lint tools ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
 	$(BIN)/pytest -q
 
 lint: $(STAMP) ## ruff: lint and check formatting (settings in pyproject.toml)
@@ -54,3 +54,19 @@ bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 2 minutes)
 
 clean: down ## Stop the stack and delete .run/ (Kafka jars, data, logs)
 	rm -rf .run
+
+# Go-built checkers for deploy/ (tests/test_deploy.py), built once per machine outside the repo.
+GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
+TOOLS := $(HOME)/.cache/vigil/tools
+KUBE_SCORE_VERSION := v1.20.0
+KUSTOMIZE_VERSION := v5.8.2
+$(TOOLS)/kube-score-$(KUBE_SCORE_VERSION)/kube-score:
+	GOBIN=$(dir $@) $(GO) install github.com/zegl/kube-score/cmd/kube-score@$(KUBE_SCORE_VERSION)
+$(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize:
+	GOBIN=$(dir $@) $(GO) install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
+
+tools: $(TOOLS)/kube-score-$(KUBE_SCORE_VERSION)/kube-score $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize ## Build kube-score and kustomize (Go) under ~/.cache/vigil/tools, once
+
+lock: $(STAMP) ## Refresh deploy/requirements.lock (exact versions and hashes the image installs) from pyproject.toml
+	$(BIN)/pip install -q uv==0.13.9
+	$(BIN)/uv pip compile pyproject.toml --universal --python-version 3.11 --generate-hashes --upgrade -o deploy/requirements.lock

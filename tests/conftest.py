@@ -33,6 +33,8 @@ KEPT = {"VIGIL_KAFKA_BOOTSTRAP", "VIGIL_DATABASE_URL", "VIGIL_DEV_RUN_DIR"}
 for _name in list(os.environ):
     if (_name.startswith("VIGIL_") and _name not in KEPT) or _name.startswith("ANTHROPIC_"):
         del os.environ[_name]
+# The session's broker is a single one: topics are created with one copy.
+os.environ["VIGIL_TOPIC_REPLICATION"] = "1"
 
 
 @dataclass

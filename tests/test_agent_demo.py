@@ -90,3 +90,46 @@ def test_demo_reply_recalls_its_conversation_and_a_new_one_does_not(demo):
     [fresh] = t.run(demo.base_url, t.context([t.chat("what did I just tell you?")]))
     assert fresh.messages == [OutMessage("This is a new conversation: you have not told me anything in it yet.", False)]
     assert fresh.session.id != session
+
+
+def test_demo_background_research_is_delegated_and_reported(demo):
+    """Step 5 of the demo: the agent delegates in the background and reports the result when
+    the task's event resumes its conversation."""
+    import asyncio
+    import json
+    import time
+
+    from vigil.agent.base import Delegation, TaskContext
+
+    limits = Delegation(depth=0, max_depth=2, token_budget=5000, timeout_s=60, max_attempts=3, owner_chain=("u1",))
+    ctx = t.context([t.chat("please research the printing press in the background")])
+    ctx.delegation = limits
+    [asked] = t.run(demo.base_url, ctx)
+    [task] = asked.tasks
+    assert task.instructions == "Research the printing press and summarise it in one sentence."
+    assert asked.messages[0].text.startswith("I have started that research in the background")
+
+    async def execute():
+        claude = t.agent(demo.base_url)
+        try:
+            return await claude.run_task(
+                TaskContext(
+                    task.id, "u1", task.instructions, task.tools, task.token_budget, time.monotonic() + 60, limits, 1
+                )
+            )
+        finally:
+            await claude.close()
+
+    answer = asyncio.run(execute()).text
+    assert answer == "the printing press in one line: it changed how knowledge spreads."
+    back = t.event(
+        "task.succeeded",
+        {"task_id": task.id, "status": "succeeded", "result": answer, "error": None},
+        source="task",
+        source_id=task.id,
+        session_id=asked.session.id,
+    )
+    [told] = t.run(demo.base_url, t.context([back], sessions=[t.saved(asked)]))
+    assert told.messages == [OutMessage(f"Your background research is back: {answer}", False)]
+    assert told.session.id == asked.session.id  # the delegating conversation, resumed
+    assert json.dumps(told.session.messages).count("printing press") >= 2

@@ -12,11 +12,14 @@ import sys
 
 import click
 
+from vigil.service import VigilGroup
+
 COMMAND_MODULES = [
     "vigil.ledger.commands",
     "vigil.dev_commands",
     "vigil.demo",
     "vigil.worker.commands",
+    "vigil.worker.task_commands",
     "vigil.ingest.commands",
     "vigil.scheduler.commands",
     "vigil.dispatcher.commands",
@@ -24,7 +27,7 @@ COMMAND_MODULES = [
 ]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=VigilGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="vigil")
 def main() -> None:
     """vigil: an always-on agent runtime on Kafka and PostgreSQL.

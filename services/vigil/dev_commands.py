@@ -57,6 +57,7 @@ def _stack_env(root: Path) -> dict[str, str]:
         "VIGIL_DLQ_TOPIC": "vigil.events.dlq",
         "VIGIL_DELIVERIES_TOPIC": "vigil.deliveries",
         "VIGIL_PARTITIONS": "12",
+        "VIGIL_TOPIC_REPLICATION": "1",  # one broker
     }
     for _name, (variable, port) in SERVICES.items():
         env[variable] = str(port)
@@ -146,7 +147,9 @@ def up(services: bool) -> None:
             click.echo(f"{name:<11} http://127.0.0.1:{port}  ({where}, logs {logfile})")
 
     env_file = root / "env"
-    env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items())))
+    # The virtualenv's bin first on PATH, so `vigil ...` works in the shell that sourced it.
+    path_line = f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"\n'
+    env_file.write_text(path_line + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items())))
     env_file.chmod(0o600)
     click.echo(f"settings    {env_file}  (`. {env_file}` points a shell at this stack)")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -26,6 +27,85 @@ def exit_on_startup_error(main):
     except StartupError as exc:
         click.echo(f"vigil: cannot start: {exc}", err=True)
         sys.exit(2)
+
+
+# Exit codes an operator's script can tell apart: 2 is a bad setting or a service that cannot
+# start (fix the deployment), 3 a dependency that does not answer (retry later).
+EXIT_STARTUP = 2
+EXIT_DEPENDENCY = 3
+
+
+def dependency_down(exc: BaseException) -> str | None:
+    """One line naming the dependency behind ``exc``, or None if ``exc`` is not about one.
+
+    psycopg's connection errors span several lines (one per address tried) and
+    librdkafka's carry a struct dump; an operator needs which dependency, which setting
+    points at it, and the first line of the reason.
+    """
+    import psycopg
+    from confluent_kafka import KafkaException
+
+    from vigil.bus.kafka import ProduceError
+
+    if isinstance(exc, psycopg.OperationalError):  # psycopg_pool.PoolTimeout is one too
+        return f"PostgreSQL is unreachable (VIGIL_DATABASE_URL): {_first_line(exc)}"
+    if isinstance(exc, KafkaException | ProduceError):
+        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else _first_line(exc)
+        bootstrap = os.environ.get("VIGIL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+        return f"Kafka is unreachable at {bootstrap} (VIGIL_KAFKA_BOOTSTRAP): {reason}"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split("\n")[0].split())
+    return text or type(exc).__name__
+
+
+class VigilGroup(click.Group):
+    """The ``vigil`` command group: start-up errors and unreachable dependencies end in one line.
+
+    Every command, operator tool or service, gets the same rule without each catching it:
+    ``StartupError`` exits 2, a database or broker that does not answer exits 3, both with
+    one line on stderr and no traceback.
+    """
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except StartupError as exc:
+            click.echo(f"vigil: cannot start: {exc}", err=True)
+            sys.exit(EXIT_STARTUP)
+        except Exception as exc:
+            message = dependency_down(exc)
+            if message is None:
+                raise
+            logging.getLogger("vigil").debug("dependency error", exc_info=True)
+            click.echo(f"vigil: {message}", err=True)
+            sys.exit(EXIT_DEPENDENCY)
+
+
+def require_schema(settings: CommonSettings) -> None:
+    """Refuse to start a service on a ledger whose migrations are behind this code.
+
+    A ledger that does not answer yet is not a reason to refuse: the service's own loops
+    wait for it and report not-ready meanwhile (ingest answers 503), and on Kubernetes the
+    init container has already run ``vigil migrate --check``.
+    """
+    import psycopg
+
+    from vigil.ledger.migrate import pending
+
+    try:
+        behind = pending(settings.dsn)
+    except psycopg.OperationalError as exc:
+        log = logging.getLogger("vigil")
+        log.warning("schema version not checked, the ledger does not answer: %s", _first_line(exc))
+        return
+    if behind:
+        raise StartupError(
+            f"the ledger's schema is behind this version ({len(behind)} migration(s) not applied, "
+            f"first {behind[0]}): run `vigil migrate`"
+        )
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -16,7 +16,7 @@ import os
 import socket
 from typing import Any, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "VIGIL_"
@@ -35,6 +35,14 @@ DEFAULT_DISPATCHER_METRICS_PORT = 9104
 # Long enough for a broker leader election on a small cluster, short enough that an HTTP
 # client waiting on ingest gets a 503 before its own timeout fires.
 DEFAULT_PRODUCE_TIMEOUT_S = 10.0
+# Three copies survive one broker lost while a second is being restarted; min.insync.replicas
+# of 2 makes an acks=all write wait for two of them, so an acknowledged event survives the
+# loss of any one broker. A single-broker dev stack sets VIGIL_TOPIC_REPLICATION=1.
+DEFAULT_TOPIC_REPLICATION = 3
+DEFAULT_MIN_INSYNC_REPLICAS = 2
+# Seven days: the ledger's default dedup window (VIGIL_DEDUP_WINDOW_DAYS). Any copy Kafka can
+# still redeliver is then one the ledger still recognises as a duplicate (docs/deploy.md).
+DEFAULT_EVENTS_RETENTION_HOURS = 168.0
 
 
 class SettingsError(Exception):
@@ -67,6 +75,26 @@ class CommonSettings(BaseSettings):
         ge=1,
         le=10_000,
         description="Partitions of the events topic when vigil creates it (`vigil topics`).",
+    )
+    topic_replication: int = Field(
+        DEFAULT_TOPIC_REPLICATION,
+        ge=1,
+        le=32,
+        description="Replication factor of the topics `vigil topics` creates (at most the broker count).",
+    )
+    topic_min_insync_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=32,
+        description="`min.insync.replicas` of the topics `vigil topics` creates. Unset: 2 when "
+        "replicated, 1 with VIGIL_TOPIC_REPLICATION=1.",
+    )
+    events_retention_hours: float = Field(
+        DEFAULT_EVENTS_RETENTION_HOURS,
+        gt=0,
+        le=24 * 365 * 10,
+        description="`retention.ms` of the events topic `vigil topics` creates, in hours; at most the "
+        "ledger's dedup window (VIGIL_DEDUP_WINDOW_DAYS), see docs/deploy.md.",
     )
     schema_registry_url: str | None = Field(
         None,
@@ -115,6 +143,21 @@ class CommonSettings(BaseSettings):
             raise ValueError("expected DEBUG, INFO, WARNING or ERROR")
         return value.upper()
 
+    @model_validator(mode="after")
+    def _insync_within_replication(self) -> CommonSettings:
+        if self.topic_min_insync_replicas is not None and self.topic_min_insync_replicas > self.topic_replication:
+            raise ValueError(
+                f"VIGIL_TOPIC_MIN_INSYNC_REPLICAS={self.topic_min_insync_replicas} is more than "
+                f"VIGIL_TOPIC_REPLICATION={self.topic_replication}: no write could ever be acknowledged"
+            )
+        return self
+
+    @property
+    def min_insync_replicas(self) -> int:
+        if self.topic_min_insync_replicas is not None:
+            return self.topic_min_insync_replicas
+        return min(DEFAULT_MIN_INSYNC_REPLICAS, self.topic_replication)
+
     @property
     def dsn(self) -> str:
         return self.database_url.get_secret_value()
@@ -154,8 +197,8 @@ def load(cls: type[S], **overrides: Any) -> S:
         raise SettingsError("invalid settings: " + "; ".join(problems)) from None
 
 
-def settings_table(classes: list[type[CommonSettings]]) -> str:
-    """The README's configuration table: every variable, its default and its meaning."""
+def settings_rows(classes: list[type[CommonSettings]]) -> list[dict[str, str]]:
+    """Every variable with its services, default and meaning (``vigil config --json``)."""
     rows: dict[str, tuple[str, str, list[str]]] = {}
     for cls in classes:
         for name, info in cls.model_fields.items():
@@ -173,13 +216,25 @@ def settings_table(classes: list[type[CommonSettings]]) -> str:
             entry = rows.setdefault(variable, (default, info.description or "", []))
             if service not in entry[2]:
                 entry[2].append(service)
-    lines = ["| variable | services | default | meaning |", "| --- | --- | --- | --- |"]
+    out = []
     for variable in sorted(rows):
         default, description, services = rows[variable]
         who = "all" if "all" in services else ", ".join(sorted(services))
-        lines.append(f"| `{variable}` | {who} | {default} | {description} |")
-    lines.append(
-        f"| `{KAFKA_OPT_PREFIX}<NAME>` | all | (unset) | Any librdkafka setting, e.g. "
-        "`VIGIL_KAFKA_OPT_SASL_MECHANISMS=PLAIN` sets `sasl.mechanisms`. |"
+        out.append({"variable": variable, "services": who, "default": default, "meaning": description})
+    out.append(
+        {
+            "variable": f"{KAFKA_OPT_PREFIX}<NAME>",
+            "services": "all",
+            "default": "(unset)",
+            "meaning": "Any librdkafka setting, e.g. `VIGIL_KAFKA_OPT_SASL_MECHANISMS=PLAIN` sets `sasl.mechanisms`.",
+        }
     )
+    return out
+
+
+def settings_table(classes: list[type[CommonSettings]]) -> str:
+    """The README's configuration table: every variable, its default and its meaning."""
+    lines = ["| variable | services | default | meaning |", "| --- | --- | --- | --- |"]
+    for row in settings_rows(classes):
+        lines.append(f"| `{row['variable']}` | {row['services']} | {row['default']} | {row['meaning']} |")
     return "\n".join(lines)

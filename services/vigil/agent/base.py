@@ -74,6 +74,23 @@ class ApprovalRequest:
     answer: str | None  # ApprovalAnswer value, None while open
 
 
+@dataclass(frozen=True, slots=True)
+class Delegation:
+    """What a run (or a task) may delegate, as the worker's settings bound it (docs/tasks.md)."""
+
+    depth: int  # of the delegating run: 0 for a run, the task's depth for a task
+    max_depth: int  # VIGIL_MAX_DELEGATION_DEPTH: a child deeper than this is refused
+    token_budget: int  # VIGIL_TASK_TOKEN_BUDGET: the most a child may use (and never more than is left)
+    timeout_s: float  # VIGIL_TASK_TIMEOUT_S: a background child's deadline, from its creation
+    max_attempts: int  # VIGIL_TASK_MAX_ATTEMPTS: holders lost before the task is lost
+    owner_chain: tuple[str, ...]  # user id, then the run key and task ids that led here
+
+    def child_depth(self) -> int | None:
+        """The depth a child would have, or None if that is past the bound."""
+        depth = self.depth + 1
+        return depth if depth <= self.max_depth else None
+
+
 @dataclass(slots=True)
 class RunContext:
     user_id: str
@@ -102,6 +119,8 @@ class RunContext:
     sessions: dict[str, SavedSession] = field(default_factory=dict)
     # The approval rows named by approval.* events of the claim, by request id.
     approval_requests: dict[str, ApprovalRequest] = field(default_factory=dict)
+    # What this run may delegate (None: the worker offers no delegation).
+    delegation: Delegation | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +175,23 @@ class SessionSave:
 
 
 @dataclass(frozen=True, slots=True)
+class NewTask:
+    """A background task the run delegates: inserted by its fenced finish, executed by any worker."""
+
+    id: str
+    instructions: str
+    tools: tuple[str, ...]  # a subset of what the delegating run may use without asking
+    token_budget: int
+    depth: int
+    timeout_s: float
+    max_attempts: int
+    parent_run_key: str
+    owner_chain: tuple[str, ...]
+    session_id: str | None = None  # the session its result resumes
+    parent_task_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     turns: int = 0
     input_tokens: int = 0
@@ -177,6 +213,41 @@ class RunResult:
     usage: Usage = field(default_factory=Usage)
     # Events claimed mid-run through fold(); the finish marks them done with the rest.
     folded_event_ids: list[int] = field(default_factory=list)
+    # Background tasks delegated by the run: queued only if its finish commits.
+    tasks: list[NewTask] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TaskUsage:
+    """A task's usage so far: kept up to date while it runs, so a cancel records what was spent."""
+
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(slots=True)
+class TaskContext:
+    """A background task as the agent executing it sees it."""
+
+    task_id: str
+    user_id: str
+    instructions: str
+    tools: tuple[str, ...]
+    token_budget: int
+    deadline: float  # time.monotonic() by which it must end
+    delegation: Delegation  # the task's own depth: it may delegate further only within the bound
+    attempt: int
+    usage: TaskUsage = field(default_factory=TaskUsage)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    text: str  # the child's answer, handed to the parent as the task's result
 
 
 class RetryLater(Exception):

@@ -26,9 +26,9 @@ from typing import Any
 
 import anthropic
 
-from vigil.agent import metrics, model
+from vigil.agent import delegation, metrics, model
 from vigil.agent.actions import action_tools
-from vigil.agent.base import RunContext, RunResult
+from vigil.agent.base import RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.prompt import system_blocks, volatile_context
@@ -129,6 +129,25 @@ class ClaudeAgent:
         own.pop("approval", None)  # approval answers resume their own session: always queued
         return policies | own
 
+    async def run_task(self, ctx: TaskContext) -> TaskResult:
+        """Execute a background task: a child conversation with the task's tools, re-checked
+        against this worker's permissions (a tool since set to ask or deny is dropped)."""
+        box = self.box
+        child = delegation.Child(
+            client=box.client,
+            settings=self.settings,
+            retry=box.retry,
+            actions=box.actions,
+            permissions=box.permissions,
+            user_id=ctx.user_id,
+            key=ctx.task_id,
+            tools=ctx.tools,
+            delegation=ctx.delegation,
+            budget=model.Budget(self.settings.max_turns, ctx.token_budget, ctx.deadline),
+            usage=ctx.usage,
+        )
+        return TaskResult(await delegation.run_child(child, ctx.instructions))
+
     async def run(self, ctx: RunContext) -> RunResult:
         settings = self.settings
         now = datetime.now(UTC)
@@ -152,6 +171,7 @@ class ClaudeAgent:
             sid = thread.session_id
             result.messages += [replace(m, session_id=m.session_id or sid) for m in ended.outputs.messages]
             result.timers += ended.outputs.timers
+            result.tasks += ended.outputs.tasks
             result.approvals += ended.approvals
             if ended.touched:
                 saves.append(thread.save(settings.session_max_bytes))

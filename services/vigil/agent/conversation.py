@@ -28,7 +28,7 @@ from typing import Any
 
 import anthropic
 
-from vigil.agent import metrics, model
+from vigil.agent import delegation, metrics, model
 from vigil.agent.base import ApprovalRequest, EventRow, NewApproval, RunContext
 from vigil.agent.deferral import Deferral, defer, escalate, resolve, resumed_turn
 from vigil.agent.memory import MemoryFiles, MemoryRefused
@@ -44,6 +44,7 @@ from vigil.agent.prompt import (
 from vigil.agent.sessions import Thread
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission
 from vigil.agent.tools import (
+    DELEGATE,
     MEMORY,
     SEND_MESSAGE,
     SET_FOLLOWUP,
@@ -232,7 +233,10 @@ class Conversation:
         asked: tuple[ActionTool, dict] | None = None
         for use in uses:
             name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
-            if name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
+            if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
+                output = await self._delegate(use, args)
+                metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
+            elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
                 output, decision = await self._action(self.box.actions[name], use, args, asked is not None)
                 if decision is Decision.ASK and asked is None:
                     asked = (self.box.actions[name], use)
@@ -261,6 +265,38 @@ class Conversation:
         )
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
         return results, deferral
+
+    async def _delegate(self, use: dict[str, Any], args: dict[str, Any]) -> ToolOutput:
+        """The delegate tool: queue a background task in this run's result, or run a child now."""
+        run, box = self.run, self.box
+        limits = run.ctx.delegation
+        request = delegation.check(args, limits, box.permissions, box.actions, run.budget.max_tokens - run.budget.spent)
+        if isinstance(request, str):
+            return ToolOutput(request, True)
+        assert limits is not None
+        if request.mode == "background":
+            task = delegation.background_task(request, limits, run.ctx.run_key, self.thread.session_id)
+            self.outputs.tasks.append(task)
+            return ToolOutput(
+                f"Queued as background task {task.id}. You will be woken with its result in this conversation."
+            )
+        child = delegation.nested(
+            None,
+            request,
+            f"{run.ctx.run_key}:{use['id']}",
+            client=box.client,
+            settings=box.settings,
+            retry=box.retry,
+            actions=box.actions,
+            permissions=box.permissions,
+            user_id=run.ctx.user_id,
+            delegation=limits,
+            deadline=run.budget.deadline,
+        )
+        try:
+            return ToolOutput(await delegation.run_child(child, request.instructions))
+        finally:
+            delegation.charge(run.budget, child.budget)
 
     def _builtin(self, name: str, args: dict[str, Any]) -> ToolOutput:
         if name not in self.box.permissions or self.gate.permission(name) is Permission.DENY:

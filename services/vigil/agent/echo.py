@@ -9,6 +9,11 @@ environment so that tests can inject failures into a real worker process:
 - ``VIGIL_ECHO_SLEEP_ON``: ``substring:seconds``; a message containing it makes the run
   sleep that long first (a slow run, for stale-finish and fencing tests).
 - ``VIGIL_ECHO_FAIL_ON``: a substring; a message containing it raises (a failed attempt).
+
+Background tasks (docs/tasks.md): a chat message ``delegate: <instructions>`` delegates a
+task (no tools) and says so; a ``task.*`` result event is answered with the task's outcome.
+Executing a task (:meth:`EchoAgent.run_task`) answers ``done: <instructions>``; the three
+hooks above apply to the instructions too, so tests can crash, stall or fail a task's holder.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import uuid
 
-from vigil.agent.base import OutMessage, RunContext, RunResult
+from vigil.agent.base import NewTask, OutMessage, RunContext, RunResult, TaskContext, TaskResult
 from vigil.ledger.states import RunOutcome
+
+DELEGATE_PREFIX = "delegate:"
 
 
 class EchoAgent:
@@ -31,23 +39,62 @@ class EchoAgent:
         self.sleep_on, _, seconds = sleep.partition(":")
         self.sleep_s = float(seconds or 0)
 
+    async def _hooks(self, text: str) -> None:
+        if self.crash_on and self.crash_on in text:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.sleep_on and self.sleep_on in text:
+            await asyncio.sleep(self.sleep_s)
+        if self.fail_on and self.fail_on in text:
+            raise RuntimeError(f"echo agent told to fail on {self.fail_on!r}")
+
     async def run(self, ctx: RunContext) -> RunResult:
         lines = []
+        tasks: list[NewTask] = []
         for event in ctx.events:
+            payload = event.payload_json()
+            if event.kind.startswith("task.") and isinstance(payload, dict):
+                outcome = payload.get("result") if payload.get("status") == "succeeded" else payload.get("error")
+                lines.append(f"task {payload.get('task_id')} {payload.get('status')}: {outcome}")
+                continue
             if event.kind != "chat.message":
                 continue
-            payload = event.payload_json()
             text = str(payload.get("text", "")) if isinstance(payload, dict) else str(payload)
-            if self.crash_on and self.crash_on in text:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if self.sleep_on and self.sleep_on in text:
-                await asyncio.sleep(self.sleep_s)
-            if self.fail_on and self.fail_on in text:
-                raise RuntimeError(f"echo agent told to fail on {self.fail_on!r}")
+            if text.startswith(DELEGATE_PREFIX):  # the hooks are for the task's execution, not this run
+                lines.append(self._delegate(ctx, text.removeprefix(DELEGATE_PREFIX).strip(), event.session_id, tasks))
+                continue
+            await self._hooks(text)
             lines.append(text)
         if not lines:
             return RunResult(outcome=RunOutcome.NOTHING)
-        return RunResult(outcome=RunOutcome.MESSAGE, messages=[OutMessage("\n".join(lines))])
+        return RunResult(outcome=RunOutcome.MESSAGE, messages=[OutMessage("\n".join(lines))], tasks=tasks)
+
+    @staticmethod
+    def _delegate(ctx: RunContext, instructions: str, session_id: str | None, tasks: list[NewTask]) -> str:
+        limits = ctx.delegation
+        depth = limits.child_depth() if limits else None
+        if limits is None or depth is None:
+            return "delegation refused: past the delegation depth bound"
+        task = NewTask(
+            id=f"tsk_{uuid.uuid4().hex[:20]}",
+            instructions=instructions,
+            tools=(),
+            token_budget=limits.token_budget,
+            depth=depth,
+            timeout_s=limits.timeout_s,
+            max_attempts=limits.max_attempts,
+            parent_run_key=ctx.run_key,
+            owner_chain=limits.owner_chain,
+            session_id=session_id,
+        )
+        tasks.append(task)
+        return f"started task {task.id}"
+
+    async def run_task(self, ctx: TaskContext) -> TaskResult:
+        ctx.usage.turns = 1
+        ctx.usage.input_tokens = len(ctx.instructions)
+        await self._hooks(ctx.instructions)
+        ctx.usage.output_tokens = len(ctx.instructions) + 6
+        return TaskResult(f"done: {ctx.instructions}")
 
     async def close(self) -> None:
         return None

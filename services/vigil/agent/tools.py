@@ -2,6 +2,9 @@
 
 Built in (they only shape the run's result, so they are always ``allow`` or ``deny``):
 
+- ``delegate(instructions, mode, tools, budget)``: a sub-agent, now or as a background task
+  (:mod:`vigil.agent.delegation`).
+
 - ``send_message(text, urgent=false)``: a message for the outbox, the first way a run ends.
   Not calling it is the quiet default: nothing is sent.
 - ``set_followup(delay_seconds | at, note)``: a one-off timer that wakes this user's agent
@@ -22,14 +25,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
 from uuid import uuid4
 
-from vigil.agent.base import NewTimer, OutMessage
+from vigil.agent.base import NewTask, NewTimer, OutMessage
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.ledger.states import TimerKind
 
 SEND_MESSAGE = "send_message"
 SET_FOLLOWUP = "set_followup"
 MEMORY = "memory"
-BUILTIN = (SEND_MESSAGE, SET_FOLLOWUP, MEMORY)
+DELEGATE = "delegate"  # defined in vigil.agent.delegation
+BUILTIN = (SEND_MESSAGE, SET_FOLLOWUP, MEMORY, DELEGATE)
 MAX_MESSAGE_CHARS = 4000
 MAX_NOTE_CHARS = 1000
 
@@ -88,6 +92,7 @@ class Outputs:
     messages: list[OutMessage] = field(default_factory=list)
     timers: list[NewTimer] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)  # action tool calls that ran, described
+    tasks: list[NewTask] = field(default_factory=list)  # background tasks delegated (delegate tool)
 
 
 def builtin_definitions(settings: AgentSettings) -> dict[str, dict[str, Any]]:
@@ -134,6 +139,33 @@ def builtin_definitions(settings: AgentSettings) -> dict[str, dict[str, Any]]:
             },
         },
         MEMORY: {"type": "memory_20250818", "name": MEMORY},
+        DELEGATE: delegate_definition(),
+    }
+
+
+def delegate_definition() -> dict[str, Any]:
+    """The ``delegate`` tool (executed by :mod:`vigil.agent.delegation`)."""
+    return {
+        "name": DELEGATE,
+        "description": (
+            "Hand a self-contained piece of work to a sub-agent. mode=background (default) queues "
+            "it as a background task: you are woken later with its result as a task.* event, in "
+            "this conversation. mode=sync runs it now and returns its answer here (it counts "
+            "against this run's time and tokens). The sub-agent starts from your instructions "
+            "alone, so include everything it needs. tools: action tools it may use, only ones you "
+            "may use without asking."
+        ),
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "instructions": {"type": "string", "description": "The task, complete and self-contained."},
+                "mode": {"type": "string", "enum": ["background", "sync"], "default": "background"},
+                "tools": {"type": "array", "items": {"type": "string"}, "description": "Action tools it may use."},
+                "budget": {"type": "integer", "minimum": 1, "description": "Most tokens it may use."},
+            },
+            "required": ["instructions"],
+            "additionalProperties": False,
+        },
     }
 
 

@@ -94,7 +94,8 @@ def ingest_http(stack: BenchStack, plan: Plan, report: Report) -> None:
         try:
             service.wait_healthy()
             deadline = time.monotonic() + 60
-            while service.get("/readyz") is None:  # 503 until broker and ledger answer
+            # ingest's /readyz is 200 while it serves; its checks say when broker and ledger answer.
+            while not all(json.loads(service.get("/readyz") or '{"checks": {"x": false}}')["checks"].values()):
                 service.check()
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"ingest not ready:\n{service.log()[-2000:]}")

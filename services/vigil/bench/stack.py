@@ -119,7 +119,8 @@ class BenchStack:
 
         prefix = f"bench-{uuid.uuid4().hex[:10]}"
         names = Topics(f"{prefix}.events", f"{prefix}.dlq", f"{prefix}.deliveries", partitions)
-        ensure_topics(self.settings, {names.events: partitions, names.dlq: 1, names.deliveries: 1})
+        # The bench's broker is a single one: one copy.
+        ensure_topics(self.settings, {names.events: partitions, names.dlq: 1, names.deliveries: 1}, replication=1)
         try:
             yield names
         finally:

@@ -169,19 +169,56 @@ class EventProducer:
         self._poller.join(1.0)
 
 
+def quiet_admin(settings: CommonSettings) -> AdminClient:
+    """An admin client that leaves reporting to its caller.
+
+    librdkafka logs every failed connection attempt to stderr (dozens of lines while a
+    broker is down); the caller turns the one exception it gets into one line instead.
+    """
+    return AdminClient({**settings.kafka_client_options(), "log_level": 0})
+
+
+class TopicError(Exception):
+    """The topics cannot be created as the settings ask (the message names the setting)."""
+
+
 def ensure_topics(
-    settings: CommonSettings, topics: dict[str, int], replication: int = 1, timeout: float = 30.0
-) -> None:
-    """Create missing topics (name -> partitions). Existing topics are left as they are."""
-    admin = AdminClient(settings.kafka_client_options())
-    existing = admin.list_topics(timeout=timeout).topics
+    settings: CommonSettings,
+    topics: dict[str, int],
+    replication: int | None = None,
+    timeout: float = 30.0,
+    configs: dict[str, dict[str, str]] | None = None,
+) -> list[str]:
+    """Create missing topics (name -> partitions); return the names created.
+
+    Replication comes from ``VIGIL_TOPIC_REPLICATION`` unless given, with
+    ``min.insync.replicas`` from the settings; ``configs`` adds topic settings per name.
+    Existing topics are left as they are (:mod:`vigil.bus.topics` reports how they differ).
+    A replication factor above the cluster's broker count is refused here, before the
+    broker's own less specific error.
+    """
+    replication = settings.topic_replication if replication is None else replication
+    admin = quiet_admin(settings)
+    metadata = admin.list_topics(timeout=timeout)
+    existing = metadata.topics
+    missing = {name: count for name, count in topics.items() if name not in existing}
+    if not missing:
+        return []
+    if replication > len(metadata.brokers):
+        raise TopicError(
+            f"VIGIL_TOPIC_REPLICATION={replication} is more than the {len(metadata.brokers)} broker(s) "
+            f"at {settings.kafka_bootstrap}: cannot create {', '.join(missing)}"
+        )
+    insync = str(min(settings.min_insync_replicas, replication))
     wanted = [
-        NewTopic(name, num_partitions=count, replication_factor=replication)
-        for name, count in topics.items()
-        if name not in existing
+        NewTopic(
+            name,
+            num_partitions=count,
+            replication_factor=replication,
+            config={"min.insync.replicas": insync, **(configs or {}).get(name, {})},
+        )
+        for name, count in missing.items()
     ]
-    if not wanted:
-        return
     for _name, future in admin.create_topics(wanted, operation_timeout=timeout).items():
         try:
             future.result(timeout)
@@ -194,13 +231,6 @@ def ensure_topics(
     while time.monotonic() < deadline:
         seen = admin.list_topics(timeout=timeout).topics
         if all(name in seen and len(seen[name].partitions) == count for name, count in topics.items()):
-            return
+            break
         time.sleep(0.1)
-
-
-def broker_reachable(settings: CommonSettings, timeout: float = 2.0) -> bool:
-    try:
-        AdminClient(settings.kafka_client_options()).list_topics(timeout=timeout)
-        return True
-    except KafkaException:
-        return False
+    return list(missing)

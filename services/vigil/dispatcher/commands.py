@@ -43,8 +43,11 @@ def _connect(settings):
 def dispatcher_command() -> None:
     """Run the dispatcher: relay the outbox to each user's channel, paced per user."""
     from vigil.dispatcher.main import serve
+    from vigil.service import require_schema
 
-    serve(_settings())
+    settings = _settings()
+    require_schema(settings)
+    serve(settings)
 
 
 @click.group("channels")
@@ -166,7 +169,10 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
             rows = revive_delivery(conn, revive_id)
             if not rows:
                 raise click.ClickException(f"no dead delivery {revive_id}")
-            click.echo(f"delivery {revive_id}: {len(rows)} messages back to pending for {rows[0]['user_id']}")
+            from vigil.cli import emit
+
+            text = f"delivery {revive_id}: {len(rows)} messages back to pending for {rows[0]['user_id']}"
+            emit({"revived": revive_id, "user_id": rows[0]["user_id"], "messages": len(rows)}, as_json, text)
             return
         rows = dead_deliveries(conn, limit) if dead else outbox_rows(conn, user, limit)
     if as_json:

@@ -35,7 +35,7 @@ from vigil.ledger.db import STATEMENT_TIMEOUT_MS
 
 log = logging.getLogger(__name__)
 
-MOUNTED_MODULES = ["vigil.scheduler.api"]  # modules exporting routes(ctx); see context.py
+MOUNTED_MODULES = ["vigil.scheduler.api", "vigil.ingest.tasks_api"]  # modules exporting routes(ctx); see context.py
 # Approvals are rare next to events; a few connections serve them (see approvals_api).
 APPROVALS_POOL_SIZE = 4
 
@@ -88,7 +88,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
         Route("/v1/approvals/{request_id}", answers.post, methods=["POST"]),
         *extra_routes,
         Route("/openapi.json", openapi_json, methods=["GET"]),
-        *health_routes(Readiness(dependency_checks(settings))),
+        *health_routes(Readiness(dependency_checks(settings), gating=set())),
     ]
 
     @contextlib.asynccontextmanager

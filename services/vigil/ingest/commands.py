@@ -53,9 +53,10 @@ def ingest_command() -> None:
 
     from vigil.ingest.app import create_app
     from vigil.ingest.settings import IngestSettings
-    from vigil.service import load_or_exit
+    from vigil.service import load_or_exit, require_schema
 
     settings = load_or_exit(IngestSettings)
+    require_schema(settings)
     # uvicorn drains requests on SIGTERM, then re-raises the signal to the handler it found:
     # make that handler a clean exit, so a graceful stop ends with status 0, not -15.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -116,7 +117,8 @@ def token_list(as_json: bool) -> None:
 
 @tokens.command("revoke")
 @click.argument("token_id")
-def token_revoke(token_id: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def token_revoke(token_id: str, as_json: bool) -> None:
     """Revoke a token by id; ingest refuses it within VIGIL_INGEST_AUTH_CACHE_S seconds."""
     from vigil.ledger.queries import Q
 
@@ -126,7 +128,7 @@ def token_revoke(token_id: str) -> None:
             known = conn.execute(Q.token_get, {"id": token_id}).fetchone()
             raise click.ClickException(f"token {token_id} was revoked already" if known else f"no token {token_id}")
         _audit(conn, "token.revoke", {"id": token_id})
-    click.echo(f"revoked {token_id} ({row['name']})")
+    emit({"revoked": token_id, "name": row["name"]}, as_json, f"revoked {token_id} ({row['name']})")
 
 
 # -- hooks -------------------------------------------------------------------------------
@@ -236,7 +238,8 @@ def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
 @click.option(
     "--force", is_flag=True, help="Revoke even the last active secret (the hook then refuses every delivery)."
 )
-def hook_revoke_secret(hook_id: str, secret_id: int, force: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def hook_revoke_secret(hook_id: str, secret_id: int, force: bool, as_json: bool) -> None:
     """Revoke one secret of HOOK (see `hooks list` for ids); effective within VIGIL_INGEST_AUTH_CACHE_S."""
     from vigil.ledger.queries import Q
 
@@ -254,7 +257,7 @@ def hook_revoke_secret(hook_id: str, secret_id: int, force: bool) -> None:
                 raise click.ClickException(f"secret {secret_id} was revoked already")
             raise click.ClickException(f"secret {secret_id} is the last active one; rotate first, or use --force")
         _audit(conn, "hook.revoke_secret", {"id": hook_id, "secret_id": secret_id, "forced": force})
-    click.echo(f"revoked secret {secret_id} of {hook_id}")
+    emit({"hook": hook_id, "revoked_secret": secret_id}, as_json, f"revoked secret {secret_id} of {hook_id}")
 
 
 commands = [ingest_command, tokens, hooks]

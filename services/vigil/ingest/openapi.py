@@ -150,8 +150,11 @@ def paths() -> dict[str, Any]:
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "The process runs."}}}},
         "/readyz": {
             "get": {
-                "summary": "Readiness: broker and ledger reachable",
-                "responses": {"200": {"description": "Ready."}, "503": {"description": "A dependency is down."}},
+                "summary": "Readiness: 200 while ingest serves; `checks` says whether broker and ledger answer",
+                "responses": {
+                    "200": {"description": "Serving (a request needing a down dependency gets 503 itself)."},
+                    "503": {"description": "Not serving."},
+                },
             }
         },
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "Text format."}}}},

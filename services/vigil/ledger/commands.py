@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import json
+import sys
 
 import click
 
 from vigil.service import load_or_exit
-from vigil.settings import CommonSettings, settings_table
+from vigil.settings import CommonSettings, settings_rows, settings_table
 
 # Service settings classes, for the configuration table.
 SETTINGS_CLASSES = [
@@ -31,38 +33,66 @@ def all_settings_classes() -> list[type[CommonSettings]]:
 
 
 @click.command()
-def migrate() -> None:
+@click.option(
+    "--check", is_flag=True, help="Apply nothing; exit 1 while migrations are pending (an init container's gate)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def migrate(check: bool, as_json: bool) -> None:
     """Apply the ledger's migrations (idempotent; safe from several replicas at once)."""
+    from vigil.cli import emit
     from vigil.ledger.migrate import migrate as run
+    from vigil.ledger.migrate import pending
 
     settings = load_or_exit(CommonSettings)
+    if check:
+        behind = pending(settings.dsn)
+        text = f"ledger is behind: {len(behind)} pending ({', '.join(behind)})" if behind else "ledger is up to date"
+        emit({"up_to_date": not behind, "pending": behind}, as_json, text)
+        if behind:
+            sys.exit(1)
+        return
     applied = run(settings.dsn)
-    click.echo("applied: " + ", ".join(applied) if applied else "ledger is up to date")
+    emit({"applied": applied}, as_json, "applied: " + ", ".join(applied) if applied else "ledger is up to date")
 
 
 @click.command()
-def topics() -> None:
-    """Create the events, dead-letter and deliveries topics if they are missing."""
-    from vigil.bus.kafka import ensure_topics
+@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the broker.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def topics(timeout: float, as_json: bool) -> None:
+    """Create the missing topics, then say how each one differs from the settings.
+
+    Existing topics are never changed: the differences are printed for an operator to act on
+    (docs/deploy.md). Exit 0 even when they differ: a cluster may be tuned on purpose.
+    """
+    from vigil.bus.kafka import TopicError
+    from vigil.bus.topics import ensure
 
     settings = load_or_exit(CommonSettings)
-    ensure_topics(
-        settings,
-        {
-            settings.events_topic: settings.partitions,
-            settings.dlq_topic: settings.partitions,
-            settings.deliveries_topic: settings.partitions,
-        },
-    )
-    click.echo(
-        f"topics ready: {settings.events_topic} ({settings.partitions} partitions),"
-        f" {settings.dlq_topic}, {settings.deliveries_topic}"
-    )
+    try:
+        states = ensure(settings, timeout)
+    except TopicError as exc:
+        click.echo(f"vigil: {exc}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps({"topics": [state.as_dict() for state in states]}))
+        return
+    for state in states:
+        config = " ".join(f"{key}={value}" for key, value in sorted(state.config.items()))
+        verb = "created" if state.created else "exists "
+        click.echo(
+            f"{verb} {state.name}: {state.partitions} partitions, replication {state.replication}, {config}".rstrip()
+        )
+        for difference in state.differences:
+            click.echo(f"  differs: {difference}")
 
 
 @click.command()
-def config() -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of {variable, services, default, meaning}.")
+def config(as_json: bool) -> None:
     """Print every VIGIL_ setting as a Markdown table (the README's configuration section)."""
+    if as_json:
+        click.echo(json.dumps(settings_rows(all_settings_classes())))
+        return
     click.echo(settings_table(all_settings_classes()))
 
 

@@ -112,3 +112,18 @@ def apply_canonical(dsn: str) -> None:
                 "INSERT INTO schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
                 (migration.version, migration.name, migration.checksum),
             )
+
+
+def pending(dsn: str, folder: Path | None = None, connect_timeout: int = 5) -> list[str]:
+    """Migrations this code knows that the ledger has not recorded (empty: up to date).
+
+    Read-only, so an init container or a service at start-up can ask it without taking the
+    migration lock. Versions the ledger has and this code does not (a newer release's
+    migrations, during a rolling upgrade) are not "behind": migrations only add.
+    """
+    with psycopg.connect(dsn, connect_timeout=connect_timeout) as conn:
+        if conn.execute("SELECT to_regclass('schema_migrations')").fetchone()[0] is None:
+            done: set[int] = set()
+        else:
+            done = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}
+    return [f"{m.version:04d}_{m.name}" for m in discover(folder) if m.version not in done]

@@ -60,6 +60,21 @@ class SessionState(StrEnum):
     CLOSED = "closed"  # terminal
 
 
+class TaskStatus(StrEnum):
+    QUEUED = "queued"  # worker: claim -> running; owner: cancel -> cancelled; reaper: -> timed_out
+    RUNNING = "running"  # holder: -> succeeded | failed | cancelled; reaper: -> queued | lost | timed_out
+    SUCCEEDED = "succeeded"  # terminal
+    FAILED = "failed"  # terminal
+    CANCELLED = "cancelled"  # terminal
+    TIMED_OUT = "timed_out"  # terminal
+    LOST = "lost"  # terminal: its holders kept dying, attempts exhausted
+
+
+TASK_TERMINAL = frozenset(
+    {TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED, TaskStatus.TIMED_OUT, TaskStatus.LOST}
+)
+
+
 class ChannelType(StrEnum):
     WEBHOOK = "webhook"
     KAFKA = "kafka"
@@ -85,4 +100,5 @@ CHECKED = {
     "channels_type_valid": ChannelType,
     "outbox_channel_valid": ChannelType,
     "hooks_provider_valid": HookProvider,
+    "tasks_status_valid": TaskStatus,
 }

@@ -15,15 +15,14 @@ def scheduler_command() -> None:
     from vigil.health import HealthServer, Readiness, dependency_checks
     from vigil.scheduler.loop import Scheduler, log
     from vigil.scheduler.settings import SchedulerSettings
-    from vigil.service import load_or_exit, stop_event
+    from vigil.service import load_or_exit, require_schema, stop_event
 
     settings = load_or_exit(SchedulerSettings)
+    require_schema(settings)
     stopping = stop_event()
     readiness = Readiness(dependency_checks(settings))
-    try:
-        server = HealthServer(settings.scheduler_port, readiness).start()
-    except RuntimeError as exc:
-        raise click.ClickException(f"{exc} (VIGIL_SCHEDULER_PORT)") from None
+    # A port taken raises StartupError: one line and exit 2 (vigil.service.VigilGroup).
+    server = HealthServer(settings.scheduler_port, readiness).start()
     producer = EventProducer(settings)
     scheduler = Scheduler(settings, producer)
     log.info(
@@ -62,11 +61,8 @@ def _ledger():
     from vigil.service import load_or_exit
     from vigil.settings import CommonSettings
 
-    settings = load_or_exit(CommonSettings)
-    try:
-        return connect(settings.dsn, autocommit=True)
-    except Exception as exc:  # psycopg.OperationalError and friends: say so, no traceback
-        raise click.ClickException(f"cannot reach the ledger (VIGIL_DATABASE_URL): {exc}") from None
+    # A ledger that does not answer: one line and exit 3 (vigil.service.VigilGroup).
+    return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
 
 
 def _line(timer: dict) -> str:
@@ -170,7 +166,8 @@ def timers_list(user_id, include_done, as_json) -> None:
 @timers_group.command("rm")
 @click.argument("user_id")
 @click.argument("timer_id")
-def timers_rm(user_id, timer_id) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def timers_rm(user_id, timer_id, as_json) -> None:
     """Cancel a live timer: it fires nothing more (its row stays, so a re-registration cannot re-fire)."""
     from vigil.ledger.queries import Q
 
@@ -182,7 +179,9 @@ def timers_rm(user_id, timer_id) -> None:
             if row["kind"] == "approval_expiry":
                 raise click.ClickException(f"{timer_id!r} is an approval's expiry timer: answer the approval instead")
             raise click.ClickException(f"timer {timer_id!r} is not live (already fired, skipped or cancelled)")
-    click.echo(f"cancelled timer {timer_id!r} of user {user_id!r}")
+    from vigil.cli import emit
+
+    emit({"cancelled": timer_id, "user_id": user_id}, as_json, f"cancelled timer {timer_id!r} of user {user_id!r}")
 
 
 commands = [scheduler_command, timers_group]

@@ -12,11 +12,12 @@ import click
 @click.command("worker")
 def worker_command() -> None:
     """Run a worker: consume events, record them in the ledger, run the agent."""
-    from vigil.service import exit_on_startup_error, load_or_exit
+    from vigil.service import exit_on_startup_error, load_or_exit, require_schema
     from vigil.worker.main import run
     from vigil.worker.settings import WorkerSettings
 
     settings = load_or_exit(WorkerSettings)
+    require_schema(settings)
     sys.exit(exit_on_startup_error(lambda: run(settings)))
 
 
@@ -72,7 +73,8 @@ def dead_list(limit: int, as_json: bool) -> None:
 @dead.command("retry")
 @click.argument("ids", nargs=-1, type=int, required=True)
 @click.option("--actor", default=None, help="Who is retrying (default: your login name).")
-def dead_retry(ids: tuple[int, ...], actor: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def dead_retry(ids: tuple[int, ...], actor: str | None, as_json: bool) -> None:
     """Send dead events back to pending with their attempts reset."""
     from psycopg.types.json import Jsonb
 
@@ -85,7 +87,10 @@ def dead_retry(ids: tuple[int, ...], actor: str | None) -> None:
             detail = Jsonb({"requested": list(ids), "retried": [r["id"] for r in rows]})
             conn.execute(Q.audit_insert, {"actor": who, "action": "dead.retry", "detail": detail})
     missing = sorted(set(ids) - {r["id"] for r in rows})
-    click.echo(f"retried {len(rows)} event(s)" + (f"; not dead (left alone): {missing}" if missing else ""))
+    from vigil.cli import emit
+
+    text = f"retried {len(rows)} event(s)" + (f"; not dead (left alone): {missing}" if missing else "")
+    emit({"retried": [r["id"] for r in rows], "not_dead": missing}, as_json, text)
 
 
 @click.command()

@@ -8,8 +8,9 @@ Order inside the transaction:
 2. For all current runs at once (``finish_runs``, one statement): their ``runs`` rows, the
    done runs' events and their outbox rows. Then, for runs that have them: a failed
    attempt's events back to ``pending`` with the error and a backoff, timers, approval
-   requests, memory writes and saved sessions; and, in one statement for the group, the
-   session and deadline of each message that has them (``outbox_tag_messages``).
+   requests, memory writes, saved sessions and delegated background tasks (a run that
+   does not commit starts nothing); and, in one statement for the group, the session and
+   deadline of each message that has them (``outbox_tag_messages``).
 3. Commit.
 
 A crash before the commit leaves every claim ``running``: the next owner of the partition
@@ -30,8 +31,9 @@ from datetime import datetime
 import psycopg
 from psycopg.types.json import Jsonb
 
-from vigil.agent.base import RunResult
+from vigil.agent.base import NewTask, RunResult
 from vigil.agent.context import session_rows
+from vigil.ledger import tasks as ledger_tasks
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
 from vigil.worker import metrics
@@ -129,7 +131,11 @@ def _has_more(run: Finished) -> bool:
         return True
     result = run.result
     return result is not None and bool(
-        result.timers or result.approvals or result.memory_writes or session_rows(run.claim.user_id, result)
+        result.timers
+        or result.approvals
+        or result.memory_writes
+        or result.tasks
+        or session_rows(run.claim.user_id, result)
     )
 
 
@@ -188,7 +194,26 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
             await conn.execute(Q.upsert_memory, {"user_id": user, "path": write.path, "content": write.content})
     for params in session_rows(user, result):
         await conn.execute(Q.agent_session_upsert, params)
+    for task in result.tasks:
+        await ledger_tasks.create(conn, new_task_row(user, task))
     return []
+
+
+def new_task_row(user_id: str, task: NewTask) -> ledger_tasks.NewTaskRow:
+    return ledger_tasks.NewTaskRow(
+        id=task.id,
+        user_id=user_id,
+        parent_run_key=task.parent_run_key,
+        parent_task_id=task.parent_task_id,
+        session_id=task.session_id,
+        depth=task.depth,
+        owner_chain=list(task.owner_chain),
+        instructions=task.instructions,
+        tools=list(task.tools),
+        token_budget=task.token_budget,
+        max_attempts=task.max_attempts,
+        timeout_s=task.timeout_s,
+    )
 
 
 async def _commit(

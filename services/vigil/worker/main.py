@@ -2,11 +2,13 @@
 
 - the consumer thread (:mod:`vigil.worker.consumer`): poll, record, store offsets;
 - the run loop (:mod:`vigil.worker.runner`) on an asyncio event loop in the main thread:
-  claim, run the agent, group-commit finishes;
+  claim, run the agent, group-commit finishes; beside it, on the same loop, background
+  tasks (:mod:`vigil.worker.tasks`): claim, execute under a heartbeat, reap, report;
 - the health server thread: /healthz, /readyz, /metrics.
 
 SIGTERM: stop claiming, give runs a grace period to finish and commit, release the rest,
-close the consumer (its revoke commits the stored offsets), exit 0.
+close the consumer (its revoke commits the stored offsets), exit 0; all of it within
+VIGIL_SHUTDOWN_GRACE_S, so the pod's termination grace never cuts it short.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
@@ -28,10 +31,20 @@ from vigil.worker.consumer import ConsumerLoop
 from vigil.worker.deadletters import DeadLetters
 from vigil.worker.runner import Runner
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.tasks import TaskExecutor
 
 log = logging.getLogger("vigil.worker")
 
-SHUTDOWN_GRACE_S = 10.0
+# Of VIGIL_SHUTDOWN_GRACE_S, what is kept after the runs' drain for committing their finishes
+# and closing the consumer (its revoke commits offsets and leaves the group): a close rarely
+# takes a second, but a broker that is failing over can hold it for several.
+CLOSE_RESERVE_S = 10.0
+
+
+def shutdown_budget(grace_s: float) -> tuple[float, float]:
+    """Split the shutdown grace into (seconds for runs, seconds for finishes and close)."""
+    reserve = min(CLOSE_RESERVE_S, grace_s / 2)
+    return grace_s - reserve, reserve
 
 
 async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
@@ -53,11 +66,16 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     runner = Runner(settings, agent, pool, dead_letters)
     readiness = Readiness(dependency_checks(settings))
     health = HealthServer(settings.worker_port, readiness).start()
-    consumer = ConsumerLoop(settings, runner, loop, dead_letters, stopping)
+    # The consumer has its own stop: it stays in the group while runs drain (closing it
+    # revokes the partitions, which would cancel every run at once) and closes after them.
+    closing = threading.Event()
+    consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing)
+    executor = TaskExecutor(settings, agent, pool, producer)
     tasks = [
         asyncio.create_task(runner.claim_loop(), name="claim-loop"),
         asyncio.create_task(runner.finish_loop(), name="finish-loop"),
         asyncio.create_task(runner.gauge_loop(), name="gauges"),
+        *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
     ]
     consumer.start()
     log.info(
@@ -70,15 +88,27 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     )
     while not stopping.is_set():
         await asyncio.sleep(0.2)
+        if closing.is_set():  # the consumer died (it sets its stop): the worker stops too
+            stopping.set()
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception():
                 log.error("%s died: %r", task.get_name(), task.exception())
                 stopping.set()
-    await runner.drain(SHUTDOWN_GRACE_S)
+    # Bounded end to end by VIGIL_SHUTDOWN_GRACE_S, so the pod's grace never SIGKILLs a
+    # shutdown half way: runs (and background tasks) that outlive their share are cancelled
+    # and released (tasks handed back to the queue).
+    runs_s, _close_s = shutdown_budget(settings.shutdown_grace_s)
+    deadline = time.monotonic() + settings.shutdown_grace_s
+    await asyncio.gather(runner.drain(runs_s), executor.stop(runs_s))
     # Let the finisher commit what drained before the consumer's revoke runs.
-    while not runner.finished.empty():
+    while not runner.finished.empty() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await asyncio.to_thread(consumer.join, 60)
+    closing.set()
+    await asyncio.to_thread(consumer.join, max(0.5, deadline - time.monotonic()))
+    if consumer.is_alive():
+        # The ledger holds each partition's position, so the next owner resumes correctly;
+        # only the group's rebalance waits for the session timeout.
+        log.warning("consumer did not close within VIGIL_SHUTDOWN_GRACE_S=%g; exiting", settings.shutdown_grace_s)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

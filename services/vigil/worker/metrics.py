@@ -52,3 +52,38 @@ LEDGER_SECONDS = Histogram(
     ["step"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+
+# Background tasks (services/vigil/worker/tasks.py). Ledger-wide gauges: every worker reports
+# the same value, so aggregate them with max(), never sum().
+TASKS = Counter(
+    "vigil_tasks_total",
+    "Background tasks that reached a terminal status, by status (succeeded, failed, cancelled, timed_out, lost).",
+    ["status"],
+)
+TASKS_IN_FLIGHT = Gauge("vigil_tasks_in_flight", "Background tasks this worker executes now.")
+TASKS_QUEUED = Gauge("vigil_tasks_queued", "Background tasks waiting for a worker (ledger-wide: use max()).")
+TASKS_RUNNING = Gauge("vigil_tasks_running", "Background tasks held by some worker (ledger-wide: use max()).")
+TASK_HEARTBEAT_AGE = Gauge(
+    "vigil_task_heartbeat_age_seconds",
+    "Age of the oldest heartbeat among running tasks (ledger-wide: use max()); near VIGIL_TASK_STALE_S means a "
+    "holder died and the reaper is about to take its task back.",
+)
+TASK_SECONDS = Histogram(
+    "vigil_task_seconds",
+    "Wall time of task executions whose outcome stood.",
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600),
+)
+TASKS_REAPED = Counter(
+    "vigil_tasks_reaped_total",
+    "Tasks the reaper took from a holder or a deadline, by what they became (queued, lost, timed_out).",
+    ["status"],
+)
+TASK_LEASES_LOST = Counter(
+    "vigil_task_leases_lost_total", "Executions stopped because their lease was gone (reaped or timed out)."
+)
+TASK_LATE_OUTCOMES = Counter(
+    "vigil_task_late_outcomes_total", "Task outcomes refused because another terminal outcome stood first."
+)
+TASK_RESULTS_REPORTED = Counter(
+    "vigil_task_results_reported_total", "Result events produced for terminal tasks (one per task)."
+)

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from vigil.agent.base import Agent, RetryLater, RunContext
+from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.ledger.queries import Q
 from vigil.worker import metrics
 from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead
@@ -314,6 +314,14 @@ class Runner:
             started_at=datetime.now(UTC),
             deadline=time.monotonic() + self.settings.run_timeout_s,
             fold=fold,
+        )
+        ctx.delegation = Delegation(
+            depth=0,
+            max_depth=self.settings.max_delegation_depth,
+            token_budget=self.settings.task_token_budget,
+            timeout_s=self.settings.task_timeout_s,
+            max_attempts=self.settings.task_max_attempts,
+            owner_chain=(c.user_id, ctx.run_key),
         )
         if getattr(self.agent, "needs_context", True):
             async with self.pool.connection() as conn:

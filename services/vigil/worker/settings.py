@@ -20,6 +20,9 @@ DEFAULT_RUN_CONCURRENCY = 128
 # librdkafka's default: long enough to ride out a GC pause or a slow disk, short enough
 # that a dead worker's users wait less than a minute.
 DEFAULT_SESSION_TIMEOUT_MS = 45_000
+# Five seconds inside Kubernetes' default 30 s termination grace, which leaves the kubelet
+# room for the preStop sleep's end and the SIGKILL it sends at the grace's end.
+DEFAULT_SHUTDOWN_GRACE_S = 25.0
 
 
 class WorkerSettings(CommonSettings):
@@ -29,6 +32,13 @@ class WorkerSettings(CommonSettings):
         DEFAULT_WORKER_METRICS_PORT, ge=1, le=65535, description="Port of the worker's /healthz, /readyz and /metrics."
     )
     worker_group: str = Field("vigil-worker", min_length=1, description="Kafka consumer group of the workers.")
+    shutdown_grace_s: float = Field(
+        DEFAULT_SHUTDOWN_GRACE_S,
+        ge=2,
+        le=3600,
+        description="Seconds from SIGTERM to exit: runs get all but the last ones (up to 10 s, kept for "
+        "committing finishes and closing the consumer). Keep the pod's termination grace above it.",
+    )
     agent: str = Field(
         "claude",
         pattern="^(echo|claude)$",
@@ -93,11 +103,40 @@ class WorkerSettings(CommonSettings):
         description="Consumer max.poll.interval.ms. Runs never block polling, so this only catches a hung poll loop.",
     )
     db_pool_max: int = Field(8, ge=2, le=200, description="Ledger connections of the run loop.")
+    # Background tasks (docs/tasks.md): any worker executes them, outside the one-run-per-user rule.
+    task_concurrency: int = Field(
+        16, ge=0, le=10_000, description="Background tasks one worker executes at once (0: this worker runs none)."
+    )
+    task_heartbeat_s: float = Field(
+        5.0, gt=0, le=3600, description="How often a worker executing a task proves it alive, and sees a cancel."
+    )
+    task_stale_s: float = Field(
+        30.0,
+        gt=0,
+        le=86_400,
+        description="A running task whose heartbeat is older than this is taken back from its (presumed dead) "
+        "holder: queued again, or lost once VIGIL_TASK_MAX_ATTEMPTS holders were. At least twice the heartbeat.",
+    )
+    task_timeout_s: float = Field(
+        900.0, gt=0, le=7 * 86_400, description="A background task's deadline, from its creation: then timed_out."
+    )
+    task_max_attempts: int = Field(
+        3, ge=1, le=100, description="Holders a task may lose (crash, freeze) before it is lost."
+    )
+    task_token_budget: int = Field(
+        50_000, ge=1, le=10_000_000, description="Most input+output tokens one delegated sub-agent may use."
+    )
+    max_delegation_depth: int = Field(
+        2, ge=0, le=10, description="How deep sub-agents may delegate: 1 lets runs delegate, 2 lets their tasks too."
+    )
 
     @model_validator(mode="after")
     def _backoff_order(self) -> WorkerSettings:
         if self.backoff_cap_s < self.backoff_base_s:
             raise ValueError("VIGIL_BACKOFF_CAP_S must be at least VIGIL_BACKOFF_BASE_S")
+        if self.task_stale_s < 2 * self.task_heartbeat_s:
+            # One late heartbeat (a GC pause, a slow commit) must not take a live task back.
+            raise ValueError("VIGIL_TASK_STALE_S must be at least twice VIGIL_TASK_HEARTBEAT_S")
         return self
 
     @property

@@ -1,0 +1,246 @@
+"""The ``delegate`` tool: sub-agents, inside the run (sync) or as background tasks.
+
+``delegate(instructions, mode="background"|"sync", tools=[...], budget=N)``:
+
+- **The child's boundary is the parent's, narrowed.** Its tools are action tools the parent
+  may use *without asking* (permission ``allow``): a tool the parent may not use, may use
+  only after a person approves (``ask``), or only past the classifier (``auto``) cannot
+  become freely usable in a child that has nobody to ask. The child never talks to the user
+  (no ``send_message``), never sets timers and never touches memory: its answer goes back to
+  its parent, which decides what to do with it.
+- **Depth is bounded** by ``VIGIL_MAX_DELEGATION_DEPTH`` (a run is depth 0, its children 1).
+- **Budgets are shared.** A child's token budget is at most ``VIGIL_TASK_TOKEN_BUDGET`` and
+  never more than its parent has left. A sync child's usage is added to the parent run's (so
+  it is in ``runs.*_tokens`` and stops the parent when spent); a background task's is kept
+  on its ``tasks`` row and reported in its result event.
+- **sync** runs the child now, inside the parent's run and under its deadline, and returns
+  its answer as the tool result. **background** adds a task to the run's result: the run's
+  fenced finish queues it (a run that does not commit starts nothing), any worker executes
+  it (:mod:`vigil.worker.tasks`), and its outcome wakes the delegating session as a
+  ``task.*`` event.
+
+A child is a conversation of its own (its own transcript, a short system prompt, only its
+tools), run by :func:`run_child` for both modes and for a background task's execution.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import anthropic
+
+from vigil.agent import metrics, model
+from vigil.agent.base import Delegation, NewTask, TaskUsage
+from vigil.agent.prompt import append_user, assistant_content, text_block, tool_result
+from vigil.agent.settings import AgentSettings, Permission
+from vigil.agent.tools import DELEGATE, ActionTool, CallContext, ToolOutput, delegate_definition
+
+MAX_INSTRUCTIONS_CHARS = 8000
+MODES = ("background", "sync")
+
+CHILD_SYSTEM = (
+    "You are a sub-agent: another agent delegated one task to you. Do exactly that task with the "
+    "tools you have, then answer with the result as plain text: your final answer is handed back "
+    "to the agent that asked, never shown to a person. If the task cannot be done with your tools, "
+    "say so plainly and stop."
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    instructions: str
+    mode: str
+    tools: tuple[str, ...]
+    budget: int
+    depth: int
+
+
+def check(
+    args: dict[str, Any],
+    delegation: Delegation | None,
+    permissions: dict[str, Permission],
+    actions: dict[str, ActionTool],
+    tokens_left: int,
+) -> Request | str:
+    """The request, or why it is refused (a readable tool error for the model)."""
+    if delegation is None:
+        return "Not delegated: this worker offers no delegation."
+    depth = delegation.child_depth()
+    if depth is None:
+        return f"Not delegated: sub-agents may be at most {delegation.max_depth} deep, and this one would be deeper."
+    instructions, mode = args.get("instructions"), args.get("mode", "background")
+    if not isinstance(instructions, str) or not instructions.strip():
+        return "Not delegated: instructions must be a non-empty string."
+    if len(instructions) > MAX_INSTRUCTIONS_CHARS:
+        return f"Not delegated: instructions are over {MAX_INSTRUCTIONS_CHARS} characters."
+    if mode not in MODES:
+        return f"Not delegated: mode must be one of {', '.join(MODES)}."
+    tools = args.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+        return "Not delegated: tools must be a list of tool names."
+    for name in tools:
+        if name not in actions:
+            return f"Not delegated: {name!r} is not an action tool a sub-agent can be given."
+        if permissions.get(name) is not Permission.ALLOW:
+            return (
+                f"Not delegated: you may not use {name} without asking (its permission is "
+                f"{permissions.get(name, Permission.DENY)}), so a sub-agent may not either."
+            )
+    budget = args.get("budget", delegation.token_budget)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        return "Not delegated: budget must be a positive whole number of tokens."
+    budget = min(budget, delegation.token_budget, tokens_left)
+    if budget < model.MIN_CALL_TOKENS:
+        return "Not delegated: too few tokens are left in this run's budget for a sub-agent."
+    return Request(instructions.strip(), mode, tuple(dict.fromkeys(tools)), budget, depth)
+
+
+def background_task(request: Request, delegation: Delegation, run_key: str, session_id: str | None) -> NewTask:
+    return NewTask(
+        id=f"tsk_{uuid.uuid4().hex[:20]}",
+        instructions=request.instructions,
+        tools=request.tools,
+        token_budget=request.budget,
+        depth=request.depth,
+        timeout_s=delegation.timeout_s,
+        max_attempts=delegation.max_attempts,
+        parent_run_key=run_key,
+        owner_chain=delegation.owner_chain,
+        session_id=session_id,
+    )
+
+
+@dataclass
+class Child:
+    """Everything a child conversation runs with."""
+
+    client: anthropic.AsyncAnthropic
+    settings: AgentSettings
+    retry: model.RetryPolicy
+    actions: dict[str, ActionTool]
+    permissions: dict[str, Permission]
+    user_id: str
+    key: str  # idempotency base for its action calls: the task id, or the parent's run key + tool_use id
+    tools: tuple[str, ...]
+    delegation: Delegation  # the child's own depth
+    budget: model.Budget
+    usage: TaskUsage  # kept current, so a cancelled child still records what it spent
+
+
+async def run_child(child: Child, instructions: str) -> str:
+    """The child's conversation until it answers without calling a tool, or a budget stops it.
+    Returns its answer (the text of its last turn)."""
+    allowed = [n for n in child.tools if n in child.actions and child.permissions.get(n) is Permission.ALLOW]
+    definitions = [child.actions[n].definition() for n in allowed]
+    if child.delegation.child_depth() is not None:
+        definitions.append(delegate_definition())  # a child's own delegations always run sync
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [text_block(instructions)]}]
+    answer = ""
+    while True:
+        stop = child.budget.exhausted()
+        if stop is not None:
+            metrics.BUDGET_STOPS.labels(stop).inc()
+            return answer or f"(the sub-agent was stopped by its {stop} budget before answering)"
+        request = {
+            "model": child.settings.model,
+            "max_tokens": max(
+                model.MIN_CALL_TOKENS,
+                min(child.settings.max_output_tokens, child.budget.max_tokens - child.budget.spent),
+            ),
+            "system": CHILD_SYSTEM,
+            "messages": messages,
+        }
+        if definitions:
+            request["tools"] = definitions
+        response = await model.create(child.client, request, child.budget, child.retry)
+        child.budget.add(response.usage)
+        _sync_usage(child)
+        content = assistant_content(response.content)
+        if content:
+            messages.append({"role": "assistant", "content": content})
+        texts = [b["text"] for b in content if b["type"] == "text"]
+        if texts:
+            answer = "\n".join(texts).strip()
+        uses = [b for b in content if b["type"] == "tool_use"]
+        if not uses:
+            return answer
+        results = []
+        for use in uses:
+            output = await _child_tool(child, use, allowed)
+            results.append(tool_result(use["id"], output.text, output.is_error))
+        append_user(messages, results)
+
+
+async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str]) -> ToolOutput:
+    name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
+    if name == DELEGATE:
+        request = check(
+            {**args, "mode": "sync"},
+            child.delegation,
+            child.permissions,
+            {n: child.actions[n] for n in allowed},
+            child.budget.max_tokens - child.budget.spent,
+        )
+        if isinstance(request, str):
+            return ToolOutput(request, True)
+        grandchild = nested(child, request, f"{child.key}:{use['id']}")
+        answer = await run_child(grandchild, request.instructions)
+        charge(child.budget, grandchild.budget)
+        _sync_usage(child)
+        return ToolOutput(answer)
+    if name not in allowed:
+        metrics.TOOL_CALLS.labels("unknown" if name not in child.permissions else name, "error").inc()
+        return ToolOutput(f"Not permitted: {name} is not one of your tools.", True)
+    tool = child.actions[name]
+    refusal = tool.check(args)
+    if refusal is not None:
+        return ToolOutput(refusal, True)
+    output = await tool.run(args, CallContext(child.user_id, use["id"], f"{child.key}:{use['id']}"))
+    metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
+    return output
+
+
+def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Child:
+    """A sync child's settings, from its parent child (or, with ``base``, from a run)."""
+    source = base if parent is None else vars(parent)
+    delegation: Delegation = source["delegation"]
+    deadline = source["budget"].deadline if parent is not None else base["deadline"]
+    return Child(
+        client=source["client"],
+        settings=source["settings"],
+        retry=source["retry"],
+        actions=source["actions"],
+        permissions=source["permissions"],
+        user_id=source["user_id"],
+        key=key,
+        tools=request.tools,
+        delegation=Delegation(
+            depth=request.depth,
+            max_depth=delegation.max_depth,
+            token_budget=delegation.token_budget,
+            timeout_s=delegation.timeout_s,
+            max_attempts=delegation.max_attempts,
+            owner_chain=(*delegation.owner_chain, key),
+        ),
+        budget=model.Budget(source["settings"].max_turns, request.budget, deadline),
+        usage=TaskUsage(),
+    )
+
+
+def charge(parent: model.Budget, child: model.Budget) -> None:
+    """A sync child's usage counts against its parent's budget (turns included)."""
+    parent.turns += child.turns
+    parent.input_tokens += child.input_tokens
+    parent.output_tokens += child.output_tokens
+    parent.cache_read_tokens += child.cache_read_tokens
+    parent.cache_write_tokens += child.cache_write_tokens
+
+
+def _sync_usage(child: Child) -> None:
+    child.usage.turns = child.budget.turns
+    child.usage.input_tokens = (
+        child.budget.input_tokens + child.budget.cache_read_tokens + child.budget.cache_write_tokens
+    )
+    child.usage.output_tokens = child.budget.output_tokens

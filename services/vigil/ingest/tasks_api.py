@@ -1,0 +1,173 @@
+"""The background tasks HTTP API, mounted on ingest (``vigil.ingest.app.MOUNTED_MODULES``).
+
+Only the owner chain may read, wait on or cancel a task: a caller whose token may act for
+the task's user (:func:`may_act_for`). Anyone else gets a 403 and learns nothing more.
+
+- ``GET /v1/users/{user_id}/tasks``: the user's tasks, newest first (``?status=``,
+  ``?limit=`` up to 200, ``?before=<created_at>`` for the next page).
+- ``GET /v1/tasks/{task_id}``: one task, every column (the result once it has one).
+- ``POST /v1/tasks/{task_id}/cancel``: cancel it. A queued task is cancelled at once (200);
+  a running one is flagged and stopped by its worker at its next heartbeat (202); a
+  terminal one is left as it is (409, with its status). Audited with the token's name.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+from psycopg.types.json import Jsonb
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from vigil.ingest.auth import Caller
+from vigil.ledger import tasks as ledger
+from vigil.ledger.queries import Q
+from vigil.ledger.states import TaskStatus
+
+TASK_ID = re.compile(r"^tsk_[0-9a-f]{20}$")
+MAX_USER_ID_LENGTH = 200
+DEFAULT_PAGE = 50
+MAX_PAGE = 200
+COLLECTION = "/v1/users/{user_id}/tasks"
+ITEM = "/v1/tasks/{task_id}"
+CANCEL = "/v1/tasks/{task_id}/cancel"
+
+
+def may_act_for(caller: Caller, user_id: str) -> bool:
+    """The owner-chain rule for tasks: may this caller act for this user's work?
+
+    Every API token acts for every user today (tokens carry no scope yet); this is the one
+    place that changes when they do."""
+    check = getattr(caller, "may_act_for", None)
+    return True if check is None else bool(check(user_id))
+
+
+def routes(ctx: Any) -> list[Route]:
+    def forbidden(user_id: str) -> Exception:
+        return ctx.Refusal(403, "forbidden", "this token may not act for the task's user")
+
+    async def owned(request: Request) -> tuple[Caller, ledger.TaskRow]:
+        caller = await ctx.authenticate(request)
+        task_id = request.path_params["task_id"]
+        if not TASK_ID.match(task_id):
+            raise ctx.Refusal(404, "not_found", "no such task")
+        async with ctx.ledger() as conn:
+            task = await ledger.get(conn, task_id)
+        if task is None:
+            raise ctx.Refusal(404, "not_found", "no such task")
+        if not may_act_for(caller, task.user_id):
+            raise forbidden(task.user_id)
+        return caller, task
+
+    async def list_tasks(request: Request) -> Response:
+        caller = await ctx.authenticate(request)
+        user_id = request.path_params["user_id"]
+        if not 0 < len(user_id) <= MAX_USER_ID_LENGTH:
+            raise ctx.invalid("user_id", f"must be 1 to {MAX_USER_ID_LENGTH} characters")
+        if not may_act_for(caller, user_id):
+            raise forbidden(user_id)
+        status = request.query_params.get("status")
+        if status is not None and status not in {s.value for s in TaskStatus}:
+            raise ctx.invalid("status", f"one of {', '.join(s.value for s in TaskStatus)}")
+        try:
+            limit = int(request.query_params.get("limit", DEFAULT_PAGE))
+        except ValueError:
+            raise ctx.invalid("limit", "a whole number") from None
+        if not 1 <= limit <= MAX_PAGE:
+            raise ctx.invalid("limit", f"between 1 and {MAX_PAGE}")
+        before = request.query_params.get("before")
+        try:
+            before_at = datetime.fromisoformat(before) if before else None
+        except ValueError:
+            raise ctx.invalid("before", "an ISO 8601 time (a task's created_at)") from None
+        if before_at is not None and before_at.tzinfo is None:
+            raise ctx.invalid("before", "needs a UTC offset")
+        async with ctx.ledger() as conn:
+            rows = await ledger.of_user(conn, user_id, status=status, before=before_at, limit=limit)
+        body: dict[str, Any] = {"tasks": [row.as_json() for row in rows]}
+        if len(rows) == limit:
+            body["next_before"] = rows[-1].created_at.isoformat()
+        return JSONResponse(body)
+
+    async def get_task(request: Request) -> Response:
+        _, task = await owned(request)
+        return JSONResponse(task.as_json())
+
+    async def cancel_task(request: Request) -> Response:
+        caller, task = await owned(request)
+        async with ctx.ledger() as conn:
+            changed = await ledger.cancel(conn, task.id, caller.name)
+            if changed is not None:
+                detail = Jsonb({"task_id": task.id, "status": str(changed.status), "token_id": caller.token_id})
+                await conn.execute(Q.audit_insert, {"actor": caller.name, "action": "task.cancel", "detail": detail})
+        if changed is None:
+            async with ctx.ledger() as conn:
+                now = await ledger.get(conn, task.id)
+            status = now.status if now else task.status
+            raise ctx.Refusal(409, "conflict", f"the task is already {status}")
+        code = 200 if changed.status == TaskStatus.CANCELLED else 202
+        return JSONResponse(changed.as_json(), status_code=code)
+
+    return [
+        Route(COLLECTION, list_tasks, methods=["GET"]),
+        Route(ITEM, get_task, methods=["GET"]),
+        Route(CANCEL, cancel_task, methods=["POST"]),
+    ]
+
+
+def openapi_paths() -> dict[str, Any]:
+    """The tasks API for ingest's ``/openapi.json``."""
+    user = {"name": "user_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    task = {"name": "task_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": TASK_ID.pattern}}
+    secured = [{"bearer": []}]
+    denied = {"description": "the token may not act for the task's user"}
+    missing = {"description": "no such task"}
+    statuses = [s.value for s in TaskStatus]
+    return {
+        COLLECTION: {
+            "get": {
+                "summary": "List a user's background tasks, newest first",
+                "security": secured,
+                "parameters": [
+                    user,
+                    {
+                        "name": "status",
+                        "in": "query",
+                        "schema": {"type": "string", "enum": statuses},
+                    },
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+                    {"name": "before", "in": "query", "schema": {"type": "string", "format": "date-time"}},
+                ],
+                "responses": {"200": {"description": "the tasks"}, "400": {"description": "bad query"}, "403": denied},
+            }
+        },
+        ITEM: {
+            "get": {
+                "summary": "One background task",
+                "security": secured,
+                "parameters": [task],
+                "responses": {
+                    "200": {"description": "the task"},
+                    "403": denied,
+                    "404": {"description": "no such task"},
+                },
+            }
+        },
+        CANCEL: {
+            "post": {
+                "summary": "Cancel a background task",
+                "security": secured,
+                "parameters": [task],
+                "responses": {
+                    "200": {"description": "cancelled (it had not started)"},
+                    "202": {"description": "running: its worker stops it at its next heartbeat"},
+                    "403": denied,
+                    "404": missing,
+                    "409": {"description": "already terminal"},
+                },
+            }
+        },
+    }

@@ -1,0 +1,134 @@
+-- Background tasks (docs/tasks.md): the task row is the one authority over a task's life.
+-- Writers: the delegating run's fenced finish (task_create), any worker (task_claim,
+-- task_heartbeat, task_finish, the reaper's task_reap_*, the reporter's task_mark_reported),
+-- the owner through ingest or `vigil tasks cancel` (task_cancel). Every status change is one
+-- statement that checks the status it expects; the holder's also check its lease epoch.
+
+-- name: task_create
+-- A task delegated by a run, inserted in that run's fenced finish (a run that does not commit starts nothing).
+INSERT INTO tasks (id, user_id, parent_run_key, parent_task_id, session_id, depth, owner_chain, instructions,
+                   tools, token_budget, max_attempts, deadline)
+VALUES (%(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
+        %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s, now() + make_interval(secs => %(timeout_s)s))
+ON CONFLICT (id) DO NOTHING
+
+-- name: task_claim
+-- The oldest queued tasks still within their deadline, taken by one worker: a new lease epoch, an attempt counted, a first heartbeat. SKIP LOCKED: two workers never wait for each other or take the same task.
+WITH picked AS (
+    SELECT id FROM tasks
+    WHERE status = 'queued' AND deadline > now()
+    ORDER BY created_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE tasks t
+SET status = 'running',
+    attempts = t.attempts + 1,
+    lease_holder = %(holder)s,
+    lease_epoch = t.lease_epoch + 1,
+    heartbeat_at = now(),
+    started_at = coalesce(t.started_at, now())
+FROM picked
+WHERE t.id = picked.id AND t.status = 'queued'
+RETURNING t.*
+
+-- name: task_heartbeat
+-- The holder's proof of life. No row: the lease is gone (reaped, timed out, or taken by another worker), so stop and write nothing. cancel: the owner asked to stop.
+UPDATE tasks
+SET heartbeat_at = now()
+WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
+RETURNING cancel_requested_at IS NOT NULL AS cancel
+
+-- name: task_finish
+-- A terminal outcome from the task's holder: compare-and-set on status and lease epoch, so the first terminal outcome stands and a previous holder's late result matches nothing.
+UPDATE tasks
+SET status = %(status)s,
+    finished_at = now(),
+    result = %(result)s,
+    error = %(error)s,
+    turns = %(turns)s,
+    input_tokens = %(input_tokens)s,
+    output_tokens = %(output_tokens)s,
+    lease_holder = NULL
+WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
+RETURNING id
+
+-- name: task_reap_timed_out
+-- Tasks past their deadline, queued or running: timed_out. A holder still running one finds its lease gone at its next heartbeat.
+UPDATE tasks
+SET status = 'timed_out',
+    finished_at = now(),
+    lease_holder = NULL,
+    error = format('deadline passed (%%s) after %%s attempt(s)', to_char(deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), attempts)
+WHERE status IN ('queued', 'running') AND deadline <= now()
+RETURNING id, user_id
+
+-- name: task_reap_stale
+-- Running tasks whose heartbeat is older than the bound: their holder is presumed gone (the heartbeat's age is the proof). Back to queued if attempts are left, else lost with the reason; the next claim's new lease epoch fences the old holder either way.
+UPDATE tasks
+SET status = CASE WHEN attempts >= max_attempts THEN 'lost' ELSE 'queued' END,
+    finished_at = CASE WHEN attempts >= max_attempts THEN now() END,
+    error = format('no heartbeat from %%s for %%s s (attempt %%s of %%s)', lease_holder,
+                   floor(extract(epoch FROM now() - heartbeat_at))::bigint, attempts, max_attempts),
+    lease_holder = NULL
+WHERE status = 'running' AND heartbeat_at < now() - make_interval(secs => %(stale_s)s)
+RETURNING id, user_id, status
+
+-- name: task_cancel
+-- The owner's cancel: a queued task is cancelled at once; a running one is flagged and its holder stops it at its next heartbeat. No row: the task is already terminal (or unknown).
+UPDATE tasks
+SET cancel_requested_at = coalesce(cancel_requested_at, now()),
+    cancel_requested_by = coalesce(cancel_requested_by, %(actor)s),
+    status = CASE WHEN status = 'queued' THEN 'cancelled' ELSE status END,
+    finished_at = CASE WHEN status = 'queued' THEN now() ELSE finished_at END,
+    error = CASE WHEN status = 'queued' THEN format('cancelled by %%s before it started', %(actor)s::text) ELSE error END
+WHERE id = %(id)s AND status IN ('queued', 'running')
+RETURNING *
+
+-- name: task_unreported
+-- Terminal tasks whose result event is not yet acknowledged, oldest first, locked so that one worker reports each.
+SELECT * FROM tasks
+WHERE finished_at IS NOT NULL AND reported_at IS NULL
+ORDER BY finished_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+-- name: task_mark_reported
+-- After the broker acknowledged their result events.
+UPDATE tasks SET reported_at = now() WHERE id = ANY(%(ids)s) AND reported_at IS NULL
+
+-- name: task_get
+-- One task as stored.
+SELECT * FROM tasks WHERE id = %(id)s
+
+-- name: tasks_of_user
+-- A user's tasks, newest first, keyset-paged by (created_at, id).
+SELECT * FROM tasks
+WHERE user_id = %(user_id)s
+  AND (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(before)s::timestamptz IS NULL OR created_at < %(before)s)
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+
+-- name: tasks_recent
+-- Every user's tasks, newest first (operators), optionally of one status.
+SELECT * FROM tasks
+WHERE (%(status)s::text IS NULL OR status = %(status)s)
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+
+-- name: task_gauges
+-- Tasks by live status and the oldest heartbeat among running ones (ledger-wide: use max() across workers).
+SELECT count(*) FILTER (WHERE status = 'queued') AS queued,
+       count(*) FILTER (WHERE status = 'running') AS running,
+       coalesce(extract(epoch FROM now() - min(heartbeat_at) FILTER (WHERE status = 'running')), 0)::float8
+           AS heartbeat_age
+FROM tasks
+WHERE status IN ('queued', 'running')
+
+-- name: task_release
+-- A holder shutting down hands its task back: queued again with its attempt given back (it was not the task's fault), under the same compare-and-set as an outcome.
+UPDATE tasks
+SET status = 'queued', attempts = greatest(attempts - 1, 0), lease_holder = NULL
+WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
+RETURNING id

@@ -1,0 +1,210 @@
+"""Background tasks in the ledger: typed functions over ``queries/tasks.sql``.
+
+The task row is the one authority over a task's life (docs/tasks.md). Every function here
+is one statement that checks the state it expects and says whether it won:
+
+- :func:`claim` takes queued tasks for one worker under a new lease epoch;
+- :func:`heartbeat` proves the holder alive, and tells it whether it lost the lease or was
+  asked to stop;
+- :func:`finish` is the holder's compare-and-set to a terminal status (the first terminal
+  outcome stands; a previous holder's late result is refused by the lease epoch);
+- :func:`reap` times out tasks past their deadline and takes back tasks whose heartbeat is
+  too old (their holder is gone), queued again or ``lost`` when attempts are used up;
+- :func:`cancel` is the owner's request;
+- :func:`unreported` / :func:`mark_reported` are the reporter's two halves around producing
+  a terminal task's result event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime
+
+import psycopg
+
+from vigil.ledger.queries import Q
+from vigil.ledger.states import TaskStatus
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRow:
+    id: str
+    user_id: str
+    parent_run_key: str
+    parent_task_id: str | None
+    session_id: str | None
+    depth: int
+    owner_chain: list[str]
+    instructions: str
+    tools: list[str]
+    token_budget: int
+    status: TaskStatus
+    attempts: int
+    max_attempts: int
+    lease_holder: str | None
+    lease_epoch: int
+    heartbeat_at: datetime | None
+    deadline: datetime
+    cancel_requested_at: datetime | None
+    cancel_requested_by: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    result: str | None
+    error: str | None
+    turns: int
+    input_tokens: int
+    output_tokens: int
+    reported_at: datetime | None
+
+    @classmethod
+    def of(cls, row: dict) -> TaskRow:
+        values = {f.name: row[f.name] for f in fields(cls)}
+        values["status"] = TaskStatus(values["status"])
+        return cls(**values)
+
+    def as_json(self) -> dict:
+        """The task as the HTTP API and ``vigil tasks show --json`` present it."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.isoformat() if isinstance(value, datetime) else value
+        out["status"] = str(self.status)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class NewTaskRow:
+    """What a delegating run's finish inserts."""
+
+    id: str
+    user_id: str
+    parent_run_key: str
+    parent_task_id: str | None
+    session_id: str | None
+    depth: int
+    owner_chain: list[str]
+    instructions: str
+    tools: list[str]
+    token_budget: int
+    max_attempts: int
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    id: str
+    user_id: str
+    status: TaskStatus  # queued (taken back), lost or timed_out
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: TaskStatus
+    result: str | None = None
+    error: str | None = None
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    queued: int
+    running: int
+    heartbeat_age_s: float
+
+
+async def create(conn: psycopg.AsyncConnection, task: NewTaskRow) -> None:
+    """Queue a task: called inside the delegating run's fenced finish transaction."""
+    await conn.execute(Q.task_create, {f.name: getattr(task, f.name) for f in fields(task)})
+
+
+async def claim(conn: psycopg.AsyncConnection, holder: str, limit: int) -> list[TaskRow]:
+    cur = await conn.execute(Q.task_claim, {"holder": holder, "limit": limit})
+    return [TaskRow.of(row) for row in await cur.fetchall()]
+
+
+async def heartbeat(conn: psycopg.AsyncConnection, task_id: str, lease_epoch: int) -> bool | None:
+    """None: the lease is gone (stop, write nothing). True: cancel requested. False: carry on."""
+    cur = await conn.execute(Q.task_heartbeat, {"id": task_id, "lease_epoch": lease_epoch})
+    row = await cur.fetchone()
+    return None if row is None else bool(row["cancel"])
+
+
+async def finish(conn: psycopg.AsyncConnection, task_id: str, lease_epoch: int, outcome: Outcome) -> bool:
+    """True if this outcome stands; False if another one already did (or the lease moved on)."""
+    assert outcome.status not in (TaskStatus.QUEUED, TaskStatus.RUNNING)
+    cur = await conn.execute(
+        Q.task_finish,
+        {
+            "id": task_id,
+            "lease_epoch": lease_epoch,
+            "status": str(outcome.status),
+            "result": outcome.result,
+            "error": outcome.error,
+            "turns": outcome.turns,
+            "input_tokens": outcome.input_tokens,
+            "output_tokens": outcome.output_tokens,
+        },
+    )
+    return await cur.fetchone() is not None
+
+
+async def release(conn: psycopg.AsyncConnection, task_id: str, lease_epoch: int) -> bool:
+    """A holder shutting down hands the task back (attempt given back). False: the lease had moved on."""
+    cur = await conn.execute(Q.task_release, {"id": task_id, "lease_epoch": lease_epoch})
+    return await cur.fetchone() is not None
+
+
+async def reap(conn: psycopg.AsyncConnection, stale_s: float) -> list[Reaped]:
+    """Deadlines first (a task past its deadline is timed_out, not retried), then stale leases."""
+    cur = await conn.execute(Q.task_reap_timed_out)
+    reaped = [Reaped(r["id"], r["user_id"], TaskStatus.TIMED_OUT) for r in await cur.fetchall()]
+    cur = await conn.execute(Q.task_reap_stale, {"stale_s": stale_s})
+    reaped += [Reaped(r["id"], r["user_id"], TaskStatus(r["status"])) for r in await cur.fetchall()]
+    return reaped
+
+
+async def cancel(conn: psycopg.AsyncConnection, task_id: str, actor: str) -> TaskRow | None:
+    """The owner's cancel. None: the task is unknown or already terminal."""
+    cur = await conn.execute(Q.task_cancel, {"id": task_id, "actor": actor})
+    row = await cur.fetchone()
+    return TaskRow.of(row) if row else None
+
+
+async def get(conn: psycopg.AsyncConnection, task_id: str) -> TaskRow | None:
+    cur = await conn.execute(Q.task_get, {"id": task_id})
+    row = await cur.fetchone()
+    return TaskRow.of(row) if row else None
+
+
+async def of_user(
+    conn: psycopg.AsyncConnection,
+    user_id: str,
+    status: str | None = None,
+    before: datetime | None = None,
+    limit: int = 50,
+) -> list[TaskRow]:
+    cur = await conn.execute(Q.tasks_of_user, {"user_id": user_id, "status": status, "before": before, "limit": limit})
+    return [TaskRow.of(row) for row in await cur.fetchall()]
+
+
+async def recent(conn: psycopg.AsyncConnection, status: str | None = None, limit: int = 50) -> list[TaskRow]:
+    cur = await conn.execute(Q.tasks_recent, {"status": status, "limit": limit})
+    return [TaskRow.of(row) for row in await cur.fetchall()]
+
+
+async def unreported(conn: psycopg.AsyncConnection, limit: int) -> list[TaskRow]:
+    """Call inside a transaction: the rows stay locked until it ends."""
+    cur = await conn.execute(Q.task_unreported, {"limit": limit})
+    return [TaskRow.of(row) for row in await cur.fetchall()]
+
+
+async def mark_reported(conn: psycopg.AsyncConnection, ids: list[str]) -> None:
+    await conn.execute(Q.task_mark_reported, {"ids": ids})
+
+
+async def gauges(conn: psycopg.AsyncConnection) -> Gauges:
+    row = await (await conn.execute(Q.task_gauges)).fetchone()
+    return Gauges(row["queued"], row["running"], row["heartbeat_age"])

@@ -1,0 +1,131 @@
+"""`vigil tasks list|show|cancel`: background tasks for operators (docs/tasks.md).
+
+An operator acts for every user; the HTTP API (``/v1/tasks``) is the owner's way in. A cancel
+is recorded in the task row (who asked, when) and in the audit table, in one transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+
+import click
+
+COLUMNS = ["id", "user_id", "status", "attempts", "depth", "created_at", "finished_at", "error"]
+
+
+async def _connect():
+    import psycopg
+    from psycopg.rows import dict_row
+
+    from vigil.ledger.db import STATEMENT_TIMEOUT_MS
+    from vigil.service import load_or_exit
+    from vigil.settings import CommonSettings
+
+    settings = load_or_exit(CommonSettings)
+    # A ledger that does not answer is one line and exit 3 (vigil.service.VigilGroup).
+    return await psycopg.AsyncConnection.connect(
+        settings.dsn,
+        autocommit=True,
+        row_factory=dict_row,
+        options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+    )
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _table(rows: list[dict]) -> None:
+    from vigil.worker.commands import _table as table
+
+    table(rows, COLUMNS)
+
+
+@click.group()
+def tasks() -> None:
+    """Background tasks delegated by agents: list, show, cancel."""
+
+
+@tasks.command("list")
+@click.option("--user", "user_id", default=None, help="Only this user's tasks.")
+@click.option("--status", default=None, help="Only tasks in this status (queued, running, succeeded, ...).")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def tasks_list(user_id: str | None, status: str | None, limit: int, as_json: bool) -> None:
+    """Tasks, newest first."""
+    from vigil.ledger import tasks as ledger
+
+    async def go():
+        async with await _connect() as conn:
+            if user_id:
+                return await ledger.of_user(conn, user_id, status=status, limit=limit)
+            return await ledger.recent(conn, status=status, limit=limit)
+
+    rows = _run(go())
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row.as_json()))
+        return
+    _table([row.as_json() for row in rows])
+
+
+@tasks.command("show")
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="The row as one JSON object.")
+def tasks_show(task_id: str, as_json: bool) -> None:
+    """One task, every column."""
+    from vigil.ledger import tasks as ledger
+
+    async def go():
+        async with await _connect() as conn:
+            return await ledger.get(conn, task_id)
+
+    row = _run(go())
+    if row is None:
+        raise click.ClickException(f"no task {task_id!r}")
+    if as_json:
+        click.echo(json.dumps(row.as_json()))
+        return
+    for key, value in row.as_json().items():
+        click.echo(f"{key:20} {value}")
+
+
+@tasks.command("cancel")
+@click.argument("task_id")
+@click.option("--actor", default=None, help="Who is cancelling (default: your login name).")
+@click.option("--json", "as_json", is_flag=True, help="The task after the request, as one JSON object.")
+def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
+    """Cancel a task: at once if queued, at its next heartbeat if running."""
+    from psycopg.types.json import Jsonb
+
+    from vigil.ledger import tasks as ledger
+    from vigil.ledger.queries import Q
+
+    who = actor or getpass.getuser()
+
+    async def go():
+        async with await _connect() as conn:
+            async with conn.transaction():
+                row = await ledger.cancel(conn, task_id, who)
+                if row is not None:
+                    detail = Jsonb({"task_id": task_id, "status": str(row.status)})
+                    await conn.execute(Q.audit_insert, {"actor": who, "action": "task.cancel", "detail": detail})
+                return row, (await ledger.get(conn, task_id) if row is None else row)
+
+    changed, row = _run(go())
+    if row is None:
+        raise click.ClickException(f"no task {task_id!r}")
+    if as_json:
+        click.echo(json.dumps({"cancel_requested": changed is not None, **row.as_json()}))
+        return
+    if changed is None:
+        click.echo(f"task {task_id} is already {row.status}: nothing to cancel")
+    elif row.status == "cancelled":
+        click.echo(f"task {task_id} cancelled (it had not started)")
+    else:
+        click.echo(f"task {task_id} is running: cancel requested, its worker stops it at its next heartbeat")
+
+
+commands = [tasks]

@@ -1,0 +1,326 @@
+"""Background tasks: executing them, reaping them, and reporting their results as events.
+
+Any worker executes any user's tasks: a task does not touch the user's conversation, so it
+is not bound by the one-run-per-user rule, and it is claimed from the ``tasks`` table, not
+from a partition. The task row is the one authority over its life (docs/tasks.md); this
+module only ever changes it through :mod:`vigil.ledger.tasks`, one compare-and-set each.
+
+Executing one task, in order:
+
+1. :func:`vigil.ledger.tasks.claim` takes it under a new lease epoch (an attempt counted).
+2. The agent's ``run_task`` executes it while a heartbeat every ``VIGIL_TASK_HEARTBEAT_S``
+   proves this worker alive. A heartbeat that matches nothing means the lease is gone (the
+   reaper took the task back, or it timed out): the execution is cancelled and nothing of
+   it is written. A heartbeat that sees a cancel request stops the execution and records
+   ``cancelled`` with the usage spent so far.
+3. The outcome (``succeeded``, ``failed``, ``timed_out`` at the task's deadline) is written
+   by :func:`vigil.ledger.tasks.finish`, a compare-and-set on the lease epoch: if another
+   terminal outcome got there first (a timeout, a cancel, a reaper), this one is dropped.
+
+A crash anywhere leaves the task ``running`` with a heartbeat that stops growing; the reaper
+(every worker runs one) takes it back after ``VIGIL_TASK_STALE_S`` and the next claim fences
+this holder out for good. So no task runs twice at once, none is silently re-created, and a
+task whose holders keep dying ends ``lost``, with the reason, after ``VIGIL_TASK_MAX_ATTEMPTS``.
+
+Reporting: a terminal task becomes one event for its user, source ``task``, source id the
+task id (the dedup key), produced and acknowledged before ``reported_at`` is committed. A
+crash in between produces it again and the ledger drops the copy: one result event per task,
+which wakes the delegating session with the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from vigil.agent.base import Agent, Delegation, TaskContext
+from vigil.bus.codec import Event
+from vigil.bus.kafka import EventProducer
+from vigil.ledger import tasks as ledger
+from vigil.ledger.states import TaskStatus
+from vigil.worker import metrics
+from vigil.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+TASK_SOURCE = "task"
+# How often the claim, reaper and reporter look when nobody woke them.
+POLL_S = 1.0
+REPORT_BATCH = 100
+# A ledger error in a loop is retried after this long.
+RETRY_S = 1.0
+# What _supervise returns for an execution this worker stopped because it is shutting down.
+RELEASE = object()
+
+
+def result_event(task: ledger.TaskRow) -> Event:
+    """The one event a terminal task produces: keyed by its id, resuming the delegating session."""
+    body = {
+        "task_id": task.id,
+        "status": str(task.status),
+        "instructions": task.instructions[:500],
+        "result": task.result,
+        "error": task.error,
+        "attempts": task.attempts,
+        "usage": {"turns": task.turns, "input_tokens": task.input_tokens, "output_tokens": task.output_tokens},
+    }
+    return Event(
+        user_id=task.user_id,
+        source=TASK_SOURCE,
+        source_id=task.id,
+        kind=f"task.{task.status}",
+        payload=json.dumps(body, separators=(",", ":")),
+        received_at=datetime.now(UTC),
+        occurred_at=task.finished_at,
+        session_id=task.session_id,
+    )
+
+
+@dataclass(slots=True)
+class Holding:
+    task: ledger.TaskRow
+    ctx: TaskContext
+    execution: asyncio.Task | None = None
+
+
+class TaskExecutor:
+    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncConnectionPool, producer: EventProducer):
+        self.settings = settings
+        self.agent = agent
+        self.pool = pool
+        self.producer = producer
+        self.holding: dict[str, Holding] = {}
+        self._wake_report = asyncio.Event()
+        self._stopping = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.task_concurrency > 0 and hasattr(self.agent, "run_task")
+
+    def loops(self) -> list:
+        """The coroutines to run for as long as the worker does."""
+        loops = [self.reap_loop(), self.report_loop(), self.gauge_loop()]
+        if self.enabled:
+            loops.append(self.claim_loop())
+        return loops
+
+    # -- claiming and executing -----------------------------------------------------------
+
+    async def claim_loop(self) -> None:
+        while not self._stopping:
+            free = self.settings.task_concurrency - len(self.holding)
+            if free > 0:
+                try:
+                    async with self.pool.connection() as conn:
+                        claimed = await ledger.claim(conn, self.settings.instance_id, free)
+                except (psycopg.Error, OSError) as exc:
+                    log.warning("task claim failed, retrying: %s", exc)
+                    claimed = []
+                for task in claimed:
+                    self._start(task)
+                if len(claimed) == free:
+                    continue  # there may be more
+            await asyncio.sleep(POLL_S)
+
+    def _start(self, task: ledger.TaskRow) -> None:
+        deadline_s = (task.deadline - datetime.now(UTC)).total_seconds()
+        ctx = TaskContext(
+            task_id=task.id,
+            user_id=task.user_id,
+            instructions=task.instructions,
+            tools=tuple(task.tools),
+            token_budget=task.token_budget,
+            deadline=time.monotonic() + max(deadline_s, 0.0),
+            delegation=Delegation(
+                depth=task.depth,
+                max_depth=self.settings.max_delegation_depth,
+                token_budget=self.settings.task_token_budget,
+                timeout_s=self.settings.task_timeout_s,
+                max_attempts=self.settings.task_max_attempts,
+                owner_chain=(*task.owner_chain, task.id),
+            ),
+            attempt=task.attempts,
+        )
+        holding = Holding(task, ctx)
+        self.holding[task.id] = holding
+        metrics.TASKS_IN_FLIGHT.set(len(self.holding))
+        asyncio.create_task(self._hold(holding), name=f"task-{task.id}")
+        log.info(
+            "task %s claimed (attempt %d of %d, lease %d)", task.id, task.attempts, task.max_attempts, task.lease_epoch
+        )
+
+    async def _hold(self, holding: Holding) -> None:
+        """Execute one task under its lease; write its outcome unless the lease was lost."""
+        task, ctx = holding.task, holding.ctx
+        started = time.monotonic()
+        holding.execution = asyncio.create_task(self.agent.run_task(ctx), name=f"task-run-{task.id}")
+        outcome: ledger.Outcome | None = None
+        try:
+            outcome = await self._supervise(holding)
+        finally:
+            if not holding.execution.done():
+                holding.execution.cancel()
+                await asyncio.gather(holding.execution, return_exceptions=True)
+            self.holding.pop(task.id, None)
+            metrics.TASKS_IN_FLIGHT.set(len(self.holding))
+        if outcome is RELEASE:
+            await self._release(task)
+            return
+        if outcome is None:
+            metrics.TASK_LEASES_LOST.inc()
+            log.warning(
+                "task %s: lease %d lost (taken back or timed out); its outcome is not written",
+                task.id,
+                task.lease_epoch,
+            )
+            return
+        stands = await self._write(task, outcome)
+        if stands:
+            metrics.TASKS.labels(str(outcome.status)).inc()
+            metrics.TASK_SECONDS.observe(time.monotonic() - started)
+            self._wake_report.set()
+        else:
+            metrics.TASK_LATE_OUTCOMES.inc()
+            log.warning("task %s: outcome %s refused, another one stood first", task.id, outcome.status)
+
+    async def _supervise(self, holding: Holding) -> ledger.Outcome | None:
+        """Heartbeats until the execution ends. Returns the outcome, or None if the lease is gone."""
+        task, ctx, execution = holding.task, holding.ctx, holding.execution
+        assert execution is not None
+        while True:
+            remaining = ctx.deadline - time.monotonic()
+            wait = min(self.settings.task_heartbeat_s, max(remaining, 0.0))
+            done, _ = await asyncio.wait({execution}, timeout=wait)
+            if done:
+                return self._outcome(execution, ctx)
+            if time.monotonic() >= ctx.deadline:
+                return self._usage(ctx, TaskStatus.TIMED_OUT, error="deadline passed while it ran")
+            try:
+                async with self.pool.connection() as conn:
+                    beat = await ledger.heartbeat(conn, task.id, task.lease_epoch)
+            except (psycopg.Error, OSError) as exc:
+                # Keep running: if the ledger stays away past the stale bound, the reaper takes
+                # the task back and the next heartbeat that gets through finds the lease gone.
+                log.warning("task %s: heartbeat failed: %s", task.id, exc)
+                continue
+            if beat is None:
+                return None
+            if beat:
+                return self._usage(ctx, TaskStatus.CANCELLED, error="cancelled by its owner while it ran")
+
+    def _outcome(self, execution: asyncio.Task, ctx: TaskContext):
+        if execution.cancelled() and self._stopping:
+            return RELEASE
+        if execution.cancelled():
+            return self._usage(ctx, TaskStatus.FAILED, error="execution cancelled")
+        exc = execution.exception()
+        if exc is not None:
+            return self._usage(ctx, TaskStatus.FAILED, error=f"{type(exc).__name__}: {exc}"[:2000])
+        return self._usage(ctx, TaskStatus.SUCCEEDED, result=execution.result().text)
+
+    @staticmethod
+    def _usage(ctx: TaskContext, status: TaskStatus, result: str | None = None, error: str | None = None):
+        u = ctx.usage
+        return ledger.Outcome(status, result, error, u.turns, u.input_tokens, u.output_tokens)
+
+    async def _write(self, task: ledger.TaskRow, outcome: ledger.Outcome) -> bool:
+        """The compare-and-set, retried through ledger outages until it is known to stand or not."""
+        while True:
+            try:
+                async with self.pool.connection() as conn:
+                    return await ledger.finish(conn, task.id, task.lease_epoch, outcome)
+            except (psycopg.Error, OSError) as exc:
+                log.warning("task %s: writing its outcome failed, retrying: %s", task.id, exc)
+                await asyncio.sleep(RETRY_S)
+
+    async def _release(self, task: ledger.TaskRow) -> None:
+        try:
+            async with self.pool.connection() as conn:
+                released = await ledger.release(conn, task.id, task.lease_epoch)
+        except (psycopg.Error, OSError) as exc:
+            log.warning("task %s: could not hand it back (the reaper will): %s", task.id, exc)
+            return
+        if released:
+            log.info("task %s handed back for another worker (shutting down)", task.id)
+
+    # -- the reaper and the reporter ----------------------------------------------------------
+
+    async def reap_loop(self) -> None:
+        while not self._stopping:
+            try:
+                async with self.pool.connection() as conn:
+                    reaped = await ledger.reap(conn, self.settings.task_stale_s)
+            except (psycopg.Error, OSError) as exc:
+                log.warning("task reaper failed, retrying: %s", exc)
+                reaped = []
+            for r in reaped:
+                metrics.TASKS_REAPED.labels(str(r.status)).inc()
+                if r.status != TaskStatus.QUEUED:
+                    metrics.TASKS.labels(str(r.status)).inc()
+                log.warning("task %s reaped: now %s", r.id, r.status)
+            if any(r.status != TaskStatus.QUEUED for r in reaped):
+                self._wake_report.set()
+            await asyncio.sleep(self.settings.task_heartbeat_s)
+
+    async def report_loop(self) -> None:
+        while not self._stopping:
+            try:
+                sent = await self.report_once()
+            except (psycopg.Error, OSError) as exc:
+                log.warning("task reporter failed, retrying: %s", exc)
+                sent = 0
+            except Exception as exc:  # a produce failure: the rows stay unreported
+                log.warning("task results not produced, retrying: %s", exc)
+                sent = 0
+            if sent == REPORT_BATCH:
+                continue
+            self._wake_report.clear()
+            try:
+                await asyncio.wait_for(self._wake_report.wait(), POLL_S)
+            except TimeoutError:
+                pass
+
+    async def report_once(self) -> int:
+        """Lock unreported terminal tasks, produce their events (acknowledged), mark, commit."""
+        async with self.pool.connection() as conn:
+            async with conn.transaction():
+                rows = await ledger.unreported(conn, REPORT_BATCH)
+                if not rows:
+                    return 0
+                events = [result_event(row) for row in rows]
+                await asyncio.to_thread(self.producer.send, events)
+                await ledger.mark_reported(conn, [row.id for row in rows])
+        metrics.TASK_RESULTS_REPORTED.inc(len(rows))
+        return len(rows)
+
+    async def gauge_loop(self) -> None:
+        while not self._stopping:
+            try:
+                async with self.pool.connection() as conn:
+                    g = await ledger.gauges(conn)
+                metrics.TASKS_QUEUED.set(g.queued)
+                metrics.TASKS_RUNNING.set(g.running)
+                metrics.TASK_HEARTBEAT_AGE.set(g.heartbeat_age_s)
+            except (psycopg.Error, OSError):
+                pass
+            await asyncio.sleep(max(self.settings.task_heartbeat_s, 5.0))
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop claiming; give executions ``grace_s`` to end; hand the rest back to the queue."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        while self.holding and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for holding in list(self.holding.values()):
+            if holding.execution is not None:
+                holding.execution.cancel()
+        deadline = time.monotonic() + 5.0
+        while self.holding and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)

@@ -1,0 +1,161 @@
+"""The delegate tool through the real SDK against the scripted Messages API: the child's
+boundary is the parent's narrowed, depth is bounded, and a sync child's tokens are the
+parent's. (Background tasks on real workers: tests/test_tasks.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from vigil.agent import testing as t
+from vigil.agent.base import Delegation, TaskContext
+from vigil.agent.delegation import CHILD_SYSTEM
+from vigil.agent.scripted_server import ScriptedServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ScriptedServer([]) as s:
+        yield s
+
+
+def limits(depth: int = 0, max_depth: int = 2, budget: int = 5000) -> Delegation:
+    return Delegation(
+        depth=depth, max_depth=max_depth, token_budget=budget, timeout_s=60, max_attempts=3, owner_chain=("u1", "k")
+    )
+
+
+def ctx_with(text: str, delegation: Delegation | None):
+    ctx = t.context([t.chat(text)])
+    ctx.delegation = delegation
+    return ctx
+
+
+def call(name, **tool_input):
+    return {"type": "tool_use", "name": name, "input": tool_input}
+
+
+def delegate_results(server) -> list[dict]:
+    out = []
+    for request in server.requests():
+        for block in request["messages"][-1]["content"]:
+            if block.get("type") == "tool_result":
+                out.append(block)
+    return out
+
+
+def run(server, rules, ctx, **overrides):
+    server.set_script(rules)
+    server.clear()
+    [result] = t.run(server.base_url, ctx, **overrides)
+    return result
+
+
+CHILD = {"system": "sub-agent"}
+
+
+def test_a_child_may_not_get_a_tool_the_parent_must_ask_for(server):
+    """refund is `ask` by default: the parent cannot hand it to a child that has nobody to ask."""
+    result = run(
+        server,
+        [
+            {"when": {"tool_result": "delegate"}, "reply": []},
+            {"reply": [call("delegate", instructions="refund order 7", tools=["refund"])]},
+        ],
+        ctx_with("please", limits()),
+    )
+    [refused] = delegate_results(server)
+    assert refused.get("is_error") and "may not use refund without asking" in refused["content"]
+    assert result.tasks == []
+
+
+def test_a_tool_the_parent_may_use_freely_can_be_given(server):
+    result = run(
+        server,
+        [
+            {"when": {"tool_result": "delegate"}, "reply": []},
+            {"reply": [call("delegate", instructions="refund order 7", tools=["refund"], budget=999)]},
+        ],
+        ctx_with("please", limits()),
+        tool_permissions="refund=allow",
+    )
+    [task] = result.tasks
+    assert (task.tools, task.depth, task.token_budget, task.owner_chain) == (("refund",), 1, 999, ("u1", "k"))
+    assert task.session_id == result.session.id  # its result resumes this conversation
+
+
+def test_depth_past_the_bound_is_refused(server):
+    result = run(
+        server,
+        [
+            {"when": {"tool_result": "delegate"}, "reply": []},
+            {"reply": [call("delegate", instructions="anything")]},
+        ],
+        ctx_with("please", limits(depth=1, max_depth=1)),
+    )
+    [refused] = delegate_results(server)
+    assert refused.get("is_error") and "at most 1 deep" in refused["content"]
+    assert result.tasks == []
+
+
+def test_a_sync_childs_tokens_are_the_parents(server):
+    """The child is its own conversation (own transcript, own system prompt, no send_message);
+    its answer is the tool result; its turns and tokens are added to the parent run's usage."""
+    result = run(
+        server,
+        [
+            {"when": {**CHILD, "user_text": "add 40 and 2"}, "reply": [{"type": "text", "text": "42"}]},
+            {
+                "when": {"tool_result": "delegate", "tool_result_text": "^42$"},
+                "reply": [call("send_message", text="the answer is 42")],
+            },
+            {"when": {"tool_result": "send_message"}, "reply": []},
+            {"reply": [call("delegate", instructions="add 40 and 2", mode="sync")]},
+        ],
+        ctx_with("compute please", limits()),
+    )
+    requests = server.requests()
+    child = [r for r in requests if r["system"] == CHILD_SYSTEM]
+    parent = [r for r in requests if r["system"] != CHILD_SYSTEM]
+    assert len(child) == 1 and len(parent) == 3
+    assert child[0]["messages"] == [{"role": "user", "content": [{"type": "text", "text": "add 40 and 2"}]}]
+    assert "tools" not in child[0] or all(tool["name"] != "send_message" for tool in child[0]["tools"])
+    assert [m.text for m in result.messages] == ["the answer is 42"]
+    assert result.usage.turns == 4  # three parent calls and the child's
+    assert result.tasks == []
+
+
+def test_a_task_is_offered_only_tools_still_allowed_where_it_executes(server):
+    """A task delegated with refund, executed on a worker where refund is now `ask`: the child
+    is not offered refund (the boundary is checked again at execution, and only narrows)."""
+
+    def task_ctx():
+        return TaskContext(
+            task_id="tsk_t",
+            user_id="u1",
+            instructions="refund order 9",
+            tools=("refund",),
+            token_budget=5000,
+            deadline=time.monotonic() + 60,
+            delegation=limits(depth=1, max_depth=1),
+            attempt=1,
+        )
+
+    async def go(permissions: str):
+        claude = t.agent(server.base_url, tool_permissions=permissions)
+        try:
+            ctx = task_ctx()
+            return await claude.run_task(ctx), ctx
+        finally:
+            await claude.close()
+
+    server.set_script([{"reply": [{"type": "text", "text": "cannot refund from here"}]}])
+    for permissions, offered in (("refund=ask", []), ("refund=allow", ["refund"])):
+        server.clear()
+        result, ctx = asyncio.run(go(permissions))
+        [request] = server.requests()
+        assert [tool["name"] for tool in request.get("tools", [])] == offered, permissions
+        assert result.text == "cannot refund from here"
+        assert ctx.usage.turns == 1 and ctx.usage.input_tokens > 0

@@ -1,0 +1,105 @@
+"""What Kubernetes relies on: readiness that answers inside the probe's timeout, a worker
+shutdown that fits the pod's termination grace."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from support import query, scalar, wait_for
+from vigil.devstack import free_port
+from vigil.health import DatabaseCheck, HealthServer, Readiness, dependency_checks
+from vigil.settings import CommonSettings
+from worker_support import FAST, chat, produce
+
+PROBE_TIMEOUT_S = 1.0  # the manifests' readinessProbe.timeoutSeconds
+
+
+def test_readyz_answers_within_the_probe_timeout_with_both_dependencies_down():
+    """Checks run in the background: a probe never waits for a broker or database timeout."""
+    settings = CommonSettings(
+        kafka_bootstrap=f"127.0.0.1:{free_port()}", database_url=f"postgresql://vigil@127.0.0.1:{free_port()}/vigil"
+    )
+    port = free_port()
+    server = HealthServer(port, Readiness(dependency_checks(settings)), host="127.0.0.1").start()
+    try:
+        for _ in range(10):
+            started = time.monotonic()
+            response = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+            assert time.monotonic() - started < PROBE_TIMEOUT_S, "readyz slower than the probe timeout"
+            assert response.status_code == 503
+            assert response.json()["checks"] == {"kafka": False, "database": False}
+            time.sleep(0.3)
+    finally:
+        server.stop()
+
+
+def test_ingest_style_readiness_stays_200_and_reports_each_check():
+    settings = CommonSettings(
+        kafka_bootstrap=f"127.0.0.1:{free_port()}", database_url=f"postgresql://vigil@127.0.0.1:{free_port()}/vigil"
+    )
+    readiness = Readiness(dependency_checks(settings), gating=set())
+    status = readiness.status()
+    assert status == {"kafka": False, "database": False}
+    assert readiness.ready(status)
+    readiness.set("shutting_down", False)  # a flag a service sets itself always gates
+    assert not readiness.ready(readiness.status())
+
+
+def test_readiness_reuses_one_connection(ledger):
+    check = DatabaseCheck(ledger)
+    assert check()
+    pid = scalar(ledger, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+    for _ in range(20):
+        assert check()
+    after = scalar(ledger, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+    assert after == pid  # twenty checks, no new sessions
+    first = check._conn
+    assert check() and check._conn is first
+
+
+def worker_env(vigil_env, port: int, **extra: str) -> dict[str, str]:
+    return {**vigil_env, **FAST, "VIGIL_AGENT": "echo", "VIGIL_WORKER_PORT": str(port), **extra}
+
+
+def sigterm_while_running(spawn, stack, topics, ledger, env, text: str) -> tuple[int, float]:
+    worker = spawn(["worker"], env, name="w").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+    produce(stack.bootstrap, topics.events, [chat("slowpoke", text)])
+    wait_for(
+        lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "running",
+        30,
+        "the run started",
+    )
+    started = time.monotonic()
+    worker.signal(signal.SIGTERM)
+    code = worker.proc.wait(float(env["VIGIL_SHUTDOWN_GRACE_S"]) + 10)
+    assert code == 0, worker.log()[-3000:]
+    return code, time.monotonic() - started
+
+
+@pytest.mark.slow
+@pytest.mark.partitions(1)
+def test_worker_shutdown_ends_within_its_grace_despite_a_long_run(stack, topics, ledger, vigil_env, spawn):
+    """A run that would take 45 s must not hold SIGTERM past VIGIL_SHUTDOWN_GRACE_S: it gets
+    its share of the grace, then is cancelled and released (back to pending), exit 0."""
+    grace = 8.0
+    env = worker_env(vigil_env, free_port(), VIGIL_ECHO_SLEEP_ON="glacial:45", VIGIL_SHUTDOWN_GRACE_S=str(grace))
+    _, took = sigterm_while_running(spawn, stack, topics, ledger, env, "a glacial request")
+    # Within the grace and the interpreter's exit: under the pod's grace (VIGIL_SHUTDOWN_GRACE_S + 10).
+    assert took < grace + 3, took
+    assert took >= grace / 2 - 0.5, took  # the run had its share (half of 8 s) before it was cancelled
+    assert scalar(ledger, "SELECT status FROM events WHERE user_id = 'slowpoke'") == "pending"
+
+
+@pytest.mark.slow
+@pytest.mark.partitions(1)
+def test_sigterm_lets_a_short_run_finish_instead_of_redoing_it(stack, topics, ledger, vigil_env, spawn):
+    """A run that ends within its share of the grace commits: no cancelled run to do again."""
+    env = worker_env(vigil_env, free_port(), VIGIL_ECHO_SLEEP_ON="slow:2", VIGIL_SHUTDOWN_GRACE_S="14")
+    _, took = sigterm_while_running(spawn, stack, topics, ledger, env, "a slow request")
+    assert took < 14 + 3, took
+    row = query(ledger, "SELECT status, attempts FROM events WHERE user_id = 'slowpoke'")[0]
+    assert (row["status"], row["attempts"]) == ("done", 1)

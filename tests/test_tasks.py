@@ -1,0 +1,330 @@
+"""Background tasks on real workers, a real broker and a real ledger (docs/tasks.md).
+
+The echo agent delegates on ``delegate: <instructions>`` and executes a task by answering
+``done: <instructions>``; its crash, sleep and fail hooks apply to a task's instructions, so
+these tests SIGKILL, freeze and stall a task's holder for real. Each test is named after what
+must hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from support import query, scalar, wait_for
+from worker_support import FAST, chat, metric, produce
+
+# Heartbeats every 0.3 s; a holder silent for 1.5 s is presumed gone.
+TASK_FAST = {**FAST, "VIGIL_TASK_HEARTBEAT_S": "0.3", "VIGIL_TASK_STALE_S": "1.5"}
+
+
+def worker_env(vigil_env, **extra):
+    from vigil.devstack import free_port
+
+    return {**vigil_env, **TASK_FAST, "VIGIL_AGENT": "echo", "VIGIL_WORKER_PORT": str(free_port()), **extra}
+
+
+def start(spawn, env, name):
+    return spawn(["worker"], env, name=name).wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+
+
+def task_row(ledger: str) -> dict:
+    rows = query(ledger, "SELECT * FROM tasks")
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def task_status(ledger: str) -> str | None:
+    return scalar(ledger, "SELECT status FROM tasks")
+
+
+def outbox_bodies(ledger: str, user: str) -> list[str]:
+    return [r["body"] for r in query(ledger, "SELECT body FROM outbox WHERE user_id = %s ORDER BY id", (user,))]
+
+
+def test_background_task_result_wakes_parent_once(stack, topics, ledger, vigil_env, spawn):
+    """delegate -> the run's finish queues the task -> a worker executes it -> one result event
+    (source task, the task id as its dedup key) -> the parent's next run replies once."""
+    start(spawn, worker_env(vigil_env), "w")
+    produce(stack.bootstrap, topics.events, [chat("ann", "delegate: count the stars")])
+    wait_for(lambda: task_status(ledger) == "succeeded", 30, "the task succeeded")
+    wait_for(lambda: len(outbox_bodies(ledger, "ann")) == 2, 30, "two messages: started, then the result")
+    started, result = outbox_bodies(ledger, "ann")
+    task = task_row(ledger)
+    assert started == f"started task {task['id']}"
+    assert result == f"task {task['id']} succeeded: done: count the stars"
+    assert (task["attempts"], task["lease_epoch"], task["depth"]) == (1, 1, 1)
+    assert task["owner_chain"][0] == "ann" and task["reported_at"] is not None
+    events = query(ledger, "SELECT source, source_id, kind, status FROM events WHERE source = 'task'")
+    assert events == [{"source": "task", "source_id": task["id"], "kind": "task.succeeded", "status": "done"}]
+    # The run that delegated is the task's parent; the task is counted.
+    parent = query(ledger, "SELECT id FROM runs ORDER BY id LIMIT 1")[0]
+    assert task["parent_run_key"].startswith("ann:")
+    assert parent["id"] > 0
+
+
+def test_killed_holder_task_completes_once_on_another_worker(stack, topics, ledger, vigil_env, spawn):
+    """SIGKILL of the worker executing a task: after the heartbeat bound another worker takes
+    it (attempt 2, lease 2), it completes once, and there is one result event."""
+    a = start(spawn, worker_env(vigil_env, VIGIL_ECHO_CRASH_ON="crashme"), "a")
+    produce(stack.bootstrap, topics.events, [chat("bob", "delegate: crashme softly")])
+    wait_for(lambda: not a.alive(), 30, "the holder died executing the task")
+    row = task_row(ledger)
+    assert (row["status"], row["attempts"], row["lease_epoch"]) == ("running", 1, 1)
+    began = time.monotonic()
+    env_b = worker_env(vigil_env, VIGIL_ECHO_CRASH_ON="never-matches")
+    start(spawn, env_b, "b")
+    # b's own hooks do not crash it: the task's instructions only crash "a".
+    wait_for(lambda: task_status(ledger) == "succeeded", 40, "the task completed on the other worker")
+    took = time.monotonic() - began
+    row = task_row(ledger)
+    assert (row["attempts"], row["lease_epoch"]) == (2, 2)
+    assert "no heartbeat" in (row["error"] or "") or row["error"] is None
+    assert row["result"] == "done: crashme softly"
+    wait_for(lambda: len(outbox_bodies(ledger, "bob")) == 2, 40, "the parent told once")
+    assert scalar(ledger, "SELECT count(*) FROM events WHERE source = 'task'") == 1
+    assert metric(int(env_b["VIGIL_WORKER_PORT"]), "vigil_tasks_reaped_total", 'status="queued"') == 1
+    assert took < 30
+
+
+@pytest.mark.partitions(1)
+def test_frozen_holder_late_result_is_refused(stack, topics, ledger, vigil_env, spawn):
+    """SIGSTOP the holder past the heartbeat bound: another worker takes the task and
+    completes it; SIGCONT: the first holder's late result matches nothing. One outcome stands."""
+    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slowtask:3")
+    a = start(spawn, env_a, "a")
+    produce(stack.bootstrap, topics.events, [chat("cy", "delegate: slowtask please")])
+    wait_for(lambda: task_status(ledger) == "running", 30, "a holds the task")
+    a.signal(signal.SIGSTOP)
+    try:
+        start(spawn, worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="never-matches:0"), "b")
+        wait_for(lambda: task_status(ledger) == "succeeded", 40, "b completed the task")
+        won = task_row(ledger)
+        assert (won["attempts"], won["lease_epoch"]) == (2, 2)
+    finally:
+        a.signal(signal.SIGCONT)
+    port_a = int(env_a["VIGIL_WORKER_PORT"])
+    wait_for(
+        lambda: metric(port_a, "vigil_task_leases_lost_total") + metric(port_a, "vigil_task_late_outcomes_total") >= 1,
+        30,
+        "a's late outcome refused",
+    )
+    after = task_row(ledger)
+    assert (after["status"], after["lease_epoch"], after["finished_at"]) == (
+        "succeeded",
+        2,
+        won["finished_at"],
+    )
+    assert metric(port_a, "vigil_tasks_total") == 0  # nothing of a's stood
+    wait_for(lambda: len(outbox_bodies(ledger, "cy")) == 2, 40, "the parent told once")
+    assert scalar(ledger, "SELECT count(*) FROM events WHERE source = 'task'") == 1
+
+
+def test_cancel_stops_a_running_task_within_a_heartbeat(stack, topics, ledger, vigil_env, spawn):
+    """`vigil tasks cancel` on a running task: its worker stops it at its next heartbeat, the
+    status is cancelled with the usage spent so far, and the parent is told."""
+    env = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="forever:600")
+    start(spawn, env, "w")
+    produce(stack.bootstrap, topics.events, [chat("dee", "delegate: forever and ever")])
+    wait_for(lambda: task_status(ledger) == "running", 30, "the task runs")
+    task_id = task_row(ledger)["id"]
+    out = _vigil(["tasks", "cancel", task_id, "--actor", "test-operator"], env)
+    assert "cancel requested" in out
+    wait_for(lambda: task_status(ledger) == "cancelled", 10, "cancelled")
+    row = task_row(ledger)
+    # From the request's commit to the cancelled outcome's, both on the ledger's clock: a
+    # heartbeat (0.3 s) and two commits, with slack for a loaded 2-core machine.
+    assert (row["finished_at"] - row["cancel_requested_at"]).total_seconds() < 2.0
+    assert row["cancel_requested_by"] == "test-operator"
+    assert row["error"] == "cancelled by its owner while it ran"
+    assert row["input_tokens"] == len("forever and ever")  # partial usage kept
+    wait_for(lambda: len(outbox_bodies(ledger, "dee")) == 2, 30, "the parent told")
+    assert outbox_bodies(ledger, "dee")[1] == f"task {task_id} cancelled: cancelled by its owner while it ran"
+    audit = query(ledger, "SELECT actor, action FROM audit")
+    assert audit == [{"actor": "test-operator", "action": "task.cancel"}]
+
+
+def test_depth_past_the_bound_is_refused(stack, topics, ledger, vigil_env, spawn):
+    """VIGIL_MAX_DELEGATION_DEPTH=0: a run may not delegate; nothing is queued."""
+    start(spawn, worker_env(vigil_env, VIGIL_MAX_DELEGATION_DEPTH="0"), "w")
+    produce(stack.bootstrap, topics.events, [chat("eve", "delegate: anything")])
+    wait_for(lambda: len(outbox_bodies(ledger, "eve")) == 1, 30, "the reply")
+    assert outbox_bodies(ledger, "eve") == ["delegation refused: past the delegation depth bound"]
+    assert scalar(ledger, "SELECT count(*) FROM tasks") == 0
+
+
+def _vigil(args: list[str], env: dict[str, str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "vigil", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+# -- the lifecycle's races, on the ledger alone ---------------------------------------------
+
+
+async def _tasks_conn(ledger: str) -> psycopg.AsyncConnection:
+    return await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row)
+
+
+def _new_task(task_id: str, timeout_s: float = 600.0):
+    from vigil.ledger.tasks import NewTaskRow
+
+    return NewTaskRow(
+        id=task_id,
+        user_id="race",
+        parent_run_key="race:1:1:1",
+        parent_task_id=None,
+        session_id=None,
+        depth=1,
+        owner_chain=["race", "race:1:1:1"],
+        instructions="x",
+        tools=[],
+        token_budget=100,
+        max_attempts=2,
+        timeout_s=timeout_s,
+    )
+
+
+def test_timeout_racing_success_leaves_one_terminal_status(ledger):
+    """For 40 tasks past their deadline, the holder's success and the reaper's timeout are sent
+    at the same moment from two connections: each task ends with exactly one terminal status,
+    and exactly one of the two writers is told it won."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    async def go():
+        setup, holder, reaper = await _tasks_conn(ledger), await _tasks_conn(ledger), await _tasks_conn(ledger)
+        ids = [f"tsk_race_{i}" for i in range(40)]
+        for task_id in ids:
+            await ledger_tasks.create(setup, _new_task(task_id))
+        claimed = await ledger_tasks.claim(setup, "holder-1", 100)
+        assert len(claimed) == 40
+        wins = []
+        for row in claimed:
+            # One task at a time past its deadline, so the reaper's statement races this one alone.
+            await setup.execute("UPDATE tasks SET deadline = now() - interval '1 second' WHERE id = %s", (row.id,))
+            succeeded, reaped = await asyncio.gather(
+                ledger_tasks.finish(holder, row.id, row.lease_epoch, ledger_tasks.Outcome(TaskStatus.SUCCEEDED, "ok")),
+                ledger_tasks.reap(reaper, 60.0),
+            )
+            wins.append((succeeded, any(r.id == row.id for r in reaped)))
+        final = {r["id"]: r["status"] for r in await (await setup.execute("SELECT id, status FROM tasks")).fetchall()}
+        for c in (setup, holder, reaper):
+            await c.close()
+        return wins, final
+
+    wins, final = asyncio.run(go())
+    assert all(a != b for a, b in wins), wins  # exactly one writer won each race
+    assert set(final.values()) <= {"succeeded", "timed_out"}
+    won_by_holder = sum(a for a, _ in wins)
+    assert sum(s == "succeeded" for s in final.values()) == won_by_holder
+
+
+def test_previous_holder_cannot_heartbeat_or_finish_after_a_reclaim(ledger):
+    """A stale holder (reaped, then the task claimed again) is refused by the lease epoch."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    async def go():
+        conn = await _tasks_conn(ledger)
+        await ledger_tasks.create(conn, _new_task("tsk_old"))
+        (first,) = await ledger_tasks.claim(conn, "old-holder", 1)
+        await conn.execute("UPDATE tasks SET heartbeat_at = now() - interval '1 hour'")
+        reaped = await ledger_tasks.reap(conn, 5.0)
+        (second,) = await ledger_tasks.claim(conn, "new-holder", 1)
+        late_beat = await ledger_tasks.heartbeat(conn, "tsk_old", first.lease_epoch)
+        late_finish = await ledger_tasks.finish(
+            conn, "tsk_old", first.lease_epoch, ledger_tasks.Outcome(TaskStatus.SUCCEEDED, "stale")
+        )
+        now_beat = await ledger_tasks.heartbeat(conn, "tsk_old", second.lease_epoch)
+        final = await ledger_tasks.get(conn, "tsk_old")
+        await conn.close()
+        return reaped, first, second, late_beat, late_finish, now_beat, final
+
+    reaped, first, second, late_beat, late_finish, now_beat, final = asyncio.run(go())
+    assert [r.status for r in reaped] == [TaskStatus.QUEUED]
+    assert (first.lease_epoch, second.lease_epoch, second.attempts) == (1, 2, 2)
+    assert late_beat is None and late_finish is False
+    assert now_beat is False  # alive, no cancel
+    assert (final.status, final.lease_holder, final.result) == (TaskStatus.RUNNING, "new-holder", None)
+
+
+def test_a_task_whose_holders_keep_dying_ends_lost_with_the_reason(ledger):
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    async def go():
+        conn = await _tasks_conn(ledger)
+        await ledger_tasks.create(conn, _new_task("tsk_doomed"))  # max_attempts 2
+        statuses = []
+        for holder in ("h1", "h2"):
+            await ledger_tasks.claim(conn, holder, 1)
+            await conn.execute("UPDATE tasks SET heartbeat_at = now() - interval '1 hour'")
+            statuses += [r.status for r in await ledger_tasks.reap(conn, 5.0)]
+        final = await ledger_tasks.get(conn, "tsk_doomed")
+        again = await ledger_tasks.claim(conn, "h3", 1)
+        await conn.close()
+        return statuses, final, again
+
+    statuses, final, again = asyncio.run(go())
+    assert statuses == [TaskStatus.QUEUED, TaskStatus.LOST]
+    assert final.status == TaskStatus.LOST and final.finished_at is not None
+    assert "no heartbeat from h2" in final.error and "attempt 2 of 2" in final.error
+    assert again == []  # never silently re-created or re-run
+
+
+# -- the HTTP API: the owner chain reads and cancels ----------------------------------------
+
+
+def test_tasks_api_lists_shows_and_cancels_with_json_errors(stack, topics, ledger):
+    """GET the user's tasks and one task; cancel a queued one (200, audited with the token's
+    name); a second cancel is a 409; unknown and malformed ids are 404s, never 500s."""
+    import httpx
+
+    from ingest_support import create_token, start_ingest
+    from vigil.ledger import tasks as ledger_tasks
+
+    async def seed():
+        conn = await _tasks_conn(ledger)
+        await ledger_tasks.create(conn, _new_task("tsk_" + "a" * 20))
+        await conn.close()
+
+    asyncio.run(seed())
+    token = create_token(ledger, "owner-app")["token"]
+    ingest = start_ingest(stack, ledger, topics)
+    try:
+        auth = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=ingest.url, headers=auth, timeout=10) as http:
+            listed = http.get("/v1/users/race/tasks").json()["tasks"]
+            assert [t["id"] for t in listed] == ["tsk_" + "a" * 20] and listed[0]["status"] == "queued"
+            one = http.get("/v1/tasks/tsk_" + "a" * 20)
+            assert one.status_code == 200 and one.json()["owner_chain"] == ["race", "race:1:1:1"]
+            cancelled = http.post("/v1/tasks/tsk_" + "a" * 20 + "/cancel")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+            again = http.post("/v1/tasks/tsk_" + "a" * 20 + "/cancel")
+            assert again.status_code == 409 and again.json()["error"] == "conflict"
+            for bad in ("/v1/tasks/tsk_" + "b" * 20, "/v1/tasks/nope", "/v1/tasks/tsk_%00"):
+                answer = http.get(bad)
+                assert answer.status_code == 404 and answer.json()["error"] == "not_found", bad
+            assert http.get("/v1/users/race/tasks?status=bogus").status_code == 400
+            assert httpx.get(ingest.url + "/v1/users/race/tasks").status_code == 401
+    finally:
+        ingest.stop()
+    audit = query(ledger, "SELECT actor, action FROM audit WHERE action = 'task.cancel'")
+    assert audit == [{"actor": "owner-app", "action": "task.cancel"}]
+    assert scalar(ledger, "SELECT cancel_requested_by FROM tasks") == "owner-app"
