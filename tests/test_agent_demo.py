@@ -79,6 +79,19 @@ def test_demo_anything_else_is_quiet(demo):
     assert result.outcome is RunOutcome.NOTHING and result.messages == []
 
 
+def test_demo_reply_recalls_its_conversation_and_a_new_one_does_not(demo):
+    [told] = t.run(demo.base_url, t.context([t.chat("my favourite colour is teal")]))
+    assert told.messages == [OutMessage("Hi! You said: my favourite colour is teal", False)]
+    session = told.session.id
+    reply = t.chat("what did I just tell you?", session_id=session)
+    [resumed] = t.run(demo.base_url, t.context([reply], sessions=[t.saved(told)]))
+    assert resumed.messages == [OutMessage("You told me your favourite colour is teal.", False)]
+    assert resumed.session.id == session and resumed.messages[0].session_id == session
+    [fresh] = t.run(demo.base_url, t.context([t.chat("what did I just tell you?")]))
+    assert fresh.messages == [OutMessage("This is a new conversation: you have not told me anything in it yet.", False)]
+    assert fresh.session.id != session
+
+
 def test_demo_background_research_is_delegated_and_reported(demo):
     """Step 5 of the demo: the agent delegates in the background and reports the result when
     the task's event resumes its conversation."""

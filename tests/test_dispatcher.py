@@ -143,6 +143,24 @@ def test_urgent_daily_cap_makes_urgent_messages_wait_like_others_until_the_next_
     assert [r.bodies for r in receiver.got()][-2:] == [["plain"], ["urgent three"]]
 
 
+def test_an_approval_question_past_the_urgent_cap_is_not_held_beyond_its_deadline(ledger, receiver, dispatch):
+    clock = ManualClock(T0)
+    d = dispatch(clock, outbox_gap=3600, urgent_daily_cap=0)  # no urgent bypass at all today
+    add_webhook_users(ledger, ["ana"], receiver.url)
+    add_message(ledger, "ana", "hello", created_at=at(clock, 0))
+    d.run_pass()
+    add_message(ledger, "ana", "urgent news", urgent=True, created_at=at(clock, 5))
+    d.run_pass()
+    assert len(receiver.got()) == 1, "an ordinary urgent message waits for the gap"
+    # The question's deadline (as the worker's finish stores it) is inside the gap.
+    question = add_message(ledger, "ana", "Approval needed: refund", urgent=True, created_at=at(clock, 10))
+    with psycopg.connect(ledger) as conn:
+        conn.execute("UPDATE outbox SET deadline = %s WHERE id = %s", (T0 + timedelta(minutes=40), question))
+    d.run_pass()
+    assert [r.bodies for r in receiver.got()][1] == ["urgent news", "Approval needed: refund"]
+    assert scalar(ledger, "SELECT urgent_count FROM users") == 1  # it still counts against the cap
+
+
 def test_503_then_200_is_delivered_after_recovery_with_retries_counted_and_retry_after_honoured(
     ledger, receiver, dispatch
 ):

@@ -6,6 +6,7 @@ import io
 import json
 import uuid
 
+import psycopg
 import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer
@@ -26,8 +27,11 @@ def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topi
         runner = CliRunner()
         result = runner.invoke(main, ["channels", "set", "kai", "--type", "kafka"], env={"VIGIL_DATABASE_URL": ledger})
         assert result.exit_code == 0, result.output
-        add_message(ledger, "kai", "first", created_at=T0)
+        first = add_message(ledger, "kai", "first", created_at=T0)
         add_message(ledger, "kai", "second", created_at=T0)
+        # Joined messages of two conversations: a reply continues the newest one's.
+        with psycopg.connect(ledger) as conn:
+            conn.execute("UPDATE outbox SET session_id = CASE WHEN id = %s THEN 'ses-a' ELSE 'ses-b' END", (first,))
         assert d.run_pass() == 1
     finally:
         d.close()
@@ -45,6 +49,7 @@ def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topi
     assert dict(message.headers())["delivery-id"].decode() == delivery_id
     assert (record["delivery_id"], record["user_id"], record["messages"]) == (delivery_id, "kai", ["first", "second"])
     assert record["sent_at"] == T0
+    assert record["session_id"] == "ses-b"
     assert query(ledger, "SELECT DISTINCT status, channel FROM outbox") == [{"status": "delivered", "channel": "kafka"}]
 
 
@@ -59,6 +64,8 @@ def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
     try:
         add_users(ledger, ["lee"])
         add_message(ledger, "lee", "hello from the agent", created_at=T0)
+        with psycopg.connect(ledger) as conn:
+            conn.execute("UPDATE outbox SET session_id = 'ses-l'")
         d.run_pass()
     finally:
         d.close()
@@ -67,6 +74,7 @@ def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
     line = json.loads(lines[0])
     assert line["channel"] == "log" and line["data"]["user_id"] == "lee"
     assert line["data"]["messages"][0]["body"] == "hello from the agent"
+    assert line["data"]["session_id"] == line["data"]["messages"][0]["session_id"] == "ses-l"
     assert line["data"]["delivery_id"] == scalar(ledger, "SELECT delivery_id::text FROM outbox")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from datetime import date, timedelta
 from uuid import uuid4
 
@@ -29,6 +30,15 @@ def test_first_message_goes_at_once_and_later_ones_wait_for_the_gap():
     assert plan(pacing(last=T0), [row(2)], T0 + timedelta(seconds=GAP - 1), 3) is None
     joined = plan(pacing(last=T0), [row(3), row(2)], T0 + timedelta(seconds=GAP), 3)
     assert [r.id for r in joined.rows] == [2, 3], "held messages are joined oldest first"
+
+
+def test_a_question_with_a_deadline_is_never_held_by_the_urgent_cap():
+    inside = T0 + timedelta(minutes=5)
+    question = replace(row(2, urgent=True), deadline=T0 + timedelta(hours=1))
+    for capped in (pacing(last=T0, urgent_day=T0.date(), urgent_count=2), pacing(last=T0, cap=0)):
+        assert plan(capped, [row(1), row(2, urgent=True)], inside, 3) is None
+        decision = plan(capped, [row(1), question], inside, 3)
+        assert decision.bypass and [r.id for r in decision.rows] == [1, 2]
 
 
 def test_urgent_bypasses_the_gap_until_the_days_cap_is_used():

@@ -96,8 +96,16 @@ def test_chat_message_idempotency_key_is_the_source_id(client, stack, topics):
     assert all(e.user_id == "u-42" for e in events)
 
 
+def test_producer_api_may_continue_a_conversation_with_a_chat_event(client, stack, topics):
+    body = envelope(1, source="chat", kind="chat.message", payload={"text": "and one more thing"}, session_id="ses-1")
+    response = client.post("/v1/events", json=body)
+    assert response.status_code == 202, response.text
+    [event] = read_events(stack.bootstrap, topics.events, 1, topics.partitions)
+    assert (event.source, event.session_id) == ("chat", "ses-1")
+
+
 def test_producer_api_cannot_write_reserved_sources(client):
-    for source in ("chat", "github", "approval", "timer"):
+    for source in ("github", "approval", "timer"):
         response = client.post("/v1/events", json=envelope(1, source=source))
         assert response.status_code == 400
         assert response.json()["field"] == "source"

@@ -262,17 +262,30 @@ def test_approval_expiry_denies_escalates_and_wakes_the_session(sched, ledger, s
     assert int(timer(ledger, "approval:refund-882")["due"].timestamp()) == escalated_due
     assert not timer(ledger, "approval:refund-882")["done"]
     assert at(sched, escalated_due - 1).events == 0
+    # Fail closed: asked again at every deadline, never expired on silence.
+    step = sched.settings.scheduler_escalate_after_s
     at(sched, escalated_due)
+    at(sched, escalated_due + step)
+    assert int(timer(ledger, "approval:refund-882")["due"].timestamp()) == escalated_due + 2 * step
+    assert scalar(ledger, "SELECT answer FROM approvals WHERE request_id = 'refund-882'") is None
+    # ... until an operator denies it: the expiry timer fires at once with the denial.
+    deny_at = escalated_due + step + 60
+    with connect(ledger) as conn:
+        assert approvals.operator_deny(conn, "refund-882", datetime.fromtimestamp(deny_at, UTC))[0]
+        assert not approvals.operator_deny(conn, "refund-882", datetime.fromtimestamp(deny_at, UTC))[0]
+    at(sched, deny_at)
 
     woke = {(e.source_id, e.kind): json.loads(e.payload)["answer"] for e in read_topic(stack.bootstrap, topics.events)}
     assert woke == {
         ("refund-881", "approval.answer"): "expired",
         ("refund-882/escalation", "approval.escalate"): "pending",
-        ("refund-882", "approval.answer"): "expired",
+        ("refund-882/escalation/2", "approval.escalate"): "pending",
+        ("refund-882/escalation/3", "approval.escalate"): "pending",
+        ("refund-882", "approval.answer"): "no",
         ("refund-883", "approval.answer"): "yes",  # the expiry still delivers the standing answer
     }
     answers = {r["request_id"]: r["answer"] for r in query(ledger, "SELECT request_id, answer FROM approvals")}
-    assert answers == {"refund-881": "expired", "refund-882": "expired", "refund-883": "yes"}
+    assert answers == {"refund-881": "expired", "refund-882": "no", "refund-883": "yes"}
     assert scalar(ledger, "SELECT count(*) FROM timers WHERE NOT done") == 0
 
 

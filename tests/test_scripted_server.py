@@ -117,6 +117,24 @@ def test_text_reply(serve):
     assert msg._request_id and msg._request_id.startswith("req_")
 
 
+def test_history_matches_the_earlier_user_turns_only(serve):
+    server = serve(
+        [
+            {
+                "when": {"user_text": "what did I say", "history": r"my name is (?P<name>\w+)"},
+                "reply": [{"type": "text", "text": "You are {name}."}],
+            },
+            {"reply": [{"type": "text", "text": "No idea."}]},
+        ]
+    )
+    earlier = [user("my name is Ada"), {"role": "assistant", "content": "Hello."}]
+    said = client(server).messages.create(model=MODEL, max_tokens=64, messages=[*earlier, user("what did I say?")])
+    alone = client(server).messages.create(
+        model=MODEL, max_tokens=64, messages=[user("my name is Ada. what did I say?")]
+    )
+    assert [said.content[0].text, alone.content[0].text] == ["You are Ada.", "No idea."]
+
+
 def test_tool_use_round_trip(serve):
     server = serve(
         [

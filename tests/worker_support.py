@@ -110,3 +110,16 @@ def assert_runs_consistent(dsn: str) -> None:
     for row in counts:
         expected = 1 if row["outcome"] == "message" else 0
         assert row["n"] == expected, f"run {row['id']} ({row['outcome']}) has {row['n']} outbox rows"
+
+
+def claude_env(vigil_env: dict[str, str], base_url: str, **extra: str) -> dict[str, str]:
+    """A worker running the Claude agent against the scripted Messages API at ``base_url``."""
+    return {
+        **vigil_env,
+        **FAST,
+        "VIGIL_AGENT": "claude",
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": "scripted-test-key",
+        "VIGIL_MODEL": "claude-scripted-1",
+        **extra,
+    }

@@ -239,6 +239,8 @@ CREATE TABLE outbox (
     fixed_at        timestamptz,                                 -- when delivery_id was fixed: the delivery's own time
     channel         text,                                        -- channel of the latest attempt: webhook | kafka | log
     dead_at         timestamptz,                                 -- when the dispatcher gave up on it
+    session_id      text,                                        -- the conversation that wrote it: a reply resumes it
+    deadline        timestamptz,                                 -- worthless after this (an approval question): never held by the urgent cap
     CONSTRAINT outbox_status_valid CHECK (status IN ('pending', 'sending', 'delivered', 'dead')),
     CONSTRAINT outbox_delivered_has_time CHECK ((status = 'delivered') = (delivered_at IS NOT NULL)),
     CONSTRAINT outbox_sending_has_delivery CHECK (status <> 'sending' OR delivery_id IS NOT NULL),
@@ -342,6 +344,15 @@ CREATE TABLE sessions (
     CONSTRAINT sessions_waiting_has_pending CHECK ((state = 'waiting') = (pending IS NOT NULL))
 );
 CREATE INDEX sessions_by_user ON sessions (user_id, updated_at);
+
+-- agent_policies: per-user overrides of deployment-wide agent settings, set by operators
+-- (`vigil policies set`). event_policies has VIGIL_EVENT_POLICIES's syntax and wins over it
+-- source by source: what an event arriving mid-run does (queue | fold | interrupt).
+CREATE TABLE agent_policies (
+    user_id        text PRIMARY KEY,
+    event_policies text        NOT NULL DEFAULT '',
+    updated_at     timestamptz NOT NULL DEFAULT now()
+);
 
 -- tasks: background work a run delegated to a sub-agent (docs/tasks.md). The row is the one
 -- authority over the task's life: every change of status is one statement that checks the

@@ -111,6 +111,7 @@ class AgentDemo:
         import httpx
 
         self.settings, self.user, self.seen = settings, user, 0
+        self.last_delivery: dict = {}
         port = os.environ.get("VIGIL_INGEST_PORT", "8080")
         token = os.environ.get("VIGIL_API_TOKEN")
         if not token:
@@ -122,13 +123,16 @@ class AgentDemo:
             base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=30
         )
 
-    def say(self, text: str) -> None:
+    def say(self, text: str, in_reply_to: str | None = None) -> dict:
+        body = {"text": text, **({"in_reply_to": in_reply_to} if in_reply_to else {})}
         response = self.http.post(
-            f"/v1/users/{self.user}/messages", json={"text": text}, headers={"Idempotency-Key": uuid.uuid4().hex}
+            f"/v1/users/{self.user}/messages", json=body, headers={"Idempotency-Key": uuid.uuid4().hex}
         )
         if response.status_code != 202:
             raise DemoFailed(f"POST /v1/users/{self.user}/messages answered {response.status_code}: {response.text}")
-        click.echo(f"  you: {text!r}  (POST /v1/users/{self.user}/messages -> 202)")
+        reply = f", in_reply_to {in_reply_to} -> session {response.json().get('session_id')}" if in_reply_to else ""
+        click.echo(f"  you: {text!r}  (POST /v1/users/{self.user}/messages{reply} -> 202)")
+        return response.json()
 
     def expect(self, pattern: str, timeout: float, what: str) -> re.Match:
         with connect(self.settings.dsn, autocommit=True) as conn:
@@ -137,6 +141,7 @@ class AgentDemo:
                 for row in conn.execute(Q.demo_delivered_after, {"user_id": self.user, "after": self.seen}).fetchall():
                     self.seen = row["id"]
                     click.echo("  agent: " + row["body"].replace("\n", "\n         "))
+                    self.last_delivery = row
                     match = re.search(pattern, row["body"])
                     if match:
                         return match
@@ -165,6 +170,17 @@ class AgentDemo:
         deadline = os.environ.get("VIGIL_APPROVAL_DEADLINE_S", "?")
         click.echo(f"  (not answering; the deadline is {deadline}s away)")
         self.expect(r"(?i)not made", 180, "the expiry to deny the refund")
+        click.echo("7. a reply resumes its conversation (in_reply_to: the delivery it answers)")
+        self.say("my favourite colour is teal")
+        self.expect(r"teal", 60, "the agent's answer")
+        delivery = self.last_delivery
+        click.echo(f"  (delivery {delivery['delivery_id']}, conversation {delivery['session_id']})")
+        resumed = self.say("what did I just tell you?", in_reply_to=str(delivery["delivery_id"]))
+        if resumed.get("session_id") != delivery["session_id"]:
+            raise DemoFailed(f"the reply did not name the delivery's conversation: {resumed}")
+        self.expect(r"favourite colour is teal", 60, "the agent to recall its conversation")
+        self.say("what did I just tell you?")
+        self.expect(r"new conversation", 60, "a message naming nothing to start a new conversation")
 
 
 @click.command()

@@ -106,6 +106,15 @@ class RunContext:
     fold: Callable[[Sequence[str]], Awaitable[list[EventRow]]] | None = None
     # Answers to approval requests that this run resumes, request_id -> "yes" | "no" | "expired".
     approvals: dict[str, str] = field(default_factory=dict)
+    # Messages already sent by earlier runs that the outbox still holds (pacing gap, a retry),
+    # oldest first: not delivered yet, but the agent must not say them again.
+    queued_messages: list[str] = field(default_factory=list)
+    # The user's events that died (attempts used up) since their last run that did not fail:
+    # dicts of id, source, kind, received_at, attempts, error. The agent hears of them once.
+    dead_events: list[dict] = field(default_factory=list)
+    # The user's own event policies (``agent_policies``, VIGIL_EVENT_POLICIES's syntax): they
+    # win over the deployment's, source by source.
+    event_policies: str = ""
     # Every session named by an event of the claim, by id (``session`` is one of them).
     sessions: dict[str, SavedSession] = field(default_factory=dict)
     # The approval rows named by approval.* events of the claim, by request id.
@@ -118,6 +127,12 @@ class RunContext:
 class OutMessage:
     text: str
     urgent: bool = False
+    # Where it goes, not what it says (so not compared): the conversation that wrote it (its
+    # delivery names the session, and a reply to the delivery resumes it; None for agents
+    # without sessions), and an approval question's deadline (the message is worthless after
+    # it, so the dispatcher never holds it behind the urgent cap).
+    session_id: str | None = field(default=None, compare=False)
+    deadline: datetime | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,10 @@ exception for a failed attempt.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,10 +33,12 @@ from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.sessions import plan
-from vigil.agent.settings import AgentSettings, EventPolicy, Permission
+from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
 from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
 from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
+
+log = logging.getLogger(__name__)
 
 # The agent stops this long before the worker's own run timeout, so that a run stopped by
 # its wall-time budget still returns (and saves its session) instead of being cancelled.
@@ -56,6 +60,11 @@ def effective_permissions(settings: AgentSettings, actions: list[ActionTool]) ->
 
 class ClaudeAgent:
     needs_context = True  # the worker loads sessions, memory, past messages and approvals
+
+    @property
+    def recent_messages(self) -> int:
+        """How many past messages the worker loads for a run (VIGIL_RECENT_MESSAGES)."""
+        return self.settings.recent_messages
 
     def __init__(
         self,
@@ -99,8 +108,26 @@ class ClaudeAgent:
 
     def _prefix(self, ctx: RunContext, memory: MemoryFiles, now: datetime) -> list[dict[str, Any]]:
         path = self.settings.instructions_path
-        recent = ctx.recent_messages[-self.settings.recent_messages :] if self.settings.recent_messages else []
-        return system_blocks(path, memory.files.get(path), memory.index(path), volatile_context(now, recent))
+        limit = self.settings.recent_messages
+        queued = ctx.queued_messages[-limit:] if limit else []
+        recent = ctx.recent_messages[-(limit - len(queued)) :] if limit > len(queued) else []
+        volatile = volatile_context(now, recent, queued, ctx.dead_events)
+        return system_blocks(path, memory.files.get(path), memory.index(path), volatile)
+
+    def policies_for(self, ctx: RunContext) -> dict[str, EventPolicy]:
+        """The deployment's event policies with the user's own (``agent_policies``) over them.
+        An override the ledger holds but that no longer parses is ignored, loudly: a user's
+        row must not fail every run of theirs."""
+        policies = dict(self.box.policies)
+        if not ctx.event_policies:
+            return policies
+        try:
+            own = parse_event_policies(ctx.event_policies)
+        except ValueError as exc:
+            log.warning("ignoring the user's event policies (agent_policies): %s", exc)
+            return policies
+        own.pop("approval", None)  # approval answers resume their own session: always queued
+        return policies | own
 
     async def run_task(self, ctx: TaskContext) -> TaskResult:
         """Execute a background task: a child conversation with the task's tools, re-checked
@@ -133,13 +160,16 @@ class ClaudeAgent:
             now=now,
             system=self._prefix(ctx, memory, now),
             approvals=dict(ctx.approval_requests),
+            policies=self.policies_for(ctx),
         )
         laid_out = plan(ctx, settings.session_max_bytes)
         result = RunResult()
         saves = []
         for thread in laid_out.threads:
             ended = await Conversation(self.box, run, thread).converse()
-            result.messages += ended.outputs.messages
+            # Each message names its conversation, so that a reply to its delivery resumes it.
+            sid = thread.session_id
+            result.messages += [replace(m, session_id=m.session_id or sid) for m in ended.outputs.messages]
             result.timers += ended.outputs.timers
             result.tasks += ended.outputs.tasks
             result.approvals += ended.approvals

@@ -15,10 +15,16 @@ from vigil.agent.base import ApprovalRequest, RunContext, RunResult, SavedSessio
 from vigil.agent.sessions import request_id_of, size_bytes
 from vigil.ledger.queries import Q
 
+# Dead events told to the agent at one run: enough to say what failed, bounded for the prompt.
+DEAD_EVENTS_SHOWN = 20
+
 
 async def load_context_parts(conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int) -> None:
-    """Fill ``ctx`` in place: every session its events name, memory, past messages, and the
-    approval requests its approval events name (with the approved argument hash)."""
+    """Fill ``ctx`` in place: every session its events name, memory, past messages (the newest
+    ``recent_limit``: delivered ones, and those the outbox still holds back for the pacing gap),
+    the user's events that died since their last run that did not fail, the user's own event
+    policies, and the approval requests its approval events name (with the approved argument
+    hash)."""
     user = {"user_id": ctx.user_id}
     session_ids = list(dict.fromkeys(e.session_id for e in ctx.events if e.session_id))
     if session_ids:
@@ -35,7 +41,12 @@ async def load_context_parts(conn: psycopg.AsyncConnection, ctx: RunContext, rec
     ctx.memory = {row["path"]: row["content"] for row in rows}
     if recent_limit:
         rows = await (await conn.execute(Q.agent_recent_messages, {**user, "limit": recent_limit})).fetchall()
-        ctx.recent_messages = [row["body"] for row in reversed(rows)]
+        ctx.recent_messages = [row["body"] for row in reversed(rows) if not row["queued"]]
+        ctx.queued_messages = [row["body"] for row in reversed(rows) if row["queued"]]
+    row = await (await conn.execute(Q.agent_policies_get, user)).fetchone()
+    ctx.event_policies = row["event_policies"] if row else ""
+    rows = await (await conn.execute(Q.agent_dead_events, {**user, "limit": DEAD_EVENTS_SHOWN})).fetchall()
+    ctx.dead_events = [dict(row) for row in rows]
     request_ids = list(dict.fromkeys(r for e in ctx.events if e.source == "approval" and (r := request_id_of(e))))
     if request_ids:
         rows = await (await conn.execute(Q.agent_approvals_load, {**user, "ids": request_ids})).fetchall()

@@ -69,11 +69,7 @@ class Toolbox:
     actions: dict[str, ActionTool]
     permissions: dict[str, Permission]  # every known tool's effective permission
     definitions: list[dict[str, Any]]  # the tools offered, in their fixed order
-    policies: dict[str, EventPolicy]
-
-    @property
-    def fold_sources(self) -> list[str]:
-        return sorted(s for s, p in self.policies.items() if p is not EventPolicy.QUEUE)
+    policies: dict[str, EventPolicy]  # the deployment's (VIGIL_EVENT_POLICIES); a user's may win
 
 
 @dataclass
@@ -86,8 +82,13 @@ class RunState:
     now: datetime  # when the run started (the prompt's "now"); tools read the clock when called
     system: list[dict[str, Any]]  # built once per run: the cached prefix must not move mid-run
     approvals: dict[str, ApprovalRequest]
+    policies: dict[str, EventPolicy] = field(default_factory=dict)  # this user's, per source
     folded: list[EventRow] = field(default_factory=list)
     stopped_by: str | None = None
+
+    @property
+    def fold_sources(self) -> list[str]:
+        return sorted(s for s, p in self.policies.items() if p is not EventPolicy.QUEUE)
 
 
 @dataclass
@@ -185,7 +186,7 @@ class Conversation:
     async def _boundary(self, start: tuple, folded_here: list[EventRow]) -> bool:
         """Claim events that arrived mid-run (fold / interrupt sources). True if any came."""
         ctx = self.run.ctx
-        sources = self.box.fold_sources
+        sources = self.run.fold_sources
         if ctx.fold is None or not sources:
             return False
         events = sorted(await ctx.fold(sources), key=lambda e: e.id)
@@ -195,7 +196,7 @@ class Conversation:
         folded_here.extend(events)
         if any(e.session_id for e in events):
             log.warning("fold returned events that name a session; they are treated as new events")
-        interrupt = any(self.box.policies.get(e.source) is EventPolicy.INTERRUPT for e in events)
+        interrupt = any(self.run.policies.get(e.source) is EventPolicy.INTERRUPT for e in events)
         metrics.EVENTS_MID_RUN.labels("interrupt" if interrupt else "fold").inc(len(events))
         if not interrupt:
             append_user(self.thread.messages, [text_block(render_events(events))])

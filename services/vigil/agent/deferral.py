@@ -40,7 +40,7 @@ from vigil.ledger.states import OnExpiry, TimerKind
 MAX_REASON_CHARS = 400
 _ON_EXPIRY_WORDS = {
     OnExpiry.DENY: "it counts as a no",
-    OnExpiry.ESCALATE: "you will be asked once more, then it counts as a no",
+    OnExpiry.ESCALATE: "you will be asked again until you answer; nothing happens meanwhile",
     OnExpiry.APPROVE: "it goes ahead",
 }
 
@@ -116,7 +116,7 @@ def defer(
             {"request_id": request_id},
             fixed_key=request_id,
         ),
-        question=OutMessage(question_text(pending, user_id, secret), urgent=True),
+        question=OutMessage(question_text(pending, user_id, secret), urgent=True, session_id=session_id, deadline=due),
     )
 
 
@@ -124,7 +124,8 @@ def escalate(pending: dict[str, Any], due: str | None, user_id: str, secret: str
     """The same question again, louder, with the deadline the escalation moved."""
     updated = {**pending, "due": due or pending["due"]}
     metrics.APPROVALS_REQUESTED.labels(pending["tool"], "escalate").inc()
-    return updated, OutMessage(question_text(updated, user_id, secret, again=True), urgent=True)
+    deadline = datetime.fromisoformat(updated["due"])
+    return updated, OutMessage(question_text(updated, user_id, secret, again=True), urgent=True, deadline=deadline)
 
 
 def resumed_turn(pending: dict[str, Any], resolved: dict[str, Any]) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from vigil.agent.base import MemoryWrite
 
 ROOT = "/memories"
+TASKS_DIR = ROOT + "/tasks/"  # progress files of work that spans wake-ups (memory kind 4)
 MAX_PATH_CHARS = 256
 # Index lines: a title is the start of a file's first line, enough to decide whether to open it.
 INDEX_TITLE_CHARS = 80
@@ -241,12 +242,16 @@ class MemoryFiles:
         only a new, deleted or retitled file does.
         """
         lines = []
-        for path in sorted(self.files)[:INDEX_MAX_FILES]:
+        # Task progress files first (work spanning wake-ups, to be continued), so that a long
+        # index never cuts them off; then the notes.
+        ordered = sorted(self.files, key=lambda p: (not p.startswith(TASKS_DIR), p))
+        for path in ordered[:INDEX_MAX_FILES]:
             if path == instructions_path:
                 continue
             first = self.files[path].lstrip().split("\n", 1)[0].strip().lstrip("#").strip()
             title = first[:INDEX_TITLE_CHARS] + ("..." if len(first) > INDEX_TITLE_CHARS else "")
-            lines.append(f"- {path}" + (f" -- {title}" if title else ""))
+            task = "task in progress: " if path.startswith(TASKS_DIR) else ""
+            lines.append(f"- {task}{path}" + (f" -- {title}" if title else ""))
         if len(self.files) > INDEX_MAX_FILES:
             lines.append(f"- ... and {len(self.files) - INDEX_MAX_FILES} more: view {ROOT} for all")
         return "\n".join(lines) if lines else "(no files yet)"

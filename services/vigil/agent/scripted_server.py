@@ -66,6 +66,8 @@ A rule::
         "tool_result_text": REGEX,  # ... whose content matches
         "tool_result_error": BOOL,  # ... whose is_error is this
         "system": REGEX,            # the system prompt's text
+        "history": REGEX,           # text of the user turns before the last one (a resumed
+                                    #   session's earlier conversation), joined by newlines
         "model": REGEX              # the requested model
       },
       "reply": [                    # content blocks of the answer; [] is a valid answer
@@ -88,7 +90,7 @@ A rule::
 A REGEX is a Python regular expression (``re.search``; use inline flags such as ``(?i)`` or
 ``(?s)``), or a list of them that must all match.  Their groups can be substituted into any
 string of the reply: ``{0}`` (whole match), ``{1}``, ``{name}``; with several regexes in one
-rule, later ones (model, system, user_text, tool_result_text, in that order) win on clashes,
+rule, later ones (model, system, history, user_text, tool_result_text, in that order) win on clashes,
 so prefer named groups.  ``{{`` and ``}}`` are literal braces; unknown names stay as they
 are.  A string that is exactly ``{name:int}`` or ``{name:float}`` becomes that number.
 
@@ -148,7 +150,7 @@ _ERROR_TYPES = {
     529: "overloaded_error",
 }
 _STOP_REASONS = {"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"}
-_WHEN_KEYS = {"user_text", "tool_result", "tool_result_text", "tool_result_error", "system", "model"}
+_WHEN_KEYS = {"user_text", "tool_result", "tool_result_text", "tool_result_error", "system", "model", "history"}
 _RULE_KEYS = {"name", "when", "reply", "stop_reason", "error", "times", "delay"}
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{(\w+)(?::(int|float))?\}")
@@ -237,7 +239,7 @@ def _compile_rule(index: int, raw: Any) -> _Rule:
     if unknown:
         raise ScriptError(f"{where}.when: unknown conditions {sorted(unknown)}")
     when: dict[str, Any] = {}
-    for key in ("user_text", "tool_result_text", "system", "model"):
+    for key in ("user_text", "tool_result_text", "system", "model", "history"):
         if key in when_raw:
             when[key] = _compile_regexes(when_raw[key], f"{where}.when.{key}")
     if "tool_result" in when_raw:
@@ -480,6 +482,7 @@ class _Turn:
     user_text: str
     tool_results: list[_ToolResult]
     offered_tools: set[str]
+    history: str = ""
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> _Turn:
@@ -501,13 +504,20 @@ class _Turn:
                     texts.append(text)
                     results.append(_ToolResult(names.get(b["tool_use_id"]), text, bool(b.get("is_error"))))
 
+        earlier = [
+            _result_text(b.get("content")) if b["type"] == "tool_result" else b.get("text", "")
+            for m in messages[:user_index]
+            if m["role"] == "user"
+            for b in _content_blocks(m["content"])
+            if b["type"] in ("text", "tool_result")
+        ]
         system = body.get("system") or ""
         if isinstance(system, list):
             system = "\n".join(b["text"] for b in system)
 
         choice = body.get("tool_choice") or {}
         offered = set() if choice.get("type") == "none" else {t["name"] for t in body.get("tools") or []}
-        return cls(body["model"], system, "\n".join(texts), results, offered)
+        return cls(body["model"], system, "\n".join(texts), results, offered, "\n".join(earlier))
 
 
 def _groups(match: re.Match[str]) -> dict[str, str]:
@@ -531,7 +541,12 @@ def _match(rule: _Rule, turn: _Turn) -> dict[str, str] | None:
     """The rule's captures if it matches the turn, else None."""
     when = rule.when
     captures: dict[str, str] = {}
-    for key, text in (("model", turn.model), ("system", turn.system), ("user_text", turn.user_text)):
+    for key, text in (
+        ("model", turn.model),
+        ("system", turn.system),
+        ("history", turn.history),
+        ("user_text", turn.user_text),
+    ):
         if key in when:
             found = _search_all(when[key], text)
             if found is None:

@@ -241,7 +241,8 @@ class AgentSettings(CommonSettings):
     )
     approval_on_expiry: OnExpiry = Field(
         OnExpiry.DENY,
-        description="What an unanswered approval becomes: deny, escalate (ask again, then deny) or approve.",
+        description="What an unanswered approval becomes: deny, escalate (ask again at every deadline until a "
+        "person answers or an operator denies: `vigil approvals deny`) or approve.",
     )
     max_messages_per_run: int = Field(
         DEFAULT_MAX_MESSAGES_PER_RUN, ge=1, le=100, description="Most send_message calls one run may make."

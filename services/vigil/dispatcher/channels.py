@@ -84,6 +84,11 @@ class Delivery:
     def created_at(self) -> datetime:
         return min(row.created_at for row in self.rows)
 
+    @property
+    def session_id(self) -> str | None:
+        """The conversation a reply to this delivery resumes: its newest message's that names one."""
+        return next((row.session_id for row in reversed(self.rows) if row.session_id), None)
+
     def document(self) -> dict:
         """What the receiver gets (Standard Webhooks' recommended ``type/timestamp/data``)."""
         return {
@@ -92,6 +97,7 @@ class Delivery:
             "data": {
                 "delivery_id": str(self.delivery_id),
                 "user_id": self.user_id,
+                "session_id": self.session_id,
                 "urgent": self.urgent,
                 "text": JOIN_SEPARATOR.join(row.body for row in self.rows),
                 "messages": [
@@ -101,6 +107,7 @@ class Delivery:
                         "body": row.body,
                         "urgent": row.urgent,
                         "created_at": row.created_at.isoformat(),
+                        "session_id": row.session_id,
                     }
                     for row in self.rows
                 ],
@@ -261,6 +268,7 @@ class KafkaChannel:
             "created_at": delivery.created_at,
             # The fixed time, not the attempt's: every copy of a delivery is the same record.
             "sent_at": delivery.fixed_at,
+            "session_id": delivery.session_id,
         }
 
     def send(self, delivery: Delivery, now: datetime) -> Outcome:

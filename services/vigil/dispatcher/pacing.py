@@ -12,7 +12,9 @@ so every rule is tested without one. What :func:`plan` decides for one user:
    the user's gap has passed since their last delivery.
 3. Inside the gap, an urgent held message takes everything held with it at once (order kept,
    and the gap restarts), unless the user's urgent bypasses for the day are used up; then it
-   waits like any other message.
+   waits like any other message. A message with a deadline (an approval question) is never
+   held by the cap: waiting out the gap could deliver a question that has already expired.
+   It still counts against the cap.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class Row:
     attempts: int
     next_attempt_at: datetime | None
     fixed_at: datetime | None
+    session_id: str | None = None  # the conversation that wrote it
+    deadline: datetime | None = None  # an approval question's: never held by the urgent cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +117,9 @@ def plan(
         return None
     if gap_passed(pacing, now):
         return Decision(Action.NEW, pacing.user_id, tuple(held))
-    if any(r.urgent for r in held) and urgent_used(pacing, now.date()) < pacing.urgent_cap:
+    if any(r.urgent for r in held) and (
+        urgent_used(pacing, now.date()) < pacing.urgent_cap or any(r.deadline is not None for r in held)
+    ):
         return Decision(Action.NEW, pacing.user_id, tuple(held), bypass=True)
     return None
 

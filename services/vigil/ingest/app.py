@@ -72,7 +72,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
         check=ConnectionPool.check_connection,
         name="ingest-approvals",
     )
-    events = EventsApi(settings, ctx.tokens, ctx.publisher)
+    events = EventsApi(settings, ctx.tokens, ctx.publisher, ctx.pool)
     hooks = HookReceiver(settings, ctx.pool, ctx.publisher)
     answers = ApprovalsApi(settings, answers_pool, ctx.publisher, before_answer)
     extra_routes, extra_paths = mounted(ctx)

@@ -4,9 +4,17 @@ Both need a bearer token, validate everything before producing anything (one bad
 batch refuses the whole batch, naming ``events[i].field``), and answer 202 only after the
 broker acknowledged every event.
 
-Sources that ingest itself vouches for (``chat``, webhook providers, ``timer``,
-``approval``) cannot be written through the producer API: a token holder could otherwise
-take a provider's delivery id, or forge an approval wake-up, before the real one arrives.
+Sources that ingest itself vouches for (webhook providers, ``timer``, ``approval``) cannot
+be written through the producer API: a token holder could otherwise take a provider's
+delivery id, or forge an approval wake-up, before the real one arrives. ``chat`` can: the
+chat endpoint takes the same tokens and any Idempotency-Key, so a chat event produced
+through ``/v1/events`` (with its ``session_id``, to continue a conversation) vouches for
+nothing more.
+
+A chat message continues a conversation when it names one: ``session_id`` directly, or
+``in_reply_to``, the id of the delivery it answers, which ingest resolves to the session
+that wrote that delivery (:func:`EventsApi.reply_session`). Neither: today's rules (the
+message joins whatever the run resumes anyway, or starts a new session).
 """
 
 from __future__ import annotations
@@ -16,20 +24,22 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+from psycopg_pool import AsyncConnectionPool
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vigil.bus.codec import Event
-from vigil.ingest.auth import TokenAuth, authorize
+from vigil.ingest.auth import TokenAuth, authorize, fetch_one
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem
 from vigil.ingest.settings import IngestSettings
+from vigil.ledger.queries import Q
 from vigil.ledger.states import HookProvider, Scope
 
 CHAT_SOURCE = "chat"
 CHAT_KIND = "chat.message"
-RESERVED_SOURCES = frozenset({CHAT_SOURCE, "timer", "approval", *(p.value for p in HookProvider)})
+RESERVED_SOURCES = frozenset({"timer", "approval", *(p.value for p in HookProvider)})
 MAX_TEXT_CHARS = 100_000
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 # Avro's timestamp-millis counts from 1970 in a signed long, so any year from 1 fits; the
@@ -114,12 +124,19 @@ class MessageIn(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, description="The message, any Unicode.")
+    in_reply_to: uuid.UUID | None = Field(
+        None, description="The delivery_id this message answers: the agent continues that delivery's conversation."
+    )
+    session_id: _id(256) | None = Field(None, description="Continue this agent session (instead of in_reply_to).")
 
 
 class Accepted(BaseModel):
     accepted: int = Field(description="Events the broker acknowledged.")
     source_id: str | None = Field(
         None, description="The dedup key used (messages: the Idempotency-Key or a fresh uuid)."
+    )
+    session_id: str | None = Field(
+        None, description="Messages: the session the message continues (given, or resolved from in_reply_to)."
     )
 
 
@@ -162,10 +179,31 @@ def parse_events(document: Any, max_batch: int) -> list[EventIn]:
 
 
 class EventsApi:
-    def __init__(self, settings: IngestSettings, auth: TokenAuth, publisher: Publisher):
+    def __init__(self, settings: IngestSettings, auth: TokenAuth, publisher: Publisher, pool: AsyncConnectionPool):
         self.settings = settings
         self.auth = auth
         self.publisher = publisher
+        self.pool = pool  # in_reply_to lookups
+
+    async def reply_session(self, user_id: str, message: MessageIn) -> str | None:
+        """The session a message continues: its ``session_id``, or the one that wrote the delivery
+        it replies to (404 if this user had no such delivery; None if that delivery came from no
+        session, e.g. the echo agent's)."""
+        if message.in_reply_to is None:
+            return message.session_id
+        if message.session_id is not None:
+            raise invalid("in_reply_to", "give in_reply_to or session_id, not both")
+        row = await fetch_one(
+            self.pool, Q.outbox_delivery_session, {"user_id": user_id, "delivery_id": message.in_reply_to}
+        )
+        if row is None:
+            raise Refusal(
+                404,
+                "unknown_delivery",
+                f"in_reply_to: no delivery {message.in_reply_to} to user {user_id}",
+                field="in_reply_to",
+            )
+        return row["session_id"]
 
     async def post_events(self, request: Request) -> Response:
         caller = await self.auth(request, Scope.EVENTS)
@@ -194,6 +232,7 @@ class EventsApi:
             message = MessageIn.model_validate(await read_json(request, self.settings.max_body_bytes, "invalid_event"))
         except ValidationError as exc:
             raise refuse_validation(exc) from None
+        session_id = await self.reply_session(user_id, message)
         source_id = key or str(uuid.uuid4())
         event = Event(
             user_id=user_id,
@@ -202,6 +241,7 @@ class EventsApi:
             kind=CHAT_KIND,
             payload=json.dumps({"text": message.text}, ensure_ascii=False),
             received_at=received_at(request),
+            session_id=session_id,
         )
         await self.publisher.send([event], via="messages")
-        return JSONResponse({"accepted": 1, "source_id": source_id}, 202)
+        return JSONResponse({"accepted": 1, "source_id": source_id, "session_id": session_id}, 202)

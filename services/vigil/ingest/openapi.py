@@ -104,7 +104,12 @@ def paths() -> dict[str, Any]:
                     ),
                 ],
                 "requestBody": _json_body("MessageIn", "The message."),
-                "responses": {**_ok("202", "Accepted", "The broker acknowledged the message."), **BEARER, **REFUSALS},
+                "responses": {
+                    **_ok("202", "Accepted", "The broker acknowledged the message."),
+                    "404": _error("in_reply_to names no delivery to this user."),
+                    **BEARER,
+                    **REFUSALS,
+                },
             }
         },
         "/v1/hooks/{hook_id}": {

@@ -32,7 +32,6 @@ from vigil.ledger.queries import Q
 from vigil.ledger.states import ApprovalAnswer, OnExpiry
 
 UNKNOWN = "unknown"  # the answer path's reply for a request never made
-MAX_ESCALATIONS = 1  # escalate: ask again once, louder, then deny
 TOKEN_VERSION = "v1"
 
 
@@ -46,8 +45,9 @@ class Standing:
     session_id: str | None = None
     tool: str | None = None
     tool_use_id: str | None = None
-    escalated: bool = False  # the expiry became a second ask
+    escalated: bool = False  # the expiry became another ask
     due: datetime | None = None
+    escalations: int = 0  # times asked again so far
 
 
 def _standing(conn: psycopg.Connection, request_id: str, escalated: bool = False) -> Standing:
@@ -64,6 +64,7 @@ def _standing(conn: psycopg.Connection, request_id: str, escalated: bool = False
         row["tool_use_id"],
         escalated,
         row["due"],
+        row["escalations"],
     )
 
 
@@ -85,15 +86,13 @@ def expire(conn: psycopg.Connection, request_id: str, at: datetime, escalate_aft
     """The deadline passed (the scheduler's expiry timer; call inside a transaction).
 
     Applies the request's policy: ``deny`` stores expired; ``approve`` stores yes;
-    ``escalate`` the first time moves the deadline by ``escalate_after`` and reports
-    ``escalated`` (the wake-up asks again, louder), then behaves as deny. If an answer was
-    already stored, nothing is written and that answer is reported.
+    ``escalate`` moves the deadline by ``escalate_after`` and reports ``escalated`` (the
+    wake-up asks again, louder), at every deadline: it fails closed, waiting until a person
+    answers or an operator denies (``vigil approvals deny``), never running the tool on
+    silence. If an answer was already stored, nothing is written and that answer is reported.
     """
     params = {"request_id": request_id, "at": at, "received_at": None}
-    escalated = conn.execute(
-        Q.approval_escalate,
-        {**params, "new_due": at + escalate_after, "max_escalations": MAX_ESCALATIONS},
-    ).fetchone()
+    escalated = conn.execute(Q.approval_escalate, {**params, "new_due": at + escalate_after}).fetchone()
     if escalated is not None:
         return _standing(conn, request_id, escalated=True)
     if conn.execute(Q.approval_approve_on_expiry, params).fetchone() is None:
@@ -106,7 +105,10 @@ def wake_event(standing: Standing, received_at: datetime | None = None) -> Event
     an escalation has its own key (it is a second question, not the answer)."""
     now = received_at or datetime.now(UTC)
     if standing.escalated:
-        source_id, kind = f"{standing.request_id}/escalation", "approval.escalate"
+        # Each escalation is its own question: its own key (the first keeps the plain one).
+        n = standing.escalations
+        source_id = f"{standing.request_id}/escalation" + (f"/{n}" if n > 1 else "")
+        kind = "approval.escalate"
     else:
         source_id, kind = standing.request_id, "approval.answer"
     payload = {
@@ -126,6 +128,21 @@ def wake_event(standing: Standing, received_at: datetime | None = None) -> Event
         received_at=now,
         session_id=standing.session_id,
     )
+
+
+def operator_deny(conn: psycopg.Connection, request_id: str, at: datetime) -> tuple[bool, Standing]:
+    """An operator decides an open request: it counts as a no (call inside a transaction).
+
+    The request's expiry timer is moved to ``at`` (now), so the scheduler's next pass produces the
+    wake-up with the standing answer (as it does after any answer) and the session resumes
+    with the denial. Returns whether this call denied it, and the standing answer (already
+    answered: nothing changes).
+    """
+    row = conn.execute(Q.approval_operator_deny, {"request_id": request_id}).fetchone()
+    if row is not None:
+        user_id = row["user_id"] if isinstance(row, dict) else row[0]
+        conn.execute(Q.approval_expiry_now, {"user_id": user_id, "request_id": request_id, "at": at})
+    return row is not None, _standing(conn, request_id)
 
 
 def args_hash(tool: str, arguments: dict) -> str:

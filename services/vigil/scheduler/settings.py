@@ -20,7 +20,7 @@ DEFAULT_BATCH_SIZE = 200
 # Finished work is kept a month; a duplicate is recognised for a week (GitHub and Stripe
 # retry webhooks for up to three days).
 DEFAULT_RETENTION_DAYS = 30.0
-# An escalated approval asks again and waits this long before the deadline policy denies.
+# An escalated approval asks again and waits this long for the next deadline (and asks again).
 DEFAULT_ESCALATE_AFTER_S = 3600
 
 
@@ -63,8 +63,8 @@ class SchedulerSettings(CommonSettings):
         DEFAULT_ESCALATE_AFTER_S,
         ge=1,
         le=30 * 86_400,
-        description="An approval whose policy is `escalate` is asked again at its deadline with a new deadline this "
-        "many seconds later, then denied.",
+        description="An approval whose policy is `escalate` is asked again at each deadline with a new deadline this "
+        "many seconds later, until answered or denied by an operator (`vigil approvals deny`).",
     )
     retention_days: float = Field(
         DEFAULT_RETENTION_DAYS,

@@ -7,9 +7,11 @@ import psycopg
 from vigil.agent.base import RunContext
 from vigil.agent.context import load_context_parts
 
-RECENT_MESSAGES = 20  # enough for the agent not to repeat itself, small enough for the prompt
+# For an agent that does not say how many past messages it wants (``agent.recent_messages``):
+# enough for it not to repeat itself, small enough for the prompt.
+RECENT_MESSAGES = 20
 
 
-async def load_context(conn: psycopg.AsyncConnection, ctx: RunContext) -> None:
+async def load_context(conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int = RECENT_MESSAGES) -> None:
     """Fill ``ctx`` in place. Only the user's own rows are ever read."""
-    await load_context_parts(conn, ctx, RECENT_MESSAGES)
+    await load_context_parts(conn, ctx, recent_limit)

@@ -9,7 +9,8 @@ Order inside the transaction:
    done runs' events and their outbox rows. Then, for runs that have them: a failed
    attempt's events back to ``pending`` with the error and a backoff, timers, approval
    requests, memory writes, saved sessions and delegated background tasks (a run that
-   does not commit starts nothing).
+   does not commit starts nothing); and, in one statement for the group, the session and
+   deadline of each message that has them (``outbox_tag_messages``).
 3. Commit.
 
 A crash before the commit leaves every claim ``running``: the next owner of the partition
@@ -253,7 +254,27 @@ async def _commit(
             for cursor, expected in checks:
                 if cursor.rowcount != expected:
                     raise FinishMismatch(f"{cursor.rowcount} of {expected} events still claimed")
+            tags = _message_tags(valid, ids)
+            if tags["run_id"]:
+                await conn.execute(Q.outbox_tag_messages, tags)
     return valid, stale
+
+
+def _message_tags(runs: list[Finished], ids: dict[str, tuple[int, int]]) -> dict[str, list]:
+    """``outbox_tag_messages`` parameters: each message's session and deadline, by its run and
+    its position among the run's messages (the order finish_runs inserted them in)."""
+    tags: dict[str, list] = {"run_id": [], "n": [], "session_id": [], "deadline": []}
+    for run in runs:
+        if run.error is not None or run.result is None:
+            continue
+        for n, message in enumerate(run.result.messages, 1):
+            if message.session_id is None and message.deadline is None:
+                continue
+            tags["run_id"].append(ids[run.claim.user_id][0])
+            tags["n"].append(n)
+            tags["session_id"].append(message.session_id)
+            tags["deadline"].append(message.deadline)
+    return tags
 
 
 # What the ledger refuses about a run's *result* (a constraint it violates, a value it cannot

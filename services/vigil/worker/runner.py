@@ -26,7 +26,7 @@ from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.ledger.queries import Q
 from vigil.worker import metrics
 from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead, owned_params
-from vigil.worker.context import load_context
+from vigil.worker.context import RECENT_MESSAGES, load_context
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, backoff_seconds, commit_finished
 from vigil.worker.settings import WorkerSettings
@@ -362,7 +362,7 @@ class Runner:
         )
         if getattr(self.agent, "needs_context", True):
             async with self.pool.connection() as conn:
-                await load_context(conn, ctx)
+                await load_context(conn, ctx, getattr(self.agent, "recent_messages", RECENT_MESSAGES))
         return ctx
 
     async def finish_loop(self) -> None:

@@ -28,11 +28,10 @@ WHERE request_id = %(request_id)s AND answer IS NULL AND due <= %(at)s AND on_ex
 RETURNING answer
 
 -- name: approval_escalate
--- on_expiry = escalate, first expiry: ask again with a new deadline instead of expiring.
+-- on_expiry = escalate, at every deadline: ask again with a new deadline instead of expiring (fail closed: until a person answers or an operator denies).
 UPDATE approvals
 SET escalations = escalations + 1, due = %(new_due)s
-WHERE request_id = %(request_id)s AND answer IS NULL AND due <= %(at)s
-  AND on_expiry = 'escalate' AND escalations < %(max_escalations)s
+WHERE request_id = %(request_id)s AND answer IS NULL AND due <= %(at)s AND on_expiry = 'escalate'
 RETURNING escalations, due
 
 -- name: approval_get
@@ -40,3 +39,25 @@ RETURNING escalations, due
 SELECT request_id, user_id, session_id, run_id, tool, tool_use_id, args_hash, due, on_expiry,
        escalations, answer, answered_at, received_at, created_at
 FROM approvals WHERE request_id = %(request_id)s
+
+-- name: approvals_list
+-- Operators (`vigil approvals list`): requests, newest first; only the open ones unless %(all)s; one user's if %(user_id)s is set.
+SELECT request_id, user_id, session_id, tool, due, on_expiry, escalations, answer, answered_at, created_at
+FROM approvals
+WHERE (%(all)s OR answer IS NULL) AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s)
+ORDER BY created_at DESC
+LIMIT %(limit)s
+
+-- name: approval_operator_deny
+-- Operators (`vigil approvals deny`): an open request counts as a no. Zero rows: it was already answered or expired.
+UPDATE approvals
+SET answer = 'no', answered_at = now(), received_at = now()
+WHERE request_id = %(request_id)s AND answer IS NULL
+RETURNING user_id
+
+-- name: approval_expiry_now
+-- After an operator's answer: the request's expiry timer fires at %(at)s (now), and its wake-up carries the standing answer to the session.
+UPDATE timers
+SET due = date_trunc('second', %(at)s::timestamptz), updated_at = now()
+WHERE user_id = %(user_id)s AND kind = 'approval_expiry' AND fixed_key = %(request_id)s AND NOT done
+RETURNING id

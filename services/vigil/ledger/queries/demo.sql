@@ -25,4 +25,5 @@ SELECT status, delivery_id FROM outbox WHERE id = %(id)s AND status = 'delivered
 
 -- name: demo_delivered_after
 -- A user's delivered messages after a given outbox id, oldest first.
-SELECT id, body FROM outbox WHERE user_id = %(user_id)s AND status = 'delivered' AND id > %(after)s ORDER BY id
+SELECT id, body, delivery_id, session_id FROM outbox
+WHERE user_id = %(user_id)s AND status = 'delivered' AND id > %(after)s ORDER BY id

@@ -45,7 +45,8 @@ LEFT JOIN channels c ON c.user_id = l.user_id
 
 -- name: outbox_unfinished_for_users
 -- The unfinished rows (pending, sending) of locked users, oldest first: every row of a fixed delivery, the oldest %(max_messages)s held.
-SELECT id, user_id, run_id, body, urgent, created_at, status, delivery_id, attempts, next_attempt_at, fixed_at
+SELECT id, user_id, run_id, body, urgent, created_at, status, delivery_id, attempts, next_attempt_at, fixed_at,
+       session_id, deadline
 FROM (
     SELECT o.*, row_number() OVER (PARTITION BY o.user_id, o.delivery_id ORDER BY o.id) AS n
     FROM outbox o
@@ -144,3 +145,9 @@ SET status = 'pending', dead_at = NULL, attempts = 0, next_attempt_at = %(now)s,
     error = 'revived by an operator; before: ' || coalesce(error, '')
 WHERE delivery_id = %(delivery_id)s AND status = 'dead'
 RETURNING id, user_id
+
+-- name: outbox_delivery_session
+-- The conversation a delivery of this user came from (its newest message that names one): ingest resolves a chat message's in_reply_to with it. No row: no such delivery for this user.
+SELECT (array_agg(session_id ORDER BY id DESC) FILTER (WHERE session_id IS NOT NULL))[1] AS session_id
+FROM outbox WHERE user_id = %(user_id)s AND delivery_id = %(delivery_id)s
+HAVING count(*) > 0

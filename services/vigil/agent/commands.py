@@ -1,0 +1,112 @@
+"""`vigil approvals list|deny`: operators see the questions waiting for people and decide.
+`vigil policies show|set`: one user's overrides of the deployment's agent settings.
+
+An approval whose policy is ``escalate`` fails closed: it is asked again at every deadline
+and never runs the tool on silence, so a request nobody will answer (a person gone on
+leave, a question sent to the wrong channel) waits until an operator denies it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+def _ledger():
+    from vigil.ledger.db import connect
+    from vigil.service import load_or_exit
+    from vigil.settings import CommonSettings
+
+    return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
+
+
+@click.group("approvals")
+def approvals() -> None:
+    """List approval requests and deny those nobody will answer."""
+
+
+@approvals.command("list")
+@click.option("--user", "user_id", help="Only this user's requests.")
+@click.option("--all", "include_answered", is_flag=True, help="Include answered and expired requests.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def approvals_list(user_id, include_answered, limit, as_json) -> None:
+    """Open approval requests (newest first): who, which tool, the deadline, times asked again."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        rows = conn.execute(Q.approvals_list, {"user_id": user_id, "all": include_answered, "limit": limit}).fetchall()
+    for row in rows:
+        if as_json:
+            click.echo(json.dumps(dict(row), default=str))
+        else:
+            state = row["answer"] or f"open, due {row['due'].isoformat()}"
+            click.echo(
+                f"{row['request_id']}  {row['user_id']}  {row['tool']}  {row['on_expiry']}  "
+                f"asked again {row['escalations']}x  {state}"
+            )
+
+
+@approvals.command("deny")
+@click.argument("request_id")
+def approvals_deny(request_id) -> None:
+    """Deny an open request: the session resumes with the denial (at the scheduler's next pass)."""
+    from datetime import UTC, datetime
+
+    from vigil.ledger import approvals as rule
+
+    with _ledger() as conn, conn.transaction():
+        denied, standing = rule.operator_deny(conn, request_id, datetime.now(UTC))
+    if standing.answer == rule.UNKNOWN:
+        raise click.ClickException(f"no approval request {request_id!r}")
+    if not denied:
+        raise click.ClickException(f"{request_id} was already decided: {standing.answer}")
+    click.echo(f"{request_id}: denied; the session of {standing.user_id} resumes with the denial")
+
+
+@click.group("policies")
+def policies() -> None:
+    """Per-user agent settings: what an event arriving mid-run does, per source."""
+
+
+def _show(row) -> str:
+    return f"{row['user_id']}: event policies {row['event_policies'] or '(the deployment default)'}"
+
+
+@policies.command("show")
+@click.argument("user_id")
+def policies_show(user_id) -> None:
+    """The user's overrides (VIGIL_EVENT_POLICIES applies to every source they do not name)."""
+    from vigil.ledger.queries import Q
+
+    with _ledger() as conn:
+        row = conn.execute(Q.agent_policies_get, {"user_id": user_id}).fetchone()
+    click.echo(_show(row or {"user_id": user_id, "event_policies": ""}))
+
+
+@policies.command("set")
+@click.argument("user_id")
+@click.argument("event_policies")
+def policies_set(user_id, event_policies) -> None:
+    """Replace the user's event policies, e.g. 'chat=fold,pager=interrupt' ('' clears them).
+
+    Each source named wins over VIGIL_EVENT_POLICIES for this user: queue (the next run),
+    fold (joins the running run at its next model turn), interrupt (the run starts over with it).
+    """
+    from vigil.agent.settings import parse_event_policies
+    from vigil.ledger.queries import Q
+
+    try:
+        parsed = parse_event_policies(event_policies)
+    except ValueError as exc:
+        raise click.UsageError(f"EVENT_POLICIES: {exc}") from None
+    if "approval" in parsed:
+        raise click.UsageError("EVENT_POLICIES: approval events resume their own session and are always queued")
+    canonical = ",".join(f"{source}={policy.value}" for source, policy in sorted(parsed.items()))
+    with _ledger() as conn:
+        row = conn.execute(Q.agent_policies_set, {"user_id": user_id, "event_policies": canonical}).fetchone()
+    click.echo(_show(row))
+
+
+commands = [approvals, policies]
