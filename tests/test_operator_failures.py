@@ -210,3 +210,15 @@ def test_json_on_revoke_rm_and_retry(ledger):
 
     retried = vigil("dead", "retry", "424242", "--json", env=env)
     assert json.loads(retried.stdout) == {"retried": [], "not_dead": [424242]}, retried.stderr
+
+
+def test_dev_status_json_names_every_part_and_its_state(tmp_path):
+    """`vigil dev status --json`: one object per part; a pid file whose process is gone is dead."""
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "pids" / "worker.pid").write_text("999999999")  # no such process
+    result = vigil("dev", "status", "--json", env={"VIGIL_DEV_RUN_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    parts = {row["name"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert {"ingest", "worker", "scheduler", "dispatcher", "kafka", "postgresql"} <= set(parts)
+    assert parts["worker"] == {"name": "worker", "state": "dead", "pid": None}
+    assert parts["ingest"]["state"] == "stopped"

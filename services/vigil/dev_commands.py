@@ -253,7 +253,8 @@ def down() -> None:
 
 
 @dev.command()
-def status() -> None:
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per part: name, state, pid.")
+def status(as_json: bool) -> None:
     """Which parts of the local stack are running."""
     root = run_dir()
     rows = {name: root / "pids" / f"{name}.pid" for name in [*SERVICES, "scripted-claude"]}
@@ -261,10 +262,13 @@ def status() -> None:
     rows["postgresql"] = root / "pg" / "postgres.pid"
     for name, pidfile in rows.items():
         pid = devstack.read_pid(pidfile)  # a killed process not yet reaped (a zombie) counts as stopped
-        if pid:
+        state = "running" if pid else ("dead" if pidfile.exists() else "stopped")
+        if as_json:
+            click.echo(json.dumps({"name": name, "state": state, "pid": pid}))
+        elif pid:
             click.echo(f"{name:<16} running pid {pid}")
         else:
-            click.echo(f"{name:<16} {'dead (pid file left behind)' if pidfile.exists() else 'stopped'}")
+            click.echo(f"{name:<16} {'dead (pid file left behind)' if state == 'dead' else 'stopped'}")
 
 
 commands = [dev]
