@@ -264,3 +264,25 @@ def test_dead_letters_page_through_rows_microseconds_apart(console, ledger):
         path = more.group(1).replace("&amp;", "&") if more else None
     assert len(seen) == 120 and len(set(seen)) == 120
     assert console.get("/dead?events_before=not-json").status_code == 200  # a bad cursor is the first page
+
+
+def test_timeline_shows_the_users_background_tasks_escaped(console, ledger):
+    """Issue 17's tasks on the timeline: status, attempts, holder, result or error; the task's
+    instructions and result come from a model and are shown as text."""
+    seeded = seed_user(ledger)
+    query(
+        ledger,
+        """INSERT INTO tasks (id, user_id, parent_run_key, depth, owner_chain, instructions, token_budget,
+                              max_attempts, deadline, status, attempts, lease_epoch, finished_at, result)
+           VALUES ('tsk_0123456789abcdef0123', %(u)s, 'k', 1, ARRAY[%(u)s], %(x)s, 100, 3, now() + interval '1 h',
+                   'succeeded', 2, 2, now(), %(x)s),
+                  ('tsk_ffffffffffffffffffff', %(u)s, 'k', 1, ARRAY[%(u)s], 'slow one', 100, 3, now() + interval '1 h',
+                   'lost', 3, 3, now(), NULL)""",
+        {"u": seeded.user, "x": "research " + XSS},
+    )
+    query(ledger, "UPDATE tasks SET error = 'no heartbeat from w-1 for 31 s (attempt 3 of 3)' WHERE status = 'lost'")
+    login(console, ledger)
+    page = console.get(f"/users/{seeded.user}").text
+    assert "Background tasks" in page and "tsk_0123456789abcdef0123" in page and "2 of 3" in page
+    assert "no heartbeat from w-1 for 31 s (attempt 3 of 3)" in page
+    assert XSS not in page and "research &lt;script&gt;alert(1)&lt;/script&gt;" in page

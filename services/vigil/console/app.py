@@ -300,7 +300,8 @@ class Console:
         data = await self.read(ledger.timeline, user_id, before, PAGE)
         if data.user is None and not data.entries:
             raise Refused(404, "unknown_user", f"the ledger has nothing for user {user_id!r}")
-        return self.page(request, "timeline.html", user_id=user_id, tl=data, first=before is None)
+        tasks = await self.read(ledger.tasks_of_user, user_id) if before is None else []
+        return self.page(request, "timeline.html", user_id=user_id, tl=data, first=before is None, tasks=tasks)
 
     async def event(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)

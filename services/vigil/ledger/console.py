@@ -266,6 +266,30 @@ class Cursor:
 
 
 @dataclass(frozen=True)
+class TaskRow:
+    """A background task as the timeline shows it (docs/tasks.md)."""
+
+    id: str
+    status: str
+    attempts: int
+    max_attempts: int
+    depth: int
+    lease_holder: str | None
+    lease_epoch: int
+    heartbeat_at: datetime | None
+    deadline: datetime
+    created_at: datetime
+    finished_at: datetime | None
+    cancel_requested_by: str | None
+    instructions: str
+    result: str | None
+    error: str | None
+    tokens: int
+    parent_run_key: str
+    reported_at: datetime | None
+
+
+@dataclass(frozen=True)
 class TimelineEntry:
     at: datetime
     event: EventRow | None = None
@@ -336,6 +360,11 @@ def run_writes(conn: psycopg.Connection, runs: list[RunRow], limit: int = 500) -
             memory=[m for m in memory if m.updated_at == run.finished_at],
         )
     return result
+
+
+def tasks_of_user(conn: psycopg.Connection, user_id: str, limit: int = 20) -> list[TaskRow]:
+    """The user's latest background tasks, whatever their state."""
+    return _rows(TaskRow, _fetch(conn, Q.console_tasks_of_user, {"user_id": user_id, "limit": limit}))
 
 
 def timeline(conn: psycopg.Connection, user_id: str, before: Cursor | None = None, limit: int = 50) -> Timeline:
