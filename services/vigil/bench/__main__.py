@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from vigil.bench import ingest_http, pipeline, raw
+from vigil.bench import ingest_http, model_bound, pipeline, raw
 from vigil.bench.figures import Figure, Report, fmt
 from vigil.bench.plan import FULL, QUICK, Plan
 from vigil.bench.stack import BenchStack
@@ -40,8 +40,9 @@ FIGURES = [
     "ingest_http_batched_ratio",
     "worker_rss_mb",
     "worker_rss_growth_mb",
+    *model_bound.FIGURES,
 ]
-WORKLOADS = ["raw_kafka", "raw_pg", "record", "e2e", "memory", "ingest"]
+WORKLOADS = ["raw_kafka", "raw_pg", "record", "e2e", "memory", "ingest", "model_bound"]
 # "Memory flat": growth after warm-up within this share of the resident size (allocator noise).
 FLAT_SHARE = 0.05
 FALLBACK_RATE = 1000.0  # events/s for a workload whose input figure failed
@@ -138,6 +139,7 @@ def summary(report: Report, plan: Plan) -> None:
         f"{scale:.2f} x one worker (no target; 2 cores shared with broker, database, producer)" if scale else "missing",
         None,
     )
+    model_bound.summary(report, line)
 
 
 def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
@@ -167,6 +169,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
                 [n for n in figure_names(plan) if "http" in n],
                 lambda: ingest_http.ingest_http(stack, plan, report),
             ),
+            "model_bound": (model_bound.FIGURES, lambda: model_bound.model_bound(stack, plan, report)),
         }
         for name, (figures, action) in workloads.items():
             if only is None or name in only:
