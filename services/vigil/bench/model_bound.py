@@ -84,7 +84,7 @@ SIZES = {
     # 4 full waves of 2,500 runs: the slots stay full from the first claim to the last.
     "full": Size(users=10_000, concurrency=2_500, delay_s=5.0, servers=1),
     # Two waves, small enough for `make test`'s smoke run on a busy machine.
-    "quick": Size(users=200, concurrency=100, delay_s=0.5, servers=1),
+    "quick": Size(users=100, concurrency=50, delay_s=0.5, servers=1),
 }
 
 
