@@ -13,7 +13,7 @@ from psycopg.rows import dict_row
 from support import query
 from vigil.agent import testing as t
 from vigil.agent.base import RunResult, SessionSave
-from vigil.agent.context import load_context_parts, session_rows
+from vigil.agent.context import load_context_parts, load_contexts, session_rows
 from vigil.ledger.queries import Q
 
 PENDING = {
@@ -101,6 +101,37 @@ def test_load_context_parts_reads_the_users_own_rows(ledger):
     request = ctx.approval_requests["apr-1"]
     assert (request.session_id, request.tool, request.args_hash, request.answer) == ("ses-wait", "refund", "h", "yes")
     assert ctx.approvals == {"apr-1": "yes"}
+
+
+def test_a_claim_pass_loads_many_contexts_in_one_pipeline_each_its_own_users(ledger):
+    """The worker reads a whole claim pass's contexts together: each run gets exactly what
+    load_context_parts would give it alone, never a neighbour's rows."""
+    seed(ledger)
+    mine = t.context(
+        [
+            t.event(
+                "approval.answer", {"request_id": "apr-1", "answer": "yes"}, source="approval", session_id="ses-wait"
+            ),
+            t.chat("and also", session_id="ses-open"),
+        ]
+    )
+    alone = t.context(list(mine.events))
+    theirs = t.context([t.chat("hello", user_id="intruder", session_id="ses-other")], user_id="intruder")
+    nobody = t.context([t.chat("first time", user_id="new")], user_id="new")
+
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, row_factory=dict_row, autocommit=True) as conn:
+            await load_contexts(conn, [mine, theirs, nobody], recent_limit=5)
+
+    asyncio.run(go())
+    load(ledger, alone)
+
+    for field in ("sessions", "session", "memory", "recent_messages", "approval_requests", "approvals"):
+        assert getattr(mine, field) == getattr(alone, field), field
+    assert mine.memory == {"/memories/a.md": "A"} and mine.approvals == {"apr-1": "yes"}
+    assert list(theirs.sessions) == ["ses-other"] and theirs.memory == {"/memories/secret.md": "S"}
+    assert theirs.recent_messages == [] and theirs.approvals == {}
+    assert (nobody.sessions, nobody.memory, nobody.recent_messages) == ({}, {}, [])
 
 
 def test_sessions_are_stored_with_their_pending_call_and_resaved(ledger):

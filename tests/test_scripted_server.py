@@ -622,15 +622,23 @@ def test_demo_other_events_end_quietly(demo):
 # ---------------------------------------------------------------------------- the command line
 
 
-def test_command_line_entry_serves_a_script(tmp_path):
+def _command_line(tmp_path, text: str) -> tuple[list[str], dict[str, str], int]:
+    """Arguments, environment and a free port to run the server's command line with a
+    script that answers ``text`` to everything."""
     script = tmp_path / "script.json"
-    script.write_text(json.dumps({"rules": [{"reply": [{"type": "text", "text": "from the CLI"}]}]}))
+    script.write_text(json.dumps({"rules": [{"reply": [{"type": "text", "text": text}]}]}))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), os.environ.get("PYTHONPATH", "")])}
+    args = [sys.executable, "-m", "vigil.agent.scripted_server", "--script", str(script), "--port", str(port)]
+    return args, env, port
+
+
+def test_command_line_entry_serves_a_script(tmp_path):
+    args, env, port = _command_line(tmp_path, "from the CLI")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vigil.agent.scripted_server", "--script", str(script), "--port", str(port)],
+        args,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -649,3 +657,37 @@ def test_command_line_entry_serves_a_script(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_load_mode_shares_its_port_between_processes_and_keeps_no_bodies(tmp_path):
+    """``--load`` (the benchmark's model-bound workload): two processes on one port, both
+    answering, neither keeping request bodies for GET /_requests."""
+    args, env, port = _command_line(tmp_path, "under load")
+    procs = [
+        subprocess.Popen([*args, "--load"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        for proc in procs:  # both bound the port (a second plain bind would have failed and exited)
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", port), 0.5).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="k", max_retries=0)
+        for _ in range(20):  # a fresh connection each: the kernel spreads them over both processes
+            fresh = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="k", max_retries=0)
+            assert fresh.messages.create(model=MODEL, max_tokens=64, messages=[user("x")]).content[0].text == (
+                "under load"
+            )
+            fresh.close()
+        time.sleep(0.5)
+        assert all(proc.poll() is None for proc in procs), "a --load process exited: SO_REUSEPORT not shared"
+        assert httpx.get(f"http://127.0.0.1:{port}/_requests").json() == []
+        assert c.messages.create(model=MODEL, max_tokens=64, messages=[user("y")]).content[0].text == "under load"
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)

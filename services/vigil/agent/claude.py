@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import anthropic
+import httpx2
 
 from vigil.agent import delegation, metrics, model
 from vigil.agent.actions import action_tools
@@ -39,6 +41,9 @@ from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
 
 log = logging.getLogger(__name__)
+
+# Sockets the process needs besides its model connections: ledger pool, Kafka, health server.
+OTHER_FILES = 256
 
 # The agent stops this long before the worker's own run timeout, so that a run stopped by
 # its wall-time budget still returns (and saves its session) instead of being cancelled.
@@ -56,6 +61,42 @@ def effective_permissions(settings: AgentSettings, actions: list[ActionTool]) ->
             raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: {name} is built in and can only be allow or deny")
         permissions[name] = permission
     return permissions
+
+
+def model_client(settings: AgentSettings, **client_options: Any) -> anthropic.AsyncAnthropic:
+    """The one SDK client every run shares, on the SDK's aiohttp transport.
+
+    Why aiohttp: the default transport's pool (httpcore) walks every pooled connection on
+    each request and each release, so at 1,000 connections most of a worker's CPU went to
+    picking a connection; aiohttp's pool finds an idle one per host directly. Every
+    connection is kept alive (not the SDK's default of 100), so a run's second call reuses
+    its first call's connection instead of opening a new one. The SDK's own retries are off:
+    model.create is the one retry policy (see there). ``client_options`` (``base_url``,
+    ``api_key``) override what the SDK reads from ``ANTHROPIC_*``.
+    """
+    n = settings.model_max_connections
+    _allow_open_files(n + OTHER_FILES)
+    limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=settings.model_keepalive_s)
+    http = anthropic.DefaultAioHttpClient(limits=limits)
+    return anthropic.AsyncAnthropic(max_retries=0, http_client=http, **client_options)
+
+
+def _allow_open_files(needed: int) -> None:
+    """Raise the soft limit of open files toward the hard one: many systems start services
+    at a soft limit of 1,024, below what thousands of model connections need."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        log.warning(
+            "open files limited to %d; %d model connections (VIGIL_MODEL_MAX_CONNECTIONS) need about %d",
+            target,
+            needed - OTHER_FILES,
+            needed,
+        )
 
 
 class ClaudeAgent:
@@ -81,8 +122,8 @@ class ClaudeAgent:
         builtins = builtin_definitions(settings)
         definitions = [d for n, d in builtins.items() if permissions[n] is not Permission.DENY]
         definitions += [t.definition() for t in actions if permissions[t.name] is not Permission.DENY]
-        # The SDK's own retries are off: model.create is the one retry policy (see there).
-        client = client or anthropic.AsyncAnthropic(max_retries=0)
+        client = client or model_client(settings)
+        model.prepare()
         self.box = Toolbox(
             settings=settings,
             client=client,

@@ -661,8 +661,11 @@ def _prompt_blocks(body: dict[str, Any]) -> list[tuple[bytes, float | None]]:
 class _Backend:
     """Script, counters, recorded requests and prompt cache, shared by the server thread and tests."""
 
-    def __init__(self, script: Any) -> None:
+    def __init__(self, script: Any, keep_requests: bool = True) -> None:
         self._lock = threading.Lock()
+        # Off for load (the benchmark's model-bound workload): thousands of bodies kept for
+        # nobody to read would grow the server without bound.
+        self._keep_requests = keep_requests
         self._requests: list[Any] = []
         self._cache: dict[bytes, float] = {}
         self.set_script(script)
@@ -680,6 +683,8 @@ class _Backend:
             return json.loads(json.dumps(self._script))
 
     def record(self, body: Any) -> None:
+        if not self._keep_requests:
+            return
         with self._lock:
             self._requests.append(body)
 
@@ -846,8 +851,9 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     return _error_response(ApiError(404, "Not found"), _new_id("req_"))
 
 
-def create_app(script: Any) -> Starlette:
-    """An ASGI app answering the Messages API from ``script`` (see the module docstring)."""
+def create_app(script: Any, keep_requests: bool = True) -> Starlette:
+    """An ASGI app answering the Messages API from ``script`` (see the module docstring).
+    ``keep_requests=False``: ``GET /_requests`` stays empty (for load, where nobody reads them)."""
     app = Starlette(
         routes=[
             Route("/v1/messages", _create_message, methods=["POST"]),
@@ -856,7 +862,7 @@ def create_app(script: Any) -> Starlette:
         ],
         exception_handlers={404: _not_found, 405: _not_found},
     )
-    app.state.backend = _Backend(script)
+    app.state.backend = _Backend(script, keep_requests)
     return app
 
 
@@ -941,14 +947,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--load",
+        action="store_true",
+        help="for load tests: keep no request bodies (GET /_requests stays empty), no access log, keep idle "
+        "connections 60 s, and bind with SO_REUSEPORT so several server processes can share the port",
+    )
     args = parser.parse_args(argv)
 
     try:
-        app = create_app(load_script(args.script))
+        app = create_app(load_script(args.script), keep_requests=not args.load)
     except (OSError, ValueError) as exc:
         parser.error(f"{args.script}: {exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if not args.load:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        return
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((args.host, args.port))
+    # uvicorn's 5 s keep-alive would close a worker's idle connections between waves of runs
+    # and make it pay a handshake the real API (behind long-lived load balancers) does not ask for.
+    config = uvicorn.Config(
+        app, log_level=args.log_level, access_log=False, backlog=4096, timeout_keep_alive=60, lifespan="off"
+    )
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

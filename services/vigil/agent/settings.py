@@ -40,6 +40,14 @@ DEFAULT_MAX_OUTPUT_TOKENS = 2048
 # session before the worker cancels it as a failed attempt.
 DEFAULT_RUN_WALL_S = 240.0
 DEFAULT_MODEL_TIMEOUT_S = 90.0
+# Every run in flight holds at most one model connection at a time (its calls are
+# sequential), so this matches the worker's default VIGIL_RUN_CONCURRENCY: a run never
+# queues for a connection. The SDK's own default (100 kept alive) closed a connection after
+# most calls at high concurrency and paid a new TCP handshake for the next one.
+DEFAULT_MODEL_MAX_CONNECTIONS = 1000
+# Idle model connections are kept this long: longer than the gaps between one worker's calls
+# under load, shorter than common load balancers' idle timeouts (60 s and up).
+DEFAULT_MODEL_KEEPALIVE_S = 30.0
 # The SDK's own defaults for one request's retries; a few attempts ride out a short
 # overload, longer ones are the worker's business (RetryLater releases the claim).
 DEFAULT_MODEL_RETRIES = 3
@@ -183,6 +191,16 @@ class AgentSettings(CommonSettings):
         "its session. Keep below VIGIL_RUN_TIMEOUT_S.",
     )
     model_timeout_s: float = Field(DEFAULT_MODEL_TIMEOUT_S, gt=0, le=600, description="Timeout of one model call.")
+    model_max_connections: int = Field(
+        DEFAULT_MODEL_MAX_CONNECTIONS,
+        ge=1,
+        le=100_000,
+        description="Connections the worker keeps to the model API, all kept alive; "
+        "at least VIGIL_RUN_CONCURRENCY, or runs wait for a free one.",
+    )
+    model_keepalive_s: float = Field(
+        DEFAULT_MODEL_KEEPALIVE_S, gt=0, le=3600, description="How long an idle model API connection is kept open."
+    )
     model_retries: int = Field(
         DEFAULT_MODEL_RETRIES,
         ge=0,

@@ -13,10 +13,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-import anthropic
-
 from vigil.agent.base import ApprovalRequest, EventRow, RunContext, RunResult, SavedSession
-from vigil.agent.claude import ClaudeAgent
+from vigil.agent.claude import ClaudeAgent, model_client
 from vigil.agent.settings import AgentSettings
 
 SCRIPTED_MODEL = "claude-scripted-1"
@@ -89,8 +87,10 @@ def settings(**overrides: Any) -> AgentSettings:
 def agent(base_url: str, agent_settings: AgentSettings | None = None, **overrides: Any) -> ClaudeAgent:
     """A ClaudeAgent whose real SDK client talks to ``base_url``. Build it inside the event loop
     that runs it: the client's connections belong to that loop."""
-    client = anthropic.AsyncAnthropic(base_url=base_url, api_key="scripted-test-key", max_retries=0)
-    return ClaudeAgent(agent_settings or settings(**overrides), client=client)
+    agent_settings = agent_settings or settings(**overrides)
+    # The worker's own client (transport, pool, limits), pointed at the scripted server.
+    client = model_client(agent_settings, base_url=base_url, api_key="scripted-test-key")
+    return ClaudeAgent(agent_settings, client=client)
 
 
 def run(base_url: str, *ctxs: RunContext, **overrides: Any) -> list[RunResult]:

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from vigil.bench import costs, ingest_http, pipeline, raw, retention
+from vigil.bench import costs, ingest_http, model_bound, pipeline, raw, retention
 from vigil.bench.figures import Figure, Report, fmt
 from vigil.bench.plan import FULL, QUICK, Plan
 from vigil.bench.stack import BenchStack
@@ -43,8 +43,9 @@ FIGURES = [
     "worker_rss_growth_mb",
     "retention_drop_day_s",
     *[f"cost_{name}_per_{unit}" for unit in ("event", "run") for name in costs.COUNTERS],
+    *model_bound.FIGURES,
 ]
-WORKLOADS = ["raw_kafka", "raw_pg", "record", "e2e", "single", "memory", "ingest", "retention", "costs"]
+WORKLOADS = ["raw_kafka", "raw_pg", "record", "e2e", "single", "memory", "ingest", "retention", "costs", "model_bound"]
 # "Memory flat": growth after warm-up within this share of the resident size (allocator noise).
 FLAT_SHARE = 0.05
 FALLBACK_RATE = 1000.0  # events/s for a workload whose input figure failed
@@ -159,6 +160,7 @@ def summary(report: Report, plan: Plan) -> None:
         f"{scale:.2f} x one worker (no target; 2 cores shared with broker, database, producer)" if scale else "missing",
         None,
     )
+    model_bound.summary(report, line)
 
 
 def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
@@ -203,6 +205,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
                     stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2
                 ),
             ),
+            "model_bound": (model_bound.FIGURES, lambda: model_bound.model_bound(stack, plan, report)),
         }
         for name, (figures, action) in workloads.items():
             if only is None or name in only:

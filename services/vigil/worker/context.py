@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 
 from vigil.agent.base import RunContext
-from vigil.agent.context import load_context_parts
+from vigil.agent.context import load_context_parts, load_contexts
 
 # For an agent that does not say how many past messages it wants (``agent.recent_messages``):
 # enough for it not to repeat itself, small enough for the prompt.
@@ -15,3 +15,8 @@ RECENT_MESSAGES = 20
 async def load_context(conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int = RECENT_MESSAGES) -> None:
     """Fill ``ctx`` in place. Only the user's own rows are ever read."""
     await load_context_parts(conn, ctx, recent_limit)
+
+
+async def load_many(conn: psycopg.AsyncConnection, ctxs: list[RunContext], recent_limit: int = RECENT_MESSAGES) -> None:
+    """Fill every ``ctx`` of a claim pass in place, in one pipeline (one round trip)."""
+    await load_contexts(conn, ctxs, recent_limit)

@@ -14,6 +14,7 @@ VIGIL_SHUTDOWN_GRACE_S, so the pod's termination grace never cuts it short.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -46,6 +47,9 @@ def shutdown_budget(grace_s: float) -> tuple[float, float]:
     return grace_s - reserve, reserve
 
 
+GC_YOUNG_THRESHOLD = 10_000
+
+
 async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     loop = asyncio.get_running_loop()
     try:
@@ -76,6 +80,16 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
         asyncio.create_task(runner.gauge_loop(), name="gauges"),
         *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
     ]
+    # Everything allocated so far (modules, the SDK's ~180,000 type objects, pools) lives as
+    # long as the process: keep it out of the collector's full passes. Unfrozen, each full
+    # pass walked all of it (about 2 s of CPU on a busy machine), and with thousands of runs
+    # in flight allocating, full passes came often: CPU per run grew with the runs in flight.
+    gc.freeze()
+    # A young-generation collection every 10,000 allocations instead of every 700: a model
+    # call allocates thousands of short-lived objects, and each collection also promoted the
+    # runs in flight toward the full passes. At 1,500 runs in flight: the collector's CPU
+    # 1.0 -> 0.4 s per 1,500 runs, no change in resident memory.
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     consumer.start()
     log.info(
         "worker %s up: group %s, topic %s, agent %s, %d concurrent runs",

@@ -26,7 +26,7 @@ from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.ledger.queries import Q
 from vigil.worker import metrics
 from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead, owned_params
-from vigil.worker.context import RECENT_MESSAGES, load_context
+from vigil.worker.context import RECENT_MESSAGES, load_context, load_many
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, backoff_seconds, commit_finished
 from vigil.worker.settings import WorkerSettings
@@ -49,6 +49,7 @@ class Active:
     task: asyncio.Task | None = None
     folded: list = field(default_factory=list)
     alone: bool = False  # a lost event's last attempt: nothing else runs beside it
+    ctx: RunContext | None = None  # loaded with its claim pass; None: the run loads its own
 
 
 class Runner:
@@ -201,14 +202,17 @@ class Runner:
                     self._next_heal = time.monotonic() + self.settings.heal_interval_s
                     await self._heal(conn, owned)
                 claims, alone = await self._claim(conn, owned, free) if free > 0 else ([], False)
+                started = [Active(c, alone=alone) for c in claims]
+                if started and getattr(self.agent, "needs_context", True):
+                    await self._preload(conn, started)
         if dead:
             metrics.EVENTS_DEAD.inc(len(dead))
             await asyncio.to_thread(self.dead_letters.publish_dead, dead)
-        for c in claims:
+        for active in started:
+            c = active.claim
             metrics.CLAIM_BATCH.observe(len(c.events))
             for event in c.events:
                 metrics.CLAIM_ATTEMPTS.labels(str(min(event.attempts, 3)) if event.attempts < 3 else "3+").inc()
-            active = Active(c, alone=alone)
             self.active[c.user_id] = active
             # The task copies the context: every line the run logs names its user and claim.
             with logs.context(user_id=c.user_id, event_id=c.events[0].id, partition=c.home.partition, epoch=c.epoch):
@@ -331,9 +335,36 @@ class Runner:
             finished.backoff_s = backoff_seconds(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
         await self.finished.put(finished)
 
+    async def _preload(self, conn, started: list[Active]) -> None:
+        """The contexts of a pass's runs, read together: one pipeline on the claim's
+        connection instead of a pooled connection and round trips per run. If that fails,
+        each run reads its own (and fails as an attempt if it cannot either): the claims are
+        committed already, so the pass must still start their runs."""
+        ctxs = [self._new_context(active) for active in started]
+        try:
+            await load_many(conn, ctxs, self._recent_limit)
+        except psycopg.Error as exc:
+            log.warning("could not read %d runs' context together; each run reads its own: %s", len(ctxs), exc)
+            return
+        for active, ctx in zip(started, ctxs, strict=True):
+            active.ctx = ctx
+
     async def _context(self, active: Active) -> RunContext:
+        if active.ctx is not None:
+            return active.ctx
+        ctx = self._new_context(active)
+        if getattr(self.agent, "needs_context", True):
+            async with self.pool.connection() as conn:
+                await load_context(conn, ctx, self._recent_limit)
+        return ctx
+
+    @property
+    def _recent_limit(self) -> int:
+        """How many past messages the agent wants (VIGIL_RECENT_MESSAGES for the Claude agent)."""
+        return getattr(self.agent, "recent_messages", RECENT_MESSAGES)
+
+    def _new_context(self, active: Active) -> RunContext:
         c = active.claim
-        attempt = c.attempt
 
         async def fold(sources):
             async with self.pool.connection() as conn:
@@ -341,9 +372,10 @@ class Runner:
             active.folded.extend(more)
             return more
 
-        ctx = RunContext(
+        run_key = f"{c.user_id}:{c.epoch}:{c.events[0].id}:{c.attempt}"
+        return RunContext(
             user_id=c.user_id,
-            run_key=f"{c.user_id}:{c.epoch}:{c.events[0].id}:{attempt}",
+            run_key=run_key,
             events=list(c.events),
             session=None,
             memory={},
@@ -351,19 +383,15 @@ class Runner:
             started_at=datetime.now(UTC),
             deadline=time.monotonic() + self.settings.run_timeout_s,
             fold=fold,
+            delegation=Delegation(
+                depth=0,
+                max_depth=self.settings.max_delegation_depth,
+                token_budget=self.settings.task_token_budget,
+                timeout_s=self.settings.task_timeout_s,
+                max_attempts=self.settings.task_max_attempts,
+                owner_chain=(c.user_id, run_key),
+            ),
         )
-        ctx.delegation = Delegation(
-            depth=0,
-            max_depth=self.settings.max_delegation_depth,
-            token_budget=self.settings.task_token_budget,
-            timeout_s=self.settings.task_timeout_s,
-            max_attempts=self.settings.task_max_attempts,
-            owner_chain=(c.user_id, ctx.run_key),
-        )
-        if getattr(self.agent, "needs_context", True):
-            async with self.pool.connection() as conn:
-                await load_context(conn, ctx, getattr(self.agent, "recent_messages", RECENT_MESSAGES))
-        return ctx
 
     async def finish_loop(self) -> None:
         while True:

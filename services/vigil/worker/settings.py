@@ -16,7 +16,10 @@ DEFAULT_BATCH_MAX = 50
 DEFAULT_BATCH_WINDOW_MS = 50
 # Runs wait on the model API almost all the time (seconds per call, little CPU), so one
 # process holds many; 429s from a rate limit are retried later without counting an attempt.
-DEFAULT_RUN_CONCURRENCY = 128
+# The model-bound benchmark (docs/performance.md) bounds it: about 3-4 ms of worker CPU and
+# 50 KB per run, so 1,000 runs of 5 s model calls take 0.6-0.8 of the one core a worker
+# uses; more in flight only queues runs for that core. VIGIL_MODEL_MAX_CONNECTIONS follows.
+DEFAULT_RUN_CONCURRENCY = 1000
 # How long a crashed worker's users wait before another worker runs them (failover), about
 # this plus a rebalance. librdkafka's heartbeats come from a background thread, so a busy run
 # loop or a slow ledger never misses one: 10 s rides out a GC pause or a short network blip
