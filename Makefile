@@ -49,7 +49,7 @@ fmt: $(STAMP) ## ruff: fix what can be fixed and format
 bench: $(STAMP) ## Run the benchmarks (about 10 minutes) and print name: value lines
 	$(BIN)/python -m vigil.bench
 
-bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 2 minutes)
+bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes)
 	$(BIN)/python -m vigil.bench --quick
 
 SEED ?= 1
