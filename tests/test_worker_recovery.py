@@ -105,6 +105,12 @@ def test_a_lost_commit_of_the_last_batch_is_recorded_again(stack, topics, ledger
         "(SELECT array_agg(id) FROM events WHERE kafka_offset >= 7))",
     )
     query(ledger, "DELETE FROM runs WHERE event_ids && (SELECT array_agg(id) FROM events WHERE kafka_offset >= 7)")
+    # The same transaction wrote their dedup keys (event_keys, since the ledger v2 storage).
+    query(
+        ledger,
+        "DELETE FROM event_keys k USING events e WHERE e.kafka_offset >= 7"
+        " AND (k.user_id, k.source, k.source_id) = (e.user_id, e.source, e.source_id)",
+    )
     query(ledger, "DELETE FROM events WHERE kafka_offset >= 7")
     query(ledger, "UPDATE consumer_positions SET next_offset = 7")
     assert committed_offsets(stack.bootstrap, env["VIGIL_WORKER_GROUP"], topics.events, 1) == [12]
