@@ -246,7 +246,7 @@ class ConsumerLoop(threading.Thread):
             partitions = stats.get("topics", {}).get(self.settings.events_topic, {}).get("partitions", {})
             metrics.TOPIC_PARTITIONS.set(sum(1 for partition in partitions if int(partition) >= 0))
             for partition, info in partitions.items():
-                lag = info.get("consumer_lag", -1)
+                lag = _lag(info)
                 # Only partitions this worker holds: a revoked one's series is removed, and
                 # librdkafka may keep reporting it for a while after the revoke.
                 held = PartitionKey(self.settings.events_topic, int(partition)) in self.assigned
@@ -416,6 +416,21 @@ class ConsumerLoop(threading.Thread):
                 # A partition revoked between poll and store: its new owner reads from the
                 # last committed offset, and the ledger drops what we already recorded.
                 log.info("offsets not stored (partition moved): %s", exc)
+
+
+def _lag(info: dict) -> int:
+    """A partition's lag from librdkafka's statistics: the end offset minus the committed one,
+    or, while nothing is committed yet, minus this consumer's position. A partition assigned at
+    the ledger's position (see on_assign) has no committed offset fetched until this worker
+    commits one, which a quiet partition never makes it do; its lag is still known."""
+    lag = info.get("consumer_lag", -1)
+    if lag >= 0:
+        return lag
+    end = info.get("ls_offset", -1)
+    end = end if end >= 0 else info.get("hi_offset", -1)
+    position = info.get("app_offset", -1)
+    position = position if position >= 0 else info.get("next_offset", -1)
+    return max(end - position, 0) if end >= 0 and position >= 0 else -1
 
 
 def _forget_lag(keys) -> None:
