@@ -20,16 +20,16 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## Create .venv and install vigil with its pinned dependencies
 
 up: $(STAMP) ## Start Kafka, PostgreSQL and the four services under .run/, then run the demo (not when already up)
-	$(BIN)/vigil dev up --demo
+	$(BIN)/vigil-dev up --demo
 
 demo: $(STAMP) ## Run the demonstration against the running stack
-	. .run/env && $(BIN)/vigil demo
+	. .run/env && $(BIN)/vigil-dev demo
 
 down: ## Stop everything `make up` started
-	@if [ -x $(BIN)/vigil ]; then $(BIN)/vigil dev down; else echo "nothing to stop"; fi
+	@if [ -x $(BIN)/vigil-dev ]; then $(BIN)/vigil-dev down; else echo "nothing to stop"; fi
 
 status: $(STAMP) ## Show which parts of the local stack run
-	$(BIN)/vigil dev status
+	$(BIN)/vigil-dev status
 
 logs: ## Follow the services' logs
 	tail -F .run/logs/*.log
@@ -47,14 +47,14 @@ fmt: $(STAMP) ## ruff: fix what can be fixed and format
 	$(BIN)/ruff format .
 
 bench: $(STAMP) ## Run the benchmarks (about 10 minutes) and print name: value lines
-	$(BIN)/python -m vigil.bench
+	$(BIN)/python -m vigil_dev.bench
 
 bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes)
-	$(BIN)/python -m vigil.bench --quick
+	$(BIN)/python -m vigil_dev.bench --quick
 
 SEED ?= 1
 chaos: $(STAMP) ## The nemesis under load on a stack of its own (.run/chaos): 30 faults, seeded (SEED=n); ends PASS or FAIL
-	$(BIN)/python -m vigil.chaos --seed $(SEED) $(CHAOS_ARGS)
+	$(BIN)/python -m vigil_dev.chaos --seed $(SEED) $(CHAOS_ARGS)
 
 clean: down ## Stop the stack and delete .run/ (Kafka jars, data, logs)
 	rm -rf .run

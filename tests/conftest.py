@@ -23,8 +23,8 @@ import psycopg
 import pytest
 
 from support import VigilProcess
-from vigil import devstack
 from vigil.ledger.migrate import apply_canonical
+from vigil_dev import devstack
 
 # Only the stack's address comes from the caller's environment (`. .run/env && make test`):
 # every other VIGIL_ setting the services read is the test's own choice, so a developer's
@@ -135,7 +135,7 @@ def topics(stack: Stack, request) -> Topics:
 @pytest.fixture
 def vigil_env(stack: Stack, ledger: str, topics: Topics) -> dict[str, str]:
     """VIGIL_* settings that point a service process at this test's ledger and topics."""
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     return {
         "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap,

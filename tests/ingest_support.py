@@ -13,11 +13,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from psycopg.rows import dict_row
 
 from vigil.bus.codec import Event, EventCodec
-from vigil.devstack import free_port
 from vigil.ingest.embedded import EmbeddedIngest
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger import approvals
 from vigil.ledger.queries import Q
+from vigil_dev.devstack import free_port
 
 APPROVAL_SECRET = "test-approval-secret"
 USER = "u-refunds"

@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 import anthropic
 import pytest
 
-from vigil.agent import testing as t
 from vigil.agent.base import OutMessage, RetryLater
-from vigil.agent.scripted_server import ScriptedServer
 from vigil.ledger.states import RunOutcome, SessionState
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
 
 END_AFTER_SEND = {"when": {"tool_result": "send_message"}, "reply": []}
 

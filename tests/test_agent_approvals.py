@@ -11,11 +11,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from support import query, scalar
-from vigil.agent import testing as t
 from vigil.agent.base import ApprovalRequest, OutMessage
-from vigil.agent.scripted_server import ScriptedServer
 from vigil.ledger.approvals import args_hash, sign_token
 from vigil.ledger.states import OnExpiry, RunOutcome, SessionState
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
 
 REFUND_INPUT = {"order_id": "A17", "amount": 19.99}
 # Refund outcomes first: a resumed turn also carries the result of the send_message made

@@ -14,9 +14,9 @@ import pytest
 from anthropic.types import Message
 
 from vigil.agent import model
-from vigil.agent import testing as t
 from vigil.agent.claude import model_client
-from vigil.agent.scripted_server import ScriptedServer
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
 
 REPLY = [{"type": "tool_use", "name": "send_message", "input": {"text": "On it.", "urgent": False}}]
 SCRIPT = {"rules": [{"when": {"tool_result": "send_message"}, "reply": []}, {"reply": REPLY}]}

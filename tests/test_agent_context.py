@@ -11,10 +11,10 @@ import pytest
 from psycopg.rows import dict_row
 
 from support import query
-from vigil.agent import testing as t
 from vigil.agent.base import RunResult, SessionSave
 from vigil.agent.context import load_context_parts, load_contexts, session_rows
 from vigil.ledger.queries import Q
+from vigil_dev import agent_testing as t
 
 PENDING = {
     "request_id": "apr-1",

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from vigil.agent import testing as t
 from vigil.agent.base import Delegation, TaskContext
 from vigil.agent.delegation import CHILD_SYSTEM
-from vigil.agent.scripted_server import ScriptedServer
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from vigil.agent import testing as t
 from vigil.agent.base import ApprovalRequest, OutMessage
-from vigil.agent.scripted_server import ScriptedServer
 from vigil.ledger.approvals import args_hash
 from vigil.ledger.states import RunOutcome, SessionState
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from support import query, scalar, wait_for
-from vigil.agent.scripted_server import ScriptedServer
 from vigil.worker import finish
+from vigil_dev.scripted_server import ScriptedServer
 from worker_support import FAST, chat, produce
 
 # A deferred call survives only if the worker stores the session's pending call

@@ -11,13 +11,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from vigil.agent import testing as t
 from vigil.agent.claude import ClaudeAgent
 from vigil.agent.memory import Limits, MemoryFiles, MemoryRefused
-from vigil.agent.scripted_server import ScriptedServer
 from vigil.agent.settings import AgentSettings
 from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
 
 SECRET = "sk-live-7f3a9c1e-never-show-me"
 

@@ -1,6 +1,6 @@
 """The benchmarks' smoke mode: every figure comes out. Nothing here is about speed.
 
-``python -m vigil.bench --quick`` runs every workload tiny, on the test session's own stack
+``python -m vigil_dev.bench --quick`` runs every workload tiny, on the test session's own stack
 (through ``VIGIL_KAFKA_BOOTSTRAP`` and ``VIGIL_DATABASE_URL``), with real worker and ingest
 processes, and must print a value for each figure and the summary.
 """
@@ -16,8 +16,8 @@ import time
 import pytest
 
 from support import REPO, query
-from vigil.bench.__main__ import figure_names
-from vigil.bench.plan import QUICK
+from vigil_dev.bench.__main__ import figure_names
+from vigil_dev.bench.plan import QUICK
 
 # Ten workloads since the ledger v2 work (single-event runs, retention, per-event costs, the
 # model-bound runs): each starts its own worker, ingest or scripted-server processes, which is
@@ -31,7 +31,7 @@ def test_quick_bench_prints_every_figure_and_cleans_up(stack):
     env = {**os.environ, "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap, "VIGIL_DATABASE_URL": stack.admin_dsn}
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "vigil.bench", "--quick"],
+        [sys.executable, "-m", "vigil_dev.bench", "--quick"],
         env=env,
         cwd=REPO,
         capture_output=True,

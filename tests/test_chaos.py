@@ -24,7 +24,7 @@ def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
         *("--run-dir", str(tmp_path / "stack")),
     ]
     result = subprocess.run(
-        [sys.executable, "-m", "vigil.chaos", *args], capture_output=True, text=True, timeout=400, env=os.environ
+        [sys.executable, "-m", "vigil_dev.chaos", *args], capture_output=True, text=True, timeout=400, env=os.environ
     )
     print(result.stdout[-6000:], result.stderr[-3000:])
     last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""

@@ -21,7 +21,7 @@ from console_support import XSS
 from dispatcher_support import Receiver
 from ingest_support import cli, create_token
 from support import REPO, scalar, wait_for
-from vigil.devstack import free_port
+from vigil_dev.devstack import free_port
 from worker_support import FAST
 
 CHROMIUM = "/usr/bin/chromium"

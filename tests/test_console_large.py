@@ -19,7 +19,7 @@ import pytest
 
 from ingest_support import create_token
 from support import REPO, query, scalar
-from vigil.devstack import free_port
+from vigil_dev.devstack import free_port
 
 BUDGET_S = 0.200
 SAMPLES = 5

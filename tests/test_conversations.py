@@ -24,7 +24,7 @@ import pytest
 from dispatcher_support import Receiver, add_messages
 from ingest_support import cli, create_token
 from support import query, scalar, wait_for
-from vigil.agent.scripted_server import ScriptedServer
+from vigil_dev.scripted_server import ScriptedServer
 from worker_support import chat, claude_env, produce
 
 # User-text rules first: a message that resumes a session is appended to the turn that holds

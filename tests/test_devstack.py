@@ -1,4 +1,4 @@
-"""`vigil dev up` / `down` (what `make up` / `make down` run): real processes, twice is harmless,
+"""`vigil-dev up` / `down` (what `make up` / `make down` run): real processes, twice is harmless,
 and down leaves nothing of the stack running."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from support import REPO, http_ok
-from vigil import devstack
+from vigil_dev import devstack
 
 
 @pytest.mark.slow
@@ -44,13 +44,13 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
         **{k: str(v) for k, v in ports.items()},
     }
 
-    def vigil(*args: str) -> subprocess.CompletedProcess:
+    def vigil_dev(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "vigil", *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+            [sys.executable, "-m", "vigil_dev", *args], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
         )
 
     try:
-        first = vigil("dev", "up")
+        first = vigil_dev("up")
         assert first.returncode == 0, first.stdout + first.stderr
         services = {"ingest", "worker", "scheduler", "dispatcher", "console"}
         for name in ["kafka", "postgresql", "claude", *services, "settings"]:
@@ -69,7 +69,7 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
         assert f"export VIGIL_DEV_PG_PORT={ports['VIGIL_DEV_PG_PORT']}" in settings
         assert f"export VIGIL_DEV_KAFKA_PORT={ports['VIGIL_DEV_KAFKA_PORT']}" in settings
 
-        again = vigil("dev", "up", "--demo")
+        again = vigil_dev("up", "--demo")
         assert again.returncode == 0, again.stderr
         assert {p.name: p.read_text() for p in (root / "pids").glob("*.pid")} == pids, "a second up restarted something"
         assert "demo        not run again" in again.stdout  # `make up` on a running stack
@@ -78,17 +78,17 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
         # the next up brings it back.
         os.kill(int(pids["ingest.pid"]), signal.SIGKILL)
         devstack.wait_until(lambda: not devstack.pid_alive(int(pids["ingest.pid"])), 10, "ingest gone")
-        status = vigil("dev", "status").stdout
+        status = vigil_dev("status").stdout
         assert re.search(r"^ingest\s+dead", status, re.MULTILINE), status
         assert re.search(r"^worker\s+running pid", status, re.MULTILINE), status
-        assert vigil("dev", "up").returncode == 0
+        assert vigil_dev("up").returncode == 0
         assert (root / "pids" / "ingest.pid").read_text() != pids["ingest.pid"]
         pids["ingest.pid"] = (root / "pids" / "ingest.pid").read_text()
 
         all_pids = [int(v) for v in pids.values()]
         all_pids.append(int((root / "kafka" / "data" / "kafka.pid").read_text()))
         all_pids.append(int((root / "pg" / "postgres.pid").read_text()))
-        down = vigil("dev", "down")
+        down = vigil_dev("down")
         assert down.returncode == 0, down.stderr
         assert "kafka" in down.stdout and "postgresql" in down.stdout
         alive = [pid for pid in all_pids if devstack.pid_alive(pid)]
@@ -96,5 +96,5 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
         for port in ports.values():
             assert not devstack.port_open(port), f"port {port} still open"
     finally:
-        vigil("dev", "down")
+        vigil_dev("down")
         shutil.rmtree(root, ignore_errors=True)

@@ -148,6 +148,6 @@ def test_two_dispatchers_over_500_users_never_send_a_row_twice_nor_two_deliverie
 
 
 def _free_port() -> int:
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     return free_port()

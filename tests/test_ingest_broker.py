@@ -17,9 +17,9 @@ import pytest
 
 from ingest_support import create_token, make_request, read_events, start_ingest, stored
 from support import wait_for
-from vigil import devstack
 from vigil.bus.kafka import ensure_topics
 from vigil.settings import CommonSettings
+from vigil_dev import devstack
 
 TOPIC = "broker-outage.events"
 PRODUCE_TIMEOUT_S = 3.0

@@ -14,10 +14,10 @@ import pytest
 
 from ingest_support import read_events
 from vigil.bus.codec import Event
-from vigil.devstack import free_port
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal
 from vigil.settings import CommonSettings
+from vigil_dev.devstack import free_port
 
 
 def _event(n: int) -> Event:

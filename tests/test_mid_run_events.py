@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 
 from ingest_support import cli
 from support import query, scalar, wait_for
-from vigil.agent.scripted_server import ScriptedServer
 from vigil.bus.codec import Event
+from vigil_dev.scripted_server import ScriptedServer
 from worker_support import chat, claude_env, produce
 
 SLOW_S = 3  # the first model call takes this long: time for a second event to arrive

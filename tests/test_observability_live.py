@@ -22,8 +22,8 @@ import yaml
 from ingest_support import cli, create_token
 from prometheus_support import RULES, dashboard_panels, prometheus_tools, recording_rules
 from support import scalar, wait_for
-from vigil.agent.scripted_server import ScriptedServer
-from vigil.devstack import free_port
+from vigil_dev.devstack import free_port
+from vigil_dev.scripted_server import ScriptedServer
 from worker_support import FAST
 
 SERVICES = ("ingest", "worker", "scheduler", "dispatcher")

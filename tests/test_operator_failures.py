@@ -20,8 +20,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from vigil import devstack
-from vigil.devstack import free_port
+from vigil_dev import devstack
+from vigil_dev.devstack import free_port
 
 # Every command that reads or writes the ledger, as an operator types it.
 LEDGER_COMMANDS = [
@@ -41,9 +41,9 @@ LEDGER_COMMANDS = [
 ]
 
 
-def vigil(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def vigil(*args: str, env: dict[str, str] | None = None, timeout: float = 60, module: str = "vigil"):
     return subprocess.run(
-        [sys.executable, "-m", "vigil", *args],
+        [sys.executable, "-m", module, *args],
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
@@ -213,10 +213,10 @@ def test_json_on_revoke_rm_and_retry(ledger):
 
 
 def test_dev_status_json_names_every_part_and_its_state(tmp_path):
-    """`vigil dev status --json`: one object per part; a pid file whose process is gone is dead."""
+    """`vigil-dev status --json`: one object per part; a pid file whose process is gone is dead."""
     (tmp_path / "pids").mkdir()
     (tmp_path / "pids" / "worker.pid").write_text("999999999")  # no such process
-    result = vigil("dev", "status", "--json", env={"VIGIL_DEV_RUN_DIR": str(tmp_path)})
+    result = vigil("status", "--json", module="vigil_dev", env={"VIGIL_DEV_RUN_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     parts = {row["name"]: row for row in map(json.loads, result.stdout.splitlines())}
     assert {"ingest", "worker", "scheduler", "dispatcher", "kafka", "postgresql"} <= set(parts)

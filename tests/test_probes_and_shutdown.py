@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from support import query, scalar, wait_for
-from vigil.devstack import free_port
 from vigil.health import DatabaseCheck, HealthServer, Readiness, dependency_checks
 from vigil.settings import CommonSettings
+from vigil_dev.devstack import free_port
 from worker_support import FAST, chat, produce
 
 PROBE_TIMEOUT_S = 1.0  # the manifests' readinessProbe.timeoutSeconds

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from support import query, scalar, wait_for
-from vigil.agent.scripted_server import ScriptedServer
+from vigil_dev.scripted_server import ScriptedServer
 from worker_support import FAST, chat, produce
 
 SCRIPT = {

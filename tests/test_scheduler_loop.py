@@ -301,7 +301,7 @@ def test_an_expiry_timer_earlier_than_its_approvals_deadline_waits_for_it(sched,
 
 def test_unacknowledged_produce_advances_nothing(stack, ledger, topics):
     # A broker address where nothing listens: the produce can never be acknowledged.
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     settings = make_settings(stack, ledger, topics, produce_timeout_s=1.0)
     dead = make_settings(stack, ledger, topics, kafka_bootstrap=f"127.0.0.1:{free_port()}", produce_timeout_s=1.0)

@@ -50,7 +50,7 @@ def assert_each_occurrence_once_in_the_ledger(dsn: str, bootstrap: str, topic: s
 def test_two_scheduler_processes_over_1000_due_timers_produce_each_occurrence_once(
     stack, ledger, topics, vigil_env, spawn
 ):
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     first = start_scheduler(spawn, vigil_env, "first")
     second_port = free_port()

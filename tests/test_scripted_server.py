@@ -19,13 +19,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
-    from vigil.agent import scripted_server
+    from vigil_dev import scripted_server
 except ModuleNotFoundError:  # running from a checkout without the package installed
     sys.path.insert(0, str(ROOT / "services"))
-    from vigil.agent import scripted_server
+    from vigil_dev import scripted_server
 
 # After the path fallback above, hence E402.
-from vigil.agent.scripted_server import DEMO_SCRIPT_PATH, ScriptedServer, ScriptError, compile_script  # noqa: E402
+from vigil_dev.scripted_server import DEMO_SCRIPT_PATH, ScriptedServer, ScriptError, compile_script  # noqa: E402
 
 MODEL = "claude-scripted-1"
 SEND_MESSAGE = {
@@ -631,7 +631,7 @@ def _command_line(tmp_path, text: str) -> tuple[list[str], dict[str, str], int]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-m", "vigil.agent.scripted_server", "--script", str(script), "--port", str(port)]
+    args = [sys.executable, "-m", "vigil_dev.scripted_server", "--script", str(script), "--port", str(port)]
     return args, env, port
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from ingest_support import create_token, read_events
 from support import wait_for
-from vigil.devstack import free_port
 from vigil.health import HealthServer, Readiness
+from vigil_dev.devstack import free_port
 
 HEAD_TIMEOUT_S = 2
 KEEP_ALIVE_S = 1

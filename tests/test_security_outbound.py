@@ -20,7 +20,6 @@ from click.testing import CliRunner
 
 from dispatcher_support import T0, Receiver, add_message, add_users, in_process_dispatcher
 from support import scalar
-from vigil import devstack
 from vigil.agent.deferral import question_text
 from vigil.agent.http_tool import HttpRequestTool
 from vigil.agent.tools import CallContext
@@ -31,6 +30,7 @@ from vigil.dispatcher.pacing import Row
 from vigil.ledger.approvals import sign_token
 from vigil.ledger.states import ChannelType
 from vigil.outbound import AddressPolicy, parse_nets
+from vigil_dev import devstack
 
 LOOPBACK = AddressPolicy(parse_nets("127.0.0.0/8,::1/128"))
 

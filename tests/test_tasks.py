@@ -24,7 +24,7 @@ TASK_FAST = {**FAST, "VIGIL_TASK_HEARTBEAT_S": "0.3", "VIGIL_TASK_STALE_S": "1.5
 
 
 def worker_env(vigil_env, **extra):
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     return {**vigil_env, **TASK_FAST, "VIGIL_AGENT": "echo", "VIGIL_WORKER_PORT": str(free_port()), **extra}
 

@@ -15,7 +15,7 @@ from worker_support import FAST, assert_runs_consistent, chat, metric, produce, 
 
 
 def worker_env(vigil_env, port=None, **extra):
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     return {**vigil_env, **FAST, "VIGIL_AGENT": "echo", "VIGIL_WORKER_PORT": str(port or free_port()), **extra}
 

@@ -38,7 +38,7 @@ def test_lag_series_follow_the_partitions_a_worker_holds(stack, topics, ledger, 
     wait_for(lambda: len(lag_partitions(port_a)) == 5, 40, "worker a reporting lag for 4 partitions", interval=1)
     assert lag_partitions(port_a)["topic"] == 4
 
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     port_b = free_port()
     spawn(["worker"], {**env, "VIGIL_INSTANCE_ID": "worker-b", "VIGIL_WORKER_PORT": str(port_b)}, name="b")

@@ -18,7 +18,7 @@ from worker_support import FAST, assert_runs_consistent, chat, metric, produce, 
 
 
 def worker_env(vigil_env, **extra):
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     return {**vigil_env, **FAST, "VIGIL_AGENT": "echo", "VIGIL_WORKER_PORT": str(free_port()), **extra}
 
@@ -174,7 +174,7 @@ def test_a_killed_workers_users_do_not_wait_more_than_15_s(stack, topics, ledger
     partition; the user's next message runs on the other worker within 15 s."""
     import time
 
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     def env():
         # The default VIGIL_KAFKA_SESSION_TIMEOUT_MS: this measures the shipped failover time.

@@ -16,8 +16,6 @@ from vigil.service import VigilGroup
 
 COMMAND_MODULES = [
     "vigil.ledger.commands",
-    "vigil.dev_commands",
-    "vigil.demo",
     "vigil.worker.commands",
     "vigil.worker.task_commands",
     "vigil.ingest.commands",

@@ -15,11 +15,11 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg.rows import dict_row
 
-from vigil.bench.figures import Figure, Report
-from vigil.bench.plan import Plan
-from vigil.bench.sql import B
-from vigil.bench.stack import BenchStack
 from vigil.ledger.retention import drop_event_day
+from vigil_dev.bench.figures import Figure, Report
+from vigil_dev.bench.plan import Plan
+from vigil_dev.bench.sql import B
+from vigil_dev.bench.stack import BenchStack
 
 AGE_DAYS = 40
 

@@ -6,7 +6,7 @@ parsing are all exercised, without a network or an API key worth anything.
 
 Run it::
 
-    python -m vigil.agent.scripted_server --script FILE.json --host 127.0.0.1 --port 8765
+    python -m vigil_dev.scripted_server --script FILE.json --host 127.0.0.1 --port 8765
 
 (``--script`` defaults to ``demo_script.json`` next to this module.)  From pytest::
 
@@ -135,7 +135,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 # Named explicitly: under `python -m` __name__ would be "__main__".
-log = logging.getLogger("vigil.agent.scripted_server")
+log = logging.getLogger("vigil_dev.scripted_server")
 
 DEMO_SCRIPT_PATH = Path(__file__).with_name("demo_script.json")
 
@@ -940,7 +940,7 @@ class ScriptedServer:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m vigil.agent.scripted_server",
+        prog="python -m vigil_dev.scripted_server",
         description="Serve the Anthropic Messages API from a script, offline.",
     )
     parser.add_argument("--script", type=Path, default=DEMO_SCRIPT_PATH, help="script JSON (default: the demo script)")

@@ -1,4 +1,4 @@
--- Read-only look-ups for `vigil demo`.
+-- Read-only look-ups for `vigil-dev demo`.
 
 -- name: demo_event_by_key
 -- An event by its dedup key (the live queue by its partial indexes, the finished days by user).

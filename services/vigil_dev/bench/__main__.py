@@ -1,4 +1,4 @@
-"""``python -m vigil.bench [--quick]``: every figure, then the ratios against the targets.
+"""``python -m vigil_dev.bench [--quick]``: every figure, then the ratios against the targets.
 
 Exit status 0 when every figure was produced (speed is reported, never asserted), 1 when a
 workload failed (its figures print as ``pending`` with the reason), 2 when no stack could be
@@ -14,12 +14,12 @@ import sys
 import time
 import traceback
 
-from vigil.bench import costs, ingest_http, model_bound, pipeline, raw, retention
-from vigil.bench.figures import Figure, Report, fmt
-from vigil.bench.plan import FULL, QUICK, Plan
-from vigil.bench.stack import BenchStack
 from vigil.settings import load
 from vigil.worker.settings import WorkerSettings
+from vigil_dev.bench import costs, ingest_http, model_bound, pipeline, raw, retention
+from vigil_dev.bench.figures import Figure, Report, fmt
+from vigil_dev.bench.plan import FULL, QUICK, Plan
+from vigil_dev.bench.stack import BenchStack
 
 FIGURES = [
     "raw_kafka_events_per_s",
@@ -232,7 +232,7 @@ def _interrupt_on_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _interrupt_on_sigterm()
-    parser = argparse.ArgumentParser(prog="python -m vigil.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m vigil_dev.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny workloads (smoke check, under 2 minutes)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (path printed)")
     parser.add_argument("--only", help="comma-separated workloads to run: " + ", ".join(WORKLOADS))

@@ -1,4 +1,4 @@
--- Read-only look-ups for `make chaos` (vigil.chaos.checks): what the ledger holds of one run's users.
+-- Read-only look-ups for `make chaos` (vigil_dev.chaos.checks): what the ledger holds of one run's users.
 
 -- name: chaos_events
 -- The chat events of the run's users (their user ids share a prefix).

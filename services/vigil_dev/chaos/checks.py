@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from vigil.chaos.load import Acked
 from vigil.ledger.db import connect
-from vigil.ledger.queries import Q
+from vigil_dev.chaos.load import Acked
+from vigil_dev.queries import Q
 
 
 @dataclass
 class Fault:
     kind: str
     at: float  # wall clock when injected
-    restart_s: float | None = None  # how long `vigil dev up` took to bring it back
+    restart_s: float | None = None  # how long `vigil-dev up` took to bring it back
     recovery_s: float | None = None  # injection -> first run of a message sent after it
 
 

@@ -1,4 +1,4 @@
-"""The chaos run's stack: started, faulted and restarted through ``vigil dev up``, as an
+"""The chaos run's stack: started, faulted and restarted through ``vigil-dev up``, as an
 operator would bring it back."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from vigil import devstack
 from vigil.paths import repo_root
+from vigil_dev import devstack
 
 SERVICES = ("ingest", "worker", "scheduler", "dispatcher")
 # A restart that fails (PostgreSQL's old backends still exiting, a port not yet free) is tried
@@ -78,22 +78,22 @@ class ChaosStack:
         self.root.mkdir(parents=True)
 
     def up(self) -> float:
-        """``vigil dev up`` until it succeeds; the seconds it took."""
+        """``vigil-dev up`` until it succeeds; the seconds it took."""
         began = time.monotonic()
         last = ""
         for _ in range(RESTART_TRIES):
             result = subprocess.run(
-                [sys.executable, "-m", "vigil", "dev", "up"], env=self.env, capture_output=True, text=True
+                [sys.executable, "-m", "vigil_dev", "up"], env=self.env, capture_output=True, text=True
             )
             if result.returncode == 0:
                 return time.monotonic() - began
             last = (result.stderr or result.stdout)[-1500:]
             time.sleep(RESTART_PAUSE_S)
-        raise RuntimeError(f"vigil dev up kept failing:\n{last}")
+        raise RuntimeError(f"vigil-dev up kept failing:\n{last}")
 
     def down(self) -> None:
         if self.root.exists():
-            subprocess.run([sys.executable, "-m", "vigil", "dev", "down"], env=self.env, capture_output=True)
+            subprocess.run([sys.executable, "-m", "vigil_dev", "down"], env=self.env, capture_output=True)
 
     @property
     def dsn(self) -> str:

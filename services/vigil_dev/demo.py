@@ -1,4 +1,4 @@
-"""``vigil demo``: show the running stack working, step by step, against real services.
+"""``vigil-dev demo``: show the running stack working, step by step, against real services.
 
 Each step prints what it did and what came back; a step that cannot pass says why and the
 command exits non-zero, so ``make up`` ends in a visible failure rather than a silent one.
@@ -21,9 +21,9 @@ from confluent_kafka import Consumer, TopicPartition
 from vigil.bus.codec import Event, EventCodec
 from vigil.bus.kafka import EventProducer
 from vigil.ledger.db import connect
-from vigil.ledger.queries import Q
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
+from vigil_dev.queries import Q
 
 
 class DemoFailed(click.ClickException):
@@ -211,6 +211,3 @@ def demo() -> None:
     if os.environ.get("VIGIL_AGENT", "claude") == "claude":
         AgentDemo(settings, user).run()
     click.echo("demo: ok")
-
-
-commands = [demo]

@@ -1,4 +1,4 @@
-"""`make chaos`: the project's own nemesis, against the dev stack as `vigil dev up` starts it.
+"""`make chaos`: the project's own nemesis, against the dev stack as `vigil-dev up` starts it.
 
 Dev tooling, like the demo and the benchmarks: the product never imports it.
 
@@ -7,12 +7,12 @@ sends chat messages through ingest from many users (each message retried with it
 Idempotency-Key until acknowledged, as a client would), and every few seconds injects one
 fault: SIGKILL of the worker, ingest, the scheduler, the dispatcher, the Kafka broker or
 PostgreSQL (its whole process group, as a crash), or SIGSTOP of the worker past its session
-timeout. After each kill the stack is brought back with ``vigil dev up``. When the faults are
+timeout. After each kill the stack is brought back with ``vigil-dev up``. When the faults are
 done the load stops, the stack is given time to settle, and the invariants are checked
-against the ledger and the dispatcher's delivery log (:mod:`vigil.chaos.checks`).
+against the ledger and the dispatcher's delivery log (:mod:`vigil_dev.chaos.checks`).
 
-- :mod:`vigil.chaos.stack`: the stack's processes, faults and restarts.
-- :mod:`vigil.chaos.load`: the clients and what they were acknowledged.
-- :mod:`vigil.chaos.checks`: the invariants and the recovery times.
-- :mod:`vigil.chaos.__main__`: the run, its fault log and its summary line.
+- :mod:`vigil_dev.chaos.stack`: the stack's processes, faults and restarts.
+- :mod:`vigil_dev.chaos.load`: the clients and what they were acknowledged.
+- :mod:`vigil_dev.chaos.checks`: the invariants and the recovery times.
+- :mod:`vigil_dev.chaos.__main__`: the run, its fault log and its summary line.
 """

@@ -17,8 +17,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from vigil.bench.stack import BenchStack, Topics
-from vigil.devstack import free_port
+from vigil_dev.bench.stack import BenchStack, Topics
+from vigil_dev.devstack import free_port
 
 APPROVAL_SECRET = "bench-approval-secret"  # a throwaway key: the bench's tokens never leave its databases
 START_TIMEOUT_S = 60.0

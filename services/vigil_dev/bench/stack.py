@@ -1,7 +1,7 @@
 """The stack a benchmark runs on, and the isolated pieces each workload gets from it.
 
 Without ``VIGIL_KAFKA_BOOTSTRAP`` and ``VIGIL_DATABASE_URL`` the bench starts its own Kafka
-broker and PostgreSQL server (:mod:`vigil.devstack`, the same processes `make up` runs) on
+broker and PostgreSQL server (:mod:`vigil_dev.devstack`, the same processes `make up` runs) on
 free ports in a temporary folder, and stops them at the end. With both set, it uses that
 stack and touches nothing of it but what it creates: databases named ``vigil_bench_*`` and
 topics named ``bench-*``, dropped again when the workload ends (also after a failure).
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import psycopg
 
-from vigil import devstack
 from vigil.bus.kafka import ensure_topics
 from vigil.ledger.db import SESSION_OPTIONS
 from vigil.ledger.migrate import apply_canonical
 from vigil.settings import CommonSettings
+from vigil_dev import devstack
 
 
 @dataclass

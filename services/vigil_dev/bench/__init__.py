@@ -1,6 +1,6 @@
 """Benchmarks: how fast vigil is, measured against the raw limits of the same machine.
 
-``python -m vigil.bench`` (``make bench``) starts its own Kafka broker and PostgreSQL server
+``python -m vigil_dev.bench`` (``make bench``) starts its own Kafka broker and PostgreSQL server
 (or uses the stack that ``VIGIL_KAFKA_BOOTSTRAP`` and ``VIGIL_DATABASE_URL`` name), runs every
 workload as real processes (``python -m vigil worker``, ``python -m vigil ingest``) and
 prints one ``name: value`` line per figure, the median of several rounds with min and max

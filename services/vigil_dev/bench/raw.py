@@ -21,12 +21,12 @@ from datetime import UTC, datetime
 import psycopg
 from psycopg.types.json import Jsonb
 
-from vigil.bench import load
-from vigil.bench.figures import Figure, Report
-from vigil.bench.plan import Plan
-from vigil.bench.sql import B
-from vigil.bench.stack import BenchStack
 from vigil.ledger.db import SESSION_OPTIONS
+from vigil_dev.bench import load
+from vigil_dev.bench.figures import Figure, Report
+from vigil_dev.bench.plan import Plan
+from vigil_dev.bench.sql import B
+from vigil_dev.bench.stack import BenchStack
 
 RAW_USERS = 1000
 
@@ -40,7 +40,7 @@ def raw_kafka(stack: BenchStack, plan: Plan, report: Report) -> Figure:
                 [
                     sys.executable,
                     "-m",
-                    "vigil.bench.rawconsume",
+                    "vigil_dev.bench.rawconsume",
                     stack.bootstrap,
                     topics.events,
                     str(plan.partitions),

@@ -3,7 +3,7 @@ trivial endpoint of the same server.
 
 One ``python -m vigil ingest`` with a bearer token made by ``vigil tokens create NAME --json``.
 Each round drives three modes back to back with 64 keep-alive connections
-(:mod:`vigil.bench.httpload`): ``GET /healthz`` (the trivial endpoint: same uvicorn, same
+(:mod:`vigil_dev.bench.httpload`): ``GET /healthz`` (the trivial endpoint: same uvicorn, same
 middleware, a constant answer), single-event ``POST /v1/events`` and batched ones. Every
 answer counted is a 202, i.e. every event was acknowledged by the broker (``acks=all``).
 The ratio is computed per round (the modes ran seconds apart, so a noisy neighbour hits
@@ -18,12 +18,12 @@ import subprocess
 import sys
 import time
 
-from vigil.bench import httpload
-from vigil.bench.figures import Figure, Report
-from vigil.bench.plan import Plan
-from vigil.bench.procs import Service, base_env
-from vigil.bench.stack import BenchStack
-from vigil.devstack import free_port
+from vigil_dev.bench import httpload
+from vigil_dev.bench.figures import Figure, Report
+from vigil_dev.bench.plan import Plan
+from vigil_dev.bench.procs import Service, base_env
+from vigil_dev.bench.stack import BenchStack
+from vigil_dev.devstack import free_port
 
 HOST = "127.0.0.1"
 # Per mode, before the measured rounds: long enough for a broker the bench has just started

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 import psycopg
 from psycopg.rows import dict_row
 
-from vigil.bench.figures import Figure, Report
-from vigil.bench.procs import Workers
-from vigil.bench.sql import B
+from vigil_dev.bench.figures import Figure, Report
+from vigil_dev.bench.procs import Workers
+from vigil_dev.bench.sql import B
 
 if TYPE_CHECKING:  # the workloads in pipeline.py call these with their EndToEnd
-    from vigil.bench.pipeline import EndToEnd
+    from vigil_dev.bench.pipeline import EndToEnd
 
 TICKS = 100.0  # clock ticks per second in /proc (USER_HZ, 100 on Linux)
 # Backends report their counters at most once a second, and an idle one within 10 s: the

@@ -4,7 +4,7 @@ Real runs spend almost all their time waiting for the Messages API, so what a wo
 carries is how many runs it holds in flight and what each costs it in CPU while they wait.
 Here one ``vigil worker`` runs the real Claude agent (the real ``anthropic`` client) with a
 high ``VIGIL_RUN_CONCURRENCY`` against the scripted Messages API server
-(:mod:`vigil.agent.scripted_server`) in processes of its own, whose script answers every
+(:mod:`vigil_dev.scripted_server`) in processes of its own, whose script answers every
 first call after ``delay_s`` with a ``send_message`` tool use and the call after it (the tool
 result) at once with an end of turn. Every user has one chat message, produced all at once,
 so the worker has a backlog from the first second to the last.
@@ -42,13 +42,13 @@ from pathlib import Path
 import psycopg
 from psycopg.rows import dict_row
 
-from vigil.bench import load
-from vigil.bench.figures import Figure, Report, fmt
-from vigil.bench.plan import Plan
-from vigil.bench.procs import START_TIMEOUT_S, STOP_TIMEOUT_S, ServiceDied, Workers
-from vigil.bench.stack import BenchStack
-from vigil.devstack import free_port
 from vigil.ledger.queries import Queries, parse
+from vigil_dev.bench import load
+from vigil_dev.bench.figures import Figure, Report, fmt
+from vigil_dev.bench.plan import Plan
+from vigil_dev.bench.procs import START_TIMEOUT_S, STOP_TIMEOUT_S, ServiceDied, Workers
+from vigil_dev.bench.stack import BenchStack
+from vigil_dev.devstack import free_port
 
 FIGURES = [
     "model_bound_delay_s",
@@ -124,7 +124,7 @@ class ScriptedServers:
         path = workdir / f"model-bound-script-{self.port}.json"
         path.write_text(json.dumps(script(delay_s)))
         self.log_path = workdir / f"model-bound-server-{self.port}.log"
-        args = [sys.executable, "-m", "vigil.agent.scripted_server", "--script", str(path)]
+        args = [sys.executable, "-m", "vigil_dev.scripted_server", "--script", str(path)]
         args += ["--port", str(self.port), "--log-level", "warning", "--load"]
         self.procs: list[subprocess.Popen] = []
         with open(self.log_path, "ab") as out:

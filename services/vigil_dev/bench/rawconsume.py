@@ -1,12 +1,12 @@
 """The raw Kafka limit's reader: one plain consumer in its own process.
 
-Started by :func:`vigil.bench.raw.raw_kafka` before the producer, it reads every partition
+Started by :func:`vigil_dev.bench.raw.raw_kafka` before the producer, it reads every partition
 of the topic from the beginning (assigned, no group: no rebalance to wait for), touches
 each message's value, and prints the wall-clock time at which it had read ``--count``
 messages. Its own process, like a worker's consumer, so it does not share an interpreter
 lock with the producer.
 
-    python -m vigil.bench.rawconsume BOOTSTRAP TOPIC PARTITIONS COUNT
+    python -m vigil_dev.bench.rawconsume BOOTSTRAP TOPIC PARTITIONS COUNT
 """
 
 from __future__ import annotations

