@@ -96,7 +96,9 @@ def _anchors(markdown: str) -> set[str]:
 def test_every_alert_has_a_runbook_section():
     anchors = _anchors(OPERATIONS.read_text())
     for rule in alert_rules():
-        url = rule["annotations"]["runbook_url"]
+        url = rule["annotations"]["runbook"]
+        # runbook_url: the same link, under the name Alertmanager and Grafana templates use.
+        assert rule["annotations"]["runbook_url"] == url, rule["alert"]
         page, _, anchor = url.partition("#")
         assert page == "docs/operations.md", rule["alert"]
         assert anchor == rule["alert"].lower() and anchor in anchors, f"no section for {rule['alert']} ({url})"
