@@ -241,6 +241,7 @@ CREATE TABLE outbox (
     dead_at         timestamptz,                                 -- when the dispatcher gave up on it
     session_id      text,                                        -- the conversation that wrote it: a reply resumes it
     deadline        timestamptz,                                 -- worthless after this (an approval question): never held by the urgent cap
+    traceparent     text,                                        -- the writing run's W3C trace context (traces on): the delivery continues it
     CONSTRAINT outbox_status_valid CHECK (status IN ('pending', 'sending', 'delivered', 'dead')),
     CONSTRAINT outbox_delivered_has_time CHECK ((status = 'delivered') = (delivered_at IS NOT NULL)),
     CONSTRAINT outbox_sending_has_delivery CHECK (status <> 'sending' OR delivery_id IS NOT NULL),
@@ -288,6 +289,7 @@ CREATE TABLE timers (
     error          text,                                  -- why the scheduler gave up on a row it could not plan (done too)
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
+    traceparent    text,                                  -- the setting run's W3C trace context (traces on): the fire span continues it
     PRIMARY KEY (user_id, id),
     CONSTRAINT timers_kind_valid CHECK (kind IN ('followup', 'schedule', 'approval_expiry')),
     CONSTRAINT timers_catch_up_valid CHECK (catch_up IN ('coalesce', 'each', 'skip')),

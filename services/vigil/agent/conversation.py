@@ -28,6 +28,7 @@ from typing import Any
 
 import anthropic
 
+from vigil import tracing
 from vigil.agent import delegation, metrics, model
 from vigil.agent.base import ApprovalRequest, EventRow, NewApproval, RunContext
 from vigil.agent.deferral import Deferral, defer, escalate, resolve, resumed_turn
@@ -96,6 +97,14 @@ class Ended:
     outputs: Outputs
     approvals: list[NewApproval] = field(default_factory=list)
     touched: bool = False  # the session changed and must be saved
+
+
+def tool_span(name: str, call_id: str):
+    """A tool call's span (GenAI semantic conventions), under the run's; nothing when traces are off."""
+    return tracing.span(
+        f"execute_tool {name}",
+        attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.call.id": call_id},
+    )
 
 
 class Conversation:
@@ -233,19 +242,22 @@ class Conversation:
         asked: tuple[ActionTool, dict] | None = None
         for use in uses:
             name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
-            if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
-                output = await self._delegate(use, args)
-                metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
-            elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
-                output, decision = await self._action(self.box.actions[name], use, args, asked is not None)
-                if decision is Decision.ASK and asked is None:
-                    asked = (self.box.actions[name], use)
-                    continue
-            else:
-                output = self._builtin(name, args)
-                metrics.TOOL_CALLS.labels(
-                    name if name in self.box.permissions else "unknown", "error" if output.is_error else "ran"
-                ).inc()
+            with tool_span(name, use["id"]) as span:
+                if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
+                    output = await self._delegate(use, args)
+                    metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
+                elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
+                    output, decision = await self._action(self.box.actions[name], use, args, asked is not None)
+                    if decision is Decision.ASK and asked is None:
+                        asked = (self.box.actions[name], use)
+                        continue
+                else:
+                    output = self._builtin(name, args)
+                    metrics.TOOL_CALLS.labels(
+                        name if name in self.box.permissions else "unknown", "error" if output.is_error else "ran"
+                    ).inc()
+                if output.is_error:
+                    tracing.failed(span, "the tool answered with an error")
             results.append(tool_result(use["id"], output.text, output.is_error))
         if asked is None:
             return results, None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from vigil import tracing
 from vigil.bus.codec import Event, EventCodec
 from vigil.settings import CommonSettings
 
@@ -118,16 +119,22 @@ class EventProducer:
 
     def send(self, events: Iterable[Event], timeout: float | None = None, topic: str | None = None) -> list[Delivered]:
         topic = topic or self.topic
-        messages = [(event.user_id.encode(), self.codec.encode(event, topic)) for event in events]
+        # An event's trace context rides on the record's headers too, where Kafka tooling looks.
+        messages = [
+            (event.user_id.encode(), self.codec.encode(event, topic), tracing.kafka_headers(event.headers))
+            for event in events
+        ]
         return self.send_raw(messages, topic, timeout)
 
     def send_raw(
         self,
-        messages: list[tuple[bytes | None, bytes]],
+        messages: list[tuple],
         topic: str,
         timeout: float | None = None,
         headers: list[tuple[str, bytes]] | None = None,
     ) -> list[Delivered]:
+        """Produce ``messages``, each ``(key, value)`` with ``headers``, or ``(key, value, its
+        own headers)``, and wait for every acknowledgement (see the class)."""
         timeout = self.settings.produce_timeout_s if timeout is None else timeout
         results: list[Delivered | KafkaError | None] = [None] * len(messages)
         remaining = [len(messages)]
@@ -146,10 +153,13 @@ class EventProducer:
 
             return on_delivery
 
-        for index, (key, value) in enumerate(messages):
+        for index, (key, value, *own) in enumerate(messages):
+            record_headers = own[0] if own else headers
             while True:
                 try:
-                    self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=callback(index))
+                    self._producer.produce(
+                        topic, value=value, key=key, headers=record_headers, on_delivery=callback(index)
+                    )
                     break
                 except BufferError:
                     # Local queue full: let the poller drain it rather than fail the caller.

@@ -31,6 +31,7 @@ from uuid import UUID
 
 import httpx
 
+from vigil import tracing
 from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.dispatcher.pacing import Row
@@ -274,6 +275,8 @@ class KafkaChannel:
     def send(self, delivery: Delivery, now: datetime) -> Outcome:
         value = self.codec.encode_record(self.record(delivery), self.topic)
         headers = [("delivery-id", str(delivery.delivery_id).encode())]
+        if tracing.enabled:  # the delivery span's context, for a consumer that traces too
+            headers += tracing.kafka_headers(tracing.carrier()) or []
         try:
             self.producer().send_raw([(delivery.user_id.encode(), value)], self.topic, headers=headers)
         except ProduceError as exc:

@@ -47,6 +47,9 @@ def dispatcher_command() -> None:
 
     settings = _settings()
     require_schema(settings)
+    from vigil import tracing
+
+    tracing.setup("dispatcher")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     serve(settings)
 
 

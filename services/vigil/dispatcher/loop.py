@@ -22,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timedelta
 
 import psycopg
+from opentelemetry.trace import SpanKind
 
-from vigil import logs
+from vigil import logs, tracing
 from vigil.dispatcher import metrics
 from vigil.dispatcher.channels import Channels, Delivery, Outcome, Result
 from vigil.dispatcher.claims import ClaimConflict, Limits, claim, record_dead, record_delivered, record_retry
@@ -50,6 +51,26 @@ def limits_of(settings: DispatcherSettings) -> Limits:
         max_attempts=settings.delivery_max_attempts,
         lease_s=settings.delivery_lease_s,
         batch_users=settings.dispatcher_batch_users,
+    )
+
+
+def delivery_span(delivery: Delivery):
+    """The span of one delivery attempt: a child of its first message's run (the outbox row's
+    stored context), linked to the other messages' runs it joins."""
+    parent, links = tracing.parent_and_links(
+        tracing.span_context_of({"traceparent": row.traceparent}) for row in delivery.rows
+    )
+    return tracing.span(
+        f"deliver {delivery.channel.type.value}",
+        SpanKind.PRODUCER,
+        context=parent,
+        links=links,
+        attributes={
+            "vigil.user_id": delivery.user_id,
+            "vigil.delivery_id": str(delivery.delivery_id),
+            "vigil.delivery.attempt": delivery.attempt,
+            "vigil.delivery.messages": len(delivery.rows),
+        },
     )
 
 
@@ -148,7 +169,14 @@ class Dispatcher:
     def _send(self, delivery: Delivery) -> Outcome:
         # The attempt's time is taken when the send starts, not when it was queued: a
         # webhook's timestamp must be fresh when the receiver checks it.
-        return self.channels.send(delivery, self.clock.now())
+        if not tracing.enabled:
+            return self.channels.send(delivery, self.clock.now())
+        with delivery_span(delivery) as span:
+            outcome = self.channels.send(delivery, self.clock.now())
+            span.set_attribute("vigil.delivery.result", outcome.result.value)
+            if outcome.result is not Result.DELIVERED:
+                tracing.failed(span, outcome.error)
+            return outcome
 
     def record(self, delivery: Delivery, outcome: Outcome) -> None:
         """Write one attempt's outcome (the send already happened; this is the commit after it)."""

@@ -54,6 +54,7 @@ class Row:
     fixed_at: datetime | None
     session_id: str | None = None  # the conversation that wrote it
     deadline: datetime | None = None  # an approval question's: never held by the urgent cap
+    traceparent: str | None = None  # the writing run's trace context (traces on): the delivery continues it
 
 
 @dataclass(frozen=True, slots=True)

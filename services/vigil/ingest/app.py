@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from vigil import tracing
 from vigil.health import Readiness, dependency_checks, health_routes
 from vigil.ingest import openapi
 from vigil.ingest.approvals_api import ApprovalsApi, BeforeAnswer
@@ -109,9 +110,14 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
             await ctx.pool.close()
             log.info("ingest stopped")
 
+    middleware = [Middleware(RequestMetrics), Middleware(TargetCheck)]
+    traced = tracing.asgi_middleware()
+    if traced is not None:
+        # Outermost: the server span is current for everything else, RequestMetrics included.
+        middleware.insert(0, Middleware(traced[0], **traced[1]))
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RequestMetrics), Middleware(TargetCheck)],
+        middleware=middleware,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )

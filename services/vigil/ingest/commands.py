@@ -58,6 +58,9 @@ def ingest_command() -> None:
 
     settings = load_or_exit(IngestSettings)
     require_schema(settings)
+    from vigil import tracing
+
+    tracing.setup("ingest")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     # uvicorn drains requests on SIGTERM, then re-raises the signal to the handler it found:
     # make that handler a clean exit, so a graceful stop ends with status 0, not -15.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from prometheus_client import Counter, Histogram
 
-from vigil import logs
+from vigil import logs, tracing
 
 REQUESTS = Counter(
     "vigil_ingest_requests_total",
@@ -89,11 +89,17 @@ class RequestMetrics:
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if tracing.enabled:
+                    # Now, not at the end: the server span ends with the response's last byte.
+                    route = getattr(scope.get("route"), "path", None) or UNMATCHED
+                    tracing.name_server_span(scope["method"] if scope["method"] in METHODS else "HTTP", route)
             await send(message)
 
         try:
-            # A W3C traceparent's trace id names every line logged while answering the request.
-            with logs.context(trace_id=trace_id(scope)):
+            # The trace id names every line logged while answering the request: the server
+            # span's when traces are on (it joined an incoming traceparent), else the
+            # incoming traceparent's.
+            with logs.context(trace_id=(tracing.enabled and tracing.current_trace_id()) or trace_id(scope)):
                 await self.app(scope, receive, counting_send)
         finally:
             route = scope.get("route")

@@ -21,14 +21,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from confluent_kafka import KafkaError, KafkaException, Producer
+from opentelemetry.trace import SpanKind
 
+from vigil import tracing
 from vigil.bus.codec import Event, EventCodec
 from vigil.bus.kafka import Delivered, ProduceError, producer_config
 from vigil.ingest.metrics import EVENTS_PRODUCED, PRODUCE_FAILURES, PRODUCE_SECONDS
 from vigil.ingest.requests import Refusal, invalid, unavailable
 from vigil.settings import CommonSettings
+from vigil.tracing import kafka_headers
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +151,33 @@ class Publisher:
         seconds, produced, failures = self._metrics_for(via)
         started = time.perf_counter()
         try:
-            delivered = await self._send(events)
+            if tracing.enabled:
+                delivered = await self._traced_send(events)
+            else:
+                delivered = await self._send(events)
         except ProduceError as exc:
             failures.inc()
             raise unavailable("broker_unavailable", f"the event broker did not acknowledge: {exc}") from None
         seconds.observe(time.perf_counter() - started)
         produced.inc(len(delivered))
         return delivered
+
+    async def _traced_send(self, events: Sequence[Event]) -> list[Delivered]:
+        """:meth:`_send` under a producer span whose context every event carries (its envelope
+        headers, stored with it in the ledger, and the record's headers): the worker continues it.
+        A webhook's own ``traceparent`` is replaced by this span's, a descendant of it."""
+        with tracing.span(
+            f"send {self.topic}",
+            SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.operation.type": "send",
+                "messaging.destination.name": self.topic,
+                "messaging.batch.message_count": len(events),
+            },
+        ) as span:
+            context = tracing.carrier(span)
+            return await self._send([replace(event, headers={**event.headers, **context}) for event in events])
 
     def _metrics_for(self, via: str) -> tuple:
         # Looking a labelled child up costs more than using it; there are four families.
@@ -185,10 +209,13 @@ class Publisher:
         if self._waiting == 1:
             self._poll_soon(POLL_INTERVAL_S)
         try:
-            for key, value in encoded:
+            for event, (key, value) in zip(events, encoded):
+                headers = kafka_headers(event.headers)  # the trace context, where Kafka tooling looks
                 while True:
                     try:
-                        producer.produce(self.topic, value=value, key=key, on_delivery=batch.on_delivery)
+                        producer.produce(
+                            self.topic, value=value, key=key, headers=headers, on_delivery=batch.on_delivery
+                        )
                         break
                     except BufferError:
                         if loop.time() > deadline:

@@ -19,6 +19,9 @@ def scheduler_command() -> None:
 
     settings = load_or_exit(SchedulerSettings)
     require_schema(settings)
+    from vigil import tracing
+
+    tracing.setup("scheduler")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     stopping = stop_event()
     readiness = Readiness(dependency_checks(settings))
     # A port taken raises StartupError: one line and exit 2 (vigil.service.VigilGroup).

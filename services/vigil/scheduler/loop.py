@@ -24,6 +24,7 @@ once.) The loop never starts a run itself; the worker does, from the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -32,12 +33,15 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 import psycopg
+from opentelemetry.trace import Link, SpanKind
 
+from vigil import tracing
 from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.ledger import approvals
@@ -179,6 +183,50 @@ def timer_event(row: dict, occurrence: Occurrence, produced_at: datetime, lower_
     )
 
 
+@contextlib.contextmanager
+def fire_spans(outcomes: list[Outcome]) -> Iterator[None]:
+    """Traces on: a span per fired event, its context in the event's headers, ended when the
+    pass commits (or marked failed when it rolls back).
+
+    A one-off timer a run set (a follow-up) carries that run's context: its fire continues the
+    run's trace, since the follow-up is the same conversation's next step. A recurring timer's
+    occurrences, and timers with no stored context, each start a trace of their own, linked to
+    the stored context if there is one.
+    """
+    if not tracing.enabled:
+        yield
+        return
+    spans = []
+    for outcome in outcomes:
+        row = outcome.row
+        stored = tracing.span_context_of({"traceparent": row.get("traceparent")})
+        one_off = row.get("every_seconds") is None and row.get("cron") is None
+        parent, links = tracing.parent_and_links([stored]) if one_off else (None, [Link(stored)] if stored else [])
+        for index, event in enumerate(outcome.events):
+            span = tracing.started(
+                f"fire {event.kind}",
+                SpanKind.PRODUCER,
+                context=parent,
+                links=links,
+                attributes={
+                    "vigil.user_id": event.user_id,
+                    "vigil.timer_id": row["id"],
+                    "vigil.source_id": event.source_id,
+                },
+            )
+            outcome.events[index] = replace(event, headers={**event.headers, **tracing.carrier(span)})
+            spans.append(span)
+    try:
+        yield
+    except BaseException as exc:
+        for span in spans:
+            tracing.failed(span, f"pass rolled back: {type(exc).__name__}")
+        raise
+    finally:
+        for span in spans:
+            span.end()
+
+
 class Scheduler:
     """Passes over the ledger's due timers. ``clock`` decides what "now" is for each pass."""
 
@@ -287,14 +335,17 @@ class Scheduler:
         with conn.transaction():
             rows = conn.execute(Q.timers_claim_due, {"now": _utc(now), "limit": batch}).fetchall()
             outcomes = [self._plan(conn, row, now) for row in rows]
-            events = [event for outcome in outcomes for event in outcome.events]
-            if events:
-                self.producer.send(events)
-            acked_at = self.clock.now()
-            if events and self.settings.scheduler_crash_after_produce:
-                log.warning("test hook: SIGKILL after the broker acknowledged %d event(s), before commit", len(events))
-                os.kill(os.getpid(), signal.SIGKILL)
-            self._apply(conn, outcomes, now)
+            with fire_spans(outcomes):
+                events = [event for outcome in outcomes for event in outcome.events]
+                if events:
+                    self.producer.send(events)
+                acked_at = self.clock.now()
+                if events and self.settings.scheduler_crash_after_produce:
+                    log.warning(
+                        "test hook: SIGKILL after the broker acknowledged %d event(s), before commit", len(events)
+                    )
+                    os.kill(os.getpid(), signal.SIGKILL)
+                self._apply(conn, outcomes, now)
         report = self._account(outcomes, acked_at)
         report.full = len(rows) == batch
         metrics.PASS_SECONDS.observe(time.perf_counter() - started)

@@ -51,10 +51,18 @@ class Claim:
     events: list[EventRow]
     transient_failures: int
     oldest_recorded_at: datetime
+    # The run's span context (W3C traceparent) when traces are on: its outbox rows and timers
+    # carry it, so the delivery and a follow-up continue the trace (vigil.worker.traces).
+    traceparent: str | None = None
 
     @property
     def event_ids(self) -> list[int]:
         return [event.id for event in self.events]
+
+    @property
+    def run_key(self) -> str:
+        """The run's identity (RunContext.run_key, tasks.parent_run_key, the logs' run_id)."""
+        return f"{self.user_id}:{self.epoch}:{self.events[0].id}:{self.attempt}"
 
     @property
     def attempt(self) -> int:

@@ -18,6 +18,9 @@ def worker_command() -> None:
 
     settings = load_or_exit(WorkerSettings)
     require_schema(settings)
+    from vigil import tracing
+
+    tracing.setup("worker")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     sys.exit(exit_on_startup_error(lambda: run(settings)))
 
 

@@ -40,17 +40,18 @@ import logging
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import psycopg
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg.types.json import set_json_dumps
 
+from vigil import tracing
 from vigil.bus.codec import DecodeError, EventCodec
 from vigil.bus.kafka import ProduceError
 from vigil.ledger.db import connect
 from vigil.ledger.queries import Q
-from vigil.worker import metrics
+from vigil.worker import metrics, traces
 from vigil.worker.fencing import PartitionKey, take_over
 from vigil.worker.settings import WorkerSettings
 
@@ -145,6 +146,7 @@ class InFlight(NamedTuple):
     highest: dict[tuple[str, int], int]  # the offsets to store once it is committed
     rows: int
     users: set[str]  # whose users row exists once it is committed
+    spans: traces.RecordSpans | None = None  # traces on: the events' record spans, ended at the commit
 
 
 class ConsumerLoop(threading.Thread):
@@ -302,7 +304,7 @@ class ConsumerLoop(threading.Thread):
         return messages
 
     def _handle(self, messages: list) -> None:
-        rows, bad, highest = self._decode(messages)
+        rows, bad, highest, spans = self._decode(messages)
         if bad:
             while True:
                 try:
@@ -319,7 +321,7 @@ class ConsumerLoop(threading.Thread):
             users = {row[USER_COLUMN] for row in rows}
             unknown = sorted(users - self.known_users)
             self.in_flight = InFlight(
-                self.recorder.submit(self._record, rows, unknown, highest), highest, len(rows), users
+                self.recorder.submit(self._record, rows, unknown, highest), highest, len(rows), users, spans
             )
 
     def _record(self, rows: list[tuple], unknown_users: list[str], highest: dict[tuple[str, int], int]) -> int | None:
@@ -360,6 +362,8 @@ class ConsumerLoop(threading.Thread):
             return
         batch, self.in_flight = self.in_flight, None
         recorded = batch.recorded.result()
+        if batch.spans is not None:
+            batch.spans.end(recorded)
         if recorded is None:
             # Stopping with the ledger down: nothing of this batch, or of any later one, is
             # stored, so all of it is read again next time.
@@ -376,15 +380,16 @@ class ConsumerLoop(threading.Thread):
         if recorded:
             self.loop.call_soon_threadsafe(self.runner.wake, self.settings.batch_window_s)
 
-    def _decode(self, messages: list) -> tuple[list[tuple], list[tuple], dict[tuple[str, int], int]]:
-        """Staging rows of the decodable messages, ``(message, reason)`` of the others, and the
-        highest offset polled per partition.
+    def _decode(self, messages: list) -> tuple[list[tuple], list[tuple], dict[tuple[str, int], int], Any]:
+        """Staging rows of the decodable messages, ``(message, reason)`` of the others, the
+        highest offset polled per partition, and (traces on) the events' record spans.
 
         Once per polled message, so kept to what the COPY needs: the codec hands back the
         event's fields in staging order, and the metrics are counted per batch.
         """
         rows, bad, highest = [], [], {}
         decode = self.codec.decode_row
+        spans = traces.RecordSpans(self.settings.events_topic) if tracing.enabled else None
         for message in messages:
             error = message.error()
             if error is not None:
@@ -395,11 +400,13 @@ class ConsumerLoop(threading.Thread):
             # A partition's messages arrive in offset order: the last one seen is the highest.
             highest[topic, partition] = offset
             try:
-                rows.append((len(rows), *decode(message.value(), topic), topic, partition, offset))
+                row = (len(rows), *decode(message.value(), topic), topic, partition, offset)
             except DecodeError as exc:
                 bad.append((message, exc.reason))
+                continue
+            rows.append(row if spans is None else spans.add(row, message.headers()))
         metrics.EVENTS_CONSUMED.inc(len(rows) + len(bad))
-        return rows, bad, highest
+        return rows, bad, highest, spans
 
     def _store_offsets(self, highest: dict[tuple[str, int], int]) -> None:
         if self.abandoned:

@@ -95,6 +95,7 @@ def _group_params(runs: list[Finished], worker: str) -> dict:
             "message_user",
             "message_body",
             "message_urgent",
+            "message_trace",
             "done_ids",
         )
     }
@@ -122,6 +123,7 @@ def _group_params(runs: list[Finished], worker: str) -> dict:
                 params["message_user"].append(claim.user_id)
                 params["message_body"].append(message.text)
                 params["message_urgent"].append(message.urgent)
+                params["message_trace"].append(claim.traceparent)
     return {**params, "worker": worker}
 
 
@@ -170,6 +172,7 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
                 "catch_up": str(timer.catch_up),
                 "payload": Jsonb(timer.payload),
                 "fixed_key": timer.fixed_key,
+                "traceparent": claim.traceparent,
             },
         )
     for approval in result.approvals:

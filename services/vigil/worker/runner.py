@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.ledger.queries import Q
-from vigil.worker import metrics
+from vigil.worker import metrics, traces
 from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead, owned_params
 from vigil.worker.context import RECENT_MESSAGES, load_context, load_many
 from vigil.worker.fencing import PartitionKey
@@ -214,9 +214,12 @@ class Runner:
             for event in c.events:
                 metrics.CLAIM_ATTEMPTS.labels(str(min(event.attempts, 3)) if event.attempts < 3 else "3+").inc()
             self.active[c.user_id] = active
-            # The task copies the context: every line the run logs names its user and claim.
-            with logs.context(user_id=c.user_id, event_id=c.events[0].id, partition=c.home.partition, epoch=c.epoch):
-                active.task = asyncio.create_task(self._run(active), name=f"run-{c.user_id}")
+            # The task copies the context: every line the run logs names its user, claim and run
+            # (and its trace, when traces are on: traces.run puts the run under its span).
+            with logs.context(
+                user_id=c.user_id, event_id=c.events[0].id, partition=c.home.partition, epoch=c.epoch, run_id=c.run_key
+            ):
+                active.task = asyncio.create_task(traces.run(self._run(active), c, self.pool), name=f"run-{c.user_id}")
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         if len(claims) == free:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us
@@ -372,7 +375,7 @@ class Runner:
             active.folded.extend(more)
             return more
 
-        run_key = f"{c.user_id}:{c.epoch}:{c.events[0].id}:{c.attempt}"
+        run_key = c.run_key
         return RunContext(
             user_id=c.user_id,
             run_key=run_key,
@@ -399,6 +402,7 @@ class Runner:
             while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
                 batch.append(self.finished.get_nowait())
             began = time.monotonic()
+            began_ns = time.time_ns()
             while True:
                 try:
                     async with self.pool.connection() as conn:
@@ -411,6 +415,7 @@ class Runner:
                     self._next_heal = 0.0
                     await asyncio.sleep(LEDGER_RETRY_S)
             metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
+            traces.finish(batch, began_ns, committed)
             now = datetime.now(UTC)
             landed = {id(run) for run in committed}  # identity: runs are not values to compare
             for run in batch:

@@ -32,10 +32,12 @@ done AS (
 messages AS (
     -- The messages the done runs decided to send, under the epoch they were written with
     -- (a run has one user: its messages are matched to its row by user).
-    INSERT INTO outbox (user_id, run_id, epoch, body, urgent)
-    SELECT r.user_id, r.id, r.epoch, m.body, m.urgent
-    FROM unnest(%(message_user)s::text[], %(message_body)s::text[], %(message_urgent)s::boolean[])
-         WITH ORDINALITY AS m(user_id, body, urgent, n)
+    -- traceparent: the run's trace context when traces are on (the delivery continues it).
+    INSERT INTO outbox (user_id, run_id, epoch, body, urgent, traceparent)
+    SELECT r.user_id, r.id, r.epoch, m.body, m.urgent, m.traceparent
+    FROM unnest(%(message_user)s::text[], %(message_body)s::text[], %(message_urgent)s::boolean[],
+                %(message_trace)s::text[])
+         WITH ORDINALITY AS m(user_id, body, urgent, traceparent, n)
     JOIN new_runs r ON r.user_id = m.user_id
     ORDER BY m.n
 )
@@ -44,14 +46,14 @@ FROM new_runs r LEFT JOIN done d ON d.run_id = r.id
 GROUP BY r.id, r.user_id
 
 -- name: insert_timer
--- A follow-up or approval expiry set by the run. Re-setting the same id replaces a timer that has not fired yet.
-INSERT INTO timers AS t (id, user_id, kind, due, catch_up, payload, fixed_key)
+-- A follow-up or approval expiry set by the run (with the run's trace context when traces are on). Re-setting the same id replaces a timer that has not fired yet.
+INSERT INTO timers AS t (id, user_id, kind, due, catch_up, payload, fixed_key, traceparent)
 -- Due times are whole seconds: round up, so a follow-up never fires before the time asked for.
 VALUES (%(id)s, %(user_id)s, %(kind)s, date_trunc('second', %(due)s::timestamptz + interval '999999 microseconds'),
-        %(catch_up)s, %(payload)s, %(fixed_key)s)
+        %(catch_up)s, %(payload)s, %(fixed_key)s, %(traceparent)s)
 ON CONFLICT (user_id, id) DO UPDATE
 SET due = EXCLUDED.due, payload = EXCLUDED.payload, fixed_key = EXCLUDED.fixed_key, kind = EXCLUDED.kind,
-    catch_up = EXCLUDED.catch_up, updated_at = now()
+    catch_up = EXCLUDED.catch_up, traceparent = EXCLUDED.traceparent, updated_at = now()
 WHERE NOT t.done
 
 -- name: upsert_memory
