@@ -5,6 +5,9 @@ Fields of a JSON line: ``ts``, ``level``, ``service``, ``logger``, ``msg``, then
 and ``exc`` (the whole traceback as one string) for an exception. A line knows a field when
 the call passes it (``log.info("...", extra={"partition": 3})``) or when the code around it
 set it with :func:`context` (a contextvar: an asyncio task, such as one run, carries its own).
+A run's lines carry ``run_id``, the run's key (``user:epoch:first event:attempt``, see
+``Claim.run_key``; the ``runs`` row's id exists only after the finish), and, when traces are
+on (:mod:`vigil.tracing`), the run's ``trace_id``.
 
 librdkafka's log lines come through the ``vigil.kafka`` logger (the clients' ``logger``
 setting, see vigil.bus.kafka), so they are JSON too; the SDK's and httpx's per-request INFO

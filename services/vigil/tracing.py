@@ -178,12 +178,18 @@ def trace_id_of(span: trace.Span) -> str:
 # -- spans -------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def span(name: str, kind: SpanKind = SpanKind.INTERNAL, *, context=None, links=None, attributes=None) -> Iterator:
+_OFF = contextlib.nullcontext()  # reusable: entering it binds None
+
+
+def span(name: str, kind: SpanKind = SpanKind.INTERNAL, *, context=None, links=None, attributes=None):
     """A current span for the block (None when traces are off); an exception marks it an error."""
     if not enabled:
-        yield None
-        return
+        return _OFF  # no generator set up per call: this sits on every tool call
+    return _span(name, kind, context, links, attributes)
+
+
+@contextlib.contextmanager
+def _span(name: str, kind: SpanKind, context, links, attributes) -> Iterator:
     with _tracer.start_as_current_span(name, context=context, kind=kind, links=links, attributes=attributes) as s:
         with logs.context(trace_id=trace_id_of(s)):
             yield s
