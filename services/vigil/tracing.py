@@ -85,6 +85,7 @@ def setup(service: str) -> bool:
     provider = TracerProvider(resource=Resource.create(attributes), sampler=CausedOnly(_get_from_env_or_default()))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
+    _name_statements_after_queries()
     PsycopgInstrumentor().instrument()
     HTTPXClientInstrumentor().instrument()
     AioHttpClientInstrumentor().instrument()
@@ -92,6 +93,29 @@ def setup(service: str) -> bool:
     enabled = True
     log.info("traces exported over OTLP/HTTP as %s", attributes.get(SERVICE_NAME) or os.environ["OTEL_SERVICE_NAME"])
     return True
+
+
+def _name_statements_after_queries() -> None:
+    """psycopg's spans are named after the statement's first word, which for vigil's queries is
+    ``--`` (each starts with its description comment). Name them after the query instead
+    (``claim``, ``finish_runs``: the ``-- name:`` in ledger/queries/*.sql), found by the SQL
+    text; any other statement keeps the instrumentation's name."""
+    from opentelemetry.instrumentation import psycopg as instrumented
+
+    from vigil.ledger.queries import Q
+
+    # "": psycopg_pool's check of a connection before lending it (ConnectionPool.check_connection).
+    names = {sql: name for name, sql in Q.items()} | {"": "pool_check"}
+    base = instrumented.CursorTracer
+
+    class NamedQueries(base):
+        def get_operation_name(self, cursor, args) -> str:
+            if args and isinstance(args[0], str) and args[0] in names:
+                return names[args[0]]
+            return super().get_operation_name(cursor, args)
+
+    # The instrumentation builds its tracer from this module attribute per connection.
+    instrumented.CursorTracer = NamedQueries
 
 
 class CausedOnly:
