@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any
 
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from vigil import logs, tracing
@@ -79,14 +80,16 @@ def run(coro: Coroutine[Any, Any, None], claim, pool) -> Coroutine[Any, Any, Non
 
 async def _traced_run(coro, claim, pool) -> None:
     started = tracing.now_ns()
+    lookup_error = None
     try:
         async with pool.connection() as conn:
             rows = await (await conn.execute(Q.event_trace_context, {"ids": claim.event_ids})).fetchall()
-    except Exception as exc:  # the trace is not worth the run: it goes ahead untraced-parent
+    except Exception as exc:  # the trace is not worth the run: it goes ahead as a trace of its own
         rows = []
-        logs_error = f"{type(exc).__name__}: {exc}"
-    else:
-        logs_error = None
+        lookup_error = f"{type(exc).__name__}: {exc}"
+    except BaseException:  # cancelled (a revoke) before the run started: it never will
+        coro.close()
+        raise
     parent, links = tracing.parent_and_links(tracing.span_context_of(row) for row in rows)
     claimed = [row["claimed_at"] for row in rows if row["claimed_at"] is not None]
     claimed_ns = min(int(at.timestamp() * 1e9) for at in claimed) if claimed else started
@@ -105,13 +108,13 @@ async def _traced_run(coro, claim, pool) -> None:
             "vigil.epoch": claim.epoch,
         },
     )
-    if logs_error is not None:
-        s.set_attribute("vigil.trace_context_error", logs_error)
+    if lookup_error is not None:
+        s.set_attribute("vigil.trace_context_error", lookup_error)
     claim.traceparent = tracing.traceparent(s)
     inner = tracing.started(
         "vigil.claim",
         SpanKind.INTERNAL,
-        context=tracing.trace.set_span_in_context(s),
+        context=trace.set_span_in_context(s),
         start_time=min(claimed_ns, started),
         attributes={"vigil.event_ids": claim.event_ids},
     )
