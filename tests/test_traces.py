@@ -298,11 +298,13 @@ def test_one_chat_message_is_one_trace_across_the_four_services(
     print("worker log line inside the run:", json.dumps(in_run[0]))
 
 
-def test_traces_off_cost_nothing_and_add_nothing():
+def test_traces_off_cost_nothing_and_add_nothing(monkeypatch):
     """Without an OTLP endpoint setup() installs nothing, and the hot-path helpers step aside:
     the run's coroutine is the run itself, not a wrapper around it."""
     from vigil.worker import traces
 
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     assert not tracing.endpoint_configured()
     assert tracing.setup("test") is False and tracing.enabled is False
 
