@@ -188,8 +188,8 @@ def fire_spans(outcomes: list[Outcome]) -> Iterator[None]:
     """Traces on: a span per fired event, its context in the event's headers, ended when the
     pass commits (or marked failed when it rolls back).
 
-    A one-off timer a run set (a follow-up) carries that run's context: its fire continues the
-    run's trace, since the follow-up is the same conversation's next step. A recurring timer's
+    A one-off timer a run set (a follow-up, an approval's expiry) carries that run's context:
+    its fire continues the run's trace, since it is the same conversation's next step. A recurring timer's
     occurrences, and timers with no stored context, each start a trace of their own, linked to
     the stored context if there is one.
     """
