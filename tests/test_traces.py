@@ -335,3 +335,14 @@ def test_calls_without_a_traced_cause_are_dropped():
         with tracer.start_as_current_span("SELECT", kind=SpanKind.CLIENT):
             pass
     assert sorted(s.name for s in exporter.get_finished_spans()) == ["SELECT", "request"]
+
+
+def test_a_run_of_several_events_continues_the_first_and_links_the_others():
+    first = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
+    second = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    contexts = [tracing.span_context_of(h) for h in (first, {"traceparent": None}, second, first)]
+    parent, links = tracing.parent_and_links(contexts)
+    parent_span = tracing.trace.get_current_span(parent).get_span_context()
+    assert format(parent_span.trace_id, "032x") == CALLER_TRACE and format(parent_span.span_id, "016x") == CALLER_SPAN
+    # The empty one is skipped, the repeated first one is not linked to itself.
+    assert [format(link.context.span_id, "016x") for link in links] == ["b7ad6b7169203331"]
