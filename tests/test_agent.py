@@ -52,6 +52,7 @@ def test_a_chat_message_gets_a_reply(serve):
     assert result.outcome is RunOutcome.MESSAGE
     assert result.messages == [OutMessage("Hi Ada!", False)]
     assert result.usage.turns == 2 and result.usage.input_tokens > 0 and result.usage.output_tokens > 0
+    assert result.usage.tool_calls == 1  # send_message, recorded as runs.tool_calls
     assert result.session.state == SessionState.OPEN and result.session.id.startswith("ses-")
     first, second = server.requests()
     assert first["model"] == t.SCRIPTED_MODEL
@@ -72,7 +73,7 @@ def test_nothing_worth_saying_ends_quietly(serve):
 
     assert result.outcome is RunOutcome.NOTHING
     assert result.messages == [] and result.timers == [] and result.approvals == []
-    assert result.usage.turns == 1
+    assert result.usage.turns == 1 and result.usage.tool_calls == 0
     assert len(server.requests()) == 1
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 from psycopg.rows import dict_row
 
 from support import query
-from vigil.agent.base import EventRow, MemoryWrite, OutMessage, RunResult
+from vigil.agent.base import EventRow, MemoryWrite, NewTask, NewTimer, OutMessage, RunResult, Usage
 from vigil.ledger.states import RunOutcome
 from vigil.worker.claims import Claim
 from vigil.worker.fencing import PartitionKey
@@ -54,6 +54,32 @@ def test_group_commit_writes_every_run(ledger):
     assert len(committed) == 3 and not stale
     assert query(ledger, "SELECT count(*) AS n FROM events WHERE status = 'done'")[0]["n"] == 3
     assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi u1", "hi u2", "hi u3"]
+
+
+def test_a_group_commit_links_each_write_to_its_own_run_and_counts_tool_calls(ledger):
+    """Two runs in one finish transaction share its now(): the console once matched timers and
+    memory files to runs by that instant, and showed each run the other's writes. The run id
+    on the rows cannot mix them up."""
+    ids = seed(ledger, ["u1", "u2"])
+    task = NewTask("tsk_00000000000000000001", "look it up", (), 100, 1, 60.0, 3, "u1:1:1:1", ("u1", "u1:1:1:1"))
+    one = RunResult(
+        RunOutcome.MESSAGE,
+        messages=[OutMessage("hi")],
+        timers=[NewTimer("followup-1", datetime.now(UTC) + timedelta(hours=1))],
+        memory_writes=[MemoryWrite("/memories/one.md", "1")],
+        tasks=[task],
+        usage=Usage(turns=4, tool_calls=3),
+    )
+    two = RunResult(RunOutcome.NOTHING, memory_writes=[MemoryWrite("/memories/two.md", "2")])
+    committed, _ = commit(ledger, [finished("u1", ids["u1"], one), finished("u2", ids["u2"], two)])
+    assert len(committed) == 2
+    runs = {r["user_id"]: r for r in query(ledger, "SELECT id, user_id, tool_calls, finished_at FROM runs")}
+    assert runs["u1"]["finished_at"] == runs["u2"]["finished_at"]  # the same instant: time cannot tell them apart
+    assert (runs["u1"]["tool_calls"], runs["u2"]["tool_calls"]) == (3, 0)
+    assert query(ledger, "SELECT run_id FROM timers") == [{"run_id": runs["u1"]["id"]}]
+    assert query(ledger, "SELECT run_id FROM tasks") == [{"run_id": runs["u1"]["id"]}]
+    memory = {r["path"]: r["run_id"] for r in query(ledger, "SELECT path, run_id FROM memory")}
+    assert memory == {"/memories/one.md": runs["u1"]["id"], "/memories/two.md": runs["u2"]["id"]}
 
 
 def test_stale_epoch_finish_writes_nothing(ledger):

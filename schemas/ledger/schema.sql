@@ -90,6 +90,9 @@ CREATE INDEX events_dead ON events_finished (finished_at) WHERE status = 'dead';
 -- entry here.
 CREATE INDEX events_finished_by_user ON events_finished (user_id, id);
 CREATE TABLE events_finished_default PARTITION OF events_finished DEFAULT;
+-- The operator console's search by source id without its user (migration 0020): on the
+-- parent, so the live queue and every day partition have it. One more entry per event written.
+CREATE INDEX events_by_source_id ON events (source_id);
 
 -- event_keys: the dedup key of every event recorded in the last VIGIL_DEDUP_WINDOW_DAYS. The
 -- second copy of a retried webhook, a redelivered Kafka message, a replayed timer occurrence
@@ -208,6 +211,7 @@ CREATE TABLE runs (
     output_tokens      integer     NOT NULL DEFAULT 0,
     cache_read_tokens  integer     NOT NULL DEFAULT 0,
     cache_write_tokens integer     NOT NULL DEFAULT 0,
+    tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0020)
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );
@@ -286,6 +290,7 @@ CREATE TABLE timers (
     -- (a deploy re-running its set-up with an old due) never fires them a second time.
     handled_through timestamptz,
     cancelled_at   timestamptz,                           -- set by DELETE / `vigil timers rm` (done too)
+    run_id         bigint,                                -- the run whose finish last set it; NULL: the API (0020)
     error          text,                                  -- why the scheduler gave up on a row it could not plan (done too)
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
@@ -395,6 +400,7 @@ CREATE TABLE tasks (
     turns               integer     NOT NULL DEFAULT 0,      -- usage, counted against the parent's budgets
     input_tokens        integer     NOT NULL DEFAULT 0,
     output_tokens       integer     NOT NULL DEFAULT 0,
+    run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0020)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
@@ -417,6 +423,7 @@ CREATE TABLE memory (
     path        text        NOT NULL,                     -- always under /memories/, never with ..
     content     text        NOT NULL,
     updated_at  timestamptz NOT NULL DEFAULT now(),
+    run_id      bigint,                                   -- the run whose finish last wrote it (0020)
     PRIMARY KEY (user_id, path),
     CONSTRAINT memory_path_confined CHECK (path LIKE '/memories/%' AND path NOT LIKE '%..%')
 );

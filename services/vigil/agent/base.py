@@ -198,6 +198,7 @@ class Usage:
     output_tokens: int = 0
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    tool_calls: int = 0  # tool_use blocks the model sent, whatever became of them (runs.tool_calls)
 
 
 @dataclass(slots=True)

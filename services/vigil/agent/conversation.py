@@ -146,6 +146,7 @@ class Conversation:
             if content:  # an empty answer is legal but must not be stored: turns need content
                 thread.messages.append({"role": "assistant", "content": content})
             uses = [b for b in content if b["type"] == "tool_use"]
+            self.run.budget.tool_calls += len(uses)
             if not uses:
                 if self.run.budget.exhausted() is None and await self._boundary(start, folded_here):
                     continue

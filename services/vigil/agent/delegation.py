@@ -164,6 +164,7 @@ async def run_child(child: Child, instructions: str) -> str:
         if texts:
             answer = "\n".join(texts).strip()
         uses = [b for b in content if b["type"] == "tool_use"]
+        child.budget.tool_calls += len(uses)
         if not uses:
             return answer
         results = []
@@ -236,6 +237,7 @@ def charge(parent: model.Budget, child: model.Budget) -> None:
     parent.output_tokens += child.output_tokens
     parent.cache_read_tokens += child.cache_read_tokens
     parent.cache_write_tokens += child.cache_write_tokens
+    parent.tool_calls += child.tool_calls
 
 
 def _sync_usage(child: Child) -> None:

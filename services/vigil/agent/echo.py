@@ -23,7 +23,7 @@ import os
 import signal
 import uuid
 
-from vigil.agent.base import NewTask, OutMessage, RunContext, RunResult, TaskContext, TaskResult
+from vigil.agent.base import NewTask, OutMessage, RunContext, RunResult, TaskContext, TaskResult, Usage
 from vigil.ledger.states import RunOutcome
 
 DELEGATE_PREFIX = "delegate:"
@@ -66,7 +66,13 @@ class EchoAgent:
             lines.append(text)
         if not lines:
             return RunResult(outcome=RunOutcome.NOTHING)
-        return RunResult(outcome=RunOutcome.MESSAGE, messages=[OutMessage("\n".join(lines))], tasks=tasks)
+        # A delegation is the echo agent's only "tool call": counted as a model's would be.
+        return RunResult(
+            outcome=RunOutcome.MESSAGE,
+            messages=[OutMessage("\n".join(lines))],
+            tasks=tasks,
+            usage=Usage(tool_calls=len(tasks)),
+        )
 
     @staticmethod
     def _delegate(ctx: RunContext, instructions: str, session_id: str | None, tasks: list[NewTask]) -> str:

@@ -50,6 +50,7 @@ class Budget:
     output_tokens: int = 0
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    tool_calls: int = 0  # tool_use blocks received: recorded on the run, not a limit
 
     @property
     def spent(self) -> int:
@@ -82,7 +83,14 @@ class Budget:
                 metrics.MODEL_TOKENS.labels(kind).inc(n)
 
     def usage(self) -> Usage:
-        return Usage(self.turns, self.input_tokens, self.output_tokens, self.cache_read_tokens, self.cache_write_tokens)
+        return Usage(
+            self.turns,
+            self.input_tokens,
+            self.output_tokens,
+            self.cache_read_tokens,
+            self.cache_write_tokens,
+            self.tool_calls,
+        )
 
 
 @dataclass(frozen=True)

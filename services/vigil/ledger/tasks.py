@@ -89,6 +89,7 @@ class NewTaskRow:
     token_budget: int
     max_attempts: int
     timeout_s: float
+    run_id: int | None = None  # the delegating run's row (the console links the task to it)
 
 
 @dataclass(frozen=True, slots=True)

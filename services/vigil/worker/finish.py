@@ -92,6 +92,7 @@ def _group_params(runs: list[Finished], worker: str) -> dict:
             "output_tokens",
             "cache_read_tokens",
             "cache_write_tokens",
+            "tool_calls",
             "message_user",
             "message_body",
             "message_urgent",
@@ -117,6 +118,7 @@ def _group_params(runs: list[Finished], worker: str) -> dict:
         params["output_tokens"].append(usage.output_tokens if usage else 0)
         params["cache_read_tokens"].append(usage.cache_read_tokens if usage else 0)
         params["cache_write_tokens"].append(usage.cache_write_tokens if usage else 0)
+        params["tool_calls"].append(usage.tool_calls if usage else 0)
         if run.error is None and result is not None:
             params["done_ids"].extend(run.event_ids)
             for message in result.messages:
@@ -173,6 +175,7 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
                 "payload": Jsonb(timer.payload),
                 "fixed_key": timer.fixed_key,
                 "traceparent": claim.traceparent,
+                "run_id": run_id,
             },
         )
     for approval in result.approvals:
@@ -194,15 +197,17 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
         if write.content is None:
             await conn.execute(Q.delete_memory, {"user_id": user, "path": write.path})
         else:
-            await conn.execute(Q.upsert_memory, {"user_id": user, "path": write.path, "content": write.content})
+            await conn.execute(
+                Q.upsert_memory, {"user_id": user, "path": write.path, "content": write.content, "run_id": run_id}
+            )
     for params in session_rows(user, result):
         await conn.execute(Q.agent_session_upsert, params)
     for task in result.tasks:
-        await ledger_tasks.create(conn, new_task_row(user, task))
+        await ledger_tasks.create(conn, new_task_row(user, task, run_id))
     return []
 
 
-def new_task_row(user_id: str, task: NewTask) -> ledger_tasks.NewTaskRow:
+def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledger_tasks.NewTaskRow:
     return ledger_tasks.NewTaskRow(
         id=task.id,
         user_id=user_id,
@@ -216,6 +221,7 @@ def new_task_row(user_id: str, task: NewTask) -> ledger_tasks.NewTaskRow:
         token_budget=task.token_budget,
         max_attempts=task.max_attempts,
         timeout_s=task.timeout_s,
+        run_id=run_id,
     )
 
 

@@ -5,15 +5,17 @@
 -- Group commit of the runs whose epochs were checked: every run's audit row, the done runs' events and their outbox rows, in one statement for the whole group (one round trip however many runs). Returns each run's id and how many of its events were still claimed; a run's other writes follow by its id.
 WITH new_runs AS (
     INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, session_id, started_at, finished_at,
-                      outcome, error, turns, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens)
+                      outcome, error, turns, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
+                      tool_calls)
     SELECT r.user_id, r.topic, r.partition, r.epoch, %(worker)s, r.event_ids::bigint[], r.session_id, r.started_at, now(),
-           r.outcome, r.error, r.turns, r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens
+           r.outcome, r.error, r.turns, r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens,
+           r.tool_calls
     FROM unnest(%(user_id)s::text[], %(topic)s::text[], %(partition)s::int[], %(epoch)s::bigint[], %(event_ids)s::text[],
                 %(session_id)s::text[], %(started_at)s::timestamptz[], %(outcome)s::text[], %(error)s::text[],
                 %(turns)s::int[], %(input_tokens)s::int[], %(output_tokens)s::int[], %(cache_read_tokens)s::int[],
-                %(cache_write_tokens)s::int[])
+                %(cache_write_tokens)s::int[], %(tool_calls)s::int[])
          WITH ORDINALITY AS r(user_id, topic, partition, epoch, event_ids, session_id, started_at, outcome, error, turns,
-                              input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, n)
+                              input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls, n)
     ORDER BY r.n
     RETURNING id, user_id, epoch, outcome, event_ids
 ),
@@ -46,20 +48,20 @@ FROM new_runs r LEFT JOIN done d ON d.run_id = r.id
 GROUP BY r.id, r.user_id
 
 -- name: insert_timer
--- A follow-up or approval expiry set by the run (with the run's trace context when traces are on). Re-setting the same id replaces a timer that has not fired yet.
-INSERT INTO timers AS t (id, user_id, kind, due, catch_up, payload, fixed_key, traceparent)
+-- A follow-up or approval expiry set by the run (%(run_id)s: the console's link; the run's trace context when traces are on). Re-setting the same id replaces a timer that has not fired yet.
+INSERT INTO timers AS t (id, user_id, kind, due, catch_up, payload, fixed_key, traceparent, run_id)
 -- Due times are whole seconds: round up, so a follow-up never fires before the time asked for.
 VALUES (%(id)s, %(user_id)s, %(kind)s, date_trunc('second', %(due)s::timestamptz + interval '999999 microseconds'),
-        %(catch_up)s, %(payload)s, %(fixed_key)s, %(traceparent)s)
+        %(catch_up)s, %(payload)s, %(fixed_key)s, %(traceparent)s, %(run_id)s)
 ON CONFLICT (user_id, id) DO UPDATE
 SET due = EXCLUDED.due, payload = EXCLUDED.payload, fixed_key = EXCLUDED.fixed_key, kind = EXCLUDED.kind,
-    catch_up = EXCLUDED.catch_up, traceparent = EXCLUDED.traceparent, updated_at = now()
+    catch_up = EXCLUDED.catch_up, traceparent = EXCLUDED.traceparent, run_id = EXCLUDED.run_id, updated_at = now()
 WHERE NOT t.done
 
 -- name: upsert_memory
--- The memory tool's create/str_replace/insert/rename target.
-INSERT INTO memory (user_id, path, content) VALUES (%(user_id)s, %(path)s, %(content)s)
-ON CONFLICT (user_id, path) DO UPDATE SET content = EXCLUDED.content, updated_at = now()
+-- The memory tool's create/str_replace/insert/rename target, written by run %(run_id)s (the console's link).
+INSERT INTO memory (user_id, path, content, run_id) VALUES (%(user_id)s, %(path)s, %(content)s, %(run_id)s)
+ON CONFLICT (user_id, path) DO UPDATE SET content = EXCLUDED.content, run_id = EXCLUDED.run_id, updated_at = now()
 
 -- name: delete_memory
 -- The memory tool's delete (and rename's source).

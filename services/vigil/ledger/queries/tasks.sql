@@ -7,9 +7,10 @@
 -- name: task_create
 -- A task delegated by a run, inserted in that run's fenced finish (a run that does not commit starts nothing).
 INSERT INTO tasks (id, user_id, parent_run_key, parent_task_id, session_id, depth, owner_chain, instructions,
-                   tools, token_budget, max_attempts, deadline)
+                   tools, token_budget, max_attempts, deadline, run_id)
 VALUES (%(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
-        %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s, now() + make_interval(secs => %(timeout_s)s))
+        %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s, now() + make_interval(secs => %(timeout_s)s),
+        %(run_id)s)
 ON CONFLICT (id) DO NOTHING
 
 -- name: task_claim

@@ -22,6 +22,7 @@ SET kind = EXCLUDED.kind,
     skipped = false,
     cancelled_at = NULL,
     error = NULL,
+    run_id = NULL,  -- set by the API now, no longer by the run that set it before (the console's link)
     updated_at = now()
 WHERE t.kind <> 'approval_expiry'
   AND NOT (t.done AND EXCLUDED.every_seconds IS NULL AND EXCLUDED.cron IS NULL

@@ -1,0 +1,19 @@
+-- 0020: what the operator console needs to link a run to what it did, and to find an event
+-- by its source id alone.
+--
+-- A run's tool calls (the issue asks for them beside tokens; vigil_tool_calls_total has no
+-- user or run). Written by the finish's insert of the run row.
+ALTER TABLE runs ADD COLUMN tool_calls integer NOT NULL DEFAULT 0;
+-- The run whose finish last wrote the row. Matching by the finish instant (the console's
+-- former rule) attributed a timer that a later run re-set to both runs, and breaks whenever
+-- two finishes share a microsecond; the id cannot. NULL: written by the API, an operator, or
+-- before this migration. No foreign key: retention prunes runs long before timers, memory
+-- files and tasks go (the same as approvals.run_id).
+ALTER TABLE timers ADD COLUMN run_id bigint;
+ALTER TABLE memory ADD COLUMN run_id bigint;
+ALTER TABLE tasks ADD COLUMN run_id bigint;
+-- Search by source id without the user (a webhook's delivery id, a message id from a log):
+-- the dedup key's index starts with the user, so this was a scan of the newest events. On
+-- the partitioned parent, so every day partition (made by ensure_event_partitions) and the
+-- live queue get it. Cost: one more index entry per event written (measured in docs/console.md).
+CREATE INDEX events_by_source_id ON events (source_id);
