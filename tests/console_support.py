@@ -22,8 +22,9 @@ class Seeded:
 
 def seed_user(dsn: str, user: str = "alice", dead_delivery: bool = True) -> Seeded:
     """A user's history as the services write it: two events (one with a hostile payload), a
-    run that finished them and wrote a message, a timer, an approval request and a memory file
-    in its finish transaction (so they share its now()), a delivery, and a dead event."""
+    run (three tool calls) that finished them and wrote a message, a timer, an approval request
+    and a memory file in its finish transaction (each with its run id), a delivery, and a dead
+    event."""
     with psycopg.connect(dsn) as conn:
         conn.execute("INSERT INTO users (user_id, home_topic, home_partition) VALUES (%s, 'test.events', 3)", (user,))
         events = [
@@ -46,8 +47,8 @@ def seed_user(dsn: str, user: str = "alice", dead_delivery: bool = True) -> Seed
     with psycopg.connect(dsn) as conn:  # one transaction: the run's finish
         run_id = conn.execute(
             "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome,"
-            " turns, input_tokens, output_tokens) VALUES (%s, 'test.events', 3, 7, 'worker-a', %s,"
-            " now() - interval '1 second', now(), 'message', 2, 1200, 80) RETURNING id",
+            " turns, input_tokens, output_tokens, tool_calls) VALUES (%s, 'test.events', 3, 7, 'worker-a', %s,"
+            " now() - interval '1 second', now(), 'message', 2, 1200, 80, 3) RETURNING id",
             (user, events),
         ).fetchone()[0]
         conn.execute("UPDATE events SET run_id = %s WHERE id = ANY(%s)", (run_id, events))
@@ -56,16 +57,19 @@ def seed_user(dsn: str, user: str = "alice", dead_delivery: bool = True) -> Seed
             (user, run_id, "reply " + XSS),
         ).fetchone()[0]
         conn.execute(
-            "INSERT INTO timers (id, user_id, kind, due) VALUES ('followup-1', %s, 'followup',"
-            " date_trunc('second', now()) + interval '1 hour')",
-            (user,),
+            "INSERT INTO timers (id, user_id, kind, due, run_id) VALUES ('followup-1', %s, 'followup',"
+            " date_trunc('second', now()) + interval '1 hour', %s)",
+            (user, run_id),
         )
         conn.execute(
             "INSERT INTO approvals (request_id, user_id, session_id, run_id, tool, args_hash, due)"
             " VALUES ('apr-1', %s, 'ses-1', %s, 'refund', 'h', now() + interval '10 min')",
             (user, run_id),
         )
-        conn.execute("INSERT INTO memory (user_id, path, content) VALUES (%s, '/memories/notes.md', 'x')", (user,))
+        conn.execute(
+            "INSERT INTO memory (user_id, path, content, run_id) VALUES (%s, '/memories/notes.md', 'x', %s)",
+            (user, run_id),
+        )
     with psycopg.connect(dsn) as conn:  # the dispatcher's attempts, then its verdict
         delivery_id = conn.execute(
             "UPDATE outbox SET status = %s, delivery_id = gen_random_uuid(), fixed_at = now(), attempts = 12,"

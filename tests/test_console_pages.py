@@ -136,6 +136,7 @@ def test_timeline_shows_events_runs_and_what_each_run_wrote(console, ledger):
         "/memories/notes.md",
         "epoch 7",
         "1280 tokens",
+        "3 tool call(s)",
         "billing.invoice_paid",
     ]:
         assert needle in page, needle
@@ -143,6 +144,41 @@ def test_timeline_shows_events_runs_and_what_each_run_wrote(console, ledger):
     assert page.index(f'id="run-{seeded.run_id}"') < page.index(f'id="event-{seeded.dead_event}"')
     assert page.index(f'id="event-{seeded.dead_event}"') < page.index(f'id="event-{seeded.events[0]}"')
     assert console.get("/users/nobody-at-all").status_code == 404
+
+
+def test_a_runs_writes_are_linked_by_its_id_not_its_finish_instant(console, ledger):
+    """Two runs finished in one transaction (one now()), and a timer that a later run set
+    again: each write shows under the run whose id it carries, and only there."""
+    seeded = seed_user(ledger)
+    with __import__("psycopg").connect(ledger) as conn:
+        other = conn.execute(
+            "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)"
+            " VALUES (%s, 'test.events', 3, 7, 'worker-a', '{}', now() - interval '1 second', now(), 'nothing')"
+            " RETURNING id",
+            (seeded.user,),
+        ).fetchone()[0]
+        # Same transaction as the other run's row: the finish instant of both runs.
+        conn.execute(
+            "INSERT INTO memory (user_id, path, content, run_id) VALUES (%s, '/memories/other.md', 'y', %s)",
+            (seeded.user, other),
+        )
+        conn.execute("UPDATE timers SET run_id = %s WHERE id = 'followup-1'", (other,))
+        conn.execute(
+            "INSERT INTO tasks (id, user_id, parent_run_key, depth, owner_chain, instructions, token_budget,"
+            " max_attempts, deadline, run_id) VALUES ('tsk_aaaaaaaaaaaaaaaaaaaa', %s, 'k', 1, ARRAY[%s], 'dig',"
+            " 100, 3, now() + interval '1 h', %s)",
+            (seeded.user, seeded.user, other),
+        )
+    login(console, ledger)
+    first = console.get(f"/runs/{seeded.run_id}").text
+    assert "/memories/notes.md" in first and "apr-1" in first
+    assert "/memories/other.md" not in first and "followup-1" not in first and "tsk_aaaaaaaaaaaaaaaaaaaa" not in first
+    second = console.get(f"/runs/{other}").text
+    assert "/memories/other.md" in second and "followup-1" in second
+    assert 'id="delegated-tsk_aaaaaaaaaaaaaaaaaaaa"' in second
+    assert "/memories/notes.md" not in second and "apr-1" not in second
+    timeline = console.get(f"/users/{seeded.user}").text
+    assert timeline.count("/memories/other.md") == 1 and timeline.count("followup-1") == 1
 
 
 def test_timeline_pages_by_keyset_without_losing_or_repeating_entries(console, ledger):
@@ -286,3 +322,107 @@ def test_timeline_shows_the_users_background_tasks_escaped(console, ledger):
     assert "Background tasks" in page and "tsk_0123456789abcdef0123" in page and "2 of 3" in page
     assert "no heartbeat from w-1 for 31 s (attempt 3 of 3)" in page
     assert XSS not in page and "research &lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def console_with(ledger: str, **settings):
+    from vigil.console.app import create_app
+    from vigil.console.settings import ConsoleSettings
+
+    app = create_app(ConsoleSettings(database_url=ledger, console_auth_cache_s=0, **settings))
+    return TestClient(app, base_url="http://console.test", follow_redirects=False)
+
+
+def test_partitions_show_lag_from_the_broker_and_pending_events_from_the_ledger(ledger, stack, topics):
+    """Lag = the broker's end offset - the ledger's consumer position, per partition; pending
+    events by their users' home partition; a partition no worker was assigned still shows."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for partition, count in ((0, 5), (1, 2)):
+        for n in range(count):
+            producer.produce(topics.events, value=b"x%d" % n, partition=partition)
+    assert producer.flush(30) == 0
+    with __import__("psycopg").connect(ledger) as conn:
+        conn.execute(
+            "INSERT INTO partitions (topic, partition, epoch, holder, acquired_at) VALUES (%s, 0, 2, 'w-1', now())",
+            (topics.events,),
+        )
+        conn.execute(
+            "INSERT INTO consumer_positions (topic, partition, next_offset) VALUES (%s, 0, 3)", (topics.events,)
+        )
+        conn.execute("INSERT INTO users (user_id, home_topic, home_partition) VALUES ('pat', %s, 1)", (topics.events,))
+        conn.execute(
+            "INSERT INTO events (user_id, source, source_id, kind, received_at)"
+            " SELECT 'pat', 'chat', 'p' || g, 'chat.message', now() FROM generate_series(1, 2) g"
+        )
+    with console_with(ledger, kafka_bootstrap=stack.bootstrap, events_topic=topics.events) as console:
+        login(console, ledger)
+        page = console.get("/partitions").text
+    rows = {
+        int(m.group(1)): m.group(2)
+        for m in re.finditer(rf'<tr id="partition-{re.escape(topics.events)}-(\d+)">(.*?)</tr>', page, re.S)
+    }
+    assert sorted(rows) == [0, 1, 2, 3], page
+    cells = {p: re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for p, row in rows.items()}
+    # columns: topic, partition, epoch, holder, assigned, position, end offset, lag, pending
+    assert cells[0][2] == "2" and cells[0][3] == "w-1" and cells[0][6] == "5" and cells[0][7] == "<b>2</b>"
+    assert cells[0][5].startswith("3")
+    assert cells[1][3] == "never assigned" and cells[1][6] == "2" and cells[1][7] == "<b>2</b>"
+    assert cells[1][8] == "2"  # pat's two pending events: home partition 1
+    assert cells[2][6] == "0" and cells[2][7] == "0" and cells[0][8] == "0"
+
+
+def test_partitions_page_says_unknown_when_kafka_does_not_answer(ledger):
+    """No broker at the address: the page still answers, within the bound, with the lag
+    unknown; the failure is cached, so the next load does not wait again."""
+    import time
+
+    from vigil.devstack import free_port
+
+    with __import__("psycopg").connect(ledger) as conn:
+        conn.execute("INSERT INTO partitions (topic, partition, epoch, holder) VALUES ('vigil.events', 0, 1, 'w')")
+    with console_with(ledger, kafka_bootstrap=f"127.0.0.1:{free_port()}") as console:
+        login(console, ledger)
+        started = time.monotonic()
+        first = console.get("/partitions")
+        took = time.monotonic() - started
+        assert first.status_code == 200 and 'class="lag">unknown<' in first.text and "did not answer" in first.text
+        assert took < 4.0, took
+        started = time.monotonic()
+        again = console.get("/partitions")
+        assert again.status_code == 200 and 'class="lag">unknown<' in again.text
+        assert time.monotonic() - started < 0.5  # the cached failure, not another wait
+
+
+def test_search_by_source_id_alone_is_an_index_lookup(ledger):
+    """Any user's event by its source id, whatever its age: the events_by_source_id index in
+    each partition of events (never a scan of the table, never a window of the newest)."""
+    from test_ledger_partitions import plan_of, seed_history
+    from vigil.ledger.console import events_by_source_id
+    from vigil.ledger.queries import Q
+
+    seed_history(ledger)  # a month of finished events, a partition a day
+    query(
+        ledger,
+        "INSERT INTO events (user_id, source, source_id, kind, received_at) VALUES ('q', 'chat', 'new-1', 'c', now())",
+    )
+    query(ledger, "ANALYZE events")
+
+    def nodes(plan: dict) -> list[dict]:
+        return [plan] + [n for child in plan.get("Plans", []) for n in nodes(child)]
+
+    for source_id in ("old-7", "new-1", "missing"):
+        params = {"source_id": source_id, "user_id": None, "limit": 50}
+        plan = nodes(plan_of(ledger, Q.console_events_by_source_id, params))
+        # The planner reads a near-empty partition (a day ahead, the live queue here) whole: that
+        # is cheaper than its index. Every partition with history is read through the index.
+        seq = {n["Relation Name"] for n in plan if n["Node Type"] == "Seq Scan"}
+        big = {r["relname"] for r in query(ledger, "SELECT relname FROM pg_class WHERE reltuples > 100")}
+        assert not seq & big, seq & big
+        used = {n.get("Index Name") for n in plan if n.get("Index Name")}
+        assert used and all(name.endswith("source_id_idx") or name == "events_by_source_id" for name in used), used
+    with __import__("psycopg").connect(ledger, row_factory=__import__("psycopg").rows.dict_row) as conn:
+        [old] = events_by_source_id(conn, "old-7")  # 29 days old: no window of the newest misses it
+        assert old.user_id == "u00007" and old.status == "done"
+        assert [e.source_id for e in events_by_source_id(conn, "new-1", "q")] == ["new-1"]
+        assert events_by_source_id(conn, "new-1", "someone-else") == []

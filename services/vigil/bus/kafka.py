@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from vigil import tracing
 from vigil.bus.codec import Event, EventCodec
@@ -186,6 +186,24 @@ def quiet_admin(settings: CommonSettings) -> AdminClient:
     broker is down); the caller turns the one exception it gets into one line instead.
     """
     return AdminClient({**settings.kafka_client_options(), "log_level": 0})
+
+
+def end_offsets(admin: AdminClient, topic: str, timeout: float) -> dict[int, int]:
+    """Each partition of ``topic`` and its high watermark (the offset the next message gets).
+
+    Two requests (metadata, then one ListOffsets for every partition), each bounded by
+    ``timeout``; raises KafkaException if the broker does not answer in time or the topic
+    does not exist. Metadata of all topics is asked for: naming the topic would let a broker
+    that auto-creates topics create it.
+    """
+    deadline = time.monotonic() + timeout
+    found = admin.list_topics(timeout=timeout).topics.get(topic)
+    if found is None or found.error is not None:
+        raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, f"no topic {topic}"))
+    left = max(0.05, deadline - time.monotonic())
+    requests = {TopicPartition(topic, p): OffsetSpec.latest() for p in found.partitions}
+    futures = admin.list_offsets(requests, request_timeout=left) if requests else {}
+    return {tp.partition: future.result(left + 1.0).offset for tp, future in futures.items()}
 
 
 class TopicError(Exception):

@@ -9,6 +9,7 @@ only, on worker threads (psycopg's blocking calls stay off the event loop).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -34,6 +35,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 
 from vigil.console import auth
+from vigil.console.lag import EndOffsets, answered_at
 from vigil.console.settings import ConsoleSettings
 from vigil.dispatcher.operator import revive_delivery
 from vigil.health import Readiness, dependency_checks, health_routes
@@ -163,6 +165,7 @@ class Console:
         self.pool = ledger.open_pool(settings.dsn)
         self.env = environment()
         self.tokens: TtlCache[dict] = TtlCache(settings.console_auth_cache_s)
+        self.end_offsets = EndOffsets(settings)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -366,9 +369,15 @@ class Console:
         return self.page(request, "timers.html", rows=rows, next=nxt, soon=TIMERS_SOON)
 
     async def partitions(self, request: Request) -> Response:
+        """The ledger's rows and the broker's end offsets, asked at once (the broker's answer is
+        cached and bounded: see vigil.console.lag)."""
         await self.operator(request, auth.Need.READ)
-        rows = await self.read(ledger.partitions)
-        return self.page(request, "partitions.html", rows=rows)
+        topic = self.settings.events_topic
+        rows, _ends = await asyncio.gather(self.read(ledger.partitions), self.end_offsets.of(topic))
+        joined, ends = await self.end_offsets.lags(rows, [topic])
+        now = self.clock()
+        asked = {t: (answered_at(e, now), e.error) for t, e in ends.items()}
+        return self.page(request, "partitions.html", rows=joined, asked=asked)
 
     # -- actions ---------------------------------------------------------------------------
 

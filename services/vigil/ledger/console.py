@@ -23,10 +23,6 @@ from vigil.ledger.queries import Q
 # The overview's counts stop here: a backlog this size is an incident whatever its exact
 # size, and counting millions of rows would make the page an incident of its own.
 COUNT_CAP = 100_000
-# Searching a source id without its user scans the newest events only (there is no index on
-# source_id alone; the dedup key's index starts with the user). 100,000 took 160 ms under a
-# loaded test suite, too close to the 200 ms budget; with the user, all its events are searched.
-SOURCE_ID_WINDOW = 50_000
 # A page that waits longer than this on the ledger is failing; say so rather than hang.
 CONSOLE_STATEMENT_TIMEOUT_MS = 5_000
 # The far end of every keyset: "before" the end of time, "after" its beginning.
@@ -115,6 +111,7 @@ class RunRow:
     output_tokens: int
     cache_read_tokens: int
     cache_write_tokens: int
+    tool_calls: int
 
     @property
     def duration_s(self) -> float:
@@ -184,19 +181,29 @@ class TimerRow:
 
 
 @dataclass(frozen=True)
+class TimerSet(TimerRow):
+    run_id: int
+
+
+@dataclass(frozen=True)
 class MemoryWrite:
     path: str
     bytes: int
     updated_at: datetime
+    run_id: int
 
 
 @dataclass(frozen=True)
 class PartitionRow:
     topic: str
     partition: int
-    epoch: int
+    epoch: int | None  # None: never assigned (the ledger recorded from it, or a user's home)
     holder: str | None
     acquired_at: datetime | None
+    next_offset: int | None  # the ledger's consumer position: every offset before it is recorded
+    recorded_at: datetime | None  # when that position last moved
+    pending: int  # pending events whose user's home is this partition
+    pending_capped: bool  # the pending count stopped at COUNT_CAP (over all partitions)
 
 
 @dataclass(frozen=True)
@@ -238,8 +245,9 @@ class RunWrites:
 
     outbox: list[OutboxRow]
     approvals: list[ApprovalRow]
-    timers: list[TimerRow]
+    timers: list[TimerSet]
     memory: list[MemoryWrite]
+    tasks: list[DelegatedTask]
 
 
 @dataclass(frozen=True)
@@ -290,6 +298,11 @@ class TaskRow:
 
 
 @dataclass(frozen=True)
+class DelegatedTask(TaskRow):
+    run_id: int
+
+
+@dataclass(frozen=True)
 class TimelineEntry:
     at: datetime
     event: EventRow | None = None
@@ -337,29 +350,30 @@ def user(conn: psycopg.Connection, user_id: str) -> UserRow | None:
 
 
 def run_writes(conn: psycopg.Connection, runs: list[RunRow], limit: int = 500) -> dict[int, RunWrites]:
-    """What each of ``runs`` (one user's) wrote: outbox rows, approvals, timers, memory."""
+    """What each of ``runs`` (one user's) wrote, by run id: outbox rows, approvals, timers,
+    memory files and background tasks. A timer or memory file that a later run (or the API)
+    wrote again belongs to that later write only: the row holds the latest state."""
     if not runs:
         return {}
     ids = [r.id for r in runs]
     user_id = runs[0].user_id
     assert all(r.user_id == user_id for r in runs), "run_writes takes one user's runs"
-    instants = [r.finished_at for r in runs]
-    outbox = _rows(OutboxRow, _fetch(conn, Q.console_outbox_of_runs, {"run_ids": ids, "limit": limit}))
-    approvals = _rows(
-        ApprovalRow, _fetch(conn, Q.console_approvals_of_runs, {"user_id": user_id, "run_ids": ids, "limit": limit})
-    )
-    params = {"user_id": user_id, "instants": instants, "limit": limit}
-    timers = _rows(TimerRow, _fetch(conn, Q.console_timers_set_at, params))
-    memory = _rows(MemoryWrite, _fetch(conn, Q.console_memory_written_at, params))
-    result = {}
-    for run in runs:
-        result[run.id] = RunWrites(
+    params = {"user_id": user_id, "run_ids": ids, "limit": limit}
+    outbox = _rows(OutboxRow, _fetch(conn, Q.console_outbox_of_runs, params))
+    approvals = _rows(ApprovalRow, _fetch(conn, Q.console_approvals_of_runs, params))
+    timers = _rows(TimerSet, _fetch(conn, Q.console_timers_of_runs, params))
+    memory = _rows(MemoryWrite, _fetch(conn, Q.console_memory_of_runs, params))
+    tasks = _rows(DelegatedTask, _fetch(conn, Q.console_tasks_of_runs, params))
+    return {
+        run.id: RunWrites(
             outbox=[o for o in outbox if o.run_id == run.id],
             approvals=[a for a in approvals if a.run_id == run.id],
-            timers=[t for t in timers if run.finished_at in (t.created_at, t.updated_at)],
-            memory=[m for m in memory if m.updated_at == run.finished_at],
+            timers=[t for t in timers if t.run_id == run.id],
+            memory=[m for m in memory if m.run_id == run.id],
+            tasks=[k for k in tasks if k.run_id == run.id],
         )
-    return result
+        for run in runs
+    }
 
 
 def tasks_of_user(conn: psycopg.Connection, user_id: str, limit: int = 20) -> list[TaskRow]:
@@ -430,9 +444,9 @@ def delivery(conn: psycopg.Connection, delivery_id: UUID, limit: int = 500) -> l
 def events_by_source_id(
     conn: psycopg.Connection, source_id: str, user_id: str | None = None, limit: int = 50
 ) -> list[EventRow]:
-    """Events with this source id: all of one user's, or any user's among the newest
-    ``SOURCE_ID_WINDOW`` events."""
-    params = {"source_id": source_id, "user_id": user_id, "window": SOURCE_ID_WINDOW, "limit": limit}
+    """The newest ``limit`` events with this source id, of any user or of ``user_id``
+    (index ``events_by_source_id``: one probe per events partition)."""
+    params = {"source_id": source_id, "user_id": user_id, "limit": limit}
     return _rows(EventRow, _fetch(conn, Q.console_events_by_source_id, params))
 
 
@@ -474,7 +488,9 @@ def timers_due_before(
 
 
 def partitions(conn: psycopg.Connection, limit: int = 10_000) -> list[PartitionRow]:
-    return _rows(PartitionRow, _fetch(conn, Q.console_partitions, {"limit": limit}))
+    """Every partition the ledger knows, with its epoch, holder, consumer position and
+    pending events (the broker's end offsets are not here: the console asks Kafka)."""
+    return _rows(PartitionRow, _fetch(conn, Q.console_partitions, {"limit": limit, "cap": COUNT_CAP}))
 
 
 def token_by_hash(conn: psycopg.Connection, digest: str) -> dict | None:

@@ -5,10 +5,8 @@
 -- page a bounded scan, not a count of millions. Events are read by their documented columns
 -- only (README "The ledger"), so the storage underneath may change.
 --
--- A run's writes other than its outbox rows and approvals carry no run id: they are found by
--- the run's finish time. The finish is one transaction, and now() is that transaction's
--- start, so runs.finished_at, timers.created_at/updated_at and memory.updated_at of the
--- same finish are equal to the microsecond (one run per user per finish group).
+-- A run's writes (outbox rows, approvals, timers, memory files, tasks) carry its run id,
+-- written by its finish: a timeline links them by that id, never by time.
 
 -- name: console_pending_backlog
 -- Pending events (up to %(cap)s of them) and the earliest recorded one (lowest id), read from the pending index alone.
@@ -47,7 +45,7 @@ FROM (SELECT created_at FROM outbox WHERE status IN ('pending', 'sending') LIMIT
 -- name: console_recent_runs
 -- The newest runs, newest first.
 SELECT id, user_id, epoch, worker, event_ids, started_at, finished_at, outcome, error, turns,
-       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens
+       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls
 FROM runs ORDER BY id DESC LIMIT %(limit)s
 
 -- name: console_user_seen
@@ -66,7 +64,7 @@ LIMIT %(limit)s
 -- name: console_user_runs_page
 -- A user's runs before the keyset (started_at, 1, id) < (%(t)s, %(k)s, %(i)s), newest first.
 SELECT id, user_id, epoch, worker, event_ids, started_at, finished_at, outcome, error, turns,
-       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens
+       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls
 FROM runs
 WHERE user_id = %(user_id)s AND (started_at, 1, id) < (%(t)s::timestamptz, %(k)s::int, %(i)s::bigint)
 ORDER BY started_at DESC, id DESC
@@ -87,22 +85,31 @@ FROM approvals WHERE user_id = %(user_id)s AND run_id = ANY(%(run_ids)s::bigint[
 ORDER BY created_at
 LIMIT %(limit)s
 
--- name: console_timers_set_at
--- A user's timers created or last set at one of the given finish instants (see the header).
+-- name: console_timers_of_runs
+-- A user's timers last set by one of the given runs (the user's timers through the primary key, then by run id).
 SELECT id, user_id, kind, due, every_seconds, cron, tz, catch_up, done, fired_count, last_fired_at, created_at,
-       updated_at
+       updated_at, run_id
 FROM timers
-WHERE user_id = %(user_id)s
-  AND (created_at = ANY(%(instants)s::timestamptz[]) OR updated_at = ANY(%(instants)s::timestamptz[]))
+WHERE user_id = %(user_id)s AND run_id = ANY(%(run_ids)s::bigint[])
 ORDER BY created_at
 LIMIT %(limit)s
 
--- name: console_memory_written_at
--- A user's memory files last written at one of the given finish instants (see the header).
-SELECT path, length(content)::int AS bytes, updated_at
+-- name: console_memory_of_runs
+-- A user's memory files last written by one of the given runs.
+SELECT path, length(content)::int AS bytes, updated_at, run_id
 FROM memory
-WHERE user_id = %(user_id)s AND updated_at = ANY(%(instants)s::timestamptz[])
+WHERE user_id = %(user_id)s AND run_id = ANY(%(run_ids)s::bigint[])
 ORDER BY path
+LIMIT %(limit)s
+
+-- name: console_tasks_of_runs
+-- Background tasks the given runs delegated (tasks_by_user, then by run id), with their state.
+SELECT id, status, attempts, max_attempts, depth, lease_holder, lease_epoch, heartbeat_at, deadline, created_at,
+       finished_at, cancel_requested_by, left(instructions, 300) AS instructions, left(result, 300) AS result,
+       left(error, 300) AS error, input_tokens + output_tokens AS tokens, parent_run_key, reported_at, run_id
+FROM tasks
+WHERE user_id = %(user_id)s AND run_id = ANY(%(run_ids)s::bigint[])
+ORDER BY created_at, id
 LIMIT %(limit)s
 
 -- name: console_event
@@ -115,7 +122,7 @@ FROM events WHERE id = %(id)s
 -- name: console_runs_of_event
 -- The runs that took an event (a failed attempt, then the one that finished it), oldest first.
 SELECT id, user_id, epoch, worker, event_ids, started_at, finished_at, outcome, error, turns,
-       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens
+       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls
 FROM runs
 WHERE user_id = %(user_id)s AND started_at >= %(since)s AND event_ids @> ARRAY[%(event_id)s::bigint]
 ORDER BY started_at, id
@@ -124,7 +131,7 @@ LIMIT %(limit)s
 -- name: console_run
 -- One run.
 SELECT id, user_id, epoch, worker, event_ids, started_at, finished_at, outcome, error, turns,
-       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, topic, partition, session_id
+       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls, topic, partition, session_id
 FROM runs WHERE id = %(id)s
 
 -- name: console_events_by_id
@@ -144,13 +151,11 @@ ORDER BY id
 LIMIT %(limit)s
 
 -- name: console_events_by_source_id
--- Events with a source id: one user's (the dedup key's index), or any user's among the newest %(window)s events (a bounded scan).
+-- Events with a source id, of any user or of one: events_by_source_id in the live queue and each day partition, newest first.
 SELECT id, user_id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at,
        finished_at, run_id
 FROM events
-WHERE source_id = %(source_id)s
-  AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s)
-  AND (%(user_id)s::text IS NOT NULL OR id > (SELECT coalesce(max(id), 0) FROM events) - %(window)s)
+WHERE source_id = %(source_id)s AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s)
 ORDER BY id DESC
 LIMIT %(limit)s
 
@@ -190,10 +195,25 @@ ORDER BY due, user_id, id
 LIMIT %(limit)s
 
 -- name: console_partitions
--- Every partition's fencing epoch and holder.
-SELECT topic, partition, epoch, holder, acquired_at
-FROM partitions
-ORDER BY topic, partition
+-- Every partition the ledger knows (assigned, recorded from, or home to a pending event): its fencing epoch and holder, the ledger's consumer position (the next offset it will record) and its pending events, counted by their users' home partition (whose holder runs them; counting stops at %(cap)s pending events, read from the pending index).
+WITH p AS MATERIALIZED (SELECT user_id FROM events WHERE status = 'pending' LIMIT %(cap)s),
+pending AS (
+    SELECT u.home_topic AS topic, u.home_partition AS partition, sum(pu.n)::int AS pending
+    FROM (SELECT user_id, count(*) AS n FROM p GROUP BY user_id) pu JOIN users u ON u.user_id = pu.user_id
+    GROUP BY 1, 2
+),
+known AS (
+    SELECT topic, partition FROM partitions
+    UNION SELECT topic, partition FROM consumer_positions
+    UNION SELECT topic, partition FROM pending
+)
+SELECT k.topic, k.partition, pt.epoch, pt.holder, pt.acquired_at, c.next_offset, c.updated_at AS recorded_at,
+       coalesce(pe.pending, 0) AS pending, (SELECT count(*) FROM p) >= %(cap)s AS pending_capped
+FROM known k
+LEFT JOIN partitions pt ON pt.topic = k.topic AND pt.partition = k.partition
+LEFT JOIN consumer_positions c ON c.topic = k.topic AND c.partition = k.partition
+LEFT JOIN pending pe ON pe.topic = k.topic AND pe.partition = k.partition
+ORDER BY k.topic, k.partition
 LIMIT %(limit)s
 
 -- name: console_tasks_of_user
