@@ -245,11 +245,17 @@ def test_retry_needs_the_csrf_token_and_is_audited_with_the_operator(console, le
     # A second click finds nothing dead: left alone, and said so.
     again = console.post(f"/deliveries/{seeded.delivery_id}/revive", data={"csrf": csrf})
     assert again.headers["location"].endswith("?not_dead=1")
+    # The dead letters page shows who retried what (the audit rows), newest first.
+    actions = console.get("/dead").text.split('id="operator-actions"')[1]
+    assert actions.index("delivery.revive") < actions.index("dead.retry")
+    assert "ops-alice (tok_" in actions and seeded.delivery_id in actions
 
 
 def test_lists_show_open_approvals_late_timers_and_partitions(console, ledger):
-    seed_user(ledger)
+    seeded = seed_user(ledger)
     with __import__("psycopg").connect(ledger) as conn:
+        held = "INSERT INTO outbox (user_id, run_id, epoch, body) VALUES ('alice', %s, 7, 'held')"
+        conn.execute(held, (seeded.run_id,))
         conn.execute(
             "INSERT INTO timers (id, user_id, kind, due) VALUES ('late-one', 'alice', 'followup',"
             " date_trunc('second', now()) - interval '5 min'), ('far-off', 'alice', 'followup',"
@@ -268,6 +274,10 @@ def test_lists_show_open_approvals_late_timers_and_partitions(console, ledger):
     assert ">41<" in partitions and "worker-&lt;b&gt;x&lt;/b&gt;" in partitions
     overview = console.get("/").text
     assert "Dead in the last hour" in overview and "1 events" in overview
+    card = lambda name: overview.split(f'id="card-{name}"')[1].split('<div class="card"')[0]  # noqa: E731
+    assert '<a href="/approvals">1</a>' in card("approvals") and "none past its deadline" in card("approvals")
+    assert '<a href="/timers">1</a>' in card("timers")  # late-one; followup-1 and far-off are not due yet
+    assert f'<a href="/users/alice">alice</a> by <a href="/runs/{seeded.run_id}">' in card("outbox")
 
 
 def test_approval_answer_tokens_in_messages_are_not_shown(console, ledger):

@@ -340,6 +340,7 @@ class Console:
         out_before = _keyset(request.query_params.get("outbox_before"), int)
         events = await self.read(ledger.dead_events, ev_before, PAGE)
         outbox = await self.read(ledger.dead_outbox_rows, out_before, PAGE)
+        actions = await self.read(ledger.operator_actions) if ev_before is None and out_before is None else []
         deliveries: dict[UUID, list] = {}
         for row in outbox:
             deliveries.setdefault(row.delivery_id, []).append(row)
@@ -351,6 +352,7 @@ class Console:
             events_next=_cursor(events[-1].finished_at, events[-1].id) if len(events) == PAGE else None,
             outbox_next=_cursor(outbox[-1].dead_at, outbox[-1].id) if len(outbox) == PAGE else None,
             done=request.query_params,
+            actions=actions,
         )
 
     async def approvals(self, request: Request) -> Response:

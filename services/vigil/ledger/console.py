@@ -234,8 +234,13 @@ class Overview:
     dead_outbox_rows_last_hour: int
     undelivered: int
     oldest_undelivered: datetime | None
+    oldest_undelivered_user: str | None
+    oldest_undelivered_run: int | None
     oldest_pending_events: list[PendingEvent]
     recent_runs: list[RunRow]
+    approvals_open: int
+    approvals_late: int  # open past their deadline: the expiry timer has not answered them yet
+    timers_late: int  # live timers past due: the scheduler is behind or down
     cap: int = COUNT_CAP
 
 
@@ -248,6 +253,17 @@ class RunWrites:
     timers: list[TimerSet]
     memory: list[MemoryWrite]
     tasks: list[DelegatedTask]
+
+
+@dataclass(frozen=True)
+class OperatorAction:
+    """An audited retry or revival, as `vigil dead retry` / `vigil outbox --revive` or the console wrote it."""
+
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    detail: str  # JSON: the ids asked for and those changed
 
 
 @dataclass(frozen=True)
@@ -328,6 +344,7 @@ def overview(conn: psycopg.Connection, now: datetime, minutes: int = 5, limit: i
     dead = _fetch(conn, Q.console_dead_since, {"since": now - timedelta(hours=1), "cap": COUNT_CAP})[0]
     outbox = _fetch(conn, Q.console_outbox_backlog, {"cap": COUNT_CAP})[0]
     recent = _fetch(conn, Q.console_recent_runs, {"limit": limit})
+    waiting = _fetch(conn, Q.console_waiting_on_time, {"now": now, "cap": COUNT_CAP})[0]
     return Overview(
         pending=backlog["pending"],
         oldest_pending=backlog["oldest"],
@@ -336,8 +353,13 @@ def overview(conn: psycopg.Connection, now: datetime, minutes: int = 5, limit: i
         dead_outbox_rows_last_hour=dead["dead_outbox_rows"],
         undelivered=outbox["undelivered"],
         oldest_undelivered=outbox["oldest"],
+        oldest_undelivered_user=outbox["oldest_user"],
+        oldest_undelivered_run=outbox["oldest_run"],
         oldest_pending_events=_rows(PendingEvent, oldest),
         recent_runs=_rows(RunRow, recent),
+        approvals_open=waiting["approvals_open"],
+        approvals_late=waiting["approvals_late"],
+        timers_late=waiting["timers_late"],
     )
 
 
@@ -468,6 +490,11 @@ def dead_outbox_rows(
     delivery share its delivery id (and are revived together)."""
     t, i = before or (FAR_FUTURE, 0)
     return _rows(OutboxRow, _fetch(conn, Q.console_dead_outbox_page, {"t": t, "i": i, "limit": limit}))
+
+
+def operator_actions(conn: psycopg.Connection, limit: int = 20) -> list[OperatorAction]:
+    """The latest audited retries of dead events and revivals of dead deliveries."""
+    return _rows(OperatorAction, _fetch(conn, Q.console_operator_actions, {"limit": limit}))
 
 
 def open_approvals(

@@ -38,9 +38,20 @@ SELECT
         AS dead_outbox_rows
 
 -- name: console_outbox_backlog
--- Undelivered outbox rows (up to %(cap)s) and the oldest one's creation time.
-SELECT count(*)::int AS undelivered, min(created_at) AS oldest
-FROM (SELECT created_at FROM outbox WHERE status IN ('pending', 'sending') LIMIT %(cap)s) o
+-- Undelivered outbox rows (up to %(cap)s, from the outbox_undelivered index) and the oldest one: its creation time, user and run (the overview's links).
+WITH o AS MATERIALIZED (SELECT id, user_id, run_id, created_at FROM outbox WHERE status IN ('pending', 'sending') LIMIT %(cap)s),
+oldest AS (SELECT user_id, run_id, created_at FROM o ORDER BY created_at, id LIMIT 1)
+SELECT (SELECT count(*) FROM o)::int AS undelivered, oldest.created_at AS oldest, oldest.user_id AS oldest_user,
+       oldest.run_id AS oldest_run
+FROM (SELECT 1) one LEFT JOIN oldest ON true
+
+-- name: console_waiting_on_time
+-- Approvals still open and those past their deadline (approvals_open_by_due), live timers past due (timers_due); each count stops at %(cap)s.
+SELECT
+    (SELECT count(*) FROM (SELECT 1 FROM approvals WHERE answer IS NULL LIMIT %(cap)s) a)::int AS approvals_open,
+    (SELECT count(*) FROM (SELECT 1 FROM approvals WHERE answer IS NULL AND due < %(now)s LIMIT %(cap)s) a)::int
+        AS approvals_late,
+    (SELECT count(*) FROM (SELECT 1 FROM timers WHERE NOT done AND due < %(now)s LIMIT %(cap)s) t)::int AS timers_late
 
 -- name: console_recent_runs
 -- The newest runs, newest first.
@@ -156,6 +167,14 @@ SELECT id, user_id, source, source_id, kind, status, attempts, lost_claims, clai
        finished_at, run_id
 FROM events
 WHERE source_id = %(source_id)s AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s)
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: console_operator_actions
+-- The latest retries and revivals operators made (audit rows, newest first): who did what to which ids.
+SELECT id, at, actor, action, detail::text AS detail
+FROM audit
+WHERE action IN ('dead.retry', 'delivery.revive')
 ORDER BY id DESC
 LIMIT %(limit)s
 
