@@ -44,6 +44,12 @@ def seed_user(dsn: str, user: str = "alice", dead_delivery: bool = True) -> Seed
             " %s) RETURNING id",
             (user, "poison: " + XSS),
         ).fetchone()[0]
+        # Their dedup keys, as the worker's record writes them with each event.
+        conn.execute(
+            "INSERT INTO event_keys (user_id, source, source_id, recorded_at)"
+            " SELECT user_id, source, source_id, recorded_at FROM events WHERE user_id = %s",
+            (user,),
+        )
     with psycopg.connect(dsn) as conn:  # one transaction: the run's finish
         run_id = conn.execute(
             "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome,"

@@ -50,6 +50,11 @@ FILL = [
            CASE WHEN g % 500 = 11 THEN 'agent failed: boom' END
     FROM generate_series(1, 1000000) g
     """,
+    # Their dedup keys, as the worker's record writes them (the search by source id reads them).
+    """
+    INSERT INTO event_keys (user_id, source, source_id, recorded_at)
+    SELECT user_id, source, source_id, recorded_at FROM events
+    """,
     # One run per ten consecutive events (ids 1..1,000,000 in order).
     """
     INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome,

@@ -13,7 +13,9 @@ ALTER TABLE timers ADD COLUMN run_id bigint;
 ALTER TABLE memory ADD COLUMN run_id bigint;
 ALTER TABLE tasks ADD COLUMN run_id bigint;
 -- Search by source id without the user (a webhook's delivery id, a message id from a log):
--- the dedup key's index starts with the user, so this was a scan of the newest events. On
--- the partitioned parent, so every day partition (made by ensure_event_partitions) and the
--- live queue get it. Cost: one more index entry per event written (measured in docs/console.md).
-CREATE INDEX events_by_source_id ON events (source_id);
+-- the dedup key's primary key starts with the user, so this was a scan of the newest events.
+-- On the key table, not on events: event_keys is insert-only (one entry per event recorded,
+-- never updated), where an index on events would add an entry to every record, claim,
+-- release and finish of the hot path (measured in docs/console.md). The key gives the user,
+-- whose events are then read through their own indexes.
+CREATE INDEX event_keys_by_source_id ON event_keys (source_id);

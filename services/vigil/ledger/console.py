@@ -466,10 +466,12 @@ def delivery(conn: psycopg.Connection, delivery_id: UUID, limit: int = 500) -> l
 def events_by_source_id(
     conn: psycopg.Connection, source_id: str, user_id: str | None = None, limit: int = 50
 ) -> list[EventRow]:
-    """The newest ``limit`` events with this source id, of any user or of ``user_id``
-    (index ``events_by_source_id``: one probe per events partition)."""
+    """The newest ``limit`` events with this source id: of ``user_id`` whatever their age, or
+    of any user among those recorded within the dedup window (their keys name the users:
+    index ``event_keys_by_source_id``; older keys are deleted by retention)."""
     params = {"source_id": source_id, "user_id": user_id, "limit": limit}
-    return _rows(EventRow, _fetch(conn, Q.console_events_by_source_id, params))
+    sql = Q.console_events_by_source_id if user_id is None else Q.console_user_events_by_source_id
+    return _rows(EventRow, _fetch(conn, sql, params))
 
 
 # -- lists an operator acts on -----------------------------------------------------------

@@ -162,11 +162,39 @@ ORDER BY id
 LIMIT %(limit)s
 
 -- name: console_events_by_source_id
--- Events with a source id, of any user or of one: events_by_source_id in the live queue and each day partition, newest first.
+-- Events with a source id, of any user, recorded within the dedup window: the keys by event_keys_by_source_id, then each key's event through its user's indexes (pending, running, or finished since the key was recorded: run-time pruning skips older day partitions). Newest first.
+WITH k AS (
+    SELECT user_id, source, recorded_at FROM event_keys
+    WHERE source_id = %(source_id)s
+    ORDER BY recorded_at DESC
+    LIMIT %(limit)s
+)
+SELECT e.*
+FROM k CROSS JOIN LATERAL (
+    SELECT id, user_id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at,
+           finished_at, run_id
+    FROM events WHERE user_id = k.user_id AND source = k.source AND source_id = %(source_id)s AND status = 'pending'
+    UNION ALL
+    SELECT id, user_id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at,
+           finished_at, run_id
+    FROM events WHERE user_id = k.user_id AND source = k.source AND source_id = %(source_id)s AND status = 'running'
+    UNION ALL
+    -- A finish comes after the record (whose now() is the key's recorded_at); the minute
+    -- covers a database clock stepped back in between.
+    SELECT id, user_id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at,
+           finished_at, run_id
+    FROM events WHERE user_id = k.user_id AND source = k.source AND source_id = %(source_id)s
+                  AND status IN ('done', 'dead') AND finished_at >= k.recorded_at - interval '1 minute'
+) e
+ORDER BY e.id DESC
+LIMIT %(limit)s
+
+-- name: console_user_events_by_source_id
+-- One user's events with a source id, whatever their age (the user's events through its indexes), newest first.
 SELECT id, user_id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at,
        finished_at, run_id
 FROM events
-WHERE source_id = %(source_id)s AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s)
+WHERE user_id = %(user_id)s AND source_id = %(source_id)s
 ORDER BY id DESC
 LIMIT %(limit)s
 
