@@ -5,7 +5,8 @@ them) driven by Selenium opens the console that a real `vigil console` process s
 real `ingest`, `worker` (echo agent) and `dispatcher` processes move chat messages through
 the real broker and ledger to a webhook receiver on 127.0.0.1. One user's reply is refused
 by the receiver (dead at once); the operator revives it from the page and it is delivered.
-Screenshots of the overview and a timeline go to `.run/screenshots/` (not committed).
+Screenshots of the overview, a timeline and the partitions go to `.run/screenshots/` (not
+committed).
 """
 
 from __future__ import annotations
@@ -172,9 +173,20 @@ def test_operator_follows_a_message_through_the_console_and_revives_a_dead_deliv
         actor = scalar(ledger, "SELECT actor FROM audit WHERE action = 'delivery.revive'")
         assert actor.startswith("oncall-erin (tok_") and actor.endswith("via console")
         assert no_alert_open(browser)
+
+        # The partitions: every message the broker holds is recorded (lag 0 everywhere, from the
+        # broker's end offsets and the ledger's positions), nothing pending.
+        def caught_up():
+            browser.get(f"{console}/partitions")
+            lags = [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#partitions td.lag")]
+            return len(lags) == int(vigil_env["VIGIL_PARTITIONS"]) and set(lags) == {"0"}
+
+        wait_for(caught_up, 30, "every partition's lag 0 on the partitions page", interval=1.0)
+        assert {c.text for c in browser.find_elements(By.CSS_SELECTOR, "#partitions td.pending")} == {"0"}
+        partitions_png = shot(browser, "partitions")
     finally:
         receiver.stop()
     # Keep a copy beside the test's own files too, for the report of this run.
-    for png in (overview_png, timeline_png):
+    for png in (overview_png, timeline_png, partitions_png):
         shutil.copy(png, tmp_path / png.name)
         print(f"screenshot: {png}")
