@@ -387,7 +387,7 @@ def test_partitions_page_says_unknown_when_kafka_does_not_answer(ledger):
     unknown; the failure is cached, so the next load does not wait again."""
     import time
 
-    from vigil.devstack import free_port
+    from vigil_dev.devstack import free_port
 
     with __import__("psycopg").connect(ledger) as conn:
         conn.execute("INSERT INTO partitions (topic, partition, epoch, holder) VALUES ('vigil.events', 0, 1, 'w')")
