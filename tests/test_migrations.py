@@ -147,3 +147,42 @@ def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, 
         "RETURNING id",
     )[0]["id"]
     assert new > max(r["id"] for r in before)
+
+
+def test_0020_links_earlier_writes_to_their_run_only_where_the_instant_names_one(empty_db, tmp_path):
+    """Timers, memory files and tasks written before run ids were recorded get the run whose
+    finish instant they carry, unless two runs of the user share that instant."""
+    import shutil
+
+    from vigil.ledger.migrate import migrations_dir
+
+    for path in migrations_dir().glob("*.sql"):
+        if int(path.name[:4]) < 20:
+            shutil.copy(path, tmp_path / path.name)
+    dsn = empty_db()
+    migrate(dsn, tmp_path)
+    with psycopg.connect(dsn) as conn:
+        run = (
+            "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)"
+            " VALUES (%s, 't', 0, 1, 'w', '{}', %s::timestamptz - interval '1 s', %s, 'message') RETURNING id"
+        )
+        alone = conn.execute(run, ("ann", "2026-01-01 10:00Z", "2026-01-01 10:00Z")).fetchone()[0]
+        for _ in range(2):  # two runs of one group commit: the instant cannot tell them apart
+            conn.execute(run, ("ben", "2026-01-01 11:00Z", "2026-01-01 11:00Z"))
+        for user, at in (("ann", "2026-01-01 10:00Z"), ("ben", "2026-01-01 11:00Z")):
+            conn.execute(
+                "INSERT INTO timers (id, user_id, kind, due, created_at, updated_at)"
+                " VALUES ('f', %s, 'followup', '2026-02-01Z', %s, '2026-01-01 12:00Z')",
+                (user, at),
+            )
+            memory = "INSERT INTO memory (user_id, path, content, updated_at) VALUES (%s, '/memories/a', 'x', %s)"
+            conn.execute(memory, (user, at))
+            conn.execute(
+                "INSERT INTO tasks (id, user_id, parent_run_key, depth, owner_chain, instructions, token_budget,"
+                " max_attempts, deadline, created_at) VALUES (%s, %s, 'k', 1, ARRAY[%s], 'i', 1, 1, '2026-02-01Z', %s)",
+                (f"tsk_{user}", user, user, at),
+            )
+    assert migrate(dsn) == [f"{m.version:04d}_{m.name}" for m in discover() if m.version >= 20]
+    for table in ("timers", "memory", "tasks"):
+        rows = {r["user_id"]: r["run_id"] for r in query(dsn, f"SELECT user_id, run_id FROM {table}")}
+        assert rows == {"ann": alone, "ben": None}, table

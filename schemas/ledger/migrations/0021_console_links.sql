@@ -19,3 +19,21 @@ ALTER TABLE tasks ADD COLUMN run_id bigint;
 -- release and finish of the hot path (measured in docs/console.md). The key gives the user,
 -- whose events are then read through their own indexes.
 CREATE INDEX event_keys_by_source_id ON event_keys (source_id);
+
+-- Rows written before this migration: the console used to match them to runs by the finish
+-- instant (the finish is one transaction, so runs.finished_at equals the rows' now()). Keep
+-- that history linked where the instant names exactly one run of the user; where two runs
+-- share it (one group commit), leave run_id NULL rather than guess. One pass over runs.
+CREATE TEMPORARY TABLE single_finish ON COMMIT DROP AS
+SELECT user_id, finished_at, min(id) AS id FROM runs GROUP BY user_id, finished_at HAVING count(*) = 1;
+CREATE INDEX ON single_finish (user_id, finished_at);
+ANALYZE single_finish;
+-- A timer's updated_at is its latest set (a run's, or the scheduler advancing it, which no
+-- run matches); failing that, the run that created it.
+UPDATE timers t SET run_id = coalesce(
+    (SELECT s.id FROM single_finish s WHERE s.user_id = t.user_id AND s.finished_at = t.updated_at),
+    (SELECT s.id FROM single_finish s WHERE s.user_id = t.user_id AND s.finished_at = t.created_at));
+UPDATE memory m SET run_id = s.id FROM single_finish s WHERE s.user_id = m.user_id AND s.finished_at = m.updated_at;
+UPDATE tasks k SET run_id = s.id
+FROM single_finish s
+WHERE s.user_id = k.user_id AND s.finished_at = k.created_at AND k.parent_task_id IS NULL;
