@@ -149,7 +149,7 @@ def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, 
     assert new > max(r["id"] for r in before)
 
 
-def test_0020_links_earlier_writes_to_their_run_only_where_the_instant_names_one(empty_db, tmp_path):
+def test_0021_links_earlier_writes_to_their_run_only_where_the_instant_names_one(empty_db, tmp_path):
     """Timers, memory files and tasks written before run ids were recorded get the run whose
     finish instant they carry, unless two runs of the user share that instant."""
     import shutil
@@ -157,7 +157,7 @@ def test_0020_links_earlier_writes_to_their_run_only_where_the_instant_names_one
     from vigil.ledger.migrate import migrations_dir
 
     for path in migrations_dir().glob("*.sql"):
-        if int(path.name[:4]) < 20:
+        if int(path.name[:4]) < 21:
             shutil.copy(path, tmp_path / path.name)
     dsn = empty_db()
     migrate(dsn, tmp_path)
@@ -182,7 +182,7 @@ def test_0020_links_earlier_writes_to_their_run_only_where_the_instant_names_one
                 " max_attempts, deadline, created_at) VALUES (%s, %s, 'k', 1, ARRAY[%s], 'i', 1, 1, '2026-02-01Z', %s)",
                 (f"tsk_{user}", user, user, at),
             )
-    assert migrate(dsn) == [f"{m.version:04d}_{m.name}" for m in discover() if m.version >= 20]
+    assert migrate(dsn) == [f"{m.version:04d}_{m.name}" for m in discover() if m.version >= 21]
     for table in ("timers", "memory", "tasks"):
         rows = {r["user_id"]: r["run_id"] for r in query(dsn, f"SELECT user_id, run_id FROM {table}")}
         assert rows == {"ann": alone, "ben": None}, table

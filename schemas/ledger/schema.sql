@@ -105,7 +105,7 @@ CREATE TABLE event_keys (
 );
 -- Keys are written in time order: a BRIN index finds the expired ones for almost no upkeep.
 CREATE INDEX event_keys_expiry ON event_keys USING brin (recorded_at);
--- The operator console's search by source id without its user (migration 0020): the key names
+-- The operator console's search by source id without its user (migration 0021): the key names
 -- the user, whose events are then read through their indexes. Here and not on events: this
 -- table is insert-only, events rows are rewritten by every claim and finish.
 CREATE INDEX event_keys_by_source_id ON event_keys (source_id);
@@ -212,7 +212,7 @@ CREATE TABLE runs (
     output_tokens      integer     NOT NULL DEFAULT 0,
     cache_read_tokens  integer     NOT NULL DEFAULT 0,
     cache_write_tokens integer     NOT NULL DEFAULT 0,
-    tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0020)
+    tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0021)
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );
@@ -291,7 +291,7 @@ CREATE TABLE timers (
     -- (a deploy re-running its set-up with an old due) never fires them a second time.
     handled_through timestamptz,
     cancelled_at   timestamptz,                           -- set by DELETE / `vigil timers rm` (done too)
-    run_id         bigint,                                -- the run whose finish last set it; NULL: the API (0020)
+    run_id         bigint,                                -- the run whose finish last set it; NULL: the API (0021)
     error          text,                                  -- why the scheduler gave up on a row it could not plan (done too)
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
@@ -401,7 +401,7 @@ CREATE TABLE tasks (
     turns               integer     NOT NULL DEFAULT 0,      -- usage, counted against the parent's budgets
     input_tokens        integer     NOT NULL DEFAULT 0,
     output_tokens       integer     NOT NULL DEFAULT 0,
-    run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0020)
+    run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0021)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
@@ -424,7 +424,7 @@ CREATE TABLE memory (
     path        text        NOT NULL,                     -- always under /memories/, never with ..
     content     text        NOT NULL,
     updated_at  timestamptz NOT NULL DEFAULT now(),
-    run_id      bigint,                                   -- the run whose finish last wrote it (0020)
+    run_id      bigint,                                   -- the run whose finish last wrote it (0021)
     PRIMARY KEY (user_id, path),
     CONSTRAINT memory_path_confined CHECK (path LIKE '/memories/%' AND path NOT LIKE '%..%')
 );

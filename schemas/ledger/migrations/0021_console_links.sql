@@ -1,4 +1,4 @@
--- 0020: what the operator console needs to link a run to what it did, and to find an event
+-- 0021: what the operator console needs to link a run to what it did, and to find an event
 -- by its source id alone.
 --
 -- A run's tool calls (the issue asks for them beside tokens; vigil_tool_calls_total has no
