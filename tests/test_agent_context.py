@@ -12,7 +12,7 @@ from psycopg.rows import dict_row
 
 from support import query
 from vigil.agent.base import RunResult, SessionSave
-from vigil.agent.context import load_context_parts, load_contexts, session_rows
+from vigil.agent.run_ledger import load_context_parts, load_contexts, session_rows
 from vigil.ledger.queries import Q
 from vigil_dev import agent_testing as t
 

@@ -21,7 +21,7 @@ from vigil_dev.scripted_server import ScriptedServer
 from worker_support import FAST, chat, produce
 
 # A deferred call survives only if the worker stores the session's pending call
-# (vigil.agent.context.session_rows) and loads the approval rows with their argument hash
+# (vigil.agent.run_ledger.session_rows) and loads the approval rows with their argument hash
 # (load_context_parts); docs/agent.md, "Worker integration". Until the worker's finish does,
 # the approval test cannot pass: it is skipped, and runs by itself once the finish does.
 WORKER_STORES_DEFERRED_CALLS = hasattr(finish, "session_rows")

@@ -6,7 +6,8 @@
 -- match, so any change here needs a migration and vice versa.
 --
 -- Table and column names are an interface for operators and their tooling: add columns
--- freely, never rename the ones ARCHITECTURE.md lists.
+-- freely, never rename the ones docs/architecture.md lists (the services table in "The shape of
+-- the system", and "The rules, and where each one lives").
 --
 -- States are CHECK constraints mirrored by Python enums in services/vigil/ledger/states.py
 -- (tests/test_states.py keeps them in step). Next to each state: who moves rows out of it.

@@ -14,8 +14,9 @@ Sessions: every session an event of the claim names (``session_id``) is loaded i
 ``RunContext.sessions`` (``session`` is the first of them, for callers that handle one).
 A run may resume several (two approvals answered at once); each one it touched comes back
 as ``RunResult.session`` (the run's main one) or in ``RunResult.other_sessions``.
-:func:`vigil.agent.context.load_context_parts` and
-:func:`vigil.agent.context.write_sessions` do the ledger side of both.
+:func:`vigil.agent.run_ledger.load_context_parts` and
+:func:`vigil.agent.run_ledger.session_rows` (executed in the worker's fenced finish,
+:mod:`vigil.worker.finish`) do the ledger side of both.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each query sits under a ``-- name: some_name`` header followed by a one-line ``--``
 description, one file per table or concern. Runtime code refers to queries by name
-(``Q.claim_batch``), so every statement the ledger runs can be read in one place.
+(``Q.claim``), so every statement the ledger runs can be read in one place.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The claim rules, as ARCHITECTURE.md states them, executed by the ``claim`` query:
+"""The claim rules, as docs/architecture.md states them ("Claim rules"), executed by the ``claim`` query:
 
 1. Rows ``running`` under an older epoch go back to ``pending`` (done at takeover, see
    :mod:`vigil.worker.fencing`; a claim only ever matches the current epoch).

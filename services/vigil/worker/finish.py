@@ -32,7 +32,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from vigil.agent.base import NewTask, RunResult
-from vigil.agent.context import session_rows
+from vigil.agent.run_ledger import session_rows
 from vigil.ledger import tasks as ledger_tasks
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome

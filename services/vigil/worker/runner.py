@@ -26,9 +26,9 @@ from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.ledger.queries import Q
 from vigil.worker import metrics, traces
 from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead, owned_params
-from vigil.worker.context import RECENT_MESSAGES, load_context, load_many
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, backoff_seconds, commit_finished
+from vigil.worker.run_inputs import RECENT_MESSAGES, load_context, load_many
 from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 -- The Claude agent's reads and writes: what a run starts from (sessions, memory, past
 -- messages, the approvals it resumes), the saved sessions, and the demo refund tool's record.
--- services/vigil/agent/context.py calls the first group; the worker's finish the upsert.
+-- services/vigil/agent/run_ledger.py calls the first group; the worker's finish the upsert.
 
 -- name: agent_sessions_load
 -- The saved sessions named by a claim's events (only the user's own).

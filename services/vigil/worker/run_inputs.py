@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 
 from vigil.agent.base import RunContext
-from vigil.agent.context import load_context_parts, load_contexts
+from vigil.agent.run_ledger import load_context_parts, load_contexts
 
 # For an agent that does not say how many past messages it wants (``agent.recent_messages``):
 # enough for it not to repeat itself, small enough for the prompt.

@@ -104,10 +104,4 @@ def session_rows(user_id: str, result: RunResult) -> list[dict]:
     ]
 
 
-async def write_sessions(conn: psycopg.AsyncConnection, user_id: str, result: RunResult) -> None:
-    """Store the run's sessions (call inside the finish transaction)."""
-    for params in session_rows(user_id, result):
-        await conn.execute(Q.agent_session_upsert, params)
-
-
-__all__ = ["load_context_parts", "load_contexts", "session_rows", "write_sessions"]
+__all__ = ["load_context_parts", "load_contexts", "session_rows"]
