@@ -180,10 +180,11 @@ def in_process_dispatcher(dsn: str, clock, log_stream=None, **overrides):
     from vigil.dispatcher.channels import Channels, KafkaChannel, LogChannel, WebhookChannel
     from vigil.dispatcher.loop import Dispatcher
     from vigil.dispatcher.settings import DispatcherSettings
+    from vigil.outbound import address_policy
 
     settings = DispatcherSettings(database_url=dsn, **{"delivery_http_timeout_s": 2.0, **overrides})
     channels = Channels(
-        WebhookChannel(settings.delivery_http_timeout_s, settings.dispatcher_concurrency, settings.outbound_policy()),
+        WebhookChannel(settings.delivery_http_timeout_s, settings.dispatcher_concurrency, address_policy(settings)),
         KafkaChannel(settings.deliveries_topic, lambda: EventProducer(settings)),
         LogChannel(log_stream),
     )

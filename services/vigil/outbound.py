@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
-from vigil.settings import parse_networks
+from vigil.settings import CommonSettings, parse_networks
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -52,6 +52,11 @@ def url_problem(url: str) -> str | None:
     if parts.username is not None or parts.password is not None:
         return "credentials in the URL are not allowed (they would be stored and shown)"
     return None
+
+
+def address_policy(settings: CommonSettings) -> AddressPolicy:
+    """The policy of ``VIGIL_OUTBOUND_ALLOWED_NETS``."""
+    return AddressPolicy(parse_networks(settings.outbound_allowed_nets))
 
 
 class AddressPolicy:

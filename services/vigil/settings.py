@@ -182,12 +182,6 @@ class CommonSettings(BaseSettings):
     def dsn(self) -> str:
         return self.database_url.get_secret_value()
 
-    def outbound_policy(self):
-        """The :class:`vigil.outbound.AddressPolicy` of ``VIGIL_OUTBOUND_ALLOWED_NETS``."""
-        from vigil.outbound import AddressPolicy  # imports httpx: only for the services that send
-
-        return AddressPolicy(parse_networks(self.outbound_allowed_nets))
-
     def kafka_client_options(self) -> dict[str, object]:
         """Pass-through librdkafka settings for SASL/TLS clusters.
 

@@ -25,6 +25,7 @@ from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
 from vigil.ledger.db import connection_kwargs
 from vigil.ledger.queries import Q
+from vigil.outbound import address_policy
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def action_tools(settings: AgentSettings) -> list[ActionTool]:
                 settings.credentials,
                 settings.http_timeout_s,
                 settings.http_max_response_bytes,
-                settings.outbound_policy(),
+                address_policy(settings),
             )
         )
     tools.append(RefundTool(settings.dsn, settings.refund_auto_limit))

@@ -15,6 +15,7 @@ from vigil.dispatcher.clock import Clock, FileClock, SystemClock
 from vigil.dispatcher.loop import Dispatcher
 from vigil.dispatcher.settings import DispatcherSettings
 from vigil.health import HealthServer, Readiness, dependency_checks
+from vigil.outbound import address_policy
 from vigil.service import stop_event
 
 log = logging.getLogger("vigil.dispatcher")
@@ -30,7 +31,7 @@ def make_clock(settings: DispatcherSettings) -> Clock:
 def make_channels(settings: DispatcherSettings) -> Channels:
     return Channels(
         webhook=WebhookChannel(
-            settings.delivery_http_timeout_s, settings.dispatcher_concurrency, settings.outbound_policy()
+            settings.delivery_http_timeout_s, settings.dispatcher_concurrency, address_policy(settings)
         ),
         kafka=KafkaChannel(settings.deliveries_topic, lambda: EventProducer(settings), settings.schema_registry_url),
         log_channel=LogChannel(),
