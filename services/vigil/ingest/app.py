@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-from typing import Any
 
 from psycopg_pool import ConnectionPool
 from starlette.applications import Starlette
@@ -26,38 +25,18 @@ from vigil import tracing
 from vigil.health import Readiness, dependency_checks, health_routes
 from vigil.ingest import openapi
 from vigil.ingest.approvals_api import ApprovalsApi, BeforeAnswer
-from vigil.ingest.context import POOL_TIMEOUT_S, IngestContext
 from vigil.ingest.events_api import EventsApi
 from vigil.ingest.hooks import HookReceiver
 from vigil.ingest.metrics import RequestMetrics
+from vigil.ingest.mounts import POOL_TIMEOUT_S, IngestContext, mounted_openapi_paths, mounted_routes
 from vigil.ingest.requests import EXCEPTION_HANDLERS, TargetCheck
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger.db import SESSION_OPTIONS
 
 log = logging.getLogger(__name__)
 
-MOUNTED_MODULES = ["vigil.scheduler.api", "vigil.ingest.tasks_api"]  # modules exporting routes(ctx); see context.py
 # Approvals are rare next to events; a few connections serve them (see approvals_api).
 APPROVALS_POOL_SIZE = 4
-
-
-def mounted(ctx: IngestContext) -> tuple[list[Route], dict[str, Any]]:
-    """Routes and OpenAPI paths of the modules other areas mount on ingest, if installed."""
-    import importlib
-
-    routes: list[Route] = []
-    paths: dict[str, Any] = {}
-    for name in MOUNTED_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue  # that area has not written its API yet
-            raise
-        routes.extend(module.routes(ctx))
-        if hasattr(module, "openapi_paths"):
-            paths.update(module.openapi_paths())
-    return routes, paths
 
 
 def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None = None) -> Starlette:
@@ -76,8 +55,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
     events = EventsApi(settings, ctx.tokens, ctx.publisher, ctx.pool)
     hooks = HookReceiver(settings, ctx.pool, ctx.publisher)
     answers = ApprovalsApi(settings, answers_pool, ctx.publisher, before_answer)
-    extra_routes, extra_paths = mounted(ctx)
-    document = openapi.document(extra_paths)
+    document = openapi.document(mounted_openapi_paths())
 
     async def openapi_json(_: Request) -> Response:
         return JSONResponse(document)
@@ -87,7 +65,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
         Route("/v1/users/{user_id}/messages", events.post_message, methods=["POST"]),
         Route("/v1/hooks/{hook_id}", hooks.post, methods=["POST"]),
         Route("/v1/approvals/{request_id}", answers.post, methods=["POST"]),
-        *extra_routes,
+        *mounted_routes(ctx),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *health_routes(Readiness(dependency_checks(settings), gating=set())),
     ]

@@ -16,6 +16,10 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from vigil.ingest.approvals_api import AnswerIn, AnswerOut
+from vigil.ingest.events_api import Accepted, BatchIn, EventIn, MessageIn
+from vigil.ingest.mounts import mounted_openapi_paths
+
 COMMITTED = Path(__file__).with_name("openapi.json")
 REF = "#/components/schemas/{model}"
 
@@ -165,9 +169,6 @@ def paths() -> dict[str, Any]:
 
 
 def schemas() -> dict[str, Any]:
-    from vigil.ingest.approvals_api import AnswerIn, AnswerOut
-    from vigil.ingest.events_api import Accepted, BatchIn, EventIn, MessageIn
-
     _, found = models_json_schema(
         [(model, "validation") for model in (EventIn, BatchIn, MessageIn, AnswerIn)]
         + [(model, "serialization") for model in (Accepted, AnswerOut)],
@@ -212,13 +213,8 @@ def render(doc: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    from vigil.ingest.app import mounted
-    from vigil.ingest.context import IngestContext
-    from vigil.ingest.settings import IngestSettings
-
     # The served document includes the mounted modules' paths; so must the committed one.
-    settings = IngestSettings(approval_secret="unused")
-    text = render(document(mounted(IngestContext(settings))[1]))
+    text = render(document(mounted_openapi_paths()))
     if "--write" in sys.argv:
         COMMITTED.write_text(text, encoding="utf-8")
     else:

@@ -1,6 +1,6 @@
 """The timers HTTP API, mounted on ingest (``vigil.ingest.app.MOUNTED_MODULES``).
 
-``routes(ctx)`` takes ingest's :class:`vigil.ingest.context.IngestContext`: ``authenticate``
+``routes(ctx)`` takes ingest's :class:`vigil.ingest.mounts.IngestContext`: ``authenticate``
 (bearer token: 401/403), ``read_json`` (415/413/400), ``ledger()`` (a pooled connection with
 dict rows, one transaction, 503 when the ledger is down) and ``Refusal``/``invalid`` (rendered
 as ``{"error": code, "detail": ...}``). Validation is :func:`vigil.scheduler.timers.parse_timer`,

@@ -1,7 +1,9 @@
-"""What ingest lends to route modules mounted on it (the scheduler's timers API).
+"""The route modules other areas mount on ingest, and what ingest lends them.
 
-A module that serves HTTP through ingest exports ``routes(ctx: IngestContext) -> list[Route]``
-(and optionally ``openapi_paths() -> dict``, merged into ``/openapi.json``). It gets the
+Mounted: the scheduler's timers API (:mod:`vigil.scheduler.api`) and the background tasks'
+API (:mod:`vigil.ingest.tasks_api`), listed in ``MOUNTED``. Each exports
+``routes(ctx: IngestContext) -> list[Route]`` and ``openapi_paths() -> dict`` (merged into
+``/openapi.json``). It gets the
 ledger pool, the bearer-token check, the body reader with ingest's limits, and the refusal
 type; ingest's middleware counts its requests and renders its refusals like its own.
 
@@ -10,7 +12,7 @@ type; ingest's middleware counts its requests and renders its refusals like its 
         ctx.authorize(caller, Scope.TIMERS, user_id)    # 403 unless the token may act for user_id
         body = await ctx.read_json(request)             # 415/413/400 or the document
         async with ctx.ledger() as conn:                # 503 if the ledger is down
-            await conn.execute(Q.timer_create, {...})   # committed when the block exits
+            result = await upsert_async(conn, timer)  # committed when the block exits
         raise ctx.Refusal(409, "conflict", "...")       # -> {"error": "conflict", "detail": ...}
 """
 
@@ -22,13 +24,19 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 from starlette.requests import Request
+from starlette.routing import Route
 
 from vigil.ingest import requests as _requests
+from vigil.ingest import tasks_api
 from vigil.ingest.auth import Caller, TokenAuth, authorize, ledger, permits
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger.db import SESSION_OPTIONS
 from vigil.ledger.states import Scope
+from vigil.scheduler import api as timers_api
+
+# The mounted modules, in the order their routes are tried.
+MOUNTED = (timers_api, tasks_api)
 
 # Checking out a connection waits at most this long before the caller gets a 503: a pool
 # exhausted for longer is an incident, and the client should back off rather than pile up.
@@ -72,3 +80,13 @@ class IngestContext:
     def ledger(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection]:
         """A pooled connection (dict rows) in one transaction; a ledger outage is a 503."""
         return ledger(self.pool)
+
+
+def mounted_routes(ctx: IngestContext) -> list[Route]:
+    """Every mounted module's routes."""
+    return [route for module in MOUNTED for route in module.routes(ctx)]
+
+
+def mounted_openapi_paths() -> dict[str, Any]:
+    """Every mounted module's OpenAPI paths (``/openapi.json`` and the committed ``openapi.json``)."""
+    return {path: spec for module in MOUNTED for path, spec in module.openapi_paths().items()}
