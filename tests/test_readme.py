@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from vigil.ledger.commands import all_settings_classes
+from vigil.config_command import SETTINGS_CLASSES
 from vigil.settings import settings_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -15,7 +15,7 @@ def test_configuration_table_is_current():
     text = README.read_text()
     block = re.search(r"<!-- config:start -->\n(.*?)<!-- config:end -->", text, re.S)
     assert block, "README lacks the config markers"
-    assert block.group(1).strip() == settings_table(all_settings_classes()).strip(), (
+    assert block.group(1).strip() == settings_table(SETTINGS_CLASSES).strip(), (
         "README's configuration table is stale: run `vigil config` and paste it between the markers "
         "(or `python -m vigil.readme` to do it)"
     )

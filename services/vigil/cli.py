@@ -1,29 +1,38 @@
 """The ``vigil`` command: every service and every operator tool.
 
-Each area contributes its commands from its own module (``vigil.<area>.commands``, a
-``commands`` list of click commands), so the services stay independent of each other.
+Each area contributes its commands from its own module (a ``commands`` list of click
+commands), imported here by name: a module that is missing or broken is an import error at
+start-up, never a command that silently is not there.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import sys
 
 import click
 
+from vigil import config_command
+from vigil.agent import commands as agent_commands
+from vigil.console import commands as console_commands
+from vigil.dispatcher import commands as dispatcher_commands
+from vigil.ingest import commands as ingest_commands
+from vigil.ledger import commands as ledger_commands
+from vigil.scheduler import commands as scheduler_commands
 from vigil.service import VigilGroup
+from vigil.worker import commands as worker_commands
+from vigil.worker import task_commands
 
-COMMAND_MODULES = [
-    "vigil.ledger.commands",
-    "vigil.worker.commands",
-    "vigil.worker.task_commands",
-    "vigil.ingest.commands",
-    "vigil.scheduler.commands",
-    "vigil.dispatcher.commands",
-    "vigil.agent.commands",
-    "vigil.console.commands",
-]
+COMMAND_MODULES = (
+    ledger_commands,
+    config_command,
+    worker_commands,
+    task_commands,
+    ingest_commands,
+    scheduler_commands,
+    dispatcher_commands,
+    agent_commands,
+    console_commands,
+)
 
 
 @click.group(cls=VigilGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -37,24 +46,9 @@ def main() -> None:
     """
 
 
-def emit(obj: dict, as_json: bool, text: str) -> None:
-    """Print a created object: one JSON object with --json, else a human line."""
-    click.echo(json.dumps(obj, default=str) if as_json else text)
-
-
-def _register() -> None:
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue  # that area has no commands yet
-            raise
-        for command in module.commands:
-            main.add_command(command)
-
-
-_register()
+for _module in COMMAND_MODULES:
+    for _command in _module.commands:
+        main.add_command(_command)
 
 if __name__ == "__main__":
     sys.exit(main())

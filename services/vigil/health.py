@@ -15,15 +15,19 @@ import threading
 import time
 from collections.abc import Callable
 
+import anyio
 import psycopg
 import uvicorn
+from confluent_kafka import KafkaException
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, disable_created_metrics, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from vigil.bus.kafka import quiet_admin
 from vigil.httpserver import HEALTH_LIMITS, server_config
+from vigil.service import StartupError
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -79,10 +83,6 @@ class KafkaCheck:
         self._admin = None
 
     def __call__(self) -> bool:
-        from confluent_kafka import KafkaException
-
-        from vigil.bus.kafka import quiet_admin
-
         if self._admin is None:
             self._admin = quiet_admin(self.settings)
         try:
@@ -165,8 +165,6 @@ def health_routes(readiness: Readiness) -> list[Route]:
         return JSONResponse({"status": "ok"})
 
     async def readyz(_: Request) -> Response:
-        import anyio
-
         status = await anyio.to_thread.run_sync(readiness.status)
         ok = readiness.ready(status)
         return JSONResponse({"ready": ok, "checks": status}, status_code=200 if ok else 503)
@@ -191,8 +189,6 @@ class HealthServer:
         self.thread: threading.Thread | None = None
 
     def start(self) -> HealthServer:
-        from vigil.service import StartupError
-
         self.readiness.start()
         # Bind here, not in uvicorn's thread: a port taken is then one StartupError line
         # (exit 2) instead of uvicorn's own error log followed by ours.

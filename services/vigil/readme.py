@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from vigil.ledger.commands import all_settings_classes
+from vigil.config_command import SETTINGS_CLASSES
 from vigil.paths import repo_root
 from vigil.settings import settings_table
 
@@ -12,7 +12,7 @@ from vigil.settings import settings_table
 def main() -> None:
     path = repo_root() / "README.md"
     text = path.read_text()
-    table = settings_table(all_settings_classes())
+    table = settings_table(SETTINGS_CLASSES)
     text = re.sub(
         r"(<!-- config:start -->\n).*?(<!-- config:end -->)",
         lambda m: m.group(1) + table + "\n" + m.group(2),

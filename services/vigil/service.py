@@ -10,8 +10,12 @@ import threading
 from typing import TypeVar
 
 import click
+import psycopg
+from confluent_kafka import KafkaException
 
 from vigil import logs
+from vigil.bus.kafka import ProduceError
+from vigil.ledger.migrate import pending
 from vigil.settings import CommonSettings, SettingsError, load
 
 S = TypeVar("S", bound=CommonSettings)
@@ -19,15 +23,6 @@ S = TypeVar("S", bound=CommonSettings)
 
 class StartupError(Exception):
     """The service cannot start (a port taken, a dependency refusing); the message says why."""
-
-
-def exit_on_startup_error(main):
-    """Run ``main()``; a StartupError becomes one line on stderr and exit code 2, no traceback."""
-    try:
-        return main()
-    except StartupError as exc:
-        click.echo(f"vigil: cannot start: {exc}", err=True)
-        sys.exit(2)
 
 
 # Exit codes an operator's script can tell apart: 2 is a bad setting or a service that cannot
@@ -43,11 +38,6 @@ def dependency_down(exc: BaseException) -> str | None:
     librdkafka's carry a struct dump; an operator needs which dependency, which setting
     points at it, and the first line of the reason.
     """
-    import psycopg
-    from confluent_kafka import KafkaException
-
-    from vigil.bus.kafka import ProduceError
-
     if isinstance(exc, psycopg.OperationalError):  # psycopg_pool.PoolTimeout is one too
         return f"PostgreSQL is unreachable (VIGIL_DATABASE_URL): {_first_line(exc)}"
     if isinstance(exc, KafkaException | ProduceError):
@@ -92,10 +82,6 @@ def require_schema(settings: CommonSettings) -> None:
     wait for it and report not-ready meanwhile (ingest answers 503), and on Kubernetes the
     init container has already run ``vigil migrate --check``.
     """
-    import psycopg
-
-    from vigil.ledger.migrate import pending
-
     try:
         behind = pending(settings.dsn)
     except psycopg.OperationalError as exc:

@@ -9,15 +9,19 @@ leave, a question sent to the wrong channel) waits until an operator denies it.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import click
 
+from vigil.agent.settings import parse_event_policies
+from vigil.ledger import approvals as rule
+from vigil.ledger.db import connect
+from vigil.ledger.queries import Q
+from vigil.service import load_or_exit
+from vigil.settings import CommonSettings
+
 
 def _ledger():
-    from vigil.ledger.db import connect
-    from vigil.service import load_or_exit
-    from vigil.settings import CommonSettings
-
     return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
 
 
@@ -33,8 +37,6 @@ def approvals() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def approvals_list(user_id, include_answered, limit, as_json) -> None:
     """Open approval requests (newest first): who, which tool, the deadline, times asked again."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         rows = conn.execute(Q.approvals_list, {"user_id": user_id, "all": include_answered, "limit": limit}).fetchall()
     for row in rows:
@@ -52,10 +54,6 @@ def approvals_list(user_id, include_answered, limit, as_json) -> None:
 @click.argument("request_id")
 def approvals_deny(request_id) -> None:
     """Deny an open request: the session resumes with the denial (at the scheduler's next pass)."""
-    from datetime import UTC, datetime
-
-    from vigil.ledger import approvals as rule
-
     with _ledger() as conn, conn.transaction():
         denied, standing = rule.operator_deny(conn, request_id, datetime.now(UTC))
     if standing.answer == rule.UNKNOWN:
@@ -78,8 +76,6 @@ def _show(row) -> str:
 @click.argument("user_id")
 def policies_show(user_id) -> None:
     """The user's overrides (VIGIL_EVENT_POLICIES applies to every source they do not name)."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         row = conn.execute(Q.agent_policies_get, {"user_id": user_id}).fetchone()
     click.echo(_show(row or {"user_id": user_id, "event_policies": ""}))
@@ -94,9 +90,6 @@ def policies_set(user_id, event_policies) -> None:
     Each source named wins over VIGIL_EVENT_POLICIES for this user: queue (the next run),
     fold (joins the running run at its next model turn), interrupt (the run starts over with it).
     """
-    from vigil.agent.settings import parse_event_policies
-    from vigil.ledger.queries import Q
-
     try:
         parsed = parse_event_policies(event_policies)
     except ValueError as exc:

@@ -24,6 +24,7 @@ from operator import itemgetter
 from typing import Any
 
 import fastavro
+from confluent_kafka.serialization import MessageField, SerializationContext
 from fastavro.schema import fingerprint, parse_schema, to_parsing_canonical_form
 
 from vigil.paths import schemas_dir
@@ -155,6 +156,9 @@ class AvroCodec:
         self._by_fingerprint.setdefault(self.fingerprint_of(schema_json), parse_schema(schema_json))
 
     def _setup_registry(self, url: str, subject: str) -> None:
+        # Imported here on purpose: the registry client (and its HTTP and Avro stack) takes
+        # about half a second to import, and only a deployment with VIGIL_SCHEMA_REGISTRY_URL
+        # uses it.
         from confluent_kafka.schema_registry import SchemaRegistryClient
         from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 
@@ -172,8 +176,6 @@ class AvroCodec:
 
     def encode_record(self, record: dict[str, Any], topic: str = "") -> bytes:
         if self._serializer is not None:
-            from confluent_kafka.serialization import MessageField, SerializationContext
-
             return self._serializer(record, SerializationContext(topic, MessageField.VALUE))
         body = io.BytesIO()
         body.write(SINGLE_OBJECT_MAGIC)
@@ -207,8 +209,6 @@ class AvroCodec:
                 raise DecodeError(
                     "Confluent-framed message but no schema registry configured (set VIGIL_SCHEMA_REGISTRY_URL)"
                 )
-            from confluent_kafka.serialization import MessageField, SerializationContext
-
             try:
                 record = self._deserializer(data, SerializationContext(topic, MessageField.VALUE))
             except Exception as exc:

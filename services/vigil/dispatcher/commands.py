@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import click
 
+from vigil.cliutil import emit
+from vigil.dispatcher.main import serve
+from vigil.dispatcher.operator import (
+    KEEP,
+    ChannelError,
+    dead_deliveries,
+    outbox_rows,
+    revive_delivery,
+    set_channel,
+    show_channel,
+    to_json,
+)
+from vigil.dispatcher.settings import DispatcherSettings
+from vigil.ledger import db
 from vigil.ledger.states import ChannelType
+from vigil.service import load_or_exit, require_schema
 
 
 class Limit(click.ParamType):
@@ -27,29 +42,18 @@ class Limit(click.ParamType):
 
 
 def _settings():
-    from vigil.dispatcher.settings import DispatcherSettings
-    from vigil.service import load_or_exit
-
     return load_or_exit(DispatcherSettings)
 
 
 def _connect(settings):
-    from vigil.ledger import db
-
     return db.connect(settings.dsn, autocommit=True)
 
 
 @click.command("dispatcher")
 def dispatcher_command() -> None:
     """Run the dispatcher: relay the outbox to each user's channel, paced per user."""
-    from vigil.dispatcher.main import serve
-    from vigil.service import require_schema
-
     settings = _settings()
     require_schema(settings)
-    from vigil import tracing
-
-    tracing.setup("dispatcher")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     serve(settings)
 
 
@@ -75,9 +79,6 @@ def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> N
     vigil channels set bob --type kafka
     vigil channels set carol --type log --gap default
     """
-    from vigil.cli import emit
-    from vigil.dispatcher.operator import KEEP, ChannelError, set_channel
-
     settings = _settings()
     gap_source = click.get_current_context().get_parameter_source("gap")
     cap_source = click.get_current_context().get_parameter_source("urgent_cap")
@@ -119,9 +120,6 @@ def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> N
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def channels_show(user, as_json) -> None:
     """Show USER's channel, the limits in effect and the pacing state (never the secret)."""
-    from vigil.cli import emit
-    from vigil.dispatcher.operator import show_channel, to_json
-
     settings = _settings()
     with _connect(settings) as conn:
         shown = show_channel(conn, user, settings.outbox_gap, settings.urgent_daily_cap)
@@ -162,8 +160,6 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
     vigil outbox --dead
     vigil outbox --revive 2f1c...   (a dead delivery, same id, attempts start over)
     """
-    from vigil.dispatcher.operator import dead_deliveries, outbox_rows, revive_delivery, to_json
-
     if sum(bool(x) for x in (user, dead, revive_id)) != 1:
         raise click.UsageError("give exactly one of USER, --dead, --revive DELIVERY_ID")
     settings = _settings()
@@ -172,8 +168,6 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
             rows = revive_delivery(conn, revive_id)
             if not rows:
                 raise click.ClickException(f"no dead delivery {revive_id}")
-            from vigil.cli import emit
-
             text = f"delivery {revive_id}: {len(rows)} messages back to pending for {rows[0]['user_id']}"
             emit({"revived": revive_id, "user_id": rows[0]["user_id"], "messages": len(rows)}, as_json, text)
             return

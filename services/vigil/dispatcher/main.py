@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from vigil import tracing
 from vigil.bus.kafka import EventProducer
 from vigil.dispatcher.channels import Channels, KafkaChannel, LogChannel, WebhookChannel
 from vigil.dispatcher.clock import Clock, FileClock, SystemClock
@@ -39,6 +40,7 @@ def make_channels(settings: DispatcherSettings) -> Channels:
 
 
 def serve(settings: DispatcherSettings) -> None:
+    tracing.setup("dispatcher")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     stopping = stop_event()
     readiness = Readiness(dependency_checks(settings))
     health = HealthServer(settings.dispatcher_port, readiness).start()

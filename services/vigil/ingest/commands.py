@@ -12,33 +12,29 @@ import base64
 import getpass
 import json
 import secrets
-import signal
 import sys
 
 import click
 
-from vigil.ledger.states import HookProvider
+from vigil.cliutil import emit
+from vigil.ingest.auth import new_token, token_hash
+from vigil.ingest.main import serve
+from vigil.ingest.settings import IngestSettings
+from vigil.ingest.signatures import valid_standard_secret
+from vigil.ledger.db import connect
+from vigil.ledger.queries import Q
+from vigil.ledger.states import HookProvider, Scope
+from vigil.service import load_or_exit, require_schema
+from vigil.settings import CommonSettings
 
 ID_BYTES = 9  # 12 url-safe characters: unguessable enough for ids that are not secrets
 
 
-def emit(obj: dict, as_json: bool, text: str) -> None:
-    from vigil.cli import emit as cli_emit  # imported late: vigil.cli imports this module
-
-    cli_emit(obj, as_json, text)
-
-
 def _ledger():
-    from vigil.ledger.db import connect
-    from vigil.service import load_or_exit
-    from vigil.settings import CommonSettings
-
     return connect(load_or_exit(CommonSettings).dsn)
 
 
 def _audit(conn, action: str, detail: dict) -> None:
-    from vigil.ledger.queries import Q
-
     conn.execute(Q.audit_insert, {"actor": getpass.getuser(), "action": action, "detail": json.dumps(detail)})
 
 
@@ -49,33 +45,9 @@ def _new_id(prefix: str) -> str:
 @click.command("ingest")
 def ingest_command() -> None:
     """Run the ingest HTTP service (API, webhooks, approvals, /healthz /readyz /metrics)."""
-    import uvicorn
-
-    from vigil.httpserver import server_config
-    from vigil.ingest.app import create_app
-    from vigil.ingest.settings import IngestSettings
-    from vigil.service import load_or_exit, require_schema
-
     settings = load_or_exit(IngestSettings)
     require_schema(settings)
-    from vigil import tracing
-
-    tracing.setup("ingest")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
-    # uvicorn drains requests on SIGTERM, then re-raises the signal to the handler it found:
-    # make that handler a clean exit, so a graceful stop ends with status 0, not -15.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    # No access log: it would carry paths and client addresses at request rate, and the
-    # metrics answer the questions an access log would.
-    config = server_config(
-        create_app(settings),
-        settings.ingest_host,
-        settings.ingest_port,
-        settings.server_limits(),
-        log_level="warning",
-        log_config=None,  # keep vigil's handler (JSON lines), set up by load_or_exit
-        timeout_graceful_shutdown=int(settings.produce_timeout_s) + 5,
-    )
-    uvicorn.Server(config).run()
+    serve(settings)
 
 
 # -- tokens ------------------------------------------------------------------------------
@@ -116,10 +88,6 @@ def _check_users(users: list[str] | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the token as one JSON object.")
 def token_create(name: str, scopes: tuple[str, ...], users: tuple[str, ...], as_json: bool) -> None:
     """Create a token called NAME; it is printed once and stored hashed."""
-    from vigil.ingest.auth import new_token, token_hash
-    from vigil.ledger.queries import Q
-    from vigil.ledger.states import Scope
-
     scope_list = _split(scopes)
     known = {scope.value for scope in Scope}
     for scope in scope_list or ():
@@ -151,8 +119,6 @@ def token_create(name: str, scopes: tuple[str, ...], users: tuple[str, ...], as_
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def token_list(as_json: bool) -> None:
     """List tokens (never the tokens themselves)."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         rows = conn.execute(Q.token_list).fetchall()
     for row in rows:
@@ -172,8 +138,6 @@ def token_list(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def token_revoke(token_id: str, as_json: bool) -> None:
     """Revoke a token by id; ingest refuses it within VIGIL_INGEST_AUTH_CACHE_S seconds."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         row = conn.execute(Q.token_revoke, {"id": token_id}).fetchone()
         if row is None:
@@ -199,8 +163,6 @@ def new_secret(provider: HookProvider) -> str:
 def _secret(provider: HookProvider, from_stdin: bool) -> tuple[str, bool]:
     """(secret, generated). Providers that issue their own secrets pass them on stdin,
     which keeps them out of shell history and process listings."""
-    from vigil.ingest.signatures import valid_standard_secret
-
     if not from_stdin:
         return new_secret(provider), True
     secret = sys.stdin.readline().strip()
@@ -232,8 +194,6 @@ def hooks() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the hook as one JSON object, secret included.")
 def hook_add(provider: str, user_id: str, secret_stdin: bool, as_json: bool) -> None:
     """Create a hook; its secret is printed once."""
-    from vigil.ledger.queries import Q
-
     kind = HookProvider(provider)
     secret, generated = _secret(kind, secret_stdin)
     with _ledger() as conn:
@@ -254,8 +214,6 @@ def hook_add(provider: str, user_id: str, secret_stdin: bool, as_json: bool) -> 
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def hook_list(as_json: bool) -> None:
     """List hooks with the ids of their active secrets."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         rows = conn.execute(Q.hook_list).fetchall()
     for row in rows:
@@ -269,8 +227,6 @@ def hook_list(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the new secret as one JSON object.")
 def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
     """Add a secret to HOOK; the older ones stay valid until `hooks revoke-secret`."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         hook = conn.execute(Q.hook_for_delivery, {"hook_id": hook_id}).fetchone()
         if hook is None or hook["disabled_at"] is not None:
@@ -293,8 +249,6 @@ def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def hook_revoke_secret(hook_id: str, secret_id: int, force: bool, as_json: bool) -> None:
     """Revoke one secret of HOOK (see `hooks list` for ids); effective within VIGIL_INGEST_AUTH_CACHE_S."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         if conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is None:
             raise click.ClickException(f"no hook {hook_id}")
@@ -316,8 +270,6 @@ def hook_revoke_secret(hook_id: str, secret_id: int, force: bool, as_json: bool)
 @click.argument("hook_id")
 def hook_disable(hook_id: str) -> None:
     """Disable HOOK: its deliveries get 404 within VIGIL_INGEST_AUTH_CACHE_S. Its rows stay for audit."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         row = conn.execute(Q.hook_disable, {"hook_id": hook_id}).fetchone()
         if row is None:

@@ -1,36 +1,19 @@
-"""Ledger and topic administration: ``vigil migrate``, ``vigil topics``, ``vigil config``."""
+"""Ledger and topic administration: ``vigil migrate``, ``vigil topics``."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 
 import click
 
+from vigil.bus.kafka import TopicError
+from vigil.bus.topics import ensure
+from vigil.cliutil import emit
+from vigil.ledger.migrate import migrate as run
+from vigil.ledger.migrate import pending
 from vigil.service import load_or_exit
-from vigil.settings import CommonSettings, settings_rows, settings_table
-
-# Service settings classes, for the configuration table.
-SETTINGS_CLASSES = [
-    "vigil.ingest.settings:IngestSettings",
-    "vigil.worker.settings:WorkerSettings",
-    "vigil.scheduler.settings:SchedulerSettings",
-    "vigil.dispatcher.settings:DispatcherSettings",
-    "vigil.agent.settings:AgentSettings",
-    "vigil.console.settings:ConsoleSettings",
-]
-
-
-def all_settings_classes() -> list[type[CommonSettings]]:
-    classes: list[type[CommonSettings]] = [CommonSettings]
-    for spec in SETTINGS_CLASSES:
-        module, _, name = spec.partition(":")
-        try:
-            classes.append(getattr(importlib.import_module(module), name))
-        except ModuleNotFoundError:
-            continue
-    return classes
+from vigil.settings import CommonSettings
 
 
 @click.command()
@@ -40,10 +23,6 @@ def all_settings_classes() -> list[type[CommonSettings]]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def migrate(check: bool, as_json: bool) -> None:
     """Apply the ledger's migrations (idempotent; safe from several replicas at once)."""
-    from vigil.cli import emit
-    from vigil.ledger.migrate import migrate as run
-    from vigil.ledger.migrate import pending
-
     settings = load_or_exit(CommonSettings)
     if check:
         behind = pending(settings.dsn)
@@ -65,9 +44,6 @@ def topics(timeout: float, as_json: bool) -> None:
     Existing topics are never changed: the differences are printed for an operator to act on
     (docs/deploy.md). Exit 0 even when they differ: a cluster may be tuned on purpose.
     """
-    from vigil.bus.kafka import TopicError
-    from vigil.bus.topics import ensure
-
     settings = load_or_exit(CommonSettings)
     try:
         states = ensure(settings, timeout)
@@ -87,14 +63,4 @@ def topics(timeout: float, as_json: bool) -> None:
             click.echo(f"  differs: {difference}")
 
 
-@click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of {variable, services, default, meaning}.")
-def config(as_json: bool) -> None:
-    """Print every VIGIL_ setting as a Markdown table (the README's configuration section)."""
-    if as_json:
-        click.echo(json.dumps(settings_rows(all_settings_classes())))
-        return
-    click.echo(settings_table(all_settings_classes()))
-
-
-commands = [migrate, topics, config]
+commands = [migrate, topics]

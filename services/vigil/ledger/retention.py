@@ -20,7 +20,8 @@ What else goes, oldest first, in batches (``queries/retention.sql``):
 
 What stays: anything pending, running or waiting for delivery, whatever its age; sessions,
 memory, approvals, users, the audit trail. The scheduler runs this once at start and then
-every ``PRUNE_INTERVAL_S`` on a thread of its own, so a long prune never delays a timer.
+every hour on a thread of its own (:mod:`vigil.scheduler.pruner`), so a long prune never
+delays a timer.
 Several replicas may prune at once: partitions are made under an advisory lock, a day is
 dropped once (the second replica finds it gone and counts nothing), and each batch of the
 other tables locks its rows ``SKIP LOCKED``.
@@ -28,20 +29,13 @@ other tables locks its rows ``SKIP LOCKED``.
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from datetime import UTC, datetime, timedelta
 
 import psycopg
 from psycopg import sql
 
-from vigil.ledger.db import connect
 from vigil.ledger.queries import Q
 
-log = logging.getLogger("vigil.retention")
-
-PRUNE_INTERVAL_S = 3600.0
 # Days of events partitions made ahead of today: the scheduler may be down this long before
 # new events land in the default partition (which still takes them; the next run moves them).
 PARTITIONS_AHEAD_DAYS = 3
@@ -116,49 +110,3 @@ def prune(
                 break
         deleted[table] = total
     return deleted
-
-
-class Pruner:
-    """Keeps the events partitions made ahead and prunes (when ``retention_days`` > 0), now and
-    every ``interval_s``, on a daemon thread until ``stopping`` is set."""
-
-    def __init__(
-        self,
-        dsn: str,
-        retention_days: float,
-        stopping: threading.Event,
-        on_pruned=lambda counts: None,
-        interval_s: float = PRUNE_INTERVAL_S,
-        dedup_window_days: float = DEFAULT_DEDUP_WINDOW_DAYS,
-    ):
-        self.dsn, self.retention_days, self.stopping = dsn, retention_days, stopping
-        self.on_pruned, self.interval_s = on_pruned, interval_s
-        self.dedup_window_days = dedup_window_days
-        self.thread = threading.Thread(target=self._loop, name="retention", daemon=True)
-
-    def start(self) -> Pruner:
-        # Always: the partitions ahead are needed whether or not anything is ever deleted.
-        self.thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self.stopping.is_set():
-            began = time.monotonic()
-            try:
-                with connect(self.dsn, autocommit=True) as conn:
-                    if self.retention_days > 0:
-                        counts = prune(conn, self.retention_days, dedup_window_days=self.dedup_window_days)
-                    else:
-                        ensure_partitions(conn)
-                        counts = {}
-                self.on_pruned(counts)
-                if any(counts.values()):
-                    log.info(
-                        "retention (%g days): deleted %s in %.1f s",
-                        self.retention_days,
-                        ", ".join(f"{n} {table}" for table, n in counts.items() if n),
-                        time.monotonic() - began,
-                    )
-            except psycopg.Error as exc:
-                log.warning("retention prune failed (next try in %.0f s): %s", self.interval_s, exc)
-            self.stopping.wait(self.interval_s)

@@ -7,53 +7,22 @@ import time
 
 import click
 
+from vigil.cliutil import emit
+from vigil.ledger.db import connect
+from vigil.ledger.queries import Q
+from vigil.scheduler.main import serve
+from vigil.scheduler.settings import SchedulerSettings
+from vigil.scheduler.timers import InvalidTimer, describe, parse_timer, upsert
+from vigil.service import load_or_exit, require_schema
+from vigil.settings import CommonSettings
+
 
 @click.command("scheduler")
 def scheduler_command() -> None:
     """Run the scheduler service: due timers become events on the events topic."""
-    from vigil.bus.kafka import EventProducer
-    from vigil.health import HealthServer, Readiness, dependency_checks
-    from vigil.scheduler.loop import Scheduler, log
-    from vigil.scheduler.settings import SchedulerSettings
-    from vigil.service import load_or_exit, require_schema, stop_event
-
     settings = load_or_exit(SchedulerSettings)
     require_schema(settings)
-    from vigil import tracing
-
-    tracing.setup("scheduler")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
-    stopping = stop_event()
-    readiness = Readiness(dependency_checks(settings))
-    # A port taken raises StartupError: one line and exit 2 (vigil.service.VigilGroup).
-    server = HealthServer(settings.scheduler_port, readiness).start()
-    producer = EventProducer(settings)
-    scheduler = Scheduler(settings, producer)
-    log.info(
-        "scheduler up: topic %s, tick %.1f s, batch %d, grace %d s, each cap %d, retention %s",
-        settings.events_topic,
-        settings.scheduler_tick_s,
-        settings.scheduler_batch_size,
-        settings.scheduler_grace_s,
-        settings.scheduler_each_cap,
-        f"{settings.retention_days:g} days" if settings.retention_days else "off",
-    )
-    from vigil.ledger.retention import Pruner
-    from vigil.scheduler import metrics
-
-    def pruned(counts: dict[str, int]) -> None:
-        for table, n in counts.items():
-            metrics.PRUNED.labels(table).inc(n)
-
-    Pruner(
-        settings.dsn, settings.retention_days, stopping, on_pruned=pruned, dedup_window_days=settings.dedup_window_days
-    ).start()
-    try:
-        scheduler.run(stopping, on_health=lambda ok: readiness.set("passes", ok))
-    finally:
-        producer.close()
-        scheduler.close()
-        server.stop()
-        log.info("scheduler stopped")
+    serve(settings)
 
 
 @click.group("timers")
@@ -62,10 +31,6 @@ def timers_group() -> None:
 
 
 def _ledger():
-    from vigil.ledger.db import connect
-    from vigil.service import load_or_exit
-    from vigil.settings import CommonSettings
-
     # A ledger that does not answer: one line and exit 3 (vigil.service.VigilGroup).
     return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
 
@@ -108,9 +73,6 @@ def _line(timer: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the stored timer as one JSON object.")
 def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, payload, as_json) -> None:
     """Create a timer, or re-register it (never re-firing an occurrence already fired)."""
-    from vigil.cli import emit
-    from vigil.scheduler.timers import InvalidTimer, describe, parse_timer, upsert
-
     try:
         payload_obj = json.loads(payload)
     except ValueError as exc:
@@ -151,9 +113,6 @@ def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, 
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def timers_list(user_id, include_done, as_json) -> None:
     """List a user's timers, live ones only unless --all."""
-    from vigil.ledger.queries import Q
-    from vigil.scheduler.timers import describe
-
     after = ""
     with _ledger() as conn:
         while True:
@@ -174,8 +133,6 @@ def timers_list(user_id, include_done, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def timers_rm(user_id, timer_id, as_json) -> None:
     """Cancel a live timer: it fires nothing more (its row stays, so a re-registration cannot re-fire)."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         if conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id}).fetchone() is None:
             row = conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id}).fetchone()
@@ -184,8 +141,6 @@ def timers_rm(user_id, timer_id, as_json) -> None:
             if row["kind"] == "approval_expiry":
                 raise click.ClickException(f"{timer_id!r} is an approval's expiry timer: answer the approval instead")
             raise click.ClickException(f"timer {timer_id!r} is not live (already fired, skipped or cancelled)")
-    from vigil.cli import emit
-
     emit({"cancelled": timer_id, "user_id": user_id}, as_json, f"cancelled timer {timer_id!r} of user {user_id!r}")
 
 

@@ -8,39 +8,27 @@ import sys
 
 import click
 
+from vigil.cliutil import emit, table
+from vigil.dispatcher.operator import dead_deliveries
+from vigil.ledger.db import connect
+from vigil.ledger.events import retry_dead_events
+from vigil.ledger.queries import Q
+from vigil.service import load_or_exit, require_schema
+from vigil.settings import CommonSettings
+from vigil.worker.main import serve
+from vigil.worker.settings import WorkerSettings
+
 
 @click.command("worker")
 def worker_command() -> None:
     """Run a worker: consume events, record them in the ledger, run the agent."""
-    from vigil.service import exit_on_startup_error, load_or_exit, require_schema
-    from vigil.worker.main import run
-    from vigil.worker.settings import WorkerSettings
-
     settings = load_or_exit(WorkerSettings)
     require_schema(settings)
-    from vigil import tracing
-
-    tracing.setup("worker")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
-    sys.exit(exit_on_startup_error(lambda: run(settings)))
+    sys.exit(serve(settings))
 
 
 def _ledger():
-    from vigil.ledger.db import connect
-    from vigil.service import load_or_exit
-    from vigil.settings import CommonSettings
-
     return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
-
-
-def _table(rows: list[dict], columns: list[str]) -> None:
-    if not rows:
-        click.echo("(none)")
-        return
-    text = [[("" if row[c] is None else str(row[c])).replace("\n", " ")[:60] for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in text)) for i, c in enumerate(columns)]
-    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    for r in text:
-        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
 @click.group()
@@ -53,12 +41,8 @@ def dead() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def dead_list(limit: int, as_json: bool) -> None:
     """List dead events and dead deliveries, newest first."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         rows = conn.execute(Q.dead_list, {"limit": limit}).fetchall()
-    from vigil.dispatcher import dead_deliveries
-
     with _ledger() as conn:
         deliveries = dead_deliveries(conn, limit)
     if as_json:
@@ -68,9 +52,9 @@ def dead_list(limit: int, as_json: bool) -> None:
             click.echo(json.dumps({"dead": "delivery", **row}, default=str))
         return
     click.echo("dead events (vigil dead retry ID...):")
-    _table(rows, ["id", "user_id", "source", "source_id", "kind", "attempts", "finished_at", "error"])
+    table(rows, ["id", "user_id", "source", "source_id", "kind", "attempts", "finished_at", "error"])
     click.echo("\ndead deliveries (vigil outbox --revive DELIVERY_ID):")
-    _table(deliveries, ["delivery_id", "user_id", "channel", "attempts", "dead_at", "error"])
+    table(deliveries, ["delivery_id", "user_id", "channel", "attempts", "dead_at", "error"])
 
 
 @dead.command("retry")
@@ -79,14 +63,10 @@ def dead_list(limit: int, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def dead_retry(ids: tuple[int, ...], actor: str | None, as_json: bool) -> None:
     """Send dead events back to pending with their attempts reset."""
-    from vigil.ledger.events import retry_dead_events
-
     who = actor or getpass.getuser()
     with _ledger() as conn:
         result = retry_dead_events(conn, list(ids), who)
     missing = result.missing
-    from vigil.cli import emit
-
     text = f"retried {len(result.retried)} event(s)" + (f"; not dead (left alone): {missing}" if missing else "")
     emit({"retried": list(result.retried), "not_dead": missing}, as_json, text)
 
@@ -97,15 +77,13 @@ def dead_retry(ids: tuple[int, ...], actor: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def inbox(user_id: str, limit: int, as_json: bool) -> None:
     """A user's events and their states, newest first."""
-    from vigil.ledger.queries import Q
-
     with _ledger() as conn:
         rows = conn.execute(Q.inbox, {"user_id": user_id, "limit": limit}).fetchall()
     if as_json:
         for row in rows:
             click.echo(json.dumps(row, default=str))
     else:
-        _table(
+        table(
             rows,
             [
                 "id",

@@ -21,6 +21,7 @@ import time
 
 from psycopg_pool import AsyncConnectionPool
 
+from vigil import tracing
 from vigil.agent import make_agent
 from vigil.bus.kafka import EventProducer
 from vigil.health import HealthServer, Readiness, dependency_checks
@@ -50,7 +51,8 @@ def shutdown_budget(grace_s: float) -> tuple[float, float]:
 GC_YOUNG_THRESHOLD = 10_000
 
 
-async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
+async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
+    """The worker until ``stopping`` is set; its exit status (1 if the consumer failed)."""
     loop = asyncio.get_running_loop()
     try:
         agent = make_agent(settings)
@@ -133,6 +135,8 @@ async def serve(settings: WorkerSettings, stopping: threading.Event) -> int:
     return 1 if consumer.error else 0
 
 
-def run(settings: WorkerSettings) -> int:
+def serve(settings: WorkerSettings) -> int:
+    """Run the worker until SIGTERM or SIGINT (``vigil worker``); returns the exit status."""
+    tracing.setup("worker")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     stopping = stop_event()
-    return asyncio.run(serve(settings, stopping))
+    return asyncio.run(run(settings, stopping))

@@ -11,17 +11,20 @@ import getpass
 import json
 
 import click
+import psycopg
+from psycopg.types.json import Jsonb
+
+from vigil.cliutil import table
+from vigil.ledger import tasks as ledger
+from vigil.ledger.db import connection_kwargs
+from vigil.ledger.queries import Q
+from vigil.service import load_or_exit
+from vigil.settings import CommonSettings
 
 COLUMNS = ["id", "user_id", "status", "attempts", "depth", "created_at", "finished_at", "error"]
 
 
 async def _connect():
-    import psycopg
-
-    from vigil.ledger.db import connection_kwargs
-    from vigil.service import load_or_exit
-    from vigil.settings import CommonSettings
-
     settings = load_or_exit(CommonSettings)
     # A ledger that does not answer is one line and exit 3 (vigil.service.VigilGroup).
     return await psycopg.AsyncConnection.connect(settings.dsn, **connection_kwargs(autocommit=True))
@@ -32,8 +35,6 @@ def _run(coro):
 
 
 def _table(rows: list[dict]) -> None:
-    from vigil.worker.commands import _table as table
-
     table(rows, COLUMNS)
 
 
@@ -49,7 +50,6 @@ def tasks() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def tasks_list(user_id: str | None, status: str | None, limit: int, as_json: bool) -> None:
     """Tasks, newest first."""
-    from vigil.ledger import tasks as ledger
 
     async def go():
         async with await _connect() as conn:
@@ -70,7 +70,6 @@ def tasks_list(user_id: str | None, status: str | None, limit: int, as_json: boo
 @click.option("--json", "as_json", is_flag=True, help="The row as one JSON object.")
 def tasks_show(task_id: str, as_json: bool) -> None:
     """One task, every column."""
-    from vigil.ledger import tasks as ledger
 
     async def go():
         async with await _connect() as conn:
@@ -92,11 +91,6 @@ def tasks_show(task_id: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="The task after the request, as one JSON object.")
 def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
     """Cancel a task: at once if queued, at its next heartbeat if running."""
-    from psycopg.types.json import Jsonb
-
-    from vigil.ledger import tasks as ledger
-    from vigil.ledger.queries import Q
-
     who = actor or getpass.getuser()
 
     async def go():

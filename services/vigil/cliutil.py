@@ -1,0 +1,28 @@
+"""What every ``vigil`` operator command prints the same way: created objects and tables.
+
+Its own module, below both ``vigil.cli`` (which imports every command module) and the command
+modules, so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+def emit(obj: dict, as_json: bool, text: str) -> None:
+    """Print a created object: one JSON object with --json, else a human line."""
+    click.echo(json.dumps(obj, default=str) if as_json else text)
+
+
+def table(rows: list[dict], columns: list[str]) -> None:
+    """Rows as aligned text columns, each cell cut at 60 characters; ``(none)`` for no rows."""
+    if not rows:
+        click.echo("(none)")
+        return
+    text = [[("" if row[c] is None else str(row[c])).replace("\n", " ")[:60] for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in text)) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in text:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))

@@ -1,0 +1,45 @@
+"""`vigil scheduler`: the timer loop on the main thread; health and metrics, and the ledger
+pruner (:mod:`vigil.scheduler.pruner`), each on a thread of their own.
+
+SIGTERM: the pass in progress finishes (what a crash mid-pass leaves behind is in
+:mod:`vigil.scheduler.loop`), then the process exits 0. The pruner's thread is a daemon: a
+prune cut short has committed its finished batches, and the next prune goes on from there.
+"""
+
+from __future__ import annotations
+
+from vigil import tracing
+from vigil.bus.kafka import EventProducer
+from vigil.health import HealthServer, Readiness, dependency_checks
+from vigil.scheduler.loop import Scheduler, log
+from vigil.scheduler.pruner import start_pruner
+from vigil.scheduler.settings import SchedulerSettings
+from vigil.service import stop_event
+
+
+def serve(settings: SchedulerSettings) -> None:
+    """Run the scheduler until SIGTERM or SIGINT."""
+    tracing.setup("scheduler")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    stopping = stop_event()
+    readiness = Readiness(dependency_checks(settings))
+    # A port taken raises StartupError: one line and exit 2 (vigil.service.VigilGroup).
+    server = HealthServer(settings.scheduler_port, readiness).start()
+    producer = EventProducer(settings)
+    scheduler = Scheduler(settings, producer)
+    log.info(
+        "scheduler up: topic %s, tick %.1f s, batch %d, grace %d s, each cap %d, retention %s",
+        settings.events_topic,
+        settings.scheduler_tick_s,
+        settings.scheduler_batch_size,
+        settings.scheduler_grace_s,
+        settings.scheduler_each_cap,
+        f"{settings.retention_days:g} days" if settings.retention_days else "off",
+    )
+    start_pruner(settings, stopping)
+    try:
+        scheduler.run(stopping, on_health=lambda ok: readiness.set("passes", ok))
+    finally:
+        producer.close()
+        scheduler.close()
+        server.stop()
+        log.info("scheduler stopped")

@@ -1,0 +1,83 @@
+"""The ledger pruner: a thread of the scheduler process that applies retention.
+
+What is kept and what goes is the ledger's rule (:mod:`vigil.ledger.retention`); this module
+decides when: once at start and then every ``PRUNE_INTERVAL_S``, on a daemon thread of its
+own so that a long prune never delays a timer. It also keeps the events partitions made
+ahead, so it runs whether or not retention is on. The scheduler service starts it
+(:func:`vigil.scheduler.main.serve`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psycopg
+
+from vigil.ledger.db import connect
+from vigil.ledger.retention import DEFAULT_DEDUP_WINDOW_DAYS, ensure_partitions, prune
+from vigil.scheduler import metrics
+from vigil.scheduler.settings import SchedulerSettings
+
+log = logging.getLogger("vigil.retention")
+
+PRUNE_INTERVAL_S = 3600.0
+
+
+def start_pruner(settings: SchedulerSettings, stopping: threading.Event) -> Pruner:
+    """Start the pruner on its thread, counting what it deletes in ``vigil_ledger_pruned_rows_total``."""
+
+    def pruned(counts: dict[str, int]) -> None:
+        for table, n in counts.items():
+            metrics.PRUNED.labels(table).inc(n)
+
+    return Pruner(
+        settings.dsn, settings.retention_days, stopping, on_pruned=pruned, dedup_window_days=settings.dedup_window_days
+    ).start()
+
+
+class Pruner:
+    """Keeps the events partitions made ahead and prunes (when ``retention_days`` > 0), now and
+    every ``interval_s``, on a daemon thread until ``stopping`` is set."""
+
+    def __init__(
+        self,
+        dsn: str,
+        retention_days: float,
+        stopping: threading.Event,
+        on_pruned=lambda counts: None,
+        interval_s: float = PRUNE_INTERVAL_S,
+        dedup_window_days: float = DEFAULT_DEDUP_WINDOW_DAYS,
+    ):
+        self.dsn, self.retention_days, self.stopping = dsn, retention_days, stopping
+        self.on_pruned, self.interval_s = on_pruned, interval_s
+        self.dedup_window_days = dedup_window_days
+        self.thread = threading.Thread(target=self._loop, name="retention", daemon=True)
+
+    def start(self) -> Pruner:
+        # Always: the partitions ahead are needed whether or not anything is ever deleted.
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            began = time.monotonic()
+            try:
+                with connect(self.dsn, autocommit=True) as conn:
+                    if self.retention_days > 0:
+                        counts = prune(conn, self.retention_days, dedup_window_days=self.dedup_window_days)
+                    else:
+                        ensure_partitions(conn)
+                        counts = {}
+                self.on_pruned(counts)
+                if any(counts.values()):
+                    log.info(
+                        "retention (%g days): deleted %s in %.1f s",
+                        self.retention_days,
+                        ", ".join(f"{n} {table}" for table, n in counts.items() if n),
+                        time.monotonic() - began,
+                    )
+            except psycopg.Error as exc:
+                log.warning("retention prune failed (next try in %.0f s): %s", self.interval_s, exc)
+            self.stopping.wait(self.interval_s)
