@@ -1,4 +1,4 @@
-"""The background tasks HTTP API, mounted on ingest (``vigil.ingest.app.MOUNTED_MODULES``).
+"""The background tasks HTTP API, mounted on ingest (``vigil.ingest.mounts.MOUNTED``).
 
 Only the owner chain may read, wait on or cancel a task: a caller whose token may act for
 the task's user (:func:`may_act_for`: the ``messages`` scope for that user, or ``admin``).

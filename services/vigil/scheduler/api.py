@@ -1,4 +1,4 @@
-"""The timers HTTP API, mounted on ingest (``vigil.ingest.app.MOUNTED_MODULES``).
+"""The timers HTTP API, mounted on ingest (``vigil.ingest.mounts.MOUNTED``).
 
 ``routes(ctx)`` takes ingest's :class:`vigil.ingest.mounts.IngestContext`: ``authenticate``
 (bearer token: 401/403), ``read_json`` (415/413/400), ``ledger()`` (a pooled connection with
