@@ -27,6 +27,22 @@ DELIBERATE_LATE_IMPORTS = {
     ("agent/__init__.py", "vigil.agent.claude"),  # the Anthropic SDK: VIGIL_AGENT=claude only
     ("bus/codec.py", "confluent_kafka.schema_registry"),  # VIGIL_SCHEMA_REGISTRY_URL only
     ("bus/codec.py", "confluent_kafka.schema_registry.avro"),
+    # The OpenTelemetry SDK, exporter and instrumentations: only with an OTLP endpoint set.
+    *(
+        ("tracing.py", f"opentelemetry.{module}")
+        for module in (
+            "exporter.otlp.proto.http.trace_exporter",
+            "instrumentation",
+            "instrumentation.aiohttp_client",
+            "instrumentation.asgi",
+            "instrumentation.httpx",
+            "instrumentation.psycopg",
+            "sdk.resources",
+            "sdk.trace",
+            "sdk.trace.export",
+            "sdk.trace.sampling",
+        )
+    ),
 }
 
 

@@ -42,6 +42,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from vigil import logs
+from vigil.ledger.queries import Q
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ def setup(service: str) -> bool:
     global enabled, _tracer
     if enabled or not endpoint_configured() or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return enabled
+    # Imported here on purpose, as in the other functions that only run with traces on: the
+    # SDK, the exporter and the instrumentations take about a third of a second to import, and
+    # a deployment without an OTLP endpoint never needs them.
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
@@ -100,9 +104,7 @@ def _name_statements_after_queries() -> None:
     ``--`` (each starts with its description comment). Name them after the query instead
     (``claim``, ``finish_runs``: the ``-- name:`` in ledger/queries/*.sql), found by the SQL
     text; any other statement keeps the instrumentation's name."""
-    from opentelemetry.instrumentation import psycopg as instrumented
-
-    from vigil.ledger.queries import Q
+    from opentelemetry.instrumentation import psycopg as instrumented  # late: see setup()
 
     # "": psycopg_pool's check of a connection before lending it (ConnectionPool.check_connection).
     names = {sql: name for name, sql in Q.items()} | {"": "pool_check"}
@@ -123,7 +125,7 @@ class CausedOnly:
     or timer caused) are dropped; everything else is ``delegate``'s decision."""
 
     def __init__(self, delegate):
-        from opentelemetry.sdk.trace.sampling import Decision, SamplingResult
+        from opentelemetry.sdk.trace.sampling import Decision, SamplingResult  # late: see setup()
 
         self.delegate = delegate
         self._drop = SamplingResult(Decision.DROP)
@@ -260,7 +262,7 @@ def asgi_middleware():
     """
     if not enabled:
         return None
-    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware  # late: see setup()
 
     def details(scope) -> tuple[str, dict]:
         return scope.get("method", "HTTP"), {}
