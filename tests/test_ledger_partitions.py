@@ -18,10 +18,11 @@ from psycopg.rows import dict_row
 from support import query
 from test_worker_claims import HOME, _max_rows_per_node, seed_pending
 from vigil.agent.base import EventRow, OutMessage, RunResult
+from vigil.ledger.finish import finish_runs_params
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
 from vigil.worker.claims import Claim
-from vigil.worker.finish import Finished, _group_params
+from vigil.worker.finish import Finished, run_record
 
 HISTORY_DAYS = 31
 OWNED = {"topics": ["events"], "partitions": [0], "epochs": [1]}
@@ -118,7 +119,7 @@ def test_the_group_finish_and_the_takeover_read_the_live_queue_only(ledger):
         )
         for user, event_id in ids.items()
     ]
-    finish = plan_of(ledger, Q.finish_runs, _group_params(runs, "test-worker"))
+    finish = plan_of(ledger, Q.finish_runs, finish_runs_params([run_record(r) for r in runs], "test-worker"))
     # The done rows move into today's day of events_finished (routing, not a plan node).
     assert history_in(finish) == set(), sorted(history_in(finish))[:5]
     assert _max_rows_per_node(finish) <= 100

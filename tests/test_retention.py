@@ -13,11 +13,11 @@ import pytest
 
 from support import query, scalar, wait_for
 from vigil.ledger.db import connect
+from vigil.ledger.events import copy_rows, prepare_record_connection
 from vigil.ledger.queries import Q
 from vigil.ledger.retention import drop_event_day, prune
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.settings import SettingsError, load
-from vigil.worker.consumer import copy_rows, prepare_record_connection
 from worker_support import metric
 
 

@@ -18,11 +18,12 @@ from psycopg.rows import dict_row
 
 from support import query
 from vigil.agent.base import EventRow, OutMessage, RunResult
+from vigil.ledger.finish import finish_runs_params
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
 from vigil.worker.claims import Claim, alone_due, claim, claim_alone, mark_dead
 from vigil.worker.fencing import PartitionKey, take_over
-from vigil.worker.finish import Finished, _group_params
+from vigil.worker.finish import Finished, run_record
 
 HOME = PartitionKey("events", 0)
 OWNED = {HOME: 1}
@@ -260,7 +261,7 @@ def test_a_group_finish_reads_its_runs_not_every_running_row(ledger):
             )
         )
     # 20 runs finished among 3,000 running users: the plan stays near 20 rows per step.
-    assert _explain(ledger, Q.finish_runs, _group_params(runs, "test-worker")) <= 100
+    assert _explain(ledger, Q.finish_runs, finish_runs_params([run_record(r) for r in runs], "test-worker")) <= 100
 
 
 def test_rule_2_reads_the_retries_not_the_backlog(ledger):

@@ -23,8 +23,8 @@ import psycopg
 from vigil.agent.http_tool import HttpRequestTool
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
+from vigil.ledger import agent as ledger_agent
 from vigil.ledger.db import connection_kwargs
-from vigil.ledger.queries import Q
 from vigil.outbound import address_policy
 
 log = logging.getLogger(__name__)
@@ -93,31 +93,27 @@ class RefundTool(ActionTool):
         refusal = self.check(args)
         if refusal is not None:
             return ToolOutput(f"Not refunded: {refusal}.", True)
-        params = {
-            "idempotency_key": call.idempotency_key,
-            "user_id": call.user_id,
-            "order_id": args["order_id"],
-            "amount": _amount(args["amount"]),
-            "reason": args.get("reason"),
-        }
+        amount = _amount(args["amount"])
         async with await psycopg.AsyncConnection.connect(self.dsn, **connection_kwargs(autocommit=True)) as conn:
-            row = await (await conn.execute(Q.refund_record, params)).fetchone()
+            row = await ledger_agent.record_refund(
+                conn, call.idempotency_key, call.user_id, args["order_id"], amount, args.get("reason")
+            )
             repeated = row is None
             if repeated:
-                row = await (await conn.execute(Q.refund_get, params)).fetchone()
-        if row is None or row["user_id"] != call.user_id:
+                row = await ledger_agent.get_refund(conn, call.idempotency_key)
+        if row is None or row.user_id != call.user_id:
             return ToolOutput("Not refunded: the idempotency key belongs to another refund.", True)
-        if (row["order_id"], row["amount"]) != (params["order_id"], params["amount"]):
+        if (row.order_id, row.amount) != (args["order_id"], amount):
             return ToolOutput(
-                f"Not refunded: this call's key already refunded {row['amount']} for order {row['order_id']}.", True
+                f"Not refunded: this call's key already refunded {row.amount} for order {row.order_id}.", True
             )
-        log.info("refund %s recorded%s", row["id"], " earlier (repeat call, nothing more refunded)" if repeated else "")
+        log.info("refund %s recorded%s", row.id, " earlier (repeat call, nothing more refunded)" if repeated else "")
         if repeated:
             return ToolOutput(
-                f"Refund {row['id']} of {row['amount']} for order {row['order_id']} was already made "
+                f"Refund {row.id} of {row.amount} for order {row.order_id} was already made "
                 "for this request; nothing more was refunded."
             )
-        return ToolOutput(f"Refund {row['id']} made: {row['amount']} for order {row['order_id']}.")
+        return ToolOutput(f"Refund {row.id} made: {row.amount} for order {row.order_id}.")
 
 
 def action_tools(settings: AgentSettings) -> list[ActionTool]:

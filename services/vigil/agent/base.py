@@ -21,34 +21,14 @@ as ``RunResult.session`` (the run's main one) or in ``RunResult.other_sessions``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Protocol
 
+# EventRow is a ledger row (vigil.ledger.events); the agent interface names it here too.
+from vigil.ledger.events import EventRow
 from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome
-
-
-@dataclass(frozen=True, slots=True)
-class EventRow:
-    """A claimed event as the agent sees it."""
-
-    id: int
-    user_id: str
-    source: str
-    source_id: str
-    kind: str
-    payload: str
-    session_id: str | None
-    received_at: datetime
-    attempts: int
-
-    def payload_json(self) -> Any:
-        try:
-            return json.loads(self.payload)
-        except ValueError:
-            return self.payload
 
 
 @dataclass(frozen=True, slots=True)

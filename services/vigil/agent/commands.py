@@ -9,14 +9,15 @@ leave, a question sent to the wrong channel) waits until an operator denies it.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from datetime import UTC, datetime
 
 import click
 
 from vigil.agent.settings import parse_event_policies
+from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
 from vigil.ledger.db import connect
-from vigil.ledger.queries import Q
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 
@@ -38,15 +39,14 @@ def approvals() -> None:
 def approvals_list(user_id, include_answered, limit, as_json) -> None:
     """Open approval requests (newest first): who, which tool, the deadline, times asked again."""
     with _ledger() as conn:
-        rows = conn.execute(Q.approvals_list, {"user_id": user_id, "all": include_answered, "limit": limit}).fetchall()
+        rows = rule.list_requests(conn, user_id, include_answered, limit)
     for row in rows:
         if as_json:
-            click.echo(json.dumps(dict(row), default=str))
+            click.echo(json.dumps(asdict(row), default=str))
         else:
-            state = row["answer"] or f"open, due {row['due'].isoformat()}"
+            state = row.answer or f"open, due {row.due.isoformat()}"
             click.echo(
-                f"{row['request_id']}  {row['user_id']}  {row['tool']}  {row['on_expiry']}  "
-                f"asked again {row['escalations']}x  {state}"
+                f"{row.request_id}  {row.user_id}  {row.tool}  {row.on_expiry}  asked again {row.escalations}x  {state}"
             )
 
 
@@ -68,8 +68,8 @@ def policies() -> None:
     """Per-user agent settings: what an event arriving mid-run does, per source."""
 
 
-def _show(row) -> str:
-    return f"{row['user_id']}: event policies {row['event_policies'] or '(the deployment default)'}"
+def _show(user_id: str, event_policies: str) -> str:
+    return f"{user_id}: event policies {event_policies or '(the deployment default)'}"
 
 
 @policies.command("show")
@@ -77,8 +77,8 @@ def _show(row) -> str:
 def policies_show(user_id) -> None:
     """The user's overrides (VIGIL_EVENT_POLICIES applies to every source they do not name)."""
     with _ledger() as conn:
-        row = conn.execute(Q.agent_policies_get, {"user_id": user_id}).fetchone()
-    click.echo(_show(row or {"user_id": user_id, "event_policies": ""}))
+        row = ledger_agent.get_policies(conn, user_id)
+    click.echo(_show(user_id, row.event_policies if row else ""))
 
 
 @policies.command("set")
@@ -98,8 +98,8 @@ def policies_set(user_id, event_policies) -> None:
         raise click.UsageError("EVENT_POLICIES: approval events resume their own session and are always queued")
     canonical = ",".join(f"{source}={policy.value}" for source, policy in sorted(parsed.items()))
     with _ledger() as conn:
-        row = conn.execute(Q.agent_policies_set, {"user_id": user_id, "event_policies": canonical}).fetchone()
-    click.echo(_show(row))
+        row = ledger_agent.set_policies(conn, user_id, canonical)
+    click.echo(_show(row.user_id, row.event_policies))
 
 
 commands = [approvals, policies]

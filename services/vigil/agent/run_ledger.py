@@ -2,7 +2,7 @@
 
 For the worker: :func:`load_context_parts` fills a claimed run's :class:`RunContext`
 before ``agent.run`` (:func:`load_contexts` fills a whole claim pass's in one pipeline);
-:func:`session_rows` gives the parameters of ``Q.agent_session_upsert`` for every session
+:func:`session_rows` gives the ``sessions`` rows (:func:`vigil.ledger.agent.save_session`) of every session
 a :class:`RunResult` saved, to execute in the fenced finish.
 Only the user's own rows are ever read or written.
 """
@@ -10,11 +10,10 @@ Only the user's own rows are ever read or written.
 from __future__ import annotations
 
 import psycopg
-from psycopg.types.json import Jsonb
 
 from vigil.agent.base import ApprovalRequest, RunContext, RunResult, SavedSession
 from vigil.agent.sessions import request_id_of, size_bytes
-from vigil.ledger.queries import Q
+from vigil.ledger import agent as ledger_agent
 
 # Dead events told to the agent at one run: enough to say what failed, bounded for the prompt.
 DEAD_EVENTS_SHOWN = 20
@@ -30,76 +29,62 @@ async def load_context_parts(conn: psycopg.AsyncConnection, ctx: RunContext, rec
 
 
 async def load_contexts(conn: psycopg.AsyncConnection, ctxs: list[RunContext], recent_limit: int) -> None:
-    """:func:`load_context_parts` for many runs at once, in one pipeline: a claim pass that
-    starts 2,000 runs costs one round trip and one pooled connection, not 4,000 and 2,000
-    waits for the pool. The statements are the same, per user."""
-    queued = []
-    async with conn.pipeline():
-        for ctx in ctxs:
-            queued.append(await _queue(conn, ctx, recent_limit))
-    for ctx, cursors in zip(ctxs, queued, strict=True):
-        await _fill(ctx, *cursors)
+    """:func:`load_context_parts` for many runs at once, in one pipeline
+    (:func:`vigil.ledger.agent.load_contexts`)."""
+    wanted = [
+        ledger_agent.ContextWanted(
+            user_id=ctx.user_id,
+            session_ids=list(dict.fromkeys(e.session_id for e in ctx.events if e.session_id)),
+            request_ids=list(
+                dict.fromkeys(r for e in ctx.events if e.source == "approval" and (r := request_id_of(e)))
+            ),
+            recent_limit=recent_limit,
+            dead_limit=DEAD_EVENTS_SHOWN,
+        )
+        for ctx in ctxs
+    ]
+    for ctx, want, rows in zip(ctxs, wanted, await ledger_agent.load_contexts(conn, wanted), strict=True):
+        _fill(ctx, want, rows)
 
 
-async def _queue(conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int) -> tuple:
-    user = {"user_id": ctx.user_id}
-    session_ids = list(dict.fromkeys(e.session_id for e in ctx.events if e.session_id))
-    sessions = (
-        await conn.execute(Q.agent_sessions_load, {**user, "ids": session_ids}) if session_ids else None,
-        session_ids,
-    )
-    memory = await conn.execute(Q.agent_memory_load, user)
-    recent = await conn.execute(Q.agent_recent_messages, {**user, "limit": recent_limit}) if recent_limit else None
-    policies = await conn.execute(Q.agent_policies_get, user)
-    dead = await conn.execute(Q.agent_dead_events, {**user, "limit": DEAD_EVENTS_SHOWN})
-    request_ids = list(dict.fromkeys(r for e in ctx.events if e.source == "approval" and (r := request_id_of(e))))
-    approvals = await conn.execute(Q.agent_approvals_load, {**user, "ids": request_ids}) if request_ids else None
-    return sessions, memory, recent, policies, dead, approvals
-
-
-async def _fill(ctx: RunContext, sessions: tuple, memory, recent, policies, dead, approvals) -> None:
-    cursor, session_ids = sessions
-    if cursor is not None:
-        found = {
-            row["id"]: SavedSession(
-                row["id"], row["state"], list(row["messages"]), row["blocks"], row["consecutive_blocks"], row["pending"]
-            )
-            for row in await cursor.fetchall()
+def _fill(ctx: RunContext, want: ledger_agent.ContextWanted, rows: ledger_agent.ContextRows) -> None:
+    if rows.sessions is not None:
+        found = rows.sessions
+        ctx.sessions = {
+            sid: SavedSession(s.id, s.state, s.messages, s.blocks, s.consecutive_blocks, s.pending)
+            for sid in want.session_ids
+            if (s := found.get(sid)) is not None
         }
-        ctx.sessions = {sid: found[sid] for sid in session_ids if sid in found}
         ctx.session = next(iter(ctx.sessions.values()), None)
-    ctx.memory = {row["path"]: row["content"] for row in await memory.fetchall()}
-    if recent is not None:
-        rows = list(reversed(await recent.fetchall()))
-        ctx.recent_messages = [row["body"] for row in rows if not row["queued"]]
-        ctx.queued_messages = [row["body"] for row in rows if row["queued"]]
-    row = await policies.fetchone()
-    ctx.event_policies = row["event_policies"] if row else ""
-    ctx.dead_events = [dict(row) for row in await dead.fetchall()]
-    if approvals is not None:
+    ctx.memory = rows.memory
+    if rows.recent is not None:
+        ctx.recent_messages = [body for body, queued in rows.recent if not queued]
+        ctx.queued_messages = [body for body, queued in rows.recent if queued]
+    ctx.event_policies = rows.event_policies
+    ctx.dead_events = rows.dead_events
+    if rows.approvals is not None:
         ctx.approval_requests = {
-            row["request_id"]: ApprovalRequest(
-                row["request_id"], row["session_id"], row["tool"], row["tool_use_id"], row["args_hash"], row["answer"]
-            )
-            for row in await approvals.fetchall()
+            r.request_id: ApprovalRequest(r.request_id, r.session_id, r.tool, r.tool_use_id, r.args_hash, r.answer)
+            for r in rows.approvals
         }
         ctx.approvals = {r.request_id: r.answer for r in ctx.approval_requests.values() if r.answer}
 
 
-def session_rows(user_id: str, result: RunResult) -> list[dict]:
-    """``Q.agent_session_upsert`` parameters for each session the run saved."""
+def session_rows(user_id: str, result: RunResult) -> list[ledger_agent.SessionRow]:
+    """The ``sessions`` rows of every session the run saved (stored by the finish:
+    :func:`vigil.ledger.agent.save_session`)."""
     saves = ([result.session] if result.session else []) + list(result.other_sessions)
     return [
-        {
-            "id": s.id,
-            "user_id": user_id,
-            "state": s.state,
-            "messages": Jsonb(s.messages),
-            "size_bytes": size_bytes(s.messages),
-            "blocks": s.blocks,
-            "consecutive_blocks": s.consecutive_blocks,
-            "pending": Jsonb(s.pending) if s.pending is not None else None,
-        }
+        ledger_agent.SessionRow(
+            id=s.id,
+            user_id=user_id,
+            state=s.state,
+            messages=s.messages,
+            size_bytes=size_bytes(s.messages),
+            blocks=s.blocks,
+            consecutive_blocks=s.consecutive_blocks,
+            pending=s.pending,
+        )
         for s in saves
     ]
 

@@ -174,3 +174,56 @@ __all__ = [
     "OnExpiry",
     "UNKNOWN",
 ]
+
+
+async def create(
+    conn: psycopg.AsyncConnection,
+    request_id: str,
+    user_id: str,
+    session_id: str | None,
+    run_id: int | None,
+    tool: str,
+    tool_use_id: str,
+    args_hash: str,
+    due: datetime,
+    on_expiry: OnExpiry,
+) -> None:
+    """A tool call that needs approval: written by the worker's fenced finish."""
+    await conn.execute(
+        Q.approval_create,
+        {
+            "request_id": request_id,
+            "user_id": user_id,
+            "session_id": session_id,
+            "run_id": run_id,
+            "tool": tool,
+            "tool_use_id": tool_use_id,
+            "args_hash": args_hash,
+            "due": due,
+            "on_expiry": str(on_expiry),
+        },
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    """`vigil approvals list`'s row."""
+
+    request_id: str
+    user_id: str
+    session_id: str | None
+    tool: str
+    due: datetime
+    on_expiry: str
+    escalations: int
+    answer: str | None
+    answered_at: datetime | None
+    created_at: datetime
+
+
+def list_requests(
+    conn: psycopg.Connection, user_id: str | None, include_answered: bool, limit: int
+) -> list[RequestRow]:
+    """Requests newest first: only the open ones unless ``include_answered``; one user's if ``user_id``."""
+    rows = conn.execute(Q.approvals_list, {"user_id": user_id, "all": include_answered, "limit": limit}).fetchall()
+    return [RequestRow(**row) for row in rows]

@@ -1,13 +1,166 @@
-"""Operator writes on events (``queries/events.sql``), shared by `vigil dead retry` and the console."""
+"""Events (``queries/events.sql``): recording a polled batch, and what operators read and
+write (`vigil inbox`, `vigil dead`, shared with the console). The claim rules are in
+:mod:`vigil.ledger.claims`, the finish in :mod:`vigil.ledger.finish`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Jsonb, set_json_dumps
 
 from vigil.ledger.queries import Q
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    """A claimed event as the agent sees it."""
+
+    id: int
+    user_id: str
+    source: str
+    source_id: str
+    kind: str
+    payload: str
+    session_id: str | None
+    received_at: datetime
+    attempts: int
+
+    def payload_json(self) -> Any:
+        try:
+            return json.loads(self.payload)
+        except ValueError:
+            return self.payload
+
+    @classmethod
+    def of(cls, row: dict) -> EventRow:
+        return cls(
+            id=row["id"],
+            user_id=row["user_id"],
+            source=row["source"],
+            source_id=row["source_id"],
+            kind=row["kind"],
+            payload=row["payload"],
+            session_id=row["session_id"],
+            received_at=row["received_at"],
+            attempts=row["attempts"],
+        )
+
+
+# -- recording ---------------------------------------------------------------------------
+
+# Column types of record_copy, in its order (binary COPY needs them named).
+STAGING_TYPES = [
+    "int4",
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "jsonb",
+    "timestamptz",
+    "timestamptz",
+    "text",
+    "int4",
+    "int8",
+]
+USER_COLUMN = 1  # a staging row's user_id (after n)
+
+
+def _headers_json(headers: dict[str, str]) -> str:
+    # Most events carry no headers; json.dumps costs several microseconds even for {},
+    # more than the rest of the row's COPY formatting.
+    return json.dumps(headers) if headers else "{}"
+
+
+def prepare_record_connection(conn: psycopg.Connection) -> None:
+    """Make ``conn`` ready for :func:`copy_rows`: its staging table, and its JSON dumps."""
+    set_json_dumps(_headers_json, context=conn)
+    conn.execute(Q.record_staging)
+    conn.commit()
+
+
+def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
+    """Binary-COPY staging rows (``STAGING_TYPES`` order, headers a dict) into the staging table."""
+    with cur.copy(Q.record_copy) as copy:
+        copy.set_types(STAGING_TYPES)
+        for row in rows:
+            copy.write_row(row)
+
+
+def record_events(cur: psycopg.Cursor, unknown_users: list[str]) -> int:
+    """Move the staged batch into ``events`` (and new users' home partitions, for
+    ``unknown_users`` only); duplicates by dedup key are dropped. Returns how many were new."""
+    row = cur.execute(Q.record_events, {"unknown_users": unknown_users}).fetchone()
+    assert row is not None
+    return row["recorded"]
+
+
+# -- operators ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeadEventRow:
+    """`vigil dead list`'s row."""
+
+    id: int
+    user_id: str
+    source: str
+    source_id: str
+    kind: str
+    attempts: int
+    error: str | None
+    finished_at: datetime
+    received_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class InboxRow:
+    """`vigil inbox`'s row: one of a user's events and its state."""
+
+    id: int
+    source: str
+    source_id: str
+    kind: str
+    status: str
+    attempts: int
+    lost_claims: int
+    claim_epoch: int | None
+    error: str | None
+    received_at: datetime
+    recorded_at: datetime
+    finished_at: datetime | None
+    run_id: int | None
+
+
+def dead_list(conn: psycopg.Connection, limit: int) -> list[DeadEventRow]:
+    """Dead events, newest first."""
+    rows = conn.execute(Q.dead_list, {"limit": limit}).fetchall()
+    return [DeadEventRow(**{f.name: row[f.name] for f in fields(DeadEventRow)}) for row in rows]
+
+
+def inbox(conn: psycopg.Connection, user_id: str, limit: int) -> list[InboxRow]:
+    """A user's events and their states, newest first."""
+    rows = conn.execute(Q.inbox, {"user_id": user_id, "limit": limit}).fetchall()
+    return [InboxRow(**{f.name: row[f.name] for f in fields(InboxRow)}) for row in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingAge:
+    age_s: float  # of the oldest pending event; 0 when none waits
+    pending: int
+
+
+async def oldest_pending(conn: psycopg.AsyncConnection) -> PendingAge:
+    """The age of the oldest pending event and how many are pending (one scan answers both)."""
+    row = await (await conn.execute(Q.oldest_pending_age)).fetchone()
+    assert row is not None
+    return PendingAge(row["age"], row["pending"])
 
 
 @dataclass(frozen=True)

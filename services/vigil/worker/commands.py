@@ -5,14 +5,15 @@ from __future__ import annotations
 import getpass
 import json
 import sys
+from dataclasses import asdict
 
 import click
 
 from vigil.cliutil import emit, table
 from vigil.dispatcher.operator import dead_deliveries
+from vigil.ledger import events as ledger_events
 from vigil.ledger.db import connect
 from vigil.ledger.events import retry_dead_events
-from vigil.ledger.queries import Q
 from vigil.service import load_or_exit, require_schema
 from vigil.settings import CommonSettings
 from vigil.worker.main import serve
@@ -42,7 +43,7 @@ def dead() -> None:
 def dead_list(limit: int, as_json: bool) -> None:
     """List dead events and dead deliveries, newest first."""
     with _ledger() as conn:
-        rows = conn.execute(Q.dead_list, {"limit": limit}).fetchall()
+        rows = [asdict(row) for row in ledger_events.dead_list(conn, limit)]
     with _ledger() as conn:
         deliveries = dead_deliveries(conn, limit)
     if as_json:
@@ -78,7 +79,7 @@ def dead_retry(ids: tuple[int, ...], actor: str | None, as_json: bool) -> None:
 def inbox(user_id: str, limit: int, as_json: bool) -> None:
     """A user's events and their states, newest first."""
     with _ledger() as conn:
-        rows = conn.execute(Q.inbox, {"user_id": user_id, "limit": limit}).fetchall()
+        rows = [asdict(row) for row in ledger_events.inbox(conn, user_id, limit)]
     if as_json:
         for row in rows:
             click.echo(json.dumps(row, default=str))

@@ -38,19 +38,19 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import psycopg
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
-from psycopg.types.json import set_json_dumps
 
 from vigil import tracing
 from vigil.bus.codec import DecodeError, EventCodec
 from vigil.bus.kafka import ProduceError
+from vigil.ledger import events as ledger_events
+from vigil.ledger import recovery as ledger_recovery
 from vigil.ledger.db import connect
-from vigil.ledger.queries import Q
+from vigil.ledger.events import USER_COLUMN, copy_rows, prepare_record_connection
 from vigil.worker import metrics, traces
 from vigil.worker.fencing import PartitionKey, take_over
 from vigil.worker.settings import WorkerSettings
@@ -82,61 +82,21 @@ def consumer_config(settings: WorkerSettings, on_stats) -> dict:
     return config
 
 
-# Column types of record_copy, in its order (binary COPY needs them named).
-STAGING_TYPES = [
-    "int4",
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "jsonb",
-    "timestamptz",
-    "timestamptz",
-    "text",
-    "int4",
-    "int8",
-]
 # How long an idle poll waits for the next message. A poll never waits for a *full* batch:
 # consume(n, timeout) returns only when n messages came or the timeout passed, which at a
 # moderate rate held every event back by up to the whole timeout before it was recorded.
 IDLE_POLL_S = 0.2
 
 
-def _headers_json(headers: dict[str, str]) -> str:
-    # Most events carry no headers; json.dumps costs several microseconds even for {},
-    # more than the rest of the row's COPY formatting.
-    return json.dumps(headers) if headers else "{}"
-
-
 def read_positions(conn: psycopg.Connection, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
-    """The ledger's next offset for each of ``keys`` it has recorded from."""
-    rows = conn.execute(
-        Q.read_positions, {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys]}
-    ).fetchall()
+    """The ledger's next offset for each of ``keys`` it has recorded from (read in its own transaction)."""
+    positions = ledger_recovery.read_positions(conn, keys)
     conn.commit()
-    return {PartitionKey(row["topic"], row["partition"]): row["next_offset"] for row in rows}
-
-
-def prepare_record_connection(conn: psycopg.Connection) -> None:
-    """Make ``conn`` ready for :func:`copy_rows`: its staging table, and its JSON dumps."""
-    set_json_dumps(_headers_json, context=conn)
-    conn.execute(Q.record_staging)
-    conn.commit()
-
-
-def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
-    """Binary-COPY staging rows (``STAGING_TYPES`` order, headers a dict) into the staging table."""
-    with cur.copy(Q.record_copy) as copy:
-        copy.set_types(STAGING_TYPES)
-        for row in rows:
-            copy.write_row(row)
+    return positions
 
 
 # Bound of the known-users set (about 100 bytes each); past it the set starts over.
 KNOWN_USERS_MAX = 500_000
-USER_COLUMN = 1  # a staging row's user_id (after n)
 
 
 class InFlight(NamedTuple):
@@ -333,12 +293,7 @@ class ConsumerLoop(threading.Thread):
         (``record_positions``), so the ledger's position and the events it covers commit or
         vanish together; a batch of undecodable messages only (already on the dead-letter
         topic) moves the positions alone."""
-        keys = sorted(highest)
-        positions = {
-            "topics": [topic for topic, _ in keys],
-            "partitions": [partition for _, partition in keys],
-            "next_offsets": [highest[key] + 1 for key in keys],
-        }
+        positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in highest.items()}
 
         def record(conn: psycopg.Connection) -> int:
             with conn.transaction():
@@ -346,8 +301,8 @@ class ConsumerLoop(threading.Thread):
                     recorded = 0
                     if rows:
                         copy_rows(cur, rows)
-                        recorded = cur.execute(Q.record_events, {"unknown_users": unknown_users}).fetchone()["recorded"]
-                    cur.execute(Q.record_positions, positions)
+                        recorded = ledger_events.record_events(cur, unknown_users)
+                    ledger_recovery.record_positions(cur, positions)
                     return recorded
 
         try:

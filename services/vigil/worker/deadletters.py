@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, ProduceError
+from vigil.ledger.claims import DeadEvent
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -36,29 +37,27 @@ class DeadLetters:
             ]
             self.producer.send_raw([(message.key(), message.value() or b"")], self.topic, headers=headers)
 
-    def publish_dead(self, rows: list[dict]) -> None:
+    def publish_dead(self, rows: list[DeadEvent]) -> None:
         """Events that exhausted their attempts. Best effort: the ledger row is the record."""
         for row in rows:
             event = Event(
-                user_id=row["user_id"],
-                source=row["source"],
-                source_id=row["source_id"],
-                kind=row["kind"],
-                payload=row["payload"],
-                received_at=row["received_at"] or datetime.now(UTC),
-                occurred_at=row["occurred_at"],
-                session_id=row["session_id"],
+                user_id=row.user_id,
+                source=row.source,
+                source_id=row.source_id,
+                kind=row.kind,
+                payload=row.payload,
+                received_at=row.received_at or datetime.now(UTC),
+                occurred_at=row.occurred_at,
+                session_id=row.session_id,
             )
             headers = [
-                ("vigil-error", (row["error"] or "attempts exhausted").encode()[:1000]),
+                ("vigil-error", (row.error or "attempts exhausted").encode()[:1000]),
                 ("vigil-stage", b"run"),
-                ("vigil-event-id", str(row["id"]).encode()),
+                ("vigil-event-id", str(row.id).encode()),
             ]
             try:
                 self.producer.send_raw(
                     [(event.user_id.encode(), self.codec.encode(event, self.topic))], self.topic, headers=headers
                 )
             except ProduceError as exc:
-                log.error(
-                    "dead event %d not copied to %s (it stays dead in the ledger): %s", row["id"], self.topic, exc
-                )
+                log.error("dead event %d not copied to %s (it stays dead in the ledger): %s", row.id, self.topic, exc)

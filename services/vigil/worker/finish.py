@@ -2,7 +2,7 @@
 
 Order inside the transaction:
 
-1. Lock every involved partition row ``FOR SHARE`` and read its epoch (``lock_epochs``). A
+1. Lock every involved partition row ``FOR SHARE`` and read its epoch (:func:`vigil.ledger.partitions.lock_epochs`). A
    run whose claim epoch is no longer current is *stale*: nothing of it is written, it is
    counted, and its events stay with the new owner, who handed them back at takeover.
 2. For all current runs at once (``finish_runs``, one statement): their ``runs`` rows, the
@@ -29,15 +29,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 import psycopg
-from psycopg.types.json import Jsonb
 
 from vigil.agent.base import NewTask, RunResult
 from vigil.agent.run_ledger import session_rows
+from vigil.ledger import agent as ledger_agent
+from vigil.ledger import approvals as ledger_approvals
+from vigil.ledger import finish as ledger_finish
+from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import tasks as ledger_tasks
-from vigil.ledger.queries import Q
+from vigil.ledger.claims import Claim
 from vigil.ledger.states import RunOutcome
 from vigil.worker import metrics
-from vigil.worker.claims import Claim
 
 log = logging.getLogger(__name__)
 
@@ -73,60 +75,31 @@ def backoff_seconds(attempt: int, base: float, cap: float, retry_after: float | 
     return max(delay, retry_after or 0.0)
 
 
-def _group_params(runs: list[Finished], worker: str) -> dict:
-    """finish_runs' parameters: one array per column, a run per position; messages flat."""
-    params: dict[str, list] = {
-        name: []
-        for name in (
-            "user_id",
-            "topic",
-            "partition",
-            "epoch",
-            "event_ids",
-            "session_id",
-            "started_at",
-            "outcome",
-            "error",
-            "turns",
-            "input_tokens",
-            "output_tokens",
-            "cache_read_tokens",
-            "cache_write_tokens",
-            "tool_calls",
-            "message_user",
-            "message_body",
-            "message_urgent",
-            "message_trace",
-            "done_ids",
-        )
-    }
-    for run in runs:
-        claim, result = run.claim, run.result
-        usage = result.usage if result else None
-        session = result.session if result else None
-        params["user_id"].append(claim.user_id)
-        params["topic"].append(claim.home.topic)
-        params["partition"].append(claim.home.partition)
-        params["epoch"].append(claim.epoch)
-        params["event_ids"].append("{" + ",".join(str(i) for i in run.event_ids) + "}")
-        params["session_id"].append(session.id if session else None)
-        params["started_at"].append(run.started_at)
-        params["outcome"].append(run.outcome.value)
-        params["error"].append(run.error)
-        params["turns"].append(usage.turns if usage else 0)
-        params["input_tokens"].append(usage.input_tokens if usage else 0)
-        params["output_tokens"].append(usage.output_tokens if usage else 0)
-        params["cache_read_tokens"].append(usage.cache_read_tokens if usage else 0)
-        params["cache_write_tokens"].append(usage.cache_write_tokens if usage else 0)
-        params["tool_calls"].append(usage.tool_calls if usage else 0)
-        if run.error is None and result is not None:
-            params["done_ids"].extend(run.event_ids)
-            for message in result.messages:
-                params["message_user"].append(claim.user_id)
-                params["message_body"].append(message.text)
-                params["message_urgent"].append(message.urgent)
-                params["message_trace"].append(claim.traceparent)
-    return {**params, "worker": worker}
+def run_record(run: Finished) -> ledger_finish.RunRecord:
+    """The run as finish_runs writes it."""
+    claim, result = run.claim, run.result
+    usage = result.usage if result else None
+    session = result.session if result else None
+    done = run.error is None and result is not None
+    return ledger_finish.RunRecord(
+        user_id=claim.user_id,
+        home=claim.home,
+        epoch=claim.epoch,
+        event_ids=run.event_ids,
+        started_at=run.started_at,
+        outcome=run.outcome,
+        done=done,
+        session_id=session.id if session else None,
+        error=run.error,
+        turns=usage.turns if usage else 0,
+        input_tokens=usage.input_tokens if usage else 0,
+        output_tokens=usage.output_tokens if usage else 0,
+        cache_read_tokens=usage.cache_read_tokens if usage else 0,
+        cache_write_tokens=usage.cache_write_tokens if usage else 0,
+        tool_calls=usage.tool_calls if usage else 0,
+        messages=[ledger_finish.RunMessage(m.text, m.urgent) for m in result.messages] if done and result else [],
+        traceparent=claim.traceparent,
+    )
 
 
 def _has_more(run: Finished) -> bool:
@@ -148,60 +121,43 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
     claim = run.claim
     if run.error is not None:
         ids = run.event_ids
-        cur = await conn.execute(
-            Q.finish_failed,
-            {
-                "ids": ids,
-                "epoch": claim.epoch,
-                "run_id": run_id,
-                "error": run.error[:2000],
-                "backoff_s": run.backoff_s,
-                "transient": run.transient,
-            },
+        cur = await ledger_finish.finish_failed(
+            conn, ids, claim.epoch, run_id, run.error[:2000], run.backoff_s, run.transient
         )
         return [(cur, len(ids))]
     result = run.result
     assert result is not None
     user = claim.user_id
     for timer in result.timers:
-        await conn.execute(
-            Q.insert_timer,
-            {
-                "id": timer.id,
-                "user_id": user,
-                "kind": timer.kind,
-                "due": timer.due,
-                "catch_up": str(timer.catch_up),
-                "payload": Jsonb(timer.payload),
-                "fixed_key": timer.fixed_key,
-                "traceparent": claim.traceparent,
-                "run_id": run_id,
-            },
+        await ledger_finish.insert_timer(
+            conn,
+            user,
+            timer.id,
+            timer.kind,
+            timer.due,
+            timer.catch_up,
+            timer.payload,
+            timer.fixed_key,
+            run_id,
+            claim.traceparent,
         )
     for approval in result.approvals:
-        await conn.execute(
-            Q.approval_create,
-            {
-                "request_id": approval.request_id,
-                "user_id": user,
-                "session_id": approval.session_id,
-                "run_id": run_id,
-                "tool": approval.tool,
-                "tool_use_id": approval.tool_use_id,
-                "args_hash": approval.args_hash,
-                "due": approval.due,
-                "on_expiry": str(approval.on_expiry),
-            },
+        await ledger_approvals.create(
+            conn,
+            approval.request_id,
+            user,
+            approval.session_id,
+            run_id,
+            approval.tool,
+            approval.tool_use_id,
+            approval.args_hash,
+            approval.due,
+            approval.on_expiry,
         )
     for write in result.memory_writes:
-        if write.content is None:
-            await conn.execute(Q.delete_memory, {"user_id": user, "path": write.path})
-        else:
-            await conn.execute(
-                Q.upsert_memory, {"user_id": user, "path": write.path, "content": write.content, "run_id": run_id}
-            )
-    for params in session_rows(user, result):
-        await conn.execute(Q.agent_session_upsert, params)
+        await ledger_finish.write_memory(conn, user, write.path, write.content, run_id)
+    for row in session_rows(user, result):
+        await ledger_agent.save_session(conn, row)
     for task in result.tasks:
         await ledger_tasks.create(conn, new_task_row(user, task, run_id))
     return []
@@ -236,53 +192,44 @@ async def _commit(
     """
     homes = sorted({run.claim.home for run in runs})
     async with conn.transaction():
-        cur = await conn.execute(
-            Q.lock_epochs, {"topics": [h.topic for h in homes], "partitions": [h.partition for h in homes]}
-        )
-        current = {(row["topic"], row["partition"]): row["epoch"] for row in await cur.fetchall()}
+        current = await ledger_partitions.lock_epochs(conn, homes)
         valid, stale = [], []
         for r in runs:  # one pass: `r in valid` would compare whole dataclasses, O(n^2) per group
-            fresh = current.get((r.claim.home.topic, r.claim.home.partition)) == r.claim.epoch
+            fresh = current.get(r.claim.home) == r.claim.epoch
             (valid if fresh else stale).append(r)
         if valid:
             # finish_runs matches a run's messages to it by user: one run per user per group,
             # which the runner guarantees (a user's next claim waits for this commit).
             assert len({r.claim.user_id for r in valid}) == len(valid), "two runs of one user in one finish"
-            cur = await conn.execute(Q.finish_runs, _group_params(valid, worker))
-            ids = {row["user_id"]: (row["id"], row["done"]) for row in await cur.fetchall()}
+            ids = await ledger_finish.finish_runs(conn, [run_record(r) for r in valid], worker)
             for run in valid:
-                run_id, done = ids[run.claim.user_id]
-                if run.error is None and done != len(run.event_ids):
-                    raise FinishMismatch(f"{done} of {len(run.event_ids)} events still claimed")
+                written = ids[run.claim.user_id]
+                if run.error is None and written.done != len(run.event_ids):
+                    raise FinishMismatch(f"{written.done} of {len(run.event_ids)} events still claimed")
             checks: list[tuple] = []
             more = [run for run in valid if _has_more(run)]
             if more:
                 async with conn.pipeline():
                     for run in more:
-                        checks.extend(await _write_more(conn, run, ids[run.claim.user_id][0]))
+                        checks.extend(await _write_more(conn, run, ids[run.claim.user_id].run_id))
             for cursor, expected in checks:
                 if cursor.rowcount != expected:
                     raise FinishMismatch(f"{cursor.rowcount} of {expected} events still claimed")
-            tags = _message_tags(valid, ids)
-            if tags["run_id"]:
-                await conn.execute(Q.outbox_tag_messages, tags)
+            await ledger_agent.tag_messages(conn, _message_tags(valid, ids))
     return valid, stale
 
 
-def _message_tags(runs: list[Finished], ids: dict[str, tuple[int, int]]) -> dict[str, list]:
-    """``outbox_tag_messages`` parameters: each message's session and deadline, by its run and
-    its position among the run's messages (the order finish_runs inserted them in)."""
-    tags: dict[str, list] = {"run_id": [], "n": [], "session_id": [], "deadline": []}
+def _message_tags(runs: list[Finished], ids: dict[str, ledger_finish.RunWritten]) -> list[ledger_agent.MessageTag]:
+    """Each message's session and deadline, by its run and its position among the run's
+    messages (the order finish_runs inserted them in)."""
+    tags = []
     for run in runs:
         if run.error is not None or run.result is None:
             continue
         for n, message in enumerate(run.result.messages, 1):
             if message.session_id is None and message.deadline is None:
                 continue
-            tags["run_id"].append(ids[run.claim.user_id][0])
-            tags["n"].append(n)
-            tags["session_id"].append(message.session_id)
-            tags["deadline"].append(message.deadline)
+            tags.append(ledger_agent.MessageTag(ids[run.claim.user_id].run_id, n, message.session_id, message.deadline))
     return tags
 
 

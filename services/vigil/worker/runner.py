@@ -23,9 +23,11 @@ from psycopg_pool import AsyncConnectionPool
 
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
-from vigil.ledger.queries import Q
+from vigil.ledger import claims as ledger_claims
+from vigil.ledger import events as ledger_events
+from vigil.ledger import recovery as ledger_recovery
 from vigil.worker import metrics, traces
-from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead, owned_params
+from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, backoff_seconds, commit_finished
 from vigil.worker.run_inputs import RECENT_MESSAGES, load_context, load_many
@@ -108,10 +110,7 @@ class Runner:
         keys = sorted(epochs)
         try:
             async with self.pool.connection() as conn:
-                cur = await conn.execute(
-                    Q.backoff_ends, {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys]}
-                )
-                ends = [row["at"] for row in await cur.fetchall()]
+                ends = await ledger_claims.backoff_ends(conn, keys)
         except psycopg.Error as exc:
             log.warning("could not read backoffs after a takeover (the periodic pass finds them): %s", exc)
             return
@@ -150,11 +149,7 @@ class Runner:
         ids = claim.event_ids + [event.id for event in active.folded]
         try:
             async with self.pool.connection() as conn:
-                cur = await conn.execute(
-                    Q.release_claim,
-                    {"ids": ids, "epoch": claim.epoch, "topic": claim.home.topic, "partition": claim.home.partition},
-                )
-                metrics.RELEASED.inc(cur.rowcount)
+                metrics.RELEASED.inc(await ledger_claims.release_claim(conn, claim, ids))
         except psycopg.Error as exc:
             log.warning("could not release a claim (the next owner recovers it): %s", exc)
 
@@ -233,23 +228,20 @@ class Runner:
         every claim this process made is already in ``self.active`` and the only rows it can
         match are orphans. Counted as lost with their worker, as a takeover counts them.
         """
-        cur = await conn.execute(
-            Q.release_orphaned_claims,
-            {
-                **owned_params(owned),
-                "busy": list(self.active),
-                "max_attempts": self.settings.max_attempts,
-                "backoff_base": self.settings.backoff_base_s,
-                "backoff_cap": self.settings.backoff_cap_s,
-            },
+        healed = await ledger_recovery.release_orphaned_claims(
+            conn,
+            owned,
+            list(self.active),
+            self.settings.max_attempts,
+            self.settings.backoff_base_s,
+            self.settings.backoff_cap_s,
         )
-        healed = await cur.fetchall()
         if healed:
             metrics.HEALED.inc(len(healed))
             log.warning(
                 "released %d claim(s) at our epoch that no run held (a lost finish?): %d user(s)",
                 len(healed),
-                len({row["user_id"] for row in healed}),
+                len({row.user_id for row in healed}),
             )
             self.wake(self.settings.backoff_base_s + BACKOFF_SLACK_S)
 
@@ -432,9 +424,9 @@ class Runner:
         while not self._stopping:
             try:
                 async with self.pool.connection() as conn:
-                    row = await (await conn.execute(Q.oldest_pending_age)).fetchone()
-                metrics.OLDEST_PENDING.set(row["age"])
-                metrics.PENDING.set(row["pending"])
+                    pending = await ledger_events.oldest_pending(conn)
+                metrics.OLDEST_PENDING.set(pending.age_s)
+                metrics.PENDING.set(pending.pending)
             except psycopg.Error:
                 pass
             await asyncio.sleep(GAUGE_INTERVAL_S)

@@ -12,12 +12,11 @@ import json
 
 import click
 import psycopg
-from psycopg.types.json import Jsonb
 
 from vigil.cliutil import table
+from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import connection_kwargs
-from vigil.ledger.queries import Q
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 
@@ -98,8 +97,7 @@ def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
             async with conn.transaction():
                 row = await ledger.cancel(conn, task_id, who)
                 if row is not None:
-                    detail = Jsonb({"task_id": task_id, "status": str(row.status)})
-                    await conn.execute(Q.audit_insert, {"actor": who, "action": "task.cancel", "detail": detail})
+                    await audit.record_async(conn, who, "task.cancel", {"task_id": task_id, "status": str(row.status)})
                 return row, (await ledger.get(conn, task_id) if row is None else row)
 
     changed, row = _run(go())

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from vigil import logs, tracing
-from vigil.ledger.queries import Q
+from vigil.ledger import tracing as ledger_tracing
 
 HEADERS = 7  # a staging row's headers column (after n, user_id, source, source_id, kind, payload, session_id)
 PARTITION, OFFSET = 11, 12
@@ -83,15 +83,15 @@ async def _traced_run(coro, claim, pool) -> None:
     lookup_error = None
     try:
         async with pool.connection() as conn:
-            rows = await (await conn.execute(Q.event_trace_context, {"ids": claim.event_ids})).fetchall()
+            rows = await ledger_tracing.event_trace_context(conn, claim.event_ids)
     except Exception as exc:  # the trace is not worth the run: it goes ahead as a trace of its own
         rows = []
         lookup_error = f"{type(exc).__name__}: {exc}"
     except BaseException:  # cancelled (a revoke) before the run started: it never will
         coro.close()
         raise
-    parent, links = tracing.parent_and_links(tracing.span_context_of(row) for row in rows)
-    claimed = [row["claimed_at"] for row in rows if row["claimed_at"] is not None]
+    parent, links = tracing.parent_and_links(tracing.span_context_of(row.headers) for row in rows)
+    claimed = [row.claimed_at for row in rows if row.claimed_at is not None]
     claimed_ns = min(int(at.timestamp() * 1e9) for at in claimed) if claimed else started
     s = tracing.started(
         "vigil.run",

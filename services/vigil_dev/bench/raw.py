@@ -104,8 +104,8 @@ def _insert_unnest(conn: psycopg.Connection, columns: dict[str, list]) -> None:
 
 
 def _insert_staged(conn: psycopg.Connection, columns: dict[str, list]) -> None:
-    """The worker's own COPY (:func:`vigil.worker.consumer.copy_rows`)."""
-    from vigil.worker.consumer import copy_rows
+    """The worker's own COPY (:func:`vigil.ledger.events.copy_rows`)."""
+    from vigil.ledger.events import copy_rows
 
     with conn.cursor() as cur:
         copy_rows(cur, ((n, *row) for n, row in enumerate(zip(*columns.values()))))
@@ -117,7 +117,7 @@ METHODS = {"staged": _insert_staged, "unnest": _insert_unnest}
 
 def raw_pg(stack: BenchStack, plan: Plan, report: Report, batch: int) -> Figure:
     """Both ways a plain client writes a batch: the faster one is the limit, per round."""
-    from vigil.worker.consumer import prepare_record_connection
+    from vigil.ledger.events import prepare_record_connection
 
     rates: dict[str, list[float]] = {name: [] for name in METHODS}
     # The ledger sessions' own options (synchronous_commit=on among them): the limit is measured

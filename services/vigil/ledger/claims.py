@@ -1,0 +1,216 @@
+"""The claim rules, executed by the statements of ``queries/claims.sql``:
+
+1. Rows ``running`` under an older epoch go back to ``pending`` (done at takeover, see
+   :mod:`vigil.ledger.partitions`; a claim only ever matches the current epoch).
+2. Rows ``pending`` with ``attempts >= max_attempts`` become ``dead`` (:func:`mark_dead`),
+   with a record on the dead-letter topic: a poison event must never silently mute an agent.
+3. If the user's oldest pending row is a retry (``attempts > 0``), it is claimed alone once
+   its backoff ended, so a poison event cannot take healthy events down with it; otherwise
+   all fresh pending rows of the user up to ``batch_max`` are claimed together, once the
+   oldest has waited out the batch window (three quick chat messages: one run, one reply).
+   Later fresh rows wait behind a retry, so runs follow event order per user.
+   **The last attempt of an event lost with its worker before runs alone**
+   (:func:`claim_alone`): the runner claims it only with no other run in flight (it waits
+   for them up to ``VIGIL_LONE_DRAIN_S``, then releases the rest) and claims nothing else
+   until it finishes. A crash takes down every run in flight, and each lost
+   claim counted an attempt; so the takeover never lets a claim lost in company use up an
+   event's last attempt (query ``hand_back_stale_claims``), and a crash becomes an event's
+   death only when the event ran alone. A poison event that kills its worker therefore dies
+   after ``max_attempts`` claims, the last of them alone, and the events that happened to
+   run beside it lose at most ``max_attempts - 1`` attempts, never their lives.
+4. No claim for a user who already has a ``running`` row under the current epoch.
+
+Attempts are counted at claim time, because a worker that crashes mid-run records nothing.
+
+Who gets the free run slots: waiting users round-robin in ``user_id`` order from a cursor
+kept by the runner, so every waiting user gets a turn before anyone gets a second one, and
+a pass reads only the users it looks at (never the whole backlog: a worker that falls
+behind must not get slower at catching up).
+
+A claim is given back by :func:`release_claim` (graceful: partition revoked, shutdown; the
+attempt not counted), by the finish of a failed attempt (:mod:`vigil.ledger.finish`), by a
+takeover (rule 1) or by the heal (:mod:`vigil.ledger.recovery`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime
+
+import psycopg
+
+from vigil.ledger.events import EventRow
+from vigil.ledger.partitions import PartitionKey, keys_params, owned_params
+from vigil.ledger.queries import Q
+
+
+@dataclass(slots=True)
+class Claim:
+    """One user's claimed events: the unit a run works on."""
+
+    user_id: str
+    home: PartitionKey
+    epoch: int
+    events: list[EventRow]
+    transient_failures: int
+    oldest_recorded_at: datetime
+    # The run's span context (W3C traceparent) when traces are on: its outbox rows and timers
+    # carry it, so the delivery and a follow-up continue the trace (vigil.worker.traces).
+    traceparent: str | None = None
+
+    @property
+    def event_ids(self) -> list[int]:
+        return [event.id for event in self.events]
+
+    @property
+    def run_key(self) -> str:
+        """The run's identity (RunContext.run_key, tasks.parent_run_key, the logs' run_id)."""
+        return f"{self.user_id}:{self.epoch}:{self.events[0].id}:{self.attempt}"
+
+    @property
+    def attempt(self) -> int:
+        return max(event.attempts for event in self.events)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadEvent:
+    """An event rule 2 made dead: what its dead-letter record carries."""
+
+    id: int
+    user_id: str
+    source: str
+    source_id: str
+    kind: str
+    payload: str
+    session_id: str | None
+    received_at: datetime | None
+    occurred_at: datetime | None
+    error: str | None
+
+
+async def mark_dead(
+    conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int
+) -> list[DeadEvent]:
+    """Rule 2 for every owned partition. Returns the rows that became dead (for the DLQ)."""
+    if not owned:
+        return []
+    cur = await conn.execute(Q.mark_exhausted_dead, {**owned_params(owned), "max_attempts": max_attempts})
+    return [DeadEvent(**{f.name: row[f.name] for f in fields(DeadEvent)}) for row in await cur.fetchall()]
+
+
+async def alone_due(
+    conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int
+) -> datetime | None:
+    """When the first last attempt that must run alone may be claimed; None if none waits."""
+    if not owned:
+        return None
+    cur = await conn.execute(Q.alone_due, {**owned_params(owned), "max_attempts": max_attempts})
+    row = await cur.fetchone()
+    return row["at"] if row else None
+
+
+async def claim_alone(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int) -> Claim | None:
+    """Rule 3's lone last attempt: one such row, for a runner with nothing else in flight."""
+    if not owned:
+        return None
+    cur = await conn.execute(Q.claim_alone, {**owned_params(owned), "max_attempts": max_attempts})
+    claims = _claims(await cur.fetchall())
+    return claims[0] if claims else None
+
+
+async def claim(
+    conn: psycopg.AsyncConnection,
+    owned: dict[PartitionKey, int],
+    busy: list[str],
+    max_users: int,
+    batch_max: int,
+    window_s: float,
+    max_attempts: int,
+    cursor: str = "",
+) -> tuple[list[Claim], str]:
+    """Rules 3 and 4 for up to ``max_users`` users of the owned partitions. Returns the
+    claims and the cursor for the next pass.
+
+    Users are served round-robin in ``user_id`` order: first those after ``cursor``, then,
+    if that did not fill the pass, from the start up to ``cursor``. Every waiting user gets
+    a turn within one round, and a pass reads only the users it looks at, not the whole
+    backlog. A row whose attempts are exhausted is never claimed: it waits for
+    :func:`mark_dead`, which runs once per scan interval.
+    """
+    if not owned or max_users <= 0:
+        return [], cursor
+    params = {
+        **owned_params(owned),
+        "busy": busy,
+        "batch_max": batch_max,
+        "window_s": window_s,
+        "max_attempts": max_attempts,
+    }
+    claims: list[Claim] = []
+    # The users after the cursor; then, wrapping around, those up to where this pass started.
+    ranges = [(cursor, None)] + ([("", cursor)] if cursor else [])
+    for after, until in ranges:
+        if len(claims) == max_users:
+            break
+        cur = await conn.execute(
+            Q.claim, {**params, "after": after, "until": until, "max_users": max_users - len(claims)}
+        )
+        rows = await cur.fetchall()
+        if rows:
+            cursor = rows[0]["cursor"]
+        claims += _claims(rows)
+    return claims, cursor
+
+
+def _claims(rows: list[dict]) -> list[Claim]:
+    by_user: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_user[row["user_id"]].append(row)
+    claims = []
+    for user_id, rows in by_user.items():
+        rows.sort(key=lambda r: r["id"])
+        claims.append(
+            Claim(
+                user_id=user_id,
+                home=PartitionKey(rows[0]["home_topic"], rows[0]["home_partition"]),
+                epoch=rows[0]["claim_epoch"],
+                events=[EventRow.of(r) for r in rows],
+                transient_failures=max(r["transient_failures"] for r in rows),
+                oldest_recorded_at=min(r["recorded_at"] for r in rows),
+            )
+        )
+    return claims
+
+
+async def claim_more(conn: psycopg.AsyncConnection, claim: Claim, sources: Sequence[str]) -> list[EventRow]:
+    """Fold: the user's fresh pending events, claimed under the running claim's epoch."""
+    cur = await conn.execute(
+        Q.claim_more,
+        {
+            "topic": claim.home.topic,
+            "partition": claim.home.partition,
+            "epoch": claim.epoch,
+            "user_id": claim.user_id,
+            "sources": list(sources),
+        },
+    )
+    rows = sorted(await cur.fetchall(), key=lambda r: r["id"])
+    return [EventRow.of(r) for r in rows]
+
+
+async def backoff_ends(conn: psycopg.AsyncConnection, keys: list[PartitionKey]) -> list[datetime]:
+    """When pending events of ``keys`` that wait out a backoff become claimable (read at takeover)."""
+    cur = await conn.execute(Q.backoff_ends, keys_params(sorted(keys)))
+    return [row["at"] for row in await cur.fetchall()]
+
+
+async def release_claim(conn: psycopg.AsyncConnection, claim: Claim, ids: list[int]) -> int:
+    """A graceful release of ``ids`` (the claim's events and those folded into it): back to
+    pending, the attempt not counted; fenced by the claim's epoch. Returns how many moved."""
+    cur = await conn.execute(
+        Q.release_claim,
+        {"ids": ids, "epoch": claim.epoch, "topic": claim.home.topic, "partition": claim.home.partition},
+    )
+    return cur.rowcount

@@ -1,0 +1,170 @@
+"""The finish (``queries/finish.sql``): what a run decided, written in one fenced transaction
+with its events' new state. The transaction's order (lock the epochs, the group's runs in one
+statement, the rest pipelined) is the worker's: see :mod:`vigil.worker.finish`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from vigil.ledger.partitions import PartitionKey
+from vigil.ledger.queries import Q
+from vigil.ledger.states import CatchUp, RunOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class RunMessage:
+    body: str
+    urgent: bool
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """One run of a finish group: its ``runs`` row, and (``done``) its events and messages."""
+
+    user_id: str
+    home: PartitionKey
+    epoch: int
+    event_ids: list[int]
+    started_at: datetime
+    outcome: RunOutcome
+    done: bool  # its events become done and its messages are written (not a failed attempt)
+    session_id: str | None = None
+    error: str | None = None
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    tool_calls: int = 0
+    messages: list[RunMessage] = field(default_factory=list)
+    # The run's span context (W3C traceparent) when traces are on: its messages carry it.
+    traceparent: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunWritten:
+    run_id: int
+    done: int  # how many of its events were still claimed under its epoch (and are now done)
+
+
+_COLUMNS = (
+    "user_id",
+    "topic",
+    "partition",
+    "epoch",
+    "event_ids",
+    "session_id",
+    "started_at",
+    "outcome",
+    "error",
+    "turns",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "tool_calls",
+    "message_user",
+    "message_body",
+    "message_urgent",
+    "message_trace",
+    "done_ids",
+)
+
+
+def finish_runs_params(runs: list[RunRecord], worker: str) -> dict:
+    """finish_runs' parameters: one array per column, a run per position; messages flat.
+    Public for the query-plan tests, which EXPLAIN the statement."""
+    params: dict[str, list] = {name: [] for name in _COLUMNS}
+    for run in runs:
+        params["user_id"].append(run.user_id)
+        params["topic"].append(run.home.topic)
+        params["partition"].append(run.home.partition)
+        params["epoch"].append(run.epoch)
+        params["event_ids"].append("{" + ",".join(str(i) for i in run.event_ids) + "}")
+        params["session_id"].append(run.session_id)
+        params["started_at"].append(run.started_at)
+        params["outcome"].append(run.outcome.value)
+        params["error"].append(run.error)
+        params["turns"].append(run.turns)
+        params["input_tokens"].append(run.input_tokens)
+        params["output_tokens"].append(run.output_tokens)
+        params["cache_read_tokens"].append(run.cache_read_tokens)
+        params["cache_write_tokens"].append(run.cache_write_tokens)
+        params["tool_calls"].append(run.tool_calls)
+        if run.done:
+            params["done_ids"].extend(run.event_ids)
+            for message in run.messages:
+                params["message_user"].append(run.user_id)
+                params["message_body"].append(message.body)
+                params["message_urgent"].append(message.urgent)
+                params["message_trace"].append(run.traceparent)
+    return {**params, "worker": worker}
+
+
+async def finish_runs(conn: psycopg.AsyncConnection, runs: list[RunRecord], worker: str) -> dict[str, RunWritten]:
+    """Every run's audit row, the done runs' events and their outbox rows, in one statement
+    for the group; by user (one run per user per group: the caller sees to it)."""
+    cur = await conn.execute(Q.finish_runs, finish_runs_params(runs, worker))
+    return {row["user_id"]: RunWritten(row["id"], row["done"]) for row in await cur.fetchall()}
+
+
+async def finish_failed(
+    conn: psycopg.AsyncConnection,
+    ids: list[int],
+    epoch: int,
+    run_id: int,
+    error: str,
+    backoff_s: float,
+    transient: bool,
+) -> psycopg.AsyncCursor:
+    """A failed attempt's events back to pending with the error and a backoff (a transient
+    failure gives its attempt back); only those still claimed under ``epoch``. Returns the
+    cursor: in pipeline mode its ``rowcount`` (how many moved) is known once the pipeline syncs."""
+    return await conn.execute(
+        Q.finish_failed,
+        {"ids": ids, "epoch": epoch, "run_id": run_id, "error": error, "backoff_s": backoff_s, "transient": transient},
+    )
+
+
+async def insert_timer(
+    conn: psycopg.AsyncConnection,
+    user_id: str,
+    timer_id: str,
+    kind: str,
+    due: datetime,
+    catch_up: CatchUp,
+    payload: dict,
+    fixed_key: str | None,
+    run_id: int | None,
+    traceparent: str | None = None,
+) -> None:
+    """A follow-up or approval expiry set by run ``run_id`` (with its trace context when traces
+    are on); re-setting an id replaces a timer not fired yet."""
+    await conn.execute(
+        Q.insert_timer,
+        {
+            "id": timer_id,
+            "user_id": user_id,
+            "kind": kind,
+            "due": due,
+            "catch_up": str(catch_up),
+            "payload": Jsonb(payload),
+            "fixed_key": fixed_key,
+            "traceparent": traceparent,
+            "run_id": run_id,
+        },
+    )
+
+
+async def write_memory(
+    conn: psycopg.AsyncConnection, user_id: str, path: str, content: str | None, run_id: int | None
+) -> None:
+    """The memory tool's write by run ``run_id`` (None deletes the file)."""
+    if content is None:
+        await conn.execute(Q.delete_memory, {"user_id": user_id, "path": path})
+    else:
+        await conn.execute(Q.upsert_memory, {"user_id": user_id, "path": path, "content": content, "run_id": run_id})

@@ -1,0 +1,209 @@
+-- The claim rules: which pending events a worker takes for a run, and how a claim is given back.
+-- Read services/vigil/ledger/claims.py for the rules.
+
+-- name: mark_exhausted_dead
+-- Claim rule 2: a pending row whose attempts reached the bound is dead (a poison event must never silently mute an agent).
+WITH owned AS (
+    -- FOR SHARE: a takeover must not slip between this check and the update.
+    SELECT p.topic, p.partition FROM partitions p
+    JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+      ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+    -- Locks taken in one global order (as lock_epochs and take_over do): no deadlock with a
+    -- takeover of several partitions.
+    ORDER BY p.topic, p.partition
+    FOR SHARE OF p
+),
+exhausted AS MATERIALIZED (
+    -- Through events_retries (its predicate spelled out so the planner can use it): the rows
+    -- that were tried, not every pending row; then a home probe per row (LIMIT 1: never a
+    -- join over every user of the owned partitions).
+    SELECT e.id, e.status FROM events e
+    CROSS JOIN LATERAL (
+        SELECT 1 FROM users u JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+        WHERE u.user_id = e.user_id LIMIT 1
+    ) mine
+    WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts >= %(max_attempts)s
+)
+UPDATE events e
+SET status = 'dead', finished_at = now(),
+    error = 'dead after ' || e.attempts || ' attempts' || coalesce(': ' || e.error, '')
+FROM exhausted x
+-- Join clauses only (see claim): the rows by id, whatever the statistics say about pending.
+-- The live queue only (see claim).
+WHERE e.id = x.id AND e.status = x.status AND e.attempts >= %(max_attempts)s AND e.status IN ('pending', 'running')
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.occurred_at, e.error
+
+-- name: claim
+-- Claim rules 2-4 for up to %(max_users)s users of the partitions this worker owns at the given epochs, taking users in user_id order after %(after)s (up to %(until)s if given): a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many users wait.
+WITH RECURSIVE owned AS (
+    -- FOR SHARE, held to commit: a takeover (UPDATE of this row) waits for the claim, and a
+    -- worker whose epoch is stale matches no row here and claims nothing.
+    SELECT p.topic, p.partition, p.epoch FROM partitions p
+    JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+      ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+    -- Locks taken in one global order (as lock_epochs and take_over do): no deadlock with a
+    -- takeover of several partitions.
+    ORDER BY p.topic, p.partition
+    FOR SHARE OF p
+),
+pending_users (user_id) AS (
+    -- Users with pending rows after the cursor, found by skipping through
+    -- events_pending_by_user one user at a time. Evaluated lazily: the LIMIT below stops the
+    -- skip scan as soon as enough users are claimable, so a backlog of many waiting users
+    -- does not make every pass read all of them (passes would slow down as work piles up).
+    (SELECT user_id FROM events
+     WHERE status = 'pending' AND user_id > %(after)s AND (%(until)s::text IS NULL OR user_id <= %(until)s::text)
+     ORDER BY user_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT e.user_id FROM events e
+            WHERE e.status = 'pending' AND e.user_id > p.user_id AND (%(until)s::text IS NULL OR e.user_id <= %(until)s::text)
+            ORDER BY e.user_id LIMIT 1)
+    FROM pending_users p WHERE p.user_id IS NOT NULL
+),
+waiting AS (
+    -- Users of owned partitions whose oldest pending row is claimable now, not already running
+    -- here (rule 4) or anywhere under the current epoch.
+    -- Every step is a probe for the user at hand, in skip-scan order, so the LIMIT stops the
+    -- whole pipeline early: the LIMIT 1 / OFFSET 0 keep the planner from turning the probes
+    -- into joins over every user of the owned partitions or every running row.
+    SELECT p.user_id, o.topic, o.partition, o.epoch
+    FROM pending_users p
+    CROSS JOIN LATERAL (
+        SELECT o.topic, o.partition, o.epoch FROM users u
+        JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+        WHERE u.user_id = p.user_id LIMIT 1
+    ) o
+    CROSS JOIN LATERAL (
+        SELECT e.attempts, e.lost_claims, e.next_attempt_at, e.recorded_at FROM events e
+        WHERE e.user_id = p.user_id AND e.status = 'pending' ORDER BY e.id LIMIT 1
+    ) f
+    WHERE p.user_id IS NOT NULL
+      AND p.user_id <> ALL(%(busy)s::text[])
+      AND coalesce(f.next_attempt_at, now()) <= now()
+      AND CASE WHEN f.attempts > 0
+               -- Rule 3: the oldest pending row is a retry whose backoff ended. Rule 2: never
+               -- one whose attempts are exhausted (mark_exhausted_dead makes it dead). Never
+               -- the last attempt of a row lost with its worker before: that one runs alone
+               -- (claim_alone).
+               THEN f.attempts < %(max_attempts)s AND NOT (f.lost_claims > 0 AND f.attempts = %(max_attempts)s - 1)
+               -- Fresh rows once the oldest has waited out the batch window (quick messages share one run).
+               ELSE f.recorded_at <= now() - make_interval(secs => %(window_s)s) END
+      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch
+                      OFFSET 0)
+    LIMIT %(max_users)s
+),
+chosen AS MATERIALIZED (
+    -- Each waiting user's first pending rows in order: a retry alone; otherwise fresh rows up
+    -- to the batch limit, stopping before any retry row, so runs follow event order per user.
+    -- MATERIALIZED: evaluated once. On a queue table the statistics are often stale (no
+    -- pending rows at the last ANALYZE); once they made the planner scan every pending row
+    -- and run this whole pipeline again for each (51 s for one pass).
+    SELECT b.id, 'pending'::text AS status, w.topic, w.partition, w.epoch
+    FROM waiting w
+    CROSS JOIN LATERAL (
+        SELECT f.id, f.attempts, f.next_attempt_at,
+               row_number() OVER (ORDER BY f.id) AS n,
+               min(CASE WHEN f.attempts > 0 THEN f.id END) OVER () AS first_retry
+        FROM (SELECT e.id, e.attempts, e.next_attempt_at FROM events e
+              WHERE e.user_id = w.user_id AND e.status = 'pending' ORDER BY e.id LIMIT %(batch_max)s) f
+    ) b
+    WHERE (b.n = 1 AND b.attempts > 0)
+       OR (b.attempts = 0 AND (b.first_retry IS NULL OR b.id < b.first_retry) AND coalesce(b.next_attempt_at, now()) <= now())
+),
+claimed AS (
+    UPDATE events e
+    SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
+    FROM chosen c
+    -- The status check as a join clause, not a restriction: a restriction would let the
+    -- planner start from events_pending_by_user (every pending row) instead of the ids.
+    -- The IN list names the live queue (events_live), so the plan reads that partition only,
+    -- and matches no partial index's predicate.
+    WHERE e.id = c.id AND e.status = c.status AND e.status IN ('pending', 'running')
+    RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+              e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
+)
+-- The next pass starts after the last user claimed here, in the ledger's own text order.
+SELECT claimed.*, max(user_id) OVER () AS cursor FROM claimed
+
+-- name: alone_due
+-- Claim rule 3, the last attempt of an event lost with its worker before: when the first of these (on the owned partitions, at the user's turn: its oldest pending row) may be claimed. NULL: none waits.
+WITH owned AS (
+    SELECT p.topic, p.partition FROM partitions p
+    JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+      ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+)
+SELECT min(coalesce(e.next_attempt_at, now())) AS at
+FROM events e
+-- The user's home by primary key, per tried row (OFFSET 0: never a join that starts from
+-- every user of the owned partitions, which read 3,000 users to find no row).
+CROSS JOIN LATERAL (SELECT u.home_topic, u.home_partition FROM users u WHERE u.user_id = e.user_id OFFSET 0) u
+-- Through events_retries (its predicate spelled out): the tried rows only.
+WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
+  AND EXISTS (SELECT 1 FROM owned o WHERE o.topic = u.home_topic AND o.partition = u.home_partition)
+  AND NOT EXISTS (SELECT 1 FROM events o WHERE o.user_id = e.user_id AND o.status = 'pending' AND o.id < e.id)
+
+-- name: claim_alone
+-- Claim rule 3, the last attempt of an event lost with its worker before: one such row, claimed by a worker with no other run in flight (the runner sees to that), so that if it crashes the worker again, the crash is its own and no other event pays an attempt for it.
+WITH owned AS (
+    -- FOR SHARE, as in claim: fenced by the epochs, locks in one global order.
+    SELECT p.topic, p.partition, p.epoch FROM partitions p
+    JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+      ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+    ORDER BY p.topic, p.partition
+    FOR SHARE OF p
+),
+chosen AS MATERIALIZED (
+    SELECT e.id, e.status, o.topic, o.partition, o.epoch
+    FROM events e
+    CROSS JOIN LATERAL (
+        SELECT o.topic, o.partition, o.epoch FROM users u
+        JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
+        WHERE u.user_id = e.user_id LIMIT 1
+    ) o
+    WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
+      AND coalesce(e.next_attempt_at, now()) <= now()
+      -- At the user's turn (runs follow event order per user) and no run of the user (rule 4).
+      AND NOT EXISTS (SELECT 1 FROM events b WHERE b.user_id = e.user_id AND b.status = 'pending' AND b.id < e.id)
+      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
+    ORDER BY e.next_attempt_at NULLS FIRST, e.id
+    LIMIT 1
+)
+UPDATE events e
+SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
+FROM chosen c
+WHERE e.id = c.id AND e.status = c.status AND e.status IN ('pending', 'running')
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
+
+-- name: backoff_ends
+-- When rows of these partitions that wait out a backoff become claimable: read once at takeover, whose hand-back set backoffs this process did not choose (the runner wakes at each; its own failures it times itself).
+SELECT DISTINCT e.next_attempt_at AS at
+FROM events e
+JOIN users u ON u.user_id = e.user_id
+JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
+  ON w.topic = u.home_topic AND w.partition = u.home_partition
+WHERE e.status = 'pending' AND e.next_attempt_at > now()
+ORDER BY 1
+LIMIT 1000
+
+-- name: claim_more
+-- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch.
+WITH owned AS (
+    SELECT 1 FROM partitions p
+    WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
+    FOR SHARE
+)
+UPDATE events e
+SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now()
+WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0 AND e.lost_claims = 0
+  AND e.source = ANY(%(sources)s) AND e.session_id IS NULL
+  AND EXISTS (SELECT 1 FROM owned)
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch
+
+-- name: release_claim
+-- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted.
+UPDATE events
+SET status = 'pending', claim_epoch = NULL, attempts = greatest(attempts - 1, 0)
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s
+  AND EXISTS (SELECT 1 FROM partitions p WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s)
