@@ -21,7 +21,7 @@ from vigil.agent.base import EventRow, OutMessage, RunResult
 from vigil.ledger.finish import finish_runs_params
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
-from vigil.worker.claims import Claim, alone_due, claim, claim_alone, mark_dead
+from vigil.worker.claims import Claim, DeadEvent, alone_due, claim, claim_alone, mark_dead
 from vigil.worker.fencing import PartitionKey, take_over
 from vigil.worker.finish import Finished, run_record
 
@@ -142,8 +142,8 @@ def test_only_an_event_that_ran_alone_can_die_of_a_crash(ledger):
     # The worker dies again with this one alone: now the crash is its own, and it is dead.
     epoch = crash_and_take_over(ledger)
     dead = mark_dead_at(ledger, epoch)
-    assert [r["user_id"] for r in dead] == [users[0]]
-    assert "dead after 3 attempts" in dead[0]["error"]
+    assert [r.user_id for r in dead] == [users[0]]
+    assert "dead after 3 attempts" in dead[0].error
     # The others still get their lone last attempts.
     due, lone = run_alone(ledger, epoch)
     assert lone is not None and lone.user_id == users[1]
@@ -187,7 +187,7 @@ def claim_pass_at(ledger: str, epoch: int, max_users: int):
     return asyncio.run(go())
 
 
-def mark_dead_at(ledger: str, epoch: int) -> list[dict]:
+def mark_dead_at(ledger: str, epoch: int) -> list[DeadEvent]:
     async def go():
         async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
             return await mark_dead(conn, {HOME: epoch}, 3)
@@ -271,10 +271,10 @@ def test_rule_2_reads_the_retries_not_the_backlog(ledger):
     params = {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3}
     assert _explain(ledger, Q.mark_exhausted_dead, params) <= 50
     dead = claim_dead(ledger)
-    assert sorted(r["user_id"] for r in dead) == ["u00007"] * 5
+    assert sorted(r.user_id for r in dead) == ["u00007"] * 5
 
 
-def claim_dead(ledger: str) -> list[dict]:
+def claim_dead(ledger: str) -> list[DeadEvent]:
     async def go():
         async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
             return await mark_dead(conn, OWNED, 3)
