@@ -1,8 +1,10 @@
 """Named SQL queries, loaded from ``ledger/queries/*.sql``.
 
 Each query sits under a ``-- name: some_name`` header followed by a one-line ``--``
-description, one file per table or concern. Runtime code refers to queries by name
-(``Q.claim``), so every statement the ledger runs can be read in one place.
+description, one file per table or concern, so every statement the ledger runs can be read
+in one place. Services call the typed functions of ``vigil/ledger/<name>.py`` (one module per
+``queries/<name>.sql``), not the queries by name; tests/test_one_door.py holds it for the
+packages moved so far.
 """
 
 from __future__ import annotations
