@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from vigil.bus.kafka import quiet_admin
 from vigil.httpserver import HEALTH_LIMITS, server_config
+from vigil.ledger import db
 from vigil.service import StartupError
 from vigil.settings import CommonSettings
 
@@ -59,13 +60,13 @@ class DatabaseCheck:
     def __call__(self) -> bool:
         try:
             if self._conn is None or self._conn.closed or self._conn.broken:
-                self._conn = psycopg.connect(
+                self._conn = db.connect(
                     self.dsn,
                     autocommit=True,
                     connect_timeout=max(1, round(self.timeout_s)),
-                    options=f"-c statement_timeout={int(self.timeout_s * 1000)}",
+                    statement_timeout_ms=int(self.timeout_s * 1000),
                 )
-            self._conn.execute("SELECT 1")
+            db.is_alive(self._conn)
             return True
         except psycopg.Error:
             if self._conn is not None:

@@ -18,8 +18,6 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-import psycopg
-
 from vigil.agent.http_tool import HttpRequestTool
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput

@@ -23,7 +23,7 @@ from vigil.settings import CommonSettings
 
 
 def _ledger():
-    return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
+    return cli_connection()
 
 
 @click.group("approvals")

@@ -14,7 +14,6 @@ import contextlib
 import gc
 import logging
 
-from psycopg_pool import ConnectionPool
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -31,7 +30,7 @@ from vigil.ingest.metrics import RequestMetrics
 from vigil.ingest.mounts import POOL_TIMEOUT_S, IngestContext, mounted_openapi_paths, mounted_routes
 from vigil.ingest.requests import EXCEPTION_HANDLERS, TargetCheck
 from vigil.ingest.settings import IngestSettings
-from vigil.ledger.db import SESSION_OPTIONS
+from vigil.ledger import db
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +41,7 @@ APPROVALS_POOL_SIZE = 4
 def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None = None) -> Starlette:
     """The application. ``before_answer`` is a test hook (see :mod:`vigil.ingest.approvals_api`)."""
     ctx = IngestContext(settings)
-    answers_pool = ConnectionPool(
-        settings.dsn,
-        open=False,
-        min_size=1,
-        max_size=APPROVALS_POOL_SIZE,
-        timeout=POOL_TIMEOUT_S,
-        kwargs={"options": SESSION_OPTIONS},
-        check=ConnectionPool.check_connection,
-        name="ingest-approvals",
-    )
+    answers_pool = db.pool(settings.dsn, name="ingest-approvals", max_size=APPROVALS_POOL_SIZE, timeout=POOL_TIMEOUT_S)
     events = EventsApi(settings, ctx.tokens, ctx.publisher, ctx.pool)
     hooks = HookReceiver(settings, ctx.pool, ctx.publisher)
     answers = ApprovalsApi(settings, answers_pool, ctx.publisher, before_answer)

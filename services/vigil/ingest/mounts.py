@@ -22,7 +22,6 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 from starlette.requests import Request
 from starlette.routing import Route
 
@@ -31,7 +30,7 @@ from vigil.ingest import tasks_api
 from vigil.ingest.auth import Caller, TokenAuth, authorize, ledger, permits
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.settings import IngestSettings
-from vigil.ledger.db import SESSION_OPTIONS
+from vigil.ledger import db
 from vigil.ledger.states import Scope
 from vigil.scheduler import api as timers_api
 
@@ -53,16 +52,7 @@ class IngestContext:
     def __init__(self, settings: IngestSettings):
         self.settings = settings
         # Opened by the app's lifespan (not here: there is no event loop yet).
-        self.pool = AsyncConnectionPool(
-            settings.dsn,
-            open=False,
-            min_size=1,
-            max_size=settings.ingest_db_pool,
-            timeout=POOL_TIMEOUT_S,
-            kwargs={"options": SESSION_OPTIONS},
-            check=AsyncConnectionPool.check_connection,
-            name="ingest",
-        )
+        self.pool = db.async_pool(settings.dsn, name="ingest", max_size=settings.ingest_db_pool, timeout=POOL_TIMEOUT_S)
         self.publisher = Publisher(settings)
         self.tokens = TokenAuth(
             self.pool, settings.ingest_auth_cache_s, settings.ingest_token_rate, settings.ingest_token_burst

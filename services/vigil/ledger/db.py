@@ -1,27 +1,156 @@
-"""Connections to the ledger."""
+"""Connections to the ledger: the one place they are built (docs/architecture.md, "One door").
+
+Every connection and pool vigil opens to the ledger comes from a function here, so every
+session gets the same settings (:data:`SESSION_OPTIONS`) and the rows the ledger modules
+expect (dict rows). Services hold connections and pools and hand them to the typed functions
+of the ledger modules; they never run SQL themselves (``tests/test_one_door.py``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import psycopg
 from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
+
+# What callers outside the ledger may name (types for annotations, the pool's timeout error
+# to turn into a 503) without importing psycopg_pool themselves.
+__all__ = [
+    "AsyncPool",
+    "Pool",
+    "PoolTimeout",
+    "STATEMENT_TIMEOUT_MS",
+    "async_pool",
+    "cli_connection",
+    "connect",
+    "connect_async",
+    "connection_kwargs",
+    "is_alive",
+    "pool",
+    "session_options",
+]
+
+Pool = ConnectionPool
+AsyncPool = AsyncConnectionPool
 
 # A statement that waits this long on a lock is a bug or an incident, not normal contention;
 # failing it surfaces the problem instead of piling up connections.
 STATEMENT_TIMEOUT_MS = 30_000
 
 
-# Every session vigil opens: the statement timeout, and synchronous commit whatever the
-# server's default. A commit vigil acts on (an offset stored, a 2xx answered, a delivery sent)
-# must survive the server's crash: with synchronous_commit=off, the commits of the last few
-# hundred milliseconds vanish with the process, after the worker stored the Kafka offsets past
-# them. (A server may still be set to off for other clients; the session setting wins.)
-SESSION_OPTIONS = f"-c statement_timeout={STATEMENT_TIMEOUT_MS} -c synchronous_commit=on"
+def session_options(statement_timeout_ms: int = STATEMENT_TIMEOUT_MS) -> str:
+    """The settings of every session vigil opens: a statement timeout, and synchronous commit.
+
+    Synchronous commit whatever the server's default: a commit vigil acts on (an offset
+    stored, a 2xx answered, a delivery sent) must survive the server's crash. With
+    synchronous_commit=off the commits of the last few hundred milliseconds vanish with the
+    process, after the worker stored the Kafka offsets past them. (A server may still be set
+    to off for other clients; the session setting wins.)
+    """
+    return f"-c statement_timeout={int(statement_timeout_ms)} -c synchronous_commit=on"
 
 
-def connection_kwargs(*, autocommit: bool = False, rows=dict_row) -> dict:
+SESSION_OPTIONS = session_options()
+
+
+def connection_kwargs(
+    *, autocommit: bool = False, rows=dict_row, statement_timeout_ms: int = STATEMENT_TIMEOUT_MS
+) -> dict:
     """What every ledger connection (single or pooled) is opened with."""
-    return {"autocommit": autocommit, "row_factory": rows, "options": SESSION_OPTIONS}
+    return {"autocommit": autocommit, "row_factory": rows, "options": session_options(statement_timeout_ms)}
 
 
-def connect(dsn: str, *, autocommit: bool = False, rows=dict_row) -> psycopg.Connection:
-    return psycopg.connect(dsn, **connection_kwargs(autocommit=autocommit, rows=rows))
+def connect(
+    dsn: str,
+    *,
+    autocommit: bool = False,
+    rows=dict_row,
+    statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
+    connect_timeout: int | None = None,
+) -> psycopg.Connection:
+    extra = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
+    return psycopg.connect(
+        dsn, **connection_kwargs(autocommit=autocommit, rows=rows, statement_timeout_ms=statement_timeout_ms), **extra
+    )
+
+
+async def connect_async(
+    dsn: str, *, autocommit: bool = False, statement_timeout_ms: int = STATEMENT_TIMEOUT_MS
+) -> psycopg.AsyncConnection:
+    return await psycopg.AsyncConnection.connect(
+        dsn, **connection_kwargs(autocommit=autocommit, statement_timeout_ms=statement_timeout_ms)
+    )
+
+
+def pool(
+    dsn: str,
+    *,
+    name: str,
+    max_size: int,
+    min_size: int = 1,
+    timeout: float = 30.0,
+    autocommit: bool = False,
+    statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
+) -> ConnectionPool:
+    """A pool (opened by the caller: ``pool.open()``) whose connections are checked on checkout,
+    so a connection the server dropped (a restart, a failover) is replaced, not handed out."""
+    return ConnectionPool(
+        dsn,
+        open=False,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=timeout,
+        kwargs=connection_kwargs(autocommit=autocommit, statement_timeout_ms=statement_timeout_ms),
+        check=ConnectionPool.check_connection,
+        name=name,
+    )
+
+
+def async_pool(
+    dsn: str,
+    *,
+    name: str,
+    max_size: int,
+    min_size: int = 1,
+    timeout: float = 30.0,
+    autocommit: bool = False,
+    check: bool = True,
+    statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
+) -> AsyncConnectionPool:
+    """:func:`pool` for asyncio (opened by the caller: ``await pool.open()``).
+
+    ``check=False`` skips the checkout probe: the worker's hot path takes a connection per
+    claim and per finish, and a broken one fails its statement and is discarded anyway.
+    """
+    return AsyncConnectionPool(
+        dsn,
+        open=False,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=timeout,
+        kwargs=connection_kwargs(autocommit=autocommit, statement_timeout_ms=statement_timeout_ms),
+        check=AsyncConnectionPool.check_connection if check else None,
+        name=name,
+    )
+
+
+@contextmanager
+def cli_connection(*, autocommit: bool = True) -> Iterator[psycopg.Connection]:
+    """The ledger connection of one CLI command (``VIGIL_DATABASE_URL``), closed at the end.
+
+    Without ``autocommit`` the block is one transaction, committed when it exits normally. A
+    ledger that does not answer raises psycopg.OperationalError, which the CLI turns into one
+    line and exit 3 (vigil.service.VigilGroup).
+    """
+    from vigil.service import load_or_exit
+    from vigil.settings import CommonSettings
+
+    with connect(load_or_exit(CommonSettings).dsn, autocommit=autocommit) as conn:
+        yield conn
+
+
+def is_alive(conn: psycopg.Connection) -> None:
+    """A round trip that touches no table (a readiness probe); raises psycopg.Error if not."""
+    conn.execute("SELECT 1")

@@ -15,7 +15,6 @@ from vigil.ledger import events as ledger_events
 from vigil.ledger.db import connect
 from vigil.ledger.events import retry_dead_events
 from vigil.service import load_or_exit, require_schema
-from vigil.settings import CommonSettings
 from vigil.worker.main import serve
 from vigil.worker.settings import WorkerSettings
 
@@ -29,7 +28,7 @@ def worker_command() -> None:
 
 
 def _ledger():
-    return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
+    return cli_connection()
 
 
 @click.group()

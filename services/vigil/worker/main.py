@@ -19,13 +19,11 @@ import logging
 import threading
 import time
 
-from psycopg_pool import AsyncConnectionPool
-
 from vigil import tracing
 from vigil.agent import make_agent
 from vigil.bus.kafka import EventProducer
 from vigil.health import HealthServer, Readiness, dependency_checks
-from vigil.ledger.db import connection_kwargs
+from vigil.ledger import db
 from vigil.service import StartupError, stop_event
 from vigil.settings import SettingsError
 from vigil.worker.consumer import ConsumerLoop
@@ -60,12 +58,8 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
         raise StartupError(str(exc)) from None
     producer = EventProducer(settings)
     dead_letters = DeadLetters(settings, producer)
-    pool = AsyncConnectionPool(
-        settings.dsn,
-        min_size=2,
-        max_size=settings.db_pool_max,
-        kwargs=connection_kwargs(autocommit=True),
-        open=False,
+    pool = db.async_pool(
+        settings.dsn, name="worker", min_size=2, max_size=settings.db_pool_max, autocommit=True, check=False
     )
     await pool.open(wait=True, timeout=30)
     runner = Runner(settings, agent, pool, dead_letters)

@@ -26,7 +26,7 @@ COLUMNS = ["id", "user_id", "status", "attempts", "depth", "created_at", "finish
 async def _connect():
     settings = load_or_exit(CommonSettings)
     # A ledger that does not answer is one line and exit 3 (vigil.service.VigilGroup).
-    return await psycopg.AsyncConnection.connect(settings.dsn, **connection_kwargs(autocommit=True))
+    return await connect_async(settings.dsn, autocommit=True)
 
 
 def _run(coro):
