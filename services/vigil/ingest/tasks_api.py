@@ -18,14 +18,13 @@ import re
 from datetime import datetime
 from typing import Any
 
-from psycopg.types.json import Jsonb
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vigil.ingest.auth import Caller, permits
+from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
-from vigil.ledger.queries import Q
 from vigil.ledger.states import Scope, TaskStatus
 
 TASK_ID = re.compile(r"^tsk_[0-9a-f]{20}$")
@@ -102,8 +101,8 @@ def routes(ctx: Any) -> list[Route]:
         async with ctx.ledger() as conn:
             changed = await ledger.cancel(conn, task.id, caller.name)
             if changed is not None:
-                detail = Jsonb({"task_id": task.id, "status": str(changed.status), "token_id": caller.token_id})
-                await conn.execute(Q.audit_insert, {"actor": caller.name, "action": "task.cancel", "detail": detail})
+                detail = {"task_id": task.id, "status": str(changed.status), "token_id": caller.token_id}
+                await audit.record_async(conn, caller.name, "task.cancel", detail)
         if changed is None:
             async with ctx.ledger() as conn:
                 now = await ledger.get(conn, task.id)

@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb, set_json_dumps
 
+from vigil.ledger import audit
 from vigil.ledger.queries import Q
 
 
@@ -179,6 +180,5 @@ def retry_dead_events(conn: psycopg.Connection, ids: list[int], actor: str) -> R
     with conn.transaction():
         rows = conn.execute(Q.dead_retry, {"ids": list(ids), "actor": actor}).fetchall()
         done = [r["id"] for r in rows]
-        detail = Jsonb({"requested": list(ids), "retried": done})
-        conn.execute(Q.audit_insert, {"actor": actor, "action": "dead.retry", "detail": detail})
+        audit.record(conn, actor, "dead.retry", {"requested": list(ids), "retried": done})
     return Retried(retried=sorted(done), missing=sorted(set(ids) - set(done)))
