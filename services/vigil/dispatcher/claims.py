@@ -29,7 +29,8 @@ import psycopg
 
 from vigil.dispatcher.channels import LOG_CHANNEL, ChannelConfig, Delivery
 from vigil.dispatcher.pacing import MAX_MESSAGES_PER_DELIVERY, Action, Decision, Pacing, Row, plan
-from vigil.ledger.queries import Q
+from vigil.ledger import outbox
+from vigil.ledger.outbox import DueUser
 from vigil.ledger.states import ChannelType
 
 log = logging.getLogger(__name__)
@@ -58,20 +59,18 @@ class Claimed:
     users_locked: int = 0
 
 
-def _config(row: dict) -> ChannelConfig:
-    if row["type"] is None:
+def _config(row: DueUser) -> ChannelConfig:
+    if row.type is None:
         return LOG_CHANNEL
-    return ChannelConfig(
-        ChannelType(row["type"]), row["url"], row["secret"], row["gap_seconds"], row["urgent_daily_cap"]
-    )
+    return ChannelConfig(ChannelType(row.type), row.url, row.secret, row.gap_seconds, row.urgent_daily_cap)
 
 
-def _pacing(row: dict, config: ChannelConfig, limits: Limits) -> Pacing:
+def _pacing(row: DueUser, config: ChannelConfig, limits: Limits) -> Pacing:
     return Pacing(
-        user_id=row["user_id"],
-        last_delivery_at=row["last_delivery_at"],
-        urgent_day=row["urgent_day"],
-        urgent_count=row["urgent_count"],
+        user_id=row.user_id,
+        last_delivery_at=row.last_delivery_at,
+        urgent_day=row.urgent_day,
+        urgent_count=row.urgent_count,
         gap_s=limits.default_gap_s if config.gap_s is None else config.gap_s,
         urgent_cap=limits.default_urgent_cap if config.urgent_cap is None else config.urgent_cap,
     )
@@ -87,20 +86,15 @@ def claim(conn: psycopg.Connection, now: datetime, limits: Limits) -> Claimed:
     claimed = Claimed()
     lease_until = now + timedelta(seconds=limits.lease_s)
     with conn.transaction():
-        locked = conn.execute(
-            Q.outbox_lock_due_users,
-            {"now": now, "default_gap": limits.default_gap_s, "limit": limits.batch_users},
-        ).fetchall()
+        locked = outbox.lock_due_users(conn, now, limits.default_gap_s, limits.batch_users)
         claimed.users_locked = len(locked)
         if not locked:
             return claimed
-        configs = {row["user_id"]: _config(row) for row in locked}
-        pacings = {row["user_id"]: _pacing(row, configs[row["user_id"]], limits) for row in locked}
+        configs = {row.user_id: _config(row) for row in locked}
+        pacings = {row.user_id: _pacing(row, configs[row.user_id], limits) for row in locked}
         rows: dict[str, list[Row]] = {user: [] for user in configs}
-        for row in conn.execute(
-            Q.outbox_unfinished_for_users, {"users": list(configs), "max_messages": limits.max_messages}
-        ).fetchall():
-            rows[row["user_id"]].append(Row(**row))
+        for row in outbox.unfinished_for_users(conn, list(configs), limits.max_messages):
+            rows[row.user_id].append(row)
         decisions = [plan(pacings[user], rows[user], now, limits.max_attempts, limits.max_messages) for user in configs]
         decided = [d for d in decisions if d is not None]
         _fix_new(conn, [d for d in decided if d.action is Action.NEW], configs, pacings, now, lease_until, claimed)
@@ -114,28 +108,23 @@ def _fix_new(conn, new: list[Decision], configs, pacings, now, lease_until, clai
         return
     ids: dict[str, UUID] = {d.user_id: uuid.uuid4() for d in new}
     row_ids = [row.id for d in new for row in d.rows]
-    returned = conn.execute(
-        Q.outbox_fix_deliveries,
-        {
-            "now": now,
-            "lease_until": lease_until,
-            "ids": row_ids,
-            "delivery_ids": [ids[d.user_id] for d in new for _ in d.rows],
-            "channels": [configs[d.user_id].type.value for d in new for _ in d.rows],
-        },
-    ).fetchall()
-    _expect("fix deliveries", {r["id"] for r in returned}, set(row_ids))
-    paced = conn.execute(
-        Q.outbox_record_pacing,
-        {
-            "now": now,
-            "today": now.date(),
-            "users": [d.user_id for d in new],
-            "seen": [pacings[d.user_id].last_delivery_at for d in new],
-            "bypass": [d.bypass for d in new],
-        },
-    ).fetchall()
-    _expect("record pacing", {r["user_id"] for r in paced}, {d.user_id for d in new})
+    fixed = outbox.fix_deliveries(
+        conn,
+        now,
+        lease_until,
+        row_ids,
+        [ids[d.user_id] for d in new for _ in d.rows],
+        [configs[d.user_id].type.value for d in new for _ in d.rows],
+    )
+    _expect("fix deliveries", fixed, set(row_ids))
+    paced = outbox.record_pacing(
+        conn,
+        now,
+        [d.user_id for d in new],
+        [pacings[d.user_id].last_delivery_at for d in new],
+        [d.bypass for d in new],
+    )
+    _expect("record pacing", paced, {d.user_id for d in new})
     for d in new:
         claimed.deliveries.append(Delivery(ids[d.user_id], d.user_id, d.rows, 1, now, configs[d.user_id]))
     claimed.bypasses += sum(1 for d in new if d.bypass)
@@ -150,16 +139,14 @@ def _delivery(d: Decision, config: ChannelConfig, attempt: int) -> Delivery:
 def _rearm(conn, retries: list[Decision], configs, now, lease_until, claimed: Claimed) -> None:
     if not retries:
         return
-    returned = conn.execute(
-        Q.outbox_claim_retries,
-        {
-            "now": now,
-            "lease_until": lease_until,
-            "delivery_ids": [d.delivery_id for d in retries],
-            "channels": [configs[d.user_id].type.value for d in retries],
-        },
-    ).fetchall()
-    _expect("re-arm retries", {r["id"] for r in returned}, {row.id for d in retries for row in d.rows})
+    returned = outbox.claim_retries(
+        conn,
+        now,
+        lease_until,
+        [d.delivery_id for d in retries],  # type: ignore[misc]
+        [configs[d.user_id].type.value for d in retries],
+    )
+    _expect("re-arm retries", returned, {row.id for d in retries for row in d.rows})
     for d in retries:
         delivery = _delivery(d, configs[d.user_id], d.rows[0].attempts + 1)
         claimed.deliveries.append(delivery)
@@ -170,10 +157,8 @@ def _rearm(conn, retries: list[Decision], configs, now, lease_until, claimed: Cl
 def _bury(conn, buried: list[Decision], configs, now, claimed: Claimed) -> None:
     if not buried:
         return
-    returned = conn.execute(
-        Q.outbox_bury_lost, {"now": now, "delivery_ids": [d.delivery_id for d in buried]}
-    ).fetchall()
-    _expect("bury lost deliveries", {r["id"] for r in returned}, {row.id for d in buried for row in d.rows})
+    returned = outbox.bury_lost(conn, now, [d.delivery_id for d in buried])  # type: ignore[misc]
+    _expect("bury lost deliveries", returned, {row.id for d in buried for row in d.rows})
     for d in buried:
         delivery = _delivery(d, configs[d.user_id], d.rows[0].attempts)
         claimed.buried.append(delivery)
@@ -191,23 +176,13 @@ class Recorded:
 
 
 def record_delivered(conn: psycopg.Connection, delivery: Delivery, now: datetime) -> Recorded:
-    rows = conn.execute(
-        Q.outbox_mark_delivered, {"now": now, "delivery_id": delivery.delivery_id, "attempt": delivery.attempt}
-    ).fetchall()
-    return Recorded(bool(rows), [r["created_at"] for r in rows])
+    created = outbox.mark_delivered(conn, delivery.delivery_id, delivery.attempt, now)
+    return Recorded(bool(created), created)
 
 
 def record_retry(conn: psycopg.Connection, delivery: Delivery, at: datetime, error: str) -> Recorded:
-    rows = conn.execute(
-        Q.outbox_schedule_retry,
-        {"next_attempt_at": at, "error": error, "delivery_id": delivery.delivery_id, "attempt": delivery.attempt},
-    ).fetchall()
-    return Recorded(bool(rows))
+    return Recorded(outbox.schedule_retry(conn, delivery.delivery_id, delivery.attempt, at, error) > 0)
 
 
 def record_dead(conn: psycopg.Connection, delivery: Delivery, now: datetime, error: str) -> Recorded:
-    rows = conn.execute(
-        Q.outbox_mark_dead,
-        {"now": now, "error": error, "delivery_id": delivery.delivery_id, "attempt": delivery.attempt},
-    ).fetchall()
-    return Recorded(bool(rows))
+    return Recorded(outbox.mark_dead(conn, delivery.delivery_id, delivery.attempt, now, error) > 0)

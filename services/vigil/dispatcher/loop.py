@@ -31,8 +31,7 @@ from vigil.dispatcher.claims import ClaimConflict, Limits, claim, record_dead, r
 from vigil.dispatcher.clock import Clock
 from vigil.dispatcher.pacing import retry_delay
 from vigil.dispatcher.settings import DispatcherSettings
-from vigil.ledger import db
-from vigil.ledger.queries import Q
+from vigil.ledger import db, outbox
 from vigil.ledger.states import OutboxStatus
 
 log = logging.getLogger("vigil.dispatcher")
@@ -244,9 +243,9 @@ class Dispatcher:
         self._backlog_at = time.monotonic()
         counts = {OutboxStatus.PENDING.value: 0, OutboxStatus.SENDING.value: 0}
         oldest: datetime | None = None
-        for row in self.conn.execute(Q.outbox_backlog).fetchall():
-            counts[row["status"]] = row["messages"]
-            oldest = row["oldest"] if oldest is None else min(oldest, row["oldest"])
+        for row in outbox.backlog(self.conn):
+            counts[row.status] = row.messages
+            oldest = row.oldest if oldest is None else min(oldest, row.oldest)
         for status, count in counts.items():
             metrics.BACKLOG.labels(status).set(count)
         age = 0.0 if oldest is None else max(0.0, (self.clock.now() - oldest).total_seconds())

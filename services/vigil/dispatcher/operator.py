@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import getpass
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from urllib.parse import urlparse
 
 import psycopg
-from psycopg.types.json import Jsonb
 
 from vigil.dispatcher.channels import new_secret
-from vigil.ledger.queries import Q
+from vigil.ledger import audit, channels, outbox
 from vigil.ledger.states import ChannelType
 from vigil.outbound import url_problem
 
@@ -69,28 +68,26 @@ def set_channel(
         if value is not KEEP and value is not None and (not isinstance(value, int) or value < 0):
             raise ChannelError(f"{name} must be a whole number >= 0")
     with conn.transaction():
-        current = conn.execute(Q.channel_get_for_update, {"user_id": user_id}).fetchone()
+        current = channels.lock(conn, user_id)
         # A webhook keeps its signing secret across edits (the receiver holds it); other
         # types drop it, so a later webhook gets a fresh one.
-        stored = current["secret"] if current is not None and current["type"] == ChannelType.WEBHOOK else None
+        stored = current.secret if current is not None and current.type == ChannelType.WEBHOOK else None
         generated = new_secret() if type_ is ChannelType.WEBHOOK and (rotate_secret or not stored) else None
-        row = conn.execute(
-            Q.channel_set,
-            {
-                "user_id": user_id,
-                "type": type_.value,
-                "url": url,
-                "secret": generated or (stored if type_ is ChannelType.WEBHOOK else None),
-                "gap_seconds": None if gap_seconds is KEEP else gap_seconds,
-                "urgent_daily_cap": None if urgent_cap is KEEP else urgent_cap,
-                "keep_gap": gap_seconds is KEEP,
-                "keep_cap": urgent_cap is KEEP,
-            },
-        ).fetchone()
-        detail = {k: row[k] for k in ("user_id", "type", "url", "gap_seconds", "urgent_daily_cap")}
+        row = channels.set_channel(
+            conn,
+            user_id,
+            type_.value,
+            url,
+            generated or (stored if type_ is ChannelType.WEBHOOK else None),
+            None if gap_seconds is KEEP else gap_seconds,  # type: ignore[arg-type]
+            None if urgent_cap is KEEP else urgent_cap,  # type: ignore[arg-type]
+            keep_gap=gap_seconds is KEEP,
+            keep_cap=urgent_cap is KEEP,
+        )
+        detail = {k: getattr(row, k) for k in ("user_id", "type", "url", "gap_seconds", "urgent_daily_cap")}
         detail["secret_generated"] = generated is not None
-        conn.execute(Q.audit_insert, {"actor": actor or _actor(), "action": "channel.set", "detail": Jsonb(detail)})
-    return ChannelSet(row=dict(row), new_secret=generated)
+        audit.record(conn, actor or _actor(), "channel.set", detail)
+    return ChannelSet(row=asdict(row), new_secret=generated)
 
 
 def _actor() -> str:
@@ -102,44 +99,42 @@ def _actor() -> str:
 
 def show_channel(conn: psycopg.Connection, user_id: str, default_gap: int, default_cap: int) -> dict:
     """A user's channel with the limits in effect; the secret only as whether one is set."""
-    row = conn.execute(Q.channel_get, {"user_id": user_id}).fetchone()
-    pacing = conn.execute(Q.channel_pacing_state, {"user_id": user_id}).fetchone()
+    row = channels.get(conn, user_id)
+    pacing = channels.pacing_state(conn, user_id)
     shown = {
         "user_id": user_id,
-        "type": row["type"] if row else ChannelType.LOG.value,
+        "type": row.type if row else ChannelType.LOG.value,
         "configured": row is not None,
-        "url": row["url"] if row else None,
-        "secret_set": bool(row and row["secret"]),
-        "gap_seconds": row["gap_seconds"] if row and row["gap_seconds"] is not None else default_gap,
-        "gap_is_default": not (row and row["gap_seconds"] is not None),
-        "urgent_daily_cap": row["urgent_daily_cap"] if row and row["urgent_daily_cap"] is not None else default_cap,
-        "urgent_cap_is_default": not (row and row["urgent_daily_cap"] is not None),
-        "last_delivery_at": pacing["last_delivery_at"] if pacing else None,
-        "urgent_today": (pacing["urgent_count"] if pacing and pacing["urgent_day"] == datetime.now(UTC).date() else 0),
+        "url": row.url if row else None,
+        "secret_set": bool(row and row.secret),
+        "gap_seconds": row.gap_seconds if row and row.gap_seconds is not None else default_gap,
+        "gap_is_default": not (row and row.gap_seconds is not None),
+        "urgent_daily_cap": row.urgent_daily_cap if row and row.urgent_daily_cap is not None else default_cap,
+        "urgent_cap_is_default": not (row and row.urgent_daily_cap is not None),
+        "last_delivery_at": pacing.last_delivery_at if pacing else None,
+        "urgent_today": (pacing.urgent_count if pacing and pacing.urgent_day == datetime.now(UTC).date() else 0),
     }
     return shown
 
 
 def outbox_rows(conn: psycopg.Connection, user_id: str, limit: int = 50) -> list[dict]:
-    return [dict(r) for r in conn.execute(Q.outbox_for_user, {"user_id": user_id, "limit": limit}).fetchall()]
+    return [asdict(r) for r in outbox.of_user(conn, user_id, limit)]
 
 
 def dead_deliveries(conn: psycopg.Connection, limit: int = 100) -> list[dict]:
     """Dead deliveries, newest first, one dict per delivery id: ``delivery_id, user_id,
     dead_at, attempts, channel, error, messages, outbox_ids, created_at``."""
-    return [dict(r) for r in conn.execute(Q.outbox_dead_deliveries, {"limit": limit}).fetchall()]
+    return [asdict(r) for r in outbox.dead_deliveries(conn, limit)]
 
 
 def revive_delivery(conn: psycopg.Connection, delivery_id: str, actor: str | None = None) -> list[dict]:
     """Send a dead delivery again, same id, attempts starting over. Empty: nothing dead by that id."""
     with conn.transaction():
-        rows = conn.execute(Q.outbox_revive_dead, {"delivery_id": delivery_id, "now": datetime.now(UTC)}).fetchall()
+        rows = outbox.revive_dead(conn, delivery_id, datetime.now(UTC))
         if rows:
-            detail = {"delivery_id": delivery_id, "user_id": rows[0]["user_id"], "outbox_ids": [r["id"] for r in rows]}
-            conn.execute(
-                Q.audit_insert, {"actor": actor or _actor(), "action": "delivery.revive", "detail": Jsonb(detail)}
-            )
-    return [dict(r) for r in rows]
+            detail = {"delivery_id": delivery_id, "user_id": rows[0].user_id, "outbox_ids": [r.id for r in rows]}
+            audit.record(conn, actor or _actor(), "delivery.revive", detail)
+    return [asdict(r) for r in rows]
 
 
 def to_json(obj: dict) -> str:

@@ -25,6 +25,7 @@ from datetime import date, datetime, timedelta
 from enum import StrEnum
 from uuid import UUID
 
+from vigil.ledger.outbox import UnfinishedRow
 from vigil.ledger.states import OutboxStatus
 
 # Joined messages per delivery. A user with more held than this gets the oldest now and the
@@ -37,24 +38,8 @@ BACKOFF_JITTER = 0.1
 RETRY_AFTER_MAX_S = 86_400.0
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
-    """An unfinished outbox row (pending or sending) as the claim reads it."""
-
-    id: int
-    user_id: str
-    run_id: int
-    body: str
-    urgent: bool
-    created_at: datetime
-    status: str
-    delivery_id: UUID | None
-    attempts: int
-    next_attempt_at: datetime | None
-    fixed_at: datetime | None
-    session_id: str | None = None  # the conversation that wrote it
-    deadline: datetime | None = None  # an approval question's: never held by the urgent cap
-    traceparent: str | None = None  # the writing run's trace context (traces on): the delivery continues it
+# An unfinished outbox row (pending or sending) as the claim reads it: the ledger's row type.
+Row = UnfinishedRow
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,97 @@
+"""Users' delivery channels: typed functions over ``queries/channels.sql``.
+
+Operators write channels (``vigil channels set``, :mod:`vigil.dispatcher.operator`); the
+dispatcher reads them in its claim (``outbox_lock_due_users`` in :mod:`vigil.ledger.outbox`).
+A user without a row gets the log channel and the service's default limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import date, datetime
+
+import psycopg
+
+from vigil.ledger.queries import Q
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelRow:
+    user_id: str
+    type: str
+    url: str | None
+    secret: str | None
+    gap_seconds: int | None
+    urgent_daily_cap: int | None
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, row: dict) -> ChannelRow:
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class PacingState:
+    """A user's pacing state in ``users`` (what the dispatcher's claim reads and restarts)."""
+
+    last_delivery_at: datetime | None
+    urgent_day: date | None
+    urgent_count: int
+
+
+def get(conn: psycopg.Connection, user_id: str) -> ChannelRow | None:
+    """A user's channel, if any."""
+    row = conn.execute(Q.channel_get, {"user_id": user_id}).fetchone()
+    return None if row is None else ChannelRow.of(row)
+
+
+@dataclass(frozen=True, slots=True)
+class LockedChannel:
+    """What an edit of a channel needs to know about the stored one."""
+
+    type: str
+    url: str | None
+    secret: str | None
+
+
+def lock(conn: psycopg.Connection, user_id: str) -> LockedChannel | None:
+    """A user's channel, locked until commit: two operators editing one channel must not both
+    rotate its secret. None: no channel yet (nothing to lock; the insert's key decides)."""
+    row = conn.execute(Q.channel_get_for_update, {"user_id": user_id}).fetchone()
+    return None if row is None else LockedChannel(row["type"], row["url"], row["secret"])
+
+
+def set_channel(
+    conn: psycopg.Connection,
+    user_id: str,
+    type_: str,
+    url: str | None,
+    secret: str | None,
+    gap_seconds: int | None,
+    urgent_daily_cap: int | None,
+    *,
+    keep_gap: bool,
+    keep_cap: bool,
+) -> ChannelRow:
+    """Create or replace a user's channel; ``keep_gap`` / ``keep_cap`` keep the stored limits."""
+    row = conn.execute(
+        Q.channel_set,
+        {
+            "user_id": user_id,
+            "type": type_,
+            "url": url,
+            "secret": secret,
+            "gap_seconds": gap_seconds,
+            "urgent_daily_cap": urgent_daily_cap,
+            "keep_gap": keep_gap,
+            "keep_cap": keep_cap,
+        },
+    ).fetchone()
+    return ChannelRow.of(row)
+
+
+def pacing_state(conn: psycopg.Connection, user_id: str) -> PacingState | None:
+    """A user's pacing state; None for a user the ledger has never seen."""
+    row = conn.execute(Q.channel_pacing_state, {"user_id": user_id}).fetchone()
+    return None if row is None else PacingState(row["last_delivery_at"], row["urgent_day"], row["urgent_count"])
