@@ -24,9 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from vigil.ledger.queries import Q
+from vigil.ledger import timers as ledger
 from vigil.ledger.states import Scope, TimerKind
-from vigil.scheduler.timers import MAX_USER_ID_LENGTH, TIMER_ID, InvalidTimer, describe, parse_timer, upsert_async
+from vigil.scheduler.timers import MAX_USER_ID_LENGTH, TIMER_ID, InvalidTimer, describe, parse_timer
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -63,9 +63,8 @@ def routes(ctx: Any) -> list[Route]:
         except InvalidTimer as exc:
             raise ctx.invalid(exc.field, exc.reason) from None
         async with ctx.ledger() as conn:
-            await conn.execute(Q.timers_quota_lock, {"user_id": user_id})
-            live = await (await conn.execute(Q.timers_live_count, {"user_id": user_id, "id": timer.id})).fetchone()
-            if live["live"] >= settings.max_timers_per_user:
+            await ledger.lock_quota(conn, user_id)
+            if await ledger.live_count(conn, user_id, timer.id) >= settings.max_timers_per_user:
                 # Re-registering a timer the user has is always allowed; only a new one counts.
                 raise ctx.Refusal(
                     429,
@@ -73,7 +72,7 @@ def routes(ctx: Any) -> list[Route]:
                     f"the user has {settings.max_timers_per_user} live timers (VIGIL_MAX_TIMERS_PER_USER); "
                     "cancel one first",
                 )
-            result = await upsert_async(conn, timer)
+            result = await ledger.upsert_async(conn, timer)
         if result.status == "conflict":
             raise ctx.Refusal(409, "conflict", result.reason)
         shown = {**describe(result.row), "status": result.status}
@@ -92,38 +91,31 @@ def routes(ctx: Any) -> list[Route]:
             raise ctx.invalid("limit", f"expected a whole number from 1 to {MAX_PAGE}")
         limit = int(raw_limit)
         async with ctx.ledger() as conn:
-            cursor = await conn.execute(
-                Q.timers_list,
-                {
-                    "user_id": user_id,
-                    "include_done": include_done in {"true", "1"},
-                    "after": params.get("after", ""),
-                    "limit": limit,
-                },
+            rows = await ledger.of_user_async(
+                conn, user_id, include_done=include_done in {"true", "1"}, after=params.get("after", ""), limit=limit
             )
-            rows = await cursor.fetchall()
         timers = [describe(row) for row in rows]
         return JSONResponse({"timers": timers, "next_after": timers[-1]["id"] if len(timers) == limit else None})
 
     async def get_timer(request: Request) -> Response:
         user_id, timer_id = await authorized(request, with_timer=True)
         async with ctx.ledger() as conn:
-            row = await (await conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id})).fetchone()
+            row = await ledger.get_async(conn, user_id, timer_id)
         if row is None:
             raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
         return JSONResponse(describe(row))
 
     async def cancel(request: Request) -> Response:
         user_id, timer_id = await authorized(request, with_timer=True)
-        ids = {"user_id": user_id, "id": timer_id}
+        assert timer_id is not None  # path_ids(with_timer=True) refuses a missing one
         async with ctx.ledger() as conn:
-            cancelled = await (await conn.execute(Q.timer_cancel, ids)).fetchone()
-            row = None if cancelled else await (await conn.execute(Q.timer_get, ids)).fetchone()
+            cancelled = await ledger.cancel_async(conn, user_id, timer_id)
+            row = None if cancelled else await ledger.get_async(conn, user_id, timer_id)
         if cancelled:
             return Response(status_code=204)
         if row is None:
             raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
-        if row["kind"] == TimerKind.APPROVAL_EXPIRY:
+        if row.kind == TimerKind.APPROVAL_EXPIRY:
             raise ctx.Refusal(
                 409, "conflict", "an approval's expiry timer ends with its approval; answer the approval instead"
             )

@@ -8,13 +8,12 @@ import time
 import click
 
 from vigil.cliutil import emit
-from vigil.ledger.db import connect
-from vigil.ledger.queries import Q
+from vigil.ledger import timers as ledger
+from vigil.ledger.db import cli_connection
 from vigil.scheduler.main import serve
 from vigil.scheduler.settings import SchedulerSettings
-from vigil.scheduler.timers import InvalidTimer, describe, parse_timer, upsert
+from vigil.scheduler.timers import InvalidTimer, describe, parse_timer
 from vigil.service import load_or_exit, require_schema
-from vigil.settings import CommonSettings
 
 
 @click.command("scheduler")
@@ -28,11 +27,6 @@ def scheduler_command() -> None:
 @click.group("timers")
 def timers_group() -> None:
     """Create, list and cancel a user's timers (the same rules as the HTTP API)."""
-
-
-def _ledger():
-    # A ledger that does not answer: one line and exit 3 (vigil.service.VigilGroup).
-    return connect(load_or_exit(CommonSettings).dsn, autocommit=True)
 
 
 def _line(timer: dict) -> str:
@@ -98,8 +92,8 @@ def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, 
             else f"--{exc.field.replace('_', '-')}"
         )
         raise click.UsageError(f"{option}: {exc.reason}") from None
-    with _ledger() as conn:
-        result = upsert(conn, timer)
+    with cli_connection() as conn:
+        result = ledger.upsert(conn, timer)
     if result.status == "conflict":
         raise click.ClickException(result.reason)
     shown = describe(result.row)
@@ -114,17 +108,15 @@ def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, 
 def timers_list(user_id, include_done, as_json) -> None:
     """List a user's timers, live ones only unless --all."""
     after = ""
-    with _ledger() as conn:
+    with cli_connection() as conn:
         while True:
-            rows = conn.execute(
-                Q.timers_list, {"user_id": user_id, "include_done": include_done, "after": after, "limit": 500}
-            ).fetchall()
+            rows = ledger.of_user(conn, user_id, include_done=include_done, after=after, limit=500)
             for row in rows:
                 shown = describe(row)
                 click.echo(json.dumps(shown) if as_json else _line(shown))
             if len(rows) < 500:
                 break
-            after = rows[-1]["id"]
+            after = rows[-1].id
 
 
 @timers_group.command("rm")
@@ -133,12 +125,13 @@ def timers_list(user_id, include_done, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def timers_rm(user_id, timer_id, as_json) -> None:
     """Cancel a live timer: it fires nothing more (its row stays, so a re-registration cannot re-fire)."""
-    with _ledger() as conn:
-        if conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id}).fetchone() is None:
-            row = conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id}).fetchone()
+    # A ledger that does not answer: one line and exit 3 (vigil.service.VigilGroup).
+    with cli_connection() as conn:
+        if not ledger.cancel(conn, user_id, timer_id):
+            row = ledger.get(conn, user_id, timer_id)
             if row is None:
                 raise click.ClickException(f"no timer {timer_id!r} for user {user_id!r}")
-            if row["kind"] == "approval_expiry":
+            if row.kind == "approval_expiry":
                 raise click.ClickException(f"{timer_id!r} is an approval's expiry timer: answer the approval instead")
             raise click.ClickException(f"timer {timer_id!r} is not live (already fired, skipped or cancelled)")
     emit({"cancelled": timer_id, "user_id": user_id}, as_json, f"cancelled timer {timer_id!r} of user {user_id!r}")

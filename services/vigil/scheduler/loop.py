@@ -45,9 +45,10 @@ from vigil import tracing
 from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.ledger import approvals
+from vigil.ledger import timers as ledger
 from vigil.ledger.db import connect
-from vigil.ledger.queries import Q
 from vigil.ledger.states import TimerKind
+from vigil.ledger.timers import TimerRow
 from vigil.scheduler import metrics
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.scheduler.timing import Occurrence, TimerSpec, event_key, next_occurrence, plan
@@ -111,7 +112,7 @@ def _span(seconds: float) -> str:
 class Outcome:
     """What one pass does with one locked timer."""
 
-    row: dict
+    row: TimerRow
     events: list[Event] = field(default_factory=list)
     scheduled: list[int] = field(default_factory=list)  # scheduled_for of each event
     next_due: int | None = None  # None: finished
@@ -124,7 +125,7 @@ class Outcome:
 
     @property
     def labels(self) -> tuple[str, str]:
-        return self.row["kind"], self.row["catch_up"]
+        return self.row.kind, self.row.catch_up
 
 
 @dataclass
@@ -161,22 +162,22 @@ class PassReport:
         return "; ".join(parts) or "nothing to do"
 
 
-def timer_event(row: dict, occurrence: Occurrence, produced_at: datetime, lower_bound: bool = False) -> Event:
+def timer_event(row: TimerRow, occurrence: Occurrence, produced_at: datetime, lower_bound: bool = False) -> Event:
     """The event of one occurrence: keyed ``<id>@<scheduled_for>``, or the timer's fixed key."""
     body = {
-        "timer_id": row["id"],
+        "timer_id": row.id,
         "scheduled_for": occurrence.scheduled_for,
         "late_by": occurrence.late_by,
         "skipped": occurrence.skipped,
-        "payload": row["payload"],
+        "payload": row.payload,
     }
     if lower_bound and occurrence.skipped:
         body["skipped_is_lower_bound"] = True  # a minute-level cron after a very long outage
     return Event(
-        user_id=row["user_id"],
+        user_id=row.user_id,
         source="timer",
-        source_id=row["fixed_key"] or event_key(row["id"], occurrence.scheduled_for),
-        kind=f"timer.{row['kind']}",
+        source_id=row.fixed_key or event_key(row.id, occurrence.scheduled_for),
+        kind=f"timer.{row.kind}",
         payload=json.dumps(body, separators=(",", ":")),
         received_at=produced_at,
         occurred_at=_utc(occurrence.scheduled_for),
@@ -251,30 +252,30 @@ class Scheduler:
 
     def backlog(self) -> tuple[int, int | None]:
         """Due live timers now (all replicas) and the oldest one's due, as epoch seconds."""
-        row = self.conn().execute(Q.timers_due_count, {"now": _utc(int(self.clock.now()))}).fetchone()
-        metrics.DUE_BACKLOG.set(row["due"])
-        oldest = _epoch(row["oldest"])
+        backlog = ledger.due_backlog(self.conn(), _utc(int(self.clock.now())))
+        metrics.DUE_BACKLOG.set(backlog.due)
+        oldest = _epoch(backlog.oldest)
         metrics.OLDEST_DUE.set(max(0.0, self.clock.now() - oldest) if oldest is not None else 0)
         self._backlog_at = time.monotonic()
-        return row["due"], oldest
+        return backlog.due, oldest
 
     # -- planning ------------------------------------------------------------------------
 
-    def _plan(self, conn: psycopg.Connection, row: dict, now: int) -> Outcome:
-        if row["kind"] == TimerKind.APPROVAL_EXPIRY:
+    def _plan(self, conn: psycopg.Connection, row: TimerRow, now: int) -> Outcome:
+        if row.kind == TimerKind.APPROVAL_EXPIRY:
             return self._expire(conn, row, now)
         try:
             spec = TimerSpec(
-                due=_epoch(row["due"]),
-                every=row["every_seconds"],
-                cron=row["cron"],
-                tz=row["tz"],
-                catch_up=row["catch_up"],
-                max_lateness=row["max_lateness"],
+                due=_epoch(row.due),
+                every=row.every_seconds,
+                cron=row.cron,
+                tz=row.tz,
+                catch_up=row.catch_up,
+                max_lateness=row.max_lateness,
             )
         except (ValueError, TypeError) as exc:
             return Outcome(row, set_aside=f"cannot plan: {exc}")
-        floor = _epoch(row["handled_through"])
+        floor = _epoch(row.handled_through)
         if floor is not None and spec.due <= floor:
             # Revived with an old due (a cancelled schedule re-registered): occurrences up
             # to handled_through were fired or passed over once already.
@@ -298,15 +299,15 @@ class Scheduler:
             handled_through=now if spec.recurrence is not None else spec.due,
         )
 
-    def _expire(self, conn: psycopg.Connection, row: dict, now: int) -> Outcome:
+    def _expire(self, conn: psycopg.Connection, row: TimerRow, now: int) -> Outcome:
         """An approval's deadline: the policy decides, and the session wakes either way."""
-        request_id = (row["payload"] or {}).get("request_id") or row["fixed_key"] or row["id"]
-        due = row["due"]
+        request_id = (row.payload or {}).get("request_id") or row.fixed_key or row.id
+        due = row.due
         standing = approvals.expire(
             conn, request_id, at=due, escalate_after=timedelta(seconds=self.settings.scheduler_escalate_after_s)
         )
         if standing.answer == approvals.UNKNOWN:
-            log.warning("approval expiry timer %s: no approval request %s; finishing it", row["id"], request_id)
+            log.warning("approval expiry timer %s: no approval request %s; finishing it", row.id, request_id)
             return Outcome(row, done=True, approval="unknown", handled_through=_epoch(due))
         if standing.answer == "pending" and not standing.escalated and standing.due is not None:
             # The approval's deadline is later than this timer (moved by hand): wait for it.
@@ -333,7 +334,7 @@ class Scheduler:
         batch = self.settings.scheduler_batch_size
         conn = self.conn()
         with conn.transaction():
-            rows = conn.execute(Q.timers_claim_due, {"now": _utc(now), "limit": batch}).fetchall()
+            rows = ledger.claim_due(conn, _utc(now), batch)
             outcomes = [self._plan(conn, row, now) for row in rows]
             with fire_spans(outcomes):
                 events = [event for outcome in outcomes for event in outcome.events]
@@ -355,35 +356,27 @@ class Scheduler:
         planned = [o for o in outcomes if o.set_aside is None]
         for o in outcomes:
             if o.set_aside is not None:
-                conn.execute(
-                    Q.timer_set_aside,
-                    {
-                        "user_id": o.row["user_id"],
-                        "id": o.row["id"],
-                        "expected_due": o.row["due"],
-                        "error": o.set_aside,
-                    },
-                )
+                ledger.set_aside(conn, o.row, o.set_aside)
         if not planned:
             return
-        updated = conn.execute(
-            Q.timers_apply,
-            {
-                "now": _utc(now),
-                "user_ids": [o.row["user_id"] for o in planned],
-                "ids": [o.row["id"] for o in planned],
-                "expected_dues": [o.row["due"] for o in planned],
-                "next_dues": [None if o.next_due is None else _utc(o.next_due) for o in planned],
-                "dones": [o.done for o in planned],
-                "skippeds": [o.marked_skipped for o in planned],
-                "fireds": [len(o.events) for o in planned],
-                "handled": [None if o.handled_through is None else _utc(o.handled_through) for o in planned],
-            },
-        ).fetchall()
-        if len(updated) != len(planned):
+        advances = [
+            ledger.Advance(
+                user_id=o.row.user_id,
+                id=o.row.id,
+                expected_due=o.row.due,
+                next_due=None if o.next_due is None else _utc(o.next_due),
+                done=o.done,
+                skipped=o.marked_skipped,
+                fired=len(o.events),
+                handled_through=None if o.handled_through is None else _utc(o.handled_through),
+            )
+            for o in planned
+        ]
+        updated = ledger.apply(conn, _utc(now), advances)
+        if updated != len(planned):
             # The rows are locked by this transaction, so only a bug gets here; rolling back
             # leaves them due rather than committing a pass that lost track of some.
-            raise RuntimeError(f"timers_apply advanced {len(updated)} of {len(planned)} locked timers")
+            raise RuntimeError(f"timers_apply advanced {updated} of {len(planned)} locked timers")
 
     def _account(self, outcomes: list[Outcome], acked_at: float) -> PassReport:
         report = PassReport(timers=len(outcomes))
@@ -392,7 +385,7 @@ class Scheduler:
             if o.set_aside is not None:
                 metrics.TIMERS_SET_ASIDE.inc()
                 report.by_policy[("*", "set_aside")] += 1
-                log.error("timer %r of user %r set aside: %s", o.row["id"], o.row["user_id"], o.set_aside)
+                log.error("timer %r of user %r set aside: %s", o.row.id, o.row.user_id, o.set_aside)
                 continue
             if o.approval is not None:
                 metrics.APPROVAL_EXPIRIES.labels(o.approval).inc()

@@ -2,7 +2,7 @@
 
 :func:`parse_timer` turns a request body into a :class:`NewTimer` or raises
 :class:`InvalidTimer` naming the field and the reason (the API's 400, the CLI's error). The
-store functions run the named queries in ``ledger/queries/timers.sql``; the re-registration
+store functions are :mod:`vigil.ledger.timers` (``ledger/queries/timers.sql``); the re-registration
 rule lives in ``timer_upsert`` itself so that every writer gets it:
 
 * a live timer keeps its stored due when that is later than the new one, because the stored
@@ -20,15 +20,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
-
-from vigil.ledger.queries import Q
 from vigil.ledger.states import CatchUp, TimerKind
+
+# The validated timer and its store live in the ledger (one door); re-exported here because
+# callers create timers through this module: parse, then store.
+from vigil.ledger.timers import NewTimer as NewTimer
+from vigil.ledger.timers import TimerRow
+from vigil.ledger.timers import upsert as upsert
 from vigil.scheduler.timing import TimerSpec, next_occurrence, validate_cron, validate_tz
 
 # Ids appear in URLs (DELETE .../timers/{id}) and in event keys (<id>@<epoch>).
@@ -48,38 +49,6 @@ class InvalidTimer(ValueError):
         super().__init__(f"{field_name}: {reason}")
         self.field = field_name
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class NewTimer:
-    """A validated timer, ready for ``timer_upsert``."""
-
-    user_id: str
-    id: str
-    kind: TimerKind
-    due: int
-    every: int | None = None
-    cron: str | None = None
-    tz: str = "UTC"
-    catch_up: CatchUp = CatchUp.COALESCE
-    max_lateness: int | None = None
-    payload: dict = field(default_factory=dict)
-    fixed_key: str | None = None
-
-    def params(self) -> dict[str, Any]:
-        return {
-            "user_id": self.user_id,
-            "id": self.id,
-            "kind": self.kind.value,
-            "due": datetime.fromtimestamp(self.due, UTC),
-            "every_seconds": self.every,
-            "cron": self.cron,
-            "tz": self.tz,
-            "catch_up": self.catch_up.value,
-            "max_lateness": self.max_lateness,
-            "payload": Jsonb(self.payload),
-            "fixed_key": self.fixed_key,
-        }
 
 
 def parse_due(value: Any) -> int:
@@ -219,66 +188,24 @@ def _epoch(value: datetime | None) -> int | None:
     return None if value is None else int(value.timestamp())
 
 
-def describe(row: dict) -> dict[str, Any]:
+def describe(row: TimerRow) -> dict[str, Any]:
     """A stored timer as the API and `vigil timers list --json` show it."""
     return {
-        "id": row["id"],
-        "user_id": row["user_id"],
-        "kind": row["kind"],
-        "due": _epoch(row["due"]),
-        "due_at": row["due"].astimezone(UTC).isoformat().replace("+00:00", "Z"),
-        "every": row["every_seconds"],
-        "cron": row["cron"],
-        "tz": row["tz"],
-        "catch_up": row["catch_up"],
-        "max_lateness": row["max_lateness"],
-        "payload": row["payload"],
-        "done": row["done"],
-        "skipped": row["skipped"],
-        "cancelled": row["cancelled_at"] is not None,
-        "fired_count": row["fired_count"],
-        "last_fired_at": _epoch(row["last_fired_at"]),
-        "error": row["error"],
+        "id": row.id,
+        "user_id": row.user_id,
+        "kind": row.kind,
+        "due": _epoch(row.due),
+        "due_at": row.due.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+        "every": row.every_seconds,
+        "cron": row.cron,
+        "tz": row.tz,
+        "catch_up": row.catch_up,
+        "max_lateness": row.max_lateness,
+        "payload": row.payload,
+        "done": row.done,
+        "skipped": row.skipped,
+        "cancelled": row.cancelled_at is not None,
+        "fired_count": row.fired_count,
+        "last_fired_at": _epoch(row.last_fired_at),
+        "error": row.error,
     }
-
-
-@dataclass(frozen=True)
-class Upserted:
-    """What ``timer_upsert`` did: ``status`` is created | updated | unchanged | conflict."""
-
-    status: str
-    row: dict | None
-    reason: str | None = None
-
-
-def upsert_outcome(returned: dict | None, existing: dict | None) -> Upserted:
-    """Interpret ``timer_upsert``: ``existing`` is read only when it returned nothing."""
-    if returned is not None:
-        return Upserted("created" if returned.pop("created") else "updated", returned)
-    if existing is not None and existing["kind"] == TimerKind.APPROVAL_EXPIRY:
-        return Upserted(
-            "conflict", existing, "this id belongs to an approval's expiry timer, which only its approval changes"
-        )
-    return Upserted(
-        "unchanged",
-        existing,
-        "this one-off already fired (or was skipped) at or after the given due; nothing fires again",
-    )
-
-
-def upsert(conn, timer: NewTimer) -> Upserted:
-    """Create or re-register ``timer`` on a sync connection (one transaction)."""
-    with conn.transaction():
-        cur = conn.cursor(row_factory=dict_row)
-        returned = cur.execute(Q.timer_upsert, timer.params()).fetchone()
-        existing = None if returned else cur.execute(Q.timer_get, timer.params()).fetchone()
-    return upsert_outcome(returned, existing)
-
-
-async def upsert_async(conn, timer: NewTimer) -> Upserted:
-    """:func:`upsert` on an async connection (the API's pool)."""
-    async with conn.transaction():
-        cur = conn.cursor(row_factory=dict_row)
-        returned = await (await cur.execute(Q.timer_upsert, timer.params())).fetchone()
-        existing = None if returned else await (await cur.execute(Q.timer_get, timer.params())).fetchone()
-    return upsert_outcome(returned, existing)
