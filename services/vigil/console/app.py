@@ -25,7 +25,6 @@ from uuid import UUID
 import psycopg
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from prometheus_client import Counter, Histogram
-from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -41,6 +40,8 @@ from vigil.dispatcher.operator import revive_delivery
 from vigil.health import Readiness, dependency_checks, health_routes
 from vigil.ingest.cache import TtlCache
 from vigil.ledger import console as ledger
+from vigil.ledger import ingest as tokens
+from vigil.ledger.db import PoolTimeout
 from vigil.ledger.events import retry_dead_events
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class Console:
         self.clock = clock
         self.pool = ledger.open_pool(settings.dsn)
         self.env = environment()
-        self.tokens: TtlCache[dict] = TtlCache(settings.console_auth_cache_s)
+        self.tokens: TtlCache[tokens.AuthToken] = TtlCache(settings.console_auth_cache_s)
         self.end_offsets = EndOffsets(settings)
 
     # -- plumbing --------------------------------------------------------------------------
@@ -204,21 +205,21 @@ class Console:
         if token is None:
             raise Refused(401, "unauthorized", "log in with an API token (vigil tokens create NAME)")
         digest = auth.digest(token)
-        row = None if digest is None else await self.tokens.get(digest, lambda: self.read(ledger.token_by_hash, digest))
+        row = None if digest is None else await self.tokens.get(digest, lambda: self.read(tokens.auth_token, digest))
         if row is None:
             raise Refused(401, "unauthorized", "unknown token")
-        if row["revoked_at"] is not None:
-            raise Refused(403, "token_revoked", f"token {row['id']} was revoked")
-        scopes, users = row.get("scopes"), row.get("users")
+        if row.revoked_at is not None:
+            raise Refused(403, "token_revoked", f"token {row.id} was revoked")
+        scopes, users = row.scopes, row.users
         operator = auth.Operator(
-            row["id"],
-            row["name"],
+            row.id,
+            row.name,
             auth.csrf_for(token),
             None if scopes is None else frozenset(scopes),
             None if users is None else tuple(users),
         )
         if not auth.permits(operator, need):
-            raise Refused(403, "forbidden", f"token {row['id']} may not {need.value} here")
+            raise Refused(403, "forbidden", f"token {row.id} may not {need.value} here")
         request.scope["vigil.operator"] = operator
         request.scope["vigil.via_cookie"] = not (header and header.lower().startswith("bearer "))
         return operator
@@ -241,8 +242,8 @@ class Console:
         token = str(form.get("token", "")).strip()
         target = _safe_next(str(form.get("next", "/")))
         digest = auth.digest(token) if token else None
-        row = None if digest is None else await self.read(ledger.token_by_hash, digest)
-        if row is None or row["revoked_at"] is not None:
+        row = None if digest is None else await self.read(tokens.auth_token, digest)
+        if row is None or row.revoked_at is not None:
             failed = "That token is not valid." if row is None else "That token was revoked."
             return self.page(request, "login.html", 401, next=target, failed=failed)
         response = RedirectResponse(target, status_code=303)

@@ -30,8 +30,6 @@ from datetime import datetime
 from typing import Literal
 
 import psycopg
-from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool, PoolTimeout
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -42,7 +40,7 @@ from vigil.ingest.requests import Refusal, read_json, received_at, unavailable
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger import approvals
 from vigil.ledger.approvals import Standing
-from vigil.ledger.queries import Q
+from vigil.ledger.db import Pool, PoolTimeout
 from vigil.ledger.states import ApprovalAnswer
 
 log = logging.getLogger(__name__)
@@ -79,7 +77,7 @@ class ApprovalsApi:
     def __init__(
         self,
         settings: IngestSettings,
-        pool: ConnectionPool,
+        pool: Pool,
         publisher: Publisher,
         before_answer: BeforeAnswer | None = None,
     ):
@@ -91,12 +89,11 @@ class ApprovalsApi:
     def _answer(self, request_id: str, given: ApprovalAnswer, token: str, arrived: datetime) -> Standing | None:
         """Step 2, one transaction. None: no such request. Raises _Forbidden on a bad token."""
         with self.pool.connection() as conn:
-            conn.row_factory = dict_row
             with conn.transaction():
-                row = conn.execute(Q.approval_get, {"request_id": request_id}).fetchone()
-                if row is None:
+                asked = approvals.standing(conn, request_id)
+                if asked.answer == approvals.UNKNOWN:
                     return None
-                if not approvals.verify_token(self.secret, request_id, row["user_id"], token):
+                if not approvals.verify_token(self.secret, request_id, asked.user_id or "", token):
                     raise _Forbidden()
                 return approvals.answer(conn, request_id, given, arrived)
 

@@ -20,16 +20,15 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from starlette.requests import Request
 
 from vigil.ingest.cache import MissGuard, TtlCache
 from vigil.ingest.requests import Refusal, unavailable
-from vigil.ledger.queries import Q
+from vigil.ledger import ingest as store
+from vigil.ledger.db import AsyncPool, PoolTimeout
+from vigil.ledger.ingest import AuthToken
 from vigil.ledger.states import Scope
 
 log = logging.getLogger(__name__)
@@ -49,23 +48,16 @@ def token_hash(token: str) -> str:
 
 
 @asynccontextmanager
-async def ledger(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
-    """A pooled connection, one transaction; an unreachable ledger is a 503, never a 500."""
+async def ledger(pool: AsyncPool) -> AsyncIterator[psycopg.AsyncConnection]:
+    """A pooled connection (dict rows), one transaction; an unreachable ledger is a 503, never a 500."""
     try:
         async with pool.connection() as conn:
-            conn.row_factory = dict_row
             yield conn
     except PoolTimeout:
         raise unavailable("ledger_unavailable", "no ledger connection available in time") from None
     except psycopg.OperationalError as exc:
         log.warning("ledger unreachable: %s", type(exc).__name__)
         raise unavailable("ledger_unavailable", "the ledger did not answer") from None
-
-
-async def fetch_one(pool: AsyncConnectionPool, sql: str, params: dict[str, Any]) -> dict | None:
-    async with ledger(pool) as conn:
-        cursor = await conn.execute(sql, params)
-        return await cursor.fetchone()
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,16 +130,19 @@ class RateLimit:
 class TokenAuth:
     """``await auth(request)`` returns the :class:`Caller` or raises a 401/403/429 refusal."""
 
-    def __init__(self, pool: AsyncConnectionPool, cache_seconds: float, rate: float = 0.0, burst: int = 1):
+    def __init__(self, pool: AsyncPool, cache_seconds: float, rate: float = 0.0, burst: int = 1):
         self.pool = pool
-        self.cache: TtlCache[dict] = TtlCache(cache_seconds)
+        self.cache: TtlCache[AuthToken] = TtlCache(cache_seconds)
         self.misses = MissGuard("token", self._all_hashes)
         self.limit = RateLimit(rate, burst)
 
     async def _all_hashes(self) -> frozenset[str]:
         async with ledger(self.pool) as conn:
-            cursor = await conn.execute(Q.token_hashes)
-            return frozenset(row["token_hash"] for row in await cursor.fetchall())
+            return await store.token_hashes(conn)
+
+    async def _lookup(self, digest: str) -> AuthToken | None:
+        async with ledger(self.pool) as conn:
+            return await store.token_by_hash(conn, digest)
 
     async def __call__(self, request: Request, scope: Scope | str | None = None, user_id: str | None = None) -> Caller:
         header = request.headers.get("authorization")
@@ -163,24 +158,24 @@ class TokenAuth:
         row = None
         looked_up = self.cache.age(digest) is not None or await self.misses.worth_looking_up(digest)
         if looked_up:
-            row = await self.cache.get(digest, lambda: fetch_one(self.pool, Q.token_by_hash, {"token_hash": digest}))
+            row = await self.cache.get(digest, lambda: self._lookup(digest))
         if row is None:
             self.misses.missed(looked_up)
             raise _unauthorized("unknown token")
-        if row["revoked_at"] is not None:
-            raise Refusal(403, "token_revoked", f"token {row['id']} was revoked")
-        wait = self.limit.take(row["id"])
+        if row.revoked_at is not None:
+            raise Refusal(403, "token_revoked", f"token {row.id} was revoked")
+        wait = self.limit.take(row.id)
         if wait > 0:
             raise Refusal(
                 429,
                 "rate_limited",
-                f"token {row['id']} is over VIGIL_INGEST_TOKEN_RATE; retry after the Retry-After seconds",
+                f"token {row.id} is over VIGIL_INGEST_TOKEN_RATE; retry after the Retry-After seconds",
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
-        scopes, users = row.get("scopes"), row.get("users")
+        scopes, users = row.scopes, row.users
         caller = Caller(
-            row["id"],
-            row["name"],
+            row.id,
+            row.name,
             None if scopes is None else frozenset(scopes),
             None if users is None else tuple(users),
         )

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import base64
 import getpass
-import json
 import secrets
 import sys
+from dataclasses import asdict
 
 import click
 
@@ -21,21 +21,22 @@ from vigil.ingest.auth import new_token, token_hash
 from vigil.ingest.main import serve
 from vigil.ingest.settings import IngestSettings
 from vigil.ingest.signatures import valid_standard_secret
-from vigil.ledger.db import connect
-from vigil.ledger.queries import Q
+from vigil.ledger import audit
+from vigil.ledger import ingest as ledger
+from vigil.ledger.db import cli_connection
 from vigil.ledger.states import HookProvider, Scope
 from vigil.service import load_or_exit, require_schema
-from vigil.settings import CommonSettings
 
 ID_BYTES = 9  # 12 url-safe characters: unguessable enough for ids that are not secrets
 
 
 def _ledger():
-    return connect(load_or_exit(CommonSettings).dsn)
+    """One transaction per command, committed when its block exits: the change with its audit row."""
+    return cli_connection(autocommit=False)
 
 
 def _audit(conn, action: str, detail: dict) -> None:
-    conn.execute(Q.audit_insert, {"actor": getpass.getuser(), "action": action, "detail": json.dumps(detail)})
+    audit.record(conn, getpass.getuser(), action, detail)
 
 
 def _new_id(prefix: str) -> str:
@@ -97,21 +98,12 @@ def token_create(name: str, scopes: tuple[str, ...], users: tuple[str, ...], as_
     _check_users(user_list)
     token = new_token()
     with _ledger() as conn:
-        row = conn.execute(
-            Q.token_create,
-            {
-                "id": _new_id("tok_"),
-                "name": name,
-                "token_hash": token_hash(token),
-                "scopes": scope_list,
-                "users": user_list,
-            },
-        ).fetchone()
-        _audit(conn, "token.create", {"id": row["id"], "name": name, "scopes": scope_list, "users": user_list})
+        row = ledger.create_token(conn, _new_id("tok_"), name, token_hash(token), scope_list, user_list)
+        _audit(conn, "token.create", {"id": row.id, "name": name, "scopes": scope_list, "users": user_list})
     emit(
-        {**row, "token": token},
+        {**asdict(row), "token": token},
         as_json,
-        f"token {row['id']} ({name}):\n  {token}\nShown once: store it now. Use it as `Authorization: Bearer <token>`.",
+        f"token {row.id} ({name}):\n  {token}\nShown once: store it now. Use it as `Authorization: Bearer <token>`.",
     )
 
 
@@ -120,16 +112,15 @@ def token_create(name: str, scopes: tuple[str, ...], users: tuple[str, ...], as_
 def token_list(as_json: bool) -> None:
     """List tokens (never the tokens themselves)."""
     with _ledger() as conn:
-        rows = conn.execute(Q.token_list).fetchall()
+        rows = ledger.tokens(conn)
     for row in rows:
-        state = f"revoked {row['revoked_at']:%Y-%m-%d %H:%M}" if row["revoked_at"] else "active"
-        scope = ",".join(row["scopes"]) if row["scopes"] is not None else "all"
-        users = ",".join(row["users"]) if row["users"] is not None else "any"
+        state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
+        scope = ",".join(row.scopes) if row.scopes is not None else "all"
+        users = ",".join(row.users) if row.users is not None else "any"
         emit(
-            row,
+            asdict(row),
             as_json,
-            f"{row['id']}  {row['name']:<24} created {row['created_at']:%Y-%m-%d %H:%M}  {state}"
-            f"  scope={scope} users={users}",
+            f"{row.id}  {row.name:<24} created {row.created_at:%Y-%m-%d %H:%M}  {state}  scope={scope} users={users}",
         )
 
 
@@ -139,12 +130,12 @@ def token_list(as_json: bool) -> None:
 def token_revoke(token_id: str, as_json: bool) -> None:
     """Revoke a token by id; ingest refuses it within VIGIL_INGEST_AUTH_CACHE_S seconds."""
     with _ledger() as conn:
-        row = conn.execute(Q.token_revoke, {"id": token_id}).fetchone()
+        row = ledger.revoke_token(conn, token_id)
         if row is None:
-            known = conn.execute(Q.token_get, {"id": token_id}).fetchone()
+            known = ledger.token_exists(conn, token_id)
             raise click.ClickException(f"token {token_id} was revoked already" if known else f"no token {token_id}")
         _audit(conn, "token.revoke", {"id": token_id})
-    emit({"revoked": token_id, "name": row["name"]}, as_json, f"revoked {token_id} ({row['name']})")
+    emit({"revoked": token_id, "name": row.name}, as_json, f"revoked {token_id} ({row.name})")
 
 
 # -- hooks -------------------------------------------------------------------------------
@@ -197,17 +188,12 @@ def hook_add(provider: str, user_id: str, secret_stdin: bool, as_json: bool) -> 
     kind = HookProvider(provider)
     secret, generated = _secret(kind, secret_stdin)
     with _ledger() as conn:
-        hook = conn.execute(
-            Q.hook_create, {"id": _new_id("hk_"), "provider": kind.value, "user_id": user_id}
-        ).fetchone()
-        added = conn.execute(Q.hook_secret_add, {"hook_id": hook["id"], "secret": secret}).fetchone()
-        _audit(
-            conn, "hook.add", {"id": hook["id"], "provider": kind.value, "user_id": user_id, "secret_id": added["id"]}
-        )
-    obj = {**hook, "path": f"/v1/hooks/{hook['id']}", "secret_id": added["id"], "secret": secret}
-    _print_secret(
-        obj, as_json, generated, f"hook {hook['id']} ({kind.value}, user {user_id}): POST /v1/hooks/{hook['id']}"
-    )
+        hook = ledger.create_hook(conn, _new_id("hk_"), kind.value, user_id)
+        added = ledger.add_secret(conn, hook.id, secret)
+        assert added is not None  # the hook was created enabled in this transaction
+        _audit(conn, "hook.add", {"id": hook.id, "provider": kind.value, "user_id": user_id, "secret_id": added.id})
+    obj = {**asdict(hook), "path": f"/v1/hooks/{hook.id}", "secret_id": added.id, "secret": secret}
+    _print_secret(obj, as_json, generated, f"hook {hook.id} ({kind.value}, user {user_id}): POST /v1/hooks/{hook.id}")
 
 
 @hooks.command("list")
@@ -215,10 +201,10 @@ def hook_add(provider: str, user_id: str, secret_stdin: bool, as_json: bool) -> 
 def hook_list(as_json: bool) -> None:
     """List hooks with the ids of their active secrets."""
     with _ledger() as conn:
-        rows = conn.execute(Q.hook_list).fetchall()
+        rows = ledger.hooks(conn)
     for row in rows:
-        state = "disabled" if row["disabled_at"] else f"secrets {row['active_secret_ids']}"
-        emit(row, as_json, f"{row['id']}  {row['provider']:<17} user {row['user_id']:<20} {state}")
+        state = "disabled" if row.disabled_at else f"secrets {row.active_secret_ids}"
+        emit(asdict(row), as_json, f"{row.id}  {row.provider:<17} user {row.user_id:<20} {state}")
 
 
 @hooks.command("rotate")
@@ -228,16 +214,16 @@ def hook_list(as_json: bool) -> None:
 def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
     """Add a secret to HOOK; the older ones stay valid until `hooks revoke-secret`."""
     with _ledger() as conn:
-        hook = conn.execute(Q.hook_for_delivery, {"hook_id": hook_id}).fetchone()
-        if hook is None or hook["disabled_at"] is not None:
+        hook = ledger.hook(conn, hook_id)
+        if hook is None or hook.disabled_at is not None:
             raise click.ClickException(f"no active hook {hook_id}")
-        secret, generated = _secret(HookProvider(hook["provider"]), secret_stdin)
-        added = conn.execute(Q.hook_secret_add, {"hook_id": hook_id, "secret": secret}).fetchone()
+        secret, generated = _secret(HookProvider(hook.provider), secret_stdin)
+        added = ledger.add_secret(conn, hook_id, secret)
         if added is None:
             raise click.ClickException(f"hook {hook_id} was disabled meanwhile")
-        _audit(conn, "hook.rotate", {"id": hook_id, "secret_id": added["id"]})
-    obj = {"hook_id": hook_id, "secret_id": added["id"], "secret": secret}
-    _print_secret(obj, as_json, generated, f"secret {added['id']} added to {hook_id}; older secrets stay valid")
+        _audit(conn, "hook.rotate", {"id": hook_id, "secret_id": added.id})
+    obj = {"hook_id": hook_id, "secret_id": added.id, "secret": secret}
+    _print_secret(obj, as_json, generated, f"secret {added.id} added to {hook_id}; older secrets stay valid")
 
 
 @hooks.command("revoke-secret")
@@ -250,16 +236,14 @@ def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
 def hook_revoke_secret(hook_id: str, secret_id: int, force: bool, as_json: bool) -> None:
     """Revoke one secret of HOOK (see `hooks list` for ids); effective within VIGIL_INGEST_AUTH_CACHE_S."""
     with _ledger() as conn:
-        if conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is None:
+        if not ledger.lock_hook(conn, hook_id):
             raise click.ClickException(f"no hook {hook_id}")
-        row = conn.execute(
-            Q.hook_secret_revoke, {"hook_id": hook_id, "secret_id": secret_id, "force": force}
-        ).fetchone()
+        row = ledger.revoke_secret(conn, hook_id, secret_id, force=force)
         if row is None:
-            known = conn.execute(Q.hook_secret_get, {"hook_id": hook_id, "secret_id": secret_id}).fetchone()
+            known = ledger.secret(conn, hook_id, secret_id)
             if known is None:
                 raise click.ClickException(f"hook {hook_id} has no secret {secret_id}")
-            if known["revoked_at"] is not None:
+            if known.revoked_at is not None:
                 raise click.ClickException(f"secret {secret_id} was revoked already")
             raise click.ClickException(f"secret {secret_id} is the last active one; rotate first, or use --force")
         _audit(conn, "hook.revoke_secret", {"id": hook_id, "secret_id": secret_id, "forced": force})
@@ -271,13 +255,13 @@ def hook_revoke_secret(hook_id: str, secret_id: int, force: bool, as_json: bool)
 def hook_disable(hook_id: str) -> None:
     """Disable HOOK: its deliveries get 404 within VIGIL_INGEST_AUTH_CACHE_S. Its rows stay for audit."""
     with _ledger() as conn:
-        row = conn.execute(Q.hook_disable, {"hook_id": hook_id}).fetchone()
+        row = ledger.disable_hook(conn, hook_id)
         if row is None:
-            if conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is None:
+            if not ledger.lock_hook(conn, hook_id):
                 raise click.ClickException(f"no hook {hook_id}")
             raise click.ClickException(f"hook {hook_id} is disabled already")
         _audit(conn, "hook.disable", {"id": hook_id})
-    click.echo(f"disabled {hook_id} ({row['provider']} for {row['user_id']})")
+    click.echo(f"disabled {hook_id} ({row.provider} for {row.user_id})")
 
 
 commands = [ingest_command, tokens, hooks]

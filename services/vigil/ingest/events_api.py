@@ -24,17 +24,17 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from psycopg_pool import AsyncConnectionPool
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vigil.bus.codec import Event
-from vigil.ingest.auth import TokenAuth, authorize, fetch_one
+from vigil.ingest.auth import TokenAuth, authorize, ledger
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem
 from vigil.ingest.settings import IngestSettings
-from vigil.ledger.queries import Q
+from vigil.ledger import outbox
+from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import HookProvider, Scope
 
 CHAT_SOURCE = "chat"
@@ -179,7 +179,7 @@ def parse_events(document: Any, max_batch: int) -> list[EventIn]:
 
 
 class EventsApi:
-    def __init__(self, settings: IngestSettings, auth: TokenAuth, publisher: Publisher, pool: AsyncConnectionPool):
+    def __init__(self, settings: IngestSettings, auth: TokenAuth, publisher: Publisher, pool: AsyncPool):
         self.settings = settings
         self.auth = auth
         self.publisher = publisher
@@ -193,9 +193,8 @@ class EventsApi:
             return message.session_id
         if message.session_id is not None:
             raise invalid("in_reply_to", "give in_reply_to or session_id, not both")
-        row = await fetch_one(
-            self.pool, Q.outbox_delivery_session, {"user_id": user_id, "delivery_id": message.in_reply_to}
-        )
+        async with ledger(self.pool) as conn:
+            row = await outbox.delivery_session(conn, user_id, message.in_reply_to)
         if row is None:
             raise Refusal(
                 404,
@@ -203,7 +202,7 @@ class EventsApi:
                 f"in_reply_to: no delivery {message.in_reply_to} to user {user_id}",
                 field="in_reply_to",
             )
-        return row["session_id"]
+        return row.session_id
 
     async def post_events(self, request: Request) -> Response:
         caller = await self.auth(request, Scope.EVENTS)

@@ -19,19 +19,20 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from psycopg_pool import AsyncConnectionPool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vigil.bus.codec import Event
-from vigil.ingest.auth import fetch_one, ledger
+from vigil.ingest.auth import ledger
 from vigil.ingest.cache import MissGuard, TtlCache
 from vigil.ingest.metrics import SIGNATURE_FAILURES
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, invalid, parse_json, read_body, received_at, require_json
 from vigil.ingest.settings import IngestSettings
 from vigil.ingest.signatures import VERIFIERS, SignatureError
-from vigil.ledger.queries import Q
+from vigil.ledger import ingest as store
+from vigil.ledger.db import AsyncPool
+from vigil.ledger.ingest import Hook
 from vigil.ledger.states import HookProvider
 
 log = logging.getLogger(__name__)
@@ -93,42 +94,45 @@ def delivery_event(provider: HookProvider, user_id: str, request: Request, body:
 
 
 class HookReceiver:
-    def __init__(self, settings: IngestSettings, pool: AsyncConnectionPool, publisher: Publisher):
+    def __init__(self, settings: IngestSettings, pool: AsyncPool, publisher: Publisher):
         self.settings = settings
         self.pool = pool
         self.publisher = publisher
-        self.cache: TtlCache[dict] = TtlCache(settings.ingest_auth_cache_s)
+        self.cache: TtlCache[Hook] = TtlCache(settings.ingest_auth_cache_s)
         self.misses = MissGuard("hook", self._all_ids)
 
     async def _all_ids(self) -> frozenset[str]:
         async with ledger(self.pool) as conn:
-            cursor = await conn.execute(Q.hook_ids)
-            return frozenset(row["id"] for row in await cursor.fetchall())
+            return await store.hook_ids(conn)
 
-    async def _hook(self, hook_id: str) -> dict | None:
+    async def _lookup(self, hook_id: str) -> Hook | None:
+        async with ledger(self.pool) as conn:
+            return await store.hook_for_delivery(conn, hook_id)
+
+    async def _hook(self, hook_id: str) -> Hook | None:
         if self.cache.age(hook_id) is None and not await self.misses.worth_looking_up(hook_id):
             self.misses.missed(looked_up=False)
             return None
-        hook = await self.cache.get(hook_id, lambda: fetch_one(self.pool, Q.hook_for_delivery, {"hook_id": hook_id}))
+        hook = await self.cache.get(hook_id, lambda: self._lookup(hook_id))
         if hook is None:
             self.misses.missed()
         return hook
 
-    async def _verify(self, hook: dict, provider: HookProvider, request: Request, body: bytes) -> None:
+    async def _verify(self, hook: Hook, provider: HookProvider, request: Request, body: bytes) -> None:
         verify = VERIFIERS[provider]
         tolerance = self.settings.webhook_tolerance_s
         try:
-            verify(request.headers, body, hook["secrets"], time.time(), tolerance)
+            verify(request.headers, body, hook.secrets, time.time(), tolerance)
             return
         except SignatureError as first:
             error = first
-            age = self.cache.age(hook["id"])
+            age = self.cache.age(hook.id)
             if error.reason == SignatureError.MISMATCH and age is not None and age > RECHECK_AFTER_S:
-                self.cache.forget(hook["id"])
-                fresh = await self._hook(hook["id"])
-                if fresh is not None and fresh["secrets"] != hook["secrets"]:
+                self.cache.forget(hook.id)
+                fresh = await self._hook(hook.id)
+                if fresh is not None and fresh.secrets != hook.secrets:
                     try:
-                        verify(request.headers, body, fresh["secrets"], time.time(), tolerance)
+                        verify(request.headers, body, fresh.secrets, time.time(), tolerance)
                         return
                     except SignatureError as second:
                         error = second
@@ -138,19 +142,19 @@ class HookReceiver:
     async def post(self, request: Request) -> Response:
         hook_id = request.path_params["hook_id"]
         hook = await self._hook(hook_id) if len(hook_id) <= MAX_HOOK_ID_CHARS else None
-        if hook is None or hook["disabled_at"] is not None:
+        if hook is None or hook.disabled_at is not None:
             raise Refusal(404, "unknown_hook", "no such hook")
-        provider = HookProvider(hook["provider"])
+        provider = HookProvider(hook.provider)
         require_json(request)
         body = await read_body(request, self.settings.max_body_bytes)
-        if not hook["secrets"]:
+        if not hook.secrets:
             SIGNATURE_FAILURES.labels(provider.value, "no_active_secret").inc()
             raise Refusal(401, "invalid_signature", "the hook has no active secret", reason="no_active_secret")
         await self._verify(hook, provider, request, body)
         if provider is HookProvider.GITHUB and request.headers.get("x-github-event") == "ping":
             # GitHub's check that the hook is reachable: verified, but no agent should wake for it.
             return JSONResponse({"accepted": 0, "detail": "ping verified; nothing produced"}, 200)
-        event = delivery_event(provider, hook["user_id"], request, body, parse_json(body))
+        event = delivery_event(provider, hook.user_id, request, body, parse_json(body))
         await self.publisher.send([event], via="hooks")
         log.debug("hook %s: %s %s produced", hook_id, event.kind, event.source_id)
         return JSONResponse({"accepted": 1, "source": event.source, "source_id": event.source_id}, 202)

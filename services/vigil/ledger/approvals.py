@@ -68,6 +68,12 @@ def _standing(conn: psycopg.Connection, request_id: str, escalated: bool = False
     )
 
 
+def standing(conn: psycopg.Connection, request_id: str) -> Standing:
+    """What stands for a request now, without writing; ``answer`` is ``unknown`` for a request
+    never made and ``pending`` for an open one."""
+    return _standing(conn, request_id)
+
+
 def answer(conn: psycopg.Connection, request_id: str, given: ApprovalAnswer, received_at: datetime) -> Standing:
     """Store a person's answer (call inside a transaction; produce the wake-up after commit).
 

@@ -15,9 +15,8 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 import psycopg
-from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
 
+from vigil.ledger import db
 from vigil.ledger.queries import Q
 
 # The overview's counts stop here: a backlog this size is an incident whatever its exact
@@ -31,22 +30,16 @@ FAR_PAST = datetime(1970, 1, 1, tzinfo=UTC)
 EVENT_KIND, RUN_KIND = 0, 1  # tiebreak of the timeline's merged keyset (same instant: runs first)
 
 
-def open_pool(dsn: str, max_size: int = 4) -> ConnectionPool:
+def open_pool(dsn: str, max_size: int = 4) -> db.Pool:
     """The console's connections: read-mostly, autocommit, a short statement timeout."""
-    return ConnectionPool(
+    # Durable like every ledger session (a retry's audit row); a shorter statement timeout.
+    return db.pool(
         dsn,
-        open=False,
-        min_size=1,
+        name="console",
         max_size=max_size,
         timeout=5,
-        kwargs={
-            "autocommit": True,
-            "row_factory": dict_row,
-            # Durable like every ledger session (a retry's audit row); a shorter statement timeout.
-            "options": f"-c statement_timeout={CONSOLE_STATEMENT_TIMEOUT_MS} -c synchronous_commit=on",
-        },
-        check=ConnectionPool.check_connection,
-        name="console",
+        autocommit=True,
+        statement_timeout_ms=CONSOLE_STATEMENT_TIMEOUT_MS,
     )
 
 
@@ -520,8 +513,3 @@ def partitions(conn: psycopg.Connection, limit: int = 10_000) -> list[PartitionR
     """Every partition the ledger knows, with its epoch, holder, consumer position and
     pending events (the broker's end offsets are not here: the console asks Kafka)."""
     return _rows(PartitionRow, _fetch(conn, Q.console_partitions, {"limit": limit, "cap": COUNT_CAP}))
-
-
-def token_by_hash(conn: psycopg.Connection, digest: str) -> dict | None:
-    """The API token with this sha256 (id, name, revoked_at), as ingest checks it."""
-    return conn.execute(Q.token_by_hash, {"token_hash": digest}).fetchone()

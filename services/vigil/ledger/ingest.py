@@ -1,0 +1,214 @@
+"""API tokens and webhook hooks: typed functions over ``queries/ingest.sql``.
+
+Ingest reads them on its hot path (:func:`token_by_hash`, :func:`hook_for_delivery`, each
+cached by ingest; :func:`token_hashes` and :func:`hook_ids` feed its negative caches);
+``vigil tokens`` and ``vigil hooks`` write them. A revocation sets a timestamp once and never
+clears it, so each write checks "still active" and returns None when it found nothing to do.
+Only a token's sha256 is stored; hook secrets are stored in clear (an HMAC cannot be checked
+against a hash) and leave this module only in :class:`Hook`, the delivery check's view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import TypeVar
+
+import psycopg
+
+from vigil.ledger.queries import Q
+
+T = TypeVar("T")
+
+
+def _row(cls: type[T], row: dict | None) -> T | None:
+    if row is None:
+        return None
+    return cls(**{f.name: row[f.name] for f in fields(cls)})  # type: ignore[arg-type]
+
+
+# -- tokens ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AuthToken:
+    """A token as a request's authentication needs it (``scopes``/``users`` None: unrestricted)."""
+
+    id: str
+    name: str
+    revoked_at: datetime | None
+    scopes: list[str] | None
+    users: list[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A token as ``vigil tokens`` shows it: never its hash."""
+
+    id: str
+    name: str
+    created_at: datetime
+    revoked_at: datetime | None
+    scopes: list[str] | None
+    users: list[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    id: str
+    name: str
+    created_at: datetime
+    scopes: list[str] | None
+    users: list[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RevokedToken:
+    id: str
+    name: str
+    revoked_at: datetime
+
+
+async def token_by_hash(conn: psycopg.AsyncConnection, digest: str) -> AuthToken | None:
+    """The token whose sha256 is ``digest``, revoked or not."""
+    cursor = await conn.execute(Q.token_by_hash, {"token_hash": digest})
+    return _row(AuthToken, await cursor.fetchone())
+
+
+def auth_token(conn: psycopg.Connection, digest: str) -> AuthToken | None:
+    """:func:`token_by_hash` on a sync connection (the console's login)."""
+    return _row(AuthToken, conn.execute(Q.token_by_hash, {"token_hash": digest}).fetchone())
+
+
+async def token_hashes(conn: psycopg.AsyncConnection) -> frozenset[str]:
+    """Every token's hash (ingest's negative cache)."""
+    cursor = await conn.execute(Q.token_hashes)
+    return frozenset(row["token_hash"] for row in await cursor.fetchall())
+
+
+def create_token(
+    conn: psycopg.Connection, token_id: str, name: str, digest: str, scopes: list[str] | None, users: list[str] | None
+) -> NewToken:
+    row = conn.execute(
+        Q.token_create, {"id": token_id, "name": name, "token_hash": digest, "scopes": scopes, "users": users}
+    ).fetchone()
+    return _row(NewToken, row)  # type: ignore[return-value]
+
+
+def tokens(conn: psycopg.Connection) -> list[Token]:
+    """Every token, newest first."""
+    return [_row(Token, r) for r in conn.execute(Q.token_list).fetchall()]  # type: ignore[misc]
+
+
+def revoke_token(conn: psycopg.Connection, token_id: str) -> RevokedToken | None:
+    """None: unknown, or revoked already (:func:`token_exists` tells which)."""
+    return _row(RevokedToken, conn.execute(Q.token_revoke, {"id": token_id}).fetchone())
+
+
+def token_exists(conn: psycopg.Connection, token_id: str) -> bool:
+    return conn.execute(Q.token_get, {"id": token_id}).fetchone() is not None
+
+
+# -- hooks -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hook:
+    """A hook and its active secrets, as a delivery's check needs them."""
+
+    id: str
+    provider: str
+    user_id: str
+    disabled_at: datetime | None
+    secrets: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ListedHook:
+    """A hook as ``vigil hooks list`` shows it: the ids of its active secrets, never the secrets."""
+
+    id: str
+    provider: str
+    user_id: str
+    created_at: datetime
+    disabled_at: datetime | None
+    active_secret_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class NewHook:
+    id: str
+    provider: str
+    user_id: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class DisabledHook:
+    id: str
+    provider: str
+    user_id: str
+    disabled_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Secret:
+    """One signing secret's state, never its value."""
+
+    id: int
+    hook_id: str
+    created_at: datetime | None = None
+    revoked_at: datetime | None = None
+
+
+async def hook_for_delivery(conn: psycopg.AsyncConnection, hook_id: str) -> Hook | None:
+    cursor = await conn.execute(Q.hook_for_delivery, {"hook_id": hook_id})
+    return _row(Hook, await cursor.fetchone())
+
+
+async def hook_ids(conn: psycopg.AsyncConnection) -> frozenset[str]:
+    """Every hook id (ingest's negative cache)."""
+    cursor = await conn.execute(Q.hook_ids)
+    return frozenset(row["id"] for row in await cursor.fetchall())
+
+
+def hook(conn: psycopg.Connection, hook_id: str) -> Hook | None:
+    """:func:`hook_for_delivery` for the CLI."""
+    return _row(Hook, conn.execute(Q.hook_for_delivery, {"hook_id": hook_id}).fetchone())
+
+
+def create_hook(conn: psycopg.Connection, hook_id: str, provider: str, user_id: str) -> NewHook:
+    row = conn.execute(Q.hook_create, {"id": hook_id, "provider": provider, "user_id": user_id}).fetchone()
+    return _row(NewHook, row)  # type: ignore[return-value]
+
+
+def hooks(conn: psycopg.Connection) -> list[ListedHook]:
+    """Every hook, newest first."""
+    return [_row(ListedHook, r) for r in conn.execute(Q.hook_list).fetchall()]  # type: ignore[misc]
+
+
+def add_secret(conn: psycopg.Connection, hook_id: str, secret: str) -> Secret | None:
+    """Add a signing secret; None: no such hook, or it is disabled."""
+    row = conn.execute(Q.hook_secret_add, {"hook_id": hook_id, "secret": secret}).fetchone()
+    return None if row is None else Secret(row["id"], row["hook_id"], created_at=row["created_at"])
+
+
+def lock_hook(conn: psycopg.Connection, hook_id: str) -> bool:
+    """Lock a hook until commit (serialises changes to its secrets); False: no such hook."""
+    return conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is not None
+
+
+def revoke_secret(conn: psycopg.Connection, hook_id: str, secret_id: int, *, force: bool) -> Secret | None:
+    """Revoke an active secret; unless ``force``, only while another stays active. None:
+    nothing revoked (:func:`secret` tells why)."""
+    row = conn.execute(Q.hook_secret_revoke, {"hook_id": hook_id, "secret_id": secret_id, "force": force}).fetchone()
+    return None if row is None else Secret(row["id"], row["hook_id"], revoked_at=row["revoked_at"])
+
+
+def secret(conn: psycopg.Connection, hook_id: str, secret_id: int) -> Secret | None:
+    return _row(Secret, conn.execute(Q.hook_secret_get, {"hook_id": hook_id, "secret_id": secret_id}).fetchone())
+
+
+def disable_hook(conn: psycopg.Connection, hook_id: str) -> DisabledHook | None:
+    """None: unknown, or disabled already."""
+    return _row(DisabledHook, conn.execute(Q.hook_disable, {"hook_id": hook_id}).fetchone())
