@@ -42,7 +42,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from vigil import logs
-from vigil.ledger.queries import Q
+from vigil.ledger.db import statement_names
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _name_statements_after_queries() -> None:
     from opentelemetry.instrumentation import psycopg as instrumented  # late: see setup()
 
     # "": psycopg_pool's check of a connection before lending it (ConnectionPool.check_connection).
-    names = {sql: name for name, sql in Q.items()} | {"": "pool_check"}
+    names = statement_names() | {"": "pool_check"}
     base = instrumented.CursorTracer
 
     class NamedQueries(base):

@@ -30,6 +30,7 @@ __all__ = [
     "is_alive",
     "pool",
     "session_options",
+    "statement_names",
 ]
 
 Pool = ConnectionPool
@@ -149,6 +150,14 @@ def cli_connection(*, autocommit: bool = True) -> Iterator[psycopg.Connection]:
 
     with connect(load_or_exit(CommonSettings).dsn, autocommit=autocommit) as conn:
         yield conn
+
+
+def statement_names() -> dict[str, str]:
+    """SQL text -> the name of its query in ``queries/*.sql``, for every statement the ledger
+    runs (vigil.tracing names a statement's span after its query)."""
+    from vigil.ledger.queries import Q
+
+    return {sql: name for name, sql in Q.items()}
 
 
 def is_alive(conn: psycopg.Connection) -> None:

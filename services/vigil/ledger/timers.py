@@ -42,9 +42,11 @@ class TimerRow:
     last_fired_at: datetime | None
     handled_through: datetime | None
     cancelled_at: datetime | None
+    run_id: int | None  # the run whose finish last set it; None: the API or the CLI
     error: str | None
     created_at: datetime
     updated_at: datetime
+    traceparent: str | None  # the setting run's trace context (traces on): the fire continues it
 
     @classmethod
     def of(cls, row: dict) -> TimerRow:

@@ -200,8 +200,8 @@ def fire_spans(outcomes: list[Outcome]) -> Iterator[None]:
     spans = []
     for outcome in outcomes:
         row = outcome.row
-        stored = tracing.span_context_of({"traceparent": row.get("traceparent")})
-        one_off = row.get("every_seconds") is None and row.get("cron") is None
+        stored = tracing.span_context_of({"traceparent": row.traceparent})
+        one_off = row.every_seconds is None and row.cron is None
         parent, links = tracing.parent_and_links([stored]) if one_off else (None, [Link(stored)] if stored else [])
         for index, event in enumerate(outcome.events):
             span = tracing.started(
@@ -211,7 +211,7 @@ def fire_spans(outcomes: list[Outcome]) -> Iterator[None]:
                 links=links,
                 attributes={
                     "vigil.user_id": event.user_id,
-                    "vigil.timer_id": row["id"],
+                    "vigil.timer_id": row.id,
                     "vigil.source_id": event.source_id,
                 },
             )
