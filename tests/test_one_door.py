@@ -33,7 +33,7 @@ LEDGER = PRODUCT / "ledger"
 NOT_YET_CONVERTED = {
     "agent/actions.py",
     "agent/commands.py",
-    "agent/context.py",
+    "agent/run_ledger.py",
     "worker/claims.py",
     "worker/commands.py",
     "worker/consumer.py",

@@ -23,7 +23,7 @@ from vigil.ingest.settings import IngestSettings
 from vigil.ingest.signatures import valid_standard_secret
 from vigil.ledger import audit
 from vigil.ledger import ingest as ledger
-from vigil.ledger.db import cli_connection
+from vigil.ledger.cli import cli_connection
 from vigil.ledger.states import HookProvider, Scope
 from vigil.service import load_or_exit, require_schema
 

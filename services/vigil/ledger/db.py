@@ -8,12 +8,11 @@ of the ledger modules; they never run SQL themselves (``tests/test_one_door.py``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
+
+from vigil.ledger.queries import Q
 
 # What callers outside the ledger may name (types for annotations, the pool's timeout error
 # to turn into a 503) without importing psycopg_pool themselves.
@@ -23,7 +22,6 @@ __all__ = [
     "PoolTimeout",
     "STATEMENT_TIMEOUT_MS",
     "async_pool",
-    "cli_connection",
     "connect",
     "connect_async",
     "connection_kwargs",
@@ -137,26 +135,9 @@ def async_pool(
     )
 
 
-@contextmanager
-def cli_connection(*, autocommit: bool = True) -> Iterator[psycopg.Connection]:
-    """The ledger connection of one CLI command (``VIGIL_DATABASE_URL``), closed at the end.
-
-    Without ``autocommit`` the block is one transaction, committed when it exits normally. A
-    ledger that does not answer raises psycopg.OperationalError, which the CLI turns into one
-    line and exit 3 (vigil.service.VigilGroup).
-    """
-    from vigil.service import load_or_exit
-    from vigil.settings import CommonSettings
-
-    with connect(load_or_exit(CommonSettings).dsn, autocommit=autocommit) as conn:
-        yield conn
-
-
 def statement_names() -> dict[str, str]:
     """SQL text -> the name of its query in ``queries/*.sql``, for every statement the ledger
     runs (vigil.tracing names a statement's span after its query)."""
-    from vigil.ledger.queries import Q
-
     return {sql: name for name, sql in Q.items()}
 
 
