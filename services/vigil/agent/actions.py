@@ -22,7 +22,7 @@ from vigil.agent.http_tool import HttpRequestTool
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
 from vigil.ledger import agent as ledger_agent
-from vigil.ledger.db import connection_kwargs
+from vigil.ledger.db import connect_async
 from vigil.outbound import address_policy
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class RefundTool(ActionTool):
         if refusal is not None:
             return ToolOutput(f"Not refunded: {refusal}.", True)
         amount = _amount(args["amount"])
-        async with await psycopg.AsyncConnection.connect(self.dsn, **connection_kwargs(autocommit=True)) as conn:
+        async with await connect_async(self.dsn, autocommit=True) as conn:
             row = await ledger_agent.record_refund(
                 conn, call.idempotency_key, call.user_id, args["order_id"], amount, args.get("reason")
             )

@@ -17,9 +17,7 @@ import click
 from vigil.agent.settings import parse_event_policies
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
-from vigil.ledger.db import connect
-from vigil.service import load_or_exit
-from vigil.settings import CommonSettings
+from vigil.ledger.cli import cli_connection
 
 
 def _ledger():

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb, set_json_dumps
+from psycopg.types.json import set_json_dumps
 
 from vigil.ledger import audit
 from vigil.ledger.queries import Q

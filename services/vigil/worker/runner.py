@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import events as ledger_events
 from vigil.ledger import recovery as ledger_recovery
+from vigil.ledger.db import AsyncPool
 from vigil.worker import metrics, traces
 from vigil.worker.claims import Claim, alone_due, claim, claim_alone, claim_more, mark_dead
 from vigil.worker.fencing import PartitionKey
@@ -55,7 +55,7 @@ class Active:
 
 
 class Runner:
-    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncConnectionPool, dead_letters) -> None:
+    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool, dead_letters) -> None:
         self.settings = settings
         self.agent = agent
         self.pool = pool

@@ -11,12 +11,11 @@ import getpass
 import json
 
 import click
-import psycopg
 
 from vigil.cliutil import table
 from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
-from vigil.ledger.db import connection_kwargs
+from vigil.ledger.db import connect_async
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 

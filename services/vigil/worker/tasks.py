@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 from vigil.agent.base import Agent, Delegation, TaskContext
 from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer
 from vigil.ledger import tasks as ledger
+from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import TaskStatus
 from vigil.worker import metrics
 from vigil.worker.settings import WorkerSettings
@@ -91,7 +91,7 @@ class Holding:
 
 
 class TaskExecutor:
-    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncConnectionPool, producer: EventProducer):
+    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool, producer: EventProducer):
         self.settings = settings
         self.agent = agent
         self.pool = pool
