@@ -14,7 +14,9 @@ import psycopg
 from psycopg.types.json import set_json_dumps
 
 from vigil.ledger import audit
+from vigil.ledger.partitions import PartitionKey
 from vigil.ledger.queries import Q
+from vigil.ledger.recovery import record_positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,23 @@ def record_events(cur: psycopg.Cursor, unknown_users: list[str]) -> int:
     row = cur.execute(Q.record_events, {"unknown_users": unknown_users}).fetchone()
     assert row is not None
     return row["recorded"]
+
+
+def record_batch(
+    conn: psycopg.Connection, rows: list[tuple], unknown_users: list[str], next_offsets: dict[PartitionKey, int]
+) -> int:
+    """The worker's record step, one transaction: COPY ``rows`` (staging order) in, move the
+    new ones into the queue (:func:`record_events`), and move the ledger's consumer positions
+    past the batch (``recovery.record_positions``), so positions and the events they cover
+    commit or vanish together. A batch of undecodable messages only moves the positions.
+    Returns how many events were new."""
+    with conn.transaction(), conn.cursor() as cur:
+        recorded = 0
+        if rows:
+            copy_rows(cur, rows)
+            recorded = record_events(cur, unknown_users)
+        record_positions(cur, next_offsets)
+        return recorded
 
 
 # -- operators ---------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from vigil.bus.kafka import ProduceError
 from vigil.ledger import events as ledger_events
 from vigil.ledger import recovery as ledger_recovery
 from vigil.ledger.db import connect
-from vigil.ledger.events import USER_COLUMN, copy_rows, prepare_record_connection
+from vigil.ledger.events import USER_COLUMN, prepare_record_connection
 from vigil.worker import metrics, traces
 from vigil.worker.fencing import PartitionKey, take_over
 from vigil.worker.settings import WorkerSettings
@@ -296,14 +296,7 @@ class ConsumerLoop(threading.Thread):
         positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in highest.items()}
 
         def record(conn: psycopg.Connection) -> int:
-            with conn.transaction():
-                with conn.cursor() as cur:
-                    recorded = 0
-                    if rows:
-                        copy_rows(cur, rows)
-                        recorded = ledger_events.record_events(cur, unknown_users)
-                    ledger_recovery.record_positions(cur, positions)
-                    return recorded
+            return ledger_events.record_batch(conn, rows, unknown_users, positions)
 
         try:
             return self._retrying("recording events", record)
