@@ -19,9 +19,9 @@ from dispatcher_support import (
     standard_webhooks_valid,
 )
 from support import query, scalar
+from vigil.clock import ManualClock, utc
 from vigil.dispatcher.channels import Outcome, Result
 from vigil.dispatcher.claims import claim
-from vigil.dispatcher.clock import ManualClock
 from vigil.dispatcher.operator import dead_deliveries
 
 MINUTE = 60
@@ -49,14 +49,14 @@ def dispatch(ledger):
 
 
 def at(clock: ManualClock, minutes: float):
-    clock.set(T0 + timedelta(minutes=minutes))
-    return clock.now()
+    clock.set((T0 + timedelta(minutes=minutes)).timestamp())
+    return utc(clock.now())
 
 
 def test_source_scenario_three_updates_in_an_hour_make_two_deliveries(ledger, receiver, dispatch):
     """Seed 000 section 8: a 1 h gap, updates at minutes 0, 10 and 20: `update 0` at once,
     `update 1` + `update 2` joined at minute 61."""
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock, outbox_gap=3600)
     secret = add_webhook_users(ledger, ["ana"], receiver.url)["ana"]
     for n, minute in enumerate((0, 10, 20)):
@@ -84,7 +84,7 @@ def test_source_scenario_three_updates_in_an_hour_make_two_deliveries(ledger, re
 
 
 def test_urgent_inside_the_gap_goes_at_once_with_what_was_held_and_restarts_the_gap(ledger, receiver, dispatch):
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock, outbox_gap=3600)
     add_webhook_users(ledger, ["ana"], receiver.url)
     bypasses = sample("vigil_urgent_bypasses_total")
@@ -110,7 +110,7 @@ def test_urgent_inside_the_gap_goes_at_once_with_what_was_held_and_restarts_the_
 
 
 def test_urgent_daily_cap_makes_urgent_messages_wait_like_others_until_the_next_day(ledger, receiver, dispatch):
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock, outbox_gap=3600, urgent_daily_cap=5)
     add_webhook_users(ledger, ["ana"], receiver.url)
     with psycopg.connect(ledger) as conn:  # the operator's per-user cap wins over the default
@@ -134,9 +134,9 @@ def test_urgent_daily_cap_makes_urgent_messages_wait_like_others_until_the_next_
 
     # A new UTC day: the cap starts over.
     next_day = T0 + timedelta(days=1)
-    clock.set(next_day)
+    clock.set(next_day.timestamp())
     d.run_pass()
-    add_message(ledger, "ana", "plain", created_at=clock.now())
+    add_message(ledger, "ana", "plain", created_at=utc(clock.now()))
     d.run_pass()
     add_message(ledger, "ana", "urgent three", urgent=True, created_at=at(clock, 24 * 60 + 1))
     d.run_pass()
@@ -144,7 +144,7 @@ def test_urgent_daily_cap_makes_urgent_messages_wait_like_others_until_the_next_
 
 
 def test_an_approval_question_past_the_urgent_cap_is_not_held_beyond_its_deadline(ledger, receiver, dispatch):
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock, outbox_gap=3600, urgent_daily_cap=0)  # no urgent bypass at all today
     add_webhook_users(ledger, ["ana"], receiver.url)
     add_message(ledger, "ana", "hello", created_at=at(clock, 0))
@@ -173,7 +173,7 @@ def test_503_then_200_is_delivered_after_recovery_with_retries_counted_and_retry
         return 200, {}
 
     receiver.answer = answer
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock, delivery_backoff_base_s=30, delivery_backoff_cap_s=600)
     secret = add_webhook_users(ledger, ["ana"], receiver.url)["ana"]
     add_message(ledger, "ana", "status report", created_at=T0)
@@ -185,7 +185,7 @@ def test_503_then_200_is_delivered_after_recovery_with_retries_counted_and_retry
     assert (row["status"], row["attempts"], row["error"]) == ("pending", 1, "HTTP 503")
     # Retry-After (120 s) beats the 30 s backoff.
     assert row["next_attempt_at"] >= T0 + timedelta(seconds=120)
-    clock.set(T0 + timedelta(seconds=119))
+    clock.set((T0 + timedelta(seconds=119)).timestamp())
     d.run_pass()
     assert len(receiver.got()) == 1, "no attempt before Retry-After has passed"
 
@@ -204,7 +204,7 @@ def test_503_then_200_is_delivered_after_recovery_with_retries_counted_and_retry
 
 def test_410_is_dead_at_once_kept_and_listed(ledger, receiver, dispatch):
     receiver.answer = lambda r: (410, {}) if r.path.endswith("/gone") else (200, {})
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock)
     add_webhook_users(ledger, ["gone"], receiver.url.replace("/hook", "/gone"))
     add_webhook_users(ledger, ["fine"], receiver.url)
@@ -235,7 +235,7 @@ def test_failures_up_to_max_attempts_end_dead_and_timeouts_are_retried(ledger, r
         return 500, {}
 
     receiver.answer = answer
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock, delivery_max_attempts=3, delivery_http_timeout_s=0.3, delivery_backoff_cap_s=60)
     add_webhook_users(ledger, ["ana"], receiver.url)
     add_webhook_users(ledger, ["slow"], receiver.url.replace("/hook", "/slow"))
@@ -255,13 +255,13 @@ def test_failures_up_to_max_attempts_end_dead_and_timeouts_are_retried(ledger, r
 
 
 def test_a_send_whose_dispatcher_vanished_goes_again_under_its_id_after_the_lease(ledger, receiver, dispatch):
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock, delivery_lease_s=300, delivery_max_attempts=3)
     add_webhook_users(ledger, ["ana"], receiver.url)
     add_message(ledger, "ana", "one", created_at=T0)
     lost = sample("vigil_delivery_retries_total", {"channel": "webhook", "reason": "lost"})
     # A dispatcher claims and dies before sending anything (its claim is committed).
-    first = claim(d.conn, clock.now(), d.limits).deliveries[0]
+    first = claim(d.conn, utc(clock.now()), d.limits).deliveries[0]
     clock.advance(299)
     assert d.run_pass() == 0, "the lease still stands"
     clock.advance(2)
@@ -277,14 +277,14 @@ def test_a_send_whose_dispatcher_vanished_goes_again_under_its_id_after_the_leas
 
 
 def test_a_delivery_whose_dispatchers_keep_dying_is_buried_after_max_attempts(ledger, dispatch):
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock, delivery_lease_s=300, delivery_max_attempts=2)
     add_webhook_users(ledger, ["ana"], "http://127.0.0.1:9/never")
     add_message(ledger, "ana", "one", created_at=T0)
     for _ in range(2):
-        assert len(claim(d.conn, clock.now(), d.limits).deliveries) == 1
+        assert len(claim(d.conn, utc(clock.now()), d.limits).deliveries) == 1
         clock.advance(301)
-    buried = claim(d.conn, clock.now(), d.limits).buried
+    buried = claim(d.conn, utc(clock.now()), d.limits).buried
     assert len(buried) == 1
     row = query(ledger, "SELECT status, attempts, error FROM outbox")[0]
     assert (row["status"], row["attempts"]) == ("dead", 2)
@@ -292,7 +292,7 @@ def test_a_delivery_whose_dispatchers_keep_dying_is_buried_after_max_attempts(le
 
 
 def test_a_user_locked_by_another_claim_is_skipped_not_waited_for(ledger, receiver, dispatch):
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = dispatch(clock)
     add_webhook_users(ledger, ["ana", "bob"], receiver.url)
     add_message(ledger, "ana", "for ana", created_at=T0)
@@ -321,7 +321,7 @@ def test_a_send_whose_ledger_went_away_does_not_wait_out_its_lease(ledger, dispa
 
     receiver = Receiver(answer=drop_the_ledger).start()
     try:
-        clock = ManualClock(T0)
+        clock = ManualClock(T0.timestamp())
         d = dispatch(clock, delivery_lease_s=300)
         add_webhook_users(ledger, ["ana"], receiver.url)
         add_message(ledger, "ana", "one", created_at=T0)

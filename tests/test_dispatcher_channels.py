@@ -15,12 +15,12 @@ from dispatcher_support import T0, Receiver, add_message, add_users, in_process_
 from support import query, scalar, wait_for
 from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
 from vigil.cli import main
-from vigil.dispatcher.clock import ManualClock
+from vigil.clock import ManualClock
 
 
 def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topics):
     d = in_process_dispatcher(
-        ledger, ManualClock(T0), kafka_bootstrap=stack.bootstrap, deliveries_topic=topics.deliveries
+        ledger, ManualClock(T0.timestamp()), kafka_bootstrap=stack.bootstrap, deliveries_topic=topics.deliveries
     )
     try:
         add_users(ledger, ["kai"])
@@ -60,7 +60,7 @@ def _polled(consumer):
 
 def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
     out = io.StringIO()
-    d = in_process_dispatcher(ledger, ManualClock(T0), log_stream=out)
+    d = in_process_dispatcher(ledger, ManualClock(T0.timestamp()), log_stream=out)
     try:
         add_users(ledger, ["lee"])
         add_message(ledger, "lee", "hello from the agent", created_at=T0)
@@ -140,7 +140,7 @@ def test_channels_set_refuses_what_cannot_work(ledger, cli, args, complaint):
 
 def test_outbox_lists_rows_dead_deliveries_and_revives_one_under_its_id(ledger, cli):
     receiver = Receiver(answer=lambda _r: (410, {})).start()
-    clock = ManualClock(T0)
+    clock = ManualClock(T0.timestamp())
     d = in_process_dispatcher(ledger, clock)
     try:
         add_users(ledger, ["ana"])
@@ -158,7 +158,7 @@ def test_outbox_lists_rows_dead_deliveries_and_revives_one_under_its_id(ledger, 
 
         receiver.answer = lambda _r: (200, {})
         cli("outbox", "--revive", delivery_id)
-        clock.set(T0.replace(year=2027))  # revival is due at once, whatever the dispatcher's clock says
+        clock.set(T0.replace(year=2027).timestamp())  # revival is due at once, whatever the dispatcher's clock says
         d.run_pass()
     finally:
         d.close()

@@ -21,7 +21,7 @@ from dispatcher_support import (
     standard_webhooks_valid,
 )
 from support import query, scalar, wait_for
-from vigil.dispatcher.clock import write_clock_file
+from vigil.clock import write_clock_file
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def receiver():
 @pytest.fixture
 def clock_file(tmp_path):
     path = tmp_path / "clock"
-    write_clock_file(path, T0)
+    write_clock_file(path, T0.timestamp())
     return path
 
 
@@ -80,7 +80,7 @@ def test_sigkill_after_the_receiver_got_it_before_the_commit_resends_the_same_de
     passes_after([port], time.time())
     assert len(receiver.got()) == 1, "inside the lease the killed dispatcher might still be sending"
 
-    write_clock_file(clock_file, T0 + timedelta(seconds=121))
+    write_clock_file(clock_file, (T0 + timedelta(seconds=121)).timestamp())
     wait_for(lambda: scalar(ledger, "SELECT bool_and(status = 'delivered') FROM outbox"), 30, "the re-send")
     passes_after([port], time.time())
     got = receiver.got()
@@ -122,7 +122,7 @@ def test_two_dispatchers_over_500_users_never_send_a_row_twice_nor_two_deliverie
         per_user[request.user].append(request)
     assert {u: len(r) for u, r in per_user.items() if len(r) != 1} == {}, "one delivery per user inside the gap"
 
-    write_clock_file(clock_file, T0 + timedelta(seconds=3600))
+    write_clock_file(clock_file, (T0 + timedelta(seconds=3600)).timestamp())
     wait_for(
         lambda: scalar(ledger, "SELECT count(*) FROM outbox WHERE status <> 'delivered'") == 0,
         90,

@@ -14,11 +14,12 @@ import pytest
 from scheduler_support import DAY, bodies, read_topic, record, topic_size, utc
 from support import query, scalar, wait_for
 from vigil.bus.kafka import EventProducer, ProduceError
+from vigil.clock import ManualClock
 from vigil.ledger import approvals
 from vigil.ledger.db import connect
 from vigil.ledger.queries import Q
 from vigil.ledger.states import ApprovalAnswer, CatchUp, TimerKind
-from vigil.scheduler.loop import FakeClock, Scheduler
+from vigil.scheduler.loop import Scheduler
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.scheduler.timers import NewTimer, parse_timer, upsert
 
@@ -36,7 +37,7 @@ def make_settings(stack, ledger, topics, **overrides) -> SchedulerSettings:
 def sched(stack, ledger, topics):
     settings = make_settings(stack, ledger, topics)
     producer = EventProducer(settings)
-    scheduler = Scheduler(settings, producer, FakeClock(T0))
+    scheduler = Scheduler(settings, producer, ManualClock(T0))
     yield scheduler
     scheduler.close()
     producer.close()
@@ -154,7 +155,7 @@ def test_outage_of_three_occurrences_and_ten_minutes(sched, ledger, stack, topic
 def test_each_is_capped_and_a_missed_skip_one_off_is_marked(stack, ledger, topics):
     settings = make_settings(stack, ledger, topics, scheduler_each_cap=3)
     producer = EventProducer(settings)
-    scheduler = Scheduler(settings, producer, FakeClock(T0 + 10 * 3600))
+    scheduler = Scheduler(settings, producer, ManualClock(T0 + 10 * 3600))
     try:
         add(ledger, {"id": "recon", "due": T0, "every": 3600, "catch_up": "each"})
         add(ledger, {"id": "ping", "due": T0, "catch_up": "skip"})
@@ -308,7 +309,7 @@ def test_unacknowledged_produce_advances_nothing(stack, ledger, topics):
     add(ledger, {"id": "digest", "due": T0, "every": DAY})
     _approval(ledger, "refund-9", T0, "deny")
     producer = EventProducer(dead)
-    scheduler = Scheduler(settings, producer, FakeClock(T0 + 1))
+    scheduler = Scheduler(settings, producer, ManualClock(T0 + 1))
     try:
         with pytest.raises(ProduceError):
             scheduler.run_pass()
@@ -352,7 +353,7 @@ def test_the_loop_survives_its_ledger_connection_being_killed(stack, ledger, top
 
     settings = make_settings(stack, ledger, topics, scheduler_tick_s=0.05, scheduler_grace_s=60)
     producer = EventProducer(settings)
-    scheduler = Scheduler(settings, producer, FakeClock(T0))
+    scheduler = Scheduler(settings, producer, ManualClock(T0))
     stopping = threading.Event()
     health: list[bool] = []
     loop = threading.Thread(target=scheduler.run, args=(stopping, health.append), daemon=True)

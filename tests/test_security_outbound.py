@@ -24,8 +24,8 @@ from vigil.agent.deferral import question_text
 from vigil.agent.http_tool import HttpRequestTool
 from vigil.agent.tools import CallContext
 from vigil.cli import main
+from vigil.clock import ManualClock
 from vigil.dispatcher.channels import ChannelConfig, Delivery, Result, WebhookChannel, new_secret
-from vigil.dispatcher.clock import ManualClock
 from vigil.dispatcher.pacing import Row
 from vigil.ledger.approvals import sign_token
 from vigil.ledger.states import ChannelType
@@ -43,7 +43,7 @@ def test_log_channel_writes_approval_tokens_redacted(ledger):
     token = sign_token("the-secret", "req-1", "lee")
     assert token in body
     out = io.StringIO()
-    d = in_process_dispatcher(ledger, ManualClock(T0), log_stream=out)
+    d = in_process_dispatcher(ledger, ManualClock(T0.timestamp()), log_stream=out)
     try:
         add_users(ledger, ["lee"])
         add_message(ledger, "lee", body, created_at=T0)

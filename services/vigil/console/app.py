@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from vigil.clock import Clock, SystemClock, utc
 from vigil.console import auth
 from vigil.console.lag import EndOffsets, answered_at
 from vigil.console.settings import ConsoleSettings
@@ -160,9 +161,9 @@ class Refused(Exception):
 
 
 class Console:
-    def __init__(self, settings: ConsoleSettings, clock: Callable[[], datetime] = lambda: datetime.now(UTC)):
+    def __init__(self, settings: ConsoleSettings, clock: Clock | None = None):
         self.settings = settings
-        self.clock = clock
+        self.clock = clock or SystemClock()
         self.pool = ledger.open_pool(settings.dsn)
         self.env = environment()
         self.tokens: TtlCache[tokens.AuthToken] = TtlCache(settings.console_auth_cache_s)
@@ -188,7 +189,7 @@ class Console:
     def page(self, request: Request, template: str, status: int = 200, **context) -> HTMLResponse:
         operator = request.scope.get("vigil.operator")
         html = self.env.get_template(template).render(
-            request=request, operator=operator, now=self.clock(), csrf_field=auth.CSRF_FIELD, **context
+            request=request, operator=operator, now=utc(self.clock.now()), csrf_field=auth.CSRF_FIELD, **context
         )
         return HTMLResponse(html, status_code=status)
 
@@ -266,7 +267,7 @@ class Console:
 
     async def overview(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        data = await self.read(ledger.overview, self.clock())
+        data = await self.read(ledger.overview, utc(self.clock.now()))
         return self.page(request, "overview.html", o=data)
 
     async def search(self, request: Request) -> Response:
@@ -366,7 +367,7 @@ class Console:
     async def timers(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
         after = _keyset(request.query_params.get("after"), str, parts=3)
-        now = self.clock()
+        now = utc(self.clock.now())
         rows = await self.read(ledger.timers_due_before, now + TIMERS_SOON, after, PAGE)
         nxt = _cursor(rows[-1].due, rows[-1].user_id, rows[-1].id) if len(rows) == PAGE else None
         return self.page(request, "timers.html", rows=rows, next=nxt, soon=TIMERS_SOON)
@@ -378,7 +379,7 @@ class Console:
         topic = self.settings.events_topic
         rows, _ends = await asyncio.gather(self.read(ledger.partitions), self.end_offsets.of(topic))
         joined, ends = await self.end_offsets.lags(rows, [topic])
-        now = self.clock()
+        now = utc(self.clock.now())
         asked = {t: (answered_at(e, now), e.error) for t, e in ends.items()}
         return self.page(request, "partitions.html", rows=joined, asked=asked)
 

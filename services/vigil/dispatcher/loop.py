@@ -25,10 +25,10 @@ import psycopg
 from opentelemetry.trace import SpanKind
 
 from vigil import logs, tracing
+from vigil.clock import Clock, utc
 from vigil.dispatcher import metrics
 from vigil.dispatcher.channels import Channels, Delivery, Outcome, Result
 from vigil.dispatcher.claims import ClaimConflict, Limits, claim, record_dead, record_delivered, record_retry
-from vigil.dispatcher.clock import Clock
 from vigil.dispatcher.pacing import retry_delay
 from vigil.dispatcher.settings import DispatcherSettings
 from vigil.ledger import db, outbox
@@ -112,7 +112,7 @@ class Dispatcher:
         left_over = len(self._unrecorded)
         self.settle()
         metrics.SETTLED_AFTER_RECONNECT.inc(left_over)
-        now = self.clock.now()
+        now = utc(self.clock.now())
         try:
             claimed = claim(self.conn, now, self.limits)
         except ClaimConflict as exc:
@@ -169,9 +169,9 @@ class Dispatcher:
         # The attempt's time is taken when the send starts, not when it was queued: a
         # webhook's timestamp must be fresh when the receiver checks it.
         if not tracing.enabled:
-            return self.channels.send(delivery, self.clock.now())
+            return self.channels.send(delivery, utc(self.clock.now()))
         with delivery_span(delivery) as span:
-            outcome = self.channels.send(delivery, self.clock.now())
+            outcome = self.channels.send(delivery, utc(self.clock.now()))
             span.set_attribute("vigil.delivery.result", outcome.result.value)
             if outcome.result is not Result.DELIVERED:
                 tracing.failed(span, outcome.error)
@@ -187,7 +187,7 @@ class Dispatcher:
         if outcome.result is Result.DELIVERED and self.settings.dispatcher_crash_after_send:
             log.warning("test hook: SIGKILL after delivery %s was accepted, before the commit", delivery.delivery_id)
             os.kill(os.getpid(), signal.SIGKILL)
-        now = self.clock.now()
+        now = utc(self.clock.now())
         if outcome.result is Result.DELIVERED:
             recorded = record_delivered(self.conn, delivery, now)
             if recorded.stood:
@@ -248,7 +248,7 @@ class Dispatcher:
             oldest = row.oldest if oldest is None else min(oldest, row.oldest)
         for status, count in counts.items():
             metrics.BACKLOG.labels(status).set(count)
-        age = 0.0 if oldest is None else max(0.0, (self.clock.now() - oldest).total_seconds())
+        age = 0.0 if oldest is None else max(0.0, self.clock.now() - oldest.timestamp())
         metrics.OLDEST_AGE.set(age)
 
     def run(self, stopping: threading.Event, on_health: Callable[[bool], None] = lambda ok: None) -> None:

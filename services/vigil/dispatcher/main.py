@@ -11,8 +11,8 @@ import logging
 
 from vigil import tracing
 from vigil.bus.kafka import EventProducer
+from vigil.clock import Clock, FileClock, SystemClock
 from vigil.dispatcher.channels import Channels, KafkaChannel, LogChannel, WebhookChannel
-from vigil.dispatcher.clock import Clock, FileClock, SystemClock
 from vigil.dispatcher.loop import Dispatcher
 from vigil.dispatcher.settings import DispatcherSettings
 from vigil.health import HealthServer, Readiness, dependency_checks

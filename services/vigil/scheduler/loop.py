@@ -36,7 +36,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Protocol
 
 import psycopg
 from opentelemetry.trace import Link, SpanKind
@@ -44,6 +43,7 @@ from opentelemetry.trace import Link, SpanKind
 from vigil import tracing
 from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, ProduceError
+from vigil.clock import Clock, SystemClock
 from vigil.ledger import approvals
 from vigil.ledger import timers as ledger
 from vigil.ledger.db import connect
@@ -60,31 +60,6 @@ log = logging.getLogger("vigil.scheduler")
 BACKLOG_REFRESH_S = 5.0
 # Ceiling of the retry wait while the broker or the database is down.
 MAX_BACKOFF_S = 30.0
-
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-
-class SystemClock:
-    def now(self) -> float:
-        return time.time()
-
-
-class FakeClock:
-    """A clock tests move by hand: every pass sees exactly the instant they set."""
-
-    def __init__(self, start: float):
-        self.instant = float(start)
-
-    def now(self) -> float:
-        return self.instant
-
-    def set(self, instant: float) -> None:
-        self.instant = float(instant)
-
-    def advance(self, seconds: float) -> None:
-        self.instant += seconds
 
 
 def _epoch(value: datetime | None) -> int | None:

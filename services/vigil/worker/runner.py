@@ -16,12 +16,13 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 
 import psycopg
 
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
+from vigil.clock import Clock, SystemClock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import events as ledger_events
 from vigil.ledger import recovery as ledger_recovery
@@ -55,8 +56,16 @@ class Active:
 
 
 class Runner:
-    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool, dead_letters) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        agent: Agent,
+        pool: AsyncPool,
+        dead_letters,
+        clock: Clock | None = None,
+    ) -> None:
         self.settings = settings
+        self.clock = clock or SystemClock()
         self.agent = agent
         self.pool = pool
         self.dead_letters = dead_letters
@@ -90,7 +99,7 @@ class Runner:
         if delay <= 0:
             self._pass_now = True
         else:
-            at = time.monotonic() + delay
+            at = self.clock.monotonic() + delay
             if abs(self._last_timer - at) < TIMER_MERGE_S:
                 return
             self._last_timer = at
@@ -114,7 +123,7 @@ class Runner:
         except psycopg.Error as exc:
             log.warning("could not read backoffs after a takeover (the periodic pass finds them): %s", exc)
             return
-        now = datetime.now(UTC)
+        now = utc(self.clock.now())
         for at in ends:
             self.wake((at - now).total_seconds() + BACKOFF_SLACK_S)
 
@@ -157,7 +166,7 @@ class Runner:
 
     async def claim_loop(self) -> None:
         while not self._stopping:
-            now = time.monotonic()
+            now = self.clock.monotonic()
             due = now if self._pass_now else min(self._next_scan, self._timers[0] if self._timers else self._next_scan)
             if due > now:
                 self._wake.clear()
@@ -175,11 +184,11 @@ class Runner:
                     await self._claim_pass()
             except (psycopg.Error, OSError) as exc:
                 log.warning("claim pass failed, retrying: %s", exc)
-                self._next_scan = time.monotonic() + LEDGER_RETRY_S
+                self._next_scan = self.clock.monotonic() + LEDGER_RETRY_S
 
     async def _claim_pass(self) -> None:
         free = self.settings.run_concurrency - len(self.active)
-        if not self.owned or (free <= 0 and time.monotonic() < self._next_heal):
+        if not self.owned or (free <= 0 and self.clock.monotonic() < self._next_heal):
             return
         async with self._claim_lock:
             owned = dict(self.owned)
@@ -187,14 +196,14 @@ class Runner:
                 dead = []
                 # Rule 2 and the look for lone last attempts once per scan interval, not on
                 # every pass; the claim never takes an exhausted or lone row in between.
-                if time.monotonic() >= self._next_dead_check:
-                    self._next_dead_check = time.monotonic() + self.settings.scan_interval_s
+                if self.clock.monotonic() >= self._next_dead_check:
+                    self._next_dead_check = self.clock.monotonic() + self.settings.scan_interval_s
                     dead = await mark_dead(conn, owned, self.settings.max_attempts)
                     self._alone_at = await alone_due(conn, owned, self.settings.max_attempts)
                     if self._alone_at is None:
                         self._drain_until = None
-                if time.monotonic() >= self._next_heal:
-                    self._next_heal = time.monotonic() + self.settings.heal_interval_s
+                if self.clock.monotonic() >= self._next_heal:
+                    self._next_heal = self.clock.monotonic() + self.settings.heal_interval_s
                     await self._heal(conn, owned)
                 claims, alone = await self._claim(conn, owned, free) if free > 0 else ([], False)
                 started = [Active(c, alone=alone) for c in claims]
@@ -251,7 +260,7 @@ class Runner:
         if any(a.alone for a in self.active.values()):
             return [], False  # nothing runs beside a lone attempt
         if self._alone_at is not None:
-            wait_s = (self._alone_at - datetime.now(UTC)).total_seconds()
+            wait_s = (self._alone_at - utc(self.clock.now())).total_seconds()
             if wait_s > 0:
                 self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
             elif self.active and not await self._drained():
@@ -283,7 +292,7 @@ class Runner:
         """Drain for a lone attempt: wait for the runs in flight, up to ``lone_drain_s``;
         then cancel and release the rest (their attempts are given back, as on a revoke).
         True once nothing runs."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self._drain_until is None:
             self._drain_until = now + self.settings.lone_drain_s
             log.info(
@@ -308,7 +317,7 @@ class Runner:
 
     async def _run(self, active: Active) -> None:
         c = active.claim
-        started = datetime.now(UTC)
+        started = utc(self.clock.now())
         finished = Finished(c, started, folded=active.folded)
         try:
             ctx = await self._context(active)
@@ -375,7 +384,9 @@ class Runner:
             session=None,
             memory={},
             recent_messages=[],
-            started_at=datetime.now(UTC),
+            started_at=utc(self.clock.now()),
+            # The host's clock, not ours: the agent checks this against time.monotonic(), and
+            # asyncio enforces run_timeout_s on it too.
             deadline=time.monotonic() + self.settings.run_timeout_s,
             fold=fold,
             delegation=Delegation(
@@ -393,7 +404,7 @@ class Runner:
             batch = [await self.finished.get()]
             while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
                 batch.append(self.finished.get_nowait())
-            began = time.monotonic()
+            began = time.monotonic()  # a measurement, not a decision: the host's clock
             began_ns = time.time_ns()
             while True:
                 try:
@@ -408,7 +419,7 @@ class Runner:
                     await asyncio.sleep(LEDGER_RETRY_S)
             metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
             traces.finish(batch, began_ns, committed)
-            now = datetime.now(UTC)
+            now = utc(self.clock.now())
             landed = {id(run) for run in committed}  # identity: runs are not values to compare
             for run in batch:
                 self.active.pop(run.claim.user_id, None)
@@ -435,8 +446,8 @@ class Runner:
         """Shutdown: no new claims; let runs finish for ``grace_s``, then cancel and release."""
         self._stopping = True
         self._wake.set()
-        deadline = time.monotonic() + grace_s
-        while self.active and time.monotonic() < deadline:
+        deadline = self.clock.monotonic() + grace_s
+        while self.active and self.clock.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.active:
             await self.revoke(list(self.owned), release=True)
