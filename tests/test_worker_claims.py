@@ -297,7 +297,7 @@ def test_a_pass_in_between_does_not_cancel_a_requested_one(monkeypatch):
     async def record_pass():
         passes.append(time.monotonic() - start)
 
-    runner._claim_pass = record_pass
+    runner.claimer._claim_pass = record_pass
 
     async def go():
         loop_task = asyncio.create_task(runner.claim_loop())
@@ -306,8 +306,7 @@ def test_a_pass_in_between_does_not_cancel_a_requested_one(monkeypatch):
         await asyncio.sleep(0.1)
         runner.wake()  # a finish frees a slot: a pass now
         await asyncio.sleep(1.4)
-        runner._stopping = True
-        runner._wake.set()
+        await runner.drain(0)  # nothing runs: it only stops the loop
         await loop_task
 
     start = time.monotonic()

@@ -1,0 +1,225 @@
+"""When to claim: the claim loop and its pass (docs/worker.md, "Claiming"; the rules in
+docs/architecture.md, "Claim rules").
+
+:class:`Claimer` owns the partitions this worker holds (``owned``: their epochs, set on
+assignment, dropped on revoke) and runs a claim pass whenever :class:`Wakeups` says one is
+due. A pass, under the claim lock: once per scan interval rule 2 (exhausted events become
+``dead``) and the look for a lone last attempt (:mod:`vigil.worker.lone`); once per heal
+interval the heal of orphaned claims; then claims up to ``VIGIL_RUN_CONCURRENCY`` minus the
+runs in flight, round-robin from a cursor (:func:`vigil.worker.claims.claim`), and starts
+them (:class:`vigil.worker.runs.Runs`). The claim lock keeps a pass and a rebalance apart:
+a revoked partition's claims are never started after its runs were cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import psycopg
+
+from vigil.clock import Clock, utc
+from vigil.ledger import claims as ledger_claims
+from vigil.ledger import recovery as ledger_recovery
+from vigil.ledger.db import AsyncPool
+from vigil.worker import metrics
+from vigil.worker.claims import Claim, alone_due, claim, claim_alone, mark_dead
+from vigil.worker.fencing import PartitionKey
+from vigil.worker.lone import LoneAttempt
+from vigil.worker.runs import Active, Runs
+from vigil.worker.settings import WorkerSettings
+from vigil.worker.wakeups import BACKOFF_SLACK_S, LEDGER_RETRY_S, Wakeups
+
+log = logging.getLogger(__name__)
+
+
+class Claimer:
+    """The partitions held, the claim loop, the claim pass; the consumer calls ``assign`` and ``revoke``."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        pool: AsyncPool,
+        dead_letters,
+        runs: Runs,
+        wakeups: Wakeups,
+        clock: Clock,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.dead_letters = dead_letters
+        self.runs = runs
+        self.wakeups = wakeups
+        self.clock = clock
+        self.lone = LoneAttempt(settings, runs, wakeups, clock)
+        self.owned: dict[PartitionKey, int] = {}
+        self.stopping = False
+        self._claim_lock = asyncio.Lock()
+        self._cursor = ""  # round-robin position among waiting users (see claims.claim)
+        self._next_dead_check = 0.0
+        self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
+
+    @property
+    def active(self) -> dict[str, Active]:
+        """The runs in flight (held by :class:`Runs`), one per user."""
+        return self.runs.active
+
+    def wake(self, delay: float = 0.0) -> None:
+        self.wakeups.wake(delay)
+
+    def heal_soon(self) -> None:
+        """Look for orphaned claims at the next pass (a finish commit whose outcome is unknown)."""
+        self._next_heal = 0.0
+
+    async def assign(self, epochs: dict[PartitionKey, int]) -> None:
+        """Claim for these partitions (their epochs are the takeover's): a pass now, rule 2 and
+        the heal at it, and a pass at the end of each claim the takeover handed back."""
+        async with self._claim_lock:
+            self.owned.update(epochs)
+            self._next_dead_check = 0.0  # the takeover may have handed back exhausted claims
+            self._next_heal = 0.0
+        metrics.EPOCHS_HELD.set(len(self.owned))
+        self.wake()
+        # The takeover handed the previous owner's claims back with jittered backoffs: wake
+        # when each ends, so they come back one by one as they did before this process
+        # (a poison event among them then tends to run, and crash us, alone).
+        keys = sorted(epochs)
+        try:
+            async with self.pool.connection() as conn:
+                ends = await ledger_claims.backoff_ends(conn, keys)
+        except psycopg.Error as exc:
+            log.warning("could not read backoffs after a takeover (the periodic pass finds them): %s", exc)
+            return
+        now = utc(self.clock.now())
+        for at in ends:
+            self.wake((at - now).total_seconds() + BACKOFF_SLACK_S)
+
+    async def revoke(self, keys: list[PartitionKey], release: bool = True) -> None:
+        """Stop claiming for ``keys``; cancel their runs and hand their claims back.
+
+        A release is fenced like a finish: if the new owner already took over, it matches
+        nothing and the takeover's hand-back has done the job.
+        """
+        async with self._claim_lock:
+            gone = {key: self.owned.pop(key) for key in keys if key in self.owned}
+        metrics.EPOCHS_HELD.set(len(self.owned))
+        victims = [a for a in self.active.values() if a.claim.home in gone]
+        await self.runs.cancel(victims, release)
+        if victims:
+            log.info("revoked %d partition(s): %d run(s) cancelled and released", len(gone), len(victims))
+
+    async def claim_loop(self) -> None:
+        """A pass whenever one is due (:class:`Wakeups`), until shutdown; a ledger error
+        retries the pass after LEDGER_RETRY_S."""
+        while not self.stopping:
+            wait_s = self.wakeups.due_in()
+            if wait_s > 0:
+                await self.wakeups.wait(wait_s)
+                continue
+            self.wakeups.begin_pass()
+            try:
+                with metrics.LEDGER_SECONDS.labels("claim").time():
+                    await self._claim_pass()
+            except (psycopg.Error, OSError) as exc:
+                log.warning("claim pass failed, retrying: %s", exc)
+                self.wakeups.retry_in(LEDGER_RETRY_S)
+
+    async def _claim_pass(self) -> None:
+        """Under the claim lock, on one connection: rule 2 and the lone-attempt look (per scan
+        interval), the heal (per heal interval), the claim, the runs' contexts; then, outside
+        the lock, publish the dead and start the runs. Claims commit as they are made: a crash
+        after one leaves it for the heal or the next owner."""
+        free = self.settings.run_concurrency - len(self.active)
+        if not self.owned or (free <= 0 and self.clock.monotonic() < self._next_heal):
+            return
+        async with self._claim_lock:
+            owned = dict(self.owned)
+            async with self.pool.connection() as conn:
+                dead = []
+                # Rule 2 and the look for lone last attempts once per scan interval, not on
+                # every pass; the claim never takes an exhausted or lone row in between.
+                if self.clock.monotonic() >= self._next_dead_check:
+                    self._next_dead_check = self.clock.monotonic() + self.settings.scan_interval_s
+                    dead = await mark_dead(conn, owned, self.settings.max_attempts)
+                    self.lone.due_at = await alone_due(conn, owned, self.settings.max_attempts)
+                    if self.lone.due_at is None:
+                        self.lone.drain_until = None
+                if self.clock.monotonic() >= self._next_heal:
+                    self._next_heal = self.clock.monotonic() + self.settings.heal_interval_s
+                    await self._heal(conn, owned)
+                claims, alone = await self._claim(conn, owned, free) if free > 0 else ([], False)
+                started = [Active(c, alone=alone) for c in claims]
+                if started and self.runs.needs_context:
+                    await self.runs.preload(conn, started)
+        if dead:
+            metrics.EVENTS_DEAD.inc(len(dead))
+            await asyncio.to_thread(self.dead_letters.publish_dead, dead)
+        for active in started:
+            c = active.claim
+            metrics.CLAIM_BATCH.observe(len(c.events))
+            for event in c.events:
+                metrics.CLAIM_ATTEMPTS.labels(str(min(event.attempts, 3)) if event.attempts < 3 else "3+").inc()
+            self.runs.start(active)
+        metrics.RUNS_IN_FLIGHT.set(len(self.active))
+        if len(claims) == free:
+            self.wake()  # there may be more; a finishing run frees a slot and wakes us
+
+    async def _heal(self, conn, owned: dict[PartitionKey, int]) -> None:
+        """Release the claims at our epochs that no run of ours holds.
+
+        Such a row is a finish the ledger lost (its commit vanished with a crashed server or a
+        failover) or a run this process forgot: left alone it would mute its user (claim rule
+        4) until the next rebalance. It runs inside the claim pass, under the claim lock, so
+        every claim this process made is already in ``self.active`` and the only rows it can
+        match are orphans. Counted as lost with their worker, as a takeover counts them.
+        """
+        healed = await ledger_recovery.release_orphaned_claims(
+            conn,
+            owned,
+            list(self.active),
+            self.settings.max_attempts,
+            self.settings.backoff_base_s,
+            self.settings.backoff_cap_s,
+        )
+        if healed:
+            metrics.HEALED.inc(len(healed))
+            log.warning(
+                "released %d claim(s) at our epoch that no run held (a lost finish?): %d user(s)",
+                len(healed),
+                len({row.user_id for row in healed}),
+            )
+            self.wake(self.settings.backoff_base_s + BACKOFF_SLACK_S)
+
+    async def _claim(self, conn, owned: dict[PartitionKey, int], free: int) -> tuple[list[Claim], bool]:
+        """Claim rule 3's lone last attempts before anything else, then the round robin.
+        Returns the claims and whether they are a lone attempt."""
+        if any(a.alone for a in self.active.values()):
+            return [], False  # nothing runs beside a lone attempt
+        if self.lone.due_at is not None:
+            wait_s = (self.lone.due_at - utc(self.clock.now())).total_seconds()
+            if wait_s > 0:
+                self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
+            elif self.active and not await self.lone.drained():
+                return [], False  # draining: each finishing run wakes a pass, and so does the deadline
+            else:
+                lone = await claim_alone(conn, owned, self.settings.max_attempts)
+                self._next_dead_check = 0.0  # after it: dead? another one waiting?
+                self.lone.drain_until = None
+                if lone is not None:
+                    metrics.LONE_RUNS.inc()
+                    log.warning(
+                        "event %d runs alone: its last attempt, and a worker was lost with it before", lone.events[0].id
+                    )
+                    return [lone], True
+                self.lone.due_at = None
+        claims, self._cursor = await claim(
+            conn,
+            owned,
+            list(self.active),
+            free,
+            self.settings.batch_max,
+            self.settings.batch_window_s,
+            self.settings.max_attempts,
+            self._cursor,
+        )
+        return claims, False

@@ -1,0 +1,98 @@
+"""Finishing: the group finish loop and the backlog gauges (docs/worker.md, "Finishing").
+
+:class:`Finisher` takes the runs :class:`vigil.worker.runs.Runs` put on ``finished`` and
+commits them together with :func:`vigil.worker.finish.commit_finished` (the fenced
+transaction, docs/architecture.md, "The finish"), then frees their users' slots and wakes
+the claim loop: at once for the slot, and when a failed run's backoff ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import psycopg
+
+from vigil.clock import Clock, utc
+from vigil.ledger import events as ledger_events
+from vigil.ledger.db import AsyncPool
+from vigil.worker import metrics, traces
+from vigil.worker.claim_loop import Claimer
+from vigil.worker.finish import Finished, commit_finished
+from vigil.worker.runs import Active, Runs
+from vigil.worker.settings import WorkerSettings
+from vigil.worker.wakeups import BACKOFF_SLACK_S, LEDGER_RETRY_S
+
+log = logging.getLogger(__name__)
+
+GAUGE_INTERVAL_S = 15.0
+
+
+class Finisher:
+    """Group-commits finished runs; reports the ledger's backlog."""
+
+    def __init__(self, settings: WorkerSettings, pool: AsyncPool, runs: Runs, claimer: Claimer, clock: Clock) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.runs = runs
+        self.claimer = claimer  # woken when a slot frees or a backoff ends; asked to heal
+        self.clock = clock
+        self.stopping = False
+
+    @property
+    def active(self) -> dict[str, Active]:
+        return self.runs.active
+
+    @property
+    def finished(self) -> asyncio.Queue[Finished]:
+        return self.runs.finished
+
+    async def finish_loop(self) -> None:
+        """Take up to ``VIGIL_FINISH_BATCH_MAX`` finished runs, commit them in one fenced
+        transaction (retried until the ledger answers), then forget them and wake a pass.
+        A crash before the commit leaves their claims for the heal or the next owner; after
+        it, nothing to redo. A finished run leaves ``active`` here, after its commit, so its
+        user is not claimed again before the ledger shows the run's outcome."""
+        while True:
+            batch = [await self.finished.get()]
+            while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
+                batch.append(self.finished.get_nowait())
+            began = time.monotonic()  # a measurement, not a decision: the host's clock
+            began_ns = time.time_ns()
+            while True:
+                try:
+                    async with self.pool.connection() as conn:
+                        committed, stale = await commit_finished(conn, batch, self.settings.instance_id)
+                    break
+                except (psycopg.Error, OSError) as exc:
+                    log.warning("finish commit failed, retrying: %s", exc)
+                    # Its outcome is unknown (the commit may have landed, or landed and then
+                    # been lost): once the ledger answers again, look for orphaned claims.
+                    self.claimer.heal_soon()
+                    await asyncio.sleep(LEDGER_RETRY_S)
+            metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
+            traces.finish(batch, began_ns, committed)
+            now = utc(self.clock.now())
+            landed = {id(run) for run in committed}  # identity: runs are not values to compare
+            for run in batch:
+                self.active.pop(run.claim.user_id, None)
+                if run.error is not None and id(run) in landed:
+                    self.claimer.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
+                label = "retry_later" if run.transient else run.outcome.value
+                metrics.RUNS.labels(label if id(run) in landed else "stale").inc()
+                metrics.RUN_SECONDS.observe((now - run.started_at).total_seconds())
+            metrics.RUNS_IN_FLIGHT.set(len(self.active))
+            self.claimer.wake()
+
+    async def gauge_loop(self) -> None:
+        """The ledger-wide backlog gauges, every GAUGE_INTERVAL_S (a dashboard's cadence)."""
+        while not self.stopping:
+            try:
+                async with self.pool.connection() as conn:
+                    pending = await ledger_events.oldest_pending(conn)
+                metrics.OLDEST_PENDING.set(pending.age_s)
+                metrics.PENDING.set(pending.pending)
+            except psycopg.Error:
+                pass
+            await asyncio.sleep(GAUGE_INTERVAL_S)

@@ -1,0 +1,177 @@
+"""Running: the runs in flight, their context, the agent's execution (docs/worker.md, "Running").
+
+:class:`Runs` holds every run this process has claimed and not yet committed
+(``active``, one per user, claim rule 4), starts each on its own asyncio task, loads its
+context (:mod:`vigil.worker.run_inputs`; a claim pass's runs together, :meth:`Runs.preload`),
+runs the agent under ``VIGIL_RUN_TIMEOUT_S`` and puts the outcome, a result or an error
+with its backoff, on ``finished`` for :class:`vigil.worker.finish_loop.Finisher`. A run
+leaves ``active`` only when its finish is committed (or it is cancelled and released), so
+the claim pass never claims a user twice. When to claim is :mod:`vigil.worker.claim_loop`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import psycopg
+
+from vigil import logs
+from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
+from vigil.clock import Clock, utc
+from vigil.ledger import claims as ledger_claims
+from vigil.ledger.db import AsyncPool
+from vigil.worker import metrics, traces
+from vigil.worker.claims import Claim, claim_more
+from vigil.worker.finish import Finished, backoff_seconds
+from vigil.worker.run_inputs import RECENT_MESSAGES, load_context, load_many
+from vigil.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Active:
+    claim: Claim
+    task: asyncio.Task | None = None
+    folded: list = field(default_factory=list)
+    alone: bool = False  # a lost event's last attempt: nothing else runs beside it
+    ctx: RunContext | None = None  # loaded with its claim pass; None: the run loads its own
+
+
+class Runs:
+    """The runs in flight and their execution; ``finished`` hands outcomes to the finisher."""
+
+    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool, clock: Clock) -> None:
+        self.settings = settings
+        self.agent = agent
+        self.pool = pool
+        self.clock = clock
+        self.active: dict[str, Active] = {}
+        self.finished: asyncio.Queue[Finished] = asyncio.Queue()
+
+    @property
+    def needs_context(self) -> bool:
+        """False for an agent that reads no session, memory or messages (the echo agent)."""
+        return getattr(self.agent, "needs_context", True)
+
+    def start(self, active: Active) -> None:
+        """Hold ``active`` as this user's run and start it on its own task."""
+        c = active.claim
+        self.active[c.user_id] = active
+        # The task copies the context: every line the run logs names its user, claim and run
+        # (and its trace, when traces are on: traces.run puts the run under its span).
+        with logs.context(
+            user_id=c.user_id, event_id=c.events[0].id, partition=c.home.partition, epoch=c.epoch, run_id=c.run_key
+        ):
+            active.task = asyncio.create_task(traces.run(self._run(active), c, self.pool), name=f"run-{c.user_id}")
+
+    async def cancel(self, victims: list[Active], release: bool = True) -> None:
+        """Cancel these runs, forget them, and (``release``) hand their claims back."""
+        for active in victims:
+            if active.task is not None:
+                active.task.cancel()
+        for active in victims:
+            if active.task is not None:
+                await asyncio.gather(active.task, return_exceptions=True)
+            self.active.pop(active.claim.user_id, None)
+            if release:
+                await self._release(active)
+
+    async def _release(self, active: Active) -> None:
+        claim = active.claim
+        ids = claim.event_ids + [event.id for event in active.folded]
+        try:
+            async with self.pool.connection() as conn:
+                metrics.RELEASED.inc(await ledger_claims.release_claim(conn, claim, ids))
+        except psycopg.Error as exc:
+            log.warning("could not release a claim (the next owner recovers it): %s", exc)
+
+    async def _run(self, active: Active) -> None:
+        """Load the context, run the agent, queue the outcome for the finisher. A crash here
+        leaves the claim in the ledger for the heal or the next owner; cancellation leaves it
+        to whoever cancelled (a revoke or the lone-attempt drain releases it)."""
+        c = active.claim
+        started = utc(self.clock.now())
+        finished = Finished(c, started, folded=active.folded)
+        try:
+            ctx = await self._context(active)
+            result = await asyncio.wait_for(self.agent.run(ctx), self.settings.run_timeout_s)
+            finished.result = result
+            finished.folded = active.folded
+        except asyncio.CancelledError:
+            raise  # revoked or shutting down: the claim is released by whoever cancelled
+        except RetryLater as exc:
+            exhausted = c.transient_failures + 1 >= self.settings.transient_max_attempts
+            finished.error = f"model unavailable: {exc.reason}"
+            finished.transient = not exhausted
+            finished.backoff_s = backoff_seconds(
+                c.transient_failures + 1, self.settings.backoff_base_s, self.settings.backoff_cap_s, exc.retry_after
+            )
+        except Exception as exc:  # the agent failed: a counted attempt
+            log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
+            finished.error = f"{type(exc).__name__}: {exc}"
+            finished.backoff_s = backoff_seconds(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
+        await self.finished.put(finished)
+
+    async def preload(self, conn, started: list[Active]) -> None:
+        """The contexts of a pass's runs, read together: one pipeline on the claim's
+        connection instead of a pooled connection and round trips per run. If that fails,
+        each run reads its own (and fails as an attempt if it cannot either): the claims are
+        committed already, so the pass must still start their runs."""
+        ctxs = [self._new_context(active) for active in started]
+        try:
+            await load_many(conn, ctxs, self._recent_limit)
+        except psycopg.Error as exc:
+            log.warning("could not read %d runs' context together; each run reads its own: %s", len(ctxs), exc)
+            return
+        for active, ctx in zip(started, ctxs, strict=True):
+            active.ctx = ctx
+
+    async def _context(self, active: Active) -> RunContext:
+        if active.ctx is not None:
+            return active.ctx
+        ctx = self._new_context(active)
+        if self.needs_context:
+            async with self.pool.connection() as conn:
+                await load_context(conn, ctx, self._recent_limit)
+        return ctx
+
+    @property
+    def _recent_limit(self) -> int:
+        """How many past messages the agent wants (VIGIL_RECENT_MESSAGES for the Claude agent)."""
+        return getattr(self.agent, "recent_messages", RECENT_MESSAGES)
+
+    def _new_context(self, active: Active) -> RunContext:
+        c = active.claim
+
+        async def fold(sources):
+            async with self.pool.connection() as conn:
+                more = await claim_more(conn, c, sources)
+            active.folded.extend(more)
+            return more
+
+        run_key = c.run_key
+        return RunContext(
+            user_id=c.user_id,
+            run_key=run_key,
+            events=list(c.events),
+            session=None,
+            memory={},
+            recent_messages=[],
+            started_at=utc(self.clock.now()),
+            # The host's clock, not ours: the agent checks this against time.monotonic(), and
+            # asyncio enforces run_timeout_s on it too.
+            deadline=time.monotonic() + self.settings.run_timeout_s,
+            fold=fold,
+            delegation=Delegation(
+                depth=0,
+                max_depth=self.settings.max_delegation_depth,
+                token_budget=self.settings.task_token_budget,
+                timeout_s=self.settings.task_timeout_s,
+                max_attempts=self.settings.task_max_attempts,
+                owner_chain=(c.user_id, run_key),
+            ),
+        )
