@@ -362,7 +362,7 @@ def test_partitions_show_lag_from_the_broker_and_pending_events_from_the_ledger(
         )
         conn.execute("INSERT INTO users (user_id, home_topic, home_partition) VALUES ('pat', %s, 1)", (topics.events,))
         conn.execute(
-            "INSERT INTO event_rows (user_id, source, source_id, kind, received_at)"
+            "INSERT INTO events (user_id, source, source_id, kind, received_at)"
             " SELECT 'pat', 'chat', 'p' || g, 'chat.message', now() FROM generate_series(1, 2) g"
         )
     with console_with(ledger, kafka_bootstrap=stack.bootstrap, events_topic=topics.events) as console:
@@ -415,12 +415,11 @@ def test_search_by_source_id_alone_is_an_index_lookup(ledger):
     seed_history(ledger)  # a month of finished events, a partition a day
     query(
         ledger,
-        "INSERT INTO event_rows (user_id, source, source_id, kind, received_at)"
-        " VALUES ('q', 'chat', 'new-1', 'c', now())",
+        "INSERT INTO events (user_id, source, source_id, kind, received_at) VALUES ('q', 'chat', 'new-1', 'c', now())",
     )
     # Their dedup keys, as the worker's record writes them (same statement: same recorded_at).
     query(ledger, "INSERT INTO event_keys SELECT user_id, source, source_id, recorded_at FROM events")
-    query(ledger, "ANALYZE event_rows")
+    query(ledger, "ANALYZE events")
     query(ledger, "ANALYZE event_keys")
 
     def nodes(plan: dict) -> list[dict]:

@@ -110,8 +110,7 @@ CREATE TABLE claims (
     claimed_at timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT claims_has_events CHECK (cardinality(event_ids) > 0)
 );
--- No index on (topic, partition, epoch): the takeover and the heal read the whole table,
--- a row per run in flight, where an index would cost every claim an entry (and its WAL).
+CREATE INDEX claims_by_epoch ON claims (topic, partition, epoch);
 ALTER TABLE claims SET (
     autovacuum_vacuum_scale_factor = 0.0,
     autovacuum_vacuum_threshold = 2000,

@@ -11,7 +11,7 @@ RETURNING epoch
 -- name: hand_back_stale_claims
 -- Claims made under an older epoch of this partition belong to a worker that lost it: their rows go, and their events wait again with a backoff. Their attempt counts (the worker may have crashed on them), except that a claim lost in company never uses up the last attempt: only a claim that ran alone (an event lost before, on its last attempt: claim rule 3) can make a crash an event's death.
 WITH lost AS (
-    -- The claims table holds a row per run in flight: read whole (no index to keep on every claim).
+    -- Through claims_by_epoch: the claims of this partition only (none, unless a worker lost it).
     DELETE FROM claims c
     WHERE c.topic = %(topic)s AND c.partition = %(partition)s AND c.epoch < %(epoch)s
     RETURNING c.user_id, c.epoch, c.event_ids

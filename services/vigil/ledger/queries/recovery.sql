@@ -27,7 +27,7 @@ WITH owned AS (
     FOR SHARE OF p
 ),
 orphaned AS (
-    -- The claims table holds a row per run in flight: read whole (no index to keep on every claim).
+    -- Through claims_by_epoch: one row per run in flight on the owned partitions.
     DELETE FROM claims c USING owned o
     WHERE c.topic = o.topic AND c.partition = o.partition AND c.epoch = o.epoch
       AND c.user_id <> ALL(%(busy)s::text[])
