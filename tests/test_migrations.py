@@ -120,7 +120,7 @@ def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, 
     migrate(dsn, tmp_path)
     query(
         dsn,
-        """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status, attempts,
+        """INSERT INTO event_rows (user_id, source, source_id, kind, received_at, recorded_at, status, attempts,
                               claim_epoch, finished_at)
            VALUES ('u', 'chat', 'old-done', 'chat.message', now(), now() - interval '9 days', 'done', 1, 1,
                    now() - interval '9 days'),

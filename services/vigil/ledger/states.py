@@ -11,7 +11,6 @@ from enum import StrEnum
 
 class EventStatus(StrEnum):
     PENDING = "pending"  # worker: claim -> running, or -> dead when attempts are exhausted
-    # Derived, never stored: a pending row that a claims row holds (the view `events`).
     RUNNING = "running"  # worker: finish -> done/pending; takeover -> pending
     DONE = "done"  # terminal
     DEAD = "dead"  # operator: `vigil dead retry` -> pending

@@ -206,6 +206,7 @@ SELECT id, at, actor, action, detail::text AS detail
 FROM audit
 WHERE action IN ('dead.retry', 'delivery.revive')
 ORDER BY id DESC
+LIMIT %(limit)s
 
 -- name: console_dead_events_page
 -- Dead events before the keyset (finished_at, id) < (%(t)s, %(i)s), newest first.
