@@ -30,7 +30,7 @@ def seed_user(dsn: str, user: str = "alice", dead_delivery: bool = True) -> Seed
         events = [
             r[0]
             for r in conn.execute(
-                "INSERT INTO event_rows (user_id, source, source_id, kind, payload, received_at, status, attempts,"
+                "INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts,"
                 " claim_epoch, finished_at)"
                 " VALUES (%s, 'chat', 'msg-1', 'chat.message', %s, now() - interval '2 min', 'done', 1, 7, now()),"
                 "        (%s, 'github', %s, 'github.push', %s, now() - interval '2 min', 'done', 1, 7, now())"
@@ -39,8 +39,7 @@ def seed_user(dsn: str, user: str = "alice", dead_delivery: bool = True) -> Seed
             ).fetchall()
         ]
         dead = conn.execute(
-            "INSERT INTO event_rows (user_id, source, source_id, kind, received_at, status, attempts, finished_at,"
-            " error)"
+            "INSERT INTO events (user_id, source, source_id, kind, received_at, status, attempts, finished_at, error)"
             " VALUES (%s, 'billing', 'inv-9', 'billing.invoice_paid', now() - interval '1 min', 'dead', 5, now(),"
             " %s) RETURNING id",
             (user, "poison: " + XSS),
@@ -58,7 +57,7 @@ def seed_user(dsn: str, user: str = "alice", dead_delivery: bool = True) -> Seed
             " now() - interval '1 second', now(), 'message', 2, 1200, 80, 3) RETURNING id",
             (user, events),
         ).fetchone()[0]
-        conn.execute("UPDATE event_rows SET run_id = %s WHERE id = ANY(%s)", (run_id, events))
+        conn.execute("UPDATE events SET run_id = %s WHERE id = ANY(%s)", (run_id, events))
         outbox_id = conn.execute(
             "INSERT INTO outbox (user_id, run_id, epoch, body) VALUES (%s, %s, 7, %s) RETURNING id",
             (user, run_id, "reply " + XSS),

@@ -71,7 +71,7 @@ def record(dsn: str, events: list[Event]) -> int:
             cursor = conn.execute(
                 "WITH k AS (INSERT INTO event_keys (user_id, source, source_id) VALUES (%s, %s, %s) "
                 "ON CONFLICT DO NOTHING RETURNING 1) "
-                "INSERT INTO event_rows (user_id, source, source_id, kind, payload, received_at) "
+                "INSERT INTO events (user_id, source, source_id, kind, payload, received_at) "
                 "SELECT %s, %s, %s, %s, %s, %s FROM k",
                 (event.user_id, event.source, event.source_id)
                 + (event.user_id, event.source, event.source_id, event.kind, event.payload, event.received_at),

@@ -44,16 +44,6 @@ def scalar(dsn: str, sql: str, params: Any = None) -> Any:
     return next(iter(rows[0].values())) if rows else None
 
 
-def claim_events(dsn: str, user_id: str, ids: list[int], epoch: int, topic: str = "events", partition: int = 0) -> None:
-    """Make ``ids`` (stored pending) a claim of ``user_id`` under ``epoch``, as the worker's claim
-    writes it: a claims row, the event rows untouched (they show as running in ``events``)."""
-    query(
-        dsn,
-        "INSERT INTO claims (user_id, topic, partition, epoch, event_ids) VALUES (%s, %s, %s, %s, %s)",
-        (user_id, topic, partition, epoch, sorted(ids)),
-    )
-
-
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as response:

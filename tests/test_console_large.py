@@ -34,7 +34,7 @@ FILL = [
     UNION ALL SELECT 'heavy', 'vigil.events', 5
     """,
     """
-    INSERT INTO event_rows (user_id, source, source_id, kind, payload, received_at, recorded_at, status, attempts,
+    INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, attempts,
                         claim_epoch, finished_at, error)
     SELECT CASE WHEN g <= 990000 THEN 'u' || (g % 10000) ELSE 'heavy' END,
            CASE WHEN g % 3 = 0 THEN 'github' ELSE 'chat' END,

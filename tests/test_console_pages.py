@@ -186,7 +186,7 @@ def test_timeline_pages_by_keyset_without_losing_or_repeating_entries(console, l
         conn.execute("INSERT INTO users (user_id, home_topic, home_partition) VALUES ('bob', 't', 0)")
         # 120 events received at the same instant: the keyset's tiebreak is the id.
         conn.execute(
-            "INSERT INTO event_rows (user_id, source, source_id, kind, received_at)"
+            "INSERT INTO events (user_id, source, source_id, kind, received_at)"
             " SELECT 'bob', 'chat', 'm' || g, 'chat.message', '2026-01-01Z' FROM generate_series(1, 120) g"
         )
     login(console, ledger)
@@ -297,7 +297,7 @@ def test_dead_letters_page_through_rows_microseconds_apart(console, ledger):
     with __import__("psycopg").connect(ledger) as conn:
         # Deaths microseconds apart: a cursor rounded to milliseconds would skip some of them.
         conn.execute(
-            "INSERT INTO event_rows (user_id, source, source_id, kind, received_at, status, attempts, finished_at)"
+            "INSERT INTO events (user_id, source, source_id, kind, received_at, status, attempts, finished_at)"
             " SELECT 'carol~x', 'chat', 'd' || g, 'chat.message', now(), 'dead', 5,"
             " '2026-01-01Z'::timestamptz + make_interval(secs => g * 0.000137) FROM generate_series(1, 120) g"
         )

@@ -120,7 +120,7 @@ def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, 
     migrate(dsn, tmp_path)
     query(
         dsn,
-        """INSERT INTO event_rows (user_id, source, source_id, kind, received_at, recorded_at, status, attempts,
+        """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status, attempts,
                               claim_epoch, finished_at)
            VALUES ('u', 'chat', 'old-done', 'chat.message', now(), now() - interval '9 days', 'done', 1, 1,
                    now() - interval '9 days'),
@@ -135,8 +135,7 @@ def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, 
     after = query(dsn, "SELECT id, user_id, source, source_id, status, attempts, claim_epoch FROM events ORDER BY id")
     assert after == before
     parts = {
-        r["source_id"]: r["part"]
-        for r in query(dsn, "SELECT source_id, tableoid::regclass::text AS part FROM event_rows")
+        r["source_id"]: r["part"] for r in query(dsn, "SELECT source_id, tableoid::regclass::text AS part FROM events")
     }
     assert parts["waiting"] == parts["claimed"] == "events_live"
     assert parts["old-done"].startswith("events_finished_p") and parts["old-dead"].startswith("events_finished_p")
@@ -144,7 +143,7 @@ def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, 
     assert [k["source_id"] for k in keys] == ["claimed", "old-dead", "old-done", "waiting"]
     new = query(
         dsn,
-        "INSERT INTO event_rows (user_id, source, source_id, kind, received_at) VALUES ('w', 'chat', 'n', 'k', now()) "
+        "INSERT INTO events (user_id, source, source_id, kind, received_at) VALUES ('w', 'chat', 'n', 'k', now()) "
         "RETURNING id",
     )[0]["id"]
     assert new > max(r["id"] for r in before)

@@ -18,7 +18,7 @@ def vigil(ledger: str, *args: str) -> subprocess.CompletedProcess:
 def seed(ledger: str) -> None:
     query(
         ledger,
-        """INSERT INTO event_rows (user_id, source, source_id, kind, payload, received_at, status, attempts,
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts,
                              finished_at, error)
            VALUES ('ann', 'chat', 'a1', 'chat.message', '{}', now(), 'dead', 3, now(), 'dead after 3 attempts: boom'),
                   ('ann', 'chat', 'a2', 'chat.message', '{}', now(), 'done', 1, now(), NULL)""",

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from support import claim_events, query, scalar, wait_for
+from support import query, scalar, wait_for
 from vigil.ledger.db import connect
 from vigil.ledger.events import copy_rows, prepare_record_connection
 from vigil.ledger.queries import Q
@@ -27,18 +27,16 @@ def seed(dsn: str) -> None:
     query(
         dsn,
         f"""
-        INSERT INTO event_rows (user_id, source, source_id, kind, received_at, recorded_at, status, finished_at,
-                                attempts, claim_epoch)
+        INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status, finished_at, attempts,
+                            claim_epoch)
         VALUES ('u', 'chat', 'old-done-1', 'chat.message', {old}, {old}, 'done', {old}, 1, 1),
                ('u', 'chat', 'old-done-2', 'chat.message', {old}, {old}, 'done', {old}, 1, 1),
                ('u', 'chat', 'old-done-3', 'chat.message', {old}, {old}, 'done', {old}, 1, 1),
                ('u', 'chat', 'old-dead', 'chat.message', {old}, {old}, 'dead', {old}, 3, 1),
                ('u', 'chat', 'young-done', 'chat.message', {young}, {young}, 'done', {young}, 1, 1),
                ('u', 'chat', 'old-pending', 'chat.message', {old}, {old}, 'pending', NULL, 0, NULL),
-               ('u', 'chat', 'old-running', 'chat.message', {old}, {old}, 'pending', NULL, 0, NULL)""",
+               ('u', 'chat', 'old-running', 'chat.message', {old}, {old}, 'running', NULL, 1, 1)""",
     )
-    # Claimed (running) under epoch 1: stored pending, held by a claims row.
-    claim_events(dsn, "u", [scalar(dsn, "SELECT id FROM event_rows WHERE source_id = 'old-running'")], 1)
     query(
         dsn,
         f"""
@@ -100,7 +98,7 @@ def test_two_schedulers_pruning_at_once_share_the_work(ledger):
     waits on the other, nothing is deleted twice and nothing is left behind."""
     query(
         ledger,
-        """INSERT INTO event_rows (user_id, source, source_id, kind, received_at, recorded_at, status,
+        """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status,
                                          finished_at, attempts, claim_epoch)
                      SELECT 'u' || (g % 50), 'chat', 'old-' || g, 'chat.message', now() - interval '40 days',
                             now() - interval '40 days', 'done', now() - interval '40 days', 1, 1
@@ -179,8 +177,8 @@ def test_a_retried_webhook_is_dropped_after_its_events_day_was(ledger):
     # The first copy ran three days ago.
     query(
         ledger,
-        """UPDATE event_rows SET status = 'done', finished_at = now() - interval '3 days', attempts = 1,
-                                 claim_epoch = 1, recorded_at = now() - interval '3 days'""",
+        """UPDATE events SET status = 'done', finished_at = now() - interval '3 days', attempts = 1, claim_epoch = 1,
+                             recorded_at = now() - interval '3 days'""",
     )
     query(ledger, "UPDATE event_keys SET recorded_at = now() - interval '3 days'")
     day = "events_finished_p" + (datetime.now(UTC) - timedelta(days=3)).strftime("%Y%m%d")
@@ -213,7 +211,7 @@ def test_dropping_a_day_drops_it_whole_and_fast_and_keeps_its_keys(ledger):
                       SELECT 'u' || (g %% 500), 'chat', 'm-' || g, now() - interval '40 days'
                       FROM generate_series(1, %(n)s) g
                       RETURNING user_id, source, source_id, recorded_at)
-           INSERT INTO event_rows (user_id, source, source_id, kind, received_at, recorded_at, status, finished_at,
+           INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at, status, finished_at,
                                attempts, claim_epoch)
            SELECT user_id, source, source_id, 'chat.message', recorded_at, recorded_at, 'done', recorded_at, 1, 1
            FROM k""",

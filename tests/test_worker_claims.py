@@ -41,32 +41,21 @@ def seed_pending(ledger: str, users: int, per_user: int = 1, status: str = "pend
     )
     query(
         ledger,
-        # Running rows are stored pending and held by a claims row per user (below); finished
-        # ones are in their day.
-        """INSERT INTO event_rows (user_id, source, source_id, kind, payload, received_at, recorded_at, status,
-                                  attempts, claim_epoch, finished_at)
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, attempts,
+                              claim_epoch)
            SELECT u, 'chat', u || '-' || k, 'chat.message', '{}', now(),
                   now() - interval '1 hour' + n * interval '1 ms',
-                  %(status)s, %(attempts)s, %(epoch)s, CASE WHEN %(status)s IN ('done', 'dead') THEN now() END
+                  %(status)s, %(attempts)s, %(epoch)s
            FROM unnest(%(users)s::text[]) WITH ORDINALITY AS x(u, n), generate_series(1, %(per_user)s) AS k""",
         {
             "users": names,
             "per_user": per_user,
-            "status": "pending" if status == "running" else status,
-            "attempts": 1 if status in ("done", "dead") else 0,
-            "epoch": 1 if status in ("done", "dead") else None,
+            "status": status,
+            "attempts": 1 if status == "running" else 0,
+            "epoch": 1 if status == "running" else None,
         },
     )
-    if status == "running":
-        query(
-            ledger,
-            """INSERT INTO claims (user_id, topic, partition, epoch, event_ids)
-               SELECT user_id, 'events', 0, 1, array_agg(id ORDER BY id) FROM event_rows
-               WHERE user_id = ANY(%s) GROUP BY user_id""",
-            (names,),
-        )
-    query(ledger, "ANALYZE event_rows")
-    query(ledger, "ANALYZE claims")
+    query(ledger, "ANALYZE events")
     return names
 
 
@@ -79,9 +68,8 @@ def claim_pass(ledger: str, max_users: int, cursor: str, busy: list[str] | None 
 
 
 def hand_back(ledger: str) -> None:
-    """As if every claimed run failed transiently: its events pending again, attempt given back
-    (the claims go; the stored rows never left pending)."""
-    query(ledger, "DELETE FROM claims")
+    """As if every claimed run failed transiently: its events pending again, attempt given back."""
+    query(ledger, "UPDATE events SET status = 'pending', claim_epoch = NULL, attempts = 0 WHERE status = 'running'")
 
 
 def test_every_waiting_user_gets_a_turn_before_anyone_gets_two(ledger):
@@ -123,7 +111,7 @@ def crash_and_take_over(ledger: str) -> int:
     """The worker holding HOME died: the next one takes over (epoch + 1) and hands back."""
     with psycopg.connect(ledger, row_factory=dict_row) as conn:
         epochs = take_over(conn, [HOME], "next-worker", 0.0, 0.0, 3)
-    query(ledger, "UPDATE event_rows SET next_attempt_at = NULL")  # backoffs are not the point here
+    query(ledger, "UPDATE events SET next_attempt_at = NULL")  # backoffs are not the point here
     return epochs[HOME]
 
 
@@ -165,7 +153,7 @@ def test_a_last_attempt_lost_in_company_is_not_counted(ledger):
     """Events on their last attempt after two failures of their own, claimed together and
     lost with their worker: nobody dies, and each gets its last attempt alone."""
     users = seed_pending(ledger, 3)
-    query(ledger, "UPDATE event_rows SET attempts = 2")
+    query(ledger, "UPDATE events SET attempts = 2")
     claims, _ = claim_pass_at(ledger, 1, 10)
     assert sorted(c.user_id for c in claims) == users and {c.attempt for c in claims} == {3}
     epoch = crash_and_take_over(ledger)
@@ -179,10 +167,10 @@ def test_a_last_attempt_lost_in_company_is_not_counted(ledger):
 def test_a_lone_attempt_keeps_its_users_order(ledger):
     """Later events of the user wait behind the lone attempt; other users do not."""
     seed_pending(ledger, 2)
-    query(ledger, """UPDATE event_rows SET attempts = 2, lost_claims = 1 WHERE user_id = 'u00000'""")
+    query(ledger, """UPDATE events SET attempts = 2, lost_claims = 1 WHERE user_id = 'u00000'""")
     query(
         ledger,
-        """INSERT INTO event_rows (user_id, source, source_id, kind, received_at, recorded_at)
+        """INSERT INTO events (user_id, source, source_id, kind, received_at, recorded_at)
                      VALUES ('u00000', 'chat', 'later', 'chat.message', now(), now() - interval '1 minute')""",
     )
     claims, _ = claim_pass_at(ledger, 1, 10)
@@ -229,11 +217,10 @@ def test_a_claim_pass_stays_cheap_when_the_statistics_say_nothing_waits(ledger):
     """A queue table's statistics are usually stale: ANALYZE ran when nothing was pending.
     With such statistics the planner once scanned every pending row and re-ran the whole
     claim for each of them (51 s for one pass in the two-worker benchmark)."""
-    # ANALYZEd: no pending rows at all (a claimed row is stored pending: finished ones here)
-    seed_pending(ledger, 3000, per_user=2, status="done")
+    seed_pending(ledger, 3000, per_user=2, status="running")  # ANALYZEd: no pending rows at all
     # keep them stale (the queue part of events: events_live)
     query(ledger, "ALTER TABLE events_live SET (autovacuum_enabled = false)")
-    query(ledger, "UPDATE event_rows SET status = 'pending', claim_epoch = NULL, attempts = 0, finished_at = NULL")
+    query(ledger, "UPDATE events SET status = 'pending', claim_epoch = NULL, attempts = 0")
     params = {
         "topics": ["events"],
         "partitions": [0],
@@ -247,7 +234,7 @@ def test_a_claim_pass_stays_cheap_when_the_statistics_say_nothing_waits(ledger):
         "until": None,
     }
     assert _explain(ledger, Q.claim, params) <= 100
-    query(ledger, "UPDATE event_rows SET attempts = 3 WHERE user_id = 'u00007'")
+    query(ledger, "UPDATE events SET attempts = 3 WHERE user_id = 'u00007'")
     assert (
         _explain(
             ledger, Q.mark_exhausted_dead, {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3}
@@ -279,8 +266,8 @@ def test_a_group_finish_reads_its_runs_not_every_running_row(ledger):
 
 def test_rule_2_reads_the_retries_not_the_backlog(ledger):
     seed_pending(ledger, 1000, per_user=5)
-    query(ledger, "UPDATE event_rows SET attempts = 3 WHERE user_id = 'u00007'")  # one exhausted user among 5,000 rows
-    query(ledger, "ANALYZE event_rows")
+    query(ledger, "UPDATE events SET attempts = 3 WHERE user_id = 'u00007'")  # one exhausted user among 5,000 rows
+    query(ledger, "ANALYZE events")
     params = {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3}
     assert _explain(ledger, Q.mark_exhausted_dead, params) <= 50
     dead = claim_dead(ledger)

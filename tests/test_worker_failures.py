@@ -113,7 +113,7 @@ def test_a_lone_attempt_waits_for_runs_in_flight_only_so_long(stack, topics, led
     query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('lone', %s, 0)", (topics.events,))
     query(
         ledger,
-        """INSERT INTO event_rows (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims,
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims,
                                          next_attempt_at, error)
                      VALUES ('lone', 'chat', 'lost-twice', 'chat.message', '{"text": "again"}', now(), 2, 2,
                              now() + interval '4 seconds', 'claim abandoned: its worker lost partition 0')""",

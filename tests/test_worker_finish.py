@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg.rows import dict_row
 
-from support import claim_events, query
+from support import query
 from vigil.agent.base import EventRow, MemoryWrite, NewTask, NewTimer, OutMessage, RunResult, Usage
 from vigil.ledger.states import RunOutcome
 from vigil.worker.claims import Claim
@@ -23,14 +23,13 @@ def seed(ledger: str, users: list[str], epoch: int = 1) -> dict[str, int]:
     ids = {}
     for user in users:
         query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES (%s, 'events', 0)", (user,))
-        # Claimed under the epoch, its first attempt (stored pending: the claims row says running).
         ids[user] = query(
             ledger,
-            """INSERT INTO event_rows (user_id, source, source_id, kind, payload, received_at, status, attempts)
-               VALUES (%s, 'chat', %s, 'chat.message', '{}', now(), 'pending', 0) RETURNING id""",
-            (user, f"{user}-1"),
+            """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts,
+                                   claim_epoch)
+               VALUES (%s, 'chat', %s, 'chat.message', '{}', now(), 'running', 1, %s) RETURNING id""",
+            (user, f"{user}-1", epoch),
         )[0]["id"]
-        claim_events(ledger, user, [ids[user]], epoch)
     return ids
 
 

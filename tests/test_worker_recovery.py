@@ -111,7 +111,7 @@ def test_a_lost_commit_of_the_last_batch_is_recorded_again(stack, topics, ledger
         "DELETE FROM event_keys k USING events e WHERE e.kafka_offset >= 7"
         " AND (k.user_id, k.source, k.source_id) = (e.user_id, e.source, e.source_id)",
     )
-    query(ledger, "DELETE FROM event_rows WHERE kafka_offset >= 7")
+    query(ledger, "DELETE FROM events WHERE kafka_offset >= 7")
     query(ledger, "UPDATE consumer_positions SET next_offset = 7")
     assert committed_offsets(stack.bootstrap, env["VIGIL_WORKER_GROUP"], topics.events, 1) == [12]
 
@@ -140,19 +140,10 @@ def test_a_finish_the_ledger_lost_does_not_mute_its_user(stack, topics, ledger, 
     # row, no message.
     query(ledger, "DELETE FROM outbox")
     query(ledger, "DELETE FROM runs")
-    # (a claim is a claims row; its stored row is pending with the attempts before it).
     query(
         ledger,
-        "UPDATE event_rows SET status = 'pending', finished_at = NULL, attempts = attempts - 1, claim_epoch = NULL "
+        "UPDATE events SET status = 'running', finished_at = NULL, claim_epoch = (SELECT epoch FROM partitions) "
         "WHERE source_id = 'first'",
-    )
-    query(
-        ledger,
-        """INSERT INTO claims (user_id, topic, partition, epoch, event_ids)
-           SELECT e.user_id, u.home_topic, u.home_partition, p.epoch, ARRAY[e.id] FROM event_rows e
-           JOIN users u ON u.user_id = e.user_id
-           JOIN partitions p ON p.topic = u.home_topic AND p.partition = u.home_partition
-           WHERE e.source_id = 'first'""",
     )
     produce(stack.bootstrap, topics.events, [chat("muted", "second", "second")])
     wait_all_done(ledger, 2, timeout=20)

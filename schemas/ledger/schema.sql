@@ -12,28 +12,24 @@
 -- States are CHECK constraints mirrored by Python enums in services/vigil/ledger/states.py
 -- (tests/test_states.py keeps them in step). Next to each state: who moves rows out of it.
 
--- event_rows: one row per event, whatever its source (operators query the view `events`
--- below). Stored in two parts by status, so the queue the workers claim from stays small
--- however much history is kept:
---   events_live      pending rows, claimed or not: every claim, finish and takeover statement
+-- events: one row per event, whatever its source. Stored in two parts by status, so the
+-- queue the workers claim from stays small however much history is kept:
+--   events_live      pending and running rows: every claim, finish and takeover statement
 --                    names the status it expects, so the planner reads this part only;
 --   events_finished  done and dead rows, partitioned by the UTC day of finished_at
 --                    (events_finished_pYYYYMMDD, made ahead by the scheduler with
 --                    ensure_event_partitions below): retention drops a whole day at once.
--- A row is written when it is recorded and when it leaves the queue: a claim writes one row
--- of `claims` per run instead (which pending rows are running is read there), the finish
--- moves its rows from the first part to the second (one UPDATE, as before).
+-- A finish moves its rows from the first part to the second (one UPDATE, as before).
 -- events_finished_default catches a row whose day has no partition; the next
--- ensure_event_partitions moves it to its day. Ids are unique (one identity sequence).
+-- ensure_event_partitions moves it to its day. Query `events` as one table: ids are unique
+-- (one identity sequence) and every column is here.
 -- The dedup key is not here (a UNIQUE constraint across partitions is impossible, and the key
 -- must outlive its event's partition): see event_keys.
---   status: pending  -> done | pending (a finish of the claim that holds it; or a takeover or
---                       the heal, after its claim was lost) | dead (worker claim pass,
---                       attempts exhausted). Stored `running` never: see claims and `events`.
+--   status: pending  -> running (worker claim) | dead (worker claim, attempts exhausted)
+--           running  -> done | pending (worker finish; or takeover after a lost partition)
 --           done     terminal (finished_at set)
 --           dead     -> pending only by an operator (`vigil dead retry`)
---   attempts: attempts finished or lost; the claim holding it counts one more (`events`).
-CREATE TABLE event_rows (
+CREATE TABLE events (
     id              bigint GENERATED ALWAYS AS IDENTITY,
     user_id         text        NOT NULL,                 -- whose agent this wakes
     source          text        NOT NULL,                 -- github, stripe, chat, timer, approval, a producer's name
@@ -46,10 +42,10 @@ CREATE TABLE event_rows (
     received_at     timestamptz NOT NULL,                 -- when ingest or the producer received it
     recorded_at     timestamptz NOT NULL DEFAULT now(),   -- when the worker recorded it (starts the batch window)
     status          text        NOT NULL DEFAULT 'pending',
-    attempts        integer     NOT NULL DEFAULT 0,       -- see above: the claim counts its attempt at once
+    attempts        integer     NOT NULL DEFAULT 0,       -- counted at claim: a crashed worker records nothing
     transient_failures integer NOT NULL DEFAULT 0,    -- model API overloads: released without counting an attempt
-    claim_epoch     bigint,                               -- partition epoch of the claim that finished it
-    claimed_at      timestamptz,                          -- when that claim was made
+    claim_epoch     bigint,                               -- partition epoch of the claim that holds/held it
+    claimed_at      timestamptz,                          -- when the latest claim was made
     next_attempt_at timestamptz,                          -- backoff: not claimable before this
     finished_at     timestamptz,                          -- set exactly when done or dead
     error           text,                                 -- why the latest attempt failed, or why it is dead
@@ -65,12 +61,13 @@ CREATE TABLE event_rows (
     CONSTRAINT events_running_has_epoch CHECK (status <> 'running' OR claim_epoch IS NOT NULL),
     CONSTRAINT events_attempts_nonnegative CHECK (attempts >= 0)
 ) PARTITION BY LIST (status);
-CREATE TABLE events_live PARTITION OF event_rows (
-    CONSTRAINT events_live_pkey PRIMARY KEY (id),
-    CONSTRAINT events_live_never_running CHECK (status = 'pending')
+CREATE TABLE events_live PARTITION OF events (
+    CONSTRAINT events_live_pkey PRIMARY KEY (id)
 ) FOR VALUES IN ('pending', 'running');
 -- The claim reads a user's pending rows in id order; the scan reads users with pending rows.
 CREATE INDEX events_pending_by_user ON events_live (user_id, id) WHERE status = 'pending';
+-- Claim rule 4 (no second run for a user) and the takeover's hand-back read running rows.
+CREATE INDEX events_running_by_user ON events_live (user_id) WHERE status = 'running';
 -- Claim rule 2 finds exhausted rows among the retries only (a handful, whatever the backlog).
 CREATE INDEX events_retries ON events_live (user_id) WHERE status = 'pending' AND attempts > 0;
 -- A queue table: vacuumed after a few thousand dead rows, whatever its size (the claim walks
@@ -84,7 +81,7 @@ ALTER TABLE events_live SET (
     autovacuum_vacuum_cost_delay = 0
 );
 
-CREATE TABLE events_finished PARTITION OF event_rows (
+CREATE TABLE events_finished PARTITION OF events (
     finished_at NOT NULL,
     CONSTRAINT events_finished_pkey PRIMARY KEY (id, finished_at)
 ) FOR VALUES IN ('done', 'dead') PARTITION BY RANGE (finished_at);
@@ -94,55 +91,6 @@ CREATE INDEX events_dead ON events_finished (finished_at) WHERE status = 'dead';
 -- entry here.
 CREATE INDEX events_finished_by_user ON events_finished (user_id, id);
 CREATE TABLE events_finished_default PARTITION OF events_finished DEFAULT;
-
--- claims: one row per run in flight, written by the claim instead of the rows it takes (the
--- claim rules: services/vigil/ledger/claims.py). One per user: rule 4 (one run per user) is
--- this primary key. A finish deletes it with its group; a graceful release deletes it; a
--- takeover or the heal deletes the rows of lost claims and counts their attempt on the events.
---   topic, partition: the user's home partition, epoch: its fencing epoch at the claim;
---   event_ids: the pending rows it holds, in order (a fold adds to them).
-CREATE TABLE claims (
-    user_id    text        PRIMARY KEY,
-    topic      text        NOT NULL,
-    partition  integer     NOT NULL,
-    epoch      bigint      NOT NULL,
-    event_ids  bigint[]    NOT NULL,
-    claimed_at timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT claims_has_events CHECK (cardinality(event_ids) > 0)
-);
-CREATE INDEX claims_by_epoch ON claims (topic, partition, epoch);
-ALTER TABLE claims SET (
-    autovacuum_vacuum_scale_factor = 0.0,
-    autovacuum_vacuum_threshold = 2000,
-    autovacuum_vacuum_insert_scale_factor = 0.0,
-    autovacuum_vacuum_insert_threshold = 10000,
-    autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_cost_delay = 0
-);
-
--- What operators query as `events`: every column of the stored row, with a claimed row's
--- status `running`, its attempts counting the claim's attempt and its claim epoch and time
--- the claim's. Two arms, so a filter on a finished status or a user reaches the partitions
--- and their indexes.
-CREATE VIEW events AS
-SELECT e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.headers, e.occurred_at,
-       e.received_at, e.recorded_at, e.status, e.attempts, e.transient_failures, e.claim_epoch, e.claimed_at,
-       e.next_attempt_at, e.finished_at, e.error, e.run_id, e.retried_by, e.retried_at, e.kafka_topic,
-       e.kafka_partition, e.kafka_offset, e.lost_claims
-FROM event_rows e
-WHERE e.status IN ('done', 'dead')
-UNION ALL
-SELECT e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.headers, e.occurred_at,
-       e.received_at, e.recorded_at,
-       CASE WHEN c.user_id IS NULL THEN e.status ELSE 'running' END,
-       e.attempts + CASE WHEN c.user_id IS NULL THEN 0 ELSE 1 END, e.transient_failures,
-       coalesce(c.epoch, e.claim_epoch), coalesce(c.claimed_at, e.claimed_at),
-       CASE WHEN c.user_id IS NULL THEN e.next_attempt_at END,
-       e.finished_at, e.error, e.run_id, e.retried_by, e.retried_at, e.kafka_topic,
-       e.kafka_partition, e.kafka_offset, e.lost_claims
-FROM event_rows e
-LEFT JOIN claims c ON c.user_id = e.user_id AND e.id = ANY(c.event_ids)
-WHERE e.status = 'pending';
 
 -- event_keys: the dedup key of every event recorded in the last VIGIL_DEDUP_WINDOW_DAYS. The
 -- second copy of a retried webhook, a redelivered Kafka message, a replayed timer occurrence

@@ -1,11 +1,4 @@
-"""The claim rules, executed by the statements of ``queries/claims.sql``.
-
-A claim is one row of ``claims`` per run (the user, its home partition and epoch, the ids it
-holds), written instead of the event rows it takes: an event row is written when it is
-recorded and when it leaves the queue. Operators see a claimed row as ``running`` with its
-attempt counted in the view ``events``; the stored row (``event_rows``) stays ``pending`` with
-the attempts before the claim, and whoever ends the claim counts the attempt on it (the
-finish, a takeover, the heal) or not (a graceful release, a transient failure).
+"""The claim rules, executed by the statements of ``queries/claims.sql``:
 
 1. Rows ``running`` under an older epoch go back to ``pending`` (done at takeover, see
    :mod:`vigil.ledger.partitions`; a claim only ever matches the current epoch).
@@ -25,12 +18,9 @@ finish, a takeover, the heal) or not (a graceful release, a transient failure).
    death only when the event ran alone. A poison event that kills its worker therefore dies
    after ``max_attempts`` claims, the last of them alone, and the events that happened to
    run beside it lose at most ``max_attempts - 1`` attempts, never their lives.
-4. No claim for a user who already has one: a probe of the claims' primary key (a claim of an
-   older epoch is deleted by the takeover that made the current epoch).
+4. No claim for a user who already has a ``running`` row under the current epoch.
 
-Attempts are counted at claim time, because a worker that crashes mid-run records nothing:
-the claim row is the count until the claim ends, so a SIGKILLed run's attempt is counted by
-the takeover or heal that hands its events back.
+Attempts are counted at claim time, because a worker that crashes mid-run records nothing.
 
 Who gets the free run slots: waiting users round-robin in ``user_id`` order from a cursor
 kept by the runner, so every waiting user gets a turn before anyone gets a second one, and
@@ -217,18 +207,10 @@ async def backoff_ends(conn: psycopg.AsyncConnection, keys: list[PartitionKey]) 
 
 
 async def release_claim(conn: psycopg.AsyncConnection, claim: Claim, ids: list[int]) -> int:
-    """A graceful release of ``ids`` (the claim's events and those folded into it): the claim
-    row goes, the attempt not counted; fenced by the claim's epoch. Returns how many of
-    ``ids`` the claim held."""
+    """A graceful release of ``ids`` (the claim's events and those folded into it): back to
+    pending, the attempt not counted; fenced by the claim's epoch. Returns how many moved."""
     cur = await conn.execute(
         Q.release_claim,
-        {
-            "ids": ids,
-            "user_id": claim.user_id,
-            "epoch": claim.epoch,
-            "topic": claim.home.topic,
-            "partition": claim.home.partition,
-        },
+        {"ids": ids, "epoch": claim.epoch, "topic": claim.home.topic, "partition": claim.home.partition},
     )
-    row = await cur.fetchone()
-    return row["released"] if row else 0
+    return cur.rowcount

@@ -114,7 +114,6 @@ async def finish_runs(conn: psycopg.AsyncConnection, runs: list[RunRecord], work
 
 async def finish_failed(
     conn: psycopg.AsyncConnection,
-    user_id: str,
     ids: list[int],
     epoch: int,
     run_id: int,
@@ -122,21 +121,12 @@ async def finish_failed(
     backoff_s: float,
     transient: bool,
 ) -> psycopg.AsyncCursor:
-    """A failed attempt's claim ends: its events wait again with the error and a backoff, the
-    attempt counted (a transient failure's is not); only while ``user_id``'s claim under
-    ``epoch`` holds them. Returns the
+    """A failed attempt's events back to pending with the error and a backoff (a transient
+    failure gives its attempt back); only those still claimed under ``epoch``. Returns the
     cursor: in pipeline mode its ``rowcount`` (how many moved) is known once the pipeline syncs."""
     return await conn.execute(
         Q.finish_failed,
-        {
-            "user_id": user_id,
-            "ids": ids,
-            "epoch": epoch,
-            "run_id": run_id,
-            "error": error,
-            "backoff_s": backoff_s,
-            "transient": transient,
-        },
+        {"ids": ids, "epoch": epoch, "run_id": run_id, "error": error, "backoff_s": backoff_s, "transient": transient},
     )
 
 

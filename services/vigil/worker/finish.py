@@ -122,7 +122,7 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
     if run.error is not None:
         ids = run.event_ids
         cur = await ledger_finish.finish_failed(
-            conn, claim.user_id, ids, claim.epoch, run_id, run.error[:2000], run.backoff_s, run.transient
+            conn, ids, claim.epoch, run_id, run.error[:2000], run.backoff_s, run.transient
         )
         return [(cur, len(ids))]
     result = run.result

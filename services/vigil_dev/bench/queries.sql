@@ -15,7 +15,7 @@ new_keys AS (
     ON CONFLICT (user_id, source, source_id) DO NOTHING
     RETURNING user_id, source, source_id
 )
-INSERT INTO event_rows (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
+INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
                     kafka_topic, kafka_partition, kafka_offset)
 SELECT b.* FROM batch b JOIN new_keys k USING (user_id, source, source_id)
 
@@ -26,7 +26,7 @@ WITH new_keys AS (
     ON CONFLICT (user_id, source, source_id) DO NOTHING
     RETURNING user_id, source, source_id
 )
-INSERT INTO event_rows (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
+INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
                     kafka_topic, kafka_partition, kafka_offset)
 SELECT i.user_id, i.source, i.source_id, i.kind, i.payload, i.session_id, i.headers, i.occurred_at, i.received_at,
        i.kafka_topic, i.kafka_partition, i.kafka_offset
@@ -34,7 +34,7 @@ FROM incoming_events i JOIN new_keys k USING (user_id, source, source_id) ORDER 
 
 -- name: truncate_events
 -- Between raw rounds: every round inserts into an empty table.
-TRUNCATE event_rows, event_keys
+TRUNCATE events, event_keys
 
 -- name: foreign_home_users
 -- The record workload's users live on another topic's partitions: the worker records their events but never claims them.
@@ -42,8 +42,8 @@ INSERT INTO users (user_id, home_topic, home_partition)
 SELECT user_id, %(topic)s, 0 FROM unnest(%(user_ids)s::text[]) AS u(user_id)
 
 -- name: unfinished
--- Progress of an end-to-end round: events not yet done (the live queue's stored rows, claimed or not: cheap while the backlog is small).
-SELECT count(*) AS n FROM event_rows WHERE status = 'pending'
+-- Progress of an end-to-end round: events not yet done (both partial indexes, cheap while the backlog is small).
+SELECT (SELECT count(*) FROM events WHERE status = 'pending') + (SELECT count(*) FROM events WHERE status = 'running') AS n
 
 -- name: round_totals
 -- An end-to-end round's outcome: its events (by source), their runs, and when the last run finished.
@@ -78,7 +78,7 @@ WITH keys AS (
     FROM generate_series(1, %(n)s) AS g
     RETURNING user_id, source, source_id, recorded_at
 )
-INSERT INTO event_rows (user_id, source, source_id, kind, payload, received_at, recorded_at, status, finished_at, attempts,
+INSERT INTO events (user_id, source, source_id, kind, payload, received_at, recorded_at, status, finished_at, attempts,
                     claim_epoch)
 SELECT user_id, source, source_id, 'chat.message', '{"text": "an old chat message of about this size"}', recorded_at,
        recorded_at, 'done', recorded_at, 1, 1

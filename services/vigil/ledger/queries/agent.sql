@@ -23,12 +23,12 @@ SELECT body, queued FROM (
 ORDER BY queued DESC, at DESC LIMIT %(limit)s
 
 -- name: agent_dead_events
--- The user's events given up on (dead) since their last run that did not fail started: the agent hears of them once, at its next run. Dead events are rare: the events_dead index, then the user filter (a dead row is stored as `events` shows it).
+-- The user's events given up on (dead) since their last run that did not fail started: the agent hears of them once, at its next run. Dead events are rare: the events_dead index, then the user filter.
 WITH told AS (
     SELECT max(started_at) AS at FROM runs WHERE user_id = %(user_id)s AND outcome <> 'failed'
 )
 SELECT e.id, e.source, e.kind, e.received_at, e.attempts, e.error
-FROM event_rows e, told
+FROM events e, told
 WHERE e.status = 'dead' AND e.user_id = %(user_id)s AND e.finished_at > coalesce(told.at, '-infinity')
 ORDER BY e.finished_at
 LIMIT %(limit)s

@@ -17,17 +17,14 @@ exhausted AS MATERIALIZED (
     -- Through events_retries (its predicate spelled out so the planner can use it): the rows
     -- that were tried, not every pending row; then a home probe per row (LIMIT 1: never a
     -- join over every user of the owned partitions).
-    SELECT e.id, e.status FROM event_rows e
+    SELECT e.id, e.status FROM events e
     CROSS JOIN LATERAL (
         SELECT 1 FROM users u JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
         WHERE u.user_id = e.user_id LIMIT 1
     ) mine
     WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts >= %(max_attempts)s
-      -- Not a row a run holds (a claim takes rows with attempts left, so this only guards
-      -- against a row changed by hand under a claim).
-      AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.user_id = e.user_id AND e.id = ANY(c.event_ids))
 )
-UPDATE event_rows e
+UPDATE events e
 SET status = 'dead', finished_at = now(),
     error = 'dead after ' || e.attempts || ' attempts' || coalesce(': ' || e.error, '')
 FROM exhausted x
@@ -50,23 +47,22 @@ WITH RECURSIVE owned AS (
     FOR SHARE OF p
 ),
 pending_users (user_id) AS (
-    -- Users with pending rows after the cursor (claimed ones too: rule 4 below skips them), found by skipping through
+    -- Users with pending rows after the cursor, found by skipping through
     -- events_pending_by_user one user at a time. Evaluated lazily: the LIMIT below stops the
     -- skip scan as soon as enough users are claimable, so a backlog of many waiting users
     -- does not make every pass read all of them (passes would slow down as work piles up).
-    (SELECT user_id FROM event_rows
+    (SELECT user_id FROM events
      WHERE status = 'pending' AND user_id > %(after)s AND (%(until)s::text IS NULL OR user_id <= %(until)s::text)
      ORDER BY user_id LIMIT 1)
     UNION ALL
-    SELECT (SELECT e.user_id FROM event_rows e
+    SELECT (SELECT e.user_id FROM events e
             WHERE e.status = 'pending' AND e.user_id > p.user_id AND (%(until)s::text IS NULL OR e.user_id <= %(until)s::text)
             ORDER BY e.user_id LIMIT 1)
     FROM pending_users p WHERE p.user_id IS NOT NULL
 ),
 waiting AS (
-    -- Users of owned partitions whose oldest pending row is claimable now, with no claim
-    -- (rule 4: a probe of the claims' primary key, here or anywhere; a claim of an older
-    -- epoch is handed back by the takeover that made the current one).
+    -- Users of owned partitions whose oldest pending row is claimable now, not already running
+    -- here (rule 4) or anywhere under the current epoch.
     -- Every step is a probe for the user at hand, in skip-scan order, so the LIMIT stops the
     -- whole pipeline early: the LIMIT 1 / OFFSET 0 keep the planner from turning the probes
     -- into joins over every user of the owned partitions or every running row.
@@ -78,7 +74,7 @@ waiting AS (
         WHERE u.user_id = p.user_id LIMIT 1
     ) o
     CROSS JOIN LATERAL (
-        SELECT e.attempts, e.lost_claims, e.next_attempt_at, e.recorded_at FROM event_rows e
+        SELECT e.attempts, e.lost_claims, e.next_attempt_at, e.recorded_at FROM events e
         WHERE e.user_id = p.user_id AND e.status = 'pending' ORDER BY e.id LIMIT 1
     ) f
     WHERE p.user_id IS NOT NULL
@@ -92,7 +88,8 @@ waiting AS (
                THEN f.attempts < %(max_attempts)s AND NOT (f.lost_claims > 0 AND f.attempts = %(max_attempts)s - 1)
                -- Fresh rows once the oldest has waited out the batch window (quick messages share one run).
                ELSE f.recorded_at <= now() - make_interval(secs => %(window_s)s) END
-      AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.user_id = p.user_id OFFSET 0)
+      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch
+                      OFFSET 0)
     LIMIT %(max_users)s
 ),
 chosen AS MATERIALIZED (
@@ -101,63 +98,49 @@ chosen AS MATERIALIZED (
     -- MATERIALIZED: evaluated once. On a queue table the statistics are often stale (no
     -- pending rows at the last ANALYZE); once they made the planner scan every pending row
     -- and run this whole pipeline again for each (51 s for one pass).
-    SELECT b.id, w.user_id, w.topic, w.partition, w.epoch
+    SELECT b.id, 'pending'::text AS status, w.topic, w.partition, w.epoch
     FROM waiting w
     CROSS JOIN LATERAL (
         SELECT f.id, f.attempts, f.next_attempt_at,
                row_number() OVER (ORDER BY f.id) AS n,
                min(CASE WHEN f.attempts > 0 THEN f.id END) OVER () AS first_retry
-        FROM (SELECT e.id, e.attempts, e.next_attempt_at FROM event_rows e
+        FROM (SELECT e.id, e.attempts, e.next_attempt_at FROM events e
               WHERE e.user_id = w.user_id AND e.status = 'pending' ORDER BY e.id LIMIT %(batch_max)s) f
     ) b
     WHERE (b.n = 1 AND b.attempts > 0)
        OR (b.attempts = 0 AND (b.first_retry IS NULL OR b.id < b.first_retry) AND coalesce(b.next_attempt_at, now()) <= now())
 ),
-new_claims AS (
-    -- One row per run instead of a rewrite of each event it takes. ON CONFLICT: a claim made
-    -- meanwhile by another statement stands, and this one takes nothing for that user.
-    INSERT INTO claims AS c (user_id, topic, partition, epoch, event_ids)
-    SELECT ch.user_id, ch.topic, ch.partition, ch.epoch, array_agg(ch.id ORDER BY ch.id)
-    FROM chosen ch
-    GROUP BY ch.user_id, ch.topic, ch.partition, ch.epoch
-    ON CONFLICT (user_id) DO NOTHING
-    RETURNING c.user_id, c.topic, c.partition, c.epoch, c.event_ids
-),
 claimed AS (
-    -- The claimed rows as the view shows them now: the attempt counted, the claim's epoch.
-    -- The rows are unchanged, only named by the claim: read by primary key. The status as an
-    -- IN list names the live queue (events_live) and matches no partial index's predicate,
-    -- so the planner cannot start from events_pending_by_user (every pending row).
-    SELECT e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
-           e.attempts + 1 AS attempts, e.transient_failures, n.epoch AS claim_epoch,
-           n.topic AS home_topic, n.partition AS home_partition
-    FROM new_claims n
-    CROSS JOIN LATERAL unnest(n.event_ids) AS i(id)
-    JOIN event_rows e ON e.id = i.id AND e.status IN ('pending', 'running')
+    UPDATE events e
+    SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
+    FROM chosen c
+    -- The status check as a join clause, not a restriction: a restriction would let the
+    -- planner start from events_pending_by_user (every pending row) instead of the ids.
+    -- The IN list names the live queue (events_live), so the plan reads that partition only,
+    -- and matches no partial index's predicate.
+    WHERE e.id = c.id AND e.status = c.status AND e.status IN ('pending', 'running')
+    RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+              e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 )
 -- The next pass starts after the last user claimed here, in the ledger's own text order.
 SELECT claimed.*, max(user_id) OVER () AS cursor FROM claimed
 
 -- name: alone_due
--- Claim rule 3, the last attempt of an event lost with its worker before: when the first of these (on the owned partitions, at the user's turn: its oldest pending row no run holds) may be claimed. NULL: none waits.
+-- Claim rule 3, the last attempt of an event lost with its worker before: when the first of these (on the owned partitions, at the user's turn: its oldest pending row) may be claimed. NULL: none waits.
 WITH owned AS (
     SELECT p.topic, p.partition FROM partitions p
     JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
       ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
 )
 SELECT min(coalesce(e.next_attempt_at, now())) AS at
-FROM event_rows e
+FROM events e
 -- The user's home by primary key, per tried row (OFFSET 0: never a join that starts from
 -- every user of the owned partitions, which read 3,000 users to find no row).
 CROSS JOIN LATERAL (SELECT u.home_topic, u.home_partition FROM users u WHERE u.user_id = e.user_id OFFSET 0) u
--- The user's claim, if a run holds some of its rows (they are running, not waiting).
-LEFT JOIN LATERAL (SELECT c.event_ids FROM claims c WHERE c.user_id = e.user_id OFFSET 0) c ON true
 -- Through events_retries (its predicate spelled out): the tried rows only.
 WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
   AND EXISTS (SELECT 1 FROM owned o WHERE o.topic = u.home_topic AND o.partition = u.home_partition)
-  AND NOT e.id = ANY(coalesce(c.event_ids, '{}'))
-  AND NOT EXISTS (SELECT 1 FROM event_rows o WHERE o.user_id = e.user_id AND o.status = 'pending' AND o.id < e.id
-                  AND NOT o.id = ANY(coalesce(c.event_ids, '{}')))
+  AND NOT EXISTS (SELECT 1 FROM events o WHERE o.user_id = e.user_id AND o.status = 'pending' AND o.id < e.id)
 
 -- name: claim_alone
 -- Claim rule 3, the last attempt of an event lost with its worker before: one such row, claimed by a worker with no other run in flight (the runner sees to that), so that if it crashes the worker again, the crash is its own and no other event pays an attempt for it.
@@ -170,8 +153,8 @@ WITH owned AS (
     FOR SHARE OF p
 ),
 chosen AS MATERIALIZED (
-    SELECT e.id, e.user_id, o.topic, o.partition, o.epoch
-    FROM event_rows e
+    SELECT e.id, e.status, o.topic, o.partition, o.epoch
+    FROM events e
     CROSS JOIN LATERAL (
         SELECT o.topic, o.partition, o.epoch FROM users u
         JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition
@@ -179,29 +162,23 @@ chosen AS MATERIALIZED (
     ) o
     WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
       AND coalesce(e.next_attempt_at, now()) <= now()
-      -- No run of the user (rule 4: its claim's key), so every earlier pending row waits:
-      -- at the user's turn (runs follow event order per user) when there is none.
-      AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.user_id = e.user_id)
-      AND NOT EXISTS (SELECT 1 FROM event_rows b WHERE b.user_id = e.user_id AND b.status = 'pending' AND b.id < e.id)
+      -- At the user's turn (runs follow event order per user) and no run of the user (rule 4).
+      AND NOT EXISTS (SELECT 1 FROM events b WHERE b.user_id = e.user_id AND b.status = 'pending' AND b.id < e.id)
+      AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
     ORDER BY e.next_attempt_at NULLS FIRST, e.id
     LIMIT 1
-),
-new_claims AS (
-    INSERT INTO claims AS c (user_id, topic, partition, epoch, event_ids)
-    SELECT ch.user_id, ch.topic, ch.partition, ch.epoch, ARRAY[ch.id] FROM chosen ch
-    ON CONFLICT (user_id) DO NOTHING
-    RETURNING c.user_id, c.topic, c.partition, c.epoch, c.event_ids
 )
-SELECT e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
-       e.attempts + 1 AS attempts, e.transient_failures, n.epoch AS claim_epoch,
-       n.topic AS home_topic, n.partition AS home_partition
-FROM new_claims n
-JOIN event_rows e ON e.id = n.event_ids[1] AND e.status IN ('pending', 'running')
+UPDATE events e
+SET status = 'running', attempts = e.attempts + 1, claim_epoch = c.epoch, claimed_at = now(), next_attempt_at = NULL
+FROM chosen c
+WHERE e.id = c.id AND e.status = c.status AND e.status IN ('pending', 'running')
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch, c.topic AS home_topic, c.partition AS home_partition
 
 -- name: backoff_ends
 -- When rows of these partitions that wait out a backoff become claimable: read once at takeover, whose hand-back set backoffs this process did not choose (the runner wakes at each; its own failures it times itself).
 SELECT DISTINCT e.next_attempt_at AS at
-FROM event_rows e
+FROM events e
 JOIN users u ON u.user_id = e.user_id
 JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
   ON w.topic = u.home_topic AND w.partition = u.home_partition
@@ -210,40 +187,23 @@ ORDER BY 1
 LIMIT 1000
 
 -- name: claim_more
--- Fold: at a model-turn boundary, the user's fresh pending rows join the run's claim (under its own epoch, while it still holds it).
+-- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch.
 WITH owned AS (
     SELECT 1 FROM partitions p
     WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
     FOR SHARE
-),
-held AS (
-    SELECT c.event_ids FROM claims c
-    WHERE c.user_id = %(user_id)s AND c.epoch = %(epoch)s AND EXISTS (SELECT 1 FROM owned)
-),
-fresh AS MATERIALIZED (
-    SELECT e.id FROM event_rows e, held h
-    WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0 AND e.lost_claims = 0
-      AND e.source = ANY(%(sources)s) AND e.session_id IS NULL
-      AND NOT e.id = ANY(h.event_ids)
-),
-grown AS (
-    -- The claim row is the lock: a takeover that deleted it meanwhile leaves nothing to grow.
-    UPDATE claims c SET event_ids = c.event_ids || (SELECT array_agg(f.id ORDER BY f.id) FROM fresh f)
-    WHERE c.user_id = %(user_id)s AND c.epoch = %(epoch)s AND EXISTS (SELECT 1 FROM fresh)
-    RETURNING c.epoch
 )
-SELECT e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
-       e.attempts + 1 AS attempts, e.transient_failures, g.epoch AS claim_epoch
-FROM grown g
-CROSS JOIN fresh f
-JOIN event_rows e ON e.id = f.id AND e.status IN ('pending', 'running')
+UPDATE events e
+SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now()
+WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0 AND e.lost_claims = 0
+  AND e.source = ANY(%(sources)s) AND e.session_id IS NULL
+  AND EXISTS (SELECT 1 FROM owned)
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch
 
 -- name: release_claim
--- A graceful release (partition revoked mid-run, worker shutting down): the claim row goes, its rows stay pending as they are (the attempt is never counted). Returns how many of %(ids)s it held.
-WITH released AS (
-    DELETE FROM claims c
-    WHERE c.user_id = %(user_id)s AND c.epoch = %(epoch)s
-      AND EXISTS (SELECT 1 FROM partitions p WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s)
-    RETURNING c.event_ids
-)
-SELECT count(*)::int AS released FROM released r CROSS JOIN LATERAL unnest(r.event_ids) AS i(id) WHERE i.id = ANY(%(ids)s)
+-- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted.
+UPDATE events
+SET status = 'pending', claim_epoch = NULL, attempts = greatest(attempts - 1, 0)
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s
+  AND EXISTS (SELECT 1 FROM partitions p WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s)

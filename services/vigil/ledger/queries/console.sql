@@ -3,9 +3,7 @@
 -- Every query is bounded: it returns at most %(limit)s rows, pages by keyset (never OFFSET),
 -- and the counts an overview shows stop at %(cap)s rows so that a huge backlog costs the
 -- page a bounded scan, not a count of millions. Events are read by their documented columns
--- only (README "The ledger"), through the view `events` (a claimed row is running there);
--- dead rows and the newest id, which the stored rows give as the view does, from event_rows
--- directly (its indexes, and no join with the claims).
+-- only (README "The ledger"), so the storage underneath may change.
 --
 -- A run's writes (outbox rows, approvals, timers, memory files, tasks) carry its run id,
 -- written by its finish: a timeline links them by that id, never by time.
@@ -34,7 +32,7 @@ ORDER BY 1
 -- name: console_dead_since
 -- Events and deliveries that died since %(since)s (each count stops at %(cap)s).
 SELECT
-    (SELECT count(*) FROM (SELECT 1 FROM event_rows WHERE status = 'dead' AND finished_at >= %(since)s LIMIT %(cap)s) e)::int
+    (SELECT count(*) FROM (SELECT 1 FROM events WHERE status = 'dead' AND finished_at >= %(since)s LIMIT %(cap)s) e)::int
         AS dead_events,
     (SELECT count(*) FROM (SELECT 1 FROM outbox WHERE status = 'dead' AND dead_at >= %(since)s LIMIT %(cap)s) o)::int
         AS dead_outbox_rows
@@ -212,7 +210,7 @@ LIMIT %(limit)s
 -- Dead events before the keyset (finished_at, id) < (%(t)s, %(i)s), newest first.
 SELECT id, user_id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at,
        finished_at, run_id
-FROM event_rows
+FROM events
 WHERE status = 'dead' AND (finished_at, id) < (%(t)s::timestamptz, %(i)s::bigint)
 ORDER BY finished_at DESC, id DESC
 LIMIT %(limit)s

@@ -36,7 +36,7 @@ firsts AS (
     ORDER BY i.user_id, i.source, i.source_id, i.n
 ),
 recorded AS (
-    INSERT INTO event_rows (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
+    INSERT INTO events (user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
                         kafka_topic, kafka_partition, kafka_offset)
     SELECT user_id, source, source_id, kind, payload, session_id, headers, occurred_at, received_at,
            kafka_topic, kafka_partition, kafka_offset
@@ -47,30 +47,30 @@ SELECT count(*)::int AS recorded FROM recorded
 
 -- name: oldest_pending_age
 -- Age in seconds of the oldest pending event (a stuck or starved agent shows here first), and
--- how many are pending (the same scan of the pending rows answers both): those no claim holds.
-SELECT coalesce(extract(epoch FROM now() - min(e.recorded_at)), 0)::float8 AS age, count(*) AS pending
-FROM event_rows e
-WHERE e.status = 'pending'
-  AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.user_id = e.user_id AND e.id = ANY(c.event_ids))
+-- how many are pending (the same scan of the pending rows answers both).
+SELECT coalesce(extract(epoch FROM now() - min(recorded_at)), 0)::float8 AS age, count(*) AS pending
+FROM events WHERE status = 'pending'
 
 -- name: dead_list
--- Dead events, newest first, for operators (a dead row is stored as `events` shows it: through events_dead).
+-- Dead events, newest first, for operators.
 SELECT id, user_id, source, source_id, kind, attempts, error, finished_at, received_at
-FROM event_rows WHERE status = 'dead' ORDER BY finished_at DESC, id DESC LIMIT %(limit)s
+FROM events WHERE status = 'dead' ORDER BY finished_at DESC, id DESC LIMIT %(limit)s
 
 -- name: dead_retry
 -- An operator sends dead events back: pending, attempts reset, who and when recorded.
-UPDATE event_rows
+UPDATE events
 SET status = 'pending', attempts = 0, transient_failures = 0, lost_claims = 0, finished_at = NULL, next_attempt_at = NULL,
     claim_epoch = NULL, retried_by = %(actor)s, retried_at = now()
 WHERE id = ANY(%(ids)s) AND status = 'dead'
 RETURNING id, user_id
 
 -- name: inbox
--- A user's events and their states, newest first (the view `events`: a claimed row is running): the live queue through events_pending_by_user (it has no index of every row by user: one less index entry on every record), the finished days through events_finished_by_user.
+-- A user's events and their states, newest first: the live queue through its partial indexes (it has no index of every row by user: one less index entry on every record and claim), the finished days through events_finished_by_user.
 SELECT id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at, recorded_at, finished_at, run_id
 FROM (
-    SELECT * FROM events WHERE user_id = %(user_id)s AND status IN ('pending', 'running')
+    SELECT * FROM events WHERE user_id = %(user_id)s AND status = 'pending'
+    UNION ALL
+    SELECT * FROM events WHERE user_id = %(user_id)s AND status = 'running'
     UNION ALL
     (SELECT * FROM events WHERE user_id = %(user_id)s AND status IN ('done', 'dead') ORDER BY id DESC LIMIT %(limit)s)
 ) mine

@@ -19,28 +19,16 @@ WITH new_runs AS (
     ORDER BY r.n
     RETURNING id, user_id, epoch, outcome, event_ids
 ),
-ended AS (
-    -- The done runs' claims end here: a run's claim is its own while the row with its user and
-    -- epoch is there (a takeover or the heal deleted it otherwise, and the run is refused).
-    -- Driven by the group's users (primary-key probes), never by every claim in flight.
-    DELETE FROM claims c USING new_runs r
-    WHERE c.user_id = ANY(%(user_id)s::text[]) AND c.user_id = r.user_id AND c.epoch = r.epoch
-      AND r.outcome <> 'failed'
-    RETURNING c.user_id, c.epoch, c.event_ids, c.claimed_at, r.id AS run_id
-),
 done AS (
-    -- A run's events are done only while its claim holds them; fewer rows than it claimed
-    -- means the claim is no longer ours (the caller refuses the run). The claim's attempt is
-    -- counted on the row as it moves to its day.
-    -- Driven by the flat id list (primary-key probes), never by the live queue: joined the
-    -- other way, the planner matched every pending row against every run of the group. The
-    -- status as an IN list names the live queue and matches no partial index.
-    UPDATE event_rows e
-    SET status = 'done', finished_at = now(), run_id = x.run_id, error = NULL, attempts = e.attempts + 1,
-        claim_epoch = x.epoch, claimed_at = x.claimed_at, next_attempt_at = NULL
-    FROM ended x
-    WHERE e.id = ANY(%(done_ids)s::bigint[]) AND x.user_id = e.user_id AND e.id = ANY(x.event_ids)
-      AND e.status IN ('pending', 'running')
+    -- A run's events are done only while still claimed under its epoch; fewer rows than it
+    -- claimed means the claim is no longer ours (the caller refuses the run).
+    -- Driven by the flat id list (primary-key probes), never by the running rows: joined
+    -- the other way, the planner matched every running row against every run of the group.
+    UPDATE events e
+    SET status = 'done', finished_at = now(), run_id = r.id, error = NULL
+    FROM new_runs r
+    WHERE e.id = ANY(%(done_ids)s::bigint[]) AND r.user_id = e.user_id AND r.outcome <> 'failed'
+      AND e.status = 'running' AND e.claim_epoch = r.epoch
     RETURNING e.run_id
 ),
 messages AS (
@@ -80,15 +68,10 @@ ON CONFLICT (user_id, path) DO UPDATE SET content = EXCLUDED.content, run_id = E
 DELETE FROM memory WHERE user_id = %(user_id)s AND path = %(path)s
 
 -- name: finish_failed
--- Finish of a failed attempt: its claim ends and its rows wait again with the error and a backoff, the claim's attempt counted (a transient failure gives it back: not counted).
-WITH ended AS (
-    DELETE FROM claims c WHERE c.user_id = %(user_id)s AND c.epoch = %(epoch)s
-    RETURNING c.event_ids
-)
-UPDATE event_rows e
-SET claim_epoch = NULL, error = %(error)s, run_id = %(run_id)s,
+-- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back.
+UPDATE events
+SET status = 'pending', claim_epoch = NULL, error = %(error)s, run_id = %(run_id)s,
     next_attempt_at = now() + make_interval(secs => %(backoff_s)s),
-    attempts = e.attempts + CASE WHEN %(transient)s THEN 0 ELSE 1 END,
-    transient_failures = e.transient_failures + CASE WHEN %(transient)s THEN 1 ELSE 0 END
-FROM ended x
-WHERE e.id = ANY(%(ids)s) AND e.id = ANY(x.event_ids) AND e.status IN ('pending', 'running')
+    attempts = CASE WHEN %(transient)s THEN attempts - 1 ELSE attempts END,
+    transient_failures = transient_failures + CASE WHEN %(transient)s THEN 1 ELSE 0 END
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s

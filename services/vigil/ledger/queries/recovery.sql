@@ -16,7 +16,7 @@ JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
   ON c.topic = w.topic AND c.partition = w.partition
 
 -- name: release_orphaned_claims
--- Claims no live run holds (a finish whose commit the ledger lost, a run this process forgot): claims at this worker's current epochs of users with no run in flight here (%(busy)s) are deleted and their events wait again, counted as lost with their worker exactly as hand_back_stale_claims counts them.
+-- Claims no live run holds (a finish whose commit the ledger lost, a run this process forgot): rows running at this worker's current epochs of users with no run in flight here (%(busy)s) go back to pending, counted as lost with their worker exactly as hand_back_stale_claims counts them.
 WITH owned AS (
     -- FOR SHARE, as in claim: fenced by the epochs (a takeover waits, a stale epoch matches
     -- nothing), locks in one global order.
@@ -26,19 +26,20 @@ WITH owned AS (
     ORDER BY p.topic, p.partition
     FOR SHARE OF p
 ),
-orphaned AS (
-    -- Through claims_by_epoch: one row per run in flight on the owned partitions.
-    DELETE FROM claims c USING owned o
-    WHERE c.topic = o.topic AND c.partition = o.partition AND c.epoch = o.epoch
-      AND c.user_id <> ALL(%(busy)s::text[])
-    RETURNING c.user_id, c.partition, c.epoch, c.event_ids
+orphaned AS MATERIALIZED (
+    -- Through events_running_by_user: the running rows only (a few per run slot).
+    SELECT e.id, o.partition FROM events e
+    JOIN users u ON u.user_id = e.user_id
+    JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition AND e.claim_epoch = o.epoch
+    WHERE e.status = 'running' AND e.user_id <> ALL(%(busy)s::text[])
 )
-UPDATE event_rows e
-SET claim_epoch = NULL,
-    attempts = CASE WHEN e.attempts + 1 >= %(max_attempts)s AND e.lost_claims = 0 THEN %(max_attempts)s - 1 ELSE e.attempts + 1 END,
+UPDATE events e
+SET status = 'pending',
+    claim_epoch = NULL,
+    attempts = CASE WHEN e.attempts >= %(max_attempts)s AND e.lost_claims = 0 THEN %(max_attempts)s - 1 ELSE e.attempts END,
     lost_claims = e.lost_claims + 1,
-    error = 'claim abandoned: no live run held it on partition ' || x.partition || ' (epoch ' || x.epoch || ')',
-    next_attempt_at = now() + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts, 0))) * (0.5 + random() / 2))
-FROM orphaned x CROSS JOIN LATERAL unnest(x.event_ids) AS i(id)
-WHERE e.id = i.id AND e.user_id = x.user_id AND e.status IN ('pending', 'running')
+    error = 'claim abandoned: no live run held it on partition ' || x.partition || ' (epoch ' || e.claim_epoch || ')',
+    next_attempt_at = now() + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
+FROM orphaned x
+WHERE e.id = x.id AND e.status = 'running'
 RETURNING e.id, e.user_id
