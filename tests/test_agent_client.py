@@ -10,8 +10,9 @@ import json
 import resource
 
 import anthropic
+import httpx2
 import pytest
-from anthropic.types import Message
+from anthropic.types import Message, ToolUseBlock
 
 from vigil.agent import model
 from vigil.agent.claude import model_client
@@ -83,19 +84,9 @@ def test_many_runs_share_kept_alive_connections():
     assert 1 <= opened <= 8
 
 
-class _Raw:
-    """The two methods of the SDK's raw response that model._message uses."""
-
-    def __init__(self, body: dict):
-        self.body = json.dumps(body).encode()
-        self.parsed = False
-
-    async def read(self) -> bytes:
-        return self.body
-
-    async def parse(self):
-        self.parsed = True
-        return anthropic._models.construct_type(type_=Message, value=json.loads(self.body))
+def _response(body: dict) -> httpx2.Response:
+    """An answer as the SDK's ``post`` hands it to model._message (status already checked)."""
+    return httpx2.Response(200, content=json.dumps(body).encode())
 
 
 def _answer(content: list[dict]) -> dict:
@@ -113,9 +104,8 @@ def _answer(content: list[dict]) -> dict:
 
 def test_answers_are_validated_from_bytes_and_unknown_blocks_read_the_sdks_way():
     use = {"type": "tool_use", "id": "toolu_01", "name": "send_message", "input": {"text": "x"}}
-    raw = _Raw(_answer([use]))
-    message = asyncio.run(model._message(raw))
-    assert isinstance(message, Message) and not raw.parsed
+    message = asyncio.run(model._message(_response(_answer([use]))))
+    assert isinstance(message, Message) and isinstance(message.content[0], ToolUseBlock)
     assert (message.content[0].name, message.content[0].input, message.usage.cache_read_input_tokens) == (
         "send_message",
         {"text": "x"},
@@ -123,7 +113,6 @@ def test_answers_are_validated_from_bytes_and_unknown_blocks_read_the_sdks_way()
     )
     # A block type newer than this SDK: the strict schema refuses it, the SDK's lenient reading keeps it.
     future = {"type": "hologram", "data": "?"}
-    raw = _Raw(_answer([use, future]))
-    message = asyncio.run(model._message(raw))
-    assert raw.parsed
+    message = asyncio.run(model._message(_response(_answer([use, future]))))
+    assert isinstance(message, Message) and isinstance(message.content[0], ToolUseBlock)
     assert message.content[0].name == "send_message" and message.content[1].type == "hologram"

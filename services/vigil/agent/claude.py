@@ -132,7 +132,7 @@ class ClaudeAgent:
             ),
             actions={t.name: t for t in actions},
             permissions=permissions,
-            definitions=definitions,
+            tools=model.Tools.of(definitions),
             policies=policies,
         )
         self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)

@@ -69,7 +69,7 @@ class Toolbox:
     retry: model.RetryPolicy
     actions: dict[str, ActionTool]
     permissions: dict[str, Permission]  # every known tool's effective permission
-    definitions: list[dict[str, Any]]  # the tools offered, in their fixed order
+    tools: model.Tools  # the tools offered, in their fixed order, encoded once
     policies: dict[str, EventPolicy]  # the deployment's (VIGIL_EVENT_POLICIES); a user's may win
 
 
@@ -226,15 +226,15 @@ class Conversation:
 
     # ------------------------------------------------------------------ one model call
 
-    def _request(self) -> dict[str, Any]:
+    def _request(self) -> model.Request:
         settings, budget = self.box.settings, self.run.budget
-        return {
-            "model": settings.model,
-            "max_tokens": max(model.MIN_CALL_TOKENS, min(settings.max_output_tokens, budget.max_tokens - budget.spent)),
-            "system": self.run.system,
-            "tools": self.box.definitions,
-            "messages": with_conversation_breakpoint(self.thread.messages),
-        }
+        return model.Request(
+            model=settings.model,
+            max_tokens=max(model.MIN_CALL_TOKENS, min(settings.max_output_tokens, budget.max_tokens - budget.spent)),
+            system=self.run.system,
+            messages=with_conversation_breakpoint(self.thread.messages),
+            tools=self.box.tools,
+        )
 
     # ------------------------------------------------------------------ tools
 

@@ -136,6 +136,7 @@ async def run_child(child: Child, instructions: str) -> str:
     definitions = [child.actions[n].definition() for n in allowed]
     if child.delegation.child_depth() is not None:
         definitions.append(delegate_definition())  # a child's own delegations always run sync
+    tools = model.Tools.of(definitions) if definitions else None
     messages: list[dict[str, Any]] = [{"role": "user", "content": [text_block(instructions)]}]
     answer = ""
     while True:
@@ -143,17 +144,16 @@ async def run_child(child: Child, instructions: str) -> str:
         if stop is not None:
             metrics.BUDGET_STOPS.labels(stop).inc()
             return answer or f"(the sub-agent was stopped by its {stop} budget before answering)"
-        request = {
-            "model": child.settings.model,
-            "max_tokens": max(
+        request = model.Request(
+            model=child.settings.model,
+            max_tokens=max(
                 model.MIN_CALL_TOKENS,
                 min(child.settings.max_output_tokens, child.budget.max_tokens - child.budget.spent),
             ),
-            "system": CHILD_SYSTEM,
-            "messages": messages,
-        }
-        if definitions:
-            request["tools"] = definitions
+            system=CHILD_SYSTEM,
+            messages=messages,
+            tools=tools,
+        )
         response = await model.create(child.client, request, child.budget, child.retry)
         child.budget.add(response.usage)
         _sync_usage(child)

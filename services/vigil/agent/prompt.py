@@ -13,12 +13,11 @@ system, messages:
    multi-turn run reads the previous call's prefix from the cache.
 
 Nothing in 1-3 may depend on the clock, the event, or dict ordering that is not fixed;
-tests/test_agent_prompt.py holds two runs' bytes side by side.
+tests/test_agent.py holds two runs' bytes side by side.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from datetime import datetime
@@ -154,15 +153,17 @@ def append_user(messages: list[dict[str, Any]], blocks: list[dict[str, Any]]) ->
 
 
 def with_conversation_breakpoint(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A copy of the conversation with a cache breakpoint on its last block.
+    """The conversation with a cache breakpoint on its last block, for one request.
 
-    A copy: the saved session must never carry markers, or they would pile up past the
-    API's limit of four once it is resumed.
+    The saved session must never carry markers, or they would pile up past the API's limit of
+    four once it is resumed: the last message and its last block are copied (shallowly, the
+    request is encoded and never changed), the rest is shared.
     """
-    out = copy.deepcopy(messages)
-    if out and isinstance(out[-1]["content"], list) and out[-1]["content"]:
-        out[-1]["content"][-1]["cache_control"] = dict(CACHE)
-    return out
+    if not messages or not isinstance(messages[-1]["content"], list) or not messages[-1]["content"]:
+        return list(messages)
+    last = messages[-1]
+    marked = {**last["content"][-1], "cache_control": dict(CACHE)}
+    return [*messages[:-1], {**last, "content": [*last["content"][:-1], marked]}]
 
 
 def assistant_content(blocks: list[Any]) -> list[dict[str, Any]]:
