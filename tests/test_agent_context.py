@@ -135,6 +135,41 @@ def test_a_claim_pass_loads_many_contexts_in_one_pipeline_each_its_own_users(led
     assert (nobody.sessions, nobody.memory, nobody.recent_messages) == ({}, {}, [])
 
 
+def test_a_claim_pass_reads_each_users_queued_messages_policies_and_dead_events(ledger):
+    """The statements that read all of a pass's users at once keep every row with its user:
+    queued messages, policies and dead events (only those since the user's last run that did
+    not fail, oldest first, at most the limit)."""
+    seed(ledger)
+    with psycopg.connect(ledger) as conn:
+        conn.execute(Q.agent_policies_set, {"user_id": "intruder", "event_policies": "chat=fold"})
+        conn.execute(
+            "INSERT INTO events (user_id, source, source_id, kind, received_at, status, attempts, finished_at, error)"
+            " SELECT u, 'billing', u || '-' || n, 'billing.invoice_paid', now() - interval '1 h', 'dead', 5,"
+            "        timestamptz '2030-01-01 00:00:00Z' + make_interval(secs => n), 'poison ' || n"
+            " FROM unnest(ARRAY['u1', 'intruder']) AS u, generate_series(1, 25) AS n"
+        )
+        # u1's last run started before its dead events: it hears of them; a failed run later does not count.
+        conn.execute(
+            "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)"
+            " VALUES ('u1', 't', 0, 1, 'w', '{}', '2031-01-01Z', '2031-01-01Z', 'failed'),"
+            "        ('intruder', 't', 0, 1, 'w', '{}', '2030-01-01 00:00:20Z', '2030-01-01 00:00:21Z', 'message')"
+        )
+    mine = t.context([t.chat("again")])
+    theirs = t.context([t.chat("hello", user_id="intruder")], user_id="intruder")
+
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, row_factory=dict_row, autocommit=True) as conn:
+            await load_contexts(conn, [theirs, mine], recent_limit=5)
+
+    asyncio.run(go())
+    assert (mine.recent_messages, mine.queued_messages) == (["said 0", "said 1"], ["said 2"])
+    assert (theirs.recent_messages, theirs.queued_messages) == ([], [])
+    assert (mine.event_policies, theirs.event_policies) == ("", "chat=fold")
+    assert [d["error"] for d in mine.dead_events] == [f"poison {n}" for n in range(1, 21)]  # oldest 20 of 25
+    assert [d["error"] for d in theirs.dead_events] == [f"poison {n}" for n in range(21, 26)]  # after its run
+    assert set(mine.dead_events[0]) == {"id", "source", "kind", "received_at", "attempts", "error"}
+
+
 def test_sessions_are_stored_with_their_pending_call_and_resaved(ledger):
     seed(ledger)
     store(

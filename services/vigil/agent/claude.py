@@ -132,7 +132,7 @@ class ClaudeAgent:
             ),
             actions={t.name: t for t in actions},
             permissions=permissions,
-            tools=model.Tools.of(definitions),
+            tools=model.Encoded.of(definitions),
             policies=policies,
         )
         self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)
@@ -199,7 +199,7 @@ class ClaudeAgent:
             memory=memory,
             budget=model.Budget(settings.max_turns, settings.max_run_tokens, deadline),
             now=now,
-            system=self._prefix(ctx, memory, now),
+            system=model.Encoded.of(self._prefix(ctx, memory, now)),
             approvals=dict(ctx.approval_requests),
             policies=self.policies_for(ctx),
         )

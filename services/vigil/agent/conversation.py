@@ -69,7 +69,7 @@ class Toolbox:
     retry: model.RetryPolicy
     actions: dict[str, ActionTool]
     permissions: dict[str, Permission]  # every known tool's effective permission
-    tools: model.Tools  # the tools offered, in their fixed order, encoded once
+    tools: model.Encoded  # the tools offered (definitions in their fixed order), encoded once
     policies: dict[str, EventPolicy]  # the deployment's (VIGIL_EVENT_POLICIES); a user's may win
 
 
@@ -81,7 +81,7 @@ class RunState:
     memory: MemoryFiles
     budget: model.Budget
     now: datetime  # when the run started (the prompt's "now"); tools read the clock when called
-    system: list[dict[str, Any]]  # built once per run: the cached prefix must not move mid-run
+    system: model.Encoded  # built and encoded once per run: the cached prefix must not move mid-run
     approvals: dict[str, ApprovalRequest]
     policies: dict[str, EventPolicy] = field(default_factory=dict)  # this user's, per source
     folded: list[EventRow] = field(default_factory=list)

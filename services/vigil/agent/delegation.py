@@ -46,6 +46,7 @@ CHILD_SYSTEM = (
     "to the agent that asked, never shown to a person. If the task cannot be done with your tools, "
     "say so plainly and stop."
 )
+CHILD_SYSTEM_ENCODED = model.Encoded.of(CHILD_SYSTEM)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ async def run_child(child: Child, instructions: str) -> str:
     definitions = [child.actions[n].definition() for n in allowed]
     if child.delegation.child_depth() is not None:
         definitions.append(delegate_definition())  # a child's own delegations always run sync
-    tools = model.Tools.of(definitions) if definitions else None
+    tools = model.Encoded.of(definitions) if definitions else None
     messages: list[dict[str, Any]] = [{"role": "user", "content": [text_block(instructions)]}]
     answer = ""
     while True:
@@ -150,7 +151,7 @@ async def run_child(child: Child, instructions: str) -> str:
                 model.MIN_CALL_TOKENS,
                 min(child.settings.max_output_tokens, child.budget.max_tokens - child.budget.spent),
             ),
-            system=CHILD_SYSTEM,
+            system=CHILD_SYSTEM_ENCODED,
             messages=messages,
             tools=tools,
         )

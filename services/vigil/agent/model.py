@@ -15,9 +15,9 @@ and its attempts show in the metrics.
 The request goes out through the SDK's ``post`` with a body vigil encodes itself
 (:class:`Request`): ``messages.create`` deep-copies and re-encodes the whole request on every
 call, tools and system prompt included, which were a third of a worker's CPU per model-bound
-run. The tools are encoded once per agent (:class:`Tools`); headers, authentication, the
-status errors and the transport are still the SDK's. The call's span (GenAI conventions) is
-vigil's own, when traces are on.
+run. The tools are encoded once per agent, the system prompt once per run
+(:class:`Encoded`); headers, authentication, the status errors and the transport are still
+the SDK's. The call's span (GenAI conventions) is vigil's own, when traces are on.
 """
 
 from __future__ import annotations
@@ -159,17 +159,17 @@ def _dumps(value: Any) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class Tools:
-    """The tools a conversation offers, in their fixed order, with their JSON encoded once:
-    the same bytes on every call of every run (the cached prefix must not move), and most of
-    a request's size."""
+class Encoded:
+    """A part of requests encoded once: the tools (the same on every call of every run, and
+    most of a request's size) and a run's system prompt (the same on each of its calls). The
+    same bytes every time: the cached prefix must not move."""
 
-    definitions: list[dict[str, Any]]
+    value: Any
     encoded: bytes
 
     @classmethod
-    def of(cls, definitions: list[dict[str, Any]]) -> Tools:
-        return cls(definitions, _dumps(definitions))
+    def of(cls, value: Any) -> Encoded:
+        return cls(value, _dumps(value))
 
 
 @dataclass(slots=True)
@@ -178,9 +178,9 @@ class Request:
 
     model: str
     max_tokens: int
-    system: list[dict[str, Any]] | str
+    system: Encoded
     messages: list[dict[str, Any]]
-    tools: Tools | None = None
+    tools: Encoded | None = None
 
     def body(self) -> bytes:
         parts = [
@@ -189,11 +189,11 @@ class Request:
             b',"max_tokens":',
             str(int(self.max_tokens)).encode(),
             b',"system":',
-            _dumps(self.system),
+            self.system.encoded,
             b',"messages":',
             _dumps(self.messages),
         ]
-        if self.tools is not None and self.tools.definitions:
+        if self.tools is not None and self.tools.value:
             parts += [b',"tools":', self.tools.encoded]
         parts.append(b"}")
         return b"".join(parts)

@@ -62,61 +62,75 @@ class ContextRows:
 
 
 async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWanted]) -> list[ContextRows]:
-    """Every run's context reads in one pipeline: a claim pass that starts 2,000 runs costs
-    one round trip and one pooled connection, not 4,000 and 2,000 waits for the pool. Only
-    each run's own user's rows are read."""
-    queued = []
+    """Every run's context reads for a whole claim pass: six statements whatever the runs
+    (each reads all the pass's users at once), in one pipeline, so a pass that starts 2,000
+    runs costs one round trip and one pooled connection. Only each run's own user's rows are
+    read: sessions and approvals by (user, id) pairs."""
+    if not wanted:
+        return []
+    users = [w.user_id for w in wanted]
+    recent = [w for w in wanted if w.recent_limit]
+    session_pairs = [(w.user_id, sid) for w in wanted for sid in w.session_ids]
+    approval_pairs = [(w.user_id, rid) for w in wanted for rid in w.request_ids]
     async with conn.pipeline():
-        for w in wanted:
-            user = {"user_id": w.user_id}
-            queued.append(
-                (
-                    await conn.execute(Q.agent_sessions_load, {**user, "ids": w.session_ids})
-                    if w.session_ids
-                    else None,
-                    await conn.execute(Q.agent_memory_load, user),
-                    await conn.execute(Q.agent_recent_messages, {**user, "limit": w.recent_limit})
-                    if w.recent_limit
-                    else None,
-                    await conn.execute(Q.agent_policies_get, user),
-                    await conn.execute(Q.agent_dead_events, {**user, "limit": w.dead_limit}),
-                    await conn.execute(Q.agent_approvals_load, {**user, "ids": w.request_ids})
-                    if w.request_ids
-                    else None,
-                )
+        sessions = await _pairs(conn, Q.agent_sessions_load_many, session_pairs)
+        memory = await conn.execute(Q.agent_memory_load_many, {"user_ids": users})
+        past = (
+            await conn.execute(
+                Q.agent_recent_messages_many,
+                {"user_ids": [w.user_id for w in recent], "limits": [w.recent_limit for w in recent]},
             )
-    out = []
-    for w, (sessions, memory, recent, policies, dead, approvals) in zip(wanted, queued, strict=True):
-        rows = ContextRows()
-        if sessions is not None:
-            rows.sessions = {
-                r["id"]: SessionRow(
-                    r["id"],
-                    w.user_id,
-                    r["state"],
-                    list(r["messages"]),
-                    0,
-                    r["blocks"],
-                    r["consecutive_blocks"],
-                    r["pending"],
-                )
-                for r in await sessions.fetchall()
-            }
-        rows.memory = {r["path"]: r["content"] for r in await memory.fetchall()}
-        if recent is not None:
-            rows.recent = [(r["body"], r["queued"]) for r in reversed(await recent.fetchall())]
-        row = await policies.fetchone()
-        rows.event_policies = row["event_policies"] if row else ""
-        rows.dead_events = [dict(r) for r in await dead.fetchall()]
-        if approvals is not None:
-            rows.approvals = [
-                ApprovalLoaded(
-                    r["request_id"], r["session_id"], r["tool"], r["tool_use_id"], r["args_hash"], r["answer"]
-                )
-                for r in await approvals.fetchall()
-            ]
-        out.append(rows)
-    return out
+            if recent
+            else None
+        )
+        policies = await conn.execute(Q.agent_policies_many, {"user_ids": users})
+        dead = await conn.execute(
+            Q.agent_dead_events_many, {"user_ids": users, "limit": max(w.dead_limit for w in wanted)}
+        )
+        approvals = await _pairs(conn, Q.agent_approvals_load_many, approval_pairs)
+    out = {w.user_id: ContextRows() for w in wanted}
+    for w in wanted:
+        if w.session_ids:
+            out[w.user_id].sessions = {}
+        if w.recent_limit:
+            out[w.user_id].recent = []
+        if w.request_ids:
+            out[w.user_id].approvals = []
+    for r in await sessions.fetchall() if sessions else []:
+        out[r["user_id"]].sessions[r["id"]] = SessionRow(
+            r["id"],
+            r["user_id"],
+            r["state"],
+            list(r["messages"]),
+            0,
+            r["blocks"],
+            r["consecutive_blocks"],
+            r["pending"],
+        )
+    for r in await memory.fetchall():
+        out[r["user_id"]].memory[r["path"]] = r["content"]
+    for r in await past.fetchall() if past else []:
+        out[r["user_id"]].recent.append((r["body"], r["queued"]))  # newest first, reversed below
+    for rows in out.values():
+        if rows.recent:
+            rows.recent.reverse()
+    for r in await policies.fetchall():
+        out[r["user_id"]].event_policies = r["event_policies"]
+    for r in await dead.fetchall():
+        row = dict(r)
+        out[row.pop("user_id")].dead_events.append(row)
+    for r in await approvals.fetchall() if approvals else []:
+        out[r["user_id"]].approvals.append(
+            ApprovalLoaded(r["request_id"], r["session_id"], r["tool"], r["tool_use_id"], r["args_hash"], r["answer"])
+        )
+    return [out[w.user_id] for w in wanted]
+
+
+async def _pairs(conn: psycopg.AsyncConnection, query: str, pairs: list[tuple[str, str]]):
+    """A (user, id) pairs statement, or None when there are no pairs."""
+    if not pairs:
+        return None
+    return await conn.execute(query, {"user_ids": [u for u, _ in pairs], "ids": [i for _, i in pairs]})
 
 
 def session_params(row: SessionRow) -> dict:

@@ -2,36 +2,49 @@
 -- messages, the approvals it resumes), the saved sessions, and the demo refund tool's record.
 -- services/vigil/agent/run_ledger.py calls the first group; the worker's finish the upsert.
 
--- name: agent_sessions_load
--- The saved sessions named by a claim's events (only the user's own).
-SELECT id, state, messages, blocks, consecutive_blocks, pending
-FROM sessions WHERE user_id = %(user_id)s AND id = ANY(%(ids)s)
+-- name: agent_sessions_load_many
+-- The saved sessions named by a claim pass's events, (user, session id) pairs: only each user's own.
+SELECT s.user_id, s.id, s.state, s.messages, s.blocks, s.consecutive_blocks, s.pending
+FROM unnest(%(user_ids)s::text[], %(ids)s::text[]) AS w(user_id, id)
+JOIN sessions s ON s.id = w.id AND s.user_id = w.user_id
 
--- name: agent_memory_load
--- The user's memory files, path -> content.
-SELECT path, content FROM memory WHERE user_id = %(user_id)s ORDER BY path
+-- name: agent_memory_load_many
+-- The memory files of a claim pass's users, path -> content.
+SELECT user_id, path, content FROM memory WHERE user_id = ANY(%(user_ids)s) ORDER BY user_id, path
 
--- name: agent_recent_messages
--- What the user was already told (delivered outbox rows) and what the outbox still holds for them (queued: pending or sending), newest first, %(limit)s in all; queued rows are the newest.
-SELECT body, queued FROM (
-    (SELECT body, false AS queued, delivered_at AS at FROM outbox
-     WHERE user_id = %(user_id)s AND status = 'delivered' ORDER BY delivered_at DESC LIMIT %(limit)s)
-    UNION ALL
-    (SELECT body, true AS queued, created_at AS at FROM outbox
-     WHERE user_id = %(user_id)s AND status IN ('pending', 'sending') ORDER BY id DESC LIMIT %(limit)s)
+-- name: agent_recent_messages_many
+-- Per user of a claim pass (with its limit): what the user was already told (delivered outbox rows) and what the outbox still holds for them (queued: pending or sending), newest first, lim in all; queued rows are the newest.
+SELECT w.user_id, past.body, past.queued
+FROM unnest(%(user_ids)s::text[], %(limits)s::int[]) WITH ORDINALITY AS w(user_id, lim, n)
+CROSS JOIN LATERAL (
+    SELECT body, queued, at FROM (
+        (SELECT body, false AS queued, delivered_at AS at FROM outbox
+         WHERE user_id = w.user_id AND status = 'delivered' ORDER BY delivered_at DESC LIMIT w.lim)
+        UNION ALL
+        (SELECT body, true AS queued, created_at AS at FROM outbox
+         WHERE user_id = w.user_id AND status IN ('pending', 'sending') ORDER BY id DESC LIMIT w.lim)
+    ) both_kinds
+    ORDER BY queued DESC, at DESC LIMIT w.lim
 ) past
-ORDER BY queued DESC, at DESC LIMIT %(limit)s
+ORDER BY w.n, past.queued DESC, past.at DESC
 
--- name: agent_dead_events
--- The user's events given up on (dead) since their last run that did not fail started: the agent hears of them once, at its next run. Dead events are rare: the events_dead index, then the user filter.
-WITH told AS (
-    SELECT max(started_at) AS at FROM runs WHERE user_id = %(user_id)s AND outcome <> 'failed'
-)
-SELECT e.id, e.source, e.kind, e.received_at, e.attempts, e.error
-FROM events e, told
-WHERE e.status = 'dead' AND e.user_id = %(user_id)s AND e.finished_at > coalesce(told.at, '-infinity')
-ORDER BY e.finished_at
-LIMIT %(limit)s
+-- name: agent_dead_events_many
+-- Per user of a claim pass: their events given up on (dead) since their last run that did not fail started, the oldest %(limit)s: the agent hears of them once, at its next run. Dead events are rare: the events_dead index, the users filter, then each one's last run.
+SELECT user_id, id, source, kind, received_at, attempts, error FROM (
+    SELECT e.user_id, e.id, e.source, e.kind, e.received_at, e.attempts, e.error, e.finished_at,
+           row_number() OVER (PARTITION BY e.user_id ORDER BY e.finished_at) AS n
+    FROM events e
+    WHERE e.status = 'dead' AND e.user_id = ANY(%(user_ids)s)
+      AND e.finished_at > coalesce(
+          (SELECT max(r.started_at) FROM runs r WHERE r.user_id = e.user_id AND r.outcome <> 'failed'),
+          '-infinity')
+) dead
+WHERE n <= %(limit)s
+ORDER BY user_id, finished_at
+
+-- name: agent_policies_many
+-- The overrides of a claim pass's users (a user with none has no row).
+SELECT user_id, event_policies FROM agent_policies WHERE user_id = ANY(%(user_ids)s)
 
 -- name: agent_policies_get
 -- The user's overrides of deployment-wide agent settings (none: no row).
@@ -43,10 +56,11 @@ INSERT INTO agent_policies (user_id, event_policies) VALUES (%(user_id)s, %(even
 ON CONFLICT (user_id) DO UPDATE SET event_policies = EXCLUDED.event_policies, updated_at = now()
 RETURNING user_id, event_policies, updated_at
 
--- name: agent_approvals_load
--- The approval requests named by a claim's approval events, with the hash of what was approved.
-SELECT request_id, session_id, tool, tool_use_id, args_hash, answer
-FROM approvals WHERE user_id = %(user_id)s AND request_id = ANY(%(ids)s)
+-- name: agent_approvals_load_many
+-- The approval requests named by a claim pass's approval events, (user, request id) pairs, with the hash of what was approved.
+SELECT a.user_id, a.request_id, a.session_id, a.tool, a.tool_use_id, a.args_hash, a.answer
+FROM unnest(%(user_ids)s::text[], %(ids)s::text[]) AS w(user_id, request_id)
+JOIN approvals a ON a.request_id = w.request_id AND a.user_id = w.user_id
 
 -- name: agent_session_upsert
 -- The saved conversation after the run (open, waiting on a deferred call, or closed); never another user's row.
