@@ -13,7 +13,7 @@ from psycopg.rows import dict_row
 from support import query
 from vigil.agent.base import RunResult, SessionSave
 from vigil.agent.run_ledger import load_context_parts, load_contexts, session_rows
-from vigil.ledger.agent import session_params
+from vigil.ledger.agent import save_sessions
 from vigil.ledger.queries import Q
 from vigil_dev import agent_testing as t
 
@@ -35,9 +35,11 @@ OPEN = SessionSave("ses-open", "open", [{"role": "user", "content": "hi"}])
 
 
 def store(dsn: str, user: str, result: RunResult) -> None:
-    with psycopg.connect(dsn) as conn:
-        for row in session_rows(user, result):
-            conn.execute(Q.agent_session_upsert, session_params(row))
+    async def go():
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await save_sessions(conn, session_rows(user, result))
+
+    asyncio.run(go())
 
 
 def seed(dsn: str) -> None:

@@ -2,7 +2,7 @@
 
 For the worker: :func:`load_context_parts` fills a claimed run's :class:`RunContext`
 before ``agent.run`` (:func:`load_contexts` fills a whole claim pass's in one pipeline);
-:func:`session_rows` gives the ``sessions`` rows (:func:`vigil.ledger.agent.save_session`) of every session
+:func:`session_rows` gives the ``sessions`` rows (:func:`vigil.ledger.agent.save_sessions`) of every session
 a :class:`RunResult` saved, to execute in the fenced finish.
 Only the user's own rows are ever read or written.
 """
@@ -72,7 +72,7 @@ def _fill(ctx: RunContext, want: ledger_agent.ContextWanted, rows: ledger_agent.
 
 def session_rows(user_id: str, result: RunResult) -> list[ledger_agent.SessionRow]:
     """The ``sessions`` rows of every session the run saved (stored by the finish:
-    :func:`vigil.ledger.agent.save_session`)."""
+    :func:`vigil.ledger.agent.save_sessions`)."""
     saves = ([result.session] if result.session else []) + list(result.other_sessions)
     return [
         ledger_agent.SessionRow(

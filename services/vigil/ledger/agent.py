@@ -133,23 +133,26 @@ async def _pairs(conn: psycopg.AsyncConnection, query: str, pairs: list[tuple[st
     return await conn.execute(query, {"user_ids": [u for u, _ in pairs], "ids": [i for _, i in pairs]})
 
 
-def session_params(row: SessionRow) -> dict:
-    """``agent_session_upsert``'s parameters (for tests that store sessions on a plain connection)."""
-    return {
-        "id": row.id,
-        "user_id": row.user_id,
-        "state": row.state,
-        "messages": Jsonb(row.messages),
-        "size_bytes": row.size_bytes,
-        "blocks": row.blocks,
-        "consecutive_blocks": row.consecutive_blocks,
-        "pending": Jsonb(row.pending) if row.pending is not None else None,
-    }
-
-
-async def save_session(conn: psycopg.AsyncConnection, row: SessionRow) -> None:
-    """Store a run's session (in the finish transaction); never another user's row."""
-    await conn.execute(Q.agent_session_upsert, session_params(row))
+async def save_sessions(conn: psycopg.AsyncConnection, rows: list[SessionRow]) -> None:
+    """Store a finish group's sessions in one statement (in the finish transaction); never
+    another user's row. A session saved twice in the group keeps its last save."""
+    last = {row.id: row for row in rows}
+    if not last:
+        return
+    rows = list(last.values())
+    await conn.execute(
+        Q.agent_sessions_save_many,
+        {
+            "ids": [r.id for r in rows],
+            "user_ids": [r.user_id for r in rows],
+            "states": [r.state for r in rows],
+            "messages": [Jsonb(r.messages) for r in rows],
+            "sizes": [r.size_bytes for r in rows],
+            "blocks": [r.blocks for r in rows],
+            "consecutive": [r.consecutive_blocks for r in rows],
+            "pending": [Jsonb(r.pending) if r.pending is not None else None for r in rows],
+        },
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,10 @@ Order inside the transaction:
 2. For all current runs at once (``finish_runs``, one statement): their ``runs`` rows, the
    done runs' events and their outbox rows. Then, for runs that have them: a failed
    attempt's events back to ``pending`` with the error and a backoff, timers, approval
-   requests, memory writes, saved sessions and delegated background tasks (a run that
-   does not commit starts nothing); and, in one statement for the group, the session and
-   deadline of each message that has them (``outbox_tag_messages``).
+   requests, memory writes and delegated background tasks (a run that does not commit
+   starts nothing); and, in one statement for the group, the session and
+   deadline of each message that has them (``outbox_tag_messages``), and the sessions the
+   runs saved (``agent_sessions_save_many``).
 3. Commit.
 
 A crash before the commit leaves every claim ``running``: the next owner of the partition
@@ -107,13 +108,7 @@ def _has_more(run: Finished) -> bool:
     if run.error is not None:
         return True
     result = run.result
-    return result is not None and bool(
-        result.timers
-        or result.approvals
-        or result.memory_writes
-        or result.tasks
-        or session_rows(run.claim.user_id, result)
-    )
+    return result is not None and bool(result.timers or result.approvals or result.memory_writes or result.tasks)
 
 
 async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int) -> list[tuple]:
@@ -156,8 +151,6 @@ async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int)
         )
     for write in result.memory_writes:
         await ledger_finish.write_memory(conn, user, write.path, write.content, run_id)
-    for row in session_rows(user, result):
-        await ledger_agent.save_session(conn, row)
     for task in result.tasks:
         await ledger_tasks.create(conn, new_task_row(user, task, run_id))
     return []
@@ -215,8 +208,20 @@ async def _commit(
             for cursor, expected in checks:
                 if cursor.rowcount != expected:
                     raise FinishMismatch(f"{cursor.rowcount} of {expected} events still claimed")
-            await ledger_agent.tag_messages(conn, _message_tags(valid, ids))
+            async with conn.pipeline():
+                await ledger_agent.save_sessions(conn, _sessions(valid))
+                await ledger_agent.tag_messages(conn, _message_tags(valid, ids))
     return valid, stale
+
+
+def _sessions(runs: list[Finished]) -> list[ledger_agent.SessionRow]:
+    """Every session the group's done runs saved (one statement for the group)."""
+    return [
+        row
+        for run in runs
+        if run.error is None and run.result is not None
+        for row in session_rows(run.claim.user_id, run.result)
+    ]
 
 
 def _message_tags(runs: list[Finished], ids: dict[str, ledger_finish.RunWritten]) -> list[ledger_agent.MessageTag]:

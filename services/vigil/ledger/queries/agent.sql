@@ -62,10 +62,11 @@ SELECT a.user_id, a.request_id, a.session_id, a.tool, a.tool_use_id, a.args_hash
 FROM unnest(%(user_ids)s::text[], %(ids)s::text[]) AS w(user_id, request_id)
 JOIN approvals a ON a.request_id = w.request_id AND a.user_id = w.user_id
 
--- name: agent_session_upsert
--- The saved conversation after the run (open, waiting on a deferred call, or closed); never another user's row.
+-- name: agent_sessions_save_many
+-- The sessions a finish group's runs saved (open, waiting on a deferred call, or closed): one statement for the group, never another user's row.
 INSERT INTO sessions (id, user_id, state, messages, size_bytes, blocks, consecutive_blocks, pending)
-VALUES (%(id)s, %(user_id)s, %(state)s, %(messages)s, %(size_bytes)s, %(blocks)s, %(consecutive_blocks)s, %(pending)s)
+SELECT * FROM unnest(%(ids)s::text[], %(user_ids)s::text[], %(states)s::text[], %(messages)s::jsonb[],
+                     %(sizes)s::int[], %(blocks)s::int[], %(consecutive)s::int[], %(pending)s::jsonb[])
 ON CONFLICT (id) DO UPDATE
 SET state = EXCLUDED.state, messages = EXCLUDED.messages, size_bytes = EXCLUDED.size_bytes,
     blocks = EXCLUDED.blocks, consecutive_blocks = EXCLUDED.consecutive_blocks, pending = EXCLUDED.pending,
