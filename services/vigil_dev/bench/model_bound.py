@@ -15,7 +15,10 @@ Figures:
 - ``model_bound_runs_in_flight``: runs started and not finished, from the ``runs`` rows,
   at evenly spaced moments between the first run's start and the last run's start (while
   there is a backlog, every slot should be busy).
-- ``model_bound_runs_per_s``: runs / (first run started .. last run finished).
+- ``model_bound_runs_per_s``: runs finished while the slots were full / that stretch's length
+  (first run's start + one delay .. last run's start: the ramp and the drain do not count,
+  as in the end-to-end rounds); the whole span's rate (runs / first start .. last finish)
+  is printed beside it.
 - ``model_bound_worker_cpu_ms_per_run``: the worker process's user + system CPU time from
   ``/proc`` over the whole workload (recording, claims, both model calls, finishes) / runs.
 - ``model_bound_worker_rss_mb``: the worker's resident memory, sampled twice a second
@@ -238,8 +241,22 @@ def _figures(
     moments = [first + step * (i + 0.5) for i in range(IN_FLIGHT_SAMPLES)] if step > 0 else [first]
     in_flight = [sum(1 for s, f in spans if s <= t < f) for t in moments]
     took = last_finish - first
-    rate = len(runs) / took
+    # The rate while the slots are full (as in-flight and memory are read): from the first
+    # run's start plus one delay (nothing can finish before) to the last run's start (the
+    # backlog is gone after it, and the last wave's wait finishes nothing new). The ramp and
+    # the drain of a finite workload say nothing about what a worker carries; the whole span's
+    # rate is printed beside it.
+    steady_from, steady_until = first + size.delay_s, last_start
+    if steady_until - steady_from >= size.delay_s:
+        finished = sum(1 for _, f in spans if steady_from <= f < steady_until)
+        rate = finished / (steady_until - steady_from)
+        window = f"{finished} runs finished in the {steady_until - steady_from:.1f} s while the slots were full"
+    else:  # too short to have a full stretch (the quick size): the whole span
+        rate = len(runs) / took
+        window = "the whole span"
     at = f"{size.users} users, 1 worker, VIGIL_RUN_CONCURRENCY={size.concurrency}"
+    took_s = sorted(f - s for s, f in spans)
+    durations = f"a run took {took_s[len(took_s) // 2]:.2f} s (median), {took_s[len(took_s) * 99 // 100]:.2f} s (p99)"
     report.add(
         Figure(
             "model_bound_runs_in_flight",
@@ -254,7 +271,8 @@ def _figures(
             "model_bound_runs_per_s",
             [rate],
             per="run",
-            note=f"{len(runs)} runs in {took:.1f} s; scripted server: {server_share:.0%} of a core"
+            note=f"{window}; {durations}; whole span {len(runs) / took:.0f} runs/s ({len(runs)} runs in {took:.1f} s);"
+            f" scripted server: {server_share:.0%} of a core"
             f" ({1000 * server_cpu / len(runs):.2f} ms per run, {size.servers} process(es))",
         )
     )
