@@ -153,6 +153,9 @@ class SessionSave:
     blocks: int = 0
     consecutive_blocks: int = 0
     pending: dict | None = None  # the deferred call while state is waiting, else None
+    # The messages as JSON, when the agent already encoded them to measure them: the finish
+    # stores these bytes instead of encoding the conversation again.
+    encoded: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

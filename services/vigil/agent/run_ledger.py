@@ -12,7 +12,7 @@ from __future__ import annotations
 import psycopg
 
 from vigil.agent.base import ApprovalRequest, RunContext, RunResult, SavedSession
-from vigil.agent.sessions import request_id_of, size_bytes
+from vigil.agent.sessions import encode_messages, request_id_of
 from vigil.ledger import agent as ledger_agent
 
 # Dead events told to the agent at one run: enough to say what failed, bounded for the prompt.
@@ -72,21 +72,25 @@ def _fill(ctx: RunContext, want: ledger_agent.ContextWanted, rows: ledger_agent.
 
 def session_rows(user_id: str, result: RunResult) -> list[ledger_agent.SessionRow]:
     """The ``sessions`` rows of every session the run saved (stored by the finish:
-    :func:`vigil.ledger.agent.save_sessions`)."""
+    :func:`vigil.ledger.agent.save_sessions`), each conversation encoded once."""
     saves = ([result.session] if result.session else []) + list(result.other_sessions)
-    return [
-        ledger_agent.SessionRow(
-            id=s.id,
-            user_id=user_id,
-            state=s.state,
-            messages=s.messages,
-            size_bytes=size_bytes(s.messages),
-            blocks=s.blocks,
-            consecutive_blocks=s.consecutive_blocks,
-            pending=s.pending,
+    rows = []
+    for s in saves:
+        encoded = s.encoded if s.encoded is not None else encode_messages(s.messages)
+        rows.append(
+            ledger_agent.SessionRow(
+                id=s.id,
+                user_id=user_id,
+                state=s.state,
+                messages=s.messages,
+                size_bytes=len(encoded.encode()),
+                blocks=s.blocks,
+                consecutive_blocks=s.consecutive_blocks,
+                pending=s.pending,
+                messages_json=encoded,
+            )
         )
-        for s in saves
-    ]
+    return rows
 
 
 __all__ = ["load_context_parts", "load_contexts", "session_rows"]

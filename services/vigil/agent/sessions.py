@@ -30,8 +30,13 @@ APPROVAL_ANSWER = "approval.answer"
 APPROVAL_ESCALATE = "approval.escalate"
 
 
+def encode_messages(messages: list[dict]) -> str:
+    """A conversation as stored (``sessions.messages``) and measured against the size budget."""
+    return json.dumps(messages, ensure_ascii=False)
+
+
 def size_bytes(messages: list[dict], pending: dict | None = None) -> int:
-    return len(json.dumps(messages, ensure_ascii=False).encode()) + (
+    return len(encode_messages(messages).encode()) + (
         len(json.dumps(pending, ensure_ascii=False).encode()) if pending else 0
     )
 
@@ -76,14 +81,21 @@ class Thread:
 
     def save(self, budget_bytes: int) -> SessionSave:
         """The session as it must be stored now; closed once past the budget (never while waiting)."""
+        encoded = encode_messages(self.messages)
         if self.waiting:
             state = SessionState.WAITING
-        elif size_bytes(self.messages) > budget_bytes:
+        elif len(encoded.encode()) > budget_bytes:
             state = SessionState.CLOSED
         else:
             state = SessionState.OPEN
         return SessionSave(
-            self.session_id, state.value, self.messages, self.counters.total, self.counters.consecutive, self.pending
+            self.session_id,
+            state.value,
+            self.messages,
+            self.counters.total,
+            self.counters.consecutive,
+            self.pending,
+            encoded,
         )
 
 

@@ -4,6 +4,7 @@ saved sessions, the messages' tags, per-user policies, and the demo refund tool'
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -37,6 +38,7 @@ class SessionRow:
     blocks: int
     consecutive_blocks: int
     pending: dict | None
+    messages_json: str | None = None  # the messages already encoded (what the finish stores), else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +148,7 @@ async def save_sessions(conn: psycopg.AsyncConnection, rows: list[SessionRow]) -
             "ids": [r.id for r in rows],
             "user_ids": [r.user_id for r in rows],
             "states": [r.state for r in rows],
-            "messages": [Jsonb(r.messages) for r in rows],
+            "messages": [r.messages_json if r.messages_json is not None else json.dumps(r.messages) for r in rows],
             "sizes": [r.size_bytes for r in rows],
             "blocks": [r.blocks for r in rows],
             "consecutive": [r.consecutive_blocks for r in rows],

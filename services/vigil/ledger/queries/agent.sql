@@ -65,7 +65,7 @@ JOIN approvals a ON a.request_id = w.request_id AND a.user_id = w.user_id
 -- name: agent_sessions_save_many
 -- The sessions a finish group's runs saved (open, waiting on a deferred call, or closed): one statement for the group, never another user's row.
 INSERT INTO sessions (id, user_id, state, messages, size_bytes, blocks, consecutive_blocks, pending)
-SELECT * FROM unnest(%(ids)s::text[], %(user_ids)s::text[], %(states)s::text[], %(messages)s::jsonb[],
+SELECT * FROM unnest(%(ids)s::text[], %(user_ids)s::text[], %(states)s::text[], %(messages)s::text[]::jsonb[],
                      %(sizes)s::int[], %(blocks)s::int[], %(consecutive)s::int[], %(pending)s::jsonb[])
 ON CONFLICT (id) DO UPDATE
 SET state = EXCLUDED.state, messages = EXCLUDED.messages, size_bytes = EXCLUDED.size_bytes,
