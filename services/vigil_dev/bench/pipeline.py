@@ -7,10 +7,12 @@
   events / (first produce call .. the worker's ``vigil_events_recorded_total`` reached them).
 - ``e2e_events_per_s`` / ``e2e_runs_per_s``: record, claim, the echo agent's run, the fenced
   finish with its outbox row, for 1,000 users, at the default batch window. The workers are
-  up before the first event; each round offers load paced evenly over ``e2e_seconds`` at
-  1.25 times the best rate seen so far (a first, uncounted round starts from the record rate),
-  so the worker runs saturated while batches form as events arrive. Rate: events (runs) /
-  (first produce call .. the last run's ``finished_at``).
+  up before the first event. Short uncounted rounds search for the rate they keep up with
+  (from a quarter of the record rate, half as much again while a round finished 90% of its
+  offer); then each counted round offers load paced evenly over ``e2e_seconds`` at 1.25
+  times the best rate seen so far, so the worker runs saturated while batches form as events
+  arrive. Rate: the events (runs) whose run finished from a quarter into the round until the
+  last event was offered (the drain does not count).
 - ``e2e_latency_p50_ms`` / ``p99``: at a fixed offered load of half ``e2e_events_per_s``, per
   event ``runs.finished_at - events.received_at`` (the producer stamps ``received_at`` when it
   hands the event over; ``finished_at`` is the finish transaction's ``now()``, a few ms before
@@ -25,6 +27,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from datetime import UTC, datetime
 
@@ -41,7 +44,9 @@ from vigil_dev.bench.stack import BenchStack
 POLL_S = 0.05
 DRAIN_TIMEOUT_S = 180.0
 FOREIGN_TOPIC = "bench.elsewhere"  # the record workload's users' home: no worker owns it
-SATURATE = 1.25  # offered load of an e2e round over the best rate seen so far
+SATURATE = 1.25  # offered load of a counted e2e round over the best rate seen so far
+SEARCH_STEP = 1.5  # each raises the offer by this much while the last one was kept up with
+KEPT_UP = 0.9  # a round finished at least this share of its offer
 RSS_SAMPLE_S = 0.5
 FIRST_RUN_S = 0.5  # after the batch window: poll, record, claim and finish of the first runs
 MIN_ROUND_S = 2.0  # an e2e round shorter than this has no stretch left to count
@@ -164,25 +169,39 @@ class EndToEnd:
     def throughput(
         self, workers: Workers, start_rate: float, floor: float = 0.0
     ) -> tuple[list[float], list[float], list[float], float]:
-        """A first uncounted round at ``start_rate``, then ``rounds`` rounds offering more than
-        the best rate seen so far (if a round kept up with its offer, the next offers more),
-        and never less than ``floor``: one disturbed round (a rebalance still settling) must
-        not make every later round offer, and so measure, almost nothing."""
+        """Find what the workers keep up with, then measure it saturated.
+
+        The search: short uncounted rounds from a quarter of ``start_rate`` (the record rate,
+        far more than runs keep up with), the offer raised by half each time a round finished
+        at least 90% of it, until one did not (or after ``plan.search_rounds``); the first
+        round is a warm-up whatever it finished. Then ``rounds``
+        counted rounds, each offering 1.25 times the best rate seen so far and never less
+        than ``floor`` (one disturbed round, such as a rebalance still settling, must not
+        make every later round offer, and so measure, almost nothing): the workers run
+        saturated, a backlog forms, and the rate is what they finish while it lasts.
+        """
         best = 0.0
-        events, runs, per_run = [], [], []
-        rate = start_rate
-        for n in range(self.plan.rounds + 1):
-            # The first round only finds the rate: short, so a slow worker does not spend
-            # minutes draining a backlog offered at the record rate.
-            seconds = max(self.plan.e2e_seconds / 4, MIN_ROUND_S) if n == 0 else self.plan.e2e_seconds
-            ev, rn, batch = self.throughput_round(workers, rate, seconds)
+        rate = max(floor, start_rate / 4)
+        search_s = max(self.plan.e2e_seconds / 2, MIN_ROUND_S)
+        for n in range(self.plan.search_rounds):
+            ev, rn, batch = self.throughput_round(workers, rate, search_s)
+            _progress(f"e2e search {n + 1}", rate, ev, rn, batch)
             best = max(best, ev)
-            if n > 0:
-                events.append(ev)
-                runs.append(rn)
-                per_run.append(batch)
+            # The first round also warms the workers up (the group's first assignment, cold
+            # caches): it says nothing about what they keep up with, so the search goes on.
+            if n > 0 and ev < KEPT_UP * rate:
+                break
+            rate = max(rate, ev) * SEARCH_STEP
+        events, runs, per_run = [], [], []
+        for n in range(self.plan.rounds):
             rate = max(floor, SATURATE * best)
-        return events, runs, per_run, rate
+            ev, rn, batch = self.throughput_round(workers, rate, self.plan.e2e_seconds)
+            _progress(f"e2e round {n + 1}", rate, ev, rn, batch)
+            best = max(best, ev)
+            events.append(ev)
+            runs.append(rn)
+            per_run.append(batch)
+        return events, runs, per_run, max(floor, SATURATE * best)
 
     def latency(self, workers: Workers, rate: float) -> tuple[list[float], list[float]]:
         """Rounds at a fixed ``rate``: per round, p50 and p99 of produce-to-finished (ms)."""
@@ -200,6 +219,15 @@ class EndToEnd:
             p50s.append(_percentile(ms, 50))
             p99s.append(_percentile(ms, 99))
         return p50s, p99s
+
+
+def _progress(label: str, offered: float, events: float, runs: float, per_run: float) -> None:
+    print(
+        f"  {label}: offered {offered:.0f} events/s, finished {events:.0f} events/s in {runs:.0f} runs/s"
+        f" ({per_run:.1f} per run)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _percentile(sorted_values: list[float], pct: float) -> float:

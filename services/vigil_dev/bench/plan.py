@@ -21,6 +21,7 @@ class Plan:
     raw_events: int  # raw Kafka and raw PostgreSQL: events per round
     record_events: int  # record_events_per_s: events per round
     e2e_seconds: float  # end-to-end throughput: how long each round offers load
+    search_rounds: int  # uncounted e2e rounds at most, looking for the rate the workers keep up with
     latency_seconds: float  # latency at half load: how long each round offers load
     memory_users: int
     memory_seconds: float  # the memory run: one long stretch of half load
@@ -42,6 +43,7 @@ FULL = Plan(
     raw_events=100_000,
     record_events=50_000,
     e2e_seconds=8.0,
+    search_rounds=6,
     latency_seconds=10.0,
     memory_users=10_000,
     memory_seconds=75.0,
@@ -59,6 +61,7 @@ QUICK = Plan(
     raw_events=5_000,
     record_events=5_000,
     e2e_seconds=2.0,
+    search_rounds=1,
     latency_seconds=2.5,
     memory_users=10_000,
     memory_seconds=6.0,
