@@ -4,7 +4,7 @@
   worker, no runs. The users' home partitions are on another topic (``users`` rows written
   first), so the worker records every event exactly as it always does but no claim ever
   matches: the claim loop still wakes and queries, it just finds nothing of its own. Rate:
-  events / (first produce call .. the worker's ``vigil_events_recorded_total`` reached them).
+  events / (first produce call .. the last one's ``recorded_at``).
 - ``e2e_events_per_s`` / ``e2e_runs_per_s``: record, claim, the echo agent's run, the fenced
   finish with its outbox row, for 1,000 users, at the default batch window. The workers are
   up before the first event. Short uncounted rounds search for the rate they keep up with
@@ -50,9 +50,7 @@ KEPT_UP = 0.9  # a round finished at least this share of its offer
 RSS_SAMPLE_S = 0.5
 FIRST_RUN_S = 0.5  # after the batch window: poll, record, claim and finish of the first runs
 MIN_ROUND_S = 2.0  # an e2e round shorter than this has no stretch left to count
-RECORDED_NEW = "vigil_events_recorded_total"
-RECORD_LOOK_MIN_S = 0.025  # a record round's finish is seen at most this late, plus one scrape
-RECORD_LOOK_SHARE = 0.05  # and no look waits longer than this share of the round so far
+RECORD_LOOK_S = 0.25  # a record round's count is looked at this often (its end is read from the ledger)
 
 
 def _query(dsn: str, sql: str, params: dict | None = None) -> list[dict]:
@@ -75,37 +73,37 @@ def record(stack: BenchStack, plan: Plan, report: Report) -> Figure:
             workers.wait_ready()
             with load.BenchProducer(stack.bootstrap, topics.events) as producer:
                 for round_ in range(plan.rounds):
-                    messages = load.encoded(plan.record_events, plan.users, f"rec{round_}")
-                    before = workers.metric(RECORDED_NEW, 'result="new"')
+                    source = f"rec{round_}"
+                    messages = load.encoded(plan.record_events, plan.users, source)
                     background = producer.in_thread(producer.blast, messages)
-                    finished = _wait_recorded(workers, before, len(messages), f"round {round_}")
+                    finished = _wait_recorded(workers, dsn, source, len(messages))
                     produced = background.result()
                     samples.append(len(messages) / (finished - produced.started))
     return report.add(Figure("record_events_per_s", samples, note=f"1 worker, {plan.users} users, no runs"))
 
 
-def _wait_recorded(workers: Workers, before: float, count: int, what: str) -> float:
-    """Wall-clock time at which the worker's count of new events reached ``before + count``.
+def _wait_recorded(workers: Workers, dsn: str, source: str, count: int) -> float:
+    """Wall-clock time at which the worker recorded the last of the round's ``count`` events.
 
-    Every look is a /metrics scrape that the worker's interpreter serves while it records: at
-    40 a second (what this loop once did) the serving thread held about a third as many
-    py-spy samples as the consumer thread it competes with for the GIL. So the waits follow
-    the rate seen so far, half the time the rest should take, bounded by a share of the time
-    so far (a rate that picks up late is overshot by at most that share, never by more).
+    Read from the ledger once they are all there: the last batch's ``recorded_at`` (its
+    transaction's ``now()``; its COPY of at most ``VIGIL_POLL_BATCH_MAX`` rows takes a few
+    milliseconds more). The looks are a cheap count every ``RECORD_LOOK_S`` on a database
+    connection: the end is not timed by when a look happens to see it. Timing it by scrapes of
+    the worker's /metrics instead cost the worker a fifth of its interpreter time near the end
+    of each round (the exposition of every metric, every 25 ms) and overshot by up to 5%.
     """
-    started = time.monotonic()
-    deadline = started + DRAIN_TIMEOUT_S
-    while True:
-        done = workers.metric(RECORDED_NEW, 'result="new"') - before
-        if done >= count:
-            return time.time()
-        now = time.monotonic()
-        if now > deadline:
-            raise RuntimeError(f"{what}: events not recorded within {DRAIN_TIMEOUT_S:.0f}s")
-        workers.check()
-        elapsed = now - started
-        left = (count - done) * elapsed / done if done > 0 else elapsed
-        time.sleep(max(RECORD_LOOK_MIN_S, min(left / 2, RECORD_LOOK_SHARE * elapsed)))
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        while True:
+            row = conn.execute(B.record_round, {"source": source}).fetchone()
+            if row["n"] >= count:
+                return row["last_recorded"]
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"round {source}: {row['n']} of {count} events recorded within {DRAIN_TIMEOUT_S:.0f}s"
+                )
+            workers.check()
+            time.sleep(RECORD_LOOK_S)
 
 
 # -- end to end --------------------------------------------------------------------------

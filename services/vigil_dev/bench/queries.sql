@@ -45,6 +45,11 @@ SELECT user_id, %(topic)s, 0 FROM unnest(%(user_ids)s::text[]) AS u(user_id)
 -- Progress of an end-to-end round: events not yet done (both partial indexes, cheap while the backlog is small).
 SELECT (SELECT count(*) FROM events WHERE status = 'pending') + (SELECT count(*) FROM events WHERE status = 'running') AS n
 
+-- name: record_round
+-- A record round: how many of its events (by source) are recorded, and when the last batch was (its transaction's now()).
+SELECT count(*)::int AS n, extract(epoch FROM max(recorded_at))::float8 AS last_recorded
+FROM events WHERE source = %(source)s
+
 -- name: round_totals
 -- An end-to-end round's outcome: its events (by source), their runs, and when the last run finished.
 SELECT count(*) FILTER (WHERE e.status = 'done') AS done,
