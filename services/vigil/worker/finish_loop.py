@@ -39,6 +39,12 @@ class Finisher:
         self.claimer = claimer  # woken when a slot frees or a backoff ends; asked to heal
         self.clock = clock
         self.stopping = False
+        self.committing = 0  # groups taken off the queue and not yet committed (VIGIL_FINISH_CONCURRENCY loops)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits to be committed and no group is being committed."""
+        return self.finished.empty() and self.committing == 0
 
     @property
     def active(self) -> dict[str, Active]:
@@ -53,37 +59,50 @@ class Finisher:
         transaction (retried until the ledger answers), then forget them and wake a pass.
         A crash before the commit leaves their claims for the heal or the next owner; after
         it, nothing to redo. A finished run leaves ``active`` here, after its commit, so its
-        user is not claimed again before the ledger shows the run's outcome."""
+        user is not claimed again before the ledger shows the run's outcome.
+
+        ``VIGIL_FINISH_CONCURRENCY`` of these loops share the queue: each group is its own
+        transaction over its own runs (one run per user), and they lock the partition rows
+        ``FOR SHARE`` only, so groups never wait for each other; with two, one group's
+        statements overlap the other's commit (a run waited for the group before its own)."""
         while True:
             batch = [await self.finished.get()]
             while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
                 batch.append(self.finished.get_nowait())
-            began = time.monotonic()  # a measurement, not a decision: the host's clock
-            began_ns = time.time_ns()
-            while True:
-                try:
-                    async with self.pool.connection() as conn:
-                        committed, stale = await commit_finished(conn, batch, self.settings.instance_id)
-                    break
-                except (psycopg.Error, OSError) as exc:
-                    log.warning("finish commit failed, retrying: %s", exc)
-                    # Its outcome is unknown (the commit may have landed, or landed and then
-                    # been lost): once the ledger answers again, look for orphaned claims.
-                    self.claimer.heal_soon()
-                    await asyncio.sleep(LEDGER_RETRY_S)
-            metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
-            traces.finish(batch, began_ns, committed)
-            now = utc(self.clock.now())
-            landed = {id(run) for run in committed}  # identity: runs are not values to compare
-            for run in batch:
-                self.active.pop(run.claim.user_id, None)
-                if run.error is not None and id(run) in landed:
-                    self.claimer.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
-                label = "retry_later" if run.transient else run.outcome.value
-                metrics.RUNS.labels(label if id(run) in landed else "stale").inc()
-                metrics.RUN_SECONDS.observe((now - run.started_at).total_seconds())
-            metrics.RUNS_IN_FLIGHT.set(len(self.active))
-            self.claimer.wake()
+            self.committing += 1
+            try:
+                await self._commit(batch)
+            finally:
+                self.committing -= 1
+
+    async def _commit(self, batch: list[Finished]) -> None:
+        """One group: the fenced commit, retried until the ledger answers; then its runs leave."""
+        began = time.monotonic()  # a measurement, not a decision: the host's clock
+        began_ns = time.time_ns()
+        while True:
+            try:
+                async with self.pool.connection() as conn:
+                    committed, stale = await commit_finished(conn, batch, self.settings.instance_id)
+                break
+            except (psycopg.Error, OSError) as exc:
+                log.warning("finish commit failed, retrying: %s", exc)
+                # Its outcome is unknown (the commit may have landed, or landed and then
+                # been lost): once the ledger answers again, look for orphaned claims.
+                self.claimer.heal_soon()
+                await asyncio.sleep(LEDGER_RETRY_S)
+        metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
+        traces.finish(batch, began_ns, committed)
+        now = utc(self.clock.now())
+        landed = {id(run) for run in committed}  # identity: runs are not values to compare
+        for run in batch:
+            self.active.pop(run.claim.user_id, None)
+            if run.error is not None and id(run) in landed:
+                self.claimer.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
+            label = "retry_later" if run.transient else run.outcome.value
+            metrics.RUNS.labels(label if id(run) in landed else "stale").inc()
+            metrics.RUN_SECONDS.observe((now - run.started_at).total_seconds())
+        metrics.RUNS_IN_FLIGHT.set(len(self.active))
+        self.claimer.wake()
 
     async def gauge_loop(self) -> None:
         """The ledger-wide backlog gauges, every GAUGE_INTERVAL_S (a dashboard's cadence)."""

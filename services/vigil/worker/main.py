@@ -73,7 +73,10 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     executor = TaskExecutor(settings, agent, pool, producer)
     tasks = [
         asyncio.create_task(runner.claim_loop(), name="claim-loop"),
-        asyncio.create_task(runner.finish_loop(), name="finish-loop"),
+        *(
+            asyncio.create_task(runner.finish_loop(), name=f"finish-loop-{i}")
+            for i in range(settings.finish_concurrency)
+        ),
         asyncio.create_task(runner.gauge_loop(), name="gauges"),
         *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
     ]
@@ -116,7 +119,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     deadline = time.monotonic() + settings.shutdown_grace_s
     await asyncio.gather(runner.drain(runs_s), executor.stop(runs_s))
     # Let the finisher commit what drained before the consumer's revoke runs.
-    while not runner.finished.empty() and time.monotonic() < deadline:
+    while not runner.finisher.idle and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     closing.set()
     await asyncio.to_thread(consumer.join, max(0.5, deadline - time.monotonic()))

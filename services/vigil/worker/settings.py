@@ -101,6 +101,13 @@ class WorkerSettings(CommonSettings):
     finish_batch_max: int = Field(
         200, ge=1, le=5000, description="Most finished runs committed together in one ledger transaction."
     )
+    finish_concurrency: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="Finish transactions a worker has in flight at once, each committing a group of finished runs: "
+        "with two, the next group's statements overlap the last one's commit (each takes a ledger connection).",
+    )
     poll_batch_max: int = Field(1000, ge=1, le=100_000, description="Most Kafka messages recorded per ledger insert.")
     kafka_session_timeout_ms: int = Field(
         DEFAULT_SESSION_TIMEOUT_MS,
@@ -147,6 +154,11 @@ class WorkerSettings(CommonSettings):
     def _backoff_order(self) -> WorkerSettings:
         if self.backoff_cap_s < self.backoff_base_s:
             raise ValueError("VIGIL_BACKOFF_CAP_S must be at least VIGIL_BACKOFF_BASE_S")
+        if self.finish_concurrency >= self.db_pool_max:
+            raise ValueError(
+                "VIGIL_FINISH_CONCURRENCY must be below VIGIL_DB_POOL_MAX: each finish in flight holds a ledger "
+                "connection, and the claim passes need one too"
+            )
         if self.task_stale_s < 2 * self.task_heartbeat_s:
             # One late heartbeat (a GC pause, a slow commit) must not take a live task back.
             raise ValueError("VIGIL_TASK_STALE_S must be at least twice VIGIL_TASK_HEARTBEAT_S")
