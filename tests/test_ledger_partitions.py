@@ -82,7 +82,7 @@ def test_claim_and_rule_2_read_the_live_queue_only(ledger):
     query(ledger, "UPDATE events SET attempts = 3 WHERE user_id = 'u00007' AND status = 'pending'")
     params = {
         **OWNED,
-        "busy": [],
+        "busy": "[]",  # a JSON array (claims.sql)
         "max_users": 10,
         "batch_max": 50,
         "window_s": 0.0,

@@ -201,7 +201,7 @@ def test_a_claim_pass_reads_what_it_claims_not_the_backlog(ledger):
         "topics": ["events"],
         "partitions": [0],
         "epochs": [1],
-        "busy": [],
+        "busy": "[]",  # a JSON array (claims.sql)
         "max_users": 10,
         "batch_max": 50,
         "window_s": 0.0,
@@ -225,7 +225,7 @@ def test_a_claim_pass_stays_cheap_when_the_statistics_say_nothing_waits(ledger):
         "topics": ["events"],
         "partitions": [0],
         "epochs": [1],
-        "busy": [],
+        "busy": "[]",  # a JSON array (claims.sql)
         "max_users": 10,
         "batch_max": 50,
         "window_s": 0.0,

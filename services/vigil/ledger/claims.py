@@ -34,6 +34,7 @@ takeover (rule 1) or by the heal (:mod:`vigil.ledger.recovery`).
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -143,7 +144,7 @@ async def claim(
         return [], cursor
     params = {
         **owned_params(owned),
-        "busy": busy,
+        "busy": json.dumps(busy),  # users with a run in flight here, as a JSON array (see claims.sql)
         "batch_max": batch_max,
         "window_s": window_s,
         "max_attempts": max_attempts,

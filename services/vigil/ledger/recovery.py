@@ -4,6 +4,7 @@ claims no live run holds."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import psycopg
@@ -44,7 +45,7 @@ async def release_orphaned_claims(
         Q.release_orphaned_claims,
         {
             **owned_params(owned),
-            "busy": busy,
+            "busy": json.dumps(busy),  # a JSON array, as the claim takes it
             "max_attempts": max_attempts,
             "backoff_base": backoff_base_s,
             "backoff_cap": backoff_cap_s,
