@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 
 import psycopg
 
@@ -154,12 +155,14 @@ class Claimer:
         if dead:
             metrics.EVENTS_DEAD.inc(len(dead))
             await asyncio.to_thread(self.dead_letters.publish_dead, dead)
+        attempts: Counter[str] = Counter()  # one labels() and inc() per label and pass, not per event
         for active in started:
             c = active.claim
             metrics.CLAIM_BATCH.observe(len(c.events))
-            for event in c.events:
-                metrics.CLAIM_ATTEMPTS.labels(str(min(event.attempts, 3)) if event.attempts < 3 else "3+").inc()
+            attempts.update(str(event.attempts) if event.attempts < 3 else "3+" for event in c.events)
             self.runs.start(active)
+        for label, n in attempts.items():
+            metrics.CLAIM_ATTEMPTS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         if len(claims) == free:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us

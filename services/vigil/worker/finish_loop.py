@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 
 import psycopg
 
@@ -94,13 +95,16 @@ class Finisher:
         traces.finish(batch, began_ns, committed)
         now = utc(self.clock.now())
         landed = {id(run) for run in committed}  # identity: runs are not values to compare
+        outcomes: Counter[str] = Counter()  # one labels() and inc() per outcome and group, not per run
         for run in batch:
             self.active.pop(run.claim.user_id, None)
             if run.error is not None and id(run) in landed:
                 self.claimer.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
             label = "retry_later" if run.transient else run.outcome.value
-            metrics.RUNS.labels(label if id(run) in landed else "stale").inc()
+            outcomes[label if id(run) in landed else "stale"] += 1
             metrics.RUN_SECONDS.observe((now - run.started_at).total_seconds())
+        for label, n in outcomes.items():
+            metrics.RUNS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         self.claimer.wake()
 
