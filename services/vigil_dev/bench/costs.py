@@ -49,12 +49,14 @@ def _cpu_s(pid: int, children: bool = False) -> float:
 
 
 def _postmaster(dsn: str) -> int | None:
+    # The backend's parent, read while the connection is open: once it closes, the backend
+    # exits, and reading it then found nothing now and then (PostgreSQL's CPU printed as 0).
     with psycopg.connect(dsn, autocommit=True) as conn:
         backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
-    try:
-        return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None  # PostgreSQL on another machine: its CPU cannot be read from here
+        try:
+            return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return None  # PostgreSQL on another machine: its CPU cannot be read from here
 
 
 def _pg_cpu_s(postmaster: int) -> float:
