@@ -2,8 +2,9 @@
 
 Runs are driven from the ledger, not from the poll loop: the consumer thread only records
 events and wakes this loop; a claim pass here picks whatever the claim rules allow for the
-partitions this worker owns, each run executes on its own task, and a finisher task commits
-finished runs together. A long run therefore never stalls polling. Passes come when asked
+partitions this worker owns, each run executes on its own task, and
+``VIGIL_FINISH_CONCURRENCY`` finisher tasks commit finished runs together. A long run
+therefore never stalls polling. Passes come when asked
 for (a batch window or a backoff ending, a free slot, a takeover) and every scan interval,
 which finds what this process was not told about: events recorded by another worker's
 consumer for a user whose home partition is ours, an operator's retry.
