@@ -56,10 +56,11 @@ EVENTS_MID_RUN = Counter(
 )
 
 # Every bounded label value starts at zero (tool names are per deployment and appear on use).
-for _result in ("ok", "rate_limited", "overloaded", "server_error", "connection_error", "client_error", "other_error"):
-    MODEL_REQUESTS.labels(_result)
-for _kind in ("input", "output", "cache_read", "cache_write"):
-    MODEL_TOKENS.labels(_kind)
+# The per-call ones are kept bound: a labels() lookup per model call and token kind was a
+# measurable share of a model-bound run's CPU.
+MODEL_RESULTS = ("ok", "rate_limited", "overloaded", "server_error", "connection_error", "client_error", "other_error")
+MODEL_REQUESTS_BY_RESULT = {result: MODEL_REQUESTS.labels(result) for result in MODEL_RESULTS}
+MODEL_TOKENS_BY_KIND = {kind: MODEL_TOKENS.labels(kind) for kind in ("input", "output", "cache_read", "cache_write")}
 for _budget in ("turns", "tokens", "wall_time"):
     BUDGET_STOPS.labels(_budget)
 for _policy in ("fold", "interrupt"):

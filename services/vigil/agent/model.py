@@ -93,7 +93,7 @@ class Budget:
         self.cache_write_tokens += counts["cache_write"]
         for kind, n in counts.items():
             if n:
-                metrics.MODEL_TOKENS.labels(kind).inc(n)
+                metrics.MODEL_TOKENS_BY_KIND[kind].inc(n)
 
     def usage(self) -> Usage:
         return Usage(
@@ -254,7 +254,7 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
             response = await _post(client, request, body, max(1.0, min(policy.timeout_s, remaining)))
         except Exception as exc:
             retry, label, retry_after = _transient(exc)
-            metrics.MODEL_REQUESTS.labels(label).inc()
+            metrics.MODEL_REQUESTS_BY_RESULT[label].inc()
             metrics.MODEL_SECONDS.observe(time.monotonic() - started)
             if not retry:
                 raise
@@ -268,6 +268,6 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
             log.info("model call %s, retry %d in %.2fs", label, attempt, delay)
             await asyncio.sleep(delay)
             continue
-        metrics.MODEL_REQUESTS.labels("ok").inc()
+        metrics.MODEL_REQUESTS_BY_RESULT["ok"].inc()
         metrics.MODEL_SECONDS.observe(time.monotonic() - started)
         return response
