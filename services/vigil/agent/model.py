@@ -214,13 +214,15 @@ async def _message(response: httpx2.Response) -> Message:
         return construct_type(type_=Message, value=json.loads(body))  # the SDK's lenient reader
 
 
+async def _attempt(client: anthropic.AsyncAnthropic, body: bytes, timeout: float) -> Message:
+    """One attempt: the SDK's ``post`` with vigil's body."""
+    return await _message(await client.post(PATH, cast_to=httpx2.Response, content=body, options={"timeout": timeout}))
+
+
 async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes, timeout: float) -> Message:
-    """One attempt: the SDK's ``post`` with vigil's body; its span when traces are on."""
+    """One attempt, in its span (GenAI conventions) when traces are on."""
     if not tracing.enabled:
-        response = await client.post(
-            "/v1/messages", cast_to=httpx2.Response, content=body, options={"timeout": timeout}
-        )
-        return await _message(response)
+        return await _attempt(client, body, timeout)
     attributes = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "anthropic",
@@ -229,8 +231,7 @@ async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes,
     }
     with tracing.span("anthropic.messages.create", SpanKind.CLIENT, attributes=attributes) as span:
         try:
-            response = await client.post(PATH, cast_to=httpx2.Response, content=body, options={"timeout": timeout})
-            message = await _message(response)
+            message = await _attempt(client, body, timeout)
         except anthropic.APIStatusError as exc:
             span.set_attribute("error.type", str(exc.status_code))
             raise
