@@ -10,7 +10,6 @@ from datetime import datetime
 from decimal import Decimal
 
 import psycopg
-from psycopg.types.json import Jsonb
 
 from vigil.ledger.queries import Q
 
@@ -148,11 +147,14 @@ async def save_sessions(conn: psycopg.AsyncConnection, rows: list[SessionRow]) -
             "ids": [r.id for r in rows],
             "user_ids": [r.user_id for r in rows],
             "states": [r.state for r in rows],
-            "messages": [r.messages_json if r.messages_json is not None else json.dumps(r.messages) for r in rows],
+            # Already-encoded conversations joined into one JSON array, not re-encoded.
+            "messages": "["
+            + ",".join(r.messages_json if r.messages_json is not None else json.dumps(r.messages) for r in rows)
+            + "]",
             "sizes": [r.size_bytes for r in rows],
             "blocks": [r.blocks for r in rows],
             "consecutive": [r.consecutive_blocks for r in rows],
-            "pending": [Jsonb(r.pending) if r.pending is not None else None for r in rows],
+            "pending": json.dumps([r.pending for r in rows]),
         },
     )
 

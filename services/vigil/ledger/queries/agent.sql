@@ -65,8 +65,14 @@ JOIN approvals a ON a.request_id = w.request_id AND a.user_id = w.user_id
 -- name: agent_sessions_save_many
 -- The sessions a finish group's runs saved (open, waiting on a deferred call, or closed): one statement for the group, never another user's row.
 INSERT INTO sessions (id, user_id, state, messages, size_bytes, blocks, consecutive_blocks, pending)
-SELECT * FROM unnest(%(ids)s::text[], %(user_ids)s::text[], %(states)s::text[], %(messages)s::text[]::jsonb[],
-                     %(sizes)s::int[], %(blocks)s::int[], %(consecutive)s::int[], %(pending)s::jsonb[])
+-- The conversations and pending calls come as two JSON arrays (one document each, in the
+-- rows' order): a text[] of large JSON strings cost the worker a quoting pass per string.
+SELECT s.id, s.user_id, s.state, m.value, s.size_bytes, s.blocks, s.consecutive, NULLIF(p.value, 'null'::jsonb)
+FROM unnest(%(ids)s::text[], %(user_ids)s::text[], %(states)s::text[], %(sizes)s::int[], %(blocks)s::int[],
+            %(consecutive)s::int[])
+     WITH ORDINALITY AS s(id, user_id, state, size_bytes, blocks, consecutive, n)
+JOIN jsonb_array_elements(%(messages)s::jsonb) WITH ORDINALITY AS m(value, n) ON m.n = s.n
+JOIN jsonb_array_elements(%(pending)s::jsonb) WITH ORDINALITY AS p(value, n) ON p.n = s.n
 ON CONFLICT (id) DO UPDATE
 SET state = EXCLUDED.state, messages = EXCLUDED.messages, size_bytes = EXCLUDED.size_bytes,
     blocks = EXCLUDED.blocks, consecutive_blocks = EXCLUDED.consecutive_blocks, pending = EXCLUDED.pending,
