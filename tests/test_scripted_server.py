@@ -466,6 +466,19 @@ def test_secrets_are_not_logged(serve, caplog):
     assert all(secret not in r.getMessage() for r in server_records)
 
 
+def test_a_delay_range_draws_each_answer_s_wait(serve):
+    """[low, high]: every answer waits at least low and about at most high, and not all the same
+    (the model-bound bench relies on the spread to keep a backlog's runs out of lockstep)."""
+    server = serve([{"delay": [0.05, 0.45], "reply": [{"type": "text", "text": "ok"}]}])
+    took = []
+    for _ in range(8):
+        began = time.monotonic()
+        client(server).messages.create(model=MODEL, max_tokens=16, messages=[user("hi")])
+        took.append(time.monotonic() - began)
+    assert min(took) >= 0.05 and max(took) < 0.45 + 0.5, took
+    assert max(took) - min(took) > 0.05, took
+
+
 def test_script_errors_are_caught_early():
     for bad in (
         {"rules": "nope"},
@@ -474,6 +487,10 @@ def test_script_errors_are_caught_early():
         [{"reply": [], "error": {"status": 429}}],
         [{"times": -1}],
         [{"error": {"status": 200}}],
+        [{"delay": -1}],
+        [{"delay": [2, 1]}],
+        [{"delay": [1]}],
+        [{"delay": True}],
     ):
         with pytest.raises(ScriptError):
             compile_script(bad)

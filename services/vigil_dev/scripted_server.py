@@ -84,8 +84,8 @@ A rule::
         "retry_after": 1            #   retry-after header on 429/529 (default 1 second)
       },
       "times": 2,                   # optional: the rule answers at most this many requests
-      "delay": 0.5                  # optional: seconds to wait before answering
-    }
+      "delay": 0.5                  # optional: seconds to wait before answering, or
+    }                               #   [low, high]: a uniformly drawn wait per request
 
 A REGEX is a Python regular expression (``re.search``; use inline flags such as ``(?i)`` or
 ``(?s)``), or a list of them that must all match.  Their groups can be substituted into any
@@ -206,7 +206,7 @@ class _Rule:
     error: dict[str, Any] | None
     stop_reason: str | None
     times: int | None
-    delay: float
+    delay: tuple[float, float]  # (low, high): seconds before answering, drawn per request
 
     @property
     def label(self) -> str:
@@ -289,11 +289,20 @@ def _compile_rule(index: int, raw: Any) -> _Rule:
     times = raw.get("times")
     if times is not None and (not isinstance(times, int) or isinstance(times, bool) or times < 0):
         raise ScriptError(f"{where}.times: expected a non-negative integer")
-    delay = raw.get("delay", 0)
-    if not isinstance(delay, (int, float)) or delay < 0:
-        raise ScriptError(f"{where}.delay: expected a non-negative number of seconds")
+    delay = _delay(raw.get("delay", 0), where)
+    return _Rule(index, str(raw.get("name", "")), when, reply, error, stop_reason, times, delay)
 
-    return _Rule(index, str(raw.get("name", "")), when, reply, error, stop_reason, times, float(delay))
+
+def _delay(raw: Any, where: str) -> tuple[float, float]:
+    """A fixed wait (a number) or a range to draw each request's wait from ([low, high]):
+    real answers take longer or shorter, and a fixed one keeps a backlog's runs in lockstep."""
+    bounds = raw if isinstance(raw, list) and len(raw) == 2 else [raw, raw]
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0 for b in bounds):
+        raise ScriptError(f"{where}.delay: expected a non-negative number of seconds or [low, high]")
+    low, high = float(bounds[0]), float(bounds[1])
+    if high < low:
+        raise ScriptError(f"{where}.delay: [low, high] with low <= high")
+    return low, high
 
 
 def compile_script(script: Any) -> tuple[list[_Rule], dict[str, Any]]:
@@ -805,8 +814,9 @@ async def _create_message(request: Request) -> Response:
             )
         rule, captures = chosen
         log.info("request %s answered by %s", request_id, rule.label)
-        if rule.delay:
-            await asyncio.sleep(rule.delay)
+        low, high = rule.delay
+        if high:
+            await asyncio.sleep(random.uniform(low, high))
 
         if rule.error is not None:
             headers = {}

@@ -5,13 +5,23 @@ carries is how many runs it holds in flight and what each costs it in CPU while 
 Here one ``vigil worker`` runs the real Claude agent (the real ``anthropic`` client) with a
 high ``VIGIL_RUN_CONCURRENCY`` against the scripted Messages API server
 (:mod:`vigil_dev.scripted_server`) in processes of its own, whose script answers every
-first call after ``delay_s`` with a ``send_message`` tool use and the call after it (the tool
-result) at once with an end of turn. Every user has one chat message, produced all at once,
-so the worker has a backlog from the first second to the last.
+first call with a ``send_message`` tool use after a wait drawn uniformly from ``delay_s`` +/-
+``spread_s`` (3-7 s at full size), and the call after it (the tool result) at once with an
+end of turn. Every user has one chat message, produced all at once, so the worker has a
+backlog from the first second to the last.
+
+The wait varies as real answers do. With one fixed wait the backlog's runs moved in
+lockstep: the first 2,500 answers came back in the same second, the worker spent the next
+seconds on them while nothing else arrived, and then idled until the next wave (its event
+loop stalled for 200-560 ms at a time and sat idle about 40% of the stretch). That workload
+measured the waves, not the worker: more runs per loop wake-up made each look cheaper (1.9
+ms against 2.3-2.4 ms of CPU) and the idle stretches made the rate lower (0.65-0.82 of the
+ideal against about 0.9).
 
 Figures:
 
-- ``model_bound_delay_s``: the server's answer delay (what one run at least takes).
+- ``model_bound_delay_s``: the server's mean answer delay (what one run takes on average at
+  least).
 - ``model_bound_runs_in_flight``: runs started and not finished, from the ``runs`` rows,
   at evenly spaced moments between the first run's start and the last run's start (while
   there is a backlog, every slot should be busy).
@@ -79,26 +89,28 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 class Size:
     users: int  # one chat message each
     concurrency: int  # the worker's VIGIL_RUN_CONCURRENCY
-    delay_s: float  # the server's answer to each run's first call
+    delay_s: float  # the server's answer to each run's first call: its mean wait
+    spread_s: float  # each wait drawn uniformly from delay_s +/- spread_s
     servers: int  # scripted server processes sharing one port
 
 
 SIZES = {
     # 4 full waves of 2,500 runs: the slots stay full from the first claim to the last.
-    "full": Size(users=10_000, concurrency=2_500, delay_s=5.0, servers=1),
+    "full": Size(users=10_000, concurrency=2_500, delay_s=5.0, spread_s=2.0, servers=1),
     # Two waves, small enough for `make test`'s smoke run on a busy machine.
-    "quick": Size(users=100, concurrency=50, delay_s=0.5, servers=1),
+    "quick": Size(users=100, concurrency=50, delay_s=0.5, spread_s=0.2, servers=1),
 }
 
 
-def script(delay_s: float) -> dict:
-    """Every first call: after ``delay_s``, a send_message; the call with its result: done."""
+def script(delay_s: float, spread_s: float = 0.0) -> dict:
+    """Every first call: after ``delay_s`` +/- ``spread_s`` (drawn uniformly per call), a
+    send_message; the call with its result: done at once."""
     return {
         "rules": [
             {"name": "done", "when": {"tool_result": "send_message"}, "reply": []},
             {
                 "name": "reply",
-                "delay": delay_s,
+                "delay": [delay_s - spread_s, delay_s + spread_s],
                 "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "On it.", "urgent": False}}],
             },
         ]
@@ -121,11 +133,11 @@ def rss_mb(pid: int) -> float:
 class ScriptedServers:
     """``count`` scripted server processes on one port (``--load``: SO_REUSEPORT, no recording)."""
 
-    def __init__(self, workdir: Path, delay_s: float, count: int):
+    def __init__(self, workdir: Path, delay_s: float, count: int, spread_s: float = 0.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = workdir / f"model-bound-script-{self.port}.json"
-        path.write_text(json.dumps(script(delay_s)))
+        path.write_text(json.dumps(script(delay_s, spread_s)))
         self.log_path = workdir / f"model-bound-server-{self.port}.log"
         args = [sys.executable, "-m", "vigil_dev.scripted_server", "--script", str(path)]
         args += ["--port", str(self.port), "--log-level", "warning", "--load"]
@@ -190,9 +202,17 @@ def _claude_worker(stack: BenchStack, dsn: str, topics, size: Size, url: str) ->
 
 def model_bound(stack: BenchStack, plan: Plan, report: Report) -> None:
     size = SIZES[plan.name]
-    report.add(Figure("model_bound_delay_s", [size.delay_s], per="setting", note="the scripted server's answer delay"))
+    report.add(
+        Figure(
+            "model_bound_delay_s",
+            [size.delay_s],
+            per="setting",
+            note=f"the scripted server's mean answer delay; each drawn from {size.delay_s - size.spread_s:g}"
+            f"-{size.delay_s + size.spread_s:g} s",
+        )
+    )
     with (
-        ScriptedServers(stack.workdir, size.delay_s, size.servers) as servers,
+        ScriptedServers(stack.workdir, size.delay_s, size.servers, size.spread_s) as servers,
         stack.ledger() as dsn,
         stack.topics(plan.partitions) as topics,
     ):
@@ -242,7 +262,7 @@ def _figures(
     in_flight = [sum(1 for s, f in spans if s <= t < f) for t in moments]
     took = last_finish - first
     # The rate while the slots are full (as in-flight and memory are read): from the first
-    # run's start plus one delay (nothing can finish before) to the last run's start (the
+    # run's start plus the mean delay (the first wave is finishing) to the last run's start (the
     # backlog is gone after it, and the last wave's wait finishes nothing new). The ramp and
     # the drain of a finite workload say nothing about what a worker carries; the whole span's
     # rate is printed beside it.
