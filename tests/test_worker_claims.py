@@ -10,6 +10,7 @@ which made the worker slower the further it fell behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import UTC, datetime
 
@@ -211,6 +212,34 @@ def test_a_claim_pass_reads_what_it_claims_not_the_backlog(ledger):
     }
     # 10 users claimed out of 3,000 waiting: no step of the plan may read hundreds of them.
     assert _explain(ledger, Q.claim, params) <= 50
+
+
+def test_busy_users_are_looked_up_in_a_hash_not_compared_one_by_one(ledger):
+    """The users with a run in flight here (up to VIGIL_RUN_CONCURRENCY of them) are skipped
+    through a hash table built once per pass. As ``<> ALL(array)`` every waiting user was
+    compared with every busy one: 16 of a 25 ms pass at 1,000 waiting and 500 busy."""
+    users = seed_pending(ledger, 200)
+    params = {
+        "topics": ["events"],
+        "partitions": [0],
+        "epochs": [1],
+        "busy": json.dumps(users[::2]),
+        "max_users": 200,
+        "batch_max": 50,
+        "window_s": 0.0,
+        "max_attempts": 3,
+        "after": "",
+        "until": None,
+    }
+    with psycopg.connect(ledger, row_factory=dict_row) as conn:
+        plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + Q.claim, params).fetchall())
+        assert "hashed SubPlan" in plan, plan
+        heal = {**params, "busy": json.dumps(users), "max_attempts": 3, "backoff_base": 1.0, "backoff_cap": 60.0}
+        del heal["max_users"], heal["batch_max"], heal["window_s"], heal["after"], heal["until"]
+        plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + Q.release_orphaned_claims, heal).fetchall())
+        assert "hashed SubPlan" in plan, plan
+    claims, _ = claim_pass(ledger, 200, "", busy=users[::2])
+    assert sorted(c.user_id for c in claims) == users[1::2]
 
 
 def test_a_claim_pass_stays_cheap_when_the_statistics_say_nothing_waits(ledger):

@@ -78,8 +78,11 @@ waiting AS (
         WHERE e.user_id = p.user_id AND e.status = 'pending' ORDER BY e.id LIMIT 1
     ) f
     WHERE p.user_id IS NOT NULL
-      -- busy: a JSON array of user ids (psycopg's text[] dumper took 0.76 ms for 1,000 of them, every pass)
-      AND p.user_id <> ALL(ARRAY(SELECT jsonb_array_elements_text(%(busy)s::jsonb)))
+      -- busy: a JSON array of user ids (psycopg's text[] dumper took 0.76 ms for 1,000 of them, every pass).
+      -- NOT IN a subquery: one hash table per pass (a hashed SubPlan), a probe per user. As
+      -- <> ALL(array) it compared every waiting user with every busy one: 16 of a 25 ms pass
+      -- for 1,000 waiting users with 500 busy.
+      AND p.user_id NOT IN (SELECT jsonb_array_elements_text(%(busy)s::jsonb))
       AND coalesce(f.next_attempt_at, now()) <= now()
       AND CASE WHEN f.attempts > 0
                -- Rule 3: the oldest pending row is a retry whose backoff ended. Rule 2: never

@@ -31,7 +31,8 @@ orphaned AS MATERIALIZED (
     SELECT e.id, o.partition FROM events e
     JOIN users u ON u.user_id = e.user_id
     JOIN owned o ON o.topic = u.home_topic AND o.partition = u.home_partition AND e.claim_epoch = o.epoch
-    WHERE e.status = 'running' AND e.user_id <> ALL(ARRAY(SELECT jsonb_array_elements_text(%(busy)s::jsonb)))
+    -- NOT IN a subquery: hashed once, not every running row compared with every busy user (as in claim).
+    WHERE e.status = 'running' AND e.user_id NOT IN (SELECT jsonb_array_elements_text(%(busy)s::jsonb))
 )
 UPDATE events e
 SET status = 'pending',
