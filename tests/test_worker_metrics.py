@@ -1,6 +1,7 @@
 """Metric correctness in a real worker: a partition's lag series belongs to its holder only,
 and is gone from a worker that lost the partition (a frozen value left behind would read as
-lag nobody works off); the topic's partition count is exported for the unowned-partition alert.
+lag nobody works off); the topic's partition count is exported for the unowned-partition alert;
+the event loop's lag is observed all along (tests/test_worker_loop_lag.py: what it measures).
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ def lag_partitions(port: int) -> dict[str, float]:
     return out
 
 
+def loop_lag_observations(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vigil_worker_event_loop_lag_seconds_count":
+                return sample.value
+    return 0.0
+
+
 @pytest.mark.slow
 @pytest.mark.partitions(4)
 def test_lag_series_follow_the_partitions_a_worker_holds(stack, topics, ledger, vigil_env, spawn):
@@ -37,6 +47,9 @@ def test_lag_series_follow_the_partitions_a_worker_holds(stack, topics, ledger, 
     # librdkafka's statistics come every 15 s: the first report covers all four partitions.
     wait_for(lambda: len(lag_partitions(port_a)) == 5, 40, "worker a reporting lag for 4 partitions", interval=1)
     assert lag_partitions(port_a)["topic"] == 4
+    # The event loop's lag is observed four times a second from the start.
+    seen = loop_lag_observations(port_a)
+    wait_for(lambda: loop_lag_observations(port_a) >= seen + 4, 10, "the event loop's lag observed", interval=0.5)
 
     from vigil_dev.devstack import free_port
 

@@ -138,6 +138,14 @@ WORKER = [
     panel("Runs in flight by worker", ("sum by (instance) (vigil_runs_in_flight)", "{{instance}}")),
     panel("Partitions held by worker", ("sum by (instance) (vigil_partition_epochs_held)", "{{instance}}")),
     panel(
+        "Event loop lag p90 by worker (runs queue for the interpreter)",
+        (
+            "histogram_quantile(0.9, sum by (instance, le) (rate(vigil_worker_event_loop_lag_seconds_bucket[5m])))",
+            "{{instance}}",
+        ),
+        unit="s",
+    ),
+    panel(
         "Ledger step p99 (claim pass, group finish)",
         ("histogram_quantile(0.99, sum by (step, le) (rate(vigil_worker_ledger_seconds_bucket[5m])))", "{{step}}"),
         unit="s",

@@ -26,6 +26,7 @@ from vigil.health import HealthServer, Readiness, dependency_checks
 from vigil.ledger import db
 from vigil.service import StartupError, stop_event
 from vigil.settings import SettingsError
+from vigil.worker import loop_lag, metrics
 from vigil.worker.consumer import ConsumerLoop
 from vigil.worker.deadletters import DeadLetters
 from vigil.worker.runner import Runner
@@ -78,6 +79,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
             for i in range(settings.finish_concurrency)
         ),
         asyncio.create_task(runner.gauge_loop(), name="gauges"),
+        asyncio.create_task(loop_lag.watch(metrics.EVENT_LOOP_LAG.observe), name="loop-lag"),
         *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
     ]
     # Everything allocated so far (modules, the SDK's ~180,000 type objects, pools) lives as

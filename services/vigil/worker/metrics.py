@@ -57,6 +57,12 @@ LEDGER_SECONDS = Histogram(
     ["step"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+EVENT_LOOP_LAG = Histogram(
+    "vigil_worker_event_loop_lag_seconds",
+    "How late the worker's event loop woke a timer (vigil.worker.loop_lag): what every model answer,"
+    " claim and finish of this worker waits for the interpreter.",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 TOPIC_PARTITIONS = Gauge(
     "vigil_events_topic_partitions",
     "Partitions of the events topic, as this worker's consumer sees them (alert when the workers hold fewer).",
