@@ -234,8 +234,15 @@ def test_busy_users_are_looked_up_in_a_hash_not_compared_one_by_one(ledger):
     with psycopg.connect(ledger, row_factory=dict_row) as conn:
         plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + Q.claim, params).fetchall())
         assert "hashed SubPlan" in plan, plan
-        heal = {**params, "busy": json.dumps(users), "max_attempts": 3, "backoff_base": 1.0, "backoff_cap": 60.0}
-        del heal["max_users"], heal["batch_max"], heal["window_s"], heal["after"], heal["until"]
+        heal = {
+            "topics": ["events"],
+            "partitions": [0],
+            "epochs": [1],
+            "busy": json.dumps(users),
+            "max_attempts": 3,
+            "backoff_base": 1.0,
+            "backoff_cap": 60.0,
+        }
         plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + Q.release_orphaned_claims, heal).fetchall())
         assert "hashed SubPlan" in plan, plan
     claims, _ = claim_pass(ledger, 200, "", busy=users[::2])
