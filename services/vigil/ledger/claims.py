@@ -139,6 +139,9 @@ async def claim(
     a turn within one round, and a pass reads only the users it looks at, not the whole
     backlog. A row whose attempts are exhausted is never claimed: it waits for
     :func:`mark_dead`, which runs once per scan interval.
+
+    Each range is two statements in one transaction: ``claim`` chooses (and holds the epochs),
+    ``claim_chosen`` writes the chosen rows by id (claims.sql says why they are two).
     """
     if not owned or max_users <= 0:
         return [], cursor
@@ -155,12 +158,30 @@ async def claim(
     for after, until in ranges:
         if len(claims) == max_users:
             break
-        cur = await conn.execute(
-            Q.claim, {**params, "after": after, "until": until, "max_users": max_users - len(claims)}
-        )
-        rows = await cur.fetchall()
-        if rows:
-            cursor = rows[0]["cursor"]
+        # Two statements, one transaction: the claim's FOR SHARE on the partitions holds the
+        # epochs until the chosen rows are written (a takeover waits for the commit).
+        async with conn.transaction():
+            cur = await conn.execute(
+                Q.claim, {**params, "after": after, "until": until, "max_users": max_users - len(claims)}
+            )
+            chosen = await cur.fetchall()
+            if not chosen:
+                continue
+            cursor = chosen[0]["cursor"]
+            homes = {row["user_id"]: row for row in chosen}
+            # prepare=False: planned with these ids as a constant, every time (claims.sql).
+            cur = await conn.execute(
+                Q.claim_chosen,
+                {
+                    "ids": [row["id"] for row in chosen],
+                    "epochs": json.dumps({user: row["epoch"] for user, row in homes.items()}),
+                },
+                prepare=False,
+            )
+            rows = await cur.fetchall()
+        for row in rows:
+            home = homes[row["user_id"]]
+            row["home_topic"], row["home_partition"] = home["topic"], home["partition"]
         claims += _claims(rows)
     return claims, cursor
 

@@ -19,16 +19,24 @@ WITH new_runs AS (
     ORDER BY r.n
     RETURNING id, user_id, epoch, outcome, event_ids
 ),
+done_runs AS (
+    -- The done runs by user, as one JSON object: each event row finds its run by a lookup in
+    -- it, not by a join the planner may order either way.
+    SELECT jsonb_object_agg(user_id, jsonb_build_array(id, epoch)) AS by_user FROM new_runs WHERE outcome <> 'failed'
+),
 done AS (
     -- A run's events are done only while still claimed under its epoch; fewer rows than it
     -- claimed means the claim is no longer ours (the caller refuses the run).
-    -- Driven by the flat id list (primary-key probes), never by the running rows: joined
-    -- the other way, the planner matched every running row against every run of the group.
+    -- Driven by the flat id list (primary-key probes) and nothing else: joined with the runs,
+    -- the planner once matched every running row against every run of the group, and a
+    -- generic plan walked events_running_by_user comparing each running row with every id
+    -- of the group (5.6 s for 7,334 ids among 32,725 running rows). Running is spelled as the
+    -- live queue minus pending so that no partial index's predicate matches.
     UPDATE events e
-    SET status = 'done', finished_at = now(), run_id = r.id, error = NULL
-    FROM new_runs r
-    WHERE e.id = ANY(%(done_ids)s::bigint[]) AND r.user_id = e.user_id AND r.outcome <> 'failed'
-      AND e.status = 'running' AND e.claim_epoch = r.epoch
+    SET status = 'done', finished_at = now(), error = NULL,
+        run_id = ((SELECT by_user FROM done_runs) -> e.user_id ->> 0)::bigint
+    WHERE e.id = ANY(%(done_ids)s::bigint[]) AND e.status IN ('pending', 'running') AND e.status <> 'pending'
+      AND e.claim_epoch = ((SELECT by_user FROM done_runs) -> e.user_id ->> 1)::bigint
     RETURNING e.run_id
 ),
 messages AS (
