@@ -140,8 +140,9 @@ async def claim(
     backlog. A row whose attempts are exhausted is never claimed: it waits for
     :func:`mark_dead`, which runs once per scan interval.
 
-    Each range is two statements in one transaction: ``claim`` chooses (and holds the epochs),
-    ``claim_chosen`` writes the chosen rows by id (claims.sql says why they are two).
+    Each range is one transaction: ``plan_claim_as_probes`` (index probes only), ``claim``
+    chooses (and holds the epochs), ``claim_chosen`` writes the chosen rows by id (claims.sql
+    says why).
     """
     if not owned or max_users <= 0:
         return [], cursor
@@ -161,6 +162,7 @@ async def claim(
         # Two statements, one transaction: the claim's FOR SHARE on the partitions holds the
         # epochs until the chosen rows are written (a takeover waits for the commit).
         async with conn.transaction():
+            await conn.execute(Q.plan_claim_as_probes)
             cur = await conn.execute(
                 Q.claim, {**params, "after": after, "until": until, "max_users": max_users - len(claims)}
             )
