@@ -3,17 +3,19 @@
 
 -- name: finish_runs
 -- Group commit of the runs whose epochs were checked: every run's audit row, the done runs' events and their outbox rows, in one statement for the whole group (one round trip however many runs). Returns each run's id and how many of its events were still claimed; a run's other writes follow by its id.
+-- Parameters in binary (the "b" placeholders): as text, psycopg quotes every element of every array in
+-- Python, 40 us of the worker's CPU per run (a fifth of a single-event run's); binary, 12.
 WITH new_runs AS (
     INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, session_id, started_at, finished_at,
                       outcome, error, turns, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
                       tool_calls)
-    SELECT r.user_id, r.topic, r.partition, r.epoch, %(worker)s, r.event_ids::bigint[], r.session_id, r.started_at, now(),
+    SELECT r.user_id, r.topic, r.partition, r.epoch, %(worker)b, r.event_ids::bigint[], r.session_id, r.started_at, now(),
            r.outcome, r.error, r.turns, r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens,
            r.tool_calls
-    FROM unnest(%(user_id)s::text[], %(topic)s::text[], %(partition)s::int[], %(epoch)s::bigint[], %(event_ids)s::text[],
-                %(session_id)s::text[], %(started_at)s::timestamptz[], %(outcome)s::text[], %(error)s::text[],
-                %(turns)s::int[], %(input_tokens)s::int[], %(output_tokens)s::int[], %(cache_read_tokens)s::int[],
-                %(cache_write_tokens)s::int[], %(tool_calls)s::int[])
+    FROM unnest(%(user_id)b::text[], %(topic)b::text[], %(partition)b::int[], %(epoch)b::bigint[], %(event_ids)b::text[],
+                %(session_id)b::text[], %(started_at)b::timestamptz[], %(outcome)b::text[], %(error)b::text[],
+                %(turns)b::int[], %(input_tokens)b::int[], %(output_tokens)b::int[], %(cache_read_tokens)b::int[],
+                %(cache_write_tokens)b::int[], %(tool_calls)b::int[])
          WITH ORDINALITY AS r(user_id, topic, partition, epoch, event_ids, session_id, started_at, outcome, error, turns,
                               input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls, n)
     ORDER BY r.n
@@ -35,7 +37,7 @@ done AS (
     UPDATE events e
     SET status = 'done', finished_at = now(), error = NULL,
         run_id = ((SELECT by_user FROM done_runs) -> e.user_id ->> 0)::bigint
-    WHERE e.id = ANY(%(done_ids)s::bigint[]) AND e.status IN ('pending', 'running') AND e.status <> 'pending'
+    WHERE e.id = ANY(%(done_ids)b::bigint[]) AND e.status IN ('pending', 'running') AND e.status <> 'pending'
       AND e.claim_epoch = ((SELECT by_user FROM done_runs) -> e.user_id ->> 1)::bigint
     RETURNING e.run_id
 ),
@@ -45,8 +47,8 @@ messages AS (
     -- traceparent: the run's trace context when traces are on (the delivery continues it).
     INSERT INTO outbox (user_id, run_id, epoch, body, urgent, traceparent)
     SELECT r.user_id, r.id, r.epoch, m.body, m.urgent, m.traceparent
-    FROM unnest(%(message_user)s::text[], %(message_body)s::text[], %(message_urgent)s::boolean[],
-                %(message_trace)s::text[])
+    FROM unnest(%(message_user)b::text[], %(message_body)b::text[], %(message_urgent)b::boolean[],
+                %(message_trace)b::text[])
          WITH ORDINALITY AS m(user_id, body, urgent, traceparent, n)
     JOIN new_runs r ON r.user_id = m.user_id
     ORDER BY m.n
