@@ -59,6 +59,20 @@ def test_events_during_a_run_go_to_the_next_run(stack, topics, ledger, vigil_env
     assert_runs_consistent(ledger)
 
 
+def test_a_run_past_its_timeout_is_a_failed_attempt_and_others_go_on(stack, topics, ledger, vigil_env, spawn):
+    """VIGIL_RUN_TIMEOUT_S cancels a run that hangs: each attempt fails with TimeoutError, the
+    event ends dead after VIGIL_MAX_ATTEMPTS, and another user's run beside it is not held up."""
+    start_worker(spawn, vigil_env, VIGIL_ECHO_SLEEP_ON="hang:600", VIGIL_RUN_TIMEOUT_S="1", VIGIL_MAX_ATTEMPTS="2")
+    produce(stack.bootstrap, topics.events, [chat("dave", "hang forever"), chat("erin", "quick")])
+    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'erin'") == "done", 20, "erin done")
+    wait_for(lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'dave'") == "dead", 30, "dave dead")
+    dave = query(ledger, "SELECT attempts, error FROM events WHERE user_id = 'dave'")[0]
+    assert dave["attempts"] == 2 and "TimeoutError" in dave["error"], dave
+    runs = query(ledger, "SELECT outcome, finished_at - started_at AS took FROM runs WHERE user_id = 'dave'")
+    assert [r["outcome"] for r in runs] == ["failed", "failed"], runs
+    assert all(r["took"].total_seconds() < 5 for r in runs), runs  # cancelled at 1 s, not after 600
+
+
 def test_undecodable_bytes_go_to_the_dlq_and_nothing_stops(stack, topics, ledger, vigil_env, spawn):
     worker = start_worker(spawn, vigil_env)
     produce(stack.bootstrap, topics.events, [chat("dave", "before")], raw=[b"not avro at all", b"\xc3\x01garbage"])

@@ -27,6 +27,7 @@ import json
 import logging
 import random
 import time
+import weakref
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -214,9 +215,23 @@ async def _message(response: httpx2.Response) -> Message:
         return construct_type(type_=Message, value=json.loads(body))  # the SDK's lenient reader
 
 
+_urls: weakref.WeakKeyDictionary[anthropic.AsyncAnthropic, str] = weakref.WeakKeyDictionary()
+
+
+def _url(client: anthropic.AsyncAnthropic) -> str:
+    """The Messages API's absolute URL on the client's base URL (which the SDK keeps ending in
+    a slash). The SDK joins a relative path to its base URL on every call, a parse and a
+    copy of the URL (30 us of the 600 a call costs); an absolute one it parses once."""
+    url = _urls.get(client)
+    if url is None:
+        url = _urls[client] = str(client.base_url).rstrip("/") + PATH
+    return url
+
+
 async def _attempt(client: anthropic.AsyncAnthropic, body: bytes, timeout: float) -> Message:
     """One attempt: the SDK's ``post`` with vigil's body."""
-    return await _message(await client.post(PATH, cast_to=httpx2.Response, content=body, options={"timeout": timeout}))
+    response = await client.post(_url(client), cast_to=httpx2.Response, content=body, options={"timeout": timeout})
+    return await _message(response)
 
 
 async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes, timeout: float) -> Message:

@@ -98,7 +98,10 @@ class Runs:
         finished = Finished(c, started, folded=active.folded)
         try:
             ctx = await self._context(active)
-            result = await asyncio.wait_for(self.agent.run(ctx), self.settings.run_timeout_s)
+            # asyncio.timeout, not wait_for: the run stays in this task (wait_for wraps it in a
+            # second task and a future per run: 2% of a model-bound worker's CPU).
+            async with asyncio.timeout(self.settings.run_timeout_s):
+                result = await self.agent.run(ctx)
             finished.result = result
             finished.folded = active.folded
         except asyncio.CancelledError:
