@@ -231,7 +231,7 @@ CREATE INDEX runs_by_finish ON runs (finished_at);
 CREATE TABLE outbox (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     user_id         text        NOT NULL,
-    run_id          bigint      NOT NULL REFERENCES runs (id),   -- the run that wrote it
+    run_id          bigint      NOT NULL,                        -- the run that wrote it (no foreign key: 0022)
     epoch           bigint      NOT NULL,                        -- the fencing epoch it was written under
     body            text        NOT NULL,                        -- the message text
     urgent          boolean     NOT NULL DEFAULT false,          -- bypasses the pacing gap

@@ -1,0 +1,16 @@
+-- 0022: outbox.run_id without its foreign key to runs.
+--
+-- The finish writes a group's runs and their messages in one statement (finish_runs), each
+-- message joined to the run row that same statement inserts, and no other statement writes
+-- outbox rows: the reference holds by construction. The foreign key checked it again, one
+-- trigger query per message, and that query's plan depends on the statistics of runs: on a
+-- ledger whose runs table was last analyzed small (a new installation, the first minutes
+-- after a restore) each check scanned runs from end to end. Measured on a fresh ledger,
+-- groups of 170 one-message runs committed one after another: 12.8 ms for the first group,
+-- 39.5 ms by the 30th (5,100 runs), where without the key every group took 7-8 ms
+-- (docs/performance.md, change 14). Once analyzed the check is an index probe and the
+-- bench's cost per event is the same with and without it; the hazard is what goes.
+-- Retention keeps the other half of the promise: prune_runs deletes only runs no outbox row
+-- points at (outbox_by_run serves that look-up), as before. The other run_id columns
+-- (timers, memory, tasks, approvals) never had one (0021).
+ALTER TABLE outbox DROP CONSTRAINT outbox_run_id_fkey;
