@@ -216,6 +216,15 @@ class EndToEnd:
             ms = [row["ms"] for row in _query(self.dsn, B.round_latencies, {"source": source, "since": since})]
             p50s.append(_percentile(ms, 50))
             p99s.append(_percentile(ms, 99))
+            parts = _query(self.dsn, B.round_latency_parts, {"source": source, "since": since})[0]
+            print(
+                f"  latency round: p50 {p50s[-1]:.0f} ms, p99 {p99s[-1]:.0f} ms; p50/p99 by step:"
+                f" to the ledger {parts['record_p50']:.0f}/{parts['record_p99']:.0f},"
+                f" to the claim {parts['claim_p50']:.0f}/{parts['claim_p99']:.0f},"
+                f" run and finish {parts['finish_p50']:.0f}/{parts['finish_p99']:.0f}",
+                file=sys.stderr,
+                flush=True,
+            )
         return p50s, p99s
 
 

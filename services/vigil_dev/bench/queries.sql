@@ -66,6 +66,17 @@ FROM events e JOIN runs r ON r.id = e.run_id
 WHERE e.source = %(source)s AND e.status = 'done' AND e.received_at >= %(since)s
 ORDER BY 1
 
+-- name: round_latency_parts
+-- Where a latency round's time went, median and p99 of each step in ms: to the ledger (received_at to recorded_at: Kafka and the record transaction), to the claim (recorded_at to the run's start: the batch window and the claim pass) and the run with its finish (started_at to finished_at).
+SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.recorded_at - e.received_at)) * 1000 AS record_p50,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM e.recorded_at - e.received_at)) * 1000 AS record_p99,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM r.started_at - e.recorded_at)) * 1000 AS claim_p50,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM r.started_at - e.recorded_at)) * 1000 AS claim_p99,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM r.finished_at - r.started_at)) * 1000 AS finish_p50,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM r.finished_at - r.started_at)) * 1000 AS finish_p99
+FROM events e JOIN runs r ON r.id = e.run_id
+WHERE e.source = %(source)s AND e.status = 'done' AND e.received_at >= %(since)s
+
 -- name: finished_between
 -- Events and runs finished in a stretch of an end-to-end round (only one round's events are in flight at a time).
 SELECT coalesce(sum(cardinality(event_ids)), 0)::int AS events, count(*)::int AS runs
