@@ -52,3 +52,20 @@ def test_quick_bench_prints_every_figure_and_cleans_up(stack):
     # Everything the bench created is gone: its databases (and its topics, dropped with them).
     left = query(stack.admin_dsn, "SELECT datname FROM pg_database WHERE datname LIKE 'vigil_bench_%%'")
     assert left == [], left
+
+
+def test_statements_are_named_after_their_query():
+    """``--statements`` names a statement by its query's first line as PostgreSQL shows it
+    (psycopg sends every placeholder as ``$n``, in the comments too): two queries whose
+    first lines differ only there would print under one name."""
+    from vigil.ledger.db import statement_names
+    from vigil_dev.bench.sql import B
+    from vigil_dev.bench.statements import _name, _names
+
+    names = _names()
+    counter = iter(range(1, 10_000))
+    as_sent = lambda sql: re.sub(r"%\(\w+\)[sb]", lambda _: f"${next(counter)}", sql)  # noqa: E731
+    for sql, name in statement_names().items():
+        assert _name(as_sent(sql), names) == name
+    for name, sql in B.items():
+        assert _name(as_sent(sql), names) == f"bench:{name}"

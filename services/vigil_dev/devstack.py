@@ -330,6 +330,8 @@ class PostgresServer:
     # Production durability (fsync, synchronous commit, full page writes): the bench measures
     # with it; dev and test servers trade it for speed.
     durable: bool = False
+    # Server libraries to load at start (the bench's --statements: pg_stat_statements).
+    preload: tuple[str, ...] = ()
 
     @property
     def pidfile(self) -> Path:
@@ -410,6 +412,7 @@ class PostgresServer:
                 # seconds, not every minute (their thresholds are set by migration 0009).
                 "-c",
                 "autovacuum_naptime=5s",
+                *(["-c", f"shared_preload_libraries={','.join(self.preload)}"] if self.preload else []),
             ],
             self.logfile,
             self.pidfile,

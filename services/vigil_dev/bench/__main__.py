@@ -164,10 +164,10 @@ def summary(report: Report, plan: Plan) -> None:
     model_bound.summary(report, line)
 
 
-def run(plan: Plan, keep_logs: bool, only: set[str] | None = None) -> int:
+def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: bool = False) -> int:
     began = time.monotonic()
     report = Report()
-    with BenchStack.open(keep_logs=keep_logs) as stack:
+    with BenchStack.open(keep_logs=keep_logs, statements=statements) as stack:
         report.say(f"vigil bench ({plan.name}): {plan.rounds} measured round(s) per figure")
         for text in stack.machine():
             report.say(text)
@@ -236,13 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vigil_dev.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny workloads (smoke check, under 2 minutes)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (path printed)")
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="load pg_stat_statements in the bench's PostgreSQL and print each latency round's costliest statements",
+    )
     parser.add_argument("--only", help="comma-separated workloads to run: " + ", ".join(WORKLOADS))
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
     if only and not only <= set(WORKLOADS):
         parser.error(f"unknown workload(s): {', '.join(sorted(only - set(WORKLOADS)))}")
     try:
-        return run(QUICK if args.quick else FULL, args.keep_logs, only)
+        return run(QUICK if args.quick else FULL, args.keep_logs, only, args.statements)
     except Exception as exc:
         traceback.print_exc()
         print(f"bench: stopped: {exc}", file=sys.stderr)

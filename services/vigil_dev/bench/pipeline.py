@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 import psycopg
 from psycopg.rows import dict_row
 
-from vigil_dev.bench import costs, load
+from vigil_dev.bench import costs, load, statements
 from vigil_dev.bench.figures import Figure, Report
 from vigil_dev.bench.plan import Plan
 from vigil_dev.bench.procs import Workers
@@ -206,6 +206,7 @@ class EndToEnd:
         p50s, p99s = [], []
         for _ in range(self.plan.rounds):
             source = self._source("lat")
+            counting = self.stack.statements and statements.reset(self.dsn)
             produced = self.producer.in_thread(
                 self.producer.paced, rate, self.plan.latency_seconds, self.users, source
             ).result()
@@ -225,6 +226,8 @@ class EndToEnd:
                 file=sys.stderr,
                 flush=True,
             )
+            if counting:
+                statements.report(self.dsn)
         return p50s, p99s
 
 

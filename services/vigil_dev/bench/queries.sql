@@ -109,3 +109,19 @@ SELECT count(*)::bigint AS n FROM event_keys
 SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables)::bigint AS rows_written,
        pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS wal_bytes,
        (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())::bigint AS transactions
+
+-- name: statements_extension
+-- --statements: pg_stat_statements in the bench's database (the server loads the library at start).
+CREATE EXTENSION IF NOT EXISTS pg_stat_statements
+
+-- name: statements_reset
+-- --statements: forget what came before a latency round.
+SELECT pg_stat_statements_reset()
+
+-- name: statements_top
+-- --statements: this database's costliest statements since the reset, by total execution time (ms; a statement waiting for a core or a lock counts its wait).
+SELECT s.calls, s.total_exec_time AS total_ms, s.mean_exec_time AS mean_ms, s.rows, s.query
+FROM pg_stat_statements s
+WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+ORDER BY s.total_exec_time DESC
+LIMIT %(n)s

@@ -45,10 +45,11 @@ class BenchStack:
     kafka_version: str
     own: list = field(default_factory=list)  # servers this bench started (stopped at close)
     temp: Path | None = None
+    statements: bool = False  # print each latency round's costliest statements (pg_stat_statements)
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, keep_logs: bool = False) -> Iterator[BenchStack]:
+    def open(cls, keep_logs: bool = False, statements: bool = False) -> Iterator[BenchStack]:
         bootstrap = os.environ.get("VIGIL_KAFKA_BOOTSTRAP")
         database_url = os.environ.get("VIGIL_DATABASE_URL")
         temp = Path(tempfile.mkdtemp(prefix="vigil-bench-"))
@@ -64,7 +65,8 @@ class BenchStack:
                     temp=temp,
                 )
             else:
-                stack = cls._start_own(temp)
+                stack = cls._start_own(temp, statements)
+            stack.statements = statements
             stack.workdir.mkdir(parents=True, exist_ok=True)
             yield stack
         finally:
@@ -75,11 +77,12 @@ class BenchStack:
                 shutil.rmtree(temp, ignore_errors=True)
 
     @classmethod
-    def _start_own(cls, temp: Path) -> BenchStack:
+    def _start_own(cls, temp: Path, statements: bool = False) -> BenchStack:
         run_dir = Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run"))
         libs = devstack.kafka_libs(run_dir / "kafka")
         kafka = devstack.KafkaServer(temp / "kafka", devstack.free_port(), devstack.free_port(), libs)
-        pg = devstack.PostgresServer(temp / "pg" / "data", devstack.free_port(), durable=True)
+        preload = ("pg_stat_statements",) if statements else ()
+        pg = devstack.PostgresServer(temp / "pg" / "data", devstack.free_port(), durable=True, preload=preload)
         stack = cls(kafka.bootstrap, "", temp / "logs", _jar_version(libs), temp=temp)
         try:
             kafka.start()
