@@ -401,23 +401,32 @@ def test_claim_and_finish_stay_linear_when_the_queue_was_analyzed_nearly_empty(l
         hand_back(ledger)
 
 
-def test_a_group_finish_reads_its_runs_not_every_running_row(ledger):
-    users = seed_pending(ledger, 3000, status="running")
+def _one_message_runs(ledger: str, users: list[str]) -> list[Finished]:
+    """A finished run with one message for each of ``users``, over its one running event."""
     ids = {
-        r["user_id"]: r["id"]
-        for r in query(ledger, "SELECT user_id, id FROM events WHERE user_id = ANY(%s)", (users[:20],))
+        r["user_id"]: r["id"] for r in query(ledger, "SELECT user_id, id FROM events WHERE user_id = ANY(%s)", (users,))
     }
     now = datetime.now(UTC)
-    runs = []
-    for user, event_id in ids.items():
-        row = EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, now, 1)
-        runs.append(
-            Finished(
-                Claim(user, HOME, 1, [row], 0, now),
-                datetime(2020, 1, 1, tzinfo=UTC),
-                result=RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")]),
-            )
+    return [
+        Finished(
+            Claim(
+                user,
+                HOME,
+                1,
+                [EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, now, 1)],
+                0,
+                now,
+            ),
+            datetime(2020, 1, 1, tzinfo=UTC),
+            result=RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")]),
         )
+        for user, event_id in ids.items()
+    ]
+
+
+def test_a_group_finish_reads_its_runs_not_every_running_row(ledger):
+    users = seed_pending(ledger, 3000, status="running")
+    runs = _one_message_runs(ledger, users[:20])
     # 20 runs finished among 3,000 running users: the plan stays near 20 rows per step.
     assert _explain(ledger, Q.finish_runs, finish_runs_params([run_record(r) for r in runs], "test-worker")) <= 100
 
@@ -489,27 +498,7 @@ def test_a_group_finish_runs_no_trigger_per_message(ledger):
         "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome)"
         " SELECT 'old', 'events', 0, 1, 'w', '{}', now(), now(), 'nothing' FROM generate_series(1, 5000)",
     )
-    ids = {
-        r["user_id"]: r["id"] for r in query(ledger, "SELECT user_id, id FROM events WHERE user_id = ANY(%s)", (users,))
-    }
-    now = datetime.now(UTC)
-    runs = [
-        run_record(
-            Finished(
-                Claim(
-                    user,
-                    HOME,
-                    1,
-                    [EventRow(event_id, user, "chat", f"{user}-1", "chat.message", "{}", None, now, 1)],
-                    0,
-                    now,
-                ),
-                datetime(2020, 1, 1, tzinfo=UTC),
-                result=RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")]),
-            )
-        )
-        for user, event_id in ids.items()
-    ]
+    runs = [run_record(r) for r in _one_message_runs(ledger, users)]
     with psycopg.connect(ledger, row_factory=dict_row) as conn:
         explained = conn.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + Q.finish_runs, finish_runs_params(runs, "test-worker")

@@ -19,6 +19,8 @@ from vigil.ledger.db import statement_names
 from vigil_dev.bench.sql import B
 
 TOP = 8
+# psycopg sends ``%(name)s`` as ``$n``, in the comments too: both spellings compare as one.
+PLACEHOLDER = re.compile(r"%\(\w+\)[sb]|\$\d+")
 
 
 def reset(dsn: str) -> bool:
@@ -59,9 +61,6 @@ def _first_line(sql: str) -> str:
     in the comments too."""
     line = sql.strip().splitlines()[0] if sql.strip() else ""
     return PLACEHOLDER.sub("?", line)
-
-
-PLACEHOLDER = re.compile(r"%\(\w+\)[sb]|\$\d+")
 
 
 def _name(query: str, names: dict[str, str]) -> str:
