@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from uuid import uuid4
+
+import pydantic_core
 
 from vigil.agent.base import EventRow, RunContext, SavedSession, SessionSave
 from vigil.agent.permissions import BlockCounters
@@ -31,14 +32,13 @@ APPROVAL_ESCALATE = "approval.escalate"
 
 
 def encode_messages(messages: list[dict]) -> str:
-    """A conversation as stored (``sessions.messages``) and measured against the size budget."""
-    return json.dumps(messages, ensure_ascii=False)
+    """A conversation as stored (``sessions.messages``) and measured against the size budget:
+    compact JSON by pydantic-core's encoder (a fifth of the stdlib's CPU)."""
+    return pydantic_core.to_json(messages).decode()
 
 
 def size_bytes(messages: list[dict], pending: dict | None = None) -> int:
-    return len(encode_messages(messages).encode()) + (
-        len(json.dumps(pending, ensure_ascii=False).encode()) if pending else 0
-    )
+    return len(pydantic_core.to_json(messages)) + (len(pydantic_core.to_json(pending)) if pending else 0)
 
 
 def request_id_of(event: EventRow) -> str | None:

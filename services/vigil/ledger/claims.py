@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 
 import psycopg
+import pydantic_core
 
 from vigil.ledger.events import EventRow
 from vigil.ledger.partitions import PartitionKey, keys_params, owned_params
@@ -148,7 +149,9 @@ async def claim(
         return [], cursor
     params = {
         **owned_params(owned),
-        "busy": json.dumps(busy),  # users with a run in flight here, as a JSON array (see claims.sql)
+        # Users with a run in flight here, as a JSON array (see claims.sql); pydantic-core's
+        # encoder: with thousands of runs in flight, the stdlib's took 1% of a model-bound worker.
+        "busy": pydantic_core.to_json(busy).decode(),
         "batch_max": batch_max,
         "window_s": window_s,
         "max_attempts": max_attempts,
