@@ -506,3 +506,51 @@ def test_a_group_finish_runs_no_trigger_per_message(ledger):
         conn.rollback()
     assert _max_rows_per_node(explained["Plan"]) <= 100
     assert explained.get("Triggers", []) == [], explained["Triggers"]
+
+
+def test_a_pass_starts_at_most_the_claim_pass_max_and_asks_for_the_next_at_once(ledger, monkeypatch):
+    """VIGIL_CLAIM_PASS_MAX bounds a pass below the free run slots, and a pass that filled it
+    asks for the next one at once (the rest must not wait for a wake-up that may never come);
+    the last, short of it, does not."""
+    from psycopg_pool import AsyncConnectionPool
+
+    from vigil.clock import ManualClock
+    from vigil.ledger.db import connection_kwargs
+    from vigil.settings import load
+    from vigil.worker.claim_loop import Claimer
+    from vigil.worker.settings import WorkerSettings
+    from vigil.worker.wakeups import Wakeups
+
+    users = seed_pending(ledger, 7)
+    monkeypatch.setenv("VIGIL_DATABASE_URL", ledger)
+    settings = load(WorkerSettings, claim_pass_max=3, run_concurrency=10, scan_interval_s=60.0)
+    clock = ManualClock(1_000.0)
+
+    class StartedRuns:
+        """The claim pass's side of Runs: what it starts, nothing run."""
+
+        needs_context = False
+
+        def __init__(self) -> None:
+            self.active = {}
+
+        def start(self, active) -> None:
+            self.active[active.claim.user_id] = active
+
+    async def go():
+        async with AsyncConnectionPool(ledger, min_size=1, kwargs=connection_kwargs(autocommit=True)) as pool:
+            runs = StartedRuns()
+            wakeups = Wakeups(clock, settings.scan_interval_s)
+            claimer = Claimer(settings, pool, None, runs, wakeups, clock)
+            claimer.owned = dict(OWNED)
+            passes = []
+            for _ in range(3):
+                wakeups.begin_pass()
+                before = len(runs.active)
+                await claimer._claim_pass()
+                passes.append((len(runs.active) - before, wakeups.due_in() <= 0))
+            return passes, sorted(runs.active)
+
+    passes, started = asyncio.run(go())
+    assert passes == [(3, True), (3, True), (1, False)]
+    assert started == users

@@ -6,8 +6,9 @@ assignment, dropped on revoke) and runs a claim pass whenever :class:`Wakeups` s
 due. A pass, under the claim lock: once per scan interval rule 2 (exhausted events become
 ``dead``) and the look for a lone last attempt (:mod:`vigil.worker.lone`); once per heal
 interval the heal of orphaned claims; then claims up to ``VIGIL_RUN_CONCURRENCY`` minus the
-runs in flight, round-robin from a cursor (:func:`vigil.worker.claims.claim`), and starts
-them (:class:`vigil.worker.runs.Runs`). The claim lock keeps a pass and a rebalance apart:
+runs in flight (at most ``VIGIL_CLAIM_PASS_MAX``, then another pass at once), round-robin
+from a cursor (:func:`vigil.worker.claims.claim`), and starts them
+(:class:`vigil.worker.runs.Runs`). The claim lock keeps a pass and a rebalance apart:
 a revoked partition's claims are never started after its runs were cancelled.
 """
 
@@ -149,7 +150,8 @@ class Claimer:
                 if self.clock.monotonic() >= self._next_heal:
                     self._next_heal = self.clock.monotonic() + self.settings.heal_interval_s
                     await self._heal(conn, owned)
-                claims, alone = await self._claim(conn, owned, free) if free > 0 else ([], False)
+                take = min(free, self.settings.claim_pass_max)  # the trade-off: settings.DEFAULT_CLAIM_PASS_MAX
+                claims, alone = await self._claim(conn, owned, take) if take > 0 else ([], False)
                 started = [Active(c, alone=alone) for c in claims]
                 if alone:
                     self._lone = started[0]
@@ -167,7 +169,7 @@ class Claimer:
         for label, n in attempts.items():
             metrics.CLAIM_ATTEMPTS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
-        if len(claims) == free:
+        if claims and len(claims) == take:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us
 
     async def _heal(self, conn, owned: dict[PartitionKey, int]) -> None:

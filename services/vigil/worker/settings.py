@@ -20,6 +20,14 @@ DEFAULT_BATCH_WINDOW_MS = 50
 # 50 KB per run, so 1,000 runs of 5 s model calls take 0.6-0.8 of the one core a worker
 # uses; more in flight only queues runs for that core. VIGIL_MODEL_MAX_CONNECTIONS follows.
 DEFAULT_RUN_CONCURRENCY = 1000
+# A pass's runs start when the pass ends, so its length is in every claimed event's latency,
+# and a user whose run is in flight waits for a later pass: short passes keep both small, but
+# each pass costs its statements, so they cap the runs per second. Measured at the e2e bench's
+# half load (1,000 users, 7,700 events/s), passes of 100 users instead of 385: 18-20 ms instead
+# of 60-65, latency p50/p99 207/369 -> 179/326 ms, the same events/s at saturation; but
+# single-event runs 6,533 -> 5,417/s. By default no bound beyond the free run slots
+# (docs/performance.md, "Short claim passes").
+DEFAULT_CLAIM_PASS_MAX = 10_000
 # How long a crashed worker's users wait before another worker runs them (failover), about
 # this plus a rebalance. librdkafka's heartbeats come from a background thread, so a busy run
 # loop or a slow ledger never misses one: 10 s rides out a GC pause or a short network blip
@@ -69,6 +77,14 @@ class WorkerSettings(CommonSettings):
     )
     run_concurrency: int = Field(
         DEFAULT_RUN_CONCURRENCY, ge=1, le=10_000, description="Runs one worker process executes at once."
+    )
+    claim_pass_max: int = Field(
+        DEFAULT_CLAIM_PASS_MAX,
+        ge=1,
+        le=10_000,
+        description="Most runs one claim pass starts (a pass that fills it is followed by another at once). "
+        "A pass's runs start when it ends: 100 cut the latency at high load by a tenth and the peak "
+        "single-event runs per second by a sixth. The default bounds nothing beyond the free run slots.",
     )
     run_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="Wall time a run may take before it is cancelled as a failed attempt."

@@ -73,7 +73,7 @@ def _worker_settings(report: Report) -> WorkerSettings:
         "worker settings: "
         f"VIGIL_RUN_CONCURRENCY={settings.run_concurrency} VIGIL_BATCH_MAX={settings.batch_max} "
         f"VIGIL_POLL_BATCH_MAX={settings.poll_batch_max} VIGIL_FINISH_BATCH_MAX={settings.finish_batch_max} "
-        f"VIGIL_FINISH_CONCURRENCY={settings.finish_concurrency} "
+        f"VIGIL_FINISH_CONCURRENCY={settings.finish_concurrency} VIGIL_CLAIM_PASS_MAX={settings.claim_pass_max} "
         f"VIGIL_DB_POOL_MAX={settings.db_pool_max} VIGIL_SCAN_INTERVAL_S={settings.scan_interval_s} "
         f"VIGIL_BATCH_WINDOW_MS={settings.batch_window_ms} (bench default; the small-window latency sets its own)"
     )
