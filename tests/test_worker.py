@@ -35,6 +35,8 @@ def test_duplicate_delivery_and_redelivery_after_restart_give_one_row(stack, top
     assert scalar(ledger, "SELECT count(*) FROM events WHERE source_id = 'gh-delivery-1'") == 1
     assert scalar(ledger, "SELECT count(*) FROM outbox") == 1
     assert second.alive()
+    # The record transaction that found the copies is timed beside the claim and the finish.
+    assert metric(port, "vigil_worker_ledger_seconds_count", 'step="record"') >= 1
 
 
 def test_three_quick_messages_one_run_one_reply(stack, topics, ledger, vigil_env, spawn):

@@ -296,7 +296,8 @@ class ConsumerLoop(threading.Thread):
         positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in highest.items()}
 
         def record(conn: psycopg.Connection) -> int:
-            return ledger_events.record_batch(conn, rows, unknown_users, positions)
+            with metrics.LEDGER_SECONDS.labels("record").time():
+                return ledger_events.record_batch(conn, rows, unknown_users, positions)
 
         try:
             return self._retrying("recording events", record)

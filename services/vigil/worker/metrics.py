@@ -53,7 +53,8 @@ FINISH_BATCH = Histogram(
 )
 LEDGER_SECONDS = Histogram(
     "vigil_worker_ledger_seconds",
-    "Wall time of the run loop's ledger steps: a claim pass, a group finish (including retries' waits).",
+    "Wall time of the worker's ledger steps: a polled batch's record transaction, a claim pass, a group "
+    "finish (including retries' waits).",
     ["step"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
@@ -76,7 +77,7 @@ for _attempt in ("1", "2", "3+"):
     CLAIM_ATTEMPTS.labels(_attempt)
 for _outcome in ("message", "nothing", "deferred", "failed", "retry_later", "stale"):
     RUNS.labels(_outcome)
-for _step in ("claim", "finish"):
+for _step in ("record", "claim", "finish"):
     LEDGER_SECONDS.labels(_step)
 
 # Background tasks (services/vigil/worker/tasks.py). Ledger-wide gauges: every worker reports
