@@ -73,3 +73,19 @@ def test_every_subcommand_has_help():
         subcommands = getattr(command, "commands", {})
         for sub in subcommands:
             assert runner.invoke(main, [name, sub, "--help"]).exit_code == 0, f"{name} {sub}"
+
+
+def test_worker_fetch_batching_is_a_default_an_operator_can_override(monkeypatch):
+    """The worker's consumer asks the broker for batched fetches (64 KB or 10 ms), which
+    librdkafka accepts as given, and VIGIL_KAFKA_OPT_* still wins over them."""
+    from confluent_kafka import Consumer
+
+    from vigil.worker.consumer import consumer_config
+    from vigil.worker.settings import WorkerSettings
+
+    monkeypatch.setenv("VIGIL_DATABASE_URL", "postgresql://unused@127.0.0.1/unused")
+    config = consumer_config(load(WorkerSettings), on_stats=lambda _: None)
+    assert (config["fetch.min.bytes"], config["fetch.wait.max.ms"]) == (65536, 10)
+    Consumer(config).close()  # librdkafka refuses an unknown property or a bad value here
+    monkeypatch.setenv("VIGIL_KAFKA_OPT_FETCH_WAIT_MAX_MS", "100")
+    assert consumer_config(load(WorkerSettings), on_stats=lambda _: None)["fetch.wait.max.ms"] == "100"
