@@ -129,7 +129,7 @@ chosen AS MATERIALIZED (
 SELECT c.id, c.user_id, c.topic, c.partition, c.epoch, max(c.user_id) OVER () AS cursor FROM chosen c
 
 -- name: claim_chosen
--- The claim's write: the rows the claim statement chose (%(ids)s), each claimed under its home partition's epoch (%(epochs)s, a JSON object from user id to epoch), in the claim's transaction. Sent unprepared (claims.py), so the ids reach the planner as a constant: every plan it can pick probes the primary key or hashes the ids, whatever the queue's statistics say.
+-- The claim's write: the rows the claim statement chose (%(ids)b), each claimed under its home partition's epoch (%(epochs)s, a JSON object from user id to epoch), in the claim's transaction. Sent unprepared (claims.py), so the ids reach the planner as a constant: every plan it can pick probes the primary key or hashes the ids, whatever the queue's statistics say.
 -- A separate statement because, as a join of this UPDATE with the chosen rows, a queue
 -- analyzed while nearly empty made the planner compare every chosen row with every live row
 -- (100 million comparisons, 4.4 s, for 5,000 rows claimed from 20,000).
@@ -139,7 +139,9 @@ SET status = 'running', attempts = e.attempts + 1, claim_epoch = (%(epochs)s::js
 -- Pending, spelled as the live queue (events_live) minus running: a plain status = 'pending'
 -- would match the partial indexes' predicate, and on such statistics the planner walked all of
 -- events_pending_by_user comparing each row with every id.
-WHERE e.id = ANY(%(ids)s::bigint[]) AND e.status IN ('pending', 'running') AND e.status <> 'running'
+-- The ids in binary: as text psycopg writes each in Python, 1.1 ms for the 2,300 of a pass at
+-- the e2e bench's saturation, 0.24 ms in binary.
+WHERE e.id = ANY(%(ids)b::bigint[]) AND e.status IN ('pending', 'running') AND e.status <> 'running'
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch
 
