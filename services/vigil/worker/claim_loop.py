@@ -60,7 +60,7 @@ class Claimer:
         self._cursor = ""  # round-robin position among waiting users (see claims.claim)
         self._next_dead_check = 0.0
         self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
-        self._lone: Active | None = None  # the lone last attempt this process started (claim rule 3)
+        self._lone: Active | None = None  # the last lone last attempt this process started (claim rule 3)
 
     @property
     def active(self) -> dict[str, Active]:
@@ -153,8 +153,6 @@ class Claimer:
                 take = min(free, self.settings.claim_pass_max)  # the trade-off: settings.DEFAULT_CLAIM_PASS_MAX
                 claims, alone = await self._claim(conn, owned, take) if take > 0 else ([], False)
                 started = [Active(c, alone=alone) for c in claims]
-                if alone:
-                    self._lone = started[0]
                 if started and self.runs.needs_context:
                     await self.runs.preload(conn, started)
         if dead:
@@ -166,6 +164,8 @@ class Claimer:
             metrics.CLAIM_BATCH.observe(len(c.events))
             attempts.update(str(event.attempts) if event.attempts < 3 else "3+" for event in c.events)
             self.runs.start(active)
+            if active.alone:
+                self._lone = active
         for label, n in attempts.items():
             metrics.CLAIM_ATTEMPTS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
@@ -202,10 +202,7 @@ class Claimer:
         """Is the lone last attempt still in flight? (A look at one run, not at every run in
         flight: with thousands of them, that walk was 0.5% of a model-bound worker's CPU.)"""
         lone = self._lone
-        if lone is not None and self.active.get(lone.claim.user_id) is lone:
-            return True
-        self._lone = None
-        return False
+        return lone is not None and self.active.get(lone.claim.user_id) is lone
 
     async def _claim(self, conn, owned: dict[PartitionKey, int], free: int) -> tuple[list[Claim], bool]:
         """Claim rule 3's lone last attempts before anything else, then the round robin.
