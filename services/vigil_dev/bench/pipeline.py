@@ -222,6 +222,7 @@ class EndToEnd:
                 f"  latency round: p50 {p50s[-1]:.0f} ms, p99 {p99s[-1]:.0f} ms; p50/p99 by step:"
                 f" to the ledger {parts['record_p50']:.0f}/{parts['record_p99']:.0f},"
                 f" to the claim {parts['claim_p50']:.0f}/{parts['claim_p99']:.0f},"
+                f" the pass {parts['pass_p50']:.0f}/{parts['pass_p99']:.0f},"
                 f" run and finish {parts['finish_p50']:.0f}/{parts['finish_p99']:.0f}",
                 file=sys.stderr,
                 flush=True,
