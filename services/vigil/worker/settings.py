@@ -20,14 +20,14 @@ DEFAULT_BATCH_WINDOW_MS = 50
 # 50 KB per run, so 1,000 runs of 5 s model calls take 0.6-0.8 of the one core a worker
 # uses; more in flight only queues runs for that core. VIGIL_MODEL_MAX_CONNECTIONS follows.
 DEFAULT_RUN_CONCURRENCY = 1000
-# A pass's runs start when the pass ends, so its length is in every claimed event's latency,
-# and a user whose run is in flight waits for a later pass: short passes keep both small, but
-# each pass costs its statements, so they cap the runs per second. Measured at the e2e bench's
-# half load (1,000 users, 7,700 events/s), passes of 100 users instead of 385: 18-20 ms instead
-# of 60-65, latency p50/p99 207/369 -> 179/326 ms, the same events/s at saturation; but
-# single-event runs 6,533 -> 5,417/s. By default no bound beyond the free run slots
-# (docs/performance.md, "Short claim passes").
-DEFAULT_CLAIM_PASS_MAX = 10_000
+# A pass's runs start when the pass ends, so its length is in every claimed event's latency;
+# and a pass that takes fewer users per pass makes a loaded worker's runs take more events
+# each. Each pass also costs its statements, so a bound caps the runs per second. Measured on
+# the e2e bench (docs/performance.md, change 16): 200 against no bound, e2e events/s
+# 16,875 -> 19,254 (7.4 events per run instead of 5.5), single-event runs 8,433 -> 7,833/s,
+# worker CPU per single-event run 114 -> 126 us, the same p99 at a 14% higher half load; 100
+# gave 20,408 events/s but single-event runs 6,667/s and 157 us per run.
+DEFAULT_CLAIM_PASS_MAX = 200
 # How long a crashed worker's users wait before another worker runs them (failover), about
 # this plus a rebalance. librdkafka's heartbeats come from a background thread, so a busy run
 # loop or a slow ledger never misses one: 10 s rides out a GC pause or a short network blip
@@ -83,8 +83,10 @@ class WorkerSettings(CommonSettings):
         ge=1,
         le=10_000,
         description="Most runs one claim pass starts (a pass that fills it is followed by another at once). "
-        "A pass's runs start when it ends: 100 cut the latency at high load by a tenth and the peak "
-        "single-event runs per second by a sixth. The default bounds nothing beyond the free run slots.",
+        "A pass's runs start when it ends, and shorter passes make a loaded worker's runs take more events "
+        "each; each pass costs its statements, so the bound caps the runs per second. Against no bound, "
+        "200 raised the events per second at saturation by 14% and lowered the peak single-event runs "
+        "per second by 7%.",
     )
     run_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="Wall time a run may take before it is cancelled as a failed attempt."
