@@ -204,9 +204,9 @@ class Claimer:
         lone = self._lone
         return lone is not None and self.active.get(lone.claim.user_id) is lone
 
-    async def _claim(self, conn, owned: dict[PartitionKey, int], free: int) -> tuple[list[Claim], bool]:
-        """Claim rule 3's lone last attempts before anything else, then the round robin.
-        Returns the claims and whether they are a lone attempt."""
+    async def _claim(self, conn, owned: dict[PartitionKey, int], take: int) -> tuple[list[Claim], bool]:
+        """Claim rule 3's lone last attempts before anything else, then the round robin for up
+        to ``take`` users. Returns the claims and whether they are a lone attempt."""
         if self._lone_in_flight():
             return [], False  # nothing runs beside a lone attempt
         if self.lone.due_at is not None:
@@ -230,7 +230,7 @@ class Claimer:
             conn,
             owned,
             list(self.active),
-            free,
+            take,
             self.settings.batch_max,
             self.settings.batch_window_s,
             self.settings.max_attempts,
