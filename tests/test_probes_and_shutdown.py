@@ -53,8 +53,7 @@ def test_readiness_reuses_one_connection(ledger):
     # Client sessions only: an autovacuum worker on the fresh test database shows in
     # pg_stat_activity too, and is not the check's doing.
     sessions = (
-        "SELECT count(*) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND backend_type = 'client backend'"
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND backend_type = 'client backend'"
     )
     check = DatabaseCheck(ledger)
     assert check()

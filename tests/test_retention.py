@@ -13,8 +13,7 @@ import pytest
 
 from support import query, scalar, wait_for
 from vigil.ledger.db import connect
-from vigil.ledger.events import copy_rows, prepare_record_connection
-from vigil.ledger.queries import Q
+from vigil.ledger.events import prepare_record_connection, record_batch
 from vigil.ledger.retention import drop_event_day, prune
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.settings import SettingsError, load
@@ -153,9 +152,7 @@ def record_via_worker(dsn: str, user_id: str, source: str, source_id: str) -> in
     row = (1, user_id, source, source_id, "github.push", "{}", None, {}, None, now, "events", 0, 1)
     with connect(dsn) as conn:
         prepare_record_connection(conn)
-        with conn.transaction(), conn.cursor() as cur:
-            copy_rows(cur, [row])
-            return cur.execute(Q.record_events, {"unknown_users": []}).fetchone()["recorded"]
+        return record_batch(conn, [row], [], {})
 
 
 def event_days(dsn: str) -> set[str]:

@@ -17,7 +17,8 @@ The request goes out through the SDK's ``request`` with a body vigil encodes its
 call, tools and system prompt included, which were a third of a worker's CPU per model-bound
 run. The tools are encoded once per agent, the system prompt once per run
 (:class:`Encoded`), the request options once per client (:func:`_options`); headers,
-authentication, the status errors and the transport are still the SDK's. The call's span (GenAI conventions) is vigil's own, when traces are on.
+authentication, the status errors and the transport are still the SDK's. The call's span
+(GenAI conventions) is vigil's own, when traces are on.
 """
 
 from __future__ import annotations

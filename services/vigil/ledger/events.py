@@ -14,9 +14,8 @@ import psycopg
 from psycopg.types.json import set_json_dumps
 
 from vigil.ledger import audit
-from vigil.ledger.partitions import PartitionKey
+from vigil.ledger.partitions import PartitionKey, keys_params
 from vigil.ledger.queries import Q
-from vigil.ledger.recovery import record_positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,29 +95,38 @@ def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
             copy.write_row(row)
 
 
-def record_events(cur: psycopg.Cursor, unknown_users: list[str]) -> int:
-    """Move the staged batch into ``events`` (and new users' home partitions, for
-    ``unknown_users`` only); duplicates by dedup key are dropped. Returns how many were new."""
-    row = cur.execute(Q.record_events, {"unknown_users": unknown_users}).fetchone()
-    assert row is not None
-    return row["recorded"]
+def record_params(unknown_users: list[str], next_offsets: dict[PartitionKey, int]) -> dict:
+    """record_events' parameters: the users to give a home partition, each partition's next offset."""
+    keys = sorted(next_offsets)
+    return {"unknown_users": unknown_users, **keys_params(keys), "next_offsets": [next_offsets[k] for k in keys]}
 
 
 def record_batch(
     conn: psycopg.Connection, rows: list[tuple], unknown_users: list[str], next_offsets: dict[PartitionKey, int]
 ) -> int:
-    """The worker's record step, one transaction: COPY ``rows`` (staging order) in, move the
-    new ones into the queue (:func:`record_events`), and move the ledger's consumer positions
-    past the batch (``recovery.record_positions``), so positions and the events they cover
-    commit or vanish together. A batch of undecodable messages only moves the positions.
-    Returns how many events were new."""
-    with conn.transaction(), conn.cursor() as cur:
-        recorded = 0
-        if rows:
-            copy_rows(cur, rows)
-            recorded = record_events(cur, unknown_users)
-        record_positions(cur, next_offsets)
-        return recorded
+    """The worker's record step, one transaction: COPY ``rows`` (staging order) in, then one
+    statement (``record_events``) that moves the new ones into the queue, gives new users
+    their home partition (``unknown_users`` only) and moves the ledger's consumer positions
+    past the batch, so positions and the events they cover commit or vanish together. A
+    batch of undecodable messages only moves the positions. Returns how many were new.
+
+    The statement and the COMMIT go in one pipeline: three round trips (BEGIN, COPY, the
+    statement with its commit) where a statement per step and its own COMMIT took five, and
+    each one, on the recorder thread, also waits for the interpreter lock."""
+    try:
+        with conn.cursor() as cur:
+            if rows:
+                copy_rows(cur, rows)
+            with conn.pipeline():
+                cur.execute(Q.record_events, record_params(unknown_users, next_offsets))
+                conn.commit()
+            row = cur.fetchone()
+    except BaseException:
+        if not conn.closed and not conn.broken:
+            conn.rollback()
+        raise
+    assert row is not None
+    return row["recorded"]
 
 
 # -- operators ---------------------------------------------------------------------------

@@ -13,12 +13,6 @@ from vigil.ledger.partitions import PartitionKey, keys_params, owned_params
 from vigil.ledger.queries import Q
 
 
-def record_positions(cur: psycopg.Cursor, next_offsets: dict[PartitionKey, int]) -> None:
-    """In the record transaction: each partition's next offset (never moved back)."""
-    keys = sorted(next_offsets)
-    cur.execute(Q.record_positions, {**keys_params(keys), "next_offsets": [next_offsets[k] for k in keys]})
-
-
 def read_positions(conn: psycopg.Connection, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
     """The ledger's next offset for each of ``keys`` it has recorded from."""
     rows = conn.execute(Q.read_positions, keys_params(keys)).fetchall()

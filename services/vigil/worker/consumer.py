@@ -6,9 +6,9 @@ The commit order, which tests/test_worker_*.py pin down:
    first one when nothing has).
 2. Undecodable messages: copy to the dead-letter topic and wait for the acknowledgement.
 3. Record every decoded event in one transaction: a binary COPY into the connection's
-   staging table, then one statement inserting new users' home partitions and the events
-   (duplicates dropped by the UNIQUE key), then each partition's next offset into
-   ``consumer_positions`` (``record_positions``). Commit. This runs on a second thread, the
+   staging table, then one statement inserting new users' home partitions, the events
+   (duplicates dropped by the UNIQUE key) and each partition's next offset in
+   ``consumer_positions``, pipelined with the commit. This runs on a second thread, the
    recorder, while this thread polls and decodes the next batch: the two overlap, the
    decode on this core and the statement in PostgreSQL, instead of taking turns.
 4. Only once that commit is done, store the batch's offsets (``enable.auto.offset.store=
@@ -296,14 +296,14 @@ class ConsumerLoop(threading.Thread):
             )
 
     def _record(self, rows: list[tuple], unknown_users: list[str], highest: dict[tuple[str, int], int]) -> int | None:
-        """On the recorder thread: the batch in one transaction; how many events were new, or
-        None if the worker stopped while the ledger was unreachable. Home partitions are
-        written only for ``unknown_users`` (those this process has not seen committed).
+        """On the recorder thread: the batch recorded (``record_batch``); how many events were
+        new, or None if the worker stopped while the ledger was unreachable. Home partitions
+        are written only for ``unknown_users`` (those this process has not seen committed).
 
-        The same transaction moves the ledger's consumer positions past the batch
-        (``record_positions``), so the ledger's position and the events it covers commit or
-        vanish together; a batch of undecodable messages only (already on the dead-letter
-        topic) moves the positions alone."""
+        The same statement moves the ledger's consumer positions past the batch, so the
+        ledger's position and the events it covers commit or vanish together; a batch of
+        undecodable messages only (already on the dead-letter topic) moves the positions
+        alone."""
         positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in highest.items()}
 
         def record(conn: psycopg.Connection) -> int:

@@ -15,7 +15,7 @@ COPY incoming_events (n, user_id, source, source_id, kind, payload, session_id, 
                       kafka_topic, kafka_partition, kafka_offset) FROM STDIN (FORMAT BINARY)
 
 -- name: record_events
--- One statement per polled batch: new users' home partitions (the partition of the first event seen, fixed from then on; only for %(unknown_users)s, those the worker has not seen committed), then every event whose dedup key is new in event_keys (retried webhook, redelivered message, replayed timer: dropped, also after the first copy's partition was dropped). Returns how many were new.
+-- One statement per polled batch, after its COPY into the staging table: new users' home partitions (the partition of the first event seen, fixed from then on; only for %(unknown_users)s, those the worker has not seen committed); every event whose dedup key is new in event_keys (retried webhook, redelivered message, replayed timer: dropped, also after the first copy's partition was dropped); and each partition's next offset in consumer_positions, covering exactly the events this statement recorded (GREATEST: a worker that lost the partition and commits a late batch never moves the position back). Returns how many were new.
 WITH new_users AS (
     INSERT INTO users (user_id, home_topic, home_partition)
     SELECT DISTINCT ON (user_id) user_id, kafka_topic, kafka_partition FROM incoming_events
@@ -42,6 +42,13 @@ recorded AS (
            kafka_topic, kafka_partition, kafka_offset
     FROM firsts ORDER BY n
     RETURNING 1
+),
+positions AS (
+    INSERT INTO consumer_positions AS c (topic, partition, next_offset)
+    SELECT * FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(next_offsets)s::bigint[])
+    ON CONFLICT (topic, partition) DO UPDATE
+    SET next_offset = greatest(c.next_offset, EXCLUDED.next_offset), updated_at = now()
+    WHERE EXCLUDED.next_offset > c.next_offset
 )
 SELECT count(*)::int AS recorded FROM recorded
 

@@ -1,13 +1,5 @@
 -- Recovery from a ledger that lost its last commits: its own consumer positions, and claims no live run holds.
 
--- name: record_positions
--- In the record transaction, after record_events: each partition's next offset, covering exactly the events that transaction recorded. GREATEST: a worker that lost the partition and commits a late batch never moves the position back.
-INSERT INTO consumer_positions AS c (topic, partition, next_offset)
-SELECT * FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(next_offsets)s::bigint[])
-ON CONFLICT (topic, partition) DO UPDATE
-SET next_offset = greatest(c.next_offset, EXCLUDED.next_offset), updated_at = now()
-WHERE EXCLUDED.next_offset > c.next_offset
-
 -- name: read_positions
 -- On assignment: where the ledger says each partition's consumption resumes (no row: the ledger never recorded from it).
 SELECT c.topic, c.partition, c.next_offset
