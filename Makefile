@@ -46,7 +46,7 @@ fmt: $(STAMP) ## ruff: fix what can be fixed and format
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP) ## Run the benchmarks (about 10 minutes) and print name: value lines
+bench: $(STAMP) ## Run the benchmarks (about 8 minutes on 2 cores) and print name: value lines
 	$(BIN)/python -m vigil_dev.bench
 
 bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes)
