@@ -67,7 +67,7 @@ WHERE e.source = %(source)s AND e.status = 'done' AND e.received_at >= %(since)s
 ORDER BY 1
 
 -- name: round_latency_parts
--- Where a latency round's time went, median and p99 of each step in ms: to the ledger (received_at to recorded_at: Kafka and the record transaction), to the claim (recorded_at to claimed_at, the claim transaction's start: the batch window, waiting for a pass, passes that skipped the user while its previous run was in flight), the pass (claimed_at to the run's start: the rest of the claim pass that took it) and the run with its finish (started_at to finished_at).
+-- Where a latency round's time went, median and p99 of each step in ms (and the round robin's pace): to the ledger (received_at to recorded_at: Kafka and the record transaction), to the claim (recorded_at to claimed_at, the claim transaction's start: the batch window, waiting for a pass, passes that skipped the user while its previous run was in flight), the pass (claimed_at to the run's start: the rest of the claim pass that took it) and the run with its finish (started_at to finished_at).
 SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.recorded_at - e.received_at)) * 1000 AS record_p50,
        percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM e.recorded_at - e.received_at)) * 1000 AS record_p99,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.claimed_at - e.recorded_at)) * 1000 AS claim_p50,
@@ -75,7 +75,12 @@ SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.recorded
        percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM r.started_at - e.claimed_at)) * 1000 AS pass_p50,
        percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM r.started_at - e.claimed_at)) * 1000 AS pass_p99,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM r.finished_at - r.started_at)) * 1000 AS finish_p50,
-       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM r.finished_at - r.started_at)) * 1000 AS finish_p99
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM r.finished_at - r.started_at)) * 1000 AS finish_p99,
+       -- The round robin's pace: runs per second, and the users over it, how often each user
+       -- runs on average (with every user waiting, how long the cursor takes to come back).
+       count(DISTINCT r.id) AS runs,
+       count(DISTINCT e.user_id) AS users,
+       greatest(extract(epoch FROM max(r.started_at) - min(r.started_at)), 0.001) AS span_s
 FROM events e JOIN runs r ON r.id = e.run_id
 WHERE e.source = %(source)s AND e.status = 'done' AND e.received_at >= %(since)s
 
