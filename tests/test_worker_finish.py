@@ -114,3 +114,84 @@ def test_a_result_the_ledger_refuses_fails_that_run_only(ledger):
     assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["fine"]
     assert query(ledger, "SELECT outcome FROM runs WHERE user_id = 'bad'")[0]["outcome"] == "failed"
     assert query(ledger, "SELECT count(*) AS n FROM memory")[0]["n"] == 0
+
+
+class _Slots:
+    """What the finish loop needs of the runs in flight: the queue of finished runs and the slots."""
+
+    def __init__(self) -> None:
+        self.finished: asyncio.Queue[Finished] = asyncio.Queue()
+        self.active: dict = {}
+
+
+class _Wakes:
+    """What the finish loop needs of the claim loop: to be woken, or asked to heal."""
+
+    def wake(self, delay: float = 0.0) -> None:
+        pass
+
+    def heal_soon(self) -> None:
+        pass
+
+
+def finish_groups(ledger: str, runs: list[Finished], arrive_every_s: float) -> list[int]:
+    """Run a real finish loop against the ledger, hand it ``runs`` one every ``arrive_every_s``
+    and return how many runs each finish transaction committed (runs of one transaction share
+    its ``now()``)."""
+
+    async def go():
+        from types import SimpleNamespace
+
+        from vigil.clock import SystemClock
+        from vigil.ledger.db import async_pool
+        from vigil.worker.finish_loop import Finisher
+
+        pool = async_pool(ledger, name="finish-test", max_size=2, autocommit=True, check=False)
+        await pool.open()
+        slots = _Slots()
+        settings = SimpleNamespace(finish_batch_max=200, instance_id="test-worker")
+        finisher = Finisher(settings, pool, slots, _Wakes(), SystemClock())
+        loop = asyncio.create_task(finisher.finish_loop())
+        try:
+            for run in runs:
+                slots.active[run.claim.user_id] = run
+                slots.finished.put_nowait(run)
+                await asyncio.sleep(arrive_every_s)
+            while not finisher.idle:
+                await asyncio.sleep(0.01)
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            await pool.close()
+
+    asyncio.run(go())
+    groups = query(ledger, "SELECT count(*)::int AS n FROM runs GROUP BY finished_at ORDER BY finished_at")
+    return [r["n"] for r in groups]
+
+
+def test_runs_that_waited_on_a_model_for_seconds_finish_together(ledger):
+    """A finish transaction costs the worker about a millisecond whatever it holds, and runs
+    that wait on a model for seconds finish a few at a time: a small group waits a hundredth
+    of its run's time (at most 50 ms) for the runs finishing just after it."""
+    ids = seed(ledger, ["u1", "u2", "u3"])
+    runs = [finished(u, i, RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")])) for u, i in ids.items()]
+    for run in runs:
+        run.started_at = datetime.now(UTC) - timedelta(seconds=4)  # a model call's worth
+    assert finish_groups(ledger, runs, arrive_every_s=0.01) == [3]
+
+
+def test_quick_runs_finish_without_waiting_for_company(ledger):
+    """Runs of a few milliseconds (the echo agent, runs under latency-bound load) never wait:
+    each commits as it comes when the next is 30 ms away."""
+    ids = seed(ledger, ["u1", "u2", "u3"])
+    runs = [finished(u, i, RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")])) for u, i in ids.items()]
+    assert finish_groups(ledger, runs, arrive_every_s=0.03) == [1, 1, 1]
+
+
+def test_how_long_a_group_waits_for_company():
+    from vigil.worker.finish_loop import FINISH_GATHER_MAX_S, FINISH_GATHER_MIN_GROUP, gather_s
+
+    assert gather_s(1, 2.0) == 0.02  # a hundredth of the run
+    assert gather_s(1, 30.0) == FINISH_GATHER_MAX_S  # capped
+    assert gather_s(1, 0.05) == 0.0  # quick runs never wait
+    assert gather_s(FINISH_GATHER_MIN_GROUP, 30.0) == 0.0  # a big enough group commits at once

@@ -28,6 +28,29 @@ from vigil.worker.wakeups import BACKOFF_SLACK_S, LEDGER_RETRY_S
 log = logging.getLogger(__name__)
 
 GAUGE_INTERVAL_S = 15.0
+# A small group waits for company up to a hundredth of its first run's duration, at most
+# 50 ms (gather_s); a group of this many or more commits at once.
+FINISH_GATHER_SHARE = 0.01
+FINISH_GATHER_MAX_S = 0.05
+FINISH_GATHER_MIN_S = 0.001
+FINISH_GATHER_MIN_GROUP = 20
+
+
+def gather_s(group: int, ran_s: float) -> float:
+    """How long a group of ``group`` finished runs waits for company before it commits, its
+    first run having taken ``ran_s``: a hundredth of that, at most FINISH_GATHER_MAX_S; none
+    for a group of FINISH_GATHER_MIN_GROUP or more, nor for runs under a tenth of a second.
+
+    A group costs its transaction whatever its size (about 1 ms of the worker's CPU: the
+    epochs' lock, the statements, five round trips). Runs that wait on a model for seconds
+    finish one or two at a time, so most groups held one run (4.7 on average at 490 runs/s
+    finishing, half of them alone); waiting a hundredth of a run's time costs that run
+    nothing it can notice, and quick runs (the echo agent, latency-bound load) never wait.
+    """
+    if group >= FINISH_GATHER_MIN_GROUP:
+        return 0.0
+    wait_s = min(FINISH_GATHER_MAX_S, FINISH_GATHER_SHARE * ran_s)
+    return wait_s if wait_s >= FINISH_GATHER_MIN_S else 0.0
 
 
 class Finisher:
@@ -68,13 +91,23 @@ class Finisher:
         statements overlap the other's commit (a run waited for the group before its own)."""
         while True:
             batch = [await self.finished.get()]
-            while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
-                batch.append(self.finished.get_nowait())
             self.committing += 1
             try:
+                self._take_queued(batch)
+                gather_s = self._gather_s(batch)
+                if gather_s > 0:
+                    await asyncio.sleep(gather_s)
+                    self._take_queued(batch)
                 await self._commit(batch)
             finally:
                 self.committing -= 1
+
+    def _take_queued(self, batch: list[Finished]) -> None:
+        while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
+            batch.append(self.finished.get_nowait())
+
+    def _gather_s(self, batch: list[Finished]) -> float:
+        return gather_s(len(batch), (utc(self.clock.now()) - batch[0].started_at).total_seconds())
 
     async def _commit(self, batch: list[Finished]) -> None:
         """One group: the fenced commit, retried until the ledger answers; then its runs leave."""
