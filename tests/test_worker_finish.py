@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import psycopg
 from psycopg.rows import dict_row
 
 from support import query
 from vigil.agent.base import EventRow, MemoryWrite, NewTask, NewTimer, OutMessage, RunResult, Usage
+from vigil.clock import SystemClock
+from vigil.ledger.db import async_pool
 from vigil.ledger.states import RunOutcome
 from vigil.worker.claims import Claim
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, commit_finished
+from vigil.worker.finish_loop import FINISH_GATHER_MAX_S, FINISH_GATHER_MIN_GROUP, Finisher, gather_s
 
 HOME = PartitionKey("events", 0)
 
@@ -140,12 +144,6 @@ def finish_groups(ledger: str, runs: list[Finished], arrive_every_s: float) -> l
     its ``now()``)."""
 
     async def go():
-        from types import SimpleNamespace
-
-        from vigil.clock import SystemClock
-        from vigil.ledger.db import async_pool
-        from vigil.worker.finish_loop import Finisher
-
         pool = async_pool(ledger, name="finish-test", max_size=2, autocommit=True, check=False)
         await pool.open()
         slots = _Slots()
@@ -189,8 +187,6 @@ def test_quick_runs_finish_without_waiting_for_company(ledger):
 
 
 def test_how_long_a_group_waits_for_company():
-    from vigil.worker.finish_loop import FINISH_GATHER_MAX_S, FINISH_GATHER_MIN_GROUP, gather_s
-
     assert gather_s(1, 2.0) == 0.02  # a hundredth of the run
     assert gather_s(1, 30.0) == FINISH_GATHER_MAX_S  # capped
     assert gather_s(1, 0.05) == 0.0  # quick runs never wait

@@ -94,9 +94,10 @@ class Finisher:
             self.committing += 1
             try:
                 self._take_queued(batch)
-                gather_s = self._gather_s(batch)
-                if gather_s > 0:
-                    await asyncio.sleep(gather_s)
+                ran_s = (utc(self.clock.now()) - batch[0].started_at).total_seconds()
+                wait_s = gather_s(len(batch), ran_s)
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
                     self._take_queued(batch)
                 await self._commit(batch)
             finally:
@@ -105,9 +106,6 @@ class Finisher:
     def _take_queued(self, batch: list[Finished]) -> None:
         while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
             batch.append(self.finished.get_nowait())
-
-    def _gather_s(self, batch: list[Finished]) -> float:
-        return gather_s(len(batch), (utc(self.clock.now()) - batch[0].started_at).total_seconds())
 
     async def _commit(self, batch: list[Finished]) -> None:
         """One group: the fenced commit, retried until the ledger answers; then its runs leave."""
