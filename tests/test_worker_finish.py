@@ -14,10 +14,13 @@ from vigil.agent.base import EventRow, MemoryWrite, NewTask, NewTimer, OutMessag
 from vigil.clock import SystemClock
 from vigil.ledger.db import async_pool
 from vigil.ledger.states import RunOutcome
+from vigil.worker.claim_loop import Claimer
 from vigil.worker.claims import Claim
 from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, commit_finished
 from vigil.worker.finish_loop import FINISH_GATHER_MAX_S, FINISH_GATHER_MIN_GROUP, Finisher, gather_s
+from vigil.worker.runs import Active, Runs
+from vigil.worker.wakeups import Wakeups
 
 HOME = PartitionKey("events", 0)
 
@@ -120,14 +123,6 @@ def test_a_result_the_ledger_refuses_fails_that_run_only(ledger):
     assert query(ledger, "SELECT count(*) AS n FROM memory")[0]["n"] == 0
 
 
-class _Slots:
-    """What the finish loop needs of the runs in flight: the queue of finished runs and the slots."""
-
-    def __init__(self) -> None:
-        self.finished: asyncio.Queue[Finished] = asyncio.Queue()
-        self.active: dict = {}
-
-
 class _Wakes:
     """What the finish loop needs of the claim loop: to be woken, or asked to heal."""
 
@@ -146,13 +141,13 @@ def finish_groups(ledger: str, runs: list[Finished], arrive_every_s: float) -> l
     async def go():
         pool = async_pool(ledger, name="finish-test", max_size=2, autocommit=True, check=False)
         await pool.open()
-        slots = _Slots()
         settings = SimpleNamespace(finish_batch_max=200, instance_id="test-worker")
+        slots = Runs(settings, None, pool, SystemClock())
         finisher = Finisher(settings, pool, slots, _Wakes(), SystemClock())
         loop = asyncio.create_task(finisher.finish_loop())
         try:
             for run in runs:
-                slots.active[run.claim.user_id] = run
+                slots.active[run.claim.user_id] = Active(run.claim)
                 slots.finished.put_nowait(run)
                 await asyncio.sleep(arrive_every_s)
             while not finisher.idle:
@@ -184,6 +179,70 @@ def test_quick_runs_finish_without_waiting_for_company(ledger):
     ids = seed(ledger, ["u1", "u2", "u3"])
     runs = [finished(u, i, RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")])) for u, i in ids.items()]
     assert finish_groups(ledger, runs, arrive_every_s=0.03) == [1, 1, 1]
+
+
+def test_a_revoke_commits_the_runs_that_have_returned_and_releases_the_others(ledger):
+    """A rebalance takes the partition while one user's run has returned (its finish waiting
+    for company, as a model-bound run's does) and another user's agent is still working. The
+    returned run commits before the revoke is done, so the next owner does not run it again;
+    the other is cancelled and its claim handed back, its attempt not counted. (Released
+    instead, the returned run's finish was refused as stale 40 ms later and its event ran
+    twice.)"""
+    ids = seed(ledger, ["returned", "working"])
+    query(ledger, "UPDATE events SET attempts = 1")
+
+    async def go():
+        pool = async_pool(ledger, name="revoke-test", max_size=2, autocommit=True, check=False)
+        await pool.open()
+        clock = SystemClock()
+        settings = SimpleNamespace(finish_batch_max=200, instance_id="test-worker")
+        runs = Runs(settings, None, pool, clock)
+        claimer = Claimer(settings, pool, None, runs, Wakeups(clock, 60.0), clock)
+        claimer.owned = {HOME: 1}
+        finisher = Finisher(settings, pool, runs, claimer, clock)
+        loop = asyncio.create_task(finisher.finish_loop())
+        try:
+            done = finished("returned", ids["returned"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")]))
+            done.started_at = datetime.now(UTC) - timedelta(seconds=4)  # its group waits 40 ms for company
+            returned = Active(done.claim, task=asyncio.create_task(asyncio.sleep(0)))
+            await returned.task
+            working = Active(finished("working", ids["working"], RunResult(RunOutcome.NOTHING)).claim)
+            working.task = asyncio.create_task(asyncio.sleep(60))  # an agent still waiting on its model
+            runs.active.update({"returned": returned, "working": working})
+            runs.finished.put_nowait(done)
+            await asyncio.sleep(0.005)  # the finish loop has taken the run and waits for company
+            assert finisher.committing == 1
+            await claimer.revoke([HOME])
+            right_after = {r["user_id"]: r for r in query(ledger, "SELECT user_id, status, attempts FROM events")}
+            assert working.task.cancelled() and not runs.active and not claimer.owned
+            while not finisher.idle:
+                await asyncio.sleep(0.01)
+            return right_after
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            await pool.close()
+
+    events = asyncio.run(go())
+    assert events["returned"]["status"] == "done"
+    assert events["working"]["status"] == "pending" and events["working"]["attempts"] == 0
+    assert [r["user_id"] for r in query(ledger, "SELECT user_id FROM runs")] == ["returned"]
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["hi"]
+
+
+def test_a_finish_frees_only_its_own_runs_slot(ledger):
+    """The partition went and came back while a run's finish was in flight, and the user's
+    new run holds the slot: the old finish must not free it (the claim pass would then start
+    a second run for the user beside the first)."""
+    ids = seed(ledger, ["u1"])
+    old = finished("u1", ids["u1"], RunResult(RunOutcome.NOTHING))
+    runs = Runs(SimpleNamespace(), None, None, SystemClock())
+    new = Active(finished("u1", ids["u1"], RunResult(RunOutcome.NOTHING)).claim)
+    runs.active["u1"] = new
+    runs.forget(old.claim)
+    assert runs.active["u1"] is new
+    runs.forget(new.claim)
+    assert not runs.active
 
 
 def test_how_long_a_group_waits_for_company():

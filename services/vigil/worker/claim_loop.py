@@ -34,6 +34,10 @@ from vigil.worker.wakeups import BACKOFF_SLACK_S, LEDGER_RETRY_S, Wakeups
 
 log = logging.getLogger(__name__)
 
+# How long a revoke waits for its runs that have returned to commit (Runs.commit_returned)
+# before it releases them too: a finish takes milliseconds; this bounds a ledger outage.
+REVOKE_COMMIT_WAIT_S = 5.0
+
 
 class Claimer:
     """The partitions held, the claim loop, the claim pass; the consumer calls ``assign`` and ``revoke``."""
@@ -100,13 +104,19 @@ class Claimer:
     async def revoke(self, keys: list[PartitionKey], release: bool = True) -> None:
         """Stop claiming for ``keys``; cancel their runs and hand their claims back.
 
+        A run whose agent has already returned is not cancelled: its finish commits first
+        (:meth:`Runs.commit_returned`), so a rebalance does not run finished work again.
         A release is fenced like a finish: if the new owner already took over, it matches
-        nothing and the takeover's hand-back has done the job.
+        nothing and the takeover's hand-back has done the job. A *lost* partition
+        (``release=False``) waits for nothing: its new owner may hold it already.
         """
         async with self._claim_lock:
             gone = {key: self.owned.pop(key) for key in keys if key in self.owned}
         metrics.EPOCHS_HELD.set(len(self.owned))
         victims = [a for a in self.active.values() if a.claim.home in gone]
+        if release:
+            # Runs that have returned commit first rather than run again on the next owner.
+            victims = await self.runs.commit_returned(victims, REVOKE_COMMIT_WAIT_S)
         await self.runs.cancel(victims, release)
         if victims:
             log.info("revoked %d partition(s): %d run(s) cancelled and released", len(gone), len(victims))

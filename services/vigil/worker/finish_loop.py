@@ -96,8 +96,11 @@ class Finisher:
                 self._take_queued(batch)
                 ran_s = (utc(self.clock.now()) - batch[0].started_at).total_seconds()
                 wait_s = gather_s(len(batch), ran_s)
-                if wait_s > 0:
-                    await asyncio.sleep(wait_s)
+                if wait_s > 0 and not self.runs.hurry.is_set():
+                    try:  # a revoke waiting for these runs cuts the wait short (Runs.commit_returned)
+                        await asyncio.wait_for(self.runs.hurry.wait(), wait_s)
+                    except TimeoutError:
+                        pass
                     self._take_queued(batch)
                 await self._commit(batch)
             finally:
@@ -128,7 +131,7 @@ class Finisher:
         landed = {id(run) for run in committed}  # identity: runs are not values to compare
         outcomes: Counter[str] = Counter()  # one labels() and inc() per outcome and group, not per run
         for run in batch:
-            self.active.pop(run.claim.user_id, None)
+            self.runs.forget(run.claim)
             if run.error is not None and id(run) in landed:
                 self.claimer.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
             label = "retry_later" if run.transient else run.outcome.value

@@ -31,6 +31,8 @@ from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+COMMIT_POLL_S = 0.005  # how often commit_returned looks whether the finisher has committed
+
 
 @dataclass(slots=True)
 class Active:
@@ -51,6 +53,9 @@ class Runs:
         self.clock = clock
         self.active: dict[str, Active] = {}
         self.finished: asyncio.Queue[Finished] = asyncio.Queue()
+        # Set while a revoke waits for runs that have returned to commit (:meth:`commit_returned`):
+        # a finish group waiting for company (finish_loop.gather_s) commits at once instead.
+        self.hurry = asyncio.Event()
 
     @property
     def needs_context(self) -> bool:
@@ -67,6 +72,34 @@ class Runs:
             user_id=c.user_id, event_id=c.events[0].id, partition=c.home.partition, epoch=c.epoch, run_id=c.run_key
         ):
             active.task = asyncio.create_task(traces.run(self._run(active), c, self.pool), name=f"run-{c.user_id}")
+
+    def forget(self, claim: Claim) -> None:
+        """The run of ``claim`` has left (its finish committed or refused): free its user's slot,
+        unless the slot is already another run's (the partition went and came back meanwhile)."""
+        active = self.active.get(claim.user_id)
+        if active is not None and active.claim is claim:
+            del self.active[claim.user_id]
+
+    async def commit_returned(self, victims: list[Active], within_s: float) -> list[Active]:
+        """A revoke's victims whose agent has already returned: wait (at most ``within_s``) for
+        their finish to commit instead of throwing the work away; returns the others.
+
+        Their outcome is queued for the finisher or in a group being committed, and the epoch
+        is still ours until the next owner's takeover (a revoke comes before the partition is
+        given away), so the fenced finish lands; released instead, they would run again on
+        the next owner. One that has not committed within ``within_s`` (a ledger outage) is
+        returned with the runs still in flight, to be cancelled and released as they are."""
+        returned = [a for a in victims if a.task is not None and a.task.done()]
+        if not returned:
+            return victims
+        self.hurry.set()
+        try:
+            deadline = time.monotonic() + within_s
+            while any(self.active.get(a.claim.user_id) is a for a in returned) and time.monotonic() < deadline:
+                await asyncio.sleep(COMMIT_POLL_S)
+        finally:
+            self.hurry.clear()
+        return [a for a in victims if self.active.get(a.claim.user_id) is a]
 
     async def cancel(self, victims: list[Active], release: bool = True) -> None:
         """Cancel these runs, forget them, and (``release``) hand their claims back."""
