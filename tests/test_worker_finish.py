@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 import psycopg
+import pytest
 from psycopg.rows import dict_row
 
 from support import query
@@ -181,15 +182,11 @@ def test_quick_runs_finish_without_waiting_for_company(ledger):
     assert finish_groups(ledger, runs, arrive_every_s=0.03) == [1, 1, 1]
 
 
-def test_a_revoke_commits_the_runs_that_have_returned_and_releases_the_others(ledger):
-    """A rebalance takes the partition while one user's run has returned (its finish waiting
-    for company, as a model-bound run's does) and another user's agent is still working. The
-    returned run commits before the revoke is done, so the next owner does not run it again;
-    the other is cancelled and its claim handed back, its attempt not counted. (Released
-    instead, the returned run's finish was refused as stale 40 ms later and its event ran
-    twice.)"""
-    ids = seed(ledger, ["returned", "working"])
-    query(ledger, "UPDATE events SET attempts = 1")
+def revoke_with(ledger: str, ids: dict[str, int], model_s: float, grace_s: float) -> dict[str, dict]:
+    """A real finish loop and claimer on the ledger, holding two runs of the partition: user
+    ``returned``'s agent has returned (its finish waits for company, as a model-bound run's
+    does), user ``working``'s agent answers after ``model_s``. Revoke the partition with
+    ``grace_s``; return each user's event as the ledger has it right after the revoke."""
 
     async def go():
         pool = async_pool(ledger, name="revoke-test", max_size=2, autocommit=True, check=False)
@@ -206,15 +203,20 @@ def test_a_revoke_commits_the_runs_that_have_returned_and_releases_the_others(le
             done.started_at = datetime.now(UTC) - timedelta(seconds=4)  # its group waits 40 ms for company
             returned = Active(done.claim, task=asyncio.create_task(asyncio.sleep(0)))
             await returned.task
-            working = Active(finished("working", ids["working"], RunResult(RunOutcome.NOTHING)).claim)
-            working.task = asyncio.create_task(asyncio.sleep(60))  # an agent still waiting on its model
+            late = finished("working", ids["working"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("late")]))
+
+            async def agent():  # waiting on its model, then its outcome goes to the finisher
+                await asyncio.sleep(model_s)
+                await runs.finished.put(late)
+
+            working = Active(late.claim, task=asyncio.create_task(agent()))
             runs.active.update({"returned": returned, "working": working})
             runs.finished.put_nowait(done)
             await asyncio.sleep(0.005)  # the finish loop has taken the run and waits for company
             assert finisher.committing == 1
-            await claimer.revoke([HOME])
+            await claimer.revoke([HOME], grace_s=grace_s)
             right_after = {r["user_id"]: r for r in query(ledger, "SELECT user_id, status, attempts FROM events")}
-            assert working.task.cancelled() and not runs.active and not claimer.owned
+            assert not runs.active and not claimer.owned
             while not finisher.idle:
                 await asyncio.sleep(0.01)
             return right_after
@@ -223,11 +225,33 @@ def test_a_revoke_commits_the_runs_that_have_returned_and_releases_the_others(le
             await asyncio.gather(loop, return_exceptions=True)
             await pool.close()
 
-    events = asyncio.run(go())
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 0.3], ids=["no-grace", "grace-outlived"])
+def test_a_revoke_commits_the_runs_that_have_returned_and_releases_the_others(ledger, grace_s):
+    """The run whose agent has returned commits before the revoke is done, so the next owner
+    does not run it again; the run still waiting on its model when the grace ends is
+    cancelled and its claim handed back, its attempt not counted. (Released instead, the
+    returned run's finish was refused as stale 40 ms later and its event ran twice.)"""
+    ids = seed(ledger, ["returned", "working"])
+    query(ledger, "UPDATE events SET attempts = 1")
+    events = revoke_with(ledger, ids, model_s=60.0, grace_s=grace_s)
     assert events["returned"]["status"] == "done"
     assert events["working"]["status"] == "pending" and events["working"]["attempts"] == 0
     assert [r["user_id"] for r in query(ledger, "SELECT user_id FROM runs")] == ["returned"]
     assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["hi"]
+
+
+def test_a_revoke_lets_runs_finish_within_its_grace(ledger):
+    """VIGIL_REVOKE_GRACE_S: the run whose model answers 0.3 s into the revoke finishes and
+    commits under our epoch; nothing is handed back to run again."""
+    ids = seed(ledger, ["returned", "working"])
+    query(ledger, "UPDATE events SET attempts = 1")
+    events = revoke_with(ledger, ids, model_s=0.3, grace_s=10.0)
+    assert events["returned"]["status"] == "done" and events["working"]["status"] == "done"
+    assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi", "late"]
+    assert query(ledger, "SELECT count(*) AS n FROM runs")[0]["n"] == 2
 
 
 def test_a_finish_frees_only_its_own_runs_slot(ledger):

@@ -34,8 +34,9 @@ from vigil.worker.wakeups import BACKOFF_SLACK_S, LEDGER_RETRY_S, Wakeups
 
 log = logging.getLogger(__name__)
 
-# How long a revoke waits for its runs that have returned to commit (Runs.commit_returned)
-# before it releases them too: a finish takes milliseconds; this bounds a ledger outage.
+# How long a revoke waits, after its grace, for runs that have returned to commit
+# (Runs.wait_gone) before it releases them too: a finish takes milliseconds; this bounds a
+# ledger outage.
 REVOKE_COMMIT_WAIT_S = 5.0
 
 
@@ -101,11 +102,12 @@ class Claimer:
         for at in ends:
             self.wake((at - now).total_seconds() + BACKOFF_SLACK_S)
 
-    async def revoke(self, keys: list[PartitionKey], release: bool = True) -> None:
-        """Stop claiming for ``keys``; cancel their runs and hand their claims back.
+    async def revoke(self, keys: list[PartitionKey], release: bool = True, grace_s: float = 0.0) -> None:
+        """Stop claiming for ``keys``; give their runs ``grace_s`` to finish (the consumer's
+        revoke: ``VIGIL_REVOKE_GRACE_S``), then cancel the rest and hand their claims back.
 
-        A run whose agent has already returned is not cancelled: its finish commits first
-        (:meth:`Runs.commit_returned`), so a rebalance does not run finished work again.
+        Runs that finish within the grace, and those whose agent has returned by its end,
+        commit (:meth:`Runs.wait_gone`), so a rebalance does not run finished work again.
         A release is fenced like a finish: if the new owner already took over, it matches
         nothing and the takeover's hand-back has done the job. A *lost* partition
         (``release=False``) waits for nothing: its new owner may hold it already.
@@ -115,8 +117,12 @@ class Claimer:
         metrics.EPOCHS_HELD.set(len(self.owned))
         victims = [a for a in self.active.values() if a.claim.home in gone]
         if release:
-            # Runs that have returned commit first rather than run again on the next owner.
-            victims = await self.runs.commit_returned(victims, REVOKE_COMMIT_WAIT_S)
+            victims = await self.runs.wait_gone(victims, grace_s)
+            # Runs that have returned by then commit too, rather than run again on the next owner.
+            returned = [a for a in victims if a.task is not None and a.task.done()]
+            if returned:
+                await self.runs.wait_gone(returned, REVOKE_COMMIT_WAIT_S)
+                victims = [a for a in victims if self.active.get(a.claim.user_id) is a]
         await self.runs.cancel(victims, release)
         if victims:
             log.info("revoked %d partition(s): %d run(s) cancelled and released", len(gone), len(victims))

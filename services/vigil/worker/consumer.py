@@ -197,7 +197,9 @@ class ConsumerLoop(threading.Thread):
     def on_revoke(self, consumer, partitions) -> None:
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
         self._settle()  # the batch in flight stores its offsets before they are committed
-        self._call_runner(self.runner.revoke(keys))
+        # Recording waits meanwhile: the partitions' runs get VIGIL_REVOKE_GRACE_S to finish.
+        grace_s = self.settings.revoke_grace_s
+        self._call_runner(self.runner.revoke(keys, grace_s=grace_s), timeout=grace_s + 60.0)
         try:
             consumer.commit(asynchronous=False)
         except KafkaException as exc:

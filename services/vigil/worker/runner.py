@@ -72,8 +72,8 @@ class Runner:
     async def assign(self, epochs: dict[PartitionKey, int]) -> None:
         await self.claimer.assign(epochs)
 
-    async def revoke(self, keys: list[PartitionKey], release: bool = True) -> None:
-        await self.claimer.revoke(keys, release)
+    async def revoke(self, keys: list[PartitionKey], release: bool = True, grace_s: float = 0.0) -> None:
+        await self.claimer.revoke(keys, release, grace_s)
 
     # -- the loops (tasks started by worker/main.py) -------------------------------------
 

@@ -31,7 +31,7 @@ from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-COMMIT_POLL_S = 0.005  # how often commit_returned looks whether the finisher has committed
+GONE_POLL_S = 0.01  # how often wait_gone looks whether the finisher has committed
 
 
 @dataclass(slots=True)
@@ -53,9 +53,10 @@ class Runs:
         self.clock = clock
         self.active: dict[str, Active] = {}
         self.finished: asyncio.Queue[Finished] = asyncio.Queue()
-        # Set while a revoke waits for runs that have returned to commit (:meth:`commit_returned`):
-        # a finish group waiting for company (finish_loop.gather_s) commits at once instead.
+        # Set while a revoke waits for runs to commit (:meth:`wait_gone`): a finish group
+        # waiting for company (finish_loop.gather_s) commits at once instead.
         self.hurry = asyncio.Event()
+        self._hurrying = 0
 
     @property
     def needs_context(self) -> bool:
@@ -80,25 +81,26 @@ class Runs:
         if active is not None and active.claim is claim:
             del self.active[claim.user_id]
 
-    async def commit_returned(self, victims: list[Active], within_s: float) -> list[Active]:
-        """A revoke's victims whose agent has already returned: wait (at most ``within_s``) for
-        their finish to commit instead of throwing the work away; returns the others.
+    async def wait_gone(self, victims: list[Active], within_s: float) -> list[Active]:
+        """Wait, at most ``within_s``, until ``victims`` have left (their finish committed or
+        refused); returns those still here. Meanwhile finish groups do not wait for company
+        (finish_loop.gather_s), so a run that has returned commits at once.
 
-        Their outcome is queued for the finisher or in a group being committed, and the epoch
-        is still ours until the next owner's takeover (a revoke comes before the partition is
-        given away), so the fenced finish lands; released instead, they would run again on
-        the next owner. One that has not committed within ``within_s`` (a ledger outage) is
-        returned with the runs still in flight, to be cancelled and released as they are."""
-        returned = [a for a in victims if a.task is not None and a.task.done()]
-        if not returned:
+        A revoke's: runs of a revoked partition finish and commit under the epoch that is
+        still ours (a partition is revoked before it is given to the next owner, and that
+        owner's takeover waits for the revoke), instead of being released to run again."""
+        if not victims or within_s <= 0:
             return victims
+        self._hurrying += 1
         self.hurry.set()
         try:
             deadline = time.monotonic() + within_s
-            while any(self.active.get(a.claim.user_id) is a for a in returned) and time.monotonic() < deadline:
-                await asyncio.sleep(COMMIT_POLL_S)
+            while any(self.active.get(a.claim.user_id) is a for a in victims) and time.monotonic() < deadline:
+                await asyncio.sleep(GONE_POLL_S)
         finally:
-            self.hurry.clear()
+            self._hurrying -= 1
+            if not self._hurrying:
+                self.hurry.clear()
         return [a for a in victims if self.active.get(a.claim.user_id) is a]
 
     async def cancel(self, victims: list[Active], release: bool = True) -> None:

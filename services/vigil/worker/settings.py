@@ -91,6 +91,14 @@ class WorkerSettings(CommonSettings):
     run_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="Wall time a run may take before it is cancelled as a failed attempt."
     )
+    revoke_grace_s: float = Field(
+        10.0,
+        ge=0,
+        le=120,
+        description="On a rebalance, how long the runs of a partition taken from this worker may go on to finish "
+        "and commit before they are cancelled and released to run again on the next owner. This worker records "
+        "no events meanwhile, and the partition's next owner starts after it (0: cancel at once).",
+    )
     lone_drain_s: float = Field(
         30.0,
         gt=0,
@@ -144,7 +152,8 @@ class WorkerSettings(CommonSettings):
         300_000,
         ge=1000,
         le=86_400_000,
-        description="Consumer max.poll.interval.ms. Runs never block polling, so this only catches a hung poll loop.",
+        description="Consumer max.poll.interval.ms (also the group's rebalance timeout). Runs never block polling "
+        "(only a revoke's VIGIL_REVOKE_GRACE_S does), so this only catches a hung poll loop.",
     )
     db_pool_max: int = Field(8, ge=2, le=200, description="Ledger connections of the run loop.")
     # Background tasks (docs/tasks.md): any worker executes them, outside the one-run-per-user rule.
@@ -183,6 +192,10 @@ class WorkerSettings(CommonSettings):
                 "VIGIL_FINISH_CONCURRENCY must be below VIGIL_DB_POOL_MAX: each finish in flight holds a ledger "
                 "connection, and the claim passes need one too"
             )
+        if self.revoke_grace_s * 1000 * 2 > self.kafka_max_poll_interval_ms:
+            # The revoke holds the poll loop and the group's rebalance: past the rebalance
+            # timeout the group would drop this worker (its partitions lost, not revoked).
+            raise ValueError("VIGIL_REVOKE_GRACE_S must be at most half of VIGIL_KAFKA_MAX_POLL_INTERVAL_MS")
         if self.task_stale_s < 2 * self.task_heartbeat_s:
             # One late heartbeat (a GC pause, a slow commit) must not take a live task back.
             raise ValueError("VIGIL_TASK_STALE_S must be at least twice VIGIL_TASK_HEARTBEAT_S")
