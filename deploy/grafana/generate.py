@@ -160,7 +160,16 @@ WORKER = [
         ("sum(rate(vigil_claims_recovered_total[5m]))", "claims recovered"),
         ("sum(rate(vigil_claims_released_total[5m]))", "claims released"),
         ("sum(rate(vigil_lone_runs_total[5m]))", "lone runs"),
+        ("sum(rate(vigil_revoke_runs_finished_total[5m]))", "runs finished in a revoke's grace"),
         unit="ops",
+    ),
+    panel(
+        "Revoke p99 (rebalances: the worker records nothing meanwhile)",
+        (
+            "histogram_quantile(0.99, sum by (instance, le) (rate(vigil_worker_revoke_seconds_bucket[15m])))",
+            "{{instance}}",
+        ),
+        unit="s",
     ),
     panel(
         "Undecodable messages",

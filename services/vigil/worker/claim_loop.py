@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 
 import psycopg
@@ -115,15 +116,19 @@ class Claimer:
         async with self._claim_lock:
             gone = {key: self.owned.pop(key) for key in keys if key in self.owned}
         metrics.EPOCHS_HELD.set(len(self.owned))
+        began = time.monotonic()  # a measurement, not a decision: the host's clock
         victims = [a for a in self.active.values() if a.claim.home in gone]
         if release:
+            held = len(victims)
             victims = await self.runs.wait_gone(victims, grace_s)
             # Runs that have returned by then commit too, rather than run again on the next owner.
             returned = [a for a in victims if a.task is not None and a.task.done()]
             if returned:
                 await self.runs.wait_gone(returned, REVOKE_COMMIT_WAIT_S)
                 victims = [a for a in victims if self.active.get(a.claim.user_id) is a]
+            metrics.REVOKE_FINISHED.inc(held - len(victims))
         await self.runs.cancel(victims, release)
+        metrics.REVOKE_SECONDS.observe(time.monotonic() - began)
         if victims:
             log.info("revoked %d partition(s): %d run(s) cancelled and released", len(gone), len(victims))
 

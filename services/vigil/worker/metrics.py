@@ -28,6 +28,15 @@ STALE_FINISHES = Counter(
     "vigil_stale_finishes_total", "Finishes refused because the partition changed hands (fencing worked)."
 )
 RELEASED = Counter("vigil_claims_released_total", "Claims handed back without counting an attempt (revoke, shutdown).")
+REVOKE_FINISHED = Counter(
+    "vigil_revoke_runs_finished_total",
+    "Runs of a revoked partition that finished and committed within the revoke's grace instead of being released.",
+)
+REVOKE_SECONDS = Histogram(
+    "vigil_worker_revoke_seconds",
+    "Wall time of a revoke (its runs' grace, commits and releases): the worker records no events meanwhile.",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0),
+)
 HANDED_BACK = Counter(
     "vigil_claims_recovered_total", "Claims of a worker that lost its partition, handed back to pending at takeover."
 )
