@@ -89,3 +89,16 @@ def test_worker_fetch_batching_is_a_default_an_operator_can_override(monkeypatch
     Consumer(config).close()  # librdkafka refuses an unknown property or a bad value here
     monkeypatch.setenv("VIGIL_KAFKA_OPT_FETCH_WAIT_MAX_MS", "100")
     assert consumer_config(load(WorkerSettings), on_stats=lambda _: None)["fetch.wait.max.ms"] == "100"
+
+
+def test_a_revoke_grace_past_the_rebalance_timeout_is_refused(monkeypatch):
+    """The revoke holds the consumer for its grace: longer than half the rebalance timeout
+    (max.poll.interval.ms) and the group could drop the worker mid-revoke."""
+    from vigil.worker.settings import WorkerSettings
+
+    monkeypatch.setenv("VIGIL_KAFKA_MAX_POLL_INTERVAL_MS", "10000")
+    with pytest.raises(SettingsError) as caught:
+        load(WorkerSettings)
+    assert "VIGIL_REVOKE_GRACE_S" in str(caught.value)
+    monkeypatch.setenv("VIGIL_REVOKE_GRACE_S", "5")
+    assert load(WorkerSettings).revoke_grace_s == 5.0
