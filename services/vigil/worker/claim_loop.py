@@ -118,8 +118,8 @@ class Claimer:
         metrics.EPOCHS_HELD.set(len(self.owned))
         began = time.monotonic()  # a measurement, not a decision: the host's clock
         victims = [a for a in self.active.values() if a.claim.home in gone]
+        held = len(victims)
         if release:
-            held = len(victims)
             victims = await self.runs.wait_gone(victims, grace_s)
             # Runs that have returned by then commit too, rather than run again on the next owner.
             returned = [a for a in victims if a.task is not None and a.task.done()]
@@ -129,8 +129,14 @@ class Claimer:
             metrics.REVOKE_FINISHED.inc(held - len(victims))
         await self.runs.cancel(victims, release)
         metrics.REVOKE_SECONDS.observe(time.monotonic() - began)
-        if victims:
-            log.info("revoked %d partition(s): %d run(s) cancelled and released", len(gone), len(victims))
+        if held:
+            log.info(
+                "revoked %d partition(s): %d run(s) finished and committed first, %d cancelled%s",
+                len(gone),
+                held - len(victims),
+                len(victims),
+                " and released" if release else " (partitions lost: nothing released)",
+            )
 
     async def claim_loop(self) -> None:
         """A pass whenever one is due (:class:`Wakeups`), until shutdown; a ledger error

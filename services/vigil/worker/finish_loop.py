@@ -97,7 +97,7 @@ class Finisher:
                 ran_s = (utc(self.clock.now()) - batch[0].started_at).total_seconds()
                 wait_s = gather_s(len(batch), ran_s)
                 if wait_s > 0 and not self.runs.hurry.is_set():
-                    try:  # a revoke waiting for these runs cuts the wait short (Runs.commit_returned)
+                    try:  # a revoke waiting for these runs cuts the wait short (Runs.wait_gone)
                         await asyncio.wait_for(self.runs.hurry.wait(), wait_s)
                     except TimeoutError:
                         pass
