@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
 from support import query
@@ -182,6 +183,10 @@ def test_quick_runs_finish_without_waiting_for_company(ledger):
     assert finish_groups(ledger, runs, arrive_every_s=0.03) == [1, 1, 1]
 
 
+def finished_in_revokes() -> float:
+    return REGISTRY.get_sample_value("vigil_revoke_runs_finished_total") or 0.0
+
+
 def revoke_with(ledger: str, ids: dict[str, int], model_s: float, grace_s: float) -> dict[str, dict]:
     """A real finish loop and claimer on the ledger, holding two runs of the partition: user
     ``returned``'s agent has returned (its finish waits for company, as a model-bound run's
@@ -236,7 +241,9 @@ def test_a_revoke_commits_the_runs_that_have_returned_and_releases_the_others(le
     returned run's finish was refused as stale 40 ms later and its event ran twice.)"""
     ids = seed(ledger, ["returned", "working"])
     query(ledger, "UPDATE events SET attempts = 1")
+    before = finished_in_revokes()
     events = revoke_with(ledger, ids, model_s=60.0, grace_s=grace_s)
+    assert finished_in_revokes() == before + 1
     assert events["returned"]["status"] == "done"
     assert events["working"]["status"] == "pending" and events["working"]["attempts"] == 0
     assert [r["user_id"] for r in query(ledger, "SELECT user_id FROM runs")] == ["returned"]
@@ -248,7 +255,9 @@ def test_a_revoke_lets_runs_finish_within_its_grace(ledger):
     commits under our epoch; nothing is handed back to run again."""
     ids = seed(ledger, ["returned", "working"])
     query(ledger, "UPDATE events SET attempts = 1")
+    before = finished_in_revokes()
     events = revoke_with(ledger, ids, model_s=0.3, grace_s=10.0)
+    assert finished_in_revokes() == before + 2
     assert events["returned"]["status"] == "done" and events["working"]["status"] == "done"
     assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi", "late"]
     assert query(ledger, "SELECT count(*) AS n FROM runs")[0]["n"] == 2

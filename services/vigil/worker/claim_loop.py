@@ -118,7 +118,7 @@ class Claimer:
         metrics.EPOCHS_HELD.set(len(self.owned))
         began = time.monotonic()  # a measurement, not a decision: the host's clock
         victims = [a for a in self.active.values() if a.claim.home in gone]
-        held = len(victims)
+        held = victims
         if release:
             victims = await self.runs.wait_gone(victims, grace_s)
             # Runs that have returned by then commit too, rather than run again on the next owner.
@@ -126,14 +126,17 @@ class Claimer:
             if returned:
                 await self.runs.wait_gone(returned, REVOKE_COMMIT_WAIT_S)
                 victims = [a for a in victims if self.active.get(a.claim.user_id) is a]
-            metrics.REVOKE_FINISHED.inc(held - len(victims))
+        # Gone and not cancelled (a shutdown's drain may cancel some meanwhile): committed.
+        left = {id(a) for a in victims}  # identity: runs are not values to compare
+        finished = sum(1 for a in held if id(a) not in left and a.task is not None and not a.task.cancelled())
+        metrics.REVOKE_FINISHED.inc(finished)
         await self.runs.cancel(victims, release)
         metrics.REVOKE_SECONDS.observe(time.monotonic() - began)
         if held:
             log.info(
                 "revoked %d partition(s): %d run(s) finished and committed first, %d cancelled%s",
                 len(gone),
-                held - len(victims),
+                finished,
                 len(victims),
                 " and released" if release else " (partitions lost: nothing released)",
             )
