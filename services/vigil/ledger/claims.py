@@ -233,11 +233,11 @@ async def backoff_ends(conn: psycopg.AsyncConnection, keys: list[PartitionKey]) 
     return [row["at"] for row in await cur.fetchall()]
 
 
-async def release_claim(conn: psycopg.AsyncConnection, claim: Claim, ids: list[int]) -> int:
-    """A graceful release of ``ids`` (the claim's events and those folded into it): back to
-    pending, the attempt not counted; fenced by the claim's epoch. Returns how many moved."""
+async def release_claim(conn: psycopg.AsyncConnection, home: PartitionKey, epoch: int, ids: list[int]) -> int:
+    """A graceful release of ``ids``, claimed under ``epoch`` for users of ``home`` (the
+    events of any number of runs, and those folded into them): back to pending, the attempt
+    not counted; fenced by the epoch. Returns how many moved."""
     cur = await conn.execute(
-        Q.release_claim,
-        {"ids": ids, "epoch": claim.epoch, "topic": claim.home.topic, "partition": claim.home.partition},
+        Q.release_claim, {"ids": ids, "epoch": epoch, "topic": home.topic, "partition": home.partition}
     )
     return cur.rowcount

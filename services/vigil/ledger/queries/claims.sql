@@ -222,7 +222,7 @@ RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_i
           e.attempts, e.transient_failures, e.claim_epoch
 
 -- name: release_claim
--- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted.
+-- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted. The events of every run the worker cancels for one partition at one epoch, in one statement.
 UPDATE events
 SET status = 'pending', claim_epoch = NULL, attempts = greatest(attempts - 1, 0)
 WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s
