@@ -16,7 +16,7 @@ import traceback
 
 from vigil.settings import load
 from vigil.worker.settings import WorkerSettings
-from vigil_dev.bench import costs, ingest_http, model_bound, pipeline, raw, retention
+from vigil_dev.bench import costs, ingest_http, model_bound, pipeline, raw, rebalance, retention
 from vigil_dev.bench.figures import Figure, Report, fmt
 from vigil_dev.bench.plan import FULL, QUICK, Plan
 from vigil_dev.bench.stack import BenchStack
@@ -44,8 +44,21 @@ FIGURES = [
     "retention_drop_day_s",
     *[f"cost_{name}_per_{unit}" for unit in ("event", "run") for name in costs.COUNTERS],
     *model_bound.FIGURES,
+    *rebalance.FIGURES,
 ]
-WORKLOADS = ["raw_kafka", "raw_pg", "record", "e2e", "single", "memory", "ingest", "retention", "costs", "model_bound"]
+WORKLOADS = [
+    "raw_kafka",
+    "raw_pg",
+    "record",
+    "e2e",
+    "single",
+    "memory",
+    "ingest",
+    "retention",
+    "costs",
+    "model_bound",
+    "rebalance",
+]
 # "Memory flat": growth after warm-up within this share of the resident size (allocator noise).
 FLAT_SHARE = 0.05
 FALLBACK_RATE = 1000.0  # events/s for a workload whose input figure failed
@@ -162,6 +175,7 @@ def summary(report: Report, plan: Plan) -> None:
         None,
     )
     model_bound.summary(report, line)
+    rebalance.summary(report, line)
 
 
 def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: bool = False) -> int:
@@ -207,6 +221,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: b
                 ),
             ),
             "model_bound": (model_bound.FIGURES, lambda: model_bound.model_bound(stack, plan, report)),
+            "rebalance": (rebalance.FIGURES, lambda: rebalance.rebalance(stack, plan, report)),
         }
         for name, (figures, action) in workloads.items():
             if only is None or name in only:

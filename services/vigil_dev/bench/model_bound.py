@@ -185,7 +185,7 @@ class ScriptedServers:
 
 
 @contextlib.contextmanager
-def _claude_worker(stack: BenchStack, dsn: str, topics, size: Size, url: str) -> Iterator[Workers]:
+def claude_worker(stack: BenchStack, dsn: str, topics, size: Size, url: str) -> Iterator[Workers]:
     with Workers(
         stack,
         dsn,
@@ -200,6 +200,35 @@ def _claude_worker(stack: BenchStack, dsn: str, topics, size: Size, url: str) ->
         yield workers
 
 
+@contextlib.contextmanager
+def claude_stack(stack: BenchStack, plan: Plan, size, servers: int = 1) -> Iterator[tuple]:
+    """Scripted servers answering after ``size.delay_s`` +/- ``size.spread_s``, a ledger, the
+    topics and one worker running the Claude agent against them, ready (partitions held):
+    ``(servers, dsn, topics, workers)``."""
+    with (
+        ScriptedServers(stack.workdir, size.delay_s, servers, size.spread_s) as scripted,
+        stack.ledger() as dsn,
+        stack.topics(plan.partitions) as topics,
+    ):
+        scripted.wait_ready()
+        with claude_worker(stack, dsn, topics, size, scripted.url) as workers:
+            workers.wait_ready()
+            yield scripted, dsn, topics, workers
+
+
+def wait_finished(conn, users: int, workers: Workers, servers: ScriptedServers, each_poll=None) -> None:
+    """Until every user's run has finished (one message each), checking that the processes live."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while conn.execute(M.model_bound_runs_done).fetchone()["n"] < users:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not all {users} runs finished within {DRAIN_TIMEOUT_S:.0f}s")
+        workers.check()
+        servers.check()
+        if each_poll is not None:
+            each_poll()
+        time.sleep(POLL_S)
+
+
 def model_bound(stack: BenchStack, plan: Plan, report: Report) -> None:
     size = SIZES[plan.name]
     report.add(
@@ -211,40 +240,26 @@ def model_bound(stack: BenchStack, plan: Plan, report: Report) -> None:
             f"-{size.delay_s + size.spread_s:g} s",
         )
     )
-    with (
-        ScriptedServers(stack.workdir, size.delay_s, size.servers, size.spread_s) as servers,
-        stack.ledger() as dsn,
-        stack.topics(plan.partitions) as topics,
-    ):
-        servers.wait_ready()
-        with _claude_worker(stack, dsn, topics, size, servers.url) as workers:
-            workers.wait_ready()
-            worker = workers.procs[0]
-            messages = load.encoded(size.users, size.users, "mb")
-            # What the worker burns with nothing to do (consumer and producer polls, claim
-            # scans), to tell per-run cost from the clock's.
-            idle_before = cpu_seconds(worker.pid)
-            time.sleep(IDLE_S)
-            idle_per_s = (cpu_seconds(worker.pid) - idle_before) / IDLE_S
-            cpu_before, server_before = cpu_seconds(worker.pid), servers.cpu_seconds()
-            rss: list[tuple[float, float]] = []  # (wall clock, MB)
-            with (
-                load.BenchProducer(stack.bootstrap, topics.events) as producer,
-                psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn,
-            ):
-                producer.blast(messages)
-                deadline = time.monotonic() + DRAIN_TIMEOUT_S
-                while conn.execute(M.model_bound_runs_done).fetchone()["n"] < size.users:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"not all {size.users} runs finished within {DRAIN_TIMEOUT_S:.0f}s")
-                    workers.check()
-                    servers.check()
-                    rss.append((time.time(), rss_mb(worker.pid)))
-                    time.sleep(POLL_S)
-                cpu = cpu_seconds(worker.pid) - cpu_before
-                server_cpu = servers.cpu_seconds() - server_before
-                runs = conn.execute(M.model_bound_runs).fetchall()
-                failed = conn.execute(M.model_bound_not_messaged).fetchone()["n"]
+    with claude_stack(stack, plan, size, size.servers) as (servers, dsn, topics, workers):
+        worker = workers.procs[0]
+        messages = load.encoded(size.users, size.users, "mb")
+        # What the worker burns with nothing to do (consumer and producer polls, claim
+        # scans), to tell per-run cost from the clock's.
+        idle_before = cpu_seconds(worker.pid)
+        time.sleep(IDLE_S)
+        idle_per_s = (cpu_seconds(worker.pid) - idle_before) / IDLE_S
+        cpu_before, server_before = cpu_seconds(worker.pid), servers.cpu_seconds()
+        rss: list[tuple[float, float]] = []  # (wall clock, MB)
+        with (
+            load.BenchProducer(stack.bootstrap, topics.events) as producer,
+            psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn,
+        ):
+            producer.blast(messages)
+            wait_finished(conn, size.users, workers, servers, lambda: rss.append((time.time(), rss_mb(worker.pid))))
+            cpu = cpu_seconds(worker.pid) - cpu_before
+            server_cpu = servers.cpu_seconds() - server_before
+            runs = conn.execute(M.model_bound_runs).fetchall()
+            failed = conn.execute(M.model_bound_not_messaged).fetchone()["n"]
     if failed:
         raise RuntimeError(f"{failed} of {len(runs)} runs did not end with their message")
     _figures(report, size, runs, cpu, server_cpu, rss, idle_per_s)

@@ -1,0 +1,106 @@
+"""The rebalance workload: a worker joins while another holds model-bound runs in flight.
+
+One worker runs the Claude agent against the scripted Messages API (as the model-bound
+workload does: every run waits on the model for seconds), every user has one chat message,
+and once the worker's slots are full a second worker of the group starts. The cooperative
+rebalance moves about half the partitions to it. What a rebalance costs is what happens to
+the first worker's runs on the partitions that moved: with ``VIGIL_REVOKE_GRACE_S`` they
+finish and commit before the revoke ends; cancelled instead, they are released and run again
+on the new owner, their first model call thrown away. And the revoke holds the first
+worker's consumer, so it records nothing for as long as the revoke takes.
+
+Figures (no targets; the worker's defaults):
+
+- ``rebalance_runs_finished_in_grace``: runs of the moved partitions that finished and
+  committed during the revoke (``vigil_revoke_runs_finished_total``);
+- ``rebalance_runs_released``: claims handed back to run again (``vigil_claims_released_total``);
+- ``rebalance_revoke_s``: how long the revoke held the first worker (``vigil_worker_revoke_seconds``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import psycopg
+from psycopg.rows import dict_row
+
+from vigil_dev.bench import load
+from vigil_dev.bench.figures import Figure, Report
+from vigil_dev.bench.model_bound import claude_stack, wait_finished
+from vigil_dev.bench.plan import Plan
+from vigil_dev.bench.procs import START_TIMEOUT_S, ServiceDied
+from vigil_dev.bench.stack import BenchStack
+
+FIGURES = ["rebalance_runs_finished_in_grace", "rebalance_runs_released", "rebalance_revoke_s"]
+FULL_SHARE = 0.9  # the second worker starts once this share of the slots is busy
+
+
+@dataclass(frozen=True)
+class Size:
+    users: int  # one chat message each
+    concurrency: int  # the first worker's VIGIL_RUN_CONCURRENCY
+    delay_s: float  # the model's mean answer delay
+    spread_s: float  # each answer's delay drawn from delay_s +/- spread_s
+
+
+SIZES = {
+    # The model-bound workload's slots and answers, one wave and a half of users.
+    "full": Size(users=4_000, concurrency=2_500, delay_s=5.0, spread_s=2.0),
+    # Answers slow enough that runs are still in flight when the second worker is up.
+    "quick": Size(users=100, concurrency=100, delay_s=4.0, spread_s=1.0),
+}
+
+
+def rebalance(stack: BenchStack, plan: Plan, report: Report) -> None:
+    size = SIZES[plan.name]
+    with claude_stack(stack, plan, size) as (servers, dsn, topics, workers):
+        first = workers.procs[0]
+        with (
+            load.BenchProducer(stack.bootstrap, topics.events) as producer,
+            psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn,
+        ):
+            producer.blast(load.encoded(size.users, size.users, "rb"))
+            full = FULL_SHARE * min(size.users, size.concurrency)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while first.metric("vigil_runs_in_flight") < full:
+                if time.monotonic() > deadline:
+                    raise ServiceDied(f"the first worker's slots did not fill within {START_TIMEOUT_S:.0f}s")
+                workers.check()
+                time.sleep(0.1)
+            in_flight = first.metric("vigil_runs_in_flight")
+            joined = time.monotonic()
+            workers.add()
+            wait_finished(conn, size.users, workers, servers)
+            took = time.monotonic() - joined
+        revokes = first.metric("vigil_worker_revoke_seconds_count")
+        if revokes < 1:
+            raise RuntimeError("the first worker saw no revoke: the second worker took no partition")
+        calls = workers.metric("vigil_model_requests_total")
+        note = (
+            f"a second worker joined with {in_flight:.0f} runs in flight on the first ({size.users} users, answers"
+            f" in {size.delay_s - size.spread_s:g}-{size.delay_s + size.spread_s:g} s); {revokes:.0f} revoke(s);"
+            f" {calls:.0f} model calls answered for {size.users} runs of 2; all done {took:.1f} s after the join"
+        )
+        finished = first.metric("vigil_revoke_runs_finished_total")
+        released = first.metric("vigil_claims_released_total")
+        held_s = first.metric("vigil_worker_revoke_seconds_sum")
+    report.add(Figure("rebalance_runs_finished_in_grace", [finished], per="rebalance", note=note))
+    report.add(Figure("rebalance_runs_released", [released], per="rebalance", note=note))
+    report.add(Figure("rebalance_revoke_s", [held_s], per="rebalance", note=note))
+
+
+def summary(report: Report, line) -> None:
+    """What the rebalance cost, for the bench's closing summary (no target)."""
+    v = report.value
+    finished, released, held = (v(name) for name in FIGURES)
+    if None in (finished, released, held):
+        line("rebalance", None, "missing input", None)
+        return
+    line(
+        "rebalance",
+        released,
+        f"{finished:.0f} runs of the moved partitions finished during the revoke, {released:.0f} released to run"
+        f" again; the first worker recorded nothing for {held:.1f} s (no target)",
+        None,
+    )
