@@ -233,11 +233,23 @@ async def backoff_ends(conn: psycopg.AsyncConnection, keys: list[PartitionKey]) 
     return [row["at"] for row in await cur.fetchall()]
 
 
+# A release that meets a finish committing one of its rows at the same moment (a run that
+# returned just as it was cancelled: the finisher still commits it) is refused with "tuple
+# to be locked was already moved to another partition" (the finish moved the row to
+# events_finished). Run again, the statement skips that row (no longer running) and releases
+# the rest; failed for good, the next owner's takeover hands them back as lost claims.
+RELEASE_ATTEMPTS = 5
+
+
 async def release_claim(conn: psycopg.AsyncConnection, home: PartitionKey, epoch: int, ids: list[int]) -> int:
     """A graceful release of ``ids``, claimed under ``epoch`` for users of ``home`` (the
     events of any number of runs, and those folded into them): back to pending, the attempt
-    not counted; fenced by the epoch. Returns how many moved."""
-    cur = await conn.execute(
-        Q.release_claim, {"ids": ids, "epoch": epoch, "topic": home.topic, "partition": home.partition}
-    )
-    return cur.rowcount
+    not counted; fenced by the epoch. Returns how many moved. ``conn`` in autocommit mode:
+    a refused attempt is retried as its own statement."""
+    params = {"ids": ids, "epoch": epoch, "topic": home.topic, "partition": home.partition}
+    for _ in range(RELEASE_ATTEMPTS - 1):
+        try:
+            return (await conn.execute(Q.release_claim, params)).rowcount
+        except psycopg.errors.SerializationFailure:
+            pass
+    return (await conn.execute(Q.release_claim, params)).rowcount

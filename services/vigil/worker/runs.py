@@ -36,24 +36,6 @@ log = logging.getLogger(__name__)
 GONE_POLL_S = 0.01  # how often wait_gone looks whether the finisher has committed
 
 
-# A release that meets a finish committing one of its rows at the same moment (a run that
-# returned just as it was cancelled: the finisher still commits it) fails with "tuple to be
-# locked was already moved to another partition" (the finish moved it to events_finished).
-# Run again, the statement skips that row (no longer running) and releases the rest; once
-# failed for good, the next owner's takeover hands them back, each counted as a lost claim.
-RELEASE_ATTEMPTS = 5
-
-
-async def _release_retrying(conn, home: PartitionKey, epoch: int, ids: list[int]) -> int:
-    for attempt in range(1, RELEASE_ATTEMPTS + 1):
-        try:
-            return await ledger_claims.release_claim(conn, home, epoch, ids)
-        except psycopg.errors.SerializationFailure:
-            if attempt == RELEASE_ATTEMPTS:
-                raise
-    return 0
-
-
 @dataclass(slots=True)
 class Active:
     claim: Claim
@@ -145,7 +127,7 @@ class Runs:
         try:
             async with self.pool.connection() as conn:
                 for (home, epoch), ids in groups.items():
-                    metrics.RELEASED.inc(await _release_retrying(conn, home, epoch, ids))
+                    metrics.RELEASED.inc(await ledger_claims.release_claim(conn, home, epoch, ids))
         except psycopg.Error as exc:
             log.warning("could not release %d claim(s) (the next owner recovers them): %s", len(victims), exc)
 
