@@ -116,3 +116,37 @@ def test_answers_are_validated_from_bytes_and_unknown_blocks_read_the_sdks_way()
     message = asyncio.run(model._message(_response(_answer([use, future]))))
     assert isinstance(message, Message) and isinstance(message.content[0], ToolUseBlock)
     assert message.content[0].name == "send_message" and message.content[1].type == "hologram"
+
+
+def _requests(result: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("vigil_model_requests_total", {"result": result}) or 0.0
+
+
+def test_a_call_cut_short_by_a_cancel_counts_as_cancelled():
+    """A run cancelled mid-call (a revoke past its grace, a shutdown's release) sent a request
+    that may be billed and whose answer is lost: SREs see it as ``result="cancelled"``, not as
+    nothing (a CancelledError is no Exception, so no other result counted it)."""
+    slow = {"rules": [{"reply": REPLY, "delay": 30}]}
+    with ScriptedServer(slow) as server:
+
+        async def go() -> None:
+            claude = t.agent(server.base_url)
+            try:
+                run = asyncio.create_task(claude.run(t.context([t.chat("hi", user_id="u1")], user_id="u1")))
+                for _ in range(200):  # until the request is at the server
+                    if server.requests():
+                        break
+                    await asyncio.sleep(0.025)
+                assert server.requests(), "the call never reached the server"
+                run.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await run
+            finally:
+                await claude.close()
+
+        before = {result: _requests(result) for result in ("cancelled", "ok", "other_error")}
+        asyncio.run(go())
+    assert _requests("cancelled") - before["cancelled"] == 1
+    assert _requests("ok") == before["ok"] and _requests("other_error") == before["other_error"]

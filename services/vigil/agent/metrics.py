@@ -11,7 +11,8 @@ from prometheus_client import Counter, Histogram
 MODEL_REQUESTS = Counter(
     "vigil_model_requests_total",
     "Model API calls by result: ok, rate_limited (429), overloaded (529), server_error (5xx), "
-    "connection_error, client_error (4xx), other_error.",
+    "connection_error, client_error (4xx), other_error, cancelled (the run was cancelled mid-call; "
+    "the request may still be billed).",
     ["result"],
 )
 MODEL_SECONDS = Histogram(
@@ -58,7 +59,16 @@ EVENTS_MID_RUN = Counter(
 # Every bounded label value starts at zero (tool names are per deployment and appear on use).
 # The per-call ones are kept bound: a labels() lookup per model call and token kind was a
 # measurable share of a model-bound run's CPU.
-MODEL_RESULTS = ("ok", "rate_limited", "overloaded", "server_error", "connection_error", "client_error", "other_error")
+MODEL_RESULTS = (
+    "ok",
+    "rate_limited",
+    "overloaded",
+    "server_error",
+    "connection_error",
+    "client_error",
+    "other_error",
+    "cancelled",
+)
 MODEL_REQUESTS_BY_RESULT = {result: MODEL_REQUESTS.labels(result) for result in MODEL_RESULTS}
 MODEL_TOKENS_BY_KIND = {kind: MODEL_TOKENS.labels(kind) for kind in ("input", "output", "cache_read", "cache_write")}
 for _budget in ("turns", "tokens", "wall_time"):

@@ -301,6 +301,12 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
         started = time.monotonic()
         try:
             response = await _post(client, request, body, max(1.0, min(policy.timeout_s, remaining)))
+        except asyncio.CancelledError:
+            # The run was cancelled mid-call (a revoke past its grace, a shutdown's release, the
+            # run's wall-time limit): the request was sent and may be billed, its answer is lost.
+            # Counted, not timed: its duration says nothing about the API.
+            metrics.MODEL_REQUESTS_BY_RESULT["cancelled"].inc()
+            raise
         except Exception as exc:
             retry, label, retry_after = _transient(exc)
             metrics.MODEL_REQUESTS_BY_RESULT[label].inc()

@@ -185,7 +185,7 @@ class ScriptedServers:
 
 
 @contextlib.contextmanager
-def claude_worker(stack: BenchStack, dsn: str, topics, size: Size, url: str) -> Iterator[Workers]:
+def claude_worker(stack: BenchStack, dsn: str, topics, size: Size, url: str, **settings: str) -> Iterator[Workers]:
     with Workers(
         stack,
         dsn,
@@ -196,22 +196,23 @@ def claude_worker(stack: BenchStack, dsn: str, topics, size: Size, url: str) -> 
         ANTHROPIC_BASE_URL=url,
         VIGIL_RUN_CONCURRENCY=str(size.concurrency),
         VIGIL_MODEL_MAX_CONNECTIONS=str(size.concurrency),
+        **settings,
     ) as workers:
         yield workers
 
 
 @contextlib.contextmanager
-def claude_stack(stack: BenchStack, plan: Plan, size, servers: int = 1) -> Iterator[tuple]:
+def claude_stack(stack: BenchStack, plan: Plan, size, servers: int = 1, **settings: str) -> Iterator[tuple]:
     """Scripted servers answering after ``size.delay_s`` +/- ``size.spread_s``, a ledger, the
-    topics and one worker running the Claude agent against them, ready (partitions held):
-    ``(servers, dsn, topics, workers)``."""
+    topics and one worker running the Claude agent against them (``settings``: its environment
+    beyond the bench's), ready (partitions held): ``(servers, dsn, topics, workers)``."""
     with (
         ScriptedServers(stack.workdir, size.delay_s, servers, size.spread_s) as scripted,
         stack.ledger() as dsn,
         stack.topics(plan.partitions) as topics,
     ):
         scripted.wait_ready()
-        with claude_worker(stack, dsn, topics, size, scripted.url) as workers:
+        with claude_worker(stack, dsn, topics, size, scripted.url, **settings) as workers:
             workers.wait_ready()
             yield scripted, dsn, topics, workers
 

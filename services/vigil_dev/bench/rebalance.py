@@ -14,7 +14,13 @@ Figures (no targets; the worker's defaults):
 - ``rebalance_runs_finished_in_grace``: runs of the moved partitions that finished and
   committed during the revoke (``vigil_revoke_runs_finished_total``);
 - ``rebalance_runs_released``: claims handed back to run again (``vigil_claims_released_total``);
-- ``rebalance_revoke_s``: how long the revoke held the first worker (``vigil_worker_revoke_seconds``).
+- ``rebalance_revoke_s``: how long the revoke held the first worker (``vigil_worker_revoke_seconds``);
+- ``rebalance_model_calls_per_run``: model calls made (both workers; answered or cut short by a
+  cancel, ``vigil_model_requests_total``) per run; two is none thrown away.
+
+Then the same join again with ``VIGIL_REVOKE_GRACE_S=0`` (every run of a moved partition
+cancelled at once), for what the grace buys: ``rebalance_runs_released_without_grace`` and
+``rebalance_model_calls_per_run_without_grace``.
 """
 
 from __future__ import annotations
@@ -32,7 +38,14 @@ from vigil_dev.bench.plan import Plan
 from vigil_dev.bench.procs import START_TIMEOUT_S, ServiceDied
 from vigil_dev.bench.stack import BenchStack
 
-FIGURES = ["rebalance_runs_finished_in_grace", "rebalance_runs_released", "rebalance_revoke_s"]
+FIGURES = [
+    "rebalance_runs_finished_in_grace",
+    "rebalance_runs_released",
+    "rebalance_revoke_s",
+    "rebalance_model_calls_per_run",
+    "rebalance_runs_released_without_grace",
+    "rebalance_model_calls_per_run_without_grace",
+]
 FULL_SHARE = 0.9  # the second worker starts once this share of the slots is busy
 
 
@@ -52,9 +65,22 @@ SIZES = {
 }
 
 
-def rebalance(stack: BenchStack, plan: Plan, report: Report) -> None:
-    size = SIZES[plan.name]
-    with claude_stack(stack, plan, size) as (servers, dsn, topics, workers):
+@dataclass(frozen=True)
+class Join:
+    """What one join cost the first worker."""
+
+    in_flight: float  # its runs in flight when the second worker started
+    revokes: float
+    finished: float  # runs of the moved partitions committed during the revoke
+    released: float  # claims handed back to run again
+    held_s: float  # how long the revoke(s) held it
+    calls: float  # model calls made (answered or cut short), both workers
+    took_s: float  # from the join to the last run's finish
+
+
+def _join(stack: BenchStack, plan: Plan, size: Size, **settings: str) -> Join:
+    """One worker fills its slots, a second joins; what that cost (``settings``: both workers')."""
+    with claude_stack(stack, plan, size, **settings) as (servers, dsn, topics, workers):
         first = workers.procs[0]
         with (
             load.BenchProducer(stack.bootstrap, topics.events) as producer,
@@ -76,31 +102,53 @@ def rebalance(stack: BenchStack, plan: Plan, report: Report) -> None:
         revokes = first.metric("vigil_worker_revoke_seconds_count")
         if revokes < 1:
             raise RuntimeError("the first worker saw no revoke: the second worker took no partition")
-        calls = workers.metric("vigil_model_requests_total")
-        note = (
-            f"a second worker joined with {in_flight:.0f} runs in flight on the first ({size.users} users, answers"
-            f" in {size.delay_s - size.spread_s:g}-{size.delay_s + size.spread_s:g} s); {revokes:.0f} revoke(s);"
-            f" {calls:.0f} model calls answered for {size.users} runs of 2; all done {took:.1f} s after the join"
+        return Join(
+            in_flight=in_flight,
+            revokes=revokes,
+            finished=first.metric("vigil_revoke_runs_finished_total"),
+            released=first.metric("vigil_claims_released_total"),
+            held_s=first.metric("vigil_worker_revoke_seconds_sum"),
+            calls=workers.metric("vigil_model_requests_total"),
+            took_s=took,
         )
-        finished = first.metric("vigil_revoke_runs_finished_total")
-        released = first.metric("vigil_claims_released_total")
-        held_s = first.metric("vigil_worker_revoke_seconds_sum")
-    report.add(Figure("rebalance_runs_finished_in_grace", [finished], per="rebalance", note=note))
-    report.add(Figure("rebalance_runs_released", [released], per="rebalance", note=note))
-    report.add(Figure("rebalance_revoke_s", [held_s], per="rebalance", note=note))
+
+
+def rebalance(stack: BenchStack, plan: Plan, report: Report) -> None:
+    size = SIZES[plan.name]
+    answers = f"{size.users} users, answers in {size.delay_s - size.spread_s:g}-{size.delay_s + size.spread_s:g} s"
+    grace = _join(stack, plan, size)
+    note = (
+        f"a second worker joined with {grace.in_flight:.0f} runs in flight on the first ({answers}, the default"
+        f" VIGIL_REVOKE_GRACE_S); {grace.revokes:.0f} revoke(s); {grace.calls:.0f} model calls made for"
+        f" {size.users} runs of 2; all done {grace.took_s:.1f} s after the join"
+    )
+    report.add(Figure("rebalance_runs_finished_in_grace", [grace.finished], per="rebalance", note=note))
+    report.add(Figure("rebalance_runs_released", [grace.released], per="rebalance", note=note))
+    report.add(Figure("rebalance_revoke_s", [grace.held_s], per="rebalance", note=note))
+    report.add(Figure("rebalance_model_calls_per_run", [grace.calls / size.users], per="run", note=note))
+    # The same join with the grace off (a rebalance before VIGIL_REVOKE_GRACE_S): what it buys.
+    bare = _join(stack, plan, size, VIGIL_REVOKE_GRACE_S="0")
+    note = (
+        f"the same join with VIGIL_REVOKE_GRACE_S=0, {bare.in_flight:.0f} runs in flight ({answers});"
+        f" {bare.revokes:.0f} revoke(s) holding the first worker {bare.held_s:.1f} s; {bare.calls:.0f} model calls"
+        f" made (answered or cut short) for {size.users} runs; all done {bare.took_s:.1f} s after the join"
+    )
+    report.add(Figure("rebalance_runs_released_without_grace", [bare.released], per="rebalance", note=note))
+    report.add(Figure("rebalance_model_calls_per_run_without_grace", [bare.calls / size.users], per="run", note=note))
 
 
 def summary(report: Report, line) -> None:
     """What the rebalance cost, for the bench's closing summary (no target)."""
     v = report.value
-    finished, released, held = (v(name) for name in FIGURES)
-    if None in (finished, released, held):
+    finished, released, held, calls, released_bare, calls_bare = (v(name) for name in FIGURES)
+    if None in (finished, released, held, calls, released_bare, calls_bare):
         line("rebalance", None, "missing input", None)
         return
     line(
         "rebalance",
         released,
         f"{finished:.0f} runs of the moved partitions finished during the revoke, {released:.0f} released to run"
-        f" again; the first worker recorded nothing for {held:.1f} s (no target)",
+        f" again, {calls:.2f} model calls per run; the first worker recorded nothing for {held:.1f} s."
+        f" Without the grace: {released_bare:.0f} released, {calls_bare:.2f} model calls per run (no target)",
         None,
     )
