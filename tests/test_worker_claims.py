@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from datetime import UTC, datetime
 
@@ -119,6 +120,60 @@ def crash_and_take_over(ledger: str) -> int:
         epochs = take_over(conn, [HOME], "next-worker", 0.0, 0.0, 3)
     query(ledger, "UPDATE events SET next_attempt_at = NULL")  # backoffs are not the point here
     return epochs[HOME]
+
+
+def handover(ledger: str, epoch: int, seconds: float, end: bool = False) -> list[PartitionKey]:
+    """The holder of HOME at ``epoch`` leaves a hand-over deadline (``end``: clears it)."""
+    from vigil.ledger import partitions as ledger_partitions
+
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            if end:
+                return await ledger_partitions.end_handover(conn, {HOME: epoch})
+            return await ledger_partitions.begin_handover(conn, {HOME: epoch}, seconds)
+
+    return asyncio.run(go())
+
+
+def timed_take_over(ledger: str) -> tuple[int, float]:
+    began = time.monotonic()
+    epoch = crash_and_take_over(ledger)
+    return epoch, time.monotonic() - began
+
+
+def test_a_takeover_waits_for_the_hand_over_until_it_ends(ledger):
+    """Rule 4: a revoking holder's runs finish under its epoch while its hand-over lasts; the
+    next takeover bumps the epoch only once the holder ends it, not at its deadline."""
+    seed_pending(ledger, 1)
+    assert handover(ledger, 1, 30.0) == [HOME]
+    timer = threading.Timer(0.8, lambda: handover(ledger, 1, 0, end=True))
+    timer.start()
+    try:
+        epoch, waited = timed_take_over(ledger)
+    finally:
+        timer.join()
+    assert epoch == 2 and 0.7 < waited < 5.0
+    assert query(ledger, "SELECT handover_until FROM partitions") == [{"handover_until": None}]
+
+
+def test_a_hand_over_left_by_a_dead_holder_ends_at_its_deadline(ledger):
+    """The holder died mid hand-over (nobody ends it): the takeover waits out the deadline,
+    then hands back the dead holder's claims as ever."""
+    seed_pending(ledger, 1)
+    claim_pass_at(ledger, 1, 10)
+    handover(ledger, 1, 1.0)
+    epoch, waited = timed_take_over(ledger)
+    assert epoch == 2 and 0.8 < waited < 5.0
+    assert query(ledger, "SELECT status, lost_claims FROM events") == [{"status": "pending", "lost_claims": 1}]
+
+
+def test_a_stale_holder_cannot_start_a_hand_over(ledger):
+    """Rule 4 is fenced like every other write: a holder whose epoch moved on sets no deadline,
+    and the next takeover does not wait for it."""
+    seed_pending(ledger, 1)
+    crash_and_take_over(ledger)  # epoch 2: the holder at epoch 1 lost the partition
+    assert handover(ledger, 1, 30.0) == []
+    assert timed_take_over(ledger)[1] < 1.0
 
 
 def run_alone(ledger: str, epoch: int):

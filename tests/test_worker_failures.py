@@ -256,3 +256,72 @@ def test_a_rebalance_does_not_run_again_what_was_in_flight(stack, topics, ledger
     assert metric(port_a, "vigil_worker_revoke_seconds_count") >= 1
     assert a.alive()
     assert_runs_consistent(ledger)
+
+
+HANDING = "SELECT partition FROM partitions WHERE handover_until IS NOT NULL"
+
+
+def join_while_running(stack, topics, ledger, spawn, env_a: dict, env_b: dict):
+    """Worker A runs 12 users' slow runs; B joins and A hands a partition over: ``(a, moving)``."""
+    a = start(spawn, env_a, "a")
+    produce(stack.bootstrap, topics.events, [chat(f"user-{i}", "slow hello") for i in range(12)])
+    wait_for(lambda: statuses(ledger).get("running", 0) == 12, 20, "A running every user")
+    start(spawn, env_b, "b")
+    wait_for(lambda: len(query(ledger, HANDING)) == 1, 60, "A handing a partition over")
+    return a, scalar(ledger, HANDING)
+
+
+@pytest.mark.partitions(2)
+def test_a_revoke_does_not_stop_the_worker_recording(stack, topics, ledger, vigil_env, spawn):
+    """Worker A's runs take 8 s; B joins and takes one partition. A hands it over (its runs
+    finish there under A's epoch, B's takeover waits for them) and goes on recording the
+    partition it kept: new events on it are in the ledger while the moved runs still run.
+    (Before hand-overs, A's consumer waited in the revoke for those runs, recording nothing.)"""
+    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:8", VIGIL_INSTANCE_ID="worker-a")
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:8", VIGIL_INSTANCE_ID="worker-b")
+    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b)
+    kept = scalar(ledger, "SELECT partition FROM partitions WHERE partition <> %s", (moving,))
+    produce(stack.bootstrap, topics.events, [chat(f"fresh-{i}", "quick hello") for i in range(3)], partition=kept)
+    fresh = "SELECT count(*) FROM events WHERE user_id LIKE 'fresh-%%'"
+    wait_for(lambda: scalar(ledger, fresh) == 3, 20, "A recording the partition it kept")
+    # Recorded while the moved partition's runs were still in flight on A, not after them.
+    assert scalar(ledger, "SELECT count(*) FROM events WHERE status = 'running' AND user_id LIKE 'user-%%'") > 0
+    assert scalar(ledger, "SELECT holder FROM partitions WHERE partition = %s", (moving,)) == "worker-a"
+    wait_all_done(ledger, 15, timeout=40)
+    moved = query(ledger, "SELECT worker FROM runs WHERE partition = %s", (moving,))
+    assert moved and {r["worker"] for r in moved} == {"worker-a"}
+    assert scalar(ledger, "SELECT holder FROM partitions WHERE partition = %s", (moving,)) == "worker-b"
+    assert scalar(ledger, "SELECT count(*) FROM runs") == 15
+    port_a, port_b = int(env_a["VIGIL_WORKER_PORT"]), int(env_b["VIGIL_WORKER_PORT"])
+    assert metric(port_a, "vigil_claims_released_total") == 0
+    assert metric(port_a, "vigil_worker_revoke_seconds_sum") < 2  # the callback, not the runs' grace
+    assert metric(port_a, "vigil_worker_handover_seconds_count") >= 1
+    assert metric(port_b, "vigil_worker_handover_wait_seconds_sum") > 1  # B waited for A's runs
+    assert query(ledger, HANDING) == []
+    assert a.alive()
+    assert_runs_consistent(ledger)
+
+
+@pytest.mark.partitions(2)
+def test_a_worker_killed_mid_hand_over_delays_its_partition_only_to_the_deadline(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """A hands a partition over to B and is SIGKILLed before its runs finish: nobody clears
+    the hand-over, so B's takeover waits out the deadline (the grace plus 10 s), never less
+    (A might have been alive and committing), then hands A's claims back and runs them. Every
+    user is served once, never two runs at a time."""
+    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:30", VIGIL_INSTANCE_ID="worker-a", VIGIL_REVOKE_GRACE_S="3")
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:0.2", VIGIL_INSTANCE_ID="worker-b")
+    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b)
+    deadline = scalar(ledger, "SELECT handover_until FROM partitions WHERE partition = %s", (moving,))
+    a.signal(signal.SIGKILL)
+    wait_all_done(ledger, 12, timeout=60)
+    took_over = scalar(ledger, "SELECT acquired_at FROM partitions WHERE partition = %s", (moving,))
+    assert took_over >= deadline, "B took the partition over before A's hand-over could have ended"
+    waited = metric(int(env_b["VIGIL_WORKER_PORT"]), "vigil_worker_handover_wait_seconds_sum")
+    assert 1 < waited < 3 + 10 + 5, f"B's takeover waited {waited:.1f}s for a deadline 13 s after A's revoke"
+    assert {r["worker"] for r in query(ledger, "SELECT worker FROM runs")} == {"worker-b"}
+    assert scalar(ledger, "SELECT holder FROM partitions WHERE partition = %s", (moving,)) == "worker-b"
+    assert scalar(ledger, "SELECT count(*) FROM runs") == 12
+    assert query(ledger, "SELECT DISTINCT lost_claims FROM events") == [{"lost_claims": 1}]
+    assert_runs_consistent(ledger)

@@ -187,11 +187,15 @@ def finished_in_revokes() -> float:
     return REGISTRY.get_sample_value("vigil_revoke_runs_finished_total") or 0.0
 
 
-def revoke_with(ledger: str, ids: dict[str, int], model_s: float, grace_s: float) -> dict[str, dict]:
+def revoke_with(
+    ledger: str, ids: dict[str, int], model_s: float, grace_s: float, hand_over: bool = False
+) -> dict[str, dict]:
     """A real finish loop and claimer on the ledger, holding two runs of the partition: user
     ``returned``'s agent has returned (its finish waits for company, as a model-bound run's
     does), user ``working``'s agent answers after ``model_s``. Revoke the partition with
-    ``grace_s``; return each user's event as the ledger has it right after the revoke."""
+    ``grace_s``; return each user's event as the ledger has it right after the revoke.
+    ``hand_over``: the consumer's revoke (:meth:`Claimer.hand_over`), which returns at once;
+    the events are then read when the hand-over has ended."""
 
     async def go():
         pool = async_pool(ledger, name="revoke-test", max_size=2, autocommit=True, check=False)
@@ -219,7 +223,15 @@ def revoke_with(ledger: str, ids: dict[str, int], model_s: float, grace_s: float
             runs.finished.put_nowait(done)
             await asyncio.sleep(0.005)  # the finish loop has taken the run and waits for company
             assert finisher.committing == 1
-            await claimer.revoke([HOME], grace_s=grace_s)
+            if hand_over:
+                await claimer.hand_over([HOME], grace_s=grace_s)
+                assert not claimer.owned and "working" in runs.active  # returned at once
+                until = query(ledger, "SELECT handover_until > now() AS set FROM partitions")
+                assert until == [{"set": True}], "no hand-over deadline for the next owner to wait for"
+                await claimer.handovers_done(30.0)
+                assert query(ledger, "SELECT handover_until FROM partitions") == [{"handover_until": None}]
+            else:
+                await claimer.revoke([HOME], grace_s=grace_s)
             right_after = {r["user_id"]: r for r in query(ledger, "SELECT user_id, status, attempts FROM events")}
             assert not runs.active and not claimer.owned
             while not finisher.idle:
@@ -261,6 +273,28 @@ def test_a_revoke_lets_runs_finish_within_its_grace(ledger):
     assert events["returned"]["status"] == "done" and events["working"]["status"] == "done"
     assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi", "late"]
     assert query(ledger, "SELECT count(*) AS n FROM runs")[0]["n"] == 2
+
+
+def test_a_hand_over_returns_at_once_and_lets_runs_finish_behind_it(ledger):
+    """The consumer's revoke (rule 4): it returns while the run still waits on its model (the
+    consumer goes on recording), leaving a deadline the next takeover waits for; the run
+    commits 0.3 s later under our epoch, and the deadline is cleared."""
+    ids = seed(ledger, ["returned", "working"])
+    query(ledger, "UPDATE events SET attempts = 1")
+    before = finished_in_revokes()
+    events = revoke_with(ledger, ids, model_s=0.3, grace_s=10.0, hand_over=True)
+    assert finished_in_revokes() == before + 2
+    assert events["returned"]["status"] == "done" and events["working"]["status"] == "done"
+    assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi", "late"]
+
+
+def test_a_hand_over_releases_what_outlives_its_grace(ledger):
+    """Past the grace the hand-over cancels and releases as a revoke does (attempt given back)."""
+    ids = seed(ledger, ["returned", "working"])
+    query(ledger, "UPDATE events SET attempts = 1")
+    events = revoke_with(ledger, ids, model_s=60.0, grace_s=0.3, hand_over=True)
+    assert events["returned"]["status"] == "done"
+    assert events["working"]["status"] == "pending" and events["working"]["attempts"] == 0
 
 
 def test_a_finish_frees_only_its_own_runs_slot(ledger):

@@ -164,10 +164,18 @@ WORKER = [
         unit="ops",
     ),
     panel(
-        "Revoke p99 (rebalances: the worker records nothing meanwhile)",
+        "Hand-over p99 (rebalances: runs finishing on the old owner; the new owner's takeover waiting)",
+        (
+            "histogram_quantile(0.99, sum by (instance, le) (rate(vigil_worker_handover_seconds_bucket[15m])))",
+            "{{instance}} hand-over",
+        ),
+        (
+            "histogram_quantile(0.99, sum by (instance, le) (rate(vigil_worker_handover_wait_seconds_bucket[15m])))",
+            "{{instance}} takeover wait",
+        ),
         (
             "histogram_quantile(0.99, sum by (instance, le) (rate(vigil_worker_revoke_seconds_bucket[15m])))",
-            "{{instance}}",
+            "{{instance}} revoke (recording paused)",
         ),
         unit="s",
     ),

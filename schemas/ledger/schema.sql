@@ -163,6 +163,9 @@ CREATE TABLE partitions (
     epoch       bigint  NOT NULL DEFAULT 0,   -- incremented at every assignment (takeover)
     holder      text,                         -- worker id of the latest assignee (informational only)
     acquired_at timestamptz,                  -- when the latest assignment happened
+    -- a revoking owner's runs of the partition may finish until then; the next takeover waits
+    -- for it (NULL: none in progress; 0023)
+    handover_until timestamptz,
     PRIMARY KEY (topic, partition)
 );
 

@@ -22,6 +22,14 @@ Each topic partition has a row in ``partitions`` with an ``epoch``:
    another partitioner, or a topic whose partition count grew, cannot give one user two
    concurrent runs.
 
+4. **A revoke with runs in flight hands the partition over.** The revoking owner stops
+   claiming for it, sets the row's ``handover_until`` (:func:`begin_handover`, at its epoch)
+   and lets the consumer go on; its runs of the partition keep finishing under that epoch,
+   which is still the current one, because the next owner's takeover waits until the deadline
+   passes or the revoking owner clears it (:func:`end_handover`, once its last run of the
+   partition is gone; :func:`handover_left` is the wait). A revoking owner that dies leaves the
+   deadline, and the takeover after it is rule 1 as ever. The takeover clears the deadline.
+
 Checking the holder's name alone is not enough: a frozen worker resumes believing it still
 holds the partition, and its name is still in the row until someone else writes theirs.
 The epoch only ever grows, so "my epoch is the current one" is a fact the database checks.
@@ -87,6 +95,28 @@ def hand_back_stale_claims(
         },
     ).fetchall()
     return [row["id"] if isinstance(row, dict) else row[0] for row in rows]
+
+
+async def begin_handover(
+    conn: psycopg.AsyncConnection, partitions: dict[PartitionKey, int], seconds: float
+) -> list[PartitionKey]:
+    """Rule 4: a hand-over deadline ``seconds`` from now on ``partitions`` still at these
+    epochs. Returns those it was set on (the others have moved on already)."""
+    cur = await conn.execute(Q.begin_handover, {**owned_params(partitions), "seconds": seconds})
+    return sorted(PartitionKey(row["topic"], row["partition"]) for row in await cur.fetchall())
+
+
+async def end_handover(conn: psycopg.AsyncConnection, partitions: dict[PartitionKey, int]) -> None:
+    """Rule 4: the revoking owner's last run of ``partitions`` (at these epochs) is gone."""
+    await conn.execute(Q.end_handover, owned_params(partitions))
+
+
+def handover_left(conn: psycopg.Connection, keys: list[PartitionKey]) -> float | None:
+    """Rule 4, for a takeover: seconds until the last hand-over deadline among ``keys`` (the
+    ledger's clock); None when none is in progress."""
+    row = conn.execute(Q.handover_left, keys_params(sorted(keys))).fetchone()
+    seconds = None if row is None else (row["seconds"] if isinstance(row, dict) else row[0])
+    return None if seconds is None else float(seconds)
 
 
 async def lock_epochs(conn: psycopg.AsyncConnection, homes: list[PartitionKey]) -> dict[PartitionKey, int]:

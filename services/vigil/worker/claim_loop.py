@@ -23,6 +23,7 @@ import psycopg
 
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
+from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
 from vigil.ledger.db import AsyncPool
 from vigil.worker import metrics
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 # (Runs.wait_gone) before it releases them too: a finish takes milliseconds; this bounds a
 # ledger outage.
 REVOKE_COMMIT_WAIT_S = 5.0
+# A hand-over's deadline is the grace and this much more: the commits' wait above, the
+# releases, a busy event loop. Only a revoking worker that died makes the next owner wait it out.
+HANDOVER_SLACK_S = REVOKE_COMMIT_WAIT_S + 5.0
 
 
 class Claimer:
@@ -67,6 +71,7 @@ class Claimer:
         self._next_dead_check = 0.0
         self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
         self._lone: Active | None = None  # the last lone last attempt this process started (claim rule 3)
+        self._handovers: set[asyncio.Task] = set()  # revoked partitions' runs finishing (hand_over)
 
     @property
     def active(self) -> dict[str, Active]:
@@ -104,8 +109,9 @@ class Claimer:
             self.wake((at - now).total_seconds() + BACKOFF_SLACK_S)
 
     async def revoke(self, keys: list[PartitionKey], release: bool = True, grace_s: float = 0.0) -> None:
-        """Stop claiming for ``keys``; give their runs ``grace_s`` to finish (the consumer's
-        revoke: ``VIGIL_REVOKE_GRACE_S``), then cancel the rest and hand their claims back.
+        """Stop claiming for ``keys``; give their runs ``grace_s`` to finish, then cancel the
+        rest and hand their claims back; return when that is done. A shutdown's drain (no
+        grace: it had its own), a lost partition, and a hand-over the ledger refused.
 
         Runs that finish within the grace, and those whose agent has returned by its end,
         commit (:meth:`Runs.wait_gone`), so a rebalance does not run finished work again.
@@ -113,10 +119,68 @@ class Claimer:
         nothing and the takeover's hand-back has done the job. A *lost* partition
         (``release=False``) waits for nothing: its new owner may hold it already.
         """
+        began = time.monotonic()  # a measurement, not a decision: the host's clock
+        await self._wind_down(await self._drop(keys), release, grace_s)
+        metrics.REVOKE_SECONDS.observe(time.monotonic() - began)
+
+    async def hand_over(self, keys: list[PartitionKey], grace_s: float) -> None:
+        """The consumer's revoke (rule 4 of :mod:`vigil.ledger.partitions`): stop claiming for
+        ``keys`` and return at once, so the consumer goes on recording; the runs of ``keys``
+        in flight get ``grace_s`` to finish in the background, as :meth:`revoke` gives them.
+
+        Their epochs stay ours meanwhile: the partitions' rows carry a hand-over deadline that
+        the next owner's takeover waits for (until it passes or we clear it, once those runs
+        are gone). Without runs in flight, or without a grace, they are released at once; if
+        the ledger cannot take the deadline, the grace is waited here instead, as before
+        hand-overs (the group gives the partitions to nobody until this returns)."""
+        began = time.monotonic()
+        gone = await self._drop(keys)
+        handing = {a.claim.home: gone[a.claim.home] for a in self.active.values() if a.claim.home in gone}
+        if not handing or grace_s <= 0:
+            await self._wind_down(gone, True, 0.0)
+        else:
+            try:
+                async with self.pool.connection() as conn:
+                    await ledger_partitions.begin_handover(conn, handing, grace_s + HANDOVER_SLACK_S)
+            except psycopg.Error as exc:
+                log.warning("could not leave a hand-over in the ledger (the revoke waits for its runs): %s", exc)
+                await self._wind_down(gone, True, grace_s)
+            else:
+                task = asyncio.create_task(self._hand_over(gone, handing, grace_s), name="hand-over")
+                self._handovers.add(task)
+                task.add_done_callback(self._handovers.discard)
+        metrics.REVOKE_SECONDS.observe(time.monotonic() - began)
+
+    async def handovers_done(self, within_s: float) -> None:
+        """Shutdown: wait, at most ``within_s``, for hand-overs in progress to end."""
+        if self._handovers:
+            await asyncio.wait(set(self._handovers), timeout=max(within_s, 0.0))
+
+    async def _hand_over(self, gone: dict[PartitionKey, int], handing: dict[PartitionKey, int], grace_s: float) -> None:
+        """In the background: the runs' grace, then the deadline cleared (the next owner's
+        takeover goes ahead at once). Not cleared, the deadline still ends the wait."""
+        began = time.monotonic()
+        try:
+            await self._wind_down(gone, True, grace_s)
+        finally:
+            try:
+                async with self.pool.connection() as conn:
+                    await ledger_partitions.end_handover(conn, handing)
+            except psycopg.Error as exc:
+                log.warning("could not end the hand-over (the next owner waits for its deadline): %s", exc)
+            metrics.HANDOVER_SECONDS.observe(time.monotonic() - began)
+
+    async def _drop(self, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
+        """No more claims for ``keys`` (under the claim lock: a pass in progress ends first);
+        the epochs they were held at."""
         async with self._claim_lock:
             gone = {key: self.owned.pop(key) for key in keys if key in self.owned}
         metrics.EPOCHS_HELD.set(len(self.owned))
-        began = time.monotonic()  # a measurement, not a decision: the host's clock
+        return gone
+
+    async def _wind_down(self, gone: dict[PartitionKey, int], release: bool, grace_s: float) -> None:
+        """The runs of ``gone`` in flight: ``grace_s`` to finish and commit, then cancelled
+        (``release``: their claims handed back)."""
         victims = [a for a in self.active.values() if a.claim.home in gone]
         held = victims
         if release:
@@ -131,7 +195,6 @@ class Claimer:
         finished = sum(1 for a in held if id(a) not in left and a.task is not None and not a.task.cancelled())
         metrics.REVOKE_FINISHED.inc(finished)
         await self.runs.cancel(victims, release)
-        metrics.REVOKE_SECONDS.observe(time.monotonic() - began)
         if held:
             log.info(
                 "revoked %d partition(s): %d run(s) finished and committed first, %d cancelled%s",

@@ -26,10 +26,12 @@ and a crash, a failover to an asynchronous replica, a restored backup) lost the 
 with them, so those events are read again and recorded; the Kafka offsets are still
 committed, for lag monitoring and for partitions the ledger has not seen.
 
-Rebalances: an assignment is a takeover in the ledger (:mod:`vigil.worker.fencing`) before
-any claim is made for it; a revoke cancels and releases that partition's runs, then commits
-the stored offsets synchronously; a *lost* partition (session timed out) commits nothing,
-because another worker may already have committed past us.
+Rebalances: an assignment is a takeover in the ledger (:mod:`vigil.worker.fencing`), after
+the previous owner's hand-over, before any claim is made for it; a revoke hands the
+partition's runs over (they finish or are released in the background, the ledger holding
+the next takeover until then: fencing rule 4), then commits the stored offsets
+synchronously; a *lost* partition (session timed out) commits nothing, because another
+worker may already have committed past us.
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ class ConsumerLoop(threading.Thread):
                 self.settings.backoff_base_s,
                 self.settings.backoff_cap_s,
                 self.settings.max_attempts,
+                # The previous owner's hand-over: half the poll interval, as its revoke's grace.
+                self.settings.kafka_max_poll_interval_ms / 2000,
             ),
         )
         self.assigned.update(keys)
@@ -197,9 +201,11 @@ class ConsumerLoop(threading.Thread):
     def on_revoke(self, consumer, partitions) -> None:
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
         self._settle()  # the batch in flight stores its offsets before they are committed
-        # Recording waits meanwhile: the partitions' runs get VIGIL_REVOKE_GRACE_S to finish.
+        # The partitions' runs get VIGIL_REVOKE_GRACE_S to finish, as a hand-over: this returns
+        # once the ledger has its deadline, and recording goes on (only if the ledger cannot
+        # take it does the grace pass here).
         grace_s = self.settings.revoke_grace_s
-        self._call_runner(self.runner.revoke(keys, grace_s=grace_s), timeout=grace_s + 60.0)
+        self._call_runner(self.runner.hand_over(keys, grace_s), timeout=grace_s + 60.0)
         try:
             consumer.commit(asynchronous=False)
         except KafkaException as exc:

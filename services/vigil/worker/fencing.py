@@ -1,9 +1,11 @@
 """The worker's side of the fencing rule (the rule itself: :mod:`vigil.ledger.partitions`):
-an assignment is a takeover, of every newly assigned partition in one transaction."""
+an assignment is a takeover, of every newly assigned partition in one transaction, after the
+previous owner's hand-over (rule 4) of any of them has ended."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import psycopg
 
@@ -13,7 +15,38 @@ from vigil.worker import metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PartitionKey", "take_over"]
+__all__ = ["PartitionKey", "take_over", "wait_for_handover"]
+
+# How often a takeover looks whether the previous owner's hand-over has ended.
+HANDOVER_POLL_S = 0.05
+
+
+def wait_for_handover(conn: psycopg.Connection, partitions: list[PartitionKey], within_s: float) -> float:
+    """Rule 4: until no hand-over of ``partitions`` is in progress (the previous owner cleared
+    it, or its deadline passed: a revoking worker that died), at most ``within_s`` (the
+    consumer waits in its assignment callback: past the poll interval the group would drop
+    it; a takeover before the end fences the previous owner out, as for a lost partition).
+    Returns the seconds waited.
+
+    No lock is held meanwhile: each look is its own short transaction. The revoking worker
+    cannot set a new deadline after it (the group gave the partitions to us), so the
+    takeover that follows sees none."""
+    began = time.monotonic()
+    while time.monotonic() - began < within_s:
+        left = ledger_partitions.handover_left(conn, partitions)
+        conn.commit()
+        if left is None:
+            break
+        time.sleep(min(max(left, 0.0), HANDOVER_POLL_S))
+    waited = time.monotonic() - began
+    metrics.HANDOVER_WAIT_SECONDS.observe(waited)
+    if waited >= HANDOVER_POLL_S:
+        log.info(
+            "waited %.1fs for the previous owner's hand-over of %s",
+            waited,
+            ", ".join(str(k.partition) for k in sorted(partitions)),
+        )
+    return waited
 
 
 def take_over(
@@ -23,13 +56,17 @@ def take_over(
     backoff_base_s: float,
     backoff_cap_s: float,
     max_attempts: int,
+    handover_within_s: float = 60.0,
 ) -> dict[PartitionKey, int]:
-    """Rule 1, for every newly assigned partition in one transaction. Returns the new epochs.
+    """Rule 1, for every newly assigned partition in one transaction, once no hand-over of
+    them is in progress (rule 4, :func:`wait_for_handover`, at most ``handover_within_s``).
+    Returns the new epochs.
 
     Partitions are taken in sorted order so that two workers taking over overlapping sets
     cannot deadlock. A crash before the commit leaves the old epochs: the next assignment
     takes over again.
     """
+    wait_for_handover(conn, partitions, handover_within_s)
     epochs: dict[PartitionKey, int] = {}
     with conn.transaction():
         for key in sorted(partitions):

@@ -34,7 +34,20 @@ REVOKE_FINISHED = Counter(
 )
 REVOKE_SECONDS = Histogram(
     "vigil_worker_revoke_seconds",
-    "Wall time of a revoke (its runs' grace, commits and releases): the worker records no events meanwhile.",
+    "Wall time of the consumer's revoke callback (the worker records no events meanwhile): setting the hand-over, "
+    "or, when the ledger could not take it, the runs' whole grace.",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0),
+)
+HANDOVER_SECONDS = Histogram(
+    "vigil_worker_handover_seconds",
+    "Wall time of a hand-over on the revoking worker: from the revoke until its runs of the partitions finished "
+    "or were released (at most VIGIL_REVOKE_GRACE_S and a few seconds for their commits).",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0),
+)
+HANDOVER_WAIT_SECONDS = Histogram(
+    "vigil_worker_handover_wait_seconds",
+    "How long a takeover waited for the previous owner's hand-over (its runs of the partitions finishing); "
+    "the taking worker records no events meanwhile.",
     buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0),
 )
 HANDED_BACK = Counter(

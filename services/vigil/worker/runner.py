@@ -33,6 +33,9 @@ from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.wakeups import Wakeups
 
+# At shutdown, how long hand-overs whose runs were just released get to clear their deadlines.
+HANDOVER_END_S = 2.0
+
 
 class Runner:
     """The worker's run loop: a claimer, the runs, a finisher, on one clock."""
@@ -75,6 +78,9 @@ class Runner:
     async def revoke(self, keys: list[PartitionKey], release: bool = True, grace_s: float = 0.0) -> None:
         await self.claimer.revoke(keys, release, grace_s)
 
+    async def hand_over(self, keys: list[PartitionKey], grace_s: float) -> None:
+        await self.claimer.hand_over(keys, grace_s)
+
     # -- the loops (tasks started by worker/main.py) -------------------------------------
 
     async def claim_loop(self) -> None:
@@ -96,3 +102,9 @@ class Runner:
             await asyncio.sleep(0.05)
         if self.active:
             await self.revoke(list(self.owned), release=True)
+        # What is left belongs to partitions being handed over (no longer owned): released
+        # too, and their hand-overs then end (their deadlines cleared for the next owner).
+        leftover = list(self.active.values())
+        if leftover:
+            await self.runs.cancel(leftover, release=True)
+        await self.claimer.handovers_done(max(HANDOVER_END_S, deadline - self.clock.monotonic()))

@@ -96,8 +96,9 @@ class WorkerSettings(CommonSettings):
         ge=0,
         le=120,
         description="On a rebalance, how long the runs of a partition taken from this worker may go on to finish "
-        "and commit before they are cancelled and released to run again on the next owner. This worker records "
-        "no events meanwhile, and the partition's next owner starts after it (0: cancel at once).",
+        "and commit before they are cancelled and released to run again on the next owner: a hand-over, during "
+        "which this worker goes on recording and the partition's next owner waits to take it over (0: cancel at "
+        "once). At most half of VIGIL_KAFKA_MAX_POLL_INTERVAL_MS.",
     )
     lone_drain_s: float = Field(
         30.0,
@@ -153,7 +154,8 @@ class WorkerSettings(CommonSettings):
         ge=1000,
         le=86_400_000,
         description="Consumer max.poll.interval.ms (also the group's rebalance timeout). Runs never block polling "
-        "(only a revoke's VIGIL_REVOKE_GRACE_S does), so this only catches a hung poll loop.",
+        "(only a takeover waiting for the previous owner's hand-over does, for at most half of this), so this only "
+        "catches a hung poll loop.",
     )
     db_pool_max: int = Field(8, ge=2, le=200, description="Ledger connections of the run loop.")
     # Background tasks (docs/tasks.md): any worker executes them, outside the one-run-per-user rule.
@@ -193,8 +195,9 @@ class WorkerSettings(CommonSettings):
                 "connection, and the claim passes need one too"
             )
         if self.revoke_grace_s * 1000 * 2 > self.kafka_max_poll_interval_ms:
-            # The revoke holds the poll loop and the group's rebalance: past the rebalance
-            # timeout the group would drop this worker (its partitions lost, not revoked).
+            # The next owner's takeover waits for the hand-over in its assignment callback,
+            # holding its poll loop (and the revoke does, when the ledger cannot take the
+            # hand-over): past the poll interval the group would drop that worker.
             raise ValueError("VIGIL_REVOKE_GRACE_S must be at most half of VIGIL_KAFKA_MAX_POLL_INTERVAL_MS")
         if self.task_stale_s < 2 * self.task_heartbeat_s:
             # One late heartbeat (a GC pause, a slow commit) must not take a live task back.

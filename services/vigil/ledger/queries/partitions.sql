@@ -5,8 +5,31 @@
 INSERT INTO partitions AS p (topic, partition, epoch, holder, acquired_at)
 VALUES (%(topic)s, %(partition)s, 1, %(holder)s, now())
 ON CONFLICT (topic, partition) DO UPDATE
-SET epoch = p.epoch + 1, holder = EXCLUDED.holder, acquired_at = now()
+SET epoch = p.epoch + 1, holder = EXCLUDED.holder, acquired_at = now(), handover_until = NULL
 RETURNING epoch
+
+-- name: begin_handover
+-- A revoke with runs in flight: the partitions (still at these epochs) get a hand-over deadline %(seconds)s from now, which the next owner's takeover waits for. Returns the partitions it was set on.
+UPDATE partitions p
+SET handover_until = now() + make_interval(secs => %(seconds)s)
+FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+WHERE p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
+RETURNING p.topic, p.partition
+
+-- name: end_handover
+-- The revoking owner's last run of these partitions is gone: the next takeover need not wait (a no-op once it happened: the epoch moved on).
+UPDATE partitions p
+SET handover_until = NULL
+FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
+WHERE p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch AND p.handover_until IS NOT NULL
+
+-- name: handover_left
+-- Seconds until the last of these partitions' hand-over deadlines (NULL: none in progress), on the ledger's clock.
+SELECT extract(epoch FROM max(p.handover_until) - now())::float8 AS seconds
+FROM partitions p
+JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
+  ON p.topic = w.topic AND p.partition = w.partition
+WHERE p.handover_until > now()
 
 -- name: hand_back_stale_claims
 -- Claims made under an older epoch of this partition belong to a worker that lost it: back to pending, with a backoff. Their attempt counts (the worker may have crashed on them), except that a claim lost in company never uses up the last attempt: only a claim that ran alone (an event lost before, on its last attempt: claim rule 3) can make a crash an event's death.
