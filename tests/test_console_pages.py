@@ -262,8 +262,10 @@ def test_lists_show_open_approvals_late_timers_and_partitions(console, ledger):
             " date_trunc('second', now()) + interval '5 hours')"
         )
         conn.execute(
-            "INSERT INTO partitions (topic, partition, epoch, holder, acquired_at)"
-            " VALUES ('vigil.events', 2, 41, 'worker-<b>x</b>', now())"
+            "INSERT INTO partitions (topic, partition, epoch, holder, acquired_at, handover_until)"
+            " VALUES ('vigil.events', 2, 41, 'worker-<b>x</b>', now(), NULL),"
+            " ('vigil.events', 3, 9, 'worker-y', now(), now() + interval '15 seconds'),"
+            " ('vigil.events', 4, 9, 'worker-y', now(), now() - interval '1 second')"
         )
     login(console, ledger)
     approvals = console.get("/approvals").text
@@ -272,6 +274,9 @@ def test_lists_show_open_approvals_late_timers_and_partitions(console, ledger):
     assert "late-one" in timers and "<b>late</b>" in timers and "far-off" not in timers
     partitions = console.get("/partitions").text
     assert ">41<" in partitions and "worker-&lt;b&gt;x&lt;/b&gt;" in partitions
+    row = lambda n: partitions.split(f'id="partition-vigil.events-{n}"')[1].split("</tr>")[0]  # noqa: E731
+    # A hand-over in progress shows on its holder; one whose deadline passed does not.
+    assert "handing over until" in row(3) and "handing over" not in row(4) and "handing over" not in row(2)
     overview = console.get("/").text
     assert "Dead in the last hour" in overview and "1 events" in overview
     card = lambda name: overview.split(f'id="card-{name}"')[1].split('<div class="card"')[0]  # noqa: E731

@@ -98,7 +98,7 @@ class EndOffsets:
         ends = {topic: await self.of(topic) for topic in wanted}
         seen = {(r.topic, r.partition) for r in rows}
         unseen = [
-            PartitionRow(topic, p, None, None, None, None, None, 0, False)
+            PartitionRow(topic, p, None, None, None, None, None, None, 0, False)
             for topic, e in ends.items()
             for p in e.offsets
             if (topic, p) not in seen

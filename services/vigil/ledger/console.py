@@ -193,6 +193,7 @@ class PartitionRow:
     epoch: int | None  # None: never assigned (the ledger recorded from it, or a user's home)
     holder: str | None
     acquired_at: datetime | None
+    handover_until: datetime | None  # revoked, its runs finishing on the holder until then (fencing rule 4)
     next_offset: int | None  # the ledger's consumer position: every offset before it is recorded
     recorded_at: datetime | None  # when that position last moved
     pending: int  # pending events whose user's home is this partition

@@ -242,7 +242,7 @@ ORDER BY due, user_id, id
 LIMIT %(limit)s
 
 -- name: console_partitions
--- Every partition the ledger knows (assigned, recorded from, or home to a pending event): its fencing epoch and holder, the ledger's consumer position (the next offset it will record) and its pending events, counted by their users' home partition (whose holder runs them; counting stops at %(cap)s pending events, read from the pending index).
+-- Every partition the ledger knows (assigned, recorded from, or home to a pending event): its fencing epoch and holder (and the holder's hand-over deadline while it lasts), the ledger's consumer position (the next offset it will record) and its pending events, counted by their users' home partition (whose holder runs them; counting stops at %(cap)s pending events, read from the pending index).
 WITH p AS MATERIALIZED (SELECT user_id FROM events WHERE status = 'pending' LIMIT %(cap)s),
 pending AS (
     SELECT u.home_topic AS topic, u.home_partition AS partition, sum(pu.n)::int AS pending
@@ -254,7 +254,9 @@ known AS (
     UNION SELECT topic, partition FROM consumer_positions
     UNION SELECT topic, partition FROM pending
 )
-SELECT k.topic, k.partition, pt.epoch, pt.holder, pt.acquired_at, c.next_offset, c.updated_at AS recorded_at,
+SELECT k.topic, k.partition, pt.epoch, pt.holder, pt.acquired_at,
+       CASE WHEN pt.handover_until > now() THEN pt.handover_until END AS handover_until,
+       c.next_offset, c.updated_at AS recorded_at,
        coalesce(pe.pending, 0) AS pending, (SELECT count(*) FROM p) >= %(cap)s AS pending_capped
 FROM known k
 LEFT JOIN partitions pt ON pt.topic = k.topic AND pt.partition = k.partition
