@@ -5,16 +5,21 @@ workload does: every run waits on the model for seconds), every user has one cha
 and once the worker's slots are full a second worker of the group starts. The cooperative
 rebalance moves about half the partitions to it. What a rebalance costs is what happens to
 the first worker's runs on the partitions that moved: with ``VIGIL_REVOKE_GRACE_S`` they
-finish and commit before the revoke ends; cancelled instead, they are released and run again
-on the new owner, their first model call thrown away. And the revoke holds the first
-worker's consumer, so it records nothing for as long as the revoke takes.
+finish and commit, handed over (the new owner's takeover waits for them); cancelled instead,
+they are released and run again on the new owner, their first model call thrown away.
 
 Figures (no targets; the worker's defaults):
 
 - ``rebalance_runs_finished_in_grace``: runs of the moved partitions that finished and
   committed during the revoke (``vigil_revoke_runs_finished_total``);
 - ``rebalance_runs_released``: claims handed back to run again (``vigil_claims_released_total``);
-- ``rebalance_revoke_s``: how long the revoke held the first worker (``vigil_worker_revoke_seconds``);
+- ``rebalance_revoke_s``: how long the revoke held the first worker's consumer, which records
+  nothing meanwhile (``vigil_worker_revoke_seconds``; the whole grace until session 25, now the
+  moment it takes to leave the hand-over in the ledger);
+- ``rebalance_handover_s``: the hand-over on the first worker, from the revoke until the moved
+  runs were gone (``vigil_worker_handover_seconds``);
+- ``rebalance_takeover_wait_s``: how long the second worker's takeover waited for it
+  (``vigil_worker_handover_wait_seconds``);
 - ``rebalance_model_calls_per_run``: model calls made (both workers; answered or cut short by a
   cancel, ``vigil_model_requests_total``) per run; two is none thrown away.
 
@@ -42,6 +47,8 @@ FIGURES = [
     "rebalance_runs_finished_in_grace",
     "rebalance_runs_released",
     "rebalance_revoke_s",
+    "rebalance_handover_s",
+    "rebalance_takeover_wait_s",
     "rebalance_model_calls_per_run",
     "rebalance_runs_released_without_grace",
     "rebalance_model_calls_per_run_without_grace",
@@ -73,7 +80,9 @@ class Join:
     revokes: float
     finished: float  # runs of the moved partitions committed during the revoke
     released: float  # claims handed back to run again
-    held_s: float  # how long the revoke(s) held it
+    held_s: float  # how long the revoke(s) held its consumer
+    handover_s: float  # its hand-overs, from the revoke until the moved runs were gone
+    waited_s: float  # how long the second worker's takeover waited for them
     calls: float  # model calls made (answered or cut short), both workers
     took_s: float  # from the join to the last run's finish
 
@@ -108,6 +117,8 @@ def _join(stack: BenchStack, plan: Plan, size: Size, **settings: str) -> Join:
             finished=first.metric("vigil_revoke_runs_finished_total"),
             released=first.metric("vigil_claims_released_total"),
             held_s=first.metric("vigil_worker_revoke_seconds_sum"),
+            handover_s=first.metric("vigil_worker_handover_seconds_sum"),
+            waited_s=workers.procs[1].metric("vigil_worker_handover_wait_seconds_sum"),
             calls=workers.metric("vigil_model_requests_total"),
             took_s=took,
         )
@@ -125,6 +136,8 @@ def rebalance(stack: BenchStack, plan: Plan, report: Report) -> None:
     report.add(Figure("rebalance_runs_finished_in_grace", [grace.finished], per="rebalance", note=note))
     report.add(Figure("rebalance_runs_released", [grace.released], per="rebalance", note=note))
     report.add(Figure("rebalance_revoke_s", [grace.held_s], per="rebalance", note=note))
+    report.add(Figure("rebalance_handover_s", [grace.handover_s], per="rebalance", note=note))
+    report.add(Figure("rebalance_takeover_wait_s", [grace.waited_s], per="rebalance", note=note))
     report.add(Figure("rebalance_model_calls_per_run", [grace.calls / size.users], per="run", note=note))
     # The same join with the grace off (a rebalance before VIGIL_REVOKE_GRACE_S): what it buys.
     bare = _join(stack, plan, size, VIGIL_REVOKE_GRACE_S="0")
@@ -140,15 +153,16 @@ def rebalance(stack: BenchStack, plan: Plan, report: Report) -> None:
 def summary(report: Report, line) -> None:
     """What the rebalance cost, for the bench's closing summary (no target)."""
     v = report.value
-    finished, released, held, calls, released_bare, calls_bare = (v(name) for name in FIGURES)
-    if None in (finished, released, held, calls, released_bare, calls_bare):
+    finished, released, held, handover, waited, calls, released_bare, calls_bare = (v(name) for name in FIGURES)
+    if None in (finished, released, held, handover, waited, calls, released_bare, calls_bare):
         line("rebalance", None, "missing input", None)
         return
     line(
         "rebalance",
         released,
         f"{finished:.0f} runs of the moved partitions finished during the revoke, {released:.0f} released to run"
-        f" again, {calls:.2f} model calls per run; the first worker recorded nothing for {held:.1f} s."
+        f" again, {calls:.2f} model calls per run; the hand-over took {handover:.1f} s, the second worker's"
+        f" takeover waited {waited:.1f} s, the first worker's recording paused {held:.2f} s."
         f" Without the grace: {released_bare:.0f} released, {calls_bare:.2f} model calls per run (no target)",
         None,
     )
