@@ -16,6 +16,7 @@ from vigil.agent.base import EventRow, MemoryWrite, NewTask, NewTimer, OutMessag
 from vigil.clock import SystemClock
 from vigil.ledger.db import async_pool
 from vigil.ledger.states import RunOutcome
+from vigil.worker import claim_loop
 from vigil.worker.claim_loop import Claimer
 from vigil.worker.claims import Claim
 from vigil.worker.fencing import PartitionKey
@@ -188,14 +189,15 @@ def finished_in_revokes() -> float:
 
 
 def revoke_with(
-    ledger: str, ids: dict[str, int], model_s: float, grace_s: float, hand_over: bool = False
+    ledger: str, ids: dict[str, int], model_s: float, grace_s: float, hand_over: bool = False, watch: list | None = None
 ) -> dict[str, dict]:
     """A real finish loop and claimer on the ledger, holding two runs of the partition: user
     ``returned``'s agent has returned (its finish waits for company, as a model-bound run's
     does), user ``working``'s agent answers after ``model_s``. Revoke the partition with
     ``grace_s``; return each user's event as the ledger has it right after the revoke.
     ``hand_over``: the consumer's revoke (:meth:`Claimer.hand_over`), which returns at once;
-    the events are then read when the hand-over has ended."""
+    the events are then read when the hand-over has ended (``watch``: gets, every 50 ms until
+    then, whether the deadline is still ahead)."""
 
     async def go():
         pool = async_pool(ledger, name="revoke-test", max_size=2, autocommit=True, check=False)
@@ -228,6 +230,9 @@ def revoke_with(
                 assert not claimer.owned and "working" in runs.active  # returned at once
                 until = query(ledger, "SELECT handover_until > now() AS set FROM partitions")
                 assert until == [{"set": True}], "no hand-over deadline for the next owner to wait for"
+                while watch is not None and claimer._handovers:
+                    watch.append(query(ledger, "SELECT handover_until > now() AS ahead FROM partitions")[0]["ahead"])
+                    await asyncio.sleep(0.05)
                 await claimer.handovers_done(30.0)
                 assert query(ledger, "SELECT handover_until FROM partitions") == [{"handover_until": None}]
             else:
@@ -286,6 +291,19 @@ def test_a_hand_over_returns_at_once_and_lets_runs_finish_behind_it(ledger):
     assert finished_in_revokes() == before + 2
     assert events["returned"]["status"] == "done" and events["working"]["status"] == "done"
     assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi", "late"]
+
+
+def test_a_hand_over_renews_its_lease_while_its_runs_last(ledger, monkeypatch):
+    """The deadline is a lease (renewed while the runs last), so a revoking worker that dies
+    holds the next owner back by a lease, not by the grace; a live one never lets it lapse."""
+    monkeypatch.setattr(claim_loop, "HANDOVER_LEASE_S", 0.3)
+    monkeypatch.setattr(claim_loop, "HANDOVER_RENEW_S", 0.1)
+    ids = seed(ledger, ["returned", "working"])
+    query(ledger, "UPDATE events SET attempts = 1")
+    watch: list[bool] = []
+    events = revoke_with(ledger, ids, model_s=1.2, grace_s=10.0, hand_over=True, watch=watch)
+    assert events["working"]["status"] == "done"
+    assert len(watch) >= 15 and all(watch), watch  # 1.2 s of runs, four leases: never lapsed
 
 
 def test_a_hand_over_releases_what_outlives_its_grace(ledger):

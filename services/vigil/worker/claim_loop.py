@@ -40,9 +40,13 @@ log = logging.getLogger(__name__)
 # (Runs.wait_gone) before it releases them too: a finish takes milliseconds; this bounds a
 # ledger outage.
 REVOKE_COMMIT_WAIT_S = 5.0
-# A hand-over's deadline is the grace and this much more: the commits' wait above, the
-# releases, a busy event loop. Only a revoking worker that died makes the next owner wait it out.
-HANDOVER_SLACK_S = REVOKE_COMMIT_WAIT_S + 5.0
+# A hand-over's deadline is this far ahead, renewed every HANDOVER_RENEW_S while its runs
+# last (the grace, their commits, the releases): a revoking worker that dies holds its
+# partitions' next owner back by this much at most, not by the whole grace. A stall longer
+# than the lease (a frozen process) lets the next owner take over: the stalled runs' finishes
+# are then fenced out, as for a lost partition.
+HANDOVER_LEASE_S = 5.0
+HANDOVER_RENEW_S = 1.0
 
 
 class Claimer:
@@ -141,7 +145,7 @@ class Claimer:
         else:
             try:
                 async with self.pool.connection() as conn:
-                    await ledger_partitions.begin_handover(conn, handing, grace_s + HANDOVER_SLACK_S)
+                    await ledger_partitions.begin_handover(conn, handing, HANDOVER_LEASE_S)
             except psycopg.Error as exc:
                 log.warning("could not leave a hand-over in the ledger (the revoke waits for its runs): %s", exc)
                 await self._wind_down(gone, True, grace_s)
@@ -157,18 +161,32 @@ class Claimer:
             await asyncio.wait(set(self._handovers), timeout=max(within_s, 0.0))
 
     async def _hand_over(self, gone: dict[PartitionKey, int], handing: dict[PartitionKey, int], grace_s: float) -> None:
-        """In the background: the runs' grace, then the deadline cleared (the next owner's
-        takeover goes ahead at once). Not cleared, the deadline still ends the wait."""
+        """In the background: the runs' grace, the deadline renewed meanwhile, then cleared
+        (the next owner's takeover goes ahead at once). Not cleared, the deadline still ends
+        the wait."""
         began = time.monotonic()
+        renewing = asyncio.create_task(self._renew_handover(handing), name="hand-over-lease")
         try:
             await self._wind_down(gone, True, grace_s)
         finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
             try:
                 async with self.pool.connection() as conn:
                     await ledger_partitions.end_handover(conn, handing)
             except psycopg.Error as exc:
                 log.warning("could not end the hand-over (the next owner waits for its deadline): %s", exc)
             metrics.HANDOVER_SECONDS.observe(time.monotonic() - began)
+
+    async def _renew_handover(self, handing: dict[PartitionKey, int]) -> None:
+        """Keep the hand-over's deadline HANDOVER_LEASE_S ahead while its runs last."""
+        while True:
+            await asyncio.sleep(HANDOVER_RENEW_S)
+            try:
+                async with self.pool.connection() as conn:
+                    await ledger_partitions.begin_handover(conn, handing, HANDOVER_LEASE_S)
+            except psycopg.Error as exc:
+                log.warning("could not renew the hand-over (the next owner may take over first): %s", exc)
 
     async def _drop(self, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
         """No more claims for ``keys`` (under the claim lock: a pass in progress ends first);
