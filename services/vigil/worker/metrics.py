@@ -32,23 +32,26 @@ REVOKE_FINISHED = Counter(
     "vigil_revoke_runs_finished_total",
     "Runs of a revoked partition that finished and committed within the revoke's grace instead of being released.",
 )
+# Revokes, hand-overs and the takeover's wait: milliseconds when no run moves, up to the grace
+# (VIGIL_REVOKE_GRACE_S, at most 120 s) when runs do.
+REBALANCE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 120.0)
 REVOKE_SECONDS = Histogram(
     "vigil_worker_revoke_seconds",
     "Wall time of the consumer's revoke callback (the worker records no events meanwhile): setting the hand-over, "
     "or, when the ledger could not take it, the runs' whole grace.",
-    buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0),
+    buckets=REBALANCE_BUCKETS,
 )
 HANDOVER_SECONDS = Histogram(
     "vigil_worker_handover_seconds",
     "Wall time of a hand-over on the revoking worker: from the revoke until its runs of the partitions finished "
     "or were released (at most VIGIL_REVOKE_GRACE_S and a few seconds for their commits).",
-    buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0),
+    buckets=REBALANCE_BUCKETS,
 )
 HANDOVER_WAIT_SECONDS = Histogram(
     "vigil_worker_handover_wait_seconds",
     "How long a takeover waited for the previous owner's hand-over (its runs of the partitions finishing); "
     "the taking worker records no events meanwhile.",
-    buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0),
+    buckets=REBALANCE_BUCKETS,
 )
 HANDED_BACK = Counter(
     "vigil_claims_recovered_total", "Claims of a worker that lost its partition, handed back to pending at takeover."
