@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,17 @@ import psycopg
 from psycopg.rows import dict_row
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+class LocalHTTPServer(ThreadingHTTPServer):
+    """A threaded HTTP server on 127.0.0.1 for a test's fake peer. socketserver listens with
+    a backlog of 5: when more clients connect at once (two dispatchers of 8 sends each), the
+    kernel's full accept queue turns into connection resets the client counts as a failed
+    attempt, which a test on a frozen clock never retries. A deep backlog keeps the peer a
+    well-behaved server."""
+
+    request_queue_size = 1024
+    daemon_threads = True
 
 
 def wait_for(

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
+from support import LocalHTTPServer
 from vigil.agent.claude import ClaudeAgent
 from vigil.agent.memory import Limits, MemoryFiles, MemoryRefused
 from vigil.agent.settings import AgentSettings
@@ -131,7 +132,7 @@ class _Echo(BaseHTTPRequestHandler):
 @pytest.fixture
 def echo():
     _Echo.seen = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    httpd = LocalHTTPServer(("127.0.0.1", 0), _Echo)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"

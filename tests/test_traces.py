@@ -17,7 +17,7 @@ import json
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanKind
 
 from ingest_support import create_token
-from support import scalar, wait_for
+from support import LocalHTTPServer, scalar, wait_for
 from vigil import tracing
 from vigil_dev.scripted_server import ScriptedServer
 from worker_support import FAST
@@ -105,7 +105,7 @@ class OtlpReceiver:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = LocalHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
