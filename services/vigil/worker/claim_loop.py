@@ -140,6 +140,13 @@ class Claimer:
         began = time.monotonic()
         gone = await self._drop(keys)
         handing = {a.claim.home: gone[a.claim.home] for a in self.active.values() if a.claim.home in gone}
+        in_flight = sum(1 for a in self.active.values() if a.claim.home in gone)
+        log.info(
+            "partitions revoked: %s; %d run(s) of theirs in flight%s",
+            ", ".join(str(k.partition) for k in sorted(gone)) or "none held",
+            in_flight,
+            f", handed over for up to {grace_s:g}s" if handing and grace_s > 0 else "",
+        )
         if not handing or grace_s <= 0:
             await self._wind_down(gone, True, 0.0)
         else:
@@ -176,7 +183,13 @@ class Claimer:
                     await ledger_partitions.end_handover(conn, handing)
             except psycopg.Error as exc:
                 log.warning("could not end the hand-over (the next owner waits for its deadline): %s", exc)
-            metrics.HANDOVER_SECONDS.observe(time.monotonic() - began)
+            took = time.monotonic() - began
+            metrics.HANDOVER_SECONDS.observe(took)
+            log.info(
+                "hand-over of partitions %s ended after %.1fs",
+                ", ".join(str(k.partition) for k in sorted(handing)),
+                took,
+            )
 
     async def _renew_handover(self, handing: dict[PartitionKey, int]) -> None:
         """Keep the hand-over's deadline HANDOVER_LEASE_S ahead while its runs last."""

@@ -2,12 +2,14 @@
 
 Dev tooling, like the demo and the benchmarks: the product never imports it.
 
-A seeded run starts a fresh stack in its own folder (``.run/chaos`` by default, free ports),
-sends chat messages through ingest from many users (each message retried with its
-Idempotency-Key until acknowledged, as a client would), and every few seconds injects one
-fault: SIGKILL of the worker, ingest, the scheduler, the dispatcher, the Kafka broker or
-PostgreSQL (its whole process group, as a crash), or SIGSTOP of the worker past its session
-timeout. After each kill the stack is brought back with ``vigil-dev up``. When the faults are
+A seeded run starts a fresh stack in its own folder (``.run/chaos`` by default, free ports)
+with a second worker in the same consumer group, sends chat messages through ingest from many
+users (each message retried with its Idempotency-Key until acknowledged, as a client would),
+and every few seconds injects one fault: SIGKILL of one of the workers, ingest, the scheduler,
+the dispatcher, the Kafka broker or PostgreSQL (its whole process group, as a crash), or
+SIGSTOP of one of the workers past its session timeout. After each kill the stack is brought
+back with ``vigil-dev up`` (and the second worker by the chaos stack), so the partitions move
+between the workers under load: lost to a crash or a freeze, handed over when one rejoins. When the faults are
 done the load stops, the stack is given time to settle, and the invariants are checked
 against the ledger and the dispatcher's delivery log (:mod:`vigil_dev.chaos.checks`).
 

@@ -43,10 +43,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=45.0, help="messages per second, all users together")
     p.add_argument("--gap", type=float, nargs=2, default=(4.0, 8.0), metavar=("MIN", "MAX"), help="seconds between")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated: " + ", ".join(KINDS))
+    p.add_argument("--workers", type=int, choices=(1, 2), default=2, help="worker processes in one group")
     p.add_argument("--session-timeout-ms", type=int, default=10_000, help="the worker's Kafka session timeout")
     p.add_argument("--settle-s", type=float, default=180.0, help="how long the stack may take to settle at the end")
     p.add_argument("--run-dir", type=Path, default=repo_root() / ".run" / "chaos", help="the stack's folder")
-    p.add_argument("--port-base", type=int, default=None, help="ports base..base+7 (default: free ports)")
+    p.add_argument("--port-base", type=int, default=None, help="ports base..base+8 (default: free ports)")
     p.add_argument("--keep", action="store_true", help="leave the stack running at the end")
     return p.parse_args(argv)
 
@@ -62,18 +63,19 @@ def schedule(rng: random.Random, kinds: list[str], count: int) -> list[str]:
     return plan
 
 
-def inject(stack: ChaosStack, kind: str, fault: Fault) -> str:
-    action, part = kind.split("-", 1)
-    target = "postgres" if part == "postgres" else part
+def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> str:
+    action, target = kind.split("-", 1)
+    # With two workers, a worker fault hits one of them (seeded): the other takes its partitions.
+    target = rng.choice(stack.workers) if target == "worker" else target
     if action == "freeze":
         seconds = stack.session_timeout_ms / 1000 + FREEZE_EXTRA_S
         if not stack.freeze(target, seconds):
-            return "not running"
-        return f"stopped for {seconds:.0f} s"
+            return f"{target} not running"
+        return f"{target} stopped for {seconds:.0f} s"
     if not stack.kill(target):
-        return "not running (restarting)"
+        return f"{target} not running (restarting)"
     fault.restart_s = stack.up()
-    return f"restarted in {fault.restart_s:.1f} s"
+    return f"{target} restarted in {fault.restart_s:.1f} s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown fault kind(s): {', '.join(unknown)}", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
-    stack = ChaosStack(args.run_dir.resolve(), Ports.pick(args.port_base), args.session_timeout_ms, {})
+    stack = ChaosStack(args.run_dir.resolve(), Ports.pick(args.port_base), args.session_timeout_ms, {}, args.workers)
     began = time.time()
-    say(began, f"chaos seed {args.seed}: fresh stack in {stack.root}")
+    say(began, f"chaos seed {args.seed}: fresh stack in {stack.root}, workers {', '.join(stack.workers)}")
     stack.fresh()
     try:
         say(began, f"stack up in {stack.up():.1f} s")
@@ -109,7 +111,8 @@ def run(args: argparse.Namespace, rng: random.Random, kinds: list[str], stack: C
         time.sleep(rng.uniform(*args.gap))
         fault = Fault(kind, time.time())
         faults.append(fault)
-        say(began, f"fault {n}/{args.faults}: {kind} ... {inject(stack, kind, fault)} ({len(load.acked)} acked so far)")
+        what = inject(stack, kind, fault, rng)
+        say(began, f"fault {n}/{args.faults}: {kind} ... {what} ({len(load.acked)} acked so far)")
     say(began, "faults done; the clients finish what they began")
     load.stop_sending(args.settle_s)
     thread.join(args.settle_s + 30)

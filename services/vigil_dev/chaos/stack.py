@@ -4,6 +4,7 @@ operator would bring it back."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,10 @@ from vigil.paths import repo_root
 from vigil_dev import devstack
 
 SERVICES = ("ingest", "worker", "scheduler", "dispatcher")
+# Workers beyond `vigil-dev up`'s one, started by the chaos stack itself in the same consumer
+# group: a kill or a freeze of one moves its partitions to the other, and its restart moves
+# them back through the hand-over (fencing rule 4), so rebalances happen under load.
+EXTRA_WORKERS = ("worker-b",)
 # A restart that fails (PostgreSQL's old backends still exiting, a port not yet free) is tried
 # again after this long, up to this many times.
 RESTART_PAUSE_S = 1.0
@@ -33,19 +38,21 @@ class Ports:
     scheduler: int
     dispatcher: int
     claude: int
+    worker_b: int
 
     @classmethod
     def pick(cls, base: int | None) -> Ports:
         if base is None:
-            return cls(*(devstack.free_port() for _ in range(8)))
-        return cls(*range(base, base + 8))
+            return cls(*(devstack.free_port() for _ in range(9)))
+        return cls(*range(base, base + 9))
 
 
 class ChaosStack:
-    def __init__(self, root: Path, ports: Ports, session_timeout_ms: int, extra_env: dict[str, str]):
+    def __init__(self, root: Path, ports: Ports, session_timeout_ms: int, extra_env: dict[str, str], workers: int = 2):
         self.root = root
         self.ports = ports
         self.session_timeout_ms = session_timeout_ms
+        self.workers = ["worker", *EXTRA_WORKERS[: max(0, workers - 1)]]
         # The broker's jars: wherever the developer's stack keeps them (fetched once).
         libs_root = Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run"))
         self.libs = devstack.kafka_libs(libs_root / "kafka")
@@ -78,7 +85,7 @@ class ChaosStack:
         self.root.mkdir(parents=True)
 
     def up(self) -> float:
-        """``vigil-dev up`` until it succeeds; the seconds it took."""
+        """``vigil-dev up`` until it succeeds, then the extra workers; the seconds it took."""
         began = time.monotonic()
         last = ""
         for _ in range(RESTART_TRIES):
@@ -86,12 +93,34 @@ class ChaosStack:
                 [sys.executable, "-m", "vigil_dev", "up"], env=self.env, capture_output=True, text=True
             )
             if result.returncode == 0:
+                self._extra_workers_up()
                 return time.monotonic() - began
             last = (result.stderr or result.stdout)[-1500:]
             time.sleep(RESTART_PAUSE_S)
         raise RuntimeError(f"vigil-dev up kept failing:\n{last}")
 
+    def _extra_workers_up(self) -> None:
+        """Start each extra worker that is not running, with the stack's own settings (the
+        ``env`` file `vigil-dev up` wrote) and a port of its own; wait for its /healthz."""
+        settings = {}
+        for line in (self.root / "env").read_text().splitlines():
+            name, _, value = line.removeprefix("export ").partition("=")
+            if name.startswith(("VIGIL_", "ANTHROPIC_")):
+                settings[name] = shlex.split(value)[0] if value else ""
+        for name in self.workers[1:]:
+            if self.pid(name) is not None:
+                continue
+            port = self.port_of(name)
+            env = {**self.env, **settings, "VIGIL_WORKER_PORT": str(port), "VIGIL_INSTANCE_ID": f"chaos-{name}"}
+            logfile = self.root / "logs" / f"{name}.log"
+            devstack.spawn(
+                [sys.executable, "-m", "vigil", "worker"], logfile, self.pidfile(name), env=env, cwd=repo_root()
+            )
+            devstack.wait_until(lambda port=port: _healthy(port), 60, name, logfile)
+
     def down(self) -> None:
+        for name in self.workers[1:]:
+            devstack.stop(self.pidfile(name))
         if self.root.exists():
             subprocess.run([sys.executable, "-m", "vigil_dev", "down"], env=self.env, capture_output=True)
 
@@ -148,14 +177,12 @@ class ChaosStack:
             os.kill(pid, signal.SIGCONT)
         return True
 
+    def port_of(self, name: str) -> int:
+        return getattr(self.ports, name.replace("-", "_"))
+
     def ready(self) -> dict[str, bool]:
         """Each service's /readyz (Kafka and PostgreSQL reachable from it)."""
-        ports = {
-            "ingest": self.ports.ingest,
-            "worker": self.ports.worker,
-            "scheduler": self.ports.scheduler,
-            "dispatcher": self.ports.dispatcher,
-        }
+        ports = {name: self.port_of(name) for name in ("ingest", *self.workers, "scheduler", "dispatcher")}
         found = {}
         for name, port in ports.items():
             try:
@@ -164,3 +191,11 @@ class ChaosStack:
             except OSError:
                 found[name] = False
         return found
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
