@@ -304,6 +304,37 @@ def test_a_revoke_does_not_stop_the_worker_recording(stack, topics, ledger, vigi
 
 
 @pytest.mark.partitions(2)
+def test_a_joining_worker_records_the_partition_handed_to_it_while_the_hand_over_lasts(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """A's runs take 12 s; B joins and is given the partition A hands over. B records that
+    partition's new events at once, while A's runs on it still run under A's epoch (until
+    session 26 B's consumer waited for the hand-over in its assignment callback, recording
+    nothing), and claims them only once its takeover follows the hand-over."""
+    env_a = worker_env(
+        vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-a", VIGIL_REVOKE_GRACE_S="30"
+    )
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-b")
+    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b)
+    produce(stack.bootstrap, topics.events, [chat(f"fresh-{i}", "quick hello") for i in range(3)], partition=moving)
+    fresh = "SELECT count(*) FROM events WHERE user_id LIKE 'fresh-%%'"
+    wait_for(lambda: scalar(ledger, fresh) == 3, 20, "B recording the partition handed to it")
+    # Recorded during the hand-over: A still holds the partition, its runs still run.
+    assert query(ledger, HANDING) == [{"partition": moving}]
+    assert scalar(ledger, "SELECT holder FROM partitions WHERE partition = %s", (moving,)) == "worker-a"
+    assert scalar(ledger, "SELECT count(*) FROM events WHERE status = 'running' AND user_id LIKE 'user-%%'") > 0
+    assert scalar(ledger, "SELECT count(*) FROM events WHERE status <> 'pending' AND user_id LIKE 'fresh-%%'") == 0
+    wait_all_done(ledger, 15, timeout=60)
+    assert {r["worker"] for r in query(ledger, "SELECT worker FROM runs WHERE user_id LIKE 'fresh-%%'")} == {"worker-b"}
+    took_over = scalar(ledger, "SELECT acquired_at FROM partitions WHERE partition = %s", (moving,))
+    assert scalar(ledger, "SELECT max(started_at) FROM runs WHERE worker = 'worker-a'") < took_over
+    assert metric(int(env_b["VIGIL_WORKER_PORT"]), "vigil_worker_handover_wait_seconds_sum") > 1
+    assert metric(int(env_a["VIGIL_WORKER_PORT"]), "vigil_claims_released_total") == 0
+    assert a.alive()
+    assert_runs_consistent(ledger)
+
+
+@pytest.mark.partitions(2)
 def test_a_worker_killed_mid_hand_over_delays_its_partition_only_to_the_lease(stack, topics, ledger, vigil_env, spawn):
     """A hands a partition over to B (a 30 s grace) and is SIGKILLed before its runs finish:
     nobody renews or clears the hand-over, so B's takeover waits out its deadline, never less

@@ -27,7 +27,11 @@ with them, so those events are read again and recorded; the Kafka offsets are st
 committed, for lag monitoring and for partitions the ledger has not seen.
 
 Rebalances: an assignment is a takeover in the ledger (:mod:`vigil.worker.fencing`), after
-the previous owner's hand-over, before any claim is made for it; a revoke hands the
+the previous owner's hand-over, before any claim is made for it. A partition still being
+handed over is recorded at once and taken over later, by a thread of its own once the
+hand-over ends (recording is not fenced: the dedup key and the GREATEST position make a late
+or repeated batch harmless; claims are), so the consumer never waits for another worker's
+runs, and its other partitions go on being recorded meanwhile. A revoke hands the
 partition's runs over (they finish or are released in the background, the ledger holding
 the next takeover until then: fencing rule 4), then commits the stored offsets
 synchronously; a *lost* partition (session timed out) commits nothing, because another
@@ -54,12 +58,14 @@ from vigil.ledger import recovery as ledger_recovery
 from vigil.ledger.db import connect
 from vigil.ledger.events import USER_COLUMN, prepare_record_connection
 from vigil.worker import metrics, traces
-from vigil.worker.fencing import PartitionKey, take_over
+from vigil.worker.fencing import PartitionKey, handing_over, take_over, wait_for_handover
 from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
+# take_over's wait for a hand-over, when the caller knows none is in progress or has waited.
+HANDOVER_WITHIN_NONE = 0.0
 STATS_INTERVAL_MS = 15_000
 
 
@@ -145,6 +151,11 @@ class ConsumerLoop(threading.Thread):
         # of home partitions cost each batch an index probe per event for nothing.
         self.known_users: set[str] = set()
         self.in_flight: InFlight | None = None
+        # Assigned partitions whose takeover waits for the previous owner's hand-over (a
+        # thread each batch, :meth:`_take_over_later`). The lock orders a takeover against a
+        # revoke of the same partition: whichever comes second sees what the first did.
+        self.taking_over: set[PartitionKey] = set()
+        self._takeover_lock = threading.Lock()
         self.abandoned = False  # a batch was given up (stopping with the ledger down): store no more offsets
 
     # -- ledger connection ------------------------------------------------------------
@@ -176,27 +187,79 @@ class ConsumerLoop(threading.Thread):
         if not keys:
             return
         self._settle()
-        epochs = self._retrying(
-            "takeover",
-            lambda conn: take_over(
-                conn,
-                keys,
-                self.settings.instance_id,
-                self.settings.backoff_base_s,
-                self.settings.backoff_cap_s,
-                self.settings.max_attempts,
-                # The previous owner's hand-over: half the poll interval, as its revoke's grace.
-                self.settings.kafka_max_poll_interval_ms / 2000,
-            ),
-        )
+        later = self._retrying("reading hand-overs", lambda conn: handing_over(conn, keys))
+        now = [k for k in keys if k not in later]
+        if now:
+            epochs = self._retrying("takeover", lambda conn: self._take_over(conn, now, HANDOVER_WITHIN_NONE))
+            self._call_runner(self.runner.assign(epochs))
         self.assigned.update(keys)
-        self._call_runner(self.runner.assign(epochs))
         positions = self._retrying("reading consumer positions", lambda conn: read_positions(conn, keys))
         consumer.incremental_assign(
             [TopicPartition(k.topic, k.partition, positions.get(k, OFFSET_INVALID)) for k in keys]
         )
         resumed = {k.partition: offset for k, offset in sorted(positions.items())}
         log.info("resuming at the ledger's positions %s (others at the group's committed offset)", resumed)
+        if later:
+            with self._takeover_lock:
+                self.taking_over.update(later)
+            log.info(
+                "partitions %s: recording; taken over once the previous owner's hand-over ends",
+                ", ".join(str(k.partition) for k in sorted(later)),
+            )
+            threading.Thread(target=self._take_over_later, args=(sorted(later),), name="takeover", daemon=True).start()
+
+    def _take_over(self, conn: psycopg.Connection, keys: list[PartitionKey], within_s: float) -> dict:
+        return take_over(
+            conn,
+            keys,
+            self.settings.instance_id,
+            self.settings.backoff_base_s,
+            self.settings.backoff_cap_s,
+            self.settings.max_attempts,
+            within_s,
+        )
+
+    def _take_over_later(self, keys: list[PartitionKey]) -> None:
+        """Rule 4 off the consumer thread: wait for the previous owner's hand-over of ``keys``
+        (at most half the poll interval, as before hand-overs the group bounded a revoke), then
+        take over those still assigned and let the run loop claim for them. A revoke or a
+        loss meanwhile drops them from ``taking_over``; the lock makes it wait for a takeover
+        in progress, so the partition is handed on as ours, never taken over after it left."""
+        within_s = self.settings.kafka_max_poll_interval_ms / 2000
+
+        def wanted() -> list[PartitionKey]:
+            with self._takeover_lock:
+                return [k for k in keys if k in self.taking_over]
+
+        conn: psycopg.Connection | None = None
+        waited = False
+        try:
+            while not self.stopping.is_set() and wanted():
+                try:
+                    if conn is None or conn.closed or conn.broken:
+                        conn = connect(self.settings.dsn)
+                    if not waited:
+                        wait_for_handover(conn, wanted(), within_s, given_up=lambda: not wanted())
+                        waited = True
+                    with self._takeover_lock:
+                        left = [k for k in keys if k in self.taking_over]
+                        if not left:
+                            return
+                        epochs = self._take_over(conn, left, HANDOVER_WITHIN_NONE)
+                        self._call_runner(self.runner.assign(epochs))
+                        self.taking_over.difference_update(left)
+                    return
+                except psycopg.OperationalError as exc:
+                    log.warning("takeover after a hand-over failed (ledger unreachable?), retrying: %s", exc)
+                    conn = None
+                    self.stopping.wait(RETRY_S)
+        except BaseException as exc:  # as the consumer loop's own death: the worker exits non-zero
+            self.error = exc
+            log.exception("takeover after a hand-over died")
+            self.stopping.set()
+        finally:
+            if conn is not None:
+                conn.close()
 
     def on_revoke(self, consumer, partitions) -> None:
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
@@ -205,6 +268,7 @@ class ConsumerLoop(threading.Thread):
         # once the ledger has its deadline, and recording goes on (only if the ledger cannot
         # take it does the grace pass here).
         grace_s = self.settings.revoke_grace_s
+        self._forget_takeovers(keys)
         self._call_runner(self.runner.hand_over(keys, grace_s), timeout=grace_s + 60.0)
         try:
             consumer.commit(asynchronous=False)
@@ -214,9 +278,16 @@ class ConsumerLoop(threading.Thread):
         self.assigned.difference_update(keys)
         _forget_lag(keys)
 
+    def _forget_takeovers(self, keys: list[PartitionKey]) -> None:
+        """Revoked or lost before their takeover: never take them over (waits for one in
+        progress, which then owns them, and the revoke hands them on)."""
+        with self._takeover_lock:
+            self.taking_over.difference_update(keys)
+
     def on_lost(self, consumer, partitions) -> None:
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
         log.warning("partitions lost (session timed out): %s; committing nothing", [k.partition for k in keys])
+        self._forget_takeovers(keys)
         self._call_runner(self.runner.revoke(keys, release=False))
         self.assigned.difference_update(keys)
         _forget_lag(keys)

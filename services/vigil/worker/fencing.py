@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import psycopg
 
@@ -15,24 +16,40 @@ from vigil.worker import metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PartitionKey", "take_over", "wait_for_handover"]
+__all__ = ["PartitionKey", "handing_over", "take_over", "wait_for_handover"]
 
 # How often a takeover looks whether the previous owner's hand-over has ended.
 HANDOVER_POLL_S = 0.05
 
 
-def wait_for_handover(conn: psycopg.Connection, partitions: list[PartitionKey], within_s: float) -> float:
+def handing_over(conn: psycopg.Connection, partitions: list[PartitionKey]) -> set[PartitionKey]:
+    """Which of ``partitions`` a previous owner is handing over now (rule 4), each looked up
+    in its own short transaction: an assignment is rare and holds a dozen partitions at most."""
+    found = set()
+    for key in partitions:
+        if ledger_partitions.handover_left(conn, [key]) is not None:
+            found.add(key)
+        conn.commit()
+    return found
+
+
+def wait_for_handover(
+    conn: psycopg.Connection,
+    partitions: list[PartitionKey],
+    within_s: float,
+    given_up: Callable[[], bool] = lambda: False,
+) -> float:
     """Rule 4: until no hand-over of ``partitions`` is in progress (the previous owner cleared
-    it, or its deadline passed: a revoking worker that died), at most ``within_s`` (the
-    consumer waits in its assignment callback: past the poll interval the group would drop
-    it; a takeover before the end fences the previous owner out, as for a lost partition).
-    Returns the seconds waited.
+    it, or its deadline passed: a revoking worker that died), at most ``within_s`` (a
+    takeover after that fences the previous owner out, as for a lost partition). Returns the
+    seconds waited. The consumer records the partitions meanwhile: only claims wait.
 
     No lock is held meanwhile: each look is its own short transaction. The revoking worker
     cannot set a new deadline after it (the group gave the partitions to us), so the
-    takeover that follows sees none."""
+    takeover that follows sees none. ``given_up()`` true ends the wait early (the partitions
+    were revoked meanwhile)."""
     began = time.monotonic()
-    while time.monotonic() - began < within_s:
+    while time.monotonic() - began < within_s and not given_up():
         left = ledger_partitions.handover_left(conn, partitions)
         conn.commit()
         if left is None:
@@ -59,14 +76,15 @@ def take_over(
     handover_within_s: float = 60.0,
 ) -> dict[PartitionKey, int]:
     """Rule 1, for every newly assigned partition in one transaction, once no hand-over of
-    them is in progress (rule 4, :func:`wait_for_handover`, at most ``handover_within_s``).
-    Returns the new epochs.
+    them is in progress (rule 4, :func:`wait_for_handover`, at most ``handover_within_s``;
+    0: the caller has waited already). Returns the new epochs.
 
     Partitions are taken in sorted order so that two workers taking over overlapping sets
     cannot deadlock. A crash before the commit leaves the old epochs: the next assignment
     takes over again.
     """
-    wait_for_handover(conn, partitions, handover_within_s)
+    if handover_within_s > 0:
+        wait_for_handover(conn, partitions, handover_within_s)
     epochs: dict[PartitionKey, int] = {}
     with conn.transaction():
         for key in sorted(partitions):

@@ -195,9 +195,9 @@ class WorkerSettings(CommonSettings):
                 "connection, and the claim passes need one too"
             )
         if self.revoke_grace_s * 1000 * 2 > self.kafka_max_poll_interval_ms:
-            # The next owner's takeover waits for the hand-over in its assignment callback,
-            # holding its poll loop (and the revoke does, when the ledger cannot take the
-            # hand-over): past the poll interval the group would drop that worker.
+            # When the ledger cannot take the hand-over, the revoke waits out the grace in
+            # its callback, holding the poll loop: past the poll interval the group would drop
+            # that worker. (The next owner's takeover waits at most half of it too.)
             raise ValueError("VIGIL_REVOKE_GRACE_S must be at most half of VIGIL_KAFKA_MAX_POLL_INTERVAL_MS")
         if self.task_stale_s < 2 * self.task_heartbeat_s:
             # One late heartbeat (a GC pause, a slow commit) must not take a live task back.
