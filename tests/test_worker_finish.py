@@ -427,3 +427,29 @@ def test_a_release_that_meets_a_finish_moving_one_of_its_rows_still_releases_the
     }
     assert status == {"finishing": ("done", 1), "cancelled": ("pending", 0)}
     assert REGISTRY.get_sample_value("vigil_claims_released_total") == before + 1
+
+
+def test_a_revoke_hurries_only_its_own_partitions_finish_groups():
+    """While a revoke waits for a partition's runs, a finish group holding one of them commits
+    without waiting for company; groups of the other partitions go on gathering (until session
+    26 every group of the worker stopped gathering for the whole hand-over)."""
+    other = PartitionKey("events", 1)
+    runs = Runs(SimpleNamespace(), None, None, SystemClock())
+    victim = Active(finished("u1", 1, RunResult(RunOutcome.NOTHING)).claim)
+    runs.active["u1"] = victim
+    mine = finished("u1", 1, RunResult(RunOutcome.NOTHING))
+    theirs = finished("u2", 2, RunResult(RunOutcome.NOTHING))
+    theirs.claim = Claim("u2", other, 1, theirs.claim.events, 0, datetime.now(UTC))
+
+    async def go():
+        assert not runs.urgent([mine]) and not runs.urgent([theirs])
+        waiting = asyncio.create_task(runs.wait_gone([victim], 5.0))
+        await asyncio.sleep(0.02)
+        assert runs.hurry.is_set()  # wakes a group already waiting: it may hold a returned run
+        assert runs.urgent([mine]) and runs.urgent([theirs, mine])
+        assert not runs.urgent([theirs])
+        runs.forget(victim.claim)
+        assert await waiting == []
+        assert not runs.urgent([mine])
+
+    asyncio.run(go())

@@ -96,8 +96,11 @@ class Finisher:
                 self._take_queued(batch)
                 ran_s = (utc(self.clock.now()) - batch[0].started_at).total_seconds()
                 wait_s = gather_s(len(batch), ran_s)
-                if wait_s > 0 and not self.runs.hurry.is_set():
-                    try:  # a revoke waiting for these runs cuts the wait short (Runs.wait_gone)
+                if wait_s > 0 and not self.runs.urgent(batch):
+                    # A revoke waiting for one of these runs, or for one queued meanwhile,
+                    # cuts the wait short (Runs.wait_gone).
+                    self.runs.hurry.clear()
+                    try:
                         await asyncio.wait_for(self.runs.hurry.wait(), wait_s)
                     except TimeoutError:
                         pass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import psycopg
@@ -55,10 +55,12 @@ class Runs:
         self.clock = clock
         self.active: dict[str, Active] = {}
         self.finished: asyncio.Queue[Finished] = asyncio.Queue()
-        # Set while a revoke waits for runs to commit (:meth:`wait_gone`): a finish group
-        # waiting for company (finish_loop.gather_s) commits at once instead.
+        # The partitions whose runs a revoke waits for (:meth:`wait_gone`): a finish group
+        # holding one of their runs does not wait for company (finish_loop.gather_s), and
+        # ``hurry`` wakes a group already waiting when the revoke starts or when one of those
+        # runs is queued. Other partitions' groups go on gathering.
         self.hurry = asyncio.Event()
-        self._hurrying = 0
+        self._hurrying: Counter[PartitionKey] = Counter()
 
     @property
     def needs_context(self) -> bool:
@@ -93,17 +95,21 @@ class Runs:
         owner's takeover waits for the revoke), instead of being released to run again."""
         if not victims or within_s <= 0:
             return victims
-        self._hurrying += 1
+        homes = Counter({a.claim.home for a in victims})
+        self._hurrying.update(homes)
         self.hurry.set()
         try:
             deadline = time.monotonic() + within_s
             while any(self.active.get(a.claim.user_id) is a for a in victims) and time.monotonic() < deadline:
                 await asyncio.sleep(GONE_POLL_S)
         finally:
-            self._hurrying -= 1
-            if not self._hurrying:
-                self.hurry.clear()
+            self._hurrying.subtract(homes)
+            self._hurrying = +self._hurrying  # drop the partitions no revoke waits for any more
         return [a for a in victims if self.active.get(a.claim.user_id) is a]
+
+    def urgent(self, group: list[Finished]) -> bool:
+        """Whether a revoke waits for a run of ``group`` (it commits without waiting for company)."""
+        return bool(self._hurrying) and any(f.claim.home in self._hurrying for f in group)
 
     async def cancel(self, victims: list[Active], release: bool = True) -> None:
         """Cancel these runs, forget them, and (``release``) hand their claims back."""
@@ -162,6 +168,8 @@ class Runs:
             finished.error = f"{type(exc).__name__}: {exc}"
             finished.backoff_s = backoff_seconds(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
         await self.finished.put(finished)
+        if c.home in self._hurrying:
+            self.hurry.set()  # a group waiting for company takes this run and commits now
 
     async def preload(self, conn, started: list[Active]) -> None:
         """The contexts of a pass's runs, read together: one pipeline on the claim's
