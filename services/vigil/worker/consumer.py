@@ -44,6 +44,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -54,6 +55,7 @@ from vigil import tracing
 from vigil.bus.codec import DecodeError, EventCodec
 from vigil.bus.kafka import ProduceError
 from vigil.ledger import events as ledger_events
+from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
 from vigil.ledger.db import connect
 from vigil.ledger.events import USER_COLUMN, prepare_record_connection
@@ -232,19 +234,24 @@ class ConsumerLoop(threading.Thread):
                 return [k for k in keys if k in self.taking_over]
 
         conn: psycopg.Connection | None = None
-        waited = False
+        deadline = time.monotonic() + within_s
         try:
             while not self.stopping.is_set() and wanted():
                 try:
                     if conn is None or conn.closed or conn.broken:
                         conn = connect(self.settings.dsn)
-                    if not waited:
-                        wait_for_handover(conn, wanted(), within_s, given_up=lambda: not wanted())
-                        waited = True
+                    left_s = max(deadline - time.monotonic(), 0.0)
+                    wait_for_handover(conn, wanted(), left_s, given_up=lambda: not wanted())
                     with self._takeover_lock:
                         left = [k for k in keys if k in self.taking_over]
                         if not left:
                             return
+                        # Revoked and given back meanwhile, a partition may be in a later
+                        # owner's hand-over: wait for that one too (within the same bound).
+                        again = ledger_partitions.handover_left(conn, left) is not None
+                        conn.commit()
+                        if again and time.monotonic() < deadline:
+                            continue
                         epochs = self._take_over(conn, left, HANDOVER_WITHIN_NONE)
                         self._call_runner(self.runner.assign(epochs))
                         self.taking_over.difference_update(left)
