@@ -291,7 +291,9 @@ def test_a_revoke_does_not_stop_the_worker_recording(stack, topics, ledger, vigi
     wait_all_done(ledger, 15, timeout=40)
     moved = query(ledger, "SELECT worker FROM runs WHERE partition = %s", (moving,))
     assert moved and {r["worker"] for r in moved} == {"worker-a"}
-    assert scalar(ledger, "SELECT holder FROM partitions WHERE partition = %s", (moving,)) == "worker-b"
+    # B takes over once A has ended the hand-over, just after A's last finish commits.
+    holder = "SELECT holder FROM partitions WHERE partition = %s"
+    wait_for(lambda: scalar(ledger, holder, (moving,)) == "worker-b", 10, "B taking the partition over")
     assert scalar(ledger, "SELECT count(*) FROM runs") == 15
     port_a, port_b = int(env_a["VIGIL_WORKER_PORT"]), int(env_b["VIGIL_WORKER_PORT"])
     assert metric(port_a, "vigil_claims_released_total") == 0
