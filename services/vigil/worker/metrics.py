@@ -50,7 +50,7 @@ HANDOVER_SECONDS = Histogram(
 HANDOVER_WAIT_SECONDS = Histogram(
     "vigil_worker_handover_wait_seconds",
     "How long a takeover waited for the previous owner's hand-over (its runs of the partitions finishing); "
-    "the taking worker records no events meanwhile.",
+    "the taking worker records the partitions meanwhile and claims nothing on them.",
     buckets=REBALANCE_BUCKETS,
 )
 HANDED_BACK = Counter(

@@ -153,9 +153,9 @@ class WorkerSettings(CommonSettings):
         300_000,
         ge=1000,
         le=86_400_000,
-        description="Consumer max.poll.interval.ms (also the group's rebalance timeout). Runs never block polling "
-        "(only a takeover waiting for the previous owner's hand-over does, for at most half of this), so this only "
-        "catches a hung poll loop.",
+        description="Consumer max.poll.interval.ms (also the group's rebalance timeout). Runs and takeovers never "
+        "block polling, so this only catches a hung poll loop; a takeover waits for the previous owner's "
+        "hand-over at most half of this.",
     )
     db_pool_max: int = Field(8, ge=2, le=200, description="Ledger connections of the run loop.")
     # Background tasks (docs/tasks.md): any worker executes them, outside the one-run-per-user rule.
