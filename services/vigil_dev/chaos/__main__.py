@@ -67,6 +67,9 @@ def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> st
     action, target = kind.split("-", 1)
     # With two workers, a worker fault hits one of them (seeded): the other takes its partitions.
     target = rng.choice(stack.workers) if target == "worker" else target
+    fault.target = target
+    if target in stack.workers:
+        fault.partitions = stack.held(target)  # whose users' recovery this fault is measured on
     if action == "freeze":
         seconds = stack.session_timeout_ms / 1000 + FREEZE_EXTRA_S
         if not stack.freeze(target, seconds):
@@ -139,7 +142,10 @@ def run(args: argparse.Namespace, rng: random.Random, kinds: list[str], stack: C
 
 
 def report(faults: list[Fault], v) -> None:
-    print("\nrecovery per fault kind (injection -> first run of a message sent after it; restart = vigil-dev up)")
+    print(
+        "\nrecovery per fault kind (injection -> first run of a message sent after it; a worker fault: of a user"
+        " on a partition that worker held; restart = vigil-dev up)"
+    )
     print(f"  {'kind':<16} {'n':>3} {'median s':>9} {'max s':>7} {'restart median s':>17}")
     for kind in sorted({f.kind for f in faults}):
         mine = [f for f in faults if f.kind == kind]

@@ -32,6 +32,8 @@ class Fault:
     at: float  # wall clock when injected
     restart_s: float | None = None  # how long `vigil-dev up` took to bring it back
     recovery_s: float | None = None  # injection -> first run of a message sent after it
+    target: str = ""  # the process hit (a worker fault: which of the workers)
+    partitions: list[int] | None = None  # a worker fault: the partitions that worker held
 
 
 @dataclass
@@ -161,13 +163,21 @@ def verdict(dsn: str, prefix: str, acked: list[Acked], log: Path, ready: dict[st
 
 def recovery_times(faults: list[Fault], rows: dict) -> None:
     """Each fault's recovery: from its injection to the end of the first run whose events were
-    all received after it (the whole path works again: ingest, broker, worker, ledger)."""
+    all received after it (the whole path works again: ingest, broker, worker, ledger). For a
+    worker fault, the first such run of a user on a partition that worker held: the users
+    whose runs had to move (another worker's users never stopped)."""
     received = {e["id"]: e["received_at"] for e in rows["events"]}
-    firsts: list[tuple[datetime, datetime]] = []  # (newest event of the run received, run finished)
+    # (oldest event of the run received, run finished, the run's partition)
+    firsts: list[tuple[datetime, datetime, int]] = []
     for r in rows["runs"]:
         times = [received[i] for i in r["event_ids"] if i in received]
         if times and r["finished_at"] is not None:
-            firsts.append((min(times), r["finished_at"]))
+            firsts.append((min(times), r["finished_at"], r["partition"]))
     for fault in faults:
-        after = [done.timestamp() for got, done in firsts if got.timestamp() >= fault.at]
+        held = set(fault.partitions) if fault.partitions else None
+        after = [
+            done.timestamp()
+            for got, done, partition in firsts
+            if got.timestamp() >= fault.at and (held is None or partition in held)
+        ]
         fault.recovery_s = (min(after) - fault.at) if after else None

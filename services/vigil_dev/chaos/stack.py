@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,8 +15,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
+
+from vigil.ledger.db import connect
 from vigil.paths import repo_root
 from vigil_dev import devstack
+from vigil_dev.queries import Q
 
 SERVICES = ("ingest", "worker", "scheduler", "dispatcher")
 # Workers beyond `vigil-dev up`'s one, started by the chaos stack itself in the same consumer
@@ -176,6 +181,18 @@ class ChaosStack:
         finally:
             os.kill(pid, signal.SIGCONT)
         return True
+
+    def held(self, worker: str) -> list[int] | None:
+        """The partitions ``worker`` holds in the ledger (None if it cannot be read). The
+        stack's own worker is named hostname-pid (the default instance id), the extra ones
+        by the chaos stack."""
+        pid = self.pid(worker)
+        holder = f"chaos-{worker}" if worker in EXTRA_WORKERS else f"{socket.gethostname()}-{pid}"
+        try:
+            with connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+                return [r["partition"] for r in conn.execute(Q.chaos_held, {"holder": holder}).fetchall()]
+        except (OSError, psycopg.Error):  # a measurement: the fault goes ahead without it
+            return None
 
     def port_of(self, name: str) -> int:
         return getattr(self.ports, name.replace("-", "_"))

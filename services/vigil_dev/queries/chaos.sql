@@ -7,7 +7,7 @@ FROM events WHERE user_id LIKE %(prefix)s AND source = 'chat' ORDER BY id
 
 -- name: chaos_runs
 -- Every run of the run's users, failed attempts included.
-SELECT id, user_id, event_ids, started_at, finished_at, outcome
+SELECT id, user_id, partition, event_ids, started_at, finished_at, outcome
 FROM runs WHERE user_id LIKE %(prefix)s ORDER BY user_id, started_at
 
 -- name: chaos_outbox
@@ -19,3 +19,7 @@ FROM outbox WHERE user_id LIKE %(prefix)s ORDER BY id
 -- What still moves for the run's users: events not finished, messages not delivered.
 SELECT (SELECT count(*) FROM events WHERE user_id LIKE %(prefix)s AND status IN ('pending', 'running'))::int AS events,
        (SELECT count(*) FROM outbox WHERE user_id LIKE %(prefix)s AND status IN ('pending', 'sending'))::int AS messages
+
+-- name: chaos_held
+-- The events topic's partitions a worker holds in the ledger (its instance id is the holder).
+SELECT partition FROM partitions WHERE holder = %(holder)s ORDER BY partition
