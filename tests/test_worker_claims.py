@@ -176,6 +176,82 @@ def test_a_stale_holder_cannot_start_a_hand_over(ledger):
     assert timed_take_over(ledger)[1] < 1.0
 
 
+class DeferredTakeover:
+    """A worker's consumer at an assignment of HOME during a hand-over (its takeover deferred
+    to a thread, ``ConsumerLoop._take_over_later``), against the real ledger; the run loop
+    only records what it is told to claim for."""
+
+    def __init__(self, ledger: str, monkeypatch):
+        from vigil.settings import load
+        from vigil.worker.consumer import ConsumerLoop
+        from vigil.worker.settings import WorkerSettings
+
+        monkeypatch.setenv("VIGIL_DATABASE_URL", ledger)
+        self.assigned: list[dict] = []
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        assigned = self.assigned
+
+        class RunLoop:
+            async def assign(self, epochs):
+                assigned.append(epochs)
+
+        settings = load(WorkerSettings, instance_id="next-worker")
+        self.consumer = ConsumerLoop(settings, RunLoop(), self.loop, None, threading.Event())
+        self.consumer.taking_over.add(HOME)
+        self.thread = threading.Thread(target=self.consumer._take_over_later, args=([HOME],), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.consumer.stopping.set()
+        self.thread.join(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def holder(ledger: str) -> dict:
+    return query(ledger, "SELECT epoch, holder FROM partitions")[0]
+
+
+def test_a_deferred_takeover_waits_for_the_hand_over_then_lets_the_run_loop_claim(ledger, monkeypatch):
+    """The next owner records a partition being handed over at once and takes it over later:
+    its takeover thread leaves the epoch alone while the hand-over lasts, then bumps it and
+    hands the new epoch to the run loop."""
+    seed_pending(ledger, 1)
+    handover(ledger, 1, 30.0)
+    deferred = DeferredTakeover(ledger, monkeypatch)
+    try:
+        time.sleep(0.6)
+        assert deferred.thread.is_alive() and deferred.assigned == []
+        assert holder(ledger)["epoch"] == 1
+        handover(ledger, 1, 0, end=True)
+        deferred.thread.join(5)
+        assert not deferred.thread.is_alive()
+        assert deferred.assigned == [{HOME: 2}]
+        assert holder(ledger) == {"epoch": 2, "holder": "next-worker"}
+        assert not deferred.consumer.taking_over
+    finally:
+        deferred.close()
+
+
+def test_a_partition_revoked_before_its_deferred_takeover_is_never_taken_over(ledger, monkeypatch):
+    """Revoked (or lost) while its takeover waits for the hand-over, the partition is someone
+    else's next: the thread gives up, and never bumps the epoch after it left."""
+    seed_pending(ledger, 1)
+    handover(ledger, 1, 30.0)
+    before = holder(ledger)
+    deferred = DeferredTakeover(ledger, monkeypatch)
+    try:
+        time.sleep(0.3)
+        deferred.consumer._forget_takeovers([HOME])  # what on_revoke and on_lost do first
+        deferred.thread.join(2)
+        assert not deferred.thread.is_alive(), "the takeover went on waiting for a partition it lost"
+        handover(ledger, 1, 0, end=True)
+        time.sleep(0.3)
+        assert deferred.assigned == [] and holder(ledger) == before
+    finally:
+        deferred.close()
+
+
 def run_alone(ledger: str, epoch: int):
     async def go():
         async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
