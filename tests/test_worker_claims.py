@@ -17,6 +17,7 @@ import time
 from datetime import UTC, datetime
 
 import psycopg
+from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
 from support import query
@@ -183,6 +184,7 @@ class DeferredTakeover:
 
     def __init__(self, ledger: str, monkeypatch):
         from vigil.settings import load
+        from vigil.worker import metrics
         from vigil.worker.consumer import ConsumerLoop
         from vigil.worker.settings import WorkerSettings
 
@@ -199,6 +201,7 @@ class DeferredTakeover:
         settings = load(WorkerSettings, instance_id="next-worker")
         self.consumer = ConsumerLoop(settings, RunLoop(), self.loop, None, threading.Event())
         self.consumer.taking_over.add(HOME)
+        metrics.AWAITING_TAKEOVER.set(1)  # as on_assign sets it
         self.thread = threading.Thread(target=self.consumer._take_over_later, args=([HOME],), daemon=True)
         self.thread.start()
 
@@ -223,10 +226,12 @@ def test_a_deferred_takeover_waits_for_the_hand_over_then_lets_the_run_loop_clai
         time.sleep(0.6)
         assert deferred.thread.is_alive() and deferred.assigned == []
         assert holder(ledger)["epoch"] == 1
+        assert REGISTRY.get_sample_value("vigil_partitions_awaiting_takeover") == 1
         handover(ledger, 1, 0, end=True)
         deferred.thread.join(5)
         assert not deferred.thread.is_alive()
         assert deferred.assigned == [{HOME: 2}]
+        assert REGISTRY.get_sample_value("vigil_partitions_awaiting_takeover") == 0
         assert holder(ledger) == {"epoch": 2, "holder": "next-worker"}
         assert not deferred.consumer.taking_over
     finally:
@@ -248,6 +253,7 @@ def test_a_partition_revoked_before_its_deferred_takeover_is_never_taken_over(le
         handover(ledger, 1, 0, end=True)
         time.sleep(0.3)
         assert deferred.assigned == [] and holder(ledger) == before
+        assert REGISTRY.get_sample_value("vigil_partitions_awaiting_takeover") == 0
     finally:
         deferred.close()
 

@@ -204,6 +204,7 @@ class ConsumerLoop(threading.Thread):
         if later:
             with self._takeover_lock:
                 self.taking_over.update(later)
+                metrics.AWAITING_TAKEOVER.set(len(self.taking_over))
             log.info(
                 "partitions %s: recording; taken over once the previous owner's hand-over ends",
                 ", ".join(str(k.partition) for k in sorted(later)),
@@ -255,6 +256,7 @@ class ConsumerLoop(threading.Thread):
                         epochs = self._take_over(conn, left, HANDOVER_WITHIN_NONE)
                         self._call_runner(self.runner.assign(epochs))
                         self.taking_over.difference_update(left)
+                        metrics.AWAITING_TAKEOVER.set(len(self.taking_over))
                     return
                 except psycopg.OperationalError as exc:
                     log.warning("takeover after a hand-over failed (ledger unreachable?), retrying: %s", exc)
@@ -290,6 +292,7 @@ class ConsumerLoop(threading.Thread):
         progress, which then owns them, and the revoke hands them on)."""
         with self._takeover_lock:
             self.taking_over.difference_update(keys)
+            metrics.AWAITING_TAKEOVER.set(len(self.taking_over))
 
     def on_lost(self, consumer, partitions) -> None:
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]

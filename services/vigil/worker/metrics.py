@@ -65,6 +65,11 @@ LONE_RUNS = Counter(
     "Last attempts of events lost with their worker before, run with nothing else in flight (claim rule 3).",
 )
 EPOCHS_HELD = Gauge("vigil_partition_epochs_held", "Partitions this worker owns (fencing epochs held).")
+AWAITING_TAKEOVER = Gauge(
+    "vigil_partitions_awaiting_takeover",
+    "Partitions assigned to this worker that it records but does not claim yet: their takeover waits for the "
+    "previous owner's hand-over.",
+)
 CONSUMER_LAG = Gauge("vigil_consumer_lag_messages", "Messages behind the partition's high watermark.", ["partition"])
 OLDEST_PENDING = Gauge(
     "vigil_oldest_pending_event_age_seconds", "Age of the oldest pending event in the ledger (all users)."
