@@ -91,6 +91,18 @@ def test_worker_fetch_batching_is_a_default_an_operator_can_override(monkeypatch
     assert consumer_config(load(WorkerSettings), on_stats=lambda _: None)["fetch.wait.max.ms"] == "100"
 
 
+def test_the_worker_heartbeats_ten_times_per_session_timeout(monkeypatch):
+    """A member learns of a rebalance from its next heartbeat, so every rebalance waits up to
+    an interval per member: a tenth of the session timeout, never under 500 ms."""
+    from vigil.worker.consumer import consumer_config
+    from vigil.worker.settings import WorkerSettings
+
+    monkeypatch.setenv("VIGIL_DATABASE_URL", "postgresql://unused@127.0.0.1/unused")
+    assert consumer_config(load(WorkerSettings), on_stats=lambda _: None)["heartbeat.interval.ms"] == 1000
+    monkeypatch.setenv("VIGIL_KAFKA_SESSION_TIMEOUT_MS", "3000")
+    assert consumer_config(load(WorkerSettings), on_stats=lambda _: None)["heartbeat.interval.ms"] == 500
+
+
 def test_a_revoke_grace_past_the_rebalance_timeout_is_refused(monkeypatch):
     """The revoke holds the consumer for its grace: longer than half the rebalance timeout
     (max.poll.interval.ms) and the group could drop the worker mid-revoke."""

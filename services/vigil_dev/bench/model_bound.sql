@@ -12,3 +12,16 @@ FROM runs
 -- name: model_bound_not_messaged
 -- Runs that did not end with their message (a failed call, a script gap): the workload is void if any.
 SELECT count(*)::int AS n FROM runs WHERE outcome <> 'message'
+
+-- name: rebalance_handing
+-- Partitions a revoking worker is handing over now (fencing rule 4).
+SELECT count(*)::int AS n FROM partitions WHERE handover_until IS NOT NULL
+
+-- name: rebalance_moved_record_s
+-- Seconds from produce to the ledger for the events of %(source)s whose user's home partition
+-- moved to the second worker (taken over again: epoch 2 or later).
+SELECT extract(epoch FROM e.recorded_at - e.received_at)::float8 AS s
+FROM events e
+JOIN users u ON u.user_id = e.user_id
+JOIN partitions p ON p.topic = u.home_topic AND p.partition = u.home_partition
+WHERE e.source = %(source)s AND p.epoch >= 2
