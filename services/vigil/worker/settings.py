@@ -147,7 +147,8 @@ class WorkerSettings(CommonSettings):
         ge=1000,
         le=3_600_000,
         description="Consumer session timeout: how long a silent worker keeps its partitions, so about how long "
-        "a crashed worker's users wait before another worker runs them (failover; see docs/faults.md).",
+        "a crashed worker's users wait before another worker runs them (failover; see docs/faults.md). The "
+        "worker heartbeats every tenth of it (at least 500 ms): each rebalance waits up to one heartbeat per member.",
     )
     kafka_max_poll_interval_ms: int = Field(
         300_000,
