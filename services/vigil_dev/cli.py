@@ -15,7 +15,6 @@ import secrets
 import shlex
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import click
@@ -38,14 +37,6 @@ OFFLINE_KEY = "offline-demo"  # what the scripted server is given as a key: it c
 
 def run_dir() -> Path:
     return Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run")).resolve()
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def _stack_env(root: Path) -> dict[str, str]:
@@ -161,7 +152,7 @@ def up(services: bool, demo: bool) -> None:
             logfile = root / "logs" / f"{name}.log"
             try:
                 url = f"http://127.0.0.1:{port}/healthz"
-                devstack.wait_until(lambda url=url: _http_ok(url), 60, name, logfile)
+                devstack.wait_until(lambda url=url: devstack.http_ok(url), 60, name, logfile)
             except devstack.StackError as exc:
                 raise click.ClickException(str(exc)) from None
             where = {

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,15 @@ def stop(pidfile: Path, timeout: float = 20.0) -> bool:
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
     return True
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """Whether ``url`` answers 200 (a service's /healthz or /readyz)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def wait_until(check, timeout: float, what: str, logfile: Path | None = None) -> None:

@@ -139,12 +139,12 @@ class Claimer:
         hand-overs (the group gives the partitions to nobody until this returns)."""
         began = time.monotonic()
         gone = await self._drop(keys)
-        handing = {a.claim.home: gone[a.claim.home] for a in self.active.values() if a.claim.home in gone}
-        in_flight = sum(1 for a in self.active.values() if a.claim.home in gone)
+        moving = [a for a in self.active.values() if a.claim.home in gone]
+        handing = {a.claim.home: gone[a.claim.home] for a in moving}
         log.info(
             "partitions revoked: %s; %d run(s) of theirs in flight%s",
             ", ".join(str(k.partition) for k in sorted(gone)) or "none held",
-            in_flight,
+            len(moving),
             f", handed over for up to {grace_s:g}s" if handing and grace_s > 0 else "",
         )
         if not handing or grace_s <= 0:

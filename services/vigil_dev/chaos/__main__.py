@@ -67,7 +67,6 @@ def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> st
     action, target = kind.split("-", 1)
     # With two workers, a worker fault hits one of them (seeded): the other takes its partitions.
     target = rng.choice(stack.workers) if target == "worker" else target
-    fault.target = target
     if target in stack.workers:
         fault.partitions = stack.held(target)  # whose users' recovery this fault is measured on
     if action == "freeze":

@@ -32,7 +32,6 @@ class Fault:
     at: float  # wall clock when injected
     restart_s: float | None = None  # how long `vigil-dev up` took to bring it back
     recovery_s: float | None = None  # injection -> first run of a message sent after it
-    target: str = ""  # the process hit (a worker fault: which of the workers)
     partitions: list[int] | None = None  # a worker fault: the partitions that worker held
 
 

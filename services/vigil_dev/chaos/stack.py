@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +120,8 @@ class ChaosStack:
             devstack.spawn(
                 [sys.executable, "-m", "vigil", "worker"], logfile, self.pidfile(name), env=env, cwd=repo_root()
             )
-            devstack.wait_until(lambda port=port: _healthy(port), 60, name, logfile)
+            url = f"http://127.0.0.1:{port}/healthz"
+            devstack.wait_until(lambda url=url: devstack.http_ok(url), 60, name, logfile)
 
     def down(self) -> None:
         for name in self.workers[1:]:
@@ -199,20 +199,5 @@ class ChaosStack:
 
     def ready(self) -> dict[str, bool]:
         """Each service's /readyz (Kafka and PostgreSQL reachable from it)."""
-        ports = {name: self.port_of(name) for name in ("ingest", *self.workers, "scheduler", "dispatcher")}
-        found = {}
-        for name, port in ports.items():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
-                    found[name] = response.status == 200
-            except OSError:
-                found[name] = False
-        return found
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
+        names = ("ingest", *self.workers, "scheduler", "dispatcher")
+        return {name: devstack.http_ok(f"http://127.0.0.1:{self.port_of(name)}/readyz", timeout=2) for name in names}
