@@ -337,6 +337,50 @@ def test_a_joining_worker_records_the_partition_handed_to_it_while_the_hand_over
 
 
 @pytest.mark.partitions(2)
+def test_a_worker_stopped_while_it_waits_for_a_hand_over_never_takes_the_partition(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """B is given the partition A hands over (A's runs take 12 s) and is stopped (SIGTERM)
+    while its takeover waits. B exits at once, without waiting for A's runs, and never takes
+    the partition over; the partition goes back to A, which is still handing it over: A's own
+    runs finish under its old epoch, then A takes it over and runs what came meanwhile. Every
+    user is served once, never two runs at a time, nothing released."""
+    env_a = worker_env(
+        vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-a", VIGIL_REVOKE_GRACE_S="30"
+    )
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-b")
+    a = start(spawn, env_a, "a")
+    produce(stack.bootstrap, topics.events, [chat(f"user-{i}", "slow hello") for i in range(12)])
+    wait_for(lambda: statuses(ledger).get("running", 0) == 12, 20, "A running every user")
+    b = start(spawn, env_b, "b")
+    wait_for(lambda: len(query(ledger, HANDING)) == 1, 60, "A handing a partition over")
+    moving = scalar(ledger, HANDING)
+    port_b = int(env_b["VIGIL_WORKER_PORT"])
+    wait_for(lambda: metric(port_b, "vigil_partitions_awaiting_takeover") == 1, 20, "B waiting to take over")
+    epoch = scalar(ledger, "SELECT epoch FROM partitions WHERE partition = %s", (moving,))
+    asked = time.monotonic()
+    assert b.stop(timeout=20) == 0
+    stopped_in = time.monotonic() - asked
+    assert stopped_in < 8, f"B took {stopped_in:.1f}s to stop: it waited for A's hand-over"
+    # Still A's, still being handed over (its runs take 12 s): B never took it.
+    assert scalar(ledger, "SELECT holder FROM partitions WHERE partition = %s", (moving,)) == "worker-a"
+    assert query(ledger, HANDING) == [{"partition": moving}]
+    produce(stack.bootstrap, topics.events, [chat(f"fresh-{i}", "quick hello") for i in range(3)], partition=moving)
+    wait_all_done(ledger, 15, timeout=60)
+    assert {r["worker"] for r in query(ledger, "SELECT worker FROM runs")} == {"worker-a"}
+    # A took its partition back with a new epoch once its own hand-over had ended.
+    assert scalar(ledger, "SELECT epoch FROM partitions WHERE partition = %s", (moving,)) > epoch
+    assert query(ledger, HANDING) == []
+    fresh_epochs = query(ledger, "SELECT DISTINCT epoch FROM runs WHERE user_id LIKE 'fresh-%%'")
+    assert fresh_epochs == [{"epoch": scalar(ledger, "SELECT epoch FROM partitions WHERE partition = %s", (moving,))}]
+    assert scalar(ledger, "SELECT count(*) FROM runs") == 15
+    assert metric(int(env_a["VIGIL_WORKER_PORT"]), "vigil_claims_released_total") == 0
+    assert "taken over once the previous owner's hand-over ends" in b.log()
+    assert a.alive()
+    assert_runs_consistent(ledger)
+
+
+@pytest.mark.partitions(2)
 def test_a_worker_killed_mid_hand_over_delays_its_partition_only_to_the_lease(stack, topics, ledger, vigil_env, spawn):
     """A hands a partition over to B (a 30 s grace) and is SIGKILLed before its runs finish:
     nobody renews or clears the hand-over, so B's takeover waits out its deadline, never less
