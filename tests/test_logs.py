@@ -74,3 +74,55 @@ def test_ingest_lines_name_the_trace_of_an_incoming_traceparent(captured):
         asyncio.run(RequestMetrics(app)({"type": "http", "method": "POST", "headers": headers}, None, send))
     first, second, third = lines(captured)
     assert first["trace_id"] == trace and "trace_id" not in second and "trace_id" not in third
+
+
+def test_a_broker_down_writes_its_connection_failures_once_per_window(captured):
+    """A real librdkafka consumer whose broker refuses connections retries its bootstrap
+    connection every 50 ms: about 60 lines in 3 s without the filter, one with it."""
+    import socket
+    import time
+
+    from confluent_kafka import Consumer
+
+    from vigil.settings import KAFKA_LOGGER
+
+    logs.setup(stream=captured, service="worker")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    consumer = Consumer({"bootstrap.servers": f"127.0.0.1:{port}", "group.id": "g", "logger": KAFKA_LOGGER})
+    consumer.subscribe(["t"])
+    try:
+        began = time.monotonic()
+        while time.monotonic() - began < 3:
+            consumer.poll(0.1)
+    finally:
+        consumer.close()
+    failures = [line for line in lines(captured) if "Connection refused" in line["msg"]]
+    assert len(failures) == 1, [line["msg"] for line in failures]
+    assert failures[0]["logger"] == "vigil.kafka" and failures[0]["level"] == "ERROR"
+
+
+def test_a_repeated_line_is_let_through_again_after_the_window_with_the_count_left_out():
+    clock = [0.0]
+    repeats = logs.Repeats(30.0, now=lambda: clock[0])
+
+    def record(text: str, level: int = logging.ERROR) -> logging.LogRecord:
+        return logging.LogRecord("vigil.kafka", level, __file__, 1, "%s [%s] %s", ("FAIL", "c#1", text), None)
+
+    first = record("Connect to 127.0.0.1:9092 failed (after 3ms)")
+    assert repeats.filter(first) and first.getMessage().endswith("failed (after 3ms)")
+    for n in range(40):
+        clock[0] += 0.05
+        assert not repeats.filter(record(f"Connect to 127.0.0.1:9092 failed (after {n}ms)"))
+    assert repeats.filter(record("Disconnected from 127.0.0.1:9092"))  # another kind
+    assert repeats.filter(record("Connect to 127.0.0.1:9092 failed (after 1ms)", logging.WARNING))  # another level
+    clock[0] = 31.0
+    again = record("Connect to 127.0.0.1:9092 failed (after 9ms)")
+    assert repeats.filter(again)
+    assert again.getMessage() == (
+        "FAIL [c#1] Connect to 127.0.0.1:9092 failed (after 9ms)"
+        " (40 more like this since the last one logged (31s ago) were not logged)"
+    )
+    clock[0] += 1
+    assert not repeats.filter(record("Connect to 127.0.0.1:9092 failed (after 2ms)"))

@@ -11,7 +11,10 @@ on (:mod:`vigil.tracing`), the run's ``trace_id``.
 
 librdkafka's log lines come through the ``vigil.kafka`` logger (the clients' ``logger``
 setting, see vigil.bus.kafka), so they are JSON too; the SDK's and httpx's per-request INFO
-lines are dropped.
+lines are dropped. A librdkafka line that repeats (the same text but for its numbers) is
+written once per ``KAFKA_REPEAT_WINDOW_S``, the next one saying how many were left out: while
+the broker is down a consumer retries its bootstrap connection every 50 ms, which wrote 20
+lines a second per client (about 1,000 per worker in one chaos run).
 """
 
 from __future__ import annotations
@@ -20,15 +23,23 @@ import contextlib
 import contextvars
 import json
 import logging
+import re
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import IO
+
+from vigil.settings import KAFKA_LOGGER
 
 FIELDS = ("user_id", "event_id", "run_id", "partition", "epoch", "trace_id")
 # Per-request INFO lines from HTTP clients (214 of 227 worker lines in one demo run were the
 # SDK's "HTTP Request: POST ..."); warnings and errors from them still come through.
 QUIET = ("httpx", "httpx2", "httpcore", "anthropic", "uvicorn.access", "psycopg.pool")
+
+KAFKA_REPEAT_WINDOW_S = 30.0
+_NUMBERS = re.compile(r"\d+")
 
 _context: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vigil_log_context", default=None)
 
@@ -72,6 +83,38 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, ensure_ascii=False)
 
 
+class Repeats(logging.Filter):
+    """Let a line through once per ``window_s`` per kind (its text with every number made
+    alike, so "after 43878ms" and a port or a client's number do not make it new); the next
+    one through says how many were left out meanwhile. Levels are kept apart: a repeated
+    warning never hides an error."""
+
+    MAX_KINDS = 1_000
+
+    def __init__(self, window_s: float, now=time.monotonic):
+        super().__init__()
+        self.window_s, self.now = window_s, now
+        self._lock = threading.Lock()  # librdkafka logs from the thread that polls each client
+        self._kinds: dict[tuple[int, str], tuple[float, int]] = {}  # kind -> (last let through, left out since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        kind = (record.levelno, _NUMBERS.sub("#", text))
+        now = self.now()
+        with self._lock:
+            seen = self._kinds.get(kind)
+            if seen is not None and now - seen[0] < self.window_s:
+                self._kinds[kind] = (seen[0], seen[1] + 1)
+                return False
+            if len(self._kinds) >= self.MAX_KINDS:
+                self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window_s}
+            self._kinds[kind] = (now, 0)
+        if seen is not None and seen[1]:
+            note = f"{seen[1]} more like this since the last one logged ({now - seen[0]:.0f}s ago) were not logged"
+            record.msg, record.args = f"{text} ({note})", None
+        return True
+
+
 def setup(level: str = "INFO", fmt: str = "json", service: str = "vigil", stream: IO[str] | None = None) -> None:
     """Route every logger to ``stream`` (stderr) in ``fmt`` (json or text) at ``level``."""
     handler = logging.StreamHandler(stream or sys.stderr)
@@ -80,6 +123,9 @@ def setup(level: str = "INFO", fmt: str = "json", service: str = "vigil", stream
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    for old in [f for f in KAFKA_LOGGER.filters if isinstance(f, Repeats)]:
+        KAFKA_LOGGER.removeFilter(old)
+    KAFKA_LOGGER.addFilter(Repeats(KAFKA_REPEAT_WINDOW_S))
     for noisy in QUIET:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # uvicorn installs its own handlers on its loggers when a server starts with log_config;
