@@ -67,6 +67,7 @@ def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> st
     action, target = kind.split("-", 1)
     # With two workers, a worker fault hits one of them (seeded): the other takes its partitions.
     target = rng.choice(stack.workers) if target == "worker" else target
+    fault.target = target
     if target in stack.workers:
         fault.partitions = stack.held(target)  # whose users' recovery this fault is measured on
     if action == "freeze":
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace, rng: random.Random, kinds: list[str], stack: C
     )
     v, rows = verdict(stack.dsn, prefix, load.acked, stack.dispatcher_log(), stack.ready())
     recovery_times(faults, rows)
-    report(faults, v)
+    report(faults, v, began)
     summary = (
         f"chaos: {len(faults)} faults, {v.acked} acked, lost {v.lost}, duplicated {v.duplicated}, "
         f"overlaps {v.overlaps}, stuck {v.stuck} -> {'PASS' if v.passed else 'FAIL'}"
@@ -140,7 +141,10 @@ def run(args: argparse.Namespace, rng: random.Random, kinds: list[str], stack: C
     return 0 if v.passed else 1
 
 
-def report(faults: list[Fault], v) -> None:
+SLOWEST = 3
+
+
+def report(faults: list[Fault], v, began: float) -> None:
     print(
         "\nrecovery per fault kind (injection -> first run of a message sent after it; a worker fault: of a user"
         " on a partition that worker held; restart = vigil-dev up)"
@@ -154,6 +158,13 @@ def report(faults: list[Fault], v) -> None:
         top = f"{max(rec):.1f}" if rec else "-"
         rmed = f"{statistics.median(restart):.1f}" if restart else "-"
         print(f"  {kind:<16} {len(mine):>3} {med:>9} {top:>7} {rmed:>17}")
+    slow = sorted((f for f in faults if f.recovery_s is not None), key=lambda f: -f.recovery_s)[:SLOWEST]
+    if slow:
+        print("slowest recoveries (with the faults injected before they ended)")
+    for f in slow:
+        during = [o for o in faults if f.at < o.at < f.at + f.recovery_s]
+        meanwhile = ", ".join(f"{o.kind} ({o.target}) at {o.at - began:.0f}s" for o in during) or "none"
+        print(f"  {f.kind} ({f.target}) at {f.at - began:.0f}s: {f.recovery_s:.1f} s; meanwhile: {meanwhile}")
     print("\ninvariants")
     checks = [
         ("acknowledged -> recorded exactly once (lost)", v.lost),

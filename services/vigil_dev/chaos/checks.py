@@ -33,6 +33,7 @@ class Fault:
     restart_s: float | None = None  # how long `vigil-dev up` took to bring it back
     recovery_s: float | None = None  # injection -> first run of a message sent after it
     partitions: list[int] | None = None  # a worker fault: the partitions that worker held
+    target: str = ""  # the process it hit (which worker, for a worker fault)
 
 
 @dataclass
