@@ -126,3 +126,17 @@ def test_a_repeated_line_is_let_through_again_after_the_window_with_the_count_le
     )
     clock[0] += 1
     assert not repeats.filter(record("Connect to 127.0.0.1:9092 failed (after 2ms)"))
+    assert all(repeats.filter(record("Broker state 3", logging.INFO)) for _ in range(3))  # DEBUG/INFO all pass
+
+
+def test_ingest_writes_one_warning_for_a_run_of_refusals_and_every_debug_line(captured):
+    """During a broker outage every request is refused with 503: one warning per 30 s, not
+    one per request. 4xx refusals are DEBUG lines, and whoever turned DEBUG on gets each."""
+    from vigil.ingest.requests import log as requests_log
+
+    logs.setup(level="DEBUG", stream=captured, service="ingest")
+    for n in range(5):
+        requests_log.warning("refused with %d %s: %s", 503, "broker_unavailable", f"{n} of 1 not acknowledged")
+        requests_log.debug("refused with %d %s: %s", 401, "unauthorized", "bad token")
+    written = [line for line in lines(captured) if line["logger"] == "vigil.ingest.requests"]
+    assert [line["level"] for line in written] == ["WARNING"] + ["DEBUG"] * 5

@@ -11,10 +11,11 @@ on (:mod:`vigil.tracing`), the run's ``trace_id``.
 
 librdkafka's log lines come through the ``vigil.kafka`` logger (the clients' ``logger``
 setting, see vigil.bus.kafka), so they are JSON too; the SDK's and httpx's per-request INFO
-lines are dropped. A librdkafka line that repeats (the same text but for its numbers) is
-written once per ``KAFKA_REPEAT_WINDOW_S``, the next one saying how many were left out: while
-the broker is down a consumer retries its bootstrap connection every 50 ms, which wrote 20
-lines a second per client (about 1,000 per worker in one chaos run).
+lines are dropped. A warning or error that repeats (the same text but for its numbers) on a
+logger in ``REPEATING`` is written once per ``REPEAT_WINDOW_S``, the next one saying how many
+were left out: while the broker is down a librdkafka consumer retries its bootstrap connection
+every 50 ms, which wrote 20 lines a second per client (about 1,000 per worker in one chaos
+run), and ingest warned once per refused request (a 503 per request for the whole outage).
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import IO
 
-from vigil.settings import KAFKA_LOGGER
-
 FIELDS = ("user_id", "event_id", "run_id", "partition", "epoch", "trace_id")
 # Per-request INFO lines from HTTP clients (214 of 227 worker lines in one demo run were the
 # SDK's "HTTP Request: POST ..."); warnings and errors from them still come through.
 QUIET = ("httpx", "httpx2", "httpcore", "anthropic", "uvicorn.access", "psycopg.pool")
 
-KAFKA_REPEAT_WINDOW_S = 30.0
+REPEAT_WINDOW_S = 30.0
+# Loggers that write a line per attempt or per request while something is down.
+REPEATING = ("vigil.kafka", "vigil.ingest.requests")
 _NUMBERS = re.compile(r"\d+")
 
 _context: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vigil_log_context", default=None)
@@ -84,10 +85,11 @@ class JsonFormatter(logging.Formatter):
 
 
 class Repeats(logging.Filter):
-    """Let a line through once per ``window_s`` per kind (its text with every number made
-    alike, so "after 43878ms" and a port or a client's number do not make it new); the next
-    one through says how many were left out meanwhile. Levels are kept apart: a repeated
-    warning never hides an error."""
+    """Let a warning or error through once per ``window_s`` per kind (its text with every
+    number made alike, so "after 43878ms" and a port or a client's number do not make it
+    new); the next one through says how many were left out meanwhile. Levels are kept apart:
+    a repeated warning never hides an error. Lines under WARNING all pass: whoever turned
+    DEBUG on wants each of them."""
 
     MAX_KINDS = 1_000
 
@@ -98,6 +100,8 @@ class Repeats(logging.Filter):
         self._kinds: dict[tuple[int, str], tuple[float, int]] = {}  # kind -> (last let through, left out since)
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
         text = record.getMessage()
         kind = (record.levelno, _NUMBERS.sub("#", text))
         now = self.now()
@@ -123,9 +127,11 @@ def setup(level: str = "INFO", fmt: str = "json", service: str = "vigil", stream
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
-    for old in [f for f in KAFKA_LOGGER.filters if isinstance(f, Repeats)]:
-        KAFKA_LOGGER.removeFilter(old)
-    KAFKA_LOGGER.addFilter(Repeats(KAFKA_REPEAT_WINDOW_S))
+    for name in REPEATING:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, Repeats)]:
+            logger.removeFilter(old)
+        logger.addFilter(Repeats(REPEAT_WINDOW_S))
     for noisy in QUIET:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # uvicorn installs its own handlers on its loggers when a server starts with log_config;
