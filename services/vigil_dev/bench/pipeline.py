@@ -287,6 +287,13 @@ def _end_to_end(stack: BenchStack, plan: Plan, report: Report, e2e: EndToEnd, re
         note = f"offered {half:.0f} events/s, 1 worker, {window}"
         report.add(Figure("e2e_latency_p50_ms", p50, note=note))
         report.add(Figure("e2e_latency_p99_ms", p99, note=note))
+        # No target: where the runs are not saturated (at half load one worker is at its limit
+        # in runs per second, docs/performance.md "The tail is one sweep of the round robin").
+        quarter = one / 4
+        p50, p99 = e2e.latency(workers, quarter)
+        note = f"offered {quarter:.0f} events/s, 1 worker, {window}"
+        report.add(Figure("e2e_latency_p50_ms_quarter_load", p50, note=note))
+        report.add(Figure("e2e_latency_p99_ms_quarter_load", p99, note=note))
         workers.add()
         workers.wait_ready()
         # Two workers are offered at least what saturates one: whatever they finish of it.
