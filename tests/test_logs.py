@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 
 import pytest
 
@@ -105,7 +106,7 @@ def test_a_broker_down_writes_its_connection_failures_once_per_window(captured):
 
 def test_a_repeated_line_is_let_through_again_after_the_window_with_the_count_left_out():
     clock = [0.0]
-    repeats = logs.Repeats(30.0, now=lambda: clock[0])
+    repeats = logs.Repeats(logging.getLogger("vigil.kafka"), 30.0, now=lambda: clock[0], flusher=False)
 
     def record(text: str, level: int = logging.ERROR) -> logging.LogRecord:
         return logging.LogRecord("vigil.kafka", level, __file__, 1, "%s [%s] %s", ("FAIL", "c#1", text), None)
@@ -140,3 +141,59 @@ def test_ingest_writes_one_warning_for_a_run_of_refusals_and_every_debug_line(ca
         requests_log.debug("refused with %d %s: %s", 401, "unauthorized", "bad token")
     written = [line for line in lines(captured) if line["logger"] == "vigil.ingest.requests"]
     assert [line["level"] for line in written] == ["WARNING"] + ["DEBUG"] * 5
+
+
+def test_a_run_of_repeats_that_ends_inside_the_window_is_counted_in_a_line_of_its_own(captured):
+    """The broker comes back and librdkafka says nothing more: the count still gets written,
+    once the window has passed, and the next line of that kind is written whole."""
+    logs.setup(stream=captured, service="worker")
+    logger = logging.getLogger("vigil.kafka")
+    for installed in [f for f in logger.filters if isinstance(f, logs.Repeats)]:
+        logger.removeFilter(installed)  # setup's, on the real clock: this one runs on a fake one
+    clock = [0.0]
+    repeats = logs.Repeats(logger, 30.0, now=lambda: clock[0], flusher=False)
+    logger.addFilter(repeats)
+    try:
+        for n in range(25):
+            logger.error("%s [%s] %s", "FAIL", "consumer-3", f"Connect to 127.0.0.1:{9000 + n} failed")
+            clock[0] += 0.05
+        repeats.flush()  # inside the window: nothing yet
+        assert [line["msg"] for line in lines(captured)] == ["FAIL [consumer-3] Connect to 127.0.0.1:9000 failed"]
+        clock[0] = 40.0
+        repeats.flush()
+        repeats.flush()  # once
+        logger.error("%s [%s] %s", "FAIL", "consumer-3", "Connect to 127.0.0.1:9000 failed")
+    finally:
+        logger.removeFilter(repeats)
+    assert [(line["level"], line["msg"]) for line in lines(captured)] == [
+        ("ERROR", "FAIL [consumer-3] Connect to 127.0.0.1:9000 failed"),
+        (
+            "ERROR",
+            "FAIL [consumer-3] Connect to 127.0.0.1:9000 failed"
+            " (24 more like this since the last one logged (40s ago) were not logged)",
+        ),
+        ("ERROR", "FAIL [consumer-3] Connect to 127.0.0.1:9000 failed"),
+    ]
+
+
+def test_the_flusher_thread_writes_the_count_on_its_own(captured):
+    import time
+
+    logs.setup(stream=captured, service="ingest")
+    logger = logging.getLogger("vigil.ingest.requests")
+    for installed in [f for f in logger.filters if isinstance(f, logs.Repeats)]:
+        logger.removeFilter(installed)
+    repeats = logs.Repeats(logger, 0.2)
+    logger.addFilter(repeats)
+    try:
+        for n in range(10):
+            logger.warning("refused with %d %s: %s", 503, "broker_unavailable", f"{n} of 1 not acknowledged")
+        deadline = time.monotonic() + 5
+        while len(lines(captured)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        repeats.stop()
+        logger.removeFilter(repeats)
+    written = [line["msg"] for line in lines(captured)]
+    assert len(written) == 2, written
+    assert re.search(r"\(9 more like this since the last one logged \(\d+s ago\) were not logged\)$", written[1])

@@ -87,17 +87,21 @@ class JsonFormatter(logging.Formatter):
 class Repeats(logging.Filter):
     """Let a warning or error through once per ``window_s`` per kind (its text with every
     number made alike, so "after 43878ms" and a port or a client's number do not make it
-    new); the next one through says how many were left out meanwhile. Levels are kept apart:
-    a repeated warning never hides an error. Lines under WARNING all pass: whoever turned
-    DEBUG on wants each of them."""
+    new), then say how many were left out: with the next one through, or, if none comes, in a
+    line of its own once the window has passed (a thread looks every half window). Levels are
+    kept apart: a repeated warning never hides an error. Lines under WARNING all pass:
+    whoever turned DEBUG on wants each of them."""
 
     MAX_KINDS = 1_000
 
-    def __init__(self, window_s: float, now=time.monotonic):
+    def __init__(self, logger: logging.Logger, window_s: float, now=time.monotonic, flusher: bool = True):
         super().__init__()
-        self.window_s, self.now = window_s, now
+        self.logger, self.window_s, self.now = logger, window_s, now
         self._lock = threading.Lock()  # librdkafka logs from the thread that polls each client
-        self._kinds: dict[tuple[int, str], tuple[float, int]] = {}  # kind -> (last let through, left out since)
+        # kind -> [window opened at, lines left out since, the line that opened it]
+        self._kinds: dict[tuple[int, str], list] = {}
+        self._flusher = flusher
+        self._stopped = threading.Event()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
@@ -108,15 +112,42 @@ class Repeats(logging.Filter):
         with self._lock:
             seen = self._kinds.get(kind)
             if seen is not None and now - seen[0] < self.window_s:
-                self._kinds[kind] = (seen[0], seen[1] + 1)
+                seen[1] += 1
+                if self._flusher:
+                    self._flusher = False
+                    threading.Thread(target=self._flush_every, name="log-repeats", daemon=True).start()
                 return False
             if len(self._kinds) >= self.MAX_KINDS:
                 self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window_s}
-            self._kinds[kind] = (now, 0)
+            self._kinds[kind] = [now, 0, record]
         if seen is not None and seen[1]:
-            note = f"{seen[1]} more like this since the last one logged ({now - seen[0]:.0f}s ago) were not logged"
-            record.msg, record.args = f"{text} ({note})", None
+            record.msg, record.args = f"{text} ({self._note(seen[1], now - seen[0])})", None
         return True
+
+    def _note(self, count: int, seconds: float) -> str:
+        return f"{count} more like this since the last one logged ({seconds:.0f}s ago) were not logged"
+
+    def flush(self) -> None:
+        """Write the count for every window that has passed with lines left out, as a line of
+        the kind's level (the next line of the kind is then written whole)."""
+        now = self.now()
+        with self._lock:
+            done = [(k, v) for k, v in self._kinds.items() if now - v[0] >= self.window_s]
+            for kind, _ in done:
+                del self._kinds[kind]
+        for (level, _), (opened, count, first) in done:
+            if count:
+                text = f"{first.getMessage()} ({self._note(count, now - opened)})"
+                self.logger.callHandlers(
+                    self.logger.makeRecord(self.logger.name, level, first.pathname, first.lineno, text, None, None)
+                )
+
+    def _flush_every(self) -> None:
+        while not self._stopped.wait(self.window_s / 2):
+            self.flush()
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def setup(level: str = "INFO", fmt: str = "json", service: str = "vigil", stream: IO[str] | None = None) -> None:
@@ -130,8 +161,9 @@ def setup(level: str = "INFO", fmt: str = "json", service: str = "vigil", stream
     for name in REPEATING:
         logger = logging.getLogger(name)
         for old in [f for f in logger.filters if isinstance(f, Repeats)]:
+            old.stop()
             logger.removeFilter(old)
-        logger.addFilter(Repeats(REPEAT_WINDOW_S))
+        logger.addFilter(Repeats(logger, REPEAT_WINDOW_S))
     for noisy in QUIET:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # uvicorn installs its own handlers on its loggers when a server starts with log_config;
