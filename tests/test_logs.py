@@ -163,6 +163,16 @@ def test_a_run_of_repeats_that_ends_inside_the_window_is_counted_in_a_line_of_it
         repeats.flush()
         repeats.flush()  # once
         logger.error("%s [%s] %s", "FAIL", "consumer-3", "Connect to 127.0.0.1:9000 failed")
+        # A second run: left out, counted with the next line through, which opens a window of
+        # its own; what that window leaves out is counted on that line's own text.
+        clock[0] += 1
+        logger.error("%s [%s] %s", "FAIL", "consumer-3", "Connect to 127.0.0.1:9000 failed")
+        clock[0] = 80.0
+        logger.error("%s [%s] %s", "FAIL", "consumer-3", "Connect to 127.0.0.1:9001 failed")
+        clock[0] += 1
+        logger.error("%s [%s] %s", "FAIL", "consumer-3", "Connect to 127.0.0.1:9002 failed")
+        clock[0] = 120.0
+        repeats.flush()
     finally:
         logger.removeFilter(repeats)
     assert [(line["level"], line["msg"]) for line in lines(captured)] == [
@@ -173,6 +183,16 @@ def test_a_run_of_repeats_that_ends_inside_the_window_is_counted_in_a_line_of_it
             " (24 more like this since the last one logged (40s ago) were not logged)",
         ),
         ("ERROR", "FAIL [consumer-3] Connect to 127.0.0.1:9000 failed"),
+        (
+            "ERROR",
+            "FAIL [consumer-3] Connect to 127.0.0.1:9001 failed"
+            " (1 more like this since the last one logged (40s ago) were not logged)",
+        ),
+        (
+            "ERROR",
+            "FAIL [consumer-3] Connect to 127.0.0.1:9001 failed"
+            " (1 more like this since the last one logged (40s ago) were not logged)",
+        ),
     ]
 
 

@@ -12,10 +12,11 @@ on (:mod:`vigil.tracing`), the run's ``trace_id``.
 librdkafka's log lines come through the ``vigil.kafka`` logger (the clients' ``logger``
 setting, see vigil.bus.kafka), so they are JSON too; the SDK's and httpx's per-request INFO
 lines are dropped. A warning or error that repeats (the same text but for its numbers) on a
-logger in ``REPEATING`` is written once per ``REPEAT_WINDOW_S``, the next one saying how many
-were left out: while the broker is down a librdkafka consumer retries its bootstrap connection
-every 50 ms, which wrote 20 lines a second per client (about 1,000 per worker in one chaos
-run), and ingest warned once per refused request (a 503 per request for the whole outage).
+logger in ``REPEATING`` is written once per ``REPEAT_WINDOW_S``, then how many were left out
+(with the next one, or in a line of its own once the window has passed): while the broker is
+down a librdkafka consumer retries its bootstrap connection every 50 ms, which wrote 20 lines
+a second per client (about 1,000 per worker in one chaos run), and ingest warned once per
+refused request (a 503 per request for the whole outage).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class Repeats(logging.Filter):
         super().__init__()
         self.logger, self.window_s, self.now = logger, window_s, now
         self._lock = threading.Lock()  # librdkafka logs from the thread that polls each client
-        # kind -> [window opened at, lines left out since, the line that opened it]
+        # kind -> [window opened at, lines left out since, (its first line's text, file, line)]
         self._kinds: dict[tuple[int, str], list] = {}
         self._flusher = flusher
         self._stopped = threading.Event()
@@ -119,7 +120,7 @@ class Repeats(logging.Filter):
                 return False
             if len(self._kinds) >= self.MAX_KINDS:
                 self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window_s}
-            self._kinds[kind] = [now, 0, record]
+            self._kinds[kind] = [now, 0, (text, record.pathname, record.lineno)]
         if seen is not None and seen[1]:
             record.msg, record.args = f"{text} ({self._note(seen[1], now - seen[0])})", None
         return True
@@ -135,12 +136,10 @@ class Repeats(logging.Filter):
             done = [(k, v) for k, v in self._kinds.items() if now - v[0] >= self.window_s]
             for kind, _ in done:
                 del self._kinds[kind]
-        for (level, _), (opened, count, first) in done:
+        for (level, _), (opened, count, (text, path, line)) in done:
             if count:
-                text = f"{first.getMessage()} ({self._note(count, now - opened)})"
-                self.logger.callHandlers(
-                    self.logger.makeRecord(self.logger.name, level, first.pathname, first.lineno, text, None, None)
-                )
+                text = f"{text} ({self._note(count, now - opened)})"
+                self.logger.callHandlers(self.logger.makeRecord(self.logger.name, level, path, line, text, None, None))
 
     def _flush_every(self) -> None:
         while not self._stopped.wait(self.window_s / 2):
