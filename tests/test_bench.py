@@ -54,6 +54,25 @@ def test_quick_bench_prints_every_figure_and_cleans_up(stack):
     assert left == [], left
 
 
+@pytest.mark.slow
+def test_the_latency_curve_prints_a_line_per_share(stack):
+    """``--latency-curve``: more latency rounds at given shares of the saturated rate, so the
+    knee (docs/performance.md, "Where the knee is") is a command, not a scratch script."""
+    env = {**os.environ, "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap, "VIGIL_DATABASE_URL": stack.admin_dsn}
+    args = [sys.executable, "-m", "vigil_dev.bench", "--quick", "--only", "e2e", "--latency-curve", "0.3,0.4"]
+    result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
+    curve = re.findall(
+        r"^latency curve: (\S+) of e2e_events_per_s \((\d+) events/s\): p50 \d+ ms, p99 \d+ ms", result.stdout, re.M
+    )
+    rate = float(re.search(r"^e2e_events_per_s: ([0-9.]+)", result.stdout, re.M).group(1))
+    assert [share for share, _ in curve] == ["0.30", "0.40"], result.stdout
+    for (share, offered), expected in zip(curve, (0.3, 0.4), strict=True):
+        assert abs(int(offered) - rate * expected) <= max(2, rate / 100), (share, offered, rate)
+    bad = subprocess.run([*args[:-1], "0.3,x"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--latency-curve: comma-separated numbers" in bad.stderr
+
+
 def test_statements_are_named_after_their_query():
     """``--statements`` names a statement by its query's first line as PostgreSQL shows it
     (psycopg sends every placeholder as ``$n``, in the comments too): two queries whose

@@ -8,6 +8,7 @@ had at all.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -267,12 +268,25 @@ def main(argv: list[str] | None = None) -> int:
         help="load pg_stat_statements in the bench's PostgreSQL and print each latency round's costliest statements",
     )
     parser.add_argument("--only", help="comma-separated workloads to run: " + ", ".join(WORKLOADS))
+    parser.add_argument(
+        "--latency-curve",
+        metavar="SHARES",
+        help="with the e2e workload: latency rounds at these shares of e2e_events_per_s too, comma-separated "
+        "(e.g. 0.3,0.35,0.4,0.45), each printed as a line 'latency curve: ...' (no figures)",
+    )
     args = parser.parse_args(argv)
+    try:
+        curve = tuple(float(x) for x in args.latency_curve.split(",")) if args.latency_curve else ()
+    except ValueError:
+        parser.error(f"--latency-curve: comma-separated numbers, not {args.latency_curve!r}")
+    if any(not 0 < share <= 2 for share in curve):
+        parser.error("--latency-curve: each share between 0 (excluded) and 2")
     only = set(args.only.split(",")) if args.only else None
     if only and not only <= set(WORKLOADS):
         parser.error(f"unknown workload(s): {', '.join(sorted(only - set(WORKLOADS)))}")
     try:
-        return run(QUICK if args.quick else FULL, args.keep_logs, only, args.statements)
+        plan = dataclasses.replace(QUICK if args.quick else FULL, latency_curve=curve)
+        return run(plan, args.keep_logs, only, args.statements)
     except Exception as exc:
         traceback.print_exc()
         print(f"bench: stopped: {exc}", file=sys.stderr)

@@ -294,6 +294,13 @@ def _end_to_end(stack: BenchStack, plan: Plan, report: Report, e2e: EndToEnd, re
         note = f"offered {quarter:.0f} events/s, 1 worker, {window}"
         report.add(Figure("e2e_latency_p50_ms_quarter_load", p50, note=note))
         report.add(Figure("e2e_latency_p99_ms_quarter_load", p99, note=note))
+        for share in plan.latency_curve:
+            p50, p99 = e2e.latency(workers, one * share)
+            report.say(
+                f"latency curve: {share:.2f} of e2e_events_per_s ({one * share:.0f} events/s): p50 "
+                f"{statistics.median(p50):.0f} ms, p99 {statistics.median(p99):.0f} ms "
+                f"(rounds {', '.join(f'{v:.0f}' for v in p99)}), {window}"
+            )
         workers.add()
         workers.wait_ready()
         # Two workers are offered at least what saturates one: whatever they finish of it.

@@ -33,6 +33,8 @@ class Plan:
     http_batch: int = 50  # events per batched POST /v1/events
     default_window_ms: int = DEFAULT_BATCH_WINDOW_MS
     small_window_ms: int = SMALL_WINDOW_MS
+    # --latency-curve: more latency rounds, each at this share of e2e_events_per_s (printed, no figures)
+    latency_curve: tuple[float, ...] = ()
 
 
 FULL = Plan(
