@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
@@ -16,6 +15,8 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
+
+from vigil_dev.devstack import http_ok
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,14 +55,6 @@ def query(dsn: str, sql: str, params: Any = None) -> list[dict]:
 def scalar(dsn: str, sql: str, params: Any = None) -> Any:
     rows = query(dsn, sql, params)
     return next(iter(rows[0].values())) if rows else None
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 @dataclass

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, http_ok
+from support import REPO
 from vigil_dev import devstack
+from vigil_dev.devstack import http_ok
 
 
 @pytest.mark.slow
