@@ -174,6 +174,7 @@ def test_a_run_of_repeats_that_ends_inside_the_window_is_counted_in_a_line_of_it
         clock[0] = 120.0
         repeats.flush()
     finally:
+        repeats.stop()
         logger.removeFilter(repeats)
     assert [(line["level"], line["msg"]) for line in lines(captured)] == [
         ("ERROR", "FAIL [consumer-3] Connect to 127.0.0.1:9000 failed"),
@@ -217,3 +218,51 @@ def test_the_flusher_thread_writes_the_count_on_its_own(captured):
     written = [line["msg"] for line in lines(captured)]
     assert len(written) == 2, written
     assert re.search(r"\(9 more like this since the last one logged \(\d+s ago\) were not logged\)$", written[1])
+
+
+def test_the_count_of_a_run_cut_short_by_the_process_stopping_is_written_as_it_exits():
+    """A worker stopped (SIGTERM) a few seconds into a broker outage: the failures its
+    librdkafka consumer left out of the log are counted in its last lines, not lost with the
+    window that had not passed yet."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    program = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        from confluent_kafka import Consumer
+        from vigil import logs
+        from vigil.settings import KAFKA_LOGGER
+        logs.setup(service="worker")
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+        consumer = Consumer({{"bootstrap.servers": "127.0.0.1:{port}", "group.id": "g", "logger": KAFKA_LOGGER}})
+        consumer.subscribe(["t"])
+        print("polling", flush=True)
+        while not stopping:
+            consumer.poll(0.1)
+        consumer.close()
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "polling"
+        import time
+
+        time.sleep(2)  # about 40 refused connections, well inside the 30 s window
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    failures = [json.loads(line)["msg"] for line in err.splitlines() if "Connection refused" in line]
+    assert len(failures) == 2, failures
+    note = r"\((\d+) more like this since the last one logged \(\d+s ago\) were not logged\)$"
+    counted = re.search(note, failures[1])
+    assert counted and int(counted.group(1)) >= 10, failures

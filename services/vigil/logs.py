@@ -21,6 +21,7 @@ refused request (a 503 per request for the whole outage).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import json
@@ -29,6 +30,7 @@ import re
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import IO
@@ -89,9 +91,11 @@ class Repeats(logging.Filter):
     """Let a warning or error through once per ``window_s`` per kind (its text with every
     number made alike, so "after 43878ms" and a port or a client's number do not make it
     new), then say how many were left out: with the next one through, or, if none comes, in a
-    line of its own once the window has passed (a thread looks every half window). Levels are
-    kept apart: a repeated warning never hides an error. Lines under WARNING all pass:
-    whoever turned DEBUG on wants each of them."""
+    line of its own once the window has passed (a thread looks every half window), and at the
+    latest when the process exits (a stop by signal goes through the interpreter's exit: the
+    count of an outage that ended in the last window is not lost with it). Levels are kept
+    apart: a repeated warning never hides an error. Lines under WARNING all pass: whoever
+    turned DEBUG on wants each of them."""
 
     MAX_KINDS = 1_000
 
@@ -103,6 +107,7 @@ class Repeats(logging.Filter):
         self._kinds: dict[tuple[int, str], list] = {}
         self._flusher = flusher
         self._stopped = threading.Event()
+        _live.add(self)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
@@ -128,12 +133,13 @@ class Repeats(logging.Filter):
     def _note(self, count: int, seconds: float) -> str:
         return f"{count} more like this since the last one logged ({seconds:.0f}s ago) were not logged"
 
-    def flush(self) -> None:
-        """Write the count for every window that has passed with lines left out, as a line of
-        the kind's level (the next line of the kind is then written whole)."""
+    def flush(self, everything: bool = False) -> None:
+        """Write the count for every window that has passed with lines left out (``everything``:
+        every window, passed or not), as a line of the kind's level (the next line of the kind
+        is then written whole)."""
         now = self.now()
         with self._lock:
-            done = [(k, v) for k, v in self._kinds.items() if now - v[0] >= self.window_s]
+            done = [(k, v) for k, v in self._kinds.items() if everything or now - v[0] >= self.window_s]
             for kind, _ in done:
                 del self._kinds[kind]
         for (level, _), (opened, count, (text, path, line)) in done:
@@ -147,6 +153,18 @@ class Repeats(logging.Filter):
 
     def stop(self) -> None:
         self._stopped.set()
+        _live.discard(self)
+
+
+# The filters in use, for the exit's flush. Registered after logging's own exit handler, so it
+# runs first (atexit is last in, first out) while the handlers are still open.
+_live: weakref.WeakSet[Repeats] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for repeats in list(_live):
+        repeats.flush(everything=True)
 
 
 def setup(level: str = "INFO", fmt: str = "json", service: str = "vigil", stream: IO[str] | None = None) -> None:
