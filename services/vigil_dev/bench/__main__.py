@@ -46,6 +46,7 @@ FIGURES = [
     "worker_rss_growth_mb",
     "retention_drop_day_s",
     *[f"cost_{name}_per_{unit}" for unit in ("event", "run") for name in costs.COUNTERS],
+    *pipeline.REMOTE_DB_FIGURES,
     *model_bound.FIGURES,
     *rebalance.FIGURES,
 ]
@@ -59,6 +60,7 @@ WORKLOADS = [
     "ingest",
     "retention",
     "costs",
+    "remote_db",
     "model_bound",
     "rebalance",
 ]
@@ -229,6 +231,13 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: b
                 [n for n in figure_names(plan) if n.startswith("cost_") and n.endswith("_per_event")],
                 lambda: pipeline.per_event_costs(
                     stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2
+                ),
+            ),
+            # A quarter of the e2e rate (below the knee: what the network adds, not the queue).
+            "remote_db": (
+                pipeline.REMOTE_DB_FIGURES,
+                lambda: pipeline.remote_db(
+                    stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 4
                 ),
             ),
             "model_bound": (model_bound.FIGURES, lambda: model_bound.model_bound(stack, plan, report)),

@@ -37,6 +37,7 @@ from psycopg.rows import dict_row
 
 from vigil_dev.bench import costs, load, statements
 from vigil_dev.bench.figures import Figure, Report
+from vigil_dev.bench.pgproxy import PgProxy
 from vigil_dev.bench.plan import Plan
 from vigil_dev.bench.procs import Workers
 from vigil_dev.bench.sql import B
@@ -402,3 +403,66 @@ def per_event_costs(stack: BenchStack, plan: Plan, report: Report, rate: float) 
             e2e.producer.close()
     note = f"{events} events in {runs} runs ({events / max(runs, 1):.1f} per run), {rate:.0f} events/s offered"
     costs.add_figures(report, "event", grown, events, note)
+
+
+# -- a database across a network ---------------------------------------------------------
+
+# Added to each direction of every worker-to-PostgreSQL byte (a round trip then takes about a
+# millisecond more, plus the relay's own hop and its timer's granularity: the figure
+# remote_db_round_trip_ms says what it came to).
+REMOTE_DB_DELAY_MS = 0.5
+REMOTE_DB_FIGURES = [
+    "remote_db_round_trip_ms",
+    "remote_db_round_trips_per_run",
+    "e2e_latency_p50_ms_remote_db",
+    "e2e_latency_p99_ms_remote_db",
+]
+
+
+def _round_trip_ms(dsn: str, count: int = 50) -> list[float]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT 1").fetchone()
+        taken = []
+        for _ in range(count):
+            began = time.perf_counter()
+            conn.execute("SELECT 1").fetchone()
+            taken.append((time.perf_counter() - began) * 1000)
+    return taken
+
+
+def remote_db(stack: BenchStack, plan: Plan, report: Report, rate: float) -> None:
+    """The quarter-load latency rounds with the worker's ledger connections through a relay
+    that delays every byte (:mod:`vigil_dev.bench.pgproxy`): what a database across a network
+    adds, and how many round trips a run costs (the relay counts them; the claim pass, the
+    finish group and the recorded batch each wait out theirs in series). No targets."""
+    with (
+        stack.ledger() as dsn,
+        stack.topics(plan.partitions) as topics,
+        PgProxy(dsn, REMOTE_DB_DELAY_MS) as proxy,
+    ):
+        e2e = EndToEnd(stack, plan, dsn, topics, plan.users)
+        try:
+            rtt = _round_trip_ms(proxy.dsn)
+            note = f"SELECT 1 through the relay, {len(rtt)} times; {REMOTE_DB_DELAY_MS} ms added each way"
+            report.add(Figure("remote_db_round_trip_ms", [statistics.median(rtt)], per="median", note=note))
+            with Workers(stack, proxy.dsn, topics, 1) as workers:
+                workers.wait_ready()
+                # Warm-up, not counted: the worker's first seconds (its pool, prepared statements).
+                source = e2e._source("warm")
+                produced = e2e.producer.in_thread(e2e.producer.paced, rate, 3.0, e2e.users, source).result()
+                e2e._drain(workers, source, produced.count)
+                before, runs_before = proxy.counts().round_trips, _runs(dsn)
+                p50, p99 = e2e.latency(workers, rate)
+                trips, runs = proxy.counts().round_trips - before, _runs(dsn) - runs_before
+        finally:
+            e2e.producer.close()
+    note = f"offered {rate:.0f} events/s, 1 worker, window {plan.default_window_ms} ms, ledger through the relay"
+    report.add(
+        Figure("remote_db_round_trips_per_run", [trips / max(runs, 1)], per="count", note=f"{runs} runs; {note}")
+    )
+    report.add(Figure("e2e_latency_p50_ms_remote_db", p50, note=note))
+    report.add(Figure("e2e_latency_p99_ms_remote_db", p99, note=note))
+
+
+def _runs(dsn: str) -> int:
+    return int(_query(dsn, B.runs_count, {})[0]["n"])

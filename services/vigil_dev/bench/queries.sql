@@ -132,3 +132,7 @@ FROM pg_stat_statements s
 WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
 ORDER BY s.total_exec_time DESC
 LIMIT %(n)s
+
+-- name: runs_count
+-- Runs finished so far (the remote_db workload's round trips per run).
+SELECT count(*)::int AS n FROM runs
