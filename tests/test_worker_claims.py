@@ -17,6 +17,7 @@ import time
 from datetime import UTC, datetime
 
 import psycopg
+import pytest
 from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
@@ -691,3 +692,38 @@ def test_a_pass_starts_at_most_the_claim_pass_max_and_asks_for_the_next_at_once(
     passes, started = asyncio.run(go())
     assert passes == [(3, True), (3, True), (1, False)]
     assert started == users
+
+
+def test_a_claim_range_is_two_round_trips_and_a_failed_one_leaves_nothing_open(ledger):
+    """The claim's transaction goes as one pipeline: BEGIN, the settings and the choice in one
+    round trip, the write and the COMMIT in the next (a database across a network adds every
+    round trip to every pass). One that fails midway is rolled back: its connection goes back
+    to the pool idle, and no row stays claimed."""
+    from vigil_dev.bench.pgproxy import PgProxy
+
+    users = seed_pending(ledger, 6)
+
+    async def go(dsn: str, timeout_ms: int = 0, proxy: PgProxy | None = None):
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+            if timeout_ms:
+                await conn.execute(f"SET lock_timeout = {timeout_ms}")
+            before = proxy.counts().round_trips if proxy else 0
+            try:
+                return await claim(conn, OWNED, [], 3, 50, 0.0, 3, ""), (
+                    proxy.counts().round_trips - before if proxy else 0
+                )
+            finally:
+                assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+    with PgProxy(ledger) as proxy:
+        (claims, cursor), round_trips = asyncio.run(go(proxy.dsn, proxy=proxy))
+    assert round_trips == 2
+    assert sorted(c.user_id for c in claims) == users[0:3] and cursor == users[2]
+
+    # A takeover holds the partition (FOR UPDATE, as take_over does): the claim's FOR SHARE times out.
+    with psycopg.connect(ledger, autocommit=False) as holder:
+        holder.execute("SELECT 1 FROM partitions WHERE topic = 'events' AND partition = 0 FOR UPDATE")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            asyncio.run(go(ledger, timeout_ms=200))
+        holder.rollback()
+    assert query(ledger, "SELECT count(*) AS n FROM events WHERE status = 'running'") == [{"n": 3}]

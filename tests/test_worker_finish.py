@@ -104,6 +104,30 @@ def test_stale_epoch_finish_writes_nothing(ledger):
     assert query(ledger, "SELECT status FROM events")[0]["status"] == "running"
 
 
+def test_a_group_commit_is_three_round_trips_whatever_its_size(ledger):
+    """BEGIN with the epochs' lock, finish_runs, then the sessions, the tags and the COMMIT
+    together (vigil.ledger.db.pipelined_transaction): three round trips for a group of plain
+    runs, as many for 2 runs as for 40 (a statement at a time took five)."""
+    from vigil_dev.bench.pgproxy import PgProxy
+
+    ids = seed(ledger, [f"u{n:02d}" for n in range(42)])
+    runs = [finished(u, i, RunResult(RunOutcome.MESSAGE, messages=[OutMessage(f"hi {u}")])) for u, i in ids.items()]
+
+    async def go(dsn: str, proxy: PgProxy, groups: list[list[Finished]]) -> list[int]:
+        trips = []
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+            for group in groups:
+                before = proxy.counts().round_trips
+                committed, stale = await commit_finished(conn, group, "test-worker")
+                assert len(committed) == len(group) and not stale
+                trips.append(proxy.counts().round_trips - before)
+        return trips
+
+    with PgProxy(ledger) as proxy:
+        assert asyncio.run(go(proxy.dsn, proxy, [runs[:2], runs[2:]])) == [3, 3]
+    assert query(ledger, "SELECT count(*) AS n FROM outbox")[0]["n"] == 42
+
+
 def test_a_result_the_ledger_refuses_fails_that_run_only(ledger):
     """A memory write outside /memories violates a CHECK: that run becomes a failed attempt,
     its neighbour in the same group commit still lands, and nothing of the bad run is written."""

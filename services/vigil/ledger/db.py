@@ -8,6 +8,9 @@ of the ledger modules; they never run SQL themselves (``tests/test_one_door.py``
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
@@ -26,6 +29,7 @@ __all__ = [
     "connect_async",
     "connection_kwargs",
     "is_alive",
+    "pipelined_transaction",
     "pool",
     "session_options",
     "statement_names",
@@ -144,3 +148,27 @@ def statement_names() -> dict[str, str]:
 def is_alive(conn: psycopg.Connection) -> None:
     """A round trip that touches no table (a readiness probe); raises psycopg.Error if not."""
     conn.execute("SELECT 1")
+
+
+@contextlib.asynccontextmanager
+async def pipelined_transaction(conn: psycopg.AsyncConnection) -> AsyncIterator[psycopg.AsyncPipeline]:
+    """One transaction as one pipeline: BEGIN goes out with the first statements and COMMIT
+    with the last (in the pipeline's closing sync), so a transaction costs one round trip per
+    result its caller must see before it goes on (each ``fetch*`` flushes) and one to commit.
+    psycopg's own transaction block in a pipeline syncs as it opens and again before its
+    COMMIT: a claim range took five round trips that way, two this way (``tests/test_worker_claims.py``).
+    A statement queued without being fetched is checked only at the commit; a caller that must
+    see its outcome before committing calls ``sync()`` on the pipeline yielded. On an
+    exception the transaction is rolled back and the exception raised. ``conn`` must be in
+    autocommit mode (the pool's), or psycopg would open a transaction of its own first."""
+    if not conn.autocommit:
+        raise psycopg.ProgrammingError("pipelined_transaction needs an autocommit connection")
+    try:
+        async with conn.pipeline() as pipeline:
+            await conn.execute("BEGIN")
+            yield pipeline
+            await conn.execute("COMMIT")
+    except BaseException:
+        if not conn.closed and not conn.broken:
+            await conn.rollback()
+        raise
