@@ -38,3 +38,21 @@ def test_a_failed_record_stores_neither_events_nor_positions_and_the_next_batch_
     assert query(ledger, "SELECT source_id FROM events") == [{"source_id": "second"}]
     assert scalar(ledger, "SELECT next_offset FROM consumer_positions WHERE topic = 'events' AND partition = 0") == 14
     assert scalar(ledger, "SELECT home_partition FROM users WHERE user_id = 'ada'") == 0
+
+
+def test_a_recorded_batch_is_four_round_trips(ledger):
+    """BEGIN, the COPY's two, the statement with the COMMIT (counted through the bench's
+    relay): with the ledger across a network each one is on every event's way in."""
+    from vigil_dev.bench.pgproxy import PgProxy
+
+    with PgProxy(ledger) as proxy, connect(proxy.dsn) as conn:
+        prepare_record_connection(conn)
+        before = proxy.counts().round_trips
+        assert record_batch(conn, [staged(n, "ada", f"e{n}", n) for n in range(50)], ["ada"], {HOME: 50}) == 50
+        assert proxy.counts().round_trips - before == 4
+        before = proxy.counts().round_trips
+        assert record_batch(conn, [], [], {HOME: 51}) == 0  # positions alone: BEGIN, then the rest
+        assert proxy.counts().round_trips - before == 2
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert scalar(ledger, "SELECT count(*) FROM events") == 50
+    assert scalar(ledger, "SELECT next_offset FROM consumer_positions WHERE topic = 'events' AND partition = 0") == 51

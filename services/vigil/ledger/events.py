@@ -17,6 +17,8 @@ from vigil.ledger import audit
 from vigil.ledger.partitions import PartitionKey, keys_params
 from vigil.ledger.queries import Q
 
+COMMIT = "COMMIT"  # record_batch's, sent in its pipeline
+
 
 @dataclass(frozen=True, slots=True)
 class EventRow:
@@ -110,16 +112,18 @@ def record_batch(
     past the batch, so positions and the events they cover commit or vanish together. A
     batch of undecodable messages only moves the positions. Returns how many were new.
 
-    The statement and the COMMIT go in one pipeline: three round trips (BEGIN, COPY, the
-    statement with its commit) where a statement per step and its own COMMIT took five, and
-    each one, on the recorder thread, also waits for the interpreter lock."""
+    Four round trips: BEGIN, the COPY's two (its start, its data), then the statement and
+    the COMMIT in one pipeline. Each one, on the recorder thread, also waits for the
+    interpreter lock, and with the ledger across a network each is on every event's way in.
+    The COMMIT is a statement of the pipeline, not ``conn.commit()``: that syncs once for
+    itself and once more as the pipeline closes (five round trips: ``tests/test_record_step.py``)."""
     try:
         with conn.cursor() as cur:
             if rows:
                 copy_rows(cur, rows)
             with conn.pipeline():
                 cur.execute(Q.record_events, record_params(unknown_users, next_offsets))
-                conn.commit()
+                conn.execute(COMMIT)  # its own cursor: ``cur`` keeps the statement's row
             row = cur.fetchone()
     except BaseException:
         if not conn.closed and not conn.broken:
