@@ -707,11 +707,9 @@ def test_a_claim_range_is_two_round_trips_and_a_failed_one_leaves_nothing_open(l
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
             if timeout_ms:
                 await conn.execute(f"SET lock_timeout = {timeout_ms}")
-            before = proxy.counts().round_trips if proxy else 0
+            before = proxy.round_trips() if proxy else 0
             try:
-                return await claim(conn, OWNED, [], 3, 50, 0.0, 3, ""), (
-                    proxy.counts().round_trips - before if proxy else 0
-                )
+                return await claim(conn, OWNED, [], 3, 50, 0.0, 3, ""), (proxy.round_trips() - before if proxy else 0)
             finally:
                 assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 

@@ -18,31 +18,22 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
 
 import psycopg
 
 CHUNK = 1 << 16
 
 
-@dataclass
-class Counts:
-    connections: int = 0
-    round_trips: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-
-
 class PgProxy:
     """``with PgProxy(dsn, delay_ms) as proxy``: ``proxy.dsn`` reaches ``dsn``'s server through
-    the relay; ``proxy.counts()`` are its totals so far (of every connection, open or closed)."""
+    the relay; ``proxy.round_trips()`` is its count so far (of every connection, open or closed)."""
 
     def __init__(self, dsn: str, delay_ms: float = 0.0) -> None:
         info = psycopg.conninfo.conninfo_to_dict(dsn)
         self._target = (str(info.get("host") or "127.0.0.1"), int(info.get("port") or 5432))
         self._base = dsn
         self.delay_s = delay_ms / 1000.0
-        self._counts = Counts()
+        self._round_trips = 0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pgproxy", daemon=True)
@@ -53,9 +44,9 @@ class PgProxy:
     def dsn(self) -> str:
         return psycopg.conninfo.make_conninfo(self._base, host="127.0.0.1", port=str(self.port))
 
-    def counts(self) -> Counts:
+    def round_trips(self) -> int:
         with self._lock:
-            return Counts(**vars(self._counts))
+            return self._round_trips
 
     def __enter__(self) -> PgProxy:
         self._thread.start()
@@ -81,8 +72,6 @@ class PgProxy:
 
     async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         server_r, server_w = await asyncio.open_connection(*self._target)
-        with self._lock:
-            self._counts.connections += 1
         last = ["down"]  # who sent last: a client chunk after a server one starts a round trip
         try:
             await asyncio.gather(
@@ -112,12 +101,8 @@ class PgProxy:
         try:
             while data := await reader.read(CHUNK):
                 with self._lock:
-                    if way == "up":
-                        self._counts.bytes_up += len(data)
-                        if last[0] == "down":
-                            self._counts.round_trips += 1
-                    else:
-                        self._counts.bytes_down += len(data)
+                    if way == "up" and last[0] == "down":
+                        self._round_trips += 1
                     last[0] = way
                 queue.put_nowait((time.monotonic() + self.delay_s, data))
         finally:

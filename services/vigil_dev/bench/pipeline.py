@@ -451,9 +451,9 @@ def remote_db(stack: BenchStack, plan: Plan, report: Report, rate: float) -> Non
                 source = e2e._source("warm")
                 produced = e2e.producer.in_thread(e2e.producer.paced, rate, 3.0, e2e.users, source).result()
                 e2e._drain(workers, source, produced.count)
-                before, runs_before = proxy.counts().round_trips, _runs(dsn)
+                before, runs_before = proxy.round_trips(), _runs(dsn)
                 p50, p99 = e2e.latency(workers, rate)
-                trips, runs = proxy.counts().round_trips - before, _runs(dsn) - runs_before
+                trips, runs = proxy.round_trips() - before, _runs(dsn) - runs_before
         finally:
             e2e.producer.close()
     note = f"offered {rate:.0f} events/s, 1 worker, window {plan.default_window_ms} ms, ledger through the relay"
