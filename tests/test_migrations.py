@@ -105,6 +105,36 @@ def test_queue_tables_are_vacuumed_after_a_few_thousand_dead_rows(ledger):
         assert int(options[table]["autovacuum_vacuum_threshold"]) <= 10_000, table
 
 
+def test_history_tables_are_analyzed_after_a_million_changes_not_a_tenth(ledger):
+    """event_keys, runs and every day of events_finished only grow: with the default threshold
+    (a tenth of the table) a young table or a new day was analyzed at every autovacuum round
+    under load, a burst of CPU that every event received meanwhile waited for (migration 0024).
+    The days made later, and those made over rows waiting in the default partition, too."""
+    query(ledger, "SELECT ensure_event_partitions(0, ARRAY['2031-01-01'::date])")
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, received_at, status, finished_at)
+           VALUES ('u1', 'chat', 'late-1', 'message', now(), 'done', '2031-01-02 12:00+00')""",
+    )
+    query(ledger, "SELECT ensure_event_partitions(0, ARRAY['2031-01-02'::date])")
+    rows = query(
+        ledger,
+        """SELECT c.relname, c.reloptions FROM pg_class c
+           WHERE c.relname IN ('event_keys', 'runs')
+              OR c.oid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'events_finished'::regclass)""",
+    )
+    options = {r["relname"]: dict(o.split("=") for o in r["reloptions"] or []) for r in rows}
+    assert {
+        "event_keys",
+        "runs",
+        "events_finished_default",
+        "events_finished_p20310101",
+        "events_finished_p20310102",
+    } <= set(options)
+    for table, opts in options.items():
+        assert opts.get("autovacuum_analyze_threshold") == "1000000", table
+
+
 def test_migration_0011_converts_an_existing_ledger_keeping_every_row(empty_db, tmp_path):
     """A ledger from before the split (one events table holding its own dedup key) keeps
     every row, id and state; finished rows land in their day, the queue in events_live,

@@ -91,6 +91,11 @@ CREATE INDEX events_dead ON events_finished (finished_at) WHERE status = 'dead';
 -- entry here.
 CREATE INDEX events_finished_by_user ON events_finished (user_id, id);
 CREATE TABLE events_finished_default PARTITION OF events_finished DEFAULT;
+-- History tables (this one, each day of events_finished, event_keys, runs) only grow until
+-- retention drops or deletes them: analyzed after a million changes, not after a tenth of the
+-- rows, which a young table or a new day's partition passed at every autovacuum round
+-- (migration 0024).
+ALTER TABLE events_finished_default SET (autovacuum_analyze_threshold = 1000000);
 
 -- event_keys: the dedup key of every event recorded in the last VIGIL_DEDUP_WINDOW_DAYS. The
 -- second copy of a retried webhook, a redelivered Kafka message, a replayed timer occurrence
@@ -106,6 +111,7 @@ CREATE TABLE event_keys (
 );
 -- Keys are written in time order: a BRIN index finds the expired ones for almost no upkeep.
 CREATE INDEX event_keys_expiry ON event_keys USING brin (recorded_at);
+ALTER TABLE event_keys SET (autovacuum_analyze_threshold = 1000000);  -- history (migration 0024)
 -- The operator console's search by source id without its user (migration 0021): the key names
 -- the user, whose events are then read through their indexes. Here and not on events: this
 -- table is insert-only, events rows are rewritten by every claim and finish.
@@ -148,6 +154,8 @@ BEGIN
         ELSE
             EXECUTE format('CREATE TABLE %I PARTITION OF events_finished FOR VALUES FROM (%L) TO (%L)', part, lo, hi);
         END IF;
+        -- History: analyzed after a million changes, not a tenth of the rows (migration 0024).
+        EXECUTE format('ALTER TABLE %I SET (autovacuum_analyze_threshold = 1000000)', part);
         made := made + 1;
     END LOOP;
     RETURN made;
@@ -223,6 +231,7 @@ CREATE TABLE runs (
 CREATE INDEX runs_by_user ON runs (user_id, started_at);
 -- The operator console's runs/s: a range scan over the last minutes (migration 0015).
 CREATE INDEX runs_by_finish ON runs (finished_at);
+ALTER TABLE runs SET (autovacuum_analyze_threshold = 1000000);  -- history (migration 0024)
 
 -- outbox: messages a run decided to send, written in its fenced finish.
 --   status: pending   -> sending (dispatcher fixes delivery_id before the send)
