@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -50,6 +51,28 @@ def query(dsn: str, sql: str, params: Any = None) -> list[dict]:
     with psycopg.connect(dsn, row_factory=dict_row, autocommit=True) as conn:
         cur = conn.execute(sql, params)
         return cur.fetchall() if cur.description else []
+
+
+def auto_explain(plan_cache_mode: str, plans: list[dict]) -> tuple[list[str], Callable]:
+    """The settings that make a connection report every statement's executed plan
+    (auto_explain, as JSON, with row counts), and the notice handler that appends each plan
+    to ``plans``."""
+
+    def keep(diag) -> None:
+        text = diag.message_primary or ""
+        if "plan:" in text:
+            plans.append(json.loads(text.split("plan:", 1)[1]))
+
+    settings = [
+        "LOAD 'auto_explain'",
+        "SET auto_explain.log_min_duration = 0",
+        "SET auto_explain.log_analyze = on",
+        "SET auto_explain.log_timing = off",
+        "SET auto_explain.log_format = json",
+        "SET client_min_messages = log",
+        f"SET plan_cache_mode = {plan_cache_mode}",
+    ]
+    return settings, keep
 
 
 def scalar(dsn: str, sql: str, params: Any = None) -> Any:

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
-from support import query
+from support import auto_explain, query
 from vigil.agent.base import EventRow, OutMessage, RunResult
 from vigil.ledger.finish import finish_runs_params
 from vigil.ledger.queries import Q
@@ -447,24 +447,12 @@ def explained(ledger: str, plan_cache_mode: str, work):
     """``await work(conn)`` on a connection whose every statement's executed plan is kept
     (auto_explain): returns what ``work`` returned and the plans."""
     plans: list[dict] = []
-
-    def keep(diag) -> None:
-        text = diag.message_primary or ""
-        if "plan:" in text:
-            plans.append(json.loads(text.split("plan:", 1)[1]))
+    settings, keep = auto_explain(plan_cache_mode, plans)
 
     async def go():
         async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
             conn.add_notice_handler(keep)
-            for setting in (
-                "LOAD 'auto_explain'",
-                "SET auto_explain.log_min_duration = 0",
-                "SET auto_explain.log_analyze = on",
-                "SET auto_explain.log_timing = off",
-                "SET auto_explain.log_format = json",
-                "SET client_min_messages = log",
-                f"SET plan_cache_mode = {plan_cache_mode}",
-            ):
+            for setting in settings:
                 await conn.execute(setting)
             return await work(conn)
 

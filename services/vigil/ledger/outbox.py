@@ -14,6 +14,7 @@ decides gaps, backoffs and send leases, and tests move it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from datetime import date, datetime
 from typing import TypeVar
@@ -168,7 +169,12 @@ def claim_retries(
     returns the ids of the rows moved."""
     rows = conn.execute(
         Q.outbox_claim_retries,
-        {"now": now, "lease_until": lease_until, "delivery_ids": delivery_ids, "channels": channels},
+        {
+            "now": now,
+            "lease_until": lease_until,
+            "delivery_ids": delivery_ids,
+            "channels": json.dumps({str(d): channel for d, channel in zip(delivery_ids, channels, strict=True)}),
+        },
     ).fetchall()
     return {r["id"] for r in rows}
 
