@@ -278,6 +278,7 @@ ALTER TABLE outbox SET (
     autovacuum_vacuum_threshold = 5000,
     autovacuum_vacuum_cost_delay = 0
 );
+ALTER TABLE outbox SET (autovacuum_analyze_threshold = 1000000);  -- migration 0025
 -- Past messages for the agent's context come from delivered rows.
 CREATE INDEX outbox_delivered_by_user ON outbox (user_id, delivered_at) WHERE status = 'delivered';
 
