@@ -17,7 +17,7 @@ import traceback
 
 from vigil.settings import load
 from vigil.worker.settings import WorkerSettings
-from vigil_dev.bench import costs, ingest_http, model_bound, pipeline, raw, rebalance, retention
+from vigil_dev.bench import costs, dispatch, ingest_http, model_bound, pipeline, raw, rebalance, retention
 from vigil_dev.bench.figures import Figure, Report, fmt
 from vigil_dev.bench.plan import FULL, QUICK, Plan
 from vigil_dev.bench.stack import BenchStack
@@ -45,6 +45,7 @@ FIGURES = [
     "worker_rss_mb",
     "worker_rss_growth_mb",
     "retention_drop_day_s",
+    *dispatch.FIGURES,
     *[f"cost_{name}_per_{unit}" for unit in ("event", "run") for name in costs.COUNTERS],
     *pipeline.REMOTE_DB_FIGURES,
     *model_bound.FIGURES,
@@ -59,6 +60,7 @@ WORKLOADS = [
     "memory",
     "ingest",
     "retention",
+    "dispatch",
     "costs",
     "remote_db",
     "model_bound",
@@ -180,6 +182,15 @@ def summary(report: Report, plan: Plan) -> None:
         f"{drop:.2f} s to drop a day of events, dedup keys kept (target < 1 s)" if drop is not None else "missing",
         None if drop is None else drop < 1.0,
     )
+    dispatched, runs = v("dispatch_deliveries_per_s"), v("e2e_runs_per_s")
+    if dispatched is not None:
+        against = f", {dispatched / runs:.2f} x e2e_runs_per_s {fmt(runs)}" if runs else ""
+        line(
+            "dispatch",
+            dispatched,
+            f"{fmt(dispatched)} deliveries/s by one dispatcher{against} (no target: each echo run writes one message)",
+            None,
+        )
     scale = v("scale_2_workers_ratio")
     line(
         "scale_2_workers",
@@ -226,6 +237,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: b
                 lambda: ingest_http.ingest_http(stack, plan, report),
             ),
             "retention": (["retention_drop_day_s"], lambda: retention.drop_day(stack, plan, report)),
+            "dispatch": (dispatch.FIGURES, lambda: dispatch.dispatch(stack, plan, report)),
             # Half load of the e2e shape: the counts, not the rate, are the figures.
             "costs": (
                 [n for n in figure_names(plan) if n.startswith("cost_") and n.endswith("_per_event")],

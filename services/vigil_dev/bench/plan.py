@@ -27,6 +27,7 @@ class Plan:
     memory_seconds: float  # the memory run: one long stretch of half load
     http_seconds: float  # each HTTP mode, each round
     retention_events: int  # retention_drop_day_s: events in the day dropped
+    dispatch_users: int  # dispatch_deliveries_per_s: users with one message each in the outbox
     cost_seconds: float  # each pass of the cost counters offers load this long
     cost_settle_s: float  # and waits this long for PostgreSQL's counters before reading them
     http_concurrency: int = 64
@@ -55,6 +56,7 @@ FULL = Plan(
     memory_seconds=75.0,
     http_seconds=4.0,
     retention_events=1_000_000,
+    dispatch_users=20_000,
     cost_seconds=10.0,
     cost_settle_s=11.0,
 )
@@ -73,6 +75,7 @@ QUICK = Plan(
     memory_seconds=6.0,
     http_seconds=1.0,
     retention_events=20_000,
+    dispatch_users=500,
     cost_seconds=1.0,
     cost_settle_s=1.0,
 )

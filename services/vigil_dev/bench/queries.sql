@@ -136,3 +136,19 @@ LIMIT %(n)s
 -- name: runs_count
 -- Runs finished so far (the remote_db workload's round trips per run).
 SELECT count(*)::int AS n FROM runs
+
+-- name: dispatch_fill
+-- The dispatch workload's outbox: %(users)s users never delivered to, each with a Kafka channel and one message as a run's finish writes it.
+WITH u AS (
+    INSERT INTO users (user_id, home_topic, home_partition)
+    SELECT 'd' || lpad(i::text, 7, '0'), 'events', 0 FROM generate_series(1, %(users)s) AS i
+    RETURNING user_id
+),
+c AS (
+    INSERT INTO channels (user_id, type) SELECT user_id, 'kafka' FROM u
+)
+INSERT INTO outbox (user_id, run_id, epoch, body)
+SELECT user_id, row_number() OVER (), 1, 'Your build finished: 212 tests passed, 0 failed.' FROM u
+
+-- name: dispatch_delivered
+SELECT count(*) FROM outbox WHERE status = 'delivered'
