@@ -276,6 +276,37 @@ def test_a_send_whose_dispatcher_vanished_goes_again_under_its_id_after_the_leas
     assert query(ledger, "SELECT status, attempts FROM outbox")[0] == {"status": "delivered", "attempts": 2}
 
 
+def test_outcomes_that_arrive_together_are_recorded_together_each_fenced_by_its_attempt(ledger, dispatch):
+    """Accepted sends are recorded in one statement, but each only if its attempt still holds
+    its delivery: one whose lease was taken over in the meantime is dropped (superseded), the
+    others are delivered; a failed attempt beside them is recorded on its own."""
+    clock = ManualClock(T0.timestamp())
+    d = dispatch(clock, delivery_lease_s=300, delivery_max_attempts=3)
+    add_webhook_users(ledger, ["ana", "bo", "cy", "di"], "http://127.0.0.1:9/unused")
+    for user in ("ana", "bo", "cy", "di"):
+        add_message(ledger, user, f"to {user}", created_at=T0)
+    deliveries = {x.user_id: x for x in claim(d.conn, utc(clock.now()), d.limits).deliveries}
+    # bo's attempt 1 was taken over: its lease passed and another dispatcher sent attempt 2.
+    query(ledger, "UPDATE outbox SET attempts = 2 WHERE user_id = 'bo'")
+    superseded = sample("vigil_delivery_superseded_total", {"channel": "webhook"})
+    delivered = sample("vigil_deliveries_total", {"channel": "webhook", "result": "delivered"})
+    d._unrecorded = [
+        (deliveries["ana"], Outcome(Result.DELIVERED)),
+        (deliveries["bo"], Outcome(Result.DELIVERED)),
+        (deliveries["cy"], Outcome(Result.DELIVERED)),
+        (deliveries["di"], Outcome(Result.RETRY, "503")),
+    ]
+    d.settle()
+    assert d._unrecorded == []
+    rows = {
+        r["user_id"]: (r["status"], r["attempts"])
+        for r in query(ledger, "SELECT user_id, status, attempts FROM outbox")
+    }
+    assert rows == {"ana": ("delivered", 1), "bo": ("sending", 2), "cy": ("delivered", 1), "di": ("pending", 1)}
+    assert sample("vigil_delivery_superseded_total", {"channel": "webhook"}) == superseded + 1
+    assert sample("vigil_deliveries_total", {"channel": "webhook", "result": "delivered"}) == delivered + 2
+
+
 def test_a_delivery_whose_dispatchers_keep_dying_is_buried_after_max_attempts(ledger, dispatch):
     clock = ManualClock(T0.timestamp())
     d = dispatch(clock, delivery_lease_s=300, delivery_max_attempts=2)

@@ -3,7 +3,9 @@
 The claim is one transaction, in this order:
 
 1. lock the ``users`` rows of users who may have something due (``FOR UPDATE SKIP LOCKED``:
-   another dispatcher's users are skipped, never waited for);
+   another dispatcher's users are skipped, never waited for), looking at users in user_id
+   order after the previous pass's cursor: a round robin, so a pass costs what it claims,
+   not the whole backlog, and every due user gets its turn within one sweep;
 2. read those users' unfinished outbox rows (a statement that starts after the locks are
    held, so it sees everything the previous holder committed);
 3. :func:`vigil.dispatcher.pacing.plan` decides per user;
@@ -57,6 +59,7 @@ class Claimed:
     lost: list[Delivery] = field(default_factory=list)  # re-armed after their lease ran out
     bypasses: int = 0  # new deliveries inside the gap because of an urgent message
     users_locked: int = 0
+    cursor: str = ""  # where the next claim's sweep starts ('' from the first user)
 
 
 def _config(row: DueUser) -> ChannelConfig:
@@ -81,12 +84,15 @@ def _expect(what: str, returned: set, planned: set) -> None:
         raise ClaimConflict(f"{what}: planned {len(planned)} rows, the ledger moved {len(returned)}")
 
 
-def claim(conn: psycopg.Connection, now: datetime, limits: Limits) -> Claimed:
-    """Fix what is due now and commit; returns the deliveries to send (see the module doc)."""
+def claim(conn: psycopg.Connection, now: datetime, limits: Limits, after: str = "") -> Claimed:
+    """Fix what is due now among the users after ``after`` and commit; returns the deliveries
+    to send and the next claim's cursor (see the module doc)."""
     claimed = Claimed()
     lease_until = now + timedelta(seconds=limits.lease_s)
     with conn.transaction():
-        locked = outbox.lock_due_users(conn, now, limits.default_gap_s, limits.batch_users)
+        due = outbox.lock_due_users(conn, now, limits.default_gap_s, limits.batch_users, after)
+        claimed.cursor = due.cursor
+        locked = due.users
         claimed.users_locked = len(locked)
         if not locked:
             return claimed
@@ -175,9 +181,10 @@ class Recorded:
     created_at: list[datetime] = field(default_factory=list)  # delivered rows' creation times
 
 
-def record_delivered(conn: psycopg.Connection, delivery: Delivery, now: datetime) -> Recorded:
-    created = outbox.mark_delivered(conn, delivery.delivery_id, delivery.attempt, now)
-    return Recorded(bool(created), created)
+def record_delivered(conn: psycopg.Connection, deliveries: list[Delivery], now: datetime) -> list[Recorded]:
+    """The accepted deliveries' outcomes in one statement (one commit), in their order."""
+    created = outbox.mark_delivered(conn, {d.delivery_id: d.attempt for d in deliveries}, now)
+    return [Recorded(bool(created[d.delivery_id]), created[d.delivery_id]) for d in deliveries]
 
 
 def record_retry(conn: psycopg.Connection, delivery: Delivery, at: datetime, error: str) -> Recorded:

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta
 
 import psycopg
@@ -91,6 +91,7 @@ class Dispatcher:
         self._conn: psycopg.Connection | None = None
         self._pool = ThreadPoolExecutor(settings.dispatcher_concurrency, thread_name_prefix="send")
         self._backlog_at = 0.0
+        self._after = ""  # the claims' round-robin cursor: the last user of the last full pass
         # Sends whose outcome is not recorded yet (the ledger went away after the send).
         self._unrecorded: list[tuple[Delivery, Outcome]] = []
 
@@ -114,11 +115,16 @@ class Dispatcher:
         metrics.SETTLED_AFTER_RECONNECT.inc(left_over)
         now = utc(self.clock.now())
         try:
-            claimed = claim(self.conn, now, self.limits)
+            claimed = claim(self.conn, now, self.limits, self._after)
+            if self._after and not claimed.users_locked:
+                # The sweep reached the last user: the users before the cursor, at once.
+                claimed = claim(self.conn, now, self.limits)
         except ClaimConflict as exc:
             metrics.CLAIM_CONFLICTS.inc()
             log.error("claim rolled back: %s", exc)
+            self._after = ""
             return 0
+        self._after = claimed.cursor
         for delivery in claimed.lost:
             metrics.RETRIES.labels(delivery.channel.type.value, "lost").inc()
             log.warning(
@@ -135,14 +141,18 @@ class Dispatcher:
                 metrics.JOINED.observe(len(delivery.rows))
         futures = {self._pool.submit(self._send, d): d for d in claimed.deliveries}
         failed: psycopg.Error | None = None
-        for future in as_completed(futures):
-            self._unrecorded.append((futures[future], future.result()))
+        waiting = set(futures)
+        while waiting:
+            # Every outcome that has arrived, recorded together (one statement and one commit
+            # for the accepted ones): one round trip per outcome was most of a pass.
+            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+            self._unrecorded.extend((futures[f], f.result()) for f in done)
             if failed is None:
                 try:
                     self.settle()
                 except psycopg.Error as exc:
                     # The ledger went away mid-pass: the other sends still finish, and their
-                    # outcomes wait with this one for the reconnect.
+                    # outcomes wait with these for the reconnect.
                     failed = exc
         if failed is not None:
             raise failed
@@ -153,17 +163,30 @@ class Dispatcher:
         went away after the send). Called as soon as the ledger answers again, before the next
         claim: the rows leave ``sending`` now instead of after their lease, and a user's newer
         messages stop waiting behind them. Each record is fenced by the attempt number, so an
-        outcome whose lease another dispatcher took over in the meantime is dropped."""
+        outcome whose lease another dispatcher took over in the meantime is dropped. Accepted
+        sends are recorded together, the others one by one."""
         while self._unrecorded:
-            delivery, outcome = self._unrecorded[0]
+            batch = self._next_batch()
             try:
-                self.record(delivery, outcome)
+                self.record_many(batch)
             except psycopg.OperationalError:
                 raise  # the ledger is away: kept for the reconnect
             except psycopg.Error:
-                self._unrecorded.pop(0)  # refused, not unreachable: the lease sends it again
+                del self._unrecorded[: len(batch)]  # refused, not unreachable: the lease sends them again
                 raise
-            self._unrecorded.pop(0)
+            del self._unrecorded[: len(batch)]
+
+    def _next_batch(self) -> list[tuple[Delivery, Outcome]]:
+        """The accepted sends at the head of the unrecorded ones (each delivery once), or the
+        first outcome alone."""
+        batch: list[tuple[Delivery, Outcome]] = []
+        ids: set = set()
+        for delivery, outcome in self._unrecorded:
+            if outcome.result is not Result.DELIVERED or delivery.delivery_id in ids:
+                break
+            batch.append((delivery, outcome))
+            ids.add(delivery.delivery_id)
+        return batch or self._unrecorded[:1]
 
     def _send(self, delivery: Delivery) -> Outcome:
         # The attempt's time is taken when the send starts, not when it was queued: a
@@ -179,25 +202,52 @@ class Dispatcher:
 
     def record(self, delivery: Delivery, outcome: Outcome) -> None:
         """Write one attempt's outcome (the send already happened; this is the commit after it)."""
+        self.record_many([(delivery, outcome)])
+
+    def record_many(self, batch: list[tuple[Delivery, Outcome]]) -> None:
+        """Write attempts' outcomes: accepted ones together (one statement, one commit), any
+        other alone."""
+        if batch[0][1].result is Result.DELIVERED:
+            self._record_delivered([delivery for delivery, _ in batch])
+            return
+        ((delivery, outcome),) = batch
         with logs.context(user_id=delivery.user_id):  # every line about it names the user
             self._record(delivery, outcome)
 
-    def _record(self, delivery: Delivery, outcome: Outcome) -> None:
-        channel = delivery.channel.type.value
-        if outcome.result is Result.DELIVERED and self.settings.dispatcher_crash_after_send:
-            log.warning("test hook: SIGKILL after delivery %s was accepted, before the commit", delivery.delivery_id)
+    def _record_delivered(self, deliveries: list[Delivery]) -> None:
+        if self.settings.dispatcher_crash_after_send:
+            log.warning(
+                "test hook: SIGKILL after delivery %s was accepted, before the commit", deliveries[0].delivery_id
+            )
             os.kill(os.getpid(), signal.SIGKILL)
         now = utc(self.clock.now())
-        if outcome.result is Result.DELIVERED:
-            recorded = record_delivered(self.conn, delivery, now)
-            if recorded.stood:
+        for delivery, recorded in zip(deliveries, record_delivered(self.conn, deliveries, now), strict=True):
+            channel = delivery.channel.type.value
+            with logs.context(user_id=delivery.user_id):
+                if not recorded.stood:
+                    self._superseded(delivery, Result.DELIVERED)
+                    continue
                 metrics.DELIVERIES.labels(channel, Result.DELIVERED.value).inc()
                 for created_at in recorded.created_at:
                     metrics.LATENCY.labels(channel).observe(max(0.0, (now - created_at).total_seconds()))
                 log.debug(
                     "delivered %s to %s (%d messages)", delivery.delivery_id, delivery.user_id, len(delivery.rows)
                 )
-        elif outcome.result is Result.RETRY and delivery.attempt < self.limits.max_attempts:
+
+    def _superseded(self, delivery: Delivery, result: Result) -> None:
+        metrics.SUPERSEDED.labels(delivery.channel.type.value).inc()
+        log.warning(
+            "delivery %s attempt %d: outcome %s dropped, the lease was taken over (it went out again)",
+            delivery.delivery_id,
+            delivery.attempt,
+            result,
+        )
+
+    def _record(self, delivery: Delivery, outcome: Outcome) -> None:
+        """A failed attempt's outcome: a retry after a backoff, or dead."""
+        channel = delivery.channel.type.value
+        now = utc(self.clock.now())
+        if outcome.result is Result.RETRY and delivery.attempt < self.limits.max_attempts:
             delay = retry_delay(
                 delivery.attempt,
                 self.settings.delivery_backoff_base_s,
@@ -229,13 +279,7 @@ class Dispatcher:
                 metrics.DELIVERIES.labels(channel, Result.DEAD.value).inc()
                 log.warning("delivery %s to %s is dead: %s", delivery.delivery_id, delivery.user_id, error)
         if not recorded.stood:
-            metrics.SUPERSEDED.labels(channel).inc()
-            log.warning(
-                "delivery %s attempt %d: outcome %s dropped, the lease was taken over (it went out again)",
-                delivery.delivery_id,
-                delivery.attempt,
-                outcome.result,
-            )
+            self._superseded(delivery, outcome.result)
 
     def refresh_backlog(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._backlog_at < BACKLOG_REFRESH_S:

@@ -120,11 +120,23 @@ class Revived:
 # -- the claim ---------------------------------------------------------------------------
 
 
-def lock_due_users(conn: psycopg.Connection, now: datetime, default_gap_s: int, limit: int) -> list[DueUser]:
+@dataclass(frozen=True, slots=True)
+class DueUsers:
+    """The users a claim locked, and where the next claim's sweep starts ('' from the first user)."""
+
+    users: list[DueUser]
+    cursor: str
+
+
+def lock_due_users(
+    conn: psycopg.Connection, now: datetime, default_gap_s: int, limit: int, after: str = ""
+) -> DueUsers:
     """Lock (``FOR UPDATE SKIP LOCKED``, until commit) up to ``limit`` users who may have
-    something to send at ``now``."""
-    rows = conn.execute(Q.outbox_lock_due_users, {"now": now, "default_gap": default_gap_s, "limit": limit})
-    return _rows(DueUser, rows.fetchall())
+    something to send at ``now``, looking at users in user_id order after ``after``."""
+    rows = conn.execute(
+        Q.outbox_lock_due_users, {"now": now, "default_gap": default_gap_s, "limit": limit, "after": after}
+    ).fetchall()
+    return DueUsers(_rows(DueUser, [r for r in rows if r["user_id"] is not None]), rows[0]["cursor"])
 
 
 def unfinished_for_users(conn: psycopg.Connection, users: list[str], max_messages: int) -> list[UnfinishedRow]:
@@ -189,13 +201,22 @@ def bury_lost(conn: psycopg.Connection, now: datetime, delivery_ids: list[UUID])
 # -- outcomes ----------------------------------------------------------------------------
 
 
-def mark_delivered(conn: psycopg.Connection, delivery_id: UUID, attempt: int, now: datetime) -> list[datetime]:
-    """Attempt ``attempt`` was accepted: the delivered rows' creation times (empty: that
-    attempt no longer holds the delivery; it went out again)."""
+def mark_delivered(conn: psycopg.Connection, attempts: dict[UUID, int], now: datetime) -> dict[UUID, list[datetime]]:
+    """The channel accepted each delivery at its attempt (``attempts``), in one statement: the
+    delivered rows' creation times by delivery (empty: that attempt no longer holds the
+    delivery; it went out again)."""
     rows = conn.execute(
-        Q.outbox_mark_delivered, {"now": now, "delivery_id": delivery_id, "attempt": attempt}
+        Q.outbox_mark_delivered,
+        {
+            "now": now,
+            "delivery_ids": list(attempts),
+            "attempts": json.dumps({str(d): attempt for d, attempt in attempts.items()}),
+        },
     ).fetchall()
-    return [r["created_at"] for r in rows]
+    created: dict[UUID, list[datetime]] = {d: [] for d in attempts}
+    for r in rows:
+        created[r["delivery_id"]].append(r["created_at"])
+    return created
 
 
 def schedule_retry(

@@ -15,21 +15,20 @@
 -- few rows (tests/test_dispatcher_plans.py).
 
 -- name: outbox_lock_due_users
--- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel.
--- Every step is linear in the unfinished rows whatever the statistics say: the outbox is
--- usually analyzed while the dispatcher keeps up (nothing pending), and with such statistics
--- a correlated NOT EXISTS once rescanned every unfinished row for each held one (4 million
--- rows, 0.3 s, for a burst of 2,000 messages: tests/test_dispatcher_plans.py).
-WITH waiting AS MATERIALIZED (
-    -- The unfinished rows (outbox_undelivered) read once, one row per user. A row without a
-    -- delivery id is held (pending: a sending row always has one).
-    SELECT o.user_id,
-           bool_or(o.delivery_id IS NOT NULL AND o.next_attempt_at <= %(now)s) AS fixed_due,
-           bool_or(o.delivery_id IS NOT NULL) AS in_flight,
-           bool_or(o.urgent) FILTER (WHERE o.delivery_id IS NULL) AS urgent_held
-    FROM outbox o
-    WHERE o.status IN ('pending', 'sending')
-    GROUP BY o.user_id
+-- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel, taking users in user_id order after %(after)s: a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait. One row more or less: the first column is the next pass's cursor ('' once the sweep reached the last user), the rest are NULL when nothing was locked.
+-- Every step is a probe for the user at hand whatever the statistics say. The outbox is
+-- usually analyzed while the dispatcher keeps up (nothing pending); with such statistics a
+-- correlated NOT EXISTS once rescanned every unfinished row for each held one (4 million
+-- rows, 0.3 s, for a burst of 2,000 messages), and a pass that read every unfinished row made
+-- draining a backlog quadratic (tests/test_dispatcher_plans.py).
+WITH RECURSIVE waiting (user_id) AS (
+    -- Users with unfinished rows after the cursor, skipping through outbox_undelivered one
+    -- user at a time. Evaluated lazily: the LIMIT in due stops it once enough users are due.
+    (SELECT user_id FROM outbox WHERE status IN ('pending', 'sending') AND user_id > %(after)s ORDER BY user_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT o.user_id FROM outbox o
+            WHERE o.status IN ('pending', 'sending') AND o.user_id > w.user_id ORDER BY o.user_id LIMIT 1)
+    FROM waiting w WHERE w.user_id IS NOT NULL
 ),
 due AS (
     -- A fixed delivery whose backoff (pending) or send lease (sending) has run out; or held
@@ -37,34 +36,48 @@ due AS (
     -- cap), of a user with no delivery in flight. Only a prefilter, so that users waiting out
     -- their gap (the normal state) are neither locked nor fill the limit:
     -- vigil.dispatcher.pacing.plan decides, on rows read after the lock is held.
-    -- The user and the channel by primary key per waiting user (LIMIT 1: never a join that
-    -- starts from every user or every channel).
+    -- The user's unfinished rows summed up (a row without a delivery id is held: a sending
+    -- row always has one), the user and the channel by primary key (LIMIT 1: never a join
+    -- that starts from every user or every channel).
     SELECT w.user_id
     FROM waiting w
+    CROSS JOIN LATERAL (
+        SELECT bool_or(o.delivery_id IS NOT NULL AND o.next_attempt_at <= %(now)s) AS fixed_due,
+               bool_or(o.delivery_id IS NOT NULL) AS in_flight,
+               bool_or(o.urgent) FILTER (WHERE o.delivery_id IS NULL) AS urgent_held
+        FROM outbox o WHERE o.user_id = w.user_id AND o.status IN ('pending', 'sending')
+    ) s
     CROSS JOIN LATERAL (SELECT u.last_delivery_at FROM users u WHERE u.user_id = w.user_id LIMIT 1) u
     LEFT JOIN LATERAL (SELECT c.gap_seconds FROM channels c WHERE c.user_id = w.user_id LIMIT 1) c ON true
-    WHERE w.fixed_due
-       OR (NOT w.in_flight
-           AND (w.urgent_held OR u.last_delivery_at IS NULL
-                OR u.last_delivery_at <= %(now)s - make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s))))
+    WHERE w.user_id IS NOT NULL
+      AND (s.fixed_due
+           OR (NOT s.in_flight
+               AND (s.urgent_held OR u.last_delivery_at IS NULL
+                    OR u.last_delivery_at <= %(now)s - make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)))))
+    LIMIT %(limit)s
 ),
 locked AS (
     SELECT u.user_id, u.last_delivery_at, u.urgent_day, u.urgent_count
     FROM users u
     WHERE u.user_id = ANY(ARRAY(SELECT user_id FROM due))
-    ORDER BY u.last_delivery_at NULLS FIRST, u.user_id
-    LIMIT %(limit)s
+    ORDER BY u.user_id
     -- SKIP LOCKED: a user another dispatcher is claiming right now is its business this
     -- pass; waiting for that lock would only serialise the replicas. Held until commit, so
     -- the pacing state read here cannot change under this claim.
     FOR UPDATE SKIP LOCKED
+),
+next AS (
+    -- A full pass continues after its last due user; a short one reached the end of the sweep.
+    SELECT CASE WHEN count(*) >= %(limit)s THEN max(user_id) ELSE '' END AS cursor FROM due
 )
-SELECT l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
+SELECT n.cursor, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
        c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap
-FROM locked l
+FROM next n
+LEFT JOIN locked l ON true
 LEFT JOIN LATERAL (
     SELECT c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap FROM channels c WHERE c.user_id = l.user_id LIMIT 1
 ) c ON true
+ORDER BY l.user_id
 
 -- name: outbox_unfinished_for_users
 -- The unfinished rows (pending, sending) of locked users, oldest first: every row of a fixed delivery, the oldest %(max_messages)s held.
@@ -120,12 +133,12 @@ WHERE delivery_id = ANY(%(delivery_ids)s::uuid[]) AND status IN ('pending', 'sen
 RETURNING id, delivery_id
 
 -- name: outbox_mark_delivered
--- The channel accepted attempt %(attempt)s. Zero rows: that attempt's lease was taken over (the delivery went out again).
-UPDATE outbox
+-- The channel accepted these deliveries (%(delivery_ids)s), each at its attempt in %(attempts)s (a JSON object by delivery id): one statement for every outcome that arrived together. A delivery with no rows returned: that attempt's lease was taken over (it went out again).
+UPDATE outbox o
 SET status = 'delivered', delivered_at = %(now)s, next_attempt_at = NULL, error = NULL
-WHERE delivery_id = %(delivery_id)s AND status IN ('sending', 'delivered') AND status <> 'delivered'
-  AND attempts = %(attempt)s
-RETURNING id, created_at
+WHERE o.delivery_id = ANY(%(delivery_ids)s::uuid[]) AND o.status IN ('sending', 'delivered') AND o.status <> 'delivered'
+  AND o.attempts = (%(attempts)s::jsonb ->> o.delivery_id::text)::int
+RETURNING o.delivery_id, o.created_at
 
 -- name: outbox_schedule_retry
 -- Attempt %(attempt)s failed and may be retried: back to pending, not before %(next_attempt_at)s.
