@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from dispatcher_support import (
     T0,
@@ -23,6 +24,7 @@ from vigil.clock import ManualClock, utc
 from vigil.dispatcher.channels import Outcome, Result
 from vigil.dispatcher.claims import claim
 from vigil.dispatcher.operator import dead_deliveries
+from vigil.ledger import outbox
 
 MINUTE = 60
 
@@ -305,6 +307,26 @@ def test_outcomes_that_arrive_together_are_recorded_together_each_fenced_by_its_
     assert rows == {"ana": ("delivered", 1), "bo": ("sending", 2), "cy": ("delivered", 1), "di": ("pending", 1)}
     assert sample("vigil_delivery_superseded_total", {"channel": "webhook"}) == superseded + 1
     assert sample("vigil_deliveries_total", {"channel": "webhook", "result": "delivered"}) == delivered + 2
+
+
+def test_a_pass_whose_due_users_another_replica_is_claiming_takes_the_next_ones(ledger, receiver, dispatch):
+    """Another replica's claim holds its users' locks (for milliseconds): this pass skips them
+    and takes the next due users at once, rather than finding nothing and waiting out its poll
+    interval; the sweep then wraps to the first user."""
+    clock = ManualClock(T0.timestamp())
+    d = dispatch(clock, dispatcher_batch_users=2)
+    users = ["ana", "bo", "cy", "di"]
+    add_webhook_users(ledger, users, receiver.url)
+    for user in users:
+        add_message(ledger, user, f"to {user}", created_at=T0)
+    with psycopg.connect(ledger, row_factory=dict_row) as other:
+        held = outbox.lock_due_users(other, utc(clock.now()), 3600, 2)
+        assert [u.user_id for u in held.users] == ["ana", "bo"]
+        assert d.run_pass() == 2
+        assert sorted(r.user for r in receiver.got()) == ["cy", "di"]
+        other.rollback()
+    assert d.run_pass() == 2
+    assert sorted(r.user for r in receiver.got()) == users
 
 
 def test_a_delivery_whose_dispatchers_keep_dying_is_buried_after_max_attempts(ledger, dispatch):

@@ -28,7 +28,15 @@ from vigil import logs, tracing
 from vigil.clock import Clock, utc
 from vigil.dispatcher import metrics
 from vigil.dispatcher.channels import Channels, Delivery, Outcome, Result
-from vigil.dispatcher.claims import ClaimConflict, Limits, claim, record_dead, record_delivered, record_retry
+from vigil.dispatcher.claims import (
+    ClaimConflict,
+    Claimed,
+    Limits,
+    claim,
+    record_dead,
+    record_delivered,
+    record_retry,
+)
 from vigil.dispatcher.pacing import retry_delay
 from vigil.dispatcher.settings import DispatcherSettings
 from vigil.ledger import db, outbox
@@ -41,6 +49,9 @@ log = logging.getLogger("vigil.dispatcher")
 BACKLOG_REFRESH_S = 10.0
 # After a database error: long enough not to spin on a restarting server.
 RECONNECT_PAUSE_S = 2.0
+# Claims in a row that may lock nothing before a pass gives up (other replicas hold the due
+# users, or the sweep wrapped): each one moves the cursor on.
+MAX_EMPTY_CLAIMS = 4
 
 
 def limits_of(settings: DispatcherSettings) -> Limits:
@@ -115,10 +126,7 @@ class Dispatcher:
         metrics.SETTLED_AFTER_RECONNECT.inc(left_over)
         now = utc(self.clock.now())
         try:
-            claimed = claim(self.conn, now, self.limits, self._after)
-            if self._after and not claimed.users_locked:
-                # The sweep reached the last user: the users before the cursor, at once.
-                claimed = claim(self.conn, now, self.limits)
+            claimed = self._claim(now)
         except ClaimConflict as exc:
             metrics.CLAIM_CONFLICTS.inc()
             log.error("claim rolled back: %s", exc)
@@ -157,6 +165,24 @@ class Dispatcher:
         if failed is not None:
             raise failed
         return len(futures)
+
+    def _claim(self, now: datetime) -> Claimed:
+        """A claim from the cursor; when it locks nothing, the next users at once: those after
+        it when every due user it found was being claimed by another replica (their locks are
+        held for milliseconds), those from the first user when the sweep reached the last."""
+        after = self._after
+        claimed = claim(self.conn, now, self.limits, after)
+        for _ in range(MAX_EMPTY_CLAIMS):
+            if claimed.users_locked:
+                break
+            if claimed.cursor:
+                after = claimed.cursor
+            elif after:
+                after = ""
+            else:
+                break  # a sweep from the first user found nothing due
+            claimed = claim(self.conn, now, self.limits, after)
+        return claimed
 
     def settle(self) -> None:
         """Record the outcomes of sends this dispatcher made but could not record yet (the ledger
