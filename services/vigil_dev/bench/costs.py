@@ -48,7 +48,7 @@ def _cpu_s(pid: int, children: bool = False) -> float:
     return used / TICKS
 
 
-def _postmaster(dsn: str) -> int | None:
+def postmaster_pid(dsn: str) -> int | None:
     # The backend's parent, read while the connection is open: once it closes, the backend
     # exits, and reading it then found nothing now and then (PostgreSQL's CPU printed as 0).
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -59,7 +59,7 @@ def _postmaster(dsn: str) -> int | None:
             return None  # PostgreSQL on another machine: its CPU cannot be read from here
 
 
-def _pg_cpu_s(postmaster: int) -> float:
+def pg_cpu_s(postmaster: int) -> float:
     total = _cpu_s(postmaster, children=True)
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -78,7 +78,7 @@ def _snapshot(dsn: str, worker_pid: int, postmaster: int | None) -> dict[str, fl
         row = conn.execute(B.cost_counters).fetchone()
     return {
         "worker_cpu_us": _cpu_s(worker_pid) * 1e6,
-        "pg_cpu_us": _pg_cpu_s(postmaster) * 1e6 if postmaster else 0.0,
+        "pg_cpu_us": pg_cpu_s(postmaster) * 1e6 if postmaster else 0.0,
         "rows_written": float(row["rows_written"]),
         "wal_bytes": float(row["wal_bytes"]),
         "transactions": float(row["transactions"]),
@@ -89,7 +89,7 @@ def measure(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[dict, int, in
     """Offer ``rate`` events/s to ``e2e``'s users and drain; the counters' growth, and the
     events and runs finished (the only round in flight)."""
     plan, dsn = e2e.plan, e2e.dsn
-    postmaster = _postmaster(dsn)
+    postmaster = postmaster_pid(dsn)
     pid = workers.procs[0].pid
     time.sleep(plan.cost_settle_s)
     before = _snapshot(dsn, pid, postmaster)
