@@ -1,13 +1,14 @@
-"""The dispatcher's loop: claim, send in parallel, record each outcome.
+"""The dispatcher's loop: claim, send in parallel, record the outcomes.
 
-One pass: :func:`vigil.dispatcher.claims.claim` fixes and commits what is due; the sends run
-on a thread pool (a slow receiver holds one thread, not the pass); each outcome is recorded
-in its own short transaction as soon as it arrives, fenced by the attempt number, so a
-crash loses at most the outcomes not yet recorded, and those deliveries are sent again under
-their own ids once their lease passes. A ledger that goes away after a send loses nothing:
-the outcome is kept and recorded as soon as the ledger answers again (:meth:`Dispatcher.settle`),
-so the row does not sit ``sending`` for the whole lease. Nothing here sends anything the ledger has not fixed
-first.
+One pass: :func:`vigil.dispatcher.claims.claim` fixes and commits what is due (the next users
+of a round robin); the sends run on a thread pool (a slow receiver holds one thread while the
+pass's other sends go on, and the next pass waits for it); the outcomes are recorded as they
+arrive, the accepted sends that arrived together in one short transaction, each fenced by its
+attempt number, so a crash loses at most the outcomes not yet recorded, and those deliveries
+are sent again under their own ids once their lease passes. A ledger that goes away after a
+send loses nothing: the outcome is kept and recorded as soon as the ledger answers again
+(:meth:`Dispatcher.settle`), so the row does not sit ``sending`` for the whole lease. Nothing
+here sends anything the ledger has not fixed first.
 """
 
 from __future__ import annotations

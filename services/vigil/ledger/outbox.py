@@ -4,9 +4,10 @@ The dispatcher's claim (:mod:`vigil.dispatcher.claims`) calls the first six in o
 transaction, in order: :func:`lock_due_users`, :func:`unfinished_for_users`, then
 :func:`fix_deliveries` and :func:`record_pacing`, :func:`claim_retries`, :func:`bury_lost`.
 Each write is one statement that checks the state it expects and returns what it moved, so
-the caller can compare it with what it planned. :func:`mark_delivered`,
-:func:`schedule_retry` and :func:`mark_dead` record an attempt's outcome, only if that
-attempt still holds the delivery. The rest are the operators' views and the backlog gauges.
+the caller can compare it with what it planned. :func:`mark_delivered` (every accepted
+delivery that arrived together, in one statement), :func:`schedule_retry` and
+:func:`mark_dead` record attempts' outcomes, each only if its attempt still holds the
+delivery. The rest are the operators' views and the backlog gauges.
 
 Every time is the dispatcher's clock (``now``), never the server's ``now()``: one clock
 decides gaps, backoffs and send leases, and tests move it.
