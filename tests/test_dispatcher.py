@@ -4,6 +4,7 @@ with backoff and Retry-After, dead deliveries, and the send lease."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import psycopg
@@ -19,7 +20,7 @@ from dispatcher_support import (
     sample,
     standard_webhooks_valid,
 )
-from support import query, scalar
+from support import query, scalar, wait_for
 from vigil.clock import ManualClock, utc
 from vigil.dispatcher.channels import Outcome, Result
 from vigil.dispatcher.claims import claim
@@ -390,5 +391,99 @@ def test_a_send_whose_ledger_went_away_does_not_wait_out_its_lease(ledger, dispa
         assert row == {"status": "delivered", "attempts": 1}
         assert len(receiver.got()) == 1, "recorded, not sent again"
         assert sample("vigil_delivery_outcomes_settled_after_reconnect_total") == settled + 1
+    finally:
+        receiver.stop()
+
+
+@pytest.fixture
+def running(dispatch):
+    """A dispatcher's own loop (`Dispatcher.run`) on a thread, stopped after the test."""
+    started = []
+
+    def start(clock, **overrides):
+        d = dispatch(clock, **overrides)
+        stopping = threading.Event()
+        thread = threading.Thread(target=d.run, args=(stopping,), daemon=True)
+        thread.start()
+        started.append((stopping, thread))
+        return d
+
+    yield start
+    for stopping, thread in started:
+        stopping.set()
+        thread.join(60)
+        assert not thread.is_alive(), "the loop did not stop"
+
+
+def test_a_slow_receiver_holds_its_own_send_not_the_deliveries_claimed_after_it(ledger, running):
+    """The loop claims again while a send waits for its receiver: a receiver that takes its
+    time (here until the test lets it answer) holds one send thread, and messages written
+    meanwhile for other users go out at once instead of waiting for it."""
+    release = threading.Event()
+
+    def answer(request):
+        if request.user == "slow":
+            release.wait(30)
+        return 200, {}
+
+    receiver = Receiver(answer=answer).start()
+    others = [f"u{i}" for i in range(6)]
+    try:
+        add_webhook_users(ledger, ["slow", *others], receiver.url)
+        add_message(ledger, "slow", "for slow", created_at=T0)
+        running(
+            ManualClock(T0.timestamp()),
+            dispatcher_poll_interval_s=0.05,
+            dispatcher_batch_users=4,
+            dispatcher_concurrency=2,
+            delivery_http_timeout_s=40,
+        )
+        wait_for(lambda: receiver.got(), 10, "the slow receiver's request")
+        for user in others:
+            add_message(ledger, user, f"for {user}", created_at=T0)
+        wait_for(
+            lambda: scalar(ledger, "SELECT count(*) FROM outbox WHERE status = 'delivered'") == len(others),
+            10,
+            "the other users' deliveries while the slow one waits",
+        )
+        assert not release.is_set()
+        assert scalar(ledger, "SELECT status FROM outbox WHERE user_id = 'slow'") == "sending"
+    finally:
+        release.set()
+    try:
+        wait_for(lambda: scalar(ledger, "SELECT status FROM outbox WHERE user_id = 'slow'") == "delivered", 10)
+        assert sorted(r.user for r in receiver.got()) == sorted(["slow", *others]), "each sent once"
+    finally:
+        receiver.stop()
+
+
+def test_the_loop_never_has_more_deliveries_out_than_one_claim_may_take(ledger, running):
+    """However the claims overlap, at most VIGIL_DISPATCHER_BATCH_USERS deliveries are claimed
+    and not finished at any moment: the bound the settings check the lease against (a send
+    that starts later than that could outlive its lease and go out twice)."""
+    lock = threading.Lock()
+    state = {"most": 0}
+
+    def answer(_request):
+        sending = scalar(ledger, "SELECT count(*) FROM outbox WHERE status = 'sending'")
+        with lock:
+            state["most"] = max(state["most"], sending)
+        threading.Event().wait(0.05)
+        return 200, {}
+
+    receiver = Receiver(answer=answer).start()
+    users = [f"u{i:02d}" for i in range(40)]
+    try:
+        add_webhook_users(ledger, users, receiver.url)
+        for user in users:
+            add_message(ledger, user, f"for {user}", created_at=T0)
+        running(ManualClock(T0.timestamp()), dispatcher_batch_users=6, dispatcher_concurrency=4)
+        wait_for(
+            lambda: scalar(ledger, "SELECT count(*) FROM outbox WHERE status = 'delivered'") == len(users),
+            30,
+            "every delivery",
+        )
+        assert sorted(r.user for r in receiver.got()) == users, "each sent once"
+        assert 4 <= state["most"] <= 6, state
     finally:
         receiver.stop()

@@ -1,14 +1,18 @@
 """The dispatcher's loop: claim, send in parallel, record the outcomes.
 
 One pass: :func:`vigil.dispatcher.claims.claim` fixes and commits what is due (the next users
-of a round robin); the sends run on a thread pool (a slow receiver holds one thread while the
-pass's other sends go on, and the next pass waits for it); the outcomes are recorded as they
+of a round robin); the sends run on a thread pool; the outcomes are recorded as they
 arrive, the accepted sends that arrived together in one short transaction, each fenced by its
 attempt number, so a crash loses at most the outcomes not yet recorded, and those deliveries
 are sent again under their own ids once their lease passes. A ledger that goes away after a
 send loses nothing: the outcome is kept and recorded as soon as the ledger answers again
 (:meth:`Dispatcher.settle`), so the row does not sit ``sending`` for the whole lease. Nothing
 here sends anything the ledger has not fixed first.
+
+The passes overlap (:meth:`Dispatcher.run`): the next claim does not wait for the previous
+one's sends, only for room, so a receiver that takes its whole timeout holds one send
+thread and nobody else's delivery. Claimed deliveries not yet sent never number more than
+``VIGIL_DISPATCHER_BATCH_USERS``, the bound the settings check the lease against.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import psycopg
@@ -85,6 +90,14 @@ def delivery_span(delivery: Delivery):
     )
 
 
+@dataclass(slots=True)
+class _Pass:
+    """One claim's deliveries: ``open`` of them not finished yet."""
+
+    claimed_at: float  # Unix time
+    open: int
+
+
 class Dispatcher:
     """Relays the outbox. ``run_pass`` is one claim-send-record cycle (tests drive it directly)."""
 
@@ -106,6 +119,10 @@ class Dispatcher:
         self._after = ""  # the claims' round-robin cursor: the last user of the last full pass
         # Sends whose outcome is not recorded yet (the ledger went away after the send).
         self._unrecorded: list[tuple[Delivery, Outcome]] = []
+        # Sends waiting for a thread or being sent, with the claim that fixed them.
+        self._in_flight: dict[Future[Outcome], tuple[Delivery, _Pass]] = {}
+        self._passes: list[_Pass] = []  # claims whose deliveries are not all recorded yet
+        self._heartbeat = 0.0
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -117,22 +134,44 @@ class Dispatcher:
         """Claim what is due, send it, record the outcomes. Returns the deliveries attempted.
 
         Order: the claim commits the delivery ids (and the users' pacing), then the sends
-        run, then each outcome commits on its own. A crash after the claim or after a send
+        run, then the outcomes commit as they arrive. A crash after the claim or after a send
         leaves rows ``sending`` under their lease: once it passes they go out again with the
-        same ids. A crash after an outcome's commit leaves nothing to redo.
+        same ids. A crash after an outcome's commit leaves nothing to redo. :meth:`run` does
+        the same without waiting for one claim's sends before the next claim.
         """
-        # First what an earlier pass sent but could not record (the ledger went away).
+        self._settle_left_over()
+        claimed = self._claim_due(self.limits.batch_users)
+        self._start(claimed)
+        failed: psycopg.Error | None = None
+        while self._in_flight:
+            try:
+                self._collect(None, record=failed is None)
+            except psycopg.Error as exc:
+                # The ledger went away mid-pass: the other sends still finish, and their
+                # outcomes wait with these for the reconnect.
+                failed = exc
+        if failed is not None:
+            raise failed
+        self._finish_passes()
+        return len(claimed.deliveries)
+
+    def _settle_left_over(self) -> None:
+        """First what earlier sends could not record (the ledger went away)."""
         left_over = len(self._unrecorded)
         self.settle()
         metrics.SETTLED_AFTER_RECONNECT.inc(left_over)
-        now = utc(self.clock.now())
+
+    def _claim_due(self, users: int) -> Claimed:
+        """A claim of up to ``users`` due users from the round robin's cursor, counted in the
+        metrics; nothing when it conflicted (rolled back)."""
+        limits = self.limits if users == self.limits.batch_users else replace(self.limits, batch_users=users)
         try:
-            claimed = self._claim(now)
+            claimed = self._claim(utc(self.clock.now()), limits)
         except ClaimConflict as exc:
             metrics.CLAIM_CONFLICTS.inc()
             log.error("claim rolled back: %s", exc)
             self._after = ""
-            return 0
+            return Claimed()
         self._after = claimed.cursor
         for delivery in claimed.lost:
             metrics.RETRIES.labels(delivery.channel.type.value, "lost").inc()
@@ -148,31 +187,45 @@ class Dispatcher:
         for delivery in claimed.deliveries:
             if delivery.attempt == 1:
                 metrics.JOINED.observe(len(delivery.rows))
-        futures = {self._pool.submit(self._send, d): d for d in claimed.deliveries}
-        failed: psycopg.Error | None = None
-        waiting = set(futures)
-        while waiting:
-            # Every outcome that has arrived, recorded together (one statement and one commit
-            # for the accepted ones): one round trip per outcome was most of a pass.
-            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-            self._unrecorded.extend((futures[f], f.result()) for f in done)
-            if failed is None:
-                try:
-                    self.settle()
-                except psycopg.Error as exc:
-                    # The ledger went away mid-pass: the other sends still finish, and their
-                    # outcomes wait with these for the reconnect.
-                    failed = exc
-        if failed is not None:
-            raise failed
-        return len(futures)
+        return claimed
 
-    def _claim(self, now: datetime) -> Claimed:
+    def _start(self, claimed: Claimed) -> None:
+        """Hand a claim's deliveries to the send threads (in claim order)."""
+        claim_pass = _Pass(time.time(), len(claimed.deliveries))
+        self._passes.append(claim_pass)
+        for delivery in claimed.deliveries:
+            self._in_flight[self._pool.submit(self._send, delivery)] = (delivery, claim_pass)
+
+    def _collect(self, timeout: float | None, record: bool = True) -> None:
+        """Wait up to ``timeout`` for sends to finish (none: until one does), then record every
+        outcome that has arrived: the accepted ones together (one statement and one commit),
+        since one round trip per outcome was most of a pass."""
+        if self._in_flight:
+            done, _ = wait(self._in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
+            for future in done:
+                delivery, claim_pass = self._in_flight.pop(future)
+                claim_pass.open -= 1
+                self._unrecorded.append((delivery, future.result()))
+        if record:
+            self.settle()
+            self._finish_passes()
+
+    def _finish_passes(self) -> None:
+        """Every claim whose deliveries are all recorded is a finished pass: the heartbeat is
+        the claim time of the newest one, so a value after a moment means a claim that began
+        after it has been sent and recorded."""
+        finished = [p.claimed_at for p in self._passes if p.open == 0]
+        if finished:
+            self._passes = [p for p in self._passes if p.open > 0]
+            self._heartbeat = max(self._heartbeat, *finished)
+            metrics.LAST_PASS.set(self._heartbeat)
+
+    def _claim(self, now: datetime, limits: Limits) -> Claimed:
         """A claim from the cursor; when it locks nothing, the next users at once: those after
         it when every due user it found was being claimed by another replica (their locks are
         held for milliseconds), those from the first user when the sweep reached the last."""
         after = self._after
-        claimed = claim(self.conn, now, self.limits, after)
+        claimed = claim(self.conn, now, limits, after)
         for _ in range(MAX_EMPTY_CLAIMS):
             if claimed.users_locked:
                 break
@@ -182,7 +235,7 @@ class Dispatcher:
                 after = ""
             else:
                 break  # a sweep from the first user found nothing due
-            claimed = claim(self.conn, now, self.limits, after)
+            claimed = claim(self.conn, now, limits, after)
         return claimed
 
     def settle(self) -> None:
@@ -323,24 +376,58 @@ class Dispatcher:
         metrics.OLDEST_AGE.set(age)
 
     def run(self, stopping: threading.Event, on_health: Callable[[bool], None] = lambda ok: None) -> None:
-        """Passes until ``stopping`` is set; the pass in progress finishes and records first."""
-        while not stopping.is_set():
+        """Passes until ``stopping`` is set; the sends in flight then finish and are recorded.
+
+        Unlike :meth:`run_pass` the next claim does not wait for the previous one's sends:
+        whenever at least half of ``VIGIL_DISPATCHER_BATCH_USERS`` is free (claimed deliveries
+        whose send has not finished count against it) the loop claims that many more users, so
+        a receiver that takes its whole timeout holds one send thread, not the deliveries
+        behind it. At most ``VIGIL_DISPATCHER_BATCH_USERS`` deliveries are ever waiting or
+        being sent, the bound the settings check the lease against. It claims again at once
+        when the last claim was full (more may be due) or everything it sent is recorded,
+        otherwise after the poll interval.
+        """
+        poll = self.settings.dispatcher_poll_interval_s
+        batch = self.limits.batch_users
+        threshold = max(1, batch // 2)
+        full = False  # the last claim took as many users as it asked for: more may be due now
+        sent = False  # the last claim sent something: claim again once it is all recorded
+        claim_at = 0.0  # otherwise claim again at this monotonic time
+        while not stopping.is_set() or self._in_flight:
             try:
-                attempted = self.run_pass()
+                room = batch - len(self._in_flight)
+                if (
+                    not stopping.is_set()
+                    and room >= threshold
+                    and (full or (sent and not self._in_flight) or time.monotonic() >= claim_at)
+                ):
+                    self._settle_left_over()
+                    claimed = self._claim_due(room)
+                    self._start(claimed)
+                    full = claimed.users_locked >= room
+                    sent = bool(claimed.deliveries)
+                    claim_at = time.monotonic() + poll
+                if stopping.is_set() or batch - len(self._in_flight) < threshold:
+                    wait_s = poll  # no claim now: until a send finishes (a poll's time at most)
+                elif full:
+                    wait_s = 0.0  # claim again at once
+                else:  # until a send finishes or the next claim is due
+                    wait_s = max(0.0, claim_at - time.monotonic())
+                self._collect(wait_s)
                 self.refresh_backlog()
                 on_health(True)
             except psycopg.Error as exc:
                 # The ledger went away (restart, failover) or refused a statement: nothing was
-                # sent that it had not fixed, and what was sent but not recorded goes out
-                # again after its lease. Reconnect and carry on; a bug elsewhere still crashes.
+                # sent that it had not fixed, and what was sent but not recorded is recorded
+                # after the reconnect or goes out again after its lease. Reconnect and carry
+                # on; a bug elsewhere still crashes.
                 log.error("ledger error, reconnecting: %s: %s", type(exc).__name__, exc)
                 on_health(False)
                 self.close_connection()
                 stopping.wait(RECONNECT_PAUSE_S)
                 continue
-            metrics.LAST_PASS.set(time.time())
-            if attempted == 0:
-                stopping.wait(self.settings.dispatcher_poll_interval_s)
+            if not self._in_flight and not full and not sent:
+                stopping.wait(max(0.0, claim_at - time.monotonic()))
 
     def close_connection(self) -> None:
         if self._conn is not None:

@@ -1,7 +1,7 @@
 """`vigil dispatcher`: the loop on the main thread, health and metrics on another.
 
-SIGTERM: the pass in progress finishes (its sends are bounded by the HTTP and produce
-timeouts) and records its outcomes, then the process exits 0. SIGKILL at any point is safe:
+SIGTERM: no new claim; the sends in flight finish (bounded by the HTTP and produce
+timeouts) and their outcomes are recorded, then the process exits 0. SIGKILL at any point is safe:
 what was fixed but not recorded is sent again under the same delivery id after its lease.
 """
 

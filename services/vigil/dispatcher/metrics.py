@@ -67,7 +67,8 @@ CLAIM_CONFLICTS = Counter(
 )
 LAST_PASS = Gauge(
     "vigil_dispatcher_last_pass_timestamp_seconds",
-    "Unix time this dispatcher last finished a pass over the outbox (a stale value means the loop is stuck).",
+    "Unix time of the claim of the newest pass this dispatcher has finished (claimed, sent, every outcome "
+    "recorded); a stale value means the loop is stuck.",
 )
 
 # Every bounded label value starts at zero, so increase() sees a channel's first dead delivery.

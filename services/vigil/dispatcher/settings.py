@@ -21,10 +21,11 @@ DEFAULT_BACKOFF_CAP_S = 3600.0
 # An idle dispatcher costs one indexed query per second per replica; a message that becomes
 # due waits at most this long.
 DEFAULT_POLL_INTERVAL_S = 1.0
-# Users locked per claim transaction: the locks are held only while delivery ids are fixed
-# (milliseconds), and one batch's sends run in parallel. A pass waits for its slowest send,
-# so its size and the sends at once set a dispatcher's rate: 100 and 16 relayed about 1,950
-# deliveries/s to Kafka, 200 and 64 about 4,600 (`make bench`, dispatch_deliveries_per_s).
+# Users locked per claim transaction, and the most deliveries one dispatcher has claimed and
+# not yet sent: the locks are held only while delivery ids are fixed (milliseconds), and the
+# sends run in parallel. With the sends at once they set a dispatcher's rate: 100 and 16
+# relayed about 1,950 deliveries/s to Kafka, 200 and 64 about 4,600 (`make bench`,
+# dispatch_deliveries_per_s).
 DEFAULT_BATCH_USERS = 200
 DEFAULT_CONCURRENCY = 64
 # Standard Webhooks receivers are expected to answer within seconds; a receiver that takes
@@ -115,8 +116,9 @@ class DispatcherSettings(CommonSettings):
     def _consistent(self) -> DispatcherSettings:
         if self.delivery_backoff_cap_s < self.delivery_backoff_base_s:
             raise ValueError("VIGIL_DELIVERY_BACKOFF_CAP_S must be at least VIGIL_DELIVERY_BACKOFF_BASE_S")
-        # A claimed batch is sent `concurrency` at a time, each send bounded by its timeout;
-        # the last one may start this long after the claim.
+        # At most `batch_users` claimed deliveries wait or are being sent (the loop claims only
+        # into that room), `concurrency` at a time, each send bounded by its timeout: the
+        # last one claimed may finish this long after its claim.
         rounds = math.ceil(self.dispatcher_batch_users / self.dispatcher_concurrency)
         slowest_batch = rounds * max(self.delivery_http_timeout_s, self.produce_timeout_s)
         if self.delivery_lease_s <= slowest_batch:
