@@ -487,3 +487,41 @@ def test_the_loop_never_has_more_deliveries_out_than_one_claim_may_take(ledger, 
         assert 4 <= state["most"] <= 6, state
     finally:
         receiver.stop()
+
+
+def test_between_sweeps_the_loop_looks_only_at_users_with_new_messages(ledger, running, monkeypatch):
+    """A sweep reads every user that holds messages, most of them waiting out their gap; between
+    sweeps (paced by what the last one cost) the loop claims only among users with messages
+    written since it last looked. A message for a user whose gap has passed, or an urgent one,
+    goes out within a poll interval; a held user whose gap passes meanwhile waits for the
+    next sweep, or for its next message."""
+    from vigil.dispatcher import loop
+
+    monkeypatch.setattr(loop, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
+    receiver = Receiver().start()
+    try:
+        users = ["held", "held-urgent", "quiet"]
+        add_webhook_users(ledger, users, receiver.url)
+        query(ledger, "UPDATE users SET last_delivery_at = %s WHERE user_id <> 'quiet'", (T0 - timedelta(minutes=10),))
+        query(ledger, "UPDATE users SET last_delivery_at = %s WHERE user_id = 'quiet'", (T0 - timedelta(hours=5),))
+        add_message(ledger, "held", "held 1", created_at=T0)
+        add_message(ledger, "held-urgent", "held 2", created_at=T0)
+        clock = ManualClock(T0.timestamp())
+        sweeps = sample("vigil_dispatcher_sweeps_total")
+        running(clock, dispatcher_poll_interval_s=0.05, outbox_gap=3600)
+        wait_for(lambda: sample("vigil_dispatcher_sweeps_total") == sweeps + 1, 10, "the first sweep")
+
+        add_message(ledger, "quiet", "news", created_at=T0)
+        add_message(ledger, "held-urgent", "now!", urgent=True, created_at=T0)
+        wait_for(lambda: len(receiver.got()) == 2, 10, "the new messages' deliveries")
+        assert {r.user: r.bodies for r in receiver.got()} == {"quiet": ["news"], "held-urgent": ["held 2", "now!"]}
+
+        at(clock, 61)  # held's gap has passed, but nobody looks at it before the next sweep
+        threading.Event().wait(1.0)
+        assert len(receiver.got()) == 2
+        add_message(ledger, "held", "held 3", created_at=T0)  # its next message brings it up
+        wait_for(lambda: len(receiver.got()) == 3, 10, "held's delivery")
+        assert receiver.got()[2].bodies == ["held 1", "held 3"]
+        assert sample("vigil_dispatcher_sweeps_total") == sweeps + 1
+    finally:
+        receiver.stop()

@@ -125,6 +125,36 @@ def test_a_dispatcher_claim_reads_what_it_claims_whatever_the_statistics_and_the
             assert not {s for s in scans if s[0] == "Seq Scan"}, (mode, text, scans)
 
 
+@pytest.mark.parametrize("analyze", ["history", "empty"])
+def test_a_claim_between_sweeps_reads_only_the_new_messages(ledger, analyze):
+    """Between sweeps a claim looks only at users with unfinished rows written after the mark
+    (the outbox's highest id when it last looked): the 2,060 waiting rows are not read, and
+    of the new ones it takes the users with something to send (here all: their gap passed)."""
+    seed(ledger, analyze)
+    limits = Limits(default_gap_s=GAP_S, default_urgent_cap=3, max_attempts=5, lease_s=60, batch_users=100)
+    for first, mode in ((USERS - 19, "force_custom_plan"), (USERS - 9, "force_generic_plan")):
+        fresh = [user(i) for i in range(first, first + 9)]  # u19981 .., u19991 ..: nothing waiting yet
+        plans: list[dict] = []
+        settings, keep = auto_explain(mode, plans)
+        with psycopg.connect(ledger, row_factory=dict_row) as conn:
+            mark = conn.execute("SELECT max(id) AS high FROM outbox").fetchone()["high"]
+            for u in fresh:
+                conn.execute("INSERT INTO outbox (user_id, run_id, epoch, body) VALUES (%s, 0, 1, 'new')", (u,))
+            high = conn.execute("SELECT max(id) AS high FROM outbox").fetchone()["high"]
+            conn.add_notice_handler(keep)
+            for setting in settings:
+                conn.execute(setting)
+            claimed = claim(conn, T0, limits, fresh_after=mark)
+            conn.rollback()
+        assert sorted(d.user_id for d in claimed.deliveries) == fresh, mode
+        assert claimed.high == high, mode
+        (lock, *_) = plans
+        assert _max_rows_read_per_node(lock["Plan"]) <= 2 * len(fresh), mode
+        for plan in plans:
+            scans = {(n["Node Type"], n.get("Relation Name")) for n in _nodes(plan["Plan"])}
+            assert not {s for s in scans if s[0] == "Seq Scan"}, (mode, plan["Query Text"][:80], scans)
+
+
 def test_due_users_are_those_with_something_to_send_now(ledger):
     """The prefilter's meaning, user by user: an expired lease or backoff; held messages past
     the gap, or urgent ones inside it; nothing behind a delivery still in flight."""

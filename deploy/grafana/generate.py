@@ -261,6 +261,11 @@ DISPATCHER = [
         ("time() - max by (instance) (vigil_dispatcher_last_pass_timestamp_seconds)", "{{instance}}"),
         unit="s",
     ),
+    panel(
+        "Pause between sweeps (the longest a held message past its gap waits)",
+        ("max by (instance) (vigil_dispatcher_sweep_pause_seconds)", "{{instance}}"),
+        unit="s",
+    ),
 ]
 
 ROWS = [

@@ -5,7 +5,8 @@ The claim is one transaction, in this order:
 1. lock the ``users`` rows of users who may have something due (``FOR UPDATE SKIP LOCKED``:
    another dispatcher's users are skipped, never waited for), looking at users in user_id
    order after the previous pass's cursor: a round robin, so a pass costs what it claims,
-   not the whole backlog, and every due user gets its turn within one sweep;
+   not the whole backlog, and every due user gets its turn within one sweep; or, between
+   sweeps, only at users with rows written after a given outbox id;
 2. read those users' unfinished outbox rows (a statement that starts after the locks are
    held, so it sees everything the previous holder committed);
 3. :func:`vigil.dispatcher.pacing.plan` decides per user;
@@ -50,6 +51,7 @@ class Limits:
     lease_s: float
     batch_users: int
     max_messages: int = MAX_MESSAGES_PER_DELIVERY
+    fresh_max: int = 10_000  # outbox ids one claim between sweeps looks at (more: sweep)
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Claimed:
     bypasses: int = 0  # new deliveries inside the gap because of an urgent message
     users_locked: int = 0
     cursor: str = ""  # where the next claim's sweep starts ('' from the first user)
+    high: int = 0  # the outbox's highest id this claim could see
+    sweep_started: float | None = None  # the claim ended a sweep that started then (Unix time)
 
 
 def _config(row: DueUser) -> ChannelConfig:
@@ -84,14 +88,20 @@ def _expect(what: str, returned: set, planned: set) -> None:
         raise ClaimConflict(f"{what}: planned {len(planned)} rows, the ledger moved {len(returned)}")
 
 
-def claim(conn: psycopg.Connection, now: datetime, limits: Limits, after: str = "") -> Claimed:
-    """Fix what is due now among the users after ``after`` and commit; returns the deliveries
-    to send and the next claim's cursor (see the module doc)."""
+def claim(
+    conn: psycopg.Connection, now: datetime, limits: Limits, after: str = "", fresh_after: int | None = None
+) -> Claimed:
+    """Fix what is due now among the users after ``after`` (or, given ``fresh_after``, among
+    the users with unfinished rows of a higher id) and commit; returns the deliveries to send
+    and the next claim's cursor (see the module doc)."""
     claimed = Claimed()
     lease_until = now + timedelta(seconds=limits.lease_s)
     with conn.transaction():
-        due = outbox.lock_due_users(conn, now, limits.default_gap_s, limits.batch_users, after)
+        due = outbox.lock_due_users(
+            conn, now, limits.default_gap_s, limits.batch_users, after, fresh_after, limits.fresh_max
+        )
         claimed.cursor = due.cursor
+        claimed.high = due.high
         locked = due.users
         claimed.users_locked = len(locked)
         if not locked:

@@ -13,6 +13,10 @@ The passes overlap (:meth:`Dispatcher.run`): the next claim does not wait for th
 one's sends, only for room, so a receiver that takes its whole timeout holds one send
 thread and nobody else's delivery. Claimed deliveries not yet sent never number more than
 ``VIGIL_DISPATCHER_BATCH_USERS``, the bound the settings check the lease against.
+
+A sweep (claims from the first user to the last) reads every user holding messages; the next
+one starts after a pause that the last one's cost sets (:data:`SWEEP_IDLE_FACTOR`), and the
+claims in between look only at users with messages written since the loop last looked.
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ RECONNECT_PAUSE_S = 2.0
 # Claims in a row that may lock nothing before a pass gives up (other replicas hold the due
 # users, or the sweep wrapped): each one moves the cursor on.
 MAX_EMPTY_CLAIMS = 4
+# A sweep reads every user that holds messages, most of them waiting out their gap (100,000
+# such users: 0.85 s of PostgreSQL). Between sweeps the loop claims only among users with
+# new messages; the next sweep starts this many times the last sweep's closing claim later
+# (at least a poll interval): at most about a tenth of the time goes to sweeping.
+SWEEP_IDLE_FACTOR = 9.0
 
 
 def limits_of(settings: DispatcherSettings) -> Limits:
@@ -94,7 +103,7 @@ def delivery_span(delivery: Delivery):
 class _Pass:
     """One claim's deliveries: ``open`` of them not finished yet."""
 
-    claimed_at: float  # Unix time
+    sweep_started: float | None  # the claim ended a sweep: that sweep's start (Unix time)
     open: int
 
 
@@ -117,6 +126,9 @@ class Dispatcher:
         self._pool = ThreadPoolExecutor(settings.dispatcher_concurrency, thread_name_prefix="send")
         self._backlog_at = 0.0
         self._after = ""  # the claims' round-robin cursor: the last user of the last full pass
+        self._mark: int | None = None  # outbox ids up to this were there for the last sweep or claim
+        self._sweep_at = 0.0  # monotonic time the next sweep may start
+        self._sweep_started = 0.0  # Unix time the sweep in progress started
         # Sends whose outcome is not recorded yet (the ledger went away after the send).
         self._unrecorded: list[tuple[Delivery, Outcome]] = []
         # Sends waiting for a thread or being sent, with the claim that fixed them.
@@ -140,7 +152,7 @@ class Dispatcher:
         the same without waiting for one claim's sends before the next claim.
         """
         self._settle_left_over()
-        claimed = self._claim_due(self.limits.batch_users)
+        claimed = self._claim_due(self.limits.batch_users, sweep=True)
         self._start(claimed)
         failed: psycopg.Error | None = None
         while self._in_flight:
@@ -161,18 +173,42 @@ class Dispatcher:
         self.settle()
         metrics.SETTLED_AFTER_RECONNECT.inc(left_over)
 
-    def _claim_due(self, users: int) -> Claimed:
-        """A claim of up to ``users`` due users from the round robin's cursor, counted in the
-        metrics; nothing when it conflicted (rolled back)."""
+    def _claim_due(self, users: int, sweep: bool = False) -> Claimed:
+        """A claim of up to ``users`` due users, counted in the metrics; nothing when it
+        conflicted (rolled back). Part of a sweep (the round robin from its cursor) when one is
+        in progress, ``sweep`` asks for one or the next one is due; otherwise among the users
+        with messages written since the last claim looked (the outbox ids after the mark)."""
         limits = self.limits if users == self.limits.batch_users else replace(self.limits, batch_users=users)
+        now = utc(self.clock.now())
+        sweeping = sweep or self._after != "" or self._mark is None or time.monotonic() >= self._sweep_at
+        if sweeping and self._after == "":
+            self._sweep_started = time.time()
+        started = time.monotonic()
         try:
-            claimed = self._claim(utc(self.clock.now()), limits)
+            if sweeping:
+                claimed = self._claim(now, limits, wrap=sweep)
+            else:
+                claimed = claim(self.conn, now, limits, fresh_after=self._mark)
         except ClaimConflict as exc:
             metrics.CLAIM_CONFLICTS.inc()
             log.error("claim rolled back: %s", exc)
             self._after = ""
+            self._sweep_at = 0.0  # a new sweep from the first user next
             return Claimed()
-        self._after = claimed.cursor
+        if sweeping:
+            if self._after == "" or self._mark is None:
+                self._mark = claimed.high  # what this sweep is sure to see; later rows are fresh
+            self._after = claimed.cursor
+            if not claimed.cursor:  # the sweep is done: the next one after a pause it pays for
+                claimed.sweep_started = self._sweep_started
+                pause = max(self.settings.dispatcher_poll_interval_s, SWEEP_IDLE_FACTOR * (time.monotonic() - started))
+                self._sweep_at = time.monotonic() + pause
+                metrics.SWEEPS.inc()
+                metrics.SWEEP_PAUSE.set(pause)
+        elif claimed.users_locked >= users or claimed.high > (self._mark or 0) + limits.fresh_max:
+            self._sweep_at = 0.0  # more new messages than one claim takes: a sweep takes them in turn
+        else:
+            self._mark = max(self._mark or 0, claimed.high)  # every new message looked at
         for delivery in claimed.lost:
             metrics.RETRIES.labels(delivery.channel.type.value, "lost").inc()
             log.warning(
@@ -191,7 +227,7 @@ class Dispatcher:
 
     def _start(self, claimed: Claimed) -> None:
         """Hand a claim's deliveries to the send threads (in claim order)."""
-        claim_pass = _Pass(time.time(), len(claimed.deliveries))
+        claim_pass = _Pass(claimed.sweep_started, len(claimed.deliveries))
         self._passes.append(claim_pass)
         for delivery in claimed.deliveries:
             self._in_flight[self._pool.submit(self._send, delivery)] = (delivery, claim_pass)
@@ -211,31 +247,34 @@ class Dispatcher:
             self._finish_passes()
 
     def _finish_passes(self) -> None:
-        """Every claim whose deliveries are all recorded is a finished pass: the heartbeat is
-        the claim time of the newest one, so a value after a moment means a claim that began
-        after it has been sent and recorded."""
-        finished = [p.claimed_at for p in self._passes if p.open == 0]
-        if finished:
-            self._passes = [p for p in self._passes if p.open > 0]
-            self._heartbeat = max(self._heartbeat, *finished)
-            metrics.LAST_PASS.set(self._heartbeat)
+        """A sweep is a finished pass over the outbox once the deliveries of its claims and of
+        every claim before them are recorded: the heartbeat is the newest such sweep's start,
+        so a value after a moment means everything due at that moment was claimed, sent and
+        recorded."""
+        while self._passes and self._passes[0].open == 0:
+            done = self._passes.pop(0)
+            if done.sweep_started is not None:
+                self._heartbeat = max(self._heartbeat, done.sweep_started)
+                metrics.LAST_PASS.set(self._heartbeat)
 
-    def _claim(self, now: datetime, limits: Limits) -> Claimed:
+    def _claim(self, now: datetime, limits: Limits, wrap: bool) -> Claimed:
         """A claim from the cursor; when it locks nothing, the next users at once: those after
         it when every due user it found was being claimed by another replica (their locks are
-        held for milliseconds), those from the first user when the sweep reached the last."""
+        held for milliseconds), and with ``wrap`` those from the first user when the sweep
+        reached the last. The outbox's highest id is the first claim's."""
         after = self._after
-        claimed = claim(self.conn, now, limits, after)
+        claimed = first = claim(self.conn, now, limits, after)
         for _ in range(MAX_EMPTY_CLAIMS):
             if claimed.users_locked:
                 break
             if claimed.cursor:
                 after = claimed.cursor
-            elif after:
+            elif after and wrap:
                 after = ""
             else:
-                break  # a sweep from the first user found nothing due
+                break  # a sweep from the first user found nothing due, or this sweep is done
             claimed = claim(self.conn, now, limits, after)
+        claimed.high = first.high
         return claimed
 
     def settle(self) -> None:

@@ -67,8 +67,18 @@ CLAIM_CONFLICTS = Counter(
 )
 LAST_PASS = Gauge(
     "vigil_dispatcher_last_pass_timestamp_seconds",
-    "Unix time of the claim of the newest pass this dispatcher has finished (claimed, sent, every outcome "
-    "recorded); a stale value means the loop is stuck.",
+    "Unix time the newest sweep this dispatcher has finished (claimed, sent, every outcome recorded) started; "
+    "a stale value means the loop is stuck.",
+)
+SWEEPS = Counter(
+    "vigil_dispatcher_sweeps_total",
+    "Sweeps through every user holding messages; between them only users with new messages are looked at.",
+)
+SWEEP_PAUSE = Gauge(
+    "vigil_dispatcher_sweep_pause_seconds",
+    "How long after the last sweep the next one starts: nine times what its closing claim took, at least the "
+    "poll interval. A held message whose gap has passed waits up to this long; it grows with the users holding "
+    "messages.",
 )
 
 # Every bounded label value starts at zero, so increase() sees a channel's first dead delivery.

@@ -123,21 +123,41 @@ class Revived:
 
 @dataclass(frozen=True, slots=True)
 class DueUsers:
-    """The users a claim locked, and where the next claim's sweep starts ('' from the first user)."""
+    """The users a claim locked, where the next claim's sweep starts ('' from the first user),
+    and the outbox's highest id the claim could see (0: an empty outbox)."""
 
     users: list[DueUser]
     cursor: str
+    high: int
 
 
 def lock_due_users(
-    conn: psycopg.Connection, now: datetime, default_gap_s: int, limit: int, after: str = ""
+    conn: psycopg.Connection,
+    now: datetime,
+    default_gap_s: int,
+    limit: int,
+    after: str = "",
+    fresh_after: int | None = None,
+    fresh_max: int = 0,
 ) -> DueUsers:
     """Lock (``FOR UPDATE SKIP LOCKED``, until commit) up to ``limit`` users who may have
-    something to send at ``now``, looking at users in user_id order after ``after``."""
+    something to send at ``now``: looking at users in user_id order after ``after`` (a sweep),
+    or, given ``fresh_after``, only at users with unfinished rows among the ``fresh_max`` ids
+    after it."""
     rows = conn.execute(
-        Q.outbox_lock_due_users, {"now": now, "default_gap": default_gap_s, "limit": limit, "after": after}
+        Q.outbox_lock_due_users,
+        {
+            "now": now,
+            "default_gap": default_gap_s,
+            "limit": limit,
+            "after": after,
+            "fresh_after": fresh_after,
+            "fresh_max": fresh_max,
+        },
     ).fetchall()
-    return DueUsers(_rows(DueUser, [r for r in rows if r["user_id"] is not None]), rows[0]["cursor"])
+    return DueUsers(
+        _rows(DueUser, [r for r in rows if r["user_id"] is not None]), rows[0]["cursor"], rows[0]["high"] or 0
+    )
 
 
 def unfinished_for_users(conn: psycopg.Connection, users: list[str], max_messages: int) -> list[UnfinishedRow]:

@@ -15,7 +15,7 @@
 -- few rows (tests/test_dispatcher_plans.py).
 
 -- name: outbox_lock_due_users
--- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel, taking users in user_id order after %(after)s: a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait. One row more or less: the first column is the next pass's cursor ('' once the sweep reached the last user), the rest are NULL when nothing was locked.
+-- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel. Two ways of finding them: with %(fresh_after)s NULL, a sweep: users in user_id order after %(after)s, a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait; with %(fresh_after)s an outbox id, only users with unfinished rows among the next %(fresh_max)s ids after it (new messages between sweeps: a sweep reads every user that holds messages). One row more or less: the cursor of the next sweep's claim ('' once the sweep reached the last user) and the outbox's highest id in this statement's snapshot first, the rest NULL when nothing was locked.
 -- Every step is a probe for the user at hand whatever the statistics say. The outbox is
 -- usually analyzed while the dispatcher keeps up (nothing pending); with such statistics a
 -- correlated NOT EXISTS once rescanned every unfinished row for each held one (4 million
@@ -24,11 +24,27 @@
 WITH RECURSIVE waiting (user_id) AS (
     -- Users with unfinished rows after the cursor, skipping through outbox_undelivered one
     -- user at a time. Evaluated lazily: the LIMIT in due stops it once enough users are due.
-    (SELECT user_id FROM outbox WHERE status IN ('pending', 'sending') AND user_id > %(after)s ORDER BY user_id LIMIT 1)
+    (SELECT user_id FROM outbox
+     WHERE %(fresh_after)s::bigint IS NULL AND status IN ('pending', 'sending') AND user_id > %(after)s
+     ORDER BY user_id LIMIT 1)
     UNION ALL
     SELECT (SELECT o.user_id FROM outbox o
             WHERE o.status IN ('pending', 'sending') AND o.user_id > w.user_id ORDER BY o.user_id LIMIT 1)
     FROM waiting w WHERE w.user_id IS NOT NULL
+),
+fresh AS MATERIALIZED (
+    -- The rows written after %(fresh_after)s (at most %(fresh_max)s ids on), each probed by its
+    -- primary key: a range condition would leave the choice to the statistics, and an outbox
+    -- analyzed nearly empty once made it a scan of the whole table.
+    SELECT o.user_id, o.status FROM outbox o
+    WHERE o.id = ANY(ARRAY(
+        SELECT generate_series(%(fresh_after)s::bigint + 1,
+                               least((SELECT max(id) FROM outbox), %(fresh_after)s::bigint + %(fresh_max)s))))
+),
+candidates AS (
+    SELECT user_id FROM waiting WHERE user_id IS NOT NULL
+    UNION ALL
+    (SELECT DISTINCT user_id FROM fresh WHERE status IN ('pending', 'sending') ORDER BY user_id)
 ),
 due AS (
     -- A fixed delivery whose backoff (pending) or send lease (sending) has run out; or held
@@ -40,7 +56,7 @@ due AS (
     -- row always has one), the user and the channel by primary key (LIMIT 1: never a join
     -- that starts from every user or every channel).
     SELECT w.user_id
-    FROM waiting w
+    FROM candidates w
     CROSS JOIN LATERAL (
         SELECT bool_or(o.delivery_id IS NOT NULL AND o.next_attempt_at <= %(now)s) AS fixed_due,
                bool_or(o.delivery_id IS NOT NULL) AS in_flight,
@@ -49,8 +65,7 @@ due AS (
     ) s
     CROSS JOIN LATERAL (SELECT u.last_delivery_at FROM users u WHERE u.user_id = w.user_id LIMIT 1) u
     LEFT JOIN LATERAL (SELECT c.gap_seconds FROM channels c WHERE c.user_id = w.user_id LIMIT 1) c ON true
-    WHERE w.user_id IS NOT NULL
-      AND (s.fixed_due
+    WHERE (s.fixed_due
            OR (NOT s.in_flight
                AND (s.urgent_held OR u.last_delivery_at IS NULL
                     OR u.last_delivery_at <= %(now)s - make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)))))
@@ -68,9 +83,11 @@ locked AS (
 ),
 next AS (
     -- A full pass continues after its last due user; a short one reached the end of the sweep.
-    SELECT CASE WHEN count(*) >= %(limit)s THEN max(user_id) ELSE '' END AS cursor FROM due
+    SELECT CASE WHEN count(*) >= %(limit)s THEN max(user_id) ELSE '' END AS cursor,
+           (SELECT max(id) FROM outbox) AS high
+    FROM due
 )
-SELECT n.cursor, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
+SELECT n.cursor, n.high, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
        c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap
 FROM next n
 LEFT JOIN locked l ON true
