@@ -19,7 +19,8 @@ import psycopg
 from support import LocalHTTPServer
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)  # a Monday morning, far from midnight
-PASS_METRIC = "vigil_dispatcher_last_pass_timestamp_seconds"  # the loop's heartbeat
+# A finished sweep's start: everything due then has been claimed, sent and recorded.
+PASS_METRIC = "vigil_dispatcher_last_sweep_timestamp_seconds"
 
 
 @dataclass

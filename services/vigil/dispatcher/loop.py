@@ -67,6 +67,9 @@ MAX_EMPTY_CLAIMS = 4
 # new messages; the next sweep starts this many times the last sweep's closing claim later
 # (at least a poll interval): at most about a tenth of the time goes to sweeping.
 SWEEP_IDLE_FACTOR = 9.0
+# ... and at most this long after it: a held message waits at most about this long past its
+# gap, and the heartbeat (a finished sweep) stays far inside its five-minute alert.
+SWEEP_PAUSE_MAX_S = 60.0
 
 
 def limits_of(settings: DispatcherSettings) -> Limits:
@@ -103,6 +106,7 @@ def delivery_span(delivery: Delivery):
 class _Pass:
     """One claim's deliveries: ``open`` of them not finished yet."""
 
+    claimed_at: float  # Unix time
     sweep_started: float | None  # the claim ended a sweep: that sweep's start (Unix time)
     open: int
 
@@ -135,6 +139,7 @@ class Dispatcher:
         self._in_flight: dict[Future[Outcome], tuple[Delivery, _Pass]] = {}
         self._passes: list[_Pass] = []  # claims whose deliveries are not all recorded yet
         self._heartbeat = 0.0
+        self._last_sweep = 0.0
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -201,7 +206,8 @@ class Dispatcher:
             self._after = claimed.cursor
             if not claimed.cursor:  # the sweep is done: the next one after a pause it pays for
                 claimed.sweep_started = self._sweep_started
-                pause = max(self.settings.dispatcher_poll_interval_s, SWEEP_IDLE_FACTOR * (time.monotonic() - started))
+                cost = time.monotonic() - started
+                pause = min(SWEEP_PAUSE_MAX_S, max(self.settings.dispatcher_poll_interval_s, SWEEP_IDLE_FACTOR * cost))
                 self._sweep_at = time.monotonic() + pause
                 metrics.SWEEPS.inc()
                 metrics.SWEEP_PAUSE.set(pause)
@@ -227,7 +233,7 @@ class Dispatcher:
 
     def _start(self, claimed: Claimed) -> None:
         """Hand a claim's deliveries to the send threads (in claim order)."""
-        claim_pass = _Pass(claimed.sweep_started, len(claimed.deliveries))
+        claim_pass = _Pass(time.time(), claimed.sweep_started, len(claimed.deliveries))
         self._passes.append(claim_pass)
         for delivery in claimed.deliveries:
             self._in_flight[self._pool.submit(self._send, delivery)] = (delivery, claim_pass)
@@ -247,15 +253,17 @@ class Dispatcher:
             self._finish_passes()
 
     def _finish_passes(self) -> None:
-        """A sweep is a finished pass over the outbox once the deliveries of its claims and of
-        every claim before them are recorded: the heartbeat is the newest such sweep's start,
-        so a value after a moment means everything due at that moment was claimed, sent and
-        recorded."""
+        """A claim is a finished pass once its deliveries and those of every claim before it
+        are recorded: the heartbeat is the newest such claim's time. A sweep is finished with
+        its closing claim: its start is the sweep gauge, so a value after a moment means
+        everything due at that moment was claimed, sent and recorded."""
         while self._passes and self._passes[0].open == 0:
             done = self._passes.pop(0)
+            self._heartbeat = max(self._heartbeat, done.claimed_at)
+            metrics.LAST_PASS.set(self._heartbeat)
             if done.sweep_started is not None:
-                self._heartbeat = max(self._heartbeat, done.sweep_started)
-                metrics.LAST_PASS.set(self._heartbeat)
+                self._last_sweep = max(self._last_sweep, done.sweep_started)
+                metrics.LAST_SWEEP.set(self._last_sweep)
 
     def _claim(self, now: datetime, limits: Limits, wrap: bool) -> Claimed:
         """A claim from the cursor; when it locks nothing, the next users at once: those after

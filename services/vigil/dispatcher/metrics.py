@@ -67,8 +67,13 @@ CLAIM_CONFLICTS = Counter(
 )
 LAST_PASS = Gauge(
     "vigil_dispatcher_last_pass_timestamp_seconds",
-    "Unix time the newest sweep this dispatcher has finished (claimed, sent, every outcome recorded) started; "
-    "a stale value means the loop is stuck.",
+    "Unix time of the newest claim this dispatcher has finished (claimed, sent, every outcome recorded, and so "
+    "every claim before it); a stale value means the loop is stuck.",
+)
+LAST_SWEEP = Gauge(
+    "vigil_dispatcher_last_sweep_timestamp_seconds",
+    "Unix time the newest sweep this dispatcher has finished started: everything due then has been claimed, "
+    "sent and recorded.",
 )
 SWEEPS = Counter(
     "vigil_dispatcher_sweeps_total",
@@ -77,8 +82,8 @@ SWEEPS = Counter(
 SWEEP_PAUSE = Gauge(
     "vigil_dispatcher_sweep_pause_seconds",
     "How long after the last sweep the next one starts: nine times what its closing claim took, at least the "
-    "poll interval. A held message whose gap has passed waits up to this long; it grows with the users holding "
-    "messages.",
+    "poll interval, at most 60 s. A held message whose gap has passed waits up to this long; it grows with the "
+    "users holding messages.",
 )
 
 # Every bounded label value starts at zero, so increase() sees a channel's first dead delivery.
