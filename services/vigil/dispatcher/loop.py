@@ -68,7 +68,7 @@ MAX_EMPTY_CLAIMS = 4
 # (at least a poll interval): at most about a tenth of the time goes to sweeping.
 SWEEP_IDLE_FACTOR = 9.0
 # ... and at most this long after it: a held message waits at most about this long past its
-# gap, and the heartbeat (a finished sweep) stays far inside its five-minute alert.
+# gap however many users hold messages.
 SWEEP_PAUSE_MAX_S = 60.0
 
 

@@ -44,10 +44,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gap", type=float, nargs=2, default=(4.0, 8.0), metavar=("MIN", "MAX"), help="seconds between")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated: " + ", ".join(KINDS))
     p.add_argument("--workers", type=int, choices=(1, 2), default=2, help="worker processes in one group")
+    p.add_argument("--dispatchers", type=int, choices=(1, 2), default=2, help="dispatcher replicas")
     p.add_argument("--session-timeout-ms", type=int, default=10_000, help="the worker's Kafka session timeout")
     p.add_argument("--settle-s", type=float, default=180.0, help="how long the stack may take to settle at the end")
     p.add_argument("--run-dir", type=Path, default=repo_root() / ".run" / "chaos", help="the stack's folder")
-    p.add_argument("--port-base", type=int, default=None, help="ports base..base+8 (default: free ports)")
+    p.add_argument("--port-base", type=int, default=None, help="ports base..base+9 (default: free ports)")
     p.add_argument("--keep", action="store_true", help="leave the stack running at the end")
     return p.parse_args(argv)
 
@@ -66,7 +67,9 @@ def schedule(rng: random.Random, kinds: list[str], count: int) -> list[str]:
 def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> str:
     action, target = kind.split("-", 1)
     # With two workers, a worker fault hits one of them (seeded): the other takes its partitions.
-    target = rng.choice(stack.workers) if target == "worker" else target
+    # With two dispatchers, likewise: the other goes on, and takes the lost sends after their lease.
+    replicas = {"worker": stack.workers, "dispatcher": stack.dispatchers}
+    target = rng.choice(replicas[target]) if target in replicas else target
     fault.target = target
     if target in stack.workers:
         fault.partitions = stack.held(target)  # whose users' recovery this fault is measured on
@@ -89,9 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown fault kind(s): {', '.join(unknown)}", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
-    stack = ChaosStack(args.run_dir.resolve(), Ports.pick(args.port_base), args.session_timeout_ms, {}, args.workers)
+    stack = ChaosStack(
+        args.run_dir.resolve(), Ports.pick(args.port_base), args.session_timeout_ms, {}, args.workers, args.dispatchers
+    )
     began = time.time()
-    say(began, f"chaos seed {args.seed}: fresh stack in {stack.root}, workers {', '.join(stack.workers)}")
+    say(
+        began,
+        f"chaos seed {args.seed}: fresh stack in {stack.root}, workers {', '.join(stack.workers)}, "
+        f"dispatchers {', '.join(stack.dispatchers)}",
+    )
     stack.fresh()
     try:
         say(began, f"stack up in {stack.up():.1f} s")
@@ -130,7 +139,7 @@ def run(args: argparse.Namespace, rng: random.Random, kinds: list[str], stack: C
         f"settled after {time.monotonic() - deadline + args.settle_s:.1f} s: {left[0]} acknowledged not "
         f"recorded, {left[1]} events and {left[2]} messages still moving",
     )
-    v, rows = verdict(stack.dsn, prefix, load.acked, stack.dispatcher_log(), stack.ready())
+    v, rows = verdict(stack.dsn, prefix, load.acked, stack.dispatcher_logs(), stack.ready())
     recovery_times(faults, rows)
     report(faults, v, began)
     summary = (

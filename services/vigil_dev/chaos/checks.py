@@ -67,21 +67,24 @@ def unsettled(dsn: str, prefix: str, acked: list[Acked]) -> tuple[int, int, int]
     return missing, row["events"], row["messages"]
 
 
-def deliveries(log: Path) -> list[dict]:
-    """The log channel's delivery documents, as the dispatcher wrote them (across restarts)."""
+def deliveries(logs: list[Path]) -> list[dict]:
+    """The log channel's delivery documents, as the dispatchers wrote them (across restarts)."""
     found = []
-    if not log.exists():
-        return found
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith('{"channel": "log"'):
-            try:
-                found.append(json.loads(line)["data"])
-            except (ValueError, KeyError):
-                continue  # a line cut by a SIGKILL mid-write
+    for log in logs:
+        if not log.exists():
+            continue
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith('{"channel": "log"'):
+                try:
+                    found.append(json.loads(line)["data"])
+                except (ValueError, KeyError):
+                    continue  # a line cut by a SIGKILL mid-write
     return found
 
 
-def verdict(dsn: str, prefix: str, acked: list[Acked], log: Path, ready: dict[str, bool]) -> tuple[Verdict, dict]:
+def verdict(
+    dsn: str, prefix: str, acked: list[Acked], logs: list[Path], ready: dict[str, bool]
+) -> tuple[Verdict, dict]:
     """Check every invariant. Returns the verdict and the ledger's rows (for recovery times)."""
     with connect(dsn, autocommit=True) as conn:
         params = {"prefix": prefix + "%"}
@@ -143,7 +146,7 @@ def verdict(dsn: str, prefix: str, acked: list[Acked], log: Path, ready: dict[st
     # Every message delivered, under one delivery id (copies of that id allowed).
     ids_of: dict[int, set[str]] = defaultdict(set)
     copies = Counter()
-    for d in deliveries(log):
+    for d in deliveries(logs):
         copies[d["delivery_id"]] += 1
         for m in d.get("messages", []):
             ids_of[m["id"]].add(d["delivery_id"])

@@ -26,6 +26,9 @@ SERVICES = ("ingest", "worker", "scheduler", "dispatcher")
 # group: a kill or a freeze of one moves its partitions to the other, and its restart moves
 # them back through the hand-over (fencing rule 4), so rebalances happen under load.
 EXTRA_WORKERS = ("worker-b",)
+# Dispatchers beyond `vigil-dev up`'s one: two replicas share the outbox through the users'
+# row locks, and a kill of one leaves its sends to the other after their lease.
+EXTRA_DISPATCHERS = ("dispatcher-b",)
 # A restart that fails (PostgreSQL's old backends still exiting, a port not yet free) is tried
 # again after this long, up to this many times.
 RESTART_PAUSE_S = 1.0
@@ -43,20 +46,30 @@ class Ports:
     dispatcher: int
     claude: int
     worker_b: int
+    dispatcher_b: int
 
     @classmethod
     def pick(cls, base: int | None) -> Ports:
         if base is None:
-            return cls(*(devstack.free_port() for _ in range(9)))
-        return cls(*range(base, base + 9))
+            return cls(*(devstack.free_port() for _ in range(10)))
+        return cls(*range(base, base + 10))
 
 
 class ChaosStack:
-    def __init__(self, root: Path, ports: Ports, session_timeout_ms: int, extra_env: dict[str, str], workers: int = 2):
+    def __init__(
+        self,
+        root: Path,
+        ports: Ports,
+        session_timeout_ms: int,
+        extra_env: dict[str, str],
+        workers: int = 2,
+        dispatchers: int = 2,
+    ):
         self.root = root
         self.ports = ports
         self.session_timeout_ms = session_timeout_ms
         self.workers = ["worker", *EXTRA_WORKERS[: max(0, workers - 1)]]
+        self.dispatchers = ["dispatcher", *EXTRA_DISPATCHERS[: max(0, dispatchers - 1)]]
         # The broker's jars: wherever the developer's stack keeps them (fetched once).
         libs_root = Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run"))
         self.libs = devstack.kafka_libs(libs_root / "kafka")
@@ -89,7 +102,8 @@ class ChaosStack:
         self.root.mkdir(parents=True)
 
     def up(self) -> float:
-        """``vigil-dev up`` until it succeeds, then the extra workers; the seconds it took."""
+        """``vigil-dev up`` until it succeeds, then the extra workers and dispatchers; the
+        seconds it took."""
         began = time.monotonic()
         last = ""
         for _ in range(RESTART_TRIES):
@@ -97,34 +111,41 @@ class ChaosStack:
                 [sys.executable, "-m", "vigil_dev", "up"], env=self.env, capture_output=True, text=True
             )
             if result.returncode == 0:
-                self._extra_workers_up()
+                self._extras_up()
                 return time.monotonic() - began
             last = (result.stderr or result.stdout)[-1500:]
             time.sleep(RESTART_PAUSE_S)
         raise RuntimeError(f"vigil-dev up kept failing:\n{last}")
 
-    def _extra_workers_up(self) -> None:
-        """Start each extra worker that is not running, with the stack's own settings (the
-        ``env`` file `vigil-dev up` wrote) and a port of its own; wait for its /healthz."""
+    def _extras_up(self) -> None:
+        """Start each extra worker and dispatcher that is not running, with the stack's own
+        settings (the ``env`` file `vigil-dev up` wrote) and a port of its own; wait for its
+        /healthz."""
         settings = {}
         for line in (self.root / "env").read_text().splitlines():
             name, _, value = line.removeprefix("export ").partition("=")
             if name.startswith(("VIGIL_", "ANTHROPIC_")):
                 settings[name] = shlex.split(value)[0] if value else ""
-        for name in self.workers[1:]:
+        extras = [("worker", n) for n in self.workers[1:]] + [("dispatcher", n) for n in self.dispatchers[1:]]
+        for service, name in extras:
             if self.pid(name) is not None:
                 continue
             port = self.port_of(name)
-            env = {**self.env, **settings, "VIGIL_WORKER_PORT": str(port), "VIGIL_INSTANCE_ID": f"chaos-{name}"}
+            env = {
+                **self.env,
+                **settings,
+                f"VIGIL_{service.upper()}_PORT": str(port),
+                "VIGIL_INSTANCE_ID": f"chaos-{name}",
+            }
             logfile = self.root / "logs" / f"{name}.log"
             devstack.spawn(
-                [sys.executable, "-m", "vigil", "worker"], logfile, self.pidfile(name), env=env, cwd=repo_root()
+                [sys.executable, "-m", "vigil", service], logfile, self.pidfile(name), env=env, cwd=repo_root()
             )
             url = f"http://127.0.0.1:{port}/healthz"
             devstack.wait_until(lambda url=url: devstack.http_ok(url), 60, name, logfile)
 
     def down(self) -> None:
-        for name in self.workers[1:]:
+        for name in [*self.workers[1:], *self.dispatchers[1:]]:
             devstack.stop(self.pidfile(name))
         if self.root.exists():
             subprocess.run([sys.executable, "-m", "vigil_dev", "down"], env=self.env, capture_output=True)
@@ -140,8 +161,8 @@ class ChaosStack:
     def api_token(self) -> str:
         return (self.root / "api_token").read_text().strip()
 
-    def dispatcher_log(self) -> Path:
-        return self.root / "logs" / "dispatcher.log"
+    def dispatcher_logs(self) -> list[Path]:
+        return [self.root / "logs" / f"{name}.log" for name in self.dispatchers]
 
     # -- faults -----------------------------------------------------------------------
 
@@ -199,5 +220,5 @@ class ChaosStack:
 
     def ready(self) -> dict[str, bool]:
         """Each service's /readyz (Kafka and PostgreSQL reachable from it)."""
-        names = ("ingest", *self.workers, "scheduler", "dispatcher")
+        names = ("ingest", *self.workers, "scheduler", *self.dispatchers)
         return {name: devstack.http_ok(f"http://127.0.0.1:{self.port_of(name)}/readyz", timeout=2) for name in names}
