@@ -525,3 +525,38 @@ def test_between_sweeps_the_loop_looks_only_at_users_with_new_messages(ledger, r
         assert sample("vigil_dispatcher_sweeps_total") == sweeps + 1
     finally:
         receiver.stop()
+
+
+def test_a_message_written_while_its_users_delivery_was_in_flight_follows_it_without_a_sweep(
+    ledger, running, monkeypatch
+):
+    """Between sweeps a message written while its user's delivery is in flight is not due when
+    the loop first sees it (one delivery in flight per user); once that delivery ends, the
+    user is looked at again at once, not at the next sweep."""
+    from vigil.dispatcher import loop
+
+    monkeypatch.setattr(loop, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
+    release = threading.Event()
+
+    def answer(request):
+        if request.bodies == ["first"]:
+            release.wait(30)
+        return 200, {}
+
+    receiver = Receiver(answer=answer).start()
+    try:
+        add_webhook_users(ledger, ["chatty"], receiver.url, gap=0)
+        sweeps = sample("vigil_dispatcher_sweeps_total")
+        running(ManualClock(T0.timestamp()), dispatcher_poll_interval_s=0.05, delivery_http_timeout_s=20)
+        wait_for(lambda: sample("vigil_dispatcher_sweeps_total") == sweeps + 1, 10, "the first sweep")
+        add_message(ledger, "chatty", "first", created_at=T0)
+        wait_for(lambda: receiver.got(), 10, "the first delivery at the receiver")
+        add_message(ledger, "chatty", "second", created_at=T0)
+        threading.Event().wait(0.5)  # the loop sees it, behind the delivery in flight
+        release.set()
+        wait_for(lambda: len(receiver.got()) == 2, 10, "the second delivery")
+        assert [r.bodies for r in receiver.got()] == [["first"], ["second"]]
+        assert sample("vigil_dispatcher_sweeps_total") == sweeps + 1
+    finally:
+        release.set()
+        receiver.stop()

@@ -128,8 +128,9 @@ def test_a_dispatcher_claim_reads_what_it_claims_whatever_the_statistics_and_the
 @pytest.mark.parametrize("analyze", ["history", "empty"])
 def test_a_claim_between_sweeps_reads_only_the_new_messages(ledger, analyze):
     """Between sweeps a claim looks only at users with unfinished rows written after the mark
-    (the outbox's highest id when it last looked): the 2,060 waiting rows are not read, and
-    of the new ones it takes the users with something to send (here all: their gap passed)."""
+    (the outbox's highest id when it last looked) and at users named to it (their delivery
+    just ended): the 2,060 waiting rows are not read, and of those users it takes the ones
+    with something to send (here all: their gap passed)."""
     seed(ledger, analyze)
     limits = Limits(default_gap_s=GAP_S, default_urgent_cap=3, max_attempts=5, lease_s=60, batch_users=100)
     for first, mode in ((USERS - 19, "force_custom_plan"), (USERS - 9, "force_generic_plan")):
@@ -144,9 +145,9 @@ def test_a_claim_between_sweeps_reads_only_the_new_messages(ledger, analyze):
             conn.add_notice_handler(keep)
             for setting in settings:
                 conn.execute(setting)
-            claimed = claim(conn, T0, limits, fresh_after=mark)
+            claimed = claim(conn, T0, limits, fresh_after=mark, recheck=[user(0)])  # its delivery just ended
             conn.rollback()
-        assert sorted(d.user_id for d in claimed.deliveries) == fresh, mode
+        assert sorted(d.user_id for d in claimed.deliveries) == [user(0), *fresh], mode
         assert claimed.high == high, mode
         (lock, *_) = plans
         assert _max_rows_read_per_node(lock["Plan"]) <= 2 * len(fresh), mode

@@ -6,7 +6,8 @@ The claim is one transaction, in this order:
    another dispatcher's users are skipped, never waited for), looking at users in user_id
    order after the previous pass's cursor: a round robin, so a pass costs what it claims,
    not the whole backlog, and every due user gets its turn within one sweep; or, between
-   sweeps, only at users with rows written after a given outbox id;
+   sweeps, only at users with rows written after a given outbox id and those whose delivery
+   just ended;
 2. read those users' unfinished outbox rows (a statement that starts after the locks are
    held, so it sees everything the previous holder committed);
 3. :func:`vigil.dispatcher.pacing.plan` decides per user;
@@ -89,16 +90,21 @@ def _expect(what: str, returned: set, planned: set) -> None:
 
 
 def claim(
-    conn: psycopg.Connection, now: datetime, limits: Limits, after: str = "", fresh_after: int | None = None
+    conn: psycopg.Connection,
+    now: datetime,
+    limits: Limits,
+    after: str = "",
+    fresh_after: int | None = None,
+    recheck: list[str] | None = None,
 ) -> Claimed:
     """Fix what is due now among the users after ``after`` (or, given ``fresh_after``, among
-    the users with unfinished rows of a higher id) and commit; returns the deliveries to send
-    and the next claim's cursor (see the module doc)."""
+    the users with unfinished rows of a higher id and those in ``recheck``) and commit;
+    returns the deliveries to send and the next claim's cursor (see the module doc)."""
     claimed = Claimed()
     lease_until = now + timedelta(seconds=limits.lease_s)
     with conn.transaction():
         due = outbox.lock_due_users(
-            conn, now, limits.default_gap_s, limits.batch_users, after, fresh_after, limits.fresh_max
+            conn, now, limits.default_gap_s, limits.batch_users, after, fresh_after, limits.fresh_max, recheck
         )
         claimed.cursor = due.cursor
         claimed.high = due.high

@@ -140,6 +140,9 @@ class Dispatcher:
         self._passes: list[_Pass] = []  # claims whose deliveries are not all recorded yet
         self._heartbeat = 0.0
         self._last_sweep = 0.0
+        # Users whose delivery ended since the last claim between sweeps: messages written
+        # while it was in flight were not due then, and may be now.
+        self._recheck: set[str] = set()
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -188,12 +191,14 @@ class Dispatcher:
         sweeping = sweep or self._after != "" or self._mark is None or time.monotonic() >= self._sweep_at
         if sweeping and self._after == "":
             self._sweep_started = time.time()
+            self._recheck.clear()  # the sweep looks at every user
         started = time.monotonic()
+        recheck = sorted(self._recheck)
         try:
             if sweeping:
                 claimed = self._claim(now, limits, wrap=sweep)
             else:
-                claimed = claim(self.conn, now, limits, fresh_after=self._mark)
+                claimed = claim(self.conn, now, limits, fresh_after=self._mark, recheck=recheck)
         except ClaimConflict as exc:
             metrics.CLAIM_CONFLICTS.inc()
             log.error("claim rolled back: %s", exc)
@@ -215,6 +220,7 @@ class Dispatcher:
             self._sweep_at = 0.0  # more new messages than one claim takes: a sweep takes them in turn
         else:
             self._mark = max(self._mark or 0, claimed.high)  # every new message looked at
+            self._recheck.difference_update(recheck)
         for delivery in claimed.lost:
             metrics.RETRIES.labels(delivery.channel.type.value, "lost").inc()
             log.warning(
@@ -349,6 +355,7 @@ class Dispatcher:
             os.kill(os.getpid(), signal.SIGKILL)
         now = utc(self.clock.now())
         for delivery, recorded in zip(deliveries, record_delivered(self.conn, deliveries, now), strict=True):
+            self._recheck.add(delivery.user_id)
             channel = delivery.channel.type.value
             with logs.context(user_id=delivery.user_id):
                 if not recorded.stood:
@@ -372,6 +379,7 @@ class Dispatcher:
 
     def _record(self, delivery: Delivery, outcome: Outcome) -> None:
         """A failed attempt's outcome: a retry after a backoff, or dead."""
+        self._recheck.add(delivery.user_id)
         channel = delivery.channel.type.value
         now = utc(self.clock.now())
         if outcome.result is Result.RETRY and delivery.attempt < self.limits.max_attempts:

@@ -139,11 +139,12 @@ def lock_due_users(
     after: str = "",
     fresh_after: int | None = None,
     fresh_max: int = 0,
+    recheck: list[str] | None = None,
 ) -> DueUsers:
     """Lock (``FOR UPDATE SKIP LOCKED``, until commit) up to ``limit`` users who may have
     something to send at ``now``: looking at users in user_id order after ``after`` (a sweep),
     or, given ``fresh_after``, only at users with unfinished rows among the ``fresh_max`` ids
-    after it."""
+    after it and at the users in ``recheck``."""
     rows = conn.execute(
         Q.outbox_lock_due_users,
         {
@@ -153,6 +154,7 @@ def lock_due_users(
             "after": after,
             "fresh_after": fresh_after,
             "fresh_max": fresh_max,
+            "recheck": recheck or [],
         },
     ).fetchall()
     return DueUsers(

@@ -15,7 +15,7 @@
 -- few rows (tests/test_dispatcher_plans.py).
 
 -- name: outbox_lock_due_users
--- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel. Two ways of finding them: with %(fresh_after)s NULL, a sweep: users in user_id order after %(after)s, a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait; with %(fresh_after)s an outbox id, only users with unfinished rows among the next %(fresh_max)s ids after it (new messages between sweeps: a sweep reads every user that holds messages). One row more or less: the cursor of the next sweep's claim ('' once the sweep reached the last user) and the outbox's highest id in this statement's snapshot first, the rest NULL when nothing was locked.
+-- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel. Two ways of finding them: with %(fresh_after)s NULL, a sweep: users in user_id order after %(after)s, a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait; with %(fresh_after)s an outbox id, only users with unfinished rows among the next %(fresh_max)s ids after it, and the users in %(recheck)s (new messages between sweeps: a sweep reads every user that holds messages). One row more or less: the cursor of the next sweep's claim ('' once the sweep reached the last user) and the outbox's highest id in this statement's snapshot first, the rest NULL when nothing was locked.
 -- Every step is a probe for the user at hand whatever the statistics say. The outbox is
 -- usually analyzed while the dispatcher keeps up (nothing pending); with such statistics a
 -- correlated NOT EXISTS once rescanned every unfinished row for each held one (4 million
@@ -44,7 +44,12 @@ fresh AS MATERIALIZED (
 candidates AS (
     SELECT user_id FROM waiting WHERE user_id IS NOT NULL
     UNION ALL
-    (SELECT DISTINCT user_id FROM fresh WHERE status IN ('pending', 'sending') ORDER BY user_id)
+    -- With them the users named in %(recheck)s: whose delivery just ended, so that messages
+    -- written while it was in flight are looked at now, not at the next sweep.
+    (SELECT user_id FROM fresh WHERE status IN ('pending', 'sending')
+     UNION
+     SELECT unnest(%(recheck)s::text[])
+     ORDER BY user_id)
 ),
 due AS (
     -- A fixed delivery whose backoff (pending) or send lease (sending) has run out; or held
