@@ -64,7 +64,6 @@ class Claimed:
     users_locked: int = 0
     cursor: str = ""  # where the next claim's sweep starts ('' from the first user)
     high: int = 0  # the outbox's highest id this claim could see
-    sweep_started: float | None = None  # the claim ended a sweep that started then (Unix time)
 
 
 def _config(row: DueUser) -> ChannelConfig:

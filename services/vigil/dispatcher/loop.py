@@ -138,8 +138,6 @@ class Dispatcher:
         # Sends waiting for a thread or being sent, with the claim that fixed them.
         self._in_flight: dict[Future[Outcome], tuple[Delivery, _Pass]] = {}
         self._passes: list[_Pass] = []  # claims whose deliveries are not all recorded yet
-        self._heartbeat = 0.0
-        self._last_sweep = 0.0
         # Users whose delivery ended since the last claim between sweeps: messages written
         # while it was in flight were not due then, and may be now.
         self._recheck: set[str] = set()
@@ -160,8 +158,8 @@ class Dispatcher:
         the same without waiting for one claim's sends before the next claim.
         """
         self._settle_left_over()
-        claimed = self._claim_due(self.limits.batch_users, sweep=True)
-        self._start(claimed)
+        claimed, closed_sweep = self._claim_due(self.limits.batch_users, sweep=True)
+        self._start(claimed, closed_sweep)
         failed: psycopg.Error | None = None
         while self._in_flight:
             try:
@@ -181,11 +179,12 @@ class Dispatcher:
         self.settle()
         metrics.SETTLED_AFTER_RECONNECT.inc(left_over)
 
-    def _claim_due(self, users: int, sweep: bool = False) -> Claimed:
+    def _claim_due(self, users: int, sweep: bool = False) -> tuple[Claimed, float | None]:
         """A claim of up to ``users`` due users, counted in the metrics; nothing when it
         conflicted (rolled back). Part of a sweep (the round robin from its cursor) when one is
         in progress, ``sweep`` asks for one or the next one is due; otherwise among the users
-        with messages written since the last claim looked (the outbox ids after the mark)."""
+        with messages written since the last claim looked (the outbox ids after the mark).
+        Also the start (Unix time) of the sweep this claim closed, if it closed one."""
         limits = self.limits if users == self.limits.batch_users else replace(self.limits, batch_users=users)
         now = utc(self.clock.now())
         sweeping = sweep or self._after != "" or self._mark is None or time.monotonic() >= self._sweep_at
@@ -204,13 +203,14 @@ class Dispatcher:
             log.error("claim rolled back: %s", exc)
             self._after = ""
             self._sweep_at = 0.0  # a new sweep from the first user next
-            return Claimed()
+            return Claimed(), None
+        closed_sweep: float | None = None
         if sweeping:
             if self._after == "" or self._mark is None:
                 self._mark = claimed.high  # what this sweep is sure to see; later rows are fresh
             self._after = claimed.cursor
             if not claimed.cursor:  # the sweep is done: the next one after a pause it pays for
-                claimed.sweep_started = self._sweep_started
+                closed_sweep = self._sweep_started
                 cost = time.monotonic() - started
                 pause = min(SWEEP_PAUSE_MAX_S, max(self.settings.dispatcher_poll_interval_s, SWEEP_IDLE_FACTOR * cost))
                 self._sweep_at = time.monotonic() + pause
@@ -235,11 +235,11 @@ class Dispatcher:
         for delivery in claimed.deliveries:
             if delivery.attempt == 1:
                 metrics.JOINED.observe(len(delivery.rows))
-        return claimed
+        return claimed, closed_sweep
 
-    def _start(self, claimed: Claimed) -> None:
+    def _start(self, claimed: Claimed, closed_sweep: float | None) -> None:
         """Hand a claim's deliveries to the send threads (in claim order)."""
-        claim_pass = _Pass(time.time(), claimed.sweep_started, len(claimed.deliveries))
+        claim_pass = _Pass(time.time(), closed_sweep, len(claimed.deliveries))
         self._passes.append(claim_pass)
         for delivery in claimed.deliveries:
             self._in_flight[self._pool.submit(self._send, delivery)] = (delivery, claim_pass)
@@ -260,16 +260,15 @@ class Dispatcher:
 
     def _finish_passes(self) -> None:
         """A claim is a finished pass once its deliveries and those of every claim before it
-        are recorded: the heartbeat is the newest such claim's time. A sweep is finished with
-        its closing claim: its start is the sweep gauge, so a value after a moment means
-        everything due at that moment was claimed, sent and recorded."""
+        are recorded (so they finish in claim order): the heartbeat is the newest such claim's
+        time. A sweep is finished with its closing claim: its start is the sweep gauge, so a
+        value after a moment means everything due at that moment was claimed, sent and
+        recorded."""
         while self._passes and self._passes[0].open == 0:
             done = self._passes.pop(0)
-            self._heartbeat = max(self._heartbeat, done.claimed_at)
-            metrics.LAST_PASS.set(self._heartbeat)
+            metrics.LAST_PASS.set(done.claimed_at)
             if done.sweep_started is not None:
-                self._last_sweep = max(self._last_sweep, done.sweep_started)
-                metrics.LAST_SWEEP.set(self._last_sweep)
+                metrics.LAST_SWEEP.set(done.sweep_started)
 
     def _claim(self, now: datetime, limits: Limits, wrap: bool) -> Claimed:
         """A claim from the cursor; when it locks nothing, the next users at once: those after
@@ -457,8 +456,8 @@ class Dispatcher:
                     and (full or (sent and not self._in_flight) or time.monotonic() >= claim_at)
                 ):
                     self._settle_left_over()
-                    claimed = self._claim_due(room)
-                    self._start(claimed)
+                    claimed, closed_sweep = self._claim_due(room)
+                    self._start(claimed, closed_sweep)
                     full = claimed.users_locked >= room
                     sent = bool(claimed.deliveries)
                     claim_at = time.monotonic() + poll
