@@ -560,3 +560,48 @@ def test_a_message_written_while_its_users_delivery_was_in_flight_follows_it_wit
     finally:
         release.set()
         receiver.stop()
+
+
+def test_a_held_user_the_loop_has_seen_goes_out_when_its_gap_or_backoff_ends_without_a_sweep(
+    ledger, running, monkeypatch
+):
+    """Between sweeps the loop remembers when a user it looked at and held may be due (its
+    gap's end, a retry's backoff, a send's lease) and looks at it again then: a held message
+    waits out its gap, and a retry its backoff, not the next sweep."""
+    from vigil.dispatcher import loop
+
+    monkeypatch.setattr(loop, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
+    failures = {"left": 1}
+
+    def answer(request):
+        if request.user == "flaky" and failures["left"]:
+            failures["left"] -= 1
+            return 503, {}
+        return 200, {}
+
+    receiver = Receiver(answer=answer).start()
+    try:
+        add_webhook_users(ledger, ["paced", "flaky"], receiver.url, gap=60)
+        clock = ManualClock(T0.timestamp())
+        sweeps = sample("vigil_dispatcher_sweeps_total")
+        running(clock, dispatcher_poll_interval_s=0.05, delivery_backoff_base_s=20, delivery_backoff_cap_s=20)
+        wait_for(lambda: sample("vigil_dispatcher_sweeps_total") == sweeps + 1, 10, "the first sweep")
+
+        add_message(ledger, "paced", "one", created_at=T0)
+        add_message(ledger, "flaky", "try", created_at=T0)
+        retry = "SELECT count(*) FROM outbox WHERE user_id = 'flaky' AND status = 'pending' AND attempts = 1"
+        wait_for(lambda: len(receiver.got()) == 2 and scalar(ledger, retry) == 1, 10, "one delivery, one retry")
+        add_message(ledger, "paced", "two", created_at=T0)  # inside paced's 60 s gap: held
+        wait_for(lambda: sample("vigil_dispatcher_wakeups") == 2, 10, "both users held with a moment to look again")
+        assert len(receiver.got()) == 2
+
+        clock.set(T0.timestamp() + 30)  # past flaky's backoff (20-22 s), inside paced's gap
+        wait_for(lambda: len(receiver.got()) == 3, 10, "flaky's retry at the end of its backoff")
+        threading.Event().wait(0.3)
+        assert len(receiver.got()) == 3, "paced is still inside its gap"
+        clock.set(T0.timestamp() + 61)
+        wait_for(lambda: len(receiver.got()) == 4, 10, "paced's held message at the end of its gap")
+        assert [(r.user, r.bodies) for r in receiver.got()[2:]] == [("flaky", ["try"]), ("paced", ["two"])]
+        assert sample("vigil_dispatcher_sweeps_total") == sweeps + 1
+    finally:
+        receiver.stop()

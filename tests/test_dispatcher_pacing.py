@@ -11,7 +11,7 @@ import pytest
 
 from dispatcher_support import T0
 from vigil.dispatcher.channels import retry_after_seconds, sign
-from vigil.dispatcher.pacing import Action, Pacing, Row, plan, retry_delay
+from vigil.dispatcher.pacing import Action, Pacing, Row, plan, retry_delay, wake_at
 
 GAP = 3600
 
@@ -72,6 +72,22 @@ def test_a_lost_send_is_retried_then_buried_when_out_of_attempts():
     decision = plan(pacing(last=T0), sending, T0, max_attempts=3)
     assert decision.action is Action.RETRY and decision.lost
     assert plan(pacing(last=T0), sending, T0, max_attempts=2).action is Action.BURY
+
+
+def test_a_held_user_may_be_due_at_its_gaps_end_a_new_urgent_day_or_its_deliverys_backoff():
+    """wake_at: when plan, which held, may say something else (the loop looks again then)."""
+    inside = T0 + timedelta(minutes=5)
+    assert wake_at(pacing(last=T0), [row(1)], inside) == T0 + timedelta(seconds=GAP)
+    # Urgent past today's cap: the gap's end, or midnight (a new day, a new cap) if sooner.
+    late = pacing(last=T0.replace(hour=23, minute=30), urgent_day=T0.date(), urgent_count=2)
+    assert plan(late, [row(1, urgent=True)], late.last_delivery_at, 3) is None
+    assert wake_at(late, [row(1, urgent=True)], late.last_delivery_at) == (T0 + timedelta(days=1)).replace(hour=0)
+    # A fixed delivery waiting out its backoff (or lease) holds everything behind it until then.
+    d = uuid4()
+    waiting = [row(1, delivery=d, attempts=1, next_at=T0 + timedelta(seconds=40)), row(2)]
+    assert plan(pacing(), waiting, inside - timedelta(minutes=5), 3) is None
+    assert wake_at(pacing(), waiting, T0) == T0 + timedelta(seconds=40)
+    assert wake_at(pacing(last=T0), [], inside) is None, "nothing held, nothing to look at"
 
 
 def test_joined_messages_are_bounded():

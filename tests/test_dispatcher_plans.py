@@ -158,7 +158,8 @@ def test_a_claim_between_sweeps_reads_only_the_new_messages(ledger, analyze):
 
 def test_due_users_are_those_with_something_to_send_now(ledger):
     """The prefilter's meaning, user by user: an expired lease or backoff; held messages past
-    the gap, or urgent ones inside it; nothing behind a delivery still in flight."""
+    the gap, or urgent ones inside it; nothing behind a delivery still in flight. Between
+    sweeps the users not due are reported with when they may be."""
     query(
         ledger,
         """INSERT INTO users (user_id, home_topic, home_partition, last_delivery_at) VALUES
@@ -183,10 +184,23 @@ def test_due_users_are_those_with_something_to_send_now(ledger):
     query(ledger, fixed, ("backoff-over", "pending", earlier, T0, None))
     query(ledger, fixed, ("backoff-on", "pending", earlier, T0 + timedelta(seconds=1), None))
     query(ledger, fixed, ("all-delivered", "delivered", earlier, None, earlier))
+    everyone = held + ["in-gap-urgent", "lease-over", "backoff-over", "backoff-on", "all-delivered", "unknown"]
     with psycopg.connect(ledger, row_factory=dict_row) as conn:
-        due = {row.user_id for row in outbox.lock_due_users(conn, T0, GAP_S, 100).users}
+        swept = outbox.lock_due_users(conn, T0, GAP_S, 100)
         conn.rollback()
-    assert due == {"past-gap", "never-sent", "in-gap-urgent", "own-gap-passed", "lease-over", "backoff-over"}
+        # Between sweeps (here: no new rows, every user named): the same users, and those that
+        # hold messages not due yet with the moment that may change.
+        looked = outbox.lock_due_users(conn, T0, GAP_S, 100, fresh_after=10**9, fresh_max=10, recheck=everyone)
+        conn.rollback()
+    due = {"past-gap", "never-sent", "in-gap-urgent", "own-gap-passed", "lease-over", "backoff-over"}
+    assert {row.user_id for row in swept.users} == due
+    assert swept.waits == [], "a sweep reads every holder anyway"
+    assert {row.user_id for row in looked.users} == due
+    assert dict(looked.waits) == {
+        "in-gap": T0 - timedelta(seconds=30) + timedelta(seconds=GAP_S),  # its gap's end
+        "behind-a-send": T0 + timedelta(seconds=30),  # the send's lease
+        "backoff-on": T0 + timedelta(seconds=1),  # the retry's backoff
+    }
 
 
 def test_claims_sweep_the_due_users_in_turn_and_wrap_around(ledger):

@@ -32,7 +32,7 @@ from uuid import UUID
 import psycopg
 
 from vigil.dispatcher.channels import LOG_CHANNEL, ChannelConfig, Delivery
-from vigil.dispatcher.pacing import MAX_MESSAGES_PER_DELIVERY, Action, Decision, Pacing, Row, plan
+from vigil.dispatcher.pacing import MAX_MESSAGES_PER_DELIVERY, Action, Decision, Pacing, Row, plan, wake_at
 from vigil.ledger import outbox
 from vigil.ledger.outbox import DueUser
 from vigil.ledger.states import ChannelType
@@ -64,6 +64,9 @@ class Claimed:
     users_locked: int = 0
     cursor: str = ""  # where the next claim's sweep starts ('' from the first user)
     high: int = 0  # the outbox's highest id this claim could see
+    # Users looked at whose messages are not due yet, with when that may change: the loop
+    # looks at them again then instead of waiting for the next sweep.
+    waits: list[tuple[str, datetime]] = field(default_factory=list)
 
 
 def _config(row: DueUser) -> ChannelConfig:
@@ -107,6 +110,7 @@ def claim(
         )
         claimed.cursor = due.cursor
         claimed.high = due.high
+        claimed.waits = list(due.waits)
         locked = due.users
         claimed.users_locked = len(locked)
         if not locked:
@@ -118,6 +122,9 @@ def claim(
             rows[row.user_id].append(row)
         decisions = [plan(pacings[user], rows[user], now, limits.max_attempts, limits.max_messages) for user in configs]
         decided = [d for d in decisions if d is not None]
+        for user, decision in zip(configs, decisions, strict=True):
+            if decision is None and (at := wake_at(pacings[user], rows[user], now)) is not None:
+                claimed.waits.append((user, at))
         _fix_new(conn, [d for d in decided if d.action is Action.NEW], configs, pacings, now, lease_until, claimed)
         _rearm(conn, [d for d in decided if d.action is Action.RETRY], configs, now, lease_until, claimed)
         _bury(conn, [d for d in decided if d.action is Action.BURY], configs, now, claimed)

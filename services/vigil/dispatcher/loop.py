@@ -16,11 +16,15 @@ thread and nobody else's delivery. Claimed deliveries not yet sent never number 
 
 A sweep (claims from the first user to the last) reads every user holding messages; the next
 one starts after a pause that the last one's cost sets (:data:`SWEEP_IDLE_FACTOR`), and the
-claims in between look only at users with messages written since the loop last looked.
+claims in between look only at users with messages written since the loop last looked, users
+whose delivery just ended, and users whose gap, backoff or lease the loop saw end
+(:class:`Wakeups`: every user a claim looked at and held). Only a user the loop has not seen
+since it started (a restart, another replica's) waits for a sweep.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import signal
@@ -70,6 +74,10 @@ SWEEP_IDLE_FACTOR = 9.0
 # ... and at most this long after it: a held message waits at most about this long past its
 # gap however many users hold messages.
 SWEEP_PAUSE_MAX_S = 60.0
+# Users the loop will look at again between sweeps when their gap, backoff or lease ends (a
+# user it has seen since it started: a new message, a delivery that ended, a held claim).
+# Beyond this many, the sweeps find the rest.
+MAX_WAKEUPS = 100_000
 
 
 def limits_of(settings: DispatcherSettings) -> Limits:
@@ -100,6 +108,38 @@ def delivery_span(delivery: Delivery):
             "vigil.delivery.messages": len(delivery.rows),
         },
     )
+
+
+class Wakeups:
+    """Users to look at again at a given moment (the dispatcher's clock), earliest first. One
+    moment per user, the latest one reported; at most ``limit`` users."""
+
+    def __init__(self, limit: int = MAX_WAKEUPS):
+        self.limit = limit
+        self._at: dict[str, datetime] = {}
+        self._heap: list[tuple[datetime, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def add(self, user: str, at: datetime) -> None:
+        if self._at.get(user) == at or (user not in self._at and len(self._at) >= self.limit):
+            return
+        self._at[user] = at
+        heapq.heappush(self._heap, (at, user))
+        if len(self._heap) > 2 * self.limit:  # superseded entries: rebuild from the live ones
+            self._heap = [(when, who) for who, when in self._at.items()]
+            heapq.heapify(self._heap)
+
+    def due(self, now: datetime, most: int) -> list[str]:
+        """Take up to ``most`` users whose moment has come."""
+        users: list[str] = []
+        while self._heap and self._heap[0][0] <= now and len(users) < most:
+            at, user = heapq.heappop(self._heap)
+            if self._at.get(user) == at:  # else superseded by a later report
+                del self._at[user]
+                users.append(user)
+        return users
 
 
 @dataclass(slots=True)
@@ -141,6 +181,8 @@ class Dispatcher:
         # Users whose delivery ended since the last claim between sweeps: messages written
         # while it was in flight were not due then, and may be now.
         self._recheck: set[str] = set()
+        # Users seen holding messages not due yet: looked at again when they may be.
+        self._wakeups = Wakeups()
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -191,6 +233,8 @@ class Dispatcher:
         if sweeping and self._after == "":
             self._sweep_started = time.time()
             self._recheck.clear()  # the sweep looks at every user
+        if not sweeping:
+            self._recheck.update(self._wakeups.due(now, limits.fresh_max))
         started = time.monotonic()
         recheck = sorted(self._recheck)
         try:
@@ -204,6 +248,9 @@ class Dispatcher:
             self._after = ""
             self._sweep_at = 0.0  # a new sweep from the first user next
             return Claimed(), None
+        for user, at in claimed.waits:
+            self._wakeups.add(user, at)
+        metrics.WAKEUPS.set(len(self._wakeups))
         closed_sweep: float | None = None
         if sweeping:
             if self._after == "" or self._mark is None:

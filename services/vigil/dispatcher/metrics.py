@@ -77,13 +77,19 @@ LAST_SWEEP = Gauge(
 )
 SWEEPS = Counter(
     "vigil_dispatcher_sweeps_total",
-    "Sweeps through every user holding messages; between them only users with new messages are looked at.",
+    "Sweeps through every user holding messages; between them only users with new messages, a delivery that just "
+    "ended, or a gap, backoff or lease seen to end are looked at.",
 )
 SWEEP_PAUSE = Gauge(
     "vigil_dispatcher_sweep_pause_seconds",
     "How long after the last sweep the next one starts: nine times what its closing claim took, at least the "
-    "poll interval, at most 60 s. A held message whose gap has passed waits up to this long; it grows with the "
-    "users holding messages.",
+    "poll interval, at most 60 s. A held message whose gap has passed waits up to this long if this dispatcher "
+    "has not seen its user since it started; it grows with the users holding messages.",
+)
+WAKEUPS = Gauge(
+    "vigil_dispatcher_wakeups",
+    "Users holding messages that this dispatcher will look at again between sweeps when their gap, backoff or "
+    "lease ends (at most 100,000; the sweeps find the rest).",
 )
 
 # Every bounded label value starts at zero, so increase() sees a channel's first dead delivery.

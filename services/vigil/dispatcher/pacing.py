@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
+from datetime import date, datetime, time, timedelta
 from enum import StrEnum
 from uuid import UUID
 
@@ -108,6 +108,23 @@ def plan(
     ):
         return Decision(Action.NEW, pacing.user_id, tuple(held), bypass=True)
     return None
+
+
+def wake_at(pacing: Pacing, rows: list[Row], now: datetime) -> datetime | None:
+    """When :func:`plan`, which said hold at ``now``, may say something else (None: nothing
+    left to send): the fixed delivery's backoff or lease end; otherwise the end of the gap, or
+    the next day's start (a new urgent cap) if an urgent message is held."""
+    fixed = [r.next_attempt_at for r in rows if r.delivery_id is not None and r.next_attempt_at is not None]
+    if fixed:
+        return min(fixed)
+    held = [r for r in rows if r.status == OutboxStatus.PENDING and r.delivery_id is None]
+    if not held:
+        return None
+    last = pacing.last_delivery_at or now
+    at = last + timedelta(seconds=pacing.gap_s)
+    if any(r.urgent for r in held):
+        at = min(at, datetime.combine(now.date() + timedelta(days=1), time(), tzinfo=now.tzinfo))
+    return at
 
 
 def retry_delay(

@@ -16,7 +16,7 @@ decides gaps, backoffs and send leases, and tests move it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import date, datetime
 from typing import TypeVar
 from uuid import UUID
@@ -124,11 +124,13 @@ class Revived:
 @dataclass(frozen=True, slots=True)
 class DueUsers:
     """The users a claim locked, where the next claim's sweep starts ('' from the first user),
-    and the outbox's highest id the claim could see (0: an empty outbox)."""
+    the outbox's highest id the claim could see (0: an empty outbox), and (between sweeps) the
+    users looked at whose messages are not due yet, each with the moment that may change."""
 
     users: list[DueUser]
     cursor: str
     high: int
+    waits: list[tuple[str, datetime]] = field(default_factory=list)
 
 
 def lock_due_users(
@@ -144,7 +146,8 @@ def lock_due_users(
     """Lock (``FOR UPDATE SKIP LOCKED``, until commit) up to ``limit`` users who may have
     something to send at ``now``: looking at users in user_id order after ``after`` (a sweep),
     or, given ``fresh_after``, only at users with unfinished rows among the ``fresh_max`` ids
-    after it and at the users in ``recheck``."""
+    after it and at the users in ``recheck`` (and then also the ones among them that hold
+    messages not due yet, with when that may change)."""
     rows = conn.execute(
         Q.outbox_lock_due_users,
         {
@@ -157,9 +160,9 @@ def lock_due_users(
             "recheck": recheck or [],
         },
     ).fetchall()
-    return DueUsers(
-        _rows(DueUser, [r for r in rows if r["user_id"] is not None]), rows[0]["cursor"], rows[0]["high"] or 0
-    )
+    locked = [r for r in rows if r["wake_at"] is None and r["user_id"] is not None]
+    waits = [(r["user_id"], r["wake_at"]) for r in rows if r["wake_at"] is not None]
+    return DueUsers(_rows(DueUser, locked), rows[0]["cursor"], rows[0]["high"] or 0, waits)
 
 
 def unfinished_for_users(conn: psycopg.Connection, users: list[str], max_messages: int) -> list[UnfinishedRow]:

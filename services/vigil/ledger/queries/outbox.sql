@@ -15,7 +15,7 @@
 -- few rows (tests/test_dispatcher_plans.py).
 
 -- name: outbox_lock_due_users
--- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel. Two ways of finding them: with %(fresh_after)s NULL, a sweep: users in user_id order after %(after)s, a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait; with %(fresh_after)s an outbox id, only users with unfinished rows among the next %(fresh_max)s ids after it, and the users in %(recheck)s (new messages between sweeps: a sweep reads every user that holds messages). One row more or less: the cursor of the next sweep's claim ('' once the sweep reached the last user) and the outbox's highest id in this statement's snapshot first, the rest NULL when nothing was locked.
+-- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel. Two ways of finding them: with %(fresh_after)s NULL, a sweep: users in user_id order after %(after)s, a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait; with %(fresh_after)s an outbox id, only users with unfinished rows among the next %(fresh_max)s ids after it, and the users in %(recheck)s (new messages between sweeps: a sweep reads every user that holds messages). One row more or less: the cursor of the next sweep's claim ('' once the sweep reached the last user) and the outbox's highest id in this statement's snapshot first, the rest NULL when nothing was locked; after those, between sweeps, a row per user looked at whose messages are not due yet, with wake_at (when that may change) and user_id only.
 -- Every step is a probe for the user at hand whatever the statistics say. The outbox is
 -- usually analyzed while the dispatcher keeps up (nothing pending); with such statistics a
 -- correlated NOT EXISTS once rescanned every unfinished row for each held one (4 million
@@ -51,30 +51,46 @@ candidates AS (
      SELECT unnest(%(recheck)s::text[])
      ORDER BY user_id)
 ),
-due AS (
+looked AS NOT MATERIALIZED (
     -- A fixed delivery whose backoff (pending) or send lease (sending) has run out; or held
     -- messages whose gap has passed, or among which one is urgent (the plan checks the urgent
-    -- cap), of a user with no delivery in flight. Only a prefilter, so that users waiting out
-    -- their gap (the normal state) are neither locked nor fill the limit:
-    -- vigil.dispatcher.pacing.plan decides, on rows read after the lock is held.
+    -- cap), of a user with no delivery in flight: due. Only a prefilter, so that users waiting
+    -- out their gap (the normal state) are neither locked nor fill the limit:
+    -- vigil.dispatcher.pacing.plan decides, on rows read after the lock is held. Otherwise
+    -- the moment that may change (wake_at): the backoff's or lease's end, or the gap's.
     -- The user's unfinished rows summed up (a row without a delivery id is held: a sending
     -- row always has one), the user and the channel by primary key (LIMIT 1: never a join
-    -- that starts from every user or every channel).
-    SELECT w.user_id
+    -- that starts from every user or every channel). NOT MATERIALIZED: due and waits each
+    -- read it on their own, so a sweep's due stays lazy (it stops at its limit) and its
+    -- waits, ruled out by its first condition, reads nothing (materialized, a sweep over
+    -- 100,000 held users took 10-15 percent longer).
+    SELECT w.user_id, s.unfinished,
+           (s.fixed_due
+            OR (NOT s.in_flight
+                AND (s.urgent_held OR u.last_delivery_at IS NULL
+                     OR u.last_delivery_at <= %(now)s - make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s))))) AS is_due,
+           CASE WHEN s.in_flight THEN s.fixed_next
+                ELSE u.last_delivery_at + make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)) END AS wake_at
     FROM candidates w
     CROSS JOIN LATERAL (
-        SELECT bool_or(o.delivery_id IS NOT NULL AND o.next_attempt_at <= %(now)s) AS fixed_due,
+        SELECT count(*) AS unfinished,
+               bool_or(o.delivery_id IS NOT NULL AND o.next_attempt_at <= %(now)s) AS fixed_due,
                bool_or(o.delivery_id IS NOT NULL) AS in_flight,
+               min(o.next_attempt_at) FILTER (WHERE o.delivery_id IS NOT NULL) AS fixed_next,
                bool_or(o.urgent) FILTER (WHERE o.delivery_id IS NULL) AS urgent_held
         FROM outbox o WHERE o.user_id = w.user_id AND o.status IN ('pending', 'sending')
     ) s
     CROSS JOIN LATERAL (SELECT u.last_delivery_at FROM users u WHERE u.user_id = w.user_id LIMIT 1) u
     LEFT JOIN LATERAL (SELECT c.gap_seconds FROM channels c WHERE c.user_id = w.user_id LIMIT 1) c ON true
-    WHERE (s.fixed_due
-           OR (NOT s.in_flight
-               AND (s.urgent_held OR u.last_delivery_at IS NULL
-                    OR u.last_delivery_at <= %(now)s - make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)))))
-    LIMIT %(limit)s
+),
+due AS (
+    SELECT user_id FROM looked WHERE is_due LIMIT %(limit)s
+),
+waits AS (
+    -- Between sweeps, the users looked at that hold messages not due yet, with the moment to
+    -- look again (the loop keeps it; a sweep reports none: it reads every holder anyway).
+    SELECT user_id, wake_at FROM looked
+    WHERE %(fresh_after)s::bigint IS NOT NULL AND unfinished > 0 AND NOT coalesce(is_due, false) AND wake_at IS NOT NULL
 ),
 locked AS (
     SELECT u.user_id, u.last_delivery_at, u.urgent_day, u.urgent_count
@@ -93,13 +109,16 @@ next AS (
     FROM due
 )
 SELECT n.cursor, n.high, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
-       c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap
+       c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap, NULL::timestamptz AS wake_at
 FROM next n
 LEFT JOIN locked l ON true
 LEFT JOIN LATERAL (
     SELECT c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap FROM channels c WHERE c.user_id = l.user_id LIMIT 1
 ) c ON true
-ORDER BY l.user_id
+UNION ALL
+SELECT NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
+FROM waits w
+ORDER BY wake_at NULLS FIRST, user_id
 
 -- name: outbox_unfinished_for_users
 -- The unfinished rows (pending, sending) of locked users, oldest first: every row of a fixed delivery, the oldest %(max_messages)s held.
