@@ -605,3 +605,29 @@ def test_a_held_user_the_loop_has_seen_goes_out_when_its_gap_or_backoff_ends_wit
         assert sample("vigil_dispatcher_sweeps_total") == sweeps + 1
     finally:
         receiver.stop()
+
+
+def test_a_message_committed_after_a_later_one_is_not_left_for_the_next_sweep(ledger, running, monkeypatch):
+    """Outbox ids are taken when a row is written, not when it commits: two finishes can commit
+    out of id order. A claim between sweeps that saw the later one finds the earlier id with
+    no row yet and looks at it again until it has one."""
+    from vigil.dispatcher import loop
+
+    monkeypatch.setattr(loop, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
+    receiver = Receiver().start()
+    try:
+        add_webhook_users(ledger, ["slow-finish", "fast-finish"], receiver.url)
+        sweeps = sample("vigil_dispatcher_sweeps_total")
+        running(ManualClock(T0.timestamp()), dispatcher_poll_interval_s=0.05)
+        wait_for(lambda: sample("vigil_dispatcher_sweeps_total") == sweeps + 1, 10, "the first sweep")
+        with psycopg.connect(ledger) as slow:
+            slow.execute("INSERT INTO outbox (user_id, run_id, epoch, body) VALUES ('slow-finish', 0, 1, 'first')")
+            add_message(ledger, "fast-finish", "second", created_at=T0)  # a higher id, committed first
+            wait_for(lambda: len(receiver.got()) == 1, 10, "the second message's delivery")
+            threading.Event().wait(0.3)  # claims go on meanwhile, the first id still without a row
+        # the first transaction commits now
+        wait_for(lambda: len(receiver.got()) == 2, 10, "the first message's delivery")
+        assert [(r.user, r.bodies) for r in receiver.got()] == [("fast-finish", ["second"]), ("slow-finish", ["first"])]
+        assert sample("vigil_dispatcher_sweeps_total") == sweeps + 1
+    finally:
+        receiver.stop()

@@ -67,6 +67,9 @@ class Claimed:
     # Users looked at whose messages are not due yet, with when that may change: the loop
     # looks at them again then instead of waiting for the next sweep.
     waits: list[tuple[str, datetime]] = field(default_factory=list)
+    # Outbox ids looked at between sweeps with no row yet (a transaction still open): the next
+    # claim looks at them again.
+    missing: list[int] = field(default_factory=list)
 
 
 def _config(row: DueUser) -> ChannelConfig:
@@ -98,19 +101,22 @@ def claim(
     after: str = "",
     fresh_after: int | None = None,
     recheck: list[str] | None = None,
+    gaps: list[int] | None = None,
 ) -> Claimed:
     """Fix what is due now among the users after ``after`` (or, given ``fresh_after``, among
-    the users with unfinished rows of a higher id and those in ``recheck``) and commit;
+    the users with unfinished rows of a higher id or an id in ``gaps``, and those in
+    ``recheck``) and commit;
     returns the deliveries to send and the next claim's cursor (see the module doc)."""
     claimed = Claimed()
     lease_until = now + timedelta(seconds=limits.lease_s)
     with conn.transaction():
         due = outbox.lock_due_users(
-            conn, now, limits.default_gap_s, limits.batch_users, after, fresh_after, limits.fresh_max, recheck
+            conn, now, limits.default_gap_s, limits.batch_users, after, fresh_after, limits.fresh_max, recheck, gaps
         )
         claimed.cursor = due.cursor
         claimed.high = due.high
         claimed.waits = list(due.waits)
+        claimed.missing = due.missing
         locked = due.users
         claimed.users_locked = len(locked)
         if not locked:

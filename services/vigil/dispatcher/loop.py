@@ -19,7 +19,9 @@ one starts after a pause that the last one's cost sets (:data:`SWEEP_IDLE_FACTOR
 claims in between look only at users with messages written since the loop last looked, users
 whose delivery just ended, and users whose gap, backoff or lease the loop saw end
 (:class:`Wakeups`: every user a claim looked at and held). Only a user the loop has not seen
-since it started (a restart, another replica's) waits for a sweep.
+since it started (a restart, another replica's) waits for a sweep. Ids below the highest seen
+that had no row yet (a transaction that committed after a later one) are looked at again
+until they do, for :data:`GAP_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ SWEEP_PAUSE_MAX_S = 60.0
 # user it has seen since it started: a new message, a delivery that ended, a held claim).
 # Beyond this many, the sweeps find the rest.
 MAX_WAKEUPS = 100_000
+# Outbox ids a claim between sweeps found missing below the highest one (a transaction that
+# took its ids before a later one committed, still open then) are looked at again by the
+# next claims for this long, a statement's timeout; an id whose transaction rolled back is
+# never filled. At most this many at once; the sweeps find the rest.
+GAP_WAIT_S = 30.0
+MAX_GAPS = 10_000
 
 
 def limits_of(settings: DispatcherSettings) -> Limits:
@@ -183,6 +191,8 @@ class Dispatcher:
         self._recheck: set[str] = set()
         # Users seen holding messages not due yet: looked at again when they may be.
         self._wakeups = Wakeups()
+        # Outbox ids below the mark that had no row when looked at: id -> when (monotonic).
+        self._gaps: dict[int, float] = {}
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -241,7 +251,9 @@ class Dispatcher:
             if sweeping:
                 claimed = self._claim(now, limits, wrap=sweep)
             else:
-                claimed = claim(self.conn, now, limits, fresh_after=self._mark, recheck=recheck)
+                gaps = sorted(self._gaps)
+                claimed = claim(self.conn, now, limits, fresh_after=self._mark, recheck=recheck, gaps=gaps)
+                self._track_gaps(gaps, claimed.missing)
         except ClaimConflict as exc:
             metrics.CLAIM_CONFLICTS.inc()
             log.error("claim rolled back: %s", exc)
@@ -253,8 +265,12 @@ class Dispatcher:
         metrics.WAKEUPS.set(len(self._wakeups))
         closed_sweep: float | None = None
         if sweeping:
-            if self._after == "" or self._mark is None:
-                self._mark = claimed.high  # what this sweep is sure to see; later rows are fresh
+            if self._mark is None or (self._after == "" and claimed.high > self._mark + limits.fresh_max):
+                # What this sweep is sure to see; later rows are fresh. Otherwise the claims
+                # after the sweep look at the rows since the last claim between sweeps again:
+                # one the sweep's snapshot missed (committed after it, with a lower id than one
+                # it saw) would wait for the next sweep.
+                self._mark = claimed.high
             self._after = claimed.cursor
             if not claimed.cursor:  # the sweep is done: the next one after a pause it pays for
                 closed_sweep = self._sweep_started
@@ -283,6 +299,18 @@ class Dispatcher:
             if delivery.attempt == 1:
                 metrics.JOINED.observe(len(delivery.rows))
         return claimed, closed_sweep
+
+    def _track_gaps(self, looked_at: list[int], missing: list[int]) -> None:
+        """Keep the ids a claim found missing for the next claims, until they are filled or
+        :data:`GAP_WAIT_S` has passed since they were first missed."""
+        now = time.monotonic()
+        still = set(missing)
+        for gap in looked_at:
+            if gap not in still or now - self._gaps[gap] > GAP_WAIT_S:
+                del self._gaps[gap]
+        for gap in missing:
+            if gap not in self._gaps and len(self._gaps) < MAX_GAPS:
+                self._gaps[gap] = now
 
     def _start(self, claimed: Claimed, closed_sweep: float | None) -> None:
         """Hand a claim's deliveries to the send threads (in claim order)."""

@@ -131,6 +131,7 @@ class DueUsers:
     cursor: str
     high: int
     waits: list[tuple[str, datetime]] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)  # ids looked at between sweeps with no row (yet)
 
 
 def lock_due_users(
@@ -142,12 +143,14 @@ def lock_due_users(
     fresh_after: int | None = None,
     fresh_max: int = 0,
     recheck: list[str] | None = None,
+    gaps: list[int] | None = None,
 ) -> DueUsers:
     """Lock (``FOR UPDATE SKIP LOCKED``, until commit) up to ``limit`` users who may have
     something to send at ``now``: looking at users in user_id order after ``after`` (a sweep),
     or, given ``fresh_after``, only at users with unfinished rows among the ``fresh_max`` ids
-    after it and at the users in ``recheck`` (and then also the ones among them that hold
-    messages not due yet, with when that may change)."""
+    after it and the ids in ``gaps``, and at the users in ``recheck`` (and then also the ones
+    among them that hold messages not due yet, with when that may change, and the ids looked
+    at that have no row yet)."""
     rows = conn.execute(
         Q.outbox_lock_due_users,
         {
@@ -158,11 +161,12 @@ def lock_due_users(
             "fresh_after": fresh_after,
             "fresh_max": fresh_max,
             "recheck": recheck or [],
+            "gaps": gaps or [],
         },
     ).fetchall()
     locked = [r for r in rows if r["wake_at"] is None and r["user_id"] is not None]
     waits = [(r["user_id"], r["wake_at"]) for r in rows if r["wake_at"] is not None]
-    return DueUsers(_rows(DueUser, locked), rows[0]["cursor"], rows[0]["high"] or 0, waits)
+    return DueUsers(_rows(DueUser, locked), rows[0]["cursor"], rows[0]["high"] or 0, waits, rows[0]["missing"] or [])
 
 
 def unfinished_for_users(conn: psycopg.Connection, users: list[str], max_messages: int) -> list[UnfinishedRow]:

@@ -15,7 +15,7 @@
 -- few rows (tests/test_dispatcher_plans.py).
 
 -- name: outbox_lock_due_users
--- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel. Two ways of finding them: with %(fresh_after)s NULL, a sweep: users in user_id order after %(after)s, a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait; with %(fresh_after)s an outbox id, only users with unfinished rows among the next %(fresh_max)s ids after it, and the users in %(recheck)s (new messages between sweeps: a sweep reads every user that holds messages). One row more or less: the cursor of the next sweep's claim ('' once the sweep reached the last user) and the outbox's highest id in this statement's snapshot first, the rest NULL when nothing was locked; after those, between sweeps, a row per user looked at whose messages are not due yet, with wake_at (when that may change) and user_id only.
+-- Lock up to %(limit)s users who may have something to send now, with their pacing state and channel. Two ways of finding them: with %(fresh_after)s NULL, a sweep: users in user_id order after %(after)s, a round-robin cursor, so a pass costs a few index probes per user it looks at and stops once it has enough, however many wait; with %(fresh_after)s an outbox id, only users with unfinished rows among the next %(fresh_max)s ids after it, the ids in %(gaps)s, and the users in %(recheck)s (new messages between sweeps: a sweep reads every user that holds messages). One row more or less: the cursor of the next sweep's claim ('' once the sweep reached the last user) and the outbox's highest id in this statement's snapshot, and the probed ids with no row (between sweeps) first, the rest NULL when nothing was locked; after those, between sweeps, a row per user looked at whose messages are not due yet, with wake_at (when that may change) and user_id only.
 -- Every step is a probe for the user at hand whatever the statistics say. The outbox is
 -- usually analyzed while the dispatcher keeps up (nothing pending); with such statistics a
 -- correlated NOT EXISTS once rescanned every unfinished row for each held one (4 million
@@ -32,14 +32,19 @@ WITH RECURSIVE waiting (user_id) AS (
             WHERE o.status IN ('pending', 'sending') AND o.user_id > w.user_id ORDER BY o.user_id LIMIT 1)
     FROM waiting w WHERE w.user_id IS NOT NULL
 ),
+probed AS MATERIALIZED (
+    -- The outbox ids a claim between sweeps looks at: those written after %(fresh_after)s (at
+    -- most %(fresh_max)s ids on) and %(gaps)s, lower ids that an earlier claim found missing
+    -- (a transaction that took its ids before a later one committed, still open then).
+    SELECT ARRAY(SELECT generate_series(%(fresh_after)s::bigint + 1,
+                                        least((SELECT max(id) FROM outbox), %(fresh_after)s::bigint + %(fresh_max)s)))
+           || %(gaps)s::bigint[] AS ids
+),
 fresh AS MATERIALIZED (
-    -- The rows written after %(fresh_after)s (at most %(fresh_max)s ids on), each probed by its
-    -- primary key: a range condition would leave the choice to the statistics, and an outbox
-    -- analyzed nearly empty once made it a scan of the whole table.
-    SELECT o.user_id, o.status FROM outbox o
-    WHERE o.id = ANY(ARRAY(
-        SELECT generate_series(%(fresh_after)s::bigint + 1,
-                               least((SELECT max(id) FROM outbox), %(fresh_after)s::bigint + %(fresh_max)s))))
+    -- Each probed by its primary key: a range condition would leave the choice to the
+    -- statistics, and an outbox analyzed nearly empty once made it a scan of the whole table.
+    SELECT o.id, o.user_id, o.status FROM outbox o
+    WHERE o.id = ANY((SELECT ids FROM probed)::bigint[])
 ),
 candidates AS (
     SELECT user_id FROM waiting WHERE user_id IS NOT NULL
@@ -104,11 +109,13 @@ locked AS (
 ),
 next AS (
     -- A full pass continues after its last due user; a short one reached the end of the sweep.
+    -- The probed ids with no row (yet): the next claim looks at them again.
     SELECT CASE WHEN count(*) >= %(limit)s THEN max(user_id) ELSE '' END AS cursor,
-           (SELECT max(id) FROM outbox) AS high
+           (SELECT max(id) FROM outbox) AS high,
+           ARRAY(SELECT unnest(ids) FROM probed EXCEPT SELECT id FROM fresh) AS missing
     FROM due
 )
-SELECT n.cursor, n.high, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
+SELECT n.cursor, n.high, n.missing, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
        c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap, NULL::timestamptz AS wake_at
 FROM next n
 LEFT JOIN locked l ON true
@@ -116,7 +123,7 @@ LEFT JOIN LATERAL (
     SELECT c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap FROM channels c WHERE c.user_id = l.user_id LIMIT 1
 ) c ON true
 UNION ALL
-SELECT NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
+SELECT NULL, NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
 FROM waits w
 ORDER BY wake_at NULLS FIRST, user_id
 
