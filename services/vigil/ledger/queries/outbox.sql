@@ -72,10 +72,8 @@ looked AS NOT MATERIALIZED (
     SELECT w.user_id, s.unfinished,
            (s.fixed_due
             OR (NOT s.in_flight
-                AND (s.urgent_held OR u.last_delivery_at IS NULL
-                     OR u.last_delivery_at <= %(now)s - make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s))))) AS is_due,
-           CASE WHEN s.in_flight THEN s.fixed_next
-                ELSE u.last_delivery_at + make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)) END AS wake_at
+                AND (s.urgent_held OR u.last_delivery_at IS NULL OR g.gap_end <= %(now)s))) AS is_due,
+           CASE WHEN s.in_flight THEN s.fixed_next ELSE g.gap_end END AS wake_at
     FROM candidates w
     CROSS JOIN LATERAL (
         SELECT count(*) AS unfinished,
@@ -87,6 +85,9 @@ looked AS NOT MATERIALIZED (
     ) s
     CROSS JOIN LATERAL (SELECT u.last_delivery_at FROM users u WHERE u.user_id = w.user_id LIMIT 1) u
     LEFT JOIN LATERAL (SELECT c.gap_seconds FROM channels c WHERE c.user_id = w.user_id LIMIT 1) c ON true
+    CROSS JOIN LATERAL (
+        SELECT u.last_delivery_at + make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)) AS gap_end
+    ) g
 ),
 due AS (
     SELECT user_id FROM looked WHERE is_due LIMIT %(limit)s
