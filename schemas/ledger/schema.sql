@@ -432,6 +432,45 @@ CREATE INDEX tasks_running ON tasks (heartbeat_at) WHERE status = 'running';
 CREATE INDEX tasks_unreported ON tasks (finished_at) WHERE finished_at IS NOT NULL AND reported_at IS NULL;
 CREATE INDEX tasks_by_user ON tasks (user_id, created_at);
 
+-- run_journal: every step of a run in flight, appended as it happens (migration 0026), so a
+-- run claimed again after a crash, a deploy's stop or a rebalance replays what it did instead
+-- of doing it again (docs/worker.md, "Durable runs"). Written by the worker only.
+--   run_key: the run's identity, the same across attempts, epochs and workers until its events
+--            finish: "<user>:<first event id>" (a background task: "task:<task id>"); tool
+--            idempotency keys are "<run_key>:<step>".
+--   step:    the step's position in the run, from 1 (model turns and tool calls, in order;
+--            a sync sub-agent's steps are the run's).
+--   kind:    model (body: the answer's content blocks, usage, duration; the first one also the
+--            run's start: its events, its "now" and its system prompt)
+--            | call (an action tool call's intent: name, input, key; outcome: its result,
+--            NULL while in doubt)
+--   epoch:   the claim's epoch (a task's lease epoch) under which the step was appended: every
+--            append and outcome is fenced by it, so a stale worker's late step is refused.
+--   body, outcome: json, not jsonb: replay hands the model the same bytes it saw.
+--   finished_at: set by the run's finish when VIGIL_RUN_JOURNAL_DAYS > 0 (kept for operators,
+--            then pruned); with the default 0 the finish deletes the run's rows.
+CREATE TABLE run_journal (
+    run_key     text        NOT NULL,
+    step        integer     NOT NULL,
+    kind        text        NOT NULL,
+    user_id     text        NOT NULL,
+    epoch       bigint      NOT NULL,
+    attempt     integer     NOT NULL,                -- the claim's attempt that appended it
+    body        json        NOT NULL,
+    outcome     json,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    outcome_at  timestamptz,
+    finished_at timestamptz,
+    PRIMARY KEY (run_key, step),
+    CONSTRAINT run_journal_kind_valid CHECK (kind IN ('model', 'call')),
+    CONSTRAINT run_journal_step_positive CHECK (step >= 1),
+    CONSTRAINT run_journal_outcome_of_call CHECK (outcome IS NULL OR kind = 'call')
+);
+-- A run's start reads the live journal of its user (one run per user at a time).
+CREATE INDEX run_journal_live ON run_journal (user_id, run_key) WHERE finished_at IS NULL;
+-- Retention of the kept journals (VIGIL_RUN_JOURNAL_DAYS).
+CREATE INDEX run_journal_finished ON run_journal (finished_at) WHERE finished_at IS NOT NULL;
+
 -- memory: the agent's files under /memories, per user (the memory tool's store).
 CREATE TABLE memory (
     user_id     text        NOT NULL,

@@ -11,6 +11,7 @@ from decimal import Decimal
 
 import psycopg
 
+from vigil.ledger import journal as ledger_journal
 from vigil.ledger.queries import Q
 
 
@@ -23,6 +24,7 @@ class ContextWanted:
     request_ids: list[str]  # the approval requests its approval events name
     recent_limit: int  # past messages to read (0: none)
     dead_limit: int
+    journal: bool = False  # the user's live run journal too (vigil.ledger.journal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +62,14 @@ class ContextRows:
     event_policies: str = ""
     dead_events: list[dict] = field(default_factory=list)
     approvals: list[ApprovalLoaded] | None = None
+    journal: ledger_journal.Live | None = None
 
 
 async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWanted]) -> list[ContextRows]:
     """Every run's context reads for a whole claim pass: six statements whatever the runs
-    (each reads all the pass's users at once), in one pipeline, so a pass that starts 2,000
-    runs costs one round trip and one pooled connection. Only each run's own user's rows are
-    read: sessions and approvals by (user, id) pairs."""
+    (seven with the live run journals; each reads all the pass's users at once), in one
+    pipeline, so a pass that starts 2,000 runs costs one round trip and one pooled connection.
+    Only each run's own user's rows are read: sessions and approvals by (user, id) pairs."""
     if not wanted:
         return []
     users = [w.user_id for w in wanted]
@@ -89,6 +92,8 @@ async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWante
             Q.agent_dead_events_many, {"user_ids": users, "limit": max(w.dead_limit for w in wanted)}
         )
         approvals = await _pairs(conn, Q.agent_approvals_load_many, approval_pairs)
+        journal_users = [w.user_id for w in wanted if w.journal]
+        journals = await ledger_journal.live_many_cursor(conn, journal_users) if journal_users else None
     out = {w.user_id: ContextRows() for w in wanted}
     for w in wanted:
         if w.session_ids:
@@ -124,6 +129,9 @@ async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWante
         out[r["user_id"]].approvals.append(
             ApprovalLoaded(r["request_id"], r["session_id"], r["tool"], r["tool_use_id"], r["args_hash"], r["answer"])
         )
+    if journals is not None:
+        for user_id, live in (await ledger_journal.live_from(journals)).items():
+            out[user_id].journal = live
     return [out[w.user_id] for w in wanted]
 
 

@@ -69,8 +69,10 @@ class Claim:
 
     @property
     def run_key(self) -> str:
-        """The run's identity (RunContext.run_key, tasks.parent_run_key, the logs' run_id)."""
-        return f"{self.user_id}:{self.epoch}:{self.events[0].id}:{self.attempt}"
+        """The run's identity (RunContext.run_key, tasks.parent_run_key, the logs' run_id, the
+        journal's key): the same across attempts, epochs and workers until its events finish
+        (:mod:`vigil.ledger.journal`, rule 1)."""
+        return f"{self.user_id}:{self.events[0].id}"
 
     @property
     def attempt(self) -> int:
@@ -227,6 +229,23 @@ async def claim_more(conn: psycopg.AsyncConnection, claim: Claim, sources: Seque
             "epoch": claim.epoch,
             "user_id": claim.user_id,
             "sources": list(sources),
+        },
+    )
+    rows = sorted(await cur.fetchall(), key=lambda r: r["id"])
+    return [EventRow.of(r) for r in rows]
+
+
+async def claim_ids(conn: psycopg.AsyncConnection, claim: Claim, ids: Sequence[int]) -> list[EventRow]:
+    """A replay's adoption (:mod:`vigil.ledger.journal`): the user's pending events ``ids``,
+    claimed under the running claim's epoch. Returns those it claimed, in id order."""
+    cur = await conn.execute(
+        Q.claim_ids,
+        {
+            "topic": claim.home.topic,
+            "partition": claim.home.partition,
+            "epoch": claim.epoch,
+            "user_id": claim.user_id,
+            "ids": list(ids),
         },
     )
     rows = sorted(await cur.fetchall(), key=lambda r: r["id"])

@@ -221,6 +221,20 @@ WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0 AND e.
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch
 
+-- name: claim_ids
+-- A replay's adoption: the events its journal started with (or folded) that the claim did not bring, claimed by id under the run's own epoch (rows handed back after a crash are pending again, with their attempts).
+WITH owned AS (
+    SELECT 1 FROM partitions p
+    WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
+    FOR SHARE
+)
+UPDATE events e
+SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now(), next_attempt_at = NULL
+WHERE e.id = ANY(%(ids)s) AND e.user_id = %(user_id)s AND e.status IN ('pending', 'running') AND e.status <> 'running'
+  AND EXISTS (SELECT 1 FROM owned)
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch
+
 -- name: release_claim
 -- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted. The events of every run the worker cancels for one partition at one epoch, in one statement.
 UPDATE events

@@ -1,0 +1,173 @@
+"""The run journal (``queries/journal.sql``): a run's steps, appended as they happen.
+
+The rules:
+
+1. **Identity.** A run's key is ``<user>:<first event id>`` (a background task's
+   ``task:<id>``), the same across attempts, epochs and workers until its events finish. Each
+   step has a position in the run (from 1); the idempotency key of a tool call is
+   ``<run key>:<step>`` (``vigil.agent.journal``), never the epoch, the attempt or the model's
+   tool_use id, so a retried run hands a tool the key it handed it before.
+2. **Fenced appends.** Every append and outcome names the claim's epoch (a task: its lease
+   epoch) and holds that row ``FOR SHARE`` to commit, exactly as the finish does
+   (:mod:`vigil.ledger.partitions`): a takeover waits for an append in flight, and a stale
+   worker's later append writes nothing (:class:`Fenced`: its run stops).
+3. **One step, one statement.** A model turn is one insert (its content blocks, usage and
+   duration; the first also carries the run's start). An action tool call is an insert before
+   it executes (its intent) and an update after (its outcome). A call with an intent and no
+   outcome is *in doubt*: the replay executes it again, with the same key.
+4. **The finish ends it.** The fenced finish of a done run deletes its user's live journal,
+   or marks it finished when ``VIGIL_RUN_JOURNAL_DAYS`` keeps journals for operators
+   (:func:`finish_users`); a failed attempt keeps it (the retry replays). The pruner drops
+   kept journals past their days and live ones abandoned past the dedup window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import psycopg
+
+from vigil.ledger.partitions import PartitionKey
+from vigil.ledger.queries import Q
+
+
+class Fenced(Exception):
+    """An append or outcome was refused: the claim's epoch (or the task's lease) is no longer
+    current. The run must stop: nothing more of it may land."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One journaled step, as a replay reads it (``body`` and ``outcome`` as stored JSON text)."""
+
+    step: int
+    kind: str  # "model" | "call"
+    body: str
+    outcome: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """A user's live journal: the key of the run it belongs to and its steps in order."""
+
+    run_key: str
+    steps: list[Step]
+
+
+@dataclass(frozen=True, slots=True)
+class RunFence:
+    """A run's fence: its claim's home partition and epoch."""
+
+    home: PartitionKey
+    epoch: int
+    user_id: str
+    attempt: int
+
+    def params(self) -> dict:
+        return {"topic": self.home.topic, "partition": self.home.partition, "epoch": self.epoch}
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFence:
+    """A background task's fence: its id and lease epoch."""
+
+    task_id: str
+    epoch: int
+
+    def params(self) -> dict:
+        return {"task_id": self.task_id, "epoch": self.epoch}
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """A step as operators see it (``vigil runs show``, the console)."""
+
+    run_key: str
+    step: int
+    kind: str
+    user_id: str
+    epoch: int
+    attempt: int
+    body: str
+    outcome: str | None
+    recorded_at: datetime
+    outcome_at: datetime | None
+    finished_at: datetime | None
+
+
+async def live_many_cursor(conn: psycopg.AsyncConnection, user_ids: list[str]) -> psycopg.AsyncCursor:
+    """The statement reading these users' live journals (for a caller's pipeline); read the
+    rows with :func:`live_from`."""
+    return await conn.execute(Q.journal_live_many, {"user_ids": user_ids})
+
+
+async def live_from(cursor: psycopg.AsyncCursor) -> dict[str, Live]:
+    """The rows of :func:`live_many_cursor`, by user. A user with two live journals (an
+    abandoned one beside the current) gets the one with the highest key's latest steps: the
+    caller checks it against the claim anyway."""
+    out: dict[str, Live] = {}
+    for row in await cursor.fetchall():
+        live = out.get(row["user_id"])
+        if live is None or live.run_key != row["run_key"]:
+            live = out[row["user_id"]] = Live(row["run_key"], [])
+        live.steps.append(Step(row["step"], row["kind"], row["body"], row["outcome"]))
+    return out
+
+
+async def live_task(conn: psycopg.AsyncConnection, run_key: str) -> list[Step]:
+    cur = await conn.execute(Q.journal_live_task, {"run_key": run_key})
+    return [Step(r["step"], r["kind"], r["body"], r["outcome"]) for r in await cur.fetchall()]
+
+
+async def append(
+    conn: psycopg.AsyncConnection, fence: RunFence | TaskFence, *, run_key: str, step: int, kind: str, body: str
+) -> None:
+    """Append one step (rule 2); raises :class:`Fenced` when the fence no longer holds.
+    ``conn`` in autocommit mode: the step is durable when this returns."""
+    params = {**fence.params(), "run_key": run_key, "step": step, "kind": kind, "body": body}
+    if isinstance(fence, RunFence):
+        cur = await conn.execute(Q.journal_append, {**params, "user_id": fence.user_id, "attempt": fence.attempt})
+    else:
+        cur = await conn.execute(Q.journal_task_append, params)
+    if cur.rowcount != 1:
+        raise Fenced(f"journal append of step {step} of {run_key} refused: the fence moved on")
+
+
+async def outcome(
+    conn: psycopg.AsyncConnection, fence: RunFence | TaskFence, *, run_key: str, step: int, outcome: str
+) -> None:
+    """Record a call's outcome (rule 3); raises :class:`Fenced` when the fence no longer holds."""
+    params = {**fence.params(), "run_key": run_key, "step": step, "outcome": outcome}
+    query = Q.journal_outcome if isinstance(fence, RunFence) else Q.journal_task_outcome
+    cur = await conn.execute(query, params)
+    if cur.rowcount != 1:
+        raise Fenced(f"journal outcome of step {step} of {run_key} refused: the fence moved on")
+
+
+async def discard(conn: psycopg.AsyncConnection, fence: RunFence, run_key: str) -> int:
+    """Drop a live journal its run cannot replay; fenced. Returns the rows dropped."""
+    cur = await conn.execute(Q.journal_discard, {**fence.params(), "run_key": run_key})
+    return cur.rowcount
+
+
+async def finish_users(conn: psycopg.AsyncConnection, user_ids: list[str], *, keep: bool) -> None:
+    """In a finish's transaction (rule 4): these users' live journals end."""
+    if user_ids:
+        await conn.execute(Q.journal_finish_users, {"user_ids": user_ids, "keep": keep})
+
+
+async def finish_task(conn: psycopg.AsyncConnection, run_key: str, *, keep: bool) -> None:
+    """With a task's terminal write (rule 4): its journal ends."""
+    await conn.execute(Q.journal_finish_task, {"run_key": run_key, "keep": keep})
+
+
+def steps(conn: psycopg.Connection, run_key: str) -> list[StepRow]:
+    """A run's steps, live or kept, for operators."""
+    rows = conn.execute(Q.journal_steps, {"run_key": run_key}).fetchall()
+    return [StepRow(**row) for row in rows]
+
+
+def prune(conn: psycopg.Connection, *, keep_days: int, live_days: int) -> int:
+    """Retention (rule 4). Returns the rows dropped."""
+    return conn.execute(Q.journal_prune, {"keep_days": keep_days, "live_days": live_days}).rowcount

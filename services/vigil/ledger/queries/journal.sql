@@ -1,0 +1,91 @@
+-- The run journal: each step of a run appended as it happens, fenced like the finish, read back when the run is claimed again. Read services/vigil/ledger/journal.py for the rules.
+
+-- name: journal_live_many
+-- The live (unfinished) journal of each of these users, every step in order: a run's start reads its user's (one run per user at a time).
+SELECT j.user_id, j.run_key, j.step, j.kind, j.body::text AS body, j.outcome::text AS outcome
+FROM run_journal j
+WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL
+ORDER BY j.user_id, j.run_key, j.step
+
+-- name: journal_live_task
+-- A background task's live journal, every step in order (its execution's start reads it).
+SELECT j.run_key, j.step, j.kind, j.body::text AS body, j.outcome::text AS outcome
+FROM run_journal j
+WHERE j.run_key = %(run_key)s AND j.finished_at IS NULL
+ORDER BY j.step
+
+-- name: journal_append
+-- One step of a run, fenced by the claim's epoch: FOR SHARE holds the partition row to commit, so a takeover waits for the append and every later append of the old owner matches no row (no step is written). A step already there (a stale copy) is a conflict: also refused.
+INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body)
+SELECT %(run_key)s, %(step)s, %(kind)s, %(user_id)s, p.epoch, %(attempt)s, %(body)s::json
+FROM partitions p
+WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
+FOR SHARE OF p
+ON CONFLICT (run_key, step) DO NOTHING
+
+-- name: journal_outcome
+-- An action call's outcome, fenced like the append; only a call still in doubt is written.
+UPDATE run_journal j SET outcome = %(outcome)s::json, outcome_at = now()
+FROM (SELECT 1 FROM partitions p
+      WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
+      FOR SHARE OF p) fence
+WHERE j.run_key = %(run_key)s AND j.step = %(step)s AND j.kind = 'call' AND j.outcome IS NULL
+
+-- name: journal_task_append
+-- One step of a background task, fenced by the task's lease: only its current holder (lease_epoch) of a running task appends.
+INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body)
+SELECT %(run_key)s, %(step)s, %(kind)s, t.user_id, t.lease_epoch, t.attempts, %(body)s::json
+FROM tasks t
+WHERE t.id = %(task_id)s AND t.status = 'running' AND t.lease_epoch = %(epoch)s
+FOR SHARE OF t
+ON CONFLICT (run_key, step) DO NOTHING
+
+-- name: journal_task_outcome
+-- A background task's action call outcome, fenced by the task's lease like its append.
+UPDATE run_journal j SET outcome = %(outcome)s::json, outcome_at = now()
+FROM (SELECT 1 FROM tasks t
+      WHERE t.id = %(task_id)s AND t.status = 'running' AND t.lease_epoch = %(epoch)s
+      FOR SHARE OF t) fence
+WHERE j.run_key = %(run_key)s AND j.step = %(step)s AND j.kind = 'call' AND j.outcome IS NULL
+
+-- name: journal_finish_users
+-- In a finish: the live journals of these users' done runs end (one run per user at a time, so every live row of the user is that run's, or an abandoned one's). Deleted, or kept as finished for VIGIL_RUN_JOURNAL_DAYS.
+WITH ended AS (
+    DELETE FROM run_journal j
+    WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT %(keep)s
+    RETURNING 1
+)
+UPDATE run_journal j SET finished_at = now()
+WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND %(keep)s
+
+-- name: journal_finish_task
+-- A background task's terminal write: its journal ends with it (deleted, or kept as finished).
+WITH ended AS (
+    DELETE FROM run_journal j
+    WHERE j.run_key = %(run_key)s AND j.finished_at IS NULL AND NOT %(keep)s
+    RETURNING 1
+)
+UPDATE run_journal j SET finished_at = now()
+WHERE j.run_key = %(run_key)s AND j.finished_at IS NULL AND %(keep)s
+
+-- name: journal_discard
+-- A journal its run cannot replay (its events are no longer all claimable): dropped, fenced by the epoch of the run that found it.
+DELETE FROM run_journal j
+USING (SELECT 1 FROM partitions p
+       WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
+       FOR SHARE OF p) fence
+WHERE j.run_key = %(run_key)s AND j.finished_at IS NULL
+
+-- name: journal_steps
+-- A run's steps for operators (`vigil runs show`, the console's run page): live or kept.
+SELECT j.run_key, j.step, j.kind, j.user_id, j.epoch, j.attempt, j.body::text AS body, j.outcome::text AS outcome,
+       j.recorded_at, j.outcome_at, j.finished_at
+FROM run_journal j
+WHERE j.run_key = %(run_key)s
+ORDER BY j.step
+
+-- name: journal_prune
+-- Retention: kept journals past VIGIL_RUN_JOURNAL_DAYS, and live ones left by runs whose events ended otherwise (dead) and older than the dedup window.
+DELETE FROM run_journal j
+WHERE (j.finished_at IS NOT NULL AND j.finished_at < now() - make_interval(days => %(keep_days)s))
+   OR (j.finished_at IS NULL AND j.recorded_at < now() - make_interval(days => %(live_days)s))
