@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 # EventRow is a ledger row (vigil.ledger.events); the agent interface names it here too.
 from vigil.ledger.events import EventRow
@@ -75,7 +75,9 @@ class Delegation:
 @dataclass(slots=True)
 class RunContext:
     user_id: str
-    run_key: str  # unique per claim: "<user>:<epoch>:<first event id>:<attempt>", for idempotency keys
+    # The run's identity, the same across attempts, epochs and workers until its events finish
+    # (vigil.ledger.journal): tool idempotency keys are "<run_key>:<step>".
+    run_key: str
     events: list[EventRow]
     session: SavedSession | None
     memory: dict[str, str]  # path -> content, the user's files under /memories
@@ -102,6 +104,12 @@ class RunContext:
     approval_requests: dict[str, ApprovalRequest] = field(default_factory=dict)
     # What this run may delegate (None: the worker offers no delegation).
     delegation: Delegation | None = None
+    # The run's journal (vigil.agent.journal.Journal): its steps so far when the run is a
+    # replay, and where new ones go. None: the agent keeps a journal of its own that writes nothing.
+    journal: Any = None
+    # adopt(ids): claims these events of the user by id under this run's epoch (a replay's
+    # events folded at a journaled boundary that the claim did not bring).
+    adopt: Callable[[Sequence[int]], Awaitable[list[EventRow]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +236,7 @@ class TaskContext:
     delegation: Delegation  # the task's own depth: it may delegate further only within the bound
     attempt: int
     usage: TaskUsage = field(default_factory=TaskUsage)
+    journal: Any = None  # the task's journal (vigil.agent.journal.Journal), fenced by its lease
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from vigil.agent import delegation, metrics, model
 from vigil.agent.actions import action_tools
 from vigil.agent.base import RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
+from vigil.agent.journal import Journal
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.sessions import plan
@@ -186,21 +187,32 @@ class ClaudeAgent:
             delegation=ctx.delegation,
             budget=model.Budget(self.settings.max_turns, ctx.token_budget, ctx.deadline),
             usage=ctx.usage,
+            journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
         )
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 
     async def run(self, ctx: RunContext) -> RunResult:
         settings = self.settings
-        now = datetime.now(UTC)
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)
         memory = MemoryFiles(ctx.memory, self.limits)
+        journal = ctx.journal or Journal(ctx.run_key)
+        start = journal.start
+        if start is not None:
+            # A replay: the prompt's "now" and the system prompt as the model saw them, so the
+            # transcript it sees next is the same bytes (and the cached prefix still matches).
+            now, system = datetime.fromisoformat(start["now"]), start["system"]
+        else:
+            now = datetime.now(UTC)
+            system = self._prefix(ctx, memory, now)
         run = RunState(
             ctx=ctx,
             memory=memory,
             budget=model.Budget(settings.max_turns, settings.max_run_tokens, deadline),
             now=now,
-            system=model.Encoded.of(self._prefix(ctx, memory, now)),
+            system=model.Encoded.of(system),
             approvals=dict(ctx.approval_requests),
+            journal=journal,
+            start={"events": [e.id for e in ctx.events], "now": now.isoformat(), "system": system},
             policies=self.policies_for(ctx),
         )
         laid_out = plan(ctx, settings.session_max_bytes)

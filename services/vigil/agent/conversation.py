@@ -13,9 +13,12 @@ Order of one conversation:
    its opening turn with them, dropping what it drafted since: messages, timers, memory
    edits. Action tool calls already made cannot be undone, so the restart is told of them).
 
-Nothing here writes anywhere but the run's result: a crash at any point leaves the claim to
-be retried, except action tools, which act at once and are made safe to repeat by their
-idempotency key.
+Every model turn and every action call goes through the run's journal
+(:mod:`vigil.agent.journal`): a replayed run takes journaled answers and recorded outcomes
+instead of asking and acting again, and folds at a journaled boundary exactly the events it
+folded there before. Nothing else here writes anywhere but the run's result: a crash at any
+point leaves the claim to be retried and replayed; an action call in doubt runs again with
+the same idempotency key.
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from vigil import tracing
 from vigil.agent import delegation, metrics, model
 from vigil.agent.base import ApprovalRequest, EventRow, NewApproval, RunContext
 from vigil.agent.deferral import Deferral, defer, escalate, resolve, resumed_turn
+from vigil.agent.journal import Journal
 from vigil.agent.memory import MemoryFiles, MemoryRefused
 from vigil.agent.permissions import BlockCounters, Decision, Gate
 from vigil.agent.prompt import (
     append_user,
-    assistant_content,
     render_events,
     text_block,
     tool_result,
@@ -83,6 +86,8 @@ class RunState:
     now: datetime  # when the run started (the prompt's "now"); tools read the clock when called
     system: model.Encoded  # built and encoded once per run: the cached prefix must not move mid-run
     approvals: dict[str, ApprovalRequest]
+    journal: Journal
+    start: dict[str, Any]  # what step 1 journals besides its answer: the run's events, now and system
     policies: dict[str, EventPolicy] = field(default_factory=dict)  # this user's, per source
     folded: list[EventRow] = field(default_factory=list)
     stopped_by: str | None = None
@@ -140,9 +145,11 @@ class Conversation:
             if not first:
                 await self._boundary(start, folded_here)
             first = False
-            response = await model.create(self.box.client, self._request(), self.run.budget, self.box.retry)
-            self.run.budget.add(response.usage)
-            content = assistant_content(response.content)
+            content, usage, replayed = await self.run.journal.model_turn(
+                lambda: model.create(self.box.client, self._request(), self.run.budget, self.box.retry),
+                self.run.start,
+            )
+            self.run.budget.add(usage, billed=not replayed)
             if content:  # an empty answer is legal but must not be stored: turns need content
                 thread.messages.append({"role": "assistant", "content": content})
             uses = [b for b in content if b["type"] == "tool_use"]
@@ -157,6 +164,10 @@ class Conversation:
                 self.outputs.messages.append(deferral.question)
                 self.outputs.timers.append(deferral.timer)
                 return Ended(self.outputs, [deferral.approval], touched=True)
+            # A replay takes the results journaled with the next answer: the same bytes the
+            # model saw (a builtin's text may depend on the time it ran).
+            results = self.run.journal.replayed_results() or results
+            self.run.journal.results(results)
             append_user(thread.messages, results)
         return Ended(self.outputs, touched=True)
 
@@ -195,11 +206,20 @@ class Conversation:
 
     async def _boundary(self, start: tuple, folded_here: list[EventRow]) -> bool:
         """Claim events that arrived mid-run (fold / interrupt sources). True if any came."""
-        ctx = self.run.ctx
-        sources = self.run.fold_sources
-        if ctx.fold is None or not sources:
-            return False
-        events = sorted(await ctx.fold(sources), key=lambda e: e.id)
+        ctx, journal = self.run.ctx, self.run.journal
+        replayed = journal.next_model()
+        if replayed is not None:
+            # A journaled boundary: exactly what was folded here before, nothing that came since.
+            ids = replayed.body.get("folded") or []
+            events = sorted(await ctx.adopt(ids), key=lambda e: e.id) if ids and ctx.adopt else []
+            if len(events) != len(ids):
+                log.warning("a replayed boundary folded %d of its %d journaled events", len(events), len(ids))
+        else:
+            sources = self.run.fold_sources
+            if ctx.fold is None or not sources:
+                return False
+            events = sorted(await ctx.fold(sources), key=lambda e: e.id)
+            journal.folded([e.id for e in events])
         if not events:
             return False
         self.run.folded.extend(events)
@@ -243,12 +263,13 @@ class Conversation:
         asked: tuple[ActionTool, dict] | None = None
         for use in uses:
             name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
+            step = self.run.journal.take()
             with tool_span(name, use["id"]) as span:
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
-                    output = await self._delegate(use, args)
+                    output = await self._delegate(use, args, step)
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
                 elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
-                    output, decision = await self._action(self.box.actions[name], use, args, asked is not None)
+                    output, decision = await self._action(self.box.actions[name], use, args, asked is not None, step)
                     if decision is Decision.ASK and asked is None:
                         asked = (self.box.actions[name], use)
                         continue
@@ -279,7 +300,7 @@ class Conversation:
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
         return results, deferral
 
-    async def _delegate(self, use: dict[str, Any], args: dict[str, Any]) -> ToolOutput:
+    async def _delegate(self, use: dict[str, Any], args: dict[str, Any], step: int) -> ToolOutput:
         """The delegate tool: queue a background task in this run's result, or run a child now."""
         run, box = self.run, self.box
         limits = run.ctx.delegation
@@ -288,7 +309,9 @@ class Conversation:
             return ToolOutput(request, True)
         assert limits is not None
         if request.mode == "background":
-            task = delegation.background_task(request, limits, run.ctx.run_key, self.thread.session_id)
+            task = delegation.background_task(
+                request, limits, run.ctx.run_key, self.thread.session_id, run.journal.key(step)
+            )
             self.outputs.tasks.append(task)
             return ToolOutput(
                 f"Queued as background task {task.id}. You will be woken with its result in this conversation."
@@ -296,7 +319,7 @@ class Conversation:
         child = delegation.nested(
             None,
             request,
-            f"{run.ctx.run_key}:{use['id']}",
+            run.journal.key(step),
             client=box.client,
             settings=box.settings,
             retry=box.retry,
@@ -305,6 +328,7 @@ class Conversation:
             user_id=run.ctx.user_id,
             delegation=limits,
             deadline=run.budget.deadline,
+            journal=run.journal,
         )
         try:
             return ToolOutput(await delegation.run_child(child, request.instructions))
@@ -325,7 +349,7 @@ class Conversation:
             return ToolOutput(str(refusal), True)
 
     async def _action(
-        self, tool: ActionTool, use: dict, args: dict, already_asking: bool
+        self, tool: ActionTool, use: dict, args: dict, already_asking: bool, step: int
     ) -> tuple[ToolOutput, Decision | None]:
         refusal = tool.check(args)
         if refusal is not None:
@@ -334,8 +358,10 @@ class Conversation:
         was_fallen_back = self.gate.counters.fallen_back
         verdict = self.gate.decide(tool.name, tool.risk(args))
         if verdict.decision is Decision.RUN:
-            key = f"{self.run.ctx.run_key}:{use['id']}"
-            output = await tool.run(args, CallContext(self.run.ctx.user_id, use["id"], key))
+            user_id = self.run.ctx.user_id
+            output = await self.run.journal.action(
+                step, tool.name, args, lambda key: tool.run(args, CallContext(user_id, use["id"], key))
+            )
             self.outputs.actions.append(tool.describe(args))
             metrics.TOOL_CALLS.labels(tool.name, "error" if output.is_error else "ran").inc()
             return output, Decision.RUN

@@ -25,7 +25,7 @@ tools), run by :func:`run_child` for both modes and for a background task's exec
 
 from __future__ import annotations
 
-import uuid
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,8 @@ import anthropic
 
 from vigil.agent import metrics, model
 from vigil.agent.base import Delegation, NewTask, TaskUsage
-from vigil.agent.prompt import append_user, assistant_content, text_block, tool_result
+from vigil.agent.journal import Journal
+from vigil.agent.prompt import append_user, text_block, tool_result
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import DELEGATE, ActionTool, CallContext, ToolOutput, delegate_definition
 
@@ -98,9 +99,13 @@ def check(
     return Request(instructions.strip(), mode, tuple(dict.fromkeys(tools)), budget, depth)
 
 
-def background_task(request: Request, delegation: Delegation, run_key: str, session_id: str | None) -> NewTask:
+def background_task(
+    request: Request, delegation: Delegation, run_key: str, session_id: str | None, key: str
+) -> NewTask:
+    """The task the delegate call ``key`` (its step's idempotency key) queues: its id is
+    derived from the key, so a replayed run queues the same task, not a second one."""
     return NewTask(
-        id=f"tsk_{uuid.uuid4().hex[:20]}",
+        id=f"tsk_{hashlib.sha256(key.encode()).hexdigest()[:20]}",
         instructions=request.instructions,
         tools=request.tools,
         token_budget=request.budget,
@@ -123,11 +128,14 @@ class Child:
     actions: dict[str, ActionTool]
     permissions: dict[str, Permission]
     user_id: str
-    key: str  # idempotency base for its action calls: the task id, or the parent's run key + tool_use id
+    key: str  # its owner-chain entry: the task id, or the key of the delegate call that made it
     tools: tuple[str, ...]
     delegation: Delegation  # the child's own depth
     budget: model.Budget
     usage: TaskUsage  # kept current, so a cancelled child still records what it spent
+    # Its steps' journal: a sync child's is its parent run's (the steps are the run's), a
+    # background task's its own (vigil.agent.journal). Action keys are its steps' keys.
+    journal: Journal
 
 
 async def run_child(child: Child, instructions: str) -> str:
@@ -155,10 +163,11 @@ async def run_child(child: Child, instructions: str) -> str:
             messages=messages,
             tools=tools,
         )
-        response = await model.create(child.client, request, child.budget, child.retry)
-        child.budget.add(response.usage)
+        content, usage, replayed = await child.journal.model_turn(
+            lambda request=request: model.create(child.client, request, child.budget, child.retry)
+        )
+        child.budget.add(usage, billed=not replayed)
         _sync_usage(child)
-        content = assistant_content(response.content)
         if content:
             messages.append({"role": "assistant", "content": content})
         texts = [b["text"] for b in content if b["type"] == "text"]
@@ -170,12 +179,14 @@ async def run_child(child: Child, instructions: str) -> str:
             return answer
         results = []
         for use in uses:
-            output = await _child_tool(child, use, allowed)
+            output = await _child_tool(child, use, allowed, child.journal.take())
             results.append(tool_result(use["id"], output.text, output.is_error))
+        results = child.journal.replayed_results() or results
+        child.journal.results(results)
         append_user(messages, results)
 
 
-async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str]) -> ToolOutput:
+async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], step: int) -> ToolOutput:
     name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
     if name == DELEGATE:
         request = check(
@@ -187,7 +198,7 @@ async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str]) -> 
         )
         if isinstance(request, str):
             return ToolOutput(request, True)
-        grandchild = nested(child, request, f"{child.key}:{use['id']}")
+        grandchild = nested(child, request, child.journal.key(step))
         answer = await run_child(grandchild, request.instructions)
         charge(child.budget, grandchild.budget)
         _sync_usage(child)
@@ -199,7 +210,9 @@ async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str]) -> 
     refusal = tool.check(args)
     if refusal is not None:
         return ToolOutput(refusal, True)
-    output = await tool.run(args, CallContext(child.user_id, use["id"], f"{child.key}:{use['id']}"))
+    output = await child.journal.action(
+        step, name, args, lambda key: tool.run(args, CallContext(child.user_id, use["id"], key))
+    )
     metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
     return output
 
@@ -209,6 +222,7 @@ def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Chi
     source = base if parent is None else vars(parent)
     delegation: Delegation = source["delegation"]
     deadline = source["budget"].deadline if parent is not None else base["deadline"]
+    journal = source["journal"]
     return Child(
         client=source["client"],
         settings=source["settings"],
@@ -228,6 +242,7 @@ def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Chi
         ),
         budget=model.Budget(source["settings"].max_turns, request.budget, deadline),
         usage=TaskUsage(),
+        journal=journal,
     )
 
 

@@ -75,3 +75,26 @@ for _budget in ("turns", "tokens", "wall_time"):
     BUDGET_STOPS.labels(_budget)
 for _policy in ("fold", "interrupt"):
     EVENTS_MID_RUN.labels(_policy)
+
+# Durable runs (vigil.agent.journal): what replays did not do again.
+REPLAYED_STEPS_TOTAL = Counter(
+    "vigil_replayed_steps_total",
+    "Journaled steps a replayed run took from its journal instead of doing them again, by kind: "
+    "model (an answer not requested again), call (an action call not executed again), in_doubt "
+    "(an action call executed again with the same idempotency key: its outcome was never recorded).",
+    ["kind"],
+)
+REPLAYED_STEPS = {kind: REPLAYED_STEPS_TOTAL.labels(kind) for kind in ("model", "call", "in_doubt")}
+REPLAY_SAVED_TOKENS = Counter(
+    "vigil_replay_saved_tokens_total",
+    "Model tokens (input, output and cache, as billed) of journaled answers that replays did not request again.",
+)
+RUN_REPLAYS = Counter(
+    "vigil_run_replays_total",
+    "Runs that found a journal when they started, by what became of it: replayed (taken up where "
+    "it stopped), discarded (its events could not all be claimed again: it started over with a new "
+    "key), diverged (the run did not take the journaled steps, e.g. the agent changed: the attempt failed).",
+    ["reason"],
+)
+for _reason in ("replayed", "discarded", "diverged"):
+    RUN_REPLAYS.labels(_reason)

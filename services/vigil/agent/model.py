@@ -82,7 +82,9 @@ class Budget:
             return "wall_time"
         return None
 
-    def add(self, usage: Any) -> None:
+    def add(self, usage: Any, billed: bool = True) -> None:
+        """Count a model turn. ``billed=False``: a replayed turn, paid for by an earlier
+        attempt (it counts against the run's budget, not in the billing metrics again)."""
         self.turns += 1
         counts = {
             "input": usage.input_tokens or 0,
@@ -94,6 +96,8 @@ class Budget:
         self.output_tokens += counts["output"]
         self.cache_read_tokens += counts["cache_read"]
         self.cache_write_tokens += counts["cache_write"]
+        if not billed:
+            return
         for kind, n in counts.items():
             if n:
                 metrics.MODEL_TOKENS_BY_KIND[kind].inc(n)

@@ -19,18 +19,23 @@ from vigil.ledger import agent as ledger_agent
 DEAD_EVENTS_SHOWN = 20
 
 
-async def load_context_parts(conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int) -> None:
+async def load_context_parts(
+    conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int, journal: bool = False
+) -> None:
     """Fill ``ctx`` in place: every session its events name, memory, past messages (the newest
     ``recent_limit``: delivered ones, and those the outbox still holds back for the pacing gap),
     the user's events that died since their last run that did not fail, the user's own event
     policies, and the approval requests its approval events name (with the approved argument
     hash)."""
-    await load_contexts(conn, [ctx], recent_limit)
+    await load_contexts(conn, [ctx], recent_limit, journal)
 
 
-async def load_contexts(conn: psycopg.AsyncConnection, ctxs: list[RunContext], recent_limit: int) -> None:
+async def load_contexts(
+    conn: psycopg.AsyncConnection, ctxs: list[RunContext], recent_limit: int, journal: bool = False
+) -> None:
     """:func:`load_context_parts` for many runs at once, in one pipeline
-    (:func:`vigil.ledger.agent.load_contexts`)."""
+    (:func:`vigil.ledger.agent.load_contexts`). ``journal``: each user's live run journal
+    too, left in ``ctx.journal`` (a :class:`vigil.ledger.journal.Live`) for the worker to bind."""
     wanted = [
         ledger_agent.ContextWanted(
             user_id=ctx.user_id,
@@ -40,6 +45,7 @@ async def load_contexts(conn: psycopg.AsyncConnection, ctxs: list[RunContext], r
             ),
             recent_limit=recent_limit,
             dead_limit=DEAD_EVENTS_SHOWN,
+            journal=journal,
         )
         for ctx in ctxs
     ]
@@ -57,6 +63,7 @@ def _fill(ctx: RunContext, want: ledger_agent.ContextWanted, rows: ledger_agent.
         }
         ctx.session = next(iter(ctx.sessions.values()), None)
     ctx.memory = rows.memory
+    ctx.journal = rows.journal
     if rows.recent is not None:
         ctx.recent_messages = [body for body, queued in rows.recent if not queued]
         ctx.queued_messages = [body for body, queued in rows.recent if queued]

@@ -10,8 +10,10 @@ Order inside the transaction:
    attempt's events back to ``pending`` with the error and a backoff, timers, approval
    requests, memory writes and delegated background tasks (a run that does not commit
    starts nothing); and, in one statement for the group, the session and
-   deadline of each message that has them (``outbox_tag_messages``), and the sessions the
-   runs saved (``agent_sessions_save_many``).
+   deadline of each message that has them (``outbox_tag_messages``), the journals of the done
+   runs that kept one (deleted, or kept as finished: ``journal_finish_users``), and the
+   sessions the runs saved (``agent_sessions_save_many``). A failed attempt keeps its
+   journal: the retry replays it.
 3. Commit.
 
 A crash before the commit leaves every claim ``running``: the next owner of the partition
@@ -37,6 +39,7 @@ from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as ledger_approvals
 from vigil.ledger import db
 from vigil.ledger import finish as ledger_finish
+from vigil.ledger import journal as ledger_journal
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import tasks as ledger_tasks
 from vigil.ledger.claims import Claim
@@ -61,6 +64,7 @@ class Finished:
     transient: bool = False  # model API overload: give the attempt back
     backoff_s: float = 0.0
     folded: list = field(default_factory=list)  # EventRows claimed mid-run
+    journaled: bool = False  # the run kept a journal (vigil.worker.journal): its finish ends it
 
     @property
     def event_ids(self) -> list[int]:
@@ -176,7 +180,7 @@ def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledg
 
 
 async def _commit(
-    conn: psycopg.AsyncConnection, runs: list[Finished], worker: str
+    conn: psycopg.AsyncConnection, runs: list[Finished], worker: str, journal_keep: bool = False
 ) -> tuple[list[Finished], list[Finished]]:
     """One transaction for ``runs``. Returns (committed, stale). Raises FinishMismatch.
 
@@ -212,6 +216,9 @@ async def _commit(
             for cursor, expected in checks:
                 if cursor.rowcount != expected:
                     raise FinishMismatch(f"{cursor.rowcount} of {expected} events still claimed")
+            await ledger_journal.finish_users(
+                conn, [r.claim.user_id for r in valid if r.journaled and r.error is None], keep=journal_keep
+            )
             await ledger_agent.save_sessions(conn, _sessions(valid))
             await ledger_agent.tag_messages(conn, _message_tags(valid, ids))
     return valid, stale
@@ -247,7 +254,7 @@ REFUSED_RESULT = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 
 
 async def commit_finished(
-    conn: psycopg.AsyncConnection, runs: list[Finished], worker: str
+    conn: psycopg.AsyncConnection, runs: list[Finished], worker: str, journal_keep: bool = False
 ) -> tuple[list[Finished], list[Finished]]:
     """Commit a group of finished runs (group commit, per-run fallback). Returns (committed, stale).
 
@@ -256,12 +263,12 @@ async def commit_finished(
     than blocking every finish behind it.
     """
     try:
-        committed, stale = await _commit(conn, runs, worker)
+        committed, stale = await _commit(conn, runs, worker, journal_keep)
     except (FinishMismatch, *REFUSED_RESULT):
         committed, stale = [], []
         for run in runs:
             try:
-                ok, refused = await _commit(conn, [run], worker)
+                ok, refused = await _commit(conn, [run], worker, journal_keep)
             except FinishMismatch as exc:
                 log.error("finish of %d event(s) refused: %s", len(run.event_ids), exc)
                 ok, refused = [], [run]
@@ -269,7 +276,7 @@ async def commit_finished(
                 log.error("the ledger refused a run's result; recording a failed attempt: %s", exc)
                 run.result, run.error = None, f"finish refused by the ledger: {type(exc).__name__}: {exc}"[:2000]
                 run.backoff_s = backoff_seconds(run.claim.attempt, 1.0, 60.0)
-                ok, refused = await _commit(conn, [run], worker)
+                ok, refused = await _commit(conn, [run], worker, journal_keep)
             committed += ok
             stale += refused
     metrics.FINISH_BATCH.observe(len(runs))

@@ -120,7 +120,9 @@ class Finisher:
         while True:
             try:
                 async with self.pool.connection() as conn:
-                    committed, stale = await commit_finished(conn, batch, self.settings.instance_id)
+                    committed, stale = await commit_finished(
+                        conn, batch, self.settings.instance_id, journal_keep=self.settings.run_journal_days > 0
+                    )
                 break
             except (psycopg.Error, OSError) as exc:
                 log.warning("finish commit failed, retrying: %s", exc)

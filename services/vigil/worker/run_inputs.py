@@ -12,11 +12,16 @@ from vigil.agent.run_ledger import load_context_parts, load_contexts
 RECENT_MESSAGES = 20
 
 
-async def load_context(conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int = RECENT_MESSAGES) -> None:
-    """Fill ``ctx`` in place. Only the user's own rows are ever read."""
-    await load_context_parts(conn, ctx, recent_limit)
+async def load_context(
+    conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int = RECENT_MESSAGES, journal: bool = False
+) -> None:
+    """Fill ``ctx`` in place (``journal``: with the user's live run journal). Only the user's
+    own rows are ever read."""
+    await load_context_parts(conn, ctx, recent_limit, journal)
 
 
-async def load_many(conn: psycopg.AsyncConnection, ctxs: list[RunContext], recent_limit: int = RECENT_MESSAGES) -> None:
+async def load_many(
+    conn: psycopg.AsyncConnection, ctxs: list[RunContext], recent_limit: int = RECENT_MESSAGES, journal: bool = False
+) -> None:
     """Fill every ``ctx`` of a claim pass in place, in one pipeline (one round trip)."""
-    await load_contexts(conn, ctxs, recent_limit)
+    await load_contexts(conn, ctxs, recent_limit, journal)

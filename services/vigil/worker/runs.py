@@ -24,6 +24,8 @@ from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger.db import AsyncPool
+from vigil.ledger.journal import Fenced
+from vigil.worker import journal as run_journal
 from vigil.worker import metrics, traces
 from vigil.worker.claims import Claim, claim_more
 from vigil.worker.fencing import PartitionKey
@@ -146,6 +148,10 @@ class Runs:
         finished = Finished(c, started, folded=active.folded)
         try:
             ctx = await self._context(active)
+            if self.journaled:
+                await run_journal.prepare(self.pool, c, ctx, ctx.journal, active.folded)
+                ctx.adopt = run_journal.adopter(self.pool, c, active.folded)
+                finished.journaled = True
             # wait_for, not asyncio.timeout (one task fewer per run, about 2% of a model-bound
             # worker's CPU, tried in session 17): on Python 3.11 a run whose agent has returned
             # when a revoke cancels it still completes here, and its finish is then refused as
@@ -156,6 +162,11 @@ class Runs:
             finished.folded = active.folded
         except asyncio.CancelledError:
             raise  # revoked or shutting down: the claim is released by whoever cancelled
+        except Fenced as exc:
+            # The partition moved on: its finish will be refused as stale, so nothing of the
+            # run lands, and the next owner replays its journal.
+            log.warning("run stopped: %s", exc)
+            finished.error = f"fenced: {exc}"
         except RetryLater as exc:
             exhausted = c.transient_failures + 1 >= self.settings.transient_max_attempts
             finished.error = f"model unavailable: {exc.reason}"
@@ -178,7 +189,7 @@ class Runs:
         committed already, so the pass must still start their runs."""
         ctxs = [self._new_context(active) for active in started]
         try:
-            await load_many(conn, ctxs, self._recent_limit)
+            await load_many(conn, ctxs, self._recent_limit, self.journaled)
         except psycopg.Error as exc:
             log.warning("could not read %d runs' context together; each run reads its own: %s", len(ctxs), exc)
             return
@@ -191,8 +202,14 @@ class Runs:
         ctx = self._new_context(active)
         if self.needs_context:
             async with self.pool.connection() as conn:
-                await load_context(conn, ctx, self._recent_limit)
+                await load_context(conn, ctx, self._recent_limit, self.journaled)
         return ctx
+
+    @property
+    def journaled(self) -> bool:
+        """Whether runs keep a journal: a Claude run does (VIGIL_RUN_JOURNAL); the echo agent
+        has no model or tool step to journal."""
+        return self.needs_context and self.settings.run_journal
 
     @property
     def _recent_limit(self) -> int:

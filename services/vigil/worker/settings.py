@@ -166,6 +166,19 @@ class WorkerSettings(CommonSettings):
     task_heartbeat_s: float = Field(
         5.0, gt=0, le=3600, description="How often a worker executing a task proves it alive, and sees a cancel."
     )
+    run_journal: bool = Field(
+        True,
+        description="Journal every step of a Claude run (model answers, action calls) in the ledger, so a run "
+        "taken over after a crash, a deploy's stop or a rebalance replays them instead of asking and acting again "
+        '(docs/worker.md, "Durable runs"). Off: a retried run starts over.',
+    )
+    run_journal_days: int = Field(
+        0,
+        ge=0,
+        le=3650,
+        description="Days a finished run's journal is kept for operators (`vigil runs show`, the console); "
+        "0 deletes it in the run's finish.",
+    )
     task_stale_s: float = Field(
         30.0,
         gt=0,

@@ -40,12 +40,15 @@ from datetime import UTC, datetime
 import psycopg
 
 from vigil.agent.base import Agent, Delegation, TaskContext
+from vigil.agent.journal import Journal
 from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer
+from vigil.ledger import journal as ledger_journal
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import TaskStatus
 from vigil.worker import metrics
+from vigil.worker.journal import RunWriter
 from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -160,6 +163,11 @@ class TaskExecutor:
         """Execute one task under its lease; write its outcome unless the lease was lost."""
         task, ctx = holding.task, holding.ctx
         started = time.monotonic()
+        if not await self._journal(holding):
+            self.holding.pop(task.id, None)
+            metrics.TASKS_IN_FLIGHT.set(len(self.holding))
+            await self._release(task)
+            return
         holding.execution = asyncio.create_task(self.agent.run_task(ctx), name=f"task-run-{task.id}")
         outcome: ledger.Outcome | None = None
         try:
@@ -189,6 +197,27 @@ class TaskExecutor:
         else:
             metrics.TASK_LATE_OUTCOMES.inc()
             log.warning("task %s: outcome %s refused, another one stood first", task.id, outcome.status)
+
+    async def _journal(self, holding: Holding) -> bool:
+        """The task's journal (``task:<id>``, fenced by its lease): what an earlier holder did
+        is replayed, not done again (vigil.worker.journal). False if it cannot be read: the
+        task is handed back rather than run blind."""
+        task, ctx = holding.task, holding.ctx
+        key = f"task:{task.id}"
+        if not self.settings.run_journal:
+            ctx.journal = Journal(key)
+            return True
+        try:
+            async with self.pool.connection() as conn:
+                steps = await ledger_journal.live_task(conn, key)
+        except (psycopg.Error, OSError) as exc:
+            log.warning("task %s: could not read its journal, handing it back: %s", task.id, exc)
+            return False
+        writer = RunWriter(self.pool, ledger_journal.TaskFence(task.id, task.lease_epoch), key)
+        ctx.journal = Journal.of(key, writer, steps)
+        if steps:
+            log.info("task %s: replaying its journal (%d steps)", task.id, len(steps))
+        return True
 
     async def _supervise(self, holding: Holding) -> ledger.Outcome | None:
         """Heartbeats until the execution ends. Returns the outcome, or None if the lease is gone."""
@@ -234,8 +263,13 @@ class TaskExecutor:
         """The compare-and-set, retried through ledger outages until it is known to stand or not."""
         while True:
             try:
-                async with self.pool.connection() as conn:
-                    return await ledger.finish(conn, task.id, task.lease_epoch, outcome)
+                async with self.pool.connection() as conn, conn.transaction():
+                    stands = await ledger.finish(conn, task.id, task.lease_epoch, outcome)
+                    if stands:
+                        await ledger_journal.finish_task(
+                            conn, f"task:{task.id}", keep=self.settings.run_journal_days > 0
+                        )
+                    return stands
             except (psycopg.Error, OSError) as exc:
                 log.warning("task %s: writing its outcome failed, retrying: %s", task.id, exc)
                 await asyncio.sleep(RETRY_S)

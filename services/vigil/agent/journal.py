@@ -1,0 +1,180 @@
+"""A run's journal as the agent uses it: every step numbered, journaled, and replayed.
+
+A run is a sequence of steps, numbered from 1 in the order the run takes them: each model
+turn and each tool call (builtins too, so that the numbering is the same whatever the tools
+do), a sync sub-agent's steps being its parent's. The same responses make the same sequence,
+so a replay that hands the loop the journaled responses meets every step at the number it
+had (:mod:`vigil.ledger.journal` for the ledger's rules).
+
+- **Model turns** (:meth:`Journal.model_turn`): a journaled answer is not requested again; a
+  new one is appended before the loop goes on (with the tool results of the turn before it,
+  the events folded just before it, and on step 1 the run's start: its events, its "now"
+  and its system prompt), so the replayed transcript is the same bytes the model saw.
+- **Action calls** (:meth:`Journal.action`): the intent is appended before the tool runs and
+  the outcome after. A call with a recorded outcome is not run again (the outcome goes back
+  into the transcript); a call in doubt (intent, no outcome) runs again **with the same
+  key**, ``<run key>:<step>``.
+- Builtins (messages, follow-ups, memory) only change the run's result, which commits with
+  the finish: they run again on a replay, and the transcript gets the results journaled.
+
+The agent never writes to the ledger itself: the worker hands a :class:`Writer` (appends
+fenced by the claim's epoch or the task's lease). Without one (an agent driven by a test)
+steps are numbered and keyed, and nothing is journaled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+from vigil.agent import metrics
+from vigil.agent.prompt import assistant_content
+from vigil.agent.tools import ToolOutput
+
+
+class Diverged(Exception):
+    """The run did not take the step its journal holds at that position (the agent's code or
+    settings changed between the attempts): the journal cannot be replayed."""
+
+
+class Writer(Protocol):
+    """Where a run's steps go (the worker's, fenced): each raises ``Fenced`` when refused."""
+
+    async def append(self, step: int, kind: str, body: str) -> None: ...
+
+    async def outcome(self, step: int, outcome: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    kind: str
+    body: dict[str, Any]
+    outcome: dict[str, Any] | None
+
+
+@dataclass
+class Journal:
+    run_key: str
+    writer: Writer | None = None
+    recorded: dict[int, Recorded] = field(default_factory=dict)
+    step: int = 0  # the last step taken
+    replayed_tokens: int = 0
+    _results: list[dict[str, Any]] | None = None  # the last turn's tool results, for the next model step
+    _folded: list[int] = field(default_factory=list)  # events folded since the last model step
+
+    @classmethod
+    def of(cls, run_key: str, writer: Writer | None, steps: list | None = None) -> Journal:
+        """``steps``: :class:`vigil.ledger.journal.Step` rows read back (a replay), in order."""
+        recorded = {
+            s.step: Recorded(s.kind, json.loads(s.body), json.loads(s.outcome) if s.outcome else None)
+            for s in steps or []
+        }
+        return cls(run_key, writer, recorded)
+
+    @property
+    def replaying(self) -> bool:
+        """Whether steps after the current one are journaled (the run is still catching up)."""
+        return any(n > self.step for n in self.recorded)
+
+    @property
+    def start(self) -> dict[str, Any] | None:
+        """The run's start as step 1 journaled it: events, now, system."""
+        first = self.recorded.get(1)
+        return first.body.get("start") if first is not None and first.kind == "model" else None
+
+    def key(self, step: int) -> str:
+        """The idempotency key of step ``step``: the run's identity and the step's position."""
+        return f"{self.run_key}:{step}"
+
+    def next_model(self) -> Recorded | None:
+        """The journaled model step the run takes next, if it is one (a replayed boundary)."""
+        rec = self.recorded.get(self.step + 1)
+        return rec if rec is not None and rec.kind == "model" else None
+
+    def replayed_results(self) -> list[dict[str, Any]] | None:
+        """The tool results journaled with the next model step (the same bytes as before)."""
+        rec = self.next_model()
+        return rec.body.get("results") if rec is not None else None
+
+    def folded(self, ids: list[int]) -> None:
+        """Events folded in at a live boundary: journaled with the next model step."""
+        self._folded += ids
+
+    def results(self, blocks: list[dict[str, Any]]) -> None:
+        """A turn's tool results: journaled with the next model step."""
+        self._results = blocks
+
+    async def model_turn(
+        self, ask: Callable[[], Awaitable[Any]], start: dict[str, Any] | None = None
+    ) -> tuple[list[dict[str, Any]], Any, bool]:
+        """One model step: the journaled answer, or ``ask()``'s appended. Returns (content
+        blocks, usage, replayed). ``start`` goes with step 1."""
+        self.step += 1
+        rec = self.recorded.get(self.step)
+        if rec is not None:
+            if rec.kind != "model":
+                raise Diverged(f"step {self.step} of {self.run_key} is a {rec.kind} in the journal, not a model turn")
+            usage = SimpleNamespace(**rec.body.get("usage", {}))
+            metrics.REPLAYED_STEPS["model"].inc()
+            tokens = sum(vars(usage).values())
+            self.replayed_tokens += tokens
+            metrics.REPLAY_SAVED_TOKENS.inc(tokens)
+            self._results, self._folded = None, []
+            return rec.body["content"], usage, True
+        started = time.monotonic()
+        response = await ask()
+        content = assistant_content(response.content)
+        u = response.usage
+        usage = {
+            "input_tokens": u.input_tokens or 0,
+            "output_tokens": u.output_tokens or 0,
+            "cache_read_input_tokens": getattr(u, "cache_read_input_tokens", None) or 0,
+            "cache_creation_input_tokens": getattr(u, "cache_creation_input_tokens", None) or 0,
+        }
+        body: dict[str, Any] = {"content": content, "usage": usage, "ms": round((time.monotonic() - started) * 1000)}
+        if self._results is not None:
+            body["results"] = self._results
+        if self._folded:
+            body["folded"] = self._folded
+        if start is not None and self.step == 1:
+            body["start"] = start
+        self._results, self._folded = None, []
+        if self.writer is not None:
+            await self.writer.append(self.step, "model", _dumps(body))
+        return content, response.usage, False
+
+    def take(self) -> int:
+        """A tool call's step: every call takes one, whatever becomes of it (a builtin's effect
+        is the run's result, and a refused call has none: only action calls are journaled)."""
+        self.step += 1
+        return self.step
+
+    async def action(
+        self, step: int, name: str, args: dict[str, Any], execute: Callable[[str], Awaitable[ToolOutput]]
+    ) -> ToolOutput:
+        """Action call ``step`` (taken with :meth:`take`): the recorded outcome, or
+        ``execute(key)`` between its intent and its outcome. A call in doubt executes again
+        with the same key."""
+        key = self.key(step)
+        rec = self.recorded.get(step)
+        if rec is not None:
+            if rec.kind != "call" or rec.body.get("name") != name:
+                raise Diverged(f"step {step} of {self.run_key} is not a call of {name} in the journal")
+            if rec.outcome is not None:
+                metrics.REPLAYED_STEPS["call"].inc()
+                return ToolOutput(rec.outcome["text"], bool(rec.outcome.get("is_error")))
+            metrics.REPLAYED_STEPS["in_doubt"].inc()
+        elif self.writer is not None:
+            await self.writer.append(step, "call", _dumps({"name": name, "input": args, "key": key}))
+        output = await execute(key)
+        if self.writer is not None:
+            await self.writer.outcome(step, _dumps({"text": output.text, "is_error": output.is_error}))
+        return output
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)

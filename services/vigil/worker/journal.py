@@ -1,0 +1,137 @@
+"""Durable runs, the worker's side: a run's journal found, taken up, and written fenced.
+
+A Claude run's context is read with its user's live journal (:mod:`vigil.ledger.journal`).
+Before the agent starts, :func:`prepare` decides what the run is:
+
+- **No journal**: a fresh run. Its key is ``<user>:<first event id>`` on a first attempt; a
+  later attempt with no journal adds ``~<attempt>`` (an earlier attempt wrote nothing, so no
+  tool ever saw a key of it; and a journal dropped as unreplayable never lends its keys to
+  other calls).
+- **A journal of this run** (same user and first event): a **replay**. The run covers the
+  events the journal started with, in that order: those the claim did not bring are claimed
+  by id under the claim's epoch (a crash's retry claims the first event alone, rule 3), and
+  those it brought that the journal did not start with are released (they came meanwhile:
+  the fold policy meets them at the first live boundary, or they wait for the next run).
+  The agent then takes journaled answers and outcomes instead of asking and acting again.
+- **A journal it cannot replay** (another run's, or its events are gone): dropped, fenced,
+  and the run starts over under a new key.
+
+:class:`RunWriter` appends a run's steps, each on a pooled connection in its own statement
+(autocommit), fenced by the claim's epoch; a refused append raises ``Fenced`` and the run
+stops as a failed attempt, whose finish is then refused as stale (nothing of it lands).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from vigil.agent import metrics as agent_metrics
+from vigil.agent.base import RunContext
+from vigil.agent.journal import Journal
+from vigil.ledger import claims as ledger_claims
+from vigil.ledger import journal as ledger_journal
+from vigil.ledger.claims import Claim
+from vigil.ledger.db import AsyncPool
+
+log = logging.getLogger(__name__)
+
+
+class RunWriter:
+    """Appends one run's steps, fenced (:mod:`vigil.ledger.journal`, rule 2)."""
+
+    def __init__(self, pool: AsyncPool, fence: ledger_journal.RunFence | ledger_journal.TaskFence, run_key: str):
+        self.pool = pool
+        self.fence = fence
+        self.run_key = run_key
+        self.appended = 0
+
+    async def append(self, step: int, kind: str, body: str) -> None:
+        async with self.pool.connection() as conn:
+            await ledger_journal.append(conn, self.fence, run_key=self.run_key, step=step, kind=kind, body=body)
+        self.appended += 1
+
+    async def outcome(self, step: int, outcome: str) -> None:
+        async with self.pool.connection() as conn:
+            await ledger_journal.outcome(conn, self.fence, run_key=self.run_key, step=step, outcome=outcome)
+
+
+def fresh_key(claim: Claim) -> str:
+    return claim.run_key if claim.attempt <= 1 else f"{claim.run_key}~{claim.attempt}"
+
+
+async def prepare(
+    pool: AsyncPool, claim: Claim, ctx: RunContext, live: ledger_journal.Live | None, folded: list
+) -> Journal:
+    """Decide whether the run is fresh or a replay (module doc), set ``ctx`` (its key, its
+    events, its journal) and, for a replay, the claim's events. ``folded``: the run's list of
+    events claimed besides its claim (adopted ones join it). Returns the run's journal."""
+    fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
+    start = _start_of(live)
+    if live is not None and _is_this_run(live.run_key, claim) and start is not None:
+        if await _take_up(pool, claim, start, folded):
+            agent_metrics.RUN_REPLAYS.labels("replayed").inc()
+            log.info("replaying the run's journal (%d steps)", len(live.steps))
+            return _bind(ctx, claim, Journal.of(live.run_key, RunWriter(pool, fence, live.run_key), live.steps))
+    if live is not None:
+        agent_metrics.RUN_REPLAYS.labels("discarded").inc()
+        log.warning("dropping a journal its run cannot replay (%d steps of %s)", len(live.steps), live.run_key)
+        async with pool.connection() as conn:
+            await ledger_journal.discard(conn, fence, live.run_key)
+        key = f"{claim.run_key}~{claim.attempt}"
+    else:
+        key = fresh_key(claim)
+    return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key)))
+
+
+def _bind(ctx: RunContext, claim: Claim, journal: Journal) -> Journal:
+    ctx.journal = journal
+    ctx.run_key = journal.run_key
+    ctx.events = list(claim.events)
+    if ctx.delegation is not None:
+        ctx.delegation = replace(ctx.delegation, owner_chain=(claim.user_id, journal.run_key))
+    return journal
+
+
+def _is_this_run(run_key: str, claim: Claim) -> bool:
+    return run_key == claim.run_key or run_key.startswith(claim.run_key + "~")
+
+
+def _start_of(live: ledger_journal.Live | None) -> list[int] | None:
+    """The events the journaled run started with (its step 1), or None if it has none."""
+    if live is None or not live.steps or live.steps[0].step != 1:
+        return None
+    journal = Journal.of(live.run_key, None, live.steps[:1])
+    start = journal.start
+    return list(start["events"]) if start and isinstance(start.get("events"), list) else None
+
+
+async def _take_up(pool: AsyncPool, claim: Claim, start: list[int], folded: list) -> bool:
+    """Make the claim cover exactly the journal's start events: claim the missing ones by id,
+    release those that came since. False (nothing changed) if a start event cannot be claimed."""
+    have = {event.id: event for event in claim.events}
+    missing = [i for i in start if i not in have]
+    extra = [event.id for event in claim.events if event.id not in set(start)]
+    async with pool.connection() as conn:
+        adopted = await ledger_claims.claim_ids(conn, claim, missing) if missing else []
+        if len(adopted) != len(missing):
+            if adopted:
+                await ledger_claims.release_claim(conn, claim.home, claim.epoch, [e.id for e in adopted])
+            return False
+        if extra:
+            await ledger_claims.release_claim(conn, claim.home, claim.epoch, extra)
+    have.update({event.id: event for event in adopted})
+    claim.events[:] = [have[i] for i in start]
+    return True
+
+
+def adopter(pool: AsyncPool, claim: Claim, folded: list):
+    """ctx.adopt: a replayed boundary's events, claimed by id and folded into the run."""
+
+    async def adopt(ids):
+        async with pool.connection() as conn:
+            more = await ledger_claims.claim_ids(conn, claim, ids)
+        folded.extend(more)
+        return more
+
+    return adopt

@@ -1,0 +1,244 @@
+"""Durable runs: a worker killed at each step boundary of a run, and a frozen one that wakes up
+after another has replayed its run (docs/worker.md, "Durable runs").
+
+The run: a chat message makes the model POST to a receiver on 127.0.0.1 (``http_request``,
+allowed), then send a message, then stop. Worker A is SIGKILLed at one boundary, worker B
+takes the partition over and replays. For every boundary: the receiver sees one distinct
+``Idempotency-Key`` for the one logical call, the model is asked each question once (the
+question in flight when A died at most twice), and the run's effects commit once.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+
+import psycopg
+import pytest
+
+from support import LocalHTTPServer, query, scalar, wait_for
+from vigil_dev.devstack import free_port
+from vigil_dev.scripted_server import ScriptedServer
+from worker_support import assert_runs_consistent, chat, claude_env, metric, produce
+
+
+class Receiver:
+    """A system the agent acts on: records each POST's idempotency key; can hold its answer."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.hold = threading.Event()
+        self.hold.set()  # answers at once unless cleared
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (the stdlib's name)
+                length = int(self.headers.get("content-length") or 0)
+                self.rfile.read(length)
+                receiver.keys.append(self.headers.get("Idempotency-Key") or "")
+                receiver.hold.wait(60)
+                data = b'{"refund": "made"}'
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = LocalHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.hold.set()
+        self.server.shutdown()
+
+
+def script(url: str, second_delay: float = 0.0) -> dict:
+    """q1: the events -> POST; q2: the POST's result -> a message; q3: the message's -> done."""
+    second = {
+        "when": {"tool_result": "http_request"},
+        "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Refund posted."}}],
+    }
+    rules = [{"when": {"tool_result": "send_message"}, "reply": []}]
+    if second_delay:
+        rules.append({**second, "times": 1, "delay": second_delay})
+    rules += [
+        second,
+        {
+            "when": {"user_text": "refund (?P<order>\\w+)"},
+            "reply": [
+                {
+                    "type": "tool_use",
+                    "name": "http_request",
+                    "input": {"method": "POST", "url": f"{url}/refunds", "body": '{{"order": "{order}"}}'},
+                }
+            ],
+        },
+    ]
+    return {"rules": rules}
+
+
+def questions(server: ScriptedServer) -> dict[str, int]:
+    """How often the model was asked each of the run's three questions."""
+    asked = {"q1": 0, "q2": 0, "q3": 0}
+    for body in server.requests():
+        last = body["messages"][-1]["content"]
+        kinds = {block.get("type") for block in last if isinstance(block, dict)}
+        if "tool_result" not in kinds:
+            asked["q1"] += 1
+            continue
+        before = body["messages"][-2]["content"]
+        names = {b.get("name") for b in before if isinstance(b, dict) and b.get("type") == "tool_use"}
+        asked["q2" if "http_request" in names else "q3"] += 1
+    return asked
+
+
+def worker(spawn, vigil_env, server, receiver, name, **extra):
+    env = claude_env(
+        vigil_env,
+        server.base_url,
+        VIGIL_INSTANCE_ID=name,
+        VIGIL_TOOL_PERMISSIONS="http_request=allow",
+        VIGIL_HTTP_ALLOWED_HOSTS=receiver.url.removeprefix("http://"),
+        VIGIL_MODEL_TIMEOUT_S="120",
+        **extra,
+    )
+    proc = spawn(["worker"], env, name)
+    return proc.wait_healthy(int(env["VIGIL_WORKER_PORT"])), int(env["VIGIL_WORKER_PORT"])
+
+
+def backend_waiting(dsn: str, statement: str) -> int | None:
+    """The pid of a backend whose statement holding ``statement`` waits for a lock (a long
+    statement's text is cut at track_activity_query_size: "" matches any)."""
+    rows = query(
+        dsn,
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        " AND position(%s in query) > 0",
+        (statement,),
+    )
+    return rows[0]["pid"] if rows else None
+
+
+class Locked:
+    """A table locked against writes from the test's own transaction, until released."""
+
+    def __init__(self, dsn: str, table: str) -> None:
+        self.conn = psycopg.connect(dsn)
+        self.conn.execute(f"LOCK TABLE {table} IN EXCLUSIVE MODE")
+
+    def release(self) -> None:
+        self.conn.rollback()
+        self.conn.close()
+
+
+BOUNDARIES = ["model_answered", "model_appended", "call_in_doubt", "finishing"]
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+def test_a_worker_killed_at_a_step_boundary_repeats_nothing(boundary, stack, topics, ledger, vigil_env, spawn):
+    receiver = Receiver()
+    delay = 60.0 if boundary == "model_appended" else 0.0
+    with ScriptedServer(script(receiver.url, delay)) as server:
+        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a")
+        locked = None
+        if boundary == "model_answered":
+            locked = Locked(ledger, "run_journal")  # the first answer's append waits
+        elif boundary == "finishing":
+            locked = Locked(ledger, "outbox")  # the finish waits inside its transaction
+        elif boundary == "call_in_doubt":
+            receiver.hold.clear()  # the POST is made; its answer (the outcome) never comes back
+        produce(stack.bootstrap, topics.events, [chat("ann", "refund A100")])
+
+        if boundary == "model_answered":
+            blocked = wait_for(lambda: backend_waiting(ledger, "INSERT INTO run_journal"), 30, "the append to wait")
+        elif boundary == "finishing":
+            blocked = wait_for(lambda: backend_waiting(ledger, ""), 30, "the finish to wait")
+        elif boundary == "model_appended":
+            wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
+            wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
+        else:
+            wait_for(lambda: receiver.keys, 30, "the POST")
+        a.kill()
+        if locked is not None:
+            # The dead worker's statement must not land once the lock is gone: its backend
+            # goes with it, as a connection of a killed process does.
+            query(ledger, "SELECT pg_terminate_backend(%s)", (blocked,))
+            locked.release()
+        receiver.hold.set()
+        journaled = scalar(ledger, "SELECT count(*) FROM run_journal")
+
+        b, b_port = worker(spawn, vigil_env, server, receiver, "worker-b")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish on B")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status <> 'done'") == 0, 30)
+        asked = questions(server)
+
+    receiver.close()
+    keys = receiver.keys
+    # One logical call, one key, whatever the boundary; it is made again only when in doubt.
+    assert len(set(keys)) == 1, keys
+    assert len(keys) == (2 if boundary == "call_in_doubt" else 1), keys
+    expected = {"q1": 1, "q2": 1, "q3": 1}
+    if boundary == "model_answered":
+        expected["q1"] = 2  # the answer never reached the journal: asked again (at most twice)
+    if boundary == "model_appended":
+        expected["q2"] = 2  # in flight when A died
+    assert asked == expected, (boundary, asked)
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["Refund posted."]
+    assert_runs_consistent(ledger)
+    assert scalar(ledger, "SELECT count(*) FROM run_journal") == 0, "the finish ends the journal"
+    replays = metric(b_port, "vigil_run_replays_total", 'reason="replayed"')
+    assert replays == (1 if journaled else 0), (journaled, replays)
+    if boundary in ("model_appended", "call_in_doubt", "finishing"):
+        assert metric(b_port, "vigil_replay_saved_tokens_total") > 0
+    if boundary == "call_in_doubt":
+        assert metric(b_port, "vigil_replayed_steps_total", 'kind="in_doubt"') == 1
+    b.stop()
+
+
+def test_a_frozen_worker_lands_nothing_after_another_replayed_its_run(stack, topics, ledger, vigil_env, spawn):
+    """A is SIGSTOPped while it waits for the model's second answer, past its session timeout:
+    B takes the partition over and replays the run to its finish. When A wakes up, its answer
+    comes in and its next append is refused (or its run is revoked first): nothing of A lands."""
+    receiver = Receiver()
+    with ScriptedServer(script(receiver.url, 8.0)) as server:
+        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a")
+        produce(stack.bootstrap, topics.events, [chat("bob", "refund B200")])
+        wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
+        a.signal(signal.SIGSTOP)
+        b, _ = worker(spawn, vigil_env, server, receiver, "worker-b", VIGIL_WORKER_PORT=str(free_port()))
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "B to finish the run")
+        a.signal(signal.SIGCONT)
+        # A's model call ends (the scripted delay) and it would append its answer, or finish.
+        time.sleep(10)
+        asked = questions(server)
+    receiver.close()
+    assert len(receiver.keys) == 1, receiver.keys
+    assert scalar(ledger, "SELECT count(*) FROM outbox") == 1
+    assert scalar(ledger, "SELECT count(*) FROM run_journal") == 0, "a late append of A landed"
+    assert scalar(ledger, "SELECT count(*) FROM runs") == 1, "A's finish landed"
+    assert_runs_consistent(ledger)
+    assert asked["q1"] == 1 and asked["q3"] <= 2, asked
+    log = a.log()
+    assert "refused" in log or "revoked" in log or "stale" in log, log[-2000:]
+    b.stop()
+
+
+def test_the_journal_is_kept_for_operators_when_asked(stack, topics, ledger, vigil_env, spawn):
+    """VIGIL_RUN_JOURNAL_DAYS keeps a finished run's steps: `vigil runs show` lists them."""
+    receiver = Receiver()
+    with ScriptedServer(script(receiver.url)) as server:
+        _, _ = worker(spawn, vigil_env, server, receiver, "worker-a", VIGIL_RUN_JOURNAL_DAYS="3")
+        produce(stack.bootstrap, topics.events, [chat("cy", "refund C300")])
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish")
+    receiver.close()
+    rows = query(ledger, "SELECT run_key, step, kind, body::text AS body, outcome::text AS outcome FROM run_journal")
+    assert [(r["step"], r["kind"]) for r in rows] == [(1, "model"), (2, "call"), (3, "model"), (5, "model")], rows
+    (call,) = [r for r in rows if r["kind"] == "call"]
+    assert json.loads(call["body"])["key"] == receiver.keys[0] == f"{call['run_key']}:2"
+    assert scalar(ledger, "SELECT count(*) FROM run_journal WHERE finished_at IS NULL") == 0
