@@ -311,7 +311,7 @@ def test_a_joining_worker_records_the_partition_handed_to_it_while_the_hand_over
 ):
     """A's runs take 12 s; B joins and is given the partition A hands over. B records that
     partition's new events at once, while A's runs on it still run under A's epoch (until
-    session 26 B's consumer waited for the hand-over in its assignment callback, recording
+    c390748 B's consumer waited for the hand-over in its assignment callback, recording
     nothing), and claims them only once its takeover follows the hand-over."""
     env_a = worker_env(
         vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-a", VIGIL_REVOKE_GRACE_S="30"

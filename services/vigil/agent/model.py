@@ -164,7 +164,7 @@ def prepare() -> None:
 def _dumps(value: Any) -> bytes:
     """Compact UTF-8 JSON, by pydantic-core's encoder: a fifth of the stdlib's CPU on a
     conversation, whose messages are encoded on every call (docs/performance.md, "Model-bound
-    runs", change 12 of session 19)."""
+    runs", change 12)."""
     return pydantic_core.to_json(value)
 
 

@@ -98,7 +98,7 @@ def consumer_config(settings: WorkerSettings, on_stats) -> dict:
             # (a join, a hand-over's second round, a failover) waits up to one interval for
             # each member. A tenth of the session (1 s by default) instead of a fifth: the
             # rebalance bench's moved partitions reached the next owner's ledger 1.88 s after
-            # the hand-over began with a fifth (docs/performance.md, session 26).
+            # the hand-over began with a fifth (docs/performance.md, "Rebalances").
             "heartbeat.interval.ms": max(500, settings.kafka_session_timeout_ms // 10),
             "max.poll.interval.ms": settings.kafka_max_poll_interval_ms,
             "statistics.interval.ms": STATS_INTERVAL_MS,

@@ -5,7 +5,7 @@ every claim pass and every finish shares it; when the callbacks that are ready a
 longer than the loop can give them, everything waits its turn, and none of the ledger or
 model timings show why. The model-bound benchmark found exactly this: answers arriving in
 waves stalled the loop for 200-560 ms at a time, and runs took a second longer than their
-answers (docs/performance.md, "Session 15: the waves"). A timer every
+answers (docs/performance.md, "Answers in waves"). A timer every
 ``LAG_INTERVAL_S`` and how late it woke is the direct measure; a p90 lag near the run
 durations one sees means the worker needs more processes, not more slots.
 """

@@ -101,7 +101,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     # until the objects promoted since the last make a quarter of the old generation): each
     # walks every run in flight. Model-bound, 2,500 in flight: worker CPU per run 2.09-2.10 ->
     # 2.05-2.07 ms, resident memory 280 -> 278-281 MB (docs/performance.md, "Model-bound
-    # runs", change 12 of session 19).
+    # runs", change 12).
     gc.set_threshold(GC_YOUNG_THRESHOLD, GC_MIDDLE_THRESHOLD, GC_OLD_THRESHOLD)
     consumer.start()
     log.info(

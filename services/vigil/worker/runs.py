@@ -153,7 +153,7 @@ class Runs:
                 ctx.adopt = run_journal.adopter(self.pool, c, active.folded)
                 finished.journaled = True
             # wait_for, not asyncio.timeout (one task fewer per run, about 2% of a model-bound
-            # worker's CPU, tried in session 17): on Python 3.11 a run whose agent has returned
+            # worker's CPU, tried in 06fb73f): on Python 3.11 a run whose agent has returned
             # when a revoke cancels it still completes here, and its finish is then refused as
             # stale; under asyncio.timeout that cancel won about one time in five, and
             # test_stale_epoch_finish_writes_nothing never saw the refusal it pins down.

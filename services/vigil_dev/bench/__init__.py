@@ -7,5 +7,6 @@ prints one ``name: value`` line per figure, the median of several rounds with mi
 beside it, then the ratios against the targets. ``--quick`` is the smoke mode of
 ``make test``: the same workloads, tiny, asserting nothing about speed.
 
-docs/performance.md says what each figure measures, how, and what the numbers were.
+docs/performance.md says what each figure measures and how, and what the latest full run
+read; docs/bench/ keeps each full run's figures.
 """

@@ -202,7 +202,7 @@ class EndToEnd:
             best = max(best, ev)
             # A round that finished its whole offer measured the offer, not the workers: when
             # the search stopped early on a disturbed round, the first counted rounds offered
-            # less than the workers keep up with (session 23: 12,912 and 16,153 offered, all
+            # less than the workers keep up with (1 December: 12,912 and 16,153 offered, all
             # finished, then 15,146 of 20,194; the median was an offer). Offer more instead,
             # at most ``rounds`` times.
             if ev >= KEPT_UP * rate and retries > 0:

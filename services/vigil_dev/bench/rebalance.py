@@ -14,7 +14,7 @@ Figures (no targets; the worker's defaults):
   committed during the revoke (``vigil_revoke_runs_finished_total``);
 - ``rebalance_runs_released``: claims handed back to run again (``vigil_claims_released_total``);
 - ``rebalance_revoke_s``: how long the revoke held the first worker's consumer, which records
-  nothing meanwhile (``vigil_worker_revoke_seconds``; the whole grace until session 25, now the
+  nothing meanwhile (``vigil_worker_revoke_seconds``; the whole grace until 468bf85, now the
   moment it takes to leave the hand-over in the ledger);
 - ``rebalance_handover_s``: the hand-over on the first worker, from the revoke until the moved
   runs were gone (``vigil_worker_handover_seconds``);
@@ -24,7 +24,7 @@ Figures (no targets; the worker's defaults):
   cancel, ``vigil_model_requests_total``) per run; two is none thrown away;
 - ``rebalance_moved_record_s``: once the hand-over has begun, new users each send a message;
   for those whose home partition moved, the seconds from produce to the ledger (median of
-  the events, min and max beside it). Since session 26 the second worker records a partition
+  the events, min and max beside it). Since c390748 the second worker records a partition
   being handed over at once; before, its takeover waited for the hand-over in its assignment
   callback and it recorded nothing until the moved runs were gone.
 
