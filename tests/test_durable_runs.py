@@ -11,7 +11,10 @@ question in flight when A died at most twice), and the run's effects commit once
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
@@ -242,3 +245,109 @@ def test_the_journal_is_kept_for_operators_when_asked(stack, topics, ledger, vig
     (call,) = [r for r in rows if r["kind"] == "call"]
     assert json.loads(call["body"])["key"] == receiver.keys[0] == f"{call['run_key']}:2"
     assert scalar(ledger, "SELECT count(*) FROM run_journal WHERE finished_at IS NULL") == 0
+    run_id = scalar(ledger, "SELECT id FROM runs")
+    shown = subprocess.run(
+        [sys.executable, "-m", "vigil", "runs", "show", str(run_id), "--json"],
+        env={**os.environ, "VIGIL_DATABASE_URL": ledger},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    out = json.loads(shown.stdout)
+    assert out["run"]["id"] == run_id and out["run_key"] == call["run_key"]
+    assert [(s["step"], s["kind"]) for s in out["steps"]] == [(1, "model"), (2, "call"), (3, "model"), (5, "model")]
+    assert out["steps"][0]["tools_called"] == ["http_request"]
+    assert out["steps"][1]["idempotency_key"] == receiver.keys[0] and out["steps"][1]["outcome"] == "ok"
+    missing = subprocess.run(
+        [sys.executable, "-m", "vigil", "runs", "show", "999999"],
+        env={**os.environ, "VIGIL_DATABASE_URL": ledger},
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 1 and "no run 999999" in missing.stderr
+
+
+@pytest.mark.partitions(4)
+def test_a_rolling_restart_under_load_gives_no_call_two_keys(stack, topics, ledger, vigil_env, spawn):
+    """Two workers with runs in flight (each a POST between two slow model answers) are replaced
+    one by one: SIGTERM with a short grace, as a deploy does. Runs cut off mid-way are replayed
+    by the next owner: every logical call reaches the receiver under one key."""
+    receiver = Receiver()
+    users = [f"roll{i:02d}" for i in range(24)]
+    rules = script(receiver.url)["rules"]
+    for rule in rules:
+        rule["delay"] = [1.0, 3.0]  # every answer slow: runs are in flight whenever a worker stops
+    with ScriptedServer({"rules": rules}) as server:
+        grace = {"VIGIL_SHUTDOWN_GRACE_S": "3", "VIGIL_REVOKE_GRACE_S": "1"}
+        procs = {}
+        for name in ("old-1", "old-2"):
+            procs[name], _ = worker(
+                spawn, vigil_env, server, receiver, name, VIGIL_WORKER_PORT=str(free_port()), **grace
+            )
+        produce(stack.bootstrap, topics.events, [chat(u, f"refund R{n}") for n, u in enumerate(users)])
+        wait_for(lambda: len(receiver.keys) >= 4, 30, "calls in flight")
+        for old, new in (("old-1", "new-1"), ("old-2", "new-2")):
+            procs[new], _ = worker(spawn, vigil_env, server, receiver, new, VIGIL_WORKER_PORT=str(free_port()), **grace)
+            time.sleep(2)
+            assert procs[old].stop(30) == 0
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox") == len(users), 120, "every run to finish")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status <> 'done'") == 0, 30)
+    receiver.close()
+    by_user: dict[str, set[str]] = {}
+    for key in receiver.keys:
+        by_user.setdefault(key.split(":")[0], set()).add(key)
+    assert set(by_user) == set(users)
+    assert all(len(keys) == 1 for keys in by_user.values()), {u: k for u, k in by_user.items() if len(k) > 1}
+    assert scalar(ledger, "SELECT count(*) FROM outbox") == len(users)
+    assert_runs_consistent(ledger)
+    assert scalar(ledger, "SELECT count(*) FROM run_journal") == 0
+    replays = sum(proc.log().count("replaying the run's journal") for proc in procs.values())
+    assert replays >= 1, "no run was cut off mid-way: the test proved nothing"
+
+
+def test_a_task_retried_after_its_holder_died_does_not_act_again(stack, topics, ledger, vigil_env, spawn):
+    """A run delegates a background task that POSTs; the worker holding the task is SIGKILLed
+    after the POST came back, while the child waits for its next answer. Another worker takes
+    the task back after VIGIL_TASK_STALE_S and replays its journal: no second POST."""
+    receiver = Receiver()
+    post = {
+        "type": "tool_use",
+        "name": "http_request",
+        "input": {"method": "POST", "url": f"{receiver.url}/tickets", "body": "{}"},
+    }
+    answer = {"when": {"system": "sub-agent", "tool_result": "http_request"}, "reply": [{"type": "text", "text": "ok"}]}
+    rules = [
+        {**answer, "times": 1, "delay": 60},  # the first holder dies waiting for this one
+        answer,
+        {"when": {"system": "sub-agent", "user_text": "open a ticket"}, "reply": [post]},
+        {"when": {"tool_result": "delegate"}, "reply": []},
+        {
+            "when": {"user_text": "please delegate"},
+            "reply": [
+                {
+                    "type": "tool_use",
+                    "name": "delegate",
+                    "input": {"instructions": "open a ticket", "mode": "background", "tools": ["http_request"]},
+                }
+            ],
+        },
+        {"reply": []},  # the task's result, when it wakes the session
+    ]
+    fast = {"VIGIL_TASK_HEARTBEAT_S": "0.5", "VIGIL_TASK_STALE_S": "2"}
+    with ScriptedServer({"rules": rules}) as server:
+        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a", **fast)
+        produce(stack.bootstrap, topics.events, [chat("tia", "please delegate")])
+        wait_for(lambda: receiver.keys, 30, "the task's POST")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
+        a.kill()
+        _, _ = worker(spawn, vigil_env, server, receiver, "worker-b", **fast)
+        wait_for(lambda: scalar(ledger, "SELECT status FROM tasks") == "succeeded", 60, "the task to succeed on B")
+        child_questions = [
+            b for b in server.requests() if "sub-agent" in json.dumps(b.get("system")) and len(b["messages"]) == 1
+        ]
+    receiver.close()
+    assert len(receiver.keys) == 1, receiver.keys
+    assert receiver.keys[0].startswith("task:"), receiver.keys
+    assert len(child_questions) == 1, "the child's first question was asked again"
+    assert scalar(ledger, "SELECT attempts FROM tasks") == 2
+    assert scalar(ledger, "SELECT count(*) FROM run_journal WHERE run_key LIKE 'task:%%'") == 0

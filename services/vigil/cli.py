@@ -20,13 +20,14 @@ from vigil.ledger import commands as ledger_commands
 from vigil.scheduler import commands as scheduler_commands
 from vigil.service import VigilGroup
 from vigil.worker import commands as worker_commands
-from vigil.worker import task_commands
+from vigil.worker import run_commands, task_commands
 
 COMMAND_MODULES = (
     ledger_commands,
     config_command,
     worker_commands,
     task_commands,
+    run_commands,
     ingest_commands,
     scheduler_commands,
     dispatcher_commands,

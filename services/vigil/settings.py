@@ -92,6 +92,13 @@ class CommonSettings(BaseSettings):
         description="`min.insync.replicas` of the topics `vigil topics` creates. Unset: 2 when "
         "replicated, 1 with VIGIL_TOPIC_REPLICATION=1.",
     )
+    run_journal_days: int = Field(
+        0,
+        ge=0,
+        le=3650,
+        description="Days a finished run's journal is kept for operators (`vigil runs show`, the console): the "
+        "worker's finish keeps it, the scheduler's pruner drops it after; 0 deletes it in the run's finish.",
+    )
     events_retention_hours: float = Field(
         DEFAULT_EVENTS_RETENTION_HOURS,
         gt=0,

@@ -42,6 +42,7 @@ from vigil.health import Readiness, dependency_checks, health_routes
 from vigil.ingest.cache import TtlCache
 from vigil.ledger import console as ledger
 from vigil.ledger import ingest as tokens
+from vigil.ledger import journal as ledger_journal
 from vigil.ledger.db import PoolTimeout
 from vigil.ledger.events import retry_dead_events
 
@@ -323,7 +324,9 @@ class Console:
             raise Refused(404, "unknown_run", f"no run {request.path_params['run_id']}")
         events = await self.read(ledger.events_by_id, r.event_ids)
         writes = (await self.read(ledger.run_writes, [r]))[r.id]
-        return self.page(request, "run.html", r=r, events=events, w=writes)
+        # Its journal, when VIGIL_RUN_JOURNAL_DAYS keeps finished ones (docs/worker.md).
+        steps = await self.read(ledger_journal.steps, f"{r.user_id}:{min(r.event_ids)}") if r.event_ids else []
+        return self.page(request, "run.html", r=r, events=events, w=writes, steps=[s.view() for s in steps])
 
     async def delivery(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)

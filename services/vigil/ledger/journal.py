@@ -23,6 +23,7 @@ The rules:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -95,6 +96,28 @@ class StepRow:
     outcome_at: datetime | None
     finished_at: datetime | None
 
+    def view(self) -> dict:
+        """The step as operators read it: a model turn's tools called, tokens and duration; a
+        call's tool, key and outcome (``in doubt`` while it has none)."""
+        body = json.loads(self.body)
+        out = {"run_key": self.run_key, "step": self.step, "kind": self.kind, "epoch": self.epoch}
+        out |= {"attempt": self.attempt, "recorded_at": self.recorded_at.isoformat()}
+        if self.kind == "model":
+            usage = body.get("usage") or {}
+            out["tools_called"] = [b.get("name") for b in body.get("content", []) if b.get("type") == "tool_use"]
+            out["text"] = " ".join(b.get("text", "") for b in body.get("content", []) if b.get("type") == "text")[:500]
+            out["input_tokens"] = usage.get("input_tokens", 0)
+            out["output_tokens"] = usage.get("output_tokens", 0)
+            out["cache_read_tokens"] = usage.get("cache_read_input_tokens", 0)
+            out["duration_ms"] = body.get("ms")
+            out["folded_event_ids"] = body.get("folded", [])
+        else:
+            outcome = json.loads(self.outcome) if self.outcome else None
+            out |= {"tool": body.get("name"), "idempotency_key": body.get("key")}
+            out["outcome"] = "in doubt" if outcome is None else ("error" if outcome.get("is_error") else "ok")
+            out["result"] = (outcome or {}).get("text", "")[:500]
+        return out
+
 
 async def live_many_cursor(conn: psycopg.AsyncConnection, user_ids: list[str]) -> psycopg.AsyncCursor:
     """The statement reading these users' live journals (for a caller's pipeline); read the
@@ -162,9 +185,10 @@ async def finish_task(conn: psycopg.AsyncConnection, run_key: str, *, keep: bool
     await conn.execute(Q.journal_finish_task, {"run_key": run_key, "keep": keep})
 
 
-def steps(conn: psycopg.Connection, run_key: str) -> list[StepRow]:
-    """A run's steps, live or kept, for operators."""
-    rows = conn.execute(Q.journal_steps, {"run_key": run_key}).fetchall()
+def steps(conn: psycopg.Connection, run_key: str, limit: int = 1000) -> list[StepRow]:
+    """A run's steps, live or kept, for operators (``run_key``: ``<user>:<first event id>``)."""
+    user_id = run_key.rpartition(":")[0]
+    rows = conn.execute(Q.journal_steps, {"run_key": run_key, "user_id": user_id, "limit": limit}).fetchall()
     return [StepRow(**row) for row in rows]
 
 

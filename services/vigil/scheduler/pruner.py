@@ -15,6 +15,7 @@ import time
 
 import psycopg
 
+from vigil.ledger import journal as ledger_journal
 from vigil.ledger.db import connect
 from vigil.ledger.retention import DEFAULT_DEDUP_WINDOW_DAYS, ensure_partitions, prune
 from vigil.scheduler import metrics
@@ -33,7 +34,12 @@ def start_pruner(settings: SchedulerSettings, stopping: threading.Event) -> Prun
             metrics.PRUNED.labels(table).inc(n)
 
     return Pruner(
-        settings.dsn, settings.retention_days, stopping, on_pruned=pruned, dedup_window_days=settings.dedup_window_days
+        settings.dsn,
+        settings.retention_days,
+        stopping,
+        on_pruned=pruned,
+        dedup_window_days=settings.dedup_window_days,
+        journal_days=settings.run_journal_days,
     ).start()
 
 
@@ -49,10 +55,12 @@ class Pruner:
         on_pruned=lambda counts: None,
         interval_s: float = PRUNE_INTERVAL_S,
         dedup_window_days: float = DEFAULT_DEDUP_WINDOW_DAYS,
+        journal_days: int = 0,
     ):
         self.dsn, self.retention_days, self.stopping = dsn, retention_days, stopping
         self.on_pruned, self.interval_s = on_pruned, interval_s
         self.dedup_window_days = dedup_window_days
+        self.journal_days = journal_days
         self.thread = threading.Thread(target=self._loop, name="retention", daemon=True)
 
     def start(self) -> Pruner:
@@ -70,6 +78,11 @@ class Pruner:
                     else:
                         ensure_partitions(conn)
                         counts = {}
+                    # Whatever the events' retention: kept journals past their days, and live
+                    # ones their runs abandoned (their events died) past the dedup window.
+                    counts["run_journal"] = ledger_journal.prune(
+                        conn, keep_days=self.journal_days, live_days=max(1, round(self.dedup_window_days))
+                    )
                 self.on_pruned(counts)
                 if any(counts.values()):
                     log.info(

@@ -172,13 +172,6 @@ class WorkerSettings(CommonSettings):
         "taken over after a crash, a deploy's stop or a rebalance replays them instead of asking and acting again "
         '(docs/worker.md, "Durable runs"). Off: a retried run starts over.',
     )
-    run_journal_days: int = Field(
-        0,
-        ge=0,
-        le=3650,
-        description="Days a finished run's journal is kept for operators (`vigil runs show`, the console); "
-        "0 deletes it in the run's finish.",
-    )
     task_stale_s: float = Field(
         30.0,
         gt=0,

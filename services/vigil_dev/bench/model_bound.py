@@ -255,15 +255,52 @@ def model_bound(stack: BenchStack, plan: Plan, report: Report) -> None:
             load.BenchProducer(stack.bootstrap, topics.events) as producer,
             psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn,
         ):
+            mark = conn.execute(M.model_bound_journal_mark).fetchone()
             producer.blast(messages)
             wait_finished(conn, size.users, workers, servers, lambda: rss.append((time.time(), rss_mb(worker.pid))))
             cpu = cpu_seconds(worker.pid) - cpu_before
             server_cpu = servers.cpu_seconds() - server_before
             runs = conn.execute(M.model_bound_runs).fetchall()
             failed = conn.execute(M.model_bound_not_messaged).fetchone()["n"]
+            journal = _journal_cost(conn, mark)
     if failed:
         raise RuntimeError(f"{failed} of {len(runs)} runs did not end with their message")
     _figures(report, size, runs, cpu, server_cpu, rss, idle_per_s)
+    rows, wal = journal
+    report.add(
+        Figure(
+            "model_bound_journal_rows_per_run",
+            [rows / len(runs)],
+            per="run",
+            note='journal steps appended per run (docs/worker.md, "Durable runs"): one per model answer',
+        )
+    )
+    if wal is not None:
+        report.add(
+            Figure(
+                "model_bound_journal_wal_bytes_per_run",
+                [wal / len(runs)],
+                per="run",
+                note="WAL of the records touching run_journal and its indexes (appends and the finishes' deletes),"
+                " read back with pg_walinspect",
+            )
+        )
+
+
+STATS_FLUSH_S = 2.0
+
+
+def _journal_cost(conn, mark: dict) -> tuple[int, int | None]:
+    """The journal's rows appended since ``mark`` and their WAL (None without pg_walinspect)."""
+    time.sleep(STATS_FLUSH_S)  # backends report their row counts at most once a second
+    now = conn.execute(M.model_bound_journal_mark).fetchone()
+    rows = now["rows"] - mark["rows"]
+    try:
+        conn.execute(M.model_bound_journal_walinspect)
+        wal = conn.execute(M.model_bound_journal_wal, {"since": mark["lsn"], "until": now["lsn"]}).fetchone()["bytes"]
+    except psycopg.Error:
+        wal = None
+    return rows, wal
 
 
 def _figures(

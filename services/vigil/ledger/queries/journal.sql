@@ -77,12 +77,13 @@ USING (SELECT 1 FROM partitions p
 WHERE j.run_key = %(run_key)s AND j.finished_at IS NULL
 
 -- name: journal_steps
--- A run's steps for operators (`vigil runs show`, the console's run page): live or kept.
+-- A run's steps for operators (`vigil runs show`, the console's run page), live or kept: its key's, and those of a later attempt that started over under <key>~<attempt>.
 SELECT j.run_key, j.step, j.kind, j.user_id, j.epoch, j.attempt, j.body::text AS body, j.outcome::text AS outcome,
        j.recorded_at, j.outcome_at, j.finished_at
 FROM run_journal j
-WHERE j.run_key = %(run_key)s
-ORDER BY j.step
+WHERE j.user_id = %(user_id)s AND (j.run_key = %(run_key)s OR starts_with(j.run_key, %(run_key)s || '~'))
+ORDER BY j.run_key, j.step
+LIMIT %(limit)s
 
 -- name: journal_prune
 -- Retention: kept journals past VIGIL_RUN_JOURNAL_DAYS, and live ones left by runs whose events ended otherwise (dead) and older than the dedup window.

@@ -1,0 +1,64 @@
+"""`vigil runs show RUN`: a run and its journaled steps, for operators (docs/worker.md,
+"Durable runs").
+
+RUN is a ``runs`` row id (a finished run) or a run key, ``<user>:<first event id>`` (a run in
+flight has only its key: its journal is live until its finish). Steps of finished runs are
+there while ``VIGIL_RUN_JOURNAL_DAYS`` keeps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+
+from vigil.cliutil import table
+from vigil.ledger import console as ledger_console
+from vigil.ledger import journal as ledger_journal
+from vigil.ledger.cli import cli_connection
+
+COLUMNS = ["step", "kind", "what", "epoch", "attempt", "recorded_at"]
+
+
+@click.group()
+def runs() -> None:
+    """Runs and their journaled steps."""
+
+
+@runs.command("show")
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True, help="The run and its steps as one JSON object.")
+def runs_show(run: str, as_json: bool) -> None:
+    """A run (by id or key) and its steps. Exit 1 when there is no such run."""
+    with cli_connection() as conn:
+        record = ledger_console.run(conn, int(run)) if run.isdigit() else None
+        if run.isdigit() and record is None:
+            raise click.ClickException(f"no run {run}")
+        key = f"{record.user_id}:{min(record.event_ids)}" if record is not None else run
+        steps = [s.view() for s in ledger_journal.steps(conn, key)]
+    if record is None and not steps:
+        raise click.ClickException(f"no run {run} (no runs row, and no journal under that key)")
+    out = {"run_key": key, "run": dataclasses.asdict(record) if record else None, "steps": steps}
+    if as_json:
+        click.echo(json.dumps(out, default=str))
+        return
+    if record is not None:
+        click.echo(f"run {record.id}: {record.user_id}, {record.outcome}, {record.turns} model turns, key {key}")
+    else:
+        click.echo(f"run {key}: in flight (no finish yet)")
+    rows = [
+        {
+            **s,
+            "what": (
+                f"{', '.join(s['tools_called']) or s['text'][:40]} ({s['input_tokens']}+{s['output_tokens']} tokens)"
+                if s["kind"] == "model"
+                else f"{s['tool']} {s['idempotency_key']}: {s['outcome']}"
+            ),
+        }
+        for s in steps
+    ]
+    table(rows, COLUMNS)
+
+
+commands = [runs]

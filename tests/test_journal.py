@@ -1,0 +1,192 @@
+"""The run journal's ledger rules without processes (vigil.ledger.journal): appends fenced by
+the claim's epoch and by a task's lease, a takeover that waits for an append in flight, the
+finish and the pruner ending journals, and a replay that takes the journal up exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from support import query, scalar
+from vigil.agent.journal import Journal
+from vigil.agent.tools import ToolOutput
+from vigil.ledger import journal as ledger_journal
+from vigil.ledger.partitions import PartitionKey, take_over
+
+HOME = PartitionKey("events", 0)
+
+
+def setup(ledger: str) -> None:
+    query(ledger, "INSERT INTO partitions (topic, partition, epoch) VALUES ('events', 0, 1)")
+
+
+async def aconn(ledger: str) -> psycopg.AsyncConnection:
+    return await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row)
+
+
+def fence(epoch: int = 1) -> ledger_journal.RunFence:
+    return ledger_journal.RunFence(HOME, epoch, "ann", 1)
+
+
+def test_a_stale_epoch_appends_nothing_and_records_no_outcome(ledger):
+    setup(ledger)
+
+    async def go():
+        conn = await aconn(ledger)
+        await ledger_journal.append(conn, fence(), run_key="ann:1", step=1, kind="call", body='{"name":"x"}')
+        with psycopg.connect(ledger, autocommit=True, row_factory=dict_row) as other:
+            assert take_over(other, HOME, "worker-b") == 2
+        with pytest.raises(ledger_journal.Fenced):
+            await ledger_journal.outcome(conn, fence(), run_key="ann:1", step=1, outcome='{"text":"ok"}')
+        with pytest.raises(ledger_journal.Fenced):
+            await ledger_journal.append(conn, fence(), run_key="ann:1", step=2, kind="model", body="{}")
+        # The new owner appends under its epoch; a step already there is refused, not replaced.
+        await ledger_journal.outcome(conn, fence(2), run_key="ann:1", step=1, outcome='{"text":"ok"}')
+        with pytest.raises(ledger_journal.Fenced):
+            await ledger_journal.append(conn, fence(2), run_key="ann:1", step=1, kind="call", body="{}")
+        await conn.close()
+
+    asyncio.run(go())
+    rows = query(ledger, "SELECT step, epoch, outcome::text AS outcome FROM run_journal")
+    assert rows == [{"step": 1, "epoch": 1, "outcome": '{"text":"ok"}'}]
+
+
+def test_a_takeover_waits_for_an_append_in_flight(ledger):
+    """The append holds the partition row FOR SHARE to commit: the takeover's epoch bump waits,
+    so the next owner reads every step the old one managed to append."""
+    setup(ledger)
+    with psycopg.connect(ledger, row_factory=dict_row) as conn:  # a transaction held open
+        conn.execute(
+            "INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body)"
+            " SELECT 'ann:1', 1, 'model', 'ann', p.epoch, 1, '{}' FROM partitions p WHERE p.epoch = 1 FOR SHARE OF p"
+        )
+        took: list[float] = []
+
+        def takeover():
+            with psycopg.connect(ledger, autocommit=True, row_factory=dict_row) as other:
+                began = time.monotonic()
+                take_over(other, HOME, "worker-b")
+                took.append(time.monotonic() - began)
+
+        thread = threading.Thread(target=takeover)
+        thread.start()
+        time.sleep(0.5)
+        assert not took, "the takeover did not wait for the append"
+        conn.commit()
+        thread.join(10)
+    assert took and took[0] >= 0.4
+
+
+def test_a_task_append_is_fenced_by_its_lease(ledger):
+    query(
+        ledger,
+        "INSERT INTO tasks (id, user_id, parent_run_key, depth, owner_chain, instructions, token_budget, status,"
+        " attempts, max_attempts, lease_holder, lease_epoch, heartbeat_at, deadline)"
+        " VALUES ('tsk_1', 'ann', 'ann:1', 1, '{ann}', 'do it', 1000, 'running', 1, 3, 'w1', 4, now(),"
+        " now() + interval '1 hour')",
+    )
+
+    async def go():
+        conn = await aconn(ledger)
+        await ledger_journal.append(
+            conn, ledger_journal.TaskFence("tsk_1", 4), run_key="task:tsk_1", step=1, kind="model", body="{}"
+        )
+        with pytest.raises(ledger_journal.Fenced):
+            await ledger_journal.append(
+                conn, ledger_journal.TaskFence("tsk_1", 3), run_key="task:tsk_1", step=2, kind="model", body="{}"
+            )
+        steps = await ledger_journal.live_task(conn, "task:tsk_1")
+        await conn.close()
+        return steps
+
+    assert [s.step for s in asyncio.run(go())] == [1]
+
+
+class Recording:
+    """A writer that keeps what the journal would append (the agent side, no ledger)."""
+
+    def __init__(self):
+        self.rows: dict[int, list] = {}
+
+    async def append(self, step, kind, body):
+        self.rows[step] = [kind, body, None]
+
+    async def outcome(self, step, outcome):
+        self.rows[step][2] = outcome
+
+    def steps(self):
+        return [ledger_journal.Step(n, kind, body, out) for n, (kind, body, out) in sorted(self.rows.items())]
+
+
+def test_an_action_call_runs_once_and_in_doubt_again_with_its_key():
+    calls: list[str] = []
+
+    async def act(key):
+        calls.append(key)
+        return ToolOutput("done")
+
+    async def go():
+        first = Recording()
+        journal = Journal("ann:7", first)
+        step = journal.take()
+        assert (await journal.action(step, "refund", {"a": 1}, act)).text == "done"
+        # Replayed with the outcome recorded: not run again.
+        again = Journal.of("ann:7", Recording(), first.steps())
+        assert (await again.action(again.take(), "refund", {"a": 1}, act)).text == "done"
+        # In doubt (the intent without its outcome): run again, with the same key.
+        first.rows[step][2] = None
+        doubt = Journal.of("ann:7", first, first.steps())
+        await doubt.action(doubt.take(), "refund", {"a": 1}, act)
+        assert first.rows[step][2] is not None, "the repeated call's outcome is recorded"
+
+    asyncio.run(go())
+    assert calls == ["ann:7:1", "ann:7:1"]
+
+
+def test_the_finish_and_the_pruner_end_journals(ledger):
+    setup(ledger)
+    for key, user in (("ann:1", "ann"), ("bob:2", "bob")):
+        query(
+            ledger,
+            "INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body) VALUES (%s, 1, 'model', %s,"
+            " 1, 1, '{}')",
+            (key, user),
+        )
+
+    async def go():
+        conn = await aconn(ledger)
+        await ledger_journal.finish_users(conn, ["ann"], keep=False)
+        await ledger_journal.finish_users(conn, ["bob"], keep=True)
+        await conn.close()
+
+    asyncio.run(go())
+    assert query(ledger, "SELECT run_key, finished_at IS NOT NULL AS kept FROM run_journal") == [
+        {"run_key": "bob:2", "kept": True}
+    ]
+    query(ledger, "UPDATE run_journal SET finished_at = now() - interval '3 days'")
+    with psycopg.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+        assert ledger_journal.prune(conn, keep_days=5, live_days=7) == 0
+        assert ledger_journal.prune(conn, keep_days=2, live_days=7) == 1
+    assert scalar(ledger, "SELECT count(*) FROM run_journal") == 0
+
+
+def test_steps_read_back_keep_their_bytes(ledger):
+    """json, not jsonb: a replayed answer is the same text, key order included."""
+    setup(ledger)
+    body = json.dumps({"content": [{"type": "text", "text": "é"}], "z": 1, "a": 2}, ensure_ascii=False)
+
+    async def go():
+        conn = await aconn(ledger)
+        await ledger_journal.append(conn, fence(), run_key="ann:1", step=1, kind="model", body=body)
+        cur = await ledger_journal.live_many_cursor(conn, ["ann"])
+        live = await ledger_journal.live_from(cur)
+        await conn.close()
+        return live
+
+    assert asyncio.run(go())["ann"].steps[0].body == body
