@@ -11,6 +11,7 @@ import pytest
 
 from support import query, scalar, wait_for
 from vigil.health import DatabaseCheck, HealthServer, Readiness, dependency_checks
+from vigil.service import EXIT_LOOP_DIED
 from vigil.settings import CommonSettings
 from vigil_dev.devstack import free_port
 from worker_support import FAST, chat, produce
@@ -109,3 +110,27 @@ def test_sigterm_lets_a_short_run_finish_instead_of_redoing_it(stack, topics, le
     assert took < 14 + 3, took
     row = query(ledger, "SELECT status, attempts FROM events WHERE user_id = 'slowpoke'")[0]
     assert (row["status"], row["attempts"]) == ("done", 1)
+
+
+# -- a loop that dies takes its process down with a non-zero status -------------------------
+# Kubernetes shows a process that exits 0 as Completed, not as an error: a service whose loop
+# died of something it does not retry must say so in its exit status.
+
+
+@pytest.mark.partitions(1)
+def test_a_worker_whose_claim_loop_dies_exits_non_zero(stack, topics, ledger, vigil_env, spawn):
+    """An event out of attempts is copied to the dead-letter topic by the claim pass, its
+    encoder asking the schema registry; a registry that does not answer is nothing the claim
+    loop retries (it retries the ledger's errors and the network's), so the loop dies."""
+    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('stuck', %s, 0)", (topics.events,))
+    query(
+        ledger,
+        "INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts)"
+        " VALUES ('stuck', 'chat', 'stuck-1', 'chat.message', '{}', now(), 'pending', 3)",
+    )
+    env = worker_env(vigil_env, free_port(), VIGIL_SCHEMA_REGISTRY_URL=f"http://127.0.0.1:{free_port()}")
+    worker = spawn(["worker"], env, name="w")
+    code = worker.proc.wait(90)
+    assert code == EXIT_LOOP_DIED, worker.log()[-3000:]
+    assert "claim-loop died" in worker.log()
+    assert scalar(ledger, "SELECT status FROM events WHERE user_id = 'stuck'") == "dead"
