@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from dispatcher_support import add_message, add_users
 from support import query, scalar, wait_for
 from vigil.health import DatabaseCheck, HealthServer, Readiness, dependency_checks
 from vigil.service import EXIT_LOOP_DIED
@@ -134,3 +135,17 @@ def test_a_worker_whose_claim_loop_dies_exits_non_zero(stack, topics, ledger, vi
     assert code == EXIT_LOOP_DIED, worker.log()[-3000:]
     assert "claim-loop died" in worker.log()
     assert scalar(ledger, "SELECT status FROM events WHERE user_id = 'stuck'") == "dead"
+
+
+def test_a_dispatcher_whose_loop_dies_exits_non_zero(ledger, vigil_env, spawn):
+    """A user whose last delivery is dated in year 9999 (a planted row) holds an urgent
+    message past the urgent cap: the moment to look at the user again is past the last date
+    Python can hold. Nothing the loop retries (it retries the ledger's errors), so it dies."""
+    add_users(ledger, ["far-future"])
+    query(ledger, "UPDATE users SET last_delivery_at = '9999-12-31 23:00:00+00'")
+    add_message(ledger, "far-future", "urgent, but the cap is used up", urgent=True)
+    env = {**vigil_env, "VIGIL_URGENT_DAILY_CAP": "0", "VIGIL_DISPATCHER_POLL_INTERVAL_S": "0.1"}
+    dispatcher = spawn(["dispatcher"], env, name="d")
+    code = dispatcher.proc.wait(60)
+    assert code == EXIT_LOOP_DIED, dispatcher.log()[-3000:]
+    assert "delivery loop died" in dispatcher.log()
