@@ -4,6 +4,7 @@ shutdown that fits the pod's termination grace."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from dispatcher_support import add_message, add_users
 from support import query, scalar, wait_for
 from vigil.health import DatabaseCheck, HealthServer, Readiness, dependency_checks
+from vigil.scheduler.pruner import Pruner
 from vigil.service import EXIT_LOOP_DIED
 from vigil.settings import CommonSettings
 from vigil_dev.devstack import free_port
@@ -149,3 +151,22 @@ def test_a_dispatcher_whose_loop_dies_exits_non_zero(ledger, vigil_env, spawn):
     code = dispatcher.proc.wait(60)
     assert code == EXIT_LOOP_DIED, dispatcher.log()[-3000:]
     assert "delivery loop died" in dispatcher.log()
+
+
+def test_a_scheduler_whose_pruner_dies_stops_and_says_so(ledger):
+    """The scheduler's timer loop retries whatever fails (a pass rolls back whole, the next one
+    tries again). Its pruner retries ledger errors at the next interval; anything else used to
+    end its thread silently, the scheduler carrying on healthy-looking with no partition made
+    ahead. Now it stops the scheduler, and ``serve`` returns ``EXIT_LOOP_DIED`` for it. No row or
+    setting makes a prune raise anything but a ledger error, so here the pruner's own callback
+    (its metrics) does."""
+
+    def broken_metrics(_counts):
+        raise RuntimeError("the counters are gone")
+
+    stopping = threading.Event()
+    pruner = Pruner(ledger, 0, stopping, on_pruned=broken_metrics).start()
+    assert stopping.wait(30), "the pruner's death did not stop the scheduler"
+    pruner.thread.join(5)
+    assert not pruner.thread.is_alive()
+    assert isinstance(pruner.error, RuntimeError)
