@@ -69,6 +69,7 @@ def test_ledger_on_a_closed_port_is_one_line_and_exit_3(args):
 
 
 @pytest.mark.slow
+@pytest.mark.stack  # starts a PostgreSQL server of its own
 def test_ledger_really_stopped_is_one_line_and_exit_3():
     """A PostgreSQL server that ran and was stopped, not a port that never had one."""
     root = Path(tempfile.mkdtemp(prefix="vigil-stopped-pg-"))
