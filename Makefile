@@ -38,6 +38,10 @@ test: lint tools ## Run the linter, then every test (starts its own Kafka and Po
 	@bash deploy/tools/build-prometheus.sh >/dev/null  # promtool + prometheus, built once per machine
 	$(BIN)/pytest -q
 
+test-fast: $(STAMP) tools ## The tests that start no Kafka and no PostgreSQL (pytest -m "not stack"), under two minutes
+	@bash deploy/tools/build-prometheus.sh >/dev/null  # promtool + prometheus, built once per machine
+	$(BIN)/pytest -q -m "not stack"
+
 lint: $(STAMP) ## ruff: lint and check formatting (settings in pyproject.toml)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -186,3 +186,17 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "partitions(n): partition count of the test's events topic")
+    config.addinivalue_line(
+        "markers",
+        "stack: uses a Kafka broker or PostgreSQL: the session's (set from the test's fixtures) or its own (by hand)",
+    )
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every test whose fixtures reach the session's stack, so that ``-m "not stack"``
+    (``make test-fast``) runs the tests that start no broker and no database. Read from the
+    fixtures, not written by hand, so the mark follows what a test really uses; the few tests
+    that start a broker or a database of their own carry the mark by hand."""
+    for item in items:
+        if "stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.stack)

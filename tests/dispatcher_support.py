@@ -193,6 +193,31 @@ def in_process_dispatcher(dsn: str, clock, log_stream=None, **overrides):
     return Dispatcher(settings, clock, channels)
 
 
+def one_pass(d) -> int:
+    """One claim, its sends and their outcomes, driven through the dispatcher's parts (the
+    loop overlaps these; a test wants them one after the other). Returns the deliveries
+    attempted. First what earlier sends could not record; then a claim of the sweep's next
+    users (wrapping to the first user), the sends, and every outcome recorded as it arrives.
+    A ledger error while recording is raised once every send has finished: their outcomes
+    wait in the recorder for the reconnect, as in the loop."""
+    d.recorder.settle_left_over()
+    claimed, closed_sweep = d.chooser.claim_due(d.limits.batch_users, sweep=True)
+    d.sender.start(claimed.deliveries, closed_sweep)
+    failed: psycopg.Error | None = None
+    while d.sender.in_flight:
+        d.sender.collect(None)
+        if failed is None:
+            try:
+                d.recorder.settle()
+                d.sender.finish_passes()
+            except psycopg.Error as exc:
+                failed = exc  # the other sends still finish
+    if failed is not None:
+        raise failed
+    d.sender.finish_passes()
+    return len(claimed.deliveries)
+
+
 def sample(name: str, labels: dict[str, str] | None = None) -> float:
     """A metric's current value in this process (0 if never set)."""
     from prometheus_client import REGISTRY

@@ -16,6 +16,7 @@ SUMMARY = re.compile(
 )
 
 
+@pytest.mark.stack  # starts a stack of its own
 @pytest.mark.timeout(420)
 def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
     args = [

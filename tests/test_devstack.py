@@ -20,6 +20,7 @@ from vigil_dev.devstack import http_ok
 
 
 @pytest.mark.slow
+@pytest.mark.stack  # starts a stack of its own
 def test_dev_up_twice_then_down_leaves_nothing_running():
     root = Path(tempfile.mkdtemp(prefix="vigil-devstack-"))
     os.chmod(root, 0o755)

@@ -17,6 +17,7 @@ from dispatcher_support import (
     add_message,
     add_webhook_users,
     in_process_dispatcher,
+    one_pass,
     sample,
     standard_webhooks_valid,
 )
@@ -64,13 +65,13 @@ def test_source_scenario_three_updates_in_an_hour_make_two_deliveries(ledger, re
     secret = add_webhook_users(ledger, ["ana"], receiver.url)["ana"]
     for n, minute in enumerate((0, 10, 20)):
         add_message(ledger, "ana", f"update {n}", created_at=at(clock, minute))
-        d.run_pass()
+        one_pass(d)
     at(clock, 59.99)
-    d.run_pass()
+    one_pass(d)
     assert [r.bodies for r in receiver.got()] == [["update 0"]], "only update 0 inside the first hour"
 
     at(clock, 61)
-    d.run_pass()
+    one_pass(d)
     got = receiver.got()
     assert [r.bodies for r in got] == [["update 0"], ["update 1", "update 2"]]
     assert got[1].data["text"] == "update 1\n\nupdate 2"
@@ -92,11 +93,11 @@ def test_urgent_inside_the_gap_goes_at_once_with_what_was_held_and_restarts_the_
     add_webhook_users(ledger, ["ana"], receiver.url)
     bypasses = sample("vigil_urgent_bypasses_total")
     add_message(ledger, "ana", "morning summary", created_at=at(clock, 0))
-    d.run_pass()
+    one_pass(d)
     add_message(ledger, "ana", "held note", created_at=at(clock, 2))
-    d.run_pass()
+    one_pass(d)
     add_message(ledger, "ana", "the build is red", urgent=True, created_at=at(clock, 5))
-    d.run_pass()
+    one_pass(d)
     got = receiver.got()
     assert [r.bodies for r in got] == [["morning summary"], ["held note", "the build is red"]]
     assert got[1].data["urgent"] is True
@@ -105,10 +106,10 @@ def test_urgent_inside_the_gap_goes_at_once_with_what_was_held_and_restarts_the_
     # The urgent delivery at minute 5 restarted the gap: the next waits until minute 65.
     add_message(ledger, "ana", "fyi", created_at=at(clock, 6))
     at(clock, 64)
-    d.run_pass()
+    one_pass(d)
     assert len(receiver.got()) == 2
     at(clock, 65)
-    d.run_pass()
+    one_pass(d)
     assert [r.bodies for r in receiver.got()][2] == ["fyi"]
 
 
@@ -119,16 +120,16 @@ def test_urgent_daily_cap_makes_urgent_messages_wait_like_others_until_the_next_
     with psycopg.connect(ledger) as conn:  # the operator's per-user cap wins over the default
         conn.execute("UPDATE channels SET urgent_daily_cap = 1 WHERE user_id = 'ana'")
     add_message(ledger, "ana", "hello", created_at=at(clock, 0))
-    d.run_pass()
+    one_pass(d)
     add_message(ledger, "ana", "urgent one", urgent=True, created_at=at(clock, 5))
-    d.run_pass()
+    one_pass(d)
     add_message(ledger, "ana", "urgent two", urgent=True, created_at=at(clock, 10))
-    d.run_pass()
+    one_pass(d)
     at(clock, 64)
-    d.run_pass()
+    one_pass(d)
     assert [r.bodies for r in receiver.got()] == [["hello"], ["urgent one"]], "the cap of 1 is used up"
     at(clock, 65)
-    d.run_pass()
+    one_pass(d)
     assert [r.bodies for r in receiver.got()][2] == ["urgent two"]
     assert query(ledger, "SELECT urgent_day, urgent_count FROM users")[0] == {
         "urgent_day": T0.date(),
@@ -138,11 +139,11 @@ def test_urgent_daily_cap_makes_urgent_messages_wait_like_others_until_the_next_
     # A new UTC day: the cap starts over.
     next_day = T0 + timedelta(days=1)
     clock.set(next_day.timestamp())
-    d.run_pass()
+    one_pass(d)
     add_message(ledger, "ana", "plain", created_at=utc(clock.now()))
-    d.run_pass()
+    one_pass(d)
     add_message(ledger, "ana", "urgent three", urgent=True, created_at=at(clock, 24 * 60 + 1))
-    d.run_pass()
+    one_pass(d)
     assert [r.bodies for r in receiver.got()][-2:] == [["plain"], ["urgent three"]]
 
 
@@ -151,15 +152,15 @@ def test_an_approval_question_past_the_urgent_cap_is_not_held_beyond_its_deadlin
     d = dispatch(clock, outbox_gap=3600, urgent_daily_cap=0)  # no urgent bypass at all today
     add_webhook_users(ledger, ["ana"], receiver.url)
     add_message(ledger, "ana", "hello", created_at=at(clock, 0))
-    d.run_pass()
+    one_pass(d)
     add_message(ledger, "ana", "urgent news", urgent=True, created_at=at(clock, 5))
-    d.run_pass()
+    one_pass(d)
     assert len(receiver.got()) == 1, "an ordinary urgent message waits for the gap"
     # The question's deadline (as the worker's finish stores it) is inside the gap.
     question = add_message(ledger, "ana", "Approval needed: refund", urgent=True, created_at=at(clock, 10))
     with psycopg.connect(ledger) as conn:
         conn.execute("UPDATE outbox SET deadline = %s WHERE id = %s", (T0 + timedelta(minutes=40), question))
-    d.run_pass()
+    one_pass(d)
     assert [r.bodies for r in receiver.got()][1] == ["urgent news", "Approval needed: refund"]
     assert scalar(ledger, "SELECT urgent_count FROM users") == 1  # it still counts against the cap
 
@@ -183,18 +184,18 @@ def test_503_then_200_is_delivered_after_recovery_with_retries_counted_and_retry
     retries = sample("vigil_delivery_retries_total", {"channel": "webhook", "reason": "failed"})
     delivered = sample("vigil_deliveries_total", {"channel": "webhook", "result": "delivered"})
 
-    d.run_pass()
+    one_pass(d)
     row = query(ledger, "SELECT status, attempts, next_attempt_at, error FROM outbox")[0]
     assert (row["status"], row["attempts"], row["error"]) == ("pending", 1, "HTTP 503")
     # Retry-After (120 s) beats the 30 s backoff.
     assert row["next_attempt_at"] >= T0 + timedelta(seconds=120)
     clock.set((T0 + timedelta(seconds=119)).timestamp())
-    d.run_pass()
+    one_pass(d)
     assert len(receiver.got()) == 1, "no attempt before Retry-After has passed"
 
     for _ in range(3):
         clock.advance(700)  # past any backoff up to the cap
-        d.run_pass()
+        one_pass(d)
     got = receiver.got()
     assert len(got) == 4
     assert len({r.id for r in got}) == 1 and len({r.body for r in got}) == 1, "every attempt is the same delivery"
@@ -214,9 +215,9 @@ def test_410_is_dead_at_once_kept_and_listed(ledger, receiver, dispatch):
     dead = sample("vigil_dead_deliveries_total", {"channel": "webhook", "reason": "rejected"})
     add_message(ledger, "gone", "are you there?", created_at=T0)
     add_message(ledger, "fine", "hello", created_at=T0)
-    d.run_pass()
+    one_pass(d)
     clock.advance(86_400)
-    d.run_pass()
+    one_pass(d)
     assert sorted(r.path for r in receiver.got()) == ["/gone", "/hook"], "a 410 is never retried"
     row = query(
         ledger, "SELECT status, attempts, error, dead_at, delivery_id::text AS d FROM outbox WHERE user_id = 'gone'"
@@ -245,11 +246,11 @@ def test_failures_up_to_max_attempts_end_dead_and_timeouts_are_retried(ledger, r
     add_message(ledger, "ana", "one", created_at=T0)
     add_message(ledger, "slow", "two", created_at=T0)
     exhausted = sample("vigil_dead_deliveries_total", {"channel": "webhook", "reason": "exhausted"})
-    d.run_pass()
+    one_pass(d)
     assert query(ledger, "SELECT error FROM outbox WHERE user_id = 'slow'")[0]["error"] == "no answer within 0.3s"
     for _ in range(4):
         clock.advance(120)
-        d.run_pass()
+        one_pass(d)
     rows = query(ledger, "SELECT user_id, status, attempts, error FROM outbox ORDER BY user_id")
     assert [(r["user_id"], r["status"], r["attempts"]) for r in rows] == [("ana", "dead", 3), ("slow", "dead", 3)]
     assert rows[0]["error"] == "HTTP 500; dead after 3 attempts"
@@ -266,15 +267,15 @@ def test_a_send_whose_dispatcher_vanished_goes_again_under_its_id_after_the_leas
     # A dispatcher claims and dies before sending anything (its claim is committed).
     first = claim(d.conn, utc(clock.now()), d.limits).deliveries[0]
     clock.advance(299)
-    assert d.run_pass() == 0, "the lease still stands"
+    assert one_pass(d) == 0, "the lease still stands"
     clock.advance(2)
-    assert d.run_pass() == 1
+    assert one_pass(d) == 1
     got = receiver.got()
     assert [r.id for r in got] == [str(first.delivery_id)]
     assert sample("vigil_delivery_retries_total", {"channel": "webhook", "reason": "lost"}) == lost + 1
     # The vanished dispatcher comes back and reports its attempt 1: too late, it is superseded.
     superseded = sample("vigil_delivery_superseded_total", {"channel": "webhook"})
-    d.record(first, Outcome(Result.DELIVERED))
+    d.recorder.record(first, Outcome(Result.DELIVERED))
     assert sample("vigil_delivery_superseded_total", {"channel": "webhook"}) == superseded + 1
     assert query(ledger, "SELECT status, attempts FROM outbox")[0] == {"status": "delivered", "attempts": 2}
 
@@ -293,14 +294,12 @@ def test_outcomes_that_arrive_together_are_recorded_together_each_fenced_by_its_
     query(ledger, "UPDATE outbox SET attempts = 2 WHERE user_id = 'bo'")
     superseded = sample("vigil_delivery_superseded_total", {"channel": "webhook"})
     delivered = sample("vigil_deliveries_total", {"channel": "webhook", "result": "delivered"})
-    d._unrecorded = [
-        (deliveries["ana"], Outcome(Result.DELIVERED)),
-        (deliveries["bo"], Outcome(Result.DELIVERED)),
-        (deliveries["cy"], Outcome(Result.DELIVERED)),
-        (deliveries["di"], Outcome(Result.RETRY, "503")),
-    ]
-    d.settle()
-    assert d._unrecorded == []
+    d.recorder.keep(deliveries["ana"], Outcome(Result.DELIVERED))
+    d.recorder.keep(deliveries["bo"], Outcome(Result.DELIVERED))
+    d.recorder.keep(deliveries["cy"], Outcome(Result.DELIVERED))
+    d.recorder.keep(deliveries["di"], Outcome(Result.RETRY, "503"))
+    d.recorder.settle()
+    assert d.recorder.unrecorded == 0
     rows = {
         r["user_id"]: (r["status"], r["attempts"])
         for r in query(ledger, "SELECT user_id, status, attempts FROM outbox")
@@ -323,10 +322,10 @@ def test_a_pass_whose_due_users_another_replica_is_claiming_takes_the_next_ones(
     with psycopg.connect(ledger, row_factory=dict_row) as other:
         held = outbox.lock_due_users(other, utc(clock.now()), 3600, 2)
         assert [u.user_id for u in held.users] == ["ana", "bo"]
-        assert d.run_pass() == 2
+        assert one_pass(d) == 2
         assert sorted(r.user for r in receiver.got()) == ["cy", "di"]
         other.rollback()
-    assert d.run_pass() == 2
+    assert one_pass(d) == 2
     assert sorted(r.user for r in receiver.got()) == users
 
 
@@ -353,9 +352,9 @@ def test_a_user_locked_by_another_claim_is_skipped_not_waited_for(ledger, receiv
     add_message(ledger, "bob", "for bob", created_at=T0)
     with psycopg.connect(ledger) as other:  # another dispatcher mid-claim on ana
         other.execute("SELECT 1 FROM users WHERE user_id = 'ana' FOR UPDATE")
-        assert d.run_pass() == 1
+        assert one_pass(d) == 1
         assert [r.user for r in receiver.got()] == ["bob"]
-    assert d.run_pass() == 1
+    assert one_pass(d) == 1
     assert sorted(r.user for r in receiver.got()) == ["ana", "bob"]
 
 
@@ -381,12 +380,12 @@ def test_a_send_whose_ledger_went_away_does_not_wait_out_its_lease(ledger, dispa
         add_message(ledger, "ana", "one", created_at=T0)
         settled = sample("vigil_delivery_outcomes_settled_after_reconnect_total")
         with pytest.raises(psycopg.OperationalError):
-            d.run_pass()
+            one_pass(d)
         assert query(ledger, "SELECT status FROM outbox")[0]["status"] == "sending"
         d.close_connection()  # what the loop does on a ledger error
         receiver.answer = lambda _r: (200, {})
         clock.advance(1)  # nowhere near the lease
-        d.run_pass()
+        one_pass(d)
         row = query(ledger, "SELECT status, attempts FROM outbox")[0]
         assert row == {"status": "delivered", "attempts": 1}
         assert len(receiver.got()) == 1, "recorded, not sent again"
@@ -495,9 +494,9 @@ def test_between_sweeps_the_loop_looks_only_at_users_with_new_messages(ledger, r
     written since it last looked. A message for a user whose gap has passed, or an urgent one,
     goes out within a poll interval; a held user whose gap passes meanwhile waits for the
     next sweep, or for its next message."""
-    from vigil.dispatcher import loop
+    from vigil.dispatcher import chooser
 
-    monkeypatch.setattr(loop, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
+    monkeypatch.setattr(chooser, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
     receiver = Receiver().start()
     try:
         users = ["held", "held-urgent", "quiet"]
@@ -533,9 +532,9 @@ def test_a_message_written_while_its_users_delivery_was_in_flight_follows_it_wit
     """Between sweeps a message written while its user's delivery is in flight is not due when
     the loop first sees it (one delivery in flight per user); once that delivery ends, the
     user is looked at again at once, not at the next sweep."""
-    from vigil.dispatcher import loop
+    from vigil.dispatcher import chooser
 
-    monkeypatch.setattr(loop, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
+    monkeypatch.setattr(chooser, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
     release = threading.Event()
 
     def answer(request):
@@ -568,9 +567,9 @@ def test_a_held_user_the_loop_has_seen_goes_out_when_its_gap_or_backoff_ends_wit
     """Between sweeps the loop remembers when a user it looked at and held may be due (its
     gap's end, a retry's backoff, a send's lease) and looks at it again then: a held message
     waits out its gap, and a retry its backoff, not the next sweep."""
-    from vigil.dispatcher import loop
+    from vigil.dispatcher import chooser
 
-    monkeypatch.setattr(loop, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
+    monkeypatch.setattr(chooser, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
     failures = {"left": 1}
 
     def answer(request):
@@ -611,9 +610,9 @@ def test_a_message_committed_after_a_later_one_is_not_left_for_the_next_sweep(le
     """Outbox ids are taken when a row is written, not when it commits: two finishes can commit
     out of id order. A claim between sweeps that saw the later one finds the earlier id with
     no row yet and looks at it again until it has one."""
-    from vigil.dispatcher import loop
+    from vigil.dispatcher import chooser
 
-    monkeypatch.setattr(loop, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
+    monkeypatch.setattr(chooser, "SWEEP_IDLE_FACTOR", 1e6)  # after the first sweep, none for the test's length
     receiver = Receiver().start()
     try:
         add_webhook_users(ledger, ["slow-finish", "fast-finish"], receiver.url)

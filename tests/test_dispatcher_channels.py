@@ -11,7 +11,15 @@ import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer
 
-from dispatcher_support import T0, Receiver, add_message, add_users, in_process_dispatcher, standard_webhooks_valid
+from dispatcher_support import (
+    T0,
+    Receiver,
+    add_message,
+    add_users,
+    in_process_dispatcher,
+    one_pass,
+    standard_webhooks_valid,
+)
 from support import query, scalar, wait_for
 from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
 from vigil.cli import main
@@ -32,7 +40,7 @@ def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topi
         # Joined messages of two conversations: a reply continues the newest one's.
         with psycopg.connect(ledger) as conn:
             conn.execute("UPDATE outbox SET session_id = CASE WHEN id = %s THEN 'ses-a' ELSE 'ses-b' END", (first,))
-        assert d.run_pass() == 1
+        assert one_pass(d) == 1
     finally:
         d.close()
     consumer = Consumer(
@@ -66,7 +74,7 @@ def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
         add_message(ledger, "lee", "hello from the agent", created_at=T0)
         with psycopg.connect(ledger) as conn:
             conn.execute("UPDATE outbox SET session_id = 'ses-l'")
-        d.run_pass()
+        one_pass(d)
     finally:
         d.close()
     lines = out.getvalue().splitlines()
@@ -148,7 +156,7 @@ def test_outbox_lists_rows_dead_deliveries_and_revives_one_under_its_id(ledger, 
             "secret"
         ]
         add_message(ledger, "ana", "will be refused", created_at=T0)
-        d.run_pass()
+        one_pass(d)
         delivery_id = scalar(ledger, "SELECT delivery_id::text FROM outbox")
         listing = cli("outbox", "ana").output
         assert "dead" in listing and delivery_id in listing and "HTTP 410 (not retried)" in listing
@@ -159,7 +167,7 @@ def test_outbox_lists_rows_dead_deliveries_and_revives_one_under_its_id(ledger, 
         receiver.answer = lambda _r: (200, {})
         cli("outbox", "--revive", delivery_id)
         clock.set(T0.replace(year=2027).timestamp())  # revival is due at once, whatever the dispatcher's clock says
-        d.run_pass()
+        one_pass(d)
     finally:
         d.close()
         receiver.stop()

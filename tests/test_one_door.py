@@ -26,12 +26,6 @@ from pathlib import Path
 PRODUCT = Path(__file__).resolve().parents[1] / "services" / "vigil"
 LEDGER = PRODUCT / "ledger"
 
-# Modules of the worker and the agent that still break the rule (issue 12 point 1 moved their
-# statements behind the door; what is left is named per entry). Skipped for now: THIS SET MUST
-# BE EMPTIED (the test below fails for an entry that no longer breaks the rule, so the set can
-# only shrink). Paths relative to services/vigil.
-NOT_YET_CONVERTED: set[str] = set()  # may only shrink; empty: every product module goes through the door
-
 # Calls named like SQL that are not SQL: (module path, the call's callee as written).
 NOT_SQL = {
     # The agent's memory tool runs the model's file command (view, create, str_replace) on
@@ -104,23 +98,10 @@ def test_only_the_ledger_runs_sql_or_opens_connections():
     offenders = []
     for module in modules:
         rel = module.relative_to(PRODUCT).as_posix()
-        if rel in NOT_YET_CONVERTED:
-            continue
         offenders.extend(violations(module.read_text(encoding="utf-8"), rel))
     assert not offenders, "SQL or connections outside vigil.ledger (use a typed function of the ledger):\n" + "\n".join(
         str(v) for v in offenders
     )
-
-
-def test_not_yet_converted_only_shrinks():
-    """Every entry names a module that exists and still breaks the rule: remove it once it does not."""
-    stale = []
-    for rel in sorted(NOT_YET_CONVERTED):
-        module = PRODUCT / rel
-        assert rel.startswith(("worker/", "agent/")), f"{rel}: only the worker's and the agent's modules wait here"
-        if not module.exists() or not violations(module.read_text(encoding="utf-8"), rel):
-            stale.append(rel)
-    assert not stale, f"remove from NOT_YET_CONVERTED (converted or gone): {stale}"
 
 
 def test_not_sql_exceptions_are_still_there():

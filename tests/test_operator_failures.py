@@ -7,6 +7,7 @@ cannot start (a port taken, a ledger behind the code) one line and exit 2. Never
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -19,7 +20,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 
+from vigil.cli import main
+from vigil.cliutil import login_name
 from vigil_dev import devstack
 from vigil_dev.devstack import free_port
 
@@ -69,6 +73,7 @@ def test_ledger_on_a_closed_port_is_one_line_and_exit_3(args):
 
 
 @pytest.mark.slow
+@pytest.mark.stack  # starts a PostgreSQL server of its own
 def test_ledger_really_stopped_is_one_line_and_exit_3():
     """A PostgreSQL server that ran and was stopped, not a port that never had one."""
     root = Path(tempfile.mkdtemp(prefix="vigil-stopped-pg-"))
@@ -222,3 +227,20 @@ def test_dev_status_json_names_every_part_and_its_state(tmp_path):
     assert {"ingest", "worker", "scheduler", "dispatcher", "kafka", "postgresql"} <= set(parts)
     assert parts["worker"] == {"name": "worker", "state": "dead", "pid": None}
     assert parts["ingest"]["state"] == "stopped"
+
+
+@pytest.mark.parametrize("args", [["dead", "retry", "1"], ["tasks", "cancel", "t-1"]], ids=" ".join)
+def test_a_login_without_a_name_is_audited_as_unknown_not_a_traceback(args, monkeypatch):
+    """A container running as a numeric user with no passwd entry has no login name, and
+    ``getpass`` raises: the commands that audit who ran them fall back to ``unknown``, here
+    going on to the closed port's exit 3 (no process of the test's can drop its passwd entry,
+    so ``getpass`` is made to raise as it does there)."""
+
+    def nameless() -> str:
+        raise OSError("No username set in the environment")
+
+    monkeypatch.setattr(getpass, "getuser", nameless)
+    assert login_name() == "unknown"
+    closed = f"postgresql://vigil@127.0.0.1:{free_port()}/vigil"
+    result = CliRunner().invoke(main, args, env={"VIGIL_DATABASE_URL": closed})
+    assert result.exit_code == 3, (result.output, result.exception)

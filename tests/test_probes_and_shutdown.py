@@ -4,13 +4,17 @@ shutdown that fits the pod's termination grace."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import httpx
 import pytest
 
+from dispatcher_support import add_message, add_users
 from support import query, scalar, wait_for
 from vigil.health import DatabaseCheck, HealthServer, Readiness, dependency_checks
+from vigil.scheduler.pruner import Pruner
+from vigil.service import EXIT_LOOP_DIED
 from vigil.settings import CommonSettings
 from vigil_dev.devstack import free_port
 from worker_support import FAST, chat, produce
@@ -109,3 +113,60 @@ def test_sigterm_lets_a_short_run_finish_instead_of_redoing_it(stack, topics, le
     assert took < 14 + 3, took
     row = query(ledger, "SELECT status, attempts FROM events WHERE user_id = 'slowpoke'")[0]
     assert (row["status"], row["attempts"]) == ("done", 1)
+
+
+# -- a loop that dies takes its process down with a non-zero status -------------------------
+# Kubernetes shows a process that exits 0 as Completed, not as an error: a service whose loop
+# died of something it does not retry must say so in its exit status.
+
+
+@pytest.mark.partitions(1)
+def test_a_worker_whose_claim_loop_dies_exits_non_zero(stack, topics, ledger, vigil_env, spawn):
+    """An event out of attempts is copied to the dead-letter topic by the claim pass, its
+    encoder asking the schema registry; a registry that does not answer is nothing the claim
+    loop retries (it retries the ledger's errors and the network's), so the loop dies."""
+    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('stuck', %s, 0)", (topics.events,))
+    query(
+        ledger,
+        "INSERT INTO events (user_id, source, source_id, kind, payload, received_at, status, attempts)"
+        " VALUES ('stuck', 'chat', 'stuck-1', 'chat.message', '{}', now(), 'pending', 3)",
+    )
+    env = worker_env(vigil_env, free_port(), VIGIL_SCHEMA_REGISTRY_URL=f"http://127.0.0.1:{free_port()}")
+    worker = spawn(["worker"], env, name="w")
+    code = worker.proc.wait(90)
+    assert code == EXIT_LOOP_DIED, worker.log()[-3000:]
+    assert "claim-loop died" in worker.log()
+    assert scalar(ledger, "SELECT status FROM events WHERE user_id = 'stuck'") == "dead"
+
+
+def test_a_dispatcher_whose_loop_dies_exits_non_zero(ledger, vigil_env, spawn):
+    """A user whose last delivery is dated in year 9999 (a planted row) holds an urgent
+    message past the urgent cap: the moment to look at the user again is past the last date
+    Python can hold. Nothing the loop retries (it retries the ledger's errors), so it dies."""
+    add_users(ledger, ["far-future"])
+    query(ledger, "UPDATE users SET last_delivery_at = '9999-12-31 23:00:00+00'")
+    add_message(ledger, "far-future", "urgent, but the cap is used up", urgent=True)
+    env = {**vigil_env, "VIGIL_URGENT_DAILY_CAP": "0", "VIGIL_DISPATCHER_POLL_INTERVAL_S": "0.1"}
+    dispatcher = spawn(["dispatcher"], env, name="d")
+    code = dispatcher.proc.wait(60)
+    assert code == EXIT_LOOP_DIED, dispatcher.log()[-3000:]
+    assert "delivery loop died" in dispatcher.log()
+
+
+def test_a_scheduler_whose_pruner_dies_stops_and_says_so(ledger):
+    """The scheduler's timer loop retries whatever fails (a pass rolls back whole, the next one
+    tries again). Its pruner retries ledger errors at the next interval; anything else used to
+    end its thread silently, the scheduler carrying on healthy-looking with no partition made
+    ahead. Now it stops the scheduler, and ``serve`` returns ``EXIT_LOOP_DIED`` for it. No row or
+    setting makes a prune raise anything but a ledger error, so here the pruner's own callback
+    (its metrics) does."""
+
+    def broken_metrics(_counts):
+        raise RuntimeError("the counters are gone")
+
+    stopping = threading.Event()
+    pruner = Pruner(ledger, 0, stopping, on_pruned=broken_metrics).start()
+    assert stopping.wait(30), "the pruner's death did not stop the scheduler"
+    pruner.thread.join(5)
+    assert not pruner.thread.is_alive()
+    assert isinstance(pruner.error, RuntimeError)

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import pytest
 from click.testing import CliRunner
 
-from dispatcher_support import T0, Receiver, add_message, add_users, in_process_dispatcher
+from dispatcher_support import T0, Receiver, add_message, add_users, in_process_dispatcher, one_pass
 from support import scalar
 from vigil.agent.deferral import question_text
 from vigil.agent.http_tool import HttpRequestTool
@@ -47,7 +47,7 @@ def test_log_channel_writes_approval_tokens_redacted(ledger):
     try:
         add_users(ledger, ["lee"])
         add_message(ledger, "lee", body, created_at=T0)
-        d.run_pass()
+        one_pass(d)
     finally:
         d.close()
     line = out.getvalue()

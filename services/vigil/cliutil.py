@@ -1,4 +1,5 @@
-"""What every ``vigil`` operator command prints the same way: created objects and tables.
+"""What every ``vigil`` operator command does the same way: print created objects and tables,
+name the person running it.
 
 Its own module, below both ``vigil.cli`` (which imports every command module) and the command
 modules, so that neither imports the other.
@@ -6,6 +7,7 @@ modules, so that neither imports the other.
 
 from __future__ import annotations
 
+import getpass
 import json
 
 import click
@@ -26,3 +28,13 @@ def table(rows: list[dict], columns: list[str]) -> None:
     click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for r in text:
         click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def login_name() -> str:
+    """Who runs this command, for the audit trail (when no ``--actor`` names someone): the
+    login name, or ``unknown`` where there is none (a container running as a numeric user
+    without a passwd entry and without ``USER``, where ``getpass`` raises)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"

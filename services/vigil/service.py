@@ -29,6 +29,10 @@ class StartupError(Exception):
 # start (fix the deployment), 3 a dependency that does not answer (retry later).
 EXIT_STARTUP = 2
 EXIT_DEPENDENCY = 3
+# 1: a loop of the running service died of an error it does not retry (a bug, or a dependency
+# that answered what nobody expected). Kubernetes shows a process that exits 0 as Completed:
+# an orchestrator must see an error, and restart the service.
+EXIT_LOOP_DIED = 1
 
 
 def dependency_down(exc: BaseException) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from vigil.cliutil import emit
@@ -54,7 +56,7 @@ def dispatcher_command() -> None:
     """Run the dispatcher: relay the outbox to each user's channel, paced per user."""
     settings = _settings()
     require_schema(settings)
-    serve(settings)
+    sys.exit(serve(settings))
 
 
 @click.group("channels")

@@ -2,7 +2,10 @@
 
 SIGTERM: no new claim; the sends in flight finish (bounded by the HTTP and produce
 timeouts) and their outcomes are recorded, then the process exits 0. SIGKILL at any point is safe:
-what was fixed but not recorded is sent again under the same delivery id after its lease.
+what was fixed but not recorded is sent again under the same delivery id after its lease. A
+loop that dies (anything but a ledger error, which it retries) ends the process with
+``EXIT_LOOP_DIED`` once its sends in flight have finished; their outcomes are not recorded,
+so they go out again after their lease, under the same ids.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from vigil.dispatcher.loop import Dispatcher
 from vigil.dispatcher.settings import DispatcherSettings
 from vigil.health import HealthServer, Readiness, dependency_checks
 from vigil.outbound import address_policy
-from vigil.service import stop_event
+from vigil.service import EXIT_LOOP_DIED, stop_event
 
 log = logging.getLogger("vigil.dispatcher")
 
@@ -39,7 +42,8 @@ def make_channels(settings: DispatcherSettings) -> Channels:
     )
 
 
-def serve(settings: DispatcherSettings) -> None:
+def serve(settings: DispatcherSettings) -> int:
+    """Run the dispatcher until SIGTERM or SIGINT (``vigil dispatcher``); returns the exit status."""
     tracing.setup("dispatcher")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     stopping = stop_event()
     readiness = Readiness(dependency_checks(settings))
@@ -54,7 +58,13 @@ def serve(settings: DispatcherSettings) -> None:
     )
     try:
         dispatcher.run(stopping, on_health=lambda ok: readiness.set("ledger", ok))
+    except Exception:
+        # Not a ledger error (the loop retries those): a bug, or a value nobody expected.
+        # One log line with the traceback, and a status the orchestrator shows as an error.
+        log.exception("delivery loop died")
+        return EXIT_LOOP_DIED
     finally:
         dispatcher.close()
         health.stop()
     log.info("dispatcher stopped")
+    return 0

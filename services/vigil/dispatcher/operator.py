@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import getpass
 import json
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -13,6 +12,7 @@ from urllib.parse import urlparse
 
 import psycopg
 
+from vigil.cliutil import login_name
 from vigil.dispatcher.channels import new_secret
 from vigil.ledger import audit, channels, outbox
 from vigil.ledger.states import ChannelType
@@ -86,15 +86,8 @@ def set_channel(
         )
         detail = {k: getattr(row, k) for k in ("user_id", "type", "url", "gap_seconds", "urgent_daily_cap")}
         detail["secret_generated"] = generated is not None
-        audit.record(conn, actor or _actor(), "channel.set", detail)
+        audit.record(conn, actor or login_name(), "channel.set", detail)
     return ChannelSet(row=asdict(row), new_secret=generated)
-
-
-def _actor() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
 
 
 def show_channel(conn: psycopg.Connection, user_id: str, default_gap: int, default_cap: int) -> dict:
@@ -133,7 +126,7 @@ def revive_delivery(conn: psycopg.Connection, delivery_id: str, actor: str | Non
         rows = outbox.revive_dead(conn, delivery_id, datetime.now(UTC))
         if rows:
             detail = {"delivery_id": delivery_id, "user_id": rows[0].user_id, "outbox_ids": [r.id for r in rows]}
-            audit.record(conn, actor or _actor(), "delivery.revive", detail)
+            audit.record(conn, actor or login_name(), "delivery.revive", detail)
     return [asdict(r) for r in rows]
 
 

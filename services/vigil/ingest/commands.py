@@ -9,14 +9,13 @@ the `audit` table in the same transaction, without the secret.
 from __future__ import annotations
 
 import base64
-import getpass
 import secrets
 import sys
 from dataclasses import asdict
 
 import click
 
-from vigil.cliutil import emit
+from vigil.cliutil import emit, login_name
 from vigil.ingest.auth import new_token, token_hash
 from vigil.ingest.main import serve
 from vigil.ingest.settings import IngestSettings
@@ -36,7 +35,7 @@ def _ledger():
 
 
 def _audit(conn, action: str, detail: dict) -> None:
-    audit.record(conn, getpass.getuser(), action, detail)
+    audit.record(conn, login_name(), action, detail)
 
 
 def _new_id(prefix: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import click
@@ -21,7 +22,7 @@ def scheduler_command() -> None:
     """Run the scheduler service: due timers become events on the events topic."""
     settings = load_or_exit(SchedulerSettings)
     require_schema(settings)
-    serve(settings)
+    sys.exit(serve(settings))
 
 
 @click.group("timers")

@@ -4,6 +4,8 @@ pruner (:mod:`vigil.scheduler.pruner`), each on a thread of their own.
 SIGTERM: the pass in progress finishes (what a crash mid-pass leaves behind is in
 :mod:`vigil.scheduler.loop`), then the process exits 0. The pruner's thread is a daemon: a
 prune cut short has committed its finished batches, and the next prune goes on from there.
+The timer loop retries every error it meets; a pruner that dies (anything but a ledger error)
+stops the scheduler, which then exits with ``EXIT_LOOP_DIED``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from vigil.health import HealthServer, Readiness, dependency_checks
 from vigil.scheduler.loop import Scheduler, log
 from vigil.scheduler.pruner import start_pruner
 from vigil.scheduler.settings import SchedulerSettings
-from vigil.service import stop_event
+from vigil.service import EXIT_LOOP_DIED, stop_event
 
 
-def serve(settings: SchedulerSettings) -> None:
-    """Run the scheduler until SIGTERM or SIGINT."""
+def serve(settings: SchedulerSettings) -> int:
+    """Run the scheduler until SIGTERM or SIGINT (``vigil scheduler``); returns the exit status."""
     tracing.setup("scheduler")  # only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     stopping = stop_event()
     readiness = Readiness(dependency_checks(settings))
@@ -35,11 +37,15 @@ def serve(settings: SchedulerSettings) -> None:
         settings.scheduler_each_cap,
         f"{settings.retention_days:g} days" if settings.retention_days else "off",
     )
-    start_pruner(settings, stopping)
+    pruner = start_pruner(settings, stopping)
     try:
         scheduler.run(stopping, on_health=lambda ok: readiness.set("passes", ok))
+    except Exception:
+        log.exception("timer loop died")
+        return EXIT_LOOP_DIED
     finally:
         producer.close()
         scheduler.close()
         server.stop()
         log.info("scheduler stopped")
+    return EXIT_LOOP_DIED if pruner.error is not None else 0

@@ -70,5 +70,5 @@ for _reason in ("broker", "ledger", "error"):
     PASS_FAILURES.labels(_reason)
 for _outcome in ("expired", "yes", "no", "escalated", "unknown", "not_yet_due"):
     APPROVAL_EXPIRIES.labels(_outcome)
-for _table in ("events", "outbox", "runs", "timers"):
+for _table in ("events", "outbox", "runs", "timers", "run_journal"):
     PRUNED.labels(_table)

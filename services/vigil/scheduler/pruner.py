@@ -45,7 +45,12 @@ def start_pruner(settings: SchedulerSettings, stopping: threading.Event) -> Prun
 
 class Pruner:
     """Keeps the events partitions made ahead and prunes (when ``retention_days`` > 0), now and
-    every ``interval_s``, on a daemon thread until ``stopping`` is set."""
+    every ``interval_s``, on a daemon thread until ``stopping`` is set.
+
+    A ledger error is tried again at the next interval. Anything else ends the thread with
+    ``error`` set and sets ``stopping``: the scheduler stops and exits non-zero, rather than
+    carrying on healthy-looking while no partition is made ahead and nothing is pruned.
+    """
 
     def __init__(
         self,
@@ -61,6 +66,7 @@ class Pruner:
         self.on_pruned, self.interval_s = on_pruned, interval_s
         self.dedup_window_days = dedup_window_days
         self.journal_days = journal_days
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="retention", daemon=True)
 
     def start(self) -> Pruner:
@@ -93,4 +99,9 @@ class Pruner:
                     )
             except psycopg.Error as exc:
                 log.warning("retention prune failed (next try in %.0f s): %s", self.interval_s, exc)
+            except Exception as exc:
+                log.exception("retention pruner died, stopping the scheduler")
+                self.error = exc
+                self.stopping.set()
+                return
             self.stopping.wait(self.interval_s)

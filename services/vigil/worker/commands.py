@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import getpass
 import json
 import sys
 from dataclasses import asdict
 
 import click
 
-from vigil.cliutil import emit, table
+from vigil.cliutil import emit, login_name, table
 from vigil.dispatcher.operator import dead_deliveries
 from vigil.ledger import events as ledger_events
 from vigil.ledger.cli import cli_connection
@@ -63,7 +62,7 @@ def dead_list(limit: int, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def dead_retry(ids: tuple[int, ...], actor: str | None, as_json: bool) -> None:
     """Send dead events back to pending with their attempts reset."""
-    who = actor or getpass.getuser()
+    who = actor or login_name()
     with _ledger() as conn:
         result = retry_dead_events(conn, list(ids), who)
     missing = result.missing

@@ -24,7 +24,7 @@ from vigil.agent import make_agent
 from vigil.bus.kafka import EventProducer
 from vigil.health import HealthServer, Readiness, dependency_checks
 from vigil.ledger import db
-from vigil.service import StartupError, stop_event
+from vigil.service import EXIT_LOOP_DIED, StartupError, stop_event
 from vigil.settings import SettingsError
 from vigil.worker import loop_lag, metrics
 from vigil.worker.consumer import ConsumerLoop
@@ -53,7 +53,8 @@ GC_OLD_THRESHOLD = 100  # middle collections between full ones (Python's default
 
 
 async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
-    """The worker until ``stopping`` is set; its exit status (1 if the consumer failed)."""
+    """The worker until ``stopping`` is set; its exit status (``EXIT_LOOP_DIED`` if the
+    consumer or one of the loops died)."""
     loop = asyncio.get_running_loop()
     try:
         agent = make_agent(settings)
@@ -138,12 +139,15 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    # A loop that ended with an exception, before the shutdown or during it: the exit status
+    # must say so (status 0 is a completion to Kubernetes, not an error).
+    died = any(not task.cancelled() and task.exception() is not None for task in tasks)
     await agent.close()
     await pool.close()
     producer.close()
     health.stop()
     log.info("worker stopped")
-    return 1 if consumer.error else 0
+    return EXIT_LOOP_DIED if died or consumer.error else 0
 
 
 def serve(settings: WorkerSettings) -> int:

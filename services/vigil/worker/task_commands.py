@@ -7,12 +7,11 @@ is recorded in the task row (who asked, when) and in the audit table, in one tra
 from __future__ import annotations
 
 import asyncio
-import getpass
 import json
 
 import click
 
-from vigil.cliutil import table
+from vigil.cliutil import login_name, table
 from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import connect_async
@@ -89,7 +88,7 @@ def tasks_show(task_id: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="The task after the request, as one JSON object.")
 def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
     """Cancel a task: at once if queued, at its next heartbeat if running."""
-    who = actor or getpass.getuser()
+    who = actor or login_name()
 
     async def go():
         async with await _connect() as conn:
