@@ -40,6 +40,10 @@ class Diverged(Exception):
     """The run did not take the step its journal holds at that position (the agent's code or
     settings changed between the attempts): the journal cannot be replayed."""
 
+    def __init__(self, message: str, run_key: str):
+        super().__init__(message)
+        self.run_key = run_key
+
 
 class Writer(Protocol):
     """Where a run's steps go (the worker's, fenced): each raises ``Fenced`` when refused."""
@@ -117,7 +121,9 @@ class Journal:
         rec = self.recorded.get(self.step)
         if rec is not None:
             if rec.kind != "model":
-                raise Diverged(f"step {self.step} of {self.run_key} is a {rec.kind} in the journal, not a model turn")
+                raise Diverged(
+                    f"step {self.step} of {self.run_key} is a {rec.kind} in the journal, not a model turn", self.run_key
+                )
             usage = SimpleNamespace(**rec.body.get("usage", {}))
             metrics.REPLAYED_STEPS["model"].inc()
             tokens = sum(vars(usage).values())
@@ -163,7 +169,7 @@ class Journal:
         rec = self.recorded.get(step)
         if rec is not None:
             if rec.kind != "call" or rec.body.get("name") != name:
-                raise Diverged(f"step {step} of {self.run_key} is not a call of {name} in the journal")
+                raise Diverged(f"step {step} of {self.run_key} is not a call of {name} in the journal", self.run_key)
             if rec.outcome is not None:
                 metrics.REPLAYED_STEPS["call"].inc()
                 return ToolOutput(rec.outcome["text"], bool(rec.outcome.get("is_error")))

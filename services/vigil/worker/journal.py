@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import psycopg
+
 from vigil.agent import metrics as agent_metrics
 from vigil.agent.base import RunContext
 from vigil.agent.journal import Journal
@@ -82,6 +84,19 @@ async def prepare(
     else:
         key = fresh_key(claim)
     return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key)))
+
+
+async def drop(pool: AsyncPool, claim: Claim, exc: Exception) -> None:
+    """A replay that diverged (``vigil.agent.journal.Diverged``): its journal is dropped,
+    fenced, so the next attempt starts over under a new key instead of diverging again."""
+    agent_metrics.RUN_REPLAYS.labels("diverged").inc()
+    fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
+    key = getattr(exc, "run_key", None) or claim.run_key
+    try:
+        async with pool.connection() as conn:
+            await ledger_journal.discard(conn, fence, key)
+    except psycopg.Error as err:
+        log.warning("could not drop the diverged journal (the next attempt finds it again): %s", err)
 
 
 def _bind(ctx: RunContext, claim: Claim, journal: Journal) -> Journal:

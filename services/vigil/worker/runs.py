@@ -21,6 +21,7 @@ import psycopg
 
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
+from vigil.agent.journal import Diverged
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger.db import AsyncPool
@@ -162,6 +163,13 @@ class Runs:
             finished.folded = active.folded
         except asyncio.CancelledError:
             raise  # revoked or shutting down: the claim is released by whoever cancelled
+        except Diverged as exc:
+            # The agent no longer takes the journaled steps (it changed between attempts):
+            # the journal is dropped and this attempt fails; the next starts over, new key.
+            log.warning("run failed: its journal cannot be replayed: %s", exc)
+            await run_journal.drop(self.pool, c, exc)
+            finished.error = f"journal diverged: {exc}"
+            finished.backoff_s = backoff_seconds(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
         except Fenced as exc:
             # The partition moved on: its finish will be refused as stale, so nothing of the
             # run lands, and the next owner replays its journal.
