@@ -30,6 +30,9 @@ from vigil.numbers import NotParsed, whole_number
 from vigil.scheduler.timers import MAX_USER_ID_LENGTH, TIMER_ID, InvalidTimer, describe, parse_timer
 
 DEFAULT_PAGE = 100
+# A quota frees up when one of the user's timers fires or is cancelled, which no client can
+# see coming: a minute is a pace at which retrying costs nothing (every 429 says when).
+QUOTA_RETRY_AFTER_S = 60
 MAX_PAGE = 1000
 COLLECTION = "/v1/users/{user_id}/timers"
 ITEM = "/v1/users/{user_id}/timers/{timer_id}"
@@ -72,6 +75,7 @@ def routes(ctx: Any) -> list[Route]:
                     "quota_exceeded",
                     f"the user has {settings.max_timers_per_user} live timers (VIGIL_MAX_TIMERS_PER_USER); "
                     "cancel one first",
+                    headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)},
                 )
             result = await ledger.upsert_async(conn, timer)
         if result.status == "conflict":
