@@ -65,6 +65,15 @@ def parse_due(value: Any) -> int:
     return epoch
 
 
+def _kind(value: Any) -> str:
+    """A JSON value's kind in the words of JSON, not Python's type names."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, float):
+        return "a fraction"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "something else")
+
+
 def _whole_seconds(name: str, value: Any, minimum: int) -> int | None:
     if value is None:
         return None
@@ -72,7 +81,7 @@ def _whole_seconds(name: str, value: Any, minimum: int) -> int | None:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise InvalidTimer(name, f"expected a whole number of seconds, got {type(value).__name__}")
+            raise InvalidTimer(name, f"expected a whole number of seconds, got {_kind(value)}")
     if not minimum <= value <= MAX_SECONDS:
         # The value is not echoed: it may be hundreds of digits long.
         raise InvalidTimer(name, f"must be between {minimum} and {MAX_SECONDS} seconds")
