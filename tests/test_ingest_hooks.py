@@ -182,6 +182,27 @@ def test_github_ping_is_verified_but_wakes_nobody(ingest, ledger, stack, topics)
     assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
 
 
+@pytest.mark.parametrize("provider", ["github", "standard-webhooks"])
+def test_utf8_in_delivery_headers_is_stored_as_the_text_sent(ingest, ledger, stack, topics, provider):
+    """Issue 46 finding: ``X-GitHub-Delivery: café-1`` (UTF-8) was stored as ``cafÃ©-1``:
+    header bytes were read as latin-1. They are decoded as UTF-8 (or refused, see
+    test_security_input), so the delivery id is the one the provider sent."""
+    hook = add_hook(ledger, provider)
+    body = body_for(provider, "café-1")
+    headers = {k.encode(): v.encode() for k, v in signed(provider, hook["secret"], body, delivery="café-1").items()}
+    if provider == "github":
+        headers[b"X-GitHub-Event"] = "pull_request_révision".encode()
+    response = httpx.post(
+        f"{ingest.url}/v1/hooks/{hook['id']}", content=body, headers={b"Content-Type": b"application/json", **headers}
+    )
+    assert response.status_code == 202, response.text
+    assert response.json()["source_id"] == "café-1"
+    [event] = read_events(stack.bootstrap, topics.events, 1, topics.partitions)
+    assert event.source_id == "café-1"
+    if provider == "github":
+        assert event.kind == "github.pull_request_révision"
+
+
 def test_the_last_secret_is_not_revoked_without_force(ledger):
     from click.testing import CliRunner
 

@@ -41,7 +41,13 @@ def test_due_accepts_epoch_seconds_and_rfc3339(value, expected):
         ({"id": "a", "every": 60, "tz": "localtime"}, "tz", "depends on the server's configuration"),
         ({"id": "a", "every": 60, "cron": "* * * * *"}, "cron", "not both"),
         ({"id": "a", "every": 0}, "every", "between 1 and"),
-        ({"id": "a", "every": 1.5}, "every", "whole number of seconds"),
+        ({"id": "a", "every": 1.5}, "every", "whole number of seconds, got a fraction"),
+        ({"id": "a", "every": "60"}, "every", "whole number of seconds, got a string"),  # not Python's "str"
+        ({"id": "a", "due": NOW, "max_lateness": [1]}, "max_lateness", "got a list"),
+        ({"id": "a", "due": "9" * 310}, "due", "between 1970-01-01 and 9999-12-31"),
+        ({"id": "a", "due": 10**350}, "due", "between 1970-01-01 and 9999-12-31"),
+        ({"id": "a", "due": 253_402_300_799.5}, "due", "between 1970-01-01 and 9999-12-31"),  # rounds up past it
+        ({"id": "a", "due": "²"}, "due", "neither epoch seconds nor an RFC 3339"),
         ({"id": "a"}, "due", "required for a one-off"),
         ({"id": "a", "due": "2026-01-05T09:00:00"}, "due", "no UTC offset"),
         ({"id": "a", "due": True}, "due", "epoch seconds or an RFC 3339"),

@@ -104,6 +104,8 @@ def test_timer_quota_minimum_every_and_concurrent_creates(ingest, ledger):
         assert ledger_count(ledger, "SELECT count(*) FROM timers WHERE user_id = 'u1'") == 3
         over = client.post("/v1/users/u1/timers", json={"id": "t99", "due": 2_000_000_000})
         assert over.status_code == 429 and over.json()["error"] == "quota_exceeded"
+        # Issue 46 finding: this 429 had no Retry-After (every other 429 has one).
+        assert int(over.headers["Retry-After"]) >= 1
         live = client.get("/v1/users/u1/timers").json()["timers"][0]["id"]
         # Re-registering one the user has is not a new timer.
         assert client.post("/v1/users/u1/timers", json={"id": live, "due": 2_000_000_100}).status_code == 200

@@ -4,10 +4,15 @@ Unicode, raw percent-escapes, NUL, lone surrogates), query strings, headers and 
 (well-formed envelopes with hostile values, arbitrary JSON, JSON text with \\u escapes no
 encoder would write, non-JSON bytes). The server must never answer 5xx, every refusal must
 be the JSON error shape, and nothing may be produced or stored beyond what 2xx answers
-acknowledged. Hypothesis keeps it to a fixed number of examples (well under a minute)."""
+acknowledged. Hypothesis keeps it to a fixed number of examples (well under a minute).
+
+Issue 46 added numbers of any shape (huge, ², ①, 5,000 digits, 1e-400) to the timers API's
+fields and query strings and to the instants, and raw bytes to the providers' headers."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 from pathlib import Path
@@ -28,6 +33,7 @@ OPERATIONS = sorted(
     if path.startswith("/v1/")
 )
 EXAMPLES = 500  # about 25 s on a 2-core machine
+STRIPE_SECRET = "whsec_" + "f" * 32
 
 texts = st.one_of(
     st.sampled_from(["u1", "alice", "team-a/bob", "", " ", "x" * 300, "é", "日本"]),
@@ -51,9 +57,26 @@ json_values = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(texts, inner, max_size=4)),
     max_leaves=12,
 )
+# Numbers of any shape (issue 46): huge, negative, fractional, and strings of digits that
+# str.isdigit() and int() disagree on (², ①, Arabic-Indic), or that int() refuses (5,000 of them).
+huge_integers = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(min_value=-(10**400), max_value=10**400),
+    st.sampled_from([253_402_300_799, 253_402_300_800, -62_135_596_801, 1_767_225_600_000]),
+)
+digit_strings = st.one_of(
+    huge_integers.map(str),
+    st.text(alphabet="0123456789²³¹①١٢٣٠٫.-+_ e", min_size=1, max_size=12),
+    st.sampled_from(["9" * 310, "9" * 5000, "1" * 309 + ".5", "²", "①", "١٢", " 5", "1_0", "0x10"]),
+)
 instants = st.one_of(
     st.datetimes(timezones=st.timezones()).map(lambda d: d.isoformat()),
     st.sampled_from(["9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+00:01", "2026-01-01T00:00:00", "x"]),
+    st.sampled_from(["2026-01-05T09:00Z", "20260105T090000Z", "2026-01-05T09:00:00+05:99", "2026-02-30T00:00:00Z"]),
+    huge_integers,
+    st.floats(allow_nan=False, allow_infinity=False),
+    digit_strings,
+    st.booleans(),
 )
 envelopes = st.fixed_dictionaries(
     {"user_id": texts, "source": texts, "source_id": texts, "kind": texts},
@@ -69,7 +92,7 @@ envelopes = st.fixed_dictionaries(
 timers = st.fixed_dictionaries(
     {"id": texts},
     optional={
-        "due": st.one_of(st.integers(min_value=-(2**40), max_value=2**40), instants),
+        "due": st.one_of(st.integers(min_value=-(2**40), max_value=2**40), instants, digit_strings),
         "every": st.one_of(st.integers(min_value=-5, max_value=2**33), st.floats(allow_nan=False)),
         "cron": st.sampled_from(["* * * * *", "0 9 * * 1", "61 * * * *", "x"]),
         "tz": st.sampled_from(["UTC", "Asia/Tokyo", "Mars/Olympus", ""]),
@@ -100,6 +123,14 @@ hostile_texts = st.sampled_from(
         '{"text":"a\\u0000b"}',
         '{"id":"t1","due":2000000000,"payload":{"x":1e999}}',
         '{"id":"t1","every":' + "9" * 400 + "}",
+        '{"id":"t1","due":' + "9" * 350 + "}",
+        '{"id":"t1","due":' + "9" * 5000 + "}",
+        '{"id":"t1","due":"' + "9" * 310 + '"}',
+        '{"id":"t1","due":2000000000,"payload":{"x":1e-400}}',
+        '{"user_id":"u1","source":"s","source_id":"1","kind":"k","occurred_at":253402300800}',
+        '{"user_id":"u1","source":"s","source_id":"1","kind":"k","payload":[' + "1" * 1500 + "]}",
+        '{"id":"evt_1","type":"invoice.paid","created":"\u00b2"}',
+        '{"id":"evt_1","type":"invoice.paid","created":1.5e9}',
         '{"events":[{"user_id":"u1","source":"s","source_id":"1","kind":"k"},{"user_id":"\\ud800"}]}',
         "[" * 5000,
         "{}",
@@ -117,10 +148,25 @@ def target(stack, ledger, topics):
     server = start_ingest(stack, ledger, topics, max_timers_per_user=20)
     token = create_token(ledger)["token"]
     scoped = json.loads(cli(ledger, "tokens", "create", "s", "--scope", "events", "--users", "u*", "--json"))
-    hook = json.loads(cli(ledger, "hooks", "add", "--provider", "github", "--user", "u1", "--json"))
+    github = json.loads(cli(ledger, "hooks", "add", "--provider", "github", "--user", "u1", "--json"))
+    stripe = json.loads(
+        cli(
+            ledger,
+            "hooks",
+            "add",
+            "--provider",
+            "stripe",
+            "--user",
+            "u1",
+            "--secret-stdin",
+            "--json",
+            input=STRIPE_SECRET + "\n",
+        )
+    )
+    hooks = {"github": (github["id"], github["secret"]), "stripe": (stripe["id"], STRIPE_SECRET)}
     seen = {"events": 0, "timers": 0}
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        yield client, token, scoped["token"], hook["id"], seen
+        yield client, token, scoped["token"], hooks, seen
     server.stop()
     produced = read_events(stack.bootstrap, topics.events, seen["events"], topics.partitions, settle=1.0)
     assert len(produced) == seen["events"], "a refused request produced, or an acknowledged one did not"
@@ -136,22 +182,36 @@ def target(stack, ledger, topics):
 @given(
     operation=st.sampled_from(OPERATIONS),
     ids=st.lists(segments, min_size=2, max_size=2),
-    query=st.one_of(st.just(""), st.text(max_size=20).map(lambda t: "?after=" + quote(t)), segments.map("?x=".__add__)),
+    query=st.one_of(
+        st.just(""),
+        st.text(max_size=20).map(lambda t: "?after=" + quote(t)),
+        segments.map("?x=".__add__),
+        digit_strings.map(lambda t: "?limit=" + quote(t)),
+        instants.map(lambda t: "?before=" + quote(str(t))),
+    ),
     body=bodies,
     content_type=content_types,
     auth=st.sampled_from(["token", "scoped", "junk", "none"]),
-    use_real_hook=st.booleans(),
+    real_hook=st.sampled_from([None, "github", "stripe"]),
+    sign=st.booleans(),  # a valid GitHub signature over the body, so its headers are read
     key=st.one_of(st.none(), st.binary(min_size=1, max_size=20)),
+    # Provider headers as raw bytes: UTF-8, invalid UTF-8, latin-1 digits (b"\xb2" reads "²").
+    provider_headers=st.dictionaries(
+        st.sampled_from([b"x-github-delivery", b"x-github-event", b"webhook-id", b"webhook-timestamp"]),
+        st.one_of(st.binary(min_size=1, max_size=12), st.sampled_from(["café-1".encode(), b"caf\xe9", b"\xb2"])),
+        max_size=3,
+    ),
+    stripe_stamp=st.one_of(st.none(), st.binary(min_size=1, max_size=6), digit_strings.map(str.encode)),
 )
 def test_no_request_is_a_500_and_refusals_store_nothing(
-    target, operation, ids, query, body, content_type, auth, use_real_hook, key
+    target, operation, ids, query, body, content_type, auth, real_hook, sign, key, provider_headers, stripe_stamp
 ):
-    client, token, scoped, hook_id, seen = target
+    client, token, scoped, hooks, seen = target
     method, template = operation
     names = re.findall(r"{(\w+)}", template)
     values = dict(zip(names, ids, strict=False))
-    if "hook_id" in values and use_real_hook:
-        values["hook_id"] = hook_id
+    if "hook_id" in values and real_hook:
+        values["hook_id"] = hooks[real_hook][0]
     path = template
     for name, value in values.items():
         path = path.replace("{" + name + "}", value)
@@ -161,8 +221,14 @@ def test_no_request_is_a_500_and_refusals_store_nothing(
         headers[b"authorization"] = f"Bearer {bearer}".encode()
     if key is not None:
         headers[b"idempotency-key"] = key.replace(b"\r", b"").replace(b"\n", b"") or b"k"
-    if use_real_hook:
-        headers[b"x-hub-signature-256"] = b"sha256=00"
+    if real_hook:
+        digest = hmac.new(hooks["github"][1].encode(), body, hashlib.sha256).hexdigest() if sign else "00"
+        headers[b"x-hub-signature-256"] = b"sha256=" + digest.encode()
+    headers.update(
+        {name: value.replace(b"\r", b"").replace(b"\n", b"") or b"x" for name, value in provider_headers.items()}
+    )
+    if stripe_stamp is not None:
+        headers[b"stripe-signature"] = b"t=" + stripe_stamp.replace(b"\r", b"").replace(b"\n", b"") + b",v1=00"
     try:
         response = client.request(method, path + query, content=body if method != "GET" else None, headers=headers)
     except httpx.LocalProtocolError:
@@ -176,3 +242,50 @@ def test_no_request_is_a_500_and_refusals_store_nothing(
         seen["timers"] += 1
     elif status == 202:
         seen["events"] += response.json()["accepted"]
+
+
+# Issue 46: the timers API's numbers, always with a valid token and user, so every example
+# reaches the parsers (the operation-wide fuzz above rarely does).
+number_literals = st.one_of(
+    huge_integers.map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    digit_strings.map(json.dumps),
+    instants.map(json.dumps),
+    st.sampled_from(["9" * 5000, "-" + "9" * 5000, "1e-400", "1" + "0" * 1500 + ".5", "true", "null", "[]", '"①"']),
+)
+INTERNALS = ("int_max_str_digits", "Exceeds the limit", "invalid literal", "ValueError", "Traceback", "float(")
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    field=st.sampled_from(["due", "every", "max_lateness", "limit", "tasks_limit", "before"]),
+    literal=number_literals,
+)
+def test_timers_api_numbers_of_any_shape_are_a_400_in_neutral_words_or_accepted(target, field, literal):
+    client, token, _, _, seen = target
+    auth = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    if field in ("due", "every", "max_lateness"):
+        other = "" if field == "due" else ',"due":2000000000'
+        text = f'{{"id":"t1","{field}":{literal}{other}}}'
+        response = client.post("/v1/users/u1/timers", content=text.encode(), headers=auth)
+    else:
+        value = json.loads(literal) if literal not in ("9" * 5000, "-" + "9" * 5000) else literal
+        value = literal if isinstance(value, (list, type(None))) else str(value)
+        path, name = {
+            "limit": ("/v1/users/u1/timers", "limit"),
+            "tasks_limit": ("/v1/users/u1/tasks", "limit"),
+            "before": ("/v1/users/u1/tasks", "before"),
+        }[field]
+        response = client.get(path, params={name: value}, headers=auth)
+    assert response.status_code < 500, (field, literal[:80], response.text[:300])
+    if response.status_code >= 400:
+        shown = response.json()
+        assert isinstance(shown.get("detail"), str) and shown.get("field") in (field.removeprefix("tasks_"), "body")
+        assert not any(word in shown["detail"] for word in INTERNALS) and len(shown["detail"]) < 300, shown
+    elif response.status_code == 201:
+        seen["timers"] += 1

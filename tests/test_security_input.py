@@ -9,12 +9,15 @@ import json
 import logging
 import socket
 import time
+from datetime import UTC, datetime
 
 import httpx
 import pytest
 
 from ingest_support import create_token, ledger_count, read_events, start_ingest
 from test_ingest_hooks import add_hook, signed
+from vigil import numbers
+from vigil.ingest.events_api import EventIn
 from vigil.ingest.settings import IngestSettings
 from vigil.settings import SettingsError, load
 
@@ -40,6 +43,15 @@ def client(ingest, ledger):
 
 def good(**fields) -> dict:
     return {"user_id": "u1", "source": "billing", "source_id": "s1", "kind": "billing.x", "payload": {}, **fields}
+
+
+# Words of Python's own errors that must never reach a client.
+INTERNALS = ("int_max_str_digits", "Exceeds the limit", "invalid literal", "ValueError", "Traceback", "float(")
+
+
+def neutral(detail: str) -> bool:
+    """The detail names no Python internals and echoes no long number."""
+    return len(detail) < 200 and not any(word in detail for word in INTERNALS) and "9" * 20 not in detail
 
 
 def refused(response: httpx.Response, status: int, error: str) -> dict:
@@ -102,10 +114,10 @@ def test_signed_standard_webhooks_body_with_a_lone_surrogate_is_400(ingest, ledg
     refused(httpx.post(f"{ingest.url}/v1/hooks/{hook['id']}", content=payload, headers=headers), 400, "invalid_json")
 
 
-def test_stripe_created_out_of_range_is_400(ingest, ledger):
-    """Finding: 500."""
+def test_stripe_created_that_is_not_unix_seconds_is_400(ingest, ledger):
+    """Findings: 500 (issue 16), and ``"²"``, ``true`` or ``1.5e9`` accepted with a null instant (issue 46)."""
     hook = add_hook(ledger, "stripe")
-    for created in (10**12, -1, 2**70):
+    for created in (10**12, -1, 2**70, 10**400, "²", True, 1.5e9, 1767225600.0, "1767225600", [], {}):
         payload = json.dumps({"id": "evt_1", "type": "invoice.paid", "created": created}).encode()
         headers = {"Content-Type": "application/json", **signed("stripe", hook["secret"], payload, delivery="evt_1")}
         body = refused(
@@ -185,3 +197,117 @@ def test_client_that_disconnects_mid_body_logs_no_error(ingest, ledger):
         )
         time.sleep(0.5)
     time.sleep(0.5)  # the fixture asserts nothing was logged at ERROR
+
+
+# -- issue 46: numbers and instants parsed once, strictly ------------------------------
+
+LONG = "9" * 5000
+
+
+def test_timers_api_numbers_of_any_shape_are_400_naming_the_field(client):
+    """Finding: ``"due"`` as a JSON integer of 350+ digits or a numeric string of 310+ digits,
+    and ``?limit=`` with ``²``, ``①`` or 5,000 digits, answered 500 and logged a traceback."""
+    for due in ("9" * 350, "-" + "9" * 350, f'"{"9" * 310}"', f'"{"9" * 310}.5"', '"²"', '"①"', '"١٢٣"', '"1_0"'):
+        body = refused(raw_json(client, "/v1/users/u1/timers", f'{{"id":"t1","due":{due}}}'), 400, "invalid_request")
+        assert body["field"] == "due" and neutral(body["detail"]), body
+    for path in ("/v1/users/u1/timers", "/v1/users/u1/tasks"):
+        for limit in ("²", "①", LONG, "١٢", "-1", "+5", " 5", "5 ", "1_0", "0x10", "0", "1001" * 5):
+            body = refused(client.get(path, params={"limit": limit}), 400, "invalid_request")
+            assert body["field"] == "limit" and neutral(body["detail"]), (path, limit, body)
+    for before in ("²", "2026-01-05", "2026-01-05T09:00", "20260105T090000Z", LONG):
+        body = refused(client.get("/v1/users/u1/tasks", params={"before": before}), 400, "invalid_request")
+        assert body["field"] == "before" and neutral(body["detail"]), (before, body)
+
+
+@pytest.mark.parametrize(
+    "number",
+    ["9" * 5000, "-" + "9" * 5000, "1" + "0" * 1500 + ".5", "1e-400", "-1e-400", "0." + "0" * 400 + "1", "2E-999"],
+)
+def test_json_number_too_long_or_too_small_is_400_in_neutral_words(client, number):
+    """Findings: a 5,000-digit number's 400 named ``sys.set_int_max_str_digits``; ``1e-400``
+    was stored as 0.0."""
+    for path, text in (
+        ("/v1/events", json.dumps(good(payload={"x": "N"}))),
+        ("/v1/users/u1/timers", '{"id":"t1","due":2000000000,"payload":{"x":"N"}}'),
+    ):
+        body = refused(raw_json(client, path, text.replace('"N"', number)), 400, "invalid_json")
+        assert body["field"] == "body" and neutral(body["detail"]), body
+
+
+@pytest.mark.parametrize("field", ["occurred_at", "received_at"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        253402300800,  # 10000-01-01T00:00:00Z: read as milliseconds, it was stored as 1978
+        "253402300800",
+        253402300799.9999999,  # rounds to 253402300800.0
+        -62135596801,
+        1767225600000,  # milliseconds are not seconds
+        10**400,
+        True,
+        "²",
+        "①",
+        "2026-01-05T09:00:00",  # no offset
+        "2026-01-05T09:00Z",  # no seconds: not RFC 3339
+        "2026-01-05T09:00:00+0100",
+        "2026-13-05T09:00:00Z",
+        "2026-01-05T09:00:00+24:00",
+        [],
+    ],
+)
+def test_instant_that_is_not_rfc3339_or_seconds_in_range_is_400(client, field, value):
+    """Finding: a bare-number ``occurred_at`` of 253402300800 was read as milliseconds and stored as 1978."""
+    body = refused(client.post("/v1/events", json=good(**{field: value})), 400, "invalid_event")
+    assert body["field"] == field and neutral(body["detail"]), body
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (0, datetime(1970, 1, 1, tzinfo=UTC)),
+        (1767225600, datetime(2026, 1, 1, tzinfo=UTC)),
+        ("1767225600", datetime(2026, 1, 1, tzinfo=UTC)),
+        (1767225600.25, datetime(2026, 1, 1, 0, 0, 0, 250000, tzinfo=UTC)),
+        (253402300799, datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)),
+        (-62135596800, datetime(1, 1, 1, tzinfo=UTC)),
+        ("2026-01-01T09:00:00+09:00", datetime(2026, 1, 1, tzinfo=UTC)),
+        ("2026-01-01t00:00:00.123456789z", datetime(2026, 1, 1, 0, 0, 0, 123456, tzinfo=UTC)),
+        ("9999-12-31T23:59:59.999999Z", datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)),
+    ],
+)
+def test_instant_parser_reads_a_bare_number_as_seconds(value, expected):
+    assert numbers.instant(value) == expected
+    assert EventIn.model_validate(good(occurred_at=value)).occurred_at == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0", 0), ("7", 7), ("007", 7), ("1000", 1000)],
+)
+def test_whole_number_parser_takes_ascii_digits_only(text, expected):
+    assert numbers.whole_number(text, 0, 1000) == expected
+    for bad in ("", "²", "①", "١", "-1", "+1", " 1", "1 ", "1_0", "1.0", "1e3", "1001", LONG):
+        with pytest.raises(ValueError) as refusal:
+            numbers.whole_number(bad, 0, 1000)
+        assert neutral(str(refusal.value)) and "from 0 to 1000" in str(refusal.value)
+
+
+def test_hook_headers_that_are_not_utf8_or_not_digits_are_400_not_500(ingest, ledger):
+    """Findings: UTF-8 in GitHub's headers was stored as mojibake (see test_ingest_hooks for
+    the stored text); invalid UTF-8 there is refused. And a Stripe signature stamp of
+    ``t=\xb2`` (latin-1 ``²``, which ``str.isdigit`` calls a digit) was a 500."""
+    github = add_hook(ledger, "github")
+    payload = b'{"zen": "x"}'
+    headers = {k.encode(): v.encode() for k, v in signed("github", github["secret"], payload, delivery="d1").items()}
+    for name in (b"X-GitHub-Delivery", b"X-GitHub-Event"):
+        bad = {**headers, b"Content-Type": b"application/json", name: b"caf\xe9-1"}
+        body = refused(
+            httpx.post(f"{ingest.url}/v1/hooks/{github['id']}", content=payload, headers=bad), 400, "invalid_request"
+        )
+        assert body["field"] == name.decode() and neutral(body["detail"]), body
+    stripe = add_hook(ledger, "stripe")
+    stripe_payload = json.dumps({"id": "evt_1", "type": "invoice.paid"}).encode()
+    for stamp in (b"\xb2", b"\xb9\xb2", b"\xbc"):
+        bad = {b"Content-Type": b"application/json", b"Stripe-Signature": b"t=" + stamp + b",v1=00"}
+        response = httpx.post(f"{ingest.url}/v1/hooks/{stripe['id']}", content=stripe_payload, headers=bad)
+        assert refused(response, 401, "invalid_signature")["reason"] == "malformed_header"

@@ -92,6 +92,105 @@ def test_address_policy_refuses_every_non_public_range(address, allowed):
         assert LOOPBACK.permits(ipaddress.ip_address(address))
 
 
+# Issue 46: every forbidden IPv4 range (one address in each), and every IPv6 form that embeds
+# an IPv4 address. The policy is called directly: nothing is sent to these addresses.
+FORBIDDEN_V4 = {
+    "this network 0/8": "0.1.2.3",
+    "private 10/8": "10.1.2.3",
+    "shared 100.64/10": "100.64.0.1",
+    "loopback 127/8": "127.0.0.1",
+    "link-local 169.254/16 (metadata)": "169.254.169.254",
+    "private 172.16/12": "172.16.5.4",
+    "IETF 192.0.0/24": "192.0.0.8",
+    "TEST-NET-1 192.0.2/24": "192.0.2.1",
+    "private 192.168/16": "192.168.0.1",
+    "benchmarking 198.18/15": "198.18.0.1",
+    "TEST-NET-2 198.51.100/24": "198.51.100.1",
+    "TEST-NET-3 203.0.113/24": "203.0.113.1",
+    "multicast 224/4": "224.0.0.1",
+    "reserved 240/4": "240.0.0.1",
+    "broadcast": "255.255.255.255",
+}
+PUBLIC_V4 = "93.184.216.34"
+
+
+def _v4(text: str) -> int:
+    return int(ipaddress.IPv4Address(text))
+
+
+EMBEDDINGS = {
+    "IPv4 itself": lambda v4: v4,
+    "IPv4-mapped ::ffff:0:0/96": lambda v4: str(ipaddress.IPv6Address((0xFFFF << 32) | _v4(v4))),
+    "IPv4-mapped, dotted": lambda v4: f"::ffff:{v4}",
+    "IPv4-compatible ::/96": lambda v4: str(ipaddress.IPv6Address(_v4(v4))),
+    "IPv4-compatible, dotted": lambda v4: f"::{v4}",
+    "IPv4-translated ::ffff:0:0:0/96": lambda v4: str(ipaddress.IPv6Address((0xFFFF << 48) | _v4(v4))),
+    "NAT64 64:ff9b::/96": lambda v4: str(ipaddress.IPv6Address((0x64FF9B << 96) | _v4(v4))),
+    "NAT64, dotted": lambda v4: f"64:ff9b::{v4}",
+    "6to4 2002::/16": lambda v4: str(ipaddress.IPv6Address((0x2002 << 112) | (_v4(v4) << 80) | 1)),
+    # Teredo: server, then the client obfuscated (bit-inverted); both are judged.
+    "Teredo 2001::/32, client": lambda v4: str(
+        ipaddress.IPv6Address((0x20010000 << 96) | (_v4(PUBLIC_V4) << 64) | (_v4(v4) ^ 0xFFFFFFFF))
+    ),
+    "Teredo 2001::/32, server": lambda v4: str(
+        ipaddress.IPv6Address((0x20010000 << 96) | (_v4(v4) << 64) | (_v4(PUBLIC_V4) ^ 0xFFFFFFFF))
+    ),
+}
+
+
+@pytest.mark.parametrize("form", sorted(EMBEDDINGS))
+@pytest.mark.parametrize("network", sorted(FORBIDDEN_V4))
+def test_every_ipv6_form_of_a_forbidden_ipv4_address_is_refused(form, network):
+    """Finding: NAT64 (64:ff9b::a9fe:a9fe), 6to4 (2002:a9fe:a9fe::), IPv4-compatible and
+    IPv4-translated forms of 169.254.169.254 or 127.0.0.1 passed the policy. Each form is
+    judged by the IPv4 address it carries."""
+    address = ipaddress.ip_address(EMBEDDINGS[form](FORBIDDEN_V4[network]))
+    assert AddressPolicy().permits(address) is False, address
+
+
+@pytest.mark.parametrize("form", sorted(EMBEDDINGS))
+def test_every_ipv6_form_of_a_public_ipv4_address_passes(form):
+    """The normalisation refuses by meaning, not by shape: the same forms of a public
+    address (as a NAT64 network's DNS64 hands out) still pass."""
+    address = ipaddress.ip_address(EMBEDDINGS[form](PUBLIC_V4))
+    assert AddressPolicy().permits(address) is True, address
+
+
+@pytest.mark.parametrize("form", sorted(EMBEDDINGS))
+def test_allowed_ipv4_networks_cover_their_ipv6_forms(form):
+    address = ipaddress.ip_address(EMBEDDINGS[form]("127.0.0.1"))
+    if form.startswith("Teredo"):
+        return  # the other embedded address is public; loopback is not reachable via Teredo anyway
+    assert LOOPBACK.permits(address) is True, address
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "fec0::1",  # deprecated site-local (RFC 3879), still routed inside some sites
+        "feff:ffff::1",
+        "64:ff9b:1::a9fe:a9fe",  # local-use NAT64 (RFC 8215): where the IPv4 sits depends on the site
+        "64:ff9b:1:ffff::5db8:d822",
+        "::",
+        "::1",
+        "2001:db8::1",  # documentation
+        "100::1",  # discard-only
+        "ff02::1",
+        "fc00::1",
+    ],
+)
+def test_ipv6_ranges_without_an_embedded_address_that_are_refused(address):
+    """Finding: fec0::/10 passed (Python's is_global is True for it)."""
+    assert AddressPolicy().permits(ipaddress.ip_address(address)) is False
+
+
+def test_ipv6_literal_in_an_allowed_network_passes_whatever_it_embeds():
+    """An operator who allows an IPv6 network means that network, forms and all."""
+    policy = AddressPolicy(parse_nets("64:ff9b::/96"))
+    assert policy.permits(ipaddress.ip_address("64:ff9b::a9fe:a9fe"))
+    assert not AddressPolicy().permits(ipaddress.ip_address("64:ff9b::a9fe:a9fe"))
+
+
 def delivery(url: str) -> Delivery:
     now = datetime.now(UTC)
     row = Row(1, "u1", 1, "hello", False, now, "sending", uuid.uuid4(), 0, None, now)

@@ -4,7 +4,8 @@ A channel URL is set by an operator and a tool URL chosen by a model, so either 
 an address inside the network vigil runs in: the cloud metadata service (169.254.169.254,
 which hands out credentials), a database port on a private subnet, the host itself. Every
 address that is not globally routable is refused unless ``VIGIL_OUTBOUND_ALLOWED_NETS``
-lists its network.
+lists its network; an IPv6 address carrying an IPv4 address (NAT64, 6to4, Teredo, mapped,
+compatible, translated) is judged by the IPv4 address it carries.
 
 The check runs on the address a name *resolves to*, at connect time, and the connection is
 made to that checked address (the TLS server name stays the URL's host): a name that
@@ -59,20 +60,72 @@ def address_policy(settings: CommonSettings) -> AddressPolicy:
     return AddressPolicy(parse_networks(settings.outbound_allowed_nets))
 
 
+# IPv6 forms that carry an IPv4 address in their low 32 bits: a packet to one reaches (or is
+# translated to) that IPv4 address, so the IPv4 address is what the policy judges.
+_LOW_32_FORMS = (
+    ipaddress.IPv6Network("::ffff:0:0/96"),  # IPv4-mapped (RFC 4291)
+    ipaddress.IPv6Network("::/96"),  # IPv4-compatible (RFC 4291, deprecated); :: and ::1 included
+    ipaddress.IPv6Network("::ffff:0:0:0/96"),  # IPv4-translated (RFC 2765, SIIT)
+    ipaddress.IPv6Network("64:ff9b::/96"),  # NAT64 well-known prefix (RFC 6052)
+)
+# Refused whatever they carry, though Python's is_global says True for them (in some versions).
+_REFUSED = (
+    # IETF protocol assignments (RFC 6890): not globally reachable; Python 3.11 only knows /29 of it.
+    ipaddress.IPv4Network("192.0.0.0/24"),
+    ipaddress.IPv6Network("fec0::/10"),  # site-local (deprecated by RFC 3879, still routed in some sites)
+    # Local-use NAT64 (RFC 8215): the IPv4 address's place in it depends on the prefix length
+    # the site chose, so what it carries cannot be judged.
+    ipaddress.IPv6Network("64:ff9b:1::/48"),
+)
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[ipaddress.IPv4Address, ...]:
+    """The IPv4 addresses an IPv6 address stands for; empty if it embeds none.
+
+    Mapped, compatible, translated and NAT64 (64:ff9b::/96) carry one in the low 32 bits;
+    6to4 (2002::/16) in bits 16-47; Teredo (2001::/32) two, the server's and the client's
+    (the one packets are relayed to), and both are returned.
+    """
+    for network in _LOW_32_FORMS:
+        if address in network:
+            return (ipaddress.IPv4Address(int(address) & 0xFFFFFFFF),)
+    if address.sixtofour is not None:
+        return (address.sixtofour,)
+    if address.teredo is not None:
+        return address.teredo
+    return ()
+
+
 class AddressPolicy:
-    """Globally routable addresses pass; others only inside ``allowed`` networks."""
+    """Globally routable addresses pass; others only inside ``allowed`` networks.
+
+    An IPv6 address that embeds IPv4 addresses (see :func:`embedded_ipv4`) is judged by what
+    it means: it passes when every embedded address would, so ``64:ff9b::a9fe:a9fe`` (NAT64
+    to the metadata service) is refused and ``::ffff:127.0.0.1`` passes where 127.0.0.0/8 is
+    allowed. An allowed IPv6 network is taken at its word for every address in it.
+    """
 
     def __init__(self, allowed: Iterable[Network] = ()):
         self.allowed = tuple(allowed)
 
-    def permits(self, address: Address) -> bool:
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
-        if any(address in net for net in self.allowed if net.version == address.version):
-            return True
+    def _allowed(self, address: Address) -> bool:
+        return any(address in net for net in self.allowed if net.version == address.version)
+
+    def _public(self, address: Address) -> bool:
         # is_global is False for loopback, private (RFC 1918, ULA), link-local (the
-        # metadata service), shared (100.64/10), multicast, reserved and unspecified.
-        return address.is_global and not address.is_multicast
+        # metadata service), shared (100.64/10), reserved and unspecified.
+        if address.is_multicast or not address.is_global:
+            return False
+        return not any(address in net for net in _REFUSED if net.version == address.version)
+
+    def permits(self, address: Address) -> bool:
+        if self._allowed(address):
+            return True
+        if isinstance(address, ipaddress.IPv6Address):
+            carried = embedded_ipv4(address)
+            if carried:
+                return all(self._allowed(v4) or self._public(v4) for v4 in carried)
+        return self._public(address)
 
     def choose(self, host: str, infos: list[tuple[Any, ...]]) -> str:
         """The first resolved address the policy permits; BlockedAddress if any is refused.

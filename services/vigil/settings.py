@@ -137,7 +137,8 @@ class CommonSettings(BaseSettings):
         "",
         description="Comma-separated IP networks outbound HTTP (webhook channels, the agent's http_request) may "
         "reach although they are not public, e.g. `127.0.0.0/8,::1/128` for a local receiver. Default: none; "
-        "loopback, private, link-local (cloud metadata) and other non-global addresses are refused.",
+        "loopback, private, link-local (cloud metadata) and other non-global addresses are refused, also in "
+        "IPv6 forms that carry them (`::ffff:`, NAT64 `64:ff9b::`, 6to4 `2002::`, Teredo).",
     )
 
     @field_validator("kafka_bootstrap")

@@ -24,7 +24,16 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, ValidationError
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+)
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -36,6 +45,7 @@ from vigil.ingest.settings import IngestSettings
 from vigil.ledger import outbox
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import HookProvider, Scope
+from vigil.numbers import instant
 
 CHAT_SOURCE = "chat"
 CHAT_KIND = "chat.message"
@@ -70,7 +80,13 @@ def _in_range(value: datetime) -> datetime:
     return value
 
 
-Instant = Annotated[AwareDatetime, AfterValidator(_in_range)]
+def _instant(value: Any) -> Any:
+    # vigil.numbers' one parser, before pydantic's: pydantic would read a bare number above
+    # 2e10 as milliseconds (253402300800 became 1978) and take ISO 8601 forms RFC 3339 has not.
+    return value if isinstance(value, datetime) else instant(value)
+
+
+Instant = Annotated[AwareDatetime, BeforeValidator(_instant), AfterValidator(_in_range)]
 
 
 def _id(max_length: int):
@@ -91,8 +107,12 @@ class EventIn(BaseModel):
     )
     kind: _id(128) = Field(description="What happened, e.g. billing.invoice_paid.")
     payload: JsonValue = Field(default_factory=dict, description="The event body (any JSON value; default {}).")
-    occurred_at: Instant | None = Field(None, description="When it happened at the source (RFC 3339 with offset).")
-    received_at: Instant | None = Field(None, description="When the producer received it; default: when ingest did.")
+    occurred_at: Instant | None = Field(
+        None, description="When it happened at the source: RFC 3339 with an offset, or Unix seconds."
+    )
+    received_at: Instant | None = Field(
+        None, description="When the producer received it (RFC 3339 or Unix seconds); default: when ingest did."
+    )
     session_id: _id(256) | None = Field(None, description="Resume this saved agent session.")
     headers: dict[_id(128), Annotated[str, Field(max_length=4096), AfterValidator(_printable)]] = Field(
         default_factory=dict, max_length=32, description="Trace context and other metadata."

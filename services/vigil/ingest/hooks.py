@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -27,13 +26,14 @@ from vigil.ingest.auth import ledger
 from vigil.ingest.cache import MissGuard, TtlCache
 from vigil.ingest.metrics import SIGNATURE_FAILURES
 from vigil.ingest.publisher import Publisher
-from vigil.ingest.requests import Refusal, invalid, parse_json, read_body, received_at, require_json
+from vigil.ingest.requests import Refusal, header_text, invalid, parse_json, read_body, received_at, require_json
 from vigil.ingest.settings import IngestSettings
 from vigil.ingest.signatures import VERIFIERS, SignatureError
 from vigil.ledger import ingest as store
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.ingest import Hook
 from vigil.ledger.states import HookProvider
+from vigil.numbers import NotParsed, unix_seconds
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,15 @@ log = logging.getLogger(__name__)
 RECHECK_AFTER_S = 1.0
 MAX_ID_CHARS = 256  # delivery ids and event types: providers use a few dozen characters
 MAX_HOOK_ID_CHARS = 64
-MAX_EPOCH = 253_402_300_799  # 9999-12-31T23:59:59Z
+
+
+def _header(request: Request, *names: str) -> str | None:
+    """The first of the headers ``names`` present, as UTF-8 text (a 400 naming it if it is not)."""
+    for name in names:
+        value = header_text(request, name)
+        if value:
+            return value
+    return None
 
 
 def _clean(value: Any, field: str) -> str:
@@ -64,19 +72,19 @@ def delivery_event(provider: HookProvider, user_id: str, request: Request, body:
     headers = request.headers
     occurred_at = None
     if provider is HookProvider.GITHUB:
-        source_id = _clean(headers.get("x-github-delivery"), "X-GitHub-Delivery")
-        event_type = _clean(headers.get("x-github-event"), "X-GitHub-Event")
+        source_id = _clean(_header(request, "X-GitHub-Delivery"), "X-GitHub-Delivery")
+        event_type = _clean(_header(request, "X-GitHub-Event"), "X-GitHub-Event")
     elif provider is HookProvider.STRIPE:
         document = _object(document)
         source_id = _clean(document.get("id"), "id")
         event_type = _clean(document.get("type"), "type")
-        created = document.get("created")
-        if isinstance(created, int) and not isinstance(created, bool):
-            if not 0 <= created <= MAX_EPOCH:
-                raise invalid("created", "must be Unix seconds between 1970 and 9999")
-            occurred_at = datetime.fromtimestamp(created, UTC)
+        if document.get("created") is not None:
+            try:
+                occurred_at = unix_seconds(document["created"])
+            except NotParsed as exc:
+                raise invalid("created", str(exc)) from None
     else:
-        source_id = _clean(headers.get("webhook-id") or headers.get("svix-id"), "webhook-id")
+        source_id = _clean(_header(request, "webhook-id", "svix-id"), "webhook-id")
         event_type = document.get("type") if isinstance(document, dict) else None
         event_type = _clean(event_type, "type") if event_type is not None else "event"
     extra = {"traceparent": headers["traceparent"]} if "traceparent" in headers else {}

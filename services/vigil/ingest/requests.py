@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -19,6 +18,8 @@ from urllib.parse import unquote_to_bytes
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
+
+from vigil.numbers import MAX_DIGITS, NotParsed, json_constant, json_float, json_int, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,22 @@ def invalid(field: str, detail: str, code: str = "invalid_request") -> Refusal:
     return Refusal(400, code, f"{field}: {detail}", field=field)
 
 
+def header_text(request: Request, name: str, field: str | None = None) -> str | None:
+    """A header's value as the text the client sent, or None when it is absent.
+
+    Header bytes arrive decoded as latin-1 (so ``café`` sent as UTF-8 reads ``cafÃ©``); they
+    are decoded as UTF-8 here, and a value that is not UTF-8 is a 400 naming ``field`` (the
+    header's name by default). ``Idempotency-Key`` has its own, narrower rule: printable ASCII.
+    """
+    value = request.headers.get(name)
+    if value is None or value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid(field or name, "is not UTF-8 text") from None
+
+
 def received_at(request: Request) -> datetime:
     """When the request arrived (stamped by the middleware before anything else ran)."""
     stamp = request.scope.get("vigil.received_at")
@@ -83,9 +100,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, at most ``limit`` bytes; 413 as soon as it is known to be larger."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
-            raise Refusal(400, "invalid_request", "Content-Length is not a number")
-        if int(declared) > limit:
+        try:
+            size = whole_number(declared, 0, 10**MAX_DIGITS - 1)
+        except NotParsed:
+            raise invalid("Content-Length", "is not a whole number of bytes") from None
+        if size > limit:
             raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
@@ -117,10 +136,14 @@ def parse_json(body: bytes, code: str = "invalid_json") -> Any:
         if text.startswith("\ufeff"):
             return json.loads(text)  # raises json.loads's own error for a byte order mark
         document = DECODER.decode(text)
-    except ValueError as exc:
-        raise Refusal(400, "invalid_json", f"malformed JSON: {exc}") from None
+    except NotParsed as exc:  # a number the decoder's hooks refused, in their words
+        raise invalid("body", str(exc), "invalid_json") from None
+    except json.JSONDecodeError as exc:
+        raise invalid("body", f"malformed JSON: {exc}", "invalid_json") from None
+    except ValueError:  # a conversion Python itself refused: its words are not for clients
+        raise invalid("body", "a value in it cannot be read", "invalid_json") from None
     except RecursionError:
-        raise Refusal(400, "invalid_json", "JSON nested too deeply") from None
+        raise invalid("body", "JSON nested too deeply", "invalid_json") from None
     if "\\u" in text:
         # A lone surrogate or a NUL can only arrive as a \u escape (the text itself is strict
         # UTF-8, and raw control characters are not JSON), so only such bodies are walked.
@@ -128,20 +151,9 @@ def parse_json(body: bytes, code: str = "invalid_json") -> Any:
     return document
 
 
-def _not_json(name: str) -> None:
-    # Python's json accepts NaN and Infinity; other consumers of the payload would not.
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e999: would be stored as the text Infinity
-        raise ValueError(f"{text[:40]} is out of range for a JSON number")
-    return value
-
-
-# One decoder for every request: json.loads with an option builds a new one per call.
-DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+# One decoder for every request (json.loads with an option builds a new one per call). Its
+# number hooks are vigil.numbers': bounded literals, finite, no silent 0 for 1e-400, no NaN.
+DECODER = json.JSONDecoder(parse_constant=json_constant, parse_float=json_float, parse_int=json_int)
 
 
 # -- the one rule for text ---------------------------------------------------------------

@@ -20,6 +20,7 @@ import hmac
 from collections.abc import Callable, Mapping, Sequence
 
 from vigil.ledger.states import HookProvider
+from vigil.numbers import MAX_EPOCH, NotParsed, whole_number
 
 # A real delivery carries one to a handful of signatures; more is an attempt to make us
 # compute comparisons for free.
@@ -64,9 +65,11 @@ def _header(headers: Mapping[str, str], *names: str) -> str:
 
 
 def _timestamp(value: str, header: str, now: float, tolerance: int) -> str:
-    if not value.isdigit() or len(value) > 12:
-        raise SignatureError(SignatureError.MALFORMED, f"{header} is not a Unix timestamp")
-    if abs(now - int(value)) > tolerance:
+    try:
+        stamp = whole_number(value, 0, MAX_EPOCH)  # ASCII digits: "²" (byte B2 as latin-1) is not one
+    except NotParsed:
+        raise SignatureError(SignatureError.MALFORMED, f"{header} is not a Unix timestamp") from None
+    if abs(now - stamp) > tolerance:
         raise SignatureError(SignatureError.STALE, f"{header} is more than {tolerance}s from now")
     return value
 

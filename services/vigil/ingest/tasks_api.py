@@ -15,7 +15,6 @@ Anyone else gets a 403 and learns nothing more.
 from __future__ import annotations
 
 import re
-from datetime import datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -26,6 +25,7 @@ from vigil.ingest.auth import Caller, permits
 from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
 from vigil.ledger.states import Scope, TaskStatus
+from vigil.numbers import NotParsed, instant, whole_number
 
 TASK_ID = re.compile(r"^tsk_[0-9a-f]{20}$")
 MAX_USER_ID_LENGTH = 200
@@ -73,18 +73,14 @@ def routes(ctx: Any) -> list[Route]:
         if status is not None and status not in {s.value for s in TaskStatus}:
             raise ctx.invalid("status", f"one of {', '.join(s.value for s in TaskStatus)}")
         try:
-            limit = int(request.query_params.get("limit", DEFAULT_PAGE))
-        except ValueError:
-            raise ctx.invalid("limit", "a whole number") from None
-        if not 1 <= limit <= MAX_PAGE:
-            raise ctx.invalid("limit", f"between 1 and {MAX_PAGE}")
+            limit = whole_number(request.query_params.get("limit", str(DEFAULT_PAGE)), 1, MAX_PAGE)
+        except NotParsed as exc:
+            raise ctx.invalid("limit", str(exc)) from None
         before = request.query_params.get("before")
         try:
-            before_at = datetime.fromisoformat(before) if before else None
-        except ValueError:
-            raise ctx.invalid("before", "an ISO 8601 time (a task's created_at)") from None
-        if before_at is not None and before_at.tzinfo is None:
-            raise ctx.invalid("before", "needs a UTC offset")
+            before_at = instant(before) if before else None  # a task's created_at, as listed
+        except NotParsed as exc:
+            raise ctx.invalid("before", str(exc)) from None
         async with ctx.ledger() as conn:
             rows = await ledger.of_user(conn, user_id, status=status, before=before_at, limit=limit)
         body: dict[str, Any] = {"tasks": [row.as_json() for row in rows]}

@@ -26,9 +26,13 @@ from starlette.routing import Route
 
 from vigil.ledger import timers as ledger
 from vigil.ledger.states import Scope, TimerKind
+from vigil.numbers import NotParsed, whole_number
 from vigil.scheduler.timers import MAX_USER_ID_LENGTH, TIMER_ID, InvalidTimer, describe, parse_timer
 
 DEFAULT_PAGE = 100
+# A quota frees up when one of the user's timers fires or is cancelled, which no client can
+# see coming: a minute is a pace at which retrying costs nothing (every 429 says when).
+QUOTA_RETRY_AFTER_S = 60
 MAX_PAGE = 1000
 COLLECTION = "/v1/users/{user_id}/timers"
 ITEM = "/v1/users/{user_id}/timers/{timer_id}"
@@ -71,6 +75,7 @@ def routes(ctx: Any) -> list[Route]:
                     "quota_exceeded",
                     f"the user has {settings.max_timers_per_user} live timers (VIGIL_MAX_TIMERS_PER_USER); "
                     "cancel one first",
+                    headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)},
                 )
             result = await ledger.upsert_async(conn, timer)
         if result.status == "conflict":
@@ -86,10 +91,10 @@ def routes(ctx: Any) -> list[Route]:
         include_done = params.get("all", "false").lower()
         if include_done not in {"true", "false", "1", "0"}:
             raise ctx.invalid("all", "expected true or false")
-        raw_limit = params.get("limit", str(DEFAULT_PAGE))
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
-            raise ctx.invalid("limit", f"expected a whole number from 1 to {MAX_PAGE}")
-        limit = int(raw_limit)
+        try:
+            limit = whole_number(params.get("limit", str(DEFAULT_PAGE)), 1, MAX_PAGE)
+        except NotParsed as exc:
+            raise ctx.invalid("limit", str(exc)) from None
         async with ctx.ledger() as conn:
             rows = await ledger.of_user_async(
                 conn, user_id, include_done=include_done in {"true", "1"}, after=params.get("after", ""), limit=limit
@@ -175,7 +180,7 @@ def openapi_paths() -> dict[str, Any]:
                     "400": {"description": "invalid field (the detail says why)"},
                     "403": {"description": "the token may not manage this user's timers"},
                     "409": {"description": "the id belongs to an approval's expiry timer"},
-                    "429": {"description": "the user has VIGIL_MAX_TIMERS_PER_USER live timers"},
+                    "429": {"description": "the user has VIGIL_MAX_TIMERS_PER_USER live timers (Retry-After: 60)"},
                 },
             },
             "get": {

@@ -18,7 +18,6 @@ rule lives in ``timer_upsert`` itself so that every writer gets it:
 from __future__ import annotations
 
 import json
-import math
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +29,7 @@ from vigil.ledger.states import CatchUp, TimerKind
 from vigil.ledger.timers import NewTimer as NewTimer
 from vigil.ledger.timers import TimerRow
 from vigil.ledger.timers import upsert as upsert
+from vigil.numbers import MAX_EPOCH, NotParsed, epoch_ceil, instant
 from vigil.scheduler.timing import TimerSpec, next_occurrence, validate_cron, validate_tz
 
 # Ids appear in URLs (DELETE .../timers/{id}) and in event keys (<id>@<epoch>).
@@ -37,7 +37,6 @@ TIMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MAX_USER_ID_LENGTH = 256
 # The payload is copied into every event the timer fires; events should stay small.
 MAX_PAYLOAD_BYTES = 16 * 1024
-MAX_EPOCH = 253_402_300_799  # 9999-12-31T23:59:59Z, the last instant PostgreSQL and RFC 3339 share
 MAX_SECONDS = 2**31 - 1  # every_seconds and max_lateness are integer columns
 FIELDS = {"id", "due", "every", "cron", "tz", "catch_up", "max_lateness", "payload"}
 
@@ -52,32 +51,27 @@ class InvalidTimer(ValueError):
 
 
 def parse_due(value: Any) -> int:
-    """Epoch seconds or an RFC 3339 time with an offset -> whole epoch seconds.
+    """Epoch seconds or an RFC 3339 time with an offset -> whole epoch seconds
+    (:func:`vigil.numbers.instant`, from 1970 to 9999).
 
     A fraction of a second rounds *up*: a timer never fires before the instant asked for.
     """
-    if isinstance(value, bool) or value is None:
-        raise InvalidTimer("due", "expected epoch seconds or an RFC 3339 time such as 2026-03-08T09:00:00Z")
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value):
-            raise InvalidTimer("due", "must be a finite number of epoch seconds")
-        epoch = math.ceil(value)
-    elif isinstance(value, str):
-        text = value.strip()
-        if re.fullmatch(r"-?\d+(\.\d+)?", text):
-            return parse_due(float(text) if "." in text else int(text))
-        try:
-            moment = datetime.fromisoformat(text.replace("z", "Z"))
-        except ValueError:
-            raise InvalidTimer("due", f"{value!r} is neither epoch seconds nor an RFC 3339 time") from None
-        if moment.tzinfo is None:
-            raise InvalidTimer("due", f"{value!r} has no UTC offset: add Z or +hh:mm (a bare local time is ambiguous)")
-        epoch = math.ceil(moment.timestamp())
-    else:
-        raise InvalidTimer("due", f"expected epoch seconds or an RFC 3339 string, got {type(value).__name__}")
-    if not 0 <= epoch <= MAX_EPOCH:
-        raise InvalidTimer("due", "must lie between 1970-01-01 and 9999-12-31")
+    try:
+        epoch = epoch_ceil(instant(value, earliest=0, latest=MAX_EPOCH))
+    except NotParsed as exc:
+        raise InvalidTimer("due", str(exc)) from None
+    if epoch > MAX_EPOCH:  # 9999-12-31T23:59:59.5Z rounds up past the last storable second
+        raise InvalidTimer("due", "must lie between 1970-01-01 and 9999-12-31 UTC")
     return epoch
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind in the words of JSON, not Python's type names."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, float):
+        return "a fraction"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "something else")
 
 
 def _whole_seconds(name: str, value: Any, minimum: int) -> int | None:
@@ -87,7 +81,7 @@ def _whole_seconds(name: str, value: Any, minimum: int) -> int | None:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise InvalidTimer(name, f"expected a whole number of seconds, got {type(value).__name__}")
+            raise InvalidTimer(name, f"expected a whole number of seconds, got {_kind(value)}")
     if not minimum <= value <= MAX_SECONDS:
         # The value is not echoed: it may be hundreds of digits long.
         raise InvalidTimer(name, f"must be between {minimum} and {MAX_SECONDS} seconds")
