@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from vigil.paths import repo_root
+from vigil_dev.chaos import actions
 from vigil_dev.chaos.checks import Fault, recovery_times, unsettled, verdict
 from vigil_dev.chaos.load import Load
 from vigil_dev.chaos.stack import ChaosStack, Ports
@@ -50,6 +51,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, default=repo_root() / ".run" / "chaos", help="the stack's folder")
     p.add_argument("--port-base", type=int, default=None, help="ports base..base+9 (default: free ports)")
     p.add_argument("--keep", action="store_true", help="leave the stack running at the end")
+    p.add_argument(
+        "--agent",
+        choices=("claude", "echo"),
+        default="claude",
+        help="claude: every run POSTs to a receiver of the run's own and the check 'no call under two keys' "
+        "holds (the scripted Messages API); echo: no model, no action",
+    )
     return p.parse_args(argv)
 
 
@@ -92,8 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown fault kind(s): {', '.join(unknown)}", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
+    receiver = actions.Receiver() if args.agent == "claude" else None
+    extra = actions.environment(receiver.host) if receiver else {}
     stack = ChaosStack(
-        args.run_dir.resolve(), Ports.pick(args.port_base), args.session_timeout_ms, {}, args.workers, args.dispatchers
+        args.run_dir.resolve(),
+        Ports.pick(args.port_base),
+        args.session_timeout_ms,
+        extra,
+        args.workers,
+        args.dispatchers,
+        script=actions.script(receiver.host) if receiver else None,
     )
     began = time.time()
     say(
@@ -104,15 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     stack.fresh()
     try:
         say(began, f"stack up in {stack.up():.1f} s")
-        return run(args, rng, kinds, stack, began)
+        return run(args, rng, kinds, stack, began, receiver)
     finally:
+        if receiver is not None:
+            receiver.close()
         if args.keep:
             say(began, f"stack left running (VIGIL_DEV_RUN_DIR={stack.root} vigil-dev down stops it)")
         else:
             stack.down()
 
 
-def run(args: argparse.Namespace, rng: random.Random, kinds: list[str], stack: ChaosStack, began: float) -> int:
+def run(
+    args: argparse.Namespace,
+    rng: random.Random,
+    kinds: list[str],
+    stack: ChaosStack,
+    began: float,
+    receiver: actions.Receiver | None = None,
+) -> int:
     load = Load(stack.ingest_url, stack.api_token(), args.users, args.rate, args.seed)
     prefix = f"chaos-{args.seed}-"
     thread = threading.Thread(target=lambda: asyncio.run(load.run()), name="load", daemon=True)
@@ -140,11 +165,14 @@ def run(args: argparse.Namespace, rng: random.Random, kinds: list[str], stack: C
         f"recorded, {left[1]} events and {left[2]} messages still moving",
     )
     v, rows = verdict(stack.dsn, prefix, load.acked, stack.dispatcher_logs(), stack.ready())
+    if receiver is not None:
+        v.act(receiver.keys_by_call(), len(receiver.seen))
     recovery_times(faults, rows)
     report(faults, v, began)
+    calls = f", calls {v.calls}, two keys {v.two_keys}" if receiver is not None else ""
     summary = (
         f"chaos: {len(faults)} faults, {v.acked} acked, lost {v.lost}, duplicated {v.duplicated}, "
-        f"overlaps {v.overlaps}, stuck {v.stuck} -> {'PASS' if v.passed else 'FAIL'}"
+        f"overlaps {v.overlaps}, stuck {v.stuck}{calls} -> {'PASS' if v.passed else 'FAIL'}"
     )
     print(summary, flush=True)
     return 0 if v.passed else 1
@@ -182,10 +210,12 @@ def report(faults: list[Fault], v, began: float) -> None:
         ("runs and events in order per user (misordered)", v.misordered),
         ("nothing pending or running, every message delivered (stuck)", v.stuck),
         ("every service ready at the end (not ready)", len(v.not_ready)),
+        ("no logical call seen under two idempotency keys (two keys)", v.two_keys),
     ]
     for name, bad in checks:
         print(f"  {'ok  ' if not bad else 'FAIL'} {name}: {bad}")
     print(f"  (copies of a delivery id re-sent after a dispatcher crash, dropped by receivers: {v.copies})")
+    print(f"  (calls made again with their key, in doubt after a worker fault: {v.repeats} of {v.calls} calls)")
     if v.not_ready:
         print(f"  not ready: {', '.join(v.not_ready)}")
     for line in v.examples:

@@ -7,7 +7,9 @@
 - no overlapping runs per user (``overlaps``);
 - runs in event order per user, and events in the order the user sent them (``misordered``);
 - nothing left pending or running, every message delivered (``stuck``);
-- every service ready at the end.
+- every service ready at the end;
+- with the acting agent (vigil_dev.chaos.actions): no logical call seen under two
+  idempotency keys (``two_keys``).
 
 Copies of one delivery id (a dispatcher killed between the send and its commit sends it
 again) are counted, not failed: the receiver drops them by id.
@@ -45,12 +47,25 @@ class Verdict:
     misordered: int = 0
     stuck: int = 0
     copies: int = 0  # extra copies of a delivery id (allowed)
+    calls: int = 0  # logical calls the agent made on the chaos receiver (durable runs)
+    two_keys: int = 0  # ... seen under more than one idempotency key (never allowed)
+    repeats: int = 0  # requests past one per call: made again, with the same key, in doubt (allowed)
     not_ready: list[str] = field(default_factory=list)
     examples: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return not (self.lost or self.duplicated or self.overlaps or self.misordered or self.stuck or self.not_ready)
+        bad = self.lost or self.duplicated or self.overlaps or self.misordered or self.stuck or self.two_keys
+        return not (bad or self.not_ready)
+
+    def act(self, keys_by_call: dict[str, set[str]], requests: int) -> None:
+        """The acting agent's check (vigil_dev.chaos.actions): one key per logical call."""
+        self.calls = len(keys_by_call)
+        self.repeats = requests - self.calls
+        for call, keys in keys_by_call.items():
+            if len(keys) > 1:
+                self.two_keys += 1
+                self.note(f"two keys: the call for {call!r} under {sorted(keys)}")
 
     def note(self, text: str) -> None:
         if len(self.examples) < 20:

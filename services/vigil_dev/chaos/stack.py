@@ -3,6 +3,7 @@ operator would bring it back."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +66,10 @@ class ChaosStack:
         extra_env: dict[str, str],
         workers: int = 2,
         dispatchers: int = 2,
+        script: dict | None = None,
     ):
         self.root = root
+        self.script = script  # the scripted Messages API's script (vigil_dev.chaos.actions), put after each up
         self.ports = ports
         self.session_timeout_ms = session_timeout_ms
         self.workers = ["worker", *EXTRA_WORKERS[: max(0, workers - 1)]]
@@ -86,7 +90,8 @@ class ChaosStack:
             "VIGIL_WORKER_PORT": str(ports.worker),
             "VIGIL_SCHEDULER_PORT": str(ports.scheduler),
             "VIGIL_DISPATCHER_PORT": str(ports.dispatcher),
-            # The load: chat messages echoed back (no model), every reply delivered at once.
+            # The load: chat messages echoed back (no model; `--agent claude`, the default, puts
+            # the acting Claude agent of vigil_dev.chaos.actions over it), every reply delivered at once.
             "VIGIL_AGENT": "echo",
             "VIGIL_OUTBOX_GAP": "0",
             "VIGIL_KAFKA_SESSION_TIMEOUT_MS": str(session_timeout_ms),
@@ -112,6 +117,7 @@ class ChaosStack:
             )
             if result.returncode == 0:
                 self._extras_up()
+                self._script_up()
                 return time.monotonic() - began
             last = (result.stderr or result.stdout)[-1500:]
             time.sleep(RESTART_PAUSE_S)
@@ -143,6 +149,16 @@ class ChaosStack:
             )
             url = f"http://127.0.0.1:{port}/healthz"
             devstack.wait_until(lambda url=url: devstack.http_ok(url), 60, name, logfile)
+
+    def _script_up(self) -> None:
+        """The chaos script on the stack's scripted Messages API (a restarted one starts with the demo's)."""
+        if self.script is None:
+            return
+        url = f"http://127.0.0.1:{self.ports.claude}/_script"
+        request = urllib.request.Request(url, data=json.dumps(self.script).encode(), method="PUT")
+        request.add_header("content-type", "application/json")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
 
     def down(self) -> None:
         for name in [*self.workers[1:], *self.dispatchers[1:]]:
