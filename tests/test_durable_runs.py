@@ -351,3 +351,33 @@ def test_a_task_retried_after_its_holder_died_does_not_act_again(stack, topics, 
     assert len(child_questions) == 1, "the child's first question was asked again"
     assert scalar(ledger, "SELECT attempts FROM tasks") == 2
     assert scalar(ledger, "SELECT count(*) FROM run_journal WHERE run_key LIKE 'task:%%'") == 0
+
+
+@pytest.mark.parametrize("handover", ["step", "finish"])
+def test_a_stopping_worker_hands_its_runs_over(handover, stack, topics, ledger, vigil_env, spawn):
+    """SIGTERM while a run waits for its second answer (6 s). ``step``: the worker stops the run
+    once that answer is journaled, releases it and exits; the next owner replays it and asks
+    only the third question. ``finish``: the worker finishes the run itself first. Either way
+    each question is asked once and the call is made once."""
+    receiver = Receiver()
+    with ScriptedServer(script(receiver.url, 6.0)) as server:
+        a, a_port = worker(
+            spawn, vigil_env, server, receiver, "worker-a", VIGIL_HANDOVER=handover, VIGIL_SHUTDOWN_GRACE_S="30"
+        )
+        produce(stack.bootstrap, topics.events, [chat("hal", "refund H1")])
+        wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
+        began = time.monotonic()
+        assert a.stop(40) == 0
+        stopped_in = time.monotonic() - began
+        b, _ = worker(spawn, vigil_env, server, receiver, "worker-b", VIGIL_HANDOVER=handover)
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status <> 'done'") == 0, 30)
+        asked = questions(server)
+    receiver.close()
+    assert asked == {"q1": 1, "q2": 1, "q3": 1}, asked
+    assert len(receiver.keys) == 1
+    worker_of_run = scalar(ledger, "SELECT worker FROM runs")
+    assert worker_of_run == ("worker-b" if handover == "step" else "worker-a")
+    assert "handed over" not in a.log() or handover == "step"
+    assert stopped_in < 20, stopped_in
+    b.stop()

@@ -168,7 +168,9 @@ def finish_groups(ledger: str, runs: list[Finished], arrive_every_s: float) -> l
     async def go():
         pool = async_pool(ledger, name="finish-test", max_size=2, autocommit=True, check=False)
         await pool.open()
-        settings = SimpleNamespace(finish_batch_max=200, instance_id="test-worker", run_journal_days=0)
+        settings = SimpleNamespace(
+            finish_batch_max=200, instance_id="test-worker", run_journal_days=0, run_journal=False, handover="finish"
+        )
         slots = Runs(settings, None, pool, SystemClock())
         finisher = Finisher(settings, pool, slots, _Wakes(), SystemClock())
         loop = asyncio.create_task(finisher.finish_loop())
@@ -227,7 +229,9 @@ def revoke_with(
         pool = async_pool(ledger, name="revoke-test", max_size=2, autocommit=True, check=False)
         await pool.open()
         clock = SystemClock()
-        settings = SimpleNamespace(finish_batch_max=200, instance_id="test-worker", run_journal_days=0)
+        settings = SimpleNamespace(
+            finish_batch_max=200, instance_id="test-worker", run_journal_days=0, run_journal=False, handover="finish"
+        )
         runs = Runs(settings, None, pool, clock)
         claimer = Claimer(settings, pool, None, runs, Wakeups(clock, 60.0), clock)
         claimer.owned = {HOME: 1}

@@ -45,6 +45,11 @@ class Diverged(Exception):
         self.run_key = run_key
 
 
+class HandedOver(Exception):
+    """The run stopped at a step boundary because its worker hands it over (a revoke, a
+    shutdown): nothing is lost, the next owner replays the journal and goes on from here."""
+
+
 class Writer(Protocol):
     """Where a run's steps go (the worker's, fenced): each raises ``Fenced`` when refused."""
 
@@ -67,6 +72,9 @@ class Journal:
     recorded: dict[int, Recorded] = field(default_factory=dict)
     step: int = 0  # the last step taken
     replayed_tokens: int = 0
+    # Set by the worker when the run is to be handed over: no new step starts (HandedOver).
+    # Journaled steps still replay: they cost nothing.
+    stop: Callable[[], bool] | None = None
     _results: list[dict[str, Any]] | None = None  # the last turn's tool results, for the next model step
     _folded: list[int] = field(default_factory=list)  # events folded since the last model step
 
@@ -131,6 +139,7 @@ class Journal:
             metrics.REPLAY_SAVED_TOKENS.inc(tokens)
             self._results, self._folded = None, []
             return rec.body["content"], usage, True
+        self._boundary()
         started = time.monotonic()
         response = await ask()
         content = assistant_content(response.content)
@@ -174,12 +183,19 @@ class Journal:
                 metrics.REPLAYED_STEPS["call"].inc()
                 return ToolOutput(rec.outcome["text"], bool(rec.outcome.get("is_error")))
             metrics.REPLAYED_STEPS["in_doubt"].inc()
-        elif self.writer is not None:
-            await self.writer.append(step, "call", _dumps({"name": name, "input": args, "key": key}))
+        else:
+            self._boundary()
+            if self.writer is not None:
+                await self.writer.append(step, "call", _dumps({"name": name, "input": args, "key": key}))
         output = await execute(key)
         if self.writer is not None:
             await self.writer.outcome(step, _dumps({"text": output.text, "is_error": output.is_error}))
         return output
+
+    def _boundary(self) -> None:
+        """Before a new step: stop here if the run is being handed over."""
+        if self.stop is not None and self.stop():
+            raise HandedOver(f"{self.run_key} handed over before step {self.step}")
 
 
 def _dumps(value: Any) -> str:

@@ -215,6 +215,7 @@ class Claimer:
         victims = [a for a in self.active.values() if a.claim.home in gone]
         held = victims
         if release:
+            self.runs.stop_at_boundary(victims)
             victims = await self.runs.wait_gone(victims, grace_s)
             # Runs that have returned by then commit too, rather than run again on the next owner.
             returned = [a for a in victims if a.task is not None and a.task.done()]

@@ -28,6 +28,11 @@ STALE_FINISHES = Counter(
     "vigil_stale_finishes_total", "Finishes refused because the partition changed hands (fencing worked)."
 )
 RELEASED = Counter("vigil_claims_released_total", "Claims handed back without counting an attempt (revoke, shutdown).")
+HANDED_OVER = Counter(
+    "vigil_runs_handed_over_total",
+    "Runs a revoke or a shutdown stopped at a step boundary (VIGIL_HANDOVER=step): released, their journal "
+    "replayed by the next owner.",
+)
 REVOKE_FINISHED = Counter(
     "vigil_revoke_runs_finished_total",
     "Runs of a revoked partition that finished and committed within the revoke's grace instead of being released.",

@@ -97,6 +97,7 @@ class Runner:
         self.claimer.stopping = True
         self.finisher.stopping = True
         self.wakeups.interrupt()
+        self.runs.stop_at_boundary(list(self.runs.active.values()))
         deadline = self.clock.monotonic() + grace_s
         while self.active and self.clock.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -21,7 +21,7 @@ import psycopg
 
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
-from vigil.agent.journal import Diverged
+from vigil.agent.journal import Diverged, HandedOver
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger.db import AsyncPool
@@ -46,6 +46,7 @@ class Active:
     folded: list = field(default_factory=list)
     alone: bool = False  # a lost event's last attempt: nothing else runs beside it
     ctx: RunContext | None = None  # loaded with its claim pass; None: the run loads its own
+    handing_over: bool = False  # stop at the next step boundary (VIGIL_HANDOVER=step)
 
 
 class Runs:
@@ -110,6 +111,14 @@ class Runs:
             self._hurrying = +self._hurrying  # drop the partitions no revoke waits for any more
         return [a for a in victims if self.active.get(a.claim.user_id) is a]
 
+    def stop_at_boundary(self, victims: list[Active]) -> None:
+        """VIGIL_HANDOVER=step: ``victims`` stop at their next step boundary and leave (their
+        claims released for the next owner, who replays them); they are gone once their model
+        answer in flight is journaled, instead of after their whole run."""
+        if self.journaled and self.settings.handover == "step":
+            for active in victims:
+                active.handing_over = True
+
     def urgent(self, group: list[Finished]) -> bool:
         """Whether a revoke waits for a run of ``group`` (it commits without waiting for company)."""
         return bool(self._hurrying) and any(f.claim.home in self._hurrying for f in group)
@@ -152,6 +161,7 @@ class Runs:
             if self.journaled:
                 await run_journal.prepare(self.pool, c, ctx, ctx.journal, active.folded)
                 ctx.adopt = run_journal.adopter(self.pool, c, active.folded)
+                ctx.journal.stop = lambda: active.handing_over
                 finished.journaled = True
             # wait_for, not asyncio.timeout (one task fewer per run, about 2% of a model-bound
             # worker's CPU, tried in 06fb73f): on Python 3.11 a run whose agent has returned
@@ -163,6 +173,14 @@ class Runs:
             finished.folded = active.folded
         except asyncio.CancelledError:
             raise  # revoked or shutting down: the claim is released by whoever cancelled
+        except HandedOver:
+            # A revoke or a shutdown stopped it between two steps: its claim goes back (the
+            # attempt not counted) and the next owner replays it from the journal.
+            metrics.HANDED_OVER.inc()
+            await self._release([active])
+            if self.active.get(c.user_id) is active:
+                del self.active[c.user_id]
+            return
         except Diverged as exc:
             # The agent no longer takes the journaled steps (it changed between attempts):
             # the journal is dropped and this attempt fails; the next starts over, new key.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -99,6 +99,13 @@ class WorkerSettings(CommonSettings):
         "and commit before they are cancelled and released to run again on the next owner: a hand-over, during "
         "which this worker goes on recording and the partition's next owner waits to take it over (0: cancel at "
         "once). At most half of VIGIL_KAFKA_MAX_POLL_INTERVAL_MS.",
+    )
+    handover: Literal["step", "finish"] = Field(
+        "step",
+        description="How a revoke or a shutdown hands a run in flight over: `step`, at its next step boundary "
+        "(its model answer in flight is journaled first; the next owner replays the run and goes on), or `finish`, "
+        "after the run's end and finish. Either way, within VIGIL_REVOKE_GRACE_S or VIGIL_SHUTDOWN_GRACE_S; what "
+        "is still running then is cancelled and replayed. `step` needs VIGIL_RUN_JOURNAL (without it: `finish`).",
     )
     lone_drain_s: float = Field(
         30.0,

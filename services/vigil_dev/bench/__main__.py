@@ -17,7 +17,7 @@ import traceback
 
 from vigil.settings import load
 from vigil.worker.settings import WorkerSettings
-from vigil_dev.bench import costs, dispatch, ingest_http, model_bound, pipeline, raw, rebalance, retention
+from vigil_dev.bench import costs, dispatch, ingest_http, model_bound, pipeline, raw, rebalance, retention, rolling
 from vigil_dev.bench.figures import Figure, Report, fmt
 from vigil_dev.bench.plan import FULL, QUICK, Plan
 from vigil_dev.bench.stack import BenchStack
@@ -50,6 +50,7 @@ FIGURES = [
     *pipeline.REMOTE_DB_FIGURES,
     *model_bound.FIGURES,
     *rebalance.FIGURES,
+    *rolling.FIGURES,
 ]
 WORKLOADS = [
     "raw_kafka",
@@ -65,6 +66,7 @@ WORKLOADS = [
     "remote_db",
     "model_bound",
     "rebalance",
+    "rolling",
 ]
 # "Memory flat": growth after warm-up within this share of the resident size (allocator noise).
 FLAT_SHARE = 0.05
@@ -200,6 +202,7 @@ def summary(report: Report, plan: Plan) -> None:
     )
     model_bound.summary(report, line)
     rebalance.summary(report, line)
+    rolling.summary(report, line)
 
 
 def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: bool = False) -> int:
@@ -254,6 +257,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: b
             ),
             "model_bound": (model_bound.FIGURES, lambda: model_bound.model_bound(stack, plan, report)),
             "rebalance": (rebalance.FIGURES, lambda: rebalance.rebalance(stack, plan, report)),
+            "rolling": (rolling.FIGURES, lambda: rolling.rolling(stack, plan, report)),
         }
         for name, (figures, action) in workloads.items():
             if only is None or name in only:

@@ -69,6 +69,8 @@ FIGURES = [
     "model_bound_runs_per_s",
     "model_bound_worker_cpu_ms_per_run",
     "model_bound_worker_rss_mb",
+    "model_bound_journal_rows_per_run",
+    "model_bound_journal_wal_bytes_per_run",
 ]
 # The issue's targets: slots held, share of the ideal rate, CPU and memory per worker.
 TARGET_IN_FLIGHT = 2000
@@ -131,16 +133,18 @@ def rss_mb(pid: int) -> float:
 
 
 class ScriptedServers:
-    """``count`` scripted server processes on one port (``--load``: SO_REUSEPORT, no recording)."""
+    """``count`` scripted server processes on one port (``--load``: SO_REUSEPORT, no recording).
+    ``rules``: a script of the caller's instead of the model-bound one, on one process that
+    records every request (``GET /_requests``)."""
 
-    def __init__(self, workdir: Path, delay_s: float, count: int, spread_s: float = 0.0):
+    def __init__(self, workdir: Path, delay_s: float, count: int, spread_s: float = 0.0, rules: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = workdir / f"model-bound-script-{self.port}.json"
-        path.write_text(json.dumps(script(delay_s, spread_s)))
+        path.write_text(json.dumps(rules or script(delay_s, spread_s)))
         self.log_path = workdir / f"model-bound-server-{self.port}.log"
         args = [sys.executable, "-m", "vigil_dev.scripted_server", "--script", str(path)]
-        args += ["--port", str(self.port), "--log-level", "warning", "--load"]
+        args += ["--port", str(self.port), "--log-level", "warning"] + ([] if rules else ["--load"])
         self.procs: list[subprocess.Popen] = []
         with open(self.log_path, "ab") as out:
             for _ in range(count):
