@@ -110,7 +110,10 @@ def paths() -> dict[str, Any]:
                 "requestBody": _json_body("MessageIn", "The message."),
                 "responses": {
                     **_ok("202", "Accepted", "The broker acknowledged the message."),
-                    "404": _error("in_reply_to names no delivery to this user."),
+                    "404": _error(
+                        "in_reply_to names no delivery to this user (unknown_delivery), or session_id no "
+                        "session of this user (unknown_session): another user's is refused the same way."
+                    ),
                     **BEARER,
                     **REFUSALS,
                 },
