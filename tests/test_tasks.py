@@ -331,6 +331,34 @@ def test_cli_cancel_exit_codes_agree_with_the_api(ledger):
     assert scalar(ledger, "SELECT count(*) FROM audit WHERE action = 'task.cancel'") == 1
 
 
+def test_reported_at_is_never_before_finished_at(ledger):
+    """The reporter's transaction may begin before a task finishes and still see it finished
+    (each statement reads what is committed): its reported_at must not be that transaction's
+    start, earlier than the finished_at it reports."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    async def go():
+        reporter, holder = await _tasks_conn(ledger), await _tasks_conn(ledger)
+        await ledger_tasks.create(holder, _new_task("tsk_reported"))
+        (claimed,) = await ledger_tasks.claim(holder, "h1", 1)
+        async with reporter.transaction():
+            await reporter.execute("SELECT now()")  # the transaction has begun: now() is fixed
+            await asyncio.sleep(0.05)
+            outcome = ledger_tasks.Outcome(TaskStatus.SUCCEEDED, "ok")
+            assert await ledger_tasks.finish(holder, claimed.id, claimed.lease_epoch, outcome)
+            rows = await ledger_tasks.unreported(reporter, 10)
+            assert [r.id for r in rows] == ["tsk_reported"]
+            await ledger_tasks.mark_reported(reporter, [r.id for r in rows])
+        final = await ledger_tasks.get(holder, "tsk_reported")
+        for conn in (reporter, holder):
+            await conn.close()
+        return final
+
+    final = asyncio.run(go())
+    assert final.reported_at >= final.finished_at, (final.finished_at, final.reported_at)
+
+
 # -- the HTTP API: the owner chain reads and cancels ----------------------------------------
 
 
