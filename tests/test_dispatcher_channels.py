@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import uuid
+from datetime import datetime
 
 import psycopg
 import pytest
@@ -177,3 +178,18 @@ def test_outbox_lists_rows_dead_deliveries_and_revives_one_under_its_id(ledger, 
     assert query(ledger, "SELECT status, attempts FROM outbox") == [{"status": "delivered", "attempts": 1}]
     assert cli("outbox", "--revive", delivery_id, ok=False).exit_code == 1, "only a dead delivery can be revived"
     assert cli("outbox", ok=False).exit_code == 2
+
+
+def test_outbox_json_carries_the_session_and_the_deadline(ledger, cli):
+    """`vigil outbox USER --json`: each row's conversation (``session_id``, what a reply names to
+    continue it) and an approval question's ``deadline``; None where the row has none."""
+    add_users(ledger, ["ana"])
+    question = add_message(ledger, "ana", "Approval needed: refund A1?", created_at=T0)
+    add_message(ledger, "ana", "no conversation", created_at=T0)
+    with psycopg.connect(ledger) as conn:
+        conn.execute(
+            "UPDATE outbox SET session_id = 'ses-1', deadline = %s WHERE id = %s", (T0.replace(hour=23), question)
+        )
+    rows = [json.loads(line) for line in cli("outbox", "ana", "--json").output.splitlines()]
+    assert [(r["body"], r["session_id"], r["deadline"]) for r in rows][0] == ("no conversation", None, None)
+    assert (rows[1]["session_id"], datetime.fromisoformat(rows[1]["deadline"])) == ("ses-1", T0.replace(hour=23))

@@ -2,7 +2,8 @@
 approval with a deadline), plus an answer that arrived in time but was processed late.
 
 Whichever of answer and expiry is stored first stands; the answer path checks the deadline
-against the time the request *arrived*; the body says which answer stands; the wake-up
+against the time the request *arrived*; the body says which answer stands, and the status
+whether this one counted (200) or not (409: late, or another answer came first); the wake-up
 event is on the topic afterwards.
 """
 
@@ -42,19 +43,27 @@ def answer(ingest, request_id: str, given: str, token: str) -> httpx.Response:
     return httpx.post(f"{ingest.url}/v1/approvals/{request_id}", json={"answer": given, "token": token}, timeout=30)
 
 
+def not_counted(response: httpx.Response) -> dict:
+    """A 409's body: the refusal's error and detail, and the answer's body as a 200 has it."""
+    assert response.status_code == 409, response.text
+    body = response.json()
+    assert isinstance(body.pop("error"), str) and isinstance(body.pop("detail"), str), body
+    return body
+
+
 def test_expiry_stored_first_then_yes_gives_expired(ingest, ledger):
     token = make_request(ledger, "r-expired-first", now() - timedelta(hours=1))
     assert run_expiry(ledger, "r-expired-first") == "expired"
     response = answer(ingest, "r-expired-first", "yes", token)
-    assert response.status_code == 200, response.text
-    assert response.json() == {"request_id": "r-expired-first", "answer": "expired", "given": "yes"}
+    assert not_counted(response) == {"request_id": "r-expired-first", "answer": "expired", "given": "yes"}
+    assert response.json()["error"] == "expired"
     assert stored(ledger, "r-expired-first")["answer"] == "expired"
 
 
 def test_yes_after_the_deadline_before_any_scheduler_ran_gives_expired(ingest, ledger, stack, topics):
     token = make_request(ledger, "r-late", now() - timedelta(seconds=1))
     response = answer(ingest, "r-late", "yes", token)
-    assert response.status_code == 200 and response.json()["answer"] == "expired"
+    assert not_counted(response) == {"request_id": "r-late", "answer": "expired", "given": "yes"}
     row = stored(ledger, "r-late")
     assert row["answer"] == "expired" and row["received_at"] is not None
     # The session still wakes, with the answer that stands.
@@ -67,13 +76,15 @@ def test_yes_then_no_gives_yes_and_a_later_expiry_changes_nothing(ingest, ledger
     token = make_request(ledger, "r-twice", now() + timedelta(hours=4))
     first = answer(ingest, "r-twice", "yes", token)
     second = answer(ingest, "r-twice", "no", token)
-    assert first.json() == {"request_id": "r-twice", "answer": "yes", "given": "yes"}
-    assert second.status_code == 200
-    assert second.json() == {"request_id": "r-twice", "answer": "yes", "given": "no"}
+    retry = answer(ingest, "r-twice", "yes", token)
+    assert first.status_code == 200 and first.json() == {"request_id": "r-twice", "answer": "yes", "given": "yes"}
+    assert not_counted(second) == {"request_id": "r-twice", "answer": "yes", "given": "no"}
+    assert second.json()["error"] == "already_answered"
+    assert retry.status_code == 200 and retry.json() == first.json()  # a retry of the answer that stands
     assert run_expiry(ledger, "r-twice") == "yes"
     assert stored(ledger, "r-twice")["answer"] == "yes"
-    # Two wake-ups with one key: the ledger keeps one event (the worker's UNIQUE key).
-    wakes = read_events(stack.bootstrap, topics.events, 2, topics.partitions)
+    # Three wake-ups with one key: the ledger keeps one event (the worker's UNIQUE key).
+    wakes = read_events(stack.bootstrap, topics.events, 3, topics.partitions)
     assert {(w.source, w.source_id) for w in wakes} == {("approval", "r-twice")}
     assert all(json.loads(w.payload)["answer"] == "yes" for w in wakes)
 

@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import psycopg
 import pytest
 
 from ingest_support import cli, create_token, read_events, start_ingest
@@ -102,6 +103,23 @@ def test_producer_api_may_continue_a_conversation_with_a_chat_event(client, stac
     assert response.status_code == 202, response.text
     [event] = read_events(stack.bootstrap, topics.events, 1, topics.partitions)
     assert (event.source, event.session_id) == ("chat", "ses-1")
+
+
+def test_a_message_naming_another_users_session_is_refused_like_another_users_delivery(client, ledger, stack, topics):
+    """session_id must name a session of the message's user, as in_reply_to must name a
+    delivery to them: another user's session, or one that never was, is a 404 and nothing
+    is produced (before, a 202 and, silently, a new conversation)."""
+    with psycopg.connect(ledger) as conn:
+        conn.execute("INSERT INTO sessions (id, user_id) VALUES ('ses-mine', 'u-42'), ('ses-theirs', 'u-7')")
+    for other in ("ses-theirs", "ses-never"):
+        refused = client.post("/v1/users/u-42/messages", json={"text": "hi", "session_id": other})
+        assert refused.status_code == 404, refused.text
+        assert (refused.json()["error"], refused.json()["field"]) == ("unknown_session", "session_id")
+        assert "u-7" not in refused.text
+    own = client.post("/v1/users/u-42/messages", json={"text": "hi", "session_id": "ses-mine"})
+    assert own.status_code == 202 and own.json()["session_id"] == "ses-mine", own.text
+    [event] = read_events(stack.bootstrap, topics.events, 1, topics.partitions, settle=1.0)
+    assert (event.user_id, event.session_id) == ("u-42", "ses-mine")
 
 
 def test_producer_api_cannot_write_reserved_sources(client):

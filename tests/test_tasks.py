@@ -200,6 +200,18 @@ def _new_task(task_id: str, timeout_s: float = 600.0):
     )
 
 
+def _seed_task(ledger: str, task_id: str) -> None:
+    """One queued task of user ``race``."""
+    from vigil.ledger import tasks as ledger_tasks
+
+    async def seed():
+        conn = await _tasks_conn(ledger)
+        await ledger_tasks.create(conn, _new_task(task_id))
+        await conn.close()
+
+    asyncio.run(seed())
+
+
 def test_timeout_racing_success_leaves_one_terminal_status(ledger):
     """For 40 tasks past their deadline, the holder's success and the reaper's timeout are sent
     at the same moment from two connections: each task ends with exactly one terminal status,
@@ -286,6 +298,65 @@ def test_a_task_whose_holders_keep_dying_ends_lost_with_the_reason(ledger):
     assert final.status == TaskStatus.LOST and final.finished_at is not None
     assert "no heartbeat from h2" in final.error and "attempt 2 of 2" in final.error
     assert again == []  # never silently re-created or re-run
+
+
+def test_cli_cancel_exit_codes_agree_with_the_api(ledger):
+    """`vigil tasks cancel`: a queued task is cancelled (exit 0, as the API's 200); a task
+    already terminal is left as it is and exits 4, a conflict (as the API's 409), with or
+    without --json; an unknown task exits 1 (the API's 404)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from vigil.cli import main
+
+    task_id = "tsk_" + "d" * 20
+    _seed_task(ledger, task_id)
+
+    def cancel(*args: str):
+        env = {"VIGIL_DATABASE_URL": ledger}
+        return CliRunner().invoke(main, ["tasks", "cancel", *args, "--actor", "oncall"], env=env)
+
+    first = cancel(task_id)
+    assert first.exit_code == 0 and "cancelled (it had not started)" in first.output, first.output
+    again = cancel(task_id)
+    assert again.exit_code == 4, (again.exit_code, again.output)
+    assert "already cancelled" in again.output
+    as_json = cancel(task_id, "--json")
+    assert as_json.exit_code == 4, (as_json.exit_code, as_json.output)
+    shown = json.loads(as_json.stdout)
+    assert (shown["cancel_requested"], shown["status"]) == (False, "cancelled")
+    unknown = cancel("tsk_" + "e" * 20)
+    assert unknown.exit_code == 1 and "no task" in unknown.output
+    assert scalar(ledger, "SELECT count(*) FROM audit WHERE action = 'task.cancel'") == 1
+
+
+def test_reported_at_is_never_before_finished_at(ledger):
+    """The reporter's transaction may begin before a task finishes and still see it finished
+    (each statement reads what is committed): its reported_at must not be that transaction's
+    start, earlier than the finished_at it reports."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    async def go():
+        reporter, holder = await _tasks_conn(ledger), await _tasks_conn(ledger)
+        await ledger_tasks.create(holder, _new_task("tsk_reported"))
+        (claimed,) = await ledger_tasks.claim(holder, "h1", 1)
+        async with reporter.transaction():
+            await reporter.execute("SELECT now()")  # the transaction has begun: now() is fixed
+            await asyncio.sleep(0.05)
+            outcome = ledger_tasks.Outcome(TaskStatus.SUCCEEDED, "ok")
+            assert await ledger_tasks.finish(holder, claimed.id, claimed.lease_epoch, outcome)
+            rows = await ledger_tasks.unreported(reporter, 10)
+            assert [r.id for r in rows] == ["tsk_reported"]
+            await ledger_tasks.mark_reported(reporter, [r.id for r in rows])
+        final = await ledger_tasks.get(holder, "tsk_reported")
+        for conn in (reporter, holder):
+            await conn.close()
+        return final
+
+    final = asyncio.run(go())
+    assert final.reported_at >= final.finished_at, (final.finished_at, final.reported_at)
 
 
 # -- the HTTP API: the owner chain reads and cancels ----------------------------------------

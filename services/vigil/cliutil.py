@@ -12,6 +12,17 @@ import json
 
 import click
 
+# A command asked to change something whose state forbids it (a task already finished): the
+# HTTP API's 409. Not 1, which is a command's other errors (no such task: the API's 404), nor
+# 2 or 3 (vigil.service: a bad setting, a dependency down).
+EXIT_CONFLICT = 4
+
+
+class Conflict(click.ClickException):
+    """``Error: <message>`` on stderr and exit ``EXIT_CONFLICT``: the state forbids the change."""
+
+    exit_code = EXIT_CONFLICT
+
 
 def emit(obj: dict, as_json: bool, text: str) -> None:
     """Print a created object: one JSON object with --json, else a human line."""

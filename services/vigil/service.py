@@ -26,7 +26,8 @@ class StartupError(Exception):
 
 
 # Exit codes an operator's script can tell apart: 2 is a bad setting or a service that cannot
-# start (fix the deployment), 3 a dependency that does not answer (retry later).
+# start (fix the deployment), 3 a dependency that does not answer (retry later); 4 is an
+# operator command's conflict, the HTTP API's 409 (vigil.cliutil.EXIT_CONFLICT).
 EXIT_STARTUP = 2
 EXIT_DEPENDENCY = 3
 # 1: a loop of the running service died of an error it does not retry (a bug, or a dependency

@@ -155,7 +155,7 @@ def _preview(body: str, width: int = 60) -> str:
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def outbox(user, dead, revive_id, limit, as_json) -> None:
-    """USER's outbox rows (status, attempts, delivery id, error), newest first.
+    """USER's outbox rows (status, attempts, delivery id, error; --json: session, deadline), newest first.
 
     \b
     vigil outbox alice

@@ -16,6 +16,10 @@ Steps, in order, and what a crash between them leaves behind:
 
 The response says which answer stands: ``yes``, ``no`` or ``expired``; ``given`` echoes
 what this request asked for, so a client can tell "your no came second" from "you said no".
+The status says whether this answer counted: 200 if the answer that stands is the one given
+(stored now, or a retry of it), else 409 with the same fields (``error`` ``expired``: it
+arrived late; ``already_answered``: another answer came first). The wake-up is produced
+either way: the session resumes with the answer that stands.
 
 The rule lives in :mod:`vigil.ledger.approvals` and is synchronous, so step 2 runs on a
 worker thread with a small synchronous pool of its own; approvals are rare next to events.
@@ -129,4 +133,10 @@ class ApprovalsApi:
             # The answer is committed; only the wake-up is missing, and a retry sends it.
             exc.extra["answer"] = standing.answer
             raise
-        return JSONResponse({"request_id": request_id, "answer": standing.answer, "given": given.value})
+        body = {"request_id": request_id, "answer": standing.answer, "given": given.value}
+        if standing.answer == given:
+            return JSONResponse(body)  # this answer stands (stored now, or a retry of the one stored)
+        # Stored or not, this answer did not count: a client that checks the status must know.
+        if standing.answer == ApprovalAnswer.EXPIRED:
+            raise Refusal(409, "expired", "the answer arrived after the deadline: expired stands", **body)
+        raise Refusal(409, "already_answered", f"an earlier answer stands: {standing.answer}", **body)

@@ -11,10 +11,11 @@ chat endpoint takes the same tokens and any Idempotency-Key, so a chat event pro
 through ``/v1/events`` (with its ``session_id``, to continue a conversation) vouches for
 nothing more.
 
-A chat message continues a conversation when it names one: ``session_id`` directly, or
-``in_reply_to``, the id of the delivery it answers, which ingest resolves to the session
-that wrote that delivery (:func:`EventsApi.reply_session`). Neither: today's rules (the
-message joins whatever the run resumes anyway, or starts a new session).
+A chat message continues a conversation when it names one: ``session_id`` directly (a
+session of that user: another user's is a 404, as is their delivery), or ``in_reply_to``,
+the id of the delivery it answers, which ingest resolves to the session that wrote that
+delivery (:func:`EventsApi.reply_session`). Neither: today's rules (the message joins
+whatever the run resumes anyway, or starts a new session).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from vigil.ingest.auth import TokenAuth, authorize, ledger
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem
 from vigil.ingest.settings import IngestSettings
-from vigil.ledger import outbox
+from vigil.ledger import agent, outbox
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import HookProvider, Scope
 from vigil.numbers import instant
@@ -147,7 +148,9 @@ class MessageIn(BaseModel):
     in_reply_to: uuid.UUID | None = Field(
         None, description="The delivery_id this message answers: the agent continues that delivery's conversation."
     )
-    session_id: _id(256) | None = Field(None, description="Continue this agent session (instead of in_reply_to).")
+    session_id: _id(256) | None = Field(
+        None, description="Continue this agent session, one of this user's (instead of in_reply_to)."
+    )
 
 
 class Accepted(BaseModel):
@@ -206,10 +209,21 @@ class EventsApi:
         self.pool = pool  # in_reply_to lookups
 
     async def reply_session(self, user_id: str, message: MessageIn) -> str | None:
-        """The session a message continues: its ``session_id``, or the one that wrote the delivery
-        it replies to (404 if this user had no such delivery; None if that delivery came from no
-        session, e.g. the echo agent's)."""
+        """The session a message continues: its ``session_id`` (404 if this user has no such
+        session, as for a delivery: another user's is not theirs to continue), or the one that
+        wrote the delivery it replies to (404 if this user had no such delivery; None if that
+        delivery came from no session, e.g. the echo agent's)."""
         if message.in_reply_to is None:
+            if message.session_id is not None:
+                async with ledger(self.pool) as conn:
+                    found = await agent.has_session(conn, user_id=user_id, session_id=message.session_id)
+                if not found:
+                    raise Refusal(
+                        404,
+                        "unknown_session",
+                        f"session_id: no session {message.session_id} of user {user_id}",
+                        field="session_id",
+                    )
             return message.session_id
         if message.session_id is not None:
             raise invalid("in_reply_to", "give in_reply_to or session_id, not both")

@@ -110,7 +110,10 @@ def paths() -> dict[str, Any]:
                 "requestBody": _json_body("MessageIn", "The message."),
                 "responses": {
                     **_ok("202", "Accepted", "The broker acknowledged the message."),
-                    "404": _error("in_reply_to names no delivery to this user."),
+                    "404": _error(
+                        "in_reply_to names no delivery to this user (unknown_delivery), or session_id no "
+                        "session of this user (unknown_session): another user's is refused the same way."
+                    ),
                     **BEARER,
                     **REFUSALS,
                 },
@@ -146,8 +149,16 @@ def paths() -> dict[str, Any]:
                 "requestBody": _json_body("AnswerIn", "The answer and the token that came with the question."),
                 "responses": {
                     **_ok(
-                        "200", "AnswerOut", "Stored (or an earlier answer stands); the session's wake-up was produced."
+                        "200",
+                        "AnswerOut",
+                        "This answer stands (stored now, or a retry of it); the session's wake-up was produced.",
                     ),
+                    "409": {
+                        "description": "This answer did not count: `expired` (it arrived after the deadline, or the "
+                        "expiry came first; expired is stored) or `already_answered` (another answer came first). "
+                        "`answer` says which stands, `given` echoes this one; the wake-up was produced.",
+                        "content": {"application/json": {"schema": {"$ref": REF.format(model="AnswerNotCounted")}}},
+                    },
                     "403": _error("The token does not grant an answer to this request. Nothing stored."),
                     "404": _error("No such request: `answer` is `unknown`."),
                     **REFUSALS,
@@ -176,6 +187,7 @@ def schemas() -> dict[str, Any]:
     )
     defs = found["$defs"]
     defs["EventsRequest"] = {"oneOf": [{"$ref": REF.format(model="EventIn")}, {"$ref": REF.format(model="BatchIn")}]}
+    defs["AnswerNotCounted"] = {"allOf": [{"$ref": REF.format(model="Error")}, {"$ref": REF.format(model="AnswerOut")}]}
     defs["Error"] = {
         "type": "object",
         "required": ["error", "detail"],
@@ -195,8 +207,8 @@ def document(extra_paths: dict[str, Any] | None = None) -> dict[str, Any]:
             "title": "vigil ingest",
             "version": "1",
             "description": "Events, chat messages, webhooks and approval answers into vigil. Every "
-            'refusal is {"error": code, "detail": ...} and stores nothing; 2xx only after the '
-            "broker acknowledged.",
+            'refusal is {"error": code, "detail": ...} and stores nothing (but a late approval answer, '
+            "a 409 after which expired stands); 2xx only after the broker acknowledged.",
         },
         "paths": {**paths(), **(extra_paths or {})},
         "components": {

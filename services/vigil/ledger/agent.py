@@ -135,6 +135,13 @@ async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWante
     return [out[w.user_id] for w in wanted]
 
 
+async def has_session(conn: psycopg.AsyncConnection, *, user_id: str, session_id: str) -> bool:
+    """Whether ``user_id`` has a saved session ``session_id`` (another user's is not theirs)."""
+    cursor = await conn.execute(Q.agent_session_of_user, {"user_id": user_id, "session_id": session_id})
+    row = await cursor.fetchone()
+    return bool(row and row["found"])
+
+
 async def _pairs(conn: psycopg.AsyncConnection, query: str, pairs: list[tuple[str, str]]):
     """A (user, id) pairs statement, or None when there are no pairs."""
     if not pairs:

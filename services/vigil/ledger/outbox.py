@@ -95,6 +95,8 @@ class UserOutboxRow:
     dead_at: datetime | None
     error: str | None
     body: str
+    session_id: str | None  # the conversation that wrote it: a reply naming it continues it
+    deadline: datetime | None  # an approval question's
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import json
 
 import click
 
-from vigil.cliutil import login_name, table
+from vigil.cliutil import EXIT_CONFLICT, Conflict, login_name, table
 from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import connect_async
@@ -87,7 +87,9 @@ def tasks_show(task_id: str, as_json: bool) -> None:
 @click.option("--actor", default=None, help="Who is cancelling (default: your login name).")
 @click.option("--json", "as_json", is_flag=True, help="The task after the request, as one JSON object.")
 def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
-    """Cancel a task: at once if queued, at its next heartbeat if running."""
+    """Cancel a task: at once if queued, at its next heartbeat if running.
+
+    Exits 4 if the task is already terminal (the API's 409), 1 if there is no such task."""
     who = actor or login_name()
 
     async def go():
@@ -103,10 +105,12 @@ def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
         raise click.ClickException(f"no task {task_id!r}")
     if as_json:
         click.echo(json.dumps({"cancel_requested": changed is not None, **row.as_json()}))
+        if changed is None:
+            click.get_current_context().exit(EXIT_CONFLICT)
         return
     if changed is None:
-        click.echo(f"task {task_id} is already {row.status}: nothing to cancel")
-    elif row.status == "cancelled":
+        raise Conflict(f"task {task_id} is already {row.status}: nothing to cancel")
+    if row.status == "cancelled":
         click.echo(f"task {task_id} cancelled (it had not started)")
     else:
         click.echo(f"task {task_id} is running: cancel requested, its worker stops it at its next heartbeat")

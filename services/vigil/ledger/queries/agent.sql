@@ -8,6 +8,10 @@ SELECT s.user_id, s.id, s.state, s.messages, s.blocks, s.consecutive_blocks, s.p
 FROM unnest(%(user_ids)s::text[], %(ids)s::text[]) AS w(user_id, id)
 JOIN sessions s ON s.id = w.id AND s.user_id = w.user_id
 
+-- name: agent_session_of_user
+-- Whether this user has a saved session by this id: ingest refuses a chat message naming any other session (another user's, or none).
+SELECT EXISTS (SELECT 1 FROM sessions WHERE id = %(session_id)s AND user_id = %(user_id)s) AS found
+
 -- name: agent_memory_load_many
 -- The memory files of a claim pass's users, path -> content.
 SELECT user_id, path, content FROM memory WHERE user_id = ANY(%(user_ids)s) ORDER BY user_id, path

@@ -214,7 +214,7 @@ GROUP BY status
 -- name: outbox_for_user
 -- A user's outbox, newest first (`vigil outbox USER`).
 SELECT id, run_id, epoch, created_at, status, urgent, attempts, delivery_id, channel, fixed_at,
-       next_attempt_at, delivered_at, dead_at, error, body
+       next_attempt_at, delivered_at, dead_at, error, body, session_id, deadline
 FROM outbox WHERE user_id = %(user_id)s
 ORDER BY id DESC
 LIMIT %(limit)s

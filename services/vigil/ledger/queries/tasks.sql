@@ -95,8 +95,9 @@ LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 
 -- name: task_mark_reported
--- After the broker acknowledged their result events.
-UPDATE tasks SET reported_at = now() WHERE id = ANY(%(ids)s) AND reported_at IS NULL
+-- After the broker acknowledged their result events: this statement's time, not now() (the reporter's transaction began before it read the rows, perhaps before they finished), and never before finished_at.
+UPDATE tasks SET reported_at = greatest(statement_timestamp(), finished_at)
+WHERE id = ANY(%(ids)s) AND reported_at IS NULL
 
 -- name: task_get
 -- One task as stored.
