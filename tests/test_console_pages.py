@@ -447,3 +447,31 @@ def test_search_by_source_id_alone_is_an_index_lookup(ledger):
         assert (new.user_id, new.status) == ("q", "pending")
         assert [e.source_id for e in events_by_source_id(conn, "new-1", "q")] == ["new-1"]
         assert events_by_source_id(conn, "new-1", "someone-else") == []
+
+
+def test_a_run_page_lists_its_kept_journal(console, ledger):
+    """VIGIL_RUN_JOURNAL_DAYS keeps a run's steps: its page lists the model turns with their
+    tokens and the calls with their key and outcome (docs/worker.md, "Durable runs")."""
+    seeded = seed_user(ledger)
+    with __import__("psycopg").connect(ledger) as conn:
+        first = conn.execute("SELECT min(e) FROM runs, unnest(event_ids) e WHERE id = %s", (seeded.run_id,)).fetchone()
+        key = f"{seeded.user}:{first[0]}"
+        conn.execute(
+            "INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body, outcome, finished_at) VALUES"
+            " (%s, 1, 'model', %s, 1, 1, %s, NULL, now()), (%s, 2, 'call', %s, 1, 1, %s, %s, now())",
+            (
+                key,
+                seeded.user,
+                '{"content": [{"type": "tool_use", "id": "t", "name": "refund", "input": {}}],'
+                ' "usage": {"input_tokens": 321, "output_tokens": 12}, "ms": 840}',
+                key,
+                seeded.user,
+                f'{{"name": "refund", "input": {{}}, "key": "{key}:2"}}',
+                '{"text": "<refunded>", "is_error": false}',
+            ),
+        )
+    login(console, ledger)
+    page = console.get(f"/runs/{seeded.run_id}").text
+    assert 'id="steps"' in page and "calls refund" in page and "321 / 12" in page
+    assert f"{key}:2" in page and "ok" in page
+    assert "<refunded>" not in page  # results are not shown raw
