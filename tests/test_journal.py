@@ -151,7 +151,7 @@ def test_an_action_call_runs_once_and_in_doubt_again_with_its_key():
 
 def test_the_finish_and_the_pruner_end_journals(ledger):
     setup(ledger)
-    for key, user in (("ann:1", "ann"), ("bob:2", "bob")):
+    for key, user in (("ann:1", "ann"), ("bob:2", "bob"), ("task:tsk_1", "ann")):
         query(
             ledger,
             "INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body) VALUES (%s, 1, 'model', %s,"
@@ -166,9 +166,12 @@ def test_the_finish_and_the_pruner_end_journals(ledger):
         await conn.close()
 
     asyncio.run(go())
-    assert query(ledger, "SELECT run_key, finished_at IS NOT NULL AS kept FROM run_journal") == [
-        {"run_key": "bob:2", "kept": True}
+    # The user's background task's journal is the task's: a run's finish leaves it.
+    assert query(ledger, "SELECT run_key, finished_at IS NOT NULL AS kept FROM run_journal ORDER BY 1") == [
+        {"run_key": "bob:2", "kept": True},
+        {"run_key": "task:tsk_1", "kept": False},
     ]
+    query(ledger, "DELETE FROM run_journal WHERE run_key = 'task:tsk_1'")
     query(ledger, "UPDATE run_journal SET finished_at = now() - interval '3 days'")
     with psycopg.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
         assert ledger_journal.prune(conn, keep_days=5, live_days=7) == 0

@@ -24,6 +24,7 @@ stops as a failed attempt, whose finish is then refused as stale (nothing of it 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import psycopg
@@ -63,18 +64,28 @@ def fresh_key(claim: Claim) -> str:
 
 
 async def prepare(
-    pool: AsyncPool, claim: Claim, ctx: RunContext, live: ledger_journal.Live | None, folded: list
+    pool: AsyncPool,
+    claim: Claim,
+    ctx: RunContext,
+    live: ledger_journal.Live | None,
+    reload: Callable[[RunContext], Awaitable[None]],
 ) -> Journal:
     """Decide whether the run is fresh or a replay (module doc), set ``ctx`` (its key, its
-    events, its journal) and, for a replay, the claim's events. ``folded``: the run's list of
-    events claimed besides its claim (adopted ones join it). Returns the run's journal."""
+    events, its journal) and, for a replay, the claim's events. ``reload``: reads the run's
+    context again, for a replay whose taken-up events name sessions or approvals the context
+    was read without. Returns the run's journal."""
     fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
     start = _start_of(live)
     if live is not None and _is_this_run(live.run_key, claim) and start is not None:
-        if await _take_up(pool, claim, start, folded):
+        adopted = await _take_up(pool, claim, start)
+        if adopted is not None:
             agent_metrics.RUN_REPLAYS.labels("replayed").inc()
             log.info("replaying the run's journal (%d steps)", len(live.steps))
-            return _bind(ctx, claim, Journal.of(live.run_key, RunWriter(pool, fence, live.run_key), live.steps))
+            journal = Journal.of(live.run_key, RunWriter(pool, fence, live.run_key), live.steps)
+            if any(e.session_id or e.source == "approval" for e in adopted):
+                ctx.events = list(claim.events)
+                await reload(ctx)
+            return _bind(ctx, claim, journal)
     if live is not None:
         agent_metrics.RUN_REPLAYS.labels("discarded").inc()
         log.warning("dropping a journal its run cannot replay (%d steps of %s)", len(live.steps), live.run_key)
@@ -121,9 +132,10 @@ def _start_of(live: ledger_journal.Live | None) -> list[int] | None:
     return list(start["events"]) if start and isinstance(start.get("events"), list) else None
 
 
-async def _take_up(pool: AsyncPool, claim: Claim, start: list[int], folded: list) -> bool:
+async def _take_up(pool: AsyncPool, claim: Claim, start: list[int]) -> list | None:
     """Make the claim cover exactly the journal's start events: claim the missing ones by id,
-    release those that came since. False (nothing changed) if a start event cannot be claimed."""
+    release those that came since. Returns the events claimed by id; None (nothing changed)
+    if a start event cannot be claimed."""
     have = {event.id: event for event in claim.events}
     missing = [i for i in start if i not in have]
     extra = [event.id for event in claim.events if event.id not in set(start)]
@@ -132,12 +144,12 @@ async def _take_up(pool: AsyncPool, claim: Claim, start: list[int], folded: list
         if len(adopted) != len(missing):
             if adopted:
                 await ledger_claims.release_claim(conn, claim.home, claim.epoch, [e.id for e in adopted])
-            return False
+            return None
         if extra:
             await ledger_claims.release_claim(conn, claim.home, claim.epoch, extra)
     have.update({event.id: event for event in adopted})
     claim.events[:] = [have[i] for i in start]
-    return True
+    return adopted
 
 
 def adopter(pool: AsyncPool, claim: Claim, folded: list):

@@ -159,7 +159,7 @@ class Runs:
         try:
             ctx = await self._context(active)
             if self.journaled:
-                await run_journal.prepare(self.pool, c, ctx, ctx.journal, active.folded)
+                await run_journal.prepare(self.pool, c, ctx, ctx.journal, self._reload)
                 ctx.adopt = run_journal.adopter(self.pool, c, active.folded)
                 ctx.journal.stop = lambda: active.handing_over
                 finished.journaled = True
@@ -236,6 +236,11 @@ class Runs:
         """Whether runs keep a journal: a Claude run does (VIGIL_RUN_JOURNAL); the echo agent
         has no model or tool step to journal."""
         return self.needs_context and self.settings.run_journal
+
+    async def _reload(self, ctx: RunContext) -> None:
+        """A replay's context read again for its events (vigil.worker.journal.prepare)."""
+        async with self.pool.connection() as conn:
+            await load_context(conn, ctx, self._recent_limit)
 
     @property
     def _recent_limit(self) -> int:

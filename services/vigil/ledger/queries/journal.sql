@@ -1,10 +1,10 @@
 -- The run journal: each step of a run appended as it happens, fenced like the finish, read back when the run is claimed again. Read services/vigil/ledger/journal.py for the rules.
 
 -- name: journal_live_many
--- The live (unfinished) journal of each of these users, every step in order: a run's start reads its user's (one run per user at a time).
+-- The live (unfinished) run journal of each of these users, every step in order: a run's start reads its user's (one run per user at a time). Their background tasks' journals (task:tsk_...) are the tasks' own.
 SELECT j.user_id, j.run_key, j.step, j.kind, j.body::text AS body, j.outcome::text AS outcome
 FROM run_journal j
-WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL
+WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
 ORDER BY j.user_id, j.run_key, j.step
 
 -- name: journal_live_task
@@ -49,14 +49,16 @@ FROM (SELECT 1 FROM tasks t
 WHERE j.run_key = %(run_key)s AND j.step = %(step)s AND j.kind = 'call' AND j.outcome IS NULL
 
 -- name: journal_finish_users
--- In a finish: the live journals of these users' done runs end (one run per user at a time, so every live row of the user is that run's, or an abandoned one's). Deleted, or kept as finished for VIGIL_RUN_JOURNAL_DAYS.
+-- In a finish: the live run journals of these users' done runs end (one run per user at a time, so every live run journal of the user is that run's, or an abandoned one's; their tasks' journals are not). Deleted, or kept as finished for VIGIL_RUN_JOURNAL_DAYS.
 WITH ended AS (
     DELETE FROM run_journal j
-    WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT %(keep)s
+    WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
+      AND NOT %(keep)s
     RETURNING 1
 )
 UPDATE run_journal j SET finished_at = now()
-WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND %(keep)s
+WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
+  AND %(keep)s
 
 -- name: journal_finish_task
 -- A background task's terminal write: its journal ends with it (deleted, or kept as finished).
