@@ -87,18 +87,23 @@ def script(url: str, second_delay: float = 0.0) -> dict:
     return {"rules": rules}
 
 
+def questions_in(bodies: list[dict]) -> str:
+    """Which of the run's three questions the last of ``bodies`` is."""
+    body = bodies[-1]
+    last = body["messages"][-1]["content"]
+    kinds = {block.get("type") for block in last if isinstance(block, dict)}
+    if "tool_result" not in kinds:
+        return "q1"
+    before = body["messages"][-2]["content"]
+    names = {b.get("name") for b in before if isinstance(b, dict) and b.get("type") == "tool_use"}
+    return "q2" if "http_request" in names else "q3"
+
+
 def questions(server: ScriptedServer) -> dict[str, int]:
     """How often the model was asked each of the run's three questions."""
     asked = {"q1": 0, "q2": 0, "q3": 0}
     for body in server.requests():
-        last = body["messages"][-1]["content"]
-        kinds = {block.get("type") for block in last if isinstance(block, dict)}
-        if "tool_result" not in kinds:
-            asked["q1"] += 1
-            continue
-        before = body["messages"][-2]["content"]
-        names = {b.get("name") for b in before if isinstance(b, dict) and b.get("type") == "tool_use"}
-        asked["q2" if "http_request" in names else "q3"] += 1
+        asked[questions_in([body])] += 1
     return asked
 
 
@@ -180,6 +185,7 @@ def test_a_worker_killed_at_a_step_boundary_repeats_nothing(boundary, stack, top
         wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish on B")
         wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status <> 'done'") == 0, 30)
         asked = questions(server)
+        bodies = server.requests()
 
     receiver.close()
     keys = receiver.keys
@@ -201,6 +207,12 @@ def test_a_worker_killed_at_a_step_boundary_repeats_nothing(boundary, stack, top
         assert metric(b_port, "vigil_replay_saved_tokens_total") > 0
     if boundary == "call_in_doubt":
         assert metric(b_port, "vigil_replayed_steps_total", 'kind="in_doubt"') == 1
+    if boundary == "model_appended":
+        # The question asked again after the replay is the same bytes as before the crash: the
+        # journaled start's system prompt and the journaled turns (the prompt cache matches).
+        first, again = [b for b in bodies if questions_in([b]) == "q2"]
+        assert json.dumps(first["system"]) == json.dumps(again["system"])
+        assert json.dumps(first["messages"]) == json.dumps(again["messages"])
     b.stop()
 
 
