@@ -256,7 +256,10 @@ class Runs:
             active.folded.extend(more)
             return more
 
-        run_key = c.run_key
+        # Without a journal a retry asks the model again and may call other tools at the same
+        # steps: it gets a key of its own (vigil.worker.journal.fresh_key), never one a tool
+        # already saw for another call. With one, prepare() sets the key.
+        run_key = run_journal.fresh_key(c)
         return RunContext(
             user_id=c.user_id,
             run_key=run_key,
