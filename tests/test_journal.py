@@ -193,3 +193,31 @@ def test_steps_read_back_keep_their_bytes(ledger):
         return live
 
     assert asyncio.run(go())["ann"].steps[0].body == body
+
+
+def test_a_group_append_writes_each_step_under_its_own_fence(ledger):
+    """The worker's group statement: the steps whose epoch is current are written, a step of a
+    stale epoch and a step already there are refused, each on its own."""
+    query(ledger, "INSERT INTO partitions (topic, partition, epoch) VALUES ('events', 0, 2), ('events', 1, 1)")
+    other = PartitionKey("events", 1)
+
+    def item(home, epoch, key, step, kind="model"):
+        return ledger_journal.Pending(ledger_journal.RunFence(home, epoch, "ann", 1), key, step, kind, "{}")
+
+    async def go():
+        conn = await aconn(ledger)
+        written = await ledger_journal.append_many(
+            conn,
+            [item(HOME, 2, "ann:1", 1), item(HOME, 1, "bob:2", 1), item(other, 1, "cy:3", 1, "call")],
+        )
+        again = await ledger_journal.append_many(conn, [item(HOME, 2, "ann:1", 1)])
+        outcomes = await ledger_journal.outcome_many(
+            conn, [item(other, 1, "cy:3", 1, "outcome"), item(HOME, 2, "ann:1", 1, "outcome")]
+        )
+        await conn.close()
+        return written, again, outcomes
+
+    written, again, outcomes = asyncio.run(go())
+    assert written == {("ann:1", 1), ("cy:3", 1)}  # bob's epoch 1 of partition 0 is stale
+    assert again == set()
+    assert outcomes == {("cy:3", 1)}  # only a call's outcome, once

@@ -168,6 +168,53 @@ async def outcome(
         raise Fenced(f"journal outcome of step {step} of {run_key} refused: the fence moved on")
 
 
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """One step (or a call's outcome) of a run waiting for a group append."""
+
+    fence: RunFence
+    run_key: str
+    step: int
+    kind: str  # "model" | "call" for an append; "outcome" for a call's outcome
+    text: str  # the body, or the outcome
+
+
+async def append_many(conn: psycopg.AsyncConnection, items: list[Pending]) -> set[tuple[str, int]]:
+    """Many runs' steps in one statement (rule 2, per step). Returns the (run key, step) pairs
+    written; a pair missing was refused (its fence moved on, or the step was already there)."""
+    cur = await conn.execute(
+        Q.journal_append_many,
+        {
+            "run_keys": [i.run_key for i in items],
+            "steps": [i.step for i in items],
+            "kinds": [i.kind for i in items],
+            "user_ids": [i.fence.user_id for i in items],
+            "topics": [i.fence.home.topic for i in items],
+            "partitions": [i.fence.home.partition for i in items],
+            "epochs": [i.fence.epoch for i in items],
+            "attempts": [i.fence.attempt for i in items],
+            "bodies": [i.text for i in items],
+        },
+    )
+    return {(row["run_key"], row["step"]) for row in await cur.fetchall()}
+
+
+async def outcome_many(conn: psycopg.AsyncConnection, items: list[Pending]) -> set[tuple[str, int]]:
+    """Many calls' outcomes in one statement (rule 3). Returns the (run key, step) pairs written."""
+    cur = await conn.execute(
+        Q.journal_outcome_many,
+        {
+            "run_keys": [i.run_key for i in items],
+            "steps": [i.step for i in items],
+            "topics": [i.fence.home.topic for i in items],
+            "partitions": [i.fence.home.partition for i in items],
+            "epochs": [i.fence.epoch for i in items],
+            "outcomes": [i.text for i in items],
+        },
+    )
+    return {(row["run_key"], row["step"]) for row in await cur.fetchall()}
+
+
 async def discard(conn: psycopg.AsyncConnection, fence: RunFence, run_key: str) -> int:
     """Drop a live journal its run cannot replay; fenced. Returns the rows dropped."""
     cur = await conn.execute(Q.journal_discard, {**fence.params(), "run_key": run_key})

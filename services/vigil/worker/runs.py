@@ -58,6 +58,7 @@ class Runs:
         self.pool = pool
         self.clock = clock
         self.active: dict[str, Active] = {}
+        self.journal_group = run_journal.GroupAppend(pool)  # every run's journal appends, grouped
         self.finished: asyncio.Queue[Finished] = asyncio.Queue()
         # The partitions whose runs a revoke waits for (:meth:`wait_gone`): a finish group
         # holding one of their runs does not wait for company (finish_loop.gather_s), and
@@ -159,7 +160,7 @@ class Runs:
         try:
             ctx = await self._context(active)
             if self.journaled:
-                await run_journal.prepare(self.pool, c, ctx, ctx.journal, self._reload)
+                await run_journal.prepare(self.pool, c, ctx, ctx.journal, self._reload, self.journal_group)
                 ctx.adopt = run_journal.adopter(self.pool, c, active.folded)
                 ctx.journal.stop = lambda: active.handing_over
                 finished.journaled = True

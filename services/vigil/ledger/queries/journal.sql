@@ -92,3 +92,41 @@ LIMIT %(limit)s
 DELETE FROM run_journal j
 WHERE (j.finished_at IS NOT NULL AND j.finished_at < now() - make_interval(days => %(keep_days)s))
    OR (j.finished_at IS NULL AND j.recorded_at < now() - make_interval(days => %(live_days)s))
+
+-- name: journal_append_many
+-- Steps of many runs in one statement (the worker's group append), each fenced by its claim's epoch: the partition rows are held FOR SHARE to commit, in one global order (as lock_epochs does: no deadlock with a takeover); a step whose epoch is no longer current matches no fence row and is not written. Returns the steps written.
+WITH w AS (
+    SELECT * FROM unnest(%(run_keys)s::text[], %(steps)s::int[], %(kinds)s::text[], %(user_ids)s::text[],
+                         %(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[], %(attempts)s::int[],
+                         %(bodies)s::text[])
+             AS w(run_key, step, kind, user_id, topic, partition, epoch, attempt, body)
+),
+fence AS (
+    SELECT p.topic, p.partition, p.epoch FROM partitions p
+    WHERE (p.topic, p.partition, p.epoch) IN (SELECT DISTINCT w.topic, w.partition, w.epoch FROM w)
+    ORDER BY p.topic, p.partition
+    FOR SHARE OF p
+)
+INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body)
+SELECT w.run_key, w.step, w.kind, w.user_id, w.epoch, w.attempt, w.body::json
+FROM w JOIN fence f ON f.topic = w.topic AND f.partition = w.partition AND f.epoch = w.epoch
+ON CONFLICT (run_key, step) DO NOTHING
+RETURNING run_key, step
+
+-- name: journal_outcome_many
+-- Outcomes of many runs' calls in one statement, fenced like journal_append_many; only calls still in doubt are written. Returns the steps written.
+WITH w AS (
+    SELECT * FROM unnest(%(run_keys)s::text[], %(steps)s::int[], %(topics)s::text[], %(partitions)s::int[],
+                         %(epochs)s::bigint[], %(outcomes)s::text[])
+             AS w(run_key, step, topic, partition, epoch, outcome)
+),
+fence AS (
+    SELECT p.topic, p.partition, p.epoch FROM partitions p
+    WHERE (p.topic, p.partition, p.epoch) IN (SELECT DISTINCT w.topic, w.partition, w.epoch FROM w)
+    ORDER BY p.topic, p.partition
+    FOR SHARE OF p
+)
+UPDATE run_journal j SET outcome = w.outcome::json, outcome_at = now()
+FROM w JOIN fence f ON f.topic = w.topic AND f.partition = w.partition AND f.epoch = w.epoch
+WHERE j.run_key = w.run_key AND j.step = w.step AND j.kind = 'call' AND j.outcome IS NULL
+RETURNING j.run_key, j.step
