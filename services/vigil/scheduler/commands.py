@@ -8,9 +8,9 @@ import time
 
 import click
 
+from vigil.admin.connection import cli_connection
 from vigil.cliutil import emit
 from vigil.ledger import timers as ledger
-from vigil.ledger.cli import cli_connection
 from vigil.scheduler.main import serve
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.scheduler.timers import InvalidTimer, describe, parse_timer

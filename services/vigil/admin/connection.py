@@ -1,7 +1,7 @@
 """The ledger connection of a CLI command (``vigil timers``, ``vigil tokens``, ``vigil dead``...).
 
 Apart from :mod:`vigil.ledger.db` because it reads the settings through :mod:`vigil.service`,
-which the services' own modules (and so ``db``) sit below.
+which sits above the ledger (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
