@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from operator import itemgetter
@@ -27,6 +26,7 @@ import fastavro
 from confluent_kafka.serialization import MessageField, SerializationContext
 from fastavro.schema import fingerprint, parse_schema, to_parsing_canonical_form
 
+from vigil.envelope import Event, aware
 from vigil.paths import schemas_dir
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
@@ -41,57 +41,6 @@ class DecodeError(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """The envelope every producer writes (schema ``vigil.v1.Event``)."""
-
-    user_id: str
-    source: str
-    source_id: str
-    kind: str
-    payload: str
-    received_at: datetime
-    occurred_at: datetime | None = None
-    session_id: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "user_id": self.user_id,
-            "source": self.source,
-            "source_id": self.source_id,
-            "kind": self.kind,
-            "occurred_at": self.occurred_at,
-            "received_at": self.received_at,
-            "payload": self.payload,
-            "session_id": self.session_id,
-            "headers": dict(self.headers),
-        }
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Event:
-        return cls(
-            user_id=record["user_id"],
-            source=record["source"],
-            source_id=record["source_id"],
-            kind=record["kind"],
-            payload=record["payload"],
-            received_at=_aware(record["received_at"]),
-            occurred_at=_aware(record.get("occurred_at")),
-            session_id=record.get("session_id"),
-            headers=dict(record.get("headers") or {}),
-        )
-
-    def payload_json(self) -> Any:
-        return json.loads(self.payload)
-
-
-def _aware(value: datetime | None) -> datetime | None:
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=UTC)
 
 
 def load_schema_file(path) -> dict:
@@ -361,7 +310,7 @@ class EventCodec(AvroCodec):
             row = _event_row(record)
             occurred_at, received_at = row[7], row[8]
             if received_at.tzinfo is None or (occurred_at is not None and occurred_at.tzinfo is None):
-                row = (*row[:7], _aware(occurred_at), _aware(received_at))
+                row = (*row[:7], aware(occurred_at), aware(received_at))
         except (KeyError, TypeError, AttributeError) as exc:
             raise DecodeError(f"record is not an event: missing or bad field {exc}") from None
         _check(*row[:7])

@@ -20,7 +20,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from vigil import tracing
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
+from vigil.envelope import Event
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from pydantic import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vigil.bus.codec import Event
+from vigil.envelope import Event
 from vigil.ingest.auth import TokenAuth, authorize, ledger
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem

@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vigil.bus.codec import Event
+from vigil.envelope import Event
 from vigil.ingest.auth import ledger
 from vigil.ingest.cache import MissGuard, TtlCache
 from vigil.ingest.metrics import SIGNATURE_FAILURES

@@ -27,8 +27,9 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from opentelemetry.trace import SpanKind
 
 from vigil import tracing
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
 from vigil.bus.kafka import Delivered, ProduceError, producer_config
+from vigil.envelope import Event
 from vigil.ingest.metrics import EVENTS_PRODUCED, PRODUCE_FAILURES, PRODUCE_SECONDS
 from vigil.ingest.requests import Refusal, invalid, unavailable
 from vigil.settings import CommonSettings

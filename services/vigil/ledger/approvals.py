@@ -27,7 +27,7 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 
-from vigil.bus.codec import Event
+from vigil.envelope import Event
 from vigil.ledger.queries import Q
 from vigil.ledger.states import ApprovalAnswer, OnExpiry
 

@@ -41,9 +41,9 @@ import psycopg
 from opentelemetry.trace import Link, SpanKind
 
 from vigil import tracing
-from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.clock import Clock, SystemClock
+from vigil.envelope import Event
 from vigil.ledger import approvals
 from vigil.ledger import timers as ledger
 from vigil.ledger.db import connect

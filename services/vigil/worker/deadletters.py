@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, ProduceError
+from vigil.envelope import Event
 from vigil.ledger.claims import DeadEvent
 from vigil.settings import CommonSettings
 

@@ -18,8 +18,9 @@ from datetime import UTC, datetime
 
 from confluent_kafka import KafkaError, Producer
 
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
 from vigil.bus.kafka import producer_config
+from vigil.envelope import Event
 from vigil.settings import CommonSettings
 
 KIND = "chat.message"
