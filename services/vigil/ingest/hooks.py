@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from vigil.envelope import Event
 from vigil.ingest.auth import ledger
-from vigil.ingest.cache import MissGuard, TtlCache
+from vigil.ingest.cache import MissGuard
 from vigil.ingest.metrics import SIGNATURE_FAILURES
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, header_text, invalid, parse_json, read_body, received_at, require_json
@@ -34,6 +34,7 @@ from vigil.ledger.db import AsyncPool
 from vigil.ledger.ingest import Hook
 from vigil.ledger.states import HookProvider
 from vigil.numbers import NotParsed, unix_seconds
+from vigil.ttl_cache import TtlCache
 
 log = logging.getLogger(__name__)
 
