@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, overload
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,10 @@ class Event:
         return json.loads(self.payload)
 
 
+@overload
+def aware(value: datetime) -> datetime: ...
+@overload
+def aware(value: None) -> None: ...
 def aware(value: datetime | None) -> datetime | None:
     """``value``, in UTC when it carries no zone of its own."""
     if value is None or value.tzinfo is not None:

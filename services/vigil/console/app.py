@@ -493,7 +493,7 @@ def create_app(settings: ConsoleSettings) -> Starlette:
     app = Starlette(
         routes=routes,
         middleware=[Middleware(Metrics)],
-        exception_handlers={Refused: refused, HTTPException: not_found},
+        exception_handlers={Refused: refused, HTTPException: not_found},  # type: ignore[dict-item]  # each for its class
         lifespan=lifespan,
     )
     app.state.console = console

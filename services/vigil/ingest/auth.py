@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import psycopg
+from psycopg.rows import DictRow
 from starlette.requests import Request
 
 from vigil.ingest.cache import MissGuard
@@ -49,7 +50,7 @@ def token_hash(token: str) -> str:
 
 
 @asynccontextmanager
-async def ledger(pool: AsyncPool) -> AsyncIterator[psycopg.AsyncConnection]:
+async def ledger(pool: AsyncPool) -> AsyncIterator[psycopg.AsyncConnection[DictRow]]:
     """A pooled connection (dict rows), one transaction; an unreachable ledger is a 503, never a 500."""
     try:
         async with pool.connection() as conn:

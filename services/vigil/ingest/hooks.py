@@ -86,8 +86,8 @@ def delivery_event(provider: HookProvider, user_id: str, request: Request, body:
                 raise invalid("created", str(exc)) from None
     else:
         source_id = _clean(_header(request, "webhook-id", "svix-id"), "webhook-id")
-        event_type = document.get("type") if isinstance(document, dict) else None
-        event_type = _clean(event_type, "type") if event_type is not None else "event"
+        given_type = document.get("type") if isinstance(document, dict) else None
+        event_type = _clean(given_type, "type") if given_type is not None else "event"
     extra = {"traceparent": headers["traceparent"]} if "traceparent" in headers else {}
     return Event(
         user_id=user_id,
@@ -155,7 +155,7 @@ class HookReceiver:
             raise Refusal(404, "unknown_hook", "no such hook")
         provider = HookProvider(hook.provider)
         require_json(request)
-        body = await read_body(request, self.settings.max_body_bytes)
+        body = await read_body(request, self.settings.max_body_bytes)  # type: ignore[arg-type]  # set when validated
         if not hook.secrets:
             SIGNATURE_FAILURES.labels(provider.value, "no_active_secret").inc()
             raise Refusal(401, "invalid_signature", "the hook has no active secret", reason="no_active_secret")

@@ -96,7 +96,9 @@ def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, 
     with cli_connection() as conn:
         result = ledger.upsert(conn, timer)
     if result.status == "conflict":
+        assert result.reason is not None  # a conflict says why
         raise click.ClickException(result.reason)
+    assert result.row is not None  # the upsert returned it or read it, in one transaction
     shown = describe(result.row)
     note = f" ({result.reason})" if result.reason else ""
     emit({**shown, "status": result.status}, as_json, f"{result.status}: {_line(shown)}{note}")

@@ -142,7 +142,7 @@ class BenchProducer:
 class Background(threading.Thread):
     """Run a producing method on a thread; ``result()`` joins and returns (or re-raises)."""
 
-    def __init__(self, method, args):
+    def __init__(self, method, args) -> None:
         super().__init__(name="bench-producer", daemon=True)
         self.method = method
         self.args = args
