@@ -42,9 +42,11 @@ test-fast: $(STAMP) tools ## The tests that start no Kafka and no PostgreSQL (py
 	@bash deploy/tools/build-prometheus.sh >/dev/null  # promtool + prometheus, built once per machine
 	$(BIN)/pytest -q -m "not stack"
 
-lint: $(STAMP) ## ruff: lint and check formatting (settings in pyproject.toml)
+lint: $(STAMP) ## ruff (lint, formatting), import-linter (the layers), mypy (types); settings in pyproject.toml
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 fmt: $(STAMP) ## ruff: fix what can be fixed and format
 	$(BIN)/ruff check --fix .

@@ -12,8 +12,9 @@ from click.testing import CliRunner
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from psycopg.rows import dict_row
 
-from vigil.bus.codec import Event, EventCodec
-from vigil.ingest.embedded import EmbeddedIngest
+from embedded_ingest import EmbeddedIngest
+from vigil.bus.codec import EventCodec
+from vigil.envelope import Event
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger import approvals
 from vigil.ledger.queries import Q

@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
 
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
+from vigil.envelope import Event
 
 CODEC = EventCodec()
 DAY = 86_400

@@ -18,10 +18,10 @@ from vigil.bus.codec import (
     SINGLE_OBJECT_MAGIC,
     AvroCodec,
     DecodeError,
-    Event,
     EventCodec,
     compile_reader,
 )
+from vigil.envelope import Event
 from vigil.paths import schemas_dir
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, 123000, tzinfo=UTC)

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 import pytest
 
 from ingest_support import read_events
-from vigil.bus.codec import Event
+from vigil.envelope import Event
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal
 from vigil.settings import CommonSettings

@@ -7,8 +7,9 @@ from datetime import UTC, datetime
 from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
 from vigil.bus.kafka import EventProducer
+from vigil.envelope import Event
 from vigil.settings import CommonSettings
 
 

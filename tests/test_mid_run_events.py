@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 from ingest_support import cli
 from support import query, scalar, wait_for
-from vigil.bus.codec import Event
+from vigil.envelope import Event
 from vigil_dev.scripted_server import ScriptedServer
 from worker_support import chat, claude_env, produce
 

@@ -11,8 +11,8 @@ from datetime import UTC
 
 import pytest
 
-from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, java_partition, murmur2
+from vigil.envelope import Event
 from vigil.settings import CommonSettings
 
 JAVA_VECTORS = [

@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 from confluent_kafka import Producer
 
 from support import query, wait_for
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
+from vigil.envelope import Event
 
 CODEC = EventCodec()
 

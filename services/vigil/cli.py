@@ -12,18 +12,18 @@ import sys
 import click
 
 from vigil import config_command
+from vigil.admin import commands as admin_commands
 from vigil.agent import commands as agent_commands
 from vigil.console import commands as console_commands
 from vigil.dispatcher import commands as dispatcher_commands
 from vigil.ingest import commands as ingest_commands
-from vigil.ledger import commands as ledger_commands
 from vigil.scheduler import commands as scheduler_commands
 from vigil.service import VigilGroup
 from vigil.worker import commands as worker_commands
 from vigil.worker import run_commands, task_commands
 
 COMMAND_MODULES = (
-    ledger_commands,
+    admin_commands,
     config_command,
     worker_commands,
     task_commands,

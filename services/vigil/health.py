@@ -19,6 +19,7 @@ import anyio
 import psycopg
 import uvicorn
 from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, disable_created_metrics, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -81,7 +82,7 @@ class KafkaCheck:
     def __init__(self, settings: CommonSettings, timeout_s: float = CHECK_TIMEOUT_S):
         self.settings = settings
         self.timeout_s = timeout_s
-        self._admin = None
+        self._admin: AdminClient | None = None
 
     def __call__(self) -> bool:
         if self._admin is None:
@@ -184,7 +185,7 @@ class HealthServer:
         app = Starlette(routes=health_routes(readiness))
         config = server_config(app, host, port, HEALTH_LIMITS, log_level="warning", log_config=None, lifespan="off")
         self.server = uvicorn.Server(config)
-        self.server.install_signal_handlers = lambda: None  # the service owns the signals
+        self.server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the service owns the signals
         self.port = port
         self.host = host
         self.thread: threading.Thread | None = None

@@ -145,7 +145,7 @@ class Repeats(logging.Filter):
         for (level, _), (opened, count, (text, path, line)) in done:
             if count:
                 text = f"{text} ({self._note(count, now - opened)})"
-                self.logger.callHandlers(self.logger.makeRecord(self.logger.name, level, path, line, text, None, None))
+                self.logger.callHandlers(self.logger.makeRecord(self.logger.name, level, path, line, text, None, None))  # type: ignore[arg-type]  # no args: the text is final
 
     def _flush_every(self) -> None:
         while not self._stopped.wait(self.window_s / 2):

@@ -190,14 +190,14 @@ class CommonSettings(BaseSettings):
     def dsn(self) -> str:
         return self.database_url.get_secret_value()
 
-    def kafka_client_options(self) -> dict[str, object]:
+    def kafka_client_options(self) -> dict[str, Any]:
         """Pass-through librdkafka settings for SASL/TLS clusters.
 
         ``VIGIL_KAFKA_OPT_SECURITY_PROTOCOL=SASL_SSL`` becomes ``security.protocol``: librdkafka
         names use dots and never underscores, so the mapping is unambiguous. librdkafka's own
         log lines go to the ``vigil.kafka`` logger (JSON like every other line), not raw to stderr.
         """
-        options: dict[str, object] = {"bootstrap.servers": self.kafka_bootstrap, "logger": KAFKA_LOGGER}
+        options: dict[str, Any] = {"bootstrap.servers": self.kafka_bootstrap, "logger": KAFKA_LOGGER}
         for name, value in os.environ.items():
             if name.startswith(KAFKA_OPT_PREFIX) and len(name) > len(KAFKA_OPT_PREFIX):
                 options[name[len(KAFKA_OPT_PREFIX) :].lower().replace("_", ".")] = value

@@ -86,7 +86,8 @@ def setup(service: str) -> bool:
     attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: f"vigil-{service}"}
     # The sampler OTEL_TRACES_SAMPLER names (parent-based always-on by default), behind the
     # rule that drops causeless outgoing calls.
-    provider = TracerProvider(resource=Resource.create(attributes), sampler=CausedOnly(_get_from_env_or_default()))
+    sampler = CausedOnly(_get_from_env_or_default())  # a Sampler by its methods (the SDK is imported late)
+    provider = TracerProvider(resource=Resource.create(attributes), sampler=sampler)  # type: ignore[arg-type]
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     _name_statements_after_queries()
@@ -110,14 +111,14 @@ def _name_statements_after_queries() -> None:
     names = statement_names() | {"": "pool_check"}
     base = instrumented.CursorTracer
 
-    class NamedQueries(base):
+    class NamedQueries(base):  # type: ignore[valid-type, misc]  # the instrumentation's class, found at run time
         def get_operation_name(self, cursor, args) -> str:
             if args and isinstance(args[0], str) and args[0] in names:
                 return names[args[0]]
             return super().get_operation_name(cursor, args)
 
     # The instrumentation builds its tracer from this module attribute per connection.
-    instrumented.CursorTracer = NamedQueries
+    instrumented.CursorTracer = NamedQueries  # type: ignore[misc]
 
 
 class CausedOnly:
@@ -156,7 +157,7 @@ def traceparent(span: trace.Span | None = None) -> str | None:
     return carrier(span).get("traceparent")
 
 
-def context_of(headers: Mapping[str, str] | None):
+def context_of(headers: Mapping[str, str | None] | None):
     """The remote context in ``headers`` (a traceparent, maybe a tracestate), or None."""
     if not headers or not headers.get("traceparent"):
         return None
@@ -164,12 +165,12 @@ def context_of(headers: Mapping[str, str] | None):
     return context if trace.get_current_span(context).get_span_context().is_valid else None
 
 
-def span_context_of(headers: Mapping[str, str] | None):
+def span_context_of(headers: Mapping[str, str | None] | None):
     context = context_of(headers)
     return None if context is None else trace.get_current_span(context).get_span_context()
 
 
-def kafka_headers(headers: Mapping[str, str]) -> list[tuple[str, bytes]] | None:
+def kafka_headers(headers: Mapping[str, str]) -> list[tuple[str, str | bytes | None]] | None:
     """The trace context of an event's envelope headers, as Kafka record headers (None: none).
 
     Cheap enough to call for every produced event whether traces are on or not: a webhook's

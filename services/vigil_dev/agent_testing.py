@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -55,9 +56,9 @@ def context(
     *,
     user_id: str = "u1",
     memory: dict[str, str] | None = None,
-    sessions: list[SavedSession] = (),
-    approvals: list[ApprovalRequest] = (),
-    recent: list[str] = (),
+    sessions: Sequence[SavedSession] = (),
+    approvals: Sequence[ApprovalRequest] = (),
+    recent: Sequence[str] = (),
     fold=None,
     seconds: float = 120.0,
 ) -> RunContext:

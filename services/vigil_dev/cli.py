@@ -177,9 +177,9 @@ def up(services: bool, demo: bool) -> None:
     env_file.chmod(0o600)
     click.echo(f"settings    {env_file}  (`. {env_file}` points a shell at this stack)")
     if demo and "worker" in started:
-        result = subprocess.run([sys.executable, "-m", "vigil_dev", "demo"], env={**child_env, **env})
-        if result.returncode != 0:
-            raise SystemExit(result.returncode)
+        demo_run = subprocess.run([sys.executable, "-m", "vigil_dev", "demo"], env={**child_env, **env})
+        if demo_run.returncode != 0:
+            raise SystemExit(demo_run.returncode)
     elif demo:
         click.echo("demo        not run again: the stack was already up (`make demo` runs it)")
 

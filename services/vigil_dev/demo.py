@@ -18,8 +18,9 @@ from datetime import UTC, datetime
 import click
 from confluent_kafka import Consumer, TopicPartition
 
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
 from vigil.bus.kafka import EventProducer
+from vigil.envelope import Event
 from vigil.ledger.db import connect
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings

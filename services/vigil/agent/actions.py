@@ -92,6 +92,7 @@ class RefundTool(ActionTool):
         if refusal is not None:
             return ToolOutput(f"Not refunded: {refusal}.", True)
         amount = _amount(args["amount"])
+        assert amount is not None  # check() refused anything else
         async with await connect_async(self.dsn, autocommit=True) as conn:
             row = await ledger_agent.record_refund(
                 conn, call.idempotency_key, call.user_id, args["order_id"], amount, args.get("reason")

@@ -14,10 +14,10 @@ from datetime import UTC, datetime
 
 import click
 
+from vigil.admin.connection import cli_connection
 from vigil.agent.settings import parse_event_policies
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
-from vigil.ledger.cli import cli_connection
 
 
 def _ledger():

@@ -180,7 +180,9 @@ class Conversation:
         latest = self.thread.escalations[-1].payload_json()
         due = latest.get("due") if isinstance(latest, dict) else None
         secret = self.box.settings.approval_secret.get_secret_value()
-        self.thread.pending, message = escalate(self.thread.pending, due, self.run.ctx.user_id, secret)
+        pending = self.thread.pending
+        assert pending is not None  # a waiting session holds its deferred call
+        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret)
         self.outputs.messages.append(message)
         return Ended(self.outputs, touched=True)
 

@@ -164,7 +164,7 @@ async def run_child(child: Child, instructions: str) -> str:
             tools=tools,
         )
         content, usage, replayed = await child.journal.model_turn(
-            lambda request=request: model.create(child.client, request, child.budget, child.retry)
+            lambda request=request: model.create(child.client, request, child.budget, child.retry)  # type: ignore[misc]
         )
         child.budget.add(usage, billed=not replayed)
         _sync_usage(child)

@@ -134,7 +134,7 @@ class Journal:
                 raise Diverged(
                     f"step {self.step} of {self.run_key} is a {rec.kind} in the journal, not a model turn", self.run_key
                 )
-            usage = SimpleNamespace(**rec.body.get("usage", {}))
+            usage: Any = SimpleNamespace(**rec.body.get("usage", {}))
             metrics.REPLAYED_STEPS["model"].inc()
             tokens = sum(vars(usage).values())
             self.replayed_tokens += tokens

@@ -31,7 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, cast
 
 import anthropic
 import httpx2
@@ -221,7 +221,7 @@ async def _message(response: httpx2.Response) -> Message:
     try:
         return Message.model_validate_json(body)
     except pydantic.ValidationError:
-        return construct_type(type_=Message, value=json.loads(body))  # the SDK's lenient reader
+        return cast(Message, construct_type(type_=Message, value=json.loads(body)))  # the SDK's lenient reader
 
 
 _urls: weakref.WeakKeyDictionary[anthropic.AsyncAnthropic, httpx2.URL] = weakref.WeakKeyDictionary()
@@ -252,7 +252,11 @@ def _options(client: anthropic.AsyncAnthropic) -> FinalRequestOptions:
     options = _templates.get(client)
     if options is None:
         options = _templates[client] = FinalRequestOptions.construct(
-            method="post", url=_url(client), json_data=None, content=None, files=None
+            method="post",
+            url=_url(client),  # type: ignore[arg-type]  # a parsed URL on purpose: see _url
+            json_data=None,
+            content=None,
+            files=None,
         )
     return options
 

@@ -10,6 +10,7 @@ Only the user's own rows are ever read or written.
 from __future__ import annotations
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.agent.base import ApprovalRequest, RunContext, RunResult, SavedSession
 from vigil.agent.sessions import encode_messages, request_id_of
@@ -20,7 +21,7 @@ DEAD_EVENTS_SHOWN = 20
 
 
 async def load_context_parts(
-    conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int, journal: bool = False
+    conn: psycopg.AsyncConnection[DictRow], ctx: RunContext, recent_limit: int, journal: bool = False
 ) -> None:
     """Fill ``ctx`` in place: every session its events name, memory, past messages (the newest
     ``recent_limit``: delivered ones, and those the outbox still holds back for the pacing gap),
@@ -31,7 +32,7 @@ async def load_context_parts(
 
 
 async def load_contexts(
-    conn: psycopg.AsyncConnection, ctxs: list[RunContext], recent_limit: int, journal: bool = False
+    conn: psycopg.AsyncConnection[DictRow], ctxs: list[RunContext], recent_limit: int, journal: bool = False
 ) -> None:
     """:func:`load_context_parts` for many runs at once, in one pipeline
     (:func:`vigil.ledger.agent.load_contexts`). ``journal``: each user's live run journal

@@ -60,8 +60,8 @@ class ActionTool(ABC):
     """A tool that acts outside the run. Subclass, fill the class attributes, register it."""
 
     name: ClassVar[str]
-    description: ClassVar[str]
-    input_schema: ClassVar[dict[str, Any]]
+    description: str  # a class attribute, or set per instance (http_request names its hosts)
+    input_schema: dict[str, Any]
     default_permission: ClassVar[Permission] = Permission.ASK
 
     def definition(self) -> dict[str, Any]:

@@ -17,17 +17,22 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from operator import itemgetter
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import fastavro
 from confluent_kafka.serialization import MessageField, SerializationContext
 from fastavro.schema import fingerprint, parse_schema, to_parsing_canonical_form
 
+from vigil.envelope import Event, aware
 from vigil.paths import schemas_dir
+
+if TYPE_CHECKING:  # the registry client is imported only where it is used (see _setup_registry)
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+    from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
@@ -43,63 +48,13 @@ class DecodeError(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """The envelope every producer writes (schema ``vigil.v1.Event``)."""
-
-    user_id: str
-    source: str
-    source_id: str
-    kind: str
-    payload: str
-    received_at: datetime
-    occurred_at: datetime | None = None
-    session_id: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "user_id": self.user_id,
-            "source": self.source,
-            "source_id": self.source_id,
-            "kind": self.kind,
-            "occurred_at": self.occurred_at,
-            "received_at": self.received_at,
-            "payload": self.payload,
-            "session_id": self.session_id,
-            "headers": dict(self.headers),
-        }
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Event:
-        return cls(
-            user_id=record["user_id"],
-            source=record["source"],
-            source_id=record["source_id"],
-            kind=record["kind"],
-            payload=record["payload"],
-            received_at=_aware(record["received_at"]),
-            occurred_at=_aware(record.get("occurred_at")),
-            session_id=record.get("session_id"),
-            headers=dict(record.get("headers") or {}),
-        )
-
-    def payload_json(self) -> Any:
-        return json.loads(self.payload)
-
-
-def _aware(value: datetime | None) -> datetime | None:
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=UTC)
-
-
-def load_schema_file(path) -> dict:
+def load_schema_file(path: str | Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+        schema: dict[str, Any] = json.load(handle)
+        return schema
 
 
-def _schema_versions(name: str) -> list[dict]:
+def _schema_versions(name: str) -> list[dict[str, Any]]:
     """The current schema of ``name`` first, then every older version kept in history/."""
     namespace, _, short = name.rpartition(".")
     folder = schemas_dir().joinpath(*namespace.split("."))
@@ -123,8 +78,8 @@ class AvroCodec:
         name: str = EVENT_SCHEMA_NAME,
         *,
         schema_registry_url: str | None = None,
-        reader_schema: dict | None = None,
-        writer_schemas: list[dict] | None = None,
+        reader_schema: dict[str, Any] | None = None,
+        writer_schemas: list[dict[str, Any]] | None = None,
         subject: str | None = None,
     ):
         versions = _schema_versions(name)
@@ -137,20 +92,20 @@ class AvroCodec:
         for raw in [*versions, *(writer_schemas or [])]:
             self.add_writer_schema(raw)
         self._read_own = compile_reader(self.schema_json)
-        self._registry = None
-        self._serializer = None
-        self._deserializer = None
+        self._registry: SchemaRegistryClient | None = None
+        self._serializer: AvroSerializer | None = None
+        self._deserializer: AvroDeserializer | None = None
         if schema_registry_url:
             self._setup_registry(schema_registry_url, subject or f"{name}-value")
 
     @staticmethod
-    def fingerprint_of(schema_json: dict) -> bytes:
+    def fingerprint_of(schema_json: dict[str, Any]) -> bytes:
         canonical = to_parsing_canonical_form(parse_schema(schema_json))
         # fastavro renders the CRC-64-AVRO value as the hex of its little-endian bytes,
         # which is exactly the byte order single-object encoding puts on the wire.
         return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
 
-    def add_writer_schema(self, schema_json: dict) -> None:
+    def add_writer_schema(self, schema_json: dict[str, Any]) -> None:
         # setdefault: a schema with the reader's fingerprint (the same binary layout) never
         # displaces the reader's own.
         self._by_fingerprint.setdefault(self.fingerprint_of(schema_json), parse_schema(schema_json))
@@ -176,7 +131,8 @@ class AvroCodec:
 
     def encode_record(self, record: dict[str, Any], topic: str = "") -> bytes:
         if self._serializer is not None:
-            return self._serializer(record, SerializationContext(topic, MessageField.VALUE))
+            # bytes for any record (the stub's None is for a None record)
+            return cast(bytes, self._serializer(record, SerializationContext(topic, MessageField.VALUE)))
         body = io.BytesIO()
         body.write(SINGLE_OBJECT_MAGIC)
         body.write(self._fingerprint)
@@ -200,8 +156,8 @@ class AvroCodec:
                     # resolution, and no generic reader set up per message where ours can.
                     if self._read_own is not None:
                         return self._read_own(data, 10)
-                    return fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, None)
-                return fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, self._schema)
+                    return cast(dict[str, Any], fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, None))
+                return cast(dict[str, Any], fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, self._schema))
             except Exception as exc:  # fastavro (and ours) raise many types on corrupt bodies
                 raise DecodeError(f"corrupt Avro body: {type(exc).__name__}: {exc}") from None
         if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
@@ -215,7 +171,7 @@ class AvroCodec:
                 raise DecodeError(f"schema registry decode failed: {type(exc).__name__}: {exc}") from None
             if record is None:
                 raise DecodeError("schema registry decode returned nothing")
-            return record
+            return cast(dict[str, Any], record)  # an Avro record decodes to a dict
         raise DecodeError(f"unknown framing (first bytes {bytes(data[:2]).hex()})")
 
 
@@ -232,6 +188,8 @@ class AvroCodec:
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MAX_VARINT_SHIFT = 63  # a long is at most 10 bytes of 7 bits
+# A reader of one value: the value at a position in the bytes, and the position after it.
+Reader = Callable[[bytes, int], tuple[Any, int]]
 
 
 def _read_long(data: bytes, pos: int) -> tuple[int, int]:
@@ -268,7 +226,7 @@ def _read_timestamp_millis(data: bytes, pos: int) -> tuple[datetime, int]:
     return _EPOCH + timedelta(milliseconds=millis), pos
 
 
-def _read_optional(read: Callable, data: bytes, pos: int) -> tuple[Any, int]:
+def _read_optional(read: Reader, data: bytes, pos: int) -> tuple[Any, int]:
     branch, pos = _read_long(data, pos)
     if branch == 0:
         return None, pos
@@ -277,8 +235,8 @@ def _read_optional(read: Callable, data: bytes, pos: int) -> tuple[Any, int]:
     raise ValueError(f"union branch {branch} of a two-branch union")
 
 
-def _read_map(read: Callable, data: bytes, pos: int) -> tuple[dict, int]:
-    items = {}
+def _read_map(read: Reader, data: bytes, pos: int) -> tuple[dict[str, Any], int]:
+    items: dict[str, Any] = {}
     while True:
         count, pos = _read_long(data, pos)
         if count == 0:
@@ -291,7 +249,7 @@ def _read_map(read: Callable, data: bytes, pos: int) -> tuple[dict, int]:
             items[key], pos = read(data, pos)
 
 
-def _type_reader(avro_type: Any) -> Callable | None:
+def _type_reader(avro_type: Any) -> Reader | None:
     if avro_type == "string":
         return _read_string
     if avro_type == "long":
@@ -314,16 +272,17 @@ def _type_reader(avro_type: Any) -> Callable | None:
     return None
 
 
-def compile_reader(schema: dict) -> Callable[[bytes, int], dict] | None:
+def compile_reader(schema: dict[str, Any]) -> Callable[[bytes, int], dict[str, Any]] | None:
     """A reader of ``schema``'s records from a position in the bytes, or None if it has a type
     the direct reader does not know."""
     if not isinstance(schema, dict) or schema.get("type") != "record":
         return None
-    fields = [(field["name"], _type_reader(field["type"])) for field in schema["fields"]]
-    if any(read is None for _, read in fields):
+    readers = [(field["name"], _type_reader(field["type"])) for field in schema["fields"]]
+    fields = [(name, read) for name, read in readers if read is not None]
+    if len(fields) < len(readers):
         return None
 
-    def read_record(data: bytes, pos: int) -> dict:
+    def read_record(data: bytes, pos: int) -> dict[str, Any]:
         record = {}
         for name, read in fields:
             record[name], pos = read(data, pos)
@@ -350,7 +309,7 @@ class EventCodec(AvroCodec):
         _check(event.user_id, event.source, event.source_id, event.kind, event.payload, event.session_id, event.headers)
         return event
 
-    def decode_row(self, data: bytes | None, topic: str = "") -> tuple:
+    def decode_row(self, data: bytes | None, topic: str = "") -> tuple[Any, ...]:
         """The event's fields in :data:`EVENT_ROW_FIELDS` order, checked as :meth:`decode` does.
 
         The worker's consumer writes them straight into its COPY: building an :class:`Event`
@@ -358,10 +317,10 @@ class EventCodec(AvroCodec):
         """
         record = self.decode_record(data, topic)
         try:
-            row = _event_row(record)
+            row: tuple[Any, ...] = _event_row(record)
             occurred_at, received_at = row[7], row[8]
             if received_at.tzinfo is None or (occurred_at is not None and occurred_at.tzinfo is None):
-                row = (*row[:7], _aware(occurred_at), _aware(received_at))
+                row = (*row[:7], aware(occurred_at), aware(received_at))
         except (KeyError, TypeError, AttributeError) as exc:
             raise DecodeError(f"record is not an event: missing or bad field {exc}") from None
         _check(*row[:7])
@@ -407,7 +366,8 @@ def _check(
             raise DecodeError(f"payload is not JSON: {exc}") from None
 
 
-_scan_json = json.JSONDecoder().scan_once
+# The C scanner json.loads runs (JSONDecoder sets it; typeshed does not declare it).
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def _scans_as_json(text: str) -> bool:

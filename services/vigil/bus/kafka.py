@@ -13,14 +13,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from vigil import tracing
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
+from vigil.envelope import Event
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -31,11 +33,15 @@ PRODUCER_LINGER_MS = 5
 PRODUCER_BATCH_BYTES = 256 * 1024
 
 
+# Kafka record headers, as the client takes them.
+Headers = list[tuple[str, str | bytes | None]]
+
+
 class ProduceError(Exception):
     """The broker did not acknowledge an event (or not in time). Nothing may claim success."""
 
 
-def producer_config(settings: CommonSettings, **extra: object) -> dict:
+def producer_config(settings: CommonSettings, **extra: object) -> dict[str, Any]:
     config = settings.kafka_client_options()
     config.update(
         {
@@ -128,10 +134,10 @@ class EventProducer:
 
     def send_raw(
         self,
-        messages: list[tuple],
+        messages: list[tuple[Any, ...]],
         topic: str,
         timeout: float | None = None,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: Headers | None = None,
     ) -> list[Delivered]:
         """Produce ``messages``, each ``(key, value)`` with ``headers``, or ``(key, value, its
         own headers)``, and wait for every acknowledgement (see the class)."""
@@ -143,9 +149,10 @@ class EventProducer:
         if not messages:
             return []
 
-        def callback(index: int):
-            def on_delivery(err, msg):
-                results[index] = err if err is not None else Delivered(msg.topic(), msg.partition(), msg.offset())
+        def callback(index: int) -> Callable[[KafkaError | None, Message], None]:
+            def on_delivery(err: KafkaError | None, msg: Message) -> None:
+                # An acknowledged message has its topic, partition and offset (the stubs allow None).
+                results[index] = err if err is not None else Delivered(msg.topic(), msg.partition(), msg.offset())  # type: ignore[arg-type]
                 with lock:
                     remaining[0] -= 1
                     if remaining[0] == 0:

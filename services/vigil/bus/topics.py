@@ -10,6 +10,7 @@ differs and leaves it there.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from confluent_kafka.admin import ConfigResource, ResourceType
 
@@ -38,7 +39,7 @@ class TopicState:
     config: dict[str, str]
     differences: list[str]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

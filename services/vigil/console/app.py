@@ -39,12 +39,12 @@ from vigil.console.lag import EndOffsets, answered_at
 from vigil.console.settings import ConsoleSettings
 from vigil.dispatcher.operator import revive_delivery
 from vigil.health import Readiness, dependency_checks, health_routes
-from vigil.ingest.cache import TtlCache
 from vigil.ledger import console as ledger
 from vigil.ledger import ingest as tokens
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.db import PoolTimeout
 from vigil.ledger.events import retry_dead_events
+from vigil.ttl_cache import TtlCache
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +493,7 @@ def create_app(settings: ConsoleSettings) -> Starlette:
     app = Starlette(
         routes=routes,
         middleware=[Middleware(Metrics)],
-        exception_handlers={Refused: refused, HTTPException: not_found},
+        exception_handlers={Refused: refused, HTTPException: not_found},  # type: ignore[dict-item]  # each for its class
         lifespan=lifespan,
     )
     app.state.console = console

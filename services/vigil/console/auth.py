@@ -77,5 +77,5 @@ def csrf_for(token: str) -> str:
     return hmac.new(token.encode(), b"vigil-console-csrf-v1", hashlib.sha256).hexdigest()
 
 
-def csrf_ok(operator: Operator, sent: str | None) -> bool:
+def csrf_ok(operator: Operator, sent: object) -> bool:
     return bool(sent) and hmac.compare_digest(operator.csrf, str(sent))

@@ -21,9 +21,9 @@ from confluent_kafka.admin import AdminClient
 from starlette.concurrency import run_in_threadpool
 
 from vigil.bus.kafka import end_offsets, quiet_admin
-from vigil.ingest.cache import TtlCache
 from vigil.ledger.console import PartitionRow
 from vigil.settings import CommonSettings
+from vigil.ttl_cache import TtlCache
 
 log = logging.getLogger(__name__)
 

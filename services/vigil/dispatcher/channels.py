@@ -33,7 +33,7 @@ import httpx
 
 from vigil import tracing
 from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
-from vigil.bus.kafka import EventProducer, ProduceError
+from vigil.bus.kafka import EventProducer, Headers, ProduceError
 from vigil.dispatcher.pacing import Row
 from vigil.ledger.states import ChannelType
 from vigil.outbound import AddressPolicy, BlockedAddress, guarded_transport, url_problem
@@ -274,7 +274,7 @@ class KafkaChannel:
 
     def send(self, delivery: Delivery, now: datetime) -> Outcome:
         value = self.codec.encode_record(self.record(delivery), self.topic)
-        headers = [("delivery-id", str(delivery.delivery_id).encode())]
+        headers: Headers = [("delivery-id", str(delivery.delivery_id).encode())]
         if tracing.enabled:  # the delivery span's context, for a consumer that traces too
             headers += tracing.kafka_headers(tracing.carrier()) or []
         try:

@@ -25,6 +25,7 @@ from dataclasses import replace
 from datetime import datetime
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.clock import Clock, utc
 from vigil.dispatcher import metrics
@@ -97,7 +98,7 @@ class Chooser:
         limits: Limits,
         clock: Clock,
         poll_interval_s: float,
-        conn: Callable[[], psycopg.Connection],
+        conn: Callable[[], psycopg.Connection[DictRow]],
     ):
         self.limits = limits
         self.clock = clock

@@ -30,6 +30,7 @@ from datetime import datetime, timedelta
 from uuid import UUID
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.dispatcher.channels import LOG_CHANNEL, ChannelConfig, Delivery
 from vigil.dispatcher.pacing import MAX_MESSAGES_PER_DELIVERY, Action, Decision, Pacing, Row, plan, wake_at
@@ -95,7 +96,7 @@ def _expect(what: str, returned: set, planned: set) -> None:
 
 
 def claim(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     now: datetime,
     limits: Limits,
     after: str = "",
@@ -209,15 +210,15 @@ class Recorded:
     created_at: list[datetime] = field(default_factory=list)  # delivered rows' creation times
 
 
-def record_delivered(conn: psycopg.Connection, deliveries: list[Delivery], now: datetime) -> list[Recorded]:
+def record_delivered(conn: psycopg.Connection[DictRow], deliveries: list[Delivery], now: datetime) -> list[Recorded]:
     """The accepted deliveries' outcomes in one statement (one commit), in their order."""
     created = outbox.mark_delivered(conn, {d.delivery_id: d.attempt for d in deliveries}, now)
     return [Recorded(bool(created[d.delivery_id]), created[d.delivery_id]) for d in deliveries]
 
 
-def record_retry(conn: psycopg.Connection, delivery: Delivery, at: datetime, error: str) -> Recorded:
+def record_retry(conn: psycopg.Connection[DictRow], delivery: Delivery, at: datetime, error: str) -> Recorded:
     return Recorded(outbox.schedule_retry(conn, delivery.delivery_id, delivery.attempt, at, error) > 0)
 
 
-def record_dead(conn: psycopg.Connection, delivery: Delivery, now: datetime, error: str) -> Recorded:
+def record_dead(conn: psycopg.Connection[DictRow], delivery: Delivery, now: datetime, error: str) -> Recorded:
     return Recorded(outbox.mark_dead(conn, delivery.delivery_id, delivery.attempt, now, error) > 0)

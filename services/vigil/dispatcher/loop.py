@@ -27,6 +27,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.clock import Clock
 from vigil.dispatcher import metrics
@@ -66,20 +67,20 @@ class Dispatcher:
         settings: DispatcherSettings,
         clock: Clock,
         channels: Channels,
-        connect: Callable[[], psycopg.Connection] | None = None,
+        connect: Callable[[], psycopg.Connection[DictRow]] | None = None,
     ):
         self.settings = settings
         self.clock = clock
         self.limits = limits_of(settings)
         self._connect = connect or (lambda: db.connect(settings.dsn, autocommit=True))
-        self._conn: psycopg.Connection | None = None
+        self._conn: psycopg.Connection[DictRow] | None = None
         self._backlog_at = 0.0
         self.chooser = Chooser(self.limits, clock, settings.dispatcher_poll_interval_s, lambda: self.conn)
         self.recorder = Recorder(settings, self.limits, clock, lambda: self.conn, on_ended=self.chooser.ended)
         self.sender = Sender(settings.dispatcher_concurrency, clock, channels, on_outcome=self.recorder.keep)
 
     @property
-    def conn(self) -> psycopg.Connection:
+    def conn(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
             self._conn = self._connect()
         return self._conn

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from urllib.parse import urlparse
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.cliutil import login_name
 from vigil.dispatcher.channels import new_secret
@@ -45,7 +46,7 @@ def check_url(url: str | None) -> str:
 
 
 def set_channel(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     user_id: str,
     type_: ChannelType,
     url: str | None = None,
@@ -90,7 +91,7 @@ def set_channel(
     return ChannelSet(row=asdict(row), new_secret=generated)
 
 
-def show_channel(conn: psycopg.Connection, user_id: str, default_gap: int, default_cap: int) -> dict:
+def show_channel(conn: psycopg.Connection[DictRow], user_id: str, default_gap: int, default_cap: int) -> dict:
     """A user's channel with the limits in effect; the secret only as whether one is set."""
     row = channels.get(conn, user_id)
     pacing = channels.pacing_state(conn, user_id)
@@ -110,17 +111,17 @@ def show_channel(conn: psycopg.Connection, user_id: str, default_gap: int, defau
     return shown
 
 
-def outbox_rows(conn: psycopg.Connection, user_id: str, limit: int = 50) -> list[dict]:
+def outbox_rows(conn: psycopg.Connection[DictRow], user_id: str, limit: int = 50) -> list[dict]:
     return [asdict(r) for r in outbox.of_user(conn, user_id, limit)]
 
 
-def dead_deliveries(conn: psycopg.Connection, limit: int = 100) -> list[dict]:
+def dead_deliveries(conn: psycopg.Connection[DictRow], limit: int = 100) -> list[dict]:
     """Dead deliveries, newest first, one dict per delivery id: ``delivery_id, user_id,
     dead_at, attempts, channel, error, messages, outbox_ids, created_at``."""
     return [asdict(r) for r in outbox.dead_deliveries(conn, limit)]
 
 
-def revive_delivery(conn: psycopg.Connection, delivery_id: str, actor: str | None = None) -> list[dict]:
+def revive_delivery(conn: psycopg.Connection[DictRow], delivery_id: str, actor: str | None = None) -> list[dict]:
     """Send a dead delivery again, same id, attempts starting over. Empty: nothing dead by that id."""
     with conn.transaction():
         rows = outbox.revive_dead(conn, delivery_id, datetime.now(UTC))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil import logs
 from vigil.clock import Clock, utc
@@ -44,7 +45,7 @@ class Recorder:
         settings: DispatcherSettings,
         limits: Limits,
         clock: Clock,
-        conn: Callable[[], psycopg.Connection],
+        conn: Callable[[], psycopg.Connection[DictRow]],
         on_ended: Callable[[str], None],
     ):
         self.settings = settings

@@ -133,10 +133,10 @@ class ApprovalsApi:
             # The answer is committed; only the wake-up is missing, and a retry sends it.
             exc.extra["answer"] = standing.answer
             raise
-        body = {"request_id": request_id, "answer": standing.answer, "given": given.value}
+        shown = {"request_id": request_id, "answer": standing.answer, "given": given.value}
         if standing.answer == given:
-            return JSONResponse(body)  # this answer stands (stored now, or a retry of the one stored)
+            return JSONResponse(shown)  # this answer stands (stored now, or a retry of the one stored)
         # Stored or not, this answer did not count: a client that checks the status must know.
         if standing.answer == ApprovalAnswer.EXPIRED:
-            raise Refusal(409, "expired", "the answer arrived after the deadline: expired stands", **body)
-        raise Refusal(409, "already_answered", f"an earlier answer stands: {standing.answer}", **body)
+            raise Refusal(409, "expired", "the answer arrived after the deadline: expired stands", **shown)
+        raise Refusal(409, "already_answered", f"an earlier answer stands: {standing.answer}", **shown)

@@ -2,7 +2,7 @@
 
 A token is shown once by ``vigil tokens create`` and stored as its sha256 only; ingest
 hashes what a caller presents and looks the hash up. Unknown token: 401. Revoked: 403.
-Lookups are cached for ``VIGIL_INGEST_AUTH_CACHE_S`` seconds (see :mod:`vigil.ingest.cache`),
+Lookups are cached for ``VIGIL_INGEST_AUTH_CACHE_S`` seconds (see :mod:`vigil.ttl_cache`),
 which is therefore the longest a revoked token keeps working. Tokens are never logged.
 
 A token may be scoped (route families, users it acts for): :func:`permits` is the one rule,
@@ -22,14 +22,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import psycopg
+from psycopg.rows import DictRow
 from starlette.requests import Request
 
-from vigil.ingest.cache import MissGuard, TtlCache
+from vigil.ingest.cache import MissGuard
 from vigil.ingest.requests import Refusal, unavailable
 from vigil.ledger import ingest as store
 from vigil.ledger.db import AsyncPool, PoolTimeout
 from vigil.ledger.ingest import AuthToken
 from vigil.ledger.states import Scope
+from vigil.ttl_cache import TtlCache
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ def token_hash(token: str) -> str:
 
 
 @asynccontextmanager
-async def ledger(pool: AsyncPool) -> AsyncIterator[psycopg.AsyncConnection]:
+async def ledger(pool: AsyncPool) -> AsyncIterator[psycopg.AsyncConnection[DictRow]]:
     """A pooled connection (dict rows), one transaction; an unreachable ledger is a 503, never a 500."""
     try:
         async with pool.connection() as conn:

@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 import click
 
+from vigil.admin.connection import cli_connection
 from vigil.cliutil import emit, login_name
 from vigil.ingest.auth import new_token, token_hash
 from vigil.ingest.main import serve
@@ -22,7 +23,6 @@ from vigil.ingest.settings import IngestSettings
 from vigil.ingest.signatures import valid_standard_secret
 from vigil.ledger import audit
 from vigil.ledger import ingest as ledger
-from vigil.ledger.cli import cli_connection
 from vigil.ledger.states import HookProvider, Scope
 from vigil.service import load_or_exit, require_schema
 

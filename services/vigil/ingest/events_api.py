@@ -38,7 +38,7 @@ from pydantic import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vigil.bus.codec import Event
+from vigil.envelope import Event
 from vigil.ingest.auth import TokenAuth, authorize, ledger
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem
@@ -240,7 +240,7 @@ class EventsApi:
 
     async def post_events(self, request: Request) -> Response:
         caller = await self.auth(request, Scope.EVENTS)
-        document = await read_json(request, self.settings.max_body_bytes, "invalid_event")
+        document = await read_json(request, self.settings.max_body_bytes, "invalid_event")  # type: ignore[arg-type]  # set when validated
         envelopes = parse_events(document, self.settings.ingest_max_batch)
         if caller.users is not None:  # a token for some users: every event must be for one of them
             batch = "events" in document
@@ -262,7 +262,7 @@ class EventsApi:
         if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS and key.isascii() and key.isprintable()):
             raise invalid("Idempotency-Key", f"1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters")
         try:
-            message = MessageIn.model_validate(await read_json(request, self.settings.max_body_bytes, "invalid_event"))
+            message = MessageIn.model_validate(await read_json(request, self.settings.max_body_bytes, "invalid_event"))  # type: ignore[arg-type]
         except ValidationError as exc:
             raise refuse_validation(exc) from None
         session_id = await self.reply_session(user_id, message)

@@ -21,9 +21,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vigil.bus.codec import Event
+from vigil.envelope import Event
 from vigil.ingest.auth import ledger
-from vigil.ingest.cache import MissGuard, TtlCache
+from vigil.ingest.cache import MissGuard
 from vigil.ingest.metrics import SIGNATURE_FAILURES
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, header_text, invalid, parse_json, read_body, received_at, require_json
@@ -34,6 +34,7 @@ from vigil.ledger.db import AsyncPool
 from vigil.ledger.ingest import Hook
 from vigil.ledger.states import HookProvider
 from vigil.numbers import NotParsed, unix_seconds
+from vigil.ttl_cache import TtlCache
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,8 @@ def delivery_event(provider: HookProvider, user_id: str, request: Request, body:
                 raise invalid("created", str(exc)) from None
     else:
         source_id = _clean(_header(request, "webhook-id", "svix-id"), "webhook-id")
-        event_type = document.get("type") if isinstance(document, dict) else None
-        event_type = _clean(event_type, "type") if event_type is not None else "event"
+        given_type = document.get("type") if isinstance(document, dict) else None
+        event_type = _clean(given_type, "type") if given_type is not None else "event"
     extra = {"traceparent": headers["traceparent"]} if "traceparent" in headers else {}
     return Event(
         user_id=user_id,
@@ -154,7 +155,7 @@ class HookReceiver:
             raise Refusal(404, "unknown_hook", "no such hook")
         provider = HookProvider(hook.provider)
         require_json(request)
-        body = await read_body(request, self.settings.max_body_bytes)
+        body = await read_body(request, self.settings.max_body_bytes)  # type: ignore[arg-type]  # set when validated
         if not hook.secrets:
             SIGNATURE_FAILURES.labels(provider.value, "no_active_secret").inc()
             raise Refusal(401, "invalid_signature", "the hook has no active secret", reason="no_active_secret")

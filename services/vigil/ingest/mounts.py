@@ -22,6 +22,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 from starlette.requests import Request
 from starlette.routing import Route
 
@@ -65,9 +66,9 @@ class IngestContext:
 
     async def read_json(self, request: Request) -> Any:
         """The JSON body under ``VIGIL_MAX_BODY_BYTES``: 415, 413 or 400 refusals otherwise."""
-        return await _requests.read_json(request, self.settings.max_body_bytes)
+        return await _requests.read_json(request, self.settings.max_body_bytes)  # type: ignore[arg-type]  # set when validated
 
-    def ledger(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection]:
+    def ledger(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection[DictRow]]:
         """A pooled connection (dict rows) in one transaction; a ledger outage is a 503."""
         return ledger(self.pool)
 

@@ -87,7 +87,7 @@ def _path(name: str, description: str) -> dict:
 
 
 def paths() -> dict[str, Any]:
-    secured = [{"bearer": []}]
+    secured: list[dict[str, list[str]]] = [{"bearer": []}]
     return {
         "/v1/events": {
             "post": {

@@ -27,8 +27,9 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from opentelemetry.trace import SpanKind
 
 from vigil import tracing
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
 from vigil.bus.kafka import Delivered, ProduceError, producer_config
+from vigil.envelope import Event
 from vigil.ingest.metrics import EVENTS_PRODUCED, PRODUCE_FAILURES, PRODUCE_SECONDS
 from vigil.ingest.requests import Refusal, invalid, unavailable
 from vigil.settings import CommonSettings
@@ -128,6 +129,7 @@ class Publisher:
     def _poll_soon(self, delay: float) -> None:
         if self._poll_handle is not None:
             self._poll_handle.cancel()
+        assert self._loop is not None  # set by start()
         self._poll_handle = self._loop.call_later(delay, self._poll)
 
     def _poll(self) -> None:
@@ -203,6 +205,7 @@ class Publisher:
         producer = self._producer
         timeout = self.settings.produce_timeout_s
         loop = self._loop
+        assert loop is not None  # set by start()
         deadline = loop.time() + timeout
         batch = _Batch(loop, len(events))
         self._waiting += 1
@@ -244,6 +247,7 @@ class Publisher:
         """
         limit = self.max_message_bytes
         encoded = []
+        assert self._codec is not None  # set by start()
         for index, event in enumerate(events):
             where = f"events[{index}]" if len(events) > 1 else "event"
             try:

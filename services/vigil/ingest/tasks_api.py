@@ -118,7 +118,7 @@ def openapi_paths() -> dict[str, Any]:
     """The tasks API for ingest's ``/openapi.json``."""
     user = {"name": "user_id", "in": "path", "required": True, "schema": {"type": "string"}}
     task = {"name": "task_id", "in": "path", "required": True, "schema": {"type": "string", "pattern": TASK_ID.pattern}}
-    secured = [{"bearer": []}]
+    secured: list[dict[str, list[str]]] = [{"bearer": []}]
     denied = {"description": "the token may not act for the task's user"}
     missing = {"description": "no such task"}
     statuses = [s.value for s in TaskStatus]

@@ -8,8 +8,10 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
+from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.queries import Q
@@ -34,20 +36,20 @@ class SessionRow:
     id: str
     user_id: str
     state: str
-    messages: list[dict]
+    messages: list[dict[str, Any]]
     size_bytes: int
     blocks: int
     consecutive_blocks: int
-    pending: dict | None
+    pending: dict[str, Any] | None
     messages_json: str | None = None  # the messages already encoded (what the finish stores), else None
 
 
 @dataclass(frozen=True, slots=True)
 class ApprovalLoaded:
     request_id: str
-    session_id: str | None
+    session_id: str
     tool: str
-    tool_use_id: str
+    tool_use_id: str | None
     args_hash: str
     answer: str | None
 
@@ -60,12 +62,12 @@ class ContextRows:
     memory: dict[str, str] = field(default_factory=dict)
     recent: list[tuple[str, bool]] | None = None  # (body, still queued), oldest first
     event_policies: str = ""
-    dead_events: list[dict] = field(default_factory=list)
+    dead_events: list[dict[str, Any]] = field(default_factory=list)
     approvals: list[ApprovalLoaded] | None = None
     journal: ledger_journal.Live | None = None
 
 
-async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWanted]) -> list[ContextRows]:
+async def load_contexts(conn: psycopg.AsyncConnection[DictRow], wanted: list[ContextWanted]) -> list[ContextRows]:
     """Every run's context reads for a whole claim pass: six statements whatever the runs
     (seven with the live run journals; each reads all the pass's users at once), in one
     pipeline, so a pass that starts 2,000 runs costs one round trip and one pooled connection.
@@ -103,7 +105,9 @@ async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWante
         if w.request_ids:
             out[w.user_id].approvals = []
     for r in await sessions.fetchall() if sessions else []:
-        out[r["user_id"]].sessions[r["id"]] = SessionRow(
+        sessions_of = out[r["user_id"]].sessions
+        assert sessions_of is not None  # a dict for every user whose sessions were asked for (above)
+        sessions_of[r["id"]] = SessionRow(
             r["id"],
             r["user_id"],
             r["state"],
@@ -116,7 +120,9 @@ async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWante
     for r in await memory.fetchall():
         out[r["user_id"]].memory[r["path"]] = r["content"]
     for r in await past.fetchall() if past else []:
-        out[r["user_id"]].recent.append((r["body"], r["queued"]))  # newest first, reversed below
+        recent_of = out[r["user_id"]].recent
+        assert recent_of is not None  # a list for every user whose recent events were asked for (above)
+        recent_of.append((r["body"], r["queued"]))  # newest first, reversed below
     for rows in out.values():
         if rows.recent:
             rows.recent.reverse()
@@ -126,7 +132,9 @@ async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWante
         row = dict(r)
         out[row.pop("user_id")].dead_events.append(row)
     for r in await approvals.fetchall() if approvals else []:
-        out[r["user_id"]].approvals.append(
+        approvals_of = out[r["user_id"]].approvals
+        assert approvals_of is not None  # a list for every user whose approvals were asked for (above)
+        approvals_of.append(
             ApprovalLoaded(r["request_id"], r["session_id"], r["tool"], r["tool_use_id"], r["args_hash"], r["answer"])
         )
     if journals is not None:
@@ -135,21 +143,23 @@ async def load_contexts(conn: psycopg.AsyncConnection, wanted: list[ContextWante
     return [out[w.user_id] for w in wanted]
 
 
-async def has_session(conn: psycopg.AsyncConnection, *, user_id: str, session_id: str) -> bool:
+async def has_session(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, session_id: str) -> bool:
     """Whether ``user_id`` has a saved session ``session_id`` (another user's is not theirs)."""
     cursor = await conn.execute(Q.agent_session_of_user, {"user_id": user_id, "session_id": session_id})
     row = await cursor.fetchone()
     return bool(row and row["found"])
 
 
-async def _pairs(conn: psycopg.AsyncConnection, query: str, pairs: list[tuple[str, str]]):
+async def _pairs(
+    conn: psycopg.AsyncConnection[DictRow], query: str, pairs: list[tuple[str, str]]
+) -> psycopg.AsyncCursor[DictRow] | None:
     """A (user, id) pairs statement, or None when there are no pairs."""
     if not pairs:
         return None
     return await conn.execute(query, {"user_ids": [u for u, _ in pairs], "ids": [i for _, i in pairs]})
 
 
-async def save_sessions(conn: psycopg.AsyncConnection, rows: list[SessionRow]) -> None:
+async def save_sessions(conn: psycopg.AsyncConnection[DictRow], rows: list[SessionRow]) -> None:
     """Store a finish group's sessions in one statement (in the finish transaction); never
     another user's row. A session saved twice in the group keeps its last save."""
     last = {row.id: row for row in rows}
@@ -184,7 +194,7 @@ class MessageTag:
     deadline: datetime | None
 
 
-async def tag_messages(conn: psycopg.AsyncConnection, tags: list[MessageTag]) -> None:
+async def tag_messages(conn: psycopg.AsyncConnection[DictRow], tags: list[MessageTag]) -> None:
     """In the finish, after finish_runs: every tag of the group in one statement."""
     if not tags:
         return
@@ -206,12 +216,12 @@ class Policies:
     updated_at: datetime | None
 
 
-def get_policies(conn: psycopg.Connection, user_id: str) -> Policies | None:
+def get_policies(conn: psycopg.Connection[DictRow], user_id: str) -> Policies | None:
     row = conn.execute(Q.agent_policies_get, {"user_id": user_id}).fetchone()
     return Policies(row["user_id"], row["event_policies"], row["updated_at"]) if row else None
 
 
-def set_policies(conn: psycopg.Connection, user_id: str, event_policies: str) -> Policies:
+def set_policies(conn: psycopg.Connection[DictRow], user_id: str, event_policies: str) -> Policies:
     """Replace the user's overrides ('' clears them)."""
     row = conn.execute(Q.agent_policies_set, {"user_id": user_id, "event_policies": event_policies}).fetchone()
     assert row is not None
@@ -227,7 +237,7 @@ class Refund:
 
 
 async def record_refund(
-    conn: psycopg.AsyncConnection,
+    conn: psycopg.AsyncConnection[DictRow],
     idempotency_key: str,
     user_id: str,
     order_id: str,
@@ -249,6 +259,6 @@ async def record_refund(
     return Refund(row["id"], row["user_id"], row["order_id"], row["amount"]) if row else None
 
 
-async def get_refund(conn: psycopg.AsyncConnection, idempotency_key: str) -> Refund | None:
+async def get_refund(conn: psycopg.AsyncConnection[DictRow], idempotency_key: str) -> Refund | None:
     row = await (await conn.execute(Q.refund_get, {"idempotency_key": idempotency_key})).fetchone()
     return Refund(row["id"], row["user_id"], row["order_id"], row["amount"]) if row else None

@@ -24,10 +24,12 @@ import hmac
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 
-from vigil.bus.codec import Event
+from vigil.envelope import Event
 from vigil.ledger.queries import Q
 from vigil.ledger.states import ApprovalAnswer, OnExpiry
 
@@ -50,7 +52,7 @@ class Standing:
     escalations: int = 0  # times asked again so far
 
 
-def _standing(conn: psycopg.Connection, request_id: str, escalated: bool = False) -> Standing:
+def _standing(conn: psycopg.Connection[DictRow], request_id: str, escalated: bool = False) -> Standing:
     row = conn.execute(Q.approval_get, {"request_id": request_id}).fetchone()
     if row is None:
         return Standing(request_id, UNKNOWN)
@@ -68,13 +70,15 @@ def _standing(conn: psycopg.Connection, request_id: str, escalated: bool = False
     )
 
 
-def standing(conn: psycopg.Connection, request_id: str) -> Standing:
+def standing(conn: psycopg.Connection[DictRow], request_id: str) -> Standing:
     """What stands for a request now, without writing; ``answer`` is ``unknown`` for a request
     never made and ``pending`` for an open one."""
     return _standing(conn, request_id)
 
 
-def answer(conn: psycopg.Connection, request_id: str, given: ApprovalAnswer, received_at: datetime) -> Standing:
+def answer(
+    conn: psycopg.Connection[DictRow], request_id: str, given: ApprovalAnswer, received_at: datetime
+) -> Standing:
     """Store a person's answer (call inside a transaction; produce the wake-up after commit).
 
     In time (``received_at`` before the deadline) and first: it stands. Late and first: the
@@ -88,7 +92,7 @@ def answer(conn: psycopg.Connection, request_id: str, given: ApprovalAnswer, rec
     return _standing(conn, request_id)
 
 
-def expire(conn: psycopg.Connection, request_id: str, at: datetime, escalate_after: timedelta) -> Standing:
+def expire(conn: psycopg.Connection[DictRow], request_id: str, at: datetime, escalate_after: timedelta) -> Standing:
     """The deadline passed (the scheduler's expiry timer; call inside a transaction).
 
     Applies the request's policy: ``deny`` stores expired; ``approve`` stores yes;
@@ -136,7 +140,7 @@ def wake_event(standing: Standing, received_at: datetime | None = None) -> Event
     )
 
 
-def operator_deny(conn: psycopg.Connection, request_id: str, at: datetime) -> tuple[bool, Standing]:
+def operator_deny(conn: psycopg.Connection[DictRow], request_id: str, at: datetime) -> tuple[bool, Standing]:
     """An operator decides an open request: it counts as a no (call inside a transaction).
 
     The request's expiry timer is moved to ``at`` (now), so the scheduler's next pass produces the
@@ -151,7 +155,7 @@ def operator_deny(conn: psycopg.Connection, request_id: str, at: datetime) -> tu
     return row is not None, _standing(conn, request_id)
 
 
-def args_hash(tool: str, arguments: dict) -> str:
+def args_hash(tool: str, arguments: dict[str, Any]) -> str:
     """sha256 of the tool name and its exact arguments (canonical JSON)."""
     canonical = json.dumps(
         {"tool": tool, "input": arguments}, sort_keys=True, separators=(",", ":"), ensure_ascii=False
@@ -183,7 +187,7 @@ __all__ = [
 
 
 async def create(
-    conn: psycopg.AsyncConnection,
+    conn: psycopg.AsyncConnection[DictRow],
     request_id: str,
     user_id: str,
     session_id: str | None,
@@ -228,7 +232,7 @@ class RequestRow:
 
 
 def list_requests(
-    conn: psycopg.Connection, user_id: str | None, include_answered: bool, limit: int
+    conn: psycopg.Connection[DictRow], user_id: str | None, include_answered: bool, limit: int
 ) -> list[RequestRow]:
     """Requests newest first: only the open ones unless ``include_answered``; one user's if ``user_id``."""
     rows = conn.execute(Q.approvals_list, {"user_id": user_id, "all": include_answered, "limit": limit}).fetchall()

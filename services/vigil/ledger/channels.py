@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from datetime import date, datetime
+from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 
@@ -27,7 +29,7 @@ class ChannelRow:
     updated_at: datetime
 
     @classmethod
-    def of(cls, row: dict) -> ChannelRow:
+    def of(cls, row: dict[str, Any]) -> ChannelRow:
         return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
@@ -40,7 +42,7 @@ class PacingState:
     urgent_count: int
 
 
-def get(conn: psycopg.Connection, user_id: str) -> ChannelRow | None:
+def get(conn: psycopg.Connection[DictRow], user_id: str) -> ChannelRow | None:
     """A user's channel, if any."""
     row = conn.execute(Q.channel_get, {"user_id": user_id}).fetchone()
     return None if row is None else ChannelRow.of(row)
@@ -55,7 +57,7 @@ class LockedChannel:
     secret: str | None
 
 
-def lock(conn: psycopg.Connection, user_id: str) -> LockedChannel | None:
+def lock(conn: psycopg.Connection[DictRow], user_id: str) -> LockedChannel | None:
     """A user's channel, locked until commit: two operators editing one channel must not both
     rotate its secret. None: no channel yet (nothing to lock; the insert's key decides)."""
     row = conn.execute(Q.channel_get_for_update, {"user_id": user_id}).fetchone()
@@ -63,7 +65,7 @@ def lock(conn: psycopg.Connection, user_id: str) -> LockedChannel | None:
 
 
 def set_channel(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     user_id: str,
     type_: str,
     url: str | None,
@@ -88,10 +90,11 @@ def set_channel(
             "keep_cap": keep_cap,
         },
     ).fetchone()
+    assert row is not None  # an upsert returns its row
     return ChannelRow.of(row)
 
 
-def pacing_state(conn: psycopg.Connection, user_id: str) -> PacingState | None:
+def pacing_state(conn: psycopg.Connection[DictRow], user_id: str) -> PacingState | None:
     """A user's pacing state; None for a user the ledger has never seen."""
     row = conn.execute(Q.channel_pacing_state, {"user_id": user_id}).fetchone()
     return None if row is None else PacingState(row["last_delivery_at"], row["urgent_day"], row["urgent_count"])

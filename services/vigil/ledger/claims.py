@@ -39,9 +39,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
+from typing import Any
 
 import psycopg
 import pydantic_core
+from psycopg.rows import DictRow
 
 from vigil.ledger import db
 from vigil.ledger.events import EventRow
@@ -96,7 +98,7 @@ class DeadEvent:
 
 
 async def mark_dead(
-    conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int
+    conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int], max_attempts: int
 ) -> list[DeadEvent]:
     """Rule 2 for every owned partition. Returns the rows that became dead (for the DLQ)."""
     if not owned:
@@ -106,7 +108,7 @@ async def mark_dead(
 
 
 async def alone_due(
-    conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int
+    conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int], max_attempts: int
 ) -> datetime | None:
     """When the first last attempt that must run alone may be claimed; None if none waits."""
     if not owned:
@@ -116,7 +118,9 @@ async def alone_due(
     return row["at"] if row else None
 
 
-async def claim_alone(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, int], max_attempts: int) -> Claim | None:
+async def claim_alone(
+    conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int], max_attempts: int
+) -> Claim | None:
     """Rule 3's lone last attempt: one such row, for a runner with nothing else in flight."""
     if not owned:
         return None
@@ -126,7 +130,7 @@ async def claim_alone(conn: psycopg.AsyncConnection, owned: dict[PartitionKey, i
 
 
 async def claim(
-    conn: psycopg.AsyncConnection,
+    conn: psycopg.AsyncConnection[DictRow],
     owned: dict[PartitionKey, int],
     busy: list[str],
     max_users: int,
@@ -199,8 +203,8 @@ async def claim(
     return claims, cursor
 
 
-def _claims(rows: list[dict]) -> list[Claim]:
-    by_user: dict[str, list[dict]] = defaultdict(list)
+def _claims(rows: list[dict[str, Any]]) -> list[Claim]:
+    by_user: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         by_user[row["user_id"]].append(row)
     claims = []
@@ -219,7 +223,7 @@ def _claims(rows: list[dict]) -> list[Claim]:
     return claims
 
 
-async def claim_more(conn: psycopg.AsyncConnection, claim: Claim, sources: Sequence[str]) -> list[EventRow]:
+async def claim_more(conn: psycopg.AsyncConnection[DictRow], claim: Claim, sources: Sequence[str]) -> list[EventRow]:
     """Fold: the user's fresh pending events, claimed under the running claim's epoch."""
     cur = await conn.execute(
         Q.claim_more,
@@ -235,7 +239,7 @@ async def claim_more(conn: psycopg.AsyncConnection, claim: Claim, sources: Seque
     return [EventRow.of(r) for r in rows]
 
 
-async def claim_ids(conn: psycopg.AsyncConnection, claim: Claim, ids: Sequence[int]) -> list[EventRow]:
+async def claim_ids(conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: Sequence[int]) -> list[EventRow]:
     """A replay's adoption (:mod:`vigil.ledger.journal`): the user's pending events ``ids``,
     claimed under the running claim's epoch. Returns those it claimed, in id order."""
     cur = await conn.execute(
@@ -252,7 +256,7 @@ async def claim_ids(conn: psycopg.AsyncConnection, claim: Claim, ids: Sequence[i
     return [EventRow.of(r) for r in rows]
 
 
-async def backoff_ends(conn: psycopg.AsyncConnection, keys: list[PartitionKey]) -> list[datetime]:
+async def backoff_ends(conn: psycopg.AsyncConnection[DictRow], keys: list[PartitionKey]) -> list[datetime]:
     """When pending events of ``keys`` that wait out a backoff become claimable (read at takeover)."""
     cur = await conn.execute(Q.backoff_ends, keys_params(sorted(keys)))
     return [row["at"] for row in await cur.fetchall()]
@@ -266,7 +270,7 @@ async def backoff_ends(conn: psycopg.AsyncConnection, keys: list[PartitionKey]) 
 RELEASE_ATTEMPTS = 5
 
 
-async def release_claim(conn: psycopg.AsyncConnection, home: PartitionKey, epoch: int, ids: list[int]) -> int:
+async def release_claim(conn: psycopg.AsyncConnection[DictRow], home: PartitionKey, epoch: int, ids: list[int]) -> int:
     """A graceful release of ``ids``, claimed under ``epoch`` for users of ``home`` (the
     events of any number of runs, and those folded into them): back to pending, the attempt
     not counted; fenced by the epoch. Returns how many moved. ``conn`` in autocommit mode:

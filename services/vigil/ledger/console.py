@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger import db
 from vigil.ledger.queries import Q
@@ -46,12 +47,12 @@ def open_pool(dsn: str, max_size: int = 4) -> db.Pool:
 T = TypeVar("T")
 
 
-def _rows(cls: type[T], rows: list[dict]) -> list[T]:
+def _rows(cls: type[T], rows: list[dict[str, Any]]) -> list[T]:
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
     return [cls(**{n: row[n] for n in names}) for row in rows]
 
 
-def _fetch(conn: psycopg.Connection, sql: str, params: dict[str, Any]) -> list[dict]:
+def _fetch(conn: psycopg.Connection[DictRow], sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     return conn.execute(sql, params).fetchall()
 
 
@@ -330,7 +331,7 @@ class Timeline:
 # -- overview ----------------------------------------------------------------------------
 
 
-def overview(conn: psycopg.Connection, now: datetime, minutes: int = 5, limit: int = 10) -> Overview:
+def overview(conn: psycopg.Connection[DictRow], now: datetime, minutes: int = 5, limit: int = 10) -> Overview:
     """The numbers an on-call person checks first, each read with a bounded scan."""
     backlog = _fetch(conn, Q.console_pending_backlog, {"cap": COUNT_CAP})[0]
     oldest = _fetch(conn, Q.console_oldest_pending, {"cap": COUNT_CAP, "limit": limit})
@@ -360,12 +361,12 @@ def overview(conn: psycopg.Connection, now: datetime, minutes: int = 5, limit: i
 # -- a user's timeline -------------------------------------------------------------------
 
 
-def user(conn: psycopg.Connection, user_id: str) -> UserRow | None:
+def user(conn: psycopg.Connection[DictRow], user_id: str) -> UserRow | None:
     rows = _rows(UserRow, _fetch(conn, Q.console_user_seen, {"user_id": user_id}))
     return rows[0] if rows else None
 
 
-def run_writes(conn: psycopg.Connection, runs: list[RunRow], limit: int = 500) -> dict[int, RunWrites]:
+def run_writes(conn: psycopg.Connection[DictRow], runs: list[RunRow], limit: int = 500) -> dict[int, RunWrites]:
     """What each of ``runs`` (one user's) wrote, by run id: outbox rows, approvals, timers,
     memory files and background tasks. A timer or memory file that a later run (or the API)
     wrote again belongs to that later write only: the row holds the latest state."""
@@ -392,12 +393,14 @@ def run_writes(conn: psycopg.Connection, runs: list[RunRow], limit: int = 500) -
     }
 
 
-def tasks_of_user(conn: psycopg.Connection, user_id: str, limit: int = 20) -> list[TaskRow]:
+def tasks_of_user(conn: psycopg.Connection[DictRow], user_id: str, limit: int = 20) -> list[TaskRow]:
     """The user's latest background tasks, whatever their state."""
     return _rows(TaskRow, _fetch(conn, Q.console_tasks_of_user, {"user_id": user_id, "limit": limit}))
 
 
-def timeline(conn: psycopg.Connection, user_id: str, before: Cursor | None = None, limit: int = 50) -> Timeline:
+def timeline(
+    conn: psycopg.Connection[DictRow], user_id: str, before: Cursor | None = None, limit: int = 50
+) -> Timeline:
     """A user's events and runs merged newest first, each run with what it wrote.
 
     One page is ``limit`` entries before ``before``; the order is (time, kind, id)
@@ -407,7 +410,8 @@ def timeline(conn: psycopg.Connection, user_id: str, before: Cursor | None = Non
     params = {"user_id": user_id, "t": at.t, "k": at.k, "i": at.i, "limit": limit + 1}
     events = _rows(EventRow, _fetch(conn, Q.console_user_events_page, params))
     runs = _rows(RunRow, _fetch(conn, Q.console_user_runs_page, params))
-    merged = sorted(
+    # (time, kind, id, row): the row is an EventRow or a RunRow, as its kind says.
+    merged: list[tuple[datetime, int, int, Any]] = sorted(
         [(e.received_at, EVENT_KIND, e.id, e) for e in events] + [(r.started_at, RUN_KIND, r.id, r) for r in runs],
         key=lambda x: (x[0], x[1], x[2]),
         reverse=True,
@@ -432,33 +436,33 @@ def timeline(conn: psycopg.Connection, user_id: str, before: Cursor | None = Non
 # -- one thing by id ---------------------------------------------------------------------
 
 
-def event(conn: psycopg.Connection, event_id: int) -> EventDetail | None:
+def event(conn: psycopg.Connection[DictRow], event_id: int) -> EventDetail | None:
     rows = _rows(EventDetail, _fetch(conn, Q.console_event, {"id": event_id}))
     return rows[0] if rows else None
 
 
-def runs_of_event(conn: psycopg.Connection, e: EventRow, limit: int = 50) -> list[RunRow]:
+def runs_of_event(conn: psycopg.Connection[DictRow], e: EventRow, limit: int = 50) -> list[RunRow]:
     """The runs that took ``e`` (failed attempts and the one that finished it), oldest first."""
     params = {"user_id": e.user_id, "since": e.received_at, "event_id": e.id, "limit": limit}
     return _rows(RunRow, _fetch(conn, Q.console_runs_of_event, params))
 
 
-def run(conn: psycopg.Connection, run_id: int) -> RunDetail | None:
+def run(conn: psycopg.Connection[DictRow], run_id: int) -> RunDetail | None:
     rows = _rows(RunDetail, _fetch(conn, Q.console_run, {"id": run_id}))
     return rows[0] if rows else None
 
 
-def events_by_id(conn: psycopg.Connection, ids: list[int], limit: int = 500) -> list[EventRow]:
+def events_by_id(conn: psycopg.Connection[DictRow], ids: list[int], limit: int = 500) -> list[EventRow]:
     return _rows(EventRow, _fetch(conn, Q.console_events_by_id, {"ids": ids, "limit": limit}))
 
 
-def delivery(conn: psycopg.Connection, delivery_id: UUID, limit: int = 500) -> list[OutboxRow]:
+def delivery(conn: psycopg.Connection[DictRow], delivery_id: UUID, limit: int = 500) -> list[OutboxRow]:
     """The outbox rows sent together under one delivery id (empty: no such delivery)."""
     return _rows(OutboxRow, _fetch(conn, Q.console_delivery, {"delivery_id": delivery_id, "limit": limit}))
 
 
 def events_by_source_id(
-    conn: psycopg.Connection, source_id: str, user_id: str | None = None, limit: int = 50
+    conn: psycopg.Connection[DictRow], source_id: str, user_id: str | None = None, limit: int = 50
 ) -> list[EventRow]:
     """The newest ``limit`` events with this source id: of ``user_id`` whatever their age, or
     of any user among those recorded within the dedup window (their keys name the users:
@@ -472,7 +476,7 @@ def events_by_source_id(
 
 
 def dead_events(
-    conn: psycopg.Connection, before: tuple[datetime, int] | None = None, limit: int = 50
+    conn: psycopg.Connection[DictRow], before: tuple[datetime, int] | None = None, limit: int = 50
 ) -> list[EventRow]:
     """Dead events, newest death first, before the keyset ``(finished_at, id)``."""
     t, i = before or (FAR_FUTURE, 0)
@@ -480,7 +484,7 @@ def dead_events(
 
 
 def dead_outbox_rows(
-    conn: psycopg.Connection, before: tuple[datetime, int] | None = None, limit: int = 50
+    conn: psycopg.Connection[DictRow], before: tuple[datetime, int] | None = None, limit: int = 50
 ) -> list[OutboxRow]:
     """Dead outbox rows, newest death first, before the keyset ``(dead_at, id)``; rows of one
     delivery share its delivery id (and are revived together)."""
@@ -488,13 +492,13 @@ def dead_outbox_rows(
     return _rows(OutboxRow, _fetch(conn, Q.console_dead_outbox_page, {"t": t, "i": i, "limit": limit}))
 
 
-def operator_actions(conn: psycopg.Connection, limit: int = 20) -> list[OperatorAction]:
+def operator_actions(conn: psycopg.Connection[DictRow], limit: int = 20) -> list[OperatorAction]:
     """The latest audited retries of dead events and revivals of dead deliveries."""
     return _rows(OperatorAction, _fetch(conn, Q.console_operator_actions, {"limit": limit}))
 
 
 def open_approvals(
-    conn: psycopg.Connection, after: tuple[datetime, str] | None = None, limit: int = 50
+    conn: psycopg.Connection[DictRow], after: tuple[datetime, str] | None = None, limit: int = 50
 ) -> list[ApprovalRow]:
     """Approval requests with no answer yet, nearest deadline first."""
     t, i = after or (FAR_PAST, "")
@@ -502,7 +506,7 @@ def open_approvals(
 
 
 def timers_due_before(
-    conn: psycopg.Connection, until: datetime, after: tuple[datetime, str, str] | None = None, limit: int = 50
+    conn: psycopg.Connection[DictRow], until: datetime, after: tuple[datetime, str, str] | None = None, limit: int = 50
 ) -> list[TimerRow]:
     """Live timers due before ``until``, the latest-overdue first (a due in the past is late)."""
     t, u, i = after or (FAR_PAST, "", "")
@@ -510,7 +514,7 @@ def timers_due_before(
     return _rows(TimerRow, _fetch(conn, Q.console_timers_due_before, params))
 
 
-def partitions(conn: psycopg.Connection, limit: int = 10_000) -> list[PartitionRow]:
+def partitions(conn: psycopg.Connection[DictRow], limit: int = 10_000) -> list[PartitionRow]:
     """Every partition the ledger knows, with its epoch, holder, consumer position and
     pending events (the broker's end offsets are not here: the console asks Kafka)."""
     return _rows(PartitionRow, _fetch(conn, Q.console_partitions, {"limit": limit, "cap": COUNT_CAP}))

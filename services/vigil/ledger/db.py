@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, RowFactory, dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from vigil.ledger.queries import Q
@@ -35,8 +36,9 @@ __all__ = [
     "statement_names",
 ]
 
-Pool = ConnectionPool
-AsyncPool = AsyncConnectionPool
+# Pools of the connections connection_kwargs opens: their rows are dicts.
+Pool = ConnectionPool[psycopg.Connection[DictRow]]
+AsyncPool = AsyncConnectionPool[psycopg.AsyncConnection[DictRow]]
 
 # A statement that waits this long on a lock is a bug or an incident, not normal contention;
 # failing it surfaces the problem instead of piling up connections.
@@ -59,8 +61,8 @@ SESSION_OPTIONS = session_options()
 
 
 def connection_kwargs(
-    *, autocommit: bool = False, rows=dict_row, statement_timeout_ms: int = STATEMENT_TIMEOUT_MS
-) -> dict:
+    *, autocommit: bool = False, rows: RowFactory[Any] = dict_row, statement_timeout_ms: int = STATEMENT_TIMEOUT_MS
+) -> dict[str, Any]:
     """What every ledger connection (single or pooled) is opened with."""
     return {"autocommit": autocommit, "row_factory": rows, "options": session_options(statement_timeout_ms)}
 
@@ -69,11 +71,11 @@ def connect(
     dsn: str,
     *,
     autocommit: bool = False,
-    rows=dict_row,
+    rows: RowFactory[Any] = dict_row,
     statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
     connect_timeout: int | None = None,
-) -> psycopg.Connection:
-    extra = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
+) -> psycopg.Connection[Any]:
+    extra: dict[str, Any] = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
     return psycopg.connect(
         dsn, **connection_kwargs(autocommit=autocommit, rows=rows, statement_timeout_ms=statement_timeout_ms), **extra
     )
@@ -81,7 +83,7 @@ def connect(
 
 async def connect_async(
     dsn: str, *, autocommit: bool = False, statement_timeout_ms: int = STATEMENT_TIMEOUT_MS
-) -> psycopg.AsyncConnection:
+) -> psycopg.AsyncConnection[DictRow]:
     return await psycopg.AsyncConnection.connect(
         dsn, **connection_kwargs(autocommit=autocommit, statement_timeout_ms=statement_timeout_ms)
     )
@@ -96,10 +98,10 @@ def pool(
     timeout: float = 30.0,
     autocommit: bool = False,
     statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
-) -> ConnectionPool:
+) -> Pool:
     """A pool (opened by the caller: ``pool.open()``) whose connections are checked on checkout,
     so a connection the server dropped (a restart, a failover) is replaced, not handed out."""
-    return ConnectionPool(
+    created = ConnectionPool(
         dsn,
         open=False,
         min_size=min_size,
@@ -109,6 +111,7 @@ def pool(
         check=ConnectionPool.check_connection,
         name=name,
     )
+    return cast(Pool, created)  # its rows are dicts: connection_kwargs
 
 
 def async_pool(
@@ -121,13 +124,13 @@ def async_pool(
     autocommit: bool = False,
     check: bool = True,
     statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
-) -> AsyncConnectionPool:
+) -> AsyncPool:
     """:func:`pool` for asyncio (opened by the caller: ``await pool.open()``).
 
     ``check=False`` skips the checkout probe: the worker's hot path takes a connection per
     claim and per finish, and a broken one fails its statement and is discarded anyway.
     """
-    return AsyncConnectionPool(
+    created = AsyncConnectionPool(
         dsn,
         open=False,
         min_size=min_size,
@@ -137,6 +140,7 @@ def async_pool(
         check=AsyncConnectionPool.check_connection if check else None,
         name=name,
     )
+    return cast(AsyncPool, created)  # its rows are dicts: connection_kwargs
 
 
 def statement_names() -> dict[str, str]:
@@ -145,13 +149,13 @@ def statement_names() -> dict[str, str]:
     return {sql: name for name, sql in Q.items()}
 
 
-def is_alive(conn: psycopg.Connection) -> None:
+def is_alive(conn: psycopg.Connection[Any]) -> None:
     """A round trip that touches no table (a readiness probe); raises psycopg.Error if not."""
     conn.execute("SELECT 1")
 
 
 @contextlib.asynccontextmanager
-async def pipelined_transaction(conn: psycopg.AsyncConnection) -> AsyncIterator[psycopg.AsyncPipeline]:
+async def pipelined_transaction(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[psycopg.AsyncPipeline]:
     """One transaction as one pipeline: BEGIN goes out with the first statements and COMMIT
     with the last (in the pipeline's closing sync), so a transaction costs one round trip per
     result its caller must see before it goes on (each ``fetch*`` flushes) and one to commit.

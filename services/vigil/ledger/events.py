@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 from psycopg.types.json import set_json_dumps
 
 from vigil.ledger import audit
@@ -41,7 +42,7 @@ class EventRow:
             return self.payload
 
     @classmethod
-    def of(cls, row: dict) -> EventRow:
+    def of(cls, row: dict[str, Any]) -> EventRow:
         return cls(
             id=row["id"],
             user_id=row["user_id"],
@@ -82,14 +83,14 @@ def _headers_json(headers: dict[str, str]) -> str:
     return json.dumps(headers) if headers else "{}"
 
 
-def prepare_record_connection(conn: psycopg.Connection) -> None:
+def prepare_record_connection(conn: psycopg.Connection[Any]) -> None:
     """Make ``conn`` ready for :func:`copy_rows`: its staging table, and its JSON dumps."""
     set_json_dumps(_headers_json, context=conn)
     conn.execute(Q.record_staging)
     conn.commit()
 
 
-def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
+def copy_rows(cur: psycopg.Cursor[Any], rows: Iterable[tuple[Any, ...]]) -> None:
     """Binary-COPY staging rows (``STAGING_TYPES`` order, headers a dict) into the staging table."""
     with cur.copy(Q.record_copy) as copy:
         copy.set_types(STAGING_TYPES)
@@ -97,14 +98,17 @@ def copy_rows(cur: psycopg.Cursor, rows: Iterable[tuple]) -> None:
             copy.write_row(row)
 
 
-def record_params(unknown_users: list[str], next_offsets: dict[PartitionKey, int]) -> dict:
+def record_params(unknown_users: list[str], next_offsets: dict[PartitionKey, int]) -> dict[str, Any]:
     """record_events' parameters: the users to give a home partition, each partition's next offset."""
     keys = sorted(next_offsets)
     return {"unknown_users": unknown_users, **keys_params(keys), "next_offsets": [next_offsets[k] for k in keys]}
 
 
 def record_batch(
-    conn: psycopg.Connection, rows: list[tuple], unknown_users: list[str], next_offsets: dict[PartitionKey, int]
+    conn: psycopg.Connection[DictRow],
+    rows: list[tuple[Any, ...]],
+    unknown_users: list[str],
+    next_offsets: dict[PartitionKey, int],
 ) -> int:
     """The worker's record step, one transaction: COPY ``rows`` (staging order) in, then one
     statement (``record_events``) that moves the new ones into the queue, gives new users
@@ -130,7 +134,8 @@ def record_batch(
             conn.rollback()
         raise
     assert row is not None
-    return row["recorded"]
+    recorded: int = row["recorded"]
+    return recorded
 
 
 # -- operators ---------------------------------------------------------------------------
@@ -170,13 +175,13 @@ class InboxRow:
     run_id: int | None
 
 
-def dead_list(conn: psycopg.Connection, limit: int) -> list[DeadEventRow]:
+def dead_list(conn: psycopg.Connection[DictRow], limit: int) -> list[DeadEventRow]:
     """Dead events, newest first."""
     rows = conn.execute(Q.dead_list, {"limit": limit}).fetchall()
     return [DeadEventRow(**{f.name: row[f.name] for f in fields(DeadEventRow)}) for row in rows]
 
 
-def inbox(conn: psycopg.Connection, user_id: str, limit: int) -> list[InboxRow]:
+def inbox(conn: psycopg.Connection[DictRow], user_id: str, limit: int) -> list[InboxRow]:
     """A user's events and their states, newest first."""
     rows = conn.execute(Q.inbox, {"user_id": user_id, "limit": limit}).fetchall()
     return [InboxRow(**{f.name: row[f.name] for f in fields(InboxRow)}) for row in rows]
@@ -188,7 +193,7 @@ class PendingAge:
     pending: int
 
 
-async def oldest_pending(conn: psycopg.AsyncConnection) -> PendingAge:
+async def oldest_pending(conn: psycopg.AsyncConnection[DictRow]) -> PendingAge:
     """The age of the oldest pending event and how many are pending (one scan answers both)."""
     row = await (await conn.execute(Q.oldest_pending_age)).fetchone()
     assert row is not None
@@ -201,7 +206,7 @@ class Retried:
     missing: list[int]  # asked for but not dead (unknown, or someone retried them already): left alone
 
 
-def retry_dead_events(conn: psycopg.Connection, ids: list[int], actor: str) -> Retried:
+def retry_dead_events(conn: psycopg.Connection[DictRow], ids: list[int], actor: str) -> Retried:
     """Send dead events back to pending with their attempts reset, and audit it, in one transaction.
 
     The update only moves rows that are still dead, so two operators retrying the same event

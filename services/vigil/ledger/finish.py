@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from vigil.ledger.partitions import PartitionKey
@@ -75,10 +77,10 @@ _COLUMNS = (
 )
 
 
-def finish_runs_params(runs: list[RunRecord], worker: str) -> dict:
+def finish_runs_params(runs: list[RunRecord], worker: str) -> dict[str, Any]:
     """finish_runs' parameters: one array per column, a run per position; messages flat.
     Public for the query-plan tests, which EXPLAIN the statement."""
-    params: dict[str, list] = {name: [] for name in _COLUMNS}
+    params: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
     for run in runs:
         params["user_id"].append(run.user_id)
         params["topic"].append(run.home.topic)
@@ -105,7 +107,9 @@ def finish_runs_params(runs: list[RunRecord], worker: str) -> dict:
     return {**params, "worker": worker}
 
 
-async def finish_runs(conn: psycopg.AsyncConnection, runs: list[RunRecord], worker: str) -> dict[str, RunWritten]:
+async def finish_runs(
+    conn: psycopg.AsyncConnection[DictRow], runs: list[RunRecord], worker: str
+) -> dict[str, RunWritten]:
     """Every run's audit row, the done runs' events and their outbox rows, in one statement
     for the group; by user (one run per user per group: the caller sees to it)."""
     cur = await conn.execute(Q.finish_runs, finish_runs_params(runs, worker))
@@ -113,14 +117,14 @@ async def finish_runs(conn: psycopg.AsyncConnection, runs: list[RunRecord], work
 
 
 async def finish_failed(
-    conn: psycopg.AsyncConnection,
+    conn: psycopg.AsyncConnection[DictRow],
     ids: list[int],
     epoch: int,
     run_id: int,
     error: str,
     backoff_s: float,
     transient: bool,
-) -> psycopg.AsyncCursor:
+) -> psycopg.AsyncCursor[DictRow]:
     """A failed attempt's events back to pending with the error and a backoff (a transient
     failure gives its attempt back); only those still claimed under ``epoch``. Returns the
     cursor: in pipeline mode its ``rowcount`` (how many moved) is known once the pipeline syncs."""
@@ -131,13 +135,13 @@ async def finish_failed(
 
 
 async def insert_timer(
-    conn: psycopg.AsyncConnection,
+    conn: psycopg.AsyncConnection[DictRow],
     user_id: str,
     timer_id: str,
     kind: str,
     due: datetime,
     catch_up: CatchUp,
-    payload: dict,
+    payload: dict[str, Any],
     fixed_key: str | None,
     run_id: int | None,
     traceparent: str | None = None,
@@ -161,7 +165,7 @@ async def insert_timer(
 
 
 async def write_memory(
-    conn: psycopg.AsyncConnection, user_id: str, path: str, content: str | None, run_id: int | None
+    conn: psycopg.AsyncConnection[DictRow], user_id: str, path: str, content: str | None, run_id: int | None
 ) -> None:
     """The memory tool's write by run ``run_id`` (None deletes the file)."""
     if content is None:

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 
 T = TypeVar("T")
 
 
-def _row(cls: type[T], row: dict | None) -> T | None:
+def _row(cls: type[T], row: dict[str, Any] | None) -> T | None:
     if row is None:
         return None
     return cls(**{f.name: row[f.name] for f in fields(cls)})  # type: ignore[arg-type]
@@ -69,25 +70,30 @@ class RevokedToken:
     revoked_at: datetime
 
 
-async def token_by_hash(conn: psycopg.AsyncConnection, digest: str) -> AuthToken | None:
+async def token_by_hash(conn: psycopg.AsyncConnection[DictRow], digest: str) -> AuthToken | None:
     """The token whose sha256 is ``digest``, revoked or not."""
     cursor = await conn.execute(Q.token_by_hash, {"token_hash": digest})
     return _row(AuthToken, await cursor.fetchone())
 
 
-def auth_token(conn: psycopg.Connection, digest: str) -> AuthToken | None:
+def auth_token(conn: psycopg.Connection[DictRow], digest: str) -> AuthToken | None:
     """:func:`token_by_hash` on a sync connection (the console's login)."""
     return _row(AuthToken, conn.execute(Q.token_by_hash, {"token_hash": digest}).fetchone())
 
 
-async def token_hashes(conn: psycopg.AsyncConnection) -> frozenset[str]:
+async def token_hashes(conn: psycopg.AsyncConnection[DictRow]) -> frozenset[str]:
     """Every token's hash (ingest's negative cache)."""
     cursor = await conn.execute(Q.token_hashes)
     return frozenset(row["token_hash"] for row in await cursor.fetchall())
 
 
 def create_token(
-    conn: psycopg.Connection, token_id: str, name: str, digest: str, scopes: list[str] | None, users: list[str] | None
+    conn: psycopg.Connection[DictRow],
+    token_id: str,
+    name: str,
+    digest: str,
+    scopes: list[str] | None,
+    users: list[str] | None,
 ) -> NewToken:
     row = conn.execute(
         Q.token_create, {"id": token_id, "name": name, "token_hash": digest, "scopes": scopes, "users": users}
@@ -95,17 +101,17 @@ def create_token(
     return _row(NewToken, row)  # type: ignore[return-value]
 
 
-def tokens(conn: psycopg.Connection) -> list[Token]:
+def tokens(conn: psycopg.Connection[DictRow]) -> list[Token]:
     """Every token, newest first."""
     return [_row(Token, r) for r in conn.execute(Q.token_list).fetchall()]  # type: ignore[misc]
 
 
-def revoke_token(conn: psycopg.Connection, token_id: str) -> RevokedToken | None:
+def revoke_token(conn: psycopg.Connection[DictRow], token_id: str) -> RevokedToken | None:
     """None: unknown, or revoked already (:func:`token_exists` tells which)."""
     return _row(RevokedToken, conn.execute(Q.token_revoke, {"id": token_id}).fetchone())
 
 
-def token_exists(conn: psycopg.Connection, token_id: str) -> bool:
+def token_exists(conn: psycopg.Connection[DictRow], token_id: str) -> bool:
     return conn.execute(Q.token_get, {"id": token_id}).fetchone() is not None
 
 
@@ -161,54 +167,54 @@ class Secret:
     revoked_at: datetime | None = None
 
 
-async def hook_for_delivery(conn: psycopg.AsyncConnection, hook_id: str) -> Hook | None:
+async def hook_for_delivery(conn: psycopg.AsyncConnection[DictRow], hook_id: str) -> Hook | None:
     cursor = await conn.execute(Q.hook_for_delivery, {"hook_id": hook_id})
     return _row(Hook, await cursor.fetchone())
 
 
-async def hook_ids(conn: psycopg.AsyncConnection) -> frozenset[str]:
+async def hook_ids(conn: psycopg.AsyncConnection[DictRow]) -> frozenset[str]:
     """Every hook id (ingest's negative cache)."""
     cursor = await conn.execute(Q.hook_ids)
     return frozenset(row["id"] for row in await cursor.fetchall())
 
 
-def hook(conn: psycopg.Connection, hook_id: str) -> Hook | None:
+def hook(conn: psycopg.Connection[DictRow], hook_id: str) -> Hook | None:
     """:func:`hook_for_delivery` for the CLI."""
     return _row(Hook, conn.execute(Q.hook_for_delivery, {"hook_id": hook_id}).fetchone())
 
 
-def create_hook(conn: psycopg.Connection, hook_id: str, provider: str, user_id: str) -> NewHook:
+def create_hook(conn: psycopg.Connection[DictRow], hook_id: str, provider: str, user_id: str) -> NewHook:
     row = conn.execute(Q.hook_create, {"id": hook_id, "provider": provider, "user_id": user_id}).fetchone()
     return _row(NewHook, row)  # type: ignore[return-value]
 
 
-def hooks(conn: psycopg.Connection) -> list[ListedHook]:
+def hooks(conn: psycopg.Connection[DictRow]) -> list[ListedHook]:
     """Every hook, newest first."""
     return [_row(ListedHook, r) for r in conn.execute(Q.hook_list).fetchall()]  # type: ignore[misc]
 
 
-def add_secret(conn: psycopg.Connection, hook_id: str, secret: str) -> Secret | None:
+def add_secret(conn: psycopg.Connection[DictRow], hook_id: str, secret: str) -> Secret | None:
     """Add a signing secret; None: no such hook, or it is disabled."""
     row = conn.execute(Q.hook_secret_add, {"hook_id": hook_id, "secret": secret}).fetchone()
     return None if row is None else Secret(row["id"], row["hook_id"], created_at=row["created_at"])
 
 
-def lock_hook(conn: psycopg.Connection, hook_id: str) -> bool:
+def lock_hook(conn: psycopg.Connection[DictRow], hook_id: str) -> bool:
     """Lock a hook until commit (serialises changes to its secrets); False: no such hook."""
     return conn.execute(Q.hook_lock, {"hook_id": hook_id}).fetchone() is not None
 
 
-def revoke_secret(conn: psycopg.Connection, hook_id: str, secret_id: int, *, force: bool) -> Secret | None:
+def revoke_secret(conn: psycopg.Connection[DictRow], hook_id: str, secret_id: int, *, force: bool) -> Secret | None:
     """Revoke an active secret; unless ``force``, only while another stays active. None:
     nothing revoked (:func:`secret` tells why)."""
     row = conn.execute(Q.hook_secret_revoke, {"hook_id": hook_id, "secret_id": secret_id, "force": force}).fetchone()
     return None if row is None else Secret(row["id"], row["hook_id"], revoked_at=row["revoked_at"])
 
 
-def secret(conn: psycopg.Connection, hook_id: str, secret_id: int) -> Secret | None:
+def secret(conn: psycopg.Connection[DictRow], hook_id: str, secret_id: int) -> Secret | None:
     return _row(Secret, conn.execute(Q.hook_secret_get, {"hook_id": hook_id, "secret_id": secret_id}).fetchone())
 
 
-def disable_hook(conn: psycopg.Connection, hook_id: str) -> DisabledHook | None:
+def disable_hook(conn: psycopg.Connection[DictRow], hook_id: str) -> DisabledHook | None:
     """None: unknown, or disabled already."""
     return _row(DisabledHook, conn.execute(Q.hook_disable, {"hook_id": hook_id}).fetchone())

@@ -26,8 +26,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.partitions import PartitionKey
 from vigil.ledger.queries import Q
@@ -65,7 +67,7 @@ class RunFence:
     user_id: str
     attempt: int
 
-    def params(self) -> dict:
+    def params(self) -> dict[str, Any]:
         return {"topic": self.home.topic, "partition": self.home.partition, "epoch": self.epoch}
 
 
@@ -76,7 +78,7 @@ class TaskFence:
     task_id: str
     epoch: int
 
-    def params(self) -> dict:
+    def params(self) -> dict[str, Any]:
         return {"task_id": self.task_id, "epoch": self.epoch}
 
 
@@ -96,7 +98,7 @@ class StepRow:
     outcome_at: datetime | None
     finished_at: datetime | None
 
-    def view(self) -> dict:
+    def view(self) -> dict[str, Any]:
         """The step as operators read it: a model turn's tools called, tokens and duration; a
         call's tool, key and outcome (``in doubt`` while it has none)."""
         body = json.loads(self.body)
@@ -119,13 +121,13 @@ class StepRow:
         return out
 
 
-async def live_many_cursor(conn: psycopg.AsyncConnection, user_ids: list[str]) -> psycopg.AsyncCursor:
+async def live_many_cursor(conn: psycopg.AsyncConnection[DictRow], user_ids: list[str]) -> psycopg.AsyncCursor[DictRow]:
     """The statement reading these users' live journals (for a caller's pipeline); read the
     rows with :func:`live_from`."""
     return await conn.execute(Q.journal_live_many, {"user_ids": user_ids})
 
 
-async def live_from(cursor: psycopg.AsyncCursor) -> dict[str, Live]:
+async def live_from(cursor: psycopg.AsyncCursor[DictRow]) -> dict[str, Live]:
     """The rows of :func:`live_many_cursor`, by user. A user with two live journals (an
     abandoned one beside the current) gets the one with the highest key's latest steps: the
     caller checks it against the claim anyway."""
@@ -138,13 +140,19 @@ async def live_from(cursor: psycopg.AsyncCursor) -> dict[str, Live]:
     return out
 
 
-async def live_task(conn: psycopg.AsyncConnection, run_key: str) -> list[Step]:
+async def live_task(conn: psycopg.AsyncConnection[DictRow], run_key: str) -> list[Step]:
     cur = await conn.execute(Q.journal_live_task, {"run_key": run_key})
     return [Step(r["step"], r["kind"], r["body"], r["outcome"]) for r in await cur.fetchall()]
 
 
 async def append(
-    conn: psycopg.AsyncConnection, fence: RunFence | TaskFence, *, run_key: str, step: int, kind: str, body: str
+    conn: psycopg.AsyncConnection[DictRow],
+    fence: RunFence | TaskFence,
+    *,
+    run_key: str,
+    step: int,
+    kind: str,
+    body: str,
 ) -> None:
     """Append one step (rule 2); raises :class:`Fenced` when the fence no longer holds.
     ``conn`` in autocommit mode: the step is durable when this returns."""
@@ -158,7 +166,7 @@ async def append(
 
 
 async def outcome(
-    conn: psycopg.AsyncConnection, fence: RunFence | TaskFence, *, run_key: str, step: int, outcome: str
+    conn: psycopg.AsyncConnection[DictRow], fence: RunFence | TaskFence, *, run_key: str, step: int, outcome: str
 ) -> None:
     """Record a call's outcome (rule 3); raises :class:`Fenced` when the fence no longer holds."""
     params = {**fence.params(), "run_key": run_key, "step": step, "outcome": outcome}
@@ -179,7 +187,7 @@ class Pending:
     text: str  # the body, or the outcome
 
 
-async def append_many(conn: psycopg.AsyncConnection, items: list[Pending]) -> set[tuple[str, int]]:
+async def append_many(conn: psycopg.AsyncConnection[DictRow], items: list[Pending]) -> set[tuple[str, int]]:
     """Many runs' steps in one statement (rule 2, per step). Returns the (run key, step) pairs
     written; a pair missing was refused (its fence moved on, or the step was already there)."""
     cur = await conn.execute(
@@ -199,7 +207,7 @@ async def append_many(conn: psycopg.AsyncConnection, items: list[Pending]) -> se
     return {(row["run_key"], row["step"]) for row in await cur.fetchall()}
 
 
-async def outcome_many(conn: psycopg.AsyncConnection, items: list[Pending]) -> set[tuple[str, int]]:
+async def outcome_many(conn: psycopg.AsyncConnection[DictRow], items: list[Pending]) -> set[tuple[str, int]]:
     """Many calls' outcomes in one statement (rule 3). Returns the (run key, step) pairs written."""
     cur = await conn.execute(
         Q.journal_outcome_many,
@@ -215,30 +223,30 @@ async def outcome_many(conn: psycopg.AsyncConnection, items: list[Pending]) -> s
     return {(row["run_key"], row["step"]) for row in await cur.fetchall()}
 
 
-async def discard(conn: psycopg.AsyncConnection, fence: RunFence, run_key: str) -> int:
+async def discard(conn: psycopg.AsyncConnection[DictRow], fence: RunFence, run_key: str) -> int:
     """Drop a live journal its run cannot replay; fenced. Returns the rows dropped."""
     cur = await conn.execute(Q.journal_discard, {**fence.params(), "run_key": run_key})
     return cur.rowcount
 
 
-async def finish_users(conn: psycopg.AsyncConnection, user_ids: list[str], *, keep: bool) -> None:
+async def finish_users(conn: psycopg.AsyncConnection[DictRow], user_ids: list[str], *, keep: bool) -> None:
     """In a finish's transaction (rule 4): these users' live journals end."""
     if user_ids:
         await conn.execute(Q.journal_finish_users, {"user_ids": user_ids, "keep": keep})
 
 
-async def finish_task(conn: psycopg.AsyncConnection, run_key: str, *, keep: bool) -> None:
+async def finish_task(conn: psycopg.AsyncConnection[DictRow], run_key: str, *, keep: bool) -> None:
     """With a task's terminal write (rule 4): its journal ends."""
     await conn.execute(Q.journal_finish_task, {"run_key": run_key, "keep": keep})
 
 
-def steps(conn: psycopg.Connection, run_key: str, limit: int = 1000) -> list[StepRow]:
+def steps(conn: psycopg.Connection[DictRow], run_key: str, limit: int = 1000) -> list[StepRow]:
     """A run's steps, live or kept, for operators (``run_key``: ``<user>:<first event id>``)."""
     user_id = run_key.rpartition(":")[0]
     rows = conn.execute(Q.journal_steps, {"run_key": run_key, "user_id": user_id, "limit": limit}).fetchall()
     return [StepRow(**row) for row in rows]
 
 
-def prune(conn: psycopg.Connection, *, keep_days: int, live_days: int) -> int:
+def prune(conn: psycopg.Connection[DictRow], *, keep_days: int, live_days: int) -> int:
     """Retention (rule 4). Returns the rows dropped."""
     return conn.execute(Q.journal_prune, {"keep_days": keep_days, "live_days": live_days}).rowcount

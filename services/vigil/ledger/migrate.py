@@ -122,7 +122,9 @@ def pending(dsn: str, folder: Path | None = None, connect_timeout: int = 5) -> l
     migrations, during a rolling upgrade) are not "behind": migrations only add.
     """
     with psycopg.connect(dsn, connect_timeout=connect_timeout) as conn:
-        if conn.execute("SELECT to_regclass('schema_migrations')").fetchone()[0] is None:
+        found = conn.execute("SELECT to_regclass('schema_migrations')").fetchone()
+        assert found is not None  # a SELECT without FROM returns one row
+        if found[0] is None:
             done: set[int] = set()
         else:
             done = {row[0] for row in conn.execute("SELECT version FROM schema_migrations")}

@@ -18,17 +18,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from datetime import date, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 from uuid import UUID
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 
 T = TypeVar("T")
 
 
-def _rows(cls: type[T], rows: list[dict]) -> list[T]:
+def _rows(cls: type[T], rows: list[dict[str, Any]]) -> list[T]:
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
     return [cls(**{n: row[n] for n in names}) for row in rows]
 
@@ -137,7 +138,7 @@ class DueUsers:
 
 
 def lock_due_users(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     now: datetime,
     default_gap_s: int,
     limit: int,
@@ -171,7 +172,7 @@ def lock_due_users(
     return DueUsers(_rows(DueUser, locked), rows[0]["cursor"], rows[0]["high"] or 0, waits, rows[0]["missing"] or [])
 
 
-def unfinished_for_users(conn: psycopg.Connection, users: list[str], max_messages: int) -> list[UnfinishedRow]:
+def unfinished_for_users(conn: psycopg.Connection[DictRow], users: list[str], max_messages: int) -> list[UnfinishedRow]:
     """The locked users' pending and sending rows, by user and id: every row of a fixed
     delivery, the oldest ``max_messages`` held ones."""
     rows = conn.execute(Q.outbox_unfinished_for_users, {"users": list(users), "max_messages": max_messages})
@@ -179,7 +180,7 @@ def unfinished_for_users(conn: psycopg.Connection, users: list[str], max_message
 
 
 def fix_deliveries(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     now: datetime,
     lease_until: datetime,
     ids: list[int],
@@ -196,7 +197,7 @@ def fix_deliveries(
 
 
 def record_pacing(
-    conn: psycopg.Connection, now: datetime, users: list[str], seen: list[datetime | None], bypass: list[bool]
+    conn: psycopg.Connection[DictRow], now: datetime, users: list[str], seen: list[datetime | None], bypass: list[bool]
 ) -> set[str]:
     """Restart each user's gap at ``now`` (a bypass also counts against today's urgent cap),
     only where ``last_delivery_at`` is still what the plan read (``seen``); returns those users."""
@@ -207,7 +208,11 @@ def record_pacing(
 
 
 def claim_retries(
-    conn: psycopg.Connection, now: datetime, lease_until: datetime, delivery_ids: list[UUID], channels: list[str]
+    conn: psycopg.Connection[DictRow],
+    now: datetime,
+    lease_until: datetime,
+    delivery_ids: list[UUID],
+    channels: list[str],
 ) -> set[int]:
     """Send fixed deliveries again under their own ids (a backoff ended, or a lease ran out);
     returns the ids of the rows moved."""
@@ -223,7 +228,7 @@ def claim_retries(
     return {r["id"] for r in rows}
 
 
-def bury_lost(conn: psycopg.Connection, now: datetime, delivery_ids: list[UUID]) -> set[int]:
+def bury_lost(conn: psycopg.Connection[DictRow], now: datetime, delivery_ids: list[UUID]) -> set[int]:
     """Deliveries that used their last attempt with no outcome recorded become dead; returns
     the ids of the rows moved."""
     rows = conn.execute(Q.outbox_bury_lost, {"now": now, "delivery_ids": delivery_ids}).fetchall()
@@ -233,7 +238,9 @@ def bury_lost(conn: psycopg.Connection, now: datetime, delivery_ids: list[UUID])
 # -- outcomes ----------------------------------------------------------------------------
 
 
-def mark_delivered(conn: psycopg.Connection, attempts: dict[UUID, int], now: datetime) -> dict[UUID, list[datetime]]:
+def mark_delivered(
+    conn: psycopg.Connection[DictRow], attempts: dict[UUID, int], now: datetime
+) -> dict[UUID, list[datetime]]:
     """The channel accepted each delivery at its attempt (``attempts``), in one statement: the
     delivered rows' creation times by delivery (empty: that attempt no longer holds the
     delivery; it went out again)."""
@@ -252,7 +259,7 @@ def mark_delivered(conn: psycopg.Connection, attempts: dict[UUID, int], now: dat
 
 
 def schedule_retry(
-    conn: psycopg.Connection, delivery_id: UUID, attempt: int, next_attempt_at: datetime, error: str
+    conn: psycopg.Connection[DictRow], delivery_id: UUID, attempt: int, next_attempt_at: datetime, error: str
 ) -> int:
     """Attempt ``attempt`` failed and may be retried from ``next_attempt_at``: rows moved (0:
     superseded)."""
@@ -263,7 +270,7 @@ def schedule_retry(
     return len(rows)
 
 
-def mark_dead(conn: psycopg.Connection, delivery_id: UUID, attempt: int, now: datetime, error: str) -> int:
+def mark_dead(conn: psycopg.Connection[DictRow], delivery_id: UUID, attempt: int, now: datetime, error: str) -> int:
     """Attempt ``attempt`` failed for good: rows moved (0: superseded)."""
     rows = conn.execute(
         Q.outbox_mark_dead, {"now": now, "error": error, "delivery_id": delivery_id, "attempt": attempt}
@@ -274,22 +281,22 @@ def mark_dead(conn: psycopg.Connection, delivery_id: UUID, attempt: int, now: da
 # -- views -------------------------------------------------------------------------------
 
 
-def backlog(conn: psycopg.Connection) -> list[Backlog]:
+def backlog(conn: psycopg.Connection[DictRow]) -> list[Backlog]:
     """Undelivered rows by status, with the oldest one's creation time."""
     return _rows(Backlog, conn.execute(Q.outbox_backlog).fetchall())
 
 
-def of_user(conn: psycopg.Connection, user_id: str, limit: int) -> list[UserOutboxRow]:
+def of_user(conn: psycopg.Connection[DictRow], user_id: str, limit: int) -> list[UserOutboxRow]:
     """A user's outbox, newest first."""
     return _rows(UserOutboxRow, conn.execute(Q.outbox_for_user, {"user_id": user_id, "limit": limit}).fetchall())
 
 
-def dead_deliveries(conn: psycopg.Connection, limit: int) -> list[DeadDelivery]:
+def dead_deliveries(conn: psycopg.Connection[DictRow], limit: int) -> list[DeadDelivery]:
     """Dead deliveries, newest first."""
     return _rows(DeadDelivery, conn.execute(Q.outbox_dead_deliveries, {"limit": limit}).fetchall())
 
 
-def revive_dead(conn: psycopg.Connection, delivery_id: UUID | str, now: datetime) -> list[Revived]:
+def revive_dead(conn: psycopg.Connection[DictRow], delivery_id: UUID | str, now: datetime) -> list[Revived]:
     """A dead delivery back to pending under its own id, attempts starting over (empty:
     nothing dead by that id)."""
     rows = conn.execute(Q.outbox_revive_dead, {"delivery_id": delivery_id, "now": now}).fetchall()
@@ -301,7 +308,9 @@ class DeliverySession:
     session_id: str | None  # None: the delivery came from no conversation (the echo agent's)
 
 
-async def delivery_session(conn: psycopg.AsyncConnection, user_id: str, delivery_id: UUID) -> DeliverySession | None:
+async def delivery_session(
+    conn: psycopg.AsyncConnection[DictRow], user_id: str, delivery_id: UUID
+) -> DeliverySession | None:
     """The conversation a delivery to this user came from; None: no such delivery for this user."""
     cursor = await conn.execute(Q.outbox_delivery_session, {"user_id": user_id, "delivery_id": delivery_id})
     row = await cursor.fetchone()

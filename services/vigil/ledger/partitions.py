@@ -38,8 +38,10 @@ The epoch only ever grows, so "my epoch is the current one" is a fact the databa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 
@@ -50,7 +52,7 @@ class PartitionKey:
     partition: int
 
 
-def owned_params(owned: dict[PartitionKey, int]) -> dict:
+def owned_params(owned: dict[PartitionKey, int]) -> dict[str, Any]:
     """The owned partitions and their epochs as the statements take them: three arrays in one order."""
     keys = sorted(owned)
     return {
@@ -60,21 +62,22 @@ def owned_params(owned: dict[PartitionKey, int]) -> dict:
     }
 
 
-def keys_params(keys: list[PartitionKey]) -> dict:
+def keys_params(keys: list[PartitionKey]) -> dict[str, Any]:
     return {"topics": [k.topic for k in keys], "partitions": [k.partition for k in keys]}
 
 
-def take_over(conn: psycopg.Connection, key: PartitionKey, holder: str) -> int:
+def take_over(conn: psycopg.Connection[DictRow], key: PartitionKey, holder: str) -> int:
     """Rule 1's first half: bump the partition's epoch (waits for in-flight claims and
     finishes holding the row). Returns the new epoch."""
     row = conn.execute(Q.take_over_partition, {"topic": key.topic, "partition": key.partition, "holder": holder})
     found = row.fetchone()
     assert found is not None
-    return found["epoch"] if isinstance(found, dict) else found[0]
+    epoch: int = found["epoch"] if isinstance(found, dict) else found[0]
+    return epoch
 
 
 def hand_back_stale_claims(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     key: PartitionKey,
     epoch: int,
     backoff_base_s: float,
@@ -98,7 +101,7 @@ def hand_back_stale_claims(
 
 
 async def begin_handover(
-    conn: psycopg.AsyncConnection, partitions: dict[PartitionKey, int], seconds: float
+    conn: psycopg.AsyncConnection[DictRow], partitions: dict[PartitionKey, int], seconds: float
 ) -> list[PartitionKey]:
     """Rule 4: a hand-over deadline ``seconds`` from now on ``partitions`` still at these
     epochs. Returns those it was set on (the others have moved on already)."""
@@ -106,12 +109,12 @@ async def begin_handover(
     return sorted(PartitionKey(row["topic"], row["partition"]) for row in await cur.fetchall())
 
 
-async def end_handover(conn: psycopg.AsyncConnection, partitions: dict[PartitionKey, int]) -> None:
+async def end_handover(conn: psycopg.AsyncConnection[DictRow], partitions: dict[PartitionKey, int]) -> None:
     """Rule 4: the revoking owner's last run of ``partitions`` (at these epochs) is gone."""
     await conn.execute(Q.end_handover, owned_params(partitions))
 
 
-def handover_left(conn: psycopg.Connection, keys: list[PartitionKey]) -> float | None:
+def handover_left(conn: psycopg.Connection[DictRow], keys: list[PartitionKey]) -> float | None:
     """Rule 4, for a takeover: seconds until the last hand-over deadline among ``keys`` (the
     ledger's clock); None when none is in progress."""
     row = conn.execute(Q.handover_left, keys_params(sorted(keys))).fetchone()
@@ -119,7 +122,7 @@ def handover_left(conn: psycopg.Connection, keys: list[PartitionKey]) -> float |
     return None if seconds is None else float(seconds)
 
 
-async def lock_epochs(conn: psycopg.AsyncConnection, homes: list[PartitionKey]) -> dict[PartitionKey, int]:
+async def lock_epochs(conn: psycopg.AsyncConnection[DictRow], homes: list[PartitionKey]) -> dict[PartitionKey, int]:
     """Rule 2 for a finish: lock ``homes``' rows ``FOR SHARE`` (a takeover waits for this
     transaction) and return their current epochs."""
     cur = await conn.execute(Q.lock_epochs, keys_params(sorted(homes)))

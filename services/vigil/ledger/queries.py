@@ -17,7 +17,7 @@ QUERIES_DIR = Path(__file__).resolve().parent / "queries"
 _HEADER = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
 
-class Queries(dict):
+class Queries(dict[str, str]):
     """name -> SQL text; attribute access for readability at call sites."""
 
     def __getattr__(self, name: str) -> str:

@@ -8,12 +8,13 @@ import json
 from dataclasses import dataclass
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.partitions import PartitionKey, keys_params, owned_params
 from vigil.ledger.queries import Q
 
 
-def read_positions(conn: psycopg.Connection, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
+def read_positions(conn: psycopg.Connection[DictRow], keys: list[PartitionKey]) -> dict[PartitionKey, int]:
     """The ledger's next offset for each of ``keys`` it has recorded from."""
     rows = conn.execute(Q.read_positions, keys_params(keys)).fetchall()
     return {PartitionKey(row["topic"], row["partition"]): row["next_offset"] for row in rows}
@@ -26,7 +27,7 @@ class Healed:
 
 
 async def release_orphaned_claims(
-    conn: psycopg.AsyncConnection,
+    conn: psycopg.AsyncConnection[DictRow],
     owned: dict[PartitionKey, int],
     busy: list[str],
     max_attempts: int,

@@ -33,6 +33,7 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 
@@ -52,13 +53,16 @@ TABLES = (("outbox", "prune_outbox"), ("runs", "prune_runs"), ("timers", "prune_
 DEFAULT_DEDUP_WINDOW_DAYS = 7.0
 
 
-def ensure_partitions(conn: psycopg.Connection, ahead: int = PARTITIONS_AHEAD_DAYS) -> int:
+def ensure_partitions(conn: psycopg.Connection[DictRow], ahead: int = PARTITIONS_AHEAD_DAYS) -> int:
     """Make the days of finished events from yesterday to ``ahead`` days ahead. Returns how many were made."""
     with conn.transaction():
-        return conn.execute(Q.ensure_partitions, {"ahead": ahead}).fetchone()["made"]
+        row = conn.execute(Q.ensure_partitions, {"ahead": ahead}).fetchone()
+        assert row is not None  # a function's result: one row
+        made: int = row["made"]
+        return made
 
 
-def drop_event_day(conn: psycopg.Connection, name: str) -> int:
+def drop_event_day(conn: psycopg.Connection[DictRow], name: str) -> int:
     """Drop one day partition of finished events. Returns the events it dropped.
 
     Order: count the day, then drop it, each in its own short transaction. The drop locks
@@ -70,7 +74,9 @@ def drop_event_day(conn: psycopg.Connection, name: str) -> int:
     table = sql.Identifier(name)
     try:
         with conn.transaction():
-            total = conn.execute(sql.SQL(Q.count_event_day).format(partition=table)).fetchone()["n"]
+            counted = conn.execute(sql.SQL(Q.count_event_day).format(partition=table)).fetchone()
+            assert counted is not None  # a count: one row
+            total: int = counted["n"]
     except psycopg.errors.UndefinedTable:
         return 0
     try:
@@ -83,7 +89,7 @@ def drop_event_day(conn: psycopg.Connection, name: str) -> int:
 
 
 def prune(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     retention_days: float,
     now: datetime | None = None,
     batch: int = BATCH,

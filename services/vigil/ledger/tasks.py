@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from datetime import datetime
+from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 from vigil.ledger.states import TaskStatus
@@ -58,12 +60,12 @@ class TaskRow:
     reported_at: datetime | None
 
     @classmethod
-    def of(cls, row: dict) -> TaskRow:
+    def of(cls, row: dict[str, Any]) -> TaskRow:
         values = {f.name: row[f.name] for f in fields(cls)}
         values["status"] = TaskStatus(values["status"])
         return cls(**values)
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, Any]:
         """The task as the HTTP API and ``vigil tasks show --json`` present it."""
         out = {}
         for f in fields(self):
@@ -116,24 +118,24 @@ class Gauges:
     heartbeat_age_s: float
 
 
-async def create(conn: psycopg.AsyncConnection, task: NewTaskRow) -> None:
+async def create(conn: psycopg.AsyncConnection[DictRow], task: NewTaskRow) -> None:
     """Queue a task: called inside the delegating run's fenced finish transaction."""
     await conn.execute(Q.task_create, {f.name: getattr(task, f.name) for f in fields(task)})
 
 
-async def claim(conn: psycopg.AsyncConnection, holder: str, limit: int) -> list[TaskRow]:
+async def claim(conn: psycopg.AsyncConnection[DictRow], holder: str, limit: int) -> list[TaskRow]:
     cur = await conn.execute(Q.task_claim, {"holder": holder, "limit": limit})
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
-async def heartbeat(conn: psycopg.AsyncConnection, task_id: str, lease_epoch: int) -> bool | None:
+async def heartbeat(conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_epoch: int) -> bool | None:
     """None: the lease is gone (stop, write nothing). True: cancel requested. False: carry on."""
     cur = await conn.execute(Q.task_heartbeat, {"id": task_id, "lease_epoch": lease_epoch})
     row = await cur.fetchone()
     return None if row is None else bool(row["cancel"])
 
 
-async def finish(conn: psycopg.AsyncConnection, task_id: str, lease_epoch: int, outcome: Outcome) -> bool:
+async def finish(conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_epoch: int, outcome: Outcome) -> bool:
     """True if this outcome stands; False if another one already did (or the lease moved on)."""
     assert outcome.status not in (TaskStatus.QUEUED, TaskStatus.RUNNING)
     cur = await conn.execute(
@@ -152,13 +154,13 @@ async def finish(conn: psycopg.AsyncConnection, task_id: str, lease_epoch: int, 
     return await cur.fetchone() is not None
 
 
-async def release(conn: psycopg.AsyncConnection, task_id: str, lease_epoch: int) -> bool:
+async def release(conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_epoch: int) -> bool:
     """A holder shutting down hands the task back (attempt given back). False: the lease had moved on."""
     cur = await conn.execute(Q.task_release, {"id": task_id, "lease_epoch": lease_epoch})
     return await cur.fetchone() is not None
 
 
-async def reap(conn: psycopg.AsyncConnection, stale_s: float) -> list[Reaped]:
+async def reap(conn: psycopg.AsyncConnection[DictRow], stale_s: float) -> list[Reaped]:
     """Deadlines first (a task past its deadline is timed_out, not retried), then stale leases."""
     cur = await conn.execute(Q.task_reap_timed_out)
     reaped = [Reaped(r["id"], r["user_id"], TaskStatus.TIMED_OUT) for r in await cur.fetchall()]
@@ -167,21 +169,21 @@ async def reap(conn: psycopg.AsyncConnection, stale_s: float) -> list[Reaped]:
     return reaped
 
 
-async def cancel(conn: psycopg.AsyncConnection, task_id: str, actor: str) -> TaskRow | None:
+async def cancel(conn: psycopg.AsyncConnection[DictRow], task_id: str, actor: str) -> TaskRow | None:
     """The owner's cancel. None: the task is unknown or already terminal."""
     cur = await conn.execute(Q.task_cancel, {"id": task_id, "actor": actor})
     row = await cur.fetchone()
     return TaskRow.of(row) if row else None
 
 
-async def get(conn: psycopg.AsyncConnection, task_id: str) -> TaskRow | None:
+async def get(conn: psycopg.AsyncConnection[DictRow], task_id: str) -> TaskRow | None:
     cur = await conn.execute(Q.task_get, {"id": task_id})
     row = await cur.fetchone()
     return TaskRow.of(row) if row else None
 
 
 async def of_user(
-    conn: psycopg.AsyncConnection,
+    conn: psycopg.AsyncConnection[DictRow],
     user_id: str,
     status: str | None = None,
     before: datetime | None = None,
@@ -191,21 +193,22 @@ async def of_user(
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
-async def recent(conn: psycopg.AsyncConnection, status: str | None = None, limit: int = 50) -> list[TaskRow]:
+async def recent(conn: psycopg.AsyncConnection[DictRow], status: str | None = None, limit: int = 50) -> list[TaskRow]:
     cur = await conn.execute(Q.tasks_recent, {"status": status, "limit": limit})
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
-async def unreported(conn: psycopg.AsyncConnection, limit: int) -> list[TaskRow]:
+async def unreported(conn: psycopg.AsyncConnection[DictRow], limit: int) -> list[TaskRow]:
     """Call inside a transaction: the rows stay locked until it ends."""
     cur = await conn.execute(Q.task_unreported, {"limit": limit})
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
-async def mark_reported(conn: psycopg.AsyncConnection, ids: list[str]) -> None:
+async def mark_reported(conn: psycopg.AsyncConnection[DictRow], ids: list[str]) -> None:
     await conn.execute(Q.task_mark_reported, {"ids": ids})
 
 
-async def gauges(conn: psycopg.AsyncConnection) -> Gauges:
+async def gauges(conn: psycopg.AsyncConnection[DictRow]) -> Gauges:
     row = await (await conn.execute(Q.task_gauges)).fetchone()
+    assert row is not None  # aggregates only: one row
     return Gauges(row["queued"], row["running"], row["heartbeat_age"])

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 
 from vigil.ledger.queries import Q
@@ -34,7 +34,7 @@ class TimerRow:
     tz: str
     catch_up: str
     max_lateness: int | None
-    payload: dict
+    payload: dict[str, Any]
     fixed_key: str | None
     done: bool
     skipped: bool
@@ -49,7 +49,7 @@ class TimerRow:
     traceparent: str | None  # the setting run's trace context (traces on): the fire continues it
 
     @classmethod
-    def of(cls, row: dict) -> TimerRow:
+    def of(cls, row: dict[str, Any]) -> TimerRow:
         return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
@@ -67,7 +67,7 @@ class NewTimer:
     tz: str = "UTC"
     catch_up: CatchUp = CatchUp.COALESCE
     max_lateness: int | None = None
-    payload: dict = field(default_factory=dict)
+    payload: dict[str, Any] = field(default_factory=dict)
     fixed_key: str | None = None
 
     def params(self) -> dict[str, Any]:
@@ -95,7 +95,7 @@ class Upserted:
     reason: str | None = None
 
 
-def _outcome(returned: dict | None, existing: dict | None) -> Upserted:
+def _outcome(returned: dict[str, Any] | None, existing: dict[str, Any] | None) -> Upserted:
     """Interpret ``timer_upsert``: ``existing`` is read only when it returned nothing."""
     if returned is not None:
         return Upserted("created" if returned["created"] else "updated", TimerRow.of(returned))
@@ -109,7 +109,7 @@ def _outcome(returned: dict | None, existing: dict | None) -> Upserted:
     )
 
 
-def upsert(conn: psycopg.Connection, timer: NewTimer) -> Upserted:
+def upsert(conn: psycopg.Connection[Any], timer: NewTimer) -> Upserted:
     """Create or re-register ``timer`` (one transaction)."""
     with conn.transaction():
         cur = conn.cursor(row_factory=dict_row)  # whatever rows the caller's connection makes
@@ -118,7 +118,7 @@ def upsert(conn: psycopg.Connection, timer: NewTimer) -> Upserted:
     return _outcome(returned, existing)
 
 
-async def upsert_async(conn: psycopg.AsyncConnection, timer: NewTimer) -> Upserted:
+async def upsert_async(conn: psycopg.AsyncConnection[Any], timer: NewTimer) -> Upserted:
     """:func:`upsert` on an async connection (the API's pool)."""
     async with conn.transaction():
         cur = conn.cursor(row_factory=dict_row)
@@ -127,12 +127,12 @@ async def upsert_async(conn: psycopg.AsyncConnection, timer: NewTimer) -> Upsert
     return _outcome(returned, existing)
 
 
-def get(conn: psycopg.Connection, user_id: str, timer_id: str) -> TimerRow | None:
+def get(conn: psycopg.Connection[DictRow], user_id: str, timer_id: str) -> TimerRow | None:
     row = conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id}).fetchone()
     return None if row is None else TimerRow.of(row)
 
 
-async def get_async(conn: psycopg.AsyncConnection, user_id: str, timer_id: str) -> TimerRow | None:
+async def get_async(conn: psycopg.AsyncConnection[DictRow], user_id: str, timer_id: str) -> TimerRow | None:
     row = await (await conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id})).fetchone()
     return None if row is None else TimerRow.of(row)
 
@@ -141,45 +141,49 @@ def _list_params(user_id: str, include_done: bool, after: str, limit: int) -> di
     return {"user_id": user_id, "include_done": include_done, "after": after, "limit": limit}
 
 
-def of_user(conn: psycopg.Connection, user_id: str, *, include_done: bool, after: str, limit: int) -> list[TimerRow]:
+def of_user(
+    conn: psycopg.Connection[DictRow], user_id: str, *, include_done: bool, after: str, limit: int
+) -> list[TimerRow]:
     """A user's timers in id order after ``after`` (keyset), live ones only unless ``include_done``."""
     rows = conn.execute(Q.timers_list, _list_params(user_id, include_done, after, limit)).fetchall()
     return [TimerRow.of(r) for r in rows]
 
 
 async def of_user_async(
-    conn: psycopg.AsyncConnection, user_id: str, *, include_done: bool, after: str, limit: int
+    conn: psycopg.AsyncConnection[DictRow], user_id: str, *, include_done: bool, after: str, limit: int
 ) -> list[TimerRow]:
     cursor = await conn.execute(Q.timers_list, _list_params(user_id, include_done, after, limit))
     return [TimerRow.of(r) for r in await cursor.fetchall()]
 
 
-def cancel(conn: psycopg.Connection, user_id: str, timer_id: str) -> bool:
+def cancel(conn: psycopg.Connection[DictRow], user_id: str, timer_id: str) -> bool:
     """A live timer the caller owns becomes done and cancelled. False: unknown, done already,
     or an approval's expiry (which follows its approval)."""
     return conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id}).fetchone() is not None
 
 
-async def cancel_async(conn: psycopg.AsyncConnection, user_id: str, timer_id: str) -> bool:
+async def cancel_async(conn: psycopg.AsyncConnection[DictRow], user_id: str, timer_id: str) -> bool:
     cursor = await conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id})
     return await cursor.fetchone() is not None
 
 
-async def lock_quota(conn: psycopg.AsyncConnection, user_id: str) -> None:
+async def lock_quota(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> None:
     """Serialise timer creation per user until commit (the quota's count must be taken after)."""
     await conn.execute(Q.timers_quota_lock, {"user_id": user_id})
 
 
-async def live_count(conn: psycopg.AsyncConnection, user_id: str, other_than: str) -> int:
+async def live_count(conn: psycopg.AsyncConnection[DictRow], user_id: str, other_than: str) -> int:
     """Live timers of a user other than ``other_than`` (the one being (re-)registered)."""
     row = await (await conn.execute(Q.timers_live_count, {"user_id": user_id, "id": other_than})).fetchone()
-    return row["live"]
+    assert row is not None  # a count: one row
+    live: int = row["live"]
+    return live
 
 
 # -- the scheduler's pass ------------------------------------------------------------------
 
 
-def claim_due(conn: psycopg.Connection, now: datetime, limit: int) -> list[TimerRow]:
+def claim_due(conn: psycopg.Connection[DictRow], now: datetime, limit: int) -> list[TimerRow]:
     """Live timers due at ``now``, oldest first, locked (``FOR UPDATE SKIP LOCKED``) until the
     caller's transaction ends."""
     return [TimerRow.of(r) for r in conn.execute(Q.timers_claim_due, {"now": now, "limit": limit}).fetchall()]
@@ -199,7 +203,7 @@ class Advance:
     handled_through: datetime | None
 
 
-def apply(conn: psycopg.Connection, now: datetime, advances: list[Advance]) -> int:
+def apply(conn: psycopg.Connection[DictRow], now: datetime, advances: list[Advance]) -> int:
     """Commit one pass's plans in one statement; returns how many timers it advanced."""
     rows = conn.execute(
         Q.timers_apply,
@@ -218,7 +222,7 @@ def apply(conn: psycopg.Connection, now: datetime, advances: list[Advance]) -> i
     return len(rows)
 
 
-def set_aside(conn: psycopg.Connection, row: TimerRow, error: str) -> bool:
+def set_aside(conn: psycopg.Connection[DictRow], row: TimerRow, error: str) -> bool:
     """A timer the scheduler cannot plan: done, with the reason, so it stops blocking the batch."""
     returned = conn.execute(
         Q.timer_set_aside, {"user_id": row.user_id, "id": row.id, "expected_due": row.due, "error": error}
@@ -232,6 +236,7 @@ class DueBacklog:
     oldest: datetime | None  # the oldest one's due
 
 
-def due_backlog(conn: psycopg.Connection, now: datetime) -> DueBacklog:
+def due_backlog(conn: psycopg.Connection[DictRow], now: datetime) -> DueBacklog:
     row = conn.execute(Q.timers_due_count, {"now": now}).fetchone()
+    assert row is not None  # a count: one row
     return DueBacklog(row["due"], row["oldest"])

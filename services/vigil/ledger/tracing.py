@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 
@@ -17,7 +18,7 @@ class EventTrace:
     claimed_at: datetime | None
 
 
-async def event_trace_context(conn: psycopg.AsyncConnection, ids: list[int]) -> list[EventTrace]:
+async def event_trace_context(conn: psycopg.AsyncConnection[DictRow], ids: list[int]) -> list[EventTrace]:
     """A run's events' trace context (written by the worker's record span) and claim time, by id."""
     rows = await (await conn.execute(Q.event_trace_context, {"ids": ids})).fetchall()
     return [

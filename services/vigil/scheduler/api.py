@@ -80,6 +80,7 @@ def routes(ctx: Any) -> list[Route]:
             result = await ledger.upsert_async(conn, timer)
         if result.status == "conflict":
             raise ctx.Refusal(409, "conflict", result.reason)
+        assert result.row is not None  # the upsert returned it or read it, in one transaction
         shown = {**describe(result.row), "status": result.status}
         if result.reason:
             shown["note"] = result.reason
@@ -104,6 +105,7 @@ def routes(ctx: Any) -> list[Route]:
 
     async def get_timer(request: Request) -> Response:
         user_id, timer_id = await authorized(request, with_timer=True)
+        assert timer_id is not None  # path_ids(with_timer=True) refuses a missing one
         async with ctx.ledger() as conn:
             row = await ledger.get_async(conn, user_id, timer_id)
         if row is None:
@@ -166,7 +168,7 @@ def openapi_paths() -> dict[str, Any]:
     """The timers API for ingest's ``/openapi.json``."""
     user = {"name": "user_id", "in": "path", "required": True, "schema": {"type": "string"}}
     timer = {"name": "timer_id", "in": "path", "required": True, "schema": {"type": "string"}}
-    secured = [{"bearer": []}]
+    secured: list[dict[str, list[str]]] = [{"bearer": []}]
     return {
         COLLECTION: {
             "post": {

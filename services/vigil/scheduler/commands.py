@@ -8,9 +8,9 @@ import time
 
 import click
 
+from vigil.admin.connection import cli_connection
 from vigil.cliutil import emit
 from vigil.ledger import timers as ledger
-from vigil.ledger.cli import cli_connection
 from vigil.scheduler.main import serve
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.scheduler.timers import InvalidTimer, describe, parse_timer
@@ -96,7 +96,9 @@ def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, 
     with cli_connection() as conn:
         result = ledger.upsert(conn, timer)
     if result.status == "conflict":
+        assert result.reason is not None  # a conflict says why
         raise click.ClickException(result.reason)
+    assert result.row is not None  # the upsert returned it or read it, in one transaction
     shown = describe(result.row)
     note = f" ({result.reason})" if result.reason else ""
     emit({**shown, "status": result.status}, as_json, f"{result.status}: {_line(shown)}{note}")

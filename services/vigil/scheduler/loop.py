@@ -36,14 +36,16 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from typing import overload
 
 import psycopg
 from opentelemetry.trace import Link, SpanKind
+from psycopg.rows import DictRow
 
 from vigil import tracing
-from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer, ProduceError
 from vigil.clock import Clock, SystemClock
+from vigil.envelope import Event
 from vigil.ledger import approvals
 from vigil.ledger import timers as ledger
 from vigil.ledger.db import connect
@@ -62,6 +64,10 @@ BACKLOG_REFRESH_S = 5.0
 MAX_BACKOFF_S = 30.0
 
 
+@overload
+def _epoch(value: datetime) -> int: ...
+@overload
+def _epoch(value: None) -> None: ...
 def _epoch(value: datetime | None) -> int | None:
     return None if value is None else int(value.timestamp())
 
@@ -210,12 +216,12 @@ class Scheduler:
         self.settings = settings
         self.producer = producer
         self.clock = clock or SystemClock()
-        self._conn: psycopg.Connection | None = None
+        self._conn: psycopg.Connection[DictRow] | None = None
         self._backlog_at = 0.0
 
     # -- database ------------------------------------------------------------------------
 
-    def conn(self) -> psycopg.Connection:
+    def conn(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self.settings.dsn, autocommit=True)
         return self._conn
@@ -236,7 +242,7 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------------
 
-    def _plan(self, conn: psycopg.Connection, row: TimerRow, now: int) -> Outcome:
+    def _plan(self, conn: psycopg.Connection[DictRow], row: TimerRow, now: int) -> Outcome:
         if row.kind == TimerKind.APPROVAL_EXPIRY:
             return self._expire(conn, row, now)
         try:
@@ -274,7 +280,7 @@ class Scheduler:
             handled_through=now if spec.recurrence is not None else spec.due,
         )
 
-    def _expire(self, conn: psycopg.Connection, row: TimerRow, now: int) -> Outcome:
+    def _expire(self, conn: psycopg.Connection[DictRow], row: TimerRow, now: int) -> Outcome:
         """An approval's deadline: the policy decides, and the session wakes either way."""
         request_id = (row.payload or {}).get("request_id") or row.fixed_key or row.id
         due = row.due
@@ -327,7 +333,7 @@ class Scheduler:
         metrics.PASS_SECONDS.observe(time.perf_counter() - started)
         return report
 
-    def _apply(self, conn: psycopg.Connection, outcomes: list[Outcome], now: int) -> None:
+    def _apply(self, conn: psycopg.Connection[DictRow], outcomes: list[Outcome], now: int) -> None:
         planned = [o for o in outcomes if o.set_aside is None]
         for o in outcomes:
             if o.set_aside is not None:

@@ -71,7 +71,8 @@ def _kind(value: Any) -> str:
         return "true or false"
     if isinstance(value, float):
         return "a fraction"
-    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "something else")
+    kinds: dict[type, str] = {str: "a string", list: "a list", dict: "an object"}
+    return kinds.get(type(value), "something else")
 
 
 def _whole_seconds(name: str, value: Any, minimum: int) -> int | None:
@@ -154,6 +155,7 @@ def parse_timer(user_id: str, body: Any, now: int, min_every: int = 1) -> NewTim
         raise InvalidTimer("payload", "must not contain NUL (the ledger's jsonb cannot hold one)")
     if len(encoded) > MAX_PAYLOAD_BYTES:
         raise InvalidTimer("payload", f"larger than {MAX_PAYLOAD_BYTES} bytes as JSON")
+    due: int | None
     if body.get("due") is not None:
         due = parse_due(body["due"])
     elif cron is not None:

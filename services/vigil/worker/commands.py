@@ -8,10 +8,10 @@ from dataclasses import asdict
 
 import click
 
+from vigil.admin.connection import cli_connection
 from vigil.cliutil import emit, login_name, table
 from vigil.dispatcher.operator import dead_deliveries
 from vigil.ledger import events as ledger_events
-from vigil.ledger.cli import cli_connection
 from vigil.ledger.events import retry_dead_events
 from vigil.service import load_or_exit, require_schema
 from vigil.worker.main import serve

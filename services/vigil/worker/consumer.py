@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+from psycopg.rows import DictRow
 
 from vigil import tracing
 from vigil.bus.codec import DecodeError, EventCodec
@@ -81,8 +82,8 @@ FETCH_MIN_BYTES = 64 * 1024
 FETCH_WAIT_MAX_MS = 10
 
 
-def consumer_config(settings: WorkerSettings, on_stats) -> dict:
-    config = {"fetch.min.bytes": FETCH_MIN_BYTES, "fetch.wait.max.ms": FETCH_WAIT_MAX_MS}
+def consumer_config(settings: WorkerSettings, on_stats) -> dict[str, Any]:
+    config: dict[str, Any] = {"fetch.min.bytes": FETCH_MIN_BYTES, "fetch.wait.max.ms": FETCH_WAIT_MAX_MS}
     config.update(settings.kafka_client_options())
     config.update(
         {
@@ -114,7 +115,7 @@ def consumer_config(settings: WorkerSettings, on_stats) -> dict:
 IDLE_POLL_S = 0.2
 
 
-def read_positions(conn: psycopg.Connection, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
+def read_positions(conn: psycopg.Connection[DictRow], keys: list[PartitionKey]) -> dict[PartitionKey, int]:
     """The ledger's next offset for each of ``keys`` it has recorded from (read in its own transaction)."""
     positions = ledger_recovery.read_positions(conn, keys)
     conn.commit()
@@ -146,7 +147,7 @@ class ConsumerLoop(threading.Thread):
         self.dead_letters = dead_letters
         self.stopping = stopping
         self.codec = EventCodec(settings.schema_registry_url)
-        self.conn: psycopg.Connection | None = None
+        self.conn: psycopg.Connection[DictRow] | None = None
         self.consumer: Consumer | None = None
         self.assigned: set[PartitionKey] = set()
         self.error: BaseException | None = None
@@ -167,7 +168,7 @@ class ConsumerLoop(threading.Thread):
 
     # -- ledger connection ------------------------------------------------------------
 
-    def _db(self) -> psycopg.Connection:
+    def _db(self) -> psycopg.Connection[DictRow]:
         if self.conn is None or self.conn.closed or self.conn.broken:
             self.conn = connect(self.settings.dsn)
             prepare_record_connection(self.conn)
@@ -216,7 +217,7 @@ class ConsumerLoop(threading.Thread):
             )
             threading.Thread(target=self._take_over_later, args=(sorted(later),), name="takeover", daemon=True).start()
 
-    def _take_over(self, conn: psycopg.Connection, keys: list[PartitionKey], within_s: float) -> dict:
+    def _take_over(self, conn: psycopg.Connection[DictRow], keys: list[PartitionKey], within_s: float) -> dict:
         return take_over(
             conn,
             keys,
@@ -239,7 +240,7 @@ class ConsumerLoop(threading.Thread):
             with self._takeover_lock:
                 return [k for k in keys if k in self.taking_over]
 
-        conn: psycopg.Connection | None = None
+        conn: psycopg.Connection[DictRow] | None = None
         deadline = time.monotonic() + within_s
         try:
             while not self.stopping.is_set() and wanted():
@@ -359,13 +360,15 @@ class ConsumerLoop(threading.Thread):
         recorded), and a lone event is recorded as soon as it arrives.
         """
         batch = self.settings.poll_batch_max
-        messages = self.consumer.consume(num_messages=batch, timeout=0)
+        consumer = self.consumer
+        assert consumer is not None  # made before the poll loop starts
+        messages = consumer.consume(num_messages=batch, timeout=0)
         if messages:
             return messages
         self._settle()  # before waiting: the batch in flight's offsets and wake-up must not wait too
-        messages = self.consumer.consume(num_messages=1, timeout=IDLE_POLL_S)
+        messages = consumer.consume(num_messages=1, timeout=IDLE_POLL_S)
         if messages and batch > 1:
-            messages += self.consumer.consume(num_messages=batch - 1, timeout=0)
+            messages += consumer.consume(num_messages=batch - 1, timeout=0)
         return messages
 
     def _handle(self, messages: list) -> None:
@@ -400,7 +403,7 @@ class ConsumerLoop(threading.Thread):
         alone."""
         positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in highest.items()}
 
-        def record(conn: psycopg.Connection) -> int:
+        def record(conn: psycopg.Connection[DictRow]) -> int:
             with metrics.LEDGER_SECONDS.labels("record").time():
                 return ledger_events.record_batch(conn, rows, unknown_users, positions)
 
@@ -441,7 +444,9 @@ class ConsumerLoop(threading.Thread):
         Once per polled message, so kept to what the COPY needs: the codec hands back the
         event's fields in staging order, and the metrics are counted per batch.
         """
-        rows, bad, highest = [], [], {}
+        rows: list[tuple[Any, ...]] = []
+        bad: list[tuple[Any, ...]] = []
+        highest: dict[tuple[str, int], int] = {}
         decode = self.codec.decode_row
         spans = traces.RecordSpans(self.settings.events_topic) if tracing.enabled else None
         for message in messages:
@@ -471,6 +476,7 @@ class ConsumerLoop(threading.Thread):
             if PartitionKey(topic, partition) in self.assigned
         ]
         if offsets:
+            assert self.consumer is not None  # made before the poll loop starts
             try:
                 self.consumer.store_offsets(offsets=offsets)
             except KafkaException as exc:

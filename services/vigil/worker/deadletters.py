@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-from vigil.bus.codec import Event
-from vigil.bus.kafka import EventProducer, ProduceError
+from confluent_kafka import Message
+
+from vigil.bus.kafka import EventProducer, Headers, ProduceError
+from vigil.envelope import Event
 from vigil.ledger.claims import DeadEvent
 from vigil.settings import CommonSettings
 
@@ -25,10 +27,10 @@ class DeadLetters:
         self.producer = producer
         self.codec = producer.codec
 
-    def publish_undecodable(self, messages: list[tuple[object, str]]) -> None:
+    def publish_undecodable(self, messages: list[tuple[Message, str]]) -> None:
         """``(kafka message, reason)`` pairs, copied verbatim. Raises ProduceError."""
         for message, reason in messages:
-            headers = [
+            headers: Headers = [
                 ("vigil-error", reason.encode()[:1000]),
                 ("vigil-stage", b"decode"),
                 ("vigil-origin-topic", str(message.topic()).encode()),
@@ -50,7 +52,7 @@ class DeadLetters:
                 occurred_at=row.occurred_at,
                 session_id=row.session_id,
             )
-            headers = [
+            headers: Headers = [
                 ("vigil-error", (row.error or "attempts exhausted").encode()[:1000]),
                 ("vigil-stage", b"run"),
                 ("vigil-event-id", str(row.id).encode()),

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger.partitions import PartitionKey
@@ -22,7 +23,7 @@ __all__ = ["PartitionKey", "handing_over", "take_over", "wait_for_handover"]
 HANDOVER_POLL_S = 0.05
 
 
-def handing_over(conn: psycopg.Connection, partitions: list[PartitionKey]) -> set[PartitionKey]:
+def handing_over(conn: psycopg.Connection[DictRow], partitions: list[PartitionKey]) -> set[PartitionKey]:
     """Which of ``partitions`` a previous owner is handing over now (rule 4), each looked up
     in its own short transaction: an assignment is rare and holds a dozen partitions at most."""
     found = set()
@@ -34,7 +35,7 @@ def handing_over(conn: psycopg.Connection, partitions: list[PartitionKey]) -> se
 
 
 def wait_for_handover(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     partitions: list[PartitionKey],
     within_s: float,
     given_up: Callable[[], bool] = lambda: False,
@@ -67,7 +68,7 @@ def wait_for_handover(
 
 
 def take_over(
-    conn: psycopg.Connection,
+    conn: psycopg.Connection[DictRow],
     partitions: list[PartitionKey],
     holder: str,
     backoff_base_s: float,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.agent.base import NewTask, RunResult
 from vigil.agent.run_ledger import session_rows
@@ -116,7 +117,7 @@ def _has_more(run: Finished) -> bool:
     return result is not None and bool(result.timers or result.approvals or result.memory_writes or result.tasks)
 
 
-async def _write_more(conn: psycopg.AsyncConnection, run: Finished, run_id: int) -> list[tuple]:
+async def _write_more(conn: psycopg.AsyncConnection[DictRow], run: Finished, run_id: int) -> list[tuple]:
     """Queue a run's other writes (pipeline mode); return (cursor, expected rowcount) checks."""
     claim = run.claim
     if run.error is not None:
@@ -180,7 +181,7 @@ def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledg
 
 
 async def _commit(
-    conn: psycopg.AsyncConnection, runs: list[Finished], worker: str, journal_keep: bool = False
+    conn: psycopg.AsyncConnection[DictRow], runs: list[Finished], worker: str, journal_keep: bool = False
 ) -> tuple[list[Finished], list[Finished]]:
     """One transaction for ``runs``. Returns (committed, stale). Raises FinishMismatch.
 
@@ -194,7 +195,8 @@ async def _commit(
     # together: three for a group of plain runs, where a statement at a time took five.
     async with db.pipelined_transaction(conn) as pipeline:
         current = await ledger_partitions.lock_epochs(conn, homes)
-        valid, stale = [], []
+        valid: list[Finished] = []
+        stale: list[Finished] = []
         for r in runs:  # one pass: `r in valid` would compare whole dataclasses, O(n^2) per group
             fresh = current.get(r.claim.home) == r.claim.epoch
             (valid if fresh else stale).append(r)
@@ -254,7 +256,7 @@ REFUSED_RESULT = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 
 
 async def commit_finished(
-    conn: psycopg.AsyncConnection, runs: list[Finished], worker: str, journal_keep: bool = False
+    conn: psycopg.AsyncConnection[DictRow], runs: list[Finished], worker: str, journal_keep: bool = False
 ) -> tuple[list[Finished], list[Finished]]:
     """Commit a group of finished runs (group commit, per-run fallback). Returns (committed, stale).
 

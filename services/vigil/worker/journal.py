@@ -107,17 +107,17 @@ class RunWriter:
         self.pool = pool
         self.fence = fence
         self.run_key = run_key
-        self.group = group if isinstance(fence, ledger_journal.RunFence) else None
+        self.group = group  # a task's steps (TaskFence) are few: a statement each
 
     async def append(self, step: int, kind: str, body: str) -> None:
-        if self.group is not None:
+        if self.group is not None and isinstance(self.fence, ledger_journal.RunFence):
             await self.group.put(ledger_journal.Pending(self.fence, self.run_key, step, kind, body))
             return
         async with self.pool.connection() as conn:
             await ledger_journal.append(conn, self.fence, run_key=self.run_key, step=step, kind=kind, body=body)
 
     async def outcome(self, step: int, outcome: str) -> None:
-        if self.group is not None:
+        if self.group is not None and isinstance(self.fence, ledger_journal.RunFence):
             await self.group.put(ledger_journal.Pending(self.fence, self.run_key, step, "outcome", outcome))
             return
         async with self.pool.connection() as conn:

@@ -13,10 +13,10 @@ import json
 
 import click
 
+from vigil.admin.connection import cli_connection
 from vigil.cliutil import table
 from vigil.ledger import console as ledger_console
 from vigil.ledger import journal as ledger_journal
-from vigil.ledger.cli import cli_connection
 
 COLUMNS = ["step", "kind", "what", "epoch", "attempt", "recorded_at"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.agent.base import RunContext
 from vigil.agent.run_ledger import load_context_parts, load_contexts
@@ -13,7 +14,7 @@ RECENT_MESSAGES = 20
 
 
 async def load_context(
-    conn: psycopg.AsyncConnection, ctx: RunContext, recent_limit: int = RECENT_MESSAGES, journal: bool = False
+    conn: psycopg.AsyncConnection[DictRow], ctx: RunContext, recent_limit: int = RECENT_MESSAGES, journal: bool = False
 ) -> None:
     """Fill ``ctx`` in place (``journal``: with the user's live run journal). Only the user's
     own rows are ever read."""
@@ -21,7 +22,10 @@ async def load_context(
 
 
 async def load_many(
-    conn: psycopg.AsyncConnection, ctxs: list[RunContext], recent_limit: int = RECENT_MESSAGES, journal: bool = False
+    conn: psycopg.AsyncConnection[DictRow],
+    ctxs: list[RunContext],
+    recent_limit: int = RECENT_MESSAGES,
+    journal: bool = False,
 ) -> None:
     """Fill every ``ctx`` of a claim pass in place, in one pipeline (one round trip)."""
     await load_contexts(conn, ctxs, recent_limit, journal)

@@ -41,8 +41,8 @@ import psycopg
 
 from vigil.agent.base import Agent, Delegation, TaskContext
 from vigil.agent.journal import Journal
-from vigil.bus.codec import Event
 from vigil.bus.kafka import EventProducer
+from vigil.envelope import Event
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import AsyncPool

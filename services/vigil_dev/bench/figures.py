@@ -43,7 +43,7 @@ class Figure:
 class Report:
     """Collects figures in order and prints each line as soon as it is known."""
 
-    def __init__(self, out=None):
+    def __init__(self, out=None) -> None:
         self.out = out or sys.stdout
         self.figures: dict[str, Figure] = {}
         self.durability = ""  # the ledger's durability, appended to every figure's note

@@ -94,7 +94,7 @@ async def _run(host: str, port: int, concurrency: int, seconds: float, next_requ
     waiters = []
     for _ in range(concurrency):
         done = loop.create_future()
-        await loop.create_connection(lambda d=done: _Connection(next_request, deadline, result, d), host, port)
+        await loop.create_connection(lambda d=done: _Connection(next_request, deadline, result, d), host, port)  # type: ignore[misc]
         waiters.append(done)
     await asyncio.wait_for(asyncio.gather(*waiters), seconds + 60)
     result.seconds = time.monotonic() - started

@@ -18,8 +18,9 @@ from datetime import UTC, datetime
 
 from confluent_kafka import KafkaError, Producer
 
-from vigil.bus.codec import Event, EventCodec
+from vigil.bus.codec import EventCodec
 from vigil.bus.kafka import producer_config
+from vigil.envelope import Event
 from vigil.settings import CommonSettings
 
 KIND = "chat.message"
@@ -141,7 +142,7 @@ class BenchProducer:
 class Background(threading.Thread):
     """Run a producing method on a thread; ``result()`` joins and returns (or re-raises)."""
 
-    def __init__(self, method, args):
+    def __init__(self, method, args) -> None:
         super().__init__(name="bench-producer", daemon=True)
         self.method = method
         self.args = args

@@ -316,7 +316,7 @@ def _figures(
     last_finish = max(r["finished"] for r in runs)
     step = (last_start - first) / IN_FLIGHT_SAMPLES
     moments = [first + step * (i + 0.5) for i in range(IN_FLIGHT_SAMPLES)] if step > 0 else [first]
-    in_flight = [sum(1 for s, f in spans if s <= t < f) for t in moments]
+    in_flight: list[float] = [sum(1 for s, f in spans if s <= t < f) for t in moments]
     took = last_finish - first
     # The rate while the slots are full (as in-flight and memory are read): from the first
     # run's start plus the mean delay (the first wave is finishing) to the last run's start (the

@@ -194,7 +194,9 @@ class EndToEnd:
             if n > 0 and ev < KEPT_UP * rate:
                 break
             rate = max(rate, ev) * SEARCH_STEP
-        events, runs, per_run = [], [], []
+        events: list[float] = []
+        runs: list[float] = []
+        per_run: list[float] = []
         retries = self.plan.rounds
         while len(events) < self.plan.rounds:
             rate = max(floor, SATURATE * best)

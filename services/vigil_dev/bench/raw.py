@@ -77,7 +77,7 @@ def raw_kafka(stack: BenchStack, plan: Plan, report: Report) -> Figure:
 def _batches(count: int, batch: int, source: str) -> list[dict[str, list]]:
     """Column arrays as the worker's consumer builds them, ``batch`` rows each."""
     now = datetime.now(UTC)
-    out = []
+    out: list[dict[str, list]] = []
     for start in range(0, count, batch):
         rows = [load.event(i, RAW_USERS, source, now) for i in range(start, min(count, start + batch))]
         out.append(

@@ -113,7 +113,7 @@ def _late(count: int) -> list[tuple[bytes, bytes]]:
 def _join(stack: BenchStack, plan: Plan, size: Size, late: bool = False, **settings: str) -> Join:
     """One worker fills its slots, a second joins; what that cost (``settings``: both workers').
     ``late``: once the hand-over has begun, ``size.late`` new users send a message each."""
-    with claude_stack(stack, plan, size, **settings) as (servers, dsn, topics, workers):
+    with claude_stack(stack, plan, size, **settings) as (servers, dsn, topics, workers):  # type: ignore[arg-type]
         first = workers.procs[0]
         with (
             load.BenchProducer(stack.bootstrap, topics.events) as producer,

@@ -103,7 +103,8 @@ def _roll(stack: BenchStack, plan: Plan, size: Size, choice: str) -> tuple[int, 
         stack.topics(plan.partitions) as topics,
     ):
         servers.wait_ready()
-        with claude_worker(stack, dsn, topics, size, servers.url, **settings) as workers:
+        # claude_worker reads only the concurrency, which both benchmarks' sizes have.
+        with claude_worker(stack, dsn, topics, size, servers.url, **settings) as workers:  # type: ignore[arg-type]
             workers.add()
             workers.wait_ready()
             with (

@@ -160,7 +160,7 @@ def verdict(
 
     # Every message delivered, under one delivery id (copies of that id allowed).
     ids_of: dict[int, set[str]] = defaultdict(set)
-    copies = Counter()
+    copies: Counter[str] = Counter()
     for d in deliveries(logs):
         copies[d["delivery_id"]] += 1
         for m in d.get("messages", []):

@@ -1,4 +1,4 @@
-"""Ingest served inside another process, on a real socket (tests and benchmarks).
+"""Ingest served inside the test process, on a real socket.
 
 The same application and the same uvicorn server as `vigil ingest`, on a thread with its
 own event loop, so a test can pass hooks the command line cannot (a slow step before an

@@ -1,7 +1,7 @@
 """The ledger connection of a CLI command (``vigil timers``, ``vigil tokens``, ``vigil dead``...).
 
 Apart from :mod:`vigil.ledger.db` because it reads the settings through :mod:`vigil.service`,
-which the services' own modules (and so ``db``) sit below.
+which sits above the ledger (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.ledger.db import connect
 from vigil.service import load_or_exit
@@ -17,7 +18,7 @@ from vigil.settings import CommonSettings
 
 
 @contextmanager
-def cli_connection(*, autocommit: bool = True) -> Iterator[psycopg.Connection]:
+def cli_connection(*, autocommit: bool = True) -> Iterator[psycopg.Connection[DictRow]]:
     """A connection to ``VIGIL_DATABASE_URL`` for one command, closed at the end.
 
     Without ``autocommit`` the block is one transaction, committed when it exits normally. A
