@@ -96,9 +96,10 @@ WHERE (j.finished_at IS NOT NULL AND j.finished_at < now() - make_interval(days 
 -- name: journal_append_many
 -- Steps of many runs in one statement (the worker's group append), each fenced by its claim's epoch: the partition rows are held FOR SHARE to commit, in one global order (as lock_epochs does: no deadlock with a takeover); a step whose epoch is no longer current matches no fence row and is not written. Returns the steps written.
 WITH w AS (
-    SELECT * FROM unnest(%(run_keys)s::text[], %(steps)s::int[], %(kinds)s::text[], %(user_ids)s::text[],
-                         %(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[], %(attempts)s::int[],
-                         %(bodies)s::text[])
+    -- Every array in binary: as text, psycopg writes each element in Python (see claim_chosen).
+    SELECT * FROM unnest(%(run_keys)b::text[], %(steps)b::int[], %(kinds)b::text[], %(user_ids)b::text[],
+                         %(topics)b::text[], %(partitions)b::int[], %(epochs)b::bigint[], %(attempts)b::int[],
+                         %(bodies)b::text[])
              AS w(run_key, step, kind, user_id, topic, partition, epoch, attempt, body)
 ),
 fence AS (
@@ -116,8 +117,8 @@ RETURNING run_key, step
 -- name: journal_outcome_many
 -- Outcomes of many runs' calls in one statement, fenced like journal_append_many; only calls still in doubt are written. Returns the steps written.
 WITH w AS (
-    SELECT * FROM unnest(%(run_keys)s::text[], %(steps)s::int[], %(topics)s::text[], %(partitions)s::int[],
-                         %(epochs)s::bigint[], %(outcomes)s::text[])
+    SELECT * FROM unnest(%(run_keys)b::text[], %(steps)b::int[], %(topics)b::text[], %(partitions)b::int[],
+                         %(epochs)b::bigint[], %(outcomes)b::text[])
              AS w(run_key, step, topic, partition, epoch, outcome)
 ),
 fence AS (
