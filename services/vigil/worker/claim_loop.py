@@ -224,14 +224,18 @@ class Claimer:
                 victims = [a for a in victims if self.active.get(a.claim.user_id) is a]
         # Gone and not cancelled (a shutdown's drain may cancel some meanwhile): committed.
         left = {id(a) for a in victims}  # identity: runs are not values to compare
-        finished = sum(1 for a in held if id(a) not in left and a.task is not None and not a.task.cancelled())
+        gone_runs = [a for a in held if id(a) not in left and a.task is not None and not a.task.cancelled()]
+        handed = sum(1 for a in gone_runs if a.handed_over)
+        finished = len(gone_runs) - handed
         metrics.REVOKE_FINISHED.inc(finished)
         await self.runs.cancel(victims, release)
         if held:
             log.info(
-                "revoked %d partition(s): %d run(s) finished and committed first, %d cancelled%s",
+                "revoked %d partition(s): %d run(s) finished and committed first, %d handed over at a step"
+                " boundary, %d cancelled%s",
                 len(gone),
                 finished,
+                handed,
                 len(victims),
                 " and released" if release else " (partitions lost: nothing released)",
             )

@@ -47,6 +47,7 @@ class Active:
     alone: bool = False  # a lost event's last attempt: nothing else runs beside it
     ctx: RunContext | None = None  # loaded with its claim pass; None: the run loads its own
     handing_over: bool = False  # stop at the next step boundary (VIGIL_HANDOVER=step)
+    handed_over: bool = False  # ... and it did: released for the next owner to replay
 
 
 class Runs:
@@ -178,6 +179,7 @@ class Runs:
             # A revoke or a shutdown stopped it between two steps: its claim goes back (the
             # attempt not counted) and the next owner replays it from the journal.
             metrics.HANDED_OVER.inc()
+            active.handed_over = True
             await self._release([active])
             if self.active.get(c.user_id) is active:
                 del self.active[c.user_id]
