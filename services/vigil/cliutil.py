@@ -12,13 +12,15 @@ import json
 
 import click
 
+from vigil.errors import VigilError
+
 # A command asked to change something whose state forbids it (a task already finished): the
 # HTTP API's 409. Not 1, which is a command's other errors (no such task: the API's 404), nor
 # 2 or 3 (vigil.service: a bad setting, a dependency down).
 EXIT_CONFLICT = 4
 
 
-class Conflict(click.ClickException):
+class Conflict(VigilError, click.ClickException):
     """``Error: <message>`` on stderr and exit ``EXIT_CONFLICT``: the state forbids the change."""
 
     exit_code = EXIT_CONFLICT

@@ -38,6 +38,8 @@ import uvicorn
 from prometheus_client import Counter
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from vigil.errors import VigilError
+
 log = logging.getLogger(__name__)
 
 REFUSED = Counter(
@@ -70,7 +72,7 @@ LINGER_S = 1.0
 HEALTH_LIMITS = ServerLimits(max_head_bytes=8 * 1024, max_headers=50, body_timeout_s=10.0, max_connections=100)
 
 
-class _Refuse(Exception):
+class _Refuse(VigilError):
     def __init__(self, status: int, reason: str, code: str, detail: str):
         super().__init__(detail)
         self.status, self.reason, self.code, self.detail = status, reason, code, detail

@@ -28,6 +28,8 @@ import re
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
+from vigil.errors import VigilError
+
 MAX_DIGITS = 19  # whole numbers in text: anything longer is out of every range vigil has
 MAX_LITERAL_CHARS = 1000  # a JSON number literal (digits, sign, point, exponent)
 MIN_EPOCH = -62_135_596_800  # 0001-01-01T00:00:00Z, the first instant of RFC 3339
@@ -44,7 +46,7 @@ _RFC3339 = re.compile(
 _SECOND = timedelta(seconds=1)
 
 
-class NotParsed(ValueError):
+class NotParsed(VigilError, ValueError):
     """A number or instant that is refused; the text says why in words safe to show."""
 
 

@@ -26,13 +26,14 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
+from vigil.errors import VigilError
 from vigil.settings import CommonSettings, parse_networks
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-class BlockedAddress(httpcore.ConnectError):
+class BlockedAddress(VigilError, httpcore.ConnectError):
     """The target resolved to an address the policy refuses (an httpx ``ConnectError``)."""
 
 

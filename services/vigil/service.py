@@ -15,13 +15,14 @@ from confluent_kafka import KafkaException
 
 from vigil import logs
 from vigil.bus.kafka import ProduceError
+from vigil.errors import VigilError
 from vigil.ledger.migrate import pending
 from vigil.settings import CommonSettings, SettingsError, load
 
 S = TypeVar("S", bound=CommonSettings)
 
 
-class StartupError(Exception):
+class StartupError(VigilError):
     """The service cannot start (a port taken, a dependency refusing); the message says why."""
 
 

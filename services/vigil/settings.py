@@ -21,6 +21,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from vigil.errors import VigilError
+
 ENV_PREFIX = "VIGIL_"
 KAFKA_OPT_PREFIX = "VIGIL_KAFKA_OPT_"
 KAFKA_LOGGER = logging.getLogger("vigil.kafka")  # librdkafka's log, through Python logging
@@ -48,7 +50,7 @@ DEFAULT_MIN_INSYNC_REPLICAS = 2
 DEFAULT_EVENTS_RETENTION_HOURS = 168.0
 
 
-class SettingsError(Exception):
+class SettingsError(VigilError):
     """A setting is missing or invalid; the message names the variable."""
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from vigil.errors import VigilError
+
 # EventRow is a ledger row (vigil.ledger.events); the agent interface names it here too.
 from vigil.ledger.events import EventRow
 from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome
@@ -244,7 +246,7 @@ class TaskResult:
     text: str  # the child's answer, handed to the parent as the task's result
 
 
-class RetryLater(Exception):
+class RetryLater(VigilError):
     """The run could not finish for a reason that is not the event's fault (the model API is
     overloaded). The claim is released with a backoff and does not count toward the poison
     bound, only toward ``VIGIL_TRANSIENT_MAX_ATTEMPTS``."""

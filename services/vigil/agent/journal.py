@@ -36,9 +36,10 @@ import pydantic_core
 from vigil.agent import metrics
 from vigil.agent.prompt import assistant_content
 from vigil.agent.tools import ToolOutput
+from vigil.errors import VigilError
 
 
-class Diverged(Exception):
+class Diverged(VigilError):
     """The run did not take the step its journal holds at that position (the agent's code or
     settings changed between the attempts): the journal cannot be replayed."""
 
@@ -47,7 +48,7 @@ class Diverged(Exception):
         self.run_key = run_key
 
 
-class HandedOver(Exception):
+class HandedOver(VigilError):
     """The run stopped at a step boundary because its worker hands it over (a revoke, a
     shutdown): nothing is lost, the next owner replays the journal and goes on from here."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vigil.agent.base import MemoryWrite
+from vigil.errors import VigilError
 
 ROOT = "/memories"
 TASKS_DIR = ROOT + "/tasks/"  # progress files of work that spans wake-ups (memory kind 4)
@@ -26,7 +27,7 @@ INDEX_TITLE_CHARS = 80
 INDEX_MAX_FILES = 100
 
 
-class MemoryRefused(Exception):
+class MemoryRefused(VigilError):
     """A command the model sent that cannot be carried out; the message is for the model."""
 
 

@@ -28,6 +28,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from fastavro.schema import fingerprint, parse_schema, to_parsing_canonical_form
 
 from vigil.envelope import Event, aware
+from vigil.errors import VigilError
 from vigil.paths import schemas_dir
 
 if TYPE_CHECKING:  # the registry client is imported only where it is used (see _setup_registry)
@@ -40,7 +41,7 @@ EVENT_SCHEMA_NAME = "vigil.v1.Event"
 DELIVERY_SCHEMA_NAME = "vigil.v1.Delivery"
 
 
-class DecodeError(Exception):
+class DecodeError(VigilError):
     """Bytes that are not a readable event. ``reason`` is short and safe to log."""
 
     def __init__(self, reason: str):

@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 from vigil import tracing
 from vigil.bus.codec import EventCodec
 from vigil.envelope import Event
+from vigil.errors import VigilError
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ PRODUCER_BATCH_BYTES = 256 * 1024
 Headers = list[tuple[str, str | bytes | None]]
 
 
-class ProduceError(Exception):
+class ProduceError(VigilError):
     """The broker did not acknowledge an event (or not in time). Nothing may claim success."""
 
 
@@ -213,7 +214,7 @@ def end_offsets(admin: AdminClient, topic: str, timeout: float) -> dict[int, int
     return {tp.partition: future.result(left + 1.0).offset for tp, future in futures.items()}
 
 
-class TopicError(Exception):
+class TopicError(VigilError):
     """The topics cannot be created as the settings ask (the message names the setting)."""
 
 

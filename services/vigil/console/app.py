@@ -38,6 +38,7 @@ from vigil.console import auth
 from vigil.console.lag import EndOffsets, answered_at
 from vigil.console.settings import ConsoleSettings
 from vigil.dispatcher.operator import revive_delivery
+from vigil.errors import VigilError
 from vigil.health import Readiness, dependency_checks, health_routes
 from vigil.ledger import console as ledger
 from vigil.ledger import ingest as tokens
@@ -153,7 +154,7 @@ def environment() -> Environment:
     return env
 
 
-class Refused(Exception):
+class Refused(VigilError):
     """A request the console answers with a 4xx/5xx page (or JSON for a non-browser)."""
 
     def __init__(self, status: int, code: str, detail: str):

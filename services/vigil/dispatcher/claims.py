@@ -34,6 +34,7 @@ from psycopg.rows import DictRow
 
 from vigil.dispatcher.channels import LOG_CHANNEL, ChannelConfig, Delivery
 from vigil.dispatcher.pacing import MAX_MESSAGES_PER_DELIVERY, Action, Decision, Pacing, Row, plan, wake_at
+from vigil.errors import VigilError
 from vigil.ledger import outbox
 from vigil.ledger.outbox import DueUser
 from vigil.ledger.states import ChannelType
@@ -41,7 +42,7 @@ from vigil.ledger.states import ChannelType
 log = logging.getLogger(__name__)
 
 
-class ClaimConflict(Exception):
+class ClaimConflict(VigilError):
     """A row changed under the claim's user lock: the transaction is rolled back."""
 
 

@@ -15,6 +15,7 @@ from psycopg.rows import DictRow
 
 from vigil.cliutil import login_name
 from vigil.dispatcher.channels import new_secret
+from vigil.errors import VigilError
 from vigil.ledger import audit, channels, outbox
 from vigil.ledger.states import ChannelType
 from vigil.outbound import url_problem
@@ -22,7 +23,7 @@ from vigil.outbound import url_problem
 KEEP = object()  # "leave the stored value as it is" for the optional limits
 
 
-class ChannelError(ValueError):
+class ChannelError(VigilError, ValueError):
     """An operator's channel request that cannot be stored; the message says why."""
 
 

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from vigil.errors import VigilError
 from vigil.ingest.events_api import refuse_validation
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, read_json, received_at, unavailable
@@ -68,7 +69,7 @@ class AnswerOut(BaseModel):
     given: Literal["yes", "no"] = Field(description="The answer this request gave.")
 
 
-class _Forbidden(Exception):
+class _Forbidden(VigilError):
     pass
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from vigil.errors import VigilError
 from vigil.numbers import MAX_DIGITS, NotParsed, json_constant, json_float, json_int, whole_number
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 5
 
 
-class Refusal(Exception):
+class Refusal(VigilError):
     """A request ingest will not act on. ``detail`` is safe to show the caller and to log."""
 
     def __init__(self, status: int, code: str, detail: str, *, headers: dict[str, str] | None = None, **extra: Any):

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 from collections.abc import Callable, Mapping, Sequence
 
+from vigil.errors import VigilError
 from vigil.ledger.states import HookProvider
 from vigil.numbers import MAX_EPOCH, NotParsed, whole_number
 
@@ -28,7 +29,7 @@ MAX_SIGNATURES = 16
 STANDARD_SECRET_PREFIX = "whsec_"
 
 
-class SignatureError(Exception):
+class SignatureError(VigilError):
     MISSING = "missing_header"
     MALFORMED = "malformed_header"
     STALE = "stale_timestamp"

@@ -31,11 +31,12 @@ from typing import Any
 import psycopg
 from psycopg.rows import DictRow
 
+from vigil.errors import VigilError
 from vigil.ledger.partitions import PartitionKey
 from vigil.ledger.queries import Q
 
 
-class Fenced(Exception):
+class Fenced(VigilError):
     """An append or outcome was refused: the claim's epoch (or the task's lease) is no longer
     current. The run must stop: nothing more of it may land."""
 

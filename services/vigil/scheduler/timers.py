@@ -22,6 +22,7 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
+from vigil.errors import VigilError
 from vigil.ledger.states import CatchUp, TimerKind
 
 # The validated timer and its store live in the ledger (one door); re-exported here because
@@ -41,7 +42,7 @@ MAX_SECONDS = 2**31 - 1  # every_seconds and max_lateness are integer columns
 FIELDS = {"id", "due", "every", "cron", "tz", "catch_up", "max_lateness", "payload"}
 
 
-class InvalidTimer(ValueError):
+class InvalidTimer(VigilError, ValueError):
     """A timer request that cannot be stored; ``field`` names the culprit."""
 
     def __init__(self, field_name: str, reason: str):

@@ -36,6 +36,7 @@ from psycopg.rows import DictRow
 
 from vigil.agent.base import NewTask, RunResult
 from vigil.agent.run_ledger import session_rows
+from vigil.errors import VigilError
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as ledger_approvals
 from vigil.ledger import db
@@ -50,7 +51,7 @@ from vigil.worker import metrics
 log = logging.getLogger(__name__)
 
 
-class FinishMismatch(Exception):
+class FinishMismatch(VigilError):
     """A run's events were not all ``running`` under its epoch: refuse the run."""
 
 
