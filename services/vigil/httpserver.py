@@ -21,8 +21,8 @@ at the protocol level, before any ASGI application sees the request:
 - a request the parser cannot read (an unknown method, a malformed line) gets a JSON 400
   instead of uvicorn's plain-text one.
 
-Every refusal has ingest's error shape, ``{"error": code, "detail": ...}``, and closes the
-connection.
+Every refusal is a :class:`Refusal`, the one HTTP refusal type of every vigil server, with
+its one body shape, ``{"error": code, "detail": ...}``, and closes the connection.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import httptools
 import uvicorn
 from prometheus_client import Counter
+from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from vigil.errors import VigilError
@@ -72,10 +73,40 @@ LINGER_S = 1.0
 HEALTH_LIMITS = ServerLimits(max_head_bytes=8 * 1024, max_headers=50, body_timeout_s=10.0, max_connections=100)
 
 
-class _Refuse(VigilError):
-    def __init__(self, status: int, reason: str, code: str, detail: str):
-        super().__init__(detail)
-        self.status, self.reason, self.code, self.detail = status, reason, code, detail
+class Refusal(VigilError):
+    """A request vigil will not act on: the one HTTP refusal every server raises.
+
+    Ingest (and the timers API it serves), the console, the approval answers and this
+    module's connection limits all refuse with it, and all answer with one body,
+    ``{"error": code, "detail": detail}`` plus any ``extra`` fields (ingest's ``field``,
+    ``reason``...). ``detail`` is safe to show the caller and to log. ``counted_as`` is the
+    label of the connection-level refusal counter (``vigil_http_refused_total``); it
+    defaults to ``code``.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        *,
+        headers: dict[str, str] | None = None,
+        counted_as: str | None = None,
+        **extra: Any,
+    ):
+        super().__init__(f"{status} {code}: {detail}")
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.headers = headers or {}
+        self.counted_as = counted_as or code
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.code, "detail": self.detail, **self.extra}
+
+    def response(self) -> Response:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -97,7 +128,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             self._refuse(
-                _Refuse(503, "too_many_connections", "overloaded", "too many open connections; retry later"),
+                Refusal(503, "overloaded", "too many open connections; retry later", counted_as="too_many_connections"),
                 retry_after=1,
             )
             return
@@ -114,14 +145,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(_Refuse(400, "malformed", "invalid_request", "protocol upgrades are not supported"))
+            self._refuse(Refusal(400, "invalid_request", "protocol upgrades are not supported", counted_as="malformed"))
             return
         except httptools.HttpParserError as exc:
             cause = exc.__context__
-            if isinstance(cause, _Refuse):
+            if isinstance(cause, Refusal):
                 self._refuse(cause)
             else:
-                self._refuse(_Refuse(400, "malformed", "invalid_request", "malformed HTTP request"))
+                self._refuse(Refusal(400, "invalid_request", "malformed HTTP request", counted_as="malformed"))
             return
         if self._in_head:
             # The whole read belongs to an unfinished head: count it before the next read
@@ -147,8 +178,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self.limits.max_headers:
-            raise _Refuse(
-                431, "too_many_headers", "headers_too_large", f"more than {self.limits.max_headers} header fields"
+            raise Refusal(
+                431,
+                "headers_too_large",
+                f"more than {self.limits.max_headers} header fields",
+                counted_as="too_many_headers",
             )
         self._count(len(name) + len(value) + 4)
         super().on_header(name, value)
@@ -169,12 +203,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_bytes > self.limits.max_head_bytes:
             raise self._head_too_large()
 
-    def _head_too_large(self) -> _Refuse:
-        return _Refuse(
+    def _head_too_large(self) -> Refusal:
+        return Refusal(
             431,
-            "head_too_large",
             "headers_too_large",
             f"the request line and headers are larger than {self.limits.max_head_bytes} bytes",
+            counted_as="head_too_large",
         )
 
     def _arm(self, seconds: float, phase: str) -> None:
@@ -189,9 +223,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def _timed_out(self, phase: str, seconds: float) -> None:
         self._read_timer = None
         detail = f"the request {phase} did not arrive within {seconds:g}s"
-        self._refuse(_Refuse(408, f"{phase}_timeout", "request_timeout", detail))
+        self._refuse(Refusal(408, "request_timeout", detail, counted_as=f"{phase}_timeout"))
 
-    def _refuse(self, refusal: _Refuse, retry_after: int | None = None) -> None:
+    def _refuse(self, refusal: Refusal, retry_after: int | None = None) -> None:
         """Answer ``refusal`` and close; every later byte from the client is discarded.
 
         An earlier request of the same connection whose answer is still being prepared
@@ -201,7 +235,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         """
         self._refused = True
         self._disarm()
-        REFUSED.labels(refusal.reason).inc()
+        REFUSED.labels(refusal.counted_as).inc()
         log.debug("refused a connection: %d %s", refusal.status, refusal.detail)
         if self.transport.is_closing():
             return
@@ -211,7 +245,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             cycle.keep_alive = False  # uvicorn closes the connection after this answer
             return
         if not running or not cycle.response_started:  # a finished cycle is an earlier request's
-            body = json.dumps({"error": refusal.code, "detail": refusal.detail}).encode()
+            body = json.dumps(refusal.body()).encode()
             head = [
                 STATUS_LINE[refusal.status],
                 b"content-type: application/json\r\n",

@@ -38,8 +38,8 @@ from vigil.console import auth
 from vigil.console.lag import EndOffsets, answered_at
 from vigil.console.settings import ConsoleSettings
 from vigil.dispatcher.operator import revive_delivery
-from vigil.errors import VigilError
 from vigil.health import Readiness, dependency_checks, health_routes
+from vigil.httpserver import Refusal as Refused  # the one refusal type, under the console's name
 from vigil.ledger import console as ledger
 from vigil.ledger import ingest as tokens
 from vigil.ledger import journal as ledger_journal
@@ -152,14 +152,6 @@ def environment() -> Environment:
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(default=True))
     env.filters.update(ago=_ago, when=_when, pretty=_pretty, redact=_redact, q=lambda v: quote(str(v), safe=""))
     return env
-
-
-class Refused(VigilError):
-    """A request the console answers with a 4xx/5xx page (or JSON for a non-browser)."""
-
-    def __init__(self, status: int, code: str, detail: str):
-        super().__init__(detail)
-        self.status, self.code, self.detail = status, code, detail
 
 
 class Console:

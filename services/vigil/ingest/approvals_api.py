@@ -38,7 +38,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vigil.errors import VigilError
 from vigil.ingest.events_api import refuse_validation
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, read_json, received_at, unavailable
@@ -69,10 +68,6 @@ class AnswerOut(BaseModel):
     given: Literal["yes", "no"] = Field(description="The answer this request gave.")
 
 
-class _Forbidden(VigilError):
-    pass
-
-
 # A test hook: awaited after the arrival stamp and before the ledger transaction, so a
 # test can make the processing delay real (an answer that arrives in time but is stored late).
 BeforeAnswer = Callable[[Request], Awaitable[None]]
@@ -92,14 +87,14 @@ class ApprovalsApi:
         self.before_answer = before_answer
 
     def _answer(self, request_id: str, given: ApprovalAnswer, token: str, arrived: datetime) -> Standing | None:
-        """Step 2, one transaction. None: no such request. Raises _Forbidden on a bad token."""
+        """Step 2, one transaction. None: no such request. Raises a 403 Refusal on a bad token."""
         with self.pool.connection() as conn:
             with conn.transaction():
                 asked = approvals.standing(conn, request_id)
                 if asked.answer == approvals.UNKNOWN:
                     return None
                 if not approvals.verify_token(self.secret, request_id, asked.user_id or "", token):
-                    raise _Forbidden()
+                    raise Refusal(403, "invalid_token", "the token does not grant an answer to this request")
                 return approvals.answer(conn, request_id, given, arrived)
 
     async def post(self, request: Request) -> Response:
@@ -116,8 +111,6 @@ class ApprovalsApi:
         given = ApprovalAnswer(body.answer)
         try:
             standing = await asyncio.to_thread(self._answer, request_id, given, body.token, arrived)
-        except _Forbidden:
-            raise Refusal(403, "invalid_token", "the token does not grant an answer to this request") from None
         except PoolTimeout:
             raise unavailable("ledger_unavailable", "no ledger connection available in time") from None
         except psycopg.OperationalError:

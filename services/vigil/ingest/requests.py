@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from vigil.errors import VigilError
+from vigil.httpserver import Refusal as Refusal  # the one refusal type; ingest's modules import it from here
 from vigil.numbers import MAX_DIGITS, NotParsed, json_constant, json_float, json_int, whole_number
 
 log = logging.getLogger(__name__)
@@ -27,23 +27,6 @@ log = logging.getLogger(__name__)
 # What a client should wait before retrying a 503: long enough for a broker leader election
 # or a database failover, short enough that a webhook provider's own retry is not needed.
 RETRY_AFTER_S = 5
-
-
-class Refusal(VigilError):
-    """A request ingest will not act on. ``detail`` is safe to show the caller and to log."""
-
-    def __init__(self, status: int, code: str, detail: str, *, headers: dict[str, str] | None = None, **extra: Any):
-        super().__init__(f"{status} {code}: {detail}")
-        self.status = status
-        self.code = code
-        self.detail = detail
-        self.headers = headers or {}
-        self.extra = extra
-
-    def response(self) -> Response:
-        return JSONResponse(
-            {"error": self.code, "detail": self.detail, **self.extra}, self.status, headers=self.headers
-        )
 
 
 def unavailable(code: str, detail: str, **extra: Any) -> Refusal:
