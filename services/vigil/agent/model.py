@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 import weakref
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from opentelemetry.trace import SpanKind
 from vigil import tracing
 from vigil.agent import metrics
 from vigil.agent.base import RetryLater, Usage
+from vigil.retry import backoff
 
 log = logging.getLogger(__name__)
 
@@ -322,8 +322,7 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
             if not retry:
                 raise
             attempt += 1
-            delay = min(policy.backoff_cap_s, policy.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-            delay = max(delay, retry_after or 0.0)
+            delay = backoff(attempt, policy.backoff_s, policy.backoff_cap_s, retry_after_s=retry_after)
             left = budget.deadline - time.monotonic() - MIN_CALL_SECONDS
             if attempt > policy.retries or delay > policy.backoff_cap_s or delay > left:
                 log.warning("model unavailable after %d attempt(s): %s", attempt, label)

@@ -29,6 +29,7 @@ from datetime import datetime
 import psycopg
 from psycopg.rows import DictRow
 
+from vigil import retry
 from vigil.clock import Clock
 from vigil.dispatcher import metrics
 from vigil.dispatcher.channels import Channels
@@ -45,8 +46,6 @@ log = logging.getLogger("vigil.dispatcher")
 # The backlog gauges cost a scan of the undelivered rows: every few seconds is plenty for a
 # dashboard and nothing for the database.
 BACKLOG_REFRESH_S = 10.0
-# After a database error: long enough not to spin on a restarting server.
-RECONNECT_PAUSE_S = 2.0
 
 
 def limits_of(settings: DispatcherSettings) -> Limits:
@@ -71,6 +70,7 @@ class Dispatcher:
     ):
         self.settings = settings
         self.clock = clock
+        self.retry_policy = retry.dispatcher_pass()
         self.limits = limits_of(settings)
         self._connect = connect or (lambda: db.connect(settings.dsn, autocommit=True))
         self._conn: psycopg.Connection[DictRow] | None = None
@@ -153,7 +153,7 @@ class Dispatcher:
                 self._collect(wait_s)
                 self.refresh_backlog()
                 on_health(True)
-            except psycopg.Error as exc:
+            except self.retry_policy.retried as exc:
                 # The ledger went away (restart, failover) or refused a statement: nothing was
                 # sent that it had not fixed, and what was sent but not recorded is recorded
                 # after the reconnect or goes out again after its lease. Reconnect and carry
@@ -161,8 +161,9 @@ class Dispatcher:
                 log.error("ledger error, reconnecting: %s: %s", type(exc).__name__, exc)
                 on_health(False)
                 self.close_connection()
-                stopping.wait(RECONNECT_PAUSE_S)
+                stopping.wait(self.retry_policy(exc)[1])
                 continue
+            self.retry_policy.succeeded()
             if not self.sender.in_flight and not full and not sent:
                 stopping.wait(max(0.0, claim_at - time.monotonic()))
 

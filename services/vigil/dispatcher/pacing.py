@@ -27,6 +27,7 @@ from uuid import UUID
 
 from vigil.ledger.outbox import UnfinishedRow
 from vigil.ledger.states import OutboxStatus
+from vigil.retry import backoff
 
 # Joined messages per delivery. A user with more held than this gets the oldest now and the
 # rest one gap later: a receiver's request size stays bounded whatever the agent wrote.
@@ -136,12 +137,16 @@ def retry_delay(
 ) -> float:
     """Seconds to wait after failed attempt number ``attempt`` (1-based).
 
-    Exponential from ``base_s``, stretched by up to 10 % of jitter, never past ``cap_s``. A
-    receiver's Retry-After is honoured even past the cap (asking again sooner only earns
-    another 429), up to a day.
+    :func:`vigil.retry.backoff` with the dispatcher's jitter: exponential from ``base_s``,
+    stretched by up to 10 %, never past ``cap_s``. A receiver's Retry-After is honoured even
+    past the cap (asking again sooner only earns another 429), up to a day.
     """
-    stretch = 1 + (rng or random).uniform(0, BACKOFF_JITTER)
-    delay = min(cap_s, base_s * 2 ** min(max(0, attempt - 1), 60) * stretch)
-    if retry_after_s is not None:
-        delay = max(delay, min(retry_after_s, RETRY_AFTER_MAX_S))
-    return delay
+    return backoff(
+        attempt,
+        base_s,
+        cap_s,
+        jitter=(1.0, 1.0 + BACKOFF_JITTER),
+        retry_after_s=retry_after_s,
+        retry_after_max_s=RETRY_AFTER_MAX_S,
+        rng=rng,
+    )

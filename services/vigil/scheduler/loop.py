@@ -42,8 +42,8 @@ import psycopg
 from opentelemetry.trace import Link, SpanKind
 from psycopg.rows import DictRow
 
-from vigil import tracing
-from vigil.bus.kafka import EventProducer, ProduceError
+from vigil import retry, tracing
+from vigil.bus.kafka import EventProducer
 from vigil.clock import Clock, SystemClock
 from vigil.envelope import Event
 from vigil.ledger import approvals
@@ -60,8 +60,6 @@ log = logging.getLogger("vigil.scheduler")
 # The backlog count scans the due index; while a backlog drains, refreshing it every few
 # seconds is plenty for a dashboard and keeps the count off the hot path.
 BACKLOG_REFRESH_S = 5.0
-# Ceiling of the retry wait while the broker or the database is down.
-MAX_BACKOFF_S = 30.0
 
 
 @overload
@@ -392,10 +390,10 @@ class Scheduler:
 
         The first passes drain what was overdue at start-up and are summed into one log
         line. A broker or database failure rolls the pass back and waits (doubling, up to
-        ``MAX_BACKOFF_S``) before the next attempt; the process never exits over it.
+        30 s, ``retry.scheduler_pass``) before the next attempt; the process never exits over it.
         """
         tick = self.settings.scheduler_tick_s
-        backoff = tick
+        retry_policy = retry.scheduler_pass(tick)
         startup: PassReport | None = None  # the start-up catch-up, while it lasts
         counted = False
         while not stopping.is_set():
@@ -415,16 +413,10 @@ class Scheduler:
                         startup = None
                 if not report.full or time.monotonic() - self._backlog_at > BACKLOG_REFRESH_S:
                     self.backlog()
-            except Exception as exc:
+            except retry_policy.retried as exc:
                 # Whatever the pass had not committed rolled back, so retrying is safe. Exiting
                 # would only turn a broker or ledger outage into a crash loop.
-                reason = (
-                    "broker"
-                    if isinstance(exc, ProduceError)
-                    else "ledger"
-                    if isinstance(exc, psycopg.Error)
-                    else "error"
-                )
+                reason, backoff = retry_policy(exc)
                 metrics.PASS_FAILURES.labels(reason).inc()
                 log.warning(
                     "pass failed, uncommitted timers stay due (%s): %s; retrying in %.1f s",
@@ -437,9 +429,8 @@ class Scheduler:
                     self.close()
                 on_health(False)
                 stopping.wait(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
-            backoff = tick
+            retry_policy.succeeded()
             on_health(True)
             if report.timers:
                 log.debug("pass: %d timer(s), %d event(s)", report.timers, report.events)

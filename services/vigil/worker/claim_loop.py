@@ -21,6 +21,7 @@ from collections import Counter
 
 import psycopg
 
+from vigil import retry
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import partitions as ledger_partitions
@@ -32,7 +33,7 @@ from vigil.worker.fencing import PartitionKey
 from vigil.worker.lone import LoneAttempt
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
-from vigil.worker.wakeups import BACKOFF_SLACK_S, LEDGER_RETRY_S, Wakeups
+from vigil.worker.wakeups import BACKOFF_SLACK_S, Wakeups
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class Claimer:
         self.wakeups = wakeups
         self.clock = clock
         self.lone = LoneAttempt(settings, runs, wakeups, clock)
+        self.retry_policy = retry.worker_claim_pass()
         self.owned: dict[PartitionKey, int] = {}
         self.stopping = False
         self._claim_lock = asyncio.Lock()
@@ -242,7 +244,7 @@ class Claimer:
 
     async def claim_loop(self) -> None:
         """A pass whenever one is due (:class:`Wakeups`), until shutdown; a ledger error
-        retries the pass after LEDGER_RETRY_S."""
+        retries the pass after its pause (``retry.worker_claim_pass``)."""
         while not self.stopping:
             wait_s = self.wakeups.due_in()
             if wait_s > 0:
@@ -252,9 +254,12 @@ class Claimer:
             try:
                 with metrics.LEDGER_SECONDS.labels("claim").time():
                     await self._claim_pass()
-            except (psycopg.Error, OSError) as exc:
+            except self.retry_policy.retried as exc:
+                _, pause = self.retry_policy(exc)
                 log.warning("claim pass failed, retrying: %s", exc)
-                self.wakeups.retry_in(LEDGER_RETRY_S)
+                self.wakeups.retry_in(pause)
+            else:
+                self.retry_policy.succeeded()
 
     async def _claim_pass(self) -> None:
         """Under the claim lock, on one connection: rule 2 and the lone-attempt look (per scan

@@ -27,7 +27,6 @@ bad run cannot refuse its neighbours.
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -46,6 +45,7 @@ from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import tasks as ledger_tasks
 from vigil.ledger.claims import Claim
 from vigil.ledger.states import RunOutcome
+from vigil.retry import backoff
 from vigil.worker import metrics
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,6 @@ class Finished:
     @property
     def outcome(self) -> RunOutcome:
         return self.result.outcome if self.error is None and self.result else RunOutcome.FAILED
-
-
-def backoff_seconds(attempt: int, base: float, cap: float, retry_after: float | None = None) -> float:
-    """Exponential backoff with jitter (half to full), never shorter than a server's Retry-After."""
-    delay = min(cap, base * 2 ** max(attempt - 1, 0)) * random.uniform(0.5, 1.0)
-    return max(delay, retry_after or 0.0)
 
 
 def run_record(run: Finished) -> ledger_finish.RunRecord:
@@ -278,7 +272,7 @@ async def commit_finished(
             except REFUSED_RESULT as exc:
                 log.error("the ledger refused a run's result; recording a failed attempt: %s", exc)
                 run.result, run.error = None, f"finish refused by the ledger: {type(exc).__name__}: {exc}"[:2000]
-                run.backoff_s = backoff_seconds(run.claim.attempt, 1.0, 60.0)
+                run.backoff_s = backoff(run.claim.attempt, 1.0, 60.0)
                 ok, refused = await _commit(conn, [run], worker, journal_keep)
             committed += ok
             stale += refused

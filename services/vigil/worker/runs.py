@@ -26,11 +26,12 @@ from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.journal import Fenced
+from vigil.retry import backoff
 from vigil.worker import journal as run_journal
 from vigil.worker import metrics, traces
 from vigil.worker.claims import Claim, claim_more
 from vigil.worker.fencing import PartitionKey
-from vigil.worker.finish import Finished, backoff_seconds
+from vigil.worker.finish import Finished
 from vigil.worker.run_inputs import RECENT_MESSAGES, load_context, load_many
 from vigil.worker.settings import WorkerSettings
 
@@ -190,7 +191,7 @@ class Runs:
             log.warning("run failed: its journal cannot be replayed: %s", exc)
             await run_journal.drop(self.pool, c, exc)
             finished.error = f"journal diverged: {exc}"
-            finished.backoff_s = backoff_seconds(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
+            finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
         except Fenced as exc:
             # The partition moved on: its finish will be refused as stale, so nothing of the
             # run lands, and the next owner replays its journal.
@@ -200,13 +201,16 @@ class Runs:
             exhausted = c.transient_failures + 1 >= self.settings.transient_max_attempts
             finished.error = f"model unavailable: {exc.reason}"
             finished.transient = not exhausted
-            finished.backoff_s = backoff_seconds(
-                c.transient_failures + 1, self.settings.backoff_base_s, self.settings.backoff_cap_s, exc.retry_after
+            finished.backoff_s = backoff(
+                c.transient_failures + 1,
+                self.settings.backoff_base_s,
+                self.settings.backoff_cap_s,
+                retry_after_s=exc.retry_after,
             )
         except Exception as exc:  # the agent failed: a counted attempt
             log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
             finished.error = f"{type(exc).__name__}: {exc}"
-            finished.backoff_s = backoff_seconds(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
+            finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
         await self.finished.put(finished)
         if c.home in self._hurrying:
             self.hurry.set()  # a group waiting for company takes this run and commits now

@@ -32,6 +32,7 @@ SET status = 'pending',
     attempts = CASE WHEN e.attempts >= %(max_attempts)s AND e.lost_claims = 0 THEN %(max_attempts)s - 1 ELSE e.attempts END,
     lost_claims = e.lost_claims + 1,
     error = 'claim abandoned: no live run held it on partition ' || x.partition || ' (epoch ' || e.claim_epoch || ')',
+    -- The backoff of vigil.retry.backoff (jitter 0.5 to 1), per row: change the two together.
     next_attempt_at = now() + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
 FROM orphaned x
 WHERE e.id = x.id AND e.status = 'running'
