@@ -41,6 +41,16 @@ def test_json_lines_carry_the_context_and_the_exception_as_one_field(captured):
     assert len(captured.getvalue().splitlines()) == 3  # the traceback stayed inside its line
 
 
+def test_a_line_the_runbooks_name_carries_its_stable_event_name(captured):
+    logs.setup("INFO", "json", service="worker", stream=captured)
+    log = logging.getLogger("vigil.worker.test")
+    log.warning("stale finish refused: epoch %d", 7, extra={"event": "stale_finish", "epoch": 7})
+    log.info("an ordinary line")
+    named, ordinary = lines(captured)
+    assert (named["event"], named["epoch"]) == ("stale_finish", 7)
+    assert "event" not in ordinary
+
+
 def test_http_clients_per_request_lines_are_off(captured):
     logs.setup("DEBUG", "json", service="worker", stream=captured)
     for name in ("httpx", "httpx2", "anthropic"):

@@ -1,8 +1,9 @@
 """Logging for every vigil process: one JSON object per line (or text for a terminal).
 
 Fields of a JSON line: ``ts``, ``level``, ``service``, ``logger``, ``msg``, then whichever of
-``user_id``, ``event_id``, ``run_id``, ``partition``, ``epoch``, ``trace_id`` the line knows,
-and ``exc`` (the whole traceback as one string) for an exception. A line knows a field when
+``event`` (the line's stable name, see :data:`FIELDS`), ``user_id``, ``event_id``, ``run_id``,
+``partition``, ``epoch``, ``trace_id`` the line knows, and ``exc`` (the whole traceback as one
+string) for an exception. A line knows a field when
 the call passes it (``log.info("...", extra={"partition": 3})``) or when the code around it
 set it with :func:`context` (a contextvar: an asyncio task, such as one run, carries its own).
 A run's lines carry ``run_id``, the run's key (``user:epoch:first event:attempt``, see
@@ -35,7 +36,9 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import IO
 
-FIELDS = ("user_id", "event_id", "run_id", "partition", "epoch", "trace_id")
+# ``event``: a line's stable name (``extra={"event": "stale_finish"}``), on the lines the
+# runbooks of docs/operations.md send an operator to: filter on it, not on the wording.
+FIELDS = ("event", "user_id", "event_id", "run_id", "partition", "epoch", "trace_id")
 # Per-request INFO lines from HTTP clients (214 of 227 worker lines in one demo run were the
 # SDK's "HTTP Request: POST ..."); warnings and errors from them still come through.
 QUIET = ("httpx", "httpx2", "httpcore", "anthropic", "uvicorn.access", "psycopg.pool")

@@ -325,7 +325,9 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
             delay = backoff(attempt, policy.backoff_s, policy.backoff_cap_s, retry_after_s=retry_after)
             left = budget.deadline - time.monotonic() - MIN_CALL_SECONDS
             if attempt > policy.retries or delay > policy.backoff_cap_s or delay > left:
-                log.warning("model unavailable after %d attempt(s): %s", attempt, label)
+                log.warning(
+                    "model unavailable after %d attempt(s): %s", attempt, label, extra={"event": "model_unavailable"}
+                )
                 raise RetryLater(f"{label} after {attempt} attempt(s)", retry_after) from exc
             log.info("model call %s, retry %d in %.2fs", label, attempt, delay)
             await asyncio.sleep(delay)

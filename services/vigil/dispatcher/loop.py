@@ -158,7 +158,7 @@ class Dispatcher:
                 # sent that it had not fixed, and what was sent but not recorded is recorded
                 # after the reconnect or goes out again after its lease. Reconnect and carry
                 # on; a bug elsewhere still crashes.
-                log.error("ledger error, reconnecting: %s: %s", type(exc).__name__, exc)
+                log.error("ledger error, reconnecting: %s: %s", type(exc).__name__, exc, extra={"event": "pass_failed"})
                 on_health(False)
                 self.close_connection()
                 stopping.wait(self.retry_policy(exc)[1])

@@ -61,7 +61,7 @@ def serve(settings: DispatcherSettings) -> int:
     except Exception:
         # Not a ledger error (the loop retries those): a bug, or a value nobody expected.
         # One log line with the traceback, and a status the orchestrator shows as an error.
-        log.exception("delivery loop died")
+        log.exception("delivery loop died", extra={"event": "loop_died"})
         return EXIT_LOOP_DIED
     finally:
         dispatcher.close()

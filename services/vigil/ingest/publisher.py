@@ -120,7 +120,7 @@ class Publisher:
         if err.fatal():
             # An idempotent producer that hit a fatal error refuses every later produce;
             # without a rebuild, ingest would answer 503 until restarted.
-            log.error("Kafka producer fatal error, rebuilding it: %s", err.str())
+            log.error("Kafka producer fatal error, rebuilding it: %s", err.str(), extra={"event": "producer_fatal"})
             self._fatal = True
         elif err.code() != self._last_error:  # broker-down errors repeat every few seconds
             log.warning("Kafka: %s", err.str())

@@ -227,7 +227,7 @@ async def on_disconnect(_: Request, exc: Exception) -> Response:
 
 async def on_unexpected(_: Request, exc: Exception) -> Response:
     # The request was not acknowledged, so a retry is safe; the traceback is for operators.
-    log.error("unexpected error", exc_info=exc)
+    log.error("unexpected error", exc_info=exc, extra={"event": "request_failed"})
     return JSONResponse({"error": "internal", "detail": "unexpected error; retry later"}, 500)
 
 

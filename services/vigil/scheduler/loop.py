@@ -424,6 +424,7 @@ class Scheduler:
                     exc,
                     backoff,
                     exc_info=reason == "error",
+                    extra={"event": "pass_failed"},
                 )
                 if reason != "broker":
                     self.close()

@@ -41,7 +41,7 @@ def serve(settings: SchedulerSettings) -> int:
     try:
         scheduler.run(stopping, on_health=lambda ok: readiness.set("passes", ok))
     except Exception:
-        log.exception("timer loop died")
+        log.exception("timer loop died", extra={"event": "loop_died"})
         return EXIT_LOOP_DIED
     finally:
         producer.close()

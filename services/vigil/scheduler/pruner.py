@@ -100,7 +100,7 @@ class Pruner:
             except psycopg.Error as exc:
                 log.warning("retention prune failed (next try in %.0f s): %s", self.interval_s, exc)
             except Exception as exc:
-                log.exception("retention pruner died, stopping the scheduler")
+                log.exception("retention pruner died, stopping the scheduler", extra={"event": "loop_died"})
                 self.error = exc
                 self.stopping.set()
                 return

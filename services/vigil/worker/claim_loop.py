@@ -256,7 +256,7 @@ class Claimer:
                     await self._claim_pass()
             except self.retry_policy.retried as exc:
                 _, pause = self.retry_policy(exc)
-                log.warning("claim pass failed, retrying: %s", exc)
+                log.warning("claim pass failed, retrying: %s", exc, extra={"event": "pass_failed"})
                 self.wakeups.retry_in(pause)
             else:
                 self.retry_policy.succeeded()

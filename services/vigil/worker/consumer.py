@@ -265,12 +265,16 @@ class ConsumerLoop(threading.Thread):
                         metrics.AWAITING_TAKEOVER.set(len(self.taking_over))
                     return
                 except psycopg.OperationalError as exc:
-                    log.warning("takeover after a hand-over failed (ledger unreachable?), retrying: %s", exc)
+                    log.warning(
+                        "takeover after a hand-over failed (ledger unreachable?), retrying: %s",
+                        exc,
+                        extra={"event": "takeover_failed"},
+                    )
                     conn = None
                     self.stopping.wait(RETRY_S)
         except BaseException as exc:  # as the consumer loop's own death: the worker exits non-zero
             self.error = exc
-            log.exception("takeover after a hand-over died")
+            log.exception("takeover after a hand-over died", extra={"event": "loop_died"})
             self.stopping.set()
         finally:
             if conn is not None:
@@ -330,7 +334,7 @@ class ConsumerLoop(threading.Thread):
             self._run()
         except BaseException as exc:  # reported to the main thread, which exits non-zero
             self.error = exc
-            log.exception("consumer loop died")
+            log.exception("consumer loop died", extra={"event": "loop_died"})
             self.stopping.set()
 
     def _run(self) -> None:

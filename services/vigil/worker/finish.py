@@ -267,10 +267,16 @@ async def commit_finished(
             try:
                 ok, refused = await _commit(conn, [run], worker, journal_keep)
             except FinishMismatch as exc:
-                log.error("finish of %d event(s) refused: %s", len(run.event_ids), exc)
+                log.error(
+                    "finish of %d event(s) refused: %s", len(run.event_ids), exc, extra={"event": "finish_refused"}
+                )
                 ok, refused = [], [run]
             except REFUSED_RESULT as exc:
-                log.error("the ledger refused a run's result; recording a failed attempt: %s", exc)
+                log.error(
+                    "the ledger refused a run's result; recording a failed attempt: %s",
+                    exc,
+                    extra={"event": "result_refused"},
+                )
                 run.result, run.error = None, f"finish refused by the ledger: {type(exc).__name__}: {exc}"[:2000]
                 run.backoff_s = backoff(run.claim.attempt, 1.0, 60.0)
                 ok, refused = await _commit(conn, [run], worker, journal_keep)
@@ -285,6 +291,11 @@ async def commit_finished(
                 run.claim.epoch,
                 run.claim.home.partition,
                 len(run.event_ids),
-                extra={"user_id": run.claim.user_id, "partition": run.claim.home.partition, "epoch": run.claim.epoch},
+                extra={
+                    "event": "stale_finish",
+                    "user_id": run.claim.user_id,
+                    "partition": run.claim.home.partition,
+                    "epoch": run.claim.epoch,
+                },
             )
     return committed, stale

@@ -119,7 +119,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
             stopping.set()
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception():
-                log.error("%s died: %r", task.get_name(), task.exception())
+                log.error("%s died: %r", task.get_name(), task.exception(), extra={"event": "loop_died"})
                 stopping.set()
     # Bounded end to end by VIGIL_SHUTDOWN_GRACE_S, so the pod's grace never SIGKILLs a
     # shutdown half way: runs (and background tasks) that outlive their share are cancelled
