@@ -61,7 +61,8 @@ SIZES = {
     # 2,000 runs in flight over two workers, each run three answers of 6-10 s: runs are still
     # in flight when each old worker is told to stop (a new worker takes seconds to join).
     "full": Size(users=2_000, concurrency=1_000, delay_s=8.0, spread_s=2.0),
-    "quick": Size(users=60, concurrency=40, delay_s=5.0, spread_s=1.0),
+    # `make test`'s smoke run: every figure printed, in about a minute for both choices.
+    "quick": Size(users=20, concurrency=20, delay_s=2.0, spread_s=0.5),
 }
 
 
