@@ -74,7 +74,6 @@ class Journal:
     writer: Writer | None = None
     recorded: dict[int, Recorded] = field(default_factory=dict)
     step: int = 0  # the last step taken
-    replayed_tokens: int = 0
     # Set by the worker when the run is to be handed over: no new step starts (HandedOver).
     # Journaled steps still replay: they cost nothing.
     stop: Callable[[], bool] | None = None
@@ -89,11 +88,6 @@ class Journal:
             for s in steps or []
         }
         return cls(run_key, writer, recorded)
-
-    @property
-    def replaying(self) -> bool:
-        """Whether steps after the current one are journaled (the run is still catching up)."""
-        return any(n > self.step for n in self.recorded)
 
     @property
     def start(self) -> dict[str, Any] | None:
@@ -138,7 +132,6 @@ class Journal:
             usage: Any = SimpleNamespace(**rec.body.get("usage", {}))
             metrics.REPLAYED_STEPS["model"].inc()
             tokens = sum(vars(usage).values())
-            self.replayed_tokens += tokens
             metrics.REPLAY_SAVED_TOKENS.inc(tokens)
             self._results, self._folded = None, []
             return rec.body["content"], usage, True

@@ -225,33 +225,21 @@ def _claims(rows: list[dict[str, Any]]) -> list[Claim]:
 
 async def claim_more(conn: psycopg.AsyncConnection[DictRow], claim: Claim, sources: Sequence[str]) -> list[EventRow]:
     """Fold: the user's fresh pending events, claimed under the running claim's epoch."""
-    cur = await conn.execute(
-        Q.claim_more,
-        {
-            "topic": claim.home.topic,
-            "partition": claim.home.partition,
-            "epoch": claim.epoch,
-            "user_id": claim.user_id,
-            "sources": list(sources),
-        },
-    )
-    rows = sorted(await cur.fetchall(), key=lambda r: r["id"])
-    return [EventRow.of(r) for r in rows]
+    return await _claim_under(conn, Q.claim_more, claim, {"sources": list(sources)})
 
 
 async def claim_ids(conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: Sequence[int]) -> list[EventRow]:
     """A replay's adoption (:mod:`vigil.ledger.journal`): the user's pending events ``ids``,
     claimed under the running claim's epoch. Returns those it claimed, in id order."""
-    cur = await conn.execute(
-        Q.claim_ids,
-        {
-            "topic": claim.home.topic,
-            "partition": claim.home.partition,
-            "epoch": claim.epoch,
-            "user_id": claim.user_id,
-            "ids": list(ids),
-        },
-    )
+    return await _claim_under(conn, Q.claim_ids, claim, {"ids": list(ids)})
+
+
+async def _claim_under(
+    conn: psycopg.AsyncConnection[DictRow], query: str, claim: Claim, params: dict[str, list[str] | list[int]]
+) -> list[EventRow]:
+    """More of the user's events claimed under a running claim's home partition and epoch, in id order."""
+    home = {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch}
+    cur = await conn.execute(query, {**home, "user_id": claim.user_id, **params})
     rows = sorted(await cur.fetchall(), key=lambda r: r["id"])
     return [EventRow.of(r) for r in rows]
 

@@ -130,8 +130,8 @@ async def live_many_cursor(conn: psycopg.AsyncConnection[DictRow], user_ids: lis
 
 async def live_from(cursor: psycopg.AsyncCursor[DictRow]) -> dict[str, Live]:
     """The rows of :func:`live_many_cursor`, by user. A user with two live journals (an
-    abandoned one beside the current) gets the one with the highest key's latest steps: the
-    caller checks it against the claim anyway."""
+    abandoned one beside the current) gets the one whose key sorts last: the caller checks it
+    against the claim anyway, and drops one that is not its run's."""
     out: dict[str, Live] = {}
     for row in await cursor.fetchall():
         live = out.get(row["user_id"])
