@@ -129,10 +129,10 @@ def routes(ctx: Any) -> list[Route]:
         raise ctx.Refusal(404, "not_found", f"timer {timer_id!r} is not live (already fired, skipped or cancelled)")
 
     return [
-        Route(COLLECTION, create, methods=["POST"]),
-        Route(COLLECTION, list_timers, methods=["GET"]),
-        Route(ITEM, get_timer, methods=["GET"]),
-        Route(ITEM, cancel, methods=["DELETE"]),
+        ctx.route(COLLECTION, create, methods=["POST"]),
+        ctx.route(COLLECTION, list_timers, methods=["GET"]),
+        ctx.route(ITEM, get_timer, methods=["GET"]),
+        ctx.route(ITEM, cancel, methods=["DELETE"]),
     ]
 
 
