@@ -69,6 +69,9 @@ class ServerLimits:
 # socket closes (see BoundedHttpToolsProtocol._linger).
 LINGER_S = 1.0
 
+# A 429 whose raiser named no wait says this one: a client told nothing retries at once.
+DEFAULT_RETRY_AFTER_S = 1
+
 # The health and metrics ports: probes and scrapes only.
 HEALTH_LIMITS = ServerLimits(max_head_bytes=8 * 1024, max_headers=50, body_timeout_s=10.0, max_connections=100)
 
@@ -81,7 +84,8 @@ class Refusal(VigilError):
     ``{"error": code, "detail": detail}`` plus any ``extra`` fields (ingest's ``field``,
     ``reason``...). ``detail`` is safe to show the caller and to log. ``counted_as`` is the
     label of the connection-level refusal counter (``vigil_http_refused_total``); it
-    defaults to ``code``.
+    defaults to ``code``. Every 429 carries ``Retry-After`` (``DEFAULT_RETRY_AFTER_S`` unless
+    the raiser gave one).
     """
 
     def __init__(
@@ -99,6 +103,8 @@ class Refusal(VigilError):
         self.code = code
         self.detail = detail
         self.headers = headers or {}
+        if status == 429 and not any(name.lower() == "retry-after" for name in self.headers):
+            self.headers = {**self.headers, "Retry-After": str(DEFAULT_RETRY_AFTER_S)}
         self.counted_as = counted_as or code
         self.extra = extra
 
