@@ -36,6 +36,8 @@ from typing import Any, ClassVar
 import httptools
 import uvicorn
 from prometheus_client import Counter
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -283,6 +285,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         self.loop.call_later(LINGER_S, self.transport.close)
+
+
+# -- the application's own refusals, in the same shape -------------------------------------
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def on_http_exception(_: Request, exc: Exception) -> Response:
+    """Starlette's own 404 and 405 (no route, no method) in the one refusal shape, not plain text."""
+    assert isinstance(exc, HTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    return JSONResponse({"error": code, "detail": exc.detail}, exc.status_code, headers=exc.headers)
+
+
+async def on_unexpected(_: Request, exc: Exception) -> Response:
+    # The request was not acknowledged, so a retry is safe; the traceback is for operators.
+    log.error("unexpected error", exc_info=exc, extra={"event": "request_failed"})
+    return JSONResponse({"error": "internal", "detail": "unexpected error; retry later"}, 500)
 
 
 def bounded_protocol(limits: ServerLimits) -> type[BoundedHttpToolsProtocol]:

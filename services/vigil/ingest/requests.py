@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vigil.httpserver import Refusal as Refusal  # the one refusal type; ingest's modules import it from here
+from vigil.httpserver import on_http_exception, on_unexpected
 from vigil.numbers import MAX_DIGITS, NotParsed, json_constant, json_float, json_int, whole_number
 
 log = logging.getLogger(__name__)
@@ -212,26 +213,11 @@ async def on_refusal(_: Request, exc: Exception) -> Response:
     return exc.response()
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
-
-
-async def on_http_exception(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
-    return JSONResponse({"error": code, "detail": exc.detail}, exc.status_code, headers=exc.headers)
-
-
 async def on_disconnect(_: Request, exc: Exception) -> Response:
     # The client went away (or the server's read timeout closed it) while its body was
     # read: nothing was produced, and nobody is left to read an answer.
     log.debug("client disconnected before its body was read")
     return JSONResponse({"error": "client_disconnected", "detail": "the request body was not received"}, 400)
-
-
-async def on_unexpected(_: Request, exc: Exception) -> Response:
-    # The request was not acknowledged, so a retry is safe; the traceback is for operators.
-    log.error("unexpected error", exc_info=exc, extra={"event": "request_failed"})
-    return JSONResponse({"error": "internal", "detail": "unexpected error; retry later"}, 500)
 
 
 EXCEPTION_HANDLERS = {
@@ -296,9 +282,21 @@ def routing_path(scope: dict) -> str:
     return "/".join(segment.replace("%", "%25").replace("/", "%2F") for segment in segments)
 
 
+def host_problem(scope: dict) -> Refusal | None:
+    """RFC 9112 section 3.2: an HTTP/1.1 request without ``Host``, or any request with more
+    than one, is a 400 (two could name two different sites to a proxy in front of ingest)."""
+    hosts = sum(1 for name, _ in scope.get("headers", ()) if name.lower() == b"host")
+    if hosts > 1:
+        return invalid("Host", "sent more than once")
+    if hosts == 0 and scope.get("http_version") != "1.0":
+        return invalid("Host", "is missing (HTTP/1.1 requires it)")
+    return None
+
+
 class TargetCheck:
-    """Pure ASGI middleware, before routing: the path as :func:`routing_path` reads it, and
-    the query string under the same text rule (a 400 naming ``path`` or ``query``)."""
+    """Pure ASGI middleware, before routing: the ``Host`` header (:func:`host_problem`), the
+    path as :func:`routing_path` reads it, and the query string under the same text rule (a
+    400 naming ``Host``, ``path`` or ``query``)."""
 
     def __init__(self, app):
         self.app = app
@@ -306,6 +304,9 @@ class TargetCheck:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             try:
+                host = host_problem(scope)
+                if host is not None:
+                    raise host
                 path = routing_path(scope)
                 query = scope.get("query_string", b"").replace(b"+", b" ")
                 if query:
