@@ -66,6 +66,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
         settings.dsn, name="worker", min_size=2, max_size=settings.db_pool_max, autocommit=True, check=False
     )
     await pool.open(wait=True, timeout=30)
+    await agent.join_fleet(pool, settings.instance_id)
     runner = Runner(settings, agent, pool, dead_letters)
     readiness = Readiness(dependency_checks(settings))
     health = HealthServer(settings.worker_port, readiness).start()
