@@ -129,12 +129,12 @@ async def upsert_async(conn: psycopg.AsyncConnection[Any], timer: NewTimer) -> U
     return _outcome(returned, existing)
 
 
-def get(conn: psycopg.Connection[DictRow], user_id: str, timer_id: str) -> TimerRow | None:
+def get(conn: psycopg.Connection[DictRow], *, user_id: str, timer_id: str) -> TimerRow | None:
     row = conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id}).fetchone()
     return None if row is None else TimerRow.of(row)
 
 
-async def get_async(conn: psycopg.AsyncConnection[DictRow], user_id: str, timer_id: str) -> TimerRow | None:
+async def get_async(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, timer_id: str) -> TimerRow | None:
     row = await (await conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id})).fetchone()
     return None if row is None else TimerRow.of(row)
 
@@ -158,13 +158,13 @@ async def of_user_async(
     return [TimerRow.of(r) for r in await cursor.fetchall()]
 
 
-def cancel(conn: psycopg.Connection[DictRow], user_id: str, timer_id: str) -> bool:
+def cancel(conn: psycopg.Connection[DictRow], *, user_id: str, timer_id: str) -> bool:
     """A live timer the caller owns becomes done and cancelled. False: unknown, done already,
     or an approval's expiry (which follows its approval)."""
     return conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id}).fetchone() is not None
 
 
-async def cancel_async(conn: psycopg.AsyncConnection[DictRow], user_id: str, timer_id: str) -> bool:
+async def cancel_async(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, timer_id: str) -> bool:
     cursor = await conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id})
     return await cursor.fetchone() is not None
 
