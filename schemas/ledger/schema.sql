@@ -225,6 +225,8 @@ CREATE TABLE runs (
     cache_read_tokens  integer     NOT NULL DEFAULT 0,
     cache_write_tokens integer     NOT NULL DEFAULT 0,
     tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0021)
+    profile            text,                             -- the agent profile it ran with; NULL: the default (0036)
+    profile_version    integer,
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );
@@ -377,6 +379,27 @@ CREATE TABLE agent_policies (
     user_id        text PRIMARY KEY,
     event_policies text        NOT NULL DEFAULT '',
     updated_at     timestamptz NOT NULL DEFAULT now()
+);
+
+-- profiles: agent profiles (model, system prompt, limits, tools, MCP servers, event policies,
+-- budgets) as a JSON spec, one row per version, never changed: an update adds the next
+-- version (`vigil profiles`, docs/agent.md "Profiles"). profile_assignments gives users a
+-- profile by exact id or prefix pattern (`team-a/*`); the most specific wins (migration 0036).
+CREATE TABLE profiles (
+    name        text        NOT NULL,
+    version     integer     NOT NULL,
+    spec        jsonb       NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    created_by  text        NOT NULL,
+    PRIMARY KEY (name, version),
+    CONSTRAINT profiles_name_valid CHECK (name ~ '^[a-z][a-z0-9_-]{0,63}$' AND name <> 'default'),
+    CONSTRAINT profiles_version_valid CHECK (version >= 1)
+);
+CREATE TABLE profile_assignments (
+    pattern     text        PRIMARY KEY,                  -- a user id, or a prefix ending in '*'
+    profile     text        NOT NULL,
+    assigned_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT profile_assignments_pattern_valid CHECK (strpos(pattern, '*') IN (0, length(pattern)))
 );
 
 -- tasks: background work a run delegated to a sub-agent (docs/tasks.md). The row is the one

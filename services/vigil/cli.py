@@ -14,6 +14,7 @@ import click
 from vigil import config_command
 from vigil.admin import commands as admin_commands
 from vigil.agent import commands as agent_commands
+from vigil.agent import profile_commands
 from vigil.console import commands as console_commands
 from vigil.dispatcher import commands as dispatcher_commands
 from vigil.ingest import commands as ingest_commands
@@ -32,6 +33,7 @@ COMMAND_MODULES = (
     scheduler_commands,
     dispatcher_commands,
     agent_commands,
+    profile_commands,
     console_commands,
 )
 

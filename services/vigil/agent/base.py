@@ -210,6 +210,8 @@ class RunResult:
     folded_event_ids: list[int] = field(default_factory=list)
     # Background tasks delegated by the run: queued only if its finish commits.
     tasks: list[NewTask] = field(default_factory=list)
+    # The agent profile (name, version) the run ran with; None: the default (runs.profile).
+    profile: tuple[str, int] | None = None
 
 
 @dataclass(slots=True)

@@ -35,6 +35,7 @@ from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal
 from vigil.agent.memory import Limits, MemoryFiles
+from vigil.agent.profiles import Profile, ProfileBook, resolve
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.sessions import plan
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
@@ -139,6 +140,9 @@ class ClaudeAgent:
             policies=policies,
         )
         self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)
+        self.definitions = {**builtins, **{t.name: t.definition() for t in actions}}
+        self.profiles: ProfileBook | None = None  # set by join_fleet: profiles live in the ledger
+        self._boxes: dict[tuple[str, int], Toolbox] = {}
 
     @classmethod
     def from_environment(cls) -> ClaudeAgent:
@@ -149,8 +153,10 @@ class ClaudeAgent:
 
     async def join_fleet(self, pool: AsyncPool, instance: str) -> None:
         """Share the model with the deployment's other workers (:mod:`vigil.agent.fleet`):
-        their 429/529 back-off, and ``VIGIL_MODEL_FLEET_CONCURRENCY`` if set."""
+        their 429/529 back-off, and ``VIGIL_MODEL_FLEET_CONCURRENCY`` if set; and the agent
+        profiles assigned to users (:mod:`vigil.agent.profiles`)."""
         s = self.settings
+        self.profiles = ProfileBook(pool, s.profile_cache_s)
         if not s.model_fleet_concurrency and not s.model_shared_backoff:
             return
         gate = FleetGate(
@@ -166,19 +172,58 @@ class ClaudeAgent:
     async def close(self) -> None:
         await self.box.client.close()
 
-    def _prefix(self, ctx: RunContext, memory: MemoryFiles, now: datetime) -> list[dict[str, Any]]:
-        path = self.settings.instructions_path
-        limit = self.settings.recent_messages
+    def box_for(self, profile: Profile | None) -> Toolbox:
+        """What runs of ``profile`` share (the deployment's own for the default profile): its
+        settings over the deployment's, its tool set over the agent's tools, its event policies
+        over the deployment's. Built once per profile version (versions never change)."""
+        if profile is None:
+            return self.box
+        box = self._boxes.get((profile.name, profile.version))
+        if box is not None:
+            return box
+        spec = profile.spec
+        permissions = self.box.permissions
+        if spec.tools is not None:
+            missing = sorted(set(spec.tools) - set(permissions))
+            if missing:
+                log.warning("profile %s v%d: no tool named %s here", profile.name, profile.version, ", ".join(missing))
+            permissions = {
+                name: Permission.DENY if name in BUILTIN and p not in (Permission.ALLOW, Permission.DENY) else p
+                for name, p in spec.tools.items()
+                if name in permissions
+            }
+        policies = dict(self.box.policies)
+        if spec.event_policies:
+            policies |= parse_event_policies(spec.event_policies)
+        offered = [
+            d for name, d in self.definitions.items() if permissions.get(name, Permission.DENY) is not Permission.DENY
+        ]
+        box = replace(
+            self.box,
+            settings=self.settings.model_copy(update=spec.settings_update()),
+            permissions=permissions,
+            tools=model.Encoded.of(offered),
+            policies=policies,
+        )
+        self._boxes[profile.name, profile.version] = box
+        return box
+
+    def _prefix(
+        self, ctx: RunContext, memory: MemoryFiles, now: datetime, box: Toolbox, profile: Profile | None
+    ) -> list[dict[str, Any]]:
+        path = box.settings.instructions_path
+        limit = box.settings.recent_messages
         queued = ctx.queued_messages[-limit:] if limit else []
         recent = ctx.recent_messages[-(limit - len(queued)) :] if limit > len(queued) else []
         volatile = volatile_context(now, recent, queued, ctx.dead_events)
-        return system_blocks(path, memory.files.get(path), memory.index(path), volatile)
+        prompt = profile.spec.system_prompt if profile else None
+        return system_blocks(path, memory.files.get(path), memory.index(path), volatile, prompt)
 
-    def policies_for(self, ctx: RunContext) -> dict[str, EventPolicy]:
-        """The deployment's event policies with the user's own (``agent_policies``) over them.
+    def policies_for(self, ctx: RunContext, box: Toolbox | None = None) -> dict[str, EventPolicy]:
+        """The profile's event policies with the user's own (``agent_policies``) over them.
         An override the ledger holds but that no longer parses is ignored, loudly: a user's
         row must not fail every run of theirs."""
-        policies = dict(self.box.policies)
+        policies = dict((box or self.box).policies)
         if not ctx.event_policies:
             return policies
         try:
@@ -210,7 +255,9 @@ class ClaudeAgent:
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 
     async def run(self, ctx: RunContext) -> RunResult:
-        settings = self.settings
+        profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
+        box = self.box_for(profile)
+        settings = box.settings
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)
         memory = MemoryFiles(ctx.memory, self.limits)
         journal = ctx.journal or Journal(ctx.run_key)
@@ -221,7 +268,7 @@ class ClaudeAgent:
             now, system = datetime.fromisoformat(start["now"]), start["system"]
         else:
             now = datetime.now(UTC)
-            system = self._prefix(ctx, memory, now)
+            system = self._prefix(ctx, memory, now, box, profile)
         run = RunState(
             ctx=ctx,
             memory=memory,
@@ -231,13 +278,13 @@ class ClaudeAgent:
             approvals=dict(ctx.approval_requests),
             journal=journal,
             start={"events": [e.id for e in ctx.events], "now": now.isoformat(), "system": system},
-            policies=self.policies_for(ctx),
+            policies=self.policies_for(ctx, box),
         )
         laid_out = plan(ctx, settings.session_max_bytes)
-        result = RunResult()
+        result = RunResult(profile=(profile.name, profile.version) if profile else None)
         saves = []
         for thread in laid_out.threads:
-            ended = await Conversation(self.box, run, thread).converse()
+            ended = await Conversation(box, run, thread).converse()
             # Each message names its conversation, so that a reply to its delivery resumes it.
             sid = thread.session_id
             result.messages += [replace(m, session_id=m.session_id or sid) for m in ended.outputs.messages]

@@ -68,8 +68,12 @@ credentials or data elsewhere.
 DEAD_ERROR_CHARS = 300
 
 
-def system_blocks(instructions_path: str, instructions: str | None, index: str, volatile: str) -> list[dict[str, Any]]:
-    """The system prompt as three blocks; the first two carry cache breakpoints."""
+def system_blocks(
+    instructions_path: str, instructions: str | None, index: str, volatile: str, profile_prompt: str | None = None
+) -> list[dict[str, Any]]:
+    """The system prompt as three blocks; the first two carry cache breakpoints. A profile's
+    own prompt follows vigil's in the first block (the same for every user of the profile)."""
+    base = SYSTEM_PROMPT if not profile_prompt else f"{SYSTEM_PROMPT}\n# Profile\n{profile_prompt.strip()}\n"
     user_part = (
         f"# Standing instructions ({instructions_path})\n"
         + (instructions.strip() if instructions and instructions.strip() else "(none yet)")
@@ -77,7 +81,7 @@ def system_blocks(instructions_path: str, instructions: str | None, index: str, 
         + index
     )
     return [
-        {"type": "text", "text": SYSTEM_PROMPT, "cache_control": dict(CACHE)},
+        {"type": "text", "text": base, "cache_control": dict(CACHE)},
         {"type": "text", "text": user_part, "cache_control": dict(CACHE)},
         {"type": "text", "text": volatile},
     ]

@@ -127,6 +127,14 @@ def parse_event_policies(value: str) -> dict[str, EventPolicy]:
     return _enum_map(value, "VIGIL_EVENT_POLICIES", EventPolicy, _SOURCE, "an event source")
 
 
+def confined(path: str) -> str:
+    """A memory path as ``confine`` normalises it; ValueError (for a validator) if outside."""
+    try:
+        return confine(path)
+    except MemoryRefused as exc:
+        raise ValueError(str(exc)) from None
+
+
 def parse_hosts(value: str) -> tuple[str, ...]:
     hosts = tuple(h.strip().lower() for h in value.split(",") if h.strip())
     for host in hosts:
@@ -295,6 +303,13 @@ class AgentSettings(CommonSettings):
         le=10_000_000,
         description="Most response bytes http_request hands back to the model (the rest is cut).",
     )
+    profile_cache_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="How long a worker keeps the profile assignments it read (`vigil profiles assign`); "
+        "a change reaches new runs within this time. 0: read for every run.",
+    )
     refund_auto_limit: float = Field(
         DEFAULT_REFUND_AUTO_LIMIT,
         ge=0,
@@ -318,10 +333,7 @@ class AgentSettings(CommonSettings):
     @field_validator("instructions_path")
     @classmethod
     def _instructions_confined(cls, value: str) -> str:
-        try:
-            return confine(value)
-        except MemoryRefused as exc:
-            raise ValueError(str(exc)) from None
+        return confined(value)
 
     @field_validator("http_allowed_hosts")
     @classmethod

@@ -121,6 +121,8 @@ class RunDetail(RunRow):
     topic: str
     partition: int
     session_id: str | None
+    profile: str | None = None  # the agent profile it ran with (None: the default)
+    profile_version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ class RunRecord:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     tool_calls: int = 0
+    profile: str | None = None  # the agent profile it ran with (None: the default)
+    profile_version: int | None = None
     messages: list[RunMessage] = field(default_factory=list)
     # The run's span context (W3C traceparent) when traces are on: its messages carry it.
     traceparent: str | None = None
@@ -69,6 +71,8 @@ _COLUMNS = (
     "cache_read_tokens",
     "cache_write_tokens",
     "tool_calls",
+    "profile",
+    "profile_version",
     "message_user",
     "message_body",
     "message_urgent",
@@ -97,6 +101,8 @@ def finish_runs_params(runs: list[RunRecord], worker: str) -> dict[str, Any]:
         params["cache_read_tokens"].append(run.cache_read_tokens)
         params["cache_write_tokens"].append(run.cache_write_tokens)
         params["tool_calls"].append(run.tool_calls)
+        params["profile"].append(run.profile)
+        params["profile_version"].append(run.profile_version)
         if run.done:
             params["done_ids"].extend(run.event_ids)
             for message in run.messages:

@@ -99,6 +99,8 @@ def run_record(run: Finished) -> ledger_finish.RunRecord:
         cache_read_tokens=usage.cache_read_tokens if usage else 0,
         cache_write_tokens=usage.cache_write_tokens if usage else 0,
         tool_calls=usage.tool_calls if usage else 0,
+        profile=result.profile[0] if result and result.profile else None,
+        profile_version=result.profile[1] if result and result.profile else None,
         messages=[ledger_finish.RunMessage(m.text, m.urgent) for m in result.messages] if done and result else [],
         traceparent=claim.traceparent,
     )

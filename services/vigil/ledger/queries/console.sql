@@ -142,7 +142,8 @@ LIMIT %(limit)s
 -- name: console_run
 -- One run.
 SELECT id, user_id, epoch, worker, event_ids, started_at, finished_at, outcome, error, turns,
-       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls, topic, partition, session_id
+       input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls, topic, partition, session_id,
+       profile, profile_version
 FROM runs WHERE id = %(id)s
 
 -- name: console_events_by_id

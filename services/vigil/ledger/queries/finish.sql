@@ -8,16 +8,17 @@
 WITH new_runs AS (
     INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, session_id, started_at, finished_at,
                       outcome, error, turns, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
-                      tool_calls)
+                      tool_calls, profile, profile_version)
     SELECT r.user_id, r.topic, r.partition, r.epoch, %(worker)b, r.event_ids::bigint[], r.session_id, r.started_at, now(),
            r.outcome, r.error, r.turns, r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens,
-           r.tool_calls
+           r.tool_calls, r.profile, r.profile_version
     FROM unnest(%(user_id)b::text[], %(topic)b::text[], %(partition)b::int[], %(epoch)b::bigint[], %(event_ids)b::text[],
                 %(session_id)b::text[], %(started_at)b::timestamptz[], %(outcome)b::text[], %(error)b::text[],
                 %(turns)b::int[], %(input_tokens)b::int[], %(output_tokens)b::int[], %(cache_read_tokens)b::int[],
-                %(cache_write_tokens)b::int[], %(tool_calls)b::int[])
+                %(cache_write_tokens)b::int[], %(tool_calls)b::int[], %(profile)b::text[], %(profile_version)b::int[])
          WITH ORDINALITY AS r(user_id, topic, partition, epoch, event_ids, session_id, started_at, outcome, error, turns,
-                              input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls, n)
+                              input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, tool_calls, profile,
+                              profile_version, n)
     ORDER BY r.n
     RETURNING id, user_id, epoch, outcome, event_ids
 ),

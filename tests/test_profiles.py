@@ -1,0 +1,163 @@
+"""Agent profiles (docs/agent.md, "Profiles"): made with `vigil profiles` against a real ledger,
+assigned by user patterns, read by a real agent whose model requests go to the scripted
+Messages API, versioned so that a resumed session keeps the version it began with."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import query, scalar
+from vigil.agent import profiles
+from vigil.ledger import db
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
+
+SCRIPT = {
+    "rules": [
+        {"when": {"tool_result": "send_message"}, "reply": []},
+        {
+            "when": {"user_text": "hello"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Hi!", "urgent": False}}],
+        },
+    ]
+}
+
+
+def vigil(ledger: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VIGIL_DATABASE_URL": ledger}
+    done = subprocess.run([sys.executable, "-m", "vigil", *args], env=env, capture_output=True, text=True, timeout=60)
+    return done
+
+
+def ok(ledger: str, *args: str) -> dict:
+    done = vigil(ledger, *args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ScriptedServer(SCRIPT) as s:
+        yield s
+
+
+def seen(request: dict) -> tuple[str, str, list[str]]:
+    """What one model request carried: model, first system block, tool names."""
+    return request["model"], request["system"][0]["text"], [tool["name"] for tool in request["tools"]]
+
+
+def run_all(server, ledger: str, ctxs) -> list:
+    async def go():
+        pool = db.async_pool(ledger, name="w0", max_size=2, autocommit=True)
+        await pool.open(wait=True)
+        agent = t.agent(server.base_url, profile_cache_s=0)
+        await agent.join_fleet(pool, "worker-0")
+        try:
+            return [await agent.run(ctx) for ctx in ctxs]
+        finally:
+            await agent.close()
+            await pool.close()
+
+    return asyncio.run(go())
+
+
+def test_most_specific_assignment_wins():
+    patterns = ["team-a/*", "team-a/ops/*", "team-a/boss", "*"]
+    assert profiles.most_specific(patterns, "team-a/boss") == "team-a/boss"
+    assert profiles.most_specific(patterns, "team-a/ops/kim") == "team-a/ops/*"
+    assert profiles.most_specific(patterns, "team-a/alice") == "team-a/*"
+    assert profiles.most_specific(patterns, "team-b/bob") == "*"
+    assert profiles.most_specific(["team-a/*"], "team-b/bob") is None
+
+
+def test_two_profiles_on_two_patterns_and_versions_kept_by_resumed_sessions(server, ledger):
+    server.clear()
+    ok(
+        ledger,
+        "profiles",
+        "create",
+        "support",
+        "--model",
+        "claude-support",
+        "--system-prompt",
+        "You answer support.",
+        "--tools",
+        "send_message=allow,memory=allow",
+    )
+    ok(
+        ledger,
+        "profiles",
+        "create",
+        "sales",
+        "--model",
+        "claude-sales",
+        "--system-prompt",
+        "You sell.",
+        "--tools",
+        "send_message=allow,set_followup=allow",
+        "--mcp-server",
+        "crm",
+    )
+    ok(ledger, "profiles", "assign", "team-a/*", "support")
+    ok(ledger, "profiles", "assign", "team-b/*", "sales")
+    ok(ledger, "profiles", "assign", "team-a/boss", "sales")  # exact id beats the pattern
+    refused = vigil(ledger, "profiles", "assign", "team-*/x", "sales")
+    assert refused.returncode != 0 and "only at the end" in refused.stderr
+    assert vigil(ledger, "profiles", "create", "support").returncode == 4  # exists: update it
+
+    users = ["team-a/alice", "team-b/bob", "team-a/boss", "other"]
+    results = run_all(server, ledger, [t.context([t.chat(f"hello {u}")], user_id=u) for u in users])
+    first = [seen(r) for r in server.requests() if not any("tool_result" in json.dumps(m) for m in r["messages"])]
+    alice, bob, boss, other = first
+    assert alice[0] == "claude-support" and "You answer support." in alice[1] and alice[2] == ["send_message", "memory"]
+    assert bob[0] == "claude-sales" and "You sell." in bob[1] and bob[2] == ["send_message", "set_followup"]
+    assert boss[:2] == bob[:2] and boss[2] == bob[2]
+    # The default: the deployment's model, prompt and every tool it offers.
+    assert other[0] == t.settings().model and "You sell." not in other[1] and "You answer" not in other[1]
+    assert {"send_message", "set_followup", "memory", "delegate", "refund"} <= set(other[2])
+    assert [r.profile for r in results] == [("support", 1), ("sales", 1), ("sales", 1), None]
+
+    # An update makes version 2 and keeps version 1.
+    v2 = ok(ledger, "profiles", "update", "support", "--system-prompt", "You answer support, v2.")
+    assert v2["version"] == 2 and v2["spec"]["model"] == "claude-support"
+    history = vigil(ledger, "profiles", "show", "support", "--history", "--json").stdout.splitlines()
+    assert [json.loads(line)["version"] for line in history] == [1, 2]
+    assert [r["action"] for r in query(ledger, "SELECT action FROM audit ORDER BY id")] == [
+        "profile.create",
+        "profile.create",
+        "profile.assign",
+        "profile.assign",
+        "profile.assign",
+        "profile.update",
+    ]
+
+    # Alice's session began under v1 (its run recorded as the worker's finish records it):
+    # resuming it keeps v1; a fresh run of hers gets v2.
+    session = t.saved(results[0])
+    query(
+        ledger,
+        "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, session_id, started_at, finished_at,"
+        " outcome, profile, profile_version) VALUES ('team-a/alice', 'events', 0, 1, 'w', '{1}', %s, now(), now(),"
+        " 'message', 'support', 1)",
+        (session.id,),
+    )
+    server.clear()
+    resumed, fresh = run_all(
+        server,
+        ledger,
+        [
+            t.context([t.chat("hello again", session_id=session.id)], user_id="team-a/alice", sessions=[session]),
+            t.context([t.chat("hello new")], user_id="team-a/alice"),
+        ],
+    )
+    assert (resumed.profile, fresh.profile) == (("support", 1), ("support", 2))
+    systems = [r["system"][0]["text"] for r in server.requests() if r["messages"][-1]["role"] == "user"]
+    assert "You answer support.\n" in systems[0] and "v2" not in systems[0]
+    assert "You answer support, v2." in systems[-1]
+    assert scalar(ledger, "SELECT count(*) FROM profiles") == 3
