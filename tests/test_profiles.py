@@ -9,11 +9,14 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from support import query, scalar
 from vigil.agent import profiles
+from vigil.agent.base import OverBudget
+from vigil.clock import ManualClock, utc
 from vigil.ledger import db
 from vigil_dev import agent_testing as t
 from vigil_dev.scripted_server import ScriptedServer
@@ -161,3 +164,68 @@ def test_two_profiles_on_two_patterns_and_versions_kept_by_resumed_sessions(serv
     assert "You answer support.\n" in systems[0] and "v2" not in systems[0]
     assert "You answer support, v2." in systems[-1]
     assert scalar(ledger, "SELECT count(*) FROM profiles") == 3
+
+
+def record_run(ledger: str, user_id: str, result, started_at) -> None:
+    """The run's row as the worker's finish writes it (its billed usage and profile)."""
+    u = result.usage
+    query(
+        ledger,
+        "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome,"
+        " input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, profile, profile_version)"
+        " VALUES (%s, 'events', 0, 1, 'w', '{1}', %s, %s, 'message', %s, %s, %s, %s, %s, %s)",
+        (
+            user_id,
+            started_at,
+            started_at,
+            u.input_tokens,
+            u.output_tokens,
+            u.cache_read_tokens,
+            u.cache_write_tokens,
+            *(result.profile or (None, None)),
+        ),
+    )
+
+
+def test_a_user_past_the_daily_budget_waits_for_the_next_day_told_once(server, ledger):
+    """Budget 1,500 billed tokens a day (the profile's): the first run passes it; the next two
+    that day make no model call and raise OverBudget until midnight UTC, and the user gets one
+    notice; the next day runs call the model again."""
+    ok(ledger, "profiles", "create", "tight", "--daily-tokens", "1500")
+    ok(ledger, "profiles", "assign", "team-c/*", "tight")
+    day = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+    clock = ManualClock(day.timestamp())
+    user = "team-c/carol"
+
+    async def go():
+        pool = db.async_pool(ledger, name="w0", max_size=2, autocommit=True)
+        await pool.open(wait=True)
+        agent = t.agent(server.base_url, profile_cache_s=0)
+        await agent.join_fleet(pool, "worker-0")
+        agent.clock = clock
+        outcomes = []
+        try:
+            for hour in (0, 1, 2, 13):  # 12:00, 13:00, 14:00 and 01:00 the next day
+                clock.set((day + timedelta(hours=hour)).timestamp())
+                server.clear()
+                try:
+                    result = await agent.run(t.context([t.chat(f"hello at {hour}")], user_id=user))
+                except OverBudget as exc:
+                    outcomes.append(("waits", round(exc.retry_after or 0), len(server.requests())))
+                    continue
+                record_run(ledger, user, result, utc(clock.now()))
+                u = result.usage
+                billed = u.input_tokens + u.output_tokens + 1.25 * u.cache_write_tokens + 0.1 * u.cache_read_tokens
+                outcomes.append(("ran", billed, len(server.requests())))
+        finally:
+            await agent.close()
+            await pool.close()
+        return outcomes
+
+    first, second, third, next_day = asyncio.run(go())
+    assert first[0] == "ran" and first[1] > 1500 and first[2] >= 1, first
+    assert second == ("waits", 11 * 3600, 0) and third == ("waits", 10 * 3600, 0)
+    assert next_day[0] == "ran" and next_day[2] >= 1
+    notices = query(ledger, "SELECT body FROM outbox WHERE user_id = %s", (user,))
+    assert len(notices) == 1 and "daily model budget (1500 tokens) is spent" in notices[0]["body"]
+    assert scalar(ledger, "SELECT profile FROM budget_notices WHERE user_id = %s", (user,)) == "tight"

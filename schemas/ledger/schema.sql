@@ -402,6 +402,16 @@ CREATE TABLE profile_assignments (
     CONSTRAINT profile_assignments_pattern_valid CHECK (strpos(pattern, '*') IN (0, length(pattern)))
 );
 
+-- budget_notices: the one notice per user and UTC day that their daily token budget is spent
+-- (docs/agent.md, "Budgets"); its outbox row is written by the same statement.
+CREATE TABLE budget_notices (
+    user_id     text        NOT NULL,
+    day         date        NOT NULL,
+    profile     text        NOT NULL,
+    sent_at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (user_id, day)
+);
+
 -- tasks: background work a run delegated to a sub-agent (docs/tasks.md). The row is the one
 -- authority over the task's life: every change of status is one statement that checks the
 -- status (and, while running, the lease epoch) it expects, so the first terminal outcome

@@ -19,5 +19,14 @@ CREATE TABLE profile_assignments (
     assigned_at timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT profile_assignments_pattern_valid CHECK (strpos(pattern, '*') IN (0, length(pattern)))
 );
+-- budget_notices: the one notice per user and UTC day that their daily token budget is spent
+-- (docs/agent.md, "Budgets"); its outbox row is written by the same statement.
+CREATE TABLE budget_notices (
+    user_id     text        NOT NULL,
+    day         date        NOT NULL,
+    profile     text        NOT NULL,
+    sent_at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (user_id, day)
+);
 ALTER TABLE runs ADD COLUMN profile text;
 ALTER TABLE runs ADD COLUMN profile_version integer;

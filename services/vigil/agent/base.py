@@ -259,6 +259,11 @@ class RetryLater(VigilError):
         self.retry_after = retry_after
 
 
+class OverBudget(RetryLater):
+    """The user's daily token budget is spent: the run is not started, and its events wait
+    ``retry_after`` seconds (to the next UTC day) without counting an attempt of any kind."""
+
+
 class Agent(Protocol):
     """Runs one claim. Raising fails the attempt (counted toward the poison bound), except
     :class:`RetryLater`."""

@@ -22,24 +22,27 @@ import os
 import resource
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anthropic
 import httpx2
+import psycopg
 
 from vigil.agent import delegation, metrics, model
 from vigil.agent.actions import action_tools
-from vigil.agent.base import RunContext, RunResult, TaskContext, TaskResult
+from vigil.agent.base import OverBudget, RetryLater, RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal
 from vigil.agent.memory import Limits, MemoryFiles
-from vigil.agent.profiles import Profile, ProfileBook, resolve
+from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, resolve
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.sessions import plan
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
 from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
+from vigil.clock import Clock, SystemClock, utc
+from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
@@ -143,6 +146,7 @@ class ClaudeAgent:
         self.definitions = {**builtins, **{t.name: t.definition() for t in actions}}
         self.profiles: ProfileBook | None = None  # set by join_fleet: profiles live in the ledger
         self._boxes: dict[tuple[str, int], Toolbox] = {}
+        self.clock: Clock = SystemClock()  # what "today" is for daily budgets
 
     @classmethod
     def from_environment(cls) -> ClaudeAgent:
@@ -254,10 +258,43 @@ class ClaudeAgent:
         )
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 
+    async def _left_today(self, user_id: str, profile: Profile | None) -> int | None:
+        """Billed tokens the user may still use today under their daily budget (None: no
+        budget). Spent: :class:`OverBudget` until the next UTC day, and the user told once."""
+        daily = profile.spec.daily_tokens if profile and profile.spec.daily_tokens is not None else None
+        if daily is None:
+            daily = self.settings.user_daily_tokens
+        if not daily or self.profiles is None:
+            return None
+        now = utc(self.clock.now())
+        today = datetime(now.year, now.month, now.day, tzinfo=UTC)
+        tomorrow = today + timedelta(days=1)
+        name = profile.name if profile else DEFAULT
+        try:
+            async with self.profiles.pool.connection() as conn:
+                spent = await ledger_budgets.spent(conn, user_id=user_id, since=today)
+                if spent < daily:
+                    return daily - spent
+                metrics.BUDGET_EXHAUSTED.labels(name).inc()
+                if self.settings.budget_notice:
+                    body = (
+                        f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
+                        f"until {tomorrow.isoformat(timespec='minutes')}."
+                    )
+                    await ledger_budgets.notify_once(conn, user_id=user_id, day=today.date(), profile=name, body=body)
+        except psycopg.Error as exc:
+            raise RetryLater(f"budget lookup: {exc}") from exc
+        wait = (tomorrow - now).total_seconds()
+        raise OverBudget(f"daily token budget spent ({spent} of {daily})", retry_after=wait)
+
     async def run(self, ctx: RunContext) -> RunResult:
         profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
         box = self.box_for(profile)
         settings = box.settings
+        max_tokens = settings.max_run_tokens
+        left = await self._left_today(ctx.user_id, profile)
+        if left is not None:
+            max_tokens = min(max_tokens, left)  # a run ends at the day's bound, its session saved
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)
         memory = MemoryFiles(ctx.memory, self.limits)
         journal = ctx.journal or Journal(ctx.run_key)
@@ -272,7 +309,7 @@ class ClaudeAgent:
         run = RunState(
             ctx=ctx,
             memory=memory,
-            budget=model.Budget(settings.max_turns, settings.max_run_tokens, deadline),
+            budget=model.Budget(settings.max_turns, max_tokens, deadline, profile=profile.name if profile else DEFAULT),
             now=now,
             system=model.Encoded.of(system),
             approvals=dict(ctx.approval_requests),

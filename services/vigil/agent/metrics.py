@@ -6,6 +6,8 @@ registry, a decision, a budget name. Never a user id, a session or a request id.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Histogram
 
 MODEL_REQUESTS = Counter(
@@ -22,8 +24,14 @@ MODEL_SECONDS = Histogram(
 )
 MODEL_TOKENS = Counter(
     "vigil_model_tokens_total",
-    "Tokens billed by the model API, by kind: input, output, cache_read, cache_write.",
-    ["kind"],
+    "Tokens billed by the model API, by agent profile (default: the VIGIL_* settings) and kind: input, output, "
+    "cache_read, cache_write.",
+    ["profile", "kind"],
+)
+BUDGET_EXHAUSTED = Counter(
+    "vigil_budget_exhausted_total",
+    "Runs not started because the user's daily token budget was spent, by agent profile.",
+    ["profile"],
 )
 TOOL_CALLS = Counter(
     "vigil_tool_calls_total",
@@ -70,7 +78,18 @@ MODEL_RESULTS = (
     "cancelled",
 )
 MODEL_REQUESTS_BY_RESULT = {result: MODEL_REQUESTS.labels(result) for result in MODEL_RESULTS}
-MODEL_TOKENS_BY_KIND = {kind: MODEL_TOKENS.labels(kind) for kind in ("input", "output", "cache_read", "cache_write")}
+TOKEN_KINDS = ("input", "output", "cache_read", "cache_write")
+# Children by (profile, kind), made at first use: as many profiles as the ledger holds.
+_TOKENS: dict[tuple[str, str], Any] = {("default", kind): MODEL_TOKENS.labels("default", kind) for kind in TOKEN_KINDS}
+BUDGET_EXHAUSTED.labels("default")
+
+
+def model_tokens(profile: str, kind: str) -> Any:
+    """The ``vigil_model_tokens_total`` child of ``profile`` and ``kind``."""
+    child = _TOKENS.get((profile, kind))
+    if child is None:
+        child = _TOKENS[profile, kind] = MODEL_TOKENS.labels(profile, kind)
+    return child
 for _budget in ("turns", "tokens", "wall_time"):
     BUDGET_STOPS.labels(_budget)
 for _policy in ("fold", "interrupt"):

@@ -73,6 +73,7 @@ class Budget:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     tool_calls: int = 0  # tool_use blocks received: recorded on the run, not a limit
+    profile: str = "default"  # the agent profile, for vigil_model_tokens_total
 
     @property
     def spent(self) -> int:
@@ -106,7 +107,7 @@ class Budget:
             return
         for kind, n in counts.items():
             if n:
-                metrics.MODEL_TOKENS_BY_KIND[kind].inc(n)
+                metrics.model_tokens(self.profile, kind).inc(n)
 
     def usage(self) -> Usage:
         return Usage(

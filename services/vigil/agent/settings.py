@@ -303,6 +303,17 @@ class AgentSettings(CommonSettings):
         le=10_000_000,
         description="Most response bytes http_request hands back to the model (the rest is cut).",
     )
+    user_daily_tokens: int = Field(
+        0,
+        ge=0,
+        le=10_000_000_000,
+        description="Billed tokens one user's runs may use per UTC day (input + output, cache writes 1.25x, "
+        "cache reads 0.1x), unless their profile sets its own; a run past it waits for the next day. 0: no limit.",
+    )
+    budget_notice: bool = Field(
+        True,
+        description="Tell a user once a day, through the outbox, that their daily token budget is spent.",
+    )
     profile_cache_s: float = Field(
         5.0,
         ge=0,

@@ -131,14 +131,14 @@ async def finish_failed(
     error: str,
     backoff_s: float,
     transient: bool,
+    waiting: bool = False,
 ) -> psycopg.AsyncCursor[DictRow]:
     """A failed attempt's events back to pending with the error and a backoff (a transient
-    failure gives its attempt back); only those still claimed under ``epoch``. Returns the
+    failure gives its attempt back and counts a transient failure; a ``waiting`` one, over its
+    daily budget, counts nothing); only those still claimed under ``epoch``. Returns the
     cursor: in pipeline mode its ``rowcount`` (how many moved) is known once the pipeline syncs."""
-    return await conn.execute(
-        Q.finish_failed,
-        {"ids": ids, "epoch": epoch, "run_id": run_id, "error": error, "backoff_s": backoff_s, "transient": transient},
-    )
+    params = {"ids": ids, "epoch": epoch, "run_id": run_id, "error": error, "backoff_s": backoff_s}
+    return await conn.execute(Q.finish_failed, params | {"transient": transient, "waiting": waiting})
 
 
 async def insert_timer(

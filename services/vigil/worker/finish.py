@@ -64,6 +64,7 @@ class Finished:
     result: RunResult | None = None
     error: str | None = None  # set for a failed attempt
     transient: bool = False  # model API overload: give the attempt back
+    waiting: bool = False  # the user's daily token budget is spent: wait, counting nothing
     backoff_s: float = 0.0
     folded: list = field(default_factory=list)  # EventRows claimed mid-run
     journaled: bool = False  # the run kept a journal (vigil.worker.journal): its finish ends it
@@ -127,6 +128,7 @@ async def _write_more(conn: psycopg.AsyncConnection[DictRow], run: Finished, run
             error=run.error[:2000],
             backoff_s=run.backoff_s,
             transient=run.transient,
+            waiting=run.waiting,
         )
         return [(cur, len(ids))]
     result = run.result

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from vigil import logs
-from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
+from vigil.agent.base import Agent, Delegation, OverBudget, RetryLater, RunContext
 from vigil.agent.journal import Diverged, HandedOver
 from vigil.agent.run_ledger import load_context_parts, load_contexts
 from vigil.clock import Clock, utc
@@ -200,6 +200,11 @@ class Runs:
             # run lands, and the next owner replays its journal.
             log.warning("run stopped: %s", exc)
             finished.error = f"fenced: {exc}"
+        except OverBudget as exc:
+            # Not started: its events wait for the next UTC day, no attempt of any kind counted.
+            finished.error = f"budget: {exc.reason}"
+            finished.waiting = True
+            finished.backoff_s = exc.retry_after or 0.0
         except RetryLater as exc:
             exhausted = c.transient_failures + 1 >= self.settings.transient_max_attempts
             finished.error = f"model unavailable: {exc.reason}"

@@ -79,10 +79,10 @@ ON CONFLICT (user_id, path) DO UPDATE SET content = EXCLUDED.content, run_id = E
 DELETE FROM memory WHERE user_id = %(user_id)s AND path = %(path)s
 
 -- name: finish_failed
--- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back.
+-- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back, and so does one waiting for its daily budget.
 UPDATE events
 SET status = 'pending', claim_epoch = NULL, error = %(error)s, run_id = %(run_id)s,
     next_attempt_at = now() + make_interval(secs => %(backoff_s)s),
-    attempts = CASE WHEN %(transient)s THEN attempts - 1 ELSE attempts END,
+    attempts = CASE WHEN %(transient)s OR %(waiting)s THEN attempts - 1 ELSE attempts END,
     transient_failures = transient_failures + CASE WHEN %(transient)s THEN 1 ELSE 0 END
 WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s

@@ -1,0 +1,28 @@
+"""Daily token budgets in the ledger (``queries/budgets.sql``; docs/agent.md, "Budgets")."""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+
+import psycopg
+from psycopg.rows import DictRow
+
+from vigil.ledger.queries import Q
+
+
+async def spent(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, since: datetime) -> int:
+    """Billed tokens of the user's runs started since ``since`` (input + output, cache writes
+    1.25x, cache reads 0.1x, as the provider bills them)."""
+    cur = await conn.execute(Q.budgets_spent, {"user_id": user_id, "since": since})
+    row = await cur.fetchone()
+    return int(row["spent"]) if row else 0
+
+
+async def notify_once(
+    conn: psycopg.AsyncConnection[DictRow], *, user_id: str, day: date, profile: str, body: str
+) -> bool:
+    """Queue the day's notice for the user (an outbox row, run 0); False when already sent."""
+    cur = await conn.execute(
+        Q.budgets_notify_once, {"user_id": user_id, "day": day, "profile": profile, "body": body}
+    )
+    return await cur.fetchone() is not None

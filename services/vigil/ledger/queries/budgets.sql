@@ -1,0 +1,19 @@
+-- Daily token budgets (docs/agent.md, "Budgets"): what a user's runs spent today, billed as the
+-- provider bills them, and the one notice per user and day that the budget is spent.
+
+-- name: budgets_spent
+-- Billed tokens of the user's runs since `since` (cache writes 1.25x, cache reads 0.1x), through runs_by_user.
+SELECT coalesce(sum(input_tokens + output_tokens + 1.25 * cache_write_tokens + 0.1 * cache_read_tokens), 0)::bigint
+       AS spent
+FROM runs WHERE user_id = %(user_id)s AND started_at >= %(since)s
+
+-- name: budgets_notify_once
+-- The user's notice for this day, with its outbox row; nothing when it was sent already.
+WITH first AS (
+    INSERT INTO budget_notices (user_id, day, profile) VALUES (%(user_id)s, %(day)s, %(profile)s)
+    ON CONFLICT (user_id, day) DO NOTHING
+    RETURNING user_id
+)
+INSERT INTO outbox (user_id, run_id, epoch, body, urgent)
+SELECT user_id, 0, 0, %(body)s, false FROM first
+RETURNING id
