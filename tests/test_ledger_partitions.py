@@ -128,7 +128,15 @@ def test_the_group_finish_and_the_takeover_read_the_live_queue_only(ledger):
         (
             "finish_failed",
             Q.finish_failed,
-            {"ids": some, "epoch": 1, "error": "x", "run_id": None, "backoff_s": 1.0, "transient": False},
+            {
+                "ids": some,
+                "epoch": 1,
+                "error": "x",
+                "run_id": None,
+                "backoff_s": 1.0,
+                "transient": False,
+                "waiting": False,
+            },
         ),
         ("release_claim", Q.release_claim, {"ids": some, "epoch": 1, "topic": "events", "partition": 0}),
         (

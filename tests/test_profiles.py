@@ -11,13 +11,16 @@ import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from support import query, scalar
 from vigil.agent import profiles
 from vigil.agent.base import OverBudget
 from vigil.clock import ManualClock, utc
 from vigil.ledger import db
+from vigil.ledger import finish as ledger_finish
 from vigil_dev import agent_testing as t
 from vigil_dev.scripted_server import ScriptedServer
 
@@ -229,3 +232,38 @@ def test_a_user_past_the_daily_budget_waits_for_the_next_day_told_once(server, l
     notices = query(ledger, "SELECT body FROM outbox WHERE user_id = %s", (user,))
     assert len(notices) == 1 and "daily model budget (1500 tokens) is spent" in notices[0]["body"]
     assert scalar(ledger, "SELECT profile FROM budget_notices WHERE user_id = %s", (user,)) == "tight"
+
+
+def test_events_waiting_for_the_budget_count_no_attempt(ledger):
+    """The worker's finish of an OverBudget run (finish_failed, waiting): the events pending
+    again until the given time, the claim's attempt given back and no transient failure
+    counted, unlike a model outage (transient) and a failed attempt."""
+    from test_worker_claims import claim_pass, seed_pending  # the claim rules' own seeding
+
+    seed_pending(ledger, 3)
+    claims, _ = claim_pass(ledger, 3, "")
+    by_user = {c.user_id: c for c in claims}
+
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            for user, (transient, waiting) in zip(sorted(by_user), [(False, True), (True, False), (False, False)]):
+                c = by_user[user]
+                await ledger_finish.finish_failed(
+                    conn,
+                    ids=c.event_ids,
+                    epoch=c.epoch,
+                    run_id=0,
+                    error="budget: spent",
+                    backoff_s=3600.0,
+                    transient=transient,
+                    waiting=waiting,
+                )
+
+    asyncio.run(go())
+    rows = query(
+        ledger,
+        "SELECT attempts, transient_failures, status, next_attempt_at > now() + interval '59 minutes' AS later"
+        " FROM events ORDER BY user_id",
+    )
+    assert [(r["attempts"], r["transient_failures"]) for r in rows] == [(0, 0), (0, 1), (1, 0)]
+    assert all(r["status"] == "pending" and r["later"] for r in rows)

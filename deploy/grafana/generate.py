@@ -66,7 +66,7 @@ OVERVIEW = [
         ("vigil:run_duration_seconds:p99_5m", "p99"),
         unit="s",
     ),
-    panel("Model tokens by kind", ("vigil:model_tokens:rate5m", "{{kind}}"), unit="short"),
+    panel("Model tokens by kind", ("sum by (kind) (vigil:model_tokens:rate5m)", "{{kind}}"), unit="short"),
     panel(
         "Model calls by result (overloads, rate limits, errors)",
         ("vigil:model_requests:rate5m", "{{result}}"),
@@ -268,11 +268,32 @@ DISPATCHER = [
     ),
 ]
 
+# Billed as the provider bills, as daily budgets count: cache writes 1.25x, cache reads 0.1x.
+BILLED_24H = (
+    'sum by (profile) (increase(vigil_model_tokens_total{kind=~"input|output"}[1d]))'
+    ' + 1.25 * sum by (profile) (increase(vigil_model_tokens_total{kind="cache_write"}[1d]))'
+    ' + 0.1 * sum by (profile) (increase(vigil_model_tokens_total{kind="cache_read"}[1d]))'
+)
+BUDGETS = [
+    panel(
+        "Billed tokens by profile, last 24 hours",
+        (BILLED_24H, "{{profile}}"),
+        description="Spend against budget: a profile's daily_tokens (or VIGIL_USER_DAILY_TOKENS) bounds each"
+        " of its users per UTC day; `vigil profiles show NAME` has the bound.",
+    ),
+    panel(
+        "Runs refused for a spent daily budget, by profile",
+        ("sum by (profile) (increase(vigil_budget_exhausted_total[1h]))", "{{profile}}"),
+        description="Each is a run whose events wait for the next UTC day (alert VigilBudgetExhausted).",
+    ),
+]
+
 ROWS = [
     ("Overview", OVERVIEW, False),
     ("ingest", INGEST, True),
     ("worker", WORKER, True),
     ("agent (in the worker)", AGENT, True),
+    ("budgets (spend against budget, by profile)", BUDGETS, True),
     ("scheduler", SCHEDULER, True),
     ("dispatcher", DISPATCHER, True),
 ]

@@ -90,6 +90,8 @@ def model_tokens(profile: str, kind: str) -> Any:
     if child is None:
         child = _TOKENS[profile, kind] = MODEL_TOKENS.labels(profile, kind)
     return child
+
+
 for _budget in ("turns", "tokens", "wall_time"):
     BUDGET_STOPS.labels(_budget)
 for _policy in ("fold", "interrupt"):

@@ -22,7 +22,5 @@ async def notify_once(
     conn: psycopg.AsyncConnection[DictRow], *, user_id: str, day: date, profile: str, body: str
 ) -> bool:
     """Queue the day's notice for the user (an outbox row, run 0); False when already sent."""
-    cur = await conn.execute(
-        Q.budgets_notify_once, {"user_id": user_id, "day": day, "profile": profile, "body": body}
-    )
+    cur = await conn.execute(Q.budgets_notify_once, {"user_id": user_id, "day": day, "profile": profile, "body": body})
     return await cur.fetchone() is not None
