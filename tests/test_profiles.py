@@ -17,10 +17,12 @@ from psycopg.rows import dict_row
 
 from support import query, scalar
 from vigil.agent import profiles
-from vigil.agent.base import OverBudget
+from vigil.agent.base import OverBudget, RunResult
 from vigil.clock import ManualClock, utc
 from vigil.ledger import db
 from vigil.ledger import finish as ledger_finish
+from vigil.ledger.states import RunOutcome
+from vigil.worker.finish import Finished, run_record
 from vigil_dev import agent_testing as t
 from vigil_dev.scripted_server import ScriptedServer
 
@@ -267,3 +269,25 @@ def test_events_waiting_for_the_budget_count_no_attempt(ledger):
     )
     assert [(r["attempts"], r["transient_failures"]) for r in rows] == [(0, 0), (0, 1), (1, 0)]
     assert all(r["status"] == "pending" and r["later"] for r in rows)
+
+
+def test_the_finish_records_the_profile_version_a_run_ran_with(ledger):
+    """runs.profile and runs.profile_version, as the worker's group finish writes them (the
+    default profile: NULL), which the console's run page shows and resumed sessions read."""
+    from test_worker_claims import claim_pass, seed_pending
+
+    seed_pending(ledger, 2)
+    claims, _ = claim_pass(ledger, 2, "")
+    started = datetime.now(UTC)
+    results = [RunResult(RunOutcome.NOTHING, profile=("support", 2)), RunResult(RunOutcome.NOTHING)]
+    records = [run_record(Finished(c, started, result=r)) for c, r in zip(claims, results, strict=True)]
+
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            return await ledger_finish.finish_runs(conn, records, "test-worker")
+
+    written = asyncio.run(go())
+    assert len(written) == 2
+    rows = query(ledger, "SELECT user_id, profile, profile_version FROM runs ORDER BY user_id")
+    by_user = {r["user_id"]: (r["profile"], r["profile_version"]) for r in rows}
+    assert by_user == {claims[0].user_id: ("support", 2), claims[1].user_id: (None, None)}
