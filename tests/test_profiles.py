@@ -196,7 +196,8 @@ def test_a_user_past_the_daily_budget_waits_for_the_next_day_told_once(server, l
     """Budget 1,500 billed tokens a day (the profile's): the first run passes it; the next two
     that day make no model call and raise OverBudget until midnight UTC, and the user gets one
     notice; the next day runs call the model again."""
-    ok(ledger, "profiles", "create", "tight", "--daily-tokens", "1500")
+    # A prompt of its own: its first call writes the prompt cache (billed 1.25x), whatever ran before.
+    ok(ledger, "profiles", "create", "tight", "--daily-tokens", "1500", "--system-prompt", "Spend little.")
     ok(ledger, "profiles", "assign", "team-c/*", "tight")
     day = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
     clock = ManualClock(day.timestamp())
