@@ -108,23 +108,33 @@ async def mark_dead(
 
 
 async def alone_due(
-    conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int], max_attempts: int
+    conn: psycopg.AsyncConnection[DictRow],
+    owned: dict[PartitionKey, int],
+    max_attempts: int,
+    *,
+    now: datetime | None = None,
 ) -> datetime | None:
-    """When the first last attempt that must run alone may be claimed; None if none waits."""
+    """When the first last attempt that must run alone may be claimed (``now`` if its backoff
+    ended already); None if none waits."""
     if not owned:
         return None
-    cur = await conn.execute(Q.alone_due, {**owned_params(owned), "max_attempts": max_attempts})
+    cur = await conn.execute(Q.alone_due, {**owned_params(owned), "max_attempts": max_attempts, "now": now})
     row = await cur.fetchone()
     return row["at"] if row else None
 
 
 async def claim_alone(
-    conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int], max_attempts: int
+    conn: psycopg.AsyncConnection[DictRow],
+    owned: dict[PartitionKey, int],
+    max_attempts: int,
+    *,
+    now: datetime | None = None,
 ) -> Claim | None:
-    """Rule 3's lone last attempt: one such row, for a runner with nothing else in flight."""
+    """Rule 3's lone last attempt, once its backoff ended at ``now``: one such row, for a
+    runner with nothing else in flight."""
     if not owned:
         return None
-    cur = await conn.execute(Q.claim_alone, {**owned_params(owned), "max_attempts": max_attempts})
+    cur = await conn.execute(Q.claim_alone, {**owned_params(owned), "max_attempts": max_attempts, "now": now})
     claims = _claims(await cur.fetchall())
     return claims[0] if claims else None
 
@@ -139,6 +149,7 @@ async def claim(
     window_s: float,
     max_attempts: int,
     cursor: str = "",
+    now: datetime | None = None,
 ) -> tuple[list[Claim], str]:
     """Rules 3 and 4 for up to ``max_users`` users of the owned partitions. Returns the
     claims and the cursor for the next pass.
@@ -163,6 +174,7 @@ async def claim(
         "batch_max": batch_max,
         "window_s": window_s,
         "max_attempts": max_attempts,
+        "now": now,
     }
     claims: list[Claim] = []
     # The users after the cursor; then, wrapping around, those up to where this pass started.
@@ -245,9 +257,12 @@ async def _claim_under(
     return [EventRow.of(r) for r in rows]
 
 
-async def backoff_ends(conn: psycopg.AsyncConnection[DictRow], keys: list[PartitionKey]) -> list[datetime]:
-    """When pending events of ``keys`` that wait out a backoff become claimable (read at takeover)."""
-    cur = await conn.execute(Q.backoff_ends, keys_params(sorted(keys)))
+async def backoff_ends(
+    conn: psycopg.AsyncConnection[DictRow], keys: list[PartitionKey], *, now: datetime | None = None
+) -> list[datetime]:
+    """When pending events of ``keys`` that wait out a backoff past ``now`` become claimable
+    (read at takeover)."""
+    cur = await conn.execute(Q.backoff_ends, {**keys_params(sorted(keys)), "now": now})
     return [row["at"] for row in await cur.fetchall()]
 
 
