@@ -1,0 +1,194 @@
+"""Tools from MCP servers: a real server on the official SDK (tests/mcp_test_server.py), over
+stdio and over streamable HTTP on 127.0.0.1, behind the real agent and the scripted
+Messages API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vigil.agent.actions import ToolRegistry, effective_permissions
+from vigil.agent.mcp_tools import Connection, ServerDown
+from vigil.agent.settings import McpServer
+from vigil.ledger.states import RunOutcome
+from vigil.outbound import AddressPolicy
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
+
+SERVER = Path(__file__).resolve().parent / "mcp_test_server.py"
+LOOPBACK = "127.0.0.0/8"
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HttpServer:
+    def __init__(self, log: Path):
+        self.log = log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.process = subprocess.Popen(
+            [sys.executable, str(SERVER), "http", str(self.port), str(log)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("the MCP test server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+
+
+@pytest.fixture
+def log(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    path.touch()
+    return path
+
+
+def calls(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.fixture
+def http(log):
+    server = HttpServer(log)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["stdio", "http"])
+def servers(request, log):
+    """VIGIL_MCP_SERVERS naming the test server over one transport."""
+    if request.param == "stdio":
+        yield {"orders": {"command": sys.executable, "args": [str(SERVER), "stdio", str(log)]}}
+        return
+    server = HttpServer(log)
+    yield {"orders": {"url": server.url}}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    with ScriptedServer([]) as s:
+        yield s
+
+
+def use(name, **tool_input):
+    return {"type": "tool_use", "name": name, "input": tool_input}
+
+
+SCRIPT = [
+    {"when": {"tool_result": "send_message"}, "reply": []},
+    {
+        "when": {"tool_result_error": True, "tool_result_text": r"(did not answer[^.]*)"},
+        "reply": [use("send_message", text="failed: {1}")],
+    },
+    {
+        "when": {"tool_result": "orders__lookup", "tool_result_text": r"(order \w+ shipped)"},
+        "reply": [use("send_message", text="{1}")],
+    },
+    {"when": {"user_text": "cancel"}, "reply": [use("orders__cancel_order", order_id="A17")]},
+    {"reply": [use("orders__lookup", order_id="A17")]},
+]
+
+
+def run(model, servers, *ctxs, **overrides):
+    model.set_script(SCRIPT)
+    model.clear()
+    overrides.setdefault("outbound_allowed_nets", LOOPBACK)
+    return t.run(model.base_url, *ctxs, mcp_servers=json.dumps(servers), **overrides)
+
+
+def test_tools_reach_the_model_and_a_call_carries_the_run_key(model, servers, log):
+    ctx = t.context([t.chat("where is A17?")])
+    [result] = run(model, servers, ctx)
+
+    offered = {tool["name"]: tool for tool in model.requests()[0]["tools"]}
+    assert offered["orders__lookup"]["input_schema"]["properties"]["order_id"]["type"] == "string"
+    assert {"orders__cancel_order", "orders__big"} <= set(offered)
+    assert [m.text for m in result.messages] == ["order A17 shipped"]
+    [call] = calls(log)
+    assert call["tool"] == "lookup" and call["args"] == {"order_id": "A17"}
+    assert call["meta"]["idempotency_key"].startswith(ctx.run_key + ":")
+
+
+def test_permissions_follow_the_annotations_and_are_listed(servers):
+    settings = t.settings(mcp_servers=json.dumps(servers), outbound_allowed_nets=LOOPBACK)
+    registry = ToolRegistry.from_settings(settings)
+    rows = {row["name"]: row for row in registry.listing(effective_permissions(settings, registry.tools))}
+    assert rows["orders__lookup"] == {
+        "name": "orders__lookup",
+        "source": "mcp:orders",
+        "version": "2.0.1",
+        "permission": "allow",
+    }
+    assert rows["orders__cancel_order"]["permission"] == "ask"  # destructive
+    assert rows["orders__big"]["permission"] == "ask"  # no read-only annotation
+
+
+def test_a_destructive_tool_asks_for_approval_and_runs_nothing(model, servers, log):
+    [result] = run(model, servers, t.context([t.chat("please cancel A17")]))
+    assert result.outcome is RunOutcome.DEFERRED
+    [approval] = result.approvals
+    assert approval.tool == "orders__cancel_order"
+    assert any("orders__cancel_order" in m.text for m in result.messages)  # the question
+    assert calls(log) == []
+
+
+def test_a_down_server_is_an_error_result_the_model_reads(model, http, log):
+    async def go():
+        agent = t.agent(
+            model.base_url, mcp_servers=json.dumps({"orders": {"url": http.url}}), outbound_allowed_nets=LOOPBACK
+        )
+        try:
+            http.stop()  # listed at start-up, gone by the call
+            return await agent.run(t.context([t.chat("where is A17?")]))
+        finally:
+            await agent.close()
+
+    model.set_script(SCRIPT)
+    result = asyncio.run(go())
+    [message] = result.messages
+    assert message.text.startswith("failed: did not answer"), message.text
+
+
+def test_a_slow_call_and_a_long_result_are_bounded(model, http, log):
+    settings = t.settings(
+        mcp_servers=json.dumps({"orders": {"url": http.url}}),
+        outbound_allowed_nets=LOOPBACK,
+        mcp_max_result_bytes=1000,
+    )
+    big = next(tool for tool in ToolRegistry.from_settings(settings).tools if tool.name == "orders__big")
+    from vigil.agent.tools import CallContext
+
+    output = asyncio.run(big.run({}, CallContext("u1", "toolu_1", "k1")))
+    assert len(output.text) < 1100 and "[cut: the result was 100000 bytes, 1000 shown]" in output.text
+
+
+def test_the_address_policy_refuses_a_server_on_a_forbidden_address(http, log):
+    settings = t.settings(mcp_servers=json.dumps({"orders": {"url": http.url}}), outbound_allowed_nets="")
+    assert [tool.name for tool in ToolRegistry.from_settings(settings).tools if tool.name.startswith("orders")] == []
+    connection = Connection(McpServer("orders", url=http.url), settings, AddressPolicy())
+    with pytest.raises(ServerDown, match="outbound address policy"):
+        asyncio.run(connection.call("lookup", {"order_id": "A17"}, "k1"))
+    assert calls(log) == []
