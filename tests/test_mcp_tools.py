@@ -192,3 +192,37 @@ def test_the_address_policy_refuses_a_server_on_a_forbidden_address(http, log):
     with pytest.raises(ServerDown, match="outbound address policy"):
         asyncio.run(connection.call("lookup", {"order_id": "A17"}, "k1"))
     assert calls(log) == []
+
+
+def test_model_and_tool_spans_follow_the_genai_conventions(model, http, monkeypatch):
+    """Read back from the SDK's in-memory exporter: what an LLM observability tool reads."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vigil import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "enabled", True)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+
+    run(model, {"orders": {"url": http.url}}, t.context([t.chat("where is A17?")]))
+
+    spans = exporter.get_finished_spans()
+    chats = [s for s in spans if s.attributes.get("gen_ai.operation.name") == "chat"]
+    assert len(chats) == 3  # lookup, send_message, then the end
+    first = chats[0]
+    assert first.name == f"chat {t.SCRIPTED_MODEL}"
+    attributes = dict(first.attributes)
+    assert attributes["gen_ai.request.model"] == t.SCRIPTED_MODEL
+    assert attributes["gen_ai.response.model"] == t.SCRIPTED_MODEL
+    assert attributes["gen_ai.provider.name"] == attributes["gen_ai.system"] == "anthropic"
+    assert attributes["gen_ai.usage.input_tokens"] > 0 and attributes["gen_ai.usage.output_tokens"] > 0
+    tools = {s.name: dict(s.attributes) for s in spans if s.attributes.get("gen_ai.operation.name") == "execute_tool"}
+    lookup = tools["execute_tool orders__lookup"]
+    assert lookup["gen_ai.tool.name"] == "orders__lookup" and lookup["gen_ai.tool.call.id"].startswith("toolu_")
+    assert lookup["mcp.server.name"] == "orders" and lookup["mcp.tool.name"] == "lookup"
+    assert lookup["server.address"] == "127.0.0.1" and lookup["gen_ai.tool.type"] == "extension"
+    assert tools["execute_tool send_message"]["gen_ai.tool.name"] == "send_message"

@@ -196,6 +196,18 @@ class McpTool(ActionTool):
         self.default_permission = Permission.ALLOW if self.read_only else Permission.ASK  # type: ignore[misc]
         self.max_result_bytes = max_result_bytes
 
+    def span_attributes(self) -> dict[str, str]:
+        # mcp.server.name is vigil's: the conventions name the method and tool, not the server.
+        attributes = {
+            "gen_ai.tool.type": "extension",
+            "mcp.method.name": "tools/call",
+            "mcp.server.name": self.connection.spec.name,
+            "mcp.tool.name": self.remote_name,
+        }
+        if self.connection.spec.url:
+            attributes["server.address"] = self.connection.address
+        return attributes
+
     def risk(self, args: dict[str, Any]) -> str | None:
         if self.destructive:
             return f"{self.name} is not marked non-destructive by its MCP server"

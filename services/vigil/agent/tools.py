@@ -69,6 +69,10 @@ class ActionTool(ABC):
     def definition(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "input_schema": self.input_schema}
 
+    def span_attributes(self) -> dict[str, str]:
+        """Attributes of this tool's ``execute_tool`` spans besides its name and call id."""
+        return {"gen_ai.tool.type": "function"}
+
     def check(self, args: dict[str, Any]) -> str | None:
         """A reason these arguments can never run (whatever the permission), or None."""
         return None
