@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import ToolAnnotations
@@ -42,6 +43,14 @@ def big(ctx: Context) -> str:
     """A very long answer."""
     record(ctx, "big")
     return "x" * 100_000
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+def slow(ctx: Context) -> str:
+    """Answers after ten seconds."""
+    record(ctx, "slow")
+    time.sleep(10)
+    return "late"
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 from vigil.agent.actions import ToolRegistry, effective_permissions
 from vigil.agent.mcp_tools import Connection, ServerDown
 from vigil.agent.settings import McpServer
+from vigil.agent.tools import CallContext
 from vigil.ledger.states import RunOutcome
 from vigil.outbound import AddressPolicy
 from vigil_dev import agent_testing as t
@@ -172,17 +173,29 @@ def test_a_down_server_is_an_error_result_the_model_reads(model, http, log):
     assert message.text.startswith("failed: did not answer"), message.text
 
 
-def test_a_slow_call_and_a_long_result_are_bounded(model, http, log):
+def test_a_slow_call_and_a_long_result_are_bounded(servers, log):
     settings = t.settings(
-        mcp_servers=json.dumps({"orders": {"url": http.url}}),
+        mcp_servers=json.dumps(servers),
         outbound_allowed_nets=LOOPBACK,
         mcp_max_result_bytes=1000,
+        mcp_timeout_s=2,
     )
-    big = next(tool for tool in ToolRegistry.from_settings(settings).tools if tool.name == "orders__big")
-    from vigil.agent.tools import CallContext
+    tools = {tool.name: tool for tool in ToolRegistry.from_settings(settings).tools}
 
-    output = asyncio.run(big.run({}, CallContext("u1", "toolu_1", "k1")))
-    assert len(output.text) < 1100 and "[cut: the result was 100000 bytes, 1000 shown]" in output.text
+    async def go():
+        big = await tools["orders__big"].run({}, CallContext("u1", "toolu_1", "k1"))
+        started = time.monotonic()
+        slow = await tools["orders__slow"].run({}, CallContext("u1", "toolu_2", "k2"))
+        waited = time.monotonic() - started
+        # A stdio server is started again after a call that timed out; it answers the next one.
+        again = await tools["orders__big"].run({}, CallContext("u1", "toolu_3", "k3"))
+        await tools["orders__big"].connection.close()
+        return big, slow, waited, again
+
+    big, slow, waited, again = asyncio.run(go())
+    assert len(big.text) < 1100 and "[cut: the result was 100000 bytes, 1000 shown]" in big.text
+    assert slow.is_error and "did not answer: no answer within 2 s" in slow.text and waited < 5
+    assert not again.is_error
 
 
 def test_the_address_policy_refuses_a_server_on_a_forbidden_address(http, log):

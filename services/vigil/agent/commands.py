@@ -114,6 +114,8 @@ def tools_list(as_json) -> None:
     """Every tool a worker with these settings would offer: name, source package and version,
     permission. Loads tool packages and lists MCP servers' tools exactly as the worker does at
     start-up, so a name clash or a broken package fails here the same way."""
+    # Imported here on purpose: the registry brings the MCP SDK, about two seconds to import,
+    # which no other `vigil` command needs.
     from vigil.agent.actions import ToolRegistry, effective_permissions
 
     settings = load_or_exit(AgentSettings)

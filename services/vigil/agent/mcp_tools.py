@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 SEPARATOR = "__"
 IDEMPOTENCY_META = "idempotency_key"
 MAX_NAME = 64  # the Messages API's limit on a tool name
+# Starting a stdio server (often an interpreter importing an SDK) takes seconds on a busy
+# machine: that is not the tool's time, so it has its own bound beside VIGIL_MCP_TIMEOUT_S.
+START_TIMEOUT_S = 30.0
 
 
 class ServerDown(Exception):
@@ -112,7 +115,7 @@ class Connection:
     async def list_tools(self) -> tuple[list[mcp_types.Tool], str]:
         """The server's tools and its version (as it reports itself)."""
         await self._check_address()
-        with anyio.fail_after(self.timeout):
+        with anyio.fail_after(max(self.timeout, START_TIMEOUT_S)):
             async with self._new_client() as client:
                 version = client.server_info.version if client.server_info else ""
                 tools: list[mcp_types.Tool] = []
@@ -130,10 +133,12 @@ class Connection:
         meta: Any = {IDEMPOTENCY_META: key}
         await self._check_address()
         try:
-            with anyio.fail_after(self.timeout):
-                if self.spec.command is not None:
+            if self.spec.command is not None:
+                with anyio.fail_after(START_TIMEOUT_S):
                     client = await self._kept()
+                with anyio.fail_after(self.timeout):
                     return await client.call_tool(tool, args, meta=meta)
+            with anyio.fail_after(self.timeout):
                 async with self._new_client() as client:
                     return await client.call_tool(tool, args, meta=meta)
         except ServerDown:
@@ -218,7 +223,7 @@ class McpTool(ActionTool):
             result = await self.connection.call(self.remote_name, args, call.idempotency_key)
         except ServerDown as exc:
             log.warning("MCP server %s: %s", self.server, exc)
-            return ToolOutput(f"Not run: the MCP server {self.server} did not answer ({exc}). Try later.", True)
+            return ToolOutput(f"Not run: the MCP server {self.server} did not answer: {exc}. Try later.", True)
         return ToolOutput(bounded(render(result), self.max_result_bytes), result.is_error)
 
 
