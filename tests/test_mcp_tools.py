@@ -200,7 +200,9 @@ def test_a_slow_call_and_a_long_result_are_bounded(servers, log):
 
 def test_the_address_policy_refuses_a_server_on_a_forbidden_address(http, log):
     settings = t.settings(mcp_servers=json.dumps({"orders": {"url": http.url}}), outbound_allowed_nets="")
-    assert [tool.name for tool in ToolRegistry.from_settings(settings).tools if tool.name.startswith("orders")] == []
+    registry = ToolRegistry.from_settings(settings)
+    assert [tool.name for tool in registry.tools if tool.name.startswith("orders")] == []
+    assert "outbound address policy" in registry.unreachable["orders"]
     connection = Connection(McpServer("orders", url=http.url), settings, AddressPolicy())
     with pytest.raises(ServerDown, match="outbound address policy"):
         asyncio.run(connection.call("lookup", {"order_id": "A17"}, "k1"))

@@ -47,7 +47,9 @@ class Registered:
 class ToolRegistry:
     """The action tools of one agent, unique by name. Raises SettingsError on a clash."""
 
-    def __init__(self, entries: Iterable[Registered]):
+    def __init__(self, entries: Iterable[Registered], unreachable: dict[str, str] | None = None):
+        # MCP servers that could not be listed, and why: they offer no tools until a restart.
+        self.unreachable = dict(unreachable or {})
         self.entries: list[Registered] = []
         seen: dict[str, Registered] = {}
         for entry in entries:
@@ -65,8 +67,9 @@ class ToolRegistry:
     @classmethod
     def from_settings(cls, settings: AgentSettings) -> ToolRegistry:
         """Built in, then installed packages, then MCP servers (whose tools are listed now)."""
-        served = [Registered(tool, f"mcp:{tool.server}", version) for tool, version in server_tools(settings)]
-        return cls([*builtin_tools(settings), *package_tools(settings), *served])
+        listed, unreachable = server_tools(settings)
+        served = [Registered(tool, f"mcp:{tool.server}", version) for tool, version in listed]
+        return cls([*builtin_tools(settings), *package_tools(settings), *served], unreachable)
 
     @property
     def tools(self) -> list[ActionTool]:

@@ -124,6 +124,8 @@ def tools_list(as_json) -> None:
         permissions = effective_permissions(settings, registry.tools)
     except SettingsError as exc:
         raise StartupError(str(exc)) from None
+    for server, reason in sorted(registry.unreachable.items()):
+        click.echo(f"vigil: MCP server {server} offers no tools (not listed: {reason})", err=True)
     for row in registry.listing(permissions):
         if as_json:
             click.echo(json.dumps(row))

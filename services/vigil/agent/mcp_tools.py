@@ -279,21 +279,23 @@ async def _list_all(connections: list[Connection]) -> list[tuple[list[mcp_types.
     return await asyncio.gather(*(c.list_tools() for c in connections), return_exceptions=True)
 
 
-def server_tools(settings: AgentSettings) -> list[tuple[McpTool, str]]:
+def server_tools(settings: AgentSettings) -> tuple[list[tuple[McpTool, str]], dict[str, str]]:
     """The tools of every server of ``VIGIL_MCP_SERVERS``, listed now (in parallel), each with
-    its server's version."""
+    its server's version; and why each server that could not be listed offers none."""
     servers = settings.servers
     if not servers:
-        return []
+        return [], {}
     policy = address_policy(settings)
     connections = [Connection(spec, settings, policy) for spec in servers.values()]
     for connection in connections:
         _check_credential_host(connection.spec, connection.credential)
     found: list[tuple[McpTool, str]] = []
+    failed: dict[str, str] = {}
     for connection, listed in zip(connections, _run_in_thread(_list_all(connections))):
         name = connection.spec.name
         if isinstance(listed, BaseException):
-            log.warning("MCP server %s offers no tools until restart: %s: %s", name, type(listed).__name__, listed)
+            failed[name] = f"{type(listed).__name__}: {listed}"
+            log.warning("MCP server %s offers no tools until restart: %s", name, failed[name])
             continue
         tools, version = listed
         for tool in sorted(tools, key=lambda t: t.name):
@@ -301,4 +303,4 @@ def server_tools(settings: AgentSettings) -> list[tuple[McpTool, str]]:
                 log.warning("MCP server %s: tool %s skipped, its prefixed name is over %d", name, tool.name, MAX_NAME)
                 continue
             found.append((McpTool(connection, tool, settings.mcp_max_result_bytes), version))
-    return found
+    return found, failed
