@@ -114,13 +114,14 @@ def test_an_installed_tool_package_is_loaded_listed_and_called(installed):
     assert [m.text for m in result.messages] == ["order A17 shipped"]
 
 
-def test_two_tools_with_one_name_stop_start_up_with_one_line(installed):
+def test_two_tools_with_one_name_stop_start_up_with_one_line(installed, ledger):
     installed("vigil-test-clash-tool", "vigil_test_clash_tool", "refund")
 
     with pytest.raises(Exception, match="two tools are named 'refund'"):
         ToolRegistry.from_settings(t.settings())
     listed = vigil("tools", "list")
-    worker = vigil("worker", VIGIL_AGENT="claude", ANTHROPIC_API_KEY="offline")
+    # A ledger at this code's schema, so that the worker gets as far as building its agent.
+    worker = vigil("worker", VIGIL_AGENT="claude", ANTHROPIC_API_KEY="offline", VIGIL_DATABASE_URL=ledger)
     for refused in (listed, worker):
         assert refused.returncode == 2, refused.stderr
         lines = refused.stderr.strip().splitlines()
