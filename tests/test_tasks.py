@@ -447,3 +447,65 @@ def test_a_token_scoped_to_another_user_cannot_list_read_or_cancel_the_task(stac
     finally:
         ingest.stop()
     assert scalar(ledger, "SELECT status FROM tasks") == "cancelled"
+
+
+# -- a cancel stands (issue 44 item 3) -------------------------------------------------------
+
+
+def test_a_cancel_requested_before_the_holder_died_is_never_undone(ledger):
+    """Cancel a running task whose holder then dies: the reaper ends it cancelled (usage kept),
+    never queued; the claim never takes a task whose cancel was requested; and a holder handing
+    a cancelled task back ends it cancelled too."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    async def go():
+        conn = await _tasks_conn(ledger)
+        for task_id in ("tsk_dead_holder", "tsk_handed_back", "tsk_queued_flag"):
+            await ledger_tasks.create(conn, _new_task(task_id))
+        claimed = {t.id: t for t in await ledger_tasks.claim(conn, "h1", 3)}
+        for task_id in claimed:
+            await ledger_tasks.cancel(conn, task_id, "owner")
+        await conn.execute("UPDATE tasks SET turns = 2, input_tokens = 70, output_tokens = 9")
+        # tsk_dead_holder: its holder is silent past the bound.
+        await conn.execute("UPDATE tasks SET heartbeat_at = now() - interval '1 hour' WHERE id = 'tsk_dead_holder'")
+        reaped = await ledger_tasks.reap(conn, 5.0)
+        # tsk_handed_back: its holder shuts down and hands it back.
+        released = await ledger_tasks.release(conn, "tsk_handed_back", claimed["tsk_handed_back"].lease_epoch)
+        # tsk_queued_flag: queued with a cancel request (as the old reaper left such tasks).
+        await conn.execute("UPDATE tasks SET status = 'queued', lease_holder = NULL WHERE id = 'tsk_queued_flag'")
+        again = await ledger_tasks.claim(conn, "h2", 10)
+        rows = {t: await ledger_tasks.get(conn, t) for t in claimed}
+        await conn.close()
+        return reaped, released, again, rows
+
+    reaped, released, again, rows = asyncio.run(go())
+    assert [(r.id, r.status) for r in reaped] == [("tsk_dead_holder", TaskStatus.CANCELLED)]
+    assert released
+    assert again == []
+    for task_id in ("tsk_dead_holder", "tsk_handed_back"):
+        row = rows[task_id]
+        assert row.status == TaskStatus.CANCELLED and row.finished_at is not None, row
+        assert (row.turns, row.input_tokens, row.output_tokens) == (2, 70, 9)  # partial usage kept
+        assert row.attempts == 1 and row.lease_holder is None
+        assert "cancelled by owner" in row.error, row.error
+
+
+def test_a_cancelled_task_whose_holder_was_killed_is_not_run_again(stack, topics, ledger, vigil_env, spawn):
+    """SIGKILL the holder, cancel the task while it still looks running (202), start another
+    worker: the task ends cancelled without a second attempt, and the parent is told once."""
+    env_a = worker_env(vigil_env, VIGIL_ECHO_CRASH_ON="crashme")
+    a = start(spawn, env_a, "a")
+    produce(stack.bootstrap, topics.events, [chat("fay", "delegate: crashme then stop")])
+    wait_for(lambda: not a.alive(), 30, "the holder died executing the task")
+    task_id = task_row(ledger)["id"]
+    out = _vigil(["tasks", "cancel", task_id, "--actor", "oncall"], env_a)
+    assert "cancel requested" in out
+    start(spawn, worker_env(vigil_env), "b")
+    wait_for(lambda: task_status(ledger) not in ("running", "queued"), 30, "the task ended")
+    row = task_row(ledger)
+    assert (row["status"], row["attempts"], row["lease_epoch"]) == ("cancelled", 1, 1), row
+    assert row["result"] is None
+    wait_for(lambda: len(outbox_bodies(ledger, "fay")) == 2, 30, "the parent told")
+    assert outbox_bodies(ledger, "fay")[1].startswith(f"task {task_id} cancelled")
+    assert scalar(ledger, "SELECT count(*) FROM events WHERE source = 'task'") == 1

@@ -14,10 +14,10 @@ VALUES (%(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_i
 ON CONFLICT (id) DO NOTHING
 
 -- name: task_claim
--- The oldest queued tasks still within their deadline, taken by one worker: a new lease epoch, an attempt counted, a first heartbeat. SKIP LOCKED: two workers never wait for each other or take the same task.
+-- The oldest queued tasks still within their deadline and not asked to stop, taken by one worker: a new lease epoch, an attempt counted, a first heartbeat. SKIP LOCKED: two workers never wait for each other or take the same task.
 WITH picked AS (
     SELECT id FROM tasks
-    WHERE status = 'queued' AND deadline > now()
+    WHERE status = 'queued' AND deadline > now() AND cancel_requested_at IS NULL
     ORDER BY created_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -65,12 +65,16 @@ WHERE status IN ('queued', 'running') AND deadline <= now()
 RETURNING id, user_id
 
 -- name: task_reap_stale
--- Running tasks whose heartbeat is older than the bound: their holder is presumed gone (the heartbeat's age is the proof). Back to queued if attempts are left, else lost with the reason; the next claim's new lease epoch fences the old holder either way.
+-- Running tasks whose heartbeat is older than the bound: their holder is presumed gone (the heartbeat's age is the proof). A task whose cancel was requested ends cancelled (the usage its holder flushed kept); else back to queued if attempts are left, else lost with the reason. The next claim's new lease epoch fences the old holder either way.
 UPDATE tasks
-SET status = CASE WHEN attempts >= max_attempts THEN 'lost' ELSE 'queued' END,
-    finished_at = CASE WHEN attempts >= max_attempts THEN now() END,
-    error = format('no heartbeat from %%s for %%s s (attempt %%s of %%s)', lease_holder,
-                   floor(extract(epoch FROM now() - heartbeat_at))::bigint, attempts, max_attempts),
+SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
+                  WHEN attempts >= max_attempts THEN 'lost' ELSE 'queued' END,
+    finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR attempts >= max_attempts THEN now() END,
+    error = CASE WHEN cancel_requested_at IS NOT NULL
+                 THEN format('cancelled by %%s; its holder %%s fell silent before it stopped', cancel_requested_by,
+                             lease_holder)
+                 ELSE format('no heartbeat from %%s for %%s s (attempt %%s of %%s)', lease_holder,
+                             floor(extract(epoch FROM now() - heartbeat_at))::bigint, attempts, max_attempts) END,
     lease_holder = NULL
 WHERE status = 'running' AND heartbeat_at < now() - make_interval(secs => %(stale_s)s)
 RETURNING id, user_id, status
@@ -129,8 +133,14 @@ FROM tasks
 WHERE status IN ('queued', 'running')
 
 -- name: task_release
--- A holder shutting down hands its task back: queued again with its attempt given back (it was not the task's fault), under the same compare-and-set as an outcome.
+-- A holder shutting down hands its task back: queued again with its attempt given back (it was not the task's fault), under the same compare-and-set as an outcome; a task whose cancel was requested ends cancelled instead.
 UPDATE tasks
-SET status = 'queued', attempts = greatest(attempts - 1, 0), lease_holder = NULL
+SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'queued' END,
+    finished_at = CASE WHEN cancel_requested_at IS NOT NULL THEN now() END,
+    error = CASE WHEN cancel_requested_at IS NOT NULL
+                 THEN format('cancelled by %%s; its holder %%s was shutting down', cancel_requested_by, lease_holder)
+                 ELSE error END,
+    attempts = CASE WHEN cancel_requested_at IS NOT NULL THEN attempts ELSE greatest(attempts - 1, 0) END,
+    lease_holder = NULL
 WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING id
