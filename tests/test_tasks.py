@@ -110,7 +110,17 @@ def test_frozen_holder_late_result_is_refused(stack, topics, ledger, vigil_env, 
         a.signal(signal.SIGCONT)
     port_a = int(env_a["VIGIL_WORKER_PORT"])
     wait_for(
-        lambda: metric(port_a, "vigil_task_leases_lost_total") + metric(port_a, "vigil_task_late_outcomes_total") >= 1,
+        lambda: (
+            sum(
+                metric(port_a, name)
+                for name in (
+                    "vigil_task_leases_lost_total",
+                    "vigil_task_late_outcomes_total",
+                    "vigil_task_self_fenced_total",
+                )
+            )
+            >= 1
+        ),
         30,
         "a's late outcome refused",
     )
@@ -509,3 +519,58 @@ def test_a_cancelled_task_whose_holder_was_killed_is_not_run_again(stack, topics
     wait_for(lambda: len(outbox_bodies(ledger, "fay")) == 2, 30, "the parent told")
     assert outbox_bodies(ledger, "fay")[1].startswith(f"task {task_id} cancelled")
     assert scalar(ledger, "SELECT count(*) FROM events WHERE source = 'task'") == 1
+
+
+# -- a holder that loses the ledger stops (issue 44 item 4) ----------------------------------
+
+
+def _ticks(path) -> dict[str, list[float]]:
+    """When each holder acted: the echo agent's tick lines, by instance."""
+    out: dict[str, list[float]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        who, at = line.split()
+        out.setdefault(who, []).append(float(at))
+    return out
+
+
+def test_a_holder_cut_off_from_the_ledger_stops_before_another_may_claim(
+    stack, topics, ledger, vigil_env, spawn, tmp_path
+):
+    """Worker A holds a task through a relay that then stops passing bytes (its connections stay
+    open: a paused database, a partition). A stops executing at half of VIGIL_TASK_STALE_S after
+    its last heartbeat the ledger took; worker B (direct) takes the task back only after the
+    whole bound, so no moment has both acting. The margin is measured and printed."""
+    from vigil_dev.bench.pgproxy import PgProxy
+
+    ticks = tmp_path / "ticks"
+    stale_s, fence_s = 3.0, 1.5
+    slow = {
+        "VIGIL_TASK_HEARTBEAT_S": "0.5",
+        "VIGIL_TASK_STALE_S": str(stale_s),
+        "VIGIL_ECHO_SLEEP_ON": "tick:5",
+        "VIGIL_ECHO_TICK_FILE": str(ticks),
+    }
+    with PgProxy(ledger) as proxy:
+        env_a = worker_env(vigil_env, VIGIL_DATABASE_URL=proxy.dsn, VIGIL_INSTANCE_ID="a", **slow)
+        start(spawn, env_a, "a")
+        produce(stack.bootstrap, topics.events, [chat("gus", "delegate: tick along")])
+        wait_for(lambda: "a" in _ticks(ticks), 30, "A executes the task")
+        time.sleep(1.0)
+        proxy.pause()
+        time.sleep(0.6)  # a heartbeat already at the server lands; none after
+        last_beat = float(scalar(ledger, "SELECT extract(epoch FROM heartbeat_at) FROM tasks"))
+        start(spawn, worker_env(vigil_env, VIGIL_INSTANCE_ID="b", **slow), "b")
+        wait_for(lambda: task_status(ledger) == "succeeded", 40, "B completed the task")
+        proxy.resume()
+    acted = _ticks(ticks)
+    a_last, b_first = max(acted["a"]), min(acted["b"])
+    stopped_after, margin = a_last - last_beat, last_beat + stale_s - a_last
+    print(f"A stopped {stopped_after:.2f} s after its last heartbeat (bound {fence_s} s); margin {margin:.2f} s")
+    assert a_last < b_first, (a_last, b_first)
+    assert stopped_after < fence_s + 0.5, stopped_after  # the bound, and a tick and a cancel
+    assert margin > stale_s - fence_s - 0.5, margin
+    port_a = int(env_a["VIGIL_WORKER_PORT"])
+    wait_for(lambda: metric(port_a, "vigil_task_self_fenced_total") == 1, 20, "A counted its stop")
+    row = task_row(ledger)
+    assert (row["attempts"], row["lease_epoch"], row["result"]) == (2, 2, "done: tick along")
+    assert metric(port_a, "vigil_tasks_total") == 0  # nothing of A's stood

@@ -219,5 +219,12 @@ class WorkerSettings(CommonSettings):
         return self
 
     @property
+    def task_fence_s(self) -> float:
+        """A holder none of whose heartbeats got through for this long stops executing: half of
+        VIGIL_TASK_STALE_S, so it has stopped well before the reaper may take the task back
+        (docs/tasks.md, "What is at most once")."""
+        return self.task_stale_s / 2
+
+    @property
     def batch_window_s(self) -> float:
         return self.batch_window_ms / 1000.0
