@@ -574,3 +574,94 @@ def test_a_holder_cut_off_from_the_ledger_stops_before_another_may_claim(
     row = task_row(ledger)
     assert (row["attempts"], row["lease_epoch"], row["result"]) == (2, 2, "done: tick along")
     assert metric(port_a, "vigil_tasks_total") == 0  # nothing of A's stood
+
+
+# -- the paths that were untested (issue 44 item 7) ------------------------------------------
+
+
+def test_a_task_whose_execution_raises_ends_failed_with_the_error(stack, topics, ledger, vigil_env, spawn):
+    start(spawn, worker_env(vigil_env, VIGIL_ECHO_FAIL_ON="failme"), "w")
+    produce(stack.bootstrap, topics.events, [chat("hal", "delegate: failme now")])
+    wait_for(lambda: task_status(ledger) == "failed", 30, "the task failed")
+    row = task_row(ledger)
+    assert row["error"] == "RuntimeError: echo agent told to fail on 'failme'", row["error"]
+    assert (row["attempts"], row["result"], row["input_tokens"]) == (1, None, len("failme now"))
+    wait_for(lambda: len(outbox_bodies(ledger, "hal")) == 2, 30, "the parent told")
+    assert outbox_bodies(ledger, "hal")[1] == f"task {row['id']} failed: {row['error']}"
+
+
+def test_a_running_task_reaching_its_deadline_ends_timed_out(stack, topics, ledger, vigil_env, spawn):
+    env = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="forever:600", VIGIL_TASK_TIMEOUT_S="3")
+    start(spawn, env, "w")
+    produce(stack.bootstrap, topics.events, [chat("ida", "delegate: forever more")])
+    wait_for(lambda: task_status(ledger) == "running", 30, "the task runs")
+    wait_for(lambda: task_status(ledger) == "timed_out", 15, "the task timed out")
+    row = task_row(ledger)
+    assert 0 <= (row["finished_at"] - row["deadline"]).total_seconds() < 1.5, (row["finished_at"], row["deadline"])
+    assert row["attempts"] == 1 and row["input_tokens"] == len("forever more")
+    wait_for(lambda: len(outbox_bodies(ledger, "ida")) == 2, 30, "the parent told")
+    assert outbox_bodies(ledger, "ida")[1].startswith(f"task {row['id']} timed_out: ")
+
+
+def test_sigterm_hands_held_tasks_back_and_another_worker_completes_them(stack, topics, ledger, vigil_env, spawn):
+    """SIGTERM of a worker holding a task past its grace: the task goes back to queued with its
+    attempt given back, the worker exits 0, and another worker completes it at attempt 1."""
+    a = start(spawn, worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slowtask:600", VIGIL_SHUTDOWN_GRACE_S="2"), "a")
+    produce(stack.bootstrap, topics.events, [chat("jo", "delegate: slowtask handed back")])
+    wait_for(lambda: task_status(ledger) == "running", 30, "a holds the task")
+    assert a.stop(timeout=20) == 0
+    row = task_row(ledger)
+    assert (row["status"], row["attempts"], row["lease_holder"], row["lease_epoch"]) == ("queued", 0, None, 1)
+    assert "handed back" in a.log()
+    start(spawn, worker_env(vigil_env), "b")
+    wait_for(lambda: task_status(ledger) == "succeeded", 30, "b completed it")
+    row = task_row(ledger)
+    assert (row["attempts"], row["lease_epoch"], row["result"]) == (1, 2, "done: slowtask handed back")
+
+
+REFUSE_OUTCOMES = """
+CREATE FUNCTION refuse_outcome() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'the store refuses outcomes'; END $$;
+CREATE TRIGGER refuse_outcome BEFORE UPDATE ON tasks FOR EACH ROW
+    WHEN (NEW.status = 'succeeded') EXECUTE FUNCTION refuse_outcome();
+"""
+
+
+def _write_pauses(log: str) -> list[float]:
+    import re
+
+    return [float(p) for p in re.findall(r"writing its outcome failed \(attempt \d+\), retrying in ([0-9.]+) s", log)]
+
+
+def test_a_store_error_on_the_outcome_is_retried_with_backoff(stack, topics, ledger, vigil_env, spawn):
+    """The ledger refuses the outcome for 2.5 s: the holder retries with a growing pause
+    (vigil.retry.backoff from 0.2 s), not every second, and the outcome stands once it can."""
+    w = start(spawn, worker_env(vigil_env, VIGIL_TASK_HEARTBEAT_S="0.5", VIGIL_TASK_STALE_S="8"), "w")
+    with psycopg.connect(ledger, autocommit=True) as conn:
+        conn.execute(REFUSE_OUTCOMES)
+        produce(stack.bootstrap, topics.events, [chat("kim", "delegate: write me down")])
+        wait_for(lambda: _write_pauses(w.log()), 30, "the first refused write")
+        time.sleep(2.5)
+        conn.execute("DROP TRIGGER refuse_outcome ON tasks")
+    wait_for(lambda: task_status(ledger) == "succeeded", 20, "the outcome stood")
+    pauses = _write_pauses(w.log())
+    assert pauses[0] < 0.5 and len(pauses) >= 4, pauses
+    assert pauses[3] > 2 * pauses[0], pauses  # backing off
+    assert task_row(ledger)["attempts"] == 1
+
+
+def test_a_holder_that_cannot_write_its_outcome_gives_up_within_the_stale_bound(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """The ledger refuses every outcome: each holder retries for at most VIGIL_TASK_STALE_S,
+    then leaves the task to the reaper; after VIGIL_TASK_MAX_ATTEMPTS holders it is lost."""
+    with psycopg.connect(ledger, autocommit=True) as conn:
+        conn.execute(REFUSE_OUTCOMES)
+    w = start(spawn, worker_env(vigil_env, VIGIL_TASK_MAX_ATTEMPTS="2"), "w")
+    produce(stack.bootstrap, topics.events, [chat("lu", "delegate: never written")])
+    wait_for(lambda: task_status(ledger) == "lost", 30, "the task lost")
+    wait_for(lambda: w.log().count("left to the reaper") == 2, 10, "both holders gave up")
+    given_up = w.log().count("writing its outcome failed")
+    time.sleep(2.0)
+    assert w.log().count("writing its outcome failed") == given_up  # no retry goes on
+    assert task_row(ledger)["attempts"] == 2

@@ -50,6 +50,7 @@ from vigil.ledger import journal as ledger_journal
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import TaskStatus
+from vigil.retry import backoff
 from vigil.worker import metrics
 from vigil.worker.journal import RunWriter
 from vigil.worker.settings import WorkerSettings
@@ -60,8 +61,9 @@ TASK_SOURCE = "task"
 # How often the claim, reaper and reporter look when nobody woke them.
 POLL_S = 1.0
 REPORT_BATCH = 100
-# A ledger error in a loop is retried after this long.
-RETRY_S = 1.0
+# A holder's outcome refused by a ledger error is written again after backoff(attempt, these).
+WRITE_RETRY_BASE_S = 0.2
+WRITE_RETRY_CAP_S = 5.0
 # What _supervise returns for an execution this worker stopped because it is shutting down.
 RELEASE = object()
 # What _supervise returns for an execution its holder stopped because the ledger did not take
@@ -209,6 +211,8 @@ class TaskExecutor:
             )
             return
         stands = await self._write(task, outcome)
+        if stands is None:
+            return
         if stands:
             metrics.TASKS.labels(str(outcome.status)).inc()
             metrics.TASK_SECONDS.observe(time.monotonic() - started)
@@ -301,8 +305,14 @@ class TaskExecutor:
         u = ctx.usage
         return ledger.Outcome(status, result, error, u.turns, u.input_tokens, u.output_tokens)
 
-    async def _write(self, task: ledger.TaskRow, outcome: ledger.Outcome) -> bool:
-        """The compare-and-set, retried through ledger outages until it is known to stand or not."""
+    async def _write(self, task: ledger.TaskRow, outcome: ledger.Outcome) -> bool | None:
+        """The compare-and-set, retried through ledger errors with :func:`vigil.retry.backoff`
+        (from ``WRITE_RETRY_BASE_S``, jittered, capped) for at most ``VIGIL_TASK_STALE_S``: by
+        then no heartbeat has kept the lease (the execution has ended), the reaper may have
+        taken the task back, and the task is left to it (queued again, replaying its journal,
+        or lost). True: it stands; False: another outcome did; None: given up."""
+        give_up = time.monotonic() + self.settings.task_stale_s
+        attempt = 0
         while True:
             try:
                 async with self.pool.connection() as conn, conn.transaction():
@@ -313,8 +323,26 @@ class TaskExecutor:
                         )
                     return stands
             except (psycopg.Error, OSError) as exc:
-                log.warning("task %s: writing its outcome failed, retrying: %s", task.id, exc)
-                await asyncio.sleep(RETRY_S)
+                attempt += 1
+                pause = backoff(attempt, WRITE_RETRY_BASE_S, WRITE_RETRY_CAP_S)
+                if time.monotonic() + pause > give_up:
+                    log.warning(
+                        "task %s: outcome %s not written after %d attempts; left to the reaper: %s",
+                        task.id,
+                        outcome.status,
+                        attempt,
+                        exc,
+                        extra={"event": "task_outcome_abandoned"},
+                    )
+                    return None
+                log.warning(
+                    "task %s: writing its outcome failed (attempt %d), retrying in %.2f s: %s",
+                    task.id,
+                    attempt,
+                    pause,
+                    exc,
+                )
+                await asyncio.sleep(pause)
 
     async def _release(self, task: ledger.TaskRow) -> None:
         try:
