@@ -62,10 +62,13 @@ def test_background_task_result_wakes_parent_once(stack, topics, ledger, vigil_e
     assert task["owner_chain"][0] == "ann" and task["reported_at"] is not None
     events = query(ledger, "SELECT source, source_id, kind, status FROM events WHERE source = 'task'")
     assert events == [{"source": "task", "source_id": task["id"], "kind": "task.succeeded", "status": "done"}]
-    # The run that delegated is the task's parent; the task is counted.
-    parent = query(ledger, "SELECT id FROM runs ORDER BY id LIMIT 1")[0]
+    # The run that delegated is the task's parent; what the task spent is on the parent's row.
+    parent = query(ledger, "SELECT * FROM runs WHERE id = %s", (task["run_id"],))[0]
     assert task["parent_run_key"].startswith("ann:")
-    assert parent["id"] > 0
+    spent = (parent["task_turns"], parent["task_input_tokens"], parent["task_output_tokens"])
+    assert spent == (1, len("count the stars"), len("count the stars") + 6), spent
+    others = scalar(ledger, "SELECT sum(task_input_tokens) FROM runs WHERE id <> %s", (task["run_id"],))
+    assert others in (None, 0)  # added once, to its parent only
 
 
 def test_killed_holder_task_completes_once_on_another_worker(stack, topics, ledger, vigil_env, spawn):

@@ -225,6 +225,9 @@ CREATE TABLE runs (
     cache_read_tokens  integer     NOT NULL DEFAULT 0,
     cache_write_tokens integer     NOT NULL DEFAULT 0,
     tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0021)
+    task_turns         integer     NOT NULL DEFAULT 0,   -- its background tasks' usage, added as each ends (0030)
+    task_input_tokens  integer     NOT NULL DEFAULT 0,
+    task_output_tokens integer     NOT NULL DEFAULT 0,
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );

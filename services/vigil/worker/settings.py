@@ -195,6 +195,12 @@ class WorkerSettings(CommonSettings):
     task_token_budget: int = Field(
         50_000, ge=1, le=10_000_000, description="Most input+output tokens one delegated sub-agent may use."
     )
+    max_tasks_per_run: int = Field(
+        8,
+        ge=0,
+        le=1000,
+        description="Background tasks one run may start; a delegation past it is an error result the model reads.",
+    )
     max_delegation_depth: int = Field(
         2, ge=0, le=10, description="How deep sub-agents may delegate: 1 lets runs delegate, 2 lets their tasks too."
     )

@@ -179,7 +179,7 @@ class TaskExecutor:
             await self._release(task)
             return
         holding.execution = asyncio.create_task(self.agent.run_task(ctx), name=f"task-run-{task.id}")
-        outcome: ledger.Outcome | None = None
+        outcome: ledger.Outcome | object | None = None
         try:
             outcome = await self._supervise(holding)
         finally:
@@ -210,6 +210,7 @@ class TaskExecutor:
                 task.lease_epoch,
             )
             return
+        assert isinstance(outcome, ledger.Outcome)
         stands = await self._write(task, outcome)
         if stands is None:
             return

@@ -41,18 +41,28 @@ WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING cancel_requested_at IS NOT NULL AS cancel
 
 -- name: task_finish
--- A terminal outcome from the task's holder: compare-and-set on status and lease epoch, so the first terminal outcome stands and a previous holder's late result matches nothing.
-UPDATE tasks
-SET status = %(status)s,
-    finished_at = now(),
-    result = %(result)s,
-    error = %(error)s,
-    turns = %(turns)s,
-    input_tokens = %(input_tokens)s,
-    output_tokens = %(output_tokens)s,
-    lease_holder = NULL
-WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
-RETURNING id
+-- A terminal outcome from the task's holder: compare-and-set on status and lease epoch, so the first terminal outcome stands and a previous holder's late result matches nothing. The task's usage is added to the delegating run's row in the same statement (once: only the write that stands adds it).
+WITH done AS (
+    UPDATE tasks
+    SET status = %(status)s,
+        finished_at = now(),
+        result = %(result)s,
+        error = %(error)s,
+        turns = %(turns)s,
+        input_tokens = %(input_tokens)s,
+        output_tokens = %(output_tokens)s,
+        lease_holder = NULL
+    WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
+    RETURNING id, run_id, turns, input_tokens, output_tokens
+), rolled AS (
+    UPDATE runs r
+    SET task_turns = r.task_turns + done.turns,
+        task_input_tokens = r.task_input_tokens + done.input_tokens,
+        task_output_tokens = r.task_output_tokens + done.output_tokens
+    FROM done
+    WHERE r.id = done.run_id
+)
+SELECT id FROM done
 
 -- name: task_reap_timed_out
 -- Tasks past their deadline, queued or running: timed_out. A holder still running one finds its lease gone at its next heartbeat.
