@@ -25,6 +25,7 @@ import os
 import signal
 import time
 import uuid
+from typing import Any
 
 from vigil.agent.base import NewTask, OutMessage, RunContext, RunResult, TaskContext, TaskResult, Usage
 from vigil.ledger.states import RunOutcome
@@ -118,6 +119,9 @@ class EchoAgent:
             with open(self.tick_file, "a") as out:
                 out.write(f"{self.instance} {time.time():.3f}\n")
             await asyncio.sleep(0.05)
+
+    async def join_fleet(self, pool: Any, instance: str) -> None:
+        return None  # no model, nothing to share
 
     async def close(self) -> None:
         return None
