@@ -183,3 +183,36 @@ def test_a_run_starts_at_most_its_bound_of_background_tasks_and_reserves_their_t
     spent += result.usage.cache_read_tokens + result.usage.cache_write_tokens
     assert budgets[0] == 2000 and budgets[1] < 2000, budgets
     assert sum(budgets) + spent <= 5000, (budgets, spent)
+
+
+def test_a_tasks_progress_names_its_last_tool_and_its_latest_note(server):
+    """The child's usage, kept current for the heartbeat to flush: turns, tokens, the last tool
+    it called and the text it wrote with that call (its note)."""
+    ctx = TaskContext(
+        task_id="tsk_p",
+        user_id="u1",
+        instructions="look around",
+        tools=("refund",),
+        token_budget=5000,
+        deadline=time.monotonic() + 60,
+        delegation=limits(depth=1, max_depth=1),
+        attempt=1,
+    )
+
+    async def go():
+        claude = t.agent(server.base_url, tool_permissions="refund=allow")
+        try:
+            return await claude.run_task(ctx)
+        finally:
+            await claude.close()
+
+    server.clear()
+    server.set_script(
+        [
+            {"when": {"tool_result": "refund"}, "reply": [{"type": "text", "text": "all done"}]},
+            {"reply": [{"type": "text", "text": "refunding order 3 first"}, call("refund", order_id="3")]},
+        ]
+    )
+    result = asyncio.run(go())
+    assert result.text == "all done"
+    assert (ctx.usage.turns, ctx.usage.last_tool, ctx.usage.note) == (2, "refund", "refunding order 3 first")

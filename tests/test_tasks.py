@@ -478,7 +478,7 @@ def test_a_cancel_requested_before_the_holder_died_is_never_undone(ledger):
             await ledger_tasks.create(conn, _new_task(task_id))
         claimed = {t.id: t for t in await ledger_tasks.claim(conn, "h1", 3)}
         for task_id in claimed:
-            await ledger_tasks.cancel(conn, task_id, "owner")
+            await ledger_tasks.cancel(conn, task_id=task_id, actor="owner")
         await conn.execute("UPDATE tasks SET turns = 2, input_tokens = 70, output_tokens = 9")
         # tsk_dead_holder: its holder is silent past the bound.
         await conn.execute("UPDATE tasks SET heartbeat_at = now() - interval '1 hour' WHERE id = 'tsk_dead_holder'")
@@ -668,3 +668,28 @@ def test_a_holder_that_cannot_write_its_outcome_gives_up_within_the_stale_bound(
     time.sleep(2.0)
     assert w.log().count("writing its outcome failed") == given_up  # no retry goes on
     assert task_row(ledger)["attempts"] == 2
+
+
+# -- progress (issue 44 item 5) --------------------------------------------------------------
+
+
+def test_a_running_task_shows_its_progress_on_its_row_and_in_vigil_tasks_show(stack, topics, ledger, vigil_env, spawn):
+    """While a task runs, each heartbeat flushes its progress (turns, tokens, the last tool, the
+    child's latest note) to its row; `vigil tasks show` prints it; a task whose holder dies after
+    a flush and whose cancel the reaper then ends keeps that usage."""
+    env = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="longhaul:600")
+    w = start(spawn, env, "w")
+    produce(stack.bootstrap, topics.events, [chat("mo", "delegate: longhaul survey")])
+    wait_for(lambda: scalar(ledger, "SELECT progress_at FROM tasks") is not None, 30, "progress flushed")
+    row = task_row(ledger)
+    assert row["status"] == "running"
+    assert (row["turns"], row["input_tokens"]) == (1, len("longhaul survey"))
+    assert row["note"] == "working on: longhaul survey" and row["last_tool"] == "echo"
+    shown = _vigil(["tasks", "show", row["id"]], env)
+    assert "progress" in shown and "1 turn" in shown and "last tool echo" in shown, shown
+    w.kill()
+    _vigil(["tasks", "cancel", row["id"], "--actor", "oncall"], env)
+    start(spawn, worker_env(vigil_env), "w2")
+    wait_for(lambda: task_status(ledger) == "cancelled", 30, "the reaper ended it cancelled")
+    after = task_row(ledger)
+    assert (after["turns"], after["input_tokens"]) == (1, len("longhaul survey"))  # partial usage kept

@@ -423,6 +423,9 @@ CREATE TABLE tasks (
     output_tokens       integer     NOT NULL DEFAULT 0,
     run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0021)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
+    last_tool           text,                                -- progress (0030): the last tool the child called
+    note                text,                                -- its latest note: the text it wrote with that call
+    progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal

@@ -220,6 +220,8 @@ class TaskUsage:
     turns: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    last_tool: str | None = None  # the last tool the child called
+    note: str | None = None  # the text the child wrote with that call (cut to NOTE_CHARS)
 
     @property
     def tokens(self) -> int:

@@ -41,6 +41,7 @@ from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import DELEGATE, ActionTool, CallContext, ToolOutput, delegate_definition
 
 MAX_INSTRUCTIONS_CHARS = 8000
+NOTE_CHARS = 300  # a task's progress note: the start of the text the child wrote with its last call
 MODES = ("background", "sync")
 
 CHILD_SYSTEM = (
@@ -185,6 +186,8 @@ async def run_child(child: Child, instructions: str) -> str:
         child.budget.tool_calls += len(uses)
         if not uses:
             return answer
+        if texts:
+            child.usage.note = answer[:NOTE_CHARS]
         results = []
         for use in uses:
             output = await _child_tool(child, use, allowed, child.journal.take())
@@ -196,6 +199,7 @@ async def run_child(child: Child, instructions: str) -> str:
 
 async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], step: int) -> ToolOutput:
     name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
+    child.usage.last_tool = name
     if name == DELEGATE:
         request = check(
             {**args, "mode": "sync"},

@@ -104,6 +104,7 @@ class EchoAgent:
     async def run_task(self, ctx: TaskContext) -> TaskResult:
         ctx.usage.turns = 1
         ctx.usage.input_tokens = len(ctx.instructions)
+        ctx.usage.last_tool, ctx.usage.note = "echo", f"working on: {ctx.instructions}"[:300]
         ticking = asyncio.create_task(self._tick()) if self.tick_file else None
         try:
             await self._hooks(ctx.instructions)

@@ -42,7 +42,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from vigil.agent.base import Agent, Delegation, TaskContext
+from vigil.agent.base import Agent, Delegation, TaskContext, TaskUsage
 from vigil.agent.journal import Journal
 from vigil.bus.kafka import EventProducer
 from vigil.envelope import Event
@@ -265,7 +265,7 @@ class TaskExecutor:
                     return FENCED
                 if beat is None and now >= next_beat:
                     beat_sent, next_beat = now, now + period
-                    beat = asyncio.create_task(self._beat(task), name=f"task-beat-{task.id}")
+                    beat = asyncio.create_task(self._beat(task, ctx.usage), name=f"task-beat-{task.id}")
                 wake = min(ctx.deadline, fence_at, next_beat if beat is None else fence_at)
                 waiting = {execution} if beat is None else {execution, beat}
                 done, _ = await asyncio.wait(waiting, timeout=max(wake - now, 0.0), return_when=asyncio.FIRST_COMPLETED)
@@ -287,9 +287,10 @@ class TaskExecutor:
             if beat is not None:
                 beat.cancel()
 
-    async def _beat(self, task: ledger.TaskRow) -> bool | None:
+    async def _beat(self, task: ledger.TaskRow, usage: TaskUsage) -> bool | None:
+        progress = ledger.Progress(usage.turns, usage.input_tokens, usage.output_tokens, usage.last_tool, usage.note)
         async with self.pool.connection() as conn:
-            return await ledger.heartbeat(conn, task.id, task.lease_epoch)
+            return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress)
 
     def _outcome(self, execution: asyncio.Task, ctx: TaskContext):
         if execution.cancelled() and self._stopping:

@@ -34,9 +34,15 @@ WHERE t.id = picked.id AND t.status = 'queued'
 RETURNING t.*
 
 -- name: task_heartbeat
--- The holder's proof of life. No row: the lease is gone (reaped, timed out, or taken by another worker), so stop and write nothing. cancel: the owner asked to stop.
+-- The holder's proof of life, carrying the task's progress so far (usage, last tool, note). No row: the lease is gone (reaped, timed out, or taken by another worker), so stop and write nothing. cancel: the owner asked to stop.
 UPDATE tasks
-SET heartbeat_at = now()
+SET heartbeat_at = now(),
+    turns = %(turns)s,
+    input_tokens = %(input_tokens)s,
+    output_tokens = %(output_tokens)s,
+    last_tool = %(last_tool)s,
+    note = %(note)s,
+    progress_at = now()
 WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING cancel_requested_at IS NOT NULL AS cancel
 
