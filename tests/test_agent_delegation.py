@@ -34,6 +34,20 @@ def ctx_with(text: str, delegation: Delegation | None):
     return ctx
 
 
+def task_ctx(instructions: str) -> TaskContext:
+    """A depth-1 task delegated with refund."""
+    return TaskContext(
+        task_id="tsk_t",
+        user_id="u1",
+        instructions=instructions,
+        tools=("refund",),
+        token_budget=5000,
+        deadline=time.monotonic() + 60,
+        delegation=limits(depth=1, max_depth=1),
+        attempt=1,
+    )
+
+
 def call(name, **tool_input):
     return {"type": "tool_use", "name": name, "input": tool_input}
 
@@ -132,22 +146,10 @@ def test_a_task_is_offered_only_tools_still_allowed_where_it_executes(server):
     """A task delegated with refund, executed on a worker where refund is now `ask`: the child
     is not offered refund (the boundary is checked again at execution, and only narrows)."""
 
-    def task_ctx():
-        return TaskContext(
-            task_id="tsk_t",
-            user_id="u1",
-            instructions="refund order 9",
-            tools=("refund",),
-            token_budget=5000,
-            deadline=time.monotonic() + 60,
-            delegation=limits(depth=1, max_depth=1),
-            attempt=1,
-        )
-
     async def go(permissions: str):
         claude = t.agent(server.base_url, tool_permissions=permissions)
         try:
-            ctx = task_ctx()
+            ctx = task_ctx("refund order 9")
             return await claude.run_task(ctx), ctx
         finally:
             await claude.close()
@@ -188,16 +190,7 @@ def test_a_run_starts_at_most_its_bound_of_background_tasks_and_reserves_their_t
 def test_a_tasks_progress_names_its_last_tool_and_its_latest_note(server):
     """The child's usage, kept current for the heartbeat to flush: turns, tokens, the last tool
     it called and the text it wrote with that call (its note)."""
-    ctx = TaskContext(
-        task_id="tsk_p",
-        user_id="u1",
-        instructions="look around",
-        tools=("refund",),
-        token_budget=5000,
-        deadline=time.monotonic() + 60,
-        delegation=limits(depth=1, max_depth=1),
-        attempt=1,
-    )
+    ctx = task_ctx("look around")
 
     async def go():
         claude = t.agent(server.base_url, tool_permissions="refund=allow")
