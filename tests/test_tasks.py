@@ -693,3 +693,40 @@ def test_a_running_task_shows_its_progress_on_its_row_and_in_vigil_tasks_show(st
     wait_for(lambda: task_status(ledger) == "cancelled", 30, "the reaper ended it cancelled")
     after = task_row(ledger)
     assert (after["turns"], after["input_tokens"]) == (1, len("longhaul survey"))  # partial usage kept
+
+
+# -- owners who can wait (issue 44 item 6, its long-poll) -------------------------------------
+
+
+def test_get_task_with_wait_long_polls_until_terminal_or_the_wait(stack, topics, ledger):
+    """`GET /v1/tasks/{id}?wait=S` answers as soon as the task is terminal, else after S
+    seconds with the task as it is; a wait outside 0..60 is a 400; the owner rule holds."""
+    import threading
+
+    import httpx
+
+    from ingest_support import create_token, start_ingest
+
+    task_id = "tsk_" + "f" * 20
+    _seed_task(ledger, task_id)
+    token = create_token(ledger, "owner-app")["token"]
+    ingest = start_ingest(stack, ledger, topics)
+    try:
+        auth = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=ingest.url, headers=auth, timeout=30) as http:
+            began = time.monotonic()
+            still = http.get(f"/v1/tasks/{task_id}?wait=1")
+            assert still.status_code == 200 and still.json()["status"] == "queued"
+            assert 0.9 <= time.monotonic() - began < 3.0
+            for bad in ("61", "-1", "soon"):
+                assert http.get(f"/v1/tasks/{task_id}?wait={bad}").status_code == 400, bad
+            timer = threading.Timer(1.0, lambda: http.post(f"/v1/tasks/{task_id}/cancel"))
+            began = time.monotonic()
+            timer.start()
+            done = http.get(f"/v1/tasks/{task_id}?wait=20")
+            took = time.monotonic() - began
+            timer.join()
+            assert done.status_code == 200 and done.json()["status"] == "cancelled", done.text
+            assert 0.9 <= took < 3.0, took
+    finally:
+        ingest.stop()
