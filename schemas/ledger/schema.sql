@@ -225,6 +225,9 @@ CREATE TABLE runs (
     cache_read_tokens  integer     NOT NULL DEFAULT 0,
     cache_write_tokens integer     NOT NULL DEFAULT 0,
     tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0021)
+    task_turns         integer     NOT NULL DEFAULT 0,   -- its background tasks' usage, added as each ends (0030)
+    task_input_tokens  integer     NOT NULL DEFAULT 0,
+    task_output_tokens integer     NOT NULL DEFAULT 0,
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );
@@ -420,6 +423,9 @@ CREATE TABLE tasks (
     output_tokens       integer     NOT NULL DEFAULT 0,
     run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0021)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
+    last_tool           text,                                -- progress (0030): the last tool the child called
+    note                text,                                -- its latest note: the text it wrote with that call
+    progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal

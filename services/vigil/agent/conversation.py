@@ -309,7 +309,9 @@ class Conversation:
         """The delegate tool: queue a background task in this run's result, or run a child now."""
         run, box = self.run, self.box
         limits = run.ctx.delegation
-        request = delegation.check(args, limits, box.permissions, box.actions, run.budget.max_tokens - run.budget.spent)
+        request = delegation.check(
+            args, limits, box.permissions, box.actions, run.budget.left, tasks_started=len(self.outputs.tasks)
+        )
         if isinstance(request, str):
             return ToolOutput(request, True)
         assert limits is not None
@@ -318,6 +320,7 @@ class Conversation:
                 request, limits, run.ctx.run_key, self.thread.session_id, run.journal.key(step)
             )
             self.outputs.tasks.append(task)
+            run.budget.reserved += task.token_budget  # the task may spend it: this run may not
             return ToolOutput(
                 f"Queued as background task {task.id}. You will be woken with its result in this conversation."
             )

@@ -73,16 +73,22 @@ class Budget:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     tool_calls: int = 0  # tool_use blocks received: recorded on the run, not a limit
+    reserved: int = 0  # tokens set aside for the background tasks this run queued (their budgets)
 
     @property
     def spent(self) -> int:
         return self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
 
+    @property
+    def left(self) -> int:
+        """Tokens this run may still spend itself or hand to a child."""
+        return self.max_tokens - self.spent - self.reserved
+
     def exhausted(self) -> str | None:
         """Which budget stops the next call, or None."""
         if self.turns >= self.max_turns:
             return "turns"
-        if self.max_tokens - self.spent < MIN_CALL_TOKENS:
+        if self.left < MIN_CALL_TOKENS:
             return "tokens"
         if self.deadline - time.monotonic() < MIN_CALL_SECONDS:
             return "wall_time"
