@@ -475,3 +475,36 @@ def test_a_run_page_lists_its_kept_journal(console, ledger):
     assert 'id="steps"' in page and "calls refund" in page and "321 / 12" in page
     assert f"{key}:2" in page and "ok" in page
     assert "<refunded>" not in page  # results are not shown raw
+
+
+def test_odd_ids_and_query_values_are_4xx_or_a_page_never_500(console, ledger):
+    """Issue 46: /events/<5,000 digits> and /runs/<20 digits> were 500s before any
+    authentication; with a token, /search?q=² (or ①, NUL) and NUL in /users/ were 500s, and a
+    404 echoed the whole id."""
+    seed_user(ledger)
+    for path in ("/events/" + "9" * 5000, "/runs/" + "9" * 5000, "/runs/" + "9" * 20, "/events/%C2%B2"):
+        answer = console.get(path)
+        assert answer.status_code == 401 and answer.json()["error"] == "unauthorized", path
+    token = create_token(ledger)["token"]
+    bearer = {"authorization": f"Bearer {token}"}
+    for path, error in (
+        ("/events/" + "9" * 5000, "unknown_event"),
+        ("/runs/" + "9" * 20, "unknown_run"),
+        ("/runs/-1", "unknown_run"),
+        ("/events/%C2%B2", "unknown_event"),
+        ("/users/a%00b", "unknown_user"),
+        ("/users/" + "u" * 5000, "unknown_user"),
+    ):
+        answer = console.get(path, headers=bearer)
+        assert answer.status_code == 404 and answer.json()["error"] == error, (path, answer.text[:200])
+        assert len(answer.json()["detail"]) < 200
+    for q in ("²", "①", "\x00", "a\x00b", "9" * 20, "9" * 5000):
+        for kind in ("any", "run", "event"):
+            answer = console.get("/search", params={"q": q, "kind": kind}, headers=bearer)
+            assert answer.status_code == 200 and 'id="no-match"' in answer.text, (q[:20], kind)
+    assert console.get("/search", params={"q": "msg-1", "user": "a\x00"}, headers=bearer).status_code == 200
+    cursor = '["2026-01-01T00:00:00+00:00","99999999999999999999"]'
+    assert console.get("/dead", params={"events_before": cursor}, headers=bearer).status_code == 200
+    assert console.get("/users/alice", params={"before": "2026-01-01~0~" + "9" * 20}, headers=bearer).status_code == 200
+    retry = console.post("/dead/events/retry", data={"event_id": "9" * 20}, headers=bearer)
+    assert retry.status_code == 400 and retry.json()["error"] == "bad_event_id"

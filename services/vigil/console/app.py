@@ -45,6 +45,7 @@ from vigil.ledger import ingest as tokens
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.db import PoolTimeout
 from vigil.ledger.events import retry_dead_events
+from vigil.numbers import NotParsed, whole_number
 from vigil.ttl_cache import TtlCache
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 PAGE = 50  # rows per page of every list
 TIMERS_SOON = timedelta(minutes=15)  # "due soon" on the timers page
 MAX_RETRY_IDS = 100  # one form post retries at most this many events
+SHOWN_CHARS = 60  # what a refusal echoes of an id the client sent
 SECURITY_HEADERS = {
     # No script, no frames, no plugin, forms only to ourselves: the console needs nothing else.
     "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
@@ -269,13 +271,15 @@ class Console:
         await self.operator(request, auth.Need.READ)
         q = request.query_params.get("q", "").strip()[:500]
         kind = request.query_params.get("kind", "any")
-        if not q:
-            return self.page(request, "search.html", q=q, kind=kind, events=[], tried=[])
+        user_id = request.query_params.get("user") or None
+        if not q or not _storable(q, user_id):  # NUL: no ledger text can hold it, so nothing matches
+            return self.page(request, "search.html", q=q, kind=kind, events=[], tried=[] if not q else ["anything"])
         tried = []
-        if kind in ("any", "run") and q.isdigit() and await self.read(ledger.run, int(q)):
-            return RedirectResponse(f"/runs/{q}", status_code=303)
-        if kind in ("any", "event") and q.isdigit() and await self.read(ledger.event, int(q)):
-            return RedirectResponse(f"/events/{q}", status_code=303)
+        number = _ledger_id(q)
+        if kind in ("any", "run") and number is not None and await self.read(ledger.run, number):
+            return RedirectResponse(f"/runs/{number}", status_code=303)
+        if kind in ("any", "event") and number is not None and await self.read(ledger.event, number):
+            return RedirectResponse(f"/events/{number}", status_code=303)
         if kind in ("any", "delivery"):
             with contextlib.suppress(ValueError):
                 if await self.read(ledger.delivery, UUID(q)):
@@ -285,7 +289,6 @@ class Console:
             return RedirectResponse(f"/users/{quote(q, safe='')}", status_code=303)
         events: list = []
         if kind in ("any", "source_id"):
-            user_id = request.query_params.get("user") or None
             events = await self.read(ledger.events_by_source_id, q, user_id)
             if len(events) == 1:
                 return RedirectResponse(f"/events/{events[0].id}", status_code=303)
@@ -296,25 +299,27 @@ class Console:
         await self.operator(request, auth.Need.READ)
         user_id = request.path_params["user_id"]
         before = ledger.Cursor.decode(request.query_params.get("before"))
-        data = await self.read(ledger.timeline, user_id, before, PAGE)
-        if data.user is None and not data.entries:
-            raise Refused(404, "unknown_user", f"the ledger has nothing for user {user_id!r}")
+        data = await self.read(ledger.timeline, user_id, before, PAGE) if _storable(user_id) else None
+        if data is None or (data.user is None and not data.entries):
+            raise Refused(404, "unknown_user", f"the ledger has nothing for user {_shown(user_id)!r}")
         tasks = await self.read(ledger.tasks_of_user, user_id) if before is None else []
         return self.page(request, "timeline.html", user_id=user_id, tl=data, first=before is None, tasks=tasks)
 
     async def event(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        e = await self.read(ledger.event, request.path_params["event_id"])
+        event_id = _ledger_id(request.path_params["event_id"])
+        e = None if event_id is None else await self.read(ledger.event, event_id)
         if e is None:
-            raise Refused(404, "unknown_event", f"no event {request.path_params['event_id']}")
+            raise Refused(404, "unknown_event", f"no event {_shown(request.path_params['event_id'])!r}")
         runs = await self.read(ledger.runs_of_event, e)
         return self.page(request, "event.html", e=e, runs=runs)
 
     async def run(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        r = await self.read(ledger.run, request.path_params["run_id"])
+        run_id = _ledger_id(request.path_params["run_id"])
+        r = None if run_id is None else await self.read(ledger.run, run_id)
         if r is None:
-            raise Refused(404, "unknown_run", f"no run {request.path_params['run_id']}")
+            raise Refused(404, "unknown_run", f"no run {_shown(request.path_params['run_id'])!r}")
         events = await self.read(ledger.events_by_id, r.event_ids)
         writes = (await self.read(ledger.run_writes, [r]))[r.id]
         # Its journal, when VIGIL_RUN_JOURNAL_DAYS keeps finished ones (docs/worker.md).
@@ -334,8 +339,8 @@ class Console:
 
     async def dead(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        ev_before = _keyset(request.query_params.get("events_before"), int)
-        out_before = _keyset(request.query_params.get("outbox_before"), int)
+        ev_before = _keyset(request.query_params.get("events_before"), _ledger_id)
+        out_before = _keyset(request.query_params.get("outbox_before"), _ledger_id)
         events = await self.read(ledger.dead_events, ev_before, PAGE)
         outbox = await self.read(ledger.dead_outbox_rows, out_before, PAGE)
         actions = await self.read(ledger.operator_actions) if ev_before is None and out_before is None else []
@@ -383,10 +388,9 @@ class Console:
 
     async def retry_events(self, request: Request) -> Response:
         operator, form = await self.form_action(request)
-        try:
-            ids = sorted({int(v) for v in form.getlist("event_id")})
-        except ValueError:
-            raise Refused(400, "bad_event_id", "event ids are whole numbers") from None
+        ids = sorted({_ledger_id(str(v)) for v in form.getlist("event_id")}, key=lambda i: i or 0)
+        if None in ids:
+            raise Refused(400, "bad_event_id", f"event ids are whole numbers from 1 to {ledger.MAX_BIGINT}")
         if not ids or len(ids) > MAX_RETRY_IDS:
             raise Refused(400, "bad_event_id", f"choose between 1 and {MAX_RETRY_IDS} dead events")
         result = await self.read(retry_dead_events, ids, operator.actor)
@@ -419,22 +423,45 @@ def _safe_next(target: str | None) -> str:
     return target
 
 
+def _ledger_id(text: str) -> int | None:
+    """A ledger id in a path or a form: ASCII digits within bigint (vigil.numbers), else None.
+    int() would take "²" and fail on 5,000 digits, and the ledger on 20 (500s, issue 46)."""
+    try:
+        return whole_number(text, 1, ledger.MAX_BIGINT)
+    except NotParsed:
+        return None
+
+
+def _storable(*texts: str | None) -> bool:
+    """Whether the ledger can hold these texts (PostgreSQL's text holds no NUL): one that it
+    cannot is a value nothing in the ledger has."""
+    return not any(t and "\x00" in t for t in texts)
+
+
+def _shown(text: str) -> str:
+    """What a refusal echoes of a client's id: a bounded prefix."""
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
 def _cursor(t: datetime, *rest: int | str) -> str:
     """A list page's keyset for its "next" link: JSON, the time at full precision (a rounded
-    one would skip the rows between it and the real one), ids of any text."""
-    return json.dumps([t.isoformat(), *rest], separators=(",", ":"))
+    one would skip the rows between it and the real one), ids of any text, every piece a string."""
+    return json.dumps([t.isoformat(), *map(str, rest)], separators=(",", ":"))
 
 
-def _keyset(text: str | None, last: type, parts: int = 2) -> tuple | None:
-    """The keyset a "next" link carries (see _cursor); None (the first page) if malformed."""
+def _keyset(text: str | None, last: Callable[[str], Any], parts: int = 2) -> tuple | None:
+    """The keyset a "next" link carries (see _cursor); None (the first page) if malformed:
+    its pieces are text, as _cursor writes them, none with a NUL."""
     if not text:
         return None
     try:
         pieces = json.loads(text)
-        if not isinstance(pieces, list) or len(pieces) != parts or not all(isinstance(p, str) for p in pieces[:-1]):
+        if not isinstance(pieces, list) or len(pieces) != parts or not all(isinstance(p, str) for p in pieces):
             return None
-        return (datetime.fromisoformat(pieces[0]), *pieces[1:-1], last(pieces[-1]))
-    except (ValueError, TypeError):
+        if not _storable(*pieces) or (key := last(pieces[-1])) is None:
+            return None
+        return (datetime.fromisoformat(pieces[0]), *pieces[1:-1], key)
+    except (ValueError, TypeError, OverflowError):
         return None
 
 
@@ -448,8 +475,9 @@ def create_app(settings: ConsoleSettings) -> Starlette:
         Route("/logout", console.logout, methods=["POST"]),
         Route("/search", console.search),
         Route("/users/{user_id:path}", console.timeline),
-        Route("/events/{event_id:int}", console.event),
-        Route("/runs/{run_id:int}", console.run),
+        # Ids as text, read after authentication (_ledger_id): int() in the route ran before it.
+        Route("/events/{event_id}", console.event),
+        Route("/runs/{run_id}", console.run),
         Route("/deliveries/{delivery_id}", console.delivery, methods=["GET"]),
         Route("/deliveries/{delivery_id}/revive", console.revive, methods=["POST"]),
         Route("/dead", console.dead),
