@@ -43,10 +43,11 @@ from vigil.httpserver import Refusal as Refused  # the one refusal type, under t
 from vigil.ledger import console as ledger
 from vigil.ledger import ingest as tokens
 from vigil.ledger import journal as ledger_journal
+from vigil.ledger import sessions
 from vigil.ledger.db import PoolTimeout
 from vigil.ledger.events import retry_dead_events
 from vigil.numbers import NotParsed, whole_number
-from vigil.ttl_cache import TtlCache
+from vigil.ttl_cache import MissGuard, TtlCache
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 PAGE = 50  # rows per page of every list
 TIMERS_SOON = timedelta(minutes=15)  # "due soon" on the timers page
 MAX_RETRY_IDS = 100  # one form post retries at most this many events
+LOGIN_FORM_S = 3600  # how long a login form's CSRF cookie lasts
 SHOWN_CHARS = 60  # what a refusal echoes of an id the client sent
 SECURITY_HEADERS = {
     # No script, no frames, no plugin, forms only to ourselves: the console needs nothing else.
@@ -76,6 +78,12 @@ REQUEST_SECONDS = Histogram(
     "Time to answer a console request (the pages' ledger reads included), by route template.",
     ["route"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5),
+)
+UNKNOWN_KEYS = Counter(
+    "vigil_console_unknown_keys_total",
+    "Console requests with an unknown API token or session cookie, by kind (token, session) and whether the "
+    "ledger was asked (looked_up false: answered from the set of existing keys during a flood).",
+    ["kind", "looked_up"],
 )
 ACTIONS = Counter(
     "vigil_console_actions_total",
@@ -163,6 +171,12 @@ class Console:
         self.pool = ledger.open_pool(settings.dsn)
         self.env = environment()
         self.tokens: TtlCache[tokens.AuthToken] = TtlCache(settings.console_auth_cache_s)
+        self.sessions: TtlCache[sessions.Session] = TtlCache(settings.console_auth_cache_s)
+        # As ingest's: a flood of made-up tokens or cookies costs at most one query a second.
+        self.token_misses = MissGuard(UNKNOWN_KEYS, "token", lambda: self.read(tokens.all_token_hashes))
+        self.session_misses = MissGuard(
+            UNKNOWN_KEYS, "session", lambda: self.read(sessions.live_hashes, utc(self.clock.now()))
+        )
         self.end_offsets = EndOffsets(settings)
 
     # -- plumbing --------------------------------------------------------------------------
@@ -195,68 +209,125 @@ class Console:
         headers = {"retry-after": "5"} if exc.status == 503 else None
         return JSONResponse({"error": exc.code, "detail": exc.detail}, exc.status, headers=headers)
 
-    async def operator(self, request: Request, need: auth.Need) -> auth.Operator:
-        """The authenticated operator, or Refused (401/403). Sets it on the request for templates."""
-        header = request.headers.get("authorization")
-        token = auth.presented_token(header, request.cookies.get(auth.COOKIE))
-        if token is None:
-            raise Refused(401, "unauthorized", "log in with an API token (vigil tokens create NAME)")
+    async def token(self, token: str) -> tokens.AuthToken | None:
+        """The token's row (cached), or None if unknown; the miss guard bounds what unknown
+        tokens cost the ledger."""
         digest = auth.digest(token)
-        row = None if digest is None else await self.tokens.get(digest, lambda: self.read(tokens.auth_token, digest))
-        if row is None:
-            raise Refused(401, "unauthorized", "unknown token")
-        if row.revoked_at is not None:
-            raise Refused(403, "token_revoked", f"token {row.id} was revoked")
-        scopes, users = row.scopes, row.users
-        operator = auth.Operator(
-            row.id,
-            row.name,
-            auth.csrf_for(token),
-            None if scopes is None else frozenset(scopes),
-            None if users is None else tuple(users),
-        )
-        if not auth.permits(operator, need):
-            raise Refused(403, "forbidden", f"token {row.id} may not {need.value} here")
-        request.scope["vigil.operator"] = operator
-        request.scope["vigil.via_cookie"] = not (header and header.lower().startswith("bearer "))
-        return operator
+        if digest is None:
+            return None
+        return await self.token_misses.get(self.tokens, digest, lambda: self.read(tokens.auth_token, digest))
+
+    async def operator(self, request: Request, need: auth.Need) -> auth.Operator:
+        """The authenticated operator, or Refused (401/403). Sets it on the request for templates.
+
+        An ``Authorization`` header, whatever it holds, is the request's only credential;
+        without one, the session cookie is."""
+        header = request.headers.get("authorization")
+        now = utc(self.clock.now())
+        if header is not None:
+            token = auth.bearer(header)
+            if token is None:
+                raise Refused(401, "unauthorized", "expected Authorization: Bearer <token>")
+            row = await self.token(token)
+            if row is None:
+                raise Refused(401, "unauthorized", "unknown token")
+            held = auth.Operator(row.id, row.name, "", _frozen(row.scopes), _tuple(row.users))
+            revoked_at, expired = row.revoked_at, row.expired(now)
+        else:
+            key = auth.session_hash(request.cookies.get(auth.COOKIE, ""))
+            if key is None:
+                raise Refused(401, "unauthorized", "log in with an API token (vigil tokens create NAME)")
+            found = await self.session_misses.get(self.sessions, key, lambda: self.read(sessions.by_hash, key))
+            if found is None or not found.live(now):
+                raise Refused(401, "unauthorized", "the session has ended: log in again")
+            held = auth.Operator(
+                found.token_id, found.name, found.csrf, _frozen(found.scopes), _tuple(found.users), session=key
+            )
+            revoked_at = found.revoked_at
+            expired = found.token_expires_at is not None and now >= found.token_expires_at
+        if revoked_at is not None:
+            raise Refused(403, "token_revoked", f"token {held.token_id} was revoked")
+        if expired:
+            raise Refused(401, "token_expired", f"token {held.token_id} has expired")
+        if not auth.permits(held, need):
+            raise Refused(403, "forbidden", f"token {held.token_id} may not {need.value} here")
+        request.scope["vigil.operator"] = held
+        return held
 
     async def form_action(self, request: Request) -> tuple[auth.Operator, Any]:
-        """A POST: a WRITE operator, and for a browser session the CSRF value back."""
+        """A POST: a WRITE operator, and for a session (a cookie) its CSRF value back. A bearer
+        header needs none: no other site's form can set one."""
         operator = await self.operator(request, auth.Need.WRITE)
         form = await request.form()
-        if request.scope["vigil.via_cookie"] and not auth.csrf_ok(operator, form.get(auth.CSRF_FIELD)):
-            raise Refused(403, "csrf", "the form's CSRF token is missing or wrong: reload the page and try again")
+        if operator.session is not None and not auth.same(operator.csrf, form.get(auth.CSRF_FIELD)):
+            raise _csrf_refusal()
         return operator, form
 
     # -- login -----------------------------------------------------------------------------
 
     async def login_form(self, request: Request) -> Response:
-        return self.page(request, "login.html", next=_safe_next(request.query_params.get("next")), failed=None)
+        """The form, with a fresh double-submit CSRF value in a cookie and in the form."""
+        target = _safe_next(request.query_params.get("next"))
+        return self.login_page(request, target, None)
+
+    def login_page(self, request: Request, target: str, failed: str | None, status: int = 200) -> Response:
+        csrf = auth.new_csrf()
+        response = self.page(request, "login.html", status, next=target, failed=failed, login_csrf=csrf)
+        _cookie(response, request, auth.LOGIN_COOKIE, csrf, LOGIN_FORM_S, path="/login")
+        return response
 
     async def login(self, request: Request) -> Response:
+        """Check the form's CSRF value and the token, then make a session.
+
+        Steps: the session row is committed (with a sweep of expired ones) before the cookie
+        is sent; a crash between them leaves a session nobody holds, which expires."""
         form = await request.form()
-        token = str(form.get("token", "")).strip()
         target = _safe_next(str(form.get("next", "/")))
-        digest = auth.digest(token) if token else None
-        row = None if digest is None else await self.read(tokens.auth_token, digest)
-        if row is None or row.revoked_at is not None:
-            failed = "That token is not valid." if row is None else "That token was revoked."
-            return self.page(request, "login.html", 401, next=target, failed=failed)
+        if not auth.same(request.cookies.get(auth.LOGIN_COOKIE), form.get(auth.CSRF_FIELD)):
+            return self.login_page(request, target, "The login form expired: try again.", 403)
+        token = str(form.get("token", "")).strip()
+        row = await self.token(token) if token else None
+        now = utc(self.clock.now())
+        failed = None
+        if row is None:
+            failed = "That token is not valid."
+        elif row.revoked_at is not None:
+            failed = "That token was revoked."
+        elif row.expired(now):
+            failed = "That token has expired."
+        elif not auth.may_log_in(row):
+            failed = (
+                "That token may not use the console: it needs the admin scope and no user restriction "
+                "(vigil tokens create NAME --scope admin)."
+            )
+        if row is None or failed is not None:
+            status = 403 if row is not None and failed and "may not" in failed else 401
+            return self.login_page(request, target, failed, status)
+        session_id = auth.new_session_id()
+        ends = now + timedelta(seconds=self.settings.console_session_s)
+        if row.expires_at is not None:
+            ends = min(ends, row.expires_at)
+        key = auth.session_hash(session_id)
+        await self.read(sessions.create, id_hash=key, token_id=row.id, csrf=auth.new_csrf(), now=now, expires_at=ends)
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(
-            auth.COOKIE,
-            token,
-            httponly=True,
-            samesite="strict",
-            secure=request.url.scheme == "https",
-            path="/",
-        )
+        _cookie(response, request, auth.COOKIE, session_id, max(1, int((ends - now).total_seconds())))
+        response.delete_cookie(auth.LOGIN_COOKIE, path="/login")
         return response
 
     async def logout(self, request: Request) -> Response:
+        """End the session in the ledger (the cookie alone would outlive a deleted cookie) and
+        drop the cookie. Needs the session's CSRF value: no other site can log an operator out."""
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict")
+        key = auth.session_hash(request.cookies.get(auth.COOKIE, ""))
+        found = None if key is None else await self.read(sessions.by_hash, key)
+        if key is None or found is None or not found.live(utc(self.clock.now())):
+            return response  # nothing to end
+        form = await request.form()
+        if not auth.same(found.csrf, form.get(auth.CSRF_FIELD)):
+            raise _csrf_refusal()
+        await self.read(sessions.end, key, utc(self.clock.now()))
+        self.sessions.forget(key)
         return response
 
     # -- pages -----------------------------------------------------------------------------
@@ -414,6 +485,32 @@ class Console:
 
     async def stylesheet(self, _request: Request) -> Response:
         return Response((TEMPLATES / "console.css").read_text(), media_type="text/css")
+
+
+def _frozen(values: list[str] | None) -> frozenset[str] | None:
+    return None if values is None else frozenset(values)
+
+
+def _tuple(values: list[str] | None) -> tuple[str, ...] | None:
+    return None if values is None else tuple(values)
+
+
+def _csrf_refusal() -> Refused:
+    return Refused(403, "csrf", "the form's CSRF token is missing or wrong: reload the page and try again")
+
+
+def _cookie(response: Response, request: Request, name: str, value: str, max_age: int, path: str = "/") -> None:
+    """A cookie no script reads (HttpOnly), no other site's page sends (SameSite=Strict), that
+    expires (Max-Age), and Secure over HTTPS."""
+    response.set_cookie(
+        name,
+        value,
+        max_age=max_age,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path=path,
+    )
 
 
 def _safe_next(target: str | None) -> str:

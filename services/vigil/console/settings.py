@@ -16,6 +16,8 @@ DEFAULT_CONSOLE_HOST = "127.0.0.1"
 # As ingest: a revoked token stops opening pages within this bound, without a ledger round
 # trip on every page.
 DEFAULT_AUTH_CACHE_S = 5.0
+# A working day: an operator logs in once a shift; a cookie left on a shared machine dies tonight.
+DEFAULT_SESSION_S = 8 * 3600
 SERVER = ServerLimits()
 # A handful of operators, each browser opening about six connections.
 CONSOLE_MAX_CONNECTIONS = 200
@@ -39,6 +41,13 @@ class ConsoleSettings(CommonSettings):
         ge=0,
         le=300,
         description="Seconds the console caches an API token's lookup: a revocation takes effect within this bound.",
+    )
+    console_session_s: int = Field(
+        DEFAULT_SESSION_S,
+        ge=60,
+        le=30 * 86_400,
+        description="Seconds a console login lasts (the cookie's Max-Age and the session's end in the ledger; "
+        "never past the token's own expiry).",
     )
     # The console's port is bounded like ingest's (vigil.httpserver): its heads carry a cookie,
     # not much more, and an operator's browser sends them at once.
