@@ -316,6 +316,7 @@ CONSOLE_ROUTES = [
     ("POST", "/dead/events/retry", "event_id"),
     ("POST", "/deliveries/{}/revive", None),
     ("POST", "/login", "token"),
+    ("POST", "/logout", "csrf"),
 ]
 console_values = st.one_of(
     texts,
@@ -332,6 +333,7 @@ def console_target(ledger):
     from starlette.testclient import TestClient
 
     from console_support import seed_user
+    from test_console_pages import post_login
     from vigil.console.app import create_app
     from vigil.console.settings import ConsoleSettings
 
@@ -339,7 +341,10 @@ def console_target(ledger):
     token = create_token(ledger)["token"]
     app = create_app(ConsoleSettings(database_url=ledger, console_auth_cache_s=0))
     with TestClient(app, base_url="http://console.test", follow_redirects=False) as client:
-        yield client, token
+        assert post_login(client, {"token": token, "next": "/"}).status_code == 303
+        session = client.cookies["vigil_console"]
+        client.cookies.clear()  # sent only when an example asks for it
+        yield client, token, session
 
 
 @three_hundred
@@ -347,13 +352,18 @@ def console_target(ledger):
     route=st.sampled_from(CONSOLE_ROUTES),
     segment=st.one_of(segments, digit_strings.map(lambda t: quote(t, safe=""))),
     value=console_values,
-    auth=st.sampled_from(["token", "junk", "none"]),
+    auth=st.sampled_from(["token", "session", "junk", "none"]),
 )
 def test_console_routes_never_answer_500(console_target, route, segment, value, auth):
-    client, token = console_target
+    client, token, session = console_target
     method, template, name = route
     path = template.replace("{}", segment)
-    headers = {} if auth == "none" else {"authorization": f"Bearer {token if auth == 'token' else 'vgl_nope'}"}
+    headers = {
+        "token": {"authorization": f"Bearer {token}"},
+        "session": {"cookie": f"vigil_console={session}"},
+        "junk": {"authorization": "Bearer vgl_nope"},
+        "none": {},
+    }[auth]
     if method == "POST":
         data = {name: value} if name else {}
         response = client.post(path, data=data, headers=headers)
