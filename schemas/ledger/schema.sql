@@ -471,6 +471,27 @@ CREATE INDEX run_journal_live ON run_journal (user_id, run_key) WHERE finished_a
 -- Retention of the kept journals (VIGIL_RUN_JOURNAL_DAYS).
 CREATE INDEX run_journal_finished ON run_journal (finished_at) WHERE finished_at IS NOT NULL;
 
+-- model_slots: the fleet-wide bound on concurrent model calls (VIGIL_MODEL_FLEET_CONCURRENCY
+-- rows, made and trimmed by the workers at start). A call takes a free slot (lease_until in
+-- the past) for at most the model timeout and a margin, and gives it back when it ends; a
+-- dead worker's slot frees itself when its lease ends.
+CREATE TABLE model_slots (
+    slot        integer     PRIMARY KEY,
+    holder      text,                                    -- worker instance and call, for operators
+    lease_until timestamptz NOT NULL DEFAULT '-infinity',
+    CONSTRAINT model_slots_slot_valid CHECK (slot >= 0)
+);
+
+-- model_backoff: the shared back-off toward the model provider. A 429 or 529 moves ``until``
+-- forward (never back); every worker waits for it before its next call.
+CREATE TABLE model_backoff (
+    provider    text        PRIMARY KEY,                 -- 'anthropic'
+    until       timestamptz NOT NULL,
+    reason      text        NOT NULL,                    -- rate_limited | overloaded
+    set_by      text        NOT NULL,                    -- the worker instance that was told
+    set_at      timestamptz NOT NULL
+);
+
 -- memory: the agent's files under /memories, per user (the memory tool's store).
 CREATE TABLE memory (
     user_id     text        NOT NULL,

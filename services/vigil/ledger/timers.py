@@ -127,12 +127,12 @@ async def upsert_async(conn: psycopg.AsyncConnection[Any], timer: NewTimer) -> U
     return _outcome(returned, existing)
 
 
-def get(conn: psycopg.Connection[DictRow], user_id: str, timer_id: str) -> TimerRow | None:
+def get(conn: psycopg.Connection[DictRow], *, user_id: str, timer_id: str) -> TimerRow | None:
     row = conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id}).fetchone()
     return None if row is None else TimerRow.of(row)
 
 
-async def get_async(conn: psycopg.AsyncConnection[DictRow], user_id: str, timer_id: str) -> TimerRow | None:
+async def get_async(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, timer_id: str) -> TimerRow | None:
     row = await (await conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id})).fetchone()
     return None if row is None else TimerRow.of(row)
 
@@ -156,13 +156,13 @@ async def of_user_async(
     return [TimerRow.of(r) for r in await cursor.fetchall()]
 
 
-def cancel(conn: psycopg.Connection[DictRow], user_id: str, timer_id: str) -> bool:
+def cancel(conn: psycopg.Connection[DictRow], *, user_id: str, timer_id: str) -> bool:
     """A live timer the caller owns becomes done and cancelled. False: unknown, done already,
     or an approval's expiry (which follows its approval)."""
     return conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id}).fetchone() is not None
 
 
-async def cancel_async(conn: psycopg.AsyncConnection[DictRow], user_id: str, timer_id: str) -> bool:
+async def cancel_async(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, timer_id: str) -> bool:
     cursor = await conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id})
     return await cursor.fetchone() is not None
 
@@ -172,7 +172,7 @@ async def lock_quota(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> No
     await conn.execute(Q.timers_quota_lock, {"user_id": user_id})
 
 
-async def live_count(conn: psycopg.AsyncConnection[DictRow], user_id: str, other_than: str) -> int:
+async def live_count(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, other_than: str) -> int:
     """Live timers of a user other than ``other_than`` (the one being (re-)registered)."""
     row = await (await conn.execute(Q.timers_live_count, {"user_id": user_id, "id": other_than})).fetchone()
     assert row is not None  # a count: one row

@@ -68,7 +68,7 @@ def routes(ctx: Any) -> list[Route]:
             raise ctx.invalid(exc.field, exc.reason) from None
         async with ctx.ledger() as conn:
             await ledger.lock_quota(conn, user_id)
-            if await ledger.live_count(conn, user_id, timer.id) >= settings.max_timers_per_user:
+            if await ledger.live_count(conn, user_id=user_id, other_than=timer.id) >= settings.max_timers_per_user:
                 # Re-registering a timer the user has is always allowed; only a new one counts.
                 raise ctx.Refusal(
                     429,
@@ -107,7 +107,7 @@ def routes(ctx: Any) -> list[Route]:
         user_id, timer_id = await authorized(request, with_timer=True)
         assert timer_id is not None  # path_ids(with_timer=True) refuses a missing one
         async with ctx.ledger() as conn:
-            row = await ledger.get_async(conn, user_id, timer_id)
+            row = await ledger.get_async(conn, user_id=user_id, timer_id=timer_id)
         if row is None:
             raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
         return JSONResponse(describe(row))
@@ -116,8 +116,8 @@ def routes(ctx: Any) -> list[Route]:
         user_id, timer_id = await authorized(request, with_timer=True)
         assert timer_id is not None  # path_ids(with_timer=True) refuses a missing one
         async with ctx.ledger() as conn:
-            cancelled = await ledger.cancel_async(conn, user_id, timer_id)
-            row = None if cancelled else await ledger.get_async(conn, user_id, timer_id)
+            cancelled = await ledger.cancel_async(conn, user_id=user_id, timer_id=timer_id)
+            row = None if cancelled else await ledger.get_async(conn, user_id=user_id, timer_id=timer_id)
         if cancelled:
             return Response(status_code=204)
         if row is None:
