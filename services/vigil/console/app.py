@@ -334,7 +334,7 @@ class Console:
 
     async def overview(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        data = await self.read(ledger.overview, utc(self.clock.now()))
+        data = await self.read(ledger.overview, now=utc(self.clock.now()))
         return self.page(request, "overview.html", o=data)
 
     async def search(self, request: Request) -> Response:
@@ -360,7 +360,7 @@ class Console:
             return RedirectResponse(f"/users/{quote(q, safe='')}", status_code=303)
         events: list = []
         if kind in ("any", "source_id"):
-            events = await self.read(ledger.events_by_source_id, q, user_id)
+            events = await self.read(ledger.events_by_source_id, source_id=q, user_id=user_id)
             if len(events) == 1:
                 return RedirectResponse(f"/events/{events[0].id}", status_code=303)
         tried += ["run id", "event id", "user id", "source id"]
