@@ -108,9 +108,9 @@ def routes(ctx: Any) -> list[Route]:
         return JSONResponse(changed.as_json(), status_code=code)
 
     return [
-        Route(COLLECTION, list_tasks, methods=["GET"]),
-        Route(ITEM, get_task, methods=["GET"]),
-        Route(CANCEL, cancel_task, methods=["POST"]),
+        ctx.route(COLLECTION, list_tasks, methods=["GET"]),
+        ctx.route(ITEM, get_task, methods=["GET"]),
+        ctx.route(CANCEL, cancel_task, methods=["POST"]),
     ]
 
 
