@@ -534,9 +534,23 @@ CREATE TABLE api_tokens (
     revoked_at  timestamptz,                              -- a revoked token is refused with 403
     scopes      text[],                                   -- route families it may use; NULL: all (tokens from before 0013)
     users       text[],                                   -- users it may act for (`prefix*` for a prefix); NULL: any
+    expires_at  timestamptz,                              -- refused from then on (401 token_expired); NULL: never (0028)
     CONSTRAINT api_tokens_scopes_valid
         CHECK (scopes <@ ARRAY['events', 'messages', 'timers', 'approvals', 'admin']::text[])
 );
+
+-- console_sessions: a console login (0028). The cookie holds a random id, stored here as its
+-- sha256; the session ends at expires_at, or at logout (ended_at), whichever comes first.
+CREATE TABLE console_sessions (
+    id_hash     text PRIMARY KEY,
+    token_id    text        NOT NULL REFERENCES api_tokens (id),
+    csrf        text        NOT NULL,                     -- the value its forms send back
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL,
+    ended_at    timestamptz,
+    CONSTRAINT console_sessions_expire_after_start CHECK (expires_at > created_at)
+);
+CREATE INDEX console_sessions_by_expiry ON console_sessions (expires_at);
 
 -- hooks: webhook endpoints (POST /v1/hooks/{id}), each for one provider and one user.
 CREATE TABLE hooks (

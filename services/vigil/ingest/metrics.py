@@ -49,8 +49,8 @@ PRODUCE_SECONDS = Histogram(
 
 UNKNOWN_KEYS = Counter(
     "vigil_ingest_unknown_keys_total",
-    "Requests with an unknown API token or hook id, by kind (token, hook) and whether the ledger was asked "
-    "(looked_up false: answered from the set of existing keys during a flood).",
+    "Requests with an unknown API token, hook id or approval id, by kind (token, hook, approval) and whether "
+    "the ledger was asked (looked_up false: answered from the set of existing keys during a flood).",
     ["kind", "looked_up"],
 )
 

@@ -40,6 +40,10 @@ class AuthToken:
     revoked_at: datetime | None
     scopes: list[str] | None
     users: list[str] | None
+    expires_at: datetime | None = None  # refused from then on; None: never
+
+    def expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,7 @@ class Token:
     revoked_at: datetime | None
     scopes: list[str] | None
     users: list[str] | None
+    expires_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,7 @@ class NewToken:
     created_at: datetime
     scopes: list[str] | None
     users: list[str] | None
+    expires_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,11 @@ async def token_hashes(conn: psycopg.AsyncConnection[DictRow]) -> frozenset[str]
     return frozenset(row["token_hash"] for row in await cursor.fetchall())
 
 
+def all_token_hashes(conn: psycopg.Connection[DictRow]) -> frozenset[str]:
+    """:func:`token_hashes` on a sync connection (the console's negative cache)."""
+    return frozenset(row["token_hash"] for row in conn.execute(Q.token_hashes).fetchall())
+
+
 def create_token(
     conn: psycopg.Connection[DictRow],
     *,
@@ -95,9 +106,18 @@ def create_token(
     digest: str,
     scopes: list[str] | None,
     users: list[str] | None,
+    expires_at: datetime | None = None,
 ) -> NewToken:
     row = conn.execute(
-        Q.token_create, {"id": token_id, "name": name, "token_hash": digest, "scopes": scopes, "users": users}
+        Q.token_create,
+        {
+            "id": token_id,
+            "name": name,
+            "token_hash": digest,
+            "scopes": scopes,
+            "users": users,
+            "expires_at": expires_at,
+        },
     ).fetchone()
     return _row(NewToken, row)  # type: ignore[return-value]
 
