@@ -566,9 +566,10 @@ CREATE TABLE hooks (
 CREATE TABLE hook_secrets (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     hook_id     text        NOT NULL REFERENCES hooks (id) ON DELETE CASCADE,
-    secret      text        NOT NULL,                     -- needed in clear to verify HMACs
+    secret      text        NOT NULL,                     -- sealed with VIGIL_SECRET_KEY (opened to verify HMACs)
     created_at  timestamptz NOT NULL DEFAULT now(),
-    revoked_at  timestamptz
+    revoked_at  timestamptz,
+    sealed_with text                                      -- id of the sealing key; NULL: in clear (0029)
 );
 CREATE INDEX hook_secrets_active ON hook_secrets (hook_id) WHERE revoked_at IS NULL;
 
@@ -577,11 +578,12 @@ CREATE TABLE channels (
     user_id           text PRIMARY KEY,
     type              text        NOT NULL,               -- webhook | kafka | log
     url               text,                               -- webhook target
-    secret            text,                               -- webhook signing secret (Standard Webhooks)
+    secret            text,                               -- webhook signing secret (Standard Webhooks), sealed
     gap_seconds       integer,                            -- pacing gap override (else VIGIL_OUTBOX_GAP)
     urgent_daily_cap  integer,                            -- urgent deliveries allowed per day (NULL: VIGIL_URGENT_DAILY_CAP)
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now(),
+    sealed_with       text,                               -- id of the key that sealed secret; NULL: in clear
     CONSTRAINT channels_type_valid CHECK (type IN ('webhook', 'kafka', 'log')),
     CONSTRAINT channels_webhook_has_url CHECK (type <> 'webhook' OR (url IS NOT NULL AND secret IS NOT NULL)),
     CONSTRAINT channels_gap_nonnegative CHECK (gap_seconds IS NULL OR gap_seconds >= 0),

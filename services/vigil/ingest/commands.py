@@ -27,7 +27,7 @@ from vigil.ledger import audit
 from vigil.ledger import ingest as ledger
 from vigil.ledger.states import HookProvider, Scope
 from vigil.numbers import NotParsed, instant
-from vigil.service import load_or_exit, require_schema
+from vigil.service import load_or_exit, require_schema, require_secret_keys
 
 ID_BYTES = 9  # 12 url-safe characters: unguessable enough for ids that are not secrets
 
@@ -50,6 +50,7 @@ def ingest_command() -> None:
     """Run the ingest HTTP service (API, webhooks, approvals, /healthz /readyz /metrics)."""
     settings = load_or_exit(IngestSettings)
     require_schema(settings)
+    require_secret_keys(settings)
     serve(settings)
 
 

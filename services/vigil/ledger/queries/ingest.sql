@@ -33,14 +33,15 @@ RETURNING id, provider, user_id, created_at
 
 -- name: hook_secret_add
 -- Add a signing secret to a hook that is not disabled (a rotation keeps the older ones active).
-INSERT INTO hook_secrets (hook_id, secret)
-SELECT id, %(secret)s FROM hooks WHERE id = %(hook_id)s AND disabled_at IS NULL
+INSERT INTO hook_secrets (hook_id, secret, sealed_with)
+SELECT id, %(secret)s, %(sealed_with)s FROM hooks WHERE id = %(hook_id)s AND disabled_at IS NULL
 RETURNING id, hook_id, created_at
 
 -- name: hook_for_delivery
 -- A hook and its active secrets, as a delivery needs them (hot path, cached by ingest).
 SELECT h.id, h.provider, h.user_id, h.disabled_at,
-       COALESCE(array_agg(s.secret ORDER BY s.id) FILTER (WHERE s.id IS NOT NULL), '{}') AS secrets
+       COALESCE(array_agg(s.secret ORDER BY s.id) FILTER (WHERE s.id IS NOT NULL), '{}') AS secrets,
+       COALESCE(array_agg(s.sealed_with ORDER BY s.id) FILTER (WHERE s.id IS NOT NULL), '{}') AS sealed_with
 FROM hooks h
 LEFT JOIN hook_secrets s ON s.hook_id = h.id AND s.revoked_at IS NULL
 WHERE h.id = %(hook_id)s
