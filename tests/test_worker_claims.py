@@ -24,11 +24,12 @@ from psycopg.rows import dict_row
 from support import auto_explain, query
 from vigil.agent.base import EventRow, OutMessage, RunResult
 from vigil.clock import ManualClock, utc
+from vigil.ledger.claims import Claim, DeadEvent, alone_due, claim, claim_alone, mark_dead
 from vigil.ledger.finish import finish_runs_params
+from vigil.ledger.partitions import PartitionKey
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
-from vigil.worker.claims import Claim, DeadEvent, alone_due, claim, claim_alone, mark_dead
-from vigil.worker.fencing import PartitionKey, take_over, wait_for_handover
+from vigil.worker.fencing import take_over, wait_for_handover
 from vigil.worker.finish import Finished, run_record
 
 HOME = PartitionKey("events", 0)
@@ -214,9 +215,12 @@ class DeferredTakeover:
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         assigned = self.assigned
 
-        class RunLoop:
+        class Claimer:
             async def assign(self, epochs):
                 assigned.append(epochs)
+
+        class RunLoop:
+            claimer = Claimer()
 
         settings = load(WorkerSettings, instance_id="next-worker")
         self.consumer = ConsumerLoop(settings, RunLoop(), self.loop, None, threading.Event())
@@ -631,7 +635,7 @@ def test_a_pass_in_between_does_not_cancel_a_requested_one(monkeypatch):
     runner.claimer._claim_pass = record_pass
 
     async def go():
-        loop_task = asyncio.create_task(runner.claim_loop())
+        loop_task = asyncio.create_task(runner.claimer.claim_loop())
         await asyncio.sleep(0.05)  # the first pass (at start) is done
         runner.wake(0.3)  # the window of what was just recorded ends then
         await asyncio.sleep(0.1)

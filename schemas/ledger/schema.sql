@@ -225,6 +225,9 @@ CREATE TABLE runs (
     cache_read_tokens  integer     NOT NULL DEFAULT 0,
     cache_write_tokens integer     NOT NULL DEFAULT 0,
     tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0021)
+    task_turns         integer     NOT NULL DEFAULT 0,   -- its background tasks' usage, added as each ends (0030)
+    task_input_tokens  integer     NOT NULL DEFAULT 0,
+    task_output_tokens integer     NOT NULL DEFAULT 0,
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );
@@ -310,6 +313,7 @@ CREATE TABLE timers (
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
     traceparent    text,                                  -- the setting run's W3C trace context (traces on): the fire span continues it
+    token_id       text,                                  -- the API token that created or last registered it; NULL: a run or the CLI (0027)
     PRIMARY KEY (user_id, id),
     CONSTRAINT timers_kind_valid CHECK (kind IN ('followup', 'schedule', 'approval_expiry')),
     CONSTRAINT timers_catch_up_valid CHECK (catch_up IN ('coalesce', 'each', 'skip')),
@@ -321,6 +325,8 @@ CREATE TABLE timers (
     CONSTRAINT timers_error_is_done CHECK (error IS NULL OR done)
 );
 CREATE INDEX timers_due ON timers (due) WHERE NOT done;
+-- VIGIL_TIMER_QUOTA_PER_TOKEN's count (0027).
+CREATE INDEX timers_live_by_token ON timers (token_id) WHERE NOT done AND token_id IS NOT NULL;
 
 -- approvals: deferred tool calls. The answer and the expiry share the key request_id:
 -- whichever is stored first stands (answer IS NULL is the only state that moves).
@@ -417,6 +423,9 @@ CREATE TABLE tasks (
     output_tokens       integer     NOT NULL DEFAULT 0,
     run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0021)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
+    last_tool           text,                                -- progress (0030): the last tool the child called
+    note                text,                                -- its latest note: the text it wrote with that call
+    progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal
@@ -471,6 +480,27 @@ CREATE INDEX run_journal_live ON run_journal (user_id, run_key) WHERE finished_a
 -- Retention of the kept journals (VIGIL_RUN_JOURNAL_DAYS).
 CREATE INDEX run_journal_finished ON run_journal (finished_at) WHERE finished_at IS NOT NULL;
 
+-- model_slots: the fleet-wide bound on concurrent model calls (VIGIL_MODEL_FLEET_CONCURRENCY
+-- rows, made and trimmed by the workers at start). A call takes a free slot (lease_until in
+-- the past) for at most the model timeout and a margin, and gives it back when it ends; a
+-- dead worker's slot frees itself when its lease ends.
+CREATE TABLE model_slots (
+    slot        integer     PRIMARY KEY,
+    holder      text,                                    -- worker instance and call, for operators
+    lease_until timestamptz NOT NULL DEFAULT '-infinity',
+    CONSTRAINT model_slots_slot_valid CHECK (slot >= 0)
+);
+
+-- model_backoff: the shared back-off toward the model provider. A 429 or 529 moves ``until``
+-- forward (never back); every worker waits for it before its next call.
+CREATE TABLE model_backoff (
+    provider    text        PRIMARY KEY,                 -- 'anthropic'
+    until       timestamptz NOT NULL,
+    reason      text        NOT NULL,                    -- rate_limited | overloaded
+    set_by      text        NOT NULL,                    -- the worker instance that was told
+    set_at      timestamptz NOT NULL
+);
+
 -- memory: the agent's files under /memories, per user (the memory tool's store).
 CREATE TABLE memory (
     user_id     text        NOT NULL,
@@ -504,9 +534,23 @@ CREATE TABLE api_tokens (
     revoked_at  timestamptz,                              -- a revoked token is refused with 403
     scopes      text[],                                   -- route families it may use; NULL: all (tokens from before 0013)
     users       text[],                                   -- users it may act for (`prefix*` for a prefix); NULL: any
+    expires_at  timestamptz,                              -- refused from then on (401 token_expired); NULL: never (0028)
     CONSTRAINT api_tokens_scopes_valid
         CHECK (scopes <@ ARRAY['events', 'messages', 'timers', 'approvals', 'admin']::text[])
 );
+
+-- console_sessions: a console login (0028). The cookie holds a random id, stored here as its
+-- sha256; the session ends at expires_at, or at logout (ended_at), whichever comes first.
+CREATE TABLE console_sessions (
+    id_hash     text PRIMARY KEY,
+    token_id    text        NOT NULL REFERENCES api_tokens (id),
+    csrf        text        NOT NULL,                     -- the value its forms send back
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL,
+    ended_at    timestamptz,
+    CONSTRAINT console_sessions_expire_after_start CHECK (expires_at > created_at)
+);
+CREATE INDEX console_sessions_by_expiry ON console_sessions (expires_at);
 
 -- hooks: webhook endpoints (POST /v1/hooks/{id}), each for one provider and one user.
 CREATE TABLE hooks (
@@ -522,9 +566,10 @@ CREATE TABLE hooks (
 CREATE TABLE hook_secrets (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     hook_id     text        NOT NULL REFERENCES hooks (id) ON DELETE CASCADE,
-    secret      text        NOT NULL,                     -- needed in clear to verify HMACs
+    secret      text        NOT NULL,                     -- sealed with VIGIL_SECRET_KEY (opened to verify HMACs)
     created_at  timestamptz NOT NULL DEFAULT now(),
-    revoked_at  timestamptz
+    revoked_at  timestamptz,
+    sealed_with text                                      -- id of the sealing key; NULL: in clear (0029)
 );
 CREATE INDEX hook_secrets_active ON hook_secrets (hook_id) WHERE revoked_at IS NULL;
 
@@ -533,11 +578,12 @@ CREATE TABLE channels (
     user_id           text PRIMARY KEY,
     type              text        NOT NULL,               -- webhook | kafka | log
     url               text,                               -- webhook target
-    secret            text,                               -- webhook signing secret (Standard Webhooks)
+    secret            text,                               -- webhook signing secret (Standard Webhooks), sealed
     gap_seconds       integer,                            -- pacing gap override (else VIGIL_OUTBOX_GAP)
     urgent_daily_cap  integer,                            -- urgent deliveries allowed per day (NULL: VIGIL_URGENT_DAILY_CAP)
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now(),
+    sealed_with       text,                               -- id of the key that sealed secret; NULL: in clear
     CONSTRAINT channels_type_valid CHECK (type IN ('webhook', 'kafka', 'log')),
     CONSTRAINT channels_webhook_has_url CHECK (type <> 'webhook' OR (url IS NOT NULL AND secret IS NOT NULL)),
     CONSTRAINT channels_gap_nonnegative CHECK (gap_seconds IS NULL OR gap_seconds >= 0),

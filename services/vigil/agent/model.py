@@ -9,6 +9,9 @@
   a bad key, a prompt too long), is the run's own problem: it propagates and the attempt
   counts as failed, so a request that can never succeed ends dead instead of looping.
 
+- Every attempt passes the fleet's gate (``RetryPolicy.gate``, :mod:`vigil.agent.fleet`): the
+  back-off a 429 or 529 told any worker, and the fleet-wide bound on calls in flight.
+
 The SDK's own retries are switched off (``max_retries=0``) so that this is the only policy
 and its attempts show in the metrics.
 
@@ -43,6 +46,7 @@ from opentelemetry.trace import SpanKind
 from vigil import tracing
 from vigil.agent import metrics
 from vigil.agent.base import RetryLater, Usage
+from vigil.agent.fleet import OPEN, Gate
 from vigil.retry import backoff
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,8 @@ PATH = "/v1/messages"
 MIN_CALL_SECONDS = 5.0
 # A call is not started with fewer tokens than this left in the run's budget.
 MIN_CALL_TOKENS = 256
+# The answers that slow the whole fleet down (the shared back-off, vigil.agent.fleet).
+SLOW_DOWN = frozenset({"rate_limited", "overloaded"})
 
 
 @dataclass
@@ -67,16 +73,22 @@ class Budget:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     tool_calls: int = 0  # tool_use blocks received: recorded on the run, not a limit
+    reserved: int = 0  # tokens set aside for the background tasks this run queued (their budgets)
 
     @property
     def spent(self) -> int:
         return self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
 
+    @property
+    def left(self) -> int:
+        """Tokens this run may still spend itself or hand to a child."""
+        return self.max_tokens - self.spent - self.reserved
+
     def exhausted(self) -> str | None:
         """Which budget stops the next call, or None."""
         if self.turns >= self.max_turns:
             return "turns"
-        if self.max_tokens - self.spent < MIN_CALL_TOKENS:
+        if self.left < MIN_CALL_TOKENS:
             return "tokens"
         if self.deadline - time.monotonic() < MIN_CALL_SECONDS:
             return "wall_time"
@@ -119,6 +131,7 @@ class RetryPolicy:
     backoff_s: float
     backoff_cap_s: float
     timeout_s: float
+    gate: Gate = OPEN  # the fleet's (vigil.agent.fleet): shared back-off, fleet-wide slots
 
 
 def _retry_after(exc: anthropic.APIStatusError) -> float | None:
@@ -279,13 +292,17 @@ async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes,
     """One attempt, in its span (GenAI conventions) when traces are on."""
     if not tracing.enabled:
         return await _attempt(client, body, timeout)
+    # OpenTelemetry's GenAI semantic conventions: the span is named "{operation} {model}";
+    # gen_ai.system is the attribute's name before gen_ai.provider.name, still read by many
+    # LLM observability tools, so both are set.
     attributes = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "anthropic",
+        "gen_ai.system": "anthropic",
         "gen_ai.request.model": request.model,
         "gen_ai.request.max_tokens": request.max_tokens,
     }
-    with tracing.span("anthropic.messages.create", SpanKind.CLIENT, attributes=attributes) as span:
+    with tracing.span(f"chat {request.model}", SpanKind.CLIENT, attributes=attributes) as span:
         try:
             message = await _attempt(client, body, timeout)
         except anthropic.APIStatusError as exc:
@@ -295,6 +312,11 @@ async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes,
         span.set_attribute("gen_ai.response.model", message.model)
         span.set_attribute("gen_ai.usage.input_tokens", message.usage.input_tokens or 0)
         span.set_attribute("gen_ai.usage.output_tokens", message.usage.output_tokens or 0)
+        usage = message.usage
+        if usage.cache_read_input_tokens is not None:
+            span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cache_read_input_tokens)
+        if usage.cache_creation_input_tokens is not None:
+            span.set_attribute("gen_ai.usage.cache_creation.input_tokens", usage.cache_creation_input_tokens)
         if message.stop_reason:
             span.set_attribute("gen_ai.response.finish_reasons", [message.stop_reason])
         return message
@@ -305,10 +327,14 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
     body = request.body()
     attempt = 0
     while True:
-        remaining = budget.deadline - time.monotonic()
         started = time.monotonic()
         try:
-            response = await _post(client, request, body, max(1.0, min(policy.timeout_s, remaining)))
+            async with policy.gate.call(budget.deadline - MIN_CALL_SECONDS):
+                started = time.monotonic()
+                remaining = budget.deadline - started
+                response = await _post(client, request, body, max(1.0, min(policy.timeout_s, remaining)))
+        except RetryLater:
+            raise  # the fleet's gate: its wait would pass the run's deadline
         except asyncio.CancelledError:
             # The run was cancelled mid-call (a revoke past its grace, a shutdown's release, the
             # run's wall-time limit): the request was sent and may be billed, its answer is lost.
@@ -323,6 +349,8 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
                 raise
             attempt += 1
             delay = backoff(attempt, policy.backoff_s, policy.backoff_cap_s, retry_after_s=retry_after)
+            if label in SLOW_DOWN:
+                await policy.gate.told(label, retry_after if retry_after is not None else delay)
             left = budget.deadline - time.monotonic() - MIN_CALL_SECONDS
             if attempt > policy.retries or delay > policy.backoff_cap_s or delay > left:
                 log.warning(

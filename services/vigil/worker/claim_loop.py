@@ -7,7 +7,7 @@ due. A pass, under the claim lock: once per scan interval rule 2 (exhausted even
 ``dead``) and the look for a lone last attempt (:mod:`vigil.worker.lone`); once per heal
 interval the heal of orphaned claims; then claims up to ``VIGIL_RUN_CONCURRENCY`` minus the
 runs in flight (at most ``VIGIL_CLAIM_PASS_MAX``, then another pass at once), round-robin
-from a cursor (:func:`vigil.worker.claims.claim`), and starts them
+from a cursor (:func:`vigil.ledger.claims.claim`), and starts them
 (:class:`vigil.worker.runs.Runs`). The claim lock keeps a pass and a rebalance apart:
 a revoked partition's claims are never started after its runs were cancelled.
 """
@@ -26,10 +26,10 @@ from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
+from vigil.ledger.claims import Claim, alone_due, claim, claim_alone, mark_dead
 from vigil.ledger.db import AsyncPool
+from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics
-from vigil.worker.claims import Claim, alone_due, claim, claim_alone, mark_dead
-from vigil.worker.fencing import PartitionKey
 from vigil.worker.lone import LoneAttempt
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings

@@ -19,7 +19,6 @@ from vigil.worker import metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PartitionKey", "handing_over", "take_over", "wait_for_handover"]
 
 # How often a takeover looks whether the previous owner's hand-over has ended.
 HANDOVER_POLL_S = 0.05
