@@ -198,6 +198,7 @@ def test_escalation_asks_again_louder_and_keeps_waiting(asked, agent_run, server
 
 
 def test_a_message_to_a_waiting_session_starts_a_new_one(asked, agent_run):
+    # An unclear reply; a clear yes or no is an answer at ingest (test_ingest_approvals.py).
     waiting = t.saved(asked)
     [result] = agent_run(t.context([t.chat("hello?", session_id=waiting.id)], sessions=[waiting]))
     assert result.session.id != waiting.id and result.other_sessions == []

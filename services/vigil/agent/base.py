@@ -124,6 +124,9 @@ class OutMessage:
     # it, so the dispatcher never holds it behind the urgent cap).
     session_id: str | None = field(default=None, compare=False)
     deadline: datetime | None = field(default=None, compare=False)
+    # An approval question's approve / deny actions (signed answer URLs), rendered by the
+    # dispatcher's channels so a chat app can show buttons (outbox.actions).
+    actions: tuple[dict, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)

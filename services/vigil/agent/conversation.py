@@ -182,7 +182,8 @@ class Conversation:
         secret = self.box.settings.approval_secret.get_secret_value()
         pending = self.thread.pending
         assert pending is not None  # a waiting session holds its deferred call
-        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret)
+        base_url = self.box.settings.approval_actions_base_url
+        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret, base_url)
         self.outputs.messages.append(message)
         return Ended(self.outputs, touched=True)
 
@@ -298,6 +299,7 @@ class Conversation:
             deadline_s=settings.approval_deadline_s,
             on_expiry=settings.approval_on_expiry,
             secret=settings.approval_secret.get_secret_value(),
+            actions_base_url=settings.approval_actions_base_url,
         )
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
         return results, deferral
