@@ -18,10 +18,10 @@ from psycopg.rows import dict_row
 from support import query
 from test_worker_claims import HOME, _max_rows_per_node, seed_pending
 from vigil.agent.base import EventRow, OutMessage, RunResult
+from vigil.ledger.claims import Claim
 from vigil.ledger.finish import finish_runs_params
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
-from vigil.worker.claims import Claim
 from vigil.worker.finish import Finished, run_record
 
 HISTORY_DAYS = 31

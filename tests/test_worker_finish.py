@@ -14,12 +14,12 @@ from psycopg.rows import dict_row
 from support import query
 from vigil.agent.base import EventRow, MemoryWrite, NewTask, NewTimer, OutMessage, RunResult, Usage
 from vigil.clock import SystemClock
+from vigil.ledger.claims import Claim
 from vigil.ledger.db import async_pool
+from vigil.ledger.partitions import PartitionKey
 from vigil.ledger.states import RunOutcome
 from vigil.worker import claim_loop
 from vigil.worker.claim_loop import Claimer
-from vigil.worker.claims import Claim
-from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished, commit_finished
 from vigil.worker.finish_loop import FINISH_GATHER_MAX_S, FINISH_GATHER_MIN_GROUP, Finisher, gather_s
 from vigil.worker.runs import Active, Runs

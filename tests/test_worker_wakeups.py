@@ -12,10 +12,10 @@ from psycopg_pool import AsyncConnectionPool
 
 from vigil.agent.base import EventRow
 from vigil.clock import ManualClock
+from vigil.ledger.claims import Claim
 from vigil.ledger.db import connection_kwargs
+from vigil.ledger.partitions import PartitionKey
 from vigil.settings import load
-from vigil.worker.claims import Claim
-from vigil.worker.fencing import PartitionKey
 from vigil.worker.lone import LoneAttempt
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings

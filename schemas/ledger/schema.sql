@@ -311,6 +311,7 @@ CREATE TABLE timers (
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
     traceparent    text,                                  -- the setting run's W3C trace context (traces on): the fire span continues it
+    token_id       text,                                  -- the API token that created or last registered it; NULL: a run or the CLI (0027)
     PRIMARY KEY (user_id, id),
     CONSTRAINT timers_kind_valid CHECK (kind IN ('followup', 'schedule', 'approval_expiry')),
     CONSTRAINT timers_catch_up_valid CHECK (catch_up IN ('coalesce', 'each', 'skip')),
@@ -322,6 +323,8 @@ CREATE TABLE timers (
     CONSTRAINT timers_error_is_done CHECK (error IS NULL OR done)
 );
 CREATE INDEX timers_due ON timers (due) WHERE NOT done;
+-- VIGIL_TIMER_QUOTA_PER_TOKEN's count (0027).
+CREATE INDEX timers_live_by_token ON timers (token_id) WHERE NOT done AND token_id IS NOT NULL;
 
 -- approvals: deferred tool calls. The answer and the expiry share the key request_id:
 -- whichever is stored first stands (answer IS NULL is the only state that moves).
@@ -473,6 +476,27 @@ CREATE TABLE run_journal (
 CREATE INDEX run_journal_live ON run_journal (user_id, run_key) WHERE finished_at IS NULL;
 -- Retention of the kept journals (VIGIL_RUN_JOURNAL_DAYS).
 CREATE INDEX run_journal_finished ON run_journal (finished_at) WHERE finished_at IS NOT NULL;
+
+-- model_slots: the fleet-wide bound on concurrent model calls (VIGIL_MODEL_FLEET_CONCURRENCY
+-- rows, made and trimmed by the workers at start). A call takes a free slot (lease_until in
+-- the past) for at most the model timeout and a margin, and gives it back when it ends; a
+-- dead worker's slot frees itself when its lease ends.
+CREATE TABLE model_slots (
+    slot        integer     PRIMARY KEY,
+    holder      text,                                    -- worker instance and call, for operators
+    lease_until timestamptz NOT NULL DEFAULT '-infinity',
+    CONSTRAINT model_slots_slot_valid CHECK (slot >= 0)
+);
+
+-- model_backoff: the shared back-off toward the model provider. A 429 or 529 moves ``until``
+-- forward (never back); every worker waits for it before its next call.
+CREATE TABLE model_backoff (
+    provider    text        PRIMARY KEY,                 -- 'anthropic'
+    until       timestamptz NOT NULL,
+    reason      text        NOT NULL,                    -- rate_limited | overloaded
+    set_by      text        NOT NULL,                    -- the worker instance that was told
+    set_at      timestamptz NOT NULL
+);
 
 -- memory: the agent's files under /memories, per user (the memory tool's store).
 CREATE TABLE memory (

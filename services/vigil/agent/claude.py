@@ -32,12 +32,14 @@ from vigil.agent import delegation, metrics, model
 from vigil.agent.actions import action_tools
 from vigil.agent.base import RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
+from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.sessions import plan
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
 from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
+from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
 
@@ -144,6 +146,22 @@ class ClaudeAgent:
         if not os.environ.get("ANTHROPIC_API_KEY") and not os.environ.get("ANTHROPIC_AUTH_TOKEN"):
             raise SettingsError("ANTHROPIC_API_KEY: required with VIGIL_AGENT=claude")
         return cls(load(AgentSettings))
+
+    async def join_fleet(self, pool: AsyncPool, instance: str) -> None:
+        """Share the model with the deployment's other workers (:mod:`vigil.agent.fleet`):
+        their 429/529 back-off, and ``VIGIL_MODEL_FLEET_CONCURRENCY`` if set."""
+        s = self.settings
+        if not s.model_fleet_concurrency and not s.model_shared_backoff:
+            return
+        gate = FleetGate(
+            pool,
+            concurrency=s.model_fleet_concurrency,
+            shared_backoff=s.model_shared_backoff,
+            instance=instance,
+            call_timeout_s=s.model_timeout_s,
+        )
+        await gate.start()
+        self.box.retry = replace(self.box.retry, gate=gate)
 
     async def close(self) -> None:
         await self.box.client.close()

@@ -70,7 +70,7 @@ def question_text(pending: dict[str, Any], user_id: str, secret: str, *, again: 
         f"Reply yes or no to this message before {pending['due']}; without an answer {policy}.",
         f'Or through the API: POST /v1/approvals/{request_id} with {{"answer": "yes" or "no", "token": <token below>}}',
         f"request_id: {request_id}",
-        f"token: {sign_token(secret, request_id, user_id)}",
+        f"token: {sign_token(secret=secret, request_id=request_id, user_id=user_id)}",
     ]
     return "\n".join(lines)
 
@@ -80,7 +80,7 @@ def _question(
 ) -> OutMessage:
     due = datetime.fromisoformat(pending["due"])
     actions = answer_actions(
-        secret, request_id=pending["request_id"], user_id=user_id, due=due, base_url=actions_base_url
+        secret=secret, request_id=pending["request_id"], user_id=user_id, due=due, base_url=actions_base_url
     )
     text = question_text(pending, user_id, secret, again=again)
     return OutMessage(text, urgent=True, deadline=due, actions=tuple(actions))

@@ -22,6 +22,7 @@ import asyncio
 import os
 import signal
 import uuid
+from typing import Any
 
 from vigil.agent.base import NewTask, OutMessage, RunContext, RunResult, TaskContext, TaskResult, Usage
 from vigil.ledger.states import RunOutcome
@@ -101,6 +102,9 @@ class EchoAgent:
         await self._hooks(ctx.instructions)
         ctx.usage.output_tokens = len(ctx.instructions) + 6
         return TaskResult(f"done: {ctx.instructions}")
+
+    async def join_fleet(self, pool: Any, instance: str) -> None:
+        return None  # no model, nothing to share
 
     async def close(self) -> None:
         return None

@@ -98,3 +98,17 @@ RUN_REPLAYS = Counter(
 )
 for _reason in ("replayed", "discarded", "diverged"):
     RUN_REPLAYS.labels(_reason)
+
+FLEET_WAITS_TOTAL = Counter(
+    "vigil_model_fleet_waits_total",
+    "Model calls that waited at the fleet's gate, by reason: backoff (the shared 429/529 back-off "
+    "another worker or this one was told), slot (every VIGIL_MODEL_FLEET_CONCURRENCY slot held), "
+    "ledger_error (the gate's bookkeeping unreachable: the call went ahead).",
+    ["reason"],
+)
+FLEET_WAITS = {reason: FLEET_WAITS_TOTAL.labels(reason) for reason in ("backoff", "slot", "ledger_error")}
+FLEET_WAIT_SECONDS = Histogram(
+    "vigil_model_fleet_wait_seconds",
+    "How long a model call waited at the fleet's gate (shared back-off or a free slot).",
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)

@@ -9,6 +9,9 @@
   a bad key, a prompt too long), is the run's own problem: it propagates and the attempt
   counts as failed, so a request that can never succeed ends dead instead of looping.
 
+- Every attempt passes the fleet's gate (``RetryPolicy.gate``, :mod:`vigil.agent.fleet`): the
+  back-off a 429 or 529 told any worker, and the fleet-wide bound on calls in flight.
+
 The SDK's own retries are switched off (``max_retries=0``) so that this is the only policy
 and its attempts show in the metrics.
 
@@ -43,6 +46,7 @@ from opentelemetry.trace import SpanKind
 from vigil import tracing
 from vigil.agent import metrics
 from vigil.agent.base import RetryLater, Usage
+from vigil.agent.fleet import OPEN, Gate
 from vigil.retry import backoff
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,8 @@ PATH = "/v1/messages"
 MIN_CALL_SECONDS = 5.0
 # A call is not started with fewer tokens than this left in the run's budget.
 MIN_CALL_TOKENS = 256
+# The answers that slow the whole fleet down (the shared back-off, vigil.agent.fleet).
+SLOW_DOWN = frozenset({"rate_limited", "overloaded"})
 
 
 @dataclass
@@ -119,6 +125,7 @@ class RetryPolicy:
     backoff_s: float
     backoff_cap_s: float
     timeout_s: float
+    gate: Gate = OPEN  # the fleet's (vigil.agent.fleet): shared back-off, fleet-wide slots
 
 
 def _retry_after(exc: anthropic.APIStatusError) -> float | None:
@@ -305,10 +312,14 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
     body = request.body()
     attempt = 0
     while True:
-        remaining = budget.deadline - time.monotonic()
         started = time.monotonic()
         try:
-            response = await _post(client, request, body, max(1.0, min(policy.timeout_s, remaining)))
+            async with policy.gate.call(budget.deadline - MIN_CALL_SECONDS):
+                started = time.monotonic()
+                remaining = budget.deadline - started
+                response = await _post(client, request, body, max(1.0, min(policy.timeout_s, remaining)))
+        except RetryLater:
+            raise  # the fleet's gate: its wait would pass the run's deadline
         except asyncio.CancelledError:
             # The run was cancelled mid-call (a revoke past its grace, a shutdown's release, the
             # run's wall-time limit): the request was sent and may be billed, its answer is lost.
@@ -323,6 +334,8 @@ async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Bud
                 raise
             attempt += 1
             delay = backoff(attempt, policy.backoff_s, policy.backoff_cap_s, retry_after_s=retry_after)
+            if label in SLOW_DOWN:
+                await policy.gate.told(label, retry_after if retry_after is not None else delay)
             left = budget.deadline - time.monotonic() - MIN_CALL_SECONDS
             if attempt > policy.retries or delay > policy.backoff_cap_s or delay > left:
                 log.warning(

@@ -211,6 +211,18 @@ class AgentSettings(CommonSettings):
     model_backoff_s: float = Field(
         DEFAULT_MODEL_BACKOFF_S, gt=0, le=60, description="First backoff between model call retries; doubles."
     )
+    model_fleet_concurrency: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="Most model calls in flight across every worker of the deployment (leased slots in the "
+        "ledger, model_slots); 0: no fleet-wide bound, each worker's own VIGIL_MAX_CONCURRENT_RUNS only.",
+    )
+    model_shared_backoff: bool = Field(
+        True,
+        description="A 429 or 529 one worker is told pauses every worker's model calls for the same time "
+        "(model_backoff in the ledger, read at most once a second per worker).",
+    )
     model_backoff_cap_s: float = Field(
         DEFAULT_MODEL_BACKOFF_CAP_S,
         gt=0,

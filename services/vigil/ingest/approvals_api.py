@@ -172,7 +172,9 @@ class ApprovalsApi:
         given = ApprovalAnswer(body.answer)
 
         def token_grants(asked: Standing) -> None:
-            if not approvals.verify_token(self.secret, request_id, asked.user_id or "", body.token):
+            if not approvals.verify_token(
+                secret=self.secret, request_id=request_id, user_id=asked.user_id or "", token=body.token
+            ):
                 raise Refusal(403, "invalid_token", "the token does not grant an answer to this request")
 
         standing = await self._decide(request_id, given, arrived, AnsweredVia.API, token_grants)
@@ -195,7 +197,7 @@ class ApprovalsApi:
 
         def signature_grants(asked: Standing) -> None:
             if not approvals.verify_action(
-                self.secret,
+                secret=self.secret,
                 request_id=request_id,
                 user_id=asked.user_id or "",
                 given=given,

@@ -188,17 +188,19 @@ def args_hash(tool: str, arguments: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def sign_token(secret: str, request_id: str, user_id: str) -> str:
+def sign_token(*, secret: str, request_id: str, user_id: str) -> str:
     """The capability that lets the addressee, and only them, answer this request."""
     mac = hmac.new(secret.encode(), f"{TOKEN_VERSION}|{request_id}|{user_id}".encode(), hashlib.sha256).digest()
     return f"{TOKEN_VERSION}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
 
 
-def verify_token(secret: str, request_id: str, user_id: str, token: str) -> bool:
-    return hmac.compare_digest(sign_token(secret, request_id, user_id).encode(), token.encode())
+def verify_token(*, secret: str, request_id: str, user_id: str, token: str) -> bool:
+    return hmac.compare_digest(
+        sign_token(secret=secret, request_id=request_id, user_id=user_id).encode(), token.encode()
+    )
 
 
-def sign_action(secret: str, *, request_id: str, user_id: str, given: ApprovalAnswer, expires: int) -> str:
+def sign_action(*, secret: str, request_id: str, user_id: str, given: ApprovalAnswer, expires: int) -> str:
     """The signature of one answer action: this request, this user, this answer, until ``expires``
     (Unix seconds, the deadline the question carried). Its own message (``action``), so neither
     an answer token nor the other action's signature passes for it."""
@@ -209,23 +211,23 @@ def sign_action(secret: str, *, request_id: str, user_id: str, given: ApprovalAn
 
 
 def verify_action(
-    secret: str, *, request_id: str, user_id: str, given: ApprovalAnswer, expires: int, signature: str
+    *, secret: str, request_id: str, user_id: str, given: ApprovalAnswer, expires: int, signature: str
 ) -> bool:
-    expected = sign_action(secret, request_id=request_id, user_id=user_id, given=given, expires=expires)
+    expected = sign_action(secret=secret, request_id=request_id, user_id=user_id, given=given, expires=expires)
     return hmac.compare_digest(expected.encode(), signature.encode())
 
 
 ACTION_LABELS = {ApprovalAnswer.YES: ("approve", "Approve"), ApprovalAnswer.NO: ("deny", "Deny")}
 
 
-def answer_actions(secret: str, *, request_id: str, user_id: str, due: datetime, base_url: str) -> list[dict[str, Any]]:
+def answer_actions(*, secret: str, request_id: str, user_id: str, due: datetime, base_url: str) -> list[dict[str, Any]]:
     """The approve and deny actions a question's delivery carries, for a chat app's buttons:
     ``POST`` to ``url`` (``base_url`` + the path; no body, no bearer token: the signature is
     the capability), valid until ``expires_at``, and once (the ledger stores one answer)."""
     expires = int(due.timestamp())
     actions = []
     for given, (action_id, label) in ACTION_LABELS.items():
-        signature = sign_action(secret, request_id=request_id, user_id=user_id, given=given, expires=expires)
+        signature = sign_action(secret=secret, request_id=request_id, user_id=user_id, given=given, expires=expires)
         path = f"/v1/approvals/{request_id}/actions/{given.value}?expires={expires}&signature={signature}"
         actions.append(
             {
@@ -259,6 +261,7 @@ __all__ = [
 
 async def create(
     conn: psycopg.AsyncConnection[DictRow],
+    *,
     request_id: str,
     user_id: str,
     session_id: str | None,

@@ -7,7 +7,7 @@ due. A pass, under the claim lock: once per scan interval rule 2 (exhausted even
 ``dead``) and the look for a lone last attempt (:mod:`vigil.worker.lone`); once per heal
 interval the heal of orphaned claims; then claims up to ``VIGIL_RUN_CONCURRENCY`` minus the
 runs in flight (at most ``VIGIL_CLAIM_PASS_MAX``, then another pass at once), round-robin
-from a cursor (:func:`vigil.worker.claims.claim`), and starts them
+from a cursor (:func:`vigil.ledger.claims.claim`), and starts them
 (:class:`vigil.worker.runs.Runs`). The claim lock keeps a pass and a rebalance apart:
 a revoked partition's claims are never started after its runs were cancelled.
 """
@@ -26,10 +26,10 @@ from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
+from vigil.ledger.claims import Claim, alone_due, claim, claim_alone, mark_dead
 from vigil.ledger.db import AsyncPool
+from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics
-from vigil.worker.claims import Claim, alone_due, claim, claim_alone, mark_dead
-from vigil.worker.fencing import PartitionKey
 from vigil.worker.lone import LoneAttempt
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
@@ -317,11 +317,11 @@ class Claimer:
         """
         healed = await ledger_recovery.release_orphaned_claims(
             conn,
-            owned,
-            list(self.active),
-            self.settings.max_attempts,
-            self.settings.backoff_base_s,
-            self.settings.backoff_cap_s,
+            owned=owned,
+            busy=list(self.active),
+            max_attempts=self.settings.max_attempts,
+            backoff_base_s=self.settings.backoff_base_s,
+            backoff_cap_s=self.settings.backoff_cap_s,
         )
         if healed:
             metrics.HEALED.inc(len(healed))
@@ -362,12 +362,12 @@ class Claimer:
                 self.lone.due_at = None
         claims, self._cursor = await claim(
             conn,
-            owned,
-            list(self.active),
-            take,
-            self.settings.batch_max,
-            self.settings.batch_window_s,
-            self.settings.max_attempts,
-            self._cursor,
+            owned=owned,
+            busy=list(self.active),
+            max_users=take,
+            batch_max=self.settings.batch_max,
+            window_s=self.settings.batch_window_s,
+            max_attempts=self.settings.max_attempts,
+            cursor=self._cursor,
         )
         return claims, False

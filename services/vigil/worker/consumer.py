@@ -46,6 +46,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import psycopg
@@ -60,8 +61,9 @@ from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
 from vigil.ledger.db import connect
 from vigil.ledger.events import USER_COLUMN, prepare_record_connection
+from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics, traces
-from vigil.worker.fencing import PartitionKey, handing_over, take_over, wait_for_handover
+from vigil.worker.fencing import handing_over, take_over, wait_for_handover
 from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -199,7 +201,7 @@ class ConsumerLoop(threading.Thread):
         now = [k for k in keys if k not in later]
         if now:
             epochs = self._retrying("takeover", lambda conn: self._take_over(conn, now, HANDOVER_WITHIN_NONE))
-            self._call_runner(self.runner.assign(epochs))
+            self._call_runner(self.runner.claimer.assign(epochs))
         self.assigned.update(keys)
         positions = self._retrying("reading consumer positions", lambda conn: read_positions(conn, keys))
         consumer.incremental_assign(
@@ -260,7 +262,7 @@ class ConsumerLoop(threading.Thread):
                         if again and time.monotonic() < deadline:
                             continue
                         epochs = self._take_over(conn, left, HANDOVER_WITHIN_NONE)
-                        self._call_runner(self.runner.assign(epochs))
+                        self._call_runner(self.runner.claimer.assign(epochs))
                         self.taking_over.difference_update(left)
                         metrics.AWAITING_TAKEOVER.set(len(self.taking_over))
                     return
@@ -288,7 +290,7 @@ class ConsumerLoop(threading.Thread):
         # take it does the grace pass here).
         grace_s = self.settings.revoke_grace_s
         self._forget_takeovers(keys)
-        self._call_runner(self.runner.hand_over(keys, grace_s), timeout=grace_s + 60.0)
+        self._call_runner(self.runner.claimer.hand_over(keys, grace_s), timeout=grace_s + 60.0)
         try:
             consumer.commit(asynchronous=False)
         except KafkaException as exc:
@@ -308,7 +310,7 @@ class ConsumerLoop(threading.Thread):
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
         log.warning("partitions lost (session timed out): %s; committing nothing", [k.partition for k in keys])
         self._forget_takeovers(keys)
-        self._call_runner(self.runner.revoke(keys, release=False))
+        self._call_runner(self.runner.claimer.revoke(keys, release=False))
         self.assigned.difference_update(keys)
         _forget_lag(keys)
 
@@ -452,6 +454,7 @@ class ConsumerLoop(threading.Thread):
         bad: list[tuple[Any, ...]] = []
         highest: dict[tuple[str, int], int] = {}
         decode = self.codec.decode_row
+        now = datetime.fromtimestamp(self.runner.clock.now(), UTC)  # the event window's, per batch
         spans = traces.RecordSpans(self.settings.events_topic) if tracing.enabled else None
         for message in messages:
             error = message.error()
@@ -463,7 +466,7 @@ class ConsumerLoop(threading.Thread):
             # A partition's messages arrive in offset order: the last one seen is the highest.
             highest[topic, partition] = offset
             try:
-                row = (len(rows), *decode(message.value(), topic), topic, partition, offset)
+                row = (len(rows), *decode(message.value(), topic, now), topic, partition, offset)
             except DecodeError as exc:
                 bad.append((message, exc.reason))
                 continue

@@ -17,7 +17,6 @@ from vigil.worker import metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PartitionKey", "handing_over", "take_over", "wait_for_handover"]
 
 # How often a takeover looks whether the previous owner's hand-over has ended.
 HANDOVER_POLL_S = 0.05
@@ -91,7 +90,12 @@ def take_over(
         for key in sorted(partitions):
             epoch = ledger_partitions.take_over(conn, key, holder)
             recovered = ledger_partitions.hand_back_stale_claims(
-                conn, key, epoch, backoff_base_s, backoff_cap_s, max_attempts
+                conn,
+                key=key,
+                epoch=epoch,
+                backoff_base_s=backoff_base_s,
+                backoff_cap_s=backoff_cap_s,
+                max_attempts=max_attempts,
             )
             epochs[key] = epoch
             if recovered:

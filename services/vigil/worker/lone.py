@@ -2,7 +2,7 @@
 
 An event lost with its worker before, on its last attempt, runs with nothing else in
 flight, so a crash is pinned on an event only when it ran alone. The claim pass finds when
-one is due (:func:`vigil.worker.claims.alone_due`, once per scan interval) and sets
+one is due (:func:`vigil.ledger.claims.alone_due`, once per scan interval) and sets
 :attr:`LoneAttempt.due_at`; from then on the pass claims nothing new and
 :meth:`LoneAttempt.drained` waits up to ``VIGIL_LONE_DRAIN_S`` for the runs in flight, then
 cancels and releases the rest. The claim itself is the claim pass's

@@ -66,6 +66,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
         settings.dsn, name="worker", min_size=2, max_size=settings.db_pool_max, autocommit=True, check=False
     )
     await pool.open(wait=True, timeout=30)
+    await agent.join_fleet(pool, settings.instance_id)
     runner = Runner(settings, agent, pool, dead_letters)
     readiness = Readiness(dependency_checks(settings))
     health = HealthServer(settings.worker_port, readiness).start()
@@ -75,12 +76,12 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing)
     executor = TaskExecutor(settings, agent, pool, producer)
     tasks = [
-        asyncio.create_task(runner.claim_loop(), name="claim-loop"),
+        asyncio.create_task(runner.claimer.claim_loop(), name="claim-loop"),
         *(
-            asyncio.create_task(runner.finish_loop(), name=f"finish-loop-{i}")
+            asyncio.create_task(runner.finisher.finish_loop(), name=f"finish-loop-{i}")
             for i in range(settings.finish_concurrency)
         ),
-        asyncio.create_task(runner.gauge_loop(), name="gauges"),
+        asyncio.create_task(runner.finisher.gauge_loop(), name="gauges"),
         asyncio.create_task(loop_lag.watch(metrics.EVENT_LOOP_LAG.observe), name="loop-lag"),
         *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
     ]

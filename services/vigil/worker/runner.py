@@ -26,10 +26,8 @@ from vigil.agent.base import Agent
 from vigil.clock import Clock, SystemClock
 from vigil.ledger.db import AsyncPool
 from vigil.worker.claim_loop import Claimer
-from vigil.worker.fencing import PartitionKey
-from vigil.worker.finish import Finished
 from vigil.worker.finish_loop import Finisher
-from vigil.worker.runs import Active, Runs
+from vigil.worker.runs import Runs
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.wakeups import Wakeups
 
@@ -54,43 +52,11 @@ class Runner:
         self.claimer = Claimer(settings, pool, dead_letters, self.runs, self.wakeups, self.clock)
         self.finisher = Finisher(settings, pool, self.runs, self.claimer, self.clock)
 
-    @property
-    def owned(self) -> dict[PartitionKey, int]:
-        return self.claimer.owned
-
-    @property
-    def active(self) -> dict[str, Active]:
-        return self.runs.active
-
-    @property
-    def finished(self) -> asyncio.Queue[Finished]:
-        return self.runs.finished
-
     # -- called from the consumer thread (through the event loop) ------------------------
 
     def wake(self, delay: float = 0.0) -> None:
         """Schedule a claim pass no later than ``delay`` seconds from now (:meth:`Wakeups.wake`)."""
         self.wakeups.wake(delay)
-
-    async def assign(self, epochs: dict[PartitionKey, int]) -> None:
-        await self.claimer.assign(epochs)
-
-    async def revoke(self, keys: list[PartitionKey], release: bool = True, grace_s: float = 0.0) -> None:
-        await self.claimer.revoke(keys, release, grace_s)
-
-    async def hand_over(self, keys: list[PartitionKey], grace_s: float) -> None:
-        await self.claimer.hand_over(keys, grace_s)
-
-    # -- the loops (tasks started by worker/main.py) -------------------------------------
-
-    async def claim_loop(self) -> None:
-        await self.claimer.claim_loop()
-
-    async def finish_loop(self) -> None:
-        await self.finisher.finish_loop()
-
-    async def gauge_loop(self) -> None:
-        await self.finisher.gauge_loop()
 
     async def drain(self, grace_s: float) -> None:
         """Shutdown: no new claims; let runs finish for ``grace_s``, then cancel and release."""
@@ -99,13 +65,13 @@ class Runner:
         self.wakeups.interrupt()
         self.runs.stop_at_boundary(list(self.runs.active.values()))
         deadline = self.clock.monotonic() + grace_s
-        while self.active and self.clock.monotonic() < deadline:
+        while self.runs.active and self.clock.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.active:
-            await self.revoke(list(self.owned), release=True)
+        if self.runs.active:
+            await self.claimer.revoke(list(self.claimer.owned), release=True)
         # What is left belongs to partitions being handed over (no longer owned): released
         # too, and their hand-overs then end (their deadlines cleared for the next owner).
-        leftover = list(self.active.values())
+        leftover = list(self.runs.active.values())
         if leftover:
             await self.runs.cancel(leftover, release=True)
         await self.claimer.handovers_done(max(HANDOVER_END_S, deadline - self.clock.monotonic()))

@@ -2,7 +2,7 @@
 
 :class:`Runs` holds every run this process has claimed and not yet committed
 (``active``, one per user, claim rule 4), starts each on its own asyncio task, loads its
-context (:mod:`vigil.worker.run_inputs`; a claim pass's runs together, :meth:`Runs.preload`),
+context (:mod:`vigil.agent.run_ledger`; a claim pass's runs together, :meth:`Runs.preload`),
 runs the agent under ``VIGIL_RUN_TIMEOUT_S`` and puts the outcome, a result or an error
 with its backoff, on ``finished`` for :class:`vigil.worker.finish_loop.Finisher`. A run
 leaves ``active`` only when its finish is committed (or it is cancelled and released), so
@@ -22,21 +22,24 @@ import psycopg
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, RetryLater, RunContext
 from vigil.agent.journal import Diverged, HandedOver
+from vigil.agent.run_ledger import load_context_parts, load_contexts
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
+from vigil.ledger.claims import Claim, claim_more
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.journal import Fenced
+from vigil.ledger.partitions import PartitionKey
 from vigil.retry import backoff
 from vigil.worker import journal as run_journal
 from vigil.worker import metrics, traces
-from vigil.worker.claims import Claim, claim_more
-from vigil.worker.fencing import PartitionKey
 from vigil.worker.finish import Finished
-from vigil.worker.run_inputs import RECENT_MESSAGES, load_context, load_many
 from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+# For an agent that does not say how many past messages it wants (``agent.recent_messages``):
+# enough for it not to repeat itself, small enough for the prompt.
+RECENT_MESSAGES = 20
 GONE_POLL_S = 0.01  # how often wait_gone looks whether the finisher has committed
 
 
@@ -222,7 +225,7 @@ class Runs:
         committed already, so the pass must still start their runs."""
         ctxs = [self._new_context(active) for active in started]
         try:
-            await load_many(conn, ctxs, self._recent_limit, self.journaled)
+            await load_contexts(conn, ctxs, self._recent_limit, self.journaled)
         except psycopg.Error as exc:
             log.warning("could not read %d runs' context together; each run reads its own: %s", len(ctxs), exc)
             return
@@ -235,7 +238,7 @@ class Runs:
         ctx = self._new_context(active)
         if self.needs_context:
             async with self.pool.connection() as conn:
-                await load_context(conn, ctx, self._recent_limit, self.journaled)
+                await load_context_parts(conn, ctx, self._recent_limit, self.journaled)
         return ctx
 
     @property
@@ -247,7 +250,7 @@ class Runs:
     async def _reload(self, ctx: RunContext) -> None:
         """A replay's context read again for its events (vigil.worker.journal.prepare)."""
         async with self.pool.connection() as conn:
-            await load_context(conn, ctx, self._recent_limit)
+            await load_context_parts(conn, ctx, self._recent_limit)
 
     @property
     def _recent_limit(self) -> int:
