@@ -241,3 +241,22 @@ def test_a_chat_reply_after_the_deadline_is_told_expired(chat, ledger):
     response = chat.post(f"/v1/users/{USER}/messages", json={"text": "yes", "in_reply_to": delivery})
     assert not_counted(response)["answer"] == "expired" and response.json()["error"] == "expired"
     assert stored(ledger, "r-chat-late")["answered_via"] == "chat"
+
+
+def test_a_flood_of_made_up_approval_ids_is_not_a_flood_of_queries(ingest, ledger):
+    """Issue 46: the answer route needs no API token, and every unknown approval id cost a
+    ledger query. Past a budget a second, ids are checked against the set of answerable
+    requests (one query a second); a real request is still answered."""
+    import secrets
+
+    from support import UnknownKeys
+
+    token = make_request(ledger, "r-real", now() + timedelta(minutes=10))
+    guard = UnknownKeys("ingest", "approval")
+    with httpx.Client(base_url=ingest.url, timeout=30) as client:
+        for _ in range(300):
+            made_up = secrets.token_hex(16)
+            response = client.post(f"/v1/approvals/{made_up}", json={"answer": "yes", "token": "v1." + "a" * 43})
+            assert response.status_code == 404 and response.json()["answer"] == "unknown"
+    assert answer(ingest, "r-real", "yes", token).status_code == 200
+    guard.assert_guarded(300)
