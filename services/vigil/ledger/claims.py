@@ -236,9 +236,12 @@ def _claims(rows: list[dict[str, Any]]) -> list[Claim]:
     return claims
 
 
-async def claim_more(conn: psycopg.AsyncConnection[DictRow], claim: Claim, sources: Sequence[str]) -> list[EventRow]:
-    """Fold: the user's fresh pending events, claimed under the running claim's epoch."""
-    return await _claim_under(conn, Q.claim_more, claim, {"sources": list(sources)})
+async def claim_more(
+    conn: psycopg.AsyncConnection[DictRow], claim: Claim, sources: Sequence[str], session_id: str | None = None
+) -> list[EventRow]:
+    """Fold: the user's fresh pending events of ``sources`` naming no session or naming
+    ``session_id`` (the conversation in progress), claimed under the running claim's epoch."""
+    return await _claim_under(conn, Q.claim_more, claim, {"sources": list(sources), "session_id": session_id})
 
 
 async def claim_ids(conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: Sequence[int]) -> list[EventRow]:
@@ -248,7 +251,10 @@ async def claim_ids(conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: S
 
 
 async def _claim_under(
-    conn: psycopg.AsyncConnection[DictRow], query: str, claim: Claim, params: dict[str, list[str] | list[int]]
+    conn: psycopg.AsyncConnection[DictRow],
+    query: str,
+    claim: Claim,
+    params: dict[str, list[str] | list[int] | str | None],
 ) -> list[EventRow]:
     """More of the user's events claimed under a running claim's home partition and epoch, in id order."""
     home = {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch}

@@ -255,7 +255,8 @@ def _message_tags(runs: list[Finished], ids: dict[str, ledger_finish.RunWritten]
         for n, message in enumerate(run.result.messages, 1):
             if message.session_id is None and message.deadline is None:
                 continue
-            tags.append(ledger_agent.MessageTag(ids[run.claim.user_id].run_id, n, message.session_id, message.deadline))
+            run_id = ids[run.claim.user_id].run_id
+            tags.append(ledger_agent.MessageTag(run_id, n, message.session_id, message.deadline, message.actions))
     return tags
 
 

@@ -211,7 +211,7 @@ ORDER BY 1
 LIMIT 1000
 
 -- name: claim_more
--- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch.
+-- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch: those naming no session, or naming the session the run is talking in (%(session_id)s; a reply to the conversation in progress).
 WITH owned AS (
     SELECT 1 FROM partitions p
     WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
@@ -220,7 +220,7 @@ WITH owned AS (
 UPDATE events e
 SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now()
 WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0 AND e.lost_claims = 0
-  AND e.source = ANY(%(sources)s) AND e.session_id IS NULL
+  AND e.source = ANY(%(sources)s) AND (e.session_id IS NULL OR e.session_id = %(session_id)s)
   AND EXISTS (SELECT 1 FROM owned)
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch
