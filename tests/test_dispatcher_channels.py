@@ -11,6 +11,8 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 from dispatcher_support import (
     T0,
@@ -25,6 +27,20 @@ from support import query, scalar, wait_for
 from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
 from vigil.cli import main
 from vigil.clock import ManualClock
+from vigil.ledger import channels
+
+SIGNATURE = "v1." + "A" * 43
+QUESTION_ACTIONS = [
+    {
+        "id": "approve",
+        "label": "Approve",
+        "answer": "yes",
+        "method": "POST",
+        "url": f"/v1/approvals/apr-1/actions/yes?expires=1900000000&signature={SIGNATURE}",
+        "request_id": "apr-1",
+        "expires_at": "2030-03-17T17:46:40+00:00",
+    }
+]
 
 
 def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topics):
@@ -41,6 +57,7 @@ def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topi
         # Joined messages of two conversations: a reply continues the newest one's.
         with psycopg.connect(ledger) as conn:
             conn.execute("UPDATE outbox SET session_id = CASE WHEN id = %s THEN 'ses-a' ELSE 'ses-b' END", (first,))
+            conn.execute("UPDATE outbox SET actions = %s WHERE id = %s", (Jsonb(QUESTION_ACTIONS), first))
         assert one_pass(d) == 1
     finally:
         d.close()
@@ -59,6 +76,7 @@ def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topi
     assert (record["delivery_id"], record["user_id"], record["messages"]) == (delivery_id, "kai", ["first", "second"])
     assert record["sent_at"] == T0
     assert record["session_id"] == "ses-b"
+    assert record["actions"] == QUESTION_ACTIONS  # the same structure as the webhook's data.actions
     assert query(ledger, "SELECT DISTINCT status, channel FROM outbox") == [{"status": "delivered", "channel": "kafka"}]
 
 
@@ -74,7 +92,7 @@ def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
         add_users(ledger, ["lee"])
         add_message(ledger, "lee", "hello from the agent", created_at=T0)
         with psycopg.connect(ledger) as conn:
-            conn.execute("UPDATE outbox SET session_id = 'ses-l'")
+            conn.execute("UPDATE outbox SET session_id = 'ses-l', actions = %s", (Jsonb(QUESTION_ACTIONS),))
         one_pass(d)
     finally:
         d.close()
@@ -85,6 +103,12 @@ def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
     assert line["data"]["messages"][0]["body"] == "hello from the agent"
     assert line["data"]["session_id"] == line["data"]["messages"][0]["session_id"] == "ses-l"
     assert line["data"]["delivery_id"] == scalar(ledger, "SELECT delivery_id::text FROM outbox")
+    # The question's actions, their signatures redacted like the answer token: a log is read by more people.
+    [approve] = line["data"]["actions"]
+    assert approve["url"] == QUESTION_ACTIONS[0]["url"].replace(SIGNATURE, "v1.[redacted]")
+    assert {k: v for k, v in approve.items() if k != "url"} == {
+        k: v for k, v in QUESTION_ACTIONS[0].items() if k != "url"
+    }
 
 
 @pytest.fixture
@@ -100,6 +124,13 @@ def cli(ledger):
     return run
 
 
+def opened_secret(dsn: str, user_id: str) -> str | None:
+    """A channel's secret as the dispatcher reads it (sealed in the row: tests/test_secrets.py)."""
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+        row = channels.get(conn, user_id)
+    return row.secret if row else None
+
+
 def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
     add_users(ledger, ["ana"])
     created = json.loads(
@@ -109,12 +140,12 @@ def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
     )
     secret = created["secret"]
     assert secret.startswith("whsec_") and created["gap_seconds"] == 600
-    assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") == secret
+    assert opened_secret(ledger, "ana") == secret
 
     # Changing the URL keeps the secret (the receiver holds it) and the gap; nothing printed.
     moved = cli("channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b")
     assert "whsec_" not in moved.output and "gap 600s" in moved.output
-    assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") == secret
+    assert opened_secret(ledger, "ana") == secret
     rotated = json.loads(
         cli(
             "channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b", "--rotate-secret", "--json"

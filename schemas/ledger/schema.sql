@@ -225,6 +225,9 @@ CREATE TABLE runs (
     cache_read_tokens  integer     NOT NULL DEFAULT 0,
     cache_write_tokens integer     NOT NULL DEFAULT 0,
     tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0021)
+    task_turns         integer     NOT NULL DEFAULT 0,   -- its background tasks' usage, added as each ends (0030)
+    task_input_tokens  integer     NOT NULL DEFAULT 0,
+    task_output_tokens integer     NOT NULL DEFAULT 0,
     profile            text,                             -- the agent profile it ran with; NULL: the default (0036)
     profile_version    integer,
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
@@ -262,6 +265,7 @@ CREATE TABLE outbox (
     session_id      text,                                        -- the conversation that wrote it: a reply resumes it
     deadline        timestamptz,                                 -- worthless after this (an approval question): never held by the urgent cap
     traceparent     text,                                        -- the writing run's W3C trace context (traces on): the delivery continues it
+    actions         jsonb,                                       -- an approval question's answer actions (signed URLs; 0032)
     CONSTRAINT outbox_status_valid CHECK (status IN ('pending', 'sending', 'delivered', 'dead')),
     CONSTRAINT outbox_delivered_has_time CHECK ((status = 'delivered') = (delivered_at IS NOT NULL)),
     CONSTRAINT outbox_sending_has_delivery CHECK (status <> 'sending' OR delivery_id IS NOT NULL),
@@ -344,9 +348,11 @@ CREATE TABLE approvals (
     answered_at  timestamptz,                             -- when the answer was stored
     received_at  timestamptz,                             -- when the answer request was received
     created_at   timestamptz NOT NULL DEFAULT now(),
+    answered_via text,                                    -- api | chat | action | operator; NULL: the expiry's, or open (0032)
     CONSTRAINT approvals_on_expiry_valid CHECK (on_expiry IN ('deny', 'escalate', 'approve')),
     CONSTRAINT approvals_answer_valid CHECK (answer IS NULL OR answer IN ('yes', 'no', 'expired')),
-    CONSTRAINT approvals_answered_has_time CHECK ((answer IS NULL) = (answered_at IS NULL))
+    CONSTRAINT approvals_answered_has_time CHECK ((answer IS NULL) = (answered_at IS NULL)),
+    CONSTRAINT approvals_answered_via_valid CHECK (answered_via IS NULL OR answered_via IN ('api', 'chat', 'action', 'operator'))
 );
 CREATE INDEX approvals_by_user ON approvals (user_id, created_at);
 -- The operator console lists open requests by deadline (migration 0015).
@@ -453,6 +459,9 @@ CREATE TABLE tasks (
     output_tokens       integer     NOT NULL DEFAULT 0,
     run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0021)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
+    last_tool           text,                                -- progress (0030): the last tool the child called
+    note                text,                                -- its latest note: the text it wrote with that call
+    progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal
@@ -561,9 +570,23 @@ CREATE TABLE api_tokens (
     revoked_at  timestamptz,                              -- a revoked token is refused with 403
     scopes      text[],                                   -- route families it may use; NULL: all (tokens from before 0013)
     users       text[],                                   -- users it may act for (`prefix*` for a prefix); NULL: any
+    expires_at  timestamptz,                              -- refused from then on (401 token_expired); NULL: never (0028)
     CONSTRAINT api_tokens_scopes_valid
         CHECK (scopes <@ ARRAY['events', 'messages', 'timers', 'approvals', 'admin']::text[])
 );
+
+-- console_sessions: a console login (0028). The cookie holds a random id, stored here as its
+-- sha256; the session ends at expires_at, or at logout (ended_at), whichever comes first.
+CREATE TABLE console_sessions (
+    id_hash     text PRIMARY KEY,
+    token_id    text        NOT NULL REFERENCES api_tokens (id),
+    csrf        text        NOT NULL,                     -- the value its forms send back
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL,
+    ended_at    timestamptz,
+    CONSTRAINT console_sessions_expire_after_start CHECK (expires_at > created_at)
+);
+CREATE INDEX console_sessions_by_expiry ON console_sessions (expires_at);
 
 -- hooks: webhook endpoints (POST /v1/hooks/{id}), each for one provider and one user.
 CREATE TABLE hooks (
@@ -579,9 +602,10 @@ CREATE TABLE hooks (
 CREATE TABLE hook_secrets (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     hook_id     text        NOT NULL REFERENCES hooks (id) ON DELETE CASCADE,
-    secret      text        NOT NULL,                     -- needed in clear to verify HMACs
+    secret      text        NOT NULL,                     -- sealed with VIGIL_SECRET_KEY (opened to verify HMACs)
     created_at  timestamptz NOT NULL DEFAULT now(),
-    revoked_at  timestamptz
+    revoked_at  timestamptz,
+    sealed_with text                                      -- id of the sealing key; NULL: in clear (0029)
 );
 CREATE INDEX hook_secrets_active ON hook_secrets (hook_id) WHERE revoked_at IS NULL;
 
@@ -590,11 +614,12 @@ CREATE TABLE channels (
     user_id           text PRIMARY KEY,
     type              text        NOT NULL,               -- webhook | kafka | log
     url               text,                               -- webhook target
-    secret            text,                               -- webhook signing secret (Standard Webhooks)
+    secret            text,                               -- webhook signing secret (Standard Webhooks), sealed
     gap_seconds       integer,                            -- pacing gap override (else VIGIL_OUTBOX_GAP)
     urgent_daily_cap  integer,                            -- urgent deliveries allowed per day (NULL: VIGIL_URGENT_DAILY_CAP)
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now(),
+    sealed_with       text,                               -- id of the key that sealed secret; NULL: in clear
     CONSTRAINT channels_type_valid CHECK (type IN ('webhook', 'kafka', 'log')),
     CONSTRAINT channels_webhook_has_url CHECK (type <> 'webhook' OR (url IS NOT NULL AND secret IS NOT NULL)),
     CONSTRAINT channels_gap_nonnegative CHECK (gap_seconds IS NULL OR gap_seconds >= 0),

@@ -67,6 +67,7 @@ class Delegation:
     timeout_s: float  # VIGIL_TASK_TIMEOUT_S: a background child's deadline, from its creation
     max_attempts: int  # VIGIL_TASK_MAX_ATTEMPTS: holders lost before the task is lost
     owner_chain: tuple[str, ...]  # user id, then the run key and task ids that led here
+    max_tasks_per_run: int = 8  # VIGIL_MAX_TASKS_PER_RUN: background tasks one run may start
 
     def child_depth(self) -> int | None:
         """The depth a child would have, or None if that is past the bound."""
@@ -86,9 +87,10 @@ class RunContext:
     recent_messages: list[str]  # what was already delivered to the user, newest last
     started_at: datetime
     deadline: float  # time.monotonic() by which the run must finish
-    # fold(sources): claims the user's newly pending events of these sources that carry no
-    # session_id, under this run's epoch (fold and interrupt policies).
-    fold: Callable[[Sequence[str]], Awaitable[list[EventRow]]] | None = None
+    # fold(sources, session_id): claims the user's newly pending events of these sources that
+    # carry no session_id or name session_id (the conversation in progress), under this run's
+    # epoch (fold and interrupt policies).
+    fold: Callable[[Sequence[str], str | None], Awaitable[list[EventRow]]] | None = None
     # Answers to approval requests that this run resumes, request_id -> "yes" | "no" | "expired".
     approvals: dict[str, str] = field(default_factory=dict)
     # Messages already sent by earlier runs that the outbox still holds (pacing gap, a retry),
@@ -124,6 +126,9 @@ class OutMessage:
     # it, so the dispatcher never holds it behind the urgent cap).
     session_id: str | None = field(default=None, compare=False)
     deadline: datetime | None = field(default=None, compare=False)
+    # An approval question's approve / deny actions (signed answer URLs), rendered by the
+    # dispatcher's channels so a chat app can show buttons (outbox.actions).
+    actions: tuple[dict, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +226,8 @@ class TaskUsage:
     turns: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    last_tool: str | None = None  # the last tool the child called
+    note: str | None = None  # the text the child wrote with that call (cut to NOTE_CHARS)
 
     @property
     def tokens(self) -> int:

@@ -104,12 +104,15 @@ class Ended:
     touched: bool = False  # the session changed and must be saved
 
 
-def tool_span(name: str, call_id: str):
-    """A tool call's span (GenAI semantic conventions), under the run's; nothing when traces are off."""
-    return tracing.span(
-        f"execute_tool {name}",
-        attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.call.id": call_id},
-    )
+def tool_span(name: str, call_id: str, tool: ActionTool | None = None):
+    """A tool call's span (GenAI semantic conventions), under the run's; nothing when traces are
+    off. A tool adds its own attributes (an MCP tool names its server)."""
+    if not tracing.enabled:
+        return tracing.span(name)
+    attributes = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.call.id": call_id}
+    if tool is not None:
+        attributes.update(tool.span_attributes())
+    return tracing.span(f"execute_tool {name}", attributes=attributes)
 
 
 class Conversation:
@@ -176,13 +179,14 @@ class Conversation:
     def _reask(self) -> Ended:
         """A waiting session without its answer: an escalation asks again, louder."""
         if not self.thread.escalations:
-            return Ended(self.outputs)
+            return Ended(self.outputs, touched=self.thread.held_now)
         latest = self.thread.escalations[-1].payload_json()
         due = latest.get("due") if isinstance(latest, dict) else None
         secret = self.box.settings.approval_secret.get_secret_value()
         pending = self.thread.pending
         assert pending is not None  # a waiting session holds its deferred call
-        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret)
+        base_url = self.box.settings.approval_actions_base_url
+        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret, base_url)
         self.outputs.messages.append(message)
         return Ended(self.outputs, touched=True)
 
@@ -220,14 +224,14 @@ class Conversation:
             sources = self.run.fold_sources
             if ctx.fold is None or not sources:
                 return False
-            events = sorted(await ctx.fold(sources), key=lambda e: e.id)
+            events = sorted(await ctx.fold(sources, self.thread.session_id), key=lambda e: e.id)
             journal.folded([e.id for e in events])
         if not events:
             return False
         self.run.folded.extend(events)
         folded_here.extend(events)
-        if any(e.session_id for e in events):
-            log.warning("fold returned events that name a session; they are treated as new events")
+        if any(e.session_id not in (None, self.thread.session_id) for e in events):
+            log.warning("fold returned events that name another session; they join this one")
         interrupt = any(self.run.policies.get(e.source) is EventPolicy.INTERRUPT for e in events)
         metrics.EVENTS_MID_RUN.labels("interrupt" if interrupt else "fold").inc(len(events))
         if not interrupt:
@@ -266,7 +270,7 @@ class Conversation:
         for use in uses:
             name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
             step = self.run.journal.take()
-            with tool_span(name, use["id"]) as span:
+            with tool_span(name, use["id"], self.box.actions.get(name)) as span:
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
                     output = await self._delegate(use, args, step)
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
@@ -298,6 +302,7 @@ class Conversation:
             deadline_s=settings.approval_deadline_s,
             on_expiry=settings.approval_on_expiry,
             secret=settings.approval_secret.get_secret_value(),
+            actions_base_url=settings.approval_actions_base_url,
         )
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
         return results, deferral
@@ -306,7 +311,9 @@ class Conversation:
         """The delegate tool: queue a background task in this run's result, or run a child now."""
         run, box = self.run, self.box
         limits = run.ctx.delegation
-        request = delegation.check(args, limits, box.permissions, box.actions, run.budget.max_tokens - run.budget.spent)
+        request = delegation.check(
+            args, limits, box.permissions, box.actions, run.budget.left, tasks_started=len(self.outputs.tasks)
+        )
         if isinstance(request, str):
             return ToolOutput(request, True)
         assert limits is not None
@@ -315,6 +322,7 @@ class Conversation:
                 request, limits, run.ctx.run_key, self.thread.session_id, run.journal.key(step)
             )
             self.outputs.tasks.append(task)
+            run.budget.reserved += task.token_budget  # the task may spend it: this run may not
             return ToolOutput(
                 f"Queued as background task {task.id}. You will be woken with its result in this conversation."
             )
@@ -343,7 +351,7 @@ class Conversation:
         if name == SEND_MESSAGE:
             return send_message(args, self.outputs, self.box.settings)
         if name == SET_FOLLOWUP:
-            return set_followup(args, self.outputs, self.box.settings, datetime.now(UTC))
+            return set_followup(args, self.outputs, self.box.settings, datetime.now(UTC), self.thread.session_id)
         assert name == MEMORY
         try:
             return ToolOutput(self.run.memory.execute(args))

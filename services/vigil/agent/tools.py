@@ -11,8 +11,9 @@ Built in (they only shape the run's result, so they are always ``allow`` or ``de
   later with the note.
 - ``memory``: Anthropic's memory tool over the user's files (:mod:`vigil.agent.memory`).
 
-Action tools act on the world. Each is an :class:`ActionTool` subclass registered in
-:func:`vigil.agent.actions.action_tools`; docs/agent.md walks through adding one. The
+Action tools act on the world. Each is an :class:`ActionTool` subclass in the
+registry (:mod:`vigil.agent.actions`): built in, from a tool package, or from an MCP
+server; docs/agent.md, "Adding tools", walks through each. The
 executor, not the model, hands a tool its idempotency key and any credential.
 """
 
@@ -63,9 +64,14 @@ class ActionTool(ABC):
     description: str  # a class attribute, or set per instance (http_request names its hosts)
     input_schema: dict[str, Any]
     default_permission: ClassVar[Permission] = Permission.ASK
+    server: str | None = None  # the MCP server behind the tool (vigil.agent.mcp_tools), for its span
 
     def definition(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "input_schema": self.input_schema}
+
+    def span_attributes(self) -> dict[str, str]:
+        """Attributes of this tool's ``execute_tool`` spans besides its name and call id."""
+        return {"gen_ai.tool.type": "function"}
 
     def check(self, args: dict[str, Any]) -> str | None:
         """A reason these arguments can never run (whatever the permission), or None."""
@@ -202,7 +208,11 @@ def _followup_due(args: dict[str, Any], now: datetime) -> datetime | str:
     return when
 
 
-def set_followup(args: dict[str, Any], outputs: Outputs, settings: AgentSettings, now: datetime) -> ToolOutput:
+def set_followup(
+    args: dict[str, Any], outputs: Outputs, settings: AgentSettings, now: datetime, session_id: str | None = None
+) -> ToolOutput:
+    """A follow-up timer; its payload names the conversation that set it (``session_id``), so
+    the scheduler's ``timer.followup`` event resumes that conversation, not a new one."""
     note = args.get("note")
     if not isinstance(note, str) or not note.strip():
         return ToolOutput("Not set: a note is required.", True)
@@ -220,5 +230,8 @@ def set_followup(args: dict[str, Any], outputs: Outputs, settings: AgentSettings
     if len(outputs.timers) >= settings.max_followups_per_run:
         return ToolOutput("Not set: this run already set the most follow-ups it may.", True)
     timer_id = f"followup-{uuid4().hex}"
-    outputs.timers.append(NewTimer(timer_id, due, TimerKind.FOLLOWUP.value, {"note": note.strip()}))
+    payload: dict[str, Any] = {"note": note.strip()}
+    if session_id is not None:
+        payload["session_id"] = session_id
+    outputs.timers.append(NewTimer(timer_id, due, TimerKind.FOLLOWUP.value, payload))
     return ToolOutput(f"Follow-up {timer_id} set for {due.isoformat()}.")

@@ -11,8 +11,8 @@ from vigil.ledger.queries import Q
 
 
 async def spent(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, since: datetime) -> int:
-    """Billed tokens of the user's runs started since ``since`` (input + output, cache writes
-    1.25x, cache reads 0.1x, as the provider bills them)."""
+    """Billed tokens of the user's runs started since ``since`` and of their background tasks
+    (input + output, cache writes 1.25x, cache reads 0.1x, as the provider bills them)."""
     cur = await conn.execute(Q.budgets_spent, {"user_id": user_id, "since": since})
     row = await cur.fetchone()
     return int(row["spent"]) if row else 0

@@ -132,12 +132,14 @@ async def finish_failed(
     backoff_s: float,
     transient: bool,
     waiting: bool = False,
+    now: datetime | None = None,
 ) -> psycopg.AsyncCursor[DictRow]:
-    """A failed attempt's events back to pending with the error and a backoff (a transient
-    failure gives its attempt back and counts a transient failure; a ``waiting`` one, over its
-    daily budget, counts nothing); only those still claimed under ``epoch``. Returns the
-    cursor: in pipeline mode its ``rowcount`` (how many moved) is known once the pipeline syncs."""
-    params = {"ids": ids, "epoch": epoch, "run_id": run_id, "error": error, "backoff_s": backoff_s}
+    """A failed attempt's events back to pending with the error and a backoff from ``now`` (a
+    transient failure gives its attempt back and counts a transient failure; a ``waiting``
+    one, over its daily budget, counts nothing); only those still claimed under ``epoch``.
+    Returns the cursor: in pipeline mode its ``rowcount`` (how many moved) is known once the
+    pipeline syncs."""
+    params = {"ids": ids, "epoch": epoch, "run_id": run_id, "error": error, "backoff_s": backoff_s, "now": now}
     return await conn.execute(Q.finish_failed, params | {"transient": transient, "waiting": waiting})
 
 

@@ -265,9 +265,9 @@ class Runs:
     def _new_context(self, active: Active) -> RunContext:
         c = active.claim
 
-        async def fold(sources):
+        async def fold(sources, session_id=None):
             async with self.pool.connection() as conn:
-                more = await claim_more(conn, c, sources)
+                more = await claim_more(conn, c, sources, session_id)
             active.folded.extend(more)
             return more
 
@@ -294,5 +294,6 @@ class Runs:
                 timeout_s=self.settings.task_timeout_s,
                 max_attempts=self.settings.task_max_attempts,
                 owner_chain=(c.user_id, run_key),
+                max_tasks_per_run=self.settings.max_tasks_per_run,
             ),
         )

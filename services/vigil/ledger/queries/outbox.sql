@@ -117,21 +117,21 @@ next AS (
     FROM due
 )
 SELECT n.cursor, n.high, n.missing, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
-       c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap, NULL::timestamptz AS wake_at
+       c.type, c.url, c.secret, c.sealed_with, c.gap_seconds, c.urgent_daily_cap, NULL::timestamptz AS wake_at
 FROM next n
 LEFT JOIN locked l ON true
 LEFT JOIN LATERAL (
-    SELECT c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap FROM channels c WHERE c.user_id = l.user_id LIMIT 1
+    SELECT c.type, c.url, c.secret, c.sealed_with, c.gap_seconds, c.urgent_daily_cap FROM channels c WHERE c.user_id = l.user_id LIMIT 1
 ) c ON true
 UNION ALL
-SELECT NULL, NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
+SELECT NULL, NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
 FROM waits w
 ORDER BY wake_at NULLS FIRST, user_id
 
 -- name: outbox_unfinished_for_users
 -- The unfinished rows (pending, sending) of locked users, oldest first: every row of a fixed delivery, the oldest %(max_messages)s held.
 SELECT id, user_id, run_id, body, urgent, created_at, status, delivery_id, attempts, next_attempt_at, fixed_at,
-       session_id, deadline, traceparent
+       session_id, deadline, traceparent, actions
 FROM (
     SELECT o.*, row_number() OVER (PARTITION BY o.user_id, o.delivery_id ORDER BY o.id) AS n
     FROM outbox o
