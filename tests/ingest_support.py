@@ -107,7 +107,7 @@ def make_request(dsn: str, request_id: str, due: datetime, user_id: str = USER) 
                 "on_expiry": "deny",
             },
         )
-    return approvals.sign_token(APPROVAL_SECRET, request_id, user_id)
+    return approvals.sign_token(secret=APPROVAL_SECRET, request_id=request_id, user_id=user_id)
 
 
 def stored(dsn: str, request_id: str) -> dict:

@@ -107,7 +107,7 @@ def test_a_call_needing_approval_ends_the_run_and_asks(asked, ledger, server):
     assert question.urgent and "refund 19.99 for order A17" in question.text
     assert "Why: The customer was charged twice." in question.text
     assert f"request_id: {approval.request_id}" in question.text
-    assert f"token: {sign_token(t.TEST_SECRET, approval.request_id, 'u1')}" in question.text
+    assert f"token: {sign_token(secret=t.TEST_SECRET, request_id=approval.request_id, user_id='u1')}" in question.text
     session = asked.session
     assert session.state == SessionState.WAITING and session.id == approval.session_id
     assert session.messages[-1]["role"] == "assistant"  # saved mid-call
@@ -192,7 +192,10 @@ def test_escalation_asks_again_louder_and_keeps_waiting(asked, agent_run, server
 
     [again] = result.messages
     assert again.urgent and again.text.startswith("STILL WAITING FOR YOUR ANSWER: refund 19.99")
-    assert later in again.text and sign_token(t.TEST_SECRET, approval.request_id, "u1") in again.text
+    assert (
+        later in again.text
+        and sign_token(secret=t.TEST_SECRET, request_id=approval.request_id, user_id="u1") in again.text
+    )
     assert result.session.state == SessionState.WAITING and result.session.pending["due"] == later
     assert result.approvals == [] and server.requests() == []  # no model call needed
 
@@ -222,7 +225,7 @@ def test_two_sessions_answered_in_one_claim_both_resume(agent_run, ledger):
 
 def test_the_answer_token_never_reaches_the_model(asked, agent_run, server):
     # The question, once delivered, is one of the "already said" messages of the next run.
-    token = sign_token(t.TEST_SECRET, asked.approvals[0].request_id, "u1")
+    token = sign_token(secret=t.TEST_SECRET, request_id=asked.approvals[0].request_id, user_id="u1")
     server.clear()
     agent_run(t.context([t.chat("any news?")], recent=[m.text for m in asked.messages]))
     sent = json.dumps(server.requests())

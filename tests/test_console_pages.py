@@ -289,7 +289,7 @@ def test_approval_answer_tokens_in_messages_are_not_shown(console, ledger):
     from vigil.ledger.approvals import sign_token
 
     seeded = seed_user(ledger)
-    token = sign_token("secret", "apr-1", seeded.user)
+    token = sign_token(secret="secret", request_id="apr-1", user_id=seeded.user)
     with __import__("psycopg").connect(ledger) as conn:
         conn.execute("UPDATE outbox SET body = %s WHERE id = %s", (f"Approve? token: {token}", seeded.outbox_id))
     login(console, ledger)
@@ -441,12 +441,12 @@ def test_search_by_source_id_alone_is_an_index_lookup(ledger):
         used = {n.get("Index Name") for n in plan if n.get("Index Name")}
         assert "event_keys_by_source_id" in used, used
     with __import__("psycopg").connect(ledger, row_factory=__import__("psycopg").rows.dict_row) as conn:
-        [old] = events_by_source_id(conn, "old-7")  # 8 days old: no window of the newest misses it
+        [old] = events_by_source_id(conn, source_id="old-7")  # 8 days old: no window of the newest misses it
         assert old.user_id == "u00007" and old.status == "done"
-        [new] = events_by_source_id(conn, "new-1")  # pending, in the live queue
+        [new] = events_by_source_id(conn, source_id="new-1")  # pending, in the live queue
         assert (new.user_id, new.status) == ("q", "pending")
-        assert [e.source_id for e in events_by_source_id(conn, "new-1", "q")] == ["new-1"]
-        assert events_by_source_id(conn, "new-1", "someone-else") == []
+        assert [e.source_id for e in events_by_source_id(conn, source_id="new-1", user_id="q")] == ["new-1"]
+        assert events_by_source_id(conn, source_id="new-1", user_id="someone-else") == []
 
 
 def test_a_run_page_lists_its_kept_journal(console, ledger):

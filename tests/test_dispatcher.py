@@ -320,7 +320,7 @@ def test_a_pass_whose_due_users_another_replica_is_claiming_takes_the_next_ones(
     for user in users:
         add_message(ledger, user, f"to {user}", created_at=T0)
     with psycopg.connect(ledger, row_factory=dict_row) as other:
-        held = outbox.lock_due_users(other, utc(clock.now()), 3600, 2)
+        held = outbox.lock_due_users(other, now=utc(clock.now()), default_gap_s=3600, limit=2)
         assert [u.user_id for u in held.users] == ["ana", "bo"]
         assert one_pass(d) == 2
         assert sorted(r.user for r in receiver.got()) == ["cy", "di"]

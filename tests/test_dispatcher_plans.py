@@ -189,11 +189,13 @@ def test_due_users_are_those_with_something_to_send_now(ledger):
     query(ledger, fixed, ("all-delivered", "delivered", earlier, None, earlier))
     everyone = held + ["in-gap-urgent", "lease-over", "backoff-over", "backoff-on", "all-delivered", "unknown"]
     with psycopg.connect(ledger, row_factory=dict_row) as conn:
-        swept = outbox.lock_due_users(conn, T0, GAP_S, 100)
+        swept = outbox.lock_due_users(conn, now=T0, default_gap_s=GAP_S, limit=100)
         conn.rollback()
         # Between sweeps (here: no new rows, every user named): the same users, and those that
         # hold messages not due yet with the moment that may change.
-        looked = outbox.lock_due_users(conn, T0, GAP_S, 100, fresh_after=10**9, fresh_max=10, recheck=everyone)
+        looked = outbox.lock_due_users(
+            conn, now=T0, default_gap_s=GAP_S, limit=100, fresh_after=10**9, fresh_max=10, recheck=everyone
+        )
         conn.rollback()
     due = {"past-gap", "never-sent", "in-gap-urgent", "own-gap-passed", "lease-over", "backoff-over"}
     assert {row.user_id for row in swept.users} == due
@@ -225,7 +227,7 @@ def test_claims_sweep_the_due_users_in_turn_and_wrap_around(ledger):
     after = ""
     with psycopg.connect(ledger, row_factory=dict_row) as conn:
         for _ in range(4):
-            found = outbox.lock_due_users(conn, T0, GAP_S, 4, after)
+            found = outbox.lock_due_users(conn, now=T0, default_gap_s=GAP_S, limit=4, after=after)
             conn.rollback()
             passes.append(([row.user_id for row in found.users], found.cursor))
             after = found.cursor

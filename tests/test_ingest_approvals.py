@@ -90,7 +90,7 @@ def test_yes_then_no_gives_yes_and_a_later_expiry_changes_nothing(ingest, ledger
 
 
 def test_answer_to_a_request_never_made_is_unknown(ingest, stack, topics):
-    token = approvals.sign_token(APPROVAL_SECRET, "r-never", USER)
+    token = approvals.sign_token(secret=APPROVAL_SECRET, request_id="r-never", user_id=USER)
     response = answer(ingest, "r-never", "yes", token)
     assert response.status_code == 404
     assert response.json()["answer"] == "unknown" and response.json()["error"] == "unknown_request"
@@ -121,8 +121,8 @@ def test_answer_received_before_the_deadline_but_processed_after_it_stands(stack
 
 def test_bad_token_is_403_and_stores_nothing(ingest, ledger, stack, topics):
     make_request(ledger, "r-guarded", now() + timedelta(hours=1))
-    other_user = approvals.sign_token(APPROVAL_SECRET, "r-guarded", "someone-else")
-    other_secret = approvals.sign_token("not-the-secret", "r-guarded", USER)
+    other_user = approvals.sign_token(secret=APPROVAL_SECRET, request_id="r-guarded", user_id="someone-else")
+    other_secret = approvals.sign_token(secret="not-the-secret", request_id="r-guarded", user_id=USER)
     for token in (other_user, other_secret, "v1.garbage"):
         response = answer(ingest, "r-guarded", "yes", token)
         assert response.status_code == 403 and response.json()["error"] == "invalid_token"

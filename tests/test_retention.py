@@ -85,11 +85,11 @@ def test_prune_deletes_finished_work_past_retention_and_nothing_else(ledger):
     seed(ledger)
     with connect(ledger, autocommit=True) as conn:
         # Batches of two: the old events take two batches, the loop must go on after a full one.
-        counts = prune(conn, 30, batch=2)
+        counts = prune(conn, retention_days=30, batch=2)
     assert counts == {"events": 4, "outbox": 2, "runs": 2, "timers": 1, "event_keys": 0}
     assert left(ledger) == KEPT
     with connect(ledger, autocommit=True) as conn:
-        assert prune(conn, 30) == {"events": 0, "outbox": 0, "runs": 0, "timers": 0, "event_keys": 0}
+        assert prune(conn, retention_days=30) == {"events": 0, "outbox": 0, "runs": 0, "timers": 0, "event_keys": 0}
 
 
 def test_two_schedulers_pruning_at_once_share_the_work(ledger):
@@ -107,7 +107,7 @@ def test_two_schedulers_pruning_at_once_share_the_work(ledger):
 
     def one():
         with connect(ledger, autocommit=True) as conn:
-            results.append(prune(conn, 30, batch=500))
+            results.append(prune(conn, retention_days=30, batch=500))
 
     threads = [threading.Thread(target=one) for _ in range(2)]
     for t in threads:
@@ -180,7 +180,7 @@ def test_a_retried_webhook_is_dropped_after_its_events_day_was(ledger):
     query(ledger, "UPDATE event_keys SET recorded_at = now() - interval '3 days'")
     day = "events_finished_p" + (datetime.now(UTC) - timedelta(days=3)).strftime("%Y%m%d")
     with connect(ledger, autocommit=True) as conn:
-        counts = prune(conn, 1, dedup_window_days=7)
+        counts = prune(conn, retention_days=1, dedup_window_days=7)
     assert counts["events"] == 1 and counts["event_keys"] == 0
     assert day not in event_days(ledger)
     assert scalar(ledger, "SELECT count(*) FROM events") == 0
@@ -191,7 +191,7 @@ def test_a_retried_webhook_is_dropped_after_its_events_day_was(ledger):
 
     # Five days on, the first key is past the 7-day window: a copy now is a new event.
     with connect(ledger, autocommit=True) as conn:
-        counts = prune(conn, 30, now=datetime.now(UTC) + timedelta(days=5), dedup_window_days=7)
+        counts = prune(conn, retention_days=30, now=datetime.now(UTC) + timedelta(days=5), dedup_window_days=7)
     assert counts["event_keys"] == 1
     assert record_via_worker(ledger, "u", "github", "delivery-1") == 1
 

@@ -44,7 +44,9 @@ texts = st.one_of(
 segments = st.one_of(
     texts.map(lambda t: quote(t, safe="")),
     st.binary(min_size=1, max_size=8).map(lambda b: "".join(f"%{byte:02X}" for byte in b)),
-    st.sampled_from(["%00", "a%00b", "%ED%A0%80", "%FF", "%0A", "..", "%2F"]),
+    st.sampled_from(
+        ["%00", "a%00b", "%ED%A0%80", "%FF", "%0A", "..", "%2F", "team-a%2Fbob", "a%252Fb", "%25", "%2F%2F"]
+    ),
 )
 json_values = st.recursive(
     st.one_of(

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from ingest_support import create_token, read_events
+from ingest_support import create_token, read_events, start_ingest
 from support import wait_for
 from vigil.health import HealthServer, Readiness
 from vigil_dev.devstack import free_port
@@ -258,3 +258,47 @@ def test_body_between_the_message_bound_and_1_mib_is_413_not_503(spawn, vigil_en
     )
     assert response.status_code == 413, response.text
     assert response.json()["error"] == "body_too_large"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /healthz HTTP/1.1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        b"POST /v1/events HTTP/1.1\r\nHost: a\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /healthz HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n",
+    ],
+)
+def test_missing_or_duplicate_host_is_400(stack, ledger, topics, head):
+    """Finding: a request without ``Host``, or with two, was accepted (RFC 9112 3.2: 400)."""
+    server = start_ingest(stack, ledger, topics)
+    try:
+        with socket.create_connection(("127.0.0.1", server.settings.ingest_port)) as sock:
+            sock.sendall(head)
+            answer = read_answer(sock, timeout=5)
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+        body = json_body(answer)
+        assert body["error"] == "invalid_request" and body["field"] == "Host", body
+        with socket.create_connection(("127.0.0.1", server.settings.ingest_port)) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")  # HTTP/1.0 has no Host to require
+            assert read_answer(sock, timeout=5).startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()
+
+
+def test_health_ports_answer_json_for_unknown_paths_and_methods():
+    """Finding: the services' health ports answered plain text (``Not Found``) for a 404 or 405."""
+    port = free_port()
+    server = HealthServer(port, Readiness({}), host="127.0.0.1").start()
+    try:
+        for method, path, status, error in (
+            ("GET", "/nope", 404, "not_found"),
+            ("GET", "/healthz/x", 404, "not_found"),
+            ("POST", "/healthz", 405, "method_not_allowed"),
+        ):
+            answer = httpx.request(method, f"http://127.0.0.1:{port}{path}")
+            assert answer.status_code == status, answer.text
+            assert answer.headers["content-type"] == "application/json", answer.headers
+            assert answer.json()["error"] == error and answer.json()["detail"], answer.text
+    finally:
+        server.stop()

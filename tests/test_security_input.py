@@ -311,3 +311,43 @@ def test_hook_headers_that_are_not_utf8_or_not_digits_are_400_not_500(ingest, le
         bad = {b"Content-Type": b"application/json", b"Stripe-Signature": b"t=" + stamp + b",v1=00"}
         response = httpx.post(f"{ingest.url}/v1/hooks/{stripe['id']}", content=stripe_payload, headers=bad)
         assert refused(response, 401, "invalid_signature")["reason"] == "malformed_header"
+
+
+@pytest.mark.parametrize("field", ["occurred_at", "received_at"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "0001-01-01T00:00:00Z",
+        -62135596800,  # year 1 as seconds
+        "9999-12-31T23:59:59Z",
+        253402300799,
+        "1969-12-31T23:59:59Z",
+        "ahead",  # two days past the request's arrival
+    ],
+)
+def test_producer_set_instant_of_year_1_or_9999_is_400(client, field, value):
+    """Finding: a producer-set ``received_at`` of year 1 or 9999 was accepted and ordered the
+    console's timeline. Events' instants lie from 1970 to a day past their arrival."""
+    if value == "ahead":
+        value = int(time.time()) + 2 * 86_400
+    body = refused(client.post("/v1/events", json=good(**{field: value})), 400, "invalid_event")
+    assert body["field"] == field and neutral(body["detail"]), body
+    batch = {"events": [good(source_id="s1"), good(source_id="s2", **{field: value})]}
+    assert refused(client.post("/v1/events", json=batch), 400, "invalid_event")["field"] == f"events[1].{field}"
+
+
+def test_producer_set_instants_inside_the_window_are_accepted(stack, ledger, topics):
+    """1970, last year and an hour ahead (a producer's clock a little fast) still pass."""
+    token = create_token(ledger)["token"]
+    now = int(time.time())
+    server = start_ingest(stack, ledger, topics)
+    try:
+        for n, value in enumerate((0, "2025-06-01T00:00:00+02:00", now + 3600)):
+            response = httpx.post(
+                f"{server.url}/v1/events",
+                json=good(source_id=f"ok-{n}", occurred_at=value, received_at=value),
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            assert response.status_code == 202, response.text
+    finally:
+        server.stop()

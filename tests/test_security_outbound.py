@@ -40,7 +40,7 @@ def test_log_channel_writes_approval_tokens_redacted(ledger):
     anyone who could read the log could approve a refund."""
     pending = {"request_id": "req-1", "summary": "refund 1200", "due": "soon", "on_expiry": "deny"}
     body = question_text(pending, "lee", "the-secret")
-    token = sign_token("the-secret", "req-1", "lee")
+    token = sign_token(secret="the-secret", request_id="req-1", user_id="lee")
     assert token in body
     out = io.StringIO()
     d = in_process_dispatcher(ledger, ManualClock(T0.timestamp()), log_stream=out)

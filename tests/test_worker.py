@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from datetime import UTC, datetime, timedelta
 
 from confluent_kafka import Consumer
 
@@ -108,6 +109,36 @@ def test_events_the_ledger_cannot_take_go_to_the_dlq_and_the_rest_of_their_batch
     assert (
         scalar(ledger, "SELECT headers->>'traceparent' FROM events WHERE payload LIKE '%%traced%%'") == "00-abc-def-01"
     )
+    assert worker.alive()
+
+
+def test_events_stamped_outside_1970_to_a_day_ahead_go_to_the_dlq_with_the_field(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """Finding: a producer-set ``received_at`` of year 1 or 9999 was recorded and ordered the
+    console's timeline. Produced straight to Kafka (ingest refuses them with a 400), such
+    events are dead-lettered with the reason; the rest of their batch is recorded."""
+    worker = start_worker(spawn, vigil_env)
+    year_1 = datetime(1, 1, 1, tzinfo=UTC)
+    year_9999 = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
+    ahead = datetime.now(UTC) + timedelta(days=2)
+    bad = [
+        dataclasses.replace(chat("fay", "old"), received_at=year_1),
+        dataclasses.replace(chat("fay", "future"), received_at=year_9999),
+        dataclasses.replace(chat("fay", "occurred"), occurred_at=year_1),
+        dataclasses.replace(chat("fay", "ahead"), occurred_at=ahead),
+    ]
+    produce(stack.bootstrap, topics.events, [chat("fay", "before"), *bad, chat("fay", "after")])
+    wait_all_done(ledger, 2)
+    found = read_dead_letters(stack.bootstrap, topics.dlq, 4)
+    reasons = sorted(dict(m.headers())["vigil-error"].decode() for m in found)
+    assert reasons == [
+        "occurred_at is before 1970-01-01T00:00:00Z",
+        "occurred_at is more than a day ahead of now",
+        "received_at is before 1970-01-01T00:00:00Z",
+        "received_at is more than a day ahead of now",
+    ], reasons
+    assert scalar(ledger, "SELECT count(*) FROM events") == 2
     assert worker.alive()
 
 

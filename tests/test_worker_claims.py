@@ -68,7 +68,16 @@ def seed_pending(ledger: str, users: int, per_user: int = 1, status: str = "pend
 def claim_pass(ledger: str, max_users: int, cursor: str, busy: list[str] | None = None):
     async def go():
         async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
-            return await claim(conn, OWNED, busy or [], max_users, 50, 0.0, 3, cursor)
+            return await claim(
+                conn,
+                owned=OWNED,
+                busy=busy or [],
+                max_users=max_users,
+                batch_max=50,
+                window_s=0.0,
+                max_attempts=3,
+                cursor=cursor,
+            )
 
     return asyncio.run(go())
 
@@ -330,7 +339,16 @@ def test_a_lone_attempt_keeps_its_users_order(ledger):
 def claim_pass_at(ledger: str, epoch: int, max_users: int):
     async def go():
         async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
-            return await claim(conn, {HOME: epoch}, [], max_users, 50, 0.0, 3, "")
+            return await claim(
+                conn,
+                owned={HOME: epoch},
+                busy=[],
+                max_users=max_users,
+                batch_max=50,
+                window_s=0.0,
+                max_attempts=3,
+                cursor="",
+            )
 
     return asyncio.run(go())
 
@@ -496,7 +514,13 @@ def test_claim_and_finish_stay_linear_when_the_queue_was_analyzed_nearly_empty(l
     bloat_and_analyze_nearly_empty(ledger, 4000, 5)
     live = 20_000
     for mode in ("force_custom_plan", "force_generic_plan"):
-        (claims, _), plans = explained(ledger, mode, lambda conn: claim(conn, OWNED, [], 1000, 50, 0.0, 3, "u02000"))
+        (claims, _), plans = explained(
+            ledger,
+            mode,
+            lambda conn: claim(
+                conn, owned=OWNED, busy=[], max_users=1000, batch_max=50, window_s=0.0, max_attempts=3, cursor="u02000"
+            ),
+        )
         assert len(claims) == 1000 and sum(len(c.events) for c in claims) == 5000, mode
         assert_linear(plans, live, f"claim, {mode}")
         # The claim reads the queue by index probes only: a churned queue's statistics once
@@ -701,7 +725,9 @@ def test_a_claim_range_is_two_round_trips_and_a_failed_one_leaves_nothing_open(l
                 await conn.execute(f"SET lock_timeout = {timeout_ms}")
             before = proxy.round_trips() if proxy else 0
             try:
-                return await claim(conn, OWNED, [], 3, 50, 0.0, 3, ""), (proxy.round_trips() - before if proxy else 0)
+                return await claim(
+                    conn, owned=OWNED, busy=[], max_users=3, batch_max=50, window_s=0.0, max_attempts=3, cursor=""
+                ), (proxy.round_trips() - before if proxy else 0)
             finally:
                 assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 

@@ -319,6 +319,7 @@ CREATE TABLE timers (
     created_at     timestamptz NOT NULL DEFAULT now(),
     updated_at     timestamptz NOT NULL DEFAULT now(),
     traceparent    text,                                  -- the setting run's W3C trace context (traces on): the fire span continues it
+    token_id       text,                                  -- the API token that created or last registered it; NULL: a run or the CLI (0027)
     PRIMARY KEY (user_id, id),
     CONSTRAINT timers_kind_valid CHECK (kind IN ('followup', 'schedule', 'approval_expiry')),
     CONSTRAINT timers_catch_up_valid CHECK (catch_up IN ('coalesce', 'each', 'skip')),
@@ -330,6 +331,8 @@ CREATE TABLE timers (
     CONSTRAINT timers_error_is_done CHECK (error IS NULL OR done)
 );
 CREATE INDEX timers_due ON timers (due) WHERE NOT done;
+-- VIGIL_TIMER_QUOTA_PER_TOKEN's count (0027).
+CREATE INDEX timers_live_by_token ON timers (token_id) WHERE NOT done AND token_id IS NOT NULL;
 
 -- approvals: deferred tool calls. The answer and the expiry share the key request_id:
 -- whichever is stored first stands (answer IS NULL is the only state that moves).

@@ -22,12 +22,13 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, disable_created_metrics, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vigil.bus.kafka import quiet_admin
-from vigil.httpserver import HEALTH_LIMITS, server_config
+from vigil.httpserver import HEALTH_LIMITS, on_http_exception, on_unexpected, server_config
 from vigil.ledger import db
 from vigil.service import StartupError
 from vigil.settings import CommonSettings
@@ -182,7 +183,10 @@ class HealthServer:
 
     def __init__(self, port: int, readiness: Readiness, host: str = "0.0.0.0"):
         self.readiness = readiness
-        app = Starlette(routes=health_routes(readiness))
+        app = Starlette(
+            routes=health_routes(readiness),
+            exception_handlers={HTTPException: on_http_exception, Exception: on_unexpected},
+        )
         config = server_config(app, host, port, HEALTH_LIMITS, log_level="warning", log_config=None, lifespan="off")
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the service owns the signals

@@ -36,6 +36,8 @@ from typing import Any, ClassVar
 import httptools
 import uvicorn
 from prometheus_client import Counter
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -69,6 +71,9 @@ class ServerLimits:
 # socket closes (see BoundedHttpToolsProtocol._linger).
 LINGER_S = 1.0
 
+# A 429 whose raiser named no wait says this one: a client told nothing retries at once.
+DEFAULT_RETRY_AFTER_S = 1
+
 # The health and metrics ports: probes and scrapes only.
 HEALTH_LIMITS = ServerLimits(max_head_bytes=8 * 1024, max_headers=50, body_timeout_s=10.0, max_connections=100)
 
@@ -81,7 +86,8 @@ class Refusal(VigilError):
     ``{"error": code, "detail": detail}`` plus any ``extra`` fields (ingest's ``field``,
     ``reason``...). ``detail`` is safe to show the caller and to log. ``counted_as`` is the
     label of the connection-level refusal counter (``vigil_http_refused_total``); it
-    defaults to ``code``.
+    defaults to ``code``. Every 429 carries ``Retry-After`` (``DEFAULT_RETRY_AFTER_S`` unless
+    the raiser gave one).
     """
 
     def __init__(
@@ -99,6 +105,8 @@ class Refusal(VigilError):
         self.code = code
         self.detail = detail
         self.headers = headers or {}
+        if status == 429 and not any(name.lower() == "retry-after" for name in self.headers):
+            self.headers = {**self.headers, "Retry-After": str(DEFAULT_RETRY_AFTER_S)}
         self.counted_as = counted_as or code
         self.extra = extra
 
@@ -277,6 +285,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         self.loop.call_later(LINGER_S, self.transport.close)
+
+
+# -- the application's own refusals, in the same shape -------------------------------------
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def on_http_exception(_: Request, exc: Exception) -> Response:
+    """Starlette's own 404 and 405 (no route, no method) in the one refusal shape, not plain text."""
+    assert isinstance(exc, HTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    return JSONResponse({"error": code, "detail": exc.detail}, exc.status_code, headers=exc.headers)
+
+
+async def on_unexpected(_: Request, exc: Exception) -> Response:
+    # The request was not acknowledged, so a retry is safe; the traceback is for operators.
+    log.error("unexpected error", exc_info=exc, extra={"event": "request_failed"})
+    return JSONResponse({"error": "internal", "detail": "unexpected error; retry later"}, 500)
 
 
 def bounded_protocol(limits: ServerLimits) -> type[BoundedHttpToolsProtocol]:

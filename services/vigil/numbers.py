@@ -16,6 +16,8 @@ with advice about ``sys.set_int_max_str_digits``, and ``float()`` turns ``1e-400
   number, or a string of ASCII digits with an optional fraction; never milliseconds). Both
   forms have the same bounds: years 1 to 9999 in UTC unless the caller narrows them.
 * **Unix seconds as a JSON integer** (:func:`unix_seconds`, Stripe's ``created``).
+* **An event's own instants** (:func:`event_instant_problem`): ``occurred_at`` and
+  ``received_at`` from 1970 to a day past the moment they are judged, whoever produced them.
 
 A refusal is :class:`NotParsed` (a ``ValueError``) whose text is safe to show and to log:
 it never echoes a long input. Callers name their field: ``invalid("due", str(exc))``.
@@ -44,6 +46,10 @@ _RFC3339 = re.compile(
     r"(?:([Zz])|([+-])([0-9]{2}):([0-9]{2}))?"
 )
 _SECOND = timedelta(seconds=1)
+# A producer's clock may run a little fast; an event stamped more than a day ahead (or the
+# year 9999, or the year 1) is a bug or a forgery, and would sort first or last in every
+# timeline ordered by it.
+EVENT_AHEAD = timedelta(days=1)
 
 
 class NotParsed(VigilError, ValueError):
@@ -171,3 +177,19 @@ def unix_seconds(value: Any, *, earliest: int = 0, latest: int = MAX_EPOCH) -> d
     if isinstance(value, bool) or not isinstance(value, int) or not earliest <= value <= latest:
         raise NotParsed(f"must be a whole number of Unix seconds from {_day(earliest)} to {_day(latest)}")
     return EPOCH + timedelta(seconds=value)
+
+
+# -- an event's own instants -------------------------------------------------------------
+
+
+def event_instant_problem(value: datetime, now: datetime) -> str | None:
+    """Why ``value`` cannot be an event's ``occurred_at`` or ``received_at`` at ``now``, or None.
+
+    From the Unix epoch to :data:`EVENT_AHEAD` past ``now``: ingest refuses an instant outside
+    with a 400, the worker dead-letters an event produced straight to Kafka with one.
+    """
+    if value < EPOCH:
+        return "is before 1970-01-01T00:00:00Z"
+    if value > now + EVENT_AHEAD:
+        return "is more than a day ahead of now"
+    return None

@@ -14,4 +14,4 @@ QUERIES_DIR = Path(__file__).resolve().parent / "queries"
 
 Q = Queries()
 for _path in sorted(QUERIES_DIR.glob("*.sql")):
-    Q.update(parse(_path.read_text(encoding="utf-8"), _path.name))
+    Q.update(parse(text=_path.read_text(encoding="utf-8"), origin=_path.name))

@@ -95,7 +95,12 @@ class RefundTool(ActionTool):
         assert amount is not None  # check() refused anything else
         async with await connect_async(self.dsn, autocommit=True) as conn:
             row = await ledger_agent.record_refund(
-                conn, call.idempotency_key, call.user_id, args["order_id"], amount, args.get("reason")
+                conn,
+                idempotency_key=call.idempotency_key,
+                user_id=call.user_id,
+                order_id=args["order_id"],
+                amount=amount,
+                reason=args.get("reason"),
             )
             repeated = row is None
             if repeated:

@@ -96,7 +96,7 @@ def policies_set(user_id, event_policies) -> None:
         raise click.UsageError("EVENT_POLICIES: approval events resume their own session and are always queued")
     canonical = ",".join(f"{source}={policy.value}" for source, policy in sorted(parsed.items()))
     with _ledger() as conn:
-        row = ledger_agent.set_policies(conn, user_id, canonical)
+        row = ledger_agent.set_policies(conn, user_id=user_id, event_policies=canonical)
     click.echo(_show(row.user_id, row.event_policies))
 
 

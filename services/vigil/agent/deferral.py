@@ -69,7 +69,7 @@ def question_text(pending: dict[str, Any], user_id: str, secret: str, *, again: 
         f"Answer yes or no before {pending['due']}; without an answer {policy}.",
         f'To answer: POST /v1/approvals/{request_id} with {{"answer": "yes" or "no", "token": <token below>}}',
         f"request_id: {request_id}",
-        f"token: {sign_token(secret, request_id, user_id)}",
+        f"token: {sign_token(secret=secret, request_id=request_id, user_id=user_id)}",
     ]
     return "\n".join(lines)
 

@@ -29,6 +29,7 @@ from fastavro.schema import fingerprint, parse_schema, to_parsing_canonical_form
 
 from vigil.envelope import Event, aware
 from vigil.errors import VigilError
+from vigil.numbers import event_instant_problem
 from vigil.paths import schemas_dir
 
 if TYPE_CHECKING:  # the registry client is imported only where it is used (see _setup_registry)
@@ -310,8 +311,10 @@ class EventCodec(AvroCodec):
         _check(event.user_id, event.source, event.source_id, event.kind, event.payload, event.session_id, event.headers)
         return event
 
-    def decode_row(self, data: bytes | None, topic: str = "") -> tuple[Any, ...]:
-        """The event's fields in :data:`EVENT_ROW_FIELDS` order, checked as :meth:`decode` does.
+    def decode_row(self, data: bytes | None, topic: str = "", now: datetime | None = None) -> tuple[Any, ...]:
+        """The event's fields in :data:`EVENT_ROW_FIELDS` order, checked as :meth:`decode` does,
+        and with ``now``, its instants inside the event window too (the worker's rule for
+        events produced straight to Kafka: :func:`vigil.numbers.event_instant_problem`).
 
         The worker's consumer writes them straight into its COPY: building an :class:`Event`
         it would take apart again cost as much as reading the Avro body.
@@ -325,6 +328,8 @@ class EventCodec(AvroCodec):
         except (KeyError, TypeError, AttributeError) as exc:
             raise DecodeError(f"record is not an event: missing or bad field {exc}") from None
         _check(*row[:7])
+        if now is not None:
+            _check_instants(row[7], row[8], now)
         return row
 
 
@@ -365,6 +370,15 @@ def _check(
         # RecursionError: nested deeper than the interpreter's recursion limit; TypeError: not text.
         except (ValueError, TypeError, RecursionError) as exc:
             raise DecodeError(f"payload is not JSON: {exc}") from None
+
+
+def _check_instants(occurred_at: datetime | None, received_at: datetime, now: datetime) -> None:
+    """An event stamped in the year 1 or 9999 would sort first or last in every timeline
+    ordered by its instants: ingest refuses one with a 400, the worker dead-letters it."""
+    for name, value in (("occurred_at", occurred_at), ("received_at", received_at)):
+        problem = None if value is None else event_instant_problem(value, now)
+        if problem is not None:
+            raise DecodeError(f"{name} {problem}")
 
 
 # The C scanner json.loads runs (JSONDecoder sets it; typeshed does not declare it).

@@ -261,7 +261,7 @@ class Console:
 
     async def overview(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        data = await self.read(ledger.overview, utc(self.clock.now()))
+        data = await self.read(ledger.overview, now=utc(self.clock.now()))
         return self.page(request, "overview.html", o=data)
 
     async def search(self, request: Request) -> Response:
@@ -286,7 +286,7 @@ class Console:
         events: list = []
         if kind in ("any", "source_id"):
             user_id = request.query_params.get("user") or None
-            events = await self.read(ledger.events_by_source_id, q, user_id)
+            events = await self.read(ledger.events_by_source_id, source_id=q, user_id=user_id)
             if len(events) == 1:
                 return RedirectResponse(f"/events/{events[0].id}", status_code=303)
         tried += ["run id", "event id", "user id", "source id"]

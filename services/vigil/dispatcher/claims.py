@@ -116,7 +116,15 @@ def claim(
     lease_until = now + timedelta(seconds=limits.lease_s)
     with conn.transaction():
         due = outbox.lock_due_users(
-            conn, now, limits.default_gap_s, limits.batch_users, after, fresh_after, limits.fresh_max, recheck, gaps
+            conn,
+            now=now,
+            default_gap_s=limits.default_gap_s,
+            limit=limits.batch_users,
+            after=after,
+            fresh_after=fresh_after,
+            fresh_max=limits.fresh_max,
+            recheck=recheck,
+            gaps=gaps,
         )
         claimed.cursor = due.cursor
         claimed.high = due.high
@@ -151,11 +159,11 @@ def _fix_new(conn, new: list[Decision], configs, pacings, now, lease_until, clai
     row_ids = [row.id for d in new for row in d.rows]
     fixed = outbox.fix_deliveries(
         conn,
-        now,
-        lease_until,
-        row_ids,
-        [ids[d.user_id] for d in new for _ in d.rows],
-        [configs[d.user_id].type.value for d in new for _ in d.rows],
+        now=now,
+        lease_until=lease_until,
+        ids=row_ids,
+        delivery_ids=[ids[d.user_id] for d in new for _ in d.rows],
+        channels=[configs[d.user_id].type.value for d in new for _ in d.rows],
     )
     _expect("fix deliveries", fixed, set(row_ids))
     paced = outbox.record_pacing(
@@ -194,10 +202,10 @@ def _rearm(conn, retries: list[Decision], configs, now, lease_until, claimed: Cl
         return
     returned = outbox.claim_retries(
         conn,
-        now,
-        lease_until,
-        [d.delivery_id for d in retries],  # type: ignore[misc]
-        [configs[d.user_id].type.value for d in retries],
+        now=now,
+        lease_until=lease_until,
+        delivery_ids=[d.delivery_id for d in retries],  # type: ignore[misc]
+        channels=[configs[d.user_id].type.value for d in retries],
     )
     _expect("re-arm retries", returned, {row.id for d in retries for row in d.rows})
     for d in retries:

@@ -77,18 +77,18 @@ def set_channel(
         generated = new_secret() if type_ is ChannelType.WEBHOOK and (rotate_secret or not stored) else None
         row = channels.set_channel(
             conn,
-            user_id,
-            type_.value,
-            url,
-            generated or (stored if type_ is ChannelType.WEBHOOK else None),
-            None if gap_seconds is KEEP else gap_seconds,  # type: ignore[arg-type]
-            None if urgent_cap is KEEP else urgent_cap,  # type: ignore[arg-type]
+            user_id=user_id,
+            type_=type_.value,
+            url=url,
+            secret=generated or (stored if type_ is ChannelType.WEBHOOK else None),
+            gap_seconds=None if gap_seconds is KEEP else gap_seconds,  # type: ignore[arg-type]
+            urgent_daily_cap=None if urgent_cap is KEEP else urgent_cap,  # type: ignore[arg-type]
             keep_gap=gap_seconds is KEEP,
             keep_cap=urgent_cap is KEEP,
         )
         detail = {k: getattr(row, k) for k in ("user_id", "type", "url", "gap_seconds", "urgent_daily_cap")}
         detail["secret_generated"] = generated is not None
-        audit.record(conn, actor or login_name(), "channel.set", detail)
+        audit.record(conn, actor=actor or login_name(), action="channel.set", detail=detail)
     return ChannelSet(row=asdict(row), new_secret=generated)
 
 
@@ -166,7 +166,7 @@ def revive_delivery(conn: psycopg.Connection[DictRow], delivery_id: str, actor: 
         rows = outbox.revive_dead(conn, delivery_id, datetime.now(UTC))
         if rows:
             detail = {"delivery_id": delivery_id, "user_id": rows[0].user_id, "outbox_ids": [r.id for r in rows]}
-            audit.record(conn, actor or login_name(), "delivery.revive", detail)
+            audit.record(conn, actor=actor or login_name(), action="delivery.revive", detail=detail)
     return [asdict(r) for r in rows]
 
 

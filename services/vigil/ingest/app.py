@@ -28,7 +28,7 @@ from vigil.ingest.events_api import EventsApi
 from vigil.ingest.hooks import HookReceiver
 from vigil.ingest.metrics import RequestMetrics
 from vigil.ingest.mounts import POOL_TIMEOUT_S, IngestContext, mounted_openapi_paths, mounted_routes
-from vigil.ingest.requests import EXCEPTION_HANDLERS, TargetCheck
+from vigil.ingest.requests import EXCEPTION_HANDLERS, TargetCheck, route
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger import db
 
@@ -51,10 +51,10 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
         return JSONResponse(document)
 
     routes = [
-        Route("/v1/events", events.post_events, methods=["POST"]),
-        Route("/v1/users/{user_id}/messages", events.post_message, methods=["POST"]),
-        Route("/v1/hooks/{hook_id}", hooks.post, methods=["POST"]),
-        Route("/v1/approvals/{request_id}", answers.post, methods=["POST"]),
+        route("/v1/events", events.post_events, methods=["POST"]),
+        route("/v1/users/{user_id}/messages", events.post_message, methods=["POST"]),
+        route("/v1/hooks/{hook_id}", hooks.post, methods=["POST"]),
+        route("/v1/approvals/{request_id}", answers.post, methods=["POST"]),
         *mounted_routes(ctx),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *health_routes(Readiness(dependency_checks(settings), gating=set())),

@@ -93,7 +93,9 @@ class ApprovalsApi:
                 asked = approvals.standing(conn, request_id)
                 if asked.answer == approvals.UNKNOWN:
                     return None
-                if not approvals.verify_token(self.secret, request_id, asked.user_id or "", token):
+                if not approvals.verify_token(
+                    secret=self.secret, request_id=request_id, user_id=asked.user_id or "", token=token
+                ):
                     raise Refusal(403, "invalid_token", "the token does not grant an answer to this request")
                 return approvals.answer(conn, request_id, given, arrived)
 

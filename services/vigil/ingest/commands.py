@@ -35,7 +35,7 @@ def _ledger():
 
 
 def _audit(conn, action: str, detail: dict) -> None:
-    audit.record(conn, login_name(), action, detail)
+    audit.record(conn, actor=login_name(), action=action, detail=detail)
 
 
 def _new_id(prefix: str) -> str:
@@ -97,7 +97,9 @@ def token_create(name: str, scopes: tuple[str, ...], users: tuple[str, ...], as_
     _check_users(user_list)
     token = new_token()
     with _ledger() as conn:
-        row = ledger.create_token(conn, _new_id("tok_"), name, token_hash(token), scope_list, user_list)
+        row = ledger.create_token(
+            conn, token_id=_new_id("tok_"), name=name, digest=token_hash(token), scopes=scope_list, users=user_list
+        )
         _audit(conn, "token.create", {"id": row.id, "name": name, "scopes": scope_list, "users": user_list})
     emit(
         {**asdict(row), "token": token},
@@ -187,8 +189,8 @@ def hook_add(provider: str, user_id: str, secret_stdin: bool, as_json: bool) -> 
     kind = HookProvider(provider)
     secret, generated = _secret(kind, secret_stdin)
     with _ledger() as conn:
-        hook = ledger.create_hook(conn, _new_id("hk_"), kind.value, user_id)
-        added = ledger.add_secret(conn, hook.id, secret)
+        hook = ledger.create_hook(conn, hook_id=_new_id("hk_"), provider=kind.value, user_id=user_id)
+        added = ledger.add_secret(conn, hook_id=hook.id, secret=secret)
         assert added is not None  # the hook was created enabled in this transaction
         _audit(conn, "hook.add", {"id": hook.id, "provider": kind.value, "user_id": user_id, "secret_id": added.id})
     obj = {**asdict(hook), "path": f"/v1/hooks/{hook.id}", "secret_id": added.id, "secret": secret}
@@ -217,7 +219,7 @@ def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
         if hook is None or hook.disabled_at is not None:
             raise click.ClickException(f"no active hook {hook_id}")
         secret, generated = _secret(HookProvider(hook.provider), secret_stdin)
-        added = ledger.add_secret(conn, hook_id, secret)
+        added = ledger.add_secret(conn, hook_id=hook_id, secret=secret)
         if added is None:
             raise click.ClickException(f"hook {hook_id} was disabled meanwhile")
         _audit(conn, "hook.rotate", {"id": hook_id, "secret_id": added.id})

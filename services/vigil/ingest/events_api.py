@@ -46,7 +46,7 @@ from vigil.ingest.settings import IngestSettings
 from vigil.ledger import agent, outbox
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import HookProvider, Scope
-from vigil.numbers import instant
+from vigil.numbers import event_instant_problem, instant
 
 CHAT_SOURCE = "chat"
 CHAT_KIND = "chat.message"
@@ -176,7 +176,9 @@ def refuse_validation(exc: ValidationError, prefix: tuple = ()) -> Refusal:
     return invalid(field_path(prefix + tuple(error["loc"])), error["msg"], code="invalid_event")
 
 
-def parse_events(document: Any, max_batch: int) -> list[EventIn]:
+def parse_events(document: Any, max_batch: int, arrived: datetime) -> list[EventIn]:
+    """The envelopes of a body, each valid and with its instants inside the event window at
+    ``arrived`` (:func:`vigil.numbers.event_instant_problem`); else a 400 naming the field."""
     if not isinstance(document, dict):
         raise invalid("body", 'expected an event object or {"events": [...]}', code="invalid_event")
     if "events" in document:
@@ -198,6 +200,12 @@ def parse_events(document: Any, max_batch: int) -> list[EventIn]:
         if envelope.source in RESERVED_SOURCES:
             where = field_path(prefix + ((index,) if prefix else ()) + ("source",))
             raise invalid(where, f"{envelope.source!r} is reserved for ingest's own endpoints", code="invalid_event")
+        for name in ("occurred_at", "received_at"):
+            value = getattr(envelope, name)
+            problem = None if value is None else event_instant_problem(value, arrived)
+            if problem is not None:
+                where = field_path(prefix + ((index,) if prefix else ()) + (name,))
+                raise invalid(where, problem, code="invalid_event")
     return envelopes
 
 
@@ -241,12 +249,12 @@ class EventsApi:
     async def post_events(self, request: Request) -> Response:
         caller = await self.auth(request, Scope.EVENTS)
         document = await read_json(request, self.settings.max_body_bytes, "invalid_event")  # type: ignore[arg-type]  # set when validated
-        envelopes = parse_events(document, self.settings.ingest_max_batch)
+        arrived = received_at(request)
+        envelopes = parse_events(document, self.settings.ingest_max_batch, arrived)
         if caller.users is not None:  # a token for some users: every event must be for one of them
             batch = "events" in document
             for index, envelope in enumerate(envelopes):
                 authorize(caller, Scope.EVENTS, envelope.user_id, f"events[{index}].user_id" if batch else "user_id")
-        arrived = received_at(request)
         delivered = await self.publisher.send([envelope.event(arrived) for envelope in envelopes], via="events")
         # The body JSONResponse would render, without its json.dumps: this is the hot path.
         return Response(b'{"accepted":%d}' % len(delivered), 202, media_type="application/json")

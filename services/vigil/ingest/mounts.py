@@ -47,6 +47,7 @@ class IngestContext:
     Refusal = _requests.Refusal
     invalid = staticmethod(_requests.invalid)
     received_at = staticmethod(_requests.received_at)
+    route = staticmethod(_requests.route)  # a Route whose {ids} follow the one path rule
     permits = staticmethod(permits)  # may this token use scope S (for user U)? see vigil.ingest.auth
     authorize = staticmethod(authorize)  # the same, or a 403 refusal
 

@@ -208,7 +208,9 @@ def document(extra_paths: dict[str, Any] | None = None) -> dict[str, Any]:
             "version": "1",
             "description": "Events, chat messages, webhooks and approval answers into vigil. Every "
             'refusal is {"error": code, "detail": ...} and stores nothing (but a late approval answer, '
-            "a 409 after which expired stands); 2xx only after the broker acknowledged.",
+            "a 409 after which expired stands); 2xx only after the broker acknowledged. A path "
+            "parameter is one segment, percent-decoded once: an id with / is sent as %2F (team-a%2Fbob), "
+            "a % as %25.",
         },
         "paths": {**paths(), **(extra_paths or {})},
         "components": {

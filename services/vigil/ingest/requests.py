@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from vigil.httpserver import Refusal as Refusal  # the one refusal type; ingest's modules import it from here
+from vigil.httpserver import on_http_exception, on_unexpected
 from vigil.numbers import MAX_DIGITS, NotParsed, json_constant, json_float, json_int, whole_number
 
 log = logging.getLogger(__name__)
@@ -209,26 +213,11 @@ async def on_refusal(_: Request, exc: Exception) -> Response:
     return exc.response()
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
-
-
-async def on_http_exception(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
-    return JSONResponse({"error": code, "detail": exc.detail}, exc.status_code, headers=exc.headers)
-
-
 async def on_disconnect(_: Request, exc: Exception) -> Response:
     # The client went away (or the server's read timeout closed it) while its body was
     # read: nothing was produced, and nobody is left to read an answer.
     log.debug("client disconnected before its body was read")
     return JSONResponse({"error": "client_disconnected", "detail": "the request body was not received"}, 400)
-
-
-async def on_unexpected(_: Request, exc: Exception) -> Response:
-    # The request was not acknowledged, so a retry is safe; the traceback is for operators.
-    log.error("unexpected error", exc_info=exc, extra={"event": "request_failed"})
-    return JSONResponse({"error": "internal", "detail": "unexpected error; retry later"}, 500)
 
 
 EXCEPTION_HANDLERS = {
@@ -242,36 +231,88 @@ EXCEPTION_HANDLERS = {
 # -- the path and query rule, before any route ------------------------------------------
 
 
-def target_problem(scope: dict) -> Refusal | None:
-    """The path and query string as the client sent them follow the text rule for ids.
+class SegmentConvertor(Convertor[str]):
+    """``{name:segment}``: one path segment, percent-decoded exactly once.
+
+    The one rule for ids in ingest's paths (every path parameter uses it; a test walks the
+    route table): an id containing ``/`` (``team-a/bob``, the shape of the token patterns
+    ``team-a/*``) is sent as ``team-a%2Fbob``, a ``%`` as ``%25``. :class:`TargetCheck` hands
+    the router the path with exactly those two escapes kept, so a segment never splits.
+    """
+
+    regex = "[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value.replace("%2F", "/").replace("%25", "%")
+
+    def to_string(self, value: str) -> str:
+        return value.replace("%", "%25").replace("/", "%2F")
+
+
+register_url_convertor("segment", SegmentConvertor())
+
+
+def route(path: str, endpoint: Any, methods: list[str]) -> Route:
+    """A route of ingest: every ``{name}`` in ``path`` (the OpenAPI template) is a ``segment``."""
+    return Route(re.sub(r"\{(\w+)\}", r"{\1:segment}", path), endpoint, methods=methods)
+
+
+def _decoded(raw: bytes, name: str) -> str:
+    """``raw`` percent-decoded once as UTF-8 and printable, or a 400 naming ``name``."""
+    try:
+        text = unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid(name, "percent-escapes do not decode as UTF-8") from None
+    if not text.isprintable():
+        raise invalid(name, "must not contain control characters (a %00, a newline)")
+    return text
+
+
+def routing_path(scope: dict) -> str:
+    """The path the router matches: the client's path, each segment decoded once.
 
     uvicorn decodes percent-escapes leniently (invalid UTF-8 becomes U+FFFD, so two raw ids
-    would name one user) and passes a ``%00`` through to PostgreSQL: both are refused here,
-    once, for every route.
+    would name one user), passes a ``%00`` through to PostgreSQL, and turns ``%2F`` into a
+    separator: the path is read again here from the bytes the client sent, segment by
+    segment (400 naming ``path`` for the first two), and a ``/`` or ``%`` inside a segment
+    stays escaped for :class:`SegmentConvertor` to decode.
     """
     raw_path = scope.get("raw_path") or scope["path"].encode()
-    for name, raw in (("path", raw_path), ("query", scope.get("query_string", b"").replace(b"+", b" "))):
-        if not raw:
-            continue
-        try:
-            text = unquote_to_bytes(raw).decode("utf-8")
-        except UnicodeDecodeError:
-            return invalid(name, "percent-escapes do not decode as UTF-8")
-        if not text.isprintable():
-            return invalid(name, "must not contain control characters (a %00, a newline)")
+    segments = (_decoded(raw, "path") for raw in raw_path.split(b"/"))
+    return "/".join(segment.replace("%", "%25").replace("/", "%2F") for segment in segments)
+
+
+def host_problem(scope: dict) -> Refusal | None:
+    """RFC 9112 section 3.2: an HTTP/1.1 request without ``Host``, or any request with more
+    than one, is a 400 (two could name two different sites to a proxy in front of ingest)."""
+    hosts = sum(1 for name, _ in scope.get("headers", ()) if name.lower() == b"host")
+    if hosts > 1:
+        return invalid("Host", "sent more than once")
+    if hosts == 0 and scope.get("http_version") != "1.0":
+        return invalid("Host", "is missing (HTTP/1.1 requires it)")
     return None
 
 
 class TargetCheck:
-    """Pure ASGI middleware: :func:`target_problem`, answered before routing."""
+    """Pure ASGI middleware, before routing: the ``Host`` header (:func:`host_problem`), the
+    path as :func:`routing_path` reads it, and the query string under the same text rule (a
+    400 naming ``Host``, ``path`` or ``query``)."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            refusal = target_problem(scope)
-            if refusal is not None:
+            try:
+                host = host_problem(scope)
+                if host is not None:
+                    raise host
+                path = routing_path(scope)
+                query = scope.get("query_string", b"").replace(b"+", b" ")
+                if query:
+                    _decoded(query, "query")
+            except Refusal as refusal:
                 await refusal.response()(scope, receive, send)
                 return
+            scope = {**scope, "path": path}
         await self.app(scope, receive, send)

@@ -34,6 +34,9 @@ DEFAULT_TOKEN_RATE = 5000.0
 DEFAULT_TOKEN_BURST = 10_000
 # A person's agent needs a few dozen timers; thousands is a runaway loop or an abuse.
 DEFAULT_MAX_TIMERS_PER_USER = 1000
+# One token acts for many users (a backend's), but each user id in a path is the caller's to
+# invent: without a bound per token, one token holds 1,000 timers for every id it makes up.
+DEFAULT_TIMER_QUOTA_PER_TOKEN = 100_000
 # An agent woken every second is a busy loop, not a schedule.
 DEFAULT_MIN_TIMER_EVERY_S = 60
 
@@ -103,6 +106,13 @@ class IngestSettings(CommonSettings):
         ge=1,
         le=10_000_000,
         description="Most live timers one user may have through the timers API (a new one past it is 429).",
+    )
+    timer_quota_per_token: int = Field(
+        DEFAULT_TIMER_QUOTA_PER_TOKEN,
+        ge=1,
+        le=100_000_000,
+        description="Most live timers one API token may have created or last registered, over all users "
+        "(a new one past it is 429).",
     )
     min_timer_every_s: int = Field(
         DEFAULT_MIN_TIMER_EVERY_S,

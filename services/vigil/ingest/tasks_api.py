@@ -82,7 +82,7 @@ def routes(ctx: Any) -> list[Route]:
         except NotParsed as exc:
             raise ctx.invalid("before", str(exc)) from None
         async with ctx.ledger() as conn:
-            rows = await ledger.of_user(conn, user_id, status=status, before=before_at, limit=limit)
+            rows = await ledger.of_user(conn, user_id=user_id, status=status, before=before_at, limit=limit)
         body: dict[str, Any] = {"tasks": [row.as_json() for row in rows]}
         if len(rows) == limit:
             body["next_before"] = rows[-1].created_at.isoformat()
@@ -95,10 +95,10 @@ def routes(ctx: Any) -> list[Route]:
     async def cancel_task(request: Request) -> Response:
         caller, task = await owned(request)
         async with ctx.ledger() as conn:
-            changed = await ledger.cancel(conn, task.id, caller.name)
+            changed = await ledger.cancel(conn, task_id=task.id, actor=caller.name)
             if changed is not None:
                 detail = {"task_id": task.id, "status": str(changed.status), "token_id": caller.token_id}
-                await audit.record_async(conn, caller.name, "task.cancel", detail)
+                await audit.record_async(conn, actor=caller.name, action="task.cancel", detail=detail)
         if changed is None:
             async with ctx.ledger() as conn:
                 now = await ledger.get(conn, task.id)
@@ -108,9 +108,9 @@ def routes(ctx: Any) -> list[Route]:
         return JSONResponse(changed.as_json(), status_code=code)
 
     return [
-        Route(COLLECTION, list_tasks, methods=["GET"]),
-        Route(ITEM, get_task, methods=["GET"]),
-        Route(CANCEL, cancel_task, methods=["POST"]),
+        ctx.route(COLLECTION, list_tasks, methods=["GET"]),
+        ctx.route(ITEM, get_task, methods=["GET"]),
+        ctx.route(CANCEL, cancel_task, methods=["POST"]),
     ]
 
 

@@ -221,7 +221,7 @@ def get_policies(conn: psycopg.Connection[DictRow], user_id: str) -> Policies | 
     return Policies(row["user_id"], row["event_policies"], row["updated_at"]) if row else None
 
 
-def set_policies(conn: psycopg.Connection[DictRow], user_id: str, event_policies: str) -> Policies:
+def set_policies(conn: psycopg.Connection[DictRow], *, user_id: str, event_policies: str) -> Policies:
     """Replace the user's overrides ('' clears them)."""
     row = conn.execute(Q.agent_policies_set, {"user_id": user_id, "event_policies": event_policies}).fetchone()
     assert row is not None
@@ -238,6 +238,7 @@ class Refund:
 
 async def record_refund(
     conn: psycopg.AsyncConnection[DictRow],
+    *,
     idempotency_key: str,
     user_id: str,
     order_id: str,

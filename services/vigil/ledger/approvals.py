@@ -163,14 +163,16 @@ def args_hash(tool: str, arguments: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def sign_token(secret: str, request_id: str, user_id: str) -> str:
+def sign_token(*, secret: str, request_id: str, user_id: str) -> str:
     """The capability that lets the addressee, and only them, answer this request."""
     mac = hmac.new(secret.encode(), f"{TOKEN_VERSION}|{request_id}|{user_id}".encode(), hashlib.sha256).digest()
     return f"{TOKEN_VERSION}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
 
 
-def verify_token(secret: str, request_id: str, user_id: str, token: str) -> bool:
-    return hmac.compare_digest(sign_token(secret, request_id, user_id).encode(), token.encode())
+def verify_token(*, secret: str, request_id: str, user_id: str, token: str) -> bool:
+    return hmac.compare_digest(
+        sign_token(secret=secret, request_id=request_id, user_id=user_id).encode(), token.encode()
+    )
 
 
 __all__ = [
@@ -188,6 +190,7 @@ __all__ = [
 
 async def create(
     conn: psycopg.AsyncConnection[DictRow],
+    *,
     request_id: str,
     user_id: str,
     session_id: str | None,

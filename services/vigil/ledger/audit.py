@@ -21,11 +21,13 @@ def _params(actor: str, action: str, detail: dict[str, Any]) -> dict[str, Any]:
     return {"actor": actor, "action": action, "detail": Jsonb(detail)}
 
 
-def record(conn: psycopg.Connection[DictRow], actor: str, action: str, detail: dict[str, Any]) -> None:
+def record(conn: psycopg.Connection[DictRow], *, actor: str, action: str, detail: dict[str, Any]) -> None:
     """Write one audit row in the caller's transaction (``actor``: a login, or a token's name)."""
     conn.execute(Q.audit_insert, _params(actor, action, detail))
 
 
-async def record_async(conn: psycopg.AsyncConnection[DictRow], actor: str, action: str, detail: dict[str, Any]) -> None:
+async def record_async(
+    conn: psycopg.AsyncConnection[DictRow], *, actor: str, action: str, detail: dict[str, Any]
+) -> None:
     """:func:`record` on an async connection."""
     await conn.execute(Q.audit_insert, _params(actor, action, detail))

@@ -66,13 +66,13 @@ def lock(conn: psycopg.Connection[DictRow], user_id: str) -> LockedChannel | Non
 
 def set_channel(
     conn: psycopg.Connection[DictRow],
+    *,
     user_id: str,
     type_: str,
     url: str | None,
     secret: str | None,
     gap_seconds: int | None,
     urgent_daily_cap: int | None,
-    *,
     keep_gap: bool,
     keep_cap: bool,
 ) -> ChannelRow:

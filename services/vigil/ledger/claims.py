@@ -131,6 +131,7 @@ async def claim_alone(
 
 async def claim(
     conn: psycopg.AsyncConnection[DictRow],
+    *,
     owned: dict[PartitionKey, int],
     busy: list[str],
     max_users: int,

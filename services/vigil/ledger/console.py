@@ -333,7 +333,7 @@ class Timeline:
 # -- overview ----------------------------------------------------------------------------
 
 
-def overview(conn: psycopg.Connection[DictRow], now: datetime, minutes: int = 5, limit: int = 10) -> Overview:
+def overview(conn: psycopg.Connection[DictRow], *, now: datetime, minutes: int = 5, limit: int = 10) -> Overview:
     """The numbers an on-call person checks first, each read with a bounded scan."""
     backlog = _fetch(conn, Q.console_pending_backlog, {"cap": COUNT_CAP})[0]
     oldest = _fetch(conn, Q.console_oldest_pending, {"cap": COUNT_CAP, "limit": limit})
@@ -464,7 +464,7 @@ def delivery(conn: psycopg.Connection[DictRow], delivery_id: UUID, limit: int = 
 
 
 def events_by_source_id(
-    conn: psycopg.Connection[DictRow], source_id: str, user_id: str | None = None, limit: int = 50
+    conn: psycopg.Connection[DictRow], *, source_id: str, user_id: str | None = None, limit: int = 50
 ) -> list[EventRow]:
     """The newest ``limit`` events with this source id: of ``user_id`` whatever their age, or
     of any user among those recorded within the dedup window (their keys name the users:

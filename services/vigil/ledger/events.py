@@ -216,5 +216,5 @@ def retry_dead_events(conn: psycopg.Connection[DictRow], ids: list[int], actor: 
     with conn.transaction():
         rows = conn.execute(Q.dead_retry, {"ids": list(ids), "actor": actor}).fetchall()
         done = [r["id"] for r in rows]
-        audit.record(conn, actor, "dead.retry", {"requested": list(ids), "retried": done})
+        audit.record(conn, actor=actor, action="dead.retry", detail={"requested": list(ids), "retried": done})
     return Retried(retried=sorted(done), missing=sorted(set(ids) - set(done)))

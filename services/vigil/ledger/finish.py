@@ -118,6 +118,7 @@ async def finish_runs(
 
 async def finish_failed(
     conn: psycopg.AsyncConnection[DictRow],
+    *,
     ids: list[int],
     epoch: int,
     run_id: int,
@@ -136,6 +137,7 @@ async def finish_failed(
 
 async def insert_timer(
     conn: psycopg.AsyncConnection[DictRow],
+    *,
     user_id: str,
     timer_id: str,
     kind: str,
@@ -165,7 +167,7 @@ async def insert_timer(
 
 
 async def write_memory(
-    conn: psycopg.AsyncConnection[DictRow], user_id: str, path: str, content: str | None, run_id: int | None
+    conn: psycopg.AsyncConnection[DictRow], *, user_id: str, path: str, content: str | None, run_id: int | None
 ) -> None:
     """The memory tool's write by run ``run_id`` (None deletes the file)."""
     if content is None:

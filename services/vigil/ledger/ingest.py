@@ -89,6 +89,7 @@ async def token_hashes(conn: psycopg.AsyncConnection[DictRow]) -> frozenset[str]
 
 def create_token(
     conn: psycopg.Connection[DictRow],
+    *,
     token_id: str,
     name: str,
     digest: str,
@@ -183,7 +184,7 @@ def hook(conn: psycopg.Connection[DictRow], hook_id: str) -> Hook | None:
     return _row(Hook, conn.execute(Q.hook_for_delivery, {"hook_id": hook_id}).fetchone())
 
 
-def create_hook(conn: psycopg.Connection[DictRow], hook_id: str, provider: str, user_id: str) -> NewHook:
+def create_hook(conn: psycopg.Connection[DictRow], *, hook_id: str, provider: str, user_id: str) -> NewHook:
     row = conn.execute(Q.hook_create, {"id": hook_id, "provider": provider, "user_id": user_id}).fetchone()
     return _row(NewHook, row)  # type: ignore[return-value]
 
@@ -193,7 +194,7 @@ def hooks(conn: psycopg.Connection[DictRow]) -> list[ListedHook]:
     return [_row(ListedHook, r) for r in conn.execute(Q.hook_list).fetchall()]  # type: ignore[misc]
 
 
-def add_secret(conn: psycopg.Connection[DictRow], hook_id: str, secret: str) -> Secret | None:
+def add_secret(conn: psycopg.Connection[DictRow], *, hook_id: str, secret: str) -> Secret | None:
     """Add a signing secret; None: no such hook, or it is disabled."""
     row = conn.execute(Q.hook_secret_add, {"hook_id": hook_id, "secret": secret}).fetchone()
     return None if row is None else Secret(row["id"], row["hook_id"], created_at=row["created_at"])

@@ -140,6 +140,7 @@ class DueUsers:
 
 def lock_due_users(
     conn: psycopg.Connection[DictRow],
+    *,
     now: datetime,
     default_gap_s: int,
     limit: int,
@@ -182,6 +183,7 @@ def unfinished_for_users(conn: psycopg.Connection[DictRow], users: list[str], ma
 
 def fix_deliveries(
     conn: psycopg.Connection[DictRow],
+    *,
     now: datetime,
     lease_until: datetime,
     ids: list[int],
@@ -248,6 +250,7 @@ def record_pacing(
 
 def claim_retries(
     conn: psycopg.Connection[DictRow],
+    *,
     now: datetime,
     lease_until: datetime,
     delivery_ids: list[UUID],

@@ -78,6 +78,7 @@ def take_over(conn: psycopg.Connection[DictRow], key: PartitionKey, holder: str)
 
 def hand_back_stale_claims(
     conn: psycopg.Connection[DictRow],
+    *,
     key: PartitionKey,
     epoch: int,
     backoff_base_s: float,

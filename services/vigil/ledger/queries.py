@@ -27,7 +27,7 @@ class Queries(dict[str, str]):
             raise AttributeError(f"no query named {name!r} in {QUERIES_DIR}") from None
 
 
-def parse(text: str, origin: str = "<sql>") -> dict[str, str]:
+def parse(*, text: str, origin: str = "<sql>") -> dict[str, str]:
     parts = _HEADER.split(text)
     found: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2]):
@@ -42,7 +42,7 @@ def parse(text: str, origin: str = "<sql>") -> dict[str, str]:
 def load() -> Queries:
     queries = Queries()
     for path in sorted(QUERIES_DIR.glob("*.sql")):
-        for name, sql in parse(path.read_text(encoding="utf-8"), path.name).items():
+        for name, sql in parse(text=path.read_text(encoding="utf-8"), origin=path.name).items():
             if name in queries:
                 raise ValueError(f"query {name} defined twice ({path.name})")
             queries[name] = sql

@@ -28,6 +28,7 @@ class Healed:
 
 async def release_orphaned_claims(
     conn: psycopg.AsyncConnection[DictRow],
+    *,
     owned: dict[PartitionKey, int],
     busy: list[str],
     max_attempts: int,

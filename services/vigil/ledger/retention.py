@@ -90,6 +90,7 @@ def drop_event_day(conn: psycopg.Connection[DictRow], name: str) -> int:
 
 def prune(
     conn: psycopg.Connection[DictRow],
+    *,
     retention_days: float,
     now: datetime | None = None,
     batch: int = BATCH,

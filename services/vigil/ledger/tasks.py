@@ -169,7 +169,7 @@ async def reap(conn: psycopg.AsyncConnection[DictRow], stale_s: float) -> list[R
     return reaped
 
 
-async def cancel(conn: psycopg.AsyncConnection[DictRow], task_id: str, actor: str) -> TaskRow | None:
+async def cancel(conn: psycopg.AsyncConnection[DictRow], *, task_id: str, actor: str) -> TaskRow | None:
     """The owner's cancel. None: the task is unknown or already terminal."""
     cur = await conn.execute(Q.task_cancel, {"id": task_id, "actor": actor})
     row = await cur.fetchone()
@@ -184,6 +184,7 @@ async def get(conn: psycopg.AsyncConnection[DictRow], task_id: str) -> TaskRow |
 
 async def of_user(
     conn: psycopg.AsyncConnection[DictRow],
+    *,
     user_id: str,
     status: str | None = None,
     before: datetime | None = None,

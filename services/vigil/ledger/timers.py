@@ -69,6 +69,7 @@ class NewTimer:
     max_lateness: int | None = None
     payload: dict[str, Any] = field(default_factory=dict)
     fixed_key: str | None = None
+    token_id: str | None = None  # the API token registering it (its quota); None: a run or the CLI
 
     def params(self) -> dict[str, Any]:
         return {
@@ -83,6 +84,7 @@ class NewTimer:
             "max_lateness": self.max_lateness,
             "payload": Jsonb(self.payload),
             "fixed_key": self.fixed_key,
+            "token_id": self.token_id,
         }
 
 
@@ -127,12 +129,12 @@ async def upsert_async(conn: psycopg.AsyncConnection[Any], timer: NewTimer) -> U
     return _outcome(returned, existing)
 
 
-def get(conn: psycopg.Connection[DictRow], user_id: str, timer_id: str) -> TimerRow | None:
+def get(conn: psycopg.Connection[DictRow], *, user_id: str, timer_id: str) -> TimerRow | None:
     row = conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id}).fetchone()
     return None if row is None else TimerRow.of(row)
 
 
-async def get_async(conn: psycopg.AsyncConnection[DictRow], user_id: str, timer_id: str) -> TimerRow | None:
+async def get_async(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, timer_id: str) -> TimerRow | None:
     row = await (await conn.execute(Q.timer_get, {"user_id": user_id, "id": timer_id})).fetchone()
     return None if row is None else TimerRow.of(row)
 
@@ -156,28 +158,37 @@ async def of_user_async(
     return [TimerRow.of(r) for r in await cursor.fetchall()]
 
 
-def cancel(conn: psycopg.Connection[DictRow], user_id: str, timer_id: str) -> bool:
+def cancel(conn: psycopg.Connection[DictRow], *, user_id: str, timer_id: str) -> bool:
     """A live timer the caller owns becomes done and cancelled. False: unknown, done already,
     or an approval's expiry (which follows its approval)."""
     return conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id}).fetchone() is not None
 
 
-async def cancel_async(conn: psycopg.AsyncConnection[DictRow], user_id: str, timer_id: str) -> bool:
+async def cancel_async(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, timer_id: str) -> bool:
     cursor = await conn.execute(Q.timer_cancel, {"user_id": user_id, "id": timer_id})
     return await cursor.fetchone() is not None
 
 
-async def lock_quota(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> None:
-    """Serialise timer creation per user until commit (the quota's count must be taken after)."""
-    await conn.execute(Q.timers_quota_lock, {"user_id": user_id})
+@dataclass(frozen=True, slots=True)
+class LiveCounts:
+    """Live timers other than the one being (re-)registered: the user's, and the token's."""
+
+    of_user: int
+    of_token: int
 
 
-async def live_count(conn: psycopg.AsyncConnection[DictRow], user_id: str, other_than: str) -> int:
-    """Live timers of a user other than ``other_than`` (the one being (re-)registered)."""
-    row = await (await conn.execute(Q.timers_live_count, {"user_id": user_id, "id": other_than})).fetchone()
-    assert row is not None  # a count: one row
-    live: int = row["live"]
-    return live
+async def quota_counts(
+    conn: psycopg.AsyncConnection[DictRow], *, user_id: str, token_id: str, other_than: str
+) -> LiveCounts:
+    """Lock timer creation for ``user_id`` and then for ``token_id`` until the caller's
+    transaction ends, then count what the quotas bound. Concurrent creates for one user or by
+    one token (for any users) therefore count one after the other: the count and the insert
+    that follows it in the same transaction cannot both pass a quota twice."""
+    params = {"user_id": user_id, "token_id": token_id, "id": other_than}
+    await conn.execute(Q.timers_quota_lock, params)
+    row = await (await conn.execute(Q.timers_live_counts, params)).fetchone()
+    assert row is not None  # counts: one row
+    return LiveCounts(of_user=row["of_user"], of_token=row["of_token"])
 
 
 # -- the scheduler's pass ------------------------------------------------------------------

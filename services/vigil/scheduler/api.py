@@ -18,6 +18,7 @@ shared with `vigil timers add`, so a bad cron expression or zone is a 400 saying
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -41,10 +42,14 @@ ITEM = "/v1/users/{user_id}/timers/{timer_id}"
 def routes(ctx: Any) -> list[Route]:
     async def authorized(request: Request, with_timer: bool = False) -> tuple[str, str | None]:
         """401/429 for the token, 400 for the ids, 403 unless the token may act for the user."""
+        return (await authorized_caller(request, with_timer))[1:]
+
+    async def authorized_caller(request: Request, with_timer: bool = False) -> tuple[Any, str, str | None]:
+        """:func:`authorized`, and the caller (whose token the timer counts against)."""
         caller = await ctx.authenticate(request)
-        ids = path_ids(request, with_timer)
-        ctx.authorize(caller, Scope.TIMERS, ids[0])
-        return ids
+        user_id, timer_id = path_ids(request, with_timer)
+        ctx.authorize(caller, Scope.TIMERS, user_id)
+        return caller, user_id, timer_id
 
     def path_ids(request: Request, with_timer: bool = False) -> tuple[str, str | None]:
         user_id = request.path_params["user_id"]
@@ -58,24 +63,29 @@ def routes(ctx: Any) -> list[Route]:
             raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
         return user_id, timer_id
 
+    def over_quota(why: str) -> Exception:
+        return ctx.Refusal(
+            429, "quota_exceeded", f"{why}; cancel one first", headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)}
+        )
+
     async def create(request: Request) -> Response:
-        user_id, _ = await authorized(request)
+        caller, user_id, _ = await authorized_caller(request)
         body = await ctx.read_json(request)
         settings = ctx.settings
         try:
             timer = parse_timer(user_id, body, int(time.time()), min_every=settings.min_timer_every_s)
         except InvalidTimer as exc:
             raise ctx.invalid(exc.field, exc.reason) from None
+        timer = replace(timer, token_id=caller.token_id)
         async with ctx.ledger() as conn:
-            await ledger.lock_quota(conn, user_id)
-            if await ledger.live_count(conn, user_id, timer.id) >= settings.max_timers_per_user:
-                # Re-registering a timer the user has is always allowed; only a new one counts.
-                raise ctx.Refusal(
-                    429,
-                    "quota_exceeded",
-                    f"the user has {settings.max_timers_per_user} live timers (VIGIL_MAX_TIMERS_PER_USER); "
-                    "cancel one first",
-                    headers={"Retry-After": str(QUOTA_RETRY_AFTER_S)},
+            # Re-registering a timer is always allowed; only a new one counts against a quota.
+            live = await ledger.quota_counts(conn, user_id=user_id, token_id=caller.token_id, other_than=timer.id)
+            if live.of_user >= settings.max_timers_per_user:
+                raise over_quota(f"the user has {settings.max_timers_per_user} live timers (VIGIL_MAX_TIMERS_PER_USER)")
+            if live.of_token >= settings.timer_quota_per_token:
+                raise over_quota(
+                    f"this token has {settings.timer_quota_per_token} live timers over all users "
+                    "(VIGIL_TIMER_QUOTA_PER_TOKEN)"
                 )
             result = await ledger.upsert_async(conn, timer)
         if result.status == "conflict":
@@ -107,7 +117,7 @@ def routes(ctx: Any) -> list[Route]:
         user_id, timer_id = await authorized(request, with_timer=True)
         assert timer_id is not None  # path_ids(with_timer=True) refuses a missing one
         async with ctx.ledger() as conn:
-            row = await ledger.get_async(conn, user_id, timer_id)
+            row = await ledger.get_async(conn, user_id=user_id, timer_id=timer_id)
         if row is None:
             raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
         return JSONResponse(describe(row))
@@ -116,8 +126,8 @@ def routes(ctx: Any) -> list[Route]:
         user_id, timer_id = await authorized(request, with_timer=True)
         assert timer_id is not None  # path_ids(with_timer=True) refuses a missing one
         async with ctx.ledger() as conn:
-            cancelled = await ledger.cancel_async(conn, user_id, timer_id)
-            row = None if cancelled else await ledger.get_async(conn, user_id, timer_id)
+            cancelled = await ledger.cancel_async(conn, user_id=user_id, timer_id=timer_id)
+            row = None if cancelled else await ledger.get_async(conn, user_id=user_id, timer_id=timer_id)
         if cancelled:
             return Response(status_code=204)
         if row is None:
@@ -129,10 +139,10 @@ def routes(ctx: Any) -> list[Route]:
         raise ctx.Refusal(404, "not_found", f"timer {timer_id!r} is not live (already fired, skipped or cancelled)")
 
     return [
-        Route(COLLECTION, create, methods=["POST"]),
-        Route(COLLECTION, list_timers, methods=["GET"]),
-        Route(ITEM, get_timer, methods=["GET"]),
-        Route(ITEM, cancel, methods=["DELETE"]),
+        ctx.route(COLLECTION, create, methods=["POST"]),
+        ctx.route(COLLECTION, list_timers, methods=["GET"]),
+        ctx.route(ITEM, get_timer, methods=["GET"]),
+        ctx.route(ITEM, cancel, methods=["DELETE"]),
     ]
 
 
@@ -182,7 +192,10 @@ def openapi_paths() -> dict[str, Any]:
                     "400": {"description": "invalid field (the detail says why)"},
                     "403": {"description": "the token may not manage this user's timers"},
                     "409": {"description": "the id belongs to an approval's expiry timer"},
-                    "429": {"description": "the user has VIGIL_MAX_TIMERS_PER_USER live timers (Retry-After: 60)"},
+                    "429": {
+                        "description": "the user has VIGIL_MAX_TIMERS_PER_USER live timers, or the token "
+                        "VIGIL_TIMER_QUOTA_PER_TOKEN over all users (Retry-After: 60)"
+                    },
                 },
             },
             "get": {

@@ -130,8 +130,8 @@ def timers_rm(user_id, timer_id, as_json) -> None:
     """Cancel a live timer: it fires nothing more (its row stays, so a re-registration cannot re-fire)."""
     # A ledger that does not answer: one line and exit 3 (vigil.service.VigilGroup).
     with cli_connection() as conn:
-        if not ledger.cancel(conn, user_id, timer_id):
-            row = ledger.get(conn, user_id, timer_id)
+        if not ledger.cancel(conn, user_id=user_id, timer_id=timer_id):
+            row = ledger.get(conn, user_id=user_id, timer_id=timer_id)
             if row is None:
                 raise click.ClickException(f"no timer {timer_id!r} for user {user_id!r}")
             if row.kind == "approval_expiry":

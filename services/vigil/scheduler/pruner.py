@@ -80,7 +80,9 @@ class Pruner:
             try:
                 with connect(self.dsn, autocommit=True) as conn:
                     if self.retention_days > 0:
-                        counts = prune(conn, self.retention_days, dedup_window_days=self.dedup_window_days)
+                        counts = prune(
+                            conn, retention_days=self.retention_days, dedup_window_days=self.dedup_window_days
+                        )
                     else:
                         ensure_partitions(conn)
                         counts = {}

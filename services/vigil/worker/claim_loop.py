@@ -317,11 +317,11 @@ class Claimer:
         """
         healed = await ledger_recovery.release_orphaned_claims(
             conn,
-            owned,
-            list(self.active),
-            self.settings.max_attempts,
-            self.settings.backoff_base_s,
-            self.settings.backoff_cap_s,
+            owned=owned,
+            busy=list(self.active),
+            max_attempts=self.settings.max_attempts,
+            backoff_base_s=self.settings.backoff_base_s,
+            backoff_cap_s=self.settings.backoff_cap_s,
         )
         if healed:
             metrics.HEALED.inc(len(healed))
@@ -362,12 +362,12 @@ class Claimer:
                 self.lone.due_at = None
         claims, self._cursor = await claim(
             conn,
-            owned,
-            list(self.active),
-            take,
-            self.settings.batch_max,
-            self.settings.batch_window_s,
-            self.settings.max_attempts,
-            self._cursor,
+            owned=owned,
+            busy=list(self.active),
+            max_users=take,
+            batch_max=self.settings.batch_max,
+            window_s=self.settings.batch_window_s,
+            max_attempts=self.settings.max_attempts,
+            cursor=self._cursor,
         )
         return claims, False

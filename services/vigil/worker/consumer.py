@@ -46,6 +46,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import psycopg
@@ -453,6 +454,7 @@ class ConsumerLoop(threading.Thread):
         bad: list[tuple[Any, ...]] = []
         highest: dict[tuple[str, int], int] = {}
         decode = self.codec.decode_row
+        now = datetime.fromtimestamp(self.runner.clock.now(), UTC)  # the event window's, per batch
         spans = traces.RecordSpans(self.settings.events_topic) if tracing.enabled else None
         for message in messages:
             error = message.error()
@@ -464,7 +466,7 @@ class ConsumerLoop(threading.Thread):
             # A partition's messages arrive in offset order: the last one seen is the highest.
             highest[topic, partition] = offset
             try:
-                row = (len(rows), *decode(message.value(), topic), topic, partition, offset)
+                row = (len(rows), *decode(message.value(), topic, now), topic, partition, offset)
             except DecodeError as exc:
                 bad.append((message, exc.reason))
                 continue

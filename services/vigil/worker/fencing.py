@@ -90,7 +90,12 @@ def take_over(
         for key in sorted(partitions):
             epoch = ledger_partitions.take_over(conn, key, holder)
             recovered = ledger_partitions.hand_back_stale_claims(
-                conn, key, epoch, backoff_base_s, backoff_cap_s, max_attempts
+                conn,
+                key=key,
+                epoch=epoch,
+                backoff_base_s=backoff_base_s,
+                backoff_cap_s=backoff_cap_s,
+                max_attempts=max_attempts,
             )
             epochs[key] = epoch
             if recovered:

@@ -118,7 +118,13 @@ async def _write_more(conn: psycopg.AsyncConnection[DictRow], run: Finished, run
     if run.error is not None:
         ids = run.event_ids
         cur = await ledger_finish.finish_failed(
-            conn, ids, claim.epoch, run_id, run.error[:2000], run.backoff_s, run.transient
+            conn,
+            ids=ids,
+            epoch=claim.epoch,
+            run_id=run_id,
+            error=run.error[:2000],
+            backoff_s=run.backoff_s,
+            transient=run.transient,
         )
         return [(cur, len(ids))]
     result = run.result
@@ -127,31 +133,31 @@ async def _write_more(conn: psycopg.AsyncConnection[DictRow], run: Finished, run
     for timer in result.timers:
         await ledger_finish.insert_timer(
             conn,
-            user,
-            timer.id,
-            timer.kind,
-            timer.due,
-            timer.catch_up,
-            timer.payload,
-            timer.fixed_key,
-            run_id,
-            claim.traceparent,
+            user_id=user,
+            timer_id=timer.id,
+            kind=timer.kind,
+            due=timer.due,
+            catch_up=timer.catch_up,
+            payload=timer.payload,
+            fixed_key=timer.fixed_key,
+            run_id=run_id,
+            traceparent=claim.traceparent,
         )
     for approval in result.approvals:
         await ledger_approvals.create(
             conn,
-            approval.request_id,
-            user,
-            approval.session_id,
-            run_id,
-            approval.tool,
-            approval.tool_use_id,
-            approval.args_hash,
-            approval.due,
-            approval.on_expiry,
+            request_id=approval.request_id,
+            user_id=user,
+            session_id=approval.session_id,
+            run_id=run_id,
+            tool=approval.tool,
+            tool_use_id=approval.tool_use_id,
+            args_hash=approval.args_hash,
+            due=approval.due,
+            on_expiry=approval.on_expiry,
         )
     for write in result.memory_writes:
-        await ledger_finish.write_memory(conn, user, write.path, write.content, run_id)
+        await ledger_finish.write_memory(conn, user_id=user, path=write.path, content=write.content, run_id=run_id)
     for task in result.tasks:
         await ledger_tasks.create(conn, new_task_row(user, task, run_id))
     return []

@@ -51,7 +51,7 @@ def tasks_list(user_id: str | None, status: str | None, limit: int, as_json: boo
     async def go():
         async with await _connect() as conn:
             if user_id:
-                return await ledger.of_user(conn, user_id, status=status, limit=limit)
+                return await ledger.of_user(conn, user_id=user_id, status=status, limit=limit)
             return await ledger.recent(conn, status=status, limit=limit)
 
     rows = _run(go())
@@ -95,9 +95,11 @@ def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
     async def go():
         async with await _connect() as conn:
             async with conn.transaction():
-                row = await ledger.cancel(conn, task_id, who)
+                row = await ledger.cancel(conn, task_id=task_id, actor=who)
                 if row is not None:
-                    await audit.record_async(conn, who, "task.cancel", {"task_id": task_id, "status": str(row.status)})
+                    await audit.record_async(
+                        conn, actor=who, action="task.cancel", detail={"task_id": task_id, "status": str(row.status)}
+                    )
                 return row, (await ledger.get(conn, task_id) if row is None else row)
 
     changed, row = _run(go())

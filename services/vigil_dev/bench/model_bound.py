@@ -78,7 +78,11 @@ TARGET_RATE_SHARE = 0.8
 TARGET_CPU_MS = 2.0
 TARGET_RSS_MB = 400.0
 
-M = Queries(parse((Path(__file__).resolve().parent / "model_bound.sql").read_text(encoding="utf-8"), "model_bound.sql"))
+M = Queries(
+    parse(
+        text=(Path(__file__).resolve().parent / "model_bound.sql").read_text(encoding="utf-8"), origin="model_bound.sql"
+    )
+)
 
 POLL_S = 0.5
 IDLE_S = 3.0  # the idle worker's CPU is measured this long before the load

@@ -6,4 +6,8 @@ from pathlib import Path
 
 from vigil.ledger.queries import Queries, parse
 
-B = Queries(parse((Path(__file__).resolve().parent / "queries.sql").read_text(encoding="utf-8"), "bench/queries.sql"))
+B = Queries(
+    parse(
+        text=(Path(__file__).resolve().parent / "queries.sql").read_text(encoding="utf-8"), origin="bench/queries.sql"
+    )
+)

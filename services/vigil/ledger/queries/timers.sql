@@ -5,9 +5,10 @@
 
 -- name: timer_upsert
 -- Create or re-register a timer. A live timer keeps its stored due when that is later (it is already past every occurrence fired); a fired one-off is not revived at or before its handled occurrence; approval expiries belong to their approval and are never overwritten.
-INSERT INTO timers AS t (id, user_id, kind, due, every_seconds, cron, tz, catch_up, max_lateness, payload, fixed_key)
+INSERT INTO timers AS t (id, user_id, kind, due, every_seconds, cron, tz, catch_up, max_lateness, payload, fixed_key,
+                        token_id)
 VALUES (%(id)s, %(user_id)s, %(kind)s, %(due)s, %(every_seconds)s, %(cron)s, %(tz)s, %(catch_up)s,
-        %(max_lateness)s, %(payload)s, %(fixed_key)s)
+        %(max_lateness)s, %(payload)s, %(fixed_key)s, %(token_id)s)
 ON CONFLICT (user_id, id) DO UPDATE
 SET kind = EXCLUDED.kind,
     due = CASE WHEN t.done THEN EXCLUDED.due ELSE GREATEST(t.due, EXCLUDED.due) END,
@@ -22,6 +23,7 @@ SET kind = EXCLUDED.kind,
     skipped = false,
     cancelled_at = NULL,
     error = NULL,
+    token_id = EXCLUDED.token_id,  -- counts against the token that registered it last
     run_id = NULL,  -- set by the API now, no longer by the run that set it before (the console's link)
     updated_at = now()
 WHERE t.kind <> 'approval_expiry'
@@ -97,9 +99,15 @@ FROM timers
 WHERE NOT done AND due <= %(now)s
 
 -- name: timers_quota_lock
--- Serialise timer creation per user until commit, so two concurrent creates cannot both pass VIGIL_MAX_TIMERS_PER_USER (a statement of its own: the count must take its snapshot after the lock is held).
-SELECT pg_advisory_xact_lock(hashtextextended('vigil.timers:' || %(user_id)s, 0))
+-- Serialise timer creation per user, then per API token, until commit, so two concurrent creates cannot both pass VIGIL_MAX_TIMERS_PER_USER or VIGIL_TIMER_QUOTA_PER_TOKEN (a statement of its own: the counts must take their snapshot after the locks are held). Always user first, then token: one order, no deadlock.
+SELECT pg_advisory_xact_lock(hashtextextended('vigil.timers:' || %(user_id)s, 0)) AS user_lock,
+       pg_advisory_xact_lock(hashtextextended('vigil.timers.token:' || %(token_id)s, 0)) AS token_lock
 
--- name: timers_live_count
--- Live timers of a user other than the one being (re-)registered (the quota's count).
-SELECT count(*) AS live FROM timers WHERE user_id = %(user_id)s AND NOT done AND id <> %(id)s
+-- name: timers_live_counts
+-- Live timers other than the one being (re-)registered: the user's, and the token's over all users (the quotas' counts).
+SELECT count(*) FILTER (WHERE user_id = %(user_id)s) AS of_user,
+       count(*) FILTER (WHERE token_id = %(token_id)s) AS of_token
+FROM timers
+WHERE NOT done
+  AND (user_id = %(user_id)s OR token_id = %(token_id)s)
+  AND NOT (user_id = %(user_id)s AND id = %(id)s)
