@@ -144,9 +144,14 @@ def set_attention(conn: psycopg.Connection[DictRow], user_id: str, gap_s: int | 
     """Pin a user's gap (``gap_s``) or let it adapt again (None), audited; False: no such user."""
     reason = f"pinned by {actor or login_name()}" if gap_s is not None else "adapting again (override removed)"
     with conn.transaction():
-        state = channels.set_attention(conn, user_id, gap_s, reason, datetime.now(UTC))
+        state = channels.set_attention(conn, user_id=user_id, gap_s=gap_s, reason=reason, now=datetime.now(UTC))
         if state is not None:
-            audit.record(conn, actor or login_name(), "user.attention", {"user_id": user_id, "gap_seconds": gap_s})
+            audit.record(
+                conn,
+                actor=actor or login_name(),
+                action="user.attention",
+                detail={"user_id": user_id, "gap_seconds": gap_s},
+            )
     return state is not None
 
 

@@ -121,7 +121,7 @@ def attention(conn: psycopg.Connection[DictRow], user_id: str) -> AttentionState
 
 
 def set_attention(
-    conn: psycopg.Connection[DictRow], user_id: str, gap_s: int | None, reason: str, now: datetime
+    conn: psycopg.Connection[DictRow], *, user_id: str, gap_s: int | None, reason: str, now: datetime
 ) -> AttentionState | None:
     """Pin ``user_id``'s gap at ``gap_s``, or (None) let it adapt again; None: no such user."""
     row = conn.execute(Q.attention_set, {"user_id": user_id, "gap_s": gap_s, "reason": reason, "now": now}).fetchone()
