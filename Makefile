@@ -11,13 +11,15 @@ STAMP := $(VENV)/.installed
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml examples/vigil-refund-tool/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[test]"
+	# The demo's refund tool is a tool package (docs/agent.md, "Adding tools"): the dev stack and the tests use it.
+	$(BIN)/pip install -q -e examples/vigil-refund-tool
 	@touch $(STAMP)
 
-install: $(STAMP) ## Create .venv and install vigil with its pinned dependencies
+install: $(STAMP) ## Create .venv and install vigil with its pinned dependencies and the example tool package
 
 up: $(STAMP) ## Start Kafka, PostgreSQL and the four services under .run/, then run the demo (not when already up)
 	$(BIN)/vigil-dev up --demo

@@ -5,6 +5,10 @@ stack (for example the one ``make up`` started: ``. .run/env && make test``). Ot
 starts its own broker and database on free ports in a temporary folder and stops them at
 the end.
 
+Databases are created and dropped by the admin role (``VIGIL_DEV_ADMIN_DATABASE_URL``, which
+``make up`` writes to .run/env; else ``VIGIL_DATABASE_URL``'s own role) and owned by the
+services' role, the one ``VIGIL_DATABASE_URL`` names, which is what every test connects as.
+
 Isolation: every test gets a fresh database cloned from a template (the canonical schema,
 built once per session) and its own topic names, consumer group and ports, so tests never
 see each other's events, and several test sessions can share one stack.
@@ -21,6 +25,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from cryptography.fernet import Fernet
+from psycopg import sql
 
 from support import VigilProcess
 from vigil.ledger.migrate import apply_canonical
@@ -29,7 +35,7 @@ from vigil_dev import devstack
 # Only the stack's address comes from the caller's environment (`. .run/env && make test`):
 # every other VIGIL_ setting the services read is the test's own choice, so a developer's
 # shell (say, a short approval deadline for the demo) never changes what a test checks.
-KEPT = {"VIGIL_KAFKA_BOOTSTRAP", "VIGIL_DATABASE_URL", "VIGIL_DEV_RUN_DIR"}
+KEPT = {"VIGIL_KAFKA_BOOTSTRAP", "VIGIL_DATABASE_URL", "VIGIL_DEV_RUN_DIR", "VIGIL_DEV_ADMIN_DATABASE_URL"}
 for _name in list(os.environ):
     if (_name.startswith("VIGIL_") and _name not in KEPT) or _name.startswith("ANTHROPIC_"):
         del os.environ[_name]
@@ -39,17 +45,32 @@ os.environ["VIGIL_TOPIC_REPLICATION"] = "1"
 # The tests' webhook receivers and HTTP servers listen on 127.0.0.1, which outbound HTTP
 # refuses unless allowed (issue 16); the security tests build their own stricter policy.
 os.environ["VIGIL_OUTBOUND_ALLOWED_NETS"] = "127.0.0.0/8,::1/128"
+# Hook and channel secrets are sealed in every test, as on a stack `make up` started; the
+# processes the tests start inherit the key.
+os.environ["VIGIL_SECRET_KEY"] = Fernet.generate_key().decode()
 
 
 @dataclass
 class Stack:
     bootstrap: str
-    admin_dsn: str  # the server's maintenance database, for CREATE/DROP DATABASE
+    admin_dsn: str  # the server's maintenance database as the admin role, for CREATE/DROP DATABASE
+    service_url: str  # the services' role (VIGIL_DATABASE_URL): what tests and services connect as
     kafka: devstack.KafkaServer | None = None  # set when this session owns the broker
     template: str = field(default_factory=lambda: f"vigil_tpl_{uuid.uuid4().hex[:8]}")
 
     def dsn(self, database: str) -> str:
-        return psycopg.conninfo.make_conninfo(self.admin_dsn, dbname=database)
+        return psycopg.conninfo.make_conninfo(self.service_url, dbname=database)
+
+    def create_database(self, conn: psycopg.Connection, name: str, template: str | None = None) -> None:
+        """CREATE DATABASE as the admin role, owned by the services' role (objects cloned from
+        the template keep their owner: the services' role, which built it)."""
+        owner = psycopg.conninfo.conninfo_to_dict(self.service_url).get("user")
+        statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template:
+            statement += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+        if owner and owner != psycopg.conninfo.conninfo_to_dict(self.admin_dsn).get("user"):
+            statement += sql.SQL(" OWNER {}").format(sql.Identifier(owner))
+        conn.execute(statement)
 
 
 def _admin_dsn(url: str) -> str:
@@ -62,7 +83,8 @@ def stack(tmp_path_factory) -> Stack:
     database_url = os.environ.get("VIGIL_DATABASE_URL")
     owned: list = []
     if bootstrap and database_url:
-        st = Stack(bootstrap=bootstrap, admin_dsn=_admin_dsn(database_url))
+        admin = os.environ.get("VIGIL_DEV_ADMIN_DATABASE_URL") or database_url
+        st = Stack(bootstrap=bootstrap, admin_dsn=_admin_dsn(admin), service_url=database_url)
     else:
         # Not under pytest's basetemp: pytest resets that folder to mode 700 whenever another
         # session starts, and PostgreSQL runs as another account that must reach its data.
@@ -77,9 +99,9 @@ def stack(tmp_path_factory) -> Stack:
         owned.append(kafka)
         pg.start()
         owned.append(pg)
-        st = Stack(bootstrap=kafka.bootstrap, admin_dsn=pg.url("postgres"), kafka=kafka)
+        st = Stack(bootstrap=kafka.bootstrap, admin_dsn=pg.admin_url(), service_url=pg.url(), kafka=kafka)
     with psycopg.connect(st.admin_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{st.template}"')
+        st.create_database(conn, st.template)
     apply_canonical(st.dsn(st.template))
     try:
         yield st
@@ -98,7 +120,7 @@ def ledger(stack: Stack) -> str:
     """A fresh ledger database for this test (a copy of the template); its DSN."""
     name = f"vigil_t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(stack.admin_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{stack.template}"')
+        stack.create_database(conn, name, stack.template)
     try:
         yield stack.dsn(name)
     finally:

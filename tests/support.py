@@ -150,3 +150,26 @@ class VigilProcess:
 
         wait_for(healthy, timeout, f"vigil {' '.join(self.args)} health on :{port}")
         return self
+
+
+class UnknownKeys:
+    """A miss guard's counter (``vigil_<service>_unknown_keys_total``) before and after a flood
+    of made-up keys: :meth:`assert_guarded` says every one was counted, and that past the
+    budget they were answered from the set of known keys, not one query each."""
+
+    def __init__(self, service: str, *kinds: str):
+        self.metric = f"vigil_{service}_unknown_keys_total"
+        self.kinds = kinds
+        self.before = {(k, q): self.value(k, q) for k in kinds for q in ("true", "false")}
+
+    def value(self, kind: str, looked_up: str) -> float:
+        from prometheus_client import REGISTRY
+
+        return REGISTRY.get_sample_value(self.metric, {"kind": kind, "looked_up": looked_up}) or 0.0
+
+    def assert_guarded(self, flood: int) -> None:
+        for kind in self.kinds:
+            looked_up = self.value(kind, "true") - self.before[(kind, "true")]
+            from_set = self.value(kind, "false") - self.before[(kind, "false")]
+            assert looked_up + from_set == flood, (kind, looked_up, from_set)
+            assert from_set > 0 and looked_up < flood, (kind, looked_up)

@@ -5,6 +5,7 @@ parent's. (Background tasks on real workers: tests/test_tasks.py.)"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -31,6 +32,20 @@ def ctx_with(text: str, delegation: Delegation | None):
     ctx = t.context([t.chat(text)])
     ctx.delegation = delegation
     return ctx
+
+
+def task_ctx(instructions: str) -> TaskContext:
+    """A depth-1 task delegated with refund."""
+    return TaskContext(
+        task_id="tsk_t",
+        user_id="u1",
+        instructions=instructions,
+        tools=("refund",),
+        token_budget=5000,
+        deadline=time.monotonic() + 60,
+        delegation=limits(depth=1, max_depth=1),
+        attempt=1,
+    )
 
 
 def call(name, **tool_input):
@@ -131,22 +146,10 @@ def test_a_task_is_offered_only_tools_still_allowed_where_it_executes(server):
     """A task delegated with refund, executed on a worker where refund is now `ask`: the child
     is not offered refund (the boundary is checked again at execution, and only narrows)."""
 
-    def task_ctx():
-        return TaskContext(
-            task_id="tsk_t",
-            user_id="u1",
-            instructions="refund order 9",
-            tools=("refund",),
-            token_budget=5000,
-            deadline=time.monotonic() + 60,
-            delegation=limits(depth=1, max_depth=1),
-            attempt=1,
-        )
-
     async def go(permissions: str):
         claude = t.agent(server.base_url, tool_permissions=permissions)
         try:
-            ctx = task_ctx()
+            ctx = task_ctx("refund order 9")
             return await claude.run_task(ctx), ctx
         finally:
             await claude.close()
@@ -159,3 +162,50 @@ def test_a_task_is_offered_only_tools_still_allowed_where_it_executes(server):
         assert [tool["name"] for tool in request.get("tools", [])] == offered, permissions
         assert result.text == "cannot refund from here"
         assert ctx.usage.turns == 1 and ctx.usage.input_tokens > 0
+
+
+def test_a_run_starts_at_most_its_bound_of_background_tasks_and_reserves_their_tokens(server):
+    """VIGIL_MAX_TASKS_PER_RUN=3: the fourth background delegation of one run is an error result
+    the model reads. Each queued task's budget is reserved from the run's tokens at delegation:
+    with 5,000 tokens, a first task of 2,000 leaves a second less than it asked for, and what
+    the tasks may spend and what the run spent never add up past the run's budget."""
+    rules = [{"when": {"tool_result": "delegate"}, "reply": []}]
+    fan_out = [call("delegate", instructions=f"job {i}", budget=300) for i in range(4)]
+    bounded = dataclasses.replace(limits(budget=2000), max_tasks_per_run=3)
+    result = run(server, [*rules, {"reply": fan_out}], ctx_with("fan out", bounded), max_run_tokens=5000)
+    results = delegate_results(server)
+    assert [bool(r.get("is_error")) for r in results] == [False, False, False, True], results
+    assert "at most 3 background tasks" in results[3]["content"]
+    assert [t.token_budget for t in result.tasks] == [300, 300, 300]
+
+    two = [call("delegate", instructions=f"big job {i}", budget=2000) for i in range(2)]
+    result = run(server, [*rules, {"reply": two}], ctx_with("fan out", bounded), max_run_tokens=5000)
+    budgets = [t.token_budget for t in result.tasks]
+    spent = result.usage.input_tokens + result.usage.output_tokens
+    spent += result.usage.cache_read_tokens + result.usage.cache_write_tokens
+    assert budgets[0] == 2000 and budgets[1] < 2000, budgets
+    assert sum(budgets) + spent <= 5000, (budgets, spent)
+
+
+def test_a_tasks_progress_names_its_last_tool_and_its_latest_note(server):
+    """The child's usage, kept current for the heartbeat to flush: turns, tokens, the last tool
+    it called and the text it wrote with that call (its note)."""
+    ctx = task_ctx("look around")
+
+    async def go():
+        claude = t.agent(server.base_url, tool_permissions="refund=allow")
+        try:
+            return await claude.run_task(ctx)
+        finally:
+            await claude.close()
+
+    server.clear()
+    server.set_script(
+        [
+            {"when": {"tool_result": "refund"}, "reply": [{"type": "text", "text": "all done"}]},
+            {"reply": [{"type": "text", "text": "refunding order 3 first"}, call("refund", order_id="3")]},
+        ]
+    )
+    result = asyncio.run(go())
+    assert result.text == "all done"
+    assert (ctx.usage.turns, ctx.usage.last_tool, ctx.usage.note) == (2, "refund", "refunding order 3 first")

@@ -120,6 +120,7 @@ def test_operator_follows_a_message_through_the_console_and_revives_a_dead_deliv
         wait_for(lambda: browser.find_elements(By.ID, "card-pending"), 15, "the overview after logging in")
         cookie = browser.get_cookie("vigil_console")
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+        assert cookie["value"] != token and "expiry" in cookie  # a session id with Max-Age, not the token
         assert "Dead in the last hour" in browser.page_source
         assert "1 messages" in browser.find_element(By.ID, "card-dead").text
         overview_png = shot(browser, "overview")
@@ -184,6 +185,13 @@ def test_operator_follows_a_message_through_the_console_and_revives_a_dead_deliv
         wait_for(caught_up, 30, "every partition's lag 0 on the partitions page", interval=1.0)
         assert {c.text for c in browser.find_elements(By.CSS_SELECTOR, "#partitions td.pending")} == {"0"}
         partitions_png = shot(browser, "partitions")
+
+        # Log out: the session ends in the ledger, and the pages send the browser to log in again.
+        browser.find_element(By.CSS_SELECTOR, "form.logout button").click()
+        wait_for(lambda: "/login" in browser.current_url, 15, "the login form after logging out")
+        assert scalar(ledger, "SELECT count(*) FROM console_sessions WHERE ended_at IS NOT NULL") == 1
+        browser.get(console + "/")
+        assert "/login" in browser.current_url
     finally:
         receiver.stop()
     # Keep a copy beside the test's own files too, for the report of this run.

@@ -28,13 +28,19 @@ def console(ledger):
 
 def login(console, ledger) -> dict:
     token = create_token(ledger, "ops-alice")
-    answer = console.post("/login", data={"token": token["token"], "next": "/dead"})
+    answer = post_login(console, {"token": token["token"], "next": "/dead"})
     assert answer.status_code == 303 and answer.headers["location"] == "/dead"
     return token
 
 
 def csrf_of(html: str) -> str:
     return re.search(r'name="csrf" value="([0-9a-f]{64})"', html).group(1)
+
+
+def post_login(console, data: dict):
+    """The login form as a browser sends it: its page first (the form's CSRF value and its cookie)."""
+    form = console.get("/login")
+    return console.post("/login", data={**data, "csrf": csrf_of(form.text)})
 
 
 def test_every_page_needs_a_token(console, ledger):
@@ -81,28 +87,28 @@ def test_the_console_takes_an_operator_token_only(console, ledger):
     ):
         answer = console.get("/", headers={"authorization": f"Bearer {refused}"})
         assert answer.status_code == 403 and answer.json()["error"] == "forbidden"
-        assert console.post("/login", data={"token": refused, "next": "/"}).status_code in (303, 403)
+        assert post_login(console, {"token": refused, "next": "/"}).status_code == 403
         assert console.get("/dead", headers={"authorization": f"Bearer {refused}"}).status_code == 403
     admin = token("ops", "--scope", "admin")
     assert console.get("/", headers={"authorization": f"Bearer {admin}"}).status_code == 200
 
 
 def test_login_sets_an_httponly_strict_cookie_and_refuses_bad_tokens(console, ledger):
-    bad = console.post("/login", data={"token": "vgl_wrong", "next": "/"})
-    assert bad.status_code == 401 and "not valid" in bad.text and "set-cookie" not in bad.headers
+    bad = post_login(console, {"token": "vgl_wrong", "next": "/"})
+    assert bad.status_code == 401 and "not valid" in bad.text and "vigil_console=" not in bad.headers["set-cookie"]
     login(console, ledger)
-    cookie = console.cookies.jar
-    (c,) = list(cookie)
-    assert c.name == "vigil_console" and c.has_nonstandard_attr("HttpOnly")
-    header = console.post("/login", data={"token": create_token(ledger)["token"]}).headers["set-cookie"]
+    (c,) = [c for c in console.cookies.jar if c.name == "vigil_console"]
+    assert c.has_nonstandard_attr("HttpOnly")
+    header = post_login(console, {"token": create_token(ledger)["token"]}).headers.get_list("set-cookie")[0]
+    assert header.startswith("vigil_console=") and "Max-Age=" in header
     assert "HttpOnly" in header and "SameSite=strict" in header and "Path=/" in header
     page = console.get("/")
     assert page.status_code == 200 and "Pending events" in page.text
     assert "script-src" not in page.headers["content-security-policy"]  # default-src 'none': no script at all
     assert page.headers["content-security-policy"].startswith("default-src 'none'")
     # An open redirect is not a login target.
-    assert console.post("/login", data={"token": "x", "next": "//evil.example"}).status_code == 401
-    ok = console.post("/login", data={"token": create_token(ledger)["token"], "next": "//evil.example/x"})
+    assert post_login(console, {"token": "x", "next": "//evil.example"}).status_code == 401
+    ok = post_login(console, {"token": create_token(ledger)["token"], "next": "//evil.example/x"})
     assert ok.headers["location"] == "/"
 
 
@@ -475,3 +481,36 @@ def test_a_run_page_lists_its_kept_journal(console, ledger):
     assert 'id="steps"' in page and "calls refund" in page and "321 / 12" in page
     assert f"{key}:2" in page and "ok" in page
     assert "<refunded>" not in page  # results are not shown raw
+
+
+def test_odd_ids_and_query_values_are_4xx_or_a_page_never_500(console, ledger):
+    """Issue 46: /events/<5,000 digits> and /runs/<20 digits> were 500s before any
+    authentication; with a token, /search?q=² (or ①, NUL) and NUL in /users/ were 500s, and a
+    404 echoed the whole id."""
+    seed_user(ledger)
+    for path in ("/events/" + "9" * 5000, "/runs/" + "9" * 5000, "/runs/" + "9" * 20, "/events/%C2%B2"):
+        answer = console.get(path)
+        assert answer.status_code == 401 and answer.json()["error"] == "unauthorized", path
+    token = create_token(ledger)["token"]
+    bearer = {"authorization": f"Bearer {token}"}
+    for path, error in (
+        ("/events/" + "9" * 5000, "unknown_event"),
+        ("/runs/" + "9" * 20, "unknown_run"),
+        ("/runs/-1", "unknown_run"),
+        ("/events/%C2%B2", "unknown_event"),
+        ("/users/a%00b", "unknown_user"),
+        ("/users/" + "u" * 5000, "unknown_user"),
+    ):
+        answer = console.get(path, headers=bearer)
+        assert answer.status_code == 404 and answer.json()["error"] == error, (path, answer.text[:200])
+        assert len(answer.json()["detail"]) < 200
+    for q in ("²", "①", "\x00", "a\x00b", "9" * 20, "9" * 5000):
+        for kind in ("any", "run", "event"):
+            answer = console.get("/search", params={"q": q, "kind": kind}, headers=bearer)
+            assert answer.status_code == 200 and 'id="no-match"' in answer.text, (q[:20], kind)
+    assert console.get("/search", params={"q": "msg-1", "user": "a\x00"}, headers=bearer).status_code == 200
+    cursor = '["2026-01-01T00:00:00+00:00","99999999999999999999"]'
+    assert console.get("/dead", params={"events_before": cursor}, headers=bearer).status_code == 200
+    assert console.get("/users/alice", params={"before": "2026-01-01~0~" + "9" * 20}, headers=bearer).status_code == 200
+    retry = console.post("/dead/events/retry", data={"event_id": "9" * 20}, headers=bearer)
+    assert retry.status_code == 400 and retry.json()["error"] == "bad_event_id"

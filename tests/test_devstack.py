@@ -41,6 +41,8 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
     env = {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", "/root"),
+        # A checkout run with PYTHONPATH (a worktree beside an editable install) runs its own code.
+        **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
         "VIGIL_DEV_RUN_DIR": str(root),
         "VIGIL_DEV_KAFKA_LIBS": str(devstack.kafka_libs(REPO / ".run" / "kafka")),
         **{k: str(v) for k, v in ports.items()},
@@ -66,6 +68,12 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
         settings = (root / "env").read_text()
         assert f"export VIGIL_KAFKA_BOOTSTRAP=127.0.0.1:{ports['VIGIL_DEV_KAFKA_PORT']}" in settings
         assert "VIGIL_API_TOKEN=" in settings and oct((root / "env").stat().st_mode)[-3:] == "600"
+        # The services' URL carries the stack's generated password, printed nowhere; the key
+        # that seals hook and channel secrets is the stack's own (tests/test_secrets.py).
+        password = (root / "pg" / "vigil.password").read_text().strip()
+        assert f"VIGIL_DATABASE_URL=postgresql://vigil:{password}@127.0.0.1:" in settings
+        assert password not in first.stdout + first.stderr and "vigil:***@" in first.stdout
+        assert f"VIGIL_SECRET_KEY={(root / 'secret_key').read_text().strip()}" in settings
 
         # The dev ports are kept: a shell that sourced .run/env finds this same stack.
         assert f"export VIGIL_DEV_PG_PORT={ports['VIGIL_DEV_PG_PORT']}" in settings

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer
+from psycopg.rows import dict_row
 
 from dispatcher_support import (
     T0,
@@ -25,6 +26,7 @@ from support import query, scalar, wait_for
 from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
 from vigil.cli import main
 from vigil.clock import ManualClock
+from vigil.ledger import channels
 
 
 def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topics):
@@ -100,6 +102,13 @@ def cli(ledger):
     return run
 
 
+def opened_secret(dsn: str, user_id: str) -> str | None:
+    """A channel's secret as the dispatcher reads it (sealed in the row: tests/test_secrets.py)."""
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+        row = channels.get(conn, user_id)
+    return row.secret if row else None
+
+
 def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
     add_users(ledger, ["ana"])
     created = json.loads(
@@ -109,12 +118,12 @@ def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
     )
     secret = created["secret"]
     assert secret.startswith("whsec_") and created["gap_seconds"] == 600
-    assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") == secret
+    assert opened_secret(ledger, "ana") == secret
 
     # Changing the URL keeps the secret (the receiver holds it) and the gap; nothing printed.
     moved = cli("channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b")
     assert "whsec_" not in moved.output and "gap 600s" in moved.output
-    assert scalar(ledger, "SELECT secret FROM channels WHERE user_id = 'ana'") == secret
+    assert opened_secret(ledger, "ana") == secret
     rotated = json.loads(
         cli(
             "channels", "set", "ana", "--type", "webhook", "--url", "http://127.0.0.1:1/b", "--rotate-secret", "--json"

@@ -131,3 +131,22 @@ def test_bad_token_is_403_and_stores_nothing(ingest, ledger, stack, topics):
     bad_answer = httpx.post(f"{ingest.url}/v1/approvals/r-guarded", json={"answer": "maybe", "token": other_user})
     assert bad_answer.status_code == 400 and bad_answer.json()["field"] == "answer"
     assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+
+
+def test_a_flood_of_made_up_approval_ids_is_not_a_flood_of_queries(ingest, ledger):
+    """Issue 46: the answer route needs no API token, and every unknown approval id cost a
+    ledger query. Past a budget a second, ids are checked against the set of answerable
+    requests (one query a second); a real request is still answered."""
+    import secrets
+
+    from support import UnknownKeys
+
+    token = make_request(ledger, "r-real", now() + timedelta(minutes=10))
+    guard = UnknownKeys("ingest", "approval")
+    with httpx.Client(base_url=ingest.url, timeout=30) as client:
+        for _ in range(300):
+            made_up = secrets.token_hex(16)
+            response = client.post(f"/v1/approvals/{made_up}", json={"answer": "yes", "token": "v1." + "a" * 43})
+            assert response.status_code == 404 and response.json()["answer"] == "unknown"
+    assert answer(ingest, "r-real", "yes", token).status_code == 200
+    guard.assert_guarded(300)

@@ -31,6 +31,7 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 # only some deployments use (the reason is commented at the import).
 DELIBERATE_LATE_IMPORTS = {
     ("agent/__init__.py", "vigil.agent.claude"),  # the Anthropic SDK: VIGIL_AGENT=claude only
+    ("agent/commands.py", "vigil.agent.actions"),  # the MCP SDK (2 s to import): `vigil tools list` only
     ("bus/codec.py", "confluent_kafka.schema_registry"),  # VIGIL_SCHEMA_REGISTRY_URL only
     ("bus/codec.py", "confluent_kafka.schema_registry.avro"),
     # The OpenTelemetry SDK, exporter and instrumentations: only with an OTLP endpoint set.

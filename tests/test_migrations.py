@@ -18,7 +18,7 @@ def empty_db(stack):
     def make() -> str:
         name = f"vigil_m_{uuid.uuid4().hex[:10]}"
         with psycopg.connect(stack.admin_dsn, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+            stack.create_database(conn, name)
         names.append(name)
         return stack.dsn(name)
 

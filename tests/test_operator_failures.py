@@ -155,7 +155,7 @@ def test_min_insync_above_replication_is_a_settings_error():
 def empty_database(stack):
     name = f"vigil_empty_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(stack.admin_dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        stack.create_database(conn, name)
     try:
         yield stack.dsn(name)
     finally:

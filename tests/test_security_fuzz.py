@@ -7,7 +7,8 @@ be the JSON error shape, and nothing may be produced or stored beyond what 2xx a
 acknowledged. Hypothesis keeps it to a fixed number of examples (well under a minute).
 
 Issue 46 added numbers of any shape (huge, ², ①, 5,000 digits, 1e-400) to the timers API's
-fields and query strings and to the instants, and raw bytes to the providers' headers."""
+fields and query strings and to the instants, raw bytes to the providers' headers, and the
+console's routes (path ids and query values of those shapes, before and after authentication)."""
 
 from __future__ import annotations
 
@@ -258,12 +259,16 @@ number_literals = st.one_of(
 INTERNALS = ("int_max_str_digits", "Exceeds the limit", "invalid literal", "ValueError", "Traceback", "float(")
 
 
-@settings(
+# A few hundred examples against a real server or ledger: well under a minute each.
+three_hundred = settings(
     max_examples=300,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+@three_hundred
 @given(
     field=st.sampled_from(["due", "every", "max_lateness", "limit", "tasks_limit", "before"]),
     literal=number_literals,
@@ -291,3 +296,84 @@ def test_timers_api_numbers_of_any_shape_are_a_400_in_neutral_words_or_accepted(
         assert not any(word in shown["detail"] for word in INTERNALS) and len(shown["detail"]) < 300, shown
     elif response.status_code == 201:
         seen["timers"] += 1
+
+
+# Issue 46: the console's routes. Path ids and query values of any shape (5,000 digits, ²,
+# ①, NUL, raw escapes), before and after authentication: never a 500, and every refusal
+# the JSON error shape (the pages are HTML).
+CONSOLE_ROUTES = [
+    ("GET", "/users/{}", "before"),
+    ("GET", "/events/{}", None),
+    ("GET", "/runs/{}", None),
+    ("GET", "/deliveries/{}", None),
+    ("GET", "/search", "q"),
+    ("GET", "/search?kind=run", "q"),
+    ("GET", "/search?kind=event", "q"),
+    ("GET", "/search?q=alice", "user"),
+    ("GET", "/dead", "events_before"),
+    ("GET", "/dead", "outbox_before"),
+    ("GET", "/approvals", "after"),
+    ("GET", "/timers", "after"),
+    ("GET", "/", None),
+    ("POST", "/dead/events/retry", "event_id"),
+    ("POST", "/deliveries/{}/revive", None),
+    ("POST", "/login", "token"),
+    ("POST", "/logout", "csrf"),
+]
+console_values = st.one_of(
+    texts,
+    digit_strings,
+    st.sampled_from(["\x00", "a\x00b", "²", "①", "9" * 5000, "9" * 20, "0", '["2026-01-01T00:00:00Z", 9e99]']),
+    huge_integers.map(lambda n: json.dumps(["2026-01-01T00:00:00+00:00", n])),
+    st.tuples(instants.map(str), texts, digit_strings).map(lambda t: json.dumps(list(t))),
+    st.tuples(instants.map(str), huge_integers, huge_integers).map(lambda t: "~".join(map(str, t))),
+)
+
+
+@pytest.fixture
+def console_target(ledger):
+    from starlette.testclient import TestClient
+
+    from console_support import seed_user
+    from test_console_pages import post_login
+    from vigil.console.app import create_app
+    from vigil.console.settings import ConsoleSettings
+
+    seed_user(ledger)
+    token = create_token(ledger)["token"]
+    app = create_app(ConsoleSettings(database_url=ledger, console_auth_cache_s=0))
+    with TestClient(app, base_url="http://console.test", follow_redirects=False) as client:
+        assert post_login(client, {"token": token, "next": "/"}).status_code == 303
+        session = client.cookies["vigil_console"]
+        client.cookies.clear()  # sent only when an example asks for it
+        yield client, token, session
+
+
+@three_hundred
+@given(
+    route=st.sampled_from(CONSOLE_ROUTES),
+    segment=st.one_of(segments, digit_strings.map(lambda t: quote(t, safe=""))),
+    value=console_values,
+    auth=st.sampled_from(["token", "session", "junk", "none"]),
+)
+def test_console_routes_never_answer_500(console_target, route, segment, value, auth):
+    client, token, session = console_target
+    method, template, name = route
+    path = template.replace("{}", segment)
+    headers = {
+        "token": {"authorization": f"Bearer {token}"},
+        "session": {"cookie": f"vigil_console={session}"},
+        "junk": {"authorization": "Bearer vgl_nope"},
+        "none": {},
+    }[auth]
+    if method == "POST":
+        data = {name: value} if name else {}
+        response = client.post(path, data=data, headers=headers)
+    else:
+        params = {name: value} if name else None
+        response = client.get(path, params=params, headers=headers)
+    assert response.status_code < 500, (method, path, name, value[:80], response.text[:300])
+    if response.status_code >= 400 and path != "/login":  # a refused login is its form again
+        shown = response.json()
+        assert isinstance(shown.get("error"), str) and isinstance(shown.get("detail"), str), shown
+        assert not any(word in shown["detail"] for word in INTERNALS) and len(shown["detail"]) < 300, shown

@@ -62,10 +62,13 @@ def test_background_task_result_wakes_parent_once(stack, topics, ledger, vigil_e
     assert task["owner_chain"][0] == "ann" and task["reported_at"] is not None
     events = query(ledger, "SELECT source, source_id, kind, status FROM events WHERE source = 'task'")
     assert events == [{"source": "task", "source_id": task["id"], "kind": "task.succeeded", "status": "done"}]
-    # The run that delegated is the task's parent; the task is counted.
-    parent = query(ledger, "SELECT id FROM runs ORDER BY id LIMIT 1")[0]
+    # The run that delegated is the task's parent; what the task spent is on the parent's row.
+    parent = query(ledger, "SELECT * FROM runs WHERE id = %s", (task["run_id"],))[0]
     assert task["parent_run_key"].startswith("ann:")
-    assert parent["id"] > 0
+    spent = (parent["task_turns"], parent["task_input_tokens"], parent["task_output_tokens"])
+    assert spent == (1, len("count the stars"), len("count the stars") + 6), spent
+    others = scalar(ledger, "SELECT sum(task_input_tokens) FROM runs WHERE id <> %s", (task["run_id"],))
+    assert others in (None, 0)  # added once, to its parent only
 
 
 def test_killed_holder_task_completes_once_on_another_worker(stack, topics, ledger, vigil_env, spawn):
@@ -110,7 +113,17 @@ def test_frozen_holder_late_result_is_refused(stack, topics, ledger, vigil_env, 
         a.signal(signal.SIGCONT)
     port_a = int(env_a["VIGIL_WORKER_PORT"])
     wait_for(
-        lambda: metric(port_a, "vigil_task_leases_lost_total") + metric(port_a, "vigil_task_late_outcomes_total") >= 1,
+        lambda: (
+            sum(
+                metric(port_a, name)
+                for name in (
+                    "vigil_task_leases_lost_total",
+                    "vigil_task_late_outcomes_total",
+                    "vigil_task_self_fenced_total",
+                )
+            )
+            >= 1
+        ),
         30,
         "a's late outcome refused",
     )
@@ -447,3 +460,273 @@ def test_a_token_scoped_to_another_user_cannot_list_read_or_cancel_the_task(stac
     finally:
         ingest.stop()
     assert scalar(ledger, "SELECT status FROM tasks") == "cancelled"
+
+
+# -- a cancel stands (issue 44 item 3) -------------------------------------------------------
+
+
+def test_a_cancel_requested_before_the_holder_died_is_never_undone(ledger):
+    """Cancel a running task whose holder then dies: the reaper ends it cancelled (usage kept),
+    never queued; the claim never takes a task whose cancel was requested; and a holder handing
+    a cancelled task back ends it cancelled too."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    async def go():
+        conn = await _tasks_conn(ledger)
+        for task_id in ("tsk_dead_holder", "tsk_handed_back", "tsk_queued_flag"):
+            await ledger_tasks.create(conn, _new_task(task_id))
+        claimed = {t.id: t for t in await ledger_tasks.claim(conn, "h1", 3)}
+        for task_id in claimed:
+            await ledger_tasks.cancel(conn, task_id=task_id, actor="owner")
+        await conn.execute("UPDATE tasks SET turns = 2, input_tokens = 70, output_tokens = 9")
+        # tsk_dead_holder: its holder is silent past the bound.
+        await conn.execute("UPDATE tasks SET heartbeat_at = now() - interval '1 hour' WHERE id = 'tsk_dead_holder'")
+        reaped = await ledger_tasks.reap(conn, 5.0)
+        # tsk_handed_back: its holder shuts down and hands it back.
+        released = await ledger_tasks.release(conn, "tsk_handed_back", claimed["tsk_handed_back"].lease_epoch)
+        # tsk_queued_flag: queued with a cancel request (as the old reaper left such tasks).
+        await conn.execute("UPDATE tasks SET status = 'queued', lease_holder = NULL WHERE id = 'tsk_queued_flag'")
+        again = await ledger_tasks.claim(conn, "h2", 10)
+        rows = {t: await ledger_tasks.get(conn, t) for t in claimed}
+        await conn.close()
+        return reaped, released, again, rows
+
+    reaped, released, again, rows = asyncio.run(go())
+    assert [(r.id, r.status) for r in reaped] == [("tsk_dead_holder", TaskStatus.CANCELLED)]
+    assert released
+    assert again == []
+    for task_id in ("tsk_dead_holder", "tsk_handed_back"):
+        row = rows[task_id]
+        assert row.status == TaskStatus.CANCELLED and row.finished_at is not None, row
+        assert (row.turns, row.input_tokens, row.output_tokens) == (2, 70, 9)  # partial usage kept
+        assert row.attempts == 1 and row.lease_holder is None
+        assert "cancelled by owner" in row.error, row.error
+
+
+def test_a_cancelled_task_whose_holder_was_killed_is_not_run_again(stack, topics, ledger, vigil_env, spawn):
+    """SIGKILL the holder, cancel the task while it still looks running (202), start another
+    worker: the task ends cancelled without a second attempt, and the parent is told once."""
+    env_a = worker_env(vigil_env, VIGIL_ECHO_CRASH_ON="crashme")
+    a = start(spawn, env_a, "a")
+    produce(stack.bootstrap, topics.events, [chat("fay", "delegate: crashme then stop")])
+    wait_for(lambda: not a.alive(), 30, "the holder died executing the task")
+    task_id = task_row(ledger)["id"]
+    out = _vigil(["tasks", "cancel", task_id, "--actor", "oncall"], env_a)
+    assert "cancel requested" in out
+    start(spawn, worker_env(vigil_env), "b")
+    wait_for(lambda: task_status(ledger) not in ("running", "queued"), 30, "the task ended")
+    row = task_row(ledger)
+    assert (row["status"], row["attempts"], row["lease_epoch"]) == ("cancelled", 1, 1), row
+    assert row["result"] is None
+    wait_for(lambda: len(outbox_bodies(ledger, "fay")) == 2, 30, "the parent told")
+    assert outbox_bodies(ledger, "fay")[1].startswith(f"task {task_id} cancelled")
+    assert scalar(ledger, "SELECT count(*) FROM events WHERE source = 'task'") == 1
+
+
+# -- a holder that loses the ledger stops (issue 44 item 4) ----------------------------------
+
+
+def _ticks(path) -> dict[str, list[float]]:
+    """When each holder acted: the echo agent's tick lines, by instance."""
+    out: dict[str, list[float]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        who, at = line.split()
+        out.setdefault(who, []).append(float(at))
+    return out
+
+
+def test_a_holder_cut_off_from_the_ledger_stops_before_another_may_claim(
+    stack, topics, ledger, vigil_env, spawn, tmp_path
+):
+    """Worker A holds a task through a relay that then stops passing bytes (its connections stay
+    open: a paused database, a partition). A stops executing at half of VIGIL_TASK_STALE_S after
+    its last heartbeat the ledger took; worker B (direct) takes the task back only after the
+    whole bound, so no moment has both acting. The margin is measured and printed."""
+    from vigil_dev.bench.pgproxy import PgProxy
+
+    ticks = tmp_path / "ticks"
+    stale_s, fence_s = 3.0, 1.5
+    slow = {
+        "VIGIL_TASK_HEARTBEAT_S": "0.5",
+        "VIGIL_TASK_STALE_S": str(stale_s),
+        "VIGIL_ECHO_SLEEP_ON": "tick:5",
+        "VIGIL_ECHO_TICK_FILE": str(ticks),
+    }
+    with PgProxy(ledger) as proxy:
+        env_a = worker_env(vigil_env, VIGIL_DATABASE_URL=proxy.dsn, VIGIL_INSTANCE_ID="a", **slow)
+        start(spawn, env_a, "a")
+        produce(stack.bootstrap, topics.events, [chat("gus", "delegate: tick along")])
+        wait_for(lambda: "a" in _ticks(ticks), 30, "A executes the task")
+        time.sleep(1.0)
+        proxy.pause()
+        time.sleep(0.6)  # a heartbeat already at the server lands; none after
+        last_beat = float(scalar(ledger, "SELECT extract(epoch FROM heartbeat_at) FROM tasks"))
+        start(spawn, worker_env(vigil_env, VIGIL_INSTANCE_ID="b", **slow), "b")
+        wait_for(lambda: task_status(ledger) == "succeeded", 40, "B completed the task")
+        proxy.resume()
+    acted = _ticks(ticks)
+    a_last, b_first = max(acted["a"]), min(acted["b"])
+    stopped_after, margin = a_last - last_beat, last_beat + stale_s - a_last
+    print(f"A stopped {stopped_after:.2f} s after its last heartbeat (bound {fence_s} s); margin {margin:.2f} s")
+    assert a_last < b_first, (a_last, b_first)
+    assert stopped_after < fence_s + 0.5, stopped_after  # the bound, and a tick and a cancel
+    assert margin > stale_s - fence_s - 0.5, margin
+    port_a = int(env_a["VIGIL_WORKER_PORT"])
+    wait_for(lambda: metric(port_a, "vigil_task_self_fenced_total") == 1, 20, "A counted its stop")
+    row = task_row(ledger)
+    assert (row["attempts"], row["lease_epoch"], row["result"]) == (2, 2, "done: tick along")
+    assert metric(port_a, "vigil_tasks_total") == 0  # nothing of A's stood
+
+
+# -- the paths that were untested (issue 44 item 7) ------------------------------------------
+
+
+def test_a_task_whose_execution_raises_ends_failed_with_the_error(stack, topics, ledger, vigil_env, spawn):
+    start(spawn, worker_env(vigil_env, VIGIL_ECHO_FAIL_ON="failme"), "w")
+    produce(stack.bootstrap, topics.events, [chat("hal", "delegate: failme now")])
+    wait_for(lambda: task_status(ledger) == "failed", 30, "the task failed")
+    row = task_row(ledger)
+    assert row["error"] == "RuntimeError: echo agent told to fail on 'failme'", row["error"]
+    assert (row["attempts"], row["result"], row["input_tokens"]) == (1, None, len("failme now"))
+    wait_for(lambda: len(outbox_bodies(ledger, "hal")) == 2, 30, "the parent told")
+    assert outbox_bodies(ledger, "hal")[1] == f"task {row['id']} failed: {row['error']}"
+
+
+def test_a_running_task_reaching_its_deadline_ends_timed_out(stack, topics, ledger, vigil_env, spawn):
+    env = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="forever:600", VIGIL_TASK_TIMEOUT_S="3")
+    start(spawn, env, "w")
+    produce(stack.bootstrap, topics.events, [chat("ida", "delegate: forever more")])
+    wait_for(lambda: task_status(ledger) == "running", 30, "the task runs")
+    wait_for(lambda: task_status(ledger) == "timed_out", 15, "the task timed out")
+    row = task_row(ledger)
+    assert 0 <= (row["finished_at"] - row["deadline"]).total_seconds() < 1.5, (row["finished_at"], row["deadline"])
+    assert row["attempts"] == 1 and row["input_tokens"] == len("forever more")
+    wait_for(lambda: len(outbox_bodies(ledger, "ida")) == 2, 30, "the parent told")
+    assert outbox_bodies(ledger, "ida")[1].startswith(f"task {row['id']} timed_out: ")
+
+
+def test_sigterm_hands_held_tasks_back_and_another_worker_completes_them(stack, topics, ledger, vigil_env, spawn):
+    """SIGTERM of a worker holding a task past its grace: the task goes back to queued with its
+    attempt given back, the worker exits 0, and another worker completes it at attempt 1."""
+    a = start(spawn, worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slowtask:600", VIGIL_SHUTDOWN_GRACE_S="2"), "a")
+    produce(stack.bootstrap, topics.events, [chat("jo", "delegate: slowtask handed back")])
+    wait_for(lambda: task_status(ledger) == "running", 30, "a holds the task")
+    assert a.stop(timeout=20) == 0
+    row = task_row(ledger)
+    assert (row["status"], row["attempts"], row["lease_holder"], row["lease_epoch"]) == ("queued", 0, None, 1)
+    assert "handed back" in a.log()
+    start(spawn, worker_env(vigil_env), "b")
+    wait_for(lambda: task_status(ledger) == "succeeded", 30, "b completed it")
+    row = task_row(ledger)
+    assert (row["attempts"], row["lease_epoch"], row["result"]) == (1, 2, "done: slowtask handed back")
+
+
+REFUSE_OUTCOMES = """
+CREATE FUNCTION refuse_outcome() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'the store refuses outcomes'; END $$;
+CREATE TRIGGER refuse_outcome BEFORE UPDATE ON tasks FOR EACH ROW
+    WHEN (NEW.status = 'succeeded') EXECUTE FUNCTION refuse_outcome();
+"""
+
+
+def _write_pauses(log: str) -> list[float]:
+    import re
+
+    return [float(p) for p in re.findall(r"writing its outcome failed \(attempt \d+\), retrying in ([0-9.]+) s", log)]
+
+
+def test_a_store_error_on_the_outcome_is_retried_with_backoff(stack, topics, ledger, vigil_env, spawn):
+    """The ledger refuses the outcome for 2.5 s: the holder retries with a growing pause
+    (vigil.retry.backoff from 0.2 s), not every second, and the outcome stands once it can."""
+    w = start(spawn, worker_env(vigil_env, VIGIL_TASK_HEARTBEAT_S="0.5", VIGIL_TASK_STALE_S="8"), "w")
+    with psycopg.connect(ledger, autocommit=True) as conn:
+        conn.execute(REFUSE_OUTCOMES)
+        produce(stack.bootstrap, topics.events, [chat("kim", "delegate: write me down")])
+        wait_for(lambda: _write_pauses(w.log()), 30, "the first refused write")
+        time.sleep(2.5)
+        conn.execute("DROP TRIGGER refuse_outcome ON tasks")
+    wait_for(lambda: task_status(ledger) == "succeeded", 20, "the outcome stood")
+    pauses = _write_pauses(w.log())
+    assert pauses[0] < 0.5 and len(pauses) >= 4, pauses
+    assert pauses[3] > 2 * pauses[0], pauses  # backing off
+    assert task_row(ledger)["attempts"] == 1
+
+
+def test_a_holder_that_cannot_write_its_outcome_gives_up_within_the_stale_bound(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """The ledger refuses every outcome: each holder retries for at most VIGIL_TASK_STALE_S,
+    then leaves the task to the reaper; after VIGIL_TASK_MAX_ATTEMPTS holders it is lost."""
+    with psycopg.connect(ledger, autocommit=True) as conn:
+        conn.execute(REFUSE_OUTCOMES)
+    w = start(spawn, worker_env(vigil_env, VIGIL_TASK_MAX_ATTEMPTS="2"), "w")
+    produce(stack.bootstrap, topics.events, [chat("lu", "delegate: never written")])
+    wait_for(lambda: task_status(ledger) == "lost", 30, "the task lost")
+    wait_for(lambda: w.log().count("left to the reaper") == 2, 10, "both holders gave up")
+    given_up = w.log().count("writing its outcome failed")
+    time.sleep(2.0)
+    assert w.log().count("writing its outcome failed") == given_up  # no retry goes on
+    assert task_row(ledger)["attempts"] == 2
+
+
+# -- progress (issue 44 item 5) --------------------------------------------------------------
+
+
+def test_a_running_task_shows_its_progress_on_its_row_and_in_vigil_tasks_show(stack, topics, ledger, vigil_env, spawn):
+    """While a task runs, each heartbeat flushes its progress (turns, tokens, the last tool, the
+    child's latest note) to its row; `vigil tasks show` prints it; a task whose holder dies after
+    a flush and whose cancel the reaper then ends keeps that usage."""
+    env = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="longhaul:600")
+    w = start(spawn, env, "w")
+    produce(stack.bootstrap, topics.events, [chat("mo", "delegate: longhaul survey")])
+    wait_for(lambda: scalar(ledger, "SELECT progress_at FROM tasks") is not None, 30, "progress flushed")
+    row = task_row(ledger)
+    assert row["status"] == "running"
+    assert (row["turns"], row["input_tokens"]) == (1, len("longhaul survey"))
+    assert row["note"] == "working on: longhaul survey" and row["last_tool"] == "echo"
+    shown = _vigil(["tasks", "show", row["id"]], env)
+    assert "progress" in shown and "1 turn" in shown and "last tool echo" in shown, shown
+    w.kill()
+    _vigil(["tasks", "cancel", row["id"], "--actor", "oncall"], env)
+    start(spawn, worker_env(vigil_env), "w2")
+    wait_for(lambda: task_status(ledger) == "cancelled", 30, "the reaper ended it cancelled")
+    after = task_row(ledger)
+    assert (after["turns"], after["input_tokens"]) == (1, len("longhaul survey"))  # partial usage kept
+
+
+# -- owners who can wait (issue 44 item 6, its long-poll) -------------------------------------
+
+
+def test_get_task_with_wait_long_polls_until_terminal_or_the_wait(stack, topics, ledger):
+    """`GET /v1/tasks/{id}?wait=S` answers as soon as the task is terminal, else after S
+    seconds with the task as it is; a wait outside 0..60 is a 400; the owner rule holds."""
+    import threading
+
+    import httpx
+
+    from ingest_support import create_token, start_ingest
+
+    task_id = "tsk_" + "f" * 20
+    _seed_task(ledger, task_id)
+    token = create_token(ledger, "owner-app")["token"]
+    ingest = start_ingest(stack, ledger, topics)
+    try:
+        auth = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=ingest.url, headers=auth, timeout=30) as http:
+            began = time.monotonic()
+            still = http.get(f"/v1/tasks/{task_id}?wait=1")
+            assert still.status_code == 200 and still.json()["status"] == "queued"
+            assert 0.9 <= time.monotonic() - began < 3.0
+            for bad in ("61", "-1", "soon"):
+                assert http.get(f"/v1/tasks/{task_id}?wait={bad}").status_code == 400, bad
+            timer = threading.Timer(1.0, lambda: http.post(f"/v1/tasks/{task_id}/cancel"))
+            began = time.monotonic()
+            timer.start()
+            done = http.get(f"/v1/tasks/{task_id}?wait=20")
+            took = time.monotonic() - began
+            timer.join()
+            assert done.status_code == 200 and done.json()["status"] == "cancelled", done.text
+            assert 0.9 <= took < 3.0, took
+    finally:
+        ingest.stop()

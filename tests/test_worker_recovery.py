@@ -36,11 +36,11 @@ def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -
         consumer.close()
 
 
-def replace_database(admin_dsn: str, name: str, source: str) -> None:
+def replace_database(stack, name: str, source: str) -> None:
     """``name`` becomes a copy of ``source`` (both without connections)."""
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+    with psycopg.connect(stack.admin_dsn, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
+        stack.create_database(conn, name, source)
 
 
 @pytest.mark.partitions(2)
@@ -58,7 +58,7 @@ def test_a_ledger_restored_from_an_older_copy_loses_no_event(stack, topics, ledg
     wait_all_done(ledger, 18)
     first.stop()
     # The older copy: what the ledger held after the first 18 events.
-    replace_database(stack.admin_dsn, snapshot, ledger_name)
+    replace_database(stack, snapshot, ledger_name)
 
     second = start(spawn, env, "second")
     produce(stack.bootstrap, topics.events, [chat(u, f"late {n}", f"late-{u}-{n}") for u in users for n in range(4)])
@@ -69,7 +69,7 @@ def test_a_ledger_restored_from_an_older_copy_loses_no_event(stack, topics, ledg
     assert sum(committed_offsets(stack.bootstrap, env["VIGIL_WORKER_GROUP"], topics.events, 2)) == 42
 
     # The ledger loses its last commits: the older copy is put back.
-    replace_database(stack.admin_dsn, ledger_name, snapshot)
+    replace_database(stack, ledger_name, snapshot)
     with psycopg.connect(stack.admin_dsn, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE "{snapshot}"')
     assert scalar(ledger, "SELECT count(*) FROM events") == 18

@@ -234,6 +234,9 @@ CREATE TABLE runs (
     cache_read_tokens  integer     NOT NULL DEFAULT 0,
     cache_write_tokens integer     NOT NULL DEFAULT 0,
     tool_calls         integer     NOT NULL DEFAULT 0,   -- tool calls the model made (migration 0021)
+    task_turns         integer     NOT NULL DEFAULT 0,   -- its background tasks' usage, added as each ends (0030)
+    task_input_tokens  integer     NOT NULL DEFAULT 0,
+    task_output_tokens integer     NOT NULL DEFAULT 0,
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
 );
@@ -429,6 +432,9 @@ CREATE TABLE tasks (
     output_tokens       integer     NOT NULL DEFAULT 0,
     run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0021)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
+    last_tool           text,                                -- progress (0030): the last tool the child called
+    note                text,                                -- its latest note: the text it wrote with that call
+    progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal
@@ -537,9 +543,23 @@ CREATE TABLE api_tokens (
     revoked_at  timestamptz,                              -- a revoked token is refused with 403
     scopes      text[],                                   -- route families it may use; NULL: all (tokens from before 0013)
     users       text[],                                   -- users it may act for (`prefix*` for a prefix); NULL: any
+    expires_at  timestamptz,                              -- refused from then on (401 token_expired); NULL: never (0028)
     CONSTRAINT api_tokens_scopes_valid
         CHECK (scopes <@ ARRAY['events', 'messages', 'timers', 'approvals', 'admin']::text[])
 );
+
+-- console_sessions: a console login (0028). The cookie holds a random id, stored here as its
+-- sha256; the session ends at expires_at, or at logout (ended_at), whichever comes first.
+CREATE TABLE console_sessions (
+    id_hash     text PRIMARY KEY,
+    token_id    text        NOT NULL REFERENCES api_tokens (id),
+    csrf        text        NOT NULL,                     -- the value its forms send back
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL,
+    ended_at    timestamptz,
+    CONSTRAINT console_sessions_expire_after_start CHECK (expires_at > created_at)
+);
+CREATE INDEX console_sessions_by_expiry ON console_sessions (expires_at);
 
 -- hooks: webhook endpoints (POST /v1/hooks/{id}), each for one provider and one user.
 CREATE TABLE hooks (
@@ -555,9 +575,10 @@ CREATE TABLE hooks (
 CREATE TABLE hook_secrets (
     id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     hook_id     text        NOT NULL REFERENCES hooks (id) ON DELETE CASCADE,
-    secret      text        NOT NULL,                     -- needed in clear to verify HMACs
+    secret      text        NOT NULL,                     -- sealed with VIGIL_SECRET_KEY (opened to verify HMACs)
     created_at  timestamptz NOT NULL DEFAULT now(),
-    revoked_at  timestamptz
+    revoked_at  timestamptz,
+    sealed_with text                                      -- id of the sealing key; NULL: in clear (0029)
 );
 CREATE INDEX hook_secrets_active ON hook_secrets (hook_id) WHERE revoked_at IS NULL;
 
@@ -566,11 +587,12 @@ CREATE TABLE channels (
     user_id           text PRIMARY KEY,
     type              text        NOT NULL,               -- webhook | kafka | log
     url               text,                               -- webhook target
-    secret            text,                               -- webhook signing secret (Standard Webhooks)
+    secret            text,                               -- webhook signing secret (Standard Webhooks), sealed
     gap_seconds       integer,                            -- pacing gap override (else VIGIL_OUTBOX_GAP)
     urgent_daily_cap  integer,                            -- urgent deliveries allowed per day (NULL: VIGIL_URGENT_DAILY_CAP)
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now(),
+    sealed_with       text,                               -- id of the key that sealed secret; NULL: in clear
     CONSTRAINT channels_type_valid CHECK (type IN ('webhook', 'kafka', 'log')),
     CONSTRAINT channels_webhook_has_url CHECK (type <> 'webhook' OR (url IS NOT NULL AND secret IS NOT NULL)),
     CONSTRAINT channels_gap_nonnegative CHECK (gap_seconds IS NULL OR gap_seconds >= 0),

@@ -7,6 +7,9 @@ address that is not globally routable is refused unless ``VIGIL_OUTBOUND_ALLOWED
 lists its network; an IPv6 address carrying an IPv4 address (NAT64, 6to4, Teredo, mapped,
 compatible, translated) is judged by the IPv4 address it carries.
 
+The MCP SDK talks HTTP through httpx2 (a fork of httpx with its own httpcore2): the same
+guard is fitted to its pool (:func:`guarded_async_transport2`).
+
 The check runs on the address a name *resolves to*, at connect time, and the connection is
 made to that checked address (the TLS server name stays the URL's host): a name that
 resolves to a public address when the URL is set and to 127.0.0.1 when it is used (DNS
@@ -24,7 +27,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpcore
+import httpcore2
 import httpx
+import httpx2
 
 from vigil.errors import VigilError
 from vigil.settings import CommonSettings, parse_networks
@@ -187,4 +192,23 @@ def guarded_transport(policy: AddressPolicy, **options: Any) -> httpx.HTTPTransp
 def guarded_async_transport(policy: AddressPolicy, **options: Any) -> httpx.AsyncHTTPTransport:
     transport = httpx.AsyncHTTPTransport(**options)
     transport._pool._network_backend = _GuardedAsync(policy)
+    return transport
+
+
+class _GuardedAsync2(httpcore2.AnyIOBackend):
+    def __init__(self, policy: AddressPolicy):
+        self.policy = policy
+
+    async def connect_tcp(self, host: str, port: int, *args: Any, **kwargs: Any) -> httpcore2.AsyncNetworkStream:
+        try:
+            address = await self.policy.resolve_async(host, port)
+        except (BlockedAddress, httpcore.ConnectError) as exc:
+            raise httpcore2.ConnectError(str(exc)) from None
+        return await super().connect_tcp(address, port, *args, **kwargs)
+
+
+def guarded_async_transport2(policy: AddressPolicy, **options: Any) -> httpx2.AsyncHTTPTransport:
+    """:func:`guarded_async_transport` for httpx2 (the MCP SDK's client), same pool surgery."""
+    transport = httpx2.AsyncHTTPTransport(trust_env=False, **options)
+    transport._pool._network_backend = _GuardedAsync2(policy)
     return transport

@@ -16,7 +16,10 @@ from confluent_kafka import KafkaException
 from vigil import logs
 from vigil.bus.kafka import ProduceError
 from vigil.errors import VigilError
+from vigil.ledger import sealing
+from vigil.ledger.db import connect
 from vigil.ledger.migrate import pending
+from vigil.ledger.sealing import SecretKeyError
 from vigil.settings import CommonSettings, SettingsError, load
 
 S = TypeVar("S", bound=CommonSettings)
@@ -72,6 +75,9 @@ class VigilGroup(click.Group):
         except StartupError as exc:
             click.echo(f"vigil: cannot start: {exc}", err=True)
             sys.exit(EXIT_STARTUP)
+        except SecretKeyError as exc:
+            click.echo(f"vigil: {exc}", err=True)
+            sys.exit(EXIT_STARTUP)
         except Exception as exc:
             message = dependency_down(exc)
             if message is None:
@@ -98,6 +104,28 @@ def require_schema(settings: CommonSettings) -> None:
         raise StartupError(
             f"the ledger's schema is behind this version ({len(behind)} migration(s) not applied, "
             f"first {behind[0]}): run `vigil migrate`"
+        )
+
+
+def require_secret_keys(settings: CommonSettings) -> None:
+    """Refuse to start a service that reads hook or channel secrets when the ledger holds one
+    sealed with a key this process lacks (VIGIL_SECRET_KEY unset, or rotated away without
+    VIGIL_SECRET_OLD_KEYS): every delivery would fail later, one by one. Secrets still in
+    clear are allowed, with a warning that names the way out."""
+    log = logging.getLogger("vigil")
+    try:
+        with connect(settings.dsn) as conn:
+            clear = sealing.check(conn, sealing.keys())
+    except psycopg.OperationalError as exc:
+        log.warning("secret keys not checked, the ledger does not answer: %s", _first_line(exc))
+        return
+    except SecretKeyError as exc:
+        raise StartupError(str(exc)) from None
+    if clear:
+        log.warning(
+            "%d secret(s) stored in clear in the ledger: set %s and run `vigil secrets rotate`",
+            clear,
+            sealing.KEY_SETTING,
         )
 
 

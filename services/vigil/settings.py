@@ -18,6 +18,7 @@ import os
 import socket
 from typing import Any, Literal, TypeVar
 
+from cryptography.fernet import Fernet
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -52,6 +53,17 @@ DEFAULT_EVENTS_RETENTION_HOURS = 168.0
 
 class SettingsError(VigilError):
     """A setting is missing or invalid; the message names the variable."""
+
+
+def fernet_keys(value: str) -> list[Fernet]:
+    """The Fernet keys of a comma-separated list (VIGIL_SECRET_KEY holds one)."""
+    keys = []
+    for key in (k.strip() for k in value.split(",")):
+        try:
+            keys.append(Fernet(key.encode()))
+        except ValueError:
+            raise ValueError("expected Fernet keys (url-safe base64 of 32 bytes; `vigil secrets new-key`)") from None
+    return keys
 
 
 class CommonSettings(BaseSettings):
@@ -125,6 +137,17 @@ class CommonSettings(BaseSettings):
         description="Key that signs approval answer tokens (ingest verifies, worker signs). "
         "Required by ingest and worker; `make up` generates one. Never logged.",
     )
+    secret_key: SecretStr | None = Field(
+        None,
+        description="Fernet key that seals hook and channel secrets in the ledger (`vigil secrets new-key` makes "
+        "one; `make up` generates one per stack). Unset: secrets are stored in clear, and a service refuses to "
+        "start once a sealed one exists. Never logged.",
+    )
+    secret_old_keys: SecretStr | None = Field(
+        None,
+        description="Older Fernet keys, comma separated, that still open sealed secrets while `vigil secrets "
+        "rotate` seals them again with VIGIL_SECRET_KEY (docs/operations.md). Never logged.",
+    )
     instance_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Name of this process in the ledger (partition holder, run worker). Default: hostname-pid.",
@@ -158,6 +181,13 @@ class CommonSettings(BaseSettings):
         raw = value.get_secret_value()
         if not raw.startswith(("postgresql://", "postgres://")) and "=" not in raw:
             raise ValueError("expected a postgresql:// URL or a libpq key=value string")
+        return value
+
+    @field_validator("secret_key", "secret_old_keys")
+    @classmethod
+    def _fernet_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and value.get_secret_value().strip():  # empty: unset
+            fernet_keys(value.get_secret_value())
         return value
 
     @field_validator("outbound_allowed_nets")

@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 import click
+from psycopg.conninfo import conninfo_to_dict
 
+from vigil.ledger.sealing import new_key
 from vigil.paths import repo_root
 from vigil_dev import devstack
 from vigil_dev.demo import demo as demo_command
@@ -37,6 +39,13 @@ OFFLINE_KEY = "offline-demo"  # what the scripted server is given as a key: it c
 
 def run_dir() -> Path:
     return Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run")).resolve()
+
+
+def _same_server(url: str, other: str) -> bool:
+    """Whether two libpq URLs name one role on one database of one server (passwords aside)."""
+    parts = ("host", "port", "dbname", "user")
+    first, second = conninfo_to_dict(url), conninfo_to_dict(other)
+    return all(first.get(part) == second.get(part) for part in parts)
 
 
 def _stack_env(root: Path) -> dict[str, str]:
@@ -60,6 +69,12 @@ def _stack_env(root: Path) -> dict[str, str]:
         secret_file.write_text(secrets.token_urlsafe(32))
         secret_file.chmod(0o600)
     env["VIGIL_APPROVAL_SECRET"] = secret_file.read_text().strip()
+    # The key that seals hook and channel secrets in the ledger: one per stack, kept like the above.
+    key_file = root / "secret_key"
+    if not key_file.exists():
+        key_file.write_text(new_key())
+        key_file.chmod(0o600)
+    env["VIGIL_SECRET_KEY"] = key_file.read_text().strip()
     # The local stack runs the Claude agent (offline: the scripted server) with a deadline short
     # enough that the demo can show an unanswered approval expiring.
     env["VIGIL_AGENT"] = "claude"
@@ -116,11 +131,16 @@ def up(services: bool, demo: bool) -> None:
         kafka.start()
         click.echo(f"kafka       {kafka.bootstrap}  (Apache Kafka, KRaft, logs {kafka.logfile})")
         local_pg_url = f"postgresql://vigil@127.0.0.1:{os.environ.get('VIGIL_DEV_PG_PORT', '5432')}/vigil"
-        if env["VIGIL_DATABASE_URL"] == local_pg_url:
+        # A shell that sourced .run/env carries this stack's URL with its password: still local.
+        if _same_server(env["VIGIL_DATABASE_URL"], local_pg_url):
             pg = devstack.PostgresServer(root / "pg" / "data", int(os.environ.get("VIGIL_DEV_PG_PORT", "5432")))
             pg.start()
-            click.echo(f"postgresql  {pg.url()}  (logs {pg.logfile})")
+            env["VIGIL_DATABASE_URL"] = pg.url()
+            # For `. .run/env && make test`: the tests clone databases, which the services' role may not.
+            admin_url = {"VIGIL_DEV_ADMIN_DATABASE_URL": pg.admin_url()}
+            click.echo(f"postgresql  {pg.shown_url()}  (password authentication, logs {pg.logfile})")
         else:
+            admin_url = {}
             click.echo("postgresql  VIGIL_DATABASE_URL (external, not started here)")
     except devstack.StackError as exc:
         raise click.ClickException(str(exc)) from None
@@ -167,6 +187,7 @@ def up(services: bool, demo: bool) -> None:
         "VIGIL_DEV_KAFKA_CONTROLLER_PORT": str(kafka.controller_port),
         "VIGIL_DEV_PG_PORT": os.environ.get("VIGIL_DEV_PG_PORT", "5432"),
         **{k: os.environ[k] for k in DEV_SETTINGS if os.environ.get(k)},
+        **admin_url,
     }
     env_file = root / "env"
     # The virtualenv's bin first on PATH, so `vigil ...` works in the shell that sourced it.

@@ -15,6 +15,7 @@ import glob
 import logging
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -331,8 +332,18 @@ def _server_user() -> str | None:
     raise StackError("running as root and no 'postgres' or 'nobody' account to run PostgreSQL as")
 
 
+# initdb's bootstrap role: a superuser, used only by this module (the services' role, its
+# database) and by the tests' database cloning. The services connect as ``user``: owner of
+# the ledger's database and its schema (so `vigil migrate` runs), nothing more.
+ADMIN_USER = "vigil_admin"
+
+
 @dataclass
 class PostgresServer:
+    """A PostgreSQL server that asks every connection for a password (scram-sha-256), local
+    sockets included. The passwords are generated when the data folder is made and kept
+    beside it (mode 600): ``admin.password`` and ``<user>.password``."""
+
     data_dir: Path
     port: int
     user: str = "vigil"
@@ -352,7 +363,29 @@ class PostgresServer:
         return self.data_dir.parent / "postgres.log"
 
     def url(self, database: str | None = None) -> str:
-        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{database or self.database}"
+        """The services' URL (their role, with its password)."""
+        return self._url(self.user, database or self.database)
+
+    def admin_url(self, database: str = "postgres") -> str:
+        """The bootstrap superuser's URL: CREATE/DROP DATABASE, never a service."""
+        return self._url(ADMIN_USER, database)
+
+    def shown_url(self) -> str:
+        """:meth:`url` without its password, to print."""
+        return f"postgresql://{self.user}:***@127.0.0.1:{self.port}/{self.database}"
+
+    def _url(self, role: str, database: str) -> str:
+        return f"postgresql://{role}:{self.password(role)}@127.0.0.1:{self.port}/{database}"
+
+    def password(self, role: str) -> str:
+        """A role's password, made (hex, so it needs no quoting in a URL) the first time."""
+        name = "admin" if role == ADMIN_USER else role
+        path = self.data_dir.parent / f"{name}.password"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+                out.write(secrets.token_hex(24))
+        return path.read_text().strip()
 
     def start(self) -> None:
         if read_pid(self.pidfile) is not None:
@@ -372,24 +405,15 @@ class PostgresServer:
             self.logfile.touch()
             os.chown(self.logfile, entry.pw_uid, entry.pw_gid)
         if not (self.data_dir / "PG_VERSION").exists():
-            result = subprocess.run(
-                [
-                    str(bindir / "initdb"),
-                    "-D",
-                    str(self.data_dir),
-                    "-U",
-                    self.user,
-                    "--auth=trust",
-                    "-E",
-                    "UTF8",
-                    "--no-sync",
-                ],
-                capture_output=True,
-                text=True,
-                user=run_as,
+            self._initdb(bindir, run_as)
+        elif not (self.data_dir.parent / "admin.password").exists():
+            # Made by a vigil-dev from before password authentication: trust for every local
+            # user and a superuser `vigil`. Rather than rewrite a live server's roles, say how
+            # to start afresh (a dev stack's ledger holds nothing that is not replayed by use).
+            raise StackError(
+                f"{self.data_dir} was made with trust authentication by an older vigil-dev: stop the "
+                f"stack (`vigil-dev down`), remove {self.data_dir.parent} and start it again"
             )
-            if result.returncode != 0:
-                raise StackError(f"initdb failed: {result.stdout}{result.stderr}")
         if port_open(self.port):
             raise StackError(f"port {self.port} is taken by another process; set VIGIL_DEV_PG_PORT")
         spawn(
@@ -431,24 +455,66 @@ class PostgresServer:
         wait_until(self._accepting, START_TIMEOUT_S, "PostgreSQL", self.logfile)
         self._create_database()
 
+    def _initdb(self, bindir: Path, run_as: str | None) -> None:
+        # initdb reads the bootstrap role's password from a file: readable by the server's
+        # account, removed as soon as initdb is done.
+        pwfile = self.data_dir.parent / "initdb.pw"
+        pwfile.write_text(self.password(ADMIN_USER) + "\n")
+        pwfile.chmod(0o600)
+        if run_as:
+            entry = pwd.getpwnam(run_as)
+            os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+        try:
+            result = subprocess.run(
+                [
+                    str(bindir / "initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    "-U",
+                    ADMIN_USER,
+                    f"--pwfile={pwfile}",
+                    "--auth-local=scram-sha-256",
+                    "--auth-host=scram-sha-256",
+                    "-E",
+                    "UTF8",
+                    "--no-sync",
+                ],
+                capture_output=True,
+                text=True,
+                user=run_as,
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
+        if result.returncode != 0:
+            raise StackError(f"initdb failed: {result.stdout}{result.stderr}")
+
     def _accepting(self) -> bool:
         if read_pid(self.pidfile) is None:
             raise StackError("PostgreSQL exited:\n" + self.logfile.read_text(errors="replace")[-3000:])
         import psycopg
 
         try:
-            with psycopg.connect(self.url("postgres"), connect_timeout=2):
+            with psycopg.connect(self.admin_url(), connect_timeout=2):
                 return True
         except psycopg.OperationalError:
             return False
 
     def _create_database(self) -> None:
+        """The services' role (no SUPERUSER, CREATEROLE or CREATEDB) and its database, which it
+        owns: PostgreSQL 15+ gives the public schema to the database's owner, so the role
+        creates and alters the ledger's tables and nothing outside them."""
         import psycopg
+        from psycopg import sql
 
-        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+        role = sql.Identifier(self.user)
+        with psycopg.connect(self.admin_url(), autocommit=True) as conn:
+            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (self.user,)).fetchone():
+                conn.execute(sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOCREATEROLE NOCREATEDB").format(role))
+            # ALTER ROLE takes no bind parameters: the password is quoted as a literal.
+            conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(role, sql.Literal(self.password(self.user))))
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
             if not exists:
-                conn.execute(f'CREATE DATABASE "{self.database}"')
+                conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(self.database), role))
 
     def stop(self) -> bool:
         return stop(self.pidfile, timeout=30.0)

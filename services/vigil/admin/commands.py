@@ -1,4 +1,4 @@
-"""Ledger and topic administration: ``vigil migrate``, ``vigil topics``."""
+"""Ledger and topic administration: ``vigil migrate``, ``vigil topics``, ``vigil secrets``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import click
 from vigil.bus.kafka import TopicError
 from vigil.bus.topics import ensure
 from vigil.cliutil import emit
+from vigil.ledger import sealing
+from vigil.ledger.db import connect
 from vigil.ledger.migrate import migrate as run
 from vigil.ledger.migrate import pending
 from vigil.service import load_or_exit
@@ -32,7 +34,14 @@ def migrate(check: bool, as_json: bool) -> None:
             sys.exit(1)
         return
     applied = run(settings.dsn)
-    emit({"applied": applied}, as_json, "applied: " + ", ".join(applied) if applied else "ledger is up to date")
+    # SQL cannot see the key: the secrets a migration left in clear (0029) are sealed here.
+    sealed = 0
+    if sealing.keys().current:
+        with connect(settings.dsn, autocommit=True) as conn:
+            sealed = sealing.rotate(conn, sealing.keys())
+    text = "applied: " + ", ".join(applied) if applied else "ledger is up to date"
+    text += f"; sealed {sealed} secret(s)" if sealed else ""
+    emit({"applied": applied, "secrets_sealed": sealed}, as_json, text)
 
 
 @click.command()
@@ -63,4 +72,51 @@ def topics(timeout: float, as_json: bool) -> None:
             click.echo(f"  differs: {difference}")
 
 
-commands = [migrate, topics]
+@click.group("secrets")
+def secrets_group() -> None:
+    """Hook and channel secrets at rest, sealed with VIGIL_SECRET_KEY (docs/operations.md)."""
+
+
+@secrets_group.command("new-key")
+def secrets_new_key() -> None:
+    """Print a new key for VIGIL_SECRET_KEY (keep it where the services' other secrets are)."""
+    click.echo(sealing.new_key())
+
+
+@secrets_group.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def secrets_status(as_json: bool) -> None:
+    """How many secrets each key sealed, and which of those keys this shell holds."""
+    settings = load_or_exit(CommonSettings)
+    held = sealing.keys()
+    with connect(settings.dsn, autocommit=True) as conn:
+        uses = sealing.uses(conn)
+    rows = [
+        {
+            "table": u.table,
+            "sealed_with": u.sealed_with,
+            "secrets": u.secrets,
+            "held": u.sealed_with is None or u.sealed_with in held.ids,
+        }
+        for u in uses
+    ]
+    lines = [f"current key: {held.current_id or f'none ({sealing.KEY_SETTING} unset)'}"]
+    for r in rows:
+        key = r["sealed_with"] or "in clear"
+        lines.append(f"{r['table']:<13} {key:<13} {r['secrets']:>6}{'' if r['held'] else '  (key not held)'}")
+    emit({"current_key": held.current_id, "secrets": rows}, as_json, "\n".join(lines))
+
+
+@secrets_group.command("rotate")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def secrets_rotate(as_json: bool) -> None:
+    """Seal every secret with VIGIL_SECRET_KEY: those in clear and those sealed with a key of
+    VIGIL_SECRET_OLD_KEYS. One row at a time: run it again if it was interrupted."""
+    settings = load_or_exit(CommonSettings)  # first: a bad key is refused naming its variable
+    held = sealing.keys()
+    with connect(settings.dsn, autocommit=True) as conn:
+        done = sealing.rotate(conn, held)
+    emit({"resealed": done, "key": held.current_id}, as_json, f"sealed {done} secret(s) with key {held.current_id}")
+
+
+commands = [migrate, topics, secrets_group]

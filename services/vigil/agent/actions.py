@@ -1,137 +1,156 @@
-"""The registry of action tools, and the demo ``refund`` tool.
+"""The registry of action tools: where each tool of a deployment comes from.
 
-To add an action tool: subclass :class:`vigil.agent.tools.ActionTool` (name, description,
-input_schema, default_permission; ``check``, ``risk``, ``describe``, ``run``), then return
-an instance from :func:`action_tools`. Its permission can then be set with
-``VIGIL_TOOL_PERMISSIONS=<name>=allow|deny|ask|auto``. docs/agent.md has a worked example.
+Three sources, in the order the model is shown them:
 
-``refund`` stands in for a payment provider's refund call. It "makes" a refund by recording
-it in the ledger's ``refunds`` table keyed by the call's idempotency key, the way a real
-provider honours an ``Idempotency-Key`` header: a second call with the same key (a
-duplicate approval, a retried run) finds the first record and refunds nothing more.
+1. built into vigil: ``http_request`` (offered when ``VIGIL_HTTP_ALLOWED_HOSTS`` is set);
+2. tool packages: ordinary Python packages that declare an entry point in the
+   ``vigil.tools`` group, named after the tool, whose object is a factory
+   ``(AgentSettings) -> ActionTool`` (examples/vigil-refund-tool is one);
+3. MCP servers named in ``VIGIL_MCP_SERVERS`` (:mod:`vigil.agent.mcp_tools`), their tools
+   offered as ``<server>__<tool>``.
+
+A :class:`ToolRegistry` is built from settings, not kept in module globals, so that a caller
+with other settings (a test, a later per-user profile) builds its own. Two tools with one
+name stop start-up with one line naming both sources: which one the model would get must
+never depend on the order packages happen to be installed in.
 """
 
 from __future__ import annotations
 
-import logging
-import re
-from decimal import Decimal, InvalidOperation
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
 
 from vigil.agent.http_tool import HttpRequestTool
+from vigil.agent.mcp_tools import server_tools
 from vigil.agent.settings import AgentSettings, Permission
-from vigil.agent.tools import ActionTool, CallContext, ToolOutput
-from vigil.ledger import agent as ledger_agent
-from vigil.ledger.db import connect_async
+from vigil.agent.tools import BUILTIN, ActionTool
 from vigil.outbound import address_policy
+from vigil.settings import SettingsError
 
-log = logging.getLogger(__name__)
-
-_ORDER_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-# A demo refund above this is refused outright: no approval makes it sensible.
-MAX_REFUND = Decimal("10000")
+ENTRY_POINT_GROUP = "vigil.tools"
+BUILT_IN = "vigil"  # the source of the tools compiled into vigil
 
 
-def _amount(value: Any) -> Decimal | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return None
-    try:
-        amount = Decimal(str(value))
-    except InvalidOperation:
-        return None
-    return amount.quantize(Decimal("0.01")) if amount.is_finite() else None
+@dataclass(frozen=True)
+class Registered:
+    """One action tool and where it came from (``vigil tools list`` shows both)."""
+
+    tool: ActionTool
+    source: str  # "vigil", a distribution name, or "mcp:<server>"
+    version: str  # the distribution's version; an MCP server's as it reports it
+
+    def describe(self) -> str:
+        return f"{self.source} {self.version}".strip()
 
 
-class RefundTool(ActionTool):
-    name = "refund"
-    description = (
-        "Refund an order (amount in the order's currency). The user normally has to approve a "
-        "refund: the call pauses until they answer, and its result tells you what they decided."
+class ToolRegistry:
+    """The action tools of one agent, unique by name. Raises SettingsError on a clash."""
+
+    def __init__(self, entries: Iterable[Registered], unreachable: dict[str, str] | None = None):
+        # MCP servers that could not be listed, and why: they offer no tools until a restart.
+        self.unreachable = dict(unreachable or {})
+        self.entries: list[Registered] = []
+        seen: dict[str, Registered] = {}
+        for entry in entries:
+            name = entry.tool.name
+            if name in BUILTIN:
+                raise SettingsError(f"tool {name!r} from {entry.describe()} has the name of a built-in tool")
+            if name in seen:
+                raise SettingsError(
+                    f"two tools are named {name!r}: from {seen[name].describe()} and from {entry.describe()}; "
+                    "uninstall or rename one"
+                )
+            seen[name] = entry
+            self.entries.append(entry)
+
+    @classmethod
+    def from_settings(cls, settings: AgentSettings) -> ToolRegistry:
+        """Built in, then installed packages, then MCP servers (whose tools are listed now)."""
+        listed, unreachable = server_tools(settings)
+        served = [Registered(tool, f"mcp:{tool.server}", version) for tool, version in listed]
+        return cls([*builtin_tools(settings), *package_tools(settings), *served], unreachable)
+
+    @property
+    def tools(self) -> list[ActionTool]:
+        return [entry.tool for entry in self.entries]
+
+    def listing(self, permissions: dict[str, Permission]) -> list[dict[str, str]]:
+        """What ``vigil tools list`` prints: every tool, built-ins first, with its permission."""
+        rows = [{"name": name, "source": BUILT_IN, "version": "", "permission": permissions[name]} for name in BUILTIN]
+        rows += [
+            {
+                "name": e.tool.name,
+                "source": e.source,
+                "version": e.version,
+                "permission": permissions[e.tool.name].value,
+            }
+            for e in self.entries
+        ]
+        return [{k: str(v) for k, v in row.items()} for row in rows]
+
+
+def builtin_tools(settings: AgentSettings) -> list[Registered]:
+    if not settings.allowed_hosts:
+        return []
+    tool = HttpRequestTool(
+        settings.allowed_hosts,
+        settings.credentials,
+        settings.http_timeout_s,
+        settings.http_max_response_bytes,
+        address_policy(settings),
     )
-    input_schema = {
-        "type": "object",
-        "properties": {
-            "order_id": {"type": "string", "description": "The order to refund."},
-            "amount": {"type": "number", "exclusiveMinimum": 0, "description": "How much to refund."},
-            "reason": {"type": "string", "description": "Why, in a few words."},
-        },
-        "required": ["order_id", "amount"],
-        "additionalProperties": False,
-    }
-    default_permission = Permission.ASK
+    return [Registered(tool, BUILT_IN, "")]
 
-    def __init__(self, dsn: str, auto_limit: float):
-        self.dsn = dsn
-        self.auto_limit = Decimal(str(auto_limit))
 
-    def check(self, args: dict[str, Any]) -> str | None:
-        if not isinstance(args.get("order_id"), str) or not _ORDER_ID.match(args["order_id"]):
-            return "order_id must be 1-64 letters, digits, '-' or '_'"
-        amount = _amount(args.get("amount"))
-        if amount is None or amount <= 0:
-            return "amount must be a positive number"
-        if amount > MAX_REFUND:
-            return f"refunds above {MAX_REFUND} are not made by the agent"
-        reason = args.get("reason")
-        if reason is not None and (not isinstance(reason, str) or len(reason) > 500):
-            return "reason must be a string of at most 500 characters"
-        return None
+def _installed() -> list[EntryPoint]:
+    """The group's entry points, each once: a distribution found twice on the path (an
+    editable install beside a copy) declares the same entry point twice, which is no clash."""
+    unique: dict[tuple[str, str, str], EntryPoint] = {}
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        dist = point.dist.name if point.dist is not None else "?"
+        unique.setdefault((point.name, point.value, dist), point)
+    return sorted(unique.values(), key=lambda p: (p.name, p.dist.name if p.dist else ""))
 
-    def risk(self, args: dict[str, Any]) -> str | None:
-        amount = _amount(args.get("amount"))
-        if amount is not None and amount > self.auto_limit:
-            return f"a refund of {amount} is above the unattended limit of {self.auto_limit}"
-        return None
 
-    def describe(self, args: dict[str, Any]) -> str:
-        line = f"refund {_amount(args.get('amount'))} for order {args.get('order_id')}"
-        return line + (f" ({args['reason']})" if args.get("reason") else "")
+def package_tools(settings: AgentSettings) -> list[Registered]:
+    """The tools of every installed package declaring a ``vigil.tools`` entry point.
 
-    async def run(self, args: dict[str, Any], call: CallContext) -> ToolOutput:
-        refusal = self.check(args)
-        if refusal is not None:
-            return ToolOutput(f"Not refunded: {refusal}.", True)
-        amount = _amount(args["amount"])
-        assert amount is not None  # check() refused anything else
-        async with await connect_async(self.dsn, autocommit=True) as conn:
-            row = await ledger_agent.record_refund(
-                conn,
-                idempotency_key=call.idempotency_key,
-                user_id=call.user_id,
-                order_id=args["order_id"],
-                amount=amount,
-                reason=args.get("reason"),
-            )
-            repeated = row is None
-            if repeated:
-                row = await ledger_agent.get_refund(conn, call.idempotency_key)
-        if row is None or row.user_id != call.user_id:
-            return ToolOutput("Not refunded: the idempotency key belongs to another refund.", True)
-        if (row.order_id, row.amount) != (args["order_id"], amount):
-            return ToolOutput(
-                f"Not refunded: this call's key already refunded {row.amount} for order {row.order_id}.", True
-            )
-        log.info("refund %s recorded%s", row.id, " earlier (repeat call, nothing more refunded)" if repeated else "")
-        if repeated:
-            return ToolOutput(
-                f"Refund {row.id} of {row.amount} for order {row.order_id} was already made "
-                "for this request; nothing more was refunded."
-            )
-        return ToolOutput(f"Refund {row.id} made: {row.amount} for order {row.order_id}.")
+    A package that fails to load, or whose factory returns something else than an action
+    tool named like its entry point, stops start-up: a tool silently missing would leave
+    the model without it and nobody told.
+    """
+    found = []
+    for point in _installed():
+        dist = point.dist
+        source, version = (dist.name, dist.version) if dist is not None else (point.value, "")
+        where = f"entry point {point.name} = {point.value} ({source} {version})"
+        try:
+            factory = point.load()
+            tool = factory(settings)
+        except Exception as exc:
+            raise SettingsError(f"{where} failed to load: {type(exc).__name__}: {exc}") from None
+        if not isinstance(tool, ActionTool):
+            raise SettingsError(f"{where} returned {type(tool).__name__}, not an ActionTool")
+        if tool.name != point.name:
+            raise SettingsError(f"{where} returned a tool named {tool.name!r}; name the entry point after it")
+        found.append(Registered(tool, source, version))
+    return found
+
+
+def effective_permissions(settings: AgentSettings, actions: list[ActionTool]) -> dict[str, Permission]:
+    """Every tool's permission: defaults, then VIGIL_TOOL_PERMISSIONS. Raises SettingsError."""
+    permissions = {name: Permission.ALLOW for name in BUILTIN}
+    permissions.update({tool.name: tool.default_permission for tool in actions})
+    for name, permission in settings.permissions.items():
+        if name not in permissions:
+            raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: no tool named {name!r} (tools: {', '.join(permissions)})")
+        if name in BUILTIN and permission not in (Permission.ALLOW, Permission.DENY):
+            raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: {name} is built in and can only be allow or deny")
+        permissions[name] = permission
+    return permissions
 
 
 def action_tools(settings: AgentSettings) -> list[ActionTool]:
     """Every action tool of this deployment, in the order the model is shown them."""
-    tools: list[ActionTool] = []
-    if settings.allowed_hosts:
-        tools.append(
-            HttpRequestTool(
-                settings.allowed_hosts,
-                settings.credentials,
-                settings.http_timeout_s,
-                settings.http_max_response_bytes,
-                address_policy(settings),
-            )
-        )
-    tools.append(RefundTool(settings.dsn, settings.refund_auto_limit))
-    return tools
+    return ToolRegistry.from_settings(settings).tools

@@ -67,6 +67,7 @@ class Delegation:
     timeout_s: float  # VIGIL_TASK_TIMEOUT_S: a background child's deadline, from its creation
     max_attempts: int  # VIGIL_TASK_MAX_ATTEMPTS: holders lost before the task is lost
     owner_chain: tuple[str, ...]  # user id, then the run key and task ids that led here
+    max_tasks_per_run: int = 8  # VIGIL_MAX_TASKS_PER_RUN: background tasks one run may start
 
     def child_depth(self) -> int | None:
         """The depth a child would have, or None if that is past the bound."""
@@ -219,6 +220,8 @@ class TaskUsage:
     turns: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    last_tool: str | None = None  # the last tool the child called
+    note: str | None = None  # the text the child wrote with that call (cut to NOTE_CHARS)
 
     @property
     def tokens(self) -> int:

@@ -29,7 +29,7 @@ import anthropic
 import httpx2
 
 from vigil.agent import delegation, metrics, model
-from vigil.agent.actions import action_tools
+from vigil.agent.actions import ToolRegistry, effective_permissions
 from vigil.agent.base import RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
@@ -39,7 +39,7 @@ from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
-from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
+from vigil.agent.tools import ActionTool, builtin_definitions
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
@@ -52,19 +52,6 @@ OTHER_FILES = 256
 # The agent stops this long before the worker's own run timeout, so that a run stopped by
 # its wall-time budget still returns (and saves its session) instead of being cancelled.
 DEADLINE_MARGIN_S = 10.0
-
-
-def effective_permissions(settings: AgentSettings, actions: list[ActionTool]) -> dict[str, Permission]:
-    """Every tool's permission: defaults, then VIGIL_TOOL_PERMISSIONS. Raises SettingsError."""
-    permissions = {name: Permission.ALLOW for name in BUILTIN}
-    permissions.update({tool.name: tool.default_permission for tool in actions})
-    for name, permission in settings.permissions.items():
-        if name not in permissions:
-            raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: no tool named {name!r} (tools: {', '.join(permissions)})")
-        if name in BUILTIN and permission not in (Permission.ALLOW, Permission.DENY):
-            raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: {name} is built in and can only be allow or deny")
-        permissions[name] = permission
-    return permissions
 
 
 def model_client(settings: AgentSettings, **client_options: Any) -> anthropic.AsyncAnthropic:
@@ -118,7 +105,7 @@ class ClaudeAgent:
         actions: list[ActionTool] | None = None,
     ):
         self.settings = settings
-        actions = action_tools(settings) if actions is None else actions
+        actions = ToolRegistry.from_settings(settings).tools if actions is None else actions
         permissions = effective_permissions(settings, actions)
         policies = settings.policies
         if policies.get("approval", EventPolicy.QUEUE) is not EventPolicy.QUEUE:
@@ -174,6 +161,10 @@ class ClaudeAgent:
 
     async def close(self) -> None:
         await self.box.client.close()
+        for tool in self.box.actions.values():
+            connection = getattr(tool, "connection", None)  # an MCP tool's server (stdio: its process)
+            if connection is not None:
+                await connection.close()
 
     def _prefix(self, ctx: RunContext, memory: MemoryFiles, now: datetime) -> list[dict[str, Any]]:
         path = self.settings.instructions_path

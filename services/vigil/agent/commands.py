@@ -1,5 +1,6 @@
 """`vigil approvals list|deny`: operators see the questions waiting for people and decide.
 `vigil policies show|set`: one user's overrides of the deployment's agent settings.
+`vigil tools list`: the tools a worker with these settings offers, where each comes from.
 
 An approval whose policy is ``escalate`` fails closed: it is asked again at every deadline
 and never runs the tool on silence, so a request nobody will answer (a person gone on
@@ -15,9 +16,11 @@ from datetime import UTC, datetime
 import click
 
 from vigil.admin.connection import cli_connection
-from vigil.agent.settings import parse_event_policies
+from vigil.agent.settings import AgentSettings, parse_event_policies
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
+from vigil.service import StartupError, load_or_exit
+from vigil.settings import SettingsError
 
 
 def _ledger():
@@ -100,4 +103,34 @@ def policies_set(user_id, event_policies) -> None:
     click.echo(_show(row.user_id, row.event_policies))
 
 
-commands = [approvals, policies]
+@click.group("tools")
+def tools() -> None:
+    """The agent's tools: built in, from tool packages, from MCP servers."""
+
+
+@tools.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def tools_list(as_json) -> None:
+    """Every tool a worker with these settings would offer: name, source package and version,
+    permission. Loads tool packages and lists MCP servers' tools exactly as the worker does at
+    start-up, so a name clash or a broken package fails here the same way."""
+    # Imported here on purpose: the registry brings the MCP SDK, about two seconds to import,
+    # which no other `vigil` command needs.
+    from vigil.agent.actions import ToolRegistry, effective_permissions
+
+    settings = load_or_exit(AgentSettings)
+    try:
+        registry = ToolRegistry.from_settings(settings)
+        permissions = effective_permissions(settings, registry.tools)
+    except SettingsError as exc:
+        raise StartupError(str(exc)) from None
+    for server, reason in sorted(registry.unreachable.items()):
+        click.echo(f"vigil: MCP server {server} offers no tools (not listed: {reason})", err=True)
+    for row in registry.listing(permissions):
+        if as_json:
+            click.echo(json.dumps(row))
+        else:
+            click.echo(f"{row['name']:<32} {row['permission']:<6} {row['source']} {row['version']}".rstrip())
+
+
+commands = [approvals, policies, tools]

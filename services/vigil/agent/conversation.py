@@ -106,12 +106,15 @@ class Ended:
     touched: bool = False  # the session changed and must be saved
 
 
-def tool_span(name: str, call_id: str):
-    """A tool call's span (GenAI semantic conventions), under the run's; nothing when traces are off."""
-    return tracing.span(
-        f"execute_tool {name}",
-        attributes={"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.call.id": call_id},
-    )
+def tool_span(name: str, call_id: str, tool: ActionTool | None = None):
+    """A tool call's span (GenAI semantic conventions), under the run's; nothing when traces are
+    off. A tool adds its own attributes (an MCP tool names its server)."""
+    if not tracing.enabled:
+        return tracing.span(name)
+    attributes = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.call.id": call_id}
+    if tool is not None:
+        attributes.update(tool.span_attributes())
+    return tracing.span(f"execute_tool {name}", attributes=attributes)
 
 
 class Conversation:
@@ -268,7 +271,7 @@ class Conversation:
         for use in uses:
             name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
             step = self.run.journal.take()
-            with tool_span(name, use["id"]) as span:
+            with tool_span(name, use["id"], self.box.actions.get(name)) as span:
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
                     output = await self._delegate(use, args, step)
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
@@ -308,7 +311,9 @@ class Conversation:
         """The delegate tool: queue a background task in this run's result, or run a child now."""
         run, box = self.run, self.box
         limits = run.ctx.delegation
-        request = delegation.check(args, limits, box.permissions, box.actions, run.budget.max_tokens - run.budget.spent)
+        request = delegation.check(
+            args, limits, box.permissions, box.actions, run.budget.left, tasks_started=len(self.outputs.tasks)
+        )
         if isinstance(request, str):
             return ToolOutput(request, True)
         assert limits is not None
@@ -317,6 +322,7 @@ class Conversation:
                 request, limits, run.ctx.run_key, self.thread.session_id, run.journal.key(step)
             )
             self.outputs.tasks.append(task)
+            run.budget.reserved += task.token_budget  # the task may spend it: this run may not
             return ToolOutput(
                 f"Queued as background task {task.id}. You will be woken with its result in this conversation."
             )

@@ -11,8 +11,10 @@
 - **Depth is bounded** by ``VIGIL_MAX_DELEGATION_DEPTH`` (a run is depth 0, its children 1).
 - **Budgets are shared.** A child's token budget is at most ``VIGIL_TASK_TOKEN_BUDGET`` and
   never more than its parent has left. A sync child's usage is added to the parent run's (so
-  it is in ``runs.*_tokens`` and stops the parent when spent); a background task's is kept
-  on its ``tasks`` row and reported in its result event.
+  it is in ``runs.*_tokens`` and stops the parent when spent); a background task's budget is
+  reserved from the parent run's tokens when it is queued (``Budget.reserved``), at most
+  ``VIGIL_MAX_TASKS_PER_RUN`` are queued per run, and its usage is kept on its ``tasks`` row
+  and added to the parent's ``runs.task_*`` columns when it ends.
 - **sync** runs the child now, inside the parent's run and under its deadline, and returns
   its answer as the tool result. **background** adds a task to the run's result: the run's
   fenced finish queues it (a run that does not commit starts nothing), any worker executes
@@ -39,6 +41,7 @@ from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import DELEGATE, ActionTool, CallContext, ToolOutput, delegate_definition
 
 MAX_INSTRUCTIONS_CHARS = 8000
+NOTE_CHARS = 300  # a task's progress note: the start of the text the child wrote with its last call
 MODES = ("background", "sync")
 
 CHILD_SYSTEM = (
@@ -65,6 +68,7 @@ def check(
     permissions: dict[str, Permission],
     actions: dict[str, ActionTool],
     tokens_left: int,
+    tasks_started: int = 0,
 ) -> Request | str:
     """The request, or why it is refused (a readable tool error for the model)."""
     if delegation is None:
@@ -79,6 +83,11 @@ def check(
         return f"Not delegated: instructions are over {MAX_INSTRUCTIONS_CHARS} characters."
     if mode not in MODES:
         return f"Not delegated: mode must be one of {', '.join(MODES)}."
+    if mode == "background" and tasks_started >= delegation.max_tasks_per_run:
+        return (
+            f"Not delegated: a run may start at most {delegation.max_tasks_per_run} background tasks, and this "
+            "one has. Wait for their results, or do the work yourself or with mode sync."
+        )
     tools = args.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
         return "Not delegated: tools must be a list of tool names."
@@ -177,6 +186,8 @@ async def run_child(child: Child, instructions: str) -> str:
         child.budget.tool_calls += len(uses)
         if not uses:
             return answer
+        if texts:
+            child.usage.note = answer[:NOTE_CHARS]
         results = []
         for use in uses:
             output = await _child_tool(child, use, allowed, child.journal.take())
@@ -188,13 +199,14 @@ async def run_child(child: Child, instructions: str) -> str:
 
 async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], step: int) -> ToolOutput:
     name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
+    child.usage.last_tool = name
     if name == DELEGATE:
         request = check(
             {**args, "mode": "sync"},
             child.delegation,
             child.permissions,
             {n: child.actions[n] for n in allowed},
-            child.budget.max_tokens - child.budget.spent,
+            child.budget.left,
         )
         if isinstance(request, str):
             return ToolOutput(request, True)
@@ -239,6 +251,7 @@ def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Chi
             timeout_s=delegation.timeout_s,
             max_attempts=delegation.max_attempts,
             owner_chain=(*delegation.owner_chain, key),
+            max_tasks_per_run=delegation.max_tasks_per_run,
         ),
         budget=model.Budget(source["settings"].max_turns, request.budget, deadline),
         usage=TaskUsage(),

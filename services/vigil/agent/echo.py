@@ -9,6 +9,8 @@ environment so that tests can inject failures into a real worker process:
 - ``VIGIL_ECHO_SLEEP_ON``: ``substring:seconds``; a message containing it makes the run
   sleep that long first (a slow run, for stale-finish and fencing tests).
 - ``VIGIL_ECHO_FAIL_ON``: a substring; a message containing it raises (a failed attempt).
+- ``VIGIL_ECHO_TICK_FILE``: a path; while a task executes, a line ``<instance> <unix time>``
+  is appended to it every 50 ms (when a holder acted, for the tests of holders that stop).
 
 Background tasks (docs/tasks.md): a chat message ``delegate: <instructions>`` delegates a
 task (no tools) and says so; a ``task.*`` result event is answered with the task's outcome.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 import uuid
 from typing import Any
 
@@ -39,6 +42,8 @@ class EchoAgent:
         sleep = os.environ.get("VIGIL_ECHO_SLEEP_ON", "")
         self.sleep_on, _, seconds = sleep.partition(":")
         self.sleep_s = float(seconds or 0)
+        self.tick_file = os.environ.get("VIGIL_ECHO_TICK_FILE") or None
+        self.instance = os.environ.get("VIGIL_INSTANCE_ID") or str(os.getpid())
 
     async def _hooks(self, text: str) -> None:
         if self.crash_on and self.crash_on in text:
@@ -99,9 +104,22 @@ class EchoAgent:
     async def run_task(self, ctx: TaskContext) -> TaskResult:
         ctx.usage.turns = 1
         ctx.usage.input_tokens = len(ctx.instructions)
-        await self._hooks(ctx.instructions)
+        ctx.usage.last_tool, ctx.usage.note = "echo", f"working on: {ctx.instructions}"[:300]
+        ticking = asyncio.create_task(self._tick()) if self.tick_file else None
+        try:
+            await self._hooks(ctx.instructions)
+        finally:
+            if ticking is not None:
+                ticking.cancel()
         ctx.usage.output_tokens = len(ctx.instructions) + 6
         return TaskResult(f"done: {ctx.instructions}")
+
+    async def _tick(self) -> None:
+        assert self.tick_file is not None
+        while True:
+            with open(self.tick_file, "a") as out:
+                out.write(f"{self.instance} {time.time():.3f}\n")
+            await asyncio.sleep(0.05)
 
     async def join_fleet(self, pool: Any, instance: str) -> None:
         return None  # no model, nothing to share

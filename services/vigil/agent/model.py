@@ -73,16 +73,22 @@ class Budget:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     tool_calls: int = 0  # tool_use blocks received: recorded on the run, not a limit
+    reserved: int = 0  # tokens set aside for the background tasks this run queued (their budgets)
 
     @property
     def spent(self) -> int:
         return self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
 
+    @property
+    def left(self) -> int:
+        """Tokens this run may still spend itself or hand to a child."""
+        return self.max_tokens - self.spent - self.reserved
+
     def exhausted(self) -> str | None:
         """Which budget stops the next call, or None."""
         if self.turns >= self.max_turns:
             return "turns"
-        if self.max_tokens - self.spent < MIN_CALL_TOKENS:
+        if self.left < MIN_CALL_TOKENS:
             return "tokens"
         if self.deadline - time.monotonic() < MIN_CALL_SECONDS:
             return "wall_time"
@@ -286,13 +292,17 @@ async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes,
     """One attempt, in its span (GenAI conventions) when traces are on."""
     if not tracing.enabled:
         return await _attempt(client, body, timeout)
+    # OpenTelemetry's GenAI semantic conventions: the span is named "{operation} {model}";
+    # gen_ai.system is the attribute's name before gen_ai.provider.name, still read by many
+    # LLM observability tools, so both are set.
     attributes = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "anthropic",
+        "gen_ai.system": "anthropic",
         "gen_ai.request.model": request.model,
         "gen_ai.request.max_tokens": request.max_tokens,
     }
-    with tracing.span("anthropic.messages.create", SpanKind.CLIENT, attributes=attributes) as span:
+    with tracing.span(f"chat {request.model}", SpanKind.CLIENT, attributes=attributes) as span:
         try:
             message = await _attempt(client, body, timeout)
         except anthropic.APIStatusError as exc:
@@ -302,6 +312,11 @@ async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes,
         span.set_attribute("gen_ai.response.model", message.model)
         span.set_attribute("gen_ai.usage.input_tokens", message.usage.input_tokens or 0)
         span.set_attribute("gen_ai.usage.output_tokens", message.usage.output_tokens or 0)
+        usage = message.usage
+        if usage.cache_read_input_tokens is not None:
+            span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cache_read_input_tokens)
+        if usage.cache_creation_input_tokens is not None:
+            span.set_attribute("gen_ai.usage.cache_creation.input_tokens", usage.cache_creation_input_tokens)
         if message.stop_reason:
             span.set_attribute("gen_ai.response.finish_reasons", [message.stop_reason])
         return message

@@ -14,6 +14,7 @@ Every problem is reported naming the variable, and secrets are never shown.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -71,8 +72,13 @@ DEFAULT_REFUND_AUTO_LIMIT = 50.0
 # A classifier answers in one short line; a few seconds bound what it adds to an auto call.
 DEFAULT_AUTO_CLASSIFIER_TIMEOUT_S = 5.0
 DEFAULT_AUTO_CLASSIFIER_MAX_TOKENS = 64
+# An MCP tool call is a remote action like http_request: a bound the model's turn can wait out.
+DEFAULT_MCP_TIMEOUT_S = 30.0
+DEFAULT_MCP_MAX_RESULT_BYTES = 64 * 1024
 
-_TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+# Built-in and package tools are lower case; an MCP server's tools keep their own case and hyphens.
+_TOOL_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+_SERVER_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")  # no "__": that separates server and tool
 _SOURCE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _CREDENTIAL_NAME = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
 _HOST = re.compile(r"^[a-z0-9.-]+(:\d{1,5})?$|^\[[0-9a-f:]+\](:\d{1,5})?$")
@@ -136,6 +142,54 @@ def parse_hosts(value: str) -> tuple[str, ...]:
         if not _HOST.match(host):
             raise ValueError(f"{host!r} is not a host or host:port")
     return hosts
+
+
+@dataclass(frozen=True)
+class McpServer:
+    """One entry of ``VIGIL_MCP_SERVERS``: streamable HTTP (``url``) or stdio (``command``)."""
+
+    name: str
+    url: str | None = None
+    credential: str | None = None  # a VIGIL_CREDENTIAL_<NAME>, sent like http_request sends it
+    command: str | None = None
+    args: tuple[str, ...] = ()
+
+
+def parse_mcp_servers(value: str) -> dict[str, McpServer]:
+    """``{"docs": {"url": "https://...", "credential": "docs"}, "files": {"command": "x", "args": []}}``."""
+    if not value.strip():
+        return {}
+    try:
+        raw = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("expected a JSON object: server name -> {url, credential} or {command, args}")
+    servers = {}
+    for name, spec in raw.items():
+        if not isinstance(name, str) or not _SERVER_NAME.match(name) or len(name) > 30:
+            raise ValueError(f"{name!r} is not a server name (lower case letters, digits, single '_')")
+        if not isinstance(spec, dict) or ("url" in spec) == ("command" in spec):
+            raise ValueError(f"{name}: give either url (streamable HTTP) or command (stdio)")
+        unknown = set(spec) - ({"url", "credential"} if "url" in spec else {"command", "args"})
+        if unknown:
+            raise ValueError(f"{name}: unknown keys {', '.join(sorted(unknown))}")
+        if "url" in spec:
+            url, credential = spec["url"], spec.get("credential")
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"{name}: url must be an http(s) URL")
+            named = isinstance(credential, str) and _CREDENTIAL_NAME.match(credential.upper())
+            if credential is not None and not named:
+                raise ValueError(f"{name}: credential must name a VIGIL_CREDENTIAL_<NAME>")
+            servers[name] = McpServer(name, url=url, credential=credential.lower() if credential else None)
+        else:
+            command, args = spec["command"], spec.get("args", [])
+            if not isinstance(command, str) or not command:
+                raise ValueError(f"{name}: command must be a non-empty string")
+            if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+                raise ValueError(f"{name}: args must be a list of strings")
+            servers[name] = McpServer(name, command=command, args=tuple(args))
+    return servers
 
 
 def read_credentials(environ: Mapping[str, str], allowed_hosts: tuple[str, ...]) -> dict[str, Credential]:
@@ -301,7 +355,23 @@ class AgentSettings(CommonSettings):
     refund_auto_limit: float = Field(
         DEFAULT_REFUND_AUTO_LIMIT,
         ge=0,
-        description="With `refund=auto`: larger refunds are blocked by the policy check.",
+        description="With `refund=auto`: larger refunds are blocked by the policy check "
+        "(the example tool package examples/vigil-refund-tool).",
+    )
+    mcp_servers: str = Field(
+        "",
+        description='MCP servers whose tools the agent is offered as `<server>__<tool>`, JSON: `{"docs": {"url": '
+        '"https://mcp.example.com/mcp", "credential": "docs"}, "files": {"command": "mcp-files", "args": []}}` '
+        "(streamable HTTP with a VIGIL_CREDENTIAL_<NAME>, or stdio: a process each worker starts and keeps).",
+    )
+    mcp_timeout_s: float = Field(
+        DEFAULT_MCP_TIMEOUT_S, gt=0, le=600, description="Timeout of one MCP tool call or tool listing."
+    )
+    mcp_max_result_bytes: int = Field(
+        DEFAULT_MCP_MAX_RESULT_BYTES,
+        ge=256,
+        le=10_000_000,
+        description="Most bytes of an MCP tool's result handed back to the model (the rest is cut).",
     )
     auto_classifier_model: str = Field(
         "",
@@ -343,6 +413,12 @@ class AgentSettings(CommonSettings):
         except MemoryRefused as exc:
             raise ValueError(str(exc)) from None
 
+    @field_validator("mcp_servers")
+    @classmethod
+    def _servers_parse(cls, value: str) -> str:
+        parse_mcp_servers(value)
+        return value
+
     @field_validator("http_allowed_hosts")
     @classmethod
     def _hosts_parse(cls, value: str) -> str:
@@ -354,6 +430,12 @@ class AgentSettings(CommonSettings):
         if self.model_backoff_cap_s < self.model_backoff_s:
             raise ValueError("VIGIL_MODEL_BACKOFF_CAP_S must be at least VIGIL_MODEL_BACKOFF_S")
         self._credentials = read_credentials(os.environ, self.allowed_hosts)
+        for server in self.servers.values():
+            if server.credential and server.credential not in self._credentials:
+                raise ValueError(
+                    f"VIGIL_MCP_SERVERS: {server.name} names credential {server.credential!r}, "
+                    f"but VIGIL_CREDENTIAL_{server.credential.upper()} is not set"
+                )
         return self
 
     @property
@@ -363,6 +445,10 @@ class AgentSettings(CommonSettings):
     @property
     def policies(self) -> dict[str, EventPolicy]:
         return parse_event_policies(self.event_policies)
+
+    @property
+    def servers(self) -> dict[str, McpServer]:
+        return parse_mcp_servers(self.mcp_servers)
 
     @property
     def allowed_hosts(self) -> tuple[str, ...]:

@@ -11,8 +11,9 @@ Built in (they only shape the run's result, so they are always ``allow`` or ``de
   later with the note.
 - ``memory``: Anthropic's memory tool over the user's files (:mod:`vigil.agent.memory`).
 
-Action tools act on the world. Each is an :class:`ActionTool` subclass registered in
-:func:`vigil.agent.actions.action_tools`; docs/agent.md walks through adding one. The
+Action tools act on the world. Each is an :class:`ActionTool` subclass in the
+registry (:mod:`vigil.agent.actions`): built in, from a tool package, or from an MCP
+server; docs/agent.md, "Adding tools", walks through each. The
 executor, not the model, hands a tool its idempotency key and any credential.
 """
 
@@ -63,9 +64,14 @@ class ActionTool(ABC):
     description: str  # a class attribute, or set per instance (http_request names its hosts)
     input_schema: dict[str, Any]
     default_permission: ClassVar[Permission] = Permission.ASK
+    server: str | None = None  # the MCP server behind the tool (vigil.agent.mcp_tools), for its span
 
     def definition(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "input_schema": self.input_schema}
+
+    def span_attributes(self) -> dict[str, str]:
+        """Attributes of this tool's ``execute_tool`` spans besides its name and call id."""
+        return {"gen_ai.tool.type": "function"}
 
     def check(self, args: dict[str, Any]) -> str | None:
         """A reason these arguments can never run (whatever the permission), or None."""

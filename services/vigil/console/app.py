@@ -43,9 +43,11 @@ from vigil.httpserver import Refusal as Refused  # the one refusal type, under t
 from vigil.ledger import console as ledger
 from vigil.ledger import ingest as tokens
 from vigil.ledger import journal as ledger_journal
+from vigil.ledger import sessions
 from vigil.ledger.db import PoolTimeout
 from vigil.ledger.events import retry_dead_events
-from vigil.ttl_cache import TtlCache
+from vigil.numbers import NotParsed, whole_number
+from vigil.ttl_cache import MissGuard, TtlCache
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 PAGE = 50  # rows per page of every list
 TIMERS_SOON = timedelta(minutes=15)  # "due soon" on the timers page
 MAX_RETRY_IDS = 100  # one form post retries at most this many events
+LOGIN_FORM_S = 3600  # how long a login form's CSRF cookie lasts
+SHOWN_CHARS = 60  # what a refusal echoes of an id the client sent
 SECURITY_HEADERS = {
     # No script, no frames, no plugin, forms only to ourselves: the console needs nothing else.
     "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
@@ -74,6 +78,12 @@ REQUEST_SECONDS = Histogram(
     "Time to answer a console request (the pages' ledger reads included), by route template.",
     ["route"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5),
+)
+UNKNOWN_KEYS = Counter(
+    "vigil_console_unknown_keys_total",
+    "Console requests with an unknown API token or session cookie, by kind (token, session) and whether the "
+    "ledger was asked (looked_up false: answered from the set of existing keys during a flood).",
+    ["kind", "looked_up"],
 )
 ACTIONS = Counter(
     "vigil_console_actions_total",
@@ -161,6 +171,12 @@ class Console:
         self.pool = ledger.open_pool(settings.dsn)
         self.env = environment()
         self.tokens: TtlCache[tokens.AuthToken] = TtlCache(settings.console_auth_cache_s)
+        self.sessions: TtlCache[sessions.Session] = TtlCache(settings.console_auth_cache_s)
+        # As ingest's: a flood of made-up tokens or cookies costs at most one query a second.
+        self.token_misses = MissGuard(UNKNOWN_KEYS, "token", lambda: self.read(tokens.all_token_hashes))
+        self.session_misses = MissGuard(
+            UNKNOWN_KEYS, "session", lambda: self.read(sessions.live_hashes, utc(self.clock.now()))
+        )
         self.end_offsets = EndOffsets(settings)
 
     # -- plumbing --------------------------------------------------------------------------
@@ -193,68 +209,125 @@ class Console:
         headers = {"retry-after": "5"} if exc.status == 503 else None
         return JSONResponse({"error": exc.code, "detail": exc.detail}, exc.status, headers=headers)
 
-    async def operator(self, request: Request, need: auth.Need) -> auth.Operator:
-        """The authenticated operator, or Refused (401/403). Sets it on the request for templates."""
-        header = request.headers.get("authorization")
-        token = auth.presented_token(header, request.cookies.get(auth.COOKIE))
-        if token is None:
-            raise Refused(401, "unauthorized", "log in with an API token (vigil tokens create NAME)")
+    async def token(self, token: str) -> tokens.AuthToken | None:
+        """The token's row (cached), or None if unknown; the miss guard bounds what unknown
+        tokens cost the ledger."""
         digest = auth.digest(token)
-        row = None if digest is None else await self.tokens.get(digest, lambda: self.read(tokens.auth_token, digest))
-        if row is None:
-            raise Refused(401, "unauthorized", "unknown token")
-        if row.revoked_at is not None:
-            raise Refused(403, "token_revoked", f"token {row.id} was revoked")
-        scopes, users = row.scopes, row.users
-        operator = auth.Operator(
-            row.id,
-            row.name,
-            auth.csrf_for(token),
-            None if scopes is None else frozenset(scopes),
-            None if users is None else tuple(users),
-        )
-        if not auth.permits(operator, need):
-            raise Refused(403, "forbidden", f"token {row.id} may not {need.value} here")
-        request.scope["vigil.operator"] = operator
-        request.scope["vigil.via_cookie"] = not (header and header.lower().startswith("bearer "))
-        return operator
+        if digest is None:
+            return None
+        return await self.token_misses.get(self.tokens, digest, lambda: self.read(tokens.auth_token, digest))
+
+    async def operator(self, request: Request, need: auth.Need) -> auth.Operator:
+        """The authenticated operator, or Refused (401/403). Sets it on the request for templates.
+
+        An ``Authorization`` header, whatever it holds, is the request's only credential;
+        without one, the session cookie is."""
+        header = request.headers.get("authorization")
+        now = utc(self.clock.now())
+        if header is not None:
+            token = auth.bearer(header)
+            if token is None:
+                raise Refused(401, "unauthorized", "expected Authorization: Bearer <token>")
+            row = await self.token(token)
+            if row is None:
+                raise Refused(401, "unauthorized", "unknown token")
+            held = auth.Operator(row.id, row.name, "", _frozen(row.scopes), _tuple(row.users))
+            revoked_at, expired = row.revoked_at, row.expired(now)
+        else:
+            key = auth.session_hash(request.cookies.get(auth.COOKIE, ""))
+            if key is None:
+                raise Refused(401, "unauthorized", "log in with an API token (vigil tokens create NAME)")
+            found = await self.session_misses.get(self.sessions, key, lambda: self.read(sessions.by_hash, key))
+            if found is None or not found.live(now):
+                raise Refused(401, "unauthorized", "the session has ended: log in again")
+            held = auth.Operator(
+                found.token_id, found.name, found.csrf, _frozen(found.scopes), _tuple(found.users), session=key
+            )
+            revoked_at = found.revoked_at
+            expired = found.token_expires_at is not None and now >= found.token_expires_at
+        if revoked_at is not None:
+            raise Refused(403, "token_revoked", f"token {held.token_id} was revoked")
+        if expired:
+            raise Refused(401, "token_expired", f"token {held.token_id} has expired")
+        if not auth.permits(held, need):
+            raise Refused(403, "forbidden", f"token {held.token_id} may not {need.value} here")
+        request.scope["vigil.operator"] = held
+        return held
 
     async def form_action(self, request: Request) -> tuple[auth.Operator, Any]:
-        """A POST: a WRITE operator, and for a browser session the CSRF value back."""
+        """A POST: a WRITE operator, and for a session (a cookie) its CSRF value back. A bearer
+        header needs none: no other site's form can set one."""
         operator = await self.operator(request, auth.Need.WRITE)
         form = await request.form()
-        if request.scope["vigil.via_cookie"] and not auth.csrf_ok(operator, form.get(auth.CSRF_FIELD)):
-            raise Refused(403, "csrf", "the form's CSRF token is missing or wrong: reload the page and try again")
+        if operator.session is not None and not auth.same(operator.csrf, form.get(auth.CSRF_FIELD)):
+            raise _csrf_refusal()
         return operator, form
 
     # -- login -----------------------------------------------------------------------------
 
     async def login_form(self, request: Request) -> Response:
-        return self.page(request, "login.html", next=_safe_next(request.query_params.get("next")), failed=None)
+        """The form, with a fresh double-submit CSRF value in a cookie and in the form."""
+        target = _safe_next(request.query_params.get("next"))
+        return self.login_page(request, target, None)
+
+    def login_page(self, request: Request, target: str, failed: str | None, status: int = 200) -> Response:
+        csrf = auth.new_csrf()
+        response = self.page(request, "login.html", status, next=target, failed=failed, login_csrf=csrf)
+        _cookie(response, request, auth.LOGIN_COOKIE, csrf, LOGIN_FORM_S, path="/login")
+        return response
 
     async def login(self, request: Request) -> Response:
+        """Check the form's CSRF value and the token, then make a session.
+
+        Steps: the session row is committed (with a sweep of expired ones) before the cookie
+        is sent; a crash between them leaves a session nobody holds, which expires."""
         form = await request.form()
-        token = str(form.get("token", "")).strip()
         target = _safe_next(str(form.get("next", "/")))
-        digest = auth.digest(token) if token else None
-        row = None if digest is None else await self.read(tokens.auth_token, digest)
-        if row is None or row.revoked_at is not None:
-            failed = "That token is not valid." if row is None else "That token was revoked."
-            return self.page(request, "login.html", 401, next=target, failed=failed)
+        if not auth.same(request.cookies.get(auth.LOGIN_COOKIE), form.get(auth.CSRF_FIELD)):
+            return self.login_page(request, target, "The login form expired: try again.", 403)
+        token = str(form.get("token", "")).strip()
+        row = await self.token(token) if token else None
+        now = utc(self.clock.now())
+        failed = None
+        if row is None:
+            failed = "That token is not valid."
+        elif row.revoked_at is not None:
+            failed = "That token was revoked."
+        elif row.expired(now):
+            failed = "That token has expired."
+        elif not auth.may_log_in(row):
+            failed = (
+                "That token may not use the console: it needs the admin scope and no user restriction "
+                "(vigil tokens create NAME --scope admin)."
+            )
+        if row is None or failed is not None:
+            status = 403 if row is not None and failed and "may not" in failed else 401
+            return self.login_page(request, target, failed, status)
+        session_id = auth.new_session_id()
+        ends = now + timedelta(seconds=self.settings.console_session_s)
+        if row.expires_at is not None:
+            ends = min(ends, row.expires_at)
+        key = auth.session_hash(session_id)
+        await self.read(sessions.create, id_hash=key, token_id=row.id, csrf=auth.new_csrf(), now=now, expires_at=ends)
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(
-            auth.COOKIE,
-            token,
-            httponly=True,
-            samesite="strict",
-            secure=request.url.scheme == "https",
-            path="/",
-        )
+        _cookie(response, request, auth.COOKIE, session_id, max(1, int((ends - now).total_seconds())))
+        response.delete_cookie(auth.LOGIN_COOKIE, path="/login")
         return response
 
     async def logout(self, request: Request) -> Response:
+        """End the session in the ledger (the cookie alone would outlive a deleted cookie) and
+        drop the cookie. Needs the session's CSRF value: no other site can log an operator out."""
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict")
+        key = auth.session_hash(request.cookies.get(auth.COOKIE, ""))
+        found = None if key is None else await self.read(sessions.by_hash, key)
+        if key is None or found is None or not found.live(utc(self.clock.now())):
+            return response  # nothing to end
+        form = await request.form()
+        if not auth.same(found.csrf, form.get(auth.CSRF_FIELD)):
+            raise _csrf_refusal()
+        await self.read(sessions.end, key, utc(self.clock.now()))
+        self.sessions.forget(key)
         return response
 
     # -- pages -----------------------------------------------------------------------------
@@ -269,13 +342,15 @@ class Console:
         await self.operator(request, auth.Need.READ)
         q = request.query_params.get("q", "").strip()[:500]
         kind = request.query_params.get("kind", "any")
-        if not q:
-            return self.page(request, "search.html", q=q, kind=kind, events=[], tried=[])
+        user_id = request.query_params.get("user") or None
+        if not q or not _storable(q, user_id):  # NUL: no ledger text can hold it, so nothing matches
+            return self.page(request, "search.html", q=q, kind=kind, events=[], tried=[] if not q else ["anything"])
         tried = []
-        if kind in ("any", "run") and q.isdigit() and await self.read(ledger.run, int(q)):
-            return RedirectResponse(f"/runs/{q}", status_code=303)
-        if kind in ("any", "event") and q.isdigit() and await self.read(ledger.event, int(q)):
-            return RedirectResponse(f"/events/{q}", status_code=303)
+        number = _ledger_id(q)
+        if kind in ("any", "run") and number is not None and await self.read(ledger.run, number):
+            return RedirectResponse(f"/runs/{number}", status_code=303)
+        if kind in ("any", "event") and number is not None and await self.read(ledger.event, number):
+            return RedirectResponse(f"/events/{number}", status_code=303)
         if kind in ("any", "delivery"):
             with contextlib.suppress(ValueError):
                 if await self.read(ledger.delivery, UUID(q)):
@@ -285,7 +360,6 @@ class Console:
             return RedirectResponse(f"/users/{quote(q, safe='')}", status_code=303)
         events: list = []
         if kind in ("any", "source_id"):
-            user_id = request.query_params.get("user") or None
             events = await self.read(ledger.events_by_source_id, source_id=q, user_id=user_id)
             if len(events) == 1:
                 return RedirectResponse(f"/events/{events[0].id}", status_code=303)
@@ -296,25 +370,27 @@ class Console:
         await self.operator(request, auth.Need.READ)
         user_id = request.path_params["user_id"]
         before = ledger.Cursor.decode(request.query_params.get("before"))
-        data = await self.read(ledger.timeline, user_id, before, PAGE)
-        if data.user is None and not data.entries:
-            raise Refused(404, "unknown_user", f"the ledger has nothing for user {user_id!r}")
+        data = await self.read(ledger.timeline, user_id, before, PAGE) if _storable(user_id) else None
+        if data is None or (data.user is None and not data.entries):
+            raise Refused(404, "unknown_user", f"the ledger has nothing for user {_shown(user_id)!r}")
         tasks = await self.read(ledger.tasks_of_user, user_id) if before is None else []
         return self.page(request, "timeline.html", user_id=user_id, tl=data, first=before is None, tasks=tasks)
 
     async def event(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        e = await self.read(ledger.event, request.path_params["event_id"])
+        event_id = _ledger_id(request.path_params["event_id"])
+        e = None if event_id is None else await self.read(ledger.event, event_id)
         if e is None:
-            raise Refused(404, "unknown_event", f"no event {request.path_params['event_id']}")
+            raise Refused(404, "unknown_event", f"no event {_shown(request.path_params['event_id'])!r}")
         runs = await self.read(ledger.runs_of_event, e)
         return self.page(request, "event.html", e=e, runs=runs)
 
     async def run(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        r = await self.read(ledger.run, request.path_params["run_id"])
+        run_id = _ledger_id(request.path_params["run_id"])
+        r = None if run_id is None else await self.read(ledger.run, run_id)
         if r is None:
-            raise Refused(404, "unknown_run", f"no run {request.path_params['run_id']}")
+            raise Refused(404, "unknown_run", f"no run {_shown(request.path_params['run_id'])!r}")
         events = await self.read(ledger.events_by_id, r.event_ids)
         writes = (await self.read(ledger.run_writes, [r]))[r.id]
         # Its journal, when VIGIL_RUN_JOURNAL_DAYS keeps finished ones (docs/worker.md).
@@ -334,8 +410,8 @@ class Console:
 
     async def dead(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        ev_before = _keyset(request.query_params.get("events_before"), int)
-        out_before = _keyset(request.query_params.get("outbox_before"), int)
+        ev_before = _keyset(request.query_params.get("events_before"), _ledger_id)
+        out_before = _keyset(request.query_params.get("outbox_before"), _ledger_id)
         events = await self.read(ledger.dead_events, ev_before, PAGE)
         outbox = await self.read(ledger.dead_outbox_rows, out_before, PAGE)
         actions = await self.read(ledger.operator_actions) if ev_before is None and out_before is None else []
@@ -383,10 +459,9 @@ class Console:
 
     async def retry_events(self, request: Request) -> Response:
         operator, form = await self.form_action(request)
-        try:
-            ids = sorted({int(v) for v in form.getlist("event_id")})
-        except ValueError:
-            raise Refused(400, "bad_event_id", "event ids are whole numbers") from None
+        ids = sorted({_ledger_id(str(v)) for v in form.getlist("event_id")}, key=lambda i: i or 0)
+        if None in ids:
+            raise Refused(400, "bad_event_id", f"event ids are whole numbers from 1 to {ledger.MAX_BIGINT}")
         if not ids or len(ids) > MAX_RETRY_IDS:
             raise Refused(400, "bad_event_id", f"choose between 1 and {MAX_RETRY_IDS} dead events")
         result = await self.read(retry_dead_events, ids, operator.actor)
@@ -412,6 +487,32 @@ class Console:
         return Response((TEMPLATES / "console.css").read_text(), media_type="text/css")
 
 
+def _frozen(values: list[str] | None) -> frozenset[str] | None:
+    return None if values is None else frozenset(values)
+
+
+def _tuple(values: list[str] | None) -> tuple[str, ...] | None:
+    return None if values is None else tuple(values)
+
+
+def _csrf_refusal() -> Refused:
+    return Refused(403, "csrf", "the form's CSRF token is missing or wrong: reload the page and try again")
+
+
+def _cookie(response: Response, request: Request, name: str, value: str, max_age: int, path: str = "/") -> None:
+    """A cookie no script reads (HttpOnly), no other site's page sends (SameSite=Strict), that
+    expires (Max-Age), and Secure over HTTPS."""
+    response.set_cookie(
+        name,
+        value,
+        max_age=max_age,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path=path,
+    )
+
+
 def _safe_next(target: str | None) -> str:
     """Where to go after logging in: a path on this console only (never //host or a URL)."""
     if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
@@ -419,22 +520,45 @@ def _safe_next(target: str | None) -> str:
     return target
 
 
+def _ledger_id(text: str) -> int | None:
+    """A ledger id in a path or a form: ASCII digits within bigint (vigil.numbers), else None.
+    int() would take "²" and fail on 5,000 digits, and the ledger on 20 (500s, issue 46)."""
+    try:
+        return whole_number(text, 1, ledger.MAX_BIGINT)
+    except NotParsed:
+        return None
+
+
+def _storable(*texts: str | None) -> bool:
+    """Whether the ledger can hold these texts (PostgreSQL's text holds no NUL): one that it
+    cannot is a value nothing in the ledger has."""
+    return not any(t and "\x00" in t for t in texts)
+
+
+def _shown(text: str) -> str:
+    """What a refusal echoes of a client's id: a bounded prefix."""
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
 def _cursor(t: datetime, *rest: int | str) -> str:
     """A list page's keyset for its "next" link: JSON, the time at full precision (a rounded
-    one would skip the rows between it and the real one), ids of any text."""
-    return json.dumps([t.isoformat(), *rest], separators=(",", ":"))
+    one would skip the rows between it and the real one), ids of any text, every piece a string."""
+    return json.dumps([t.isoformat(), *map(str, rest)], separators=(",", ":"))
 
 
-def _keyset(text: str | None, last: type, parts: int = 2) -> tuple | None:
-    """The keyset a "next" link carries (see _cursor); None (the first page) if malformed."""
+def _keyset(text: str | None, last: Callable[[str], Any], parts: int = 2) -> tuple | None:
+    """The keyset a "next" link carries (see _cursor); None (the first page) if malformed:
+    its pieces are text, as _cursor writes them, none with a NUL."""
     if not text:
         return None
     try:
         pieces = json.loads(text)
-        if not isinstance(pieces, list) or len(pieces) != parts or not all(isinstance(p, str) for p in pieces[:-1]):
+        if not isinstance(pieces, list) or len(pieces) != parts or not all(isinstance(p, str) for p in pieces):
             return None
-        return (datetime.fromisoformat(pieces[0]), *pieces[1:-1], last(pieces[-1]))
-    except (ValueError, TypeError):
+        if not _storable(*pieces) or (key := last(pieces[-1])) is None:
+            return None
+        return (datetime.fromisoformat(pieces[0]), *pieces[1:-1], key)
+    except (ValueError, TypeError, OverflowError):
         return None
 
 
@@ -448,8 +572,9 @@ def create_app(settings: ConsoleSettings) -> Starlette:
         Route("/logout", console.logout, methods=["POST"]),
         Route("/search", console.search),
         Route("/users/{user_id:path}", console.timeline),
-        Route("/events/{event_id:int}", console.event),
-        Route("/runs/{run_id:int}", console.run),
+        # Ids as text, read after authentication (_ledger_id): int() in the route ran before it.
+        Route("/events/{event_id}", console.event),
+        Route("/runs/{run_id}", console.run),
         Route("/deliveries/{delivery_id}", console.delivery, methods=["GET"]),
         Route("/deliveries/{delivery_id}/revive", console.revive, methods=["POST"]),
         Route("/dead", console.dead),

@@ -1,28 +1,41 @@
 """Who may open the console, and what they may do there.
 
-Every page needs an API token from `vigil tokens create`: ``Authorization: Bearer`` for
-scripts, or, for a browser, the login form, which checks the token and keeps it in an
-``HttpOnly; SameSite=Strict`` cookie (no script can read it, no other site's page can send
-it). Actions (retries) are POSTs that carry a CSRF token derived from the session's token:
-a form on another site cannot know it, and the server keeps no session state.
+Every page needs an API token from `vigil tokens create`, one that may use the console
+(:func:`permits`):
 
-What a token may do is decided in one place, :func:`permits`, so that scoped tokens (the
-hardening issue) are checked in one function: the console takes an ``admin`` token.
+- scripts send ``Authorization: Bearer <token>``. A request with an ``Authorization`` header
+  is judged by that header alone: a cookie beside it is ignored, so no header (an empty
+  ``Bearer``, another scheme) can turn a cookie's request into one that skips the CSRF check;
+- a browser logs in once through the form, which makes a server-side session (ledger table
+  ``console_sessions``): the cookie holds a random session id, never the token, and expires
+  (``Max-Age`` and the session's ``expires_at``, ``VIGIL_CONSOLE_SESSION_S``); logout ends the
+  session in the ledger. Each session has a random CSRF value that its forms send back,
+  logout's included; the login form itself is protected by a double-submit value (a cookie
+  set with the form, sent back in it).
+
+What a token may do is decided in one place, :func:`permits`: the console takes an ``admin``
+token for every user.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from dataclasses import dataclass
 from enum import StrEnum
 
 from vigil.ingest.auth import MAX_TOKEN_CHARS, Caller, token_hash
 from vigil.ingest.auth import permits as ingest_permits
+from vigil.ledger.ingest import AuthToken
 from vigil.ledger.states import Scope
 
-COOKIE = "vigil_console"
+COOKIE = "vigil_console"  # the session id
+LOGIN_COOKIE = "vigil_console_login"  # the login form's double-submit CSRF value
 CSRF_FIELD = "csrf"
+SESSION_ID_BYTES = 32
+# A browser's cookie is our own session id (43 characters) or nothing we issued.
+MAX_SESSION_ID_CHARS = 64
 
 
 class Need(StrEnum):
@@ -36,9 +49,10 @@ class Operator:
 
     token_id: str
     name: str
-    csrf: str  # the value this session's forms must send back
+    csrf: str = ""  # the value this session's forms must send back ("": a bearer, no session)
     scopes: frozenset[str] | None = None  # the token's scopes (None: every scope, an old token)
     users: tuple[str, ...] | None = None  # the users it may act for (None: any)
+    session: str | None = None  # the session's id hash (None: a bearer header)
 
     @property
     def actor(self) -> str:
@@ -55,15 +69,20 @@ def permits(operator: Operator, need: Need) -> bool:
     return operator.users is None and ingest_permits(caller, Scope.ADMIN)
 
 
-def presented_token(authorization: str | None, cookie: str | None) -> str | None:
-    """The token a request carries: a bearer header first, else the login cookie."""
-    if authorization:
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()[: MAX_TOKEN_CHARS + 1]
-    if cookie:
-        return cookie[: MAX_TOKEN_CHARS + 1]
-    return None
+def may_log_in(row: AuthToken) -> bool:
+    """Whether a token gets a session at all: one that may open pages."""
+    scopes = None if row.scopes is None else frozenset(row.scopes)
+    users = None if row.users is None else tuple(row.users)
+    return permits(Operator(row.id, row.name, scopes=scopes, users=users), Need.READ)
+
+
+def bearer(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header; None for anything else."""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token[: MAX_TOKEN_CHARS + 1]
 
 
 def digest(token: str) -> str | None:
@@ -71,11 +90,22 @@ def digest(token: str) -> str | None:
     return None if len(token) > MAX_TOKEN_CHARS else token_hash(token)
 
 
-def csrf_for(token: str) -> str:
-    """A CSRF value bound to the session's token: HMAC(token, purpose). Only someone who holds
-    the token can compute it, and the token sits in an HttpOnly cookie."""
-    return hmac.new(token.encode(), b"vigil-console-csrf-v1", hashlib.sha256).hexdigest()
+def new_session_id() -> str:
+    return secrets.token_urlsafe(SESSION_ID_BYTES)
 
 
-def csrf_ok(operator: Operator, sent: object) -> bool:
-    return bool(sent) and hmac.compare_digest(operator.csrf, str(sent))
+def session_hash(cookie: str) -> str | None:
+    """The ledger's key for a session cookie (its sha256); None for what we never issued."""
+    if not cookie or len(cookie) > MAX_SESSION_ID_CHARS:
+        return None
+    return hashlib.sha256(cookie.encode()).hexdigest()
+
+
+def new_csrf() -> str:
+    """A session's (or the login form's) CSRF value: random, nothing an attacker can derive."""
+    return secrets.token_hex(32)
+
+
+def same(expected: str | None, sent: object) -> bool:
+    """A CSRF comparison: both present and equal, in constant time."""
+    return bool(expected) and bool(sent) and hmac.compare_digest(str(expected).encode(), str(sent).encode())

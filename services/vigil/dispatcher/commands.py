@@ -23,7 +23,7 @@ from vigil.dispatcher.operator import (
 from vigil.dispatcher.settings import DispatcherSettings
 from vigil.ledger import db
 from vigil.ledger.states import ChannelType
-from vigil.service import load_or_exit, require_schema
+from vigil.service import load_or_exit, require_schema, require_secret_keys
 
 
 class Limit(click.ParamType):
@@ -66,6 +66,7 @@ def dispatcher_command() -> None:
     """Run the dispatcher: relay the outbox to each user's channel, paced per user."""
     settings = _settings()
     require_schema(settings)
+    require_secret_keys(settings)
     sys.exit(serve(settings))
 
 

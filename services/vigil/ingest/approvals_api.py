@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 import psycopg
@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vigil.ingest.events_api import refuse_validation
+from vigil.ingest.metrics import UNKNOWN_KEYS
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, read_json, received_at, unavailable
 from vigil.ingest.settings import IngestSettings
@@ -46,11 +47,15 @@ from vigil.ledger import approvals
 from vigil.ledger.approvals import Standing
 from vigil.ledger.db import Pool, PoolTimeout
 from vigil.ledger.states import ApprovalAnswer
+from vigil.ttl_cache import MissGuard
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_TOKEN_CHARS = 512
+# Under a flood of made-up ids, requests due longer ago than this are answered 404 from the
+# miss guard's set: a retry of an answer comes within minutes of it, not a day later.
+ANSWERABLE_AFTER_DUE = timedelta(days=1)
 
 
 class AnswerIn(BaseModel):
@@ -85,6 +90,13 @@ class ApprovalsApi:
         self.pool = pool
         self.publisher = publisher
         self.before_answer = before_answer
+        # The route needs no API token: a made-up id was a query each (issue 46). As ingest's
+        # tokens: past a budget a second, ids are checked against the set of answerable ones.
+        self.misses = MissGuard(UNKNOWN_KEYS, "approval", lambda: asyncio.to_thread(self._answerable))
+
+    def _answerable(self) -> frozenset[str]:
+        with self.pool.connection() as conn:
+            return approvals.answerable_ids(conn, datetime.now(UTC) - ANSWERABLE_AFTER_DUE)
 
     def _answer(self, request_id: str, given: ApprovalAnswer, token: str, arrived: datetime) -> Standing | None:
         """Step 2, one transaction. None: no such request. Raises a 403 Refusal on a bad token."""
@@ -112,12 +124,14 @@ class ApprovalsApi:
             await self.before_answer(request)
         given = ApprovalAnswer(body.answer)
         try:
-            standing = await asyncio.to_thread(self._answer, request_id, given, body.token, arrived)
+            known = await self.misses.worth_looking_up(request_id)
+            standing = await asyncio.to_thread(self._answer, request_id, given, body.token, arrived) if known else None
         except PoolTimeout:
             raise unavailable("ledger_unavailable", "no ledger connection available in time") from None
         except psycopg.OperationalError:
             raise unavailable("ledger_unavailable", "the ledger did not answer") from None
         if standing is None:
+            self.misses.missed(known)
             # Nothing to wake and nothing stored; the body still says what stands. The token
             # cannot be checked without the request's user, so this answer does not depend on
             # it: it only tells that an unguessable id (the worker's uuid) was never issued.

@@ -2,6 +2,7 @@
 
 A token is shown once by ``vigil tokens create`` and stored as its sha256 only; ingest
 hashes what a caller presents and looks the hash up. Unknown token: 401. Revoked: 403.
+Past its ``expires_at`` (``vigil tokens create --expires``): 401 ``token_expired``.
 Lookups are cached for ``VIGIL_INGEST_AUTH_CACHE_S`` seconds (see :mod:`vigil.ttl_cache`),
 which is therefore the longest a revoked token keeps working. Tokens are never logged.
 
@@ -20,18 +21,20 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import UTC
 
 import psycopg
 from psycopg.rows import DictRow
 from starlette.requests import Request
 
-from vigil.ingest.cache import MissGuard
+from vigil.clock import Clock, SystemClock, utc
+from vigil.ingest.metrics import UNKNOWN_KEYS
 from vigil.ingest.requests import Refusal, unavailable
 from vigil.ledger import ingest as store
 from vigil.ledger.db import AsyncPool, PoolTimeout
 from vigil.ledger.ingest import AuthToken
 from vigil.ledger.states import Scope
-from vigil.ttl_cache import TtlCache
+from vigil.ttl_cache import MissGuard, TtlCache
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +105,14 @@ def authorize(caller: Caller, scope: Scope | str, user_id: str | None = None, fi
     raise Refusal(403, "forbidden", f"{field}: token {caller.token_id} may not act for this user", field=field)
 
 
-def _unauthorized(detail: str) -> Refusal:
-    return Refusal(401, "unauthorized", detail, headers={"WWW-Authenticate": 'Bearer realm="vigil"'})
+def _unauthorized(detail: str, code: str = "unauthorized") -> Refusal:
+    return Refusal(401, code, detail, headers={"WWW-Authenticate": 'Bearer realm="vigil"'})
+
+
+def expired(row: AuthToken) -> Refusal:
+    """The refusal of a token past its expiry (ingest's and the console's)."""
+    when = row.expires_at.astimezone(UTC).isoformat(timespec="seconds") if row.expires_at else "?"
+    return _unauthorized(f"token {row.id} expired at {when}", "token_expired")
 
 
 class RateLimit:
@@ -132,10 +141,13 @@ class RateLimit:
 class TokenAuth:
     """``await auth(request)`` returns the :class:`Caller` or raises a 401/403/429 refusal."""
 
-    def __init__(self, pool: AsyncPool, cache_seconds: float, rate: float = 0.0, burst: int = 1):
+    def __init__(
+        self, pool: AsyncPool, cache_seconds: float, rate: float = 0.0, burst: int = 1, clock: Clock | None = None
+    ):
         self.pool = pool
+        self.clock = clock or SystemClock()
         self.cache: TtlCache[AuthToken] = TtlCache(cache_seconds)
-        self.misses = MissGuard("token", self._all_hashes)
+        self.misses = MissGuard(UNKNOWN_KEYS, "token", self._all_hashes)
         self.limit = RateLimit(rate, burst)
 
     async def _all_hashes(self) -> frozenset[str]:
@@ -166,6 +178,8 @@ class TokenAuth:
             raise _unauthorized("unknown token")
         if row.revoked_at is not None:
             raise Refusal(403, "token_revoked", f"token {row.id} was revoked")
+        if row.expired(utc(self.clock.now())):
+            raise expired(row)
         wait = self.limit.take(row.id)
         if wait > 0:
             raise Refusal(

@@ -9,9 +9,11 @@ the `audit` table in the same transaction, without the secret.
 from __future__ import annotations
 
 import base64
+import re
 import secrets
 import sys
 from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
 
 import click
 
@@ -24,7 +26,8 @@ from vigil.ingest.signatures import valid_standard_secret
 from vigil.ledger import audit
 from vigil.ledger import ingest as ledger
 from vigil.ledger.states import HookProvider, Scope
-from vigil.service import load_or_exit, require_schema
+from vigil.numbers import NotParsed, instant
+from vigil.service import load_or_exit, require_schema, require_secret_keys
 
 ID_BYTES = 9  # 12 url-safe characters: unguessable enough for ids that are not secrets
 
@@ -47,6 +50,7 @@ def ingest_command() -> None:
     """Run the ingest HTTP service (API, webhooks, approvals, /healthz /readyz /metrics)."""
     settings = load_or_exit(IngestSettings)
     require_schema(settings)
+    require_secret_keys(settings)
     serve(settings)
 
 
@@ -70,6 +74,25 @@ def _check_users(users: list[str] | None) -> None:
             raise click.BadParameter(f"{entry!r}: a user id, or a prefix ending in *", param_hint="--users")
 
 
+# `--expires 30d`: a whole number of seconds, minutes, hours, days or weeks from now.
+_LIFETIME = re.compile(r"([0-9]{1,6})([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def _expiry(text: str | None, now: datetime) -> datetime | None:
+    """``--expires``: a lifetime (``30d``, ``12h``) or an RFC 3339 instant, in the future."""
+    if text is None:
+        return None
+    lifetime = _LIFETIME.fullmatch(text.strip())
+    try:
+        when = now + timedelta(seconds=int(lifetime[1]) * _UNIT_S[lifetime[2]]) if lifetime else instant(text.strip())
+    except NotParsed as exc:
+        raise click.BadParameter(f"a lifetime such as 30d or 12h, or {exc}", param_hint="--expires") from None
+    if when <= now:
+        raise click.BadParameter(f"{when.isoformat()} is not in the future", param_hint="--expires")
+    return when
+
+
 @tokens.command("create")
 @click.argument("name")
 @click.option(
@@ -85,9 +108,16 @@ def _check_users(users: list[str] | None) -> None:
     multiple=True,
     help="Users the token may act for: ids, or prefixes ending in * (repeat or comma-separate). Default: any user.",
 )
+@click.option(
+    "--expires",
+    help="When the token stops working: a lifetime (30d, 12h, 2w) or an RFC 3339 instant. Default: never.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the token as one JSON object.")
-def token_create(name: str, scopes: tuple[str, ...], users: tuple[str, ...], as_json: bool) -> None:
+def token_create(
+    name: str, scopes: tuple[str, ...], users: tuple[str, ...], expires: str | None, as_json: bool
+) -> None:
     """Create a token called NAME; it is printed once and stored hashed."""
+    expires_at = _expiry(expires, datetime.now(UTC))
     scope_list = _split(scopes)
     known = {scope.value for scope in Scope}
     for scope in scope_list or ():
@@ -98,9 +128,16 @@ def token_create(name: str, scopes: tuple[str, ...], users: tuple[str, ...], as_
     token = new_token()
     with _ledger() as conn:
         row = ledger.create_token(
-            conn, token_id=_new_id("tok_"), name=name, digest=token_hash(token), scopes=scope_list, users=user_list
+            conn,
+            token_id=_new_id("tok_"),
+            name=name,
+            digest=token_hash(token),
+            scopes=scope_list,
+            users=user_list,
+            expires_at=expires_at,
         )
-        _audit(conn, "token.create", {"id": row.id, "name": name, "scopes": scope_list, "users": user_list})
+        detail = {"id": row.id, "name": name, "scopes": scope_list, "users": user_list}
+        _audit(conn, "token.create", {**detail, "expires_at": expires_at and expires_at.isoformat()})
     emit(
         {**asdict(row), "token": token},
         as_json,
@@ -118,10 +155,12 @@ def token_list(as_json: bool) -> None:
         state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
         scope = ",".join(row.scopes) if row.scopes is not None else "all"
         users = ",".join(row.users) if row.users is not None else "any"
+        expires = f"  expires {row.expires_at:%Y-%m-%d %H:%M}" if row.expires_at else ""
         emit(
             asdict(row),
             as_json,
-            f"{row.id}  {row.name:<24} created {row.created_at:%Y-%m-%d %H:%M}  {state}  scope={scope} users={users}",
+            f"{row.id}  {row.name:<24} created {row.created_at:%Y-%m-%d %H:%M}  {state}  scope={scope} users={users}"
+            + expires,
         )
 
 

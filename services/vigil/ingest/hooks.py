@@ -23,8 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from vigil.envelope import Event
 from vigil.ingest.auth import ledger
-from vigil.ingest.cache import MissGuard
-from vigil.ingest.metrics import SIGNATURE_FAILURES
+from vigil.ingest.metrics import SIGNATURE_FAILURES, UNKNOWN_KEYS
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, header_text, invalid, parse_json, read_body, received_at, require_json
 from vigil.ingest.settings import IngestSettings
@@ -34,7 +33,7 @@ from vigil.ledger.db import AsyncPool
 from vigil.ledger.ingest import Hook
 from vigil.ledger.states import HookProvider
 from vigil.numbers import NotParsed, unix_seconds
-from vigil.ttl_cache import TtlCache
+from vigil.ttl_cache import MissGuard, TtlCache
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ class HookReceiver:
         self.pool = pool
         self.publisher = publisher
         self.cache: TtlCache[Hook] = TtlCache(settings.ingest_auth_cache_s)
-        self.misses = MissGuard("hook", self._all_ids)
+        self.misses = MissGuard(UNKNOWN_KEYS, "hook", self._all_ids)
 
     async def _all_ids(self) -> frozenset[str]:
         async with ledger(self.pool) as conn:

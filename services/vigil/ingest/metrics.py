@@ -6,6 +6,7 @@ status code, a provider, an endpoint family. Never a user id, a token or a hook 
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime
 
@@ -48,14 +49,22 @@ PRODUCE_SECONDS = Histogram(
 
 UNKNOWN_KEYS = Counter(
     "vigil_ingest_unknown_keys_total",
-    "Requests with an unknown API token or hook id, by kind (token, hook) and whether the ledger was asked "
-    "(looked_up false: answered from the set of existing keys during a flood).",
+    "Requests with an unknown API token, hook id or approval id, by kind (token, hook, approval) and whether "
+    "the ledger was asked (looked_up false: answered from the set of existing keys during a flood).",
     ["kind", "looked_up"],
 )
 
+_CONVERTOR = re.compile(r"\{(\w+):\w+\}")
 UNMATCHED = "unmatched"  # no route: one label value for every unknown path
 # Clients may send any method token; anything else is one label value, keeping it bounded.
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def route_template(scope) -> str:
+    """The matched route's OpenAPI template (``/v1/users/{user_id}/messages``: the path
+    convertors' names left out), or ``unmatched``."""
+    path = getattr(scope.get("route"), "path", None)
+    return _CONVERTOR.sub(r"{\1}", path) if path else UNMATCHED
 
 
 def trace_id(scope) -> str | None:
@@ -91,7 +100,7 @@ class RequestMetrics:
                 status[0] = message["status"]
                 if tracing.enabled:
                     # Now, not at the end: the server span ends with the response's last byte.
-                    route = getattr(scope.get("route"), "path", None) or UNMATCHED
+                    route = route_template(scope)
                     tracing.name_server_span(scope["method"] if scope["method"] in METHODS else "HTTP", route)
             await send(message)
 
@@ -102,8 +111,7 @@ class RequestMetrics:
             with logs.context(trace_id=(tracing.enabled and tracing.current_trace_id()) or trace_id(scope)):
                 await self.app(scope, receive, counting_send)
         finally:
-            route = scope.get("route")
-            template = getattr(route, "path", None) or UNMATCHED
+            template = route_template(scope)
             method = scope["method"] if scope["method"] in METHODS else "OTHER"
             REQUESTS.labels(template, method, str(status[0])).inc()
             REQUEST_SECONDS.labels(template).observe(time.perf_counter() - started)

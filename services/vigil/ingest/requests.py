@@ -314,5 +314,7 @@ class TargetCheck:
             except Refusal as refusal:
                 await refusal.response()(scope, receive, send)
                 return
-            scope = {**scope, "path": path}
+            # In place, not a copy: the router records the matched route in this scope, and
+            # the metrics and the server span (outer middleware) read it from there.
+            scope["path"] = path
         await self.app(scope, receive, send)

@@ -7,6 +7,8 @@ Anyone else gets a 403 and learns nothing more.
 - ``GET /v1/users/{user_id}/tasks``: the user's tasks, newest first (``?status=``,
   ``?limit=`` up to 200, ``?before=<created_at>`` for the next page).
 - ``GET /v1/tasks/{task_id}``: one task, every column (the result once it has one).
+  ``?wait=S`` (0 to 60): a long-poll, answered as soon as the task is terminal, else after S
+  seconds with the task as it is (the row read again every ``WAIT_POLL_S``).
 - ``POST /v1/tasks/{task_id}/cancel``: cancel it. A queued task is cancelled at once (200);
   a running one is flagged and stopped by its worker at its next heartbeat (202); a
   terminal one is left as it is (409, with its status). Audited with the token's name.
@@ -14,7 +16,9 @@ Anyone else gets a 403 and learns nothing more.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from typing import Any
 
 from starlette.requests import Request
@@ -31,6 +35,8 @@ TASK_ID = re.compile(r"^tsk_[0-9a-f]{20}$")
 MAX_USER_ID_LENGTH = 200
 DEFAULT_PAGE = 50
 MAX_PAGE = 200
+MAX_WAIT_S = 60
+WAIT_POLL_S = 0.5
 COLLECTION = "/v1/users/{user_id}/tasks"
 ITEM = "/v1/tasks/{task_id}"
 CANCEL = "/v1/tasks/{task_id}/cancel"
@@ -90,6 +96,15 @@ def routes(ctx: Any) -> list[Route]:
 
     async def get_task(request: Request) -> Response:
         _, task = await owned(request)
+        try:
+            wait_s = whole_number(request.query_params.get("wait", "0"), 0, MAX_WAIT_S)
+        except NotParsed as exc:
+            raise ctx.invalid("wait", str(exc)) from None
+        until = time.monotonic() + wait_s
+        while task.finished_at is None and time.monotonic() < until:
+            await asyncio.sleep(min(WAIT_POLL_S, max(until - time.monotonic(), 0.0)))
+            async with ctx.ledger() as conn:  # held for one read, never across the wait
+                task = await ledger.get(conn, task.id) or task
         return JSONResponse(task.as_json())
 
     async def cancel_task(request: Request) -> Response:
@@ -144,9 +159,13 @@ def openapi_paths() -> dict[str, Any]:
             "get": {
                 "summary": "One background task",
                 "security": secured,
-                "parameters": [task],
+                "parameters": [
+                    task,
+                    {"name": "wait", "in": "query", "schema": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_S}},
+                ],
                 "responses": {
-                    "200": {"description": "the task"},
+                    "200": {"description": "the task (with wait: once terminal, or after wait seconds)"},
+                    "400": {"description": "bad wait"},
                     "403": denied,
                     "404": {"description": "no such task"},
                 },

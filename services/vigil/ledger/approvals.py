@@ -76,6 +76,11 @@ def standing(conn: psycopg.Connection[DictRow], request_id: str) -> Standing:
     return _standing(conn, request_id)
 
 
+def answerable_ids(conn: psycopg.Connection[DictRow], since: datetime) -> frozenset[str]:
+    """The request ids an answer may name: open ones, and those due after ``since``."""
+    return frozenset(row["request_id"] for row in conn.execute(Q.approval_ids_answerable, {"since": since}))
+
+
 def answer(
     conn: psycopg.Connection[DictRow], request_id: str, given: ApprovalAnswer, received_at: datetime
 ) -> Standing:

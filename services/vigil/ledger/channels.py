@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import DictRow
 
+from vigil.ledger import sealing
 from vigil.ledger.queries import Q
 
 
@@ -30,7 +31,12 @@ class ChannelRow:
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> ChannelRow:
-        return cls(**{f.name: row[f.name] for f in fields(cls)})
+        """The row with its secret opened (sealed in the ledger, :mod:`vigil.ledger.sealing`)."""
+        return cls(**{f.name: row[f.name] for f in fields(cls)} | {"secret": _open(row)})
+
+
+def _open(row: dict[str, Any]) -> str | None:
+    return None if row["secret"] is None else sealing.keys().open(row["secret"], row["sealed_with"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +67,7 @@ def lock(conn: psycopg.Connection[DictRow], user_id: str) -> LockedChannel | Non
     """A user's channel, locked until commit: two operators editing one channel must not both
     rotate its secret. None: no channel yet (nothing to lock; the insert's key decides)."""
     row = conn.execute(Q.channel_get_for_update, {"user_id": user_id}).fetchone()
-    return None if row is None else LockedChannel(row["type"], row["url"], row["secret"])
+    return None if row is None else LockedChannel(row["type"], row["url"], _open(row))
 
 
 def set_channel(
@@ -76,14 +82,17 @@ def set_channel(
     keep_gap: bool,
     keep_cap: bool,
 ) -> ChannelRow:
-    """Create or replace a user's channel; ``keep_gap`` / ``keep_cap`` keep the stored limits."""
+    """Create or replace a user's channel (its secret sealed with the current key);
+    ``keep_gap`` / ``keep_cap`` keep the stored limits."""
+    stored, sealed_with = sealing.keys().seal(secret) if secret is not None else (None, None)
     row = conn.execute(
         Q.channel_set,
         {
             "user_id": user_id,
             "type": type_,
             "url": url,
-            "secret": secret,
+            "secret": stored,
+            "sealed_with": sealed_with,
             "gap_seconds": gap_seconds,
             "urgent_daily_cap": urgent_daily_cap,
             "keep_gap": keep_gap,

@@ -19,10 +19,12 @@ from psycopg.rows import DictRow
 
 from vigil.ledger import db
 from vigil.ledger.queries import Q
+from vigil.numbers import whole_number
 
 # The overview's counts stop here: a backlog this size is an incident whatever its exact
 # size, and counting millions of rows would make the page an incident of its own.
 COUNT_CAP = 100_000
+MAX_BIGINT = 2**63 - 1  # every ledger id is a bigint: a larger number names nothing
 # A page that waits longer than this on the ledger is failing; say so rather than hang.
 CONSOLE_STATEMENT_TIMEOUT_MS = 5_000
 # The far end of every keyset: "before" the end of time, "after" its beginning.
@@ -281,7 +283,8 @@ class Cursor:
             return None
         try:
             t, k, i = text.split("~")
-            return cls(datetime.fromisoformat(t), int(k), int(i))
+            # ASCII digits within bigint (a larger id was a 500 from the ledger, issue 46).
+            return cls(datetime.fromisoformat(t), whole_number(k, 0, MAX_BIGINT), whole_number(i, 0, MAX_BIGINT))
         except ValueError:
             return None
 

@@ -4,8 +4,9 @@ Ingest reads them on its hot path (:func:`token_by_hash`, :func:`hook_for_delive
 cached by ingest; :func:`token_hashes` and :func:`hook_ids` feed its negative caches);
 ``vigil tokens`` and ``vigil hooks`` write them. A revocation sets a timestamp once and never
 clears it, so each write checks "still active" and returns None when it found nothing to do.
-Only a token's sha256 is stored; hook secrets are stored in clear (an HMAC cannot be checked
-against a hash) and leave this module only in :class:`Hook`, the delivery check's view.
+Only a token's sha256 is stored; hook secrets cannot be hashed (an HMAC is checked with the
+secret itself), so they are sealed with ``VIGIL_SECRET_KEY`` (:mod:`vigil.ledger.sealing`) and
+leave this module, opened, only in :class:`Hook`, the delivery check's view.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.rows import DictRow
 
+from vigil.ledger import sealing
 from vigil.ledger.queries import Q
 
 T = TypeVar("T")
@@ -40,6 +42,10 @@ class AuthToken:
     revoked_at: datetime | None
     scopes: list[str] | None
     users: list[str] | None
+    expires_at: datetime | None = None  # refused from then on; None: never
+
+    def expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,7 @@ class Token:
     revoked_at: datetime | None
     scopes: list[str] | None
     users: list[str] | None
+    expires_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,7 @@ class NewToken:
     created_at: datetime
     scopes: list[str] | None
     users: list[str] | None
+    expires_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,11 @@ async def token_hashes(conn: psycopg.AsyncConnection[DictRow]) -> frozenset[str]
     return frozenset(row["token_hash"] for row in await cursor.fetchall())
 
 
+def all_token_hashes(conn: psycopg.Connection[DictRow]) -> frozenset[str]:
+    """:func:`token_hashes` on a sync connection (the console's negative cache)."""
+    return frozenset(row["token_hash"] for row in conn.execute(Q.token_hashes).fetchall())
+
+
 def create_token(
     conn: psycopg.Connection[DictRow],
     *,
@@ -95,9 +108,18 @@ def create_token(
     digest: str,
     scopes: list[str] | None,
     users: list[str] | None,
+    expires_at: datetime | None = None,
 ) -> NewToken:
     row = conn.execute(
-        Q.token_create, {"id": token_id, "name": name, "token_hash": digest, "scopes": scopes, "users": users}
+        Q.token_create,
+        {
+            "id": token_id,
+            "name": name,
+            "token_hash": digest,
+            "scopes": scopes,
+            "users": users,
+            "expires_at": expires_at,
+        },
     ).fetchone()
     return _row(NewToken, row)  # type: ignore[return-value]
 
@@ -168,9 +190,18 @@ class Secret:
     revoked_at: datetime | None = None
 
 
+def _hook(row: dict[str, Any] | None) -> Hook | None:
+    if row is None:
+        return None
+    keys = sealing.keys()
+    pairs = zip(row["secrets"], row["sealed_with"], strict=True)
+    opened = [keys.open(secret, sealed_with) for secret, sealed_with in pairs]
+    return Hook(row["id"], row["provider"], row["user_id"], row["disabled_at"], opened)
+
+
 async def hook_for_delivery(conn: psycopg.AsyncConnection[DictRow], hook_id: str) -> Hook | None:
     cursor = await conn.execute(Q.hook_for_delivery, {"hook_id": hook_id})
-    return _row(Hook, await cursor.fetchone())
+    return _hook(await cursor.fetchone())
 
 
 async def hook_ids(conn: psycopg.AsyncConnection[DictRow]) -> frozenset[str]:
@@ -181,7 +212,7 @@ async def hook_ids(conn: psycopg.AsyncConnection[DictRow]) -> frozenset[str]:
 
 def hook(conn: psycopg.Connection[DictRow], hook_id: str) -> Hook | None:
     """:func:`hook_for_delivery` for the CLI."""
-    return _row(Hook, conn.execute(Q.hook_for_delivery, {"hook_id": hook_id}).fetchone())
+    return _hook(conn.execute(Q.hook_for_delivery, {"hook_id": hook_id}).fetchone())
 
 
 def create_hook(conn: psycopg.Connection[DictRow], *, hook_id: str, provider: str, user_id: str) -> NewHook:
@@ -195,8 +226,9 @@ def hooks(conn: psycopg.Connection[DictRow]) -> list[ListedHook]:
 
 
 def add_secret(conn: psycopg.Connection[DictRow], *, hook_id: str, secret: str) -> Secret | None:
-    """Add a signing secret; None: no such hook, or it is disabled."""
-    row = conn.execute(Q.hook_secret_add, {"hook_id": hook_id, "secret": secret}).fetchone()
+    """Add a signing secret, sealed with the current key; None: no such hook, or it is disabled."""
+    stored, sealed_with = sealing.keys().seal(secret)
+    row = conn.execute(Q.hook_secret_add, {"hook_id": hook_id, "secret": stored, "sealed_with": sealed_with}).fetchone()
     return None if row is None else Secret(row["id"], row["hook_id"], created_at=row["created_at"])
 
 

@@ -24,6 +24,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import DictRow
 
+from vigil.ledger import sealing
 from vigil.ledger.queries import Q
 
 T = TypeVar("T")
@@ -169,9 +170,15 @@ def lock_due_users(
             "gaps": gaps or [],
         },
     ).fetchall()
-    locked = [r for r in rows if r["wake_at"] is None and r["user_id"] is not None]
+    locked = [_opened(r) for r in rows if r["wake_at"] is None and r["user_id"] is not None]
     waits = [(r["user_id"], r["wake_at"]) for r in rows if r["wake_at"] is not None]
     return DueUsers(_rows(DueUser, locked), rows[0]["cursor"], rows[0]["high"] or 0, waits, rows[0]["missing"] or [])
+
+
+def _opened(row: dict[str, Any]) -> dict[str, Any]:
+    if row["secret"] is None:
+        return row
+    return {**row, "secret": sealing.keys().open(row["secret"], row["sealed_with"])}
 
 
 def unfinished_for_users(conn: psycopg.Connection[DictRow], users: list[str], max_messages: int) -> list[UnfinishedRow]:

@@ -58,6 +58,9 @@ class TaskRow:
     input_tokens: int
     output_tokens: int
     reported_at: datetime | None
+    last_tool: str | None
+    note: str | None
+    progress_at: datetime | None
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> TaskRow:
@@ -128,9 +131,27 @@ async def claim(conn: psycopg.AsyncConnection[DictRow], holder: str, limit: int)
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
-async def heartbeat(conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_epoch: int) -> bool | None:
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What a running task has done so far, flushed with each heartbeat."""
+
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    last_tool: str | None = None
+    note: str | None = None
+
+
+async def heartbeat(
+    conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_epoch: int, progress: Progress = Progress()
+) -> bool | None:
     """None: the lease is gone (stop, write nothing). True: cancel requested. False: carry on."""
-    cur = await conn.execute(Q.task_heartbeat, {"id": task_id, "lease_epoch": lease_epoch})
+    params = {
+        "id": task_id,
+        "lease_epoch": lease_epoch,
+        **{f.name: getattr(progress, f.name) for f in fields(progress)},
+    }
+    cur = await conn.execute(Q.task_heartbeat, params)
     row = await cur.fetchone()
     return None if row is None else bool(row["cancel"])
 

@@ -143,6 +143,10 @@ TASKS_REAPED = Counter(
 TASK_LEASES_LOST = Counter(
     "vigil_task_leases_lost_total", "Executions stopped because their lease was gone (reaped or timed out)."
 )
+TASK_SELF_FENCED = Counter(
+    "vigil_task_self_fenced_total",
+    "Executions their holder stopped because no heartbeat got through for half of VIGIL_TASK_STALE_S.",
+)
 TASK_LATE_OUTCOMES = Counter(
     "vigil_task_late_outcomes_total", "Task outcomes refused because another terminal outcome stood first."
 )

@@ -289,5 +289,6 @@ class Runs:
                 timeout_s=self.settings.task_timeout_s,
                 max_attempts=self.settings.task_max_attempts,
                 owner_chain=(c.user_id, run_key),
+                max_tasks_per_run=self.settings.max_tasks_per_run,
             ),
         )

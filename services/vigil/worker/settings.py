@@ -195,6 +195,12 @@ class WorkerSettings(CommonSettings):
     task_token_budget: int = Field(
         50_000, ge=1, le=10_000_000, description="Most input+output tokens one delegated sub-agent may use."
     )
+    max_tasks_per_run: int = Field(
+        8,
+        ge=0,
+        le=1000,
+        description="Background tasks one run may start; a delegation past it is an error result the model reads.",
+    )
     max_delegation_depth: int = Field(
         2, ge=0, le=10, description="How deep sub-agents may delegate: 1 lets runs delegate, 2 lets their tasks too."
     )
@@ -217,6 +223,13 @@ class WorkerSettings(CommonSettings):
             # One late heartbeat (a GC pause, a slow commit) must not take a live task back.
             raise ValueError("VIGIL_TASK_STALE_S must be at least twice VIGIL_TASK_HEARTBEAT_S")
         return self
+
+    @property
+    def task_fence_s(self) -> float:
+        """A holder none of whose heartbeats got through for this long stops executing: half of
+        VIGIL_TASK_STALE_S, so it has stopped well before the reaper may take the task back
+        (docs/tasks.md, "What is at most once")."""
+        return self.task_stale_s / 2
 
     @property
     def batch_window_s(self) -> float:

@@ -80,6 +80,18 @@ def tasks_show(task_id: str, as_json: bool) -> None:
         return
     for key, value in row.as_json().items():
         click.echo(f"{key:20} {value}")
+    if row.progress_at is not None:
+        click.echo(f"{'progress':20} {progress(row)}")
+
+
+def progress(row: ledger.TaskRow) -> str:
+    """A task's progress in one line: turns, tokens, last tool, note, when flushed."""
+    turns = f"{row.turns} turn{'s' if row.turns != 1 else ''}"
+    parts = [turns, f"{row.input_tokens + row.output_tokens} tokens", f"last tool {row.last_tool or '-'}"]
+    if row.note:
+        parts.append(f"note {row.note!r}")
+    when = row.progress_at.isoformat() if row.progress_at else "-"
+    return ", ".join(parts) + f" (as of {when})"
 
 
 @tasks.command("cancel")

@@ -12,14 +12,17 @@ Executing one task, in order:
    proves this worker alive. A heartbeat that matches nothing means the lease is gone (the
    reaper took the task back, or it timed out): the execution is cancelled and nothing of
    it is written. A heartbeat that sees a cancel request stops the execution and records
-   ``cancelled`` with the usage spent so far.
+   ``cancelled`` with the usage spent so far. A holder none of whose heartbeats got through
+   for ``VIGIL_TASK_STALE_S / 2`` stops the execution itself and writes nothing: it has
+   stopped before the reaper may hand the task to anyone else.
 3. The outcome (``succeeded``, ``failed``, ``timed_out`` at the task's deadline) is written
    by :func:`vigil.ledger.tasks.finish`, a compare-and-set on the lease epoch: if another
    terminal outcome got there first (a timeout, a cancel, a reaper), this one is dropped.
 
 A crash anywhere leaves the task ``running`` with a heartbeat that stops growing; the reaper
 (every worker runs one) takes it back after ``VIGIL_TASK_STALE_S`` and the next claim fences
-this holder out for good. So no task runs twice at once, none is silently re-created, and a
+this holder out for good. A holder alive but cut off from the ledger has stopped itself by
+then (step 2). So no two holders act at once, none is silently re-created, and a
 task whose holders keep dying ends ``lost``, with the reason, after ``VIGIL_TASK_MAX_ATTEMPTS``.
 
 Reporting: a terminal task becomes one event for its user, source ``task``, source id the
@@ -39,7 +42,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from vigil.agent.base import Agent, Delegation, TaskContext
+from vigil.agent.base import Agent, Delegation, TaskContext, TaskUsage
 from vigil.agent.journal import Journal
 from vigil.bus.kafka import EventProducer
 from vigil.envelope import Event
@@ -47,6 +50,7 @@ from vigil.ledger import journal as ledger_journal
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import TaskStatus
+from vigil.retry import backoff
 from vigil.worker import metrics
 from vigil.worker.journal import RunWriter
 from vigil.worker.settings import WorkerSettings
@@ -57,10 +61,14 @@ TASK_SOURCE = "task"
 # How often the claim, reaper and reporter look when nobody woke them.
 POLL_S = 1.0
 REPORT_BATCH = 100
-# A ledger error in a loop is retried after this long.
-RETRY_S = 1.0
+# A holder's outcome refused by a ledger error is written again after backoff(attempt, these).
+WRITE_RETRY_BASE_S = 0.2
+WRITE_RETRY_CAP_S = 5.0
 # What _supervise returns for an execution this worker stopped because it is shutting down.
 RELEASE = object()
+# What _supervise returns for an execution its holder stopped because the ledger did not take
+# its heartbeats for VIGIL_TASK_STALE_S / 2 (settings.task_fence_s).
+FENCED = object()
 
 
 def result_event(task: ledger.TaskRow) -> Event:
@@ -90,6 +98,7 @@ def result_event(task: ledger.TaskRow) -> Event:
 class Holding:
     task: ledger.TaskRow
     ctx: TaskContext
+    leased_at: float  # time.monotonic() before the claim was sent: the lease is at least this fresh
     execution: asyncio.Task | None = None
 
 
@@ -120,6 +129,7 @@ class TaskExecutor:
         while not self._stopping:
             free = self.settings.task_concurrency - len(self.holding)
             if free > 0:
+                sent = time.monotonic()
                 try:
                     async with self.pool.connection() as conn:
                         claimed = await ledger.claim(conn, self.settings.instance_id, free)
@@ -127,12 +137,12 @@ class TaskExecutor:
                     log.warning("task claim failed, retrying: %s", exc)
                     claimed = []
                 for task in claimed:
-                    self._start(task)
+                    self._start(task, sent)
                 if len(claimed) == free:
                     continue  # there may be more
             await asyncio.sleep(POLL_S)
 
-    def _start(self, task: ledger.TaskRow) -> None:
+    def _start(self, task: ledger.TaskRow, leased_at: float) -> None:
         deadline_s = (task.deadline - datetime.now(UTC)).total_seconds()
         ctx = TaskContext(
             task_id=task.id,
@@ -151,7 +161,7 @@ class TaskExecutor:
             ),
             attempt=task.attempts,
         )
-        holding = Holding(task, ctx)
+        holding = Holding(task, ctx, leased_at)
         self.holding[task.id] = holding
         metrics.TASKS_IN_FLIGHT.set(len(self.holding))
         asyncio.create_task(self._hold(holding), name=f"task-{task.id}")
@@ -169,7 +179,7 @@ class TaskExecutor:
             await self._release(task)
             return
         holding.execution = asyncio.create_task(self.agent.run_task(ctx), name=f"task-run-{task.id}")
-        outcome: ledger.Outcome | None = None
+        outcome: ledger.Outcome | object | None = None
         try:
             outcome = await self._supervise(holding)
         finally:
@@ -181,6 +191,17 @@ class TaskExecutor:
         if outcome is RELEASE:
             await self._release(task)
             return
+        if outcome is FENCED:
+            metrics.TASK_SELF_FENCED.inc()
+            log.warning(
+                "task %s: no heartbeat got through for %.1f s; stopped executing, nothing written "
+                "(the reaper may take it back after %.1f s)",
+                task.id,
+                self.settings.task_fence_s,
+                self.settings.task_stale_s,
+                extra={"event": "task_self_fenced"},
+            )
+            return
         if outcome is None:
             metrics.TASK_LEASES_LOST.inc()
             log.warning(
@@ -189,7 +210,10 @@ class TaskExecutor:
                 task.lease_epoch,
             )
             return
+        assert isinstance(outcome, ledger.Outcome)
         stands = await self._write(task, outcome)
+        if stands is None:
+            return
         if stands:
             metrics.TASKS.labels(str(outcome.status)).inc()
             metrics.TASK_SECONDS.observe(time.monotonic() - started)
@@ -219,30 +243,54 @@ class TaskExecutor:
             log.info("task %s: replaying its journal (%d steps)", task.id, len(steps))
         return True
 
-    async def _supervise(self, holding: Holding) -> ledger.Outcome | None:
-        """Heartbeats until the execution ends. Returns the outcome, or None if the lease is gone."""
+    async def _supervise(self, holding: Holding) -> ledger.Outcome | object | None:
+        """Heartbeats until the execution ends. Returns the outcome; None if the lease is gone;
+        FENCED if no heartbeat got through for ``task_fence_s`` (the holder must stop before the
+        reaper, which waits ``task_stale_s`` from the last heartbeat the ledger took, may hand the
+        task to another worker). A heartbeat runs beside the execution, never awaited past the
+        fence: a ledger that stops answering cannot hold this loop."""
         task, ctx, execution = holding.task, holding.ctx, holding.execution
         assert execution is not None
-        while True:
-            remaining = ctx.deadline - time.monotonic()
-            wait = min(self.settings.task_heartbeat_s, max(remaining, 0.0))
-            done, _ = await asyncio.wait({execution}, timeout=wait)
-            if done:
-                return self._outcome(execution, ctx)
-            if time.monotonic() >= ctx.deadline:
-                return self._usage(ctx, TaskStatus.TIMED_OUT, error="deadline passed while it ran")
-            try:
-                async with self.pool.connection() as conn:
-                    beat = await ledger.heartbeat(conn, task.id, task.lease_epoch)
-            except (psycopg.Error, OSError) as exc:
-                # Keep running: if the ledger stays away past the stale bound, the reaper takes
-                # the task back and the next heartbeat that gets through finds the lease gone.
-                log.warning("task %s: heartbeat failed: %s", task.id, exc)
-                continue
-            if beat is None:
-                return None
-            if beat:
-                return self._usage(ctx, TaskStatus.CANCELLED, error="cancelled by its owner while it ran")
+        fence_s, period = self.settings.task_fence_s, self.settings.task_heartbeat_s
+        fence_at = holding.leased_at + fence_s  # the claim itself was the first heartbeat
+        next_beat = time.monotonic() + period
+        beat: asyncio.Task | None = None
+        beat_sent = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= ctx.deadline:
+                    return self._usage(ctx, TaskStatus.TIMED_OUT, error="deadline passed while it ran")
+                if now >= fence_at:
+                    return FENCED
+                if beat is None and now >= next_beat:
+                    beat_sent, next_beat = now, now + period
+                    beat = asyncio.create_task(self._beat(task, ctx.usage), name=f"task-beat-{task.id}")
+                wake = min(ctx.deadline, fence_at, next_beat if beat is None else fence_at)
+                waiting = {execution} if beat is None else {execution, beat}
+                done, _ = await asyncio.wait(waiting, timeout=max(wake - now, 0.0), return_when=asyncio.FIRST_COMPLETED)
+                if execution in done:
+                    return self._outcome(execution, ctx)
+                if beat is None or not beat.done():
+                    continue
+                finished, beat = beat, None
+                if finished.exception() is not None:
+                    log.warning("task %s: heartbeat failed: %s", task.id, finished.exception())
+                    continue
+                answer = finished.result()
+                if answer is None:
+                    return None
+                if answer:
+                    return self._usage(ctx, TaskStatus.CANCELLED, error="cancelled by its owner while it ran")
+                fence_at = beat_sent + fence_s
+        finally:
+            if beat is not None:
+                beat.cancel()
+
+    async def _beat(self, task: ledger.TaskRow, usage: TaskUsage) -> bool | None:
+        progress = ledger.Progress(usage.turns, usage.input_tokens, usage.output_tokens, usage.last_tool, usage.note)
+        async with self.pool.connection() as conn:
+            return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress)
 
     def _outcome(self, execution: asyncio.Task, ctx: TaskContext):
         if execution.cancelled() and self._stopping:
@@ -259,8 +307,14 @@ class TaskExecutor:
         u = ctx.usage
         return ledger.Outcome(status, result, error, u.turns, u.input_tokens, u.output_tokens)
 
-    async def _write(self, task: ledger.TaskRow, outcome: ledger.Outcome) -> bool:
-        """The compare-and-set, retried through ledger outages until it is known to stand or not."""
+    async def _write(self, task: ledger.TaskRow, outcome: ledger.Outcome) -> bool | None:
+        """The compare-and-set, retried through ledger errors with :func:`vigil.retry.backoff`
+        (from ``WRITE_RETRY_BASE_S``, jittered, capped) for at most ``VIGIL_TASK_STALE_S``: by
+        then no heartbeat has kept the lease (the execution has ended), the reaper may have
+        taken the task back, and the task is left to it (queued again, replaying its journal,
+        or lost). True: it stands; False: another outcome did; None: given up."""
+        give_up = time.monotonic() + self.settings.task_stale_s
+        attempt = 0
         while True:
             try:
                 async with self.pool.connection() as conn, conn.transaction():
@@ -271,8 +325,26 @@ class TaskExecutor:
                         )
                     return stands
             except (psycopg.Error, OSError) as exc:
-                log.warning("task %s: writing its outcome failed, retrying: %s", task.id, exc)
-                await asyncio.sleep(RETRY_S)
+                attempt += 1
+                pause = backoff(attempt, WRITE_RETRY_BASE_S, WRITE_RETRY_CAP_S)
+                if time.monotonic() + pause > give_up:
+                    log.warning(
+                        "task %s: outcome %s not written after %d attempts; left to the reaper: %s",
+                        task.id,
+                        outcome.status,
+                        attempt,
+                        exc,
+                        extra={"event": "task_outcome_abandoned"},
+                    )
+                    return None
+                log.warning(
+                    "task %s: writing its outcome failed (attempt %d), retrying in %.2f s: %s",
+                    task.id,
+                    attempt,
+                    pause,
+                    exc,
+                )
+                await asyncio.sleep(pause)
 
     async def _release(self, task: ledger.TaskRow) -> None:
         try:

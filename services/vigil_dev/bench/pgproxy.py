@@ -7,7 +7,9 @@ the claim loop, the finisher and the recorder each wait out their round trips in
 relay measures them: a *round trip* is a turn of a connection, bytes from the client after
 bytes from the server (or first), so pipelined statements sent together count once and a
 request spanning several segments counts once. ``delay_ms`` holds every chunk that long in
-each direction (a round trip then takes twice that more), in order.
+each direction (a round trip then takes twice that more), in order. :meth:`PgProxy.pause`
+holds every byte of every connection, open or new, until :meth:`PgProxy.resume` (a database
+that stopped answering while its connections stay open).
 
 It runs on its own event loop in a thread of the bench process; the worker's DSN names its
 port instead of the server's.
@@ -38,6 +40,8 @@ class PgProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pgproxy", daemon=True)
         self._server: asyncio.Server | None = None
+        self._flowing = threading.Event()
+        self._flowing.set()
         self.port = 0
 
     @property
@@ -47,6 +51,13 @@ class PgProxy:
     def round_trips(self) -> int:
         with self._lock:
             return self._round_trips
+
+    def pause(self) -> None:
+        """Hold every byte in both directions (connections stay open) until :meth:`resume`."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
 
     def __enter__(self) -> PgProxy:
         self._thread.start()
@@ -93,6 +104,8 @@ class PgProxy:
                 due, data = item
                 if (wait := due - time.monotonic()) > 0:
                     await asyncio.sleep(wait)
+                while not self._flowing.is_set():
+                    await asyncio.sleep(0.01)
                 writer.write(data)
                 await writer.drain()
             writer.write_eof() if writer.can_write_eof() else writer.close()

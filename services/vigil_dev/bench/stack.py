@@ -93,7 +93,7 @@ class BenchStack:
             for server in reversed(stack.own):
                 server.stop()
             raise
-        stack.admin_dsn = pg.url("postgres")
+        stack.admin_dsn = pg.admin_url()
         return stack
 
     @property

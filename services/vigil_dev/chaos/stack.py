@@ -168,7 +168,8 @@ class ChaosStack:
 
     @property
     def dsn(self) -> str:
-        return f"postgresql://vigil@127.0.0.1:{self.ports.pg}/vigil"
+        """The services' URL, with the password `vigil-dev up` generated for this stack."""
+        return devstack.PostgresServer(self.root / "pg" / "data", self.ports.pg).url()
 
     @property
     def ingest_url(self) -> str:

@@ -18,12 +18,11 @@ from typing import Any
 
 import anthropic
 
-from vigil.agent.actions import RefundTool
 from vigil.agent.base import EventRow, RunResult
 from vigil.agent.claude import ClaudeAgent, model_client
 from vigil.agent.screening import verdict_of
-from vigil.agent.settings import AgentSettings
-from vigil.agent.tools import CallContext, ToolOutput
+from vigil.agent.settings import AgentSettings, Permission
+from vigil.agent.tools import ActionTool, CallContext, ToolOutput
 from vigil.errors import VigilError
 from vigil_dev import agent_testing
 from vigil_dev.evals.scenarios import Expect, Scenario
@@ -32,17 +31,47 @@ from vigil_dev.evals.scenarios import Expect, Scenario
 RUN_SECONDS = 120.0
 
 
-class RecordingRefund(RefundTool):
-    """The refund tool with its real checks and policy, recording calls instead of refunding."""
+class RecordingRefund(ActionTool):
+    """A refund tool shaped like examples/vigil-refund-tool (asks by default; under auto mode a
+    refund above ``VIGIL_REFUND_AUTO_LIMIT`` is risky) that records calls instead of refunding."""
+
+    name = "refund"
+    description = (
+        "Refund an order (amount in the order's currency). The user normally has to approve a "
+        "refund: the call pauses until they answer, and its result tells you what they decided."
+    )
+    input_schema = {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string", "description": "The order to refund."},
+            "amount": {"type": "number", "exclusiveMinimum": 0, "description": "How much to refund."},
+            "reason": {"type": "string", "description": "Why, in a few words."},
+        },
+        "required": ["order_id", "amount"],
+        "additionalProperties": False,
+    }
+    default_permission = Permission.ASK
 
     def __init__(self, auto_limit: float):
-        super().__init__("", auto_limit)
+        self.auto_limit = auto_limit
         self.calls: list[dict[str, Any]] = []
 
+    def check(self, args: dict[str, Any]) -> str | None:
+        amount = args.get("amount")
+        if not isinstance(args.get("order_id"), str) or isinstance(amount, bool) or not isinstance(amount, int | float):
+            return "order_id must be a string and amount a number"
+        return None if amount > 0 else "amount must be positive"
+
+    def risk(self, args: dict[str, Any]) -> str | None:
+        amount = args.get("amount")
+        if isinstance(amount, int | float) and amount > self.auto_limit:
+            return f"a refund of {amount} is above the unattended limit of {self.auto_limit:g}"
+        return None
+
+    def describe(self, args: dict[str, Any]) -> str:
+        return f"refund {args.get('amount')} for order {args.get('order_id')}"
+
     async def run(self, args: dict[str, Any], call: CallContext) -> ToolOutput:
-        refusal = self.check(args)
-        if refusal is not None:
-            return ToolOutput(f"Not refunded: {refusal}.", True)
         self.calls.append(dict(args))
         return ToolOutput(f"Refund made: {args['amount']} for order {args['order_id']}.")
 

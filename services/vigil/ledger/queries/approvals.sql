@@ -61,3 +61,8 @@ UPDATE timers
 SET due = date_trunc('second', %(at)s::timestamptz), updated_at = now()
 WHERE user_id = %(user_id)s AND kind = 'approval_expiry' AND fixed_key = %(request_id)s AND NOT done
 RETURNING id
+
+-- name: approval_ids_answerable
+-- Ids an answer may still name: open requests, and those due after %(since)s (a retry of an answer).
+-- The answer route's miss guard reads it under a flood of made-up ids, at most once a second.
+SELECT request_id FROM approvals WHERE answer IS NULL OR due > %(since)s

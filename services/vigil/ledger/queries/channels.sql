@@ -3,25 +3,26 @@
 
 -- name: channel_set
 -- Create or replace a user's channel; %(keep_gap)s / %(keep_cap)s keep the stored limits.
-INSERT INTO channels AS c (user_id, type, url, secret, gap_seconds, urgent_daily_cap)
-VALUES (%(user_id)s, %(type)s, %(url)s, %(secret)s, %(gap_seconds)s, %(urgent_daily_cap)s)
+INSERT INTO channels AS c (user_id, type, url, secret, sealed_with, gap_seconds, urgent_daily_cap)
+VALUES (%(user_id)s, %(type)s, %(url)s, %(secret)s, %(sealed_with)s, %(gap_seconds)s, %(urgent_daily_cap)s)
 ON CONFLICT (user_id) DO UPDATE
 SET type = EXCLUDED.type,
     url = EXCLUDED.url,
     secret = EXCLUDED.secret,
+    sealed_with = EXCLUDED.sealed_with,
     gap_seconds = CASE WHEN %(keep_gap)s THEN c.gap_seconds ELSE EXCLUDED.gap_seconds END,
     urgent_daily_cap = CASE WHEN %(keep_cap)s THEN c.urgent_daily_cap ELSE EXCLUDED.urgent_daily_cap END,
     updated_at = now()
-RETURNING user_id, type, url, secret, gap_seconds, urgent_daily_cap, created_at, updated_at
+RETURNING user_id, type, url, secret, sealed_with, gap_seconds, urgent_daily_cap, created_at, updated_at
 
 -- name: channel_get
 -- One user's channel row, if any.
-SELECT user_id, type, url, secret, gap_seconds, urgent_daily_cap, created_at, updated_at
+SELECT user_id, type, url, secret, sealed_with, gap_seconds, urgent_daily_cap, created_at, updated_at
 FROM channels WHERE user_id = %(user_id)s
 
 -- name: channel_get_for_update
 -- One user's channel row, locked: two operators editing one channel do not both rotate its secret.
-SELECT user_id, type, url, secret FROM channels WHERE user_id = %(user_id)s FOR UPDATE
+SELECT user_id, type, url, secret, sealed_with FROM channels WHERE user_id = %(user_id)s FOR UPDATE
 
 -- name: channel_pacing_state
 -- A user's pacing state, for `vigil channels show`.

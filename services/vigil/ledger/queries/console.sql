@@ -270,7 +270,8 @@ LIMIT %(limit)s
 -- A user's background tasks, newest first (tasks_by_user index), bounded.
 SELECT id, status, attempts, max_attempts, depth, lease_holder, lease_epoch, heartbeat_at, deadline, created_at,
        finished_at, cancel_requested_by, left(instructions, 300) AS instructions, left(result, 300) AS result,
-       left(error, 300) AS error, input_tokens + output_tokens AS tokens, parent_run_key, reported_at
+       left(error, 300) AS error, input_tokens + output_tokens AS tokens, parent_run_key, reported_at,
+       turns, last_tool, note, progress_at
 FROM tasks
 WHERE user_id = %(user_id)s
 ORDER BY created_at DESC, id DESC

@@ -2,18 +2,18 @@
 -- Revocations set a timestamp once and never clear it, so each write checks "still active".
 
 -- name: token_create
--- A new API token; only its sha256 is stored.
-INSERT INTO api_tokens (id, name, token_hash, scopes, users)
-VALUES (%(id)s, %(name)s, %(token_hash)s, %(scopes)s, %(users)s)
-RETURNING id, name, created_at, scopes, users
+-- A new API token; only its sha256 is stored. expires_at NULL: it never expires.
+INSERT INTO api_tokens (id, name, token_hash, scopes, users, expires_at)
+VALUES (%(id)s, %(name)s, %(token_hash)s, %(scopes)s, %(users)s, %(expires_at)s)
+RETURNING id, name, created_at, scopes, users, expires_at
 
 -- name: token_by_hash
 -- The token a bearer presents, by the sha256 of what was presented (hot path, cached by ingest).
-SELECT id, name, revoked_at, scopes, users FROM api_tokens WHERE token_hash = %(token_hash)s
+SELECT id, name, revoked_at, scopes, users, expires_at FROM api_tokens WHERE token_hash = %(token_hash)s
 
 -- name: token_list
 -- Every token, newest first, without hashes.
-SELECT id, name, created_at, revoked_at, scopes, users FROM api_tokens ORDER BY created_at DESC, id
+SELECT id, name, created_at, revoked_at, scopes, users, expires_at FROM api_tokens ORDER BY created_at DESC, id
 
 -- name: token_revoke
 -- Revoke a token that is still active; zero rows: unknown id or revoked already.
@@ -33,14 +33,15 @@ RETURNING id, provider, user_id, created_at
 
 -- name: hook_secret_add
 -- Add a signing secret to a hook that is not disabled (a rotation keeps the older ones active).
-INSERT INTO hook_secrets (hook_id, secret)
-SELECT id, %(secret)s FROM hooks WHERE id = %(hook_id)s AND disabled_at IS NULL
+INSERT INTO hook_secrets (hook_id, secret, sealed_with)
+SELECT id, %(secret)s, %(sealed_with)s FROM hooks WHERE id = %(hook_id)s AND disabled_at IS NULL
 RETURNING id, hook_id, created_at
 
 -- name: hook_for_delivery
 -- A hook and its active secrets, as a delivery needs them (hot path, cached by ingest).
 SELECT h.id, h.provider, h.user_id, h.disabled_at,
-       COALESCE(array_agg(s.secret ORDER BY s.id) FILTER (WHERE s.id IS NOT NULL), '{}') AS secrets
+       COALESCE(array_agg(s.secret ORDER BY s.id) FILTER (WHERE s.id IS NOT NULL), '{}') AS secrets,
+       COALESCE(array_agg(s.sealed_with ORDER BY s.id) FILTER (WHERE s.id IS NOT NULL), '{}') AS sealed_with
 FROM hooks h
 LEFT JOIN hook_secrets s ON s.hook_id = h.id AND s.revoked_at IS NULL
 WHERE h.id = %(hook_id)s

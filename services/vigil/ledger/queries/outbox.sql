@@ -120,14 +120,15 @@ next AS (
     FROM due
 )
 SELECT n.cursor, n.high, n.missing, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
-       c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap, l.attention_gap_s, NULL::timestamptz AS wake_at
+       c.type, c.url, c.secret, c.sealed_with, c.gap_seconds, c.urgent_daily_cap, l.attention_gap_s,
+       NULL::timestamptz AS wake_at
 FROM next n
 LEFT JOIN locked l ON true
 LEFT JOIN LATERAL (
-    SELECT c.type, c.url, c.secret, c.gap_seconds, c.urgent_daily_cap FROM channels c WHERE c.user_id = l.user_id LIMIT 1
+    SELECT c.type, c.url, c.secret, c.sealed_with, c.gap_seconds, c.urgent_daily_cap FROM channels c WHERE c.user_id = l.user_id LIMIT 1
 ) c ON true
 UNION ALL
-SELECT NULL, NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
+SELECT NULL, NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
 FROM waits w
 ORDER BY wake_at NULLS FIRST, user_id
 

@@ -14,10 +14,10 @@ VALUES (%(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_i
 ON CONFLICT (id) DO NOTHING
 
 -- name: task_claim
--- The oldest queued tasks still within their deadline, taken by one worker: a new lease epoch, an attempt counted, a first heartbeat. SKIP LOCKED: two workers never wait for each other or take the same task.
+-- The oldest queued tasks still within their deadline and not asked to stop, taken by one worker: a new lease epoch, an attempt counted, a first heartbeat. SKIP LOCKED: two workers never wait for each other or take the same task.
 WITH picked AS (
     SELECT id FROM tasks
-    WHERE status = 'queued' AND deadline > now()
+    WHERE status = 'queued' AND deadline > now() AND cancel_requested_at IS NULL
     ORDER BY created_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -34,25 +34,41 @@ WHERE t.id = picked.id AND t.status = 'queued'
 RETURNING t.*
 
 -- name: task_heartbeat
--- The holder's proof of life. No row: the lease is gone (reaped, timed out, or taken by another worker), so stop and write nothing. cancel: the owner asked to stop.
+-- The holder's proof of life, carrying the task's progress so far (usage, last tool, note). No row: the lease is gone (reaped, timed out, or taken by another worker), so stop and write nothing. cancel: the owner asked to stop.
 UPDATE tasks
-SET heartbeat_at = now()
+SET heartbeat_at = now(),
+    turns = %(turns)s,
+    input_tokens = %(input_tokens)s,
+    output_tokens = %(output_tokens)s,
+    last_tool = %(last_tool)s,
+    note = %(note)s,
+    progress_at = now()
 WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING cancel_requested_at IS NOT NULL AS cancel
 
 -- name: task_finish
--- A terminal outcome from the task's holder: compare-and-set on status and lease epoch, so the first terminal outcome stands and a previous holder's late result matches nothing.
-UPDATE tasks
-SET status = %(status)s,
-    finished_at = now(),
-    result = %(result)s,
-    error = %(error)s,
-    turns = %(turns)s,
-    input_tokens = %(input_tokens)s,
-    output_tokens = %(output_tokens)s,
-    lease_holder = NULL
-WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
-RETURNING id
+-- A terminal outcome from the task's holder: compare-and-set on status and lease epoch, so the first terminal outcome stands and a previous holder's late result matches nothing. The task's usage is added to the delegating run's row in the same statement (once: only the write that stands adds it).
+WITH done AS (
+    UPDATE tasks
+    SET status = %(status)s,
+        finished_at = now(),
+        result = %(result)s,
+        error = %(error)s,
+        turns = %(turns)s,
+        input_tokens = %(input_tokens)s,
+        output_tokens = %(output_tokens)s,
+        lease_holder = NULL
+    WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
+    RETURNING id, run_id, turns, input_tokens, output_tokens
+), rolled AS (
+    UPDATE runs r
+    SET task_turns = r.task_turns + done.turns,
+        task_input_tokens = r.task_input_tokens + done.input_tokens,
+        task_output_tokens = r.task_output_tokens + done.output_tokens
+    FROM done
+    WHERE r.id = done.run_id
+)
+SELECT id FROM done
 
 -- name: task_reap_timed_out
 -- Tasks past their deadline, queued or running: timed_out. A holder still running one finds its lease gone at its next heartbeat.
@@ -65,12 +81,16 @@ WHERE status IN ('queued', 'running') AND deadline <= now()
 RETURNING id, user_id
 
 -- name: task_reap_stale
--- Running tasks whose heartbeat is older than the bound: their holder is presumed gone (the heartbeat's age is the proof). Back to queued if attempts are left, else lost with the reason; the next claim's new lease epoch fences the old holder either way.
+-- Running tasks whose heartbeat is older than the bound: their holder is presumed gone (the heartbeat's age is the proof). A task whose cancel was requested ends cancelled (the usage its holder flushed kept); else back to queued if attempts are left, else lost with the reason. The next claim's new lease epoch fences the old holder either way.
 UPDATE tasks
-SET status = CASE WHEN attempts >= max_attempts THEN 'lost' ELSE 'queued' END,
-    finished_at = CASE WHEN attempts >= max_attempts THEN now() END,
-    error = format('no heartbeat from %%s for %%s s (attempt %%s of %%s)', lease_holder,
-                   floor(extract(epoch FROM now() - heartbeat_at))::bigint, attempts, max_attempts),
+SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
+                  WHEN attempts >= max_attempts THEN 'lost' ELSE 'queued' END,
+    finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR attempts >= max_attempts THEN now() END,
+    error = CASE WHEN cancel_requested_at IS NOT NULL
+                 THEN format('cancelled by %%s; its holder %%s fell silent before it stopped', cancel_requested_by,
+                             lease_holder)
+                 ELSE format('no heartbeat from %%s for %%s s (attempt %%s of %%s)', lease_holder,
+                             floor(extract(epoch FROM now() - heartbeat_at))::bigint, attempts, max_attempts) END,
     lease_holder = NULL
 WHERE status = 'running' AND heartbeat_at < now() - make_interval(secs => %(stale_s)s)
 RETURNING id, user_id, status
@@ -129,8 +149,14 @@ FROM tasks
 WHERE status IN ('queued', 'running')
 
 -- name: task_release
--- A holder shutting down hands its task back: queued again with its attempt given back (it was not the task's fault), under the same compare-and-set as an outcome.
+-- A holder shutting down hands its task back: queued again with its attempt given back (it was not the task's fault), under the same compare-and-set as an outcome; a task whose cancel was requested ends cancelled instead.
 UPDATE tasks
-SET status = 'queued', attempts = greatest(attempts - 1, 0), lease_holder = NULL
+SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'queued' END,
+    finished_at = CASE WHEN cancel_requested_at IS NOT NULL THEN now() END,
+    error = CASE WHEN cancel_requested_at IS NOT NULL
+                 THEN format('cancelled by %%s; its holder %%s was shutting down', cancel_requested_by, lease_holder)
+                 ELSE error END,
+    attempts = CASE WHEN cancel_requested_at IS NOT NULL THEN attempts ELSE greatest(attempts - 1, 0) END,
+    lease_holder = NULL
 WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING id

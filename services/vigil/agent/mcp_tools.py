@@ -1,0 +1,306 @@
+"""Tools from MCP servers (``VIGIL_MCP_SERVERS``), through the official ``mcp`` client.
+
+Each server's tools are listed once at start-up and offered to the model as
+``<server>__<tool>`` with the server's input schema; each becomes an :class:`McpTool`, an
+ordinary action tool, so permissions, approvals, the journal and idempotency keys work as
+for any other. Default permission: ``allow`` for a tool annotated read-only
+(``readOnlyHint``), ``ask`` for every other (the MCP spec's default for a tool without
+annotations is "may be destructive"). In ``auto`` mode a tool not marked non-destructive
+(``destructiveHint: false``) is blocked.
+
+Transports:
+
+- streamable HTTP (``url``): a connection per call, through the outbound address policy
+  (``VIGIL_OUTBOUND_ALLOWED_NETS``, checked again at connect time against DNS rebinding),
+  with the named credential's header (``VIGIL_CREDENTIAL_<NAME>``);
+- stdio (``command``): a process each worker starts on first use and keeps; one that dies
+  or stops answering is dropped and started again by the next call.
+
+Every call carries the run's idempotency key in the request's ``_meta``
+(``idempotency_key``), is bounded by ``VIGIL_MCP_TIMEOUT_S``, and its result is cut at
+``VIGIL_MCP_MAX_RESULT_BYTES``. A server that is down, slow or refused is an error result
+the model reads, never a failed run. A server that cannot be listed at start-up is logged
+and offers no tools until the worker restarts: the tool list is part of the cached prompt
+prefix, fixed per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import httpx2
+import mcp_types
+from mcp.client import Client
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from vigil.agent.settings import AgentSettings, Credential, McpServer, Permission
+from vigil.agent.tools import ActionTool, CallContext, ToolOutput
+from vigil.outbound import AddressPolicy, BlockedAddress, address_policy, guarded_async_transport2, url_problem
+from vigil.settings import SettingsError
+
+log = logging.getLogger(__name__)
+
+SEPARATOR = "__"
+IDEMPOTENCY_META = "idempotency_key"
+MAX_NAME = 64  # the Messages API's limit on a tool name
+# Starting a stdio server (often an interpreter importing an SDK) takes seconds on a busy
+# machine: that is not the tool's time, so it has its own bound beside VIGIL_MCP_TIMEOUT_S.
+START_TIMEOUT_S = 30.0
+
+
+class ServerDown(Exception):
+    """The server could not be reached, refused by policy, or did not answer in time."""
+
+
+class Connection:
+    """One MCP server as this worker reaches it."""
+
+    def __init__(self, spec: McpServer, settings: AgentSettings, policy: AddressPolicy):
+        self.spec = spec
+        self.timeout = settings.mcp_timeout_s
+        self.policy = policy
+        self.credential: Credential | None = settings.credentials.get(spec.credential) if spec.credential else None
+        self._client: Client | None = None  # stdio: the kept session
+        self._closing: asyncio.Event | None = None
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def address(self) -> str:
+        """What a span names as the server: its URL's host, or its command."""
+        if self.spec.url:
+            return urlsplit(self.spec.url).hostname or self.spec.url
+        return self.spec.command or ""
+
+    def _transport(self) -> AbstractAsyncContextManager[Any]:
+        spec = self.spec
+        if spec.command is not None:
+            return stdio_client(StdioServerParameters(command=spec.command, args=list(spec.args)))
+        assert spec.url is not None
+        headers = {self.credential.header: self.credential.header_value()} if self.credential else {}
+        http = httpx2.AsyncClient(
+            headers=headers,
+            transport=guarded_async_transport2(self.policy),
+            timeout=httpx2.Timeout(self.timeout),
+        )
+        return streamable_http_client(spec.url, http_client=http)
+
+    def _new_client(self) -> Client:
+        # cache=None: a tool call must reach the server every time.
+        return Client(self._transport(), read_timeout_seconds=self.timeout, cache=None)
+
+    async def _check_address(self) -> None:
+        url = self.spec.url
+        if url is None:
+            return
+        problem = url_problem(url)
+        if problem is not None:
+            raise ServerDown(problem)
+        parts = urlsplit(url)
+        assert parts.hostname is not None
+        try:
+            await self.policy.resolve_async(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+        except BlockedAddress as exc:
+            raise ServerDown(f"refused by the outbound address policy: {exc}") from None
+        except OSError as exc:
+            raise ServerDown(str(exc)) from None
+
+    async def list_tools(self) -> tuple[list[mcp_types.Tool], str]:
+        """The server's tools and its version (as it reports itself)."""
+        await self._check_address()
+        with anyio.fail_after(max(self.timeout, START_TIMEOUT_S)):
+            async with self._new_client() as client:
+                version = client.server_info.version if client.server_info else ""
+                tools: list[mcp_types.Tool] = []
+                cursor = None
+                while True:
+                    page = await client.list_tools(cursor=cursor)
+                    tools += page.tools
+                    cursor = page.next_cursor
+                    if not cursor:
+                        return tools, version
+
+    async def call(self, tool: str, args: dict[str, Any], key: str) -> mcp_types.CallToolResult:
+        """One tools/call with the idempotency key in ``_meta``; ServerDown for any failure to get
+        an answer (the tool's own errors come back as a result with ``is_error``)."""
+        meta: Any = {IDEMPOTENCY_META: key}
+        await self._check_address()
+        try:
+            if self.spec.command is not None:
+                with anyio.fail_after(START_TIMEOUT_S):
+                    client = await self._kept()
+                with anyio.fail_after(self.timeout):
+                    return await client.call_tool(tool, args, meta=meta)
+            with anyio.fail_after(self.timeout):
+                async with self._new_client() as client:
+                    return await client.call_tool(tool, args, meta=meta)
+        except ServerDown:
+            raise
+        except TimeoutError:
+            self._drop()
+            raise ServerDown(f"no answer within {self.timeout:g} s") from None
+        except Exception as exc:  # the SDK's errors are many: any of them means no answer
+            self._drop()
+            raise ServerDown(f"{type(exc).__name__}: {exc}") from None
+
+    async def _kept(self) -> Client:
+        """The stdio session this worker keeps, started on first use (and after a failure).
+        One task owns it, so that its task groups are entered and left by the same task."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._client is not None:
+                return self._client
+            ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
+            self._closing = asyncio.Event()
+            asyncio.get_running_loop().create_task(self._hold(ready, self._closing))
+            self._client = await ready
+            return self._client
+
+    async def _hold(self, ready: asyncio.Future[Client], closing: asyncio.Event) -> None:
+        try:
+            async with self._new_client() as client:
+                ready.set_result(client)
+                await closing.wait()
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc if isinstance(exc, Exception) else ServerDown("cancelled"))
+            elif not isinstance(exc, Exception):
+                raise
+
+    def _drop(self) -> None:
+        """Forget the kept session (its process is stopped); the next call starts a new one."""
+        if self._closing is not None:
+            self._closing.set()
+        self._client, self._closing = None, None
+
+    async def close(self) -> None:
+        self._drop()
+
+
+class McpTool(ActionTool):
+    """A tool of an MCP server, offered as ``<server>__<tool>``."""
+
+    def __init__(self, connection: Connection, tool: mcp_types.Tool, max_result_bytes: int):
+        self.connection = connection
+        self.remote_name = tool.name
+        self.name = f"{connection.spec.name}{SEPARATOR}{tool.name}"  # type: ignore[misc]  # per instance
+        self.server = connection.spec.name
+        self.description = tool.description or f"{tool.name} (MCP server {connection.spec.name})"
+        self.input_schema = tool.input_schema
+        hints = tool.annotations
+        self.read_only = bool(hints and hints.read_only_hint)
+        self.destructive = not (hints and (hints.read_only_hint or hints.destructive_hint is False))
+        self.default_permission = Permission.ALLOW if self.read_only else Permission.ASK  # type: ignore[misc]
+        self.max_result_bytes = max_result_bytes
+
+    def span_attributes(self) -> dict[str, str]:
+        # mcp.server.name is vigil's: the conventions name the method and tool, not the server.
+        attributes = {
+            "gen_ai.tool.type": "extension",
+            "mcp.method.name": "tools/call",
+            "mcp.server.name": self.connection.spec.name,
+            "mcp.tool.name": self.remote_name,
+        }
+        if self.connection.spec.url:
+            attributes["server.address"] = self.connection.address
+        return attributes
+
+    def risk(self, args: dict[str, Any]) -> str | None:
+        if self.destructive:
+            return f"{self.name} is not marked non-destructive by its MCP server"
+        return None
+
+    async def run(self, args: dict[str, Any], call: CallContext) -> ToolOutput:
+        try:
+            result = await self.connection.call(self.remote_name, args, call.idempotency_key)
+        except ServerDown as exc:
+            log.warning("MCP server %s: %s", self.server, exc)
+            return ToolOutput(f"Not run: the MCP server {self.server} did not answer: {exc}. Try later.", True)
+        return ToolOutput(bounded(render(result), self.max_result_bytes), result.is_error)
+
+
+def render(result: mcp_types.CallToolResult) -> str:
+    parts = []
+    for block in result.content:
+        if isinstance(block, mcp_types.TextContent):
+            parts.append(block.text)
+        else:
+            parts.append(f"[{block.type} content omitted]")
+    if not parts and result.structured_content is not None:
+        parts.append(json.dumps(result.structured_content, ensure_ascii=False))
+    return "\n".join(parts) or "(no content)"
+
+
+def bounded(text: str, limit: int) -> str:
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[:limit].decode(errors="ignore") + f"\n[cut: the result was {len(raw)} bytes, {limit} shown]"
+
+
+def _check_credential_host(spec: McpServer, credential: Credential | None) -> None:
+    if credential is None or not credential.hosts or spec.url is None:
+        return
+    parts = urlsplit(spec.url)
+    host = (parts.hostname or "").lower()
+    if host not in credential.hosts and f"{host}:{parts.port}" not in credential.hosts:
+        raise SettingsError(
+            f"VIGIL_MCP_SERVERS: {spec.name}'s host {host} is not in VIGIL_CREDENTIAL_{credential.name.upper()}_HOSTS"
+        )
+
+
+def _run_in_thread(coro: Any) -> Any:
+    """Run ``coro`` to completion on a loop of its own: start-up may be inside the worker's loop."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="mcp-list-tools")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def _list_all(connections: list[Connection]) -> list[tuple[list[mcp_types.Tool], str] | BaseException]:
+    return await asyncio.gather(*(c.list_tools() for c in connections), return_exceptions=True)
+
+
+def server_tools(settings: AgentSettings) -> tuple[list[tuple[McpTool, str]], dict[str, str]]:
+    """The tools of every server of ``VIGIL_MCP_SERVERS``, listed now (in parallel), each with
+    its server's version; and why each server that could not be listed offers none."""
+    servers = settings.servers
+    if not servers:
+        return [], {}
+    policy = address_policy(settings)
+    connections = [Connection(spec, settings, policy) for spec in servers.values()]
+    for connection in connections:
+        _check_credential_host(connection.spec, connection.credential)
+    found: list[tuple[McpTool, str]] = []
+    failed: dict[str, str] = {}
+    for connection, listed in zip(connections, _run_in_thread(_list_all(connections))):
+        name = connection.spec.name
+        if isinstance(listed, BaseException):
+            failed[name] = f"{type(listed).__name__}: {listed}"
+            log.warning("MCP server %s offers no tools until restart: %s", name, failed[name])
+            continue
+        tools, version = listed
+        for tool in sorted(tools, key=lambda t: t.name):
+            if len(name) + len(SEPARATOR) + len(tool.name) > MAX_NAME:
+                log.warning("MCP server %s: tool %s skipped, its prefixed name is over %d", name, tool.name, MAX_NAME)
+                continue
+            found.append((McpTool(connection, tool, settings.mcp_max_result_bytes), version))
+    return found, failed

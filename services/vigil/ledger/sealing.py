@@ -1,0 +1,160 @@
+"""Secrets at rest: hook signing secrets and channel secrets, sealed with ``VIGIL_SECRET_KEY``.
+
+A secret that must be used in clear (an HMAC key cannot be checked against a hash) is stored
+as a Fernet token (AES-128-CBC with HMAC-SHA256, from the ``cryptography`` package) beside the
+id of the key that sealed it (``sealed_with``: the first 12 hex digits of the key's sha256).
+The ledger's functions seal on write and open on read, so a row read straight from
+PostgreSQL, a dump or a backup holds no usable secret.
+
+Keys: ``VIGIL_SECRET_KEY`` seals every new secret and opens its own rows;
+``VIGIL_SECRET_OLD_KEYS`` (comma separated) only open rows during a rotation.
+``vigil secrets rotate`` re-seals every row not sealed with the current key, clear ones
+included, one row per statement, so an interrupted rotation is finished by running it again.
+Without any key, secrets are stored in clear (a warning at start-up) and a service refuses
+to start once a sealed row exists (:func:`check`), naming the setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from functools import cache
+
+import psycopg
+from cryptography.fernet import Fernet, InvalidToken
+from psycopg.rows import DictRow
+
+from vigil.errors import VigilError
+from vigil.ledger.queries import Q
+from vigil.settings import SettingsError
+
+KEY_SETTING = "VIGIL_SECRET_KEY"
+OLD_KEYS_SETTING = "VIGIL_SECRET_OLD_KEYS"
+
+
+class SecretKeyError(VigilError):
+    """A sealed secret cannot be opened with the keys this process has; names the setting."""
+
+
+def key_id(key: str) -> str:
+    """The id stored beside each sealed secret: not the key, and stable across restarts."""
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def new_key() -> str:
+    return Fernet.generate_key().decode()
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The keys this process has: ``current`` seals, every one of them opens."""
+
+    current: str | None = None
+    old: tuple[str, ...] = ()
+    _openers: dict[str, Fernet] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for key in (*self.old, *([self.current] if self.current else [])):
+            self._openers[key_id(key)] = Fernet(key.encode())
+
+    @property
+    def current_id(self) -> str | None:
+        return key_id(self.current) if self.current else None
+
+    @property
+    def ids(self) -> frozenset[str]:
+        """The ids of every key held: the rows these keys open."""
+        return frozenset(self._openers)
+
+    def seal(self, secret: str) -> tuple[str, str | None]:
+        """(stored text, sealed_with): the Fernet token and the key's id; in clear without a key."""
+        if not self.current:
+            return secret, None
+        return self._openers[key_id(self.current)].encrypt(secret.encode()).decode(), key_id(self.current)
+
+    def open(self, stored: str, sealed_with: str | None) -> str:
+        if sealed_with is None:
+            return stored
+        opener = self._openers.get(sealed_with)
+        if opener is None:
+            raise SecretKeyError(_missing(sealed_with, self.current))
+        try:
+            return opener.decrypt(stored.encode()).decode()
+        except InvalidToken:
+            raise SecretKeyError(f"a secret sealed with key {sealed_with} does not open (altered row?)") from None
+
+
+def _missing(sealed_with: str, current: str | None) -> str:
+    if current is None:
+        return f"the ledger holds secrets sealed with key {sealed_with} and {KEY_SETTING} is not set"
+    return (
+        f"the ledger holds secrets sealed with key {sealed_with}, which is neither {KEY_SETTING} "
+        f"(key {key_id(current)}) nor one of {OLD_KEYS_SETTING}"
+    )
+
+
+def from_environment(environ: dict[str, str] | None = None) -> Keys:
+    env = os.environ if environ is None else environ
+    current = env.get(KEY_SETTING, "").strip() or None
+    old = tuple(k.strip() for k in env.get(OLD_KEYS_SETTING, "").split(",") if k.strip())
+    try:
+        return Keys(current, old)
+    except ValueError:
+        raise SettingsError(f"{KEY_SETTING} or {OLD_KEYS_SETTING}: not a Fernet key") from None
+
+
+@cache
+def keys() -> Keys:
+    """This process's keys, read once from the environment (the settings validated them at
+    start-up; read here so that every ledger function seals and opens alike without each
+    caller passing them)."""
+    return from_environment()
+
+
+# -- what the ledger holds ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeyUse:
+    table: str
+    sealed_with: str | None  # None: in clear
+    secrets: int
+
+
+def uses(conn: psycopg.Connection[DictRow]) -> list[KeyUse]:
+    """How many secrets each key sealed, per table (``vigil secrets status``)."""
+    return [KeyUse(r["tbl"], r["sealed_with"], r["secrets"]) for r in conn.execute(Q.secrets_by_key).fetchall()]
+
+
+def check(conn: psycopg.Connection[DictRow], held: Keys) -> int:
+    """Refuse (SecretKeyError, naming the setting) if a sealed row cannot be opened with
+    ``held``; returns how many secrets are still in clear."""
+    clear = 0
+    for use in uses(conn):
+        if use.sealed_with is None:
+            clear += use.secrets
+        elif use.sealed_with not in held.ids:
+            raise SecretKeyError(_missing(use.sealed_with, held.current))
+    return clear
+
+
+def rotate(conn: psycopg.Connection[DictRow], held: Keys) -> int:
+    """Seal again, with the current key, every secret sealed otherwise or in clear; the count.
+
+    One row per statement, each checking the row still holds what was read (its text and key
+    id), so a rotation running beside edits or a second rotation never overwrites a newer
+    secret, and one interrupted anywhere is finished by running it again.
+    """
+    if not held.current:
+        raise SecretKeyError(f"{KEY_SETTING} is not set: there is no key to seal with")
+    current = held.current_id
+    done = 0
+    for row in conn.execute(Q.secrets_not_sealed_with, {"key_id": current}).fetchall():
+        plain = held.open(row["secret"], row["sealed_with"])
+        stored, sealed_with = held.seal(plain)
+        args = {"id": row["id"], "old": row["secret"], "new": stored, "key_id": sealed_with}
+        query = Q.hook_secret_reseal if row["tbl"] == "hook_secrets" else Q.channel_secret_reseal
+        with conn.transaction():
+            done += conn.execute(query, args).rowcount
+    return done

@@ -1,0 +1,243 @@
+"""Tools from MCP servers: a real server on the official SDK (tests/mcp_test_server.py), over
+stdio and over streamable HTTP on 127.0.0.1, behind the real agent and the scripted
+Messages API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vigil.agent.actions import ToolRegistry, effective_permissions
+from vigil.agent.mcp_tools import Connection, ServerDown
+from vigil.agent.settings import McpServer
+from vigil.agent.tools import CallContext
+from vigil.ledger.states import RunOutcome
+from vigil.outbound import AddressPolicy
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
+
+SERVER = Path(__file__).resolve().parent / "mcp_test_server.py"
+LOOPBACK = "127.0.0.0/8"
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HttpServer:
+    def __init__(self, log: Path):
+        self.log = log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.process = subprocess.Popen(
+            [sys.executable, str(SERVER), "http", str(self.port), str(log)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("the MCP test server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+
+
+@pytest.fixture
+def log(tmp_path):
+    path = tmp_path / "calls.jsonl"
+    path.touch()
+    return path
+
+
+def calls(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.fixture
+def http(log):
+    server = HttpServer(log)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["stdio", "http"])
+def servers(request, log):
+    """VIGIL_MCP_SERVERS naming the test server over one transport."""
+    if request.param == "stdio":
+        yield {"orders": {"command": sys.executable, "args": [str(SERVER), "stdio", str(log)]}}
+        return
+    server = HttpServer(log)
+    yield {"orders": {"url": server.url}}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    with ScriptedServer([]) as s:
+        yield s
+
+
+def use(name, **tool_input):
+    return {"type": "tool_use", "name": name, "input": tool_input}
+
+
+SCRIPT = [
+    {"when": {"tool_result": "send_message"}, "reply": []},
+    {
+        "when": {"tool_result_error": True, "tool_result_text": r"(did not answer[^.]*)"},
+        "reply": [use("send_message", text="failed: {1}")],
+    },
+    {
+        "when": {"tool_result": "orders__lookup", "tool_result_text": r"(order \w+ shipped)"},
+        "reply": [use("send_message", text="{1}")],
+    },
+    {"when": {"user_text": "cancel"}, "reply": [use("orders__cancel_order", order_id="A17")]},
+    {"reply": [use("orders__lookup", order_id="A17")]},
+]
+
+
+def run(model, servers, *ctxs, **overrides):
+    model.set_script(SCRIPT)
+    model.clear()
+    overrides.setdefault("outbound_allowed_nets", LOOPBACK)
+    return t.run(model.base_url, *ctxs, mcp_servers=json.dumps(servers), **overrides)
+
+
+def test_tools_reach_the_model_and_a_call_carries_the_run_key(model, servers, log):
+    ctx = t.context([t.chat("where is A17?")])
+    [result] = run(model, servers, ctx)
+
+    offered = {tool["name"]: tool for tool in model.requests()[0]["tools"]}
+    assert offered["orders__lookup"]["input_schema"]["properties"]["order_id"]["type"] == "string"
+    assert {"orders__cancel_order", "orders__big"} <= set(offered)
+    assert [m.text for m in result.messages] == ["order A17 shipped"]
+    [call] = calls(log)
+    assert call["tool"] == "lookup" and call["args"] == {"order_id": "A17"}
+    assert call["meta"]["idempotency_key"].startswith(ctx.run_key + ":")
+
+
+def test_permissions_follow_the_annotations_and_are_listed(servers):
+    settings = t.settings(mcp_servers=json.dumps(servers), outbound_allowed_nets=LOOPBACK)
+    registry = ToolRegistry.from_settings(settings)
+    rows = {row["name"]: row for row in registry.listing(effective_permissions(settings, registry.tools))}
+    assert rows["orders__lookup"] == {
+        "name": "orders__lookup",
+        "source": "mcp:orders",
+        "version": "2.0.1",
+        "permission": "allow",
+    }
+    assert rows["orders__cancel_order"]["permission"] == "ask"  # destructive
+    assert rows["orders__big"]["permission"] == "ask"  # no read-only annotation
+
+
+def test_a_destructive_tool_asks_for_approval_and_runs_nothing(model, servers, log):
+    [result] = run(model, servers, t.context([t.chat("please cancel A17")]))
+    assert result.outcome is RunOutcome.DEFERRED
+    [approval] = result.approvals
+    assert approval.tool == "orders__cancel_order"
+    assert any("orders__cancel_order" in m.text for m in result.messages)  # the question
+    assert calls(log) == []
+
+
+def test_a_down_server_is_an_error_result_the_model_reads(model, http, log):
+    async def go():
+        agent = t.agent(
+            model.base_url, mcp_servers=json.dumps({"orders": {"url": http.url}}), outbound_allowed_nets=LOOPBACK
+        )
+        try:
+            http.stop()  # listed at start-up, gone by the call
+            return await agent.run(t.context([t.chat("where is A17?")]))
+        finally:
+            await agent.close()
+
+    model.set_script(SCRIPT)
+    result = asyncio.run(go())
+    [message] = result.messages
+    assert message.text.startswith("failed: did not answer"), message.text
+
+
+def test_a_slow_call_and_a_long_result_are_bounded(servers, log):
+    settings = t.settings(
+        mcp_servers=json.dumps(servers),
+        outbound_allowed_nets=LOOPBACK,
+        mcp_max_result_bytes=1000,
+        mcp_timeout_s=2,
+    )
+    tools = {tool.name: tool for tool in ToolRegistry.from_settings(settings).tools}
+
+    async def go():
+        big = await tools["orders__big"].run({}, CallContext("u1", "toolu_1", "k1"))
+        started = time.monotonic()
+        slow = await tools["orders__slow"].run({}, CallContext("u1", "toolu_2", "k2"))
+        waited = time.monotonic() - started
+        # A stdio server is started again after a call that timed out; it answers the next one.
+        again = await tools["orders__big"].run({}, CallContext("u1", "toolu_3", "k3"))
+        await tools["orders__big"].connection.close()
+        return big, slow, waited, again
+
+    big, slow, waited, again = asyncio.run(go())
+    assert len(big.text) < 1100 and "[cut: the result was 100000 bytes, 1000 shown]" in big.text
+    assert slow.is_error and "did not answer: no answer within 2 s" in slow.text and waited < 5
+    assert not again.is_error
+
+
+def test_the_address_policy_refuses_a_server_on_a_forbidden_address(http, log):
+    settings = t.settings(mcp_servers=json.dumps({"orders": {"url": http.url}}), outbound_allowed_nets="")
+    registry = ToolRegistry.from_settings(settings)
+    assert [tool.name for tool in registry.tools if tool.name.startswith("orders")] == []
+    assert "outbound address policy" in registry.unreachable["orders"]
+    connection = Connection(McpServer("orders", url=http.url), settings, AddressPolicy())
+    with pytest.raises(ServerDown, match="outbound address policy"):
+        asyncio.run(connection.call("lookup", {"order_id": "A17"}, "k1"))
+    assert calls(log) == []
+
+
+def test_model_and_tool_spans_follow_the_genai_conventions(model, http, monkeypatch):
+    """Read back from the SDK's in-memory exporter: what an LLM observability tool reads."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vigil import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "enabled", True)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+
+    run(model, {"orders": {"url": http.url}}, t.context([t.chat("where is A17?")]))
+
+    spans = exporter.get_finished_spans()
+    chats = [s for s in spans if s.attributes.get("gen_ai.operation.name") == "chat"]
+    assert len(chats) == 3  # lookup, send_message, then the end
+    first = chats[0]
+    assert first.name == f"chat {t.SCRIPTED_MODEL}"
+    attributes = dict(first.attributes)
+    assert attributes["gen_ai.request.model"] == t.SCRIPTED_MODEL
+    assert attributes["gen_ai.response.model"] == t.SCRIPTED_MODEL
+    assert attributes["gen_ai.provider.name"] == attributes["gen_ai.system"] == "anthropic"
+    assert attributes["gen_ai.usage.input_tokens"] > 0 and attributes["gen_ai.usage.output_tokens"] > 0
+    tools = {s.name: dict(s.attributes) for s in spans if s.attributes.get("gen_ai.operation.name") == "execute_tool"}
+    lookup = tools["execute_tool orders__lookup"]
+    assert lookup["gen_ai.tool.name"] == "orders__lookup" and lookup["gen_ai.tool.call.id"].startswith("toolu_")
+    assert lookup["mcp.server.name"] == "orders" and lookup["mcp.tool.name"] == "lookup"
+    assert lookup["server.address"] == "127.0.0.1" and lookup["gen_ai.tool.type"] == "extension"
+    assert tools["execute_tool send_message"]["gen_ai.tool.name"] == "send_message"
