@@ -33,7 +33,9 @@ RUN_SECONDS = 120.0
 
 class RecordingRefund(ActionTool):
     """A refund tool shaped like examples/vigil-refund-tool (asks by default; under auto mode a
-    refund above ``VIGIL_REFUND_AUTO_LIMIT`` is risky) that records calls instead of refunding."""
+    refund above ``VIGIL_REFUND_AUTO_LIMIT`` is risky) that records calls instead of refunding.
+    Its definition repeats the example's on purpose: the model is measured on the tool it would
+    be offered, and the harness must not depend on an example package being installed."""
 
     name = "refund"
     description = (
