@@ -181,13 +181,14 @@ class Conversation:
     def _reask(self) -> Ended:
         """A waiting session without its answer: an escalation asks again, louder."""
         if not self.thread.escalations:
-            return Ended(self.outputs)
+            return Ended(self.outputs, touched=self.thread.held_now)
         latest = self.thread.escalations[-1].payload_json()
         due = latest.get("due") if isinstance(latest, dict) else None
         secret = self.box.settings.approval_secret.get_secret_value()
         pending = self.thread.pending
         assert pending is not None  # a waiting session holds its deferred call
-        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret)
+        base_url = self.box.settings.approval_actions_base_url
+        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret, base_url)
         self.outputs.messages.append(message)
         return Ended(self.outputs, touched=True)
 
@@ -225,14 +226,14 @@ class Conversation:
             sources = self.run.fold_sources
             if ctx.fold is None or not sources:
                 return False
-            events = sorted(await ctx.fold(sources), key=lambda e: e.id)
+            events = sorted(await ctx.fold(sources, self.thread.session_id), key=lambda e: e.id)
             journal.folded([e.id for e in events])
         if not events:
             return False
         self.run.folded.extend(events)
         folded_here.extend(events)
-        if any(e.session_id for e in events):
-            log.warning("fold returned events that name a session; they are treated as new events")
+        if any(e.session_id not in (None, self.thread.session_id) for e in events):
+            log.warning("fold returned events that name another session; they join this one")
         interrupt = any(self.run.policies.get(e.source) is EventPolicy.INTERRUPT for e in events)
         metrics.EVENTS_MID_RUN.labels("interrupt" if interrupt else "fold").inc(len(events))
         if not interrupt:
@@ -303,6 +304,7 @@ class Conversation:
             deadline_s=settings.approval_deadline_s,
             on_expiry=settings.approval_on_expiry,
             secret=settings.approval_secret.get_secret_value(),
+            actions_base_url=settings.approval_actions_base_url,
         )
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
         return results, deferral
@@ -351,7 +353,7 @@ class Conversation:
         if name == SEND_MESSAGE:
             return send_message(args, self.outputs, self.box.settings)
         if name == SET_FOLLOWUP:
-            return set_followup(args, self.outputs, self.box.settings, datetime.now(UTC))
+            return set_followup(args, self.outputs, self.box.settings, datetime.now(UTC), self.thread.session_id)
         assert name == MEMORY
         try:
             return ToolOutput(self.run.memory.execute(args))

@@ -331,6 +331,13 @@ class AgentSettings(CommonSettings):
         description="What an unanswered approval becomes: deny, escalate (ask again at every deadline until a "
         "person answers or an operator denies: `vigil approvals deny`) or approve.",
     )
+    approval_actions_base_url: str = Field(
+        "",
+        max_length=2048,
+        description="Where people reach ingest, e.g. `https://vigil.example.com`: the prefix of the signed "
+        "approve / deny URLs an approval question's delivery carries. Empty: the URLs are paths, and the "
+        "receiving chat app prefixes its ingest address.",
+    )
     max_messages_per_run: int = Field(
         DEFAULT_MAX_MESSAGES_PER_RUN, ge=1, le=100, description="Most send_message calls one run may make."
     )

@@ -53,6 +53,7 @@ class UnfinishedRow:
     session_id: str | None = None  # the conversation that wrote it
     deadline: datetime | None = None  # an approval question's: never held by the urgent cap
     traceparent: str | None = None  # the writing run's trace context (traces on): the delivery continues it
+    actions: list[dict[str, Any]] | None = None  # an approval question's approve / deny actions (signed answer URLs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,7 +135,7 @@ ORDER BY wake_at NULLS FIRST, user_id
 -- name: outbox_unfinished_for_users
 -- The unfinished rows (pending, sending) of locked users, oldest first: every row of a fixed delivery, the oldest %(max_messages)s held.
 SELECT id, user_id, run_id, body, urgent, created_at, status, delivery_id, attempts, next_attempt_at, fixed_at,
-       session_id, deadline, traceparent
+       session_id, deadline, traceparent, actions
 FROM (
     SELECT o.*, row_number() OVER (PARTITION BY o.user_id, o.delivery_id ORDER BY o.id) AS n
     FROM outbox o
