@@ -105,7 +105,8 @@ for _channel in ("webhook", "kafka", "log"):
 ATTENTION_OUTCOMES = Counter(
     "vigil_attention_outcomes_total",
     "New deliveries by whether the person replied (a chat message) to the previous one within "
-    "VIGIL_ATTENTION_REPLY_WINDOW_S: replied, unanswered. Reply rate = replied / all.",
+    "VIGIL_ATTENTION_REPLY_WINDOW_S: replied, unanswered. Reply rate = replied / all. "
+    "Counted while VIGIL_ATTENTION_ADAPT is on.",
     ["outcome"],
 )
 DELIVERIES_PER_USER_DAY = Histogram(

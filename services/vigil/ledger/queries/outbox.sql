@@ -156,17 +156,28 @@ RETURNING o.id
 -- name: outbox_record_pacing
 -- A new delivery restarts the user's gap; a bypass of it counts against today's urgent cap; the earned gap adapts to whether the person replied to the previous delivery. Compare-and-set on the state the plan read.
 -- A reply is a chat event received after the previous delivery, within %(window)s seconds and
--- before now (events by user: the events_*_by_user indexes; one probe per new delivery).
+-- before now (events by user: the events_*_by_user indexes; one probe per new delivery, and
+-- only while adapting: without it the statement reads no event).
 -- Adapting (%(adapt)s, not pinned): the first gap is the quiet end %(max_gap)s; a reply halves
 -- it, no reply doubles it, within %(min_gap)s..%(max_gap)s. RETURNING: whether the previous
--- delivery was answered (NULL: there was none) and the day count it replaced, for metrics.
+-- delivery was answered (NULL: there was none, or not adapting) and the day count it replaced, for metrics.
 WITH prev AS (
     SELECT u.user_id, u.delivery_day, u.delivery_day_count,
-           CASE WHEN u.last_delivery_at IS NULL THEN NULL ELSE EXISTS (
-               SELECT 1 FROM events e
-               WHERE e.user_id = u.user_id AND e.source = 'chat'
-                 AND e.received_at > u.last_delivery_at
-                 AND e.received_at <= least(u.last_delivery_at + make_interval(secs => %(window)s), %(now)s)
+           CASE WHEN u.last_delivery_at IS NULL OR NOT (%(adapt)s AND NOT u.attention_pinned) THEN NULL ELSE (
+               -- One probe per partial index by user (pending, running, finished): never a
+               -- scan of the live events, whatever their statistics.
+               EXISTS (SELECT 1 FROM events_live e
+                       WHERE e.user_id = u.user_id AND e.status = 'pending' AND e.source = 'chat'
+                         AND e.received_at > u.last_delivery_at
+                         AND e.received_at <= least(u.last_delivery_at + make_interval(secs => %(window)s), %(now)s))
+               OR EXISTS (SELECT 1 FROM events_live e
+                          WHERE e.user_id = u.user_id AND e.status = 'running' AND e.source = 'chat'
+                            AND e.received_at > u.last_delivery_at
+                            AND e.received_at <= least(u.last_delivery_at + make_interval(secs => %(window)s), %(now)s))
+               OR EXISTS (SELECT 1 FROM events_finished e
+                          WHERE e.user_id = u.user_id AND e.source = 'chat'
+                            AND e.received_at > u.last_delivery_at
+                            AND e.received_at <= least(u.last_delivery_at + make_interval(secs => %(window)s), %(now)s))
            ) END AS replied,
            (%(adapt)s AND NOT u.attention_pinned) AS adapting, p.bypass
     FROM unnest(%(users)s::text[], %(seen)s::timestamptz[], %(bypass)s::boolean[]) AS p(user_id, seen, bypass)
