@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
-from support import auto_explain, query
+from support import auto_explain, explaining, query
 from vigil.agent.base import EventRow, OutMessage, RunResult
 from vigil.clock import ManualClock, utc
 from vigil.ledger.claims import Claim, DeadEvent, alone_due, claim, claim_alone, mark_dead
@@ -486,7 +486,9 @@ def explained(ledger: str, plan_cache_mode: str, work):
     settings, keep = auto_explain(plan_cache_mode, plans)
 
     async def go():
-        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+        async with await psycopg.AsyncConnection.connect(
+            explaining(ledger), autocommit=True, row_factory=dict_row
+        ) as conn:
             conn.add_notice_handler(keep)
             for setting in settings:
                 await conn.execute(setting)

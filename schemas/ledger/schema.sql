@@ -199,7 +199,16 @@ CREATE TABLE users (
     first_seen_at     timestamptz NOT NULL DEFAULT now(),
     last_delivery_at  timestamptz,                        -- dispatcher pacing: the latest delivery
     urgent_day        date,                               -- dispatcher: the day urgent_count counts
-    urgent_count      integer     NOT NULL DEFAULT 0      -- urgent deliveries on urgent_day (operator cap)
+    urgent_count      integer     NOT NULL DEFAULT 0,     -- urgent deliveries on urgent_day (operator cap)
+    -- Attention earned (0031; docs/agent.md "Attention"): the dispatcher adapts the gap at each
+    -- new delivery; NULL until the first one (VIGIL_OUTBOX_GAP applies); a channel's gap_seconds wins.
+    attention_gap_s      integer,                         -- the user's earned gap
+    attention_reason     text,                            -- why it has its value (shown by `vigil users show`)
+    attention_at         timestamptz,                     -- when it last changed
+    attention_pinned     boolean     NOT NULL DEFAULT false,  -- set by an operator: no adapting
+    delivery_day         date,                            -- the day delivery_day_count counts
+    delivery_day_count   integer     NOT NULL DEFAULT 0,  -- new deliveries on delivery_day (metrics)
+    CONSTRAINT users_attention_gap_nonnegative CHECK (attention_gap_s IS NULL OR attention_gap_s >= 0)
 );
 CREATE INDEX users_home ON users (home_topic, home_partition);
 

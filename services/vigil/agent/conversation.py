@@ -45,6 +45,7 @@ from vigil.agent.prompt import (
     tool_result,
     with_conversation_breakpoint,
 )
+from vigil.agent.screening import Classifier, provenance, screen_output
 from vigil.agent.sessions import Thread
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission
 from vigil.agent.tools import (
@@ -74,6 +75,7 @@ class Toolbox:
     permissions: dict[str, Permission]  # every known tool's effective permission
     tools: model.Encoded  # the tools offered (definitions in their fixed order), encoded once
     policies: dict[str, EventPolicy]  # the deployment's (VIGIL_EVENT_POLICIES); a user's may win
+    classifier: Classifier | None = None  # auto mode's second opinion (VIGIL_AUTO_CLASSIFIER_MODEL)
 
 
 @dataclass
@@ -367,11 +369,21 @@ class Conversation:
             return ToolOutput(f"Not run: {refusal}.", True), None
         was_fallen_back = self.gate.counters.fallen_back
         verdict = self.gate.decide(tool.name, tool.risk(args))
+        classifier = self.box.classifier
+        if (
+            classifier is not None
+            and verdict.decision is Decision.RUN
+            and self.gate.permission(tool.name) is Permission.AUTO
+            and not self.run.journal.journaled(step)  # a replayed call was decided when it first ran
+        ):
+            judgement = await classifier.judge(tool.name, args, provenance(self.thread.messages))
+            verdict = self.gate.stricter(verdict, judgement.risk, judgement.unsure)
         if verdict.decision is Decision.RUN:
             user_id = self.run.ctx.user_id
             output = await self.run.journal.action(
                 step, tool.name, args, lambda key: tool.run(args, CallContext(user_id, use["id"], key))
             )
+            output = ToolOutput(screen_output(tool.name, output.text), output.is_error)
             self.outputs.actions.append(tool.describe(args))
             metrics.TOOL_CALLS.labels(tool.name, "error" if output.is_error else "ran").inc()
             return output, Decision.RUN
