@@ -8,8 +8,11 @@ import asyncio
 import dataclasses
 import time
 
+import psycopg
 import pytest
+from psycopg.rows import dict_row
 
+from support import query
 from vigil.agent.base import Delegation, TaskContext
 from vigil.agent.delegation import CHILD_SYSTEM
 from vigil_dev import agent_testing as t
@@ -209,3 +212,85 @@ def test_a_tasks_progress_names_its_last_tool_and_its_latest_note(server):
     result = asyncio.run(go())
     assert result.text == "all done"
     assert (ctx.usage.turns, ctx.usage.last_tool, ctx.usage.note) == (2, "refund", "refunding order 3 first")
+
+
+# -- the agent looks at its own tasks (tasks_list, task_result, task_cancel) --------------------
+
+
+def _seed_tasks(ledger: str, rows: list[tuple[str, str, tuple[str, ...], str]]) -> None:
+    """(id, user, owner chain, status) rows, as a delegating run's finish and a holder leave them."""
+    from vigil.ledger import tasks as ledger_tasks
+
+    async def seed():
+        conn = await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row)
+        for task_id, user, chain, status in rows:
+            new = ledger_tasks.NewTaskRow(
+                id=task_id,
+                user_id=user,
+                parent_run_key=chain[1],
+                parent_task_id=None,
+                session_id=None,
+                depth=1,
+                owner_chain=list(chain),
+                instructions=f"instructions of {task_id}",
+                tools=[],
+                token_budget=100,
+                max_attempts=2,
+                timeout_s=600,
+            )
+            await ledger_tasks.create(conn, new)
+            if status == "succeeded":
+                await conn.execute(
+                    "UPDATE tasks SET status = 'succeeded', result = %s, finished_at = now() WHERE id = %s",
+                    (f"answer of {task_id}", task_id),
+                )
+        await conn.close()
+
+    asyncio.run(seed())
+
+
+def test_an_agent_reads_and_cancels_only_its_own_tasks(server, ledger):
+    """tasks_list lists the tasks this run's owner chain delegated; task_result reads one;
+    task_cancel cancels one. Another run's task of the same user, and another user's task
+    named by its id, are refused alike (an error result that tells nothing of them)."""
+    from vigil.worker.task_door import LedgerTasks
+
+    ctx = ctx_with("how are my tasks?", limits())
+    mine = ("u1", ctx.run_key)
+    _seed_tasks(
+        ledger,
+        [
+            ("tsk_done", "u1", mine, "succeeded"),
+            ("tsk_open", "u1", mine, "queued"),
+            ("tsk_sibling", "u1", ("u1", "u1:9:9:1"), "queued"),
+            ("tsk_theirs", "u2", ("u2", ctx.run_key), "succeeded"),
+        ],
+    )
+    ctx.tasks = LedgerTasks.connecting(ledger)
+    calls = [
+        call("tasks_list"),
+        call("task_result", task_id="tsk_done"),
+        call("task_result", task_id="tsk_theirs"),
+        call("task_result", task_id="tsk_sibling"),
+        call("task_cancel", task_id="tsk_open"),
+        call("task_cancel", task_id="tsk_theirs"),
+        call("task_cancel", task_id="tsk_sibling"),
+    ]
+    run(server, [{"when": {"tool_result": "tasks_list"}, "reply": []}, {"reply": calls}], ctx)
+    listed, done, theirs, sibling, cancelled, cancel_theirs, cancel_sibling = delegate_results(server)
+    assert not listed.get("is_error"), listed
+    assert "tsk_done" in listed["content"] and "tsk_open" in listed["content"]
+    assert "tsk_sibling" not in listed["content"] and "tsk_theirs" not in listed["content"]
+    assert not done.get("is_error") and "answer of tsk_done" in done["content"], done
+    assert not cancelled.get("is_error") and "cancelled" in cancelled["content"], cancelled
+    for refused in (theirs, sibling, cancel_theirs, cancel_sibling):
+        assert refused.get("is_error"), refused
+        assert "answer of" not in refused["content"] and "no task" in refused["content"], refused
+    assert theirs["content"].replace("tsk_theirs", "X") == sibling["content"].replace("tsk_sibling", "X")
+    statuses = dict((r["id"], r["status"]) for r in query(ledger, "SELECT id, status FROM tasks"))
+    assert statuses == {
+        "tsk_done": "succeeded",
+        "tsk_open": "cancelled",
+        "tsk_sibling": "queued",
+        "tsk_theirs": "succeeded",
+    }

@@ -31,6 +31,7 @@ from vigil.errors import VigilError
 # EventRow is a ledger row (vigil.ledger.events); the agent interface names it here too.
 from vigil.ledger.events import EventRow
 from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome
+from vigil.ledger.tasks import TaskRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,23 @@ class Delegation:
         return depth if depth <= self.max_depth else None
 
 
+class TaskDoor(Protocol):
+    """The ledger's background tasks, as the worker lets a run look at them
+    (:mod:`vigil.worker.task_door`). Both calls apply the owner rule in the ledger itself."""
+
+    async def owned(
+        self, *, user_id: str, owner: str, session_id: str | None, task_id: str | None = None
+    ) -> list[TaskRow]:
+        """The tasks ``owner`` may see, newest first (with ``task_id``: that one, or none)."""
+
+    async def cancel(self, *, task_id: str, actor: str) -> TaskRow | None:
+        """Cancel (queued) or ask to stop (running); None: already terminal."""
+
+
+class TasksUnavailable(VigilError):
+    """The ledger did not answer a look at the tasks (the tool says so; the run goes on)."""
+
+
 @dataclass(slots=True)
 class RunContext:
     user_id: str
@@ -113,6 +131,9 @@ class RunContext:
     # adopt(ids): claims these events of the user by id under this run's epoch (a replay's
     # events folded at a journaled boundary that the claim did not bring).
     adopt: Callable[[Sequence[int]], Awaitable[list[EventRow]]] | None = None
+    # The ledger's tasks as this run may see them (tasks_list, task_result, task_cancel); None:
+    # those tools answer that there is nothing to look at.
+    tasks: TaskDoor | None = None
 
 
 @dataclass(frozen=True, slots=True)

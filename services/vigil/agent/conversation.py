@@ -32,7 +32,7 @@ from typing import Any
 import anthropic
 
 from vigil import tracing
-from vigil.agent import delegation, metrics, model
+from vigil.agent import delegation, metrics, model, task_tools
 from vigil.agent.base import ApprovalRequest, EventRow, NewApproval, RunContext
 from vigil.agent.deferral import Deferral, defer, escalate, resolve, resumed_turn
 from vigil.agent.journal import Journal
@@ -52,6 +52,7 @@ from vigil.agent.tools import (
     MEMORY,
     SEND_MESSAGE,
     SET_FOLLOWUP,
+    TASK_TOOLS,
     ActionTool,
     CallContext,
     Outputs,
@@ -273,6 +274,11 @@ class Conversation:
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
                     output = await self._delegate(use, args, step)
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
+                elif name in TASK_TOOLS and self.gate.permission(name) is not Permission.DENY:
+                    ctx = self.run.ctx
+                    caller = task_tools.Caller(ctx.user_id, ctx.run_key, self.thread.session_id)
+                    output = await task_tools.look(name, args, ctx.tasks, caller)
+                    metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
                 elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
                     output, decision = await self._action(self.box.actions[name], use, args, asked is not None, step)
                     if decision is Decision.ASK and asked is None:

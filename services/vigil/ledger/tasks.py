@@ -215,6 +215,22 @@ async def of_user(
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
+async def of_owner(
+    conn: psycopg.AsyncConnection[DictRow],
+    *,
+    user_id: str,
+    owner: str,
+    session_id: str | None,
+    task_id: str | None = None,
+    limit: int = 20,
+) -> list[TaskRow]:
+    """The tasks ``owner`` (a run key or a task id of ``user_id``, acting in the conversation
+    ``session_id``) may read, wait for and cancel, newest first; with ``task_id``, that one or none."""
+    params = {"user_id": user_id, "owner": owner, "session_id": session_id, "id": task_id, "limit": limit}
+    cur = await conn.execute(Q.tasks_of_owner, params)
+    return [TaskRow.of(row) for row in await cur.fetchall()]
+
+
 async def recent(conn: psycopg.AsyncConnection[DictRow], status: str | None = None, limit: int = 50) -> list[TaskRow]:
     cur = await conn.execute(Q.tasks_recent, {"status": status, "limit": limit})
     return [TaskRow.of(row) for row in await cur.fetchall()]

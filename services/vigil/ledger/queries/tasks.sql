@@ -160,3 +160,12 @@ SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'qu
     lease_holder = NULL
 WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING id
+
+-- name: tasks_of_owner
+-- The tasks one owner may see (docs/tasks.md, "Ownership"): its user's, with the owner in their owner chain or delegated from its conversation; one of them when %(id)s is given.
+SELECT * FROM tasks
+WHERE user_id = %(user_id)s
+  AND (%(owner)s = ANY(owner_chain) OR (%(session_id)s::text IS NOT NULL AND session_id = %(session_id)s))
+  AND (%(id)s::text IS NULL OR id = %(id)s)
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
