@@ -250,19 +250,23 @@ def _seed_tasks(ledger: str, rows: list[tuple[str, str, tuple[str, ...], str]]) 
 
 
 def test_an_agent_reads_and_cancels_only_its_own_tasks(server, ledger):
-    """tasks_list lists the tasks this run's owner chain delegated; task_result reads one;
-    task_cancel cancels one. Another run's task of the same user, and another user's task
-    named by its id, are refused alike (an error result that tells nothing of them)."""
+    """tasks_list lists the tasks whose owner chain holds one of this run's owner ids (its user,
+    its run key: an earlier run's task of the same user too); task_result reads one;
+    task_cancel cancels one. Another user's task named by its id, and a row of this user whose
+    chain names none of the run's ids, are refused alike, as an unknown id is: an error result
+    that tells nothing of them."""
     from vigil.worker.task_door import LedgerTasks
 
     ctx = ctx_with("how are my tasks?", limits())
+    ctx.delegation = dataclasses.replace(ctx.delegation, owner_chain=("u1", ctx.run_key))
     mine = ("u1", ctx.run_key)
     _seed_tasks(
         ledger,
         [
             ("tsk_done", "u1", mine, "succeeded"),
             ("tsk_open", "u1", mine, "queued"),
-            ("tsk_sibling", "u1", ("u1", "u1:9:9:1"), "queued"),
+            ("tsk_earlier", "u1", ("u1", "u1:9:9:1"), "queued"),
+            ("tsk_stray", "u1", ("u0", "u0:9:9:1"), "succeeded"),
             ("tsk_theirs", "u2", ("u2", ctx.run_key), "succeeded"),
         ],
     )
@@ -270,27 +274,34 @@ def test_an_agent_reads_and_cancels_only_its_own_tasks(server, ledger):
     calls = [
         call("tasks_list"),
         call("task_result", task_id="tsk_done"),
-        call("task_result", task_id="tsk_theirs"),
-        call("task_result", task_id="tsk_sibling"),
+        call("task_result", task_id="tsk_earlier"),
         call("task_cancel", task_id="tsk_open"),
+        call("task_result", task_id="tsk_theirs"),
+        call("task_result", task_id="tsk_stray"),
+        call("task_result", task_id="tsk_nothing"),
         call("task_cancel", task_id="tsk_theirs"),
-        call("task_cancel", task_id="tsk_sibling"),
+        call("task_cancel", task_id="tsk_stray"),
     ]
     run(server, [{"when": {"tool_result": "tasks_list"}, "reply": []}, {"reply": calls}], ctx)
-    listed, done, theirs, sibling, cancelled, cancel_theirs, cancel_sibling = delegate_results(server)
+    listed, done, earlier, cancelled, *refused = delegate_results(server)
     assert not listed.get("is_error"), listed
-    assert "tsk_done" in listed["content"] and "tsk_open" in listed["content"]
-    assert "tsk_sibling" not in listed["content"] and "tsk_theirs" not in listed["content"]
+    for task_id in ("tsk_done", "tsk_open", "tsk_earlier"):
+        assert task_id in listed["content"], listed
+    assert "tsk_stray" not in listed["content"] and "tsk_theirs" not in listed["content"]
     assert not done.get("is_error") and "answer of tsk_done" in done["content"], done
+    assert not earlier.get("is_error") and "queued" in earlier["content"], earlier
     assert not cancelled.get("is_error") and "cancelled" in cancelled["content"], cancelled
-    for refused in (theirs, sibling, cancel_theirs, cancel_sibling):
-        assert refused.get("is_error"), refused
-        assert "answer of" not in refused["content"] and "no task" in refused["content"], refused
-    assert theirs["content"].replace("tsk_theirs", "X") == sibling["content"].replace("tsk_sibling", "X")
+    assert len(refused) == 5
+    for answer in refused:
+        assert answer.get("is_error"), answer
+        assert "answer of" not in answer["content"] and "no task" in answer["content"], answer
+    anonymous = {r["content"].replace(n, "X") for r, n in zip(refused[:3], ("tsk_theirs", "tsk_stray", "tsk_nothing"))}
+    assert len(anonymous) == 1, anonymous
     statuses = dict((r["id"], r["status"]) for r in query(ledger, "SELECT id, status FROM tasks"))
     assert statuses == {
         "tsk_done": "succeeded",
         "tsk_open": "cancelled",
-        "tsk_sibling": "queued",
+        "tsk_earlier": "queued",
+        "tsk_stray": "succeeded",
         "tsk_theirs": "succeeded",
     }

@@ -80,10 +80,8 @@ class TaskDoor(Protocol):
     """The ledger's background tasks, as the worker lets a run look at them
     (:mod:`vigil.worker.task_door`). Both calls apply the owner rule in the ledger itself."""
 
-    async def owned(
-        self, *, user_id: str, owner: str, session_id: str | None, task_id: str | None = None
-    ) -> list[TaskRow]:
-        """The tasks ``owner`` may see, newest first (with ``task_id``: that one, or none)."""
+    async def owned(self, *, user_id: str, owners: Sequence[str], task_id: str | None = None) -> list[TaskRow]:
+        """The tasks a caller with these owner ids may see, newest first (with ``task_id``: that one, or none)."""
 
     async def cancel(self, *, task_id: str, actor: str) -> TaskRow | None:
         """Cancel (queued) or ask to stop (running); None: already terminal."""

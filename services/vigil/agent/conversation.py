@@ -276,7 +276,8 @@ class Conversation:
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
                 elif name in TASK_TOOLS and self.gate.permission(name) is not Permission.DENY:
                     ctx = self.run.ctx
-                    caller = task_tools.Caller(ctx.user_id, ctx.run_key, self.thread.session_id)
+                    owners = ctx.delegation.owner_chain if ctx.delegation else (ctx.user_id, ctx.run_key)
+                    caller = task_tools.Caller(ctx.user_id, owners)
                     output = await task_tools.look(name, args, ctx.tasks, caller)
                     metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
                 elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:

@@ -1,10 +1,11 @@
 """``tasks_list``, ``task_result`` and ``task_cancel``: a conversation looks at the background
 tasks it delegated (docs/tasks.md, "Ownership").
 
-The caller is the run, never the model's arguments: its user, its owner-chain entry (the run
-key) and its conversation. The ledger applies the owner rule on every call
-(:func:`vigil.ledger.tasks.of_owner`), so a task of another user, or of another run and
-conversation, is refused exactly as a task that does not exist: the model learns nothing of it.
+The caller is the run, never the model's arguments: its user and its owner chain (the user,
+the run key). The ledger applies the owner rule on every call
+(:func:`vigil.ledger.tasks.of_owner`), so a task the caller does not own is refused exactly
+as a task that does not exist: the model learns nothing of it. The conversation is never
+consulted (it is recorded on the task, for the result event, not as a key).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ OPEN = (TaskStatus.QUEUED, TaskStatus.RUNNING)
 @dataclass(frozen=True)
 class Caller:
     user_id: str
-    owner: str  # the run key: its entry in the owner chain of what it delegates
-    session_id: str | None  # the conversation
+    owners: tuple[str, ...]  # the run's owner chain: the user, then the run key
 
 
 async def look(name: str, args: dict[str, Any], door: TaskDoor | None, caller: Caller) -> ToolOutput:
@@ -33,20 +33,18 @@ async def look(name: str, args: dict[str, Any], door: TaskDoor | None, caller: C
         return ToolOutput("No tasks here: this worker offers no background tasks.", True)
     try:
         if name == TASKS_LIST:
-            return _listed(await door.owned(user_id=caller.user_id, owner=caller.owner, session_id=caller.session_id))
+            return _listed(await door.owned(user_id=caller.user_id, owners=caller.owners))
         task_id = args.get("task_id")
         if not isinstance(task_id, str) or not task_id.strip():
             return ToolOutput("Refused: task_id must be the id delegate gave (tsk_...).", True)
         task_id = task_id.strip()
-        owned = await door.owned(
-            user_id=caller.user_id, owner=caller.owner, session_id=caller.session_id, task_id=task_id
-        )
+        owned = await door.owned(user_id=caller.user_id, owners=caller.owners, task_id=task_id)
         if not owned:
-            return ToolOutput(f"Refused: there is no task {task_id} of this conversation.", True)
+            return ToolOutput(f"Refused: there is no task {task_id} of yours.", True)
         if name == TASK_RESULT:
             return ToolOutput(_described(owned[0]))
         assert name == TASK_CANCEL
-        cancelled = await door.cancel(task_id=task_id, actor=caller.owner)
+        cancelled = await door.cancel(task_id=task_id, actor=caller.owners[-1])
     except TasksUnavailable as exc:
         return ToolOutput(f"Could not look: {exc}. Try again later.", True)
     if cancelled is None:
@@ -58,11 +56,11 @@ async def look(name: str, args: dict[str, Any], door: TaskDoor | None, caller: C
 
 def _listed(tasks: list[TaskRow]) -> ToolOutput:
     if not tasks:
-        return ToolOutput("This conversation has no background tasks.")
+        return ToolOutput("You have no background tasks.")
     lines = [
         f"- {t.id} {t.status}, {t.turns} turns, {t.input_tokens + t.output_tokens} tokens: " + _start(t) for t in tasks
     ]
-    return ToolOutput("Background tasks of this conversation, newest first:\n" + "\n".join(lines))
+    return ToolOutput("Your background tasks, newest first:\n" + "\n".join(lines))
 
 
 def _described(task: TaskRow) -> str:

@@ -6,7 +6,7 @@ Built in (they only shape the run's result, so they are always ``allow`` or ``de
   (:mod:`vigil.agent.delegation`).
 
 - ``tasks_list()``, ``task_result(task_id)``, ``task_cancel(task_id)``: the background tasks
-  this conversation delegated (:mod:`vigil.agent.task_tools`).
+  the agent delegated (:mod:`vigil.agent.task_tools`).
 
 - ``send_message(text, urgent=false)``: a message for the outbox, the first way a run ends.
   Not calling it is the quiet default: nothing is sent.
@@ -156,7 +156,7 @@ def builtin_definitions(settings: AgentSettings) -> dict[str, dict[str, Any]]:
 
 
 def task_definitions() -> dict[str, dict[str, Any]]:
-    """The tools over this conversation's background tasks (executed by :mod:`vigil.agent.task_tools`)."""
+    """The tools over the agent's own background tasks (executed by :mod:`vigil.agent.task_tools`)."""
     task_id = {
         "type": "object",
         "properties": {"task_id": {"type": "string", "description": "The id delegate gave, tsk_..."}},
@@ -167,15 +167,15 @@ def task_definitions() -> dict[str, dict[str, Any]]:
         TASKS_LIST: {
             "name": TASKS_LIST,
             "description": (
-                "List the background tasks this conversation delegated, newest first: id, status, "
-                "progress and the start of their instructions."
+                "List the background tasks you delegated for this user (in any conversation), newest "
+                "first: id, status, progress and the start of their instructions."
             ),
             "input_schema": {"type": "object", "properties": {}, "additionalProperties": False},
         },
         TASK_RESULT: {
             "name": TASK_RESULT,
             "description": (
-                "Read one of this conversation's background tasks: its status and, once it ended, its "
+                "Read one of your background tasks: its status and, once it ended, its "
                 "result or error. A task that has not ended wakes you with its result when it does."
             ),
             "input_schema": task_id,
@@ -183,7 +183,7 @@ def task_definitions() -> dict[str, dict[str, Any]]:
         TASK_CANCEL: {
             "name": TASK_CANCEL,
             "description": (
-                "Cancel one of this conversation's background tasks: a queued one at once, a running one "
+                "Cancel one of your background tasks: a queued one at once, a running one "
                 "within seconds (it keeps what it spent). A task that already ended is left as it is."
             ),
             "input_schema": task_id,

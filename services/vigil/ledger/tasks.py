@@ -17,6 +17,7 @@ is one statement that checks the state it expects and says whether it won:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -215,18 +216,25 @@ async def of_user(
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
+def may_own(task: TaskRow, owners: Sequence[str]) -> bool:
+    """The owner-chain rule (docs/tasks.md, "Ownership"): a caller whose owner ids (its own
+    chain: the user, then the run key and task ids that led to it) include the task's creator
+    or any owner in the task's chain may read, wait for and cancel it. Never the session: a
+    conversation id is recorded, not consulted. (``tasks_of_owner`` applies it in SQL.)"""
+    return bool(set(owners) & {task.parent_run_key, *task.owner_chain})
+
+
 async def of_owner(
     conn: psycopg.AsyncConnection[DictRow],
     *,
     user_id: str,
-    owner: str,
-    session_id: str | None,
+    owners: Sequence[str],
     task_id: str | None = None,
     limit: int = 20,
 ) -> list[TaskRow]:
-    """The tasks ``owner`` (a run key or a task id of ``user_id``, acting in the conversation
-    ``session_id``) may read, wait for and cancel, newest first; with ``task_id``, that one or none."""
-    params = {"user_id": user_id, "owner": owner, "session_id": session_id, "id": task_id, "limit": limit}
+    """The tasks of ``user_id`` that a caller with these owner ids may see (:func:`may_own`),
+    newest first; with ``task_id``, that one or none."""
+    params = {"user_id": user_id, "owners": list(owners), "id": task_id, "limit": limit}
     cur = await conn.execute(Q.tasks_of_owner, params)
     return [TaskRow.of(row) for row in await cur.fetchall()]
 

@@ -4,7 +4,7 @@ ledger's (:func:`vigil.ledger.tasks.of_owner`), applied on every call."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -35,12 +35,10 @@ class LedgerTasks:
 
         return cls(connect)
 
-    async def owned(
-        self, *, user_id: str, owner: str, session_id: str | None, task_id: str | None = None
-    ) -> list[ledger.TaskRow]:
+    async def owned(self, *, user_id: str, owners: Sequence[str], task_id: str | None = None) -> list[ledger.TaskRow]:
         try:
             async with self._connect() as conn:
-                return await ledger.of_owner(conn, user_id=user_id, owner=owner, session_id=session_id, task_id=task_id)
+                return await ledger.of_owner(conn, user_id=user_id, owners=owners, task_id=task_id)
         except (psycopg.Error, OSError) as exc:
             raise TasksUnavailable(f"the task ledger did not answer: {exc}") from exc
 

@@ -162,10 +162,10 @@ WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING id
 
 -- name: tasks_of_owner
--- The tasks one owner may see (docs/tasks.md, "Ownership"): its user's, with the owner in their owner chain or delegated from its conversation; one of them when %(id)s is given.
+-- The tasks a caller may see (docs/tasks.md, "Ownership"; ledger.tasks.may_own is the same rule): its user's, with one of the caller's owner ids (its own chain: the user, a run key, task ids) in their owner chain; one of them when %(id)s is given. Never the session.
 SELECT * FROM tasks
 WHERE user_id = %(user_id)s
-  AND (%(owner)s = ANY(owner_chain) OR (%(session_id)s::text IS NOT NULL AND session_id = %(session_id)s))
+  AND owner_chain && %(owners)s::text[]
   AND (%(id)s::text IS NULL OR id = %(id)s)
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s
