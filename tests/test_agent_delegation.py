@@ -305,3 +305,25 @@ def test_an_agent_reads_and_cancels_only_its_own_tasks(server, ledger):
         "tsk_stray": "succeeded",
         "tsk_theirs": "succeeded",
     }
+
+
+def test_a_delegation_past_the_users_open_tasks_is_an_error_result(server, ledger):
+    """VIGIL_MAX_OPEN_TASKS_PER_USER=3 with two of the user's tasks open (one queued, one
+    running) and a finished one: the run's first background delegation is queued, its second
+    is refused with an error result the model reads."""
+    from vigil.worker.task_door import LedgerTasks
+
+    ctx = ctx_with("fan out", dataclasses.replace(limits(), max_open_tasks_per_user=3))
+    old = ("u1", "u1:7:7:1")
+    _seed_tasks(
+        ledger,
+        [("tsk_q", "u1", old, "queued"), ("tsk_r", "u1", old, "queued"), ("tsk_s", "u1", old, "succeeded")],
+    )
+    query(ledger, "UPDATE tasks SET status = 'running', lease_holder = 'w', heartbeat_at = now() WHERE id = 'tsk_r'")
+    ctx.tasks = LedgerTasks.connecting(ledger)
+    fan_out = [call("delegate", instructions=f"job {i}", budget=300) for i in range(2)]
+    result = run(server, [{"when": {"tool_result": "delegate"}, "reply": []}, {"reply": fan_out}], ctx)
+    queued, refused = delegate_results(server)
+    assert not queued.get("is_error"), queued
+    assert refused.get("is_error") and "at most 3 open background tasks" in refused["content"], refused
+    assert len(result.tasks) == 1 and result.tasks[0].max_open == 3

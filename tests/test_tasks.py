@@ -515,6 +515,40 @@ def test_only_an_owner_in_the_chain_may_read_wait_for_or_cancel_over_http_and_th
     assert scalar(ledger, "SELECT cancel_requested_at FROM tasks WHERE id = %s", (stray,)) is None
 
 
+def test_open_tasks_per_user_are_bounded_atomically_by_the_ledger(ledger):
+    """VIGIL_MAX_OPEN_TASKS_PER_USER=1 and two finishes of the same user inserting a task at
+    once: the second waits for the first (one lock per user) and, seeing one open task, inserts
+    its task already failed with the reason, so its result event tells the agent. Never two open."""
+    from vigil.ledger import tasks as ledger_tasks
+
+    async def go():
+        first, second = await _tasks_conn(ledger), await _tasks_conn(ledger)
+        async with first.transaction():
+            await ledger_tasks.create(first, dataclasses.replace(_new_task("tsk_first"), max_open=1))
+            racing = asyncio.create_task(
+                _create_in_transaction(second, dataclasses.replace(_new_task("tsk_second"), max_open=1))
+            )
+            await asyncio.sleep(0.5)
+            assert not racing.done()  # held back by the first finish's lock
+        await racing
+        rows = {r.id: r for r in await ledger_tasks.of_user(first, user_id="race")}
+        for conn in (first, second):
+            await conn.close()
+        return rows
+
+    rows = asyncio.run(go())
+    assert rows["tsk_first"].status == "queued"
+    assert rows["tsk_second"].status == "failed" and rows["tsk_second"].finished_at is not None
+    assert "at most 1 open" in rows["tsk_second"].error
+
+
+async def _create_in_transaction(conn, task) -> None:
+    from vigil.ledger import tasks as ledger_tasks
+
+    async with conn.transaction():
+        await ledger_tasks.create(conn, task)
+
+
 # -- a cancel stands (issue 44 item 3) -------------------------------------------------------
 
 

@@ -69,6 +69,7 @@ class Delegation:
     max_attempts: int  # VIGIL_TASK_MAX_ATTEMPTS: holders lost before the task is lost
     owner_chain: tuple[str, ...]  # user id, then the run key and task ids that led here
     max_tasks_per_run: int = 8  # VIGIL_MAX_TASKS_PER_RUN: background tasks one run may start
+    max_open_tasks_per_user: int | None = None  # VIGIL_MAX_OPEN_TASKS_PER_USER: queued or running at once
 
     def child_depth(self) -> int | None:
         """The depth a child would have, or None if that is past the bound."""
@@ -85,6 +86,9 @@ class TaskDoor(Protocol):
 
     async def cancel(self, *, task_id: str, actor: str) -> TaskRow | None:
         """Cancel (queued) or ask to stop (running); None: already terminal."""
+
+    async def open_count(self, user_id: str) -> int:
+        """How many of the user's tasks are queued or running."""
 
 
 class TasksUnavailable(VigilError):
@@ -203,6 +207,7 @@ class NewTask:
     owner_chain: tuple[str, ...]
     session_id: str | None = None  # the session its result resumes
     parent_task_id: str | None = None
+    max_open: int | None = None  # VIGIL_MAX_OPEN_TASKS_PER_USER, enforced again by the finish's insert
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,6 +96,9 @@ class NewTaskRow:
     max_attempts: int
     timeout_s: float
     run_id: int | None = None  # the delegating run's row (the console links the task to it)
+    # VIGIL_MAX_OPEN_TASKS_PER_USER (None: no bound): past it the task is inserted already
+    # failed, with the reason, so its result event tells the agent.
+    max_open: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +126,19 @@ class Gauges:
 
 
 async def create(conn: psycopg.AsyncConnection[DictRow], task: NewTaskRow) -> None:
-    """Queue a task: called inside the delegating run's fenced finish transaction."""
+    """Queue a task: called inside the delegating run's fenced finish transaction. With a
+    bound on the user's open tasks, the user's lock is taken first (held to the commit), so
+    two finishes of one user count and insert one after the other."""
+    if task.max_open is not None:
+        await conn.execute(Q.task_open_lock, {"user_id": task.user_id})
     await conn.execute(Q.task_create, {f.name: getattr(task, f.name) for f in fields(task)})
+
+
+async def open_count(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> int:
+    """The user's queued and running tasks."""
+    row = await (await conn.execute(Q.task_open_count, {"user_id": user_id})).fetchone()
+    assert row is not None  # an aggregate: one row
+    return int(row["open"])
 
 
 async def claim(conn: psycopg.AsyncConnection[DictRow], holder: str, limit: int) -> list[TaskRow]:

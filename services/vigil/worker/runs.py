@@ -62,7 +62,7 @@ class Runs:
         self.settings = settings
         self.agent = agent
         self.pool = pool
-        self.task_door = LedgerTasks(pool.connection)
+        self.task_door = LedgerTasks(lambda: self.pool.connection())
         self.clock = clock
         self.active: dict[str, Active] = {}
         self.journal_group = run_journal.GroupAppend(pool)  # every run's journal appends, grouped
@@ -292,6 +292,7 @@ class Runs:
                 max_attempts=self.settings.task_max_attempts,
                 owner_chain=(c.user_id, run_key),
                 max_tasks_per_run=self.settings.max_tasks_per_run,
+                max_open_tasks_per_user=self.settings.max_open_tasks_per_user,
             ),
             tasks=self.task_door,
         )

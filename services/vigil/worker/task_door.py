@@ -42,6 +42,13 @@ class LedgerTasks:
         except (psycopg.Error, OSError) as exc:
             raise TasksUnavailable(f"the task ledger did not answer: {exc}") from exc
 
+    async def open_count(self, user_id: str) -> int:
+        try:
+            async with self._connect() as conn:
+                return await ledger.open_count(conn, user_id)
+        except (psycopg.Error, OSError) as exc:
+            raise TasksUnavailable(f"the task ledger did not answer: {exc}") from exc
+
     async def cancel(self, *, task_id: str, actor: str) -> ledger.TaskRow | None:
         try:
             async with self._connect() as conn:

@@ -4,13 +4,26 @@
 -- the owner through ingest or `vigil tasks cancel` (task_cancel). Every status change is one
 -- statement that checks the status it expects; the holder's also check its lease epoch.
 
+-- name: task_open_lock
+-- A user's lock on opening tasks (VIGIL_MAX_OPEN_TASKS_PER_USER), held to the end of the finish's transaction; its own statement, so that task_create's count is read after it is held.
+SELECT pg_advisory_xact_lock(hashtextextended('vigil.tasks.open:' || %(user_id)s, 0))
+
+-- name: task_open_count
+-- The user's open tasks (queued or running).
+SELECT count(*) AS open FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running')
+
 -- name: task_create
--- A task delegated by a run, inserted in that run's fenced finish (a run that does not commit starts nothing).
+-- A task delegated by a run, inserted in that run's fenced finish (a run that does not commit starts nothing). Past %(max_open)s open tasks of its user (NULL: no bound) it is inserted already failed, with the reason: its result event tells the agent.
 INSERT INTO tasks (id, user_id, parent_run_key, parent_task_id, session_id, depth, owner_chain, instructions,
-                   tools, token_budget, max_attempts, deadline, run_id)
-VALUES (%(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
-        %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s, now() + make_interval(secs => %(timeout_s)s),
-        %(run_id)s)
+                   tools, token_budget, max_attempts, deadline, run_id, status, finished_at, error)
+SELECT %(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
+       %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s, now() + make_interval(secs => %(timeout_s)s),
+       %(run_id)s,
+       CASE WHEN full_up THEN 'failed' ELSE 'queued' END,
+       CASE WHEN full_up THEN now() END,
+       CASE WHEN full_up THEN format('not started: this user already has at most %%s open background tasks (VIGIL_MAX_OPEN_TASKS_PER_USER)', %(max_open)s::int) END
+FROM (SELECT %(max_open)s::int IS NOT NULL AND count(*) >= %(max_open)s::int AS full_up
+      FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running')) AS bound
 ON CONFLICT (id) DO NOTHING
 
 -- name: task_claim
