@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install up demo down status logs test test-fast lint fmt bench bench-quick chaos clean lock tools
+.PHONY: help install up demo down status logs test test-fast lint fmt bench bench-quick chaos eval clean lock tools
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -63,6 +63,10 @@ bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes)
 SEED ?= 1
 chaos: $(STAMP) ## The nemesis under load on a stack of its own (.run/chaos): 30 faults, seeded (SEED=n); ends PASS or FAIL
 	$(BIN)/python -m vigil_dev.chaos --seed $(SEED) $(CHAOS_ARGS)
+
+MODEL ?=
+eval: $(STAMP) ## The agent's behaviour across scenarios, as a table: offline (scripted model) unless ANTHROPIC_API_KEY is set (MODEL=id)
+	$(BIN)/python -m vigil_dev.evals $(if $(MODEL),--model $(MODEL)) $(EVAL_ARGS)
 
 clean: down ## Stop the stack and delete .run/ (Kafka jars, data, logs)
 	rm -rf .run

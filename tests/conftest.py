@@ -100,6 +100,7 @@ def stack(tmp_path_factory) -> Stack:
         pg.start()
         owned.append(pg)
         st = Stack(bootstrap=kafka.bootstrap, admin_dsn=pg.admin_url(), service_url=pg.url(), kafka=kafka)
+    os.environ["VIGIL_TEST_ADMIN_DSN"] = st.admin_dsn  # support.explaining: plans need a superuser
     with psycopg.connect(st.admin_dsn, autocommit=True) as conn:
         st.create_database(conn, st.template)
     apply_canonical(st.dsn(st.template))

@@ -53,6 +53,15 @@ def query(dsn: str, sql: str, params: Any = None) -> list[dict]:
         return cur.fetchall() if cur.description else []
 
 
+def explaining(ledger: str) -> str:
+    """``ledger`` as the stack's admin role: loading auto_explain and setting its parameters
+    take a superuser, and the services' role is not one (the conftest names the admin's DSN)."""
+    admin = os.environ.get("VIGIL_TEST_ADMIN_DSN")
+    if not admin:
+        return ledger
+    return psycopg.conninfo.make_conninfo(admin, dbname=psycopg.conninfo.conninfo_to_dict(ledger)["dbname"])
+
+
 def auto_explain(plan_cache_mode: str, plans: list[dict]) -> tuple[list[str], Callable]:
     """The settings that make a connection report every statement's executed plan
     (auto_explain, as JSON, with row counts), and the notice handler that appends each plan

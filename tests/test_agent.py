@@ -107,7 +107,8 @@ def test_a_follow_up_is_returned_as_a_timer(serve):
 
     assert result.outcome is RunOutcome.NOTHING  # a timer is not a message
     [timer] = result.timers
-    assert timer.kind == "followup" and timer.payload == {"note": "stretch your legs"}
+    # The payload names the conversation that set it: the follow-up resumes it.
+    assert timer.kind == "followup" and timer.payload == {"note": "stretch your legs", "session_id": result.session.id}
     assert timer.due.microsecond == 0
     assert before + timedelta(seconds=90) <= timer.due <= datetime.now(UTC) + timedelta(seconds=91)
     assert "set for" in server.requests()[-1]["messages"][-1]["content"][0]["content"]
@@ -247,7 +248,7 @@ def test_a_session_past_its_size_budget_is_closed_and_the_next_starts_fresh(serv
 def fold_once(*events):
     calls = []
 
-    async def fold(sources):
+    async def fold(sources, session_id=None):
         calls.append(list(sources))
         return list(events) if len(calls) == 1 else []
 

@@ -201,9 +201,29 @@ def test_escalation_asks_again_louder_and_keeps_waiting(asked, agent_run, server
 
 
 def test_a_message_to_a_waiting_session_starts_a_new_one(asked, agent_run):
+    # An unclear reply; a clear yes or no is an answer at ingest (test_ingest_approvals.py).
     waiting = t.saved(asked)
     [result] = agent_run(t.context([t.chat("hello?", session_id=waiting.id)], sessions=[waiting]))
     assert result.session.id != waiting.id and result.other_sessions == []
+
+
+def test_a_task_result_for_a_waiting_session_is_delivered_to_it_when_it_resumes(asked, agent_run, server):
+    """Before: the result of work the conversation delegated, arriving while it waited on the
+    person, went to a fresh session that knew nothing of it."""
+    waiting = t.saved(asked)
+    result_payload = {"task_id": "task-9", "status": "succeeded", "result": "order A17 was charged twice on 3 May"}
+    done = t.event("task.succeeded", result_payload, source="task", session_id=waiting.id, source_id="task-9")
+    server.clear()
+    [held] = agent_run(t.context([done], sessions=[waiting]))
+    assert server.requests() == [] and held.messages == []  # no new conversation, nothing said yet
+    assert held.session.id == waiting.id and held.session.state == SessionState.WAITING
+    assert [e["source_id"] for e in held.session.pending["held"]] == ["task-9"]
+    row, wake = answer(asked, "yes")
+    [resumed] = agent_run(t.context([wake], sessions=[t.saved(held)], approvals=[row]))
+    request = server.requests()[0]
+    assert "order A17 was charged twice on 3 May" in json.dumps(request["messages"])  # in the resumed transcript
+    assert resumed.session.id == waiting.id and resumed.session.state == SessionState.OPEN
+    assert resumed.session.pending is None
 
 
 def test_two_sessions_answered_in_one_claim_both_resume(agent_run, ledger):

@@ -11,6 +11,10 @@ against the scripted Messages API, and the dispatcher delivering to a webhook re
 - Task progress: one run writes ``/memories/tasks/<name>.md``; after a worker restart the
   next run finds it first in the memory index and continues from it.
 - An event that died is told to the agent once, at the user's next run.
+- A follow-up timer resumes the conversation that set it.
+- Answers where the person is: the approval question's delivery carries approve / deny
+  actions, and a "yes" replying to it answers the approval (the refund runs once); the
+  action URL used afterwards is refused.
 """
 
 from __future__ import annotations
@@ -77,6 +81,21 @@ SCRIPT = {
             "when": {"tool_result": "refund", "tool_result_error": True},
             "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "I may not do that alone."}}],
         },
+        {
+            "when": {"tool_result": "refund", "tool_result_text": "(?i)refund"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Refund done."}}],
+        },
+        {
+            "when": {"user_text": r"remind me about (?P<what>[a-z]+) in a moment"},
+            "reply": [
+                {"type": "tool_use", "name": "set_followup", "input": {"delay_seconds": 1, "note": "ask about {what}"}}
+            ],
+        },
+        {
+            "when": {"user_text": r"timer\.followup"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Following up, as you asked."}}],
+        },
+        {"when": {"tool_result": "set_followup"}, "reply": []},
         {"when": {"tool_result": "send_message"}, "reply": []},
     ]
 }
@@ -213,6 +232,57 @@ def test_auto_mode_blocks_add_up_across_wake_ups_then_the_question_escalates_unt
     assert scalar(ledger, "SELECT count(*) FROM refunds") == 0
     denial = [r for r in claude.requests() if "the person denied this request" in transcript_text(r)]
     assert denial and "refund A1 in full" in transcript_text(denial[0])
+
+
+def test_a_yes_replying_to_the_question_answers_it_where_the_person_is(spawn, vigil_env, ledger, claude, receiver):
+    """Before: the question said to POST /v1/approvals with a token, and a "yes" sent as a
+    reply to it started a new conversation; the refund never ran."""
+    ingest_url = f"http://127.0.0.1:{vigil_env['VIGIL_INGEST_PORT']}"
+    conv = Stack(
+        spawn,
+        vigil_env,
+        ledger,
+        claude,
+        receiver,
+        "u-answers",
+        VIGIL_TOOL_PERMISSIONS="refund=ask",
+        VIGIL_APPROVAL_ACTIONS_BASE_URL=ingest_url,
+    )
+    assert conv.say({"text": "refund B7 in full"}).status_code == 202
+    question = conv.delivery(1)
+    assert question["messages"][0]["body"].startswith("Approval needed: refund")
+    [request_id] = [r["request_id"] for r in query(ledger, "SELECT request_id FROM approvals")]
+    actions = {a["id"]: a for a in question["actions"]}
+    assert set(actions) == {"approve", "deny"} and actions["approve"]["request_id"] == request_id
+    assert actions["approve"]["url"].startswith(f"{ingest_url}/v1/approvals/{request_id}/actions/yes?")
+    assert actions["deny"]["expires_at"] == scalar(ledger, "SELECT due FROM approvals").isoformat()
+
+    reply = conv.say({"text": "Yes!", "in_reply_to": question["delivery_id"]})
+    assert reply.status_code == 202, reply.text
+    assert (reply.json()["answer"], reply.json()["session_id"]) == ("yes", question["session_id"])
+    done = conv.delivery(2)
+    assert [m["body"] for m in done["messages"]] == ["Refund done."] and done["session_id"] == question["session_id"]
+    assert scalar(ledger, "SELECT answered_via FROM approvals") == "chat"
+    assert scalar(ledger, "SELECT count(*) FROM refunds") == 1
+    assert scalar(ledger, "SELECT count(*) FROM sessions WHERE user_id = 'u-answers'") == 1  # no new conversation
+    late_tap = httpx.post(actions["deny"]["url"], timeout=30)
+    assert late_tap.status_code == 409 and late_tap.json()["error"] == "already_answered", late_tap.text
+
+
+def test_a_follow_up_resumes_the_conversation_that_set_it(spawn, vigil_env, ledger, claude, receiver):
+    """Before: the timer's event named no session, so the follow-up started a conversation
+    that had never heard of the request."""
+    conv = Stack(spawn, vigil_env, ledger, claude, receiver, "u-followup")
+    env = {**vigil_env, "VIGIL_SCHEDULER_TICK_S": "0.2"}
+    spawn(["scheduler"], env, name="scheduler").wait_healthy(int(vigil_env["VIGIL_SCHEDULER_PORT"]))
+    assert conv.say({"text": "remind me about tea in a moment"}).status_code == 202
+    followed = conv.delivery(1)
+    assert [m["body"] for m in followed["messages"]] == ["Following up, as you asked."]
+    [session] = [r["id"] for r in query(ledger, "SELECT id FROM sessions WHERE user_id = 'u-followup'")]
+    assert followed["session_id"] == session  # one conversation, resumed by the timer
+    asked_again = next(r for r in claude.requests() if "timer.followup" in transcript_text(r))
+    assert "remind me about tea in a moment" in transcript_text(asked_again)  # with its transcript
+    assert json.loads(scalar(ledger, "SELECT payload::text FROM timers"))["session_id"] == session
 
 
 def test_past_messages_show_what_the_outbox_still_holds(spawn, vigil_env, ledger, claude, stack, topics):

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 from dispatcher_support import (
     T0,
@@ -28,6 +29,19 @@ from vigil.cli import main
 from vigil.clock import ManualClock
 from vigil.ledger import channels
 
+SIGNATURE = "v1." + "A" * 43
+QUESTION_ACTIONS = [
+    {
+        "id": "approve",
+        "label": "Approve",
+        "answer": "yes",
+        "method": "POST",
+        "url": f"/v1/approvals/apr-1/actions/yes?expires=1900000000&signature={SIGNATURE}",
+        "request_id": "apr-1",
+        "expires_at": "2030-03-17T17:46:40+00:00",
+    }
+]
+
 
 def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topics):
     d = in_process_dispatcher(
@@ -43,6 +57,7 @@ def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topi
         # Joined messages of two conversations: a reply continues the newest one's.
         with psycopg.connect(ledger) as conn:
             conn.execute("UPDATE outbox SET session_id = CASE WHEN id = %s THEN 'ses-a' ELSE 'ses-b' END", (first,))
+            conn.execute("UPDATE outbox SET actions = %s WHERE id = %s", (Jsonb(QUESTION_ACTIONS), first))
         assert one_pass(d) == 1
     finally:
         d.close()
@@ -61,6 +76,7 @@ def test_kafka_channel_writes_an_avro_delivery_keyed_by_user(ledger, stack, topi
     assert (record["delivery_id"], record["user_id"], record["messages"]) == (delivery_id, "kai", ["first", "second"])
     assert record["sent_at"] == T0
     assert record["session_id"] == "ses-b"
+    assert record["actions"] == QUESTION_ACTIONS  # the same structure as the webhook's data.actions
     assert query(ledger, "SELECT DISTINCT status, channel FROM outbox") == [{"status": "delivered", "channel": "kafka"}]
 
 
@@ -76,7 +92,7 @@ def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
         add_users(ledger, ["lee"])
         add_message(ledger, "lee", "hello from the agent", created_at=T0)
         with psycopg.connect(ledger) as conn:
-            conn.execute("UPDATE outbox SET session_id = 'ses-l'")
+            conn.execute("UPDATE outbox SET session_id = 'ses-l', actions = %s", (Jsonb(QUESTION_ACTIONS),))
         one_pass(d)
     finally:
         d.close()
@@ -87,6 +103,12 @@ def test_a_user_without_a_channel_gets_one_json_line_on_the_log(ledger):
     assert line["data"]["messages"][0]["body"] == "hello from the agent"
     assert line["data"]["session_id"] == line["data"]["messages"][0]["session_id"] == "ses-l"
     assert line["data"]["delivery_id"] == scalar(ledger, "SELECT delivery_id::text FROM outbox")
+    # The question's actions, their signatures redacted like the answer token: a log is read by more people.
+    [approve] = line["data"]["actions"]
+    assert approve["url"] == QUESTION_ACTIONS[0]["url"].replace(SIGNATURE, "v1.[redacted]")
+    assert {k: v for k, v in approve.items() if k != "url"} == {
+        k: v for k, v in QUESTION_ACTIONS[0].items() if k != "url"
+    }
 
 
 @pytest.fixture

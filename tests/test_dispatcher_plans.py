@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from support import auto_explain, query
+from support import auto_explain, explaining, query
 from test_worker_claims import _max_rows_read_per_node, _nodes
 from vigil.dispatcher.claims import Limits, claim, record_dead, record_delivered, record_retry
 from vigil.ledger import outbox
@@ -87,7 +87,7 @@ def claimed_with_plans(ledger: str, plan_cache_mode: str, limits: Limits):
     savepoint of an outer one."""
     plans: list[dict] = []
     settings, keep = auto_explain(plan_cache_mode, plans)
-    with psycopg.connect(ledger, row_factory=dict_row) as conn:
+    with psycopg.connect(explaining(ledger), row_factory=dict_row) as conn:
         conn.add_notice_handler(keep)
         for setting in settings:
             conn.execute(setting)
@@ -137,7 +137,7 @@ def test_a_claim_between_sweeps_reads_only_the_new_messages(ledger, analyze):
         fresh = [user(i) for i in range(first, first + 9)]  # u19981 .., u19991 ..: nothing waiting yet
         plans: list[dict] = []
         settings, keep = auto_explain(mode, plans)
-        with psycopg.connect(ledger, row_factory=dict_row) as conn:
+        with psycopg.connect(explaining(ledger), row_factory=dict_row) as conn:
             mark = conn.execute("SELECT max(id) AS high FROM outbox").fetchone()["high"]
             for u in fresh:
                 conn.execute("INSERT INTO outbox (user_id, run_id, epoch, body) VALUES (%s, 0, 1, 'new')", (u,))

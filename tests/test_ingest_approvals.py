@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from ingest_support import APPROVAL_SECRET, USER, make_request, read_events, start_ingest, stored
+from ingest_support import APPROVAL_SECRET, USER, create_token, make_request, read_events, start_ingest, stored
 from vigil.ledger import approvals
 
 
@@ -131,6 +131,116 @@ def test_bad_token_is_403_and_stores_nothing(ingest, ledger, stack, topics):
     bad_answer = httpx.post(f"{ingest.url}/v1/approvals/r-guarded", json={"answer": "maybe", "token": other_user})
     assert bad_answer.status_code == 400 and bad_answer.json()["field"] == "answer"
     assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+
+
+# -- answers where the person is: action URLs and chat replies ---------------------------
+
+
+def actions_of(ingest, request_id: str, due: datetime) -> dict[str, str]:
+    """The approve and deny URLs the question's delivery carries (as the worker signs them)."""
+    made = approvals.answer_actions(
+        secret=APPROVAL_SECRET, request_id=request_id, user_id=USER, due=due, base_url=ingest.url
+    )
+    return {action["id"]: action["url"] for action in made}
+
+
+def test_an_action_url_answers_once_and_a_replay_is_refused(ingest, ledger, stack, topics):
+    due = now() + timedelta(hours=1)
+    make_request(ledger, "r-button", due)
+    urls = actions_of(ingest, "r-button", due)
+    first = httpx.post(urls["approve"], timeout=30)
+    assert first.status_code == 200 and first.json() == {"request_id": "r-button", "answer": "yes", "given": "yes"}
+    replay = httpx.post(urls["approve"], timeout=30)
+    assert not_counted(replay) == {"request_id": "r-button", "answer": "yes", "given": "yes"}
+    assert replay.json()["error"] == "already_used"
+    other = httpx.post(urls["deny"], timeout=30)  # the other button: the request has its answer
+    assert other.status_code == 409 and other.json()["error"] == "already_used"
+    row = stored(ledger, "r-button")
+    assert (row["answer"], row["answered_via"]) == ("yes", "action")
+    wakes = read_events(stack.bootstrap, topics.events, 3, topics.partitions)
+    assert {(w.source_id, json.loads(w.payload)["answer"]) for w in wakes} == {("r-button", "yes")}
+
+
+def test_an_expired_action_url_is_refused_and_stores_nothing(ingest, ledger, stack, topics):
+    due = now() - timedelta(seconds=2)
+    make_request(ledger, "r-button-late", due)
+    response = httpx.post(actions_of(ingest, "r-button-late", due)["approve"], timeout=30)
+    assert response.status_code == 410, response.text
+    body = response.json()
+    assert (body["error"], body["request_id"], body["given"]) == ("expired", "r-button-late", "yes")
+    assert stored(ledger, "r-button-late")["answer"] is None  # the expiry timer applies the policy
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+
+
+def test_a_forged_action_url_is_refused_and_stores_nothing(ingest, ledger, stack, topics):
+    due = now() + timedelta(hours=1)
+    token = make_request(ledger, "r-button-forged", due)
+    deny = actions_of(ingest, "r-button-forged", due)["deny"]
+    forged = [
+        deny.replace("/actions/no?", "/actions/yes?"),  # the deny signature on the approve path
+        deny.split("&signature=")[0] + "&signature=" + token,  # the answer token is not an action's
+        deny.replace(f"expires={int(due.timestamp())}", f"expires={int(due.timestamp()) + 3600}"),  # extended
+        deny.split("&signature=")[0],  # no signature
+    ]
+    for url in forged:
+        response = httpx.post(url, timeout=30)
+        assert response.status_code == 403 and response.json()["error"] == "invalid_signature", (url, response.text)
+    other_secret = approvals.answer_actions(
+        secret="not-the-secret", request_id="r-button-forged", user_id=USER, due=due, base_url=ingest.url
+    )
+    assert httpx.post(other_secret[0]["url"], timeout=30).status_code == 403
+    unknown = actions_of(ingest, "r-never-asked", due)["approve"]
+    assert httpx.post(unknown, timeout=30).status_code == 404
+    assert stored(ledger, "r-button-forged")["answer"] is None
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+
+
+def delivered_question(dsn: str, request_id: str) -> str:
+    """The question's delivery as the dispatcher fixed it: its id, which a reply names."""
+    with psycopg.connect(dsn) as conn:
+        return str(
+            conn.execute(
+                "INSERT INTO outbox (user_id, run_id, epoch, body, status, delivery_id, fixed_at, delivered_at,"
+                " session_id, urgent) VALUES (%s, 1, 1, 'Approval needed', 'delivered', gen_random_uuid(), now(),"
+                " now(), %s, true) RETURNING delivery_id",
+                (USER, f"s-{request_id}"),
+            ).fetchone()[0]
+        )
+
+
+@pytest.fixture
+def chat(ingest, ledger):
+    token = create_token(ledger)["token"]
+    with httpx.Client(base_url=ingest.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("text", "given"), [("Yes!", "yes"), ("はい。", "yes"), ("  no thanks ", None), ("いいえ", "no")]
+)
+def test_a_clear_chat_reply_to_the_question_answers_it(chat, ledger, stack, topics, text, given):
+    make_request(ledger, "r-chat", now() + timedelta(hours=1))
+    delivery = delivered_question(ledger, "r-chat")
+    response = chat.post(f"/v1/users/{USER}/messages", json={"text": text, "in_reply_to": delivery})
+    assert response.status_code == 202, response.text
+    [event] = read_events(stack.bootstrap, topics.events, 1, topics.partitions)
+    row = stored(ledger, "r-chat")
+    if given is None:  # unclear: a message to the agent, the approval still open
+        assert (event.source, event.session_id, json.loads(event.payload)) == ("chat", "s-r-chat", {"text": text})
+        assert row["answer"] is None
+        return
+    assert response.json()["answer"] == given and response.json()["session_id"] == "s-r-chat"
+    assert (row["answer"], row["answered_via"]) == (given, "chat")
+    assert (event.source, event.kind, event.session_id) == ("approval", "approval.answer", "s-r-chat")
+    assert json.loads(event.payload)["answer"] == given
+
+
+def test_a_chat_reply_after_the_deadline_is_told_expired(chat, ledger):
+    make_request(ledger, "r-chat-late", now() - timedelta(seconds=1))
+    delivery = delivered_question(ledger, "r-chat-late")
+    response = chat.post(f"/v1/users/{USER}/messages", json={"text": "yes", "in_reply_to": delivery})
+    assert not_counted(response)["answer"] == "expired" and response.json()["error"] == "expired"
+    assert stored(ledger, "r-chat-late")["answered_via"] == "chat"
 
 
 def test_a_flood_of_made_up_approval_ids_is_not_a_flood_of_queries(ingest, ledger):

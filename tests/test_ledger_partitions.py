@@ -89,12 +89,13 @@ def test_claim_and_rule_2_read_the_live_queue_only(ledger):
         "max_attempts": 3,
         "after": "u01000",
         "until": None,
+        "now": datetime.now(UTC),  # what the worker passes: its clock
     }
     for name, sql, args in (
         ("claim", Q.claim, params),
         ("mark_exhausted_dead", Q.mark_exhausted_dead, {**OWNED, "max_attempts": 3}),
-        ("claim_alone", Q.claim_alone, {**OWNED, "max_attempts": 3}),
-        ("alone_due", Q.alone_due, {**OWNED, "max_attempts": 3}),
+        ("claim_alone", Q.claim_alone, {**OWNED, "max_attempts": 3, "now": datetime.now(UTC)}),
+        ("alone_due", Q.alone_due, {**OWNED, "max_attempts": 3, "now": datetime.now(UTC)}),
     ):
         plan = plan_of(ledger, sql, args)
         assert history_in(plan) == set(), f"{name} plans the history: {sorted(history_in(plan))[:5]}"
@@ -128,13 +129,21 @@ def test_the_group_finish_and_the_takeover_read_the_live_queue_only(ledger):
         (
             "finish_failed",
             Q.finish_failed,
-            {"ids": some, "epoch": 1, "error": "x", "run_id": None, "backoff_s": 1.0, "transient": False},
+            {"ids": some, "epoch": 1, "error": "x", "run_id": None, "backoff_s": 1.0, "transient": False, "now": now},
         ),
         ("release_claim", Q.release_claim, {"ids": some, "epoch": 1, "topic": "events", "partition": 0}),
         (
             "hand_back_stale_claims",
             Q.hand_back_stale_claims,
-            {"topic": "events", "partition": 0, "epoch": 2, "max_attempts": 3, "backoff_cap": 1.0, "backoff_base": 1.0},
+            {
+                "topic": "events",
+                "partition": 0,
+                "epoch": 2,
+                "max_attempts": 3,
+                "backoff_cap": 1.0,
+                "backoff_base": 1.0,
+                "now": now,
+            },
         ),
     ):
         plan = plan_of(ledger, sql, args)

@@ -5,6 +5,8 @@ scripted Messages API, real broker and ledger).
   epoch at the next model turn, and finished with the run: one run, both events done.
 - interrupt (the deployment's VIGIL_EVENT_POLICIES): the draft is dropped and the run starts
   over with every event; only the restarted conversation's message is sent.
+- A reply naming the session the run is talking in folds into that run (the user's fold
+  policy), instead of waiting to resume the session in a second run.
 - A worker SIGKILLed after a fold: every event, the folded one included, is retried exactly
   once by the next owner and lands in exactly one finished run.
 """
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
+
+import psycopg
 
 from ingest_support import cli
 from support import query, scalar, wait_for
@@ -92,6 +97,28 @@ def test_fold_claims_a_message_under_the_runs_epoch_and_finishes_it_with_the_run
         # The second model call saw the folded message after the first call's tool result.
         folded = next(r for r in server.requests() if "and also this" in json.dumps(r["messages"]))
         assert "a slow task" in json.dumps(folded["messages"])
+
+
+def test_a_reply_naming_the_running_session_folds_into_the_run_in_progress(spawn, vigil_env, ledger, stack, topics):
+    """Before: events naming a session were never folded, so the reply waited for the run to
+    end and then resumed the session in a second run, after the first had already answered."""
+    user = "u-fold-session"
+    assert "chat=fold" in cli(ledger, "policies", "set", user, "chat=fold")
+    with psycopg.connect(ledger) as conn:
+        conn.execute("INSERT INTO sessions (id, user_id) VALUES ('ses-live', %s), ('ses-other', %s)", (user, user))
+    with ScriptedServer(script()) as server:
+        env = claude_env(vigil_env, server.base_url)
+        spawn(["worker"], env, name="worker").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+        produce(stack.bootstrap, topics.events, [replace(chat(user, "a slow task"), session_id="ses-live")])
+        wait_for(lambda: asked(server, "a slow task"), 30, "the first model call", interval=0.05)
+        produce(stack.bootstrap, topics.events, [replace(chat(user, "and also this"), session_id="ses-live")])
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM runs") >= 1, 60, "the run", interval=0.2)
+        assert outbox(ledger, user) == ["Working on it.", "Got the addition."]
+        [run] = query(ledger, "SELECT event_ids, session_id FROM runs")
+        assert len(run["event_ids"]) == 2 and run["session_id"] == "ses-live"  # one run took both
+        conversation = json.dumps(scalar(ledger, "SELECT messages FROM sessions WHERE id = 'ses-live'"))
+        assert conversation.index("a slow task") < conversation.index("and also this")
+        assert scalar(ledger, "SELECT messages FROM sessions WHERE id = 'ses-other'") == []
 
 
 def test_interrupt_drops_the_draft_and_restarts_the_run_with_every_event(spawn, vigil_env, ledger, stack, topics):

@@ -14,16 +14,8 @@ from worker_support import FAST, chat, produce
 
 SCRIPT = {
     "rules": [
-        # Run 1: the user asks for a reminder; the agent sets a follow-up a second ahead.
-        {"when": {"tool_result": "set_followup"}, "reply": []},
-        {
-            "when": {"user_text": "(?i)remind me about the oven"},
-            "reply": [
-                {"type": "tool_use", "name": "set_followup", "input": {"delay_seconds": 1, "note": "oven-check-7f3"}}
-            ],
-        },
-        # Run 2: woken by the follow-up, whose note reaches the model; the agent tells the user.
-        {"when": {"tool_result": "send_message"}, "reply": []},
+        # Run 2 first: woken by the follow-up, whose note reaches the model, it resumes run 1's
+        # conversation, so its events join the turn holding run 1's set_followup result.
         {
             "when": {"user_text": "oven-check-7f3"},
             "reply": [
@@ -34,6 +26,15 @@ SCRIPT = {
                 }
             ],
         },
+        # Run 1: the user asks for a reminder; the agent sets a follow-up a second ahead.
+        {"when": {"tool_result": "set_followup"}, "reply": []},
+        {
+            "when": {"user_text": "(?i)remind me about the oven"},
+            "reply": [
+                {"type": "tool_use", "name": "set_followup", "input": {"delay_seconds": 1, "note": "oven-check-7f3"}}
+            ],
+        },
+        {"when": {"tool_result": "send_message"}, "reply": []},
     ]
 }
 
@@ -77,5 +78,7 @@ def test_a_followup_set_by_a_run_fires_and_reaches_the_users_next_run(claude, st
     runs = query(ledger, "SELECT event_ids, outcome, started_at FROM runs WHERE user_id = 'carol' ORDER BY id")
     assert [r["event_ids"] for r in runs][-1] == [fired["id"]]  # the follow-up started a run of its own
     assert runs[-1]["outcome"] == "message"
+    sessions = query(ledger, "SELECT session_id FROM runs WHERE user_id = 'carol'")
+    assert len({r["session_id"] for r in sessions}) == 1  # the follow-up resumed the conversation that set it
     assert query(ledger, "SELECT body FROM outbox WHERE user_id = 'carol'") == [{"body": "Time to check the oven."}]
     assert runs[-1]["started_at"].timestamp() >= due  # not before the time the agent asked for

@@ -18,6 +18,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from support import query, scalar, wait_for
+from vigil.clock import ManualClock, utc
 from worker_support import FAST, chat, metric, produce
 
 # Heartbeats every 0.3 s; a holder silent for 1.5 s is presumed gone.
@@ -266,18 +267,20 @@ def test_previous_holder_cannot_heartbeat_or_finish_after_a_reclaim(ledger):
     from vigil.ledger import tasks as ledger_tasks
     from vigil.ledger.states import TaskStatus
 
+    clock = ManualClock(time.time())
+
     async def go():
         conn = await _tasks_conn(ledger)
-        await ledger_tasks.create(conn, _new_task("tsk_old"))
-        (first,) = await ledger_tasks.claim(conn, "old-holder", 1)
-        await conn.execute("UPDATE tasks SET heartbeat_at = now() - interval '1 hour'")
-        reaped = await ledger_tasks.reap(conn, 5.0)
-        (second,) = await ledger_tasks.claim(conn, "new-holder", 1)
-        late_beat = await ledger_tasks.heartbeat(conn, "tsk_old", first.lease_epoch)
+        await ledger_tasks.create(conn, _new_task("tsk_old"), now=utc(clock.now()))
+        (first,) = await ledger_tasks.claim(conn, "old-holder", 1, now=utc(clock.now()))
+        clock.advance(60.0)  # the holder has been silent for a minute
+        reaped = await ledger_tasks.reap(conn, 5.0, now=utc(clock.now()))
+        (second,) = await ledger_tasks.claim(conn, "new-holder", 1, now=utc(clock.now()))
+        late_beat = await ledger_tasks.heartbeat(conn, "tsk_old", first.lease_epoch, now=utc(clock.now()))
         late_finish = await ledger_tasks.finish(
             conn, "tsk_old", first.lease_epoch, ledger_tasks.Outcome(TaskStatus.SUCCEEDED, "stale")
         )
-        now_beat = await ledger_tasks.heartbeat(conn, "tsk_old", second.lease_epoch)
+        now_beat = await ledger_tasks.heartbeat(conn, "tsk_old", second.lease_epoch, now=utc(clock.now()))
         final = await ledger_tasks.get(conn, "tsk_old")
         await conn.close()
         return reaped, first, second, late_beat, late_finish, now_beat, final
@@ -294,16 +297,18 @@ def test_a_task_whose_holders_keep_dying_ends_lost_with_the_reason(ledger):
     from vigil.ledger import tasks as ledger_tasks
     from vigil.ledger.states import TaskStatus
 
+    clock = ManualClock(time.time())
+
     async def go():
         conn = await _tasks_conn(ledger)
-        await ledger_tasks.create(conn, _new_task("tsk_doomed"))  # max_attempts 2
+        await ledger_tasks.create(conn, _new_task("tsk_doomed"), now=utc(clock.now()))  # max_attempts 2
         statuses = []
         for holder in ("h1", "h2"):
-            await ledger_tasks.claim(conn, holder, 1)
-            await conn.execute("UPDATE tasks SET heartbeat_at = now() - interval '1 hour'")
-            statuses += [r.status for r in await ledger_tasks.reap(conn, 5.0)]
+            await ledger_tasks.claim(conn, holder, 1, now=utc(clock.now()))
+            clock.advance(60.0)  # its holder silent for a minute
+            statuses += [r.status for r in await ledger_tasks.reap(conn, 5.0, now=utc(clock.now()))]
         final = await ledger_tasks.get(conn, "tsk_doomed")
-        again = await ledger_tasks.claim(conn, "h3", 1)
+        again = await ledger_tasks.claim(conn, "h3", 1, now=utc(clock.now()))
         await conn.close()
         return statuses, final, again
 

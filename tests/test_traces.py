@@ -43,12 +43,13 @@ CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 SCRIPT = {
     "rules": [
-        {"when": {"tool_result": "send_message"}, "reply": []},
-        # The follow-up's run: its event carries the note.
+        # The follow-up's run: its event carries the note. First: the run resumes the first run's
+        # conversation, so the event joins the turn holding that run's tool results.
         {
             "when": {"user_text": "ping-the-trace"},
             "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "here is your reminder"}}],
         },
+        {"when": {"tool_result": "send_message"}, "reply": []},
         # The message's first model call is overloaded once: the SDK's retry is a second call
         # span, and the worker logs the retry inside the run (run_id and trace_id on the line).
         {"when": {"user_text": "remind me"}, "times": 1, "error": {"status": 529, "retry_after": 0}},

@@ -21,14 +21,15 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg.rows import dict_row
 
-from support import auto_explain, query
+from support import auto_explain, explaining, query
 from vigil.agent.base import EventRow, OutMessage, RunResult
+from vigil.clock import ManualClock, utc
 from vigil.ledger.claims import Claim, DeadEvent, alone_due, claim, claim_alone, mark_dead
 from vigil.ledger.finish import finish_runs_params
 from vigil.ledger.partitions import PartitionKey
 from vigil.ledger.queries import Q
 from vigil.ledger.states import RunOutcome
-from vigil.worker.fencing import take_over
+from vigil.worker.fencing import take_over, wait_for_handover
 from vigil.worker.finish import Finished, run_record
 
 HOME = PartitionKey("events", 0)
@@ -169,14 +170,23 @@ def test_a_takeover_waits_for_the_hand_over_until_it_ends(ledger):
 
 
 def test_a_hand_over_left_by_a_dead_holder_ends_at_its_deadline(ledger):
-    """The holder died mid hand-over (nobody ends it): the takeover waits out the deadline,
-    then hands back the dead holder's claims as ever."""
+    """The holder died mid hand-over (nobody ends it): once the takeover's clock is past the
+    deadline (half an hour, no sleep) it goes ahead, and hands back the dead holder's claims
+    as ever, with backoffs counted from that clock. A minute before it, the takeover waits."""
     seed_pending(ledger, 1)
     claim_pass_at(ledger, 1, 10)
-    handover(ledger, 1, 1.0)
-    epoch, waited = timed_take_over(ledger)
-    assert epoch == 2 and 0.8 < waited < 5.0
-    assert query(ledger, "SELECT status, lost_claims FROM events") == [{"status": "pending", "lost_claims": 1}]
+    handover(ledger, 1, 1800.0)
+    clock = ManualClock(time.time() + 1740.0)
+    with psycopg.connect(ledger, row_factory=dict_row) as conn:
+        assert wait_for_handover(conn, [HOME], 0.2, clock=clock) >= 0.2  # still handed over
+        clock.advance(61.0)
+        began = time.monotonic()
+        epochs = take_over(conn, [HOME], "next-worker", 60.0, 60.0, 3, clock=clock)
+        waited = time.monotonic() - began
+    assert epochs == {HOME: 2} and waited < 1.0
+    (row,) = query(ledger, "SELECT status, lost_claims, next_attempt_at FROM events")
+    assert (row["status"], row["lost_claims"]) == ("pending", 1)
+    assert 30.0 <= (row["next_attempt_at"] - utc(clock.now())).total_seconds() <= 60.0
 
 
 def test_a_stale_holder_cannot_start_a_hand_over(ledger):
@@ -374,6 +384,7 @@ def test_a_claim_pass_reads_what_it_claims_not_the_backlog(ledger):
         "max_attempts": 3,
         "after": "u01000",
         "until": None,
+        "now": datetime.now(UTC),  # what the worker passes: its clock
     }
     # 10 users claimed out of 3,000 waiting: no step of the plan may read hundreds of them.
     assert _explain(ledger, Q.claim, params) <= 50
@@ -395,6 +406,7 @@ def test_busy_users_are_looked_up_in_a_hash_not_compared_one_by_one(ledger):
         "max_attempts": 3,
         "after": "",
         "until": None,
+        "now": datetime.now(UTC),  # what the worker passes: its clock
     }
     with psycopg.connect(ledger, row_factory=dict_row) as conn:
         plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + Q.claim, params).fetchall())
@@ -407,6 +419,7 @@ def test_busy_users_are_looked_up_in_a_hash_not_compared_one_by_one(ledger):
             "max_attempts": 3,
             "backoff_base": 1.0,
             "backoff_cap": 60.0,
+            "now": datetime.now(UTC),
         }
         plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + Q.release_orphaned_claims, heal).fetchall())
         assert "hashed SubPlan" in plan, plan
@@ -433,6 +446,7 @@ def test_a_claim_pass_stays_cheap_when_the_statistics_say_nothing_waits(ledger):
         "max_attempts": 3,
         "after": "u01000",
         "until": None,
+        "now": datetime.now(UTC),  # what the worker passes: its clock
     }
     assert _explain(ledger, Q.claim, params) <= 100
     query(ledger, "UPDATE events SET attempts = 3 WHERE user_id = 'u00007'")
@@ -472,7 +486,9 @@ def explained(ledger: str, plan_cache_mode: str, work):
     settings, keep = auto_explain(plan_cache_mode, plans)
 
     async def go():
-        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+        async with await psycopg.AsyncConnection.connect(
+            explaining(ledger), autocommit=True, row_factory=dict_row
+        ) as conn:
             conn.add_notice_handler(keep)
             for setting in settings:
                 await conn.execute(setting)
@@ -668,7 +684,6 @@ def test_a_pass_starts_at_most_the_claim_pass_max_and_asks_for_the_next_at_once(
     the last, short of it, does not."""
     from psycopg_pool import AsyncConnectionPool
 
-    from vigil.clock import ManualClock
     from vigil.ledger.db import connection_kwargs
     from vigil.settings import load
     from vigil.worker.claim_loop import Claimer
@@ -678,7 +693,7 @@ def test_a_pass_starts_at_most_the_claim_pass_max_and_asks_for_the_next_at_once(
     users = seed_pending(ledger, 7)
     monkeypatch.setenv("VIGIL_DATABASE_URL", ledger)
     settings = load(WorkerSettings, claim_pass_max=3, run_concurrency=10, scan_interval_s=60.0)
-    clock = ManualClock(1_000.0)
+    clock = ManualClock(time.time())  # the claim's batch window is judged on it
 
     class StartedRuns:
         """The claim pass's side of Runs: what it starts, nothing run."""

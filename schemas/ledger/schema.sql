@@ -199,7 +199,16 @@ CREATE TABLE users (
     first_seen_at     timestamptz NOT NULL DEFAULT now(),
     last_delivery_at  timestamptz,                        -- dispatcher pacing: the latest delivery
     urgent_day        date,                               -- dispatcher: the day urgent_count counts
-    urgent_count      integer     NOT NULL DEFAULT 0      -- urgent deliveries on urgent_day (operator cap)
+    urgent_count      integer     NOT NULL DEFAULT 0,     -- urgent deliveries on urgent_day (operator cap)
+    -- Attention earned (0031; docs/agent.md "Attention"): the dispatcher adapts the gap at each
+    -- new delivery; NULL until the first one (VIGIL_OUTBOX_GAP applies); a channel's gap_seconds wins.
+    attention_gap_s      integer,                         -- the user's earned gap
+    attention_reason     text,                            -- why it has its value (shown by `vigil users show`)
+    attention_at         timestamptz,                     -- when it last changed
+    attention_pinned     boolean     NOT NULL DEFAULT false,  -- set by an operator: no adapting
+    delivery_day         date,                            -- the day delivery_day_count counts
+    delivery_day_count   integer     NOT NULL DEFAULT 0,  -- new deliveries on delivery_day (metrics)
+    CONSTRAINT users_attention_gap_nonnegative CHECK (attention_gap_s IS NULL OR attention_gap_s >= 0)
 );
 CREATE INDEX users_home ON users (home_topic, home_partition);
 
@@ -263,6 +272,7 @@ CREATE TABLE outbox (
     session_id      text,                                        -- the conversation that wrote it: a reply resumes it
     deadline        timestamptz,                                 -- worthless after this (an approval question): never held by the urgent cap
     traceparent     text,                                        -- the writing run's W3C trace context (traces on): the delivery continues it
+    actions         jsonb,                                       -- an approval question's answer actions (signed URLs; 0032)
     CONSTRAINT outbox_status_valid CHECK (status IN ('pending', 'sending', 'delivered', 'dead')),
     CONSTRAINT outbox_delivered_has_time CHECK ((status = 'delivered') = (delivered_at IS NOT NULL)),
     CONSTRAINT outbox_sending_has_delivery CHECK (status <> 'sending' OR delivery_id IS NOT NULL),
@@ -345,9 +355,11 @@ CREATE TABLE approvals (
     answered_at  timestamptz,                             -- when the answer was stored
     received_at  timestamptz,                             -- when the answer request was received
     created_at   timestamptz NOT NULL DEFAULT now(),
+    answered_via text,                                    -- api | chat | action | operator; NULL: the expiry's, or open (0032)
     CONSTRAINT approvals_on_expiry_valid CHECK (on_expiry IN ('deny', 'escalate', 'approve')),
     CONSTRAINT approvals_answer_valid CHECK (answer IS NULL OR answer IN ('yes', 'no', 'expired')),
-    CONSTRAINT approvals_answered_has_time CHECK ((answer IS NULL) = (answered_at IS NULL))
+    CONSTRAINT approvals_answered_has_time CHECK ((answer IS NULL) = (answered_at IS NULL)),
+    CONSTRAINT approvals_answered_via_valid CHECK (answered_via IS NULL OR answered_via IN ('api', 'chat', 'action', 'operator'))
 );
 CREATE INDEX approvals_by_user ON approvals (user_id, created_at);
 -- The operator console lists open requests by deadline (migration 0015).

@@ -107,9 +107,10 @@ class RunContext:
     recent_messages: list[str]  # what was already delivered to the user, newest last
     started_at: datetime
     deadline: float  # time.monotonic() by which the run must finish
-    # fold(sources): claims the user's newly pending events of these sources that carry no
-    # session_id, under this run's epoch (fold and interrupt policies).
-    fold: Callable[[Sequence[str]], Awaitable[list[EventRow]]] | None = None
+    # fold(sources, session_id): claims the user's newly pending events of these sources that
+    # carry no session_id or name session_id (the conversation in progress), under this run's
+    # epoch (fold and interrupt policies).
+    fold: Callable[[Sequence[str], str | None], Awaitable[list[EventRow]]] | None = None
     # Answers to approval requests that this run resumes, request_id -> "yes" | "no" | "expired".
     approvals: dict[str, str] = field(default_factory=dict)
     # Messages already sent by earlier runs that the outbox still holds (pacing gap, a retry),
@@ -148,6 +149,9 @@ class OutMessage:
     # it, so the dispatcher never holds it behind the urgent cap).
     session_id: str | None = field(default=None, compare=False)
     deadline: datetime | None = field(default=None, compare=False)
+    # An approval question's approve / deny actions (signed answer URLs), rendered by the
+    # dispatcher's channels so a chat app can show buttons (outbox.actions).
+    actions: tuple[dict, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.prompt import system_blocks, volatile_context
+from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
 from vigil.agent.tools import ActionTool, builtin_definitions
@@ -124,6 +125,14 @@ class ClaudeAgent:
             permissions=permissions,
             tools=model.Encoded.of(definitions),
             policies=policies,
+            classifier=Classifier(
+                client,
+                settings.auto_classifier_model,
+                settings.auto_classifier_timeout_s,
+                settings.auto_classifier_max_tokens,
+            )
+            if settings.auto_classifier_model
+            else None,
         )
         self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)
 

@@ -45,6 +45,7 @@ from vigil.agent.prompt import (
     tool_result,
     with_conversation_breakpoint,
 )
+from vigil.agent.screening import Classifier, provenance, screen_output
 from vigil.agent.sessions import Thread
 from vigil.agent.settings import AgentSettings, EventPolicy, Permission
 from vigil.agent.tools import (
@@ -75,6 +76,7 @@ class Toolbox:
     permissions: dict[str, Permission]  # every known tool's effective permission
     tools: model.Encoded  # the tools offered (definitions in their fixed order), encoded once
     policies: dict[str, EventPolicy]  # the deployment's (VIGIL_EVENT_POLICIES); a user's may win
+    classifier: Classifier | None = None  # auto mode's second opinion (VIGIL_AUTO_CLASSIFIER_MODEL)
 
 
 @dataclass
@@ -180,13 +182,14 @@ class Conversation:
     def _reask(self) -> Ended:
         """A waiting session without its answer: an escalation asks again, louder."""
         if not self.thread.escalations:
-            return Ended(self.outputs)
+            return Ended(self.outputs, touched=self.thread.held_now)
         latest = self.thread.escalations[-1].payload_json()
         due = latest.get("due") if isinstance(latest, dict) else None
         secret = self.box.settings.approval_secret.get_secret_value()
         pending = self.thread.pending
         assert pending is not None  # a waiting session holds its deferred call
-        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret)
+        base_url = self.box.settings.approval_actions_base_url
+        self.thread.pending, message = escalate(pending, due, self.run.ctx.user_id, secret, base_url)
         self.outputs.messages.append(message)
         return Ended(self.outputs, touched=True)
 
@@ -224,14 +227,14 @@ class Conversation:
             sources = self.run.fold_sources
             if ctx.fold is None or not sources:
                 return False
-            events = sorted(await ctx.fold(sources), key=lambda e: e.id)
+            events = sorted(await ctx.fold(sources, self.thread.session_id), key=lambda e: e.id)
             journal.folded([e.id for e in events])
         if not events:
             return False
         self.run.folded.extend(events)
         folded_here.extend(events)
-        if any(e.session_id for e in events):
-            log.warning("fold returned events that name a session; they are treated as new events")
+        if any(e.session_id not in (None, self.thread.session_id) for e in events):
+            log.warning("fold returned events that name another session; they join this one")
         interrupt = any(self.run.policies.get(e.source) is EventPolicy.INTERRUPT for e in events)
         metrics.EVENTS_MID_RUN.labels("interrupt" if interrupt else "fold").inc(len(events))
         if not interrupt:
@@ -308,6 +311,7 @@ class Conversation:
             deadline_s=settings.approval_deadline_s,
             on_expiry=settings.approval_on_expiry,
             secret=settings.approval_secret.get_secret_value(),
+            actions_base_url=settings.approval_actions_base_url,
         )
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
         return results, deferral
@@ -374,7 +378,7 @@ class Conversation:
         if name == SEND_MESSAGE:
             return send_message(args, self.outputs, self.box.settings)
         if name == SET_FOLLOWUP:
-            return set_followup(args, self.outputs, self.box.settings, datetime.now(UTC))
+            return set_followup(args, self.outputs, self.box.settings, datetime.now(UTC), self.thread.session_id)
         assert name == MEMORY
         try:
             return ToolOutput(self.run.memory.execute(args))
@@ -390,11 +394,21 @@ class Conversation:
             return ToolOutput(f"Not run: {refusal}.", True), None
         was_fallen_back = self.gate.counters.fallen_back
         verdict = self.gate.decide(tool.name, tool.risk(args))
+        classifier = self.box.classifier
+        if (
+            classifier is not None
+            and verdict.decision is Decision.RUN
+            and self.gate.permission(tool.name) is Permission.AUTO
+            and not self.run.journal.journaled(step)  # a replayed call was decided when it first ran
+        ):
+            judgement = await classifier.judge(tool.name, args, provenance(self.thread.messages))
+            verdict = self.gate.stricter(verdict, judgement.risk, judgement.unsure)
         if verdict.decision is Decision.RUN:
             user_id = self.run.ctx.user_id
             output = await self.run.journal.action(
                 step, tool.name, args, lambda key: tool.run(args, CallContext(user_id, use["id"], key))
             )
+            output = ToolOutput(screen_output(tool.name, output.text), output.is_error)
             self.outputs.actions.append(tool.describe(args))
             metrics.TOOL_CALLS.labels(tool.name, "error" if output.is_error else "ran").inc()
             return output, Decision.RUN

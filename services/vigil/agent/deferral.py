@@ -10,7 +10,8 @@ committed together by the worker's fenced finish:
    (:func:`vigil.ledger.approvals.args_hash`), the deadline and the expiry policy;
 3. its expiry timer (kind ``approval_expiry``, fixed key = request id, so the expiry and
    the answer produce the same wake-up event and only the first counts);
-4. an urgent message with the question, the request id and the signed answer token.
+4. an urgent message with the question, the request id and the signed answer token, and
+   the approve / deny actions (signed single-use answer URLs expiring with the deadline).
 
 A crash before the commit leaves none of it (the claim is retried and asks afresh).
 
@@ -24,7 +25,7 @@ the model continues from the complete tool-result turn.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import uuid4
@@ -34,7 +35,7 @@ from vigil.agent.base import ApprovalRequest, NewApproval, NewTimer, OutMessage
 from vigil.agent.permissions import Gate
 from vigil.agent.prompt import tool_result
 from vigil.agent.tools import ActionTool, CallContext
-from vigil.ledger.approvals import args_hash, sign_token
+from vigil.ledger.approvals import answer_actions, args_hash, sign_token
 from vigil.ledger.states import OnExpiry, TimerKind
 
 MAX_REASON_CHARS = 400
@@ -66,12 +67,23 @@ def question_text(pending: dict[str, Any], user_id: str, secret: str, *, again: 
     if pending.get("reason"):
         lines.append(f"Why: {pending['reason']}")
     lines += [
-        f"Answer yes or no before {pending['due']}; without an answer {policy}.",
-        f'To answer: POST /v1/approvals/{request_id} with {{"answer": "yes" or "no", "token": <token below>}}',
+        f"Reply yes or no to this message before {pending['due']}; without an answer {policy}.",
+        f'Or through the API: POST /v1/approvals/{request_id} with {{"answer": "yes" or "no", "token": <token below>}}',
         f"request_id: {request_id}",
         f"token: {sign_token(secret=secret, request_id=request_id, user_id=user_id)}",
     ]
     return "\n".join(lines)
+
+
+def _question(
+    pending: dict[str, Any], user_id: str, secret: str, actions_base_url: str, *, again: bool = False
+) -> OutMessage:
+    due = datetime.fromisoformat(pending["due"])
+    actions = answer_actions(
+        secret=secret, request_id=pending["request_id"], user_id=user_id, due=due, base_url=actions_base_url
+    )
+    text = question_text(pending, user_id, secret, again=again)
+    return OutMessage(text, urgent=True, deadline=due, actions=tuple(actions))
 
 
 def defer(
@@ -86,6 +98,7 @@ def defer(
     deadline_s: int,
     on_expiry: OnExpiry,
     secret: str,
+    actions_base_url: str = "",
 ) -> Deferral:
     """Everything that asks the user about ``use`` (a tool_use block of the last turn)."""
     request_id = f"apr-{uuid4().hex}"
@@ -116,16 +129,18 @@ def defer(
             {"request_id": request_id},
             fixed_key=request_id,
         ),
-        question=OutMessage(question_text(pending, user_id, secret), urgent=True, session_id=session_id, deadline=due),
+        question=replace(_question(pending, user_id, secret, actions_base_url), session_id=session_id),
     )
 
 
-def escalate(pending: dict[str, Any], due: str | None, user_id: str, secret: str) -> tuple[dict[str, Any], OutMessage]:
-    """The same question again, louder, with the deadline the escalation moved."""
+def escalate(
+    pending: dict[str, Any], due: str | None, user_id: str, secret: str, actions_base_url: str = ""
+) -> tuple[dict[str, Any], OutMessage]:
+    """The same question again, louder, with the deadline the escalation moved (and actions
+    that expire with it: the first question's have expired)."""
     updated = {**pending, "due": due or pending["due"]}
     metrics.APPROVALS_REQUESTED.labels(pending["tool"], "escalate").inc()
-    deadline = datetime.fromisoformat(updated["due"])
-    return updated, OutMessage(question_text(updated, user_id, secret, again=True), urgent=True, deadline=deadline)
+    return updated, _question(updated, user_id, secret, actions_base_url, again=True)
 
 
 def resumed_turn(pending: dict[str, Any], resolved: dict[str, Any]) -> list[dict[str, Any]]:

@@ -158,6 +158,10 @@ class Journal:
             await self.writer.append(self.step, "model", _dumps(body))
         return content, response.usage, False
 
+    def journaled(self, step: int) -> bool:
+        """Whether step ``step`` is in the journal (a replayed call ran before: decided then)."""
+        return step in self.recorded
+
     def take(self) -> int:
         """A tool call's step: every call takes one, whatever becomes of it (a builtin's effect
         is the run's result, and a refused call has none: only action calls are journaled)."""

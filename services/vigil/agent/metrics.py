@@ -112,3 +112,15 @@ FLEET_WAIT_SECONDS = Histogram(
     "How long a model call waited at the fleet's gate (shared back-off or a free slot).",
     buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
+SCREENED = Counter(
+    "vigil_screened_total",
+    "Untrusted content screened before the model read it (events from sources other than chat, "
+    "timers, approvals and tasks; action tool outputs), by verdict: clean, flagged (quarantined).",
+    ["verdict"],
+)
+CLASSIFIER_VERDICTS = Counter(
+    "vigil_auto_classifier_verdicts_total",
+    "Auto mode's risk classifier on calls the per-tool rule would run, by verdict: safe, risky "
+    "(blocked), failed (error, timeout or an answer out of form: the call asks the person).",
+    ["verdict"],
+)

@@ -77,6 +77,19 @@ class Gate:
         self.counters.consecutive += 1
         return Verdict(Decision.BLOCK, risk)
 
+    def stricter(self, verdict: Verdict, risk: str | None, unsure: bool) -> Verdict:
+        """A second opinion on a call ``decide`` let run (auto mode's classifier): it may only
+        tighten it. A risk blocks (and counts as a block); no answer asks the person."""
+        if verdict.decision is not Decision.RUN:
+            return verdict
+        if unsure:
+            return Verdict(Decision.ASK)
+        if risk is None:
+            return verdict
+        self.counters.total += 1
+        self.counters.consecutive += 1
+        return Verdict(Decision.BLOCK, risk)
+
     def may_run_approved(self, tool: str) -> bool:
         """An approved call is checked again when it resumes: a tool denied since is refused."""
         return tool in self.permissions and self.permission(tool) is not Permission.DENY

@@ -25,6 +25,7 @@ from typing import Any
 
 from vigil.agent.base import EventRow
 from vigil.agent.memory import ROOT
+from vigil.agent.screening import QUARANTINE_NOTE, escape_frame, screen
 
 CACHE = {"type": "ephemeral"}
 # Answer tokens of approval questions (vigil.ledger.approvals.sign_token): a delivered question
@@ -118,21 +119,21 @@ def volatile_context(
 
 
 def render_events(events: list[EventRow]) -> str:
-    """Events as one text block: a JSON line each, inside markers that say they are data."""
+    """Events as one text block: a JSON line each, inside markers that say they are data.
+    Untrusted events are screened first (:mod:`vigil.agent.screening`): a flagged one carries
+    a ``screening`` field that quarantines it, and no line can close the frame."""
     lines = ["<events>"]
     for event in events:
-        lines.append(
-            json.dumps(
-                {
-                    "source": event.source,
-                    "kind": event.kind,
-                    "received_at": event.received_at.isoformat(timespec="seconds"),
-                    "payload": event.payload_json(),
-                },
-                ensure_ascii=False,
-                default=str,
-            )
-        )
+        line: dict[str, Any] = {
+            "source": event.source,
+            "kind": event.kind,
+            "received_at": event.received_at.isoformat(timespec="seconds"),
+            "payload": event.payload_json(),
+        }
+        verdict = screen(event)
+        if verdict.suspicious:
+            line["screening"] = {"flags": list(verdict.flags), "note": QUARANTINE_NOTE}
+        lines.append(escape_frame(json.dumps(line, ensure_ascii=False, default=str)))
     lines.append("</events>")
     return "\n".join(lines)
 

@@ -3,7 +3,10 @@
 - An event naming a saved session (``session_id``) resumes it, if it is ``open`` and within
   the size budget, or ``waiting`` and this claim carries the answer to its deferred call.
 - A waiting session whose answer is not here stays waiting; an ``approval.escalate`` for
-  its request asks the question again, and nothing else touches it.
+  its request asks the question again. A background task's result naming it is *held*:
+  kept in the session's ``pending`` (``held``) and shown to the model with the answer when
+  the session resumes, so the work the conversation delegated comes back to it. Other
+  events naming it (a person's message) are loose: the person is answered now.
 - Every other event is *loose*: it joins the first conversation this run resumes, so that
   an approval answer and a chat message arriving together get one reply, or else starts a
   new session. A session over the size budget is closed and its events start afresh: the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from datetime import datetime
 from uuid import uuid4
 
 import pydantic_core
@@ -29,6 +33,27 @@ log = logging.getLogger(__name__)
 
 APPROVAL_ANSWER = "approval.answer"
 APPROVAL_ESCALATE = "approval.escalate"
+# Held for a waiting session until it resumes: the results of the tasks it delegated.
+HELD_SOURCES = frozenset({"task"})
+
+
+def hold(event: EventRow) -> dict:
+    """An event as a waiting session keeps it (``pending["held"]``), JSON."""
+    return {
+        "id": event.id,
+        "user_id": event.user_id,
+        "source": event.source,
+        "source_id": event.source_id,
+        "kind": event.kind,
+        "payload": event.payload,
+        "session_id": event.session_id,
+        "received_at": event.received_at.isoformat(),
+        "attempts": event.attempts,
+    }
+
+
+def unhold(kept: dict) -> EventRow:
+    return EventRow.of({**kept, "received_at": datetime.fromisoformat(kept["received_at"])})
 
 
 def encode_messages(messages: list[dict]) -> str:
@@ -60,6 +85,7 @@ class Thread:
     answer: EventRow | None = None  # the approval.answer that resumes the pending call
     escalations: list[EventRow] = field(default_factory=list)
     new: bool = False
+    held_now: bool = False  # events were held for this waiting session in this run: save it
 
     @classmethod
     def fresh(cls) -> Thread:
@@ -144,8 +170,16 @@ def plan(ctx: RunContext, budget_bytes: int) -> Plan:
     ordered = list(threads.values())
     for thread in ordered:
         if not thread.joinable and thread.events:
-            loose.extend(thread.events)  # a reply to a session still waiting: a new conversation
+            kept = [e for e in thread.events if e.source in HELD_SOURCES]
+            if kept and thread.pending is not None:
+                thread.pending = {**thread.pending, "held": thread.pending.get("held", []) + [hold(e) for e in kept]}
+                thread.held_now = True
+            # A reply to a session still waiting: a new conversation.
+            loose.extend(e for e in thread.events if e.source not in HELD_SOURCES)
             thread.events = []
+        elif thread.answer is not None and thread.pending and thread.pending.get("held"):
+            # Resuming: what was held for it comes first, in the order it arrived.
+            thread.events = [unhold(e) for e in thread.pending["held"]] + thread.events
     stray = [e for e in loose if e.kind in (APPROVAL_ANSWER, APPROVAL_ESCALATE)]
     if stray:
         log.info("dropping %d approval event(s) whose session is not waiting here", len(stray))

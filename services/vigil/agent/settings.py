@@ -69,6 +69,9 @@ DEFAULT_FOLLOWUP_MAX_DELAY_S = 90 * 86_400
 DEFAULT_HTTP_TIMEOUT_S = 15.0
 DEFAULT_HTTP_MAX_RESPONSE_BYTES = 64 * 1024
 DEFAULT_REFUND_AUTO_LIMIT = 50.0
+# A classifier answers in one short line; a few seconds bound what it adds to an auto call.
+DEFAULT_AUTO_CLASSIFIER_TIMEOUT_S = 5.0
+DEFAULT_AUTO_CLASSIFIER_MAX_TOKENS = 64
 # An MCP tool call is a remote action like http_request: a bound the model's turn can wait out.
 DEFAULT_MCP_TIMEOUT_S = 30.0
 DEFAULT_MCP_MAX_RESULT_BYTES = 64 * 1024
@@ -328,6 +331,13 @@ class AgentSettings(CommonSettings):
         description="What an unanswered approval becomes: deny, escalate (ask again at every deadline until a "
         "person answers or an operator denies: `vigil approvals deny`) or approve.",
     )
+    approval_actions_base_url: str = Field(
+        "",
+        max_length=2048,
+        description="Where people reach ingest, e.g. `https://vigil.example.com`: the prefix of the signed "
+        "approve / deny URLs an approval question's delivery carries. Empty: the URLs are paths, and the "
+        "receiving chat app prefixes its ingest address.",
+    )
     max_messages_per_run: int = Field(
         DEFAULT_MAX_MESSAGES_PER_RUN, ge=1, le=100, description="Most send_message calls one run may make."
     )
@@ -369,6 +379,23 @@ class AgentSettings(CommonSettings):
         ge=256,
         le=10_000_000,
         description="Most bytes of an MCP tool's result handed back to the model (the rest is cut).",
+    )
+    auto_classifier_model: str = Field(
+        "",
+        description="A small fast model (e.g. claude-haiku-4-5) asked about every call auto mode's per-tool "
+        "rule would run; it can block the call, never allow one the rule blocks. Empty: off.",
+    )
+    auto_classifier_timeout_s: float = Field(
+        DEFAULT_AUTO_CLASSIFIER_TIMEOUT_S,
+        gt=0,
+        le=60,
+        description="Longest wait for the auto-mode classifier; past it the call asks the person instead.",
+    )
+    auto_classifier_max_tokens: int = Field(
+        DEFAULT_AUTO_CLASSIFIER_MAX_TOKENS,
+        ge=16,
+        le=1024,
+        description="Output token cap of one auto-mode classifier call.",
     )
 
     _credentials: dict[str, Credential] = PrivateAttr(default_factory=dict)

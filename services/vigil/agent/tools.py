@@ -250,7 +250,11 @@ def _followup_due(args: dict[str, Any], now: datetime) -> datetime | str:
     return when
 
 
-def set_followup(args: dict[str, Any], outputs: Outputs, settings: AgentSettings, now: datetime) -> ToolOutput:
+def set_followup(
+    args: dict[str, Any], outputs: Outputs, settings: AgentSettings, now: datetime, session_id: str | None = None
+) -> ToolOutput:
+    """A follow-up timer; its payload names the conversation that set it (``session_id``), so
+    the scheduler's ``timer.followup`` event resumes that conversation, not a new one."""
     note = args.get("note")
     if not isinstance(note, str) or not note.strip():
         return ToolOutput("Not set: a note is required.", True)
@@ -268,5 +272,8 @@ def set_followup(args: dict[str, Any], outputs: Outputs, settings: AgentSettings
     if len(outputs.timers) >= settings.max_followups_per_run:
         return ToolOutput("Not set: this run already set the most follow-ups it may.", True)
     timer_id = f"followup-{uuid4().hex}"
-    outputs.timers.append(NewTimer(timer_id, due, TimerKind.FOLLOWUP.value, {"note": note.strip()}))
+    payload: dict[str, Any] = {"note": note.strip()}
+    if session_id is not None:
+        payload["session_id"] = session_id
+    outputs.timers.append(NewTimer(timer_id, due, TimerKind.FOLLOWUP.value, payload))
     return ToolOutput(f"Follow-up {timer_id} set for {due.isoformat()}.")

@@ -90,6 +90,12 @@ class Delivery:
         """The conversation a reply to this delivery resumes: its newest message's that names one."""
         return next((row.session_id for row in reversed(self.rows) if row.session_id), None)
 
+    @property
+    def actions(self) -> list[dict]:
+        """The answer actions of the approval questions among the rows (a chat app's buttons:
+        each a signed, single-use ``POST`` URL valid until its ``expires_at``), oldest first."""
+        return [action for row in self.rows for action in (row.actions or ())]
+
     def document(self) -> dict:
         """What the receiver gets (Standard Webhooks' recommended ``type/timestamp/data``)."""
         return {
@@ -101,6 +107,7 @@ class Delivery:
                 "session_id": self.session_id,
                 "urgent": self.urgent,
                 "text": JOIN_SEPARATOR.join(row.body for row in self.rows),
+                "actions": self.actions,
                 "messages": [
                     {
                         "id": row.id,
@@ -270,6 +277,7 @@ class KafkaChannel:
             # The fixed time, not the attempt's: every copy of a delivery is the same record.
             "sent_at": delivery.fixed_at,
             "session_id": delivery.session_id,
+            "actions": delivery.actions,
         }
 
     def send(self, delivery: Delivery, now: datetime) -> Outcome:

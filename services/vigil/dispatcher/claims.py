@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from uuid import UUID
@@ -32,6 +33,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import DictRow
 
+from vigil.dispatcher import metrics
 from vigil.dispatcher.channels import LOG_CHANNEL, ChannelConfig, Delivery
 from vigil.dispatcher.pacing import MAX_MESSAGES_PER_DELIVERY, Action, Decision, Pacing, Row, plan, wake_at
 from vigil.errors import VigilError
@@ -54,6 +56,7 @@ class Limits:
     lease_s: float
     batch_users: int
     max_messages: int = MAX_MESSAGES_PER_DELIVERY
+    attention: outbox.Attention = outbox.Attention()  # how each user's earned gap adapts
     fresh_max: int = 10_000  # outbox ids one claim between sweeps looks at (more: sweep)
 
 
@@ -86,7 +89,7 @@ def _pacing(row: DueUser, config: ChannelConfig, limits: Limits) -> Pacing:
         last_delivery_at=row.last_delivery_at,
         urgent_day=row.urgent_day,
         urgent_count=row.urgent_count,
-        gap_s=limits.default_gap_s if config.gap_s is None else config.gap_s,
+        gap_s=next(g for g in (config.gap_s, row.attention_gap_s, limits.default_gap_s) if g is not None),
         urgent_cap=limits.default_urgent_cap if config.urgent_cap is None else config.urgent_cap,
     )
 
@@ -141,13 +144,15 @@ def claim(
         for user, decision in zip(configs, decisions, strict=True):
             if decision is None and (at := wake_at(pacings[user], rows[user], now)) is not None:
                 claimed.waits.append((user, at))
-        _fix_new(conn, [d for d in decided if d.action is Action.NEW], configs, pacings, now, lease_until, claimed)
+        _fix_new(
+            conn, [d for d in decided if d.action is Action.NEW], configs, pacings, now, lease_until, claimed, limits
+        )
         _rearm(conn, [d for d in decided if d.action is Action.RETRY], configs, now, lease_until, claimed)
         _bury(conn, [d for d in decided if d.action is Action.BURY], configs, now, claimed)
     return claimed
 
 
-def _fix_new(conn, new: list[Decision], configs, pacings, now, lease_until, claimed: Claimed) -> None:
+def _fix_new(conn, new: list[Decision], configs, pacings, now, lease_until, claimed: Claimed, limits: Limits) -> None:
     if not new:
         return
     ids: dict[str, UUID] = {d.user_id: uuid.uuid4() for d in new}
@@ -167,11 +172,23 @@ def _fix_new(conn, new: list[Decision], configs, pacings, now, lease_until, clai
         [d.user_id for d in new],
         [pacings[d.user_id].last_delivery_at for d in new],
         [d.bypass for d in new],
+        limits.attention,
     )
-    _expect("record pacing", paced, {d.user_id for d in new})
+    _expect("record pacing", set(paced), {d.user_id for d in new})
+    attention_metrics(paced.values(), now)
     for d in new:
         claimed.deliveries.append(Delivery(ids[d.user_id], d.user_id, d.rows, 1, now, configs[d.user_id]))
     claimed.bypasses += sum(1 for d in new if d.bypass)
+
+
+def attention_metrics(paced: Iterable[outbox.Paced], now: datetime) -> None:
+    """Reply rate and messages per user per day, without a user label: a user's day count is
+    observed when their first delivery of a later day replaces it."""
+    for p in paced:
+        if p.replied is not None:
+            metrics.ATTENTION_OUTCOMES.labels("replied" if p.replied else "unanswered").inc()
+        if p.previous_day is not None and p.previous_day != now.date():
+            metrics.DELIVERIES_PER_USER_DAY.observe(p.previous_day_count)
 
 
 def _delivery(d: Decision, config: ChannelConfig, attempt: int) -> Delivery:

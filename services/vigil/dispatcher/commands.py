@@ -14,8 +14,10 @@ from vigil.dispatcher.operator import (
     dead_deliveries,
     outbox_rows,
     revive_delivery,
+    set_attention,
     set_channel,
     show_channel,
+    show_user,
     to_json,
 )
 from vigil.dispatcher.settings import DispatcherSettings
@@ -28,19 +30,27 @@ class Limit(click.ParamType):
     """A whole number of seconds or deliveries, or `default` (back to the service setting)."""
 
     name = "N|default"
+    keyword = "default"
 
     def convert(self, value, param, ctx):
         if value is None or isinstance(value, int):
             return value
-        if str(value).strip().lower() == "default":
+        if str(value).strip().lower() == self.keyword:
             return None
         try:
             number = int(value)
         except ValueError:
-            self.fail(f"{value!r} is not a whole number or 'default'", param, ctx)
+            self.fail(f"{value!r} is not a whole number or {self.keyword!r}", param, ctx)
         if number < 0:
             self.fail("must be >= 0", param, ctx)
         return number
+
+
+class AutoGap(Limit):
+    """Seconds, or `auto`: the earned gap adapts again."""
+
+    name = "N|auto"
+    keyword = "auto"
 
 
 def _settings():
@@ -202,4 +212,48 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
         )
 
 
-commands = [dispatcher_command, channels, outbox]
+@click.group("users")
+def users() -> None:
+    """Users' attention: the gap between deliveries each has earned, and overrides."""
+
+
+@users.command("show")
+@click.argument("user")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def users_show(user, as_json) -> None:
+    """Show USER's effective gap, where it comes from and why, and today's deliveries."""
+    settings = _settings()
+    with _connect(settings) as conn:
+        shown = show_user(conn, user, settings.outbox_gap)
+    if shown is None:
+        raise click.ClickException(f"no user {user!r}")
+    text = "\n".join(
+        [
+            f"user:        {user}",
+            f"gap:         {shown['gap_seconds']}s ({shown['gap_source']}: {shown['reason']})",
+            f"deliveries today: {shown['deliveries_today']}, last: {shown['last_delivery_at'] or 'never'}",
+        ]
+    )
+    emit(shown, as_json, text)
+
+
+@users.command("attention")
+@click.argument("user")
+@click.option("--gap", type=AutoGap(), required=True, help="Pin USER's gap at N seconds, or 'auto' to adapt again.")
+def users_attention(user, gap) -> None:
+    """Override USER's earned gap (pinned until `--gap auto`). A channel's --gap still wins.
+
+    \b
+    vigil users attention alice --gap 1800
+    vigil users attention alice --gap auto
+    """
+    settings = _settings()
+    with _connect(settings) as conn:
+        if not set_attention(conn, user, gap):
+            raise click.ClickException(f"no user {user!r}")
+        shown = show_user(conn, user, settings.outbox_gap)
+    assert shown is not None
+    click.echo(f"{user}: gap {shown['gap_seconds']}s ({shown['gap_source']}: {shown['reason']})")
+
+
+commands = [dispatcher_command, channels, outbox, users]

@@ -55,6 +55,12 @@ def limits_of(settings: DispatcherSettings) -> Limits:
         max_attempts=settings.delivery_max_attempts,
         lease_s=settings.delivery_lease_s,
         batch_users=settings.dispatcher_batch_users,
+        attention=outbox.Attention(
+            settings.attention_adapt,
+            settings.attention_min_gap_s,
+            settings.attention_max_gap_s,
+            settings.attention_reply_window_s,
+        ),
     )
 
 

@@ -102,3 +102,16 @@ for _channel in ("webhook", "kafka", "log"):
         RETRIES.labels(_channel, _reason)
     LATENCY.labels(_channel)
     SUPERSEDED.labels(_channel)
+ATTENTION_OUTCOMES = Counter(
+    "vigil_attention_outcomes_total",
+    "New deliveries by whether the person replied (a chat message) to the previous one within "
+    "VIGIL_ATTENTION_REPLY_WINDOW_S: replied, unanswered. Reply rate = replied / all. "
+    "Counted while VIGIL_ATTENTION_ADAPT is on.",
+    ["outcome"],
+)
+DELIVERIES_PER_USER_DAY = Histogram(
+    "vigil_deliveries_per_user_day",
+    "New deliveries one user received in one day (observed at their first delivery of a later day): "
+    "how often the agent interrupts a person, without a user label.",
+    buckets=(1, 2, 3, 5, 8, 13, 21, 34, 55),
+)

@@ -112,6 +112,49 @@ def show_channel(conn: psycopg.Connection[DictRow], user_id: str, default_gap: i
     return shown
 
 
+def show_user(conn: psycopg.Connection[DictRow], user_id: str, default_gap: int) -> dict | None:
+    """A user's effective gap and why: a channel's gap wins, then the earned (or pinned) gap,
+    then VIGIL_OUTBOX_GAP; with today's deliveries. None: no such user."""
+    state = channels.attention(conn, user_id)
+    if state is None:
+        return None
+    row = channels.get(conn, user_id)
+    if row is not None and row.gap_seconds is not None:
+        gap, source, reason = row.gap_seconds, "channel", "set on the channel (vigil channels set --gap)"
+    elif state.attention_gap_s is not None:
+        gap, source = state.attention_gap_s, "pinned" if state.attention_pinned else "earned"
+        reason = state.attention_reason or ""
+    else:
+        gap, source, reason = default_gap, "default", "VIGIL_OUTBOX_GAP: attention has not adapted yet"
+    today = datetime.now(UTC).date()
+    return {
+        "user_id": user_id,
+        "gap_seconds": gap,
+        "gap_source": source,
+        "reason": reason,
+        "attention_gap_seconds": state.attention_gap_s,
+        "attention_pinned": state.attention_pinned,
+        "attention_changed_at": state.attention_at,
+        "last_delivery_at": state.last_delivery_at,
+        "deliveries_today": state.delivery_day_count if state.delivery_day == today else 0,
+    }
+
+
+def set_attention(conn: psycopg.Connection[DictRow], user_id: str, gap_s: int | None, actor: str | None = None) -> bool:
+    """Pin a user's gap (``gap_s``) or let it adapt again (None), audited; False: no such user."""
+    reason = f"pinned by {actor or login_name()}" if gap_s is not None else "adapting again (override removed)"
+    with conn.transaction():
+        state = channels.set_attention(conn, user_id=user_id, gap_s=gap_s, reason=reason, now=datetime.now(UTC))
+        if state is not None:
+            audit.record(
+                conn,
+                actor=actor or login_name(),
+                action="user.attention",
+                detail={"user_id": user_id, "gap_seconds": gap_s},
+            )
+    return state is not None
+
+
 def outbox_rows(conn: psycopg.Connection[DictRow], user_id: str, limit: int = 50) -> list[dict]:
     return [asdict(r) for r in outbox.of_user(conn, user_id, limit)]
 

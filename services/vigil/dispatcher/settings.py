@@ -13,6 +13,10 @@ from vigil.settings import DEFAULT_DISPATCHER_METRICS_PORT, CommonSettings
 # The source scenario's rule: a person hears from their agent at most once an hour unless
 # something is urgent.
 DEFAULT_OUTBOX_GAP_S = 3600
+# Attention earned: from a few minutes between messages for an engaged person to one an hour.
+DEFAULT_ATTENTION_MIN_GAP_S = 300
+DEFAULT_ATTENTION_MAX_GAP_S = 3600
+DEFAULT_ATTENTION_REPLY_WINDOW_S = 1800
 # With the backoff below, twelve attempts span about five hours: long enough to ride out a
 # receiver's deploy or an afternoon outage, short enough that an operator still cares.
 DEFAULT_MAX_ATTEMPTS = 12
@@ -53,6 +57,27 @@ class DispatcherSettings(CommonSettings):
         le=30 * 86_400,
         description="Seconds between two deliveries to one user; messages written inside the gap are held and joined "
         "into the next delivery. Per user: `vigil channels set USER ... --gap`.",
+    )
+    attention_adapt: bool = Field(
+        False,
+        description="Attention earned: each user's gap adapts at each new delivery, halved when they replied to the "
+        "previous one within VIGIL_ATTENTION_REPLY_WINDOW_S, doubled when not, starting at the quiet end "
+        "(VIGIL_ATTENTION_MAX_GAP_S). A channel's `--gap` or `vigil users attention --gap` wins.",
+    )
+    attention_min_gap_s: int = Field(
+        DEFAULT_ATTENTION_MIN_GAP_S, ge=0, le=30 * 86_400, description="The shortest gap attention can earn."
+    )
+    attention_max_gap_s: int = Field(
+        DEFAULT_ATTENTION_MAX_GAP_S,
+        ge=0,
+        le=30 * 86_400,
+        description="The longest gap, where every user starts (the quiet end).",
+    )
+    attention_reply_window_s: int = Field(
+        DEFAULT_ATTENTION_REPLY_WINDOW_S,
+        ge=1,
+        le=7 * 86_400,
+        description="A chat message this soon after a delivery counts as a reply to it.",
     )
     urgent_daily_cap: int = Field(
         DEFAULT_URGENT_DAILY_CAP,
@@ -116,6 +141,8 @@ class DispatcherSettings(CommonSettings):
     def _consistent(self) -> DispatcherSettings:
         if self.delivery_backoff_cap_s < self.delivery_backoff_base_s:
             raise ValueError("VIGIL_DELIVERY_BACKOFF_CAP_S must be at least VIGIL_DELIVERY_BACKOFF_BASE_S")
+        if self.attention_min_gap_s > self.attention_max_gap_s:
+            raise ValueError("VIGIL_ATTENTION_MIN_GAP_S must be at most VIGIL_ATTENTION_MAX_GAP_S")
         # At most `batch_users` claimed deliveries wait or are being sent (the loop claims only
         # into that room), `concurrency` at a time, each send bounded by its timeout: the
         # last one claimed may finish this long after its claim.

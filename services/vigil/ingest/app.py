@@ -42,9 +42,9 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
     """The application. ``before_answer`` is a test hook (see :mod:`vigil.ingest.approvals_api`)."""
     ctx = IngestContext(settings)
     answers_pool = db.pool(settings.dsn, name="ingest-approvals", max_size=APPROVALS_POOL_SIZE, timeout=POOL_TIMEOUT_S)
-    events = EventsApi(settings, ctx.tokens, ctx.publisher, ctx.pool)
-    hooks = HookReceiver(settings, ctx.pool, ctx.publisher)
     answers = ApprovalsApi(settings, answers_pool, ctx.publisher, before_answer)
+    events = EventsApi(settings, ctx.tokens, ctx.publisher, ctx.pool, answers.answer_reply)
+    hooks = HookReceiver(settings, ctx.pool, ctx.publisher)
     document = openapi.document(mounted_openapi_paths())
 
     async def openapi_json(_: Request) -> Response:
@@ -55,6 +55,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
         route("/v1/users/{user_id}/messages", events.post_message, methods=["POST"]),
         route("/v1/hooks/{hook_id}", hooks.post, methods=["POST"]),
         route("/v1/approvals/{request_id}", answers.post, methods=["POST"]),
+        route("/v1/approvals/{request_id}/actions/{answer}", answers.post_action, methods=["POST"]),
         *mounted_routes(ctx),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *health_routes(Readiness(dependency_checks(settings), gating=set())),

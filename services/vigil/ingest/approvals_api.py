@@ -21,6 +21,21 @@ The status says whether this answer counted: 200 if the answer that stands is th
 arrived late; ``already_answered``: another answer came first). The wake-up is produced
 either way: the session resumes with the answer that stands.
 
+Two more paths answer with the same rule, the same wake-up and the same statuses
+(``approvals.answered_via`` records which one stored the answer):
+
+- ``POST /v1/approvals/{request_id}/actions/{yes|no}?expires=&signature=``: an action URL
+  from the question's delivery (a chat app's button). No body and no bearer token: the
+  signature (:func:`vigil.ledger.approvals.sign_action`, over request, user, answer and
+  expiry) is the capability. Forged or for another request: 403, nothing written. Past its
+  ``expires`` (the deadline the question carried): 410 ``expired``, nothing written.
+  Single use: only the call that stores the answer gets a 200; any later use of either
+  action is a 409 (``already_used`` when an action URL stored it), because the ledger stores
+  one answer per request. POST, not GET: link previews fetch GETs.
+- A chat reply (:meth:`ApprovalsApi.answer_reply`, from the messages endpoint): a clear yes
+  or no naming a session that waits on a request answers that request for the authenticated
+  user; the chat text itself is not produced (the answer event resumes the session).
+
 The rule lives in :mod:`vigil.ledger.approvals` and is synchronous, so step 2 runs on a
 worker thread with a small synchronous pool of its own; approvals are rare next to events.
 """
@@ -31,7 +46,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import psycopg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,13 +61,15 @@ from vigil.ingest.settings import IngestSettings
 from vigil.ledger import approvals
 from vigil.ledger.approvals import Standing
 from vigil.ledger.db import Pool, PoolTimeout
-from vigil.ledger.states import ApprovalAnswer
+from vigil.ledger.states import AnsweredVia, ApprovalAnswer
 from vigil.ttl_cache import MissGuard
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_TOKEN_CHARS = 512
+# Checked before the signature, whatever the caller sent: the time an action URL expires.
+MAX_EXPIRES_DIGITS = 12
 # Under a flood of made-up ids, requests due longer ago than this are answered 404 from the
 # miss guard's set: a retry of an answer comes within minutes of it, not a day later.
 ANSWERABLE_AFTER_DUE = timedelta(days=1)
@@ -78,6 +95,19 @@ class AnswerOut(BaseModel):
 BeforeAnswer = Callable[[Request], Awaitable[None]]
 
 
+T = TypeVar("T")
+
+
+async def on_ledger(step: Callable[..., T], *args: Any) -> T:
+    """``step`` (synchronous ledger work) on a worker thread; a ledger that cannot answer is a 503."""
+    try:
+        return await asyncio.to_thread(step, *args)
+    except PoolTimeout:
+        raise unavailable("ledger_unavailable", "no ledger connection available in time") from None
+    except psycopg.OperationalError:
+        raise unavailable("ledger_unavailable", "the ledger did not answer") from None
+
+
 class ApprovalsApi:
     def __init__(
         self,
@@ -94,22 +124,61 @@ class ApprovalsApi:
         # tokens: past a budget a second, ids are checked against the set of answerable ones.
         self.misses = MissGuard(UNKNOWN_KEYS, "approval", lambda: asyncio.to_thread(self._answerable))
 
+    async def _worth_looking_up(self, request_id: str) -> bool:
+        try:
+            return await self.misses.worth_looking_up(request_id)
+        except PoolTimeout:
+            raise unavailable("ledger_unavailable", "no ledger connection available in time") from None
+        except psycopg.OperationalError:
+            raise unavailable("ledger_unavailable", "the ledger did not answer") from None
+
     def _answerable(self) -> frozenset[str]:
         with self.pool.connection() as conn:
             return approvals.answerable_ids(conn, datetime.now(UTC) - ANSWERABLE_AFTER_DUE)
 
-    def _answer(self, request_id: str, given: ApprovalAnswer, token: str, arrived: datetime) -> Standing | None:
-        """Step 2, one transaction. None: no such request. Raises a 403 Refusal on a bad token."""
+    def _store(
+        self,
+        request_id: str,
+        given: ApprovalAnswer,
+        arrived: datetime,
+        via: AnsweredVia,
+        allowed: Callable[[Standing], None],
+    ) -> Standing | None:
+        """Step 2, one transaction. None: no such request. ``allowed`` raises a Refusal (a bad
+        token or signature) before anything is written."""
         with self.pool.connection() as conn:
             with conn.transaction():
                 asked = approvals.standing(conn, request_id)
                 if asked.answer == approvals.UNKNOWN:
                     return None
-                if not approvals.verify_token(
-                    secret=self.secret, request_id=request_id, user_id=asked.user_id or "", token=token
-                ):
-                    raise Refusal(403, "invalid_token", "the token does not grant an answer to this request")
-                return approvals.answer(conn, request_id, given, arrived)
+                allowed(asked)
+                return approvals.answer(conn, request_id, given, arrived, via)
+
+    async def _decide(
+        self,
+        request_id: str,
+        given: ApprovalAnswer,
+        arrived: datetime,
+        via: AnsweredVia,
+        allowed: Callable[[Standing], None],
+    ) -> Standing:
+        """Steps 2 and 3: store (or find what stands), then produce the wake-up either way."""
+        known = await self._worth_looking_up(request_id)
+        standing = await on_ledger(self._store, request_id, given, arrived, via, allowed) if known else None
+        if standing is None:
+            self.misses.missed(known)
+            # Nothing to wake and nothing stored; the body still says what stands. The token
+            # cannot be checked without the request's user, so this answer does not depend on
+            # it: it only tells that an unguessable id (the worker's uuid) was never issued.
+            raise Refusal(404, "unknown_request", "no such approval request", answer=approvals.UNKNOWN)
+        log.info("approval %s: given %s via %s, stands %s", request_id, given.value, via.value, standing.answer)
+        try:
+            await self.publisher.send([approvals.wake_event(standing, arrived)], via="approvals")
+        except Refusal as exc:
+            # The answer is committed; only the wake-up is missing, and a retry sends it.
+            exc.extra["answer"] = standing.answer
+            raise
+        return standing
 
     async def post(self, request: Request) -> Response:
         arrived = received_at(request)
@@ -123,30 +192,90 @@ class ApprovalsApi:
         if self.before_answer is not None:
             await self.before_answer(request)
         given = ApprovalAnswer(body.answer)
-        try:
-            known = await self.misses.worth_looking_up(request_id)
-            standing = await asyncio.to_thread(self._answer, request_id, given, body.token, arrived) if known else None
-        except PoolTimeout:
-            raise unavailable("ledger_unavailable", "no ledger connection available in time") from None
-        except psycopg.OperationalError:
-            raise unavailable("ledger_unavailable", "the ledger did not answer") from None
-        if standing is None:
-            self.misses.missed(known)
-            # Nothing to wake and nothing stored; the body still says what stands. The token
-            # cannot be checked without the request's user, so this answer does not depend on
-            # it: it only tells that an unguessable id (the worker's uuid) was never issued.
-            raise Refusal(404, "unknown_request", "no such approval request", answer=approvals.UNKNOWN)
-        log.info("approval %s: given %s, stands %s", request_id, given.value, standing.answer)
-        try:
-            await self.publisher.send([approvals.wake_event(standing, arrived)], via="approvals")
-        except Refusal as exc:
-            # The answer is committed; only the wake-up is missing, and a retry sends it.
-            exc.extra["answer"] = standing.answer
-            raise
-        shown = {"request_id": request_id, "answer": standing.answer, "given": given.value}
-        if standing.answer == given:
-            return JSONResponse(shown)  # this answer stands (stored now, or a retry of the one stored)
-        # Stored or not, this answer did not count: a client that checks the status must know.
-        if standing.answer == ApprovalAnswer.EXPIRED:
-            raise Refusal(409, "expired", "the answer arrived after the deadline: expired stands", **shown)
-        raise Refusal(409, "already_answered", f"an earlier answer stands: {standing.answer}", **shown)
+
+        def token_grants(asked: Standing) -> None:
+            if not approvals.verify_token(
+                secret=self.secret, request_id=request_id, user_id=asked.user_id or "", token=body.token
+            ):
+                raise Refusal(403, "invalid_token", "the token does not grant an answer to this request")
+
+        standing = await self._decide(request_id, given, arrived, AnsweredVia.API, token_grants)
+        return counted(standing, given)
+
+    async def post_action(self, request: Request) -> Response:
+        arrived = received_at(request)
+        request_id = request.path_params["request_id"]
+        word = request.path_params["answer"]
+        if len(request_id) > MAX_REQUEST_ID_CHARS or word not in (ApprovalAnswer.YES, ApprovalAnswer.NO):
+            raise Refusal(404, "unknown_request", "no such approval action", answer=approvals.UNKNOWN)
+        given = ApprovalAnswer(word)
+        raw_expires = request.query_params.get("expires", "")
+        signature = request.query_params.get("signature", "")
+        if not (raw_expires.isdigit() and len(raw_expires) <= MAX_EXPIRES_DIGITS) or not signature:
+            raise Refusal(403, "invalid_signature", "the action URL is incomplete: expires and signature are required")
+        expires = int(raw_expires)
+        if len(signature) > MAX_TOKEN_CHARS:
+            raise Refusal(403, "invalid_signature", "the signature does not grant this action")
+
+        def signature_grants(asked: Standing) -> None:
+            if not approvals.verify_action(
+                secret=self.secret,
+                request_id=request_id,
+                user_id=asked.user_id or "",
+                given=given,
+                expires=expires,
+                signature=signature,
+            ):
+                raise Refusal(403, "invalid_signature", "the signature does not grant this action")
+            if arrived.timestamp() >= expires:
+                # Nothing written: the expiry timer stores what the request's policy says.
+                raise Refusal(
+                    410,
+                    "expired",
+                    "the action expired with the approval's deadline",
+                    request_id=request_id,
+                    given=given.value,
+                    expired_at=datetime.fromtimestamp(expires, UTC).isoformat(),
+                )
+
+        standing = await self._decide(request_id, given, arrived, AnsweredVia.ACTION, signature_grants)
+        return counted(standing, given, single_use=True)
+
+    async def answer_reply(
+        self, user_id: str, session_id: str, given: ApprovalAnswer, arrived: datetime, source_id: str
+    ) -> Response | None:
+        """A chat reply's clear yes or no for a session of ``user_id`` (the messages endpoint
+        authorized them): answers the request that session waits on, by the same rule,
+        statuses and wake-up as the API (202 when it counted). None: the session waits on
+        nothing, and the reply is an ordinary message."""
+        request_id = await on_ledger(self._open_request, user_id, session_id)
+        if request_id is None:
+            return None
+
+        def same_user(asked: Standing) -> None:
+            if asked.user_id != user_id:  # the session is theirs, so its request is: a broken invariant
+                raise Refusal(404, "unknown_request", "no such approval request", answer=approvals.UNKNOWN)
+
+        standing = await self._decide(request_id, given, arrived, AnsweredVia.CHAT, same_user)
+        return counted(standing, given, 202, accepted=1, source_id=source_id, session_id=session_id)
+
+    def _open_request(self, user_id: str, session_id: str) -> str | None:
+        with self.pool.connection() as conn:
+            return approvals.open_request_of_session(conn, user_id=user_id, session_id=session_id)
+
+
+def counted(
+    standing: Standing, given: ApprovalAnswer, status: int = 200, *, single_use: bool = False, **extra: Any
+) -> Response:
+    """``status`` if the answer that stands is the one given (stored now, or a retry of it;
+    ``single_use``: stored now only), else a 409 with the same fields: a client that checks
+    the status must know its answer did not count."""
+    shown: dict[str, Any] = {**extra, "request_id": standing.request_id, "answer": standing.answer}
+    shown["given"] = given.value
+    if standing.answer == given and (standing.stored or not single_use):
+        return JSONResponse(shown, status)
+    if standing.answer == ApprovalAnswer.EXPIRED:
+        raise Refusal(409, "expired", "the answer arrived after the deadline: expired stands", **shown)
+    if single_use and standing.answered_via == AnsweredVia.ACTION:
+        raise Refusal(409, "already_used", "an action URL of this request was already used", **shown)
+    raise Refusal(409, "already_answered", f"an earlier answer stands: {standing.answer}", **shown)

@@ -16,12 +16,18 @@ session of that user: another user's is a 404, as is their delivery), or ``in_re
 the id of the delivery it answers, which ingest resolves to the session that wrote that
 delivery (:func:`EventsApi.reply_session`). Neither: today's rules (the message joins
 whatever the run resumes anyway, or starts a new session).
+
+A message continuing a session that waits on an approval, whose text is a clear yes or no
+(:func:`vigil.ingest.replies.clear_answer`), answers that approval instead of being
+produced (:meth:`vigil.ingest.approvals_api.ApprovalsApi.answer_reply`: the API's rule,
+statuses and wake-up). An unclear reply is produced as a message, and reaches the agent.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -41,12 +47,17 @@ from starlette.responses import JSONResponse, Response
 from vigil.envelope import Event
 from vigil.ingest.auth import TokenAuth, authorize, ledger
 from vigil.ingest.publisher import Publisher
+from vigil.ingest.replies import clear_answer
 from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger import agent, outbox
 from vigil.ledger.db import AsyncPool
-from vigil.ledger.states import HookProvider, Scope
+from vigil.ledger.states import ApprovalAnswer, HookProvider, Scope
 from vigil.numbers import event_instant_problem, instant
+
+# A chat reply's clear answer (user, session, answer, arrival, the message's source_id): the
+# response to give, or None when the session waits on nothing (ApprovalsApi.answer_reply).
+AnswerReply = Callable[[str, str, ApprovalAnswer, datetime, str], Awaitable[Response | None]]
 
 CHAT_SOURCE = "chat"
 CHAT_KIND = "chat.message"
@@ -210,11 +221,19 @@ def parse_events(document: Any, max_batch: int, arrived: datetime) -> list[Event
 
 
 class EventsApi:
-    def __init__(self, settings: IngestSettings, auth: TokenAuth, publisher: Publisher, pool: AsyncPool):
+    def __init__(
+        self,
+        settings: IngestSettings,
+        auth: TokenAuth,
+        publisher: Publisher,
+        pool: AsyncPool,
+        answer_reply: AnswerReply | None = None,
+    ):
         self.settings = settings
         self.auth = auth
         self.publisher = publisher
         self.pool = pool  # in_reply_to lookups
+        self.answer_reply = answer_reply
 
     async def reply_session(self, user_id: str, message: MessageIn) -> str | None:
         """The session a message continues: its ``session_id`` (404 if this user has no such
@@ -275,6 +294,11 @@ class EventsApi:
             raise refuse_validation(exc) from None
         session_id = await self.reply_session(user_id, message)
         source_id = key or str(uuid.uuid4())
+        given = clear_answer(message.text) if session_id is not None and self.answer_reply else None
+        if given is not None and session_id is not None and self.answer_reply is not None:
+            answered = await self.answer_reply(user_id, session_id, given, received_at(request), source_id)
+            if answered is not None:
+                return answered
         event = Event(
             user_id=user_id,
             source=CHAT_SOURCE,

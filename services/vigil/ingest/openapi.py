@@ -110,6 +110,13 @@ def paths() -> dict[str, Any]:
                 "requestBody": _json_body("MessageIn", "The message."),
                 "responses": {
                     **_ok("202", "Accepted", "The broker acknowledged the message."),
+                    "409": {
+                        "description": "The message was a clear yes or no to an approval question (the session it "
+                        "continues waits on one) and did not count: `expired` or `already_answered`, as for "
+                        "POST /v1/approvals/{request_id}. When it counts, the 202 also carries `request_id`, `answer` "
+                        "and `given`, and the answer's wake-up is produced instead of the message.",
+                        "content": {"application/json": {"schema": {"$ref": REF.format(model="AnswerNotCounted")}}},
+                    },
                     "404": _error(
                         "in_reply_to names no delivery to this user (unknown_delivery), or session_id no "
                         "session of this user (unknown_session): another user's is refused the same way."
@@ -160,6 +167,32 @@ def paths() -> dict[str, Any]:
                         "content": {"application/json": {"schema": {"$ref": REF.format(model="AnswerNotCounted")}}},
                     },
                     "403": _error("The token does not grant an answer to this request. Nothing stored."),
+                    "404": _error("No such request: `answer` is `unknown`."),
+                    **REFUSALS,
+                },
+            }
+        },
+        "/v1/approvals/{request_id}/actions/{answer}": {
+            "post": {
+                "summary": "Answer an approval request by its signed action URL (a chat app's approve / deny button)",
+                "description": "The URL comes whole in the question's delivery (`data.actions[].url`); no body and no "
+                "bearer token: the signature is the capability. Single use: only the call that stores the answer "
+                "counts.",
+                "parameters": [
+                    _path("request_id", "The approval request being answered."),
+                    _path("answer", "yes or no."),
+                    {"name": "expires", "in": "query", "required": True, "schema": {"type": "integer"}},
+                    {"name": "signature", "in": "query", "required": True, "schema": {"type": "string"}},
+                ],
+                "responses": {
+                    **_ok("200", "AnswerOut", "This action stored the answer; the session's wake-up was produced."),
+                    "409": {
+                        "description": "It did not count: `already_used` (an action URL of this request answered "
+                        "it), `already_answered` (another path did) or `expired`. The wake-up was produced.",
+                        "content": {"application/json": {"schema": {"$ref": REF.format(model="AnswerNotCounted")}}},
+                    },
+                    "410": _error("The action expired with the approval's deadline (`expired`). Nothing stored."),
+                    "403": _error("Forged, altered or incomplete (`invalid_signature`). Nothing stored."),
                     "404": _error("No such request: `answer` is `unknown`."),
                     **REFUSALS,
                 },

@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import DictRow
+from psycopg.types.json import Jsonb
 
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.queries import Q
@@ -186,12 +187,14 @@ async def save_sessions(conn: psycopg.AsyncConnection[DictRow], rows: list[Sessi
 
 @dataclass(frozen=True, slots=True)
 class MessageTag:
-    """A message's session (a reply to its delivery resumes it) and deadline (an approval question)."""
+    """A message's session (a reply to its delivery resumes it), deadline and answer actions
+    (an approval question)."""
 
     run_id: int
     n: int  # its position among the run's messages, from 1
     session_id: str | None
     deadline: datetime | None
+    actions: tuple[dict[str, Any], ...] = ()
 
 
 async def tag_messages(conn: psycopg.AsyncConnection[DictRow], tags: list[MessageTag]) -> None:
@@ -205,6 +208,7 @@ async def tag_messages(conn: psycopg.AsyncConnection[DictRow], tags: list[Messag
             "n": [t.n for t in tags],
             "session_id": [t.session_id for t in tags],
             "deadline": [t.deadline for t in tags],
+            "actions": [Jsonb(list(t.actions)) if t.actions else None for t in tags],
         },
     )
 

@@ -31,7 +31,7 @@ from psycopg.rows import DictRow
 
 from vigil.envelope import Event
 from vigil.ledger.queries import Q
-from vigil.ledger.states import ApprovalAnswer, OnExpiry
+from vigil.ledger.states import AnsweredVia, ApprovalAnswer, OnExpiry
 
 UNKNOWN = "unknown"  # the answer path's reply for a request never made
 TOKEN_VERSION = "v1"
@@ -50,9 +50,13 @@ class Standing:
     escalated: bool = False  # the expiry became another ask
     due: datetime | None = None
     escalations: int = 0  # times asked again so far
+    answered_via: str | None = None  # api | chat | action | operator; None: the expiry's, or open
+    stored: bool = False  # this call stored the answer (a retry or a second use did not)
 
 
-def _standing(conn: psycopg.Connection[DictRow], request_id: str, escalated: bool = False) -> Standing:
+def _standing(
+    conn: psycopg.Connection[DictRow], request_id: str, escalated: bool = False, stored: bool = False
+) -> Standing:
     row = conn.execute(Q.approval_get, {"request_id": request_id}).fetchone()
     if row is None:
         return Standing(request_id, UNKNOWN)
@@ -67,6 +71,8 @@ def _standing(conn: psycopg.Connection[DictRow], request_id: str, escalated: boo
         escalated,
         row["due"],
         row["escalations"],
+        row["answered_via"],
+        stored,
     )
 
 
@@ -82,19 +88,38 @@ def answerable_ids(conn: psycopg.Connection[DictRow], since: datetime) -> frozen
 
 
 def answer(
-    conn: psycopg.Connection[DictRow], request_id: str, given: ApprovalAnswer, received_at: datetime
+    conn: psycopg.Connection[DictRow],
+    request_id: str,
+    given: ApprovalAnswer,
+    received_at: datetime,
+    via: AnsweredVia = AnsweredVia.API,
 ) -> Standing:
     """Store a person's answer (call inside a transaction; produce the wake-up after commit).
 
     In time (``received_at`` before the deadline) and first: it stands. Late and first: the
-    request is stored as expired. Second: whatever was stored first stands.
+    request is stored as expired. Second: whatever was stored first stands. Every path a
+    person answers by (``via``: the API, a chat reply, an action URL) goes through here, so
+    they share one race rule; ``Standing.stored`` says whether this call stored the answer.
     """
     if given not in (ApprovalAnswer.YES, ApprovalAnswer.NO):
         raise ValueError("a person answers yes or no")
-    params = {"request_id": request_id, "answer": given.value, "received_at": received_at, "at": received_at}
-    if conn.execute(Q.approval_answer_in_time, params).fetchone() is None:
-        conn.execute(Q.approval_expire, params)
-    return _standing(conn, request_id)
+    params = {
+        "request_id": request_id,
+        "answer": given.value,
+        "received_at": received_at,
+        "at": received_at,
+        "via": via.value,
+    }
+    if conn.execute(Q.approval_answer_in_time, params).fetchone() is not None:
+        return _standing(conn, request_id, stored=True)
+    stored = conn.execute(Q.approval_expire, params).fetchone() is not None
+    return _standing(conn, request_id, stored=stored)
+
+
+def open_request_of_session(conn: psycopg.Connection[DictRow], *, user_id: str, session_id: str) -> str | None:
+    """The request id a session of this user waits on, if any (a chat reply naming it answers it)."""
+    row = conn.execute(Q.approval_open_for_session, {"user_id": user_id, "session_id": session_id}).fetchone()
+    return None if row is None else row["request_id"]
 
 
 def expire(conn: psycopg.Connection[DictRow], request_id: str, at: datetime, escalate_after: timedelta) -> Standing:
@@ -106,7 +131,7 @@ def expire(conn: psycopg.Connection[DictRow], request_id: str, at: datetime, esc
     answers or an operator denies (``vigil approvals deny``), never running the tool on
     silence. If an answer was already stored, nothing is written and that answer is reported.
     """
-    params = {"request_id": request_id, "at": at, "received_at": None}
+    params = {"request_id": request_id, "at": at, "received_at": None, "via": None}
     escalated = conn.execute(Q.approval_escalate, {**params, "new_due": at + escalate_after}).fetchone()
     if escalated is not None:
         return _standing(conn, request_id, escalated=True)
@@ -180,6 +205,49 @@ def verify_token(*, secret: str, request_id: str, user_id: str, token: str) -> b
     )
 
 
+def sign_action(*, secret: str, request_id: str, user_id: str, given: ApprovalAnswer, expires: int) -> str:
+    """The signature of one answer action: this request, this user, this answer, until ``expires``
+    (Unix seconds, the deadline the question carried). Its own message (``action``), so neither
+    an answer token nor the other action's signature passes for it."""
+    message = f"{TOKEN_VERSION}|action|{request_id}|{user_id}|{given.value}|{expires}"
+    mac = hmac.new(secret.encode(), message.encode(), hashlib.sha256).digest()
+    # The token's shape ("v1." and 43 base64url characters): the log channel's redaction hides it too.
+    return f"{TOKEN_VERSION}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
+
+
+def verify_action(
+    *, secret: str, request_id: str, user_id: str, given: ApprovalAnswer, expires: int, signature: str
+) -> bool:
+    expected = sign_action(secret=secret, request_id=request_id, user_id=user_id, given=given, expires=expires)
+    return hmac.compare_digest(expected.encode(), signature.encode())
+
+
+ACTION_LABELS = {ApprovalAnswer.YES: ("approve", "Approve"), ApprovalAnswer.NO: ("deny", "Deny")}
+
+
+def answer_actions(*, secret: str, request_id: str, user_id: str, due: datetime, base_url: str) -> list[dict[str, Any]]:
+    """The approve and deny actions a question's delivery carries, for a chat app's buttons:
+    ``POST`` to ``url`` (``base_url`` + the path; no body, no bearer token: the signature is
+    the capability), valid until ``expires_at``, and once (the ledger stores one answer)."""
+    expires = int(due.timestamp())
+    actions = []
+    for given, (action_id, label) in ACTION_LABELS.items():
+        signature = sign_action(secret=secret, request_id=request_id, user_id=user_id, given=given, expires=expires)
+        path = f"/v1/approvals/{request_id}/actions/{given.value}?expires={expires}&signature={signature}"
+        actions.append(
+            {
+                "id": action_id,
+                "label": label,
+                "answer": given.value,
+                "method": "POST",
+                "url": base_url.rstrip("/") + path,
+                "request_id": request_id,
+                "expires_at": due.isoformat(),
+            }
+        )
+    return actions
+
+
 __all__ = [
     "Standing",
     "answer",
@@ -188,6 +256,9 @@ __all__ = [
     "args_hash",
     "sign_token",
     "verify_token",
+    "sign_action",
+    "verify_action",
+    "answer_actions",
     "OnExpiry",
     "UNKNOWN",
 ]

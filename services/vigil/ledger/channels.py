@@ -107,3 +107,31 @@ def pacing_state(conn: psycopg.Connection[DictRow], user_id: str) -> PacingState
     """A user's pacing state; None for a user the ledger has never seen."""
     row = conn.execute(Q.channel_pacing_state, {"user_id": user_id}).fetchone()
     return None if row is None else PacingState(row["last_delivery_at"], row["urgent_day"], row["urgent_count"])
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionState:
+    """A user's earned gap (``users.attention_*``, migration 0031) and today's deliveries."""
+
+    user_id: str
+    attention_gap_s: int | None
+    attention_reason: str | None
+    attention_at: datetime | None
+    attention_pinned: bool
+    last_delivery_at: datetime | None
+    delivery_day: date | None
+    delivery_day_count: int
+
+
+def attention(conn: psycopg.Connection[DictRow], user_id: str) -> AttentionState | None:
+    """A user's attention state; None: no such user."""
+    row = conn.execute(Q.attention_get, {"user_id": user_id}).fetchone()
+    return None if row is None else AttentionState(**{f.name: row[f.name] for f in fields(AttentionState)})
+
+
+def set_attention(
+    conn: psycopg.Connection[DictRow], *, user_id: str, gap_s: int | None, reason: str, now: datetime
+) -> AttentionState | None:
+    """Pin ``user_id``'s gap at ``gap_s``, or (None) let it adapt again; None: no such user."""
+    row = conn.execute(Q.attention_set, {"user_id": user_id, "gap_s": gap_s, "reason": reason, "now": now}).fetchone()
+    return None if row is None else AttentionState(**{f.name: row[f.name] for f in fields(AttentionState)})

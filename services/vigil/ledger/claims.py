@@ -108,23 +108,33 @@ async def mark_dead(
 
 
 async def alone_due(
-    conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int], max_attempts: int
+    conn: psycopg.AsyncConnection[DictRow],
+    owned: dict[PartitionKey, int],
+    max_attempts: int,
+    *,
+    now: datetime | None = None,
 ) -> datetime | None:
-    """When the first last attempt that must run alone may be claimed; None if none waits."""
+    """When the first last attempt that must run alone may be claimed (``now`` if its backoff
+    ended already); None if none waits."""
     if not owned:
         return None
-    cur = await conn.execute(Q.alone_due, {**owned_params(owned), "max_attempts": max_attempts})
+    cur = await conn.execute(Q.alone_due, {**owned_params(owned), "max_attempts": max_attempts, "now": now})
     row = await cur.fetchone()
     return row["at"] if row else None
 
 
 async def claim_alone(
-    conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int], max_attempts: int
+    conn: psycopg.AsyncConnection[DictRow],
+    owned: dict[PartitionKey, int],
+    max_attempts: int,
+    *,
+    now: datetime | None = None,
 ) -> Claim | None:
-    """Rule 3's lone last attempt: one such row, for a runner with nothing else in flight."""
+    """Rule 3's lone last attempt, once its backoff ended at ``now``: one such row, for a
+    runner with nothing else in flight."""
     if not owned:
         return None
-    cur = await conn.execute(Q.claim_alone, {**owned_params(owned), "max_attempts": max_attempts})
+    cur = await conn.execute(Q.claim_alone, {**owned_params(owned), "max_attempts": max_attempts, "now": now})
     claims = _claims(await cur.fetchall())
     return claims[0] if claims else None
 
@@ -139,6 +149,7 @@ async def claim(
     window_s: float,
     max_attempts: int,
     cursor: str = "",
+    now: datetime | None = None,
 ) -> tuple[list[Claim], str]:
     """Rules 3 and 4 for up to ``max_users`` users of the owned partitions. Returns the
     claims and the cursor for the next pass.
@@ -163,6 +174,7 @@ async def claim(
         "batch_max": batch_max,
         "window_s": window_s,
         "max_attempts": max_attempts,
+        "now": now,
     }
     claims: list[Claim] = []
     # The users after the cursor; then, wrapping around, those up to where this pass started.
@@ -224,9 +236,12 @@ def _claims(rows: list[dict[str, Any]]) -> list[Claim]:
     return claims
 
 
-async def claim_more(conn: psycopg.AsyncConnection[DictRow], claim: Claim, sources: Sequence[str]) -> list[EventRow]:
-    """Fold: the user's fresh pending events, claimed under the running claim's epoch."""
-    return await _claim_under(conn, Q.claim_more, claim, {"sources": list(sources)})
+async def claim_more(
+    conn: psycopg.AsyncConnection[DictRow], claim: Claim, sources: Sequence[str], session_id: str | None = None
+) -> list[EventRow]:
+    """Fold: the user's fresh pending events of ``sources`` naming no session or naming
+    ``session_id`` (the conversation in progress), claimed under the running claim's epoch."""
+    return await _claim_under(conn, Q.claim_more, claim, {"sources": list(sources), "session_id": session_id})
 
 
 async def claim_ids(conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: Sequence[int]) -> list[EventRow]:
@@ -236,7 +251,10 @@ async def claim_ids(conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: S
 
 
 async def _claim_under(
-    conn: psycopg.AsyncConnection[DictRow], query: str, claim: Claim, params: dict[str, list[str] | list[int]]
+    conn: psycopg.AsyncConnection[DictRow],
+    query: str,
+    claim: Claim,
+    params: dict[str, list[str] | list[int] | str | None],
 ) -> list[EventRow]:
     """More of the user's events claimed under a running claim's home partition and epoch, in id order."""
     home = {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch}
@@ -245,9 +263,12 @@ async def _claim_under(
     return [EventRow.of(r) for r in rows]
 
 
-async def backoff_ends(conn: psycopg.AsyncConnection[DictRow], keys: list[PartitionKey]) -> list[datetime]:
-    """When pending events of ``keys`` that wait out a backoff become claimable (read at takeover)."""
-    cur = await conn.execute(Q.backoff_ends, keys_params(sorted(keys)))
+async def backoff_ends(
+    conn: psycopg.AsyncConnection[DictRow], keys: list[PartitionKey], *, now: datetime | None = None
+) -> list[datetime]:
+    """When pending events of ``keys`` that wait out a backoff past ``now`` become claimable
+    (read at takeover)."""
+    cur = await conn.execute(Q.backoff_ends, {**keys_params(sorted(keys)), "now": now})
     return [row["at"] for row in await cur.fetchall()]
 
 

@@ -210,6 +210,8 @@ class UserRow:
     home_partition: int
     first_seen_at: datetime
     last_delivery_at: datetime | None
+    attention_gap_s: int | None = None  # the earned gap (docs/agent.md, "Attention"); None: not adapting
+    attention_reason: str | None = None
 
 
 @dataclass(frozen=True)

@@ -125,13 +125,22 @@ async def finish_failed(
     error: str,
     backoff_s: float,
     transient: bool,
+    now: datetime | None = None,
 ) -> psycopg.AsyncCursor[DictRow]:
     """A failed attempt's events back to pending with the error and a backoff (a transient
-    failure gives its attempt back); only those still claimed under ``epoch``. Returns the
+    failure gives its attempt back), the backoff from ``now``; only those still claimed under ``epoch``. Returns the
     cursor: in pipeline mode its ``rowcount`` (how many moved) is known once the pipeline syncs."""
     return await conn.execute(
         Q.finish_failed,
-        {"ids": ids, "epoch": epoch, "run_id": run_id, "error": error, "backoff_s": backoff_s, "transient": transient},
+        {
+            "ids": ids,
+            "epoch": epoch,
+            "run_id": run_id,
+            "error": error,
+            "backoff_s": backoff_s,
+            "transient": transient,
+            "now": now,
+        },
     )
 
 

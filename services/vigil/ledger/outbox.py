@@ -53,6 +53,7 @@ class UnfinishedRow:
     session_id: str | None = None  # the conversation that wrote it
     deadline: datetime | None = None  # an approval question's: never held by the urgent cap
     traceparent: str | None = None  # the writing run's trace context (traces on): the delivery continues it
+    actions: list[dict[str, Any]] | None = None  # an approval question's approve / deny actions (signed answer URLs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class DueUser:
     secret: str | None
     gap_seconds: int | None
     urgent_daily_cap: int | None
+    attention_gap_s: int | None = None  # the user's earned gap (a channel's gap_seconds wins)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,15 +207,53 @@ def fix_deliveries(
     return {r["id"] for r in rows}
 
 
+@dataclass(frozen=True, slots=True)
+class Attention:
+    """How the earned gap adapts (docs/agent.md, "Attention"); ``adapt`` False: it stays as is."""
+
+    adapt: bool = False
+    min_gap_s: int = 0
+    max_gap_s: int = 0
+    window_s: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Paced:
+    """A user whose new delivery was recorded: was the one before it answered (None: there was
+    none), and the day count this delivery's day replaced (for messages per user per day)."""
+
+    user_id: str
+    replied: bool | None
+    previous_day: date | None
+    previous_day_count: int
+
+
 def record_pacing(
-    conn: psycopg.Connection[DictRow], now: datetime, users: list[str], seen: list[datetime | None], bypass: list[bool]
-) -> set[str]:
-    """Restart each user's gap at ``now`` (a bypass also counts against today's urgent cap),
-    only where ``last_delivery_at`` is still what the plan read (``seen``); returns those users."""
+    conn: psycopg.Connection[DictRow],
+    now: datetime,
+    users: list[str],
+    seen: list[datetime | None],
+    bypass: list[bool],
+    attention: Attention = Attention(),
+) -> dict[str, Paced]:
+    """Restart each user's gap at ``now`` (a bypass also counts against today's urgent cap)
+    and adapt the earned gap to whether the previous delivery was answered, only where
+    ``last_delivery_at`` is still what the plan read (``seen``); returns those users."""
     rows = conn.execute(
-        Q.outbox_record_pacing, {"now": now, "today": now.date(), "users": users, "seen": seen, "bypass": bypass}
+        Q.outbox_record_pacing,
+        {
+            "now": now,
+            "today": now.date(),
+            "users": users,
+            "seen": seen,
+            "bypass": bypass,
+            "adapt": attention.adapt,
+            "min_gap": attention.min_gap_s,
+            "max_gap": attention.max_gap_s,
+            "window": attention.window_s,
+        },
     ).fetchall()
-    return {r["user_id"] for r in rows}
+    return {r["user_id"]: p for r in rows for p in _rows(Paced, [r])}
 
 
 def claim_retries(

@@ -38,6 +38,7 @@ The epoch only ever grows, so "my epoch is the current one" is a fact the databa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -84,9 +85,10 @@ def hand_back_stale_claims(
     backoff_base_s: float,
     backoff_cap_s: float,
     max_attempts: int,
+    now: datetime | None = None,
 ) -> list[int]:
     """Rule 1's second half: the partition's events still claimed under an older epoch back to
-    pending with a backoff. Returns their ids."""
+    pending with a backoff from ``now``. Returns their ids."""
     rows = conn.execute(
         Q.hand_back_stale_claims,
         {
@@ -96,17 +98,22 @@ def hand_back_stale_claims(
             "backoff_base": backoff_base_s,
             "backoff_cap": backoff_cap_s,
             "max_attempts": max_attempts,
+            "now": now,
         },
     ).fetchall()
     return [row["id"] if isinstance(row, dict) else row[0] for row in rows]
 
 
 async def begin_handover(
-    conn: psycopg.AsyncConnection[DictRow], partitions: dict[PartitionKey, int], seconds: float
+    conn: psycopg.AsyncConnection[DictRow],
+    partitions: dict[PartitionKey, int],
+    seconds: float,
+    *,
+    now: datetime | None = None,
 ) -> list[PartitionKey]:
-    """Rule 4: a hand-over deadline ``seconds`` from now on ``partitions`` still at these
+    """Rule 4: a hand-over deadline ``seconds`` after ``now`` on ``partitions`` still at these
     epochs. Returns those it was set on (the others have moved on already)."""
-    cur = await conn.execute(Q.begin_handover, {**owned_params(partitions), "seconds": seconds})
+    cur = await conn.execute(Q.begin_handover, {**owned_params(partitions), "seconds": seconds, "now": now})
     return sorted(PartitionKey(row["topic"], row["partition"]) for row in await cur.fetchall())
 
 
@@ -115,10 +122,12 @@ async def end_handover(conn: psycopg.AsyncConnection[DictRow], partitions: dict[
     await conn.execute(Q.end_handover, owned_params(partitions))
 
 
-def handover_left(conn: psycopg.Connection[DictRow], keys: list[PartitionKey]) -> float | None:
-    """Rule 4, for a takeover: seconds until the last hand-over deadline among ``keys`` (the
-    ledger's clock); None when none is in progress."""
-    row = conn.execute(Q.handover_left, keys_params(sorted(keys))).fetchone()
+def handover_left(
+    conn: psycopg.Connection[DictRow], keys: list[PartitionKey], *, now: datetime | None = None
+) -> float | None:
+    """Rule 4, for a takeover: seconds from ``now`` until the last hand-over deadline among
+    ``keys``; None when none is in progress."""
+    row = conn.execute(Q.handover_left, {**keys_params(sorted(keys)), "now": now}).fetchone()
     seconds = None if row is None else (row["seconds"] if isinstance(row, dict) else row[0])
     return None if seconds is None else float(seconds)
 

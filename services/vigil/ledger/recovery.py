@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
 
 import psycopg
 from psycopg.rows import DictRow
@@ -34,6 +35,7 @@ async def release_orphaned_claims(
     max_attempts: int,
     backoff_base_s: float,
     backoff_cap_s: float,
+    now: datetime | None = None,
 ) -> list[Healed]:
     """Events running at our epochs of users with no run in flight here (``busy``): back to
     pending, counted as lost with their worker (as a takeover counts them)."""
@@ -45,6 +47,7 @@ async def release_orphaned_claims(
             "max_attempts": max_attempts,
             "backoff_base": backoff_base_s,
             "backoff_cap": backoff_cap_s,
+            "now": now,
         },
     )
     return [Healed(row["id"], row["user_id"]) for row in await cur.fetchall()]

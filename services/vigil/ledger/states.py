@@ -54,6 +54,15 @@ class ApprovalAnswer(StrEnum):
     EXPIRED = "expired"
 
 
+class AnsweredVia(StrEnum):
+    """The path a stored approval answer came by (``approvals.answered_via``; the expiry's is NULL)."""
+
+    API = "api"  # POST /v1/approvals/{id} with the token
+    CHAT = "chat"  # a clear yes or no replying to the question (in_reply_to or session_id)
+    ACTION = "action"  # a signed single-use action URL from the delivery (a chat app's button)
+    OPERATOR = "operator"  # vigil approvals deny
+
+
 class SessionState(StrEnum):
     OPEN = "open"  # worker: a run resumes it, or closes it past the size budget
     WAITING = "waiting"  # worker: the approval answer or expiry resumes it
@@ -106,6 +115,7 @@ CHECKED = {
     "timers_catch_up_valid": CatchUp,
     "approvals_on_expiry_valid": OnExpiry,
     "approvals_answer_valid": ApprovalAnswer,
+    "approvals_answered_via_valid": AnsweredVia,
     "sessions_state_valid": SessionState,
     "channels_type_valid": ChannelType,
     "outbox_channel_valid": ChannelType,

@@ -125,13 +125,14 @@ class Gauges:
     heartbeat_age_s: float
 
 
-async def create(conn: psycopg.AsyncConnection[DictRow], task: NewTaskRow) -> None:
-    """Queue a task: called inside the delegating run's fenced finish transaction. With a
-    bound on the user's open tasks, the user's lock is taken first (held to the commit), so
-    two finishes of one user count and insert one after the other."""
+async def create(conn: psycopg.AsyncConnection[DictRow], task: NewTaskRow, *, now: datetime | None = None) -> None:
+    """Queue a task (its deadline ``timeout_s`` after ``now``): called inside the delegating
+    run's fenced finish transaction. With a bound on the user's open tasks, the user's lock is
+    taken first (held to the commit), so two finishes of one user count and insert one after
+    the other."""
     if task.max_open is not None:
         await conn.execute(Q.task_open_lock, {"user_id": task.user_id})
-    await conn.execute(Q.task_create, {f.name: getattr(task, f.name) for f in fields(task)})
+    await conn.execute(Q.task_create, {**{f.name: getattr(task, f.name) for f in fields(task)}, "now": now})
 
 
 async def open_count(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> int:
@@ -141,8 +142,11 @@ async def open_count(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> in
     return int(row["open"])
 
 
-async def claim(conn: psycopg.AsyncConnection[DictRow], holder: str, limit: int) -> list[TaskRow]:
-    cur = await conn.execute(Q.task_claim, {"holder": holder, "limit": limit})
+async def claim(
+    conn: psycopg.AsyncConnection[DictRow], holder: str, limit: int, *, now: datetime | None = None
+) -> list[TaskRow]:
+    """Up to ``limit`` queued tasks still within their deadline at ``now``, leased to ``holder``."""
+    cur = await conn.execute(Q.task_claim, {"holder": holder, "limit": limit, "now": now})
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
@@ -158,13 +162,20 @@ class Progress:
 
 
 async def heartbeat(
-    conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_epoch: int, progress: Progress = Progress()
+    conn: psycopg.AsyncConnection[DictRow],
+    task_id: str,
+    lease_epoch: int,
+    progress: Progress = Progress(),
+    *,
+    now: datetime | None = None,
 ) -> bool | None:
-    """None: the lease is gone (stop, write nothing). True: cancel requested. False: carry on."""
+    """Proof of life at ``now``. None: the lease is gone (stop, write nothing). True: cancel
+    requested. False: carry on."""
     params = {
         "id": task_id,
         "lease_epoch": lease_epoch,
         **{f.name: getattr(progress, f.name) for f in fields(progress)},
+        "now": now,
     }
     cur = await conn.execute(Q.task_heartbeat, params)
     row = await cur.fetchone()
@@ -196,11 +207,12 @@ async def release(conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_ep
     return await cur.fetchone() is not None
 
 
-async def reap(conn: psycopg.AsyncConnection[DictRow], stale_s: float) -> list[Reaped]:
-    """Deadlines first (a task past its deadline is timed_out, not retried), then stale leases."""
-    cur = await conn.execute(Q.task_reap_timed_out)
+async def reap(conn: psycopg.AsyncConnection[DictRow], stale_s: float, *, now: datetime | None = None) -> list[Reaped]:
+    """Deadlines first (a task past its deadline at ``now`` is timed_out, not retried), then
+    leases with no heartbeat for ``stale_s`` before ``now``."""
+    cur = await conn.execute(Q.task_reap_timed_out, {"now": now})
     reaped = [Reaped(r["id"], r["user_id"], TaskStatus.TIMED_OUT) for r in await cur.fetchall()]
-    cur = await conn.execute(Q.task_reap_stale, {"stale_s": stale_s})
+    cur = await conn.execute(Q.task_reap_stale, {"stale_s": stale_s, "now": now})
     reaped += [Reaped(r["id"], r["user_id"], TaskStatus(r["status"])) for r in await cur.fetchall()]
     return reaped
 
@@ -268,7 +280,7 @@ async def mark_reported(conn: psycopg.AsyncConnection[DictRow], ids: list[str]) 
     await conn.execute(Q.task_mark_reported, {"ids": ids})
 
 
-async def gauges(conn: psycopg.AsyncConnection[DictRow]) -> Gauges:
-    row = await (await conn.execute(Q.task_gauges)).fetchone()
+async def gauges(conn: psycopg.AsyncConnection[DictRow], *, now: datetime | None = None) -> Gauges:
+    row = await (await conn.execute(Q.task_gauges, {"now": now})).fetchone()
     assert row is not None  # aggregates only: one row
     return Gauges(row["queued"], row["running"], row["heartbeat_age"])

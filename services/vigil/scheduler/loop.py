@@ -152,6 +152,8 @@ def timer_event(row: TimerRow, occurrence: Occurrence, produced_at: datetime, lo
     }
     if lower_bound and occurrence.skipped:
         body["skipped_is_lower_bound"] = True  # a minute-level cron after a very long outage
+    # A follow-up resumes the conversation that set it (the agent puts it in the payload).
+    named = row.payload.get("session_id") if row.kind == TimerKind.FOLLOWUP else None
     return Event(
         user_id=row.user_id,
         source="timer",
@@ -160,6 +162,7 @@ def timer_event(row: TimerRow, occurrence: Occurrence, produced_at: datetime, lo
         payload=json.dumps(body, separators=(",", ":")),
         received_at=produced_at,
         occurred_at=_utc(occurrence.scheduled_for),
+        session_id=named if isinstance(named, str) and named else None,
     )
 
 

@@ -106,11 +106,11 @@ class Claimer:
         keys = sorted(epochs)
         try:
             async with self.pool.connection() as conn:
-                ends = await ledger_claims.backoff_ends(conn, keys)
+                now = utc(self.clock.now())
+                ends = await ledger_claims.backoff_ends(conn, keys, now=now)
         except psycopg.Error as exc:
             log.warning("could not read backoffs after a takeover (the periodic pass finds them): %s", exc)
             return
-        now = utc(self.clock.now())
         for at in ends:
             self.wake((at - now).total_seconds() + BACKOFF_SLACK_S)
 
@@ -154,7 +154,7 @@ class Claimer:
         else:
             try:
                 async with self.pool.connection() as conn:
-                    await ledger_partitions.begin_handover(conn, handing, HANDOVER_LEASE_S)
+                    await ledger_partitions.begin_handover(conn, handing, HANDOVER_LEASE_S, now=utc(self.clock.now()))
             except psycopg.Error as exc:
                 log.warning("could not leave a hand-over in the ledger (the revoke waits for its runs): %s", exc)
                 await self._wind_down(gone, True, grace_s)
@@ -199,7 +199,7 @@ class Claimer:
             await asyncio.sleep(HANDOVER_RENEW_S)
             try:
                 async with self.pool.connection() as conn:
-                    await ledger_partitions.begin_handover(conn, handing, HANDOVER_LEASE_S)
+                    await ledger_partitions.begin_handover(conn, handing, HANDOVER_LEASE_S, now=utc(self.clock.now()))
             except psycopg.Error as exc:
                 log.warning("could not renew the hand-over (the next owner may take over first): %s", exc)
 
@@ -278,7 +278,9 @@ class Claimer:
                 if self.clock.monotonic() >= self._next_dead_check:
                     self._next_dead_check = self.clock.monotonic() + self.settings.scan_interval_s
                     dead = await mark_dead(conn, owned, self.settings.max_attempts)
-                    self.lone.due_at = await alone_due(conn, owned, self.settings.max_attempts)
+                    self.lone.due_at = await alone_due(
+                        conn, owned, self.settings.max_attempts, now=utc(self.clock.now())
+                    )
                     if self.lone.due_at is None:
                         self.lone.drain_until = None
                 if self.clock.monotonic() >= self._next_heal:
@@ -322,6 +324,7 @@ class Claimer:
             max_attempts=self.settings.max_attempts,
             backoff_base_s=self.settings.backoff_base_s,
             backoff_cap_s=self.settings.backoff_cap_s,
+            now=utc(self.clock.now()),
         )
         if healed:
             metrics.HEALED.inc(len(healed))
@@ -350,7 +353,7 @@ class Claimer:
             elif self.active and not await self.lone.drained():
                 return [], False  # draining: each finishing run wakes a pass, and so does the deadline
             else:
-                lone = await claim_alone(conn, owned, self.settings.max_attempts)
+                lone = await claim_alone(conn, owned, self.settings.max_attempts, now=utc(self.clock.now()))
                 self._next_dead_check = 0.0  # after it: dead? another one waiting?
                 self.lone.drain_until = None
                 if lone is not None:
@@ -369,5 +372,6 @@ class Claimer:
             window_s=self.settings.batch_window_s,
             max_attempts=self.settings.max_attempts,
             cursor=self._cursor,
+            now=utc(self.clock.now()),
         )
         return claims, False

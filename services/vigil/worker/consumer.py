@@ -56,6 +56,7 @@ from psycopg.rows import DictRow
 from vigil import tracing
 from vigil.bus.codec import DecodeError, EventCodec
 from vigil.bus.kafka import ProduceError
+from vigil.clock import Clock, utc
 from vigil.ledger import events as ledger_events
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
@@ -140,7 +141,13 @@ class InFlight(NamedTuple):
 
 class ConsumerLoop(threading.Thread):
     def __init__(
-        self, settings: WorkerSettings, runner, loop: asyncio.AbstractEventLoop, dead_letters, stopping: threading.Event
+        self,
+        settings: WorkerSettings,
+        runner,
+        loop: asyncio.AbstractEventLoop,
+        dead_letters,
+        stopping: threading.Event,
+        clock: Clock | None = None,
     ):
         super().__init__(name="consumer", daemon=True)
         self.settings = settings
@@ -148,6 +155,7 @@ class ConsumerLoop(threading.Thread):
         self.loop = loop
         self.dead_letters = dead_letters
         self.stopping = stopping
+        self.clock = clock  # the runner's: takeovers decide hand-overs and backoffs on it
         self.codec = EventCodec(settings.schema_registry_url)
         self.conn: psycopg.Connection[DictRow] | None = None
         self.consumer: Consumer | None = None
@@ -197,7 +205,7 @@ class ConsumerLoop(threading.Thread):
         if not keys:
             return
         self._settle()
-        later = self._retrying("reading hand-overs", lambda conn: handing_over(conn, keys))
+        later = self._retrying("reading hand-overs", lambda conn: handing_over(conn, keys, self.clock))
         now = [k for k in keys if k not in later]
         if now:
             epochs = self._retrying("takeover", lambda conn: self._take_over(conn, now, HANDOVER_WITHIN_NONE))
@@ -228,6 +236,7 @@ class ConsumerLoop(threading.Thread):
             self.settings.backoff_cap_s,
             self.settings.max_attempts,
             within_s,
+            self.clock,
         )
 
     def _take_over_later(self, keys: list[PartitionKey]) -> None:
@@ -250,14 +259,15 @@ class ConsumerLoop(threading.Thread):
                     if conn is None or conn.closed or conn.broken:
                         conn = connect(self.settings.dsn)
                     left_s = max(deadline - time.monotonic(), 0.0)
-                    wait_for_handover(conn, wanted(), left_s, given_up=lambda: not wanted())
+                    wait_for_handover(conn, wanted(), left_s, given_up=lambda: not wanted(), clock=self.clock)
                     with self._takeover_lock:
                         left = [k for k in keys if k in self.taking_over]
                         if not left:
                             return
                         # Revoked and given back meanwhile, a partition may be in a later
                         # owner's hand-over: wait for that one too (within the same bound).
-                        again = ledger_partitions.handover_left(conn, left) is not None
+                        now = None if self.clock is None else utc(self.clock.now())
+                        again = ledger_partitions.handover_left(conn, left, now=now) is not None
                         conn.commit()
                         if again and time.monotonic() < deadline:
                             continue

@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime
 
 import psycopg
 from psycopg.rows import DictRow
 
+from vigil.clock import Clock, utc
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics
@@ -22,12 +24,19 @@ log = logging.getLogger(__name__)
 HANDOVER_POLL_S = 0.05
 
 
-def handing_over(conn: psycopg.Connection[DictRow], partitions: list[PartitionKey]) -> set[PartitionKey]:
+def _now(clock: Clock | None) -> datetime | None:
+    """The instant the ledger decides at: the worker's clock, or (None) the ledger's own."""
+    return None if clock is None else utc(clock.now())
+
+
+def handing_over(
+    conn: psycopg.Connection[DictRow], partitions: list[PartitionKey], clock: Clock | None = None
+) -> set[PartitionKey]:
     """Which of ``partitions`` a previous owner is handing over now (rule 4), each looked up
     in its own short transaction: an assignment is rare and holds a dozen partitions at most."""
     found = set()
     for key in partitions:
-        if ledger_partitions.handover_left(conn, [key]) is not None:
+        if ledger_partitions.handover_left(conn, [key], now=_now(clock)) is not None:
             found.add(key)
         conn.commit()
     return found
@@ -38,6 +47,7 @@ def wait_for_handover(
     partitions: list[PartitionKey],
     within_s: float,
     given_up: Callable[[], bool] = lambda: False,
+    clock: Clock | None = None,
 ) -> float:
     """Rule 4: until no hand-over of ``partitions`` is in progress (the previous owner cleared
     it, or its deadline passed: a revoking worker that died), at most ``within_s`` (a
@@ -50,7 +60,7 @@ def wait_for_handover(
     were revoked meanwhile)."""
     began = time.monotonic()
     while time.monotonic() - began < within_s and not given_up():
-        left = ledger_partitions.handover_left(conn, partitions)
+        left = ledger_partitions.handover_left(conn, partitions, now=_now(clock))
         conn.commit()
         if left is None:
             break
@@ -74,17 +84,19 @@ def take_over(
     backoff_cap_s: float,
     max_attempts: int,
     handover_within_s: float = 60.0,
+    clock: Clock | None = None,
 ) -> dict[PartitionKey, int]:
     """Rule 1, for every newly assigned partition in one transaction, once no hand-over of
     them is in progress (rule 4, :func:`wait_for_handover`, at most ``handover_within_s``;
-    0: the caller has waited already). Returns the new epochs.
+    0: the caller has waited already). Returns the new epochs. ``clock``: what the hand-over
+    deadlines and the handed-back claims' backoffs are decided on (None: the ledger's clock).
 
     Partitions are taken in sorted order so that two workers taking over overlapping sets
     cannot deadlock. A crash before the commit leaves the old epochs: the next assignment
     takes over again.
     """
     if handover_within_s > 0:
-        wait_for_handover(conn, partitions, handover_within_s)
+        wait_for_handover(conn, partitions, handover_within_s, clock=clock)
     epochs: dict[PartitionKey, int] = {}
     with conn.transaction():
         for key in sorted(partitions):
@@ -96,6 +108,7 @@ def take_over(
                 backoff_base_s=backoff_base_s,
                 backoff_cap_s=backoff_cap_s,
                 max_attempts=max_attempts,
+                now=_now(clock),
             )
             epochs[key] = epoch
             if recovered:

@@ -112,8 +112,11 @@ def _has_more(run: Finished) -> bool:
     return result is not None and bool(result.timers or result.approvals or result.memory_writes or result.tasks)
 
 
-async def _write_more(conn: psycopg.AsyncConnection[DictRow], run: Finished, run_id: int) -> list[tuple]:
-    """Queue a run's other writes (pipeline mode); return (cursor, expected rowcount) checks."""
+async def _write_more(
+    conn: psycopg.AsyncConnection[DictRow], run: Finished, run_id: int, now: datetime | None
+) -> list[tuple]:
+    """Queue a run's other writes (pipeline mode); return (cursor, expected rowcount) checks.
+    ``now``: the finisher's clock, from which a failure's backoff and a task's deadline count."""
     claim = run.claim
     if run.error is not None:
         ids = run.event_ids
@@ -125,6 +128,7 @@ async def _write_more(conn: psycopg.AsyncConnection[DictRow], run: Finished, run
             error=run.error[:2000],
             backoff_s=run.backoff_s,
             transient=run.transient,
+            now=now,
         )
         return [(cur, len(ids))]
     result = run.result
@@ -159,7 +163,7 @@ async def _write_more(conn: psycopg.AsyncConnection[DictRow], run: Finished, run
     for write in result.memory_writes:
         await ledger_finish.write_memory(conn, user_id=user, path=write.path, content=write.content, run_id=run_id)
     for task in result.tasks:
-        await ledger_tasks.create(conn, new_task_row(user, task, run_id))
+        await ledger_tasks.create(conn, new_task_row(user, task, run_id), now=now)
     return []
 
 
@@ -183,7 +187,11 @@ def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledg
 
 
 async def _commit(
-    conn: psycopg.AsyncConnection[DictRow], runs: list[Finished], worker: str, journal_keep: bool = False
+    conn: psycopg.AsyncConnection[DictRow],
+    runs: list[Finished],
+    worker: str,
+    journal_keep: bool = False,
+    now: datetime | None = None,
 ) -> tuple[list[Finished], list[Finished]]:
     """One transaction for ``runs``. Returns (committed, stale). Raises FinishMismatch.
 
@@ -214,7 +222,7 @@ async def _commit(
             checks: list[tuple] = []
             for run in valid:
                 if _has_more(run):
-                    checks.extend(await _write_more(conn, run, ids[run.claim.user_id].run_id))
+                    checks.extend(await _write_more(conn, run, ids[run.claim.user_id].run_id, now))
             if checks:
                 await pipeline.sync()  # their row counts, before anything commits
             for cursor, expected in checks:
@@ -248,7 +256,8 @@ def _message_tags(runs: list[Finished], ids: dict[str, ledger_finish.RunWritten]
         for n, message in enumerate(run.result.messages, 1):
             if message.session_id is None and message.deadline is None:
                 continue
-            tags.append(ledger_agent.MessageTag(ids[run.claim.user_id].run_id, n, message.session_id, message.deadline))
+            run_id = ids[run.claim.user_id].run_id
+            tags.append(ledger_agent.MessageTag(run_id, n, message.session_id, message.deadline, message.actions))
     return tags
 
 
@@ -258,7 +267,12 @@ REFUSED_RESULT = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 
 
 async def commit_finished(
-    conn: psycopg.AsyncConnection[DictRow], runs: list[Finished], worker: str, journal_keep: bool = False
+    conn: psycopg.AsyncConnection[DictRow],
+    runs: list[Finished],
+    worker: str,
+    journal_keep: bool = False,
+    *,
+    now: datetime | None = None,
 ) -> tuple[list[Finished], list[Finished]]:
     """Commit a group of finished runs (group commit, per-run fallback). Returns (committed, stale).
 
@@ -267,12 +281,12 @@ async def commit_finished(
     than blocking every finish behind it.
     """
     try:
-        committed, stale = await _commit(conn, runs, worker, journal_keep)
+        committed, stale = await _commit(conn, runs, worker, journal_keep, now)
     except (FinishMismatch, *REFUSED_RESULT):
         committed, stale = [], []
         for run in runs:
             try:
-                ok, refused = await _commit(conn, [run], worker, journal_keep)
+                ok, refused = await _commit(conn, [run], worker, journal_keep, now)
             except FinishMismatch as exc:
                 log.error(
                     "finish of %d event(s) refused: %s", len(run.event_ids), exc, extra={"event": "finish_refused"}
@@ -286,7 +300,7 @@ async def commit_finished(
                 )
                 run.result, run.error = None, f"finish refused by the ledger: {type(exc).__name__}: {exc}"[:2000]
                 run.backoff_s = backoff(run.claim.attempt, 1.0, 60.0)
-                ok, refused = await _commit(conn, [run], worker, journal_keep)
+                ok, refused = await _commit(conn, [run], worker, journal_keep, now)
             committed += ok
             stale += refused
     metrics.FINISH_BATCH.observe(len(runs))

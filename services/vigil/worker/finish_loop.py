@@ -121,7 +121,11 @@ class Finisher:
             try:
                 async with self.pool.connection() as conn:
                     committed, stale = await commit_finished(
-                        conn, batch, self.settings.instance_id, journal_keep=self.settings.run_journal_days > 0
+                        conn,
+                        batch,
+                        self.settings.instance_id,
+                        journal_keep=self.settings.run_journal_days > 0,
+                        now=utc(self.clock.now()),
                     )
                 break
             except (psycopg.Error, OSError) as exc:

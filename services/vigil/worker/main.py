@@ -73,8 +73,8 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     # The consumer has its own stop: it stays in the group while runs drain (closing it
     # revokes the partitions, which would cancel every run at once) and closes after them.
     closing = threading.Event()
-    consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing)
-    executor = TaskExecutor(settings, agent, pool, producer)
+    consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing, runner.clock)
+    executor = TaskExecutor(settings, agent, pool, producer, runner.clock)
     tasks = [
         asyncio.create_task(runner.claimer.claim_loop(), name="claim-loop"),
         *(

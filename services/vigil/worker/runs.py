@@ -262,9 +262,9 @@ class Runs:
     def _new_context(self, active: Active) -> RunContext:
         c = active.claim
 
-        async def fold(sources):
+        async def fold(sources, session_id=None):
             async with self.pool.connection() as conn:
-                more = await claim_more(conn, c, sources)
+                more = await claim_more(conn, c, sources, session_id)
             active.folded.extend(more)
             return more
 

@@ -45,6 +45,7 @@ import psycopg
 from vigil.agent.base import Agent, Delegation, TaskContext, TaskUsage
 from vigil.agent.journal import Journal
 from vigil.bus.kafka import EventProducer
+from vigil.clock import Clock, SystemClock, utc
 from vigil.envelope import Event
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger import tasks as ledger
@@ -103,11 +104,20 @@ class Holding:
 
 
 class TaskExecutor:
-    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool, producer: EventProducer):
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        agent: Agent,
+        pool: AsyncPool,
+        producer: EventProducer,
+        clock: Clock | None = None,
+    ):
         self.settings = settings
         self.agent = agent
         self.pool = pool
         self.producer = producer
+        # Leases, heartbeats and deadlines are decided on this clock, in the ledger too.
+        self.clock = clock or SystemClock()
         self.holding: dict[str, Holding] = {}
         self._wake_report = asyncio.Event()
         self._stopping = False
@@ -132,7 +142,7 @@ class TaskExecutor:
                 sent = time.monotonic()
                 try:
                     async with self.pool.connection() as conn:
-                        claimed = await ledger.claim(conn, self.settings.instance_id, free)
+                        claimed = await ledger.claim(conn, self.settings.instance_id, free, now=utc(self.clock.now()))
                 except (psycopg.Error, OSError) as exc:
                     log.warning("task claim failed, retrying: %s", exc)
                     claimed = []
@@ -290,7 +300,7 @@ class TaskExecutor:
     async def _beat(self, task: ledger.TaskRow, usage: TaskUsage) -> bool | None:
         progress = ledger.Progress(usage.turns, usage.input_tokens, usage.output_tokens, usage.last_tool, usage.note)
         async with self.pool.connection() as conn:
-            return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress)
+            return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress, now=utc(self.clock.now()))
 
     def _outcome(self, execution: asyncio.Task, ctx: TaskContext):
         if execution.cancelled() and self._stopping:
@@ -362,7 +372,7 @@ class TaskExecutor:
         while not self._stopping:
             try:
                 async with self.pool.connection() as conn:
-                    reaped = await ledger.reap(conn, self.settings.task_stale_s)
+                    reaped = await ledger.reap(conn, self.settings.task_stale_s, now=utc(self.clock.now()))
             except (psycopg.Error, OSError) as exc:
                 log.warning("task reaper failed, retrying: %s", exc)
                 reaped = []
@@ -410,7 +420,7 @@ class TaskExecutor:
         while not self._stopping:
             try:
                 async with self.pool.connection() as conn:
-                    g = await ledger.gauges(conn)
+                    g = await ledger.gauges(conn, now=utc(self.clock.now()))
                 metrics.TASKS_QUEUED.set(g.queued)
                 metrics.TASKS_RUNNING.set(g.running)
                 metrics.TASK_HEARTBEAT_AGE.set(g.heartbeat_age_s)

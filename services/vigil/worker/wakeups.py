@@ -19,7 +19,8 @@ from vigil.clock import Clock
 LEDGER_RETRY_S = 1.0
 # Requested passes closer together than this are one pass (the consumer asks after every batch).
 TIMER_MERGE_S = 0.005
-# A pass for a backoff's end comes this much after it (the ledger's clock decides, not ours).
+# A pass for a backoff's end comes this much after it: the wake-up runs on the monotonic clock,
+# the claim decides on the wall clock the pass reads a moment later, and a tie must not miss it.
 BACKOFF_SLACK_S = 0.005
 
 

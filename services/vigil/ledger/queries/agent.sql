@@ -95,13 +95,13 @@ RETURNING id, user_id, order_id, amount
 SELECT id, user_id, order_id, amount FROM refunds WHERE idempotency_key = %(idempotency_key)s
 
 -- name: outbox_tag_messages
--- In the finish, after finish_runs: each message's session (a reply to its delivery resumes it) and deadline (an approval question), by run and position among that run's messages.
+-- In the finish, after finish_runs: each message's session (a reply to its delivery resumes it), deadline and answer actions (an approval question), by run and position among that run's messages.
 UPDATE outbox o
-SET session_id = t.session_id, deadline = t.deadline
+SET session_id = t.session_id, deadline = t.deadline, actions = t.actions
 FROM (
     SELECT id, run_id, row_number() OVER (PARTITION BY run_id ORDER BY id) AS n
     FROM outbox WHERE run_id = ANY(%(run_id)s::bigint[])
 ) m
-JOIN unnest(%(run_id)s::bigint[], %(n)s::int[], %(session_id)s::text[], %(deadline)s::timestamptz[])
-     AS t(run_id, n, session_id, deadline) ON t.run_id = m.run_id AND t.n = m.n
+JOIN unnest(%(run_id)s::bigint[], %(n)s::int[], %(session_id)s::text[], %(deadline)s::timestamptz[], %(actions)s::jsonb[])
+     AS t(run_id, n, session_id, deadline, actions) ON t.run_id = m.run_id AND t.n = m.n
 WHERE o.id = m.id

@@ -7,16 +7,16 @@ INSERT INTO approvals (request_id, user_id, session_id, run_id, tool, tool_use_i
 VALUES (%(request_id)s, %(user_id)s, %(session_id)s, %(run_id)s, %(tool)s, %(tool_use_id)s, %(args_hash)s, %(due)s, %(on_expiry)s)
 
 -- name: approval_answer_in_time
--- Store a human answer if it was received before the deadline (received, not processed: queue lag never expires it).
+-- Store a human answer if it was received before the deadline (received, not processed: queue lag never expires it), and the path it came by (api | chat | action).
 UPDATE approvals
-SET answer = %(answer)s, answered_at = now(), received_at = %(received_at)s
+SET answer = %(answer)s, answered_at = now(), received_at = %(received_at)s, answered_via = %(via)s
 WHERE request_id = %(request_id)s AND answer IS NULL AND due > %(received_at)s
 RETURNING answer
 
 -- name: approval_expire
--- Store "expired" once the deadline has passed at %(at)s (a late answer, or the expiry timer).
+-- Store "expired" once the deadline has passed at %(at)s (a late answer, by the path it came: %(via)s; or the expiry timer: NULL).
 UPDATE approvals
-SET answer = 'expired', answered_at = now(), received_at = COALESCE(received_at, %(received_at)s)
+SET answer = 'expired', answered_at = now(), received_at = COALESCE(received_at, %(received_at)s), answered_via = %(via)s
 WHERE request_id = %(request_id)s AND answer IS NULL AND due <= %(at)s
 RETURNING answer
 
@@ -37,8 +37,15 @@ RETURNING escalations, due
 -- name: approval_get
 -- One approval request as stored.
 SELECT request_id, user_id, session_id, run_id, tool, tool_use_id, args_hash, due, on_expiry,
-       escalations, answer, answered_at, received_at, created_at
+       escalations, answer, answered_at, received_at, created_at, answered_via
 FROM approvals WHERE request_id = %(request_id)s
+
+-- name: approval_open_for_session
+-- The open request a session waits on (a chat reply naming the session answers it); none: the session waits on nothing.
+SELECT request_id FROM approvals
+WHERE user_id = %(user_id)s AND session_id = %(session_id)s AND answer IS NULL
+ORDER BY created_at DESC
+LIMIT 1
 
 -- name: approvals_list
 -- Operators (`vigil approvals list`): requests, newest first; only the open ones unless %(all)s; one user's if %(user_id)s is set.
@@ -51,7 +58,7 @@ LIMIT %(limit)s
 -- name: approval_operator_deny
 -- Operators (`vigil approvals deny`): an open request counts as a no. Zero rows: it was already answered or expired.
 UPDATE approvals
-SET answer = 'no', answered_at = now(), received_at = now()
+SET answer = 'no', answered_at = now(), received_at = now(), answered_via = 'operator'
 WHERE request_id = %(request_id)s AND answer IS NULL
 RETURNING user_id
 

@@ -28,3 +28,20 @@ SELECT user_id, type, url, secret, sealed_with FROM channels WHERE user_id = %(u
 -- A user's pacing state, for `vigil channels show`.
 SELECT last_delivery_at, urgent_day, urgent_count FROM users WHERE user_id = %(user_id)s
 
+
+-- name: attention_get
+-- A user's earned gap and why (0031), for `vigil users show` and the console.
+SELECT user_id, attention_gap_s, attention_reason, attention_at, attention_pinned, last_delivery_at,
+       delivery_day, delivery_day_count
+FROM users WHERE user_id = %(user_id)s
+
+-- name: attention_set
+-- An operator pins a user's gap (%(gap_s)s) or, with NULL, lets it adapt again from where it stands.
+UPDATE users
+SET attention_gap_s = coalesce(%(gap_s)s, attention_gap_s),
+    attention_pinned = %(gap_s)s IS NOT NULL,
+    attention_reason = %(reason)s,
+    attention_at = %(now)s
+WHERE user_id = %(user_id)s
+RETURNING user_id, attention_gap_s, attention_reason, attention_at, attention_pinned, last_delivery_at,
+          delivery_day, delivery_day_count

@@ -1,5 +1,9 @@
 -- The claim rules: which pending events a worker takes for a run, and how a claim is given back.
 -- Read services/vigil/ledger/claims.py for the rules.
+--
+-- Time: coalesce(%(now)s, now()) is the caller's clock (vigil.clock), the database's only
+-- when the caller passes none; stamps of record (finished_at, claimed_at, acquired_at) are
+-- the database's own (docs/architecture.md, "Time").
 
 -- name: mark_exhausted_dead
 -- Claim rule 2: a pending row whose attempts reached the bound is dead (a poison event must never silently mute an agent).
@@ -92,7 +96,7 @@ waiting AS (
       -- <> ALL(array) it compared every waiting user with every busy one: 16 of a 25 ms pass
       -- for 1,000 waiting users with 500 busy.
       AND p.user_id NOT IN (SELECT jsonb_array_elements_text(%(busy)s::jsonb))
-      AND coalesce(f.next_attempt_at, now()) <= now()
+      AND coalesce(f.next_attempt_at, %(now)s::timestamptz, now()) <= coalesce(%(now)s::timestamptz, now())
       AND CASE WHEN f.attempts > 0
                -- Rule 3: the oldest pending row is a retry whose backoff ended. Rule 2: never
                -- one whose attempts are exhausted (mark_exhausted_dead makes it dead). Never
@@ -100,7 +104,7 @@ waiting AS (
                -- (claim_alone).
                THEN f.attempts < %(max_attempts)s AND NOT (f.lost_claims > 0 AND f.attempts = %(max_attempts)s - 1)
                -- Fresh rows once the oldest has waited out the batch window (quick messages share one run).
-               ELSE f.recorded_at <= now() - make_interval(secs => %(window_s)s) END
+               ELSE f.recorded_at <= coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(window_s)s) END
       AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = p.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch
                       OFFSET 0)
     LIMIT %(max_users)s
@@ -121,7 +125,7 @@ chosen AS MATERIALIZED (
               WHERE e.user_id = w.user_id AND e.status = 'pending' ORDER BY e.id LIMIT %(batch_max)s) f
     ) b
     WHERE (b.n = 1 AND b.attempts > 0)
-       OR (b.attempts = 0 AND (b.first_retry IS NULL OR b.id < b.first_retry) AND coalesce(b.next_attempt_at, now()) <= now())
+       OR (b.attempts = 0 AND (b.first_retry IS NULL OR b.id < b.first_retry) AND coalesce(b.next_attempt_at, %(now)s::timestamptz, now()) <= coalesce(%(now)s::timestamptz, now()))
 )
 -- Chosen, not yet claimed: claim_chosen writes these rows in the same transaction, while the
 -- FOR SHARE above holds the epochs. The next pass starts after the last user chosen here, in
@@ -152,7 +156,7 @@ WITH owned AS (
     JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
       ON p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
 )
-SELECT min(coalesce(e.next_attempt_at, now())) AS at
+SELECT min(coalesce(e.next_attempt_at, %(now)s::timestamptz, now())) AS at
 FROM events e
 -- The user's home by primary key, per tried row (OFFSET 0: never a join that starts from
 -- every user of the owned partitions, which read 3,000 users to find no row).
@@ -181,7 +185,7 @@ chosen AS MATERIALIZED (
         WHERE u.user_id = e.user_id LIMIT 1
     ) o
     WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
-      AND coalesce(e.next_attempt_at, now()) <= now()
+      AND coalesce(e.next_attempt_at, %(now)s::timestamptz, now()) <= coalesce(%(now)s::timestamptz, now())
       -- At the user's turn (runs follow event order per user) and no run of the user (rule 4).
       AND NOT EXISTS (SELECT 1 FROM events b WHERE b.user_id = e.user_id AND b.status = 'pending' AND b.id < e.id)
       AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
@@ -202,12 +206,12 @@ FROM events e
 JOIN users u ON u.user_id = e.user_id
 JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
   ON w.topic = u.home_topic AND w.partition = u.home_partition
-WHERE e.status = 'pending' AND e.next_attempt_at > now()
+WHERE e.status = 'pending' AND e.next_attempt_at > coalesce(%(now)s::timestamptz, now())
 ORDER BY 1
 LIMIT 1000
 
 -- name: claim_more
--- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch.
+-- Fold: at a model-turn boundary, claim the user's fresh pending rows under the run's own epoch: those naming no session, or naming the session the run is talking in (%(session_id)s; a reply to the conversation in progress).
 WITH owned AS (
     SELECT 1 FROM partitions p
     WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
@@ -216,7 +220,7 @@ WITH owned AS (
 UPDATE events e
 SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now()
 WHERE e.user_id = %(user_id)s AND e.status = 'pending' AND e.attempts = 0 AND e.lost_claims = 0
-  AND e.source = ANY(%(sources)s) AND e.session_id IS NULL
+  AND e.source = ANY(%(sources)s) AND (e.session_id IS NULL OR e.session_id = %(session_id)s)
   AND EXISTS (SELECT 1 FROM owned)
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch

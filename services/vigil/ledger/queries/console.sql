@@ -61,7 +61,8 @@ FROM runs ORDER BY id DESC LIMIT %(limit)s
 
 -- name: console_user_seen
 -- Whether the ledger knows a user, and its home partition.
-SELECT user_id, home_topic, home_partition, first_seen_at, last_delivery_at FROM users WHERE user_id = %(user_id)s
+SELECT user_id, home_topic, home_partition, first_seen_at, last_delivery_at, attention_gap_s, attention_reason
+FROM users WHERE user_id = %(user_id)s
 
 -- name: console_user_events_page
 -- A user's events before the keyset (received_at, 0, id) < (%(t)s, %(k)s, %(i)s), newest first.

@@ -1,5 +1,9 @@
 -- The finish: everything a run decided, written in one fenced transaction with its events'
 -- new state (see services/vigil/worker/finish.py for the order and what a crash leaves).
+--
+-- Time: coalesce(%(now)s, now()) is the caller's clock (vigil.clock), the database's only
+-- when the caller passes none; stamps of record (finished_at, claimed_at, acquired_at) are
+-- the database's own (docs/architecture.md, "Time").
 
 -- name: finish_runs
 -- Group commit of the runs whose epochs were checked: every run's audit row, the done runs' events and their outbox rows, in one statement for the whole group (one round trip however many runs). Returns each run's id and how many of its events were still claimed; a run's other writes follow by its id.
@@ -81,7 +85,7 @@ DELETE FROM memory WHERE user_id = %(user_id)s AND path = %(path)s
 -- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back.
 UPDATE events
 SET status = 'pending', claim_epoch = NULL, error = %(error)s, run_id = %(run_id)s,
-    next_attempt_at = now() + make_interval(secs => %(backoff_s)s),
+    next_attempt_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(backoff_s)s),
     attempts = CASE WHEN %(transient)s THEN attempts - 1 ELSE attempts END,
     transient_failures = transient_failures + CASE WHEN %(transient)s THEN 1 ELSE 0 END
 WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s

@@ -83,10 +83,13 @@ looked AS NOT MATERIALIZED (
                bool_or(o.urgent) FILTER (WHERE o.delivery_id IS NULL) AS urgent_held
         FROM outbox o WHERE o.user_id = w.user_id AND o.status IN ('pending', 'sending')
     ) s
-    CROSS JOIN LATERAL (SELECT u.last_delivery_at FROM users u WHERE u.user_id = w.user_id LIMIT 1) u
+    CROSS JOIN LATERAL (
+        SELECT u.last_delivery_at, u.attention_gap_s FROM users u WHERE u.user_id = w.user_id LIMIT 1
+    ) u
     LEFT JOIN LATERAL (SELECT c.gap_seconds FROM channels c WHERE c.user_id = w.user_id LIMIT 1) c ON true
     CROSS JOIN LATERAL (
-        SELECT u.last_delivery_at + make_interval(secs => coalesce(c.gap_seconds, %(default_gap)s)) AS gap_end
+        SELECT u.last_delivery_at
+               + make_interval(secs => coalesce(c.gap_seconds, u.attention_gap_s, %(default_gap)s)) AS gap_end
     ) g
 ),
 due AS (
@@ -99,7 +102,7 @@ waits AS (
     WHERE %(fresh_after)s::bigint IS NOT NULL AND unfinished > 0 AND NOT coalesce(is_due, false) AND wake_at IS NOT NULL
 ),
 locked AS (
-    SELECT u.user_id, u.last_delivery_at, u.urgent_day, u.urgent_count
+    SELECT u.user_id, u.last_delivery_at, u.urgent_day, u.urgent_count, u.attention_gap_s
     FROM users u
     WHERE u.user_id = ANY(ARRAY(SELECT user_id FROM due))
     ORDER BY u.user_id
@@ -117,21 +120,22 @@ next AS (
     FROM due
 )
 SELECT n.cursor, n.high, n.missing, l.user_id, l.last_delivery_at, l.urgent_day, l.urgent_count,
-       c.type, c.url, c.secret, c.sealed_with, c.gap_seconds, c.urgent_daily_cap, NULL::timestamptz AS wake_at
+       c.type, c.url, c.secret, c.sealed_with, c.gap_seconds, c.urgent_daily_cap, l.attention_gap_s,
+       NULL::timestamptz AS wake_at
 FROM next n
 LEFT JOIN locked l ON true
 LEFT JOIN LATERAL (
     SELECT c.type, c.url, c.secret, c.sealed_with, c.gap_seconds, c.urgent_daily_cap FROM channels c WHERE c.user_id = l.user_id LIMIT 1
 ) c ON true
 UNION ALL
-SELECT NULL, NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
+SELECT NULL, NULL, NULL, w.user_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, w.wake_at
 FROM waits w
 ORDER BY wake_at NULLS FIRST, user_id
 
 -- name: outbox_unfinished_for_users
 -- The unfinished rows (pending, sending) of locked users, oldest first: every row of a fixed delivery, the oldest %(max_messages)s held.
 SELECT id, user_id, run_id, body, urgent, created_at, status, delivery_id, attempts, next_attempt_at, fixed_at,
-       session_id, deadline, traceparent
+       session_id, deadline, traceparent, actions
 FROM (
     SELECT o.*, row_number() OVER (PARTITION BY o.user_id, o.delivery_id ORDER BY o.id) AS n
     FROM outbox o
@@ -150,16 +154,55 @@ WHERE o.id = f.id AND o.status IN ('pending', 'delivered') AND o.status <> 'deli
 RETURNING o.id
 
 -- name: outbox_record_pacing
--- A new delivery restarts the user's gap; a bypass of it counts against today's urgent cap. Compare-and-set on the state the plan read.
+-- A new delivery restarts the user's gap; a bypass of it counts against today's urgent cap; the earned gap adapts to whether the person replied to the previous delivery. Compare-and-set on the state the plan read.
+-- A reply is a chat event received after the previous delivery, within %(window)s seconds and
+-- before now (events by user: the events_*_by_user indexes; one probe per new delivery, and
+-- only while adapting: without it the statement reads no event).
+-- Adapting (%(adapt)s, not pinned): the first gap is the quiet end %(max_gap)s; a reply halves
+-- it, no reply doubles it, within %(min_gap)s..%(max_gap)s. RETURNING: whether the previous
+-- delivery was answered (NULL: there was none, or not adapting) and the day count it replaced, for metrics.
+WITH prev AS (
+    SELECT u.user_id, u.delivery_day, u.delivery_day_count,
+           CASE WHEN u.last_delivery_at IS NULL OR NOT (%(adapt)s AND NOT u.attention_pinned) THEN NULL ELSE (
+               -- One probe per partial index by user (pending, running, finished): never a
+               -- scan of the live events, whatever their statistics.
+               EXISTS (SELECT 1 FROM events_live e
+                       WHERE e.user_id = u.user_id AND e.status = 'pending' AND e.source = 'chat'
+                         AND e.received_at > u.last_delivery_at
+                         AND e.received_at <= least(u.last_delivery_at + make_interval(secs => %(window)s), %(now)s))
+               OR EXISTS (SELECT 1 FROM events_live e
+                          WHERE e.user_id = u.user_id AND e.status = 'running' AND e.source = 'chat'
+                            AND e.received_at > u.last_delivery_at
+                            AND e.received_at <= least(u.last_delivery_at + make_interval(secs => %(window)s), %(now)s))
+               OR EXISTS (SELECT 1 FROM events_finished e
+                          WHERE e.user_id = u.user_id AND e.source = 'chat'
+                            AND e.received_at > u.last_delivery_at
+                            AND e.received_at <= least(u.last_delivery_at + make_interval(secs => %(window)s), %(now)s))
+           ) END AS replied,
+           (%(adapt)s AND NOT u.attention_pinned) AS adapting, p.bypass
+    FROM unnest(%(users)s::text[], %(seen)s::timestamptz[], %(bypass)s::boolean[]) AS p(user_id, seen, bypass)
+    JOIN users u ON u.user_id = p.user_id AND u.last_delivery_at IS NOT DISTINCT FROM p.seen
+)
 UPDATE users u
 SET last_delivery_at = %(now)s,
     urgent_day = CASE WHEN p.bypass THEN %(today)s::date ELSE u.urgent_day END,
     urgent_count = CASE WHEN NOT p.bypass THEN u.urgent_count
                         WHEN u.urgent_day = %(today)s::date THEN u.urgent_count + 1
-                        ELSE 1 END
-FROM unnest(%(users)s::text[], %(seen)s::timestamptz[], %(bypass)s::boolean[]) AS p(user_id, seen, bypass)
-WHERE u.user_id = p.user_id AND u.last_delivery_at IS NOT DISTINCT FROM p.seen
-RETURNING u.user_id
+                        ELSE 1 END,
+    attention_gap_s = CASE WHEN NOT p.adapting THEN u.attention_gap_s
+                           WHEN u.attention_gap_s IS NULL OR p.replied IS NULL THEN %(max_gap)s
+                           WHEN p.replied THEN greatest(%(min_gap)s, least(%(max_gap)s, u.attention_gap_s / 2))
+                           ELSE least(%(max_gap)s, greatest(%(min_gap)s, u.attention_gap_s * 2)) END,
+    attention_reason = CASE WHEN NOT p.adapting THEN u.attention_reason
+                            WHEN u.attention_gap_s IS NULL OR p.replied IS NULL THEN 'start: the quiet end'
+                            WHEN p.replied THEN 'replied within the window: halved'
+                            ELSE 'previous message unanswered: doubled' END,
+    attention_at = CASE WHEN p.adapting THEN %(now)s ELSE u.attention_at END,
+    delivery_day = %(today)s::date,
+    delivery_day_count = CASE WHEN u.delivery_day = %(today)s::date THEN u.delivery_day_count + 1 ELSE 1 END
+FROM prev p
+WHERE u.user_id = p.user_id
+RETURNING u.user_id, p.replied, p.delivery_day AS previous_day, p.delivery_day_count AS previous_day_count
 
 -- name: outbox_claim_retries
 -- Send fixed deliveries again under their own ids: a retry whose backoff ended, or a send whose lease ran out.

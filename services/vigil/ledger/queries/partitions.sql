@@ -1,4 +1,8 @@
 -- Fencing: one active run per user. Read services/vigil/worker/fencing.py for the rule.
+--
+-- Time: coalesce(%(now)s, now()) is the caller's clock (vigil.clock), the database's only
+-- when the caller passes none; stamps of record (finished_at, claimed_at, acquired_at) are
+-- the database's own (docs/architecture.md, "Time").
 
 -- name: take_over_partition
 -- An assignment is a takeover: bump the epoch. Waits for in-flight claims/finishes that hold the row FOR SHARE.
@@ -11,7 +15,7 @@ RETURNING epoch
 -- name: begin_handover
 -- A revoke with runs in flight: the partitions (still at these epochs) get a hand-over deadline %(seconds)s from now, which the next owner's takeover waits for. Returns the partitions it was set on.
 UPDATE partitions p
-SET handover_until = now() + make_interval(secs => %(seconds)s)
+SET handover_until = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(seconds)s)
 FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
 WHERE p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch
 RETURNING p.topic, p.partition
@@ -25,11 +29,11 @@ WHERE p.topic = w.topic AND p.partition = w.partition AND p.epoch = w.epoch AND 
 
 -- name: handover_left
 -- Seconds until the last of these partitions' hand-over deadlines (NULL: none in progress), on the ledger's clock.
-SELECT extract(epoch FROM max(p.handover_until) - now())::float8 AS seconds
+SELECT extract(epoch FROM max(p.handover_until) - coalesce(%(now)s::timestamptz, now()))::float8 AS seconds
 FROM partitions p
 JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
   ON p.topic = w.topic AND p.partition = w.partition
-WHERE p.handover_until > now()
+WHERE p.handover_until > coalesce(%(now)s::timestamptz, now())
 
 -- name: hand_back_stale_claims
 -- Claims made under an older epoch of this partition belong to a worker that lost it: back to pending, with a backoff. Their attempt counts (the worker may have crashed on them), except that a claim lost in company never uses up the last attempt: only a claim that ran alone (an event lost before, on its last attempt: claim rule 3) can make a crash an event's death.
@@ -42,7 +46,7 @@ SET status = 'pending',
     lost_claims = e.lost_claims + 1,
     error = 'claim abandoned: its worker lost partition ' || %(partition)s || ' (epoch ' || e.claim_epoch || ')',
     -- The backoff of vigil.retry.backoff (jitter 0.5 to 1), per row: change the two together.
-    next_attempt_at = now() + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
+    next_attempt_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
 FROM users u
 WHERE u.user_id = e.user_id
   AND u.home_topic = %(topic)s AND u.home_partition = %(partition)s

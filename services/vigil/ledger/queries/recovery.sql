@@ -1,4 +1,8 @@
 -- Recovery from a ledger that lost its last commits: its own consumer positions, and claims no live run holds.
+--
+-- Time: coalesce(%(now)s, now()) is the caller's clock (vigil.clock), the database's only
+-- when the caller passes none; stamps of record (finished_at, claimed_at, acquired_at) are
+-- the database's own (docs/architecture.md, "Time").
 
 -- name: read_positions
 -- On assignment: where the ledger says each partition's consumption resumes (no row: the ledger never recorded from it).
@@ -33,7 +37,7 @@ SET status = 'pending',
     lost_claims = e.lost_claims + 1,
     error = 'claim abandoned: no live run held it on partition ' || x.partition || ' (epoch ' || e.claim_epoch || ')',
     -- The backoff of vigil.retry.backoff (jitter 0.5 to 1), per row: change the two together.
-    next_attempt_at = now() + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
+    next_attempt_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
 FROM orphaned x
 WHERE e.id = x.id AND e.status = 'running'
 RETURNING e.id, e.user_id

@@ -3,6 +3,7 @@
 -- task_heartbeat, task_finish, the reaper's task_reap_*, the reporter's task_mark_reported),
 -- the owner through ingest or `vigil tasks cancel` (task_cancel). Every status change is one
 -- statement that checks the status it expects; the holder's also check its lease epoch.
+-- Deadlines, heartbeats and the reaper decide on the caller's clock, coalesce(%(now)s, now()).
 
 -- name: task_open_lock
 -- A user's lock on opening tasks (VIGIL_MAX_OPEN_TASKS_PER_USER), held to the end of the finish's transaction; its own statement, so that task_create's count is read after it is held.
@@ -17,10 +18,11 @@ SELECT count(*) AS open FROM tasks WHERE user_id = %(user_id)s AND status IN ('q
 INSERT INTO tasks (id, user_id, parent_run_key, parent_task_id, session_id, depth, owner_chain, instructions,
                    tools, token_budget, max_attempts, deadline, run_id, status, finished_at, error)
 SELECT %(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
-       %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s, now() + make_interval(secs => %(timeout_s)s),
+       %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s,
+       coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(timeout_s)s),
        %(run_id)s,
        CASE WHEN full_up THEN 'failed' ELSE 'queued' END,
-       CASE WHEN full_up THEN now() END,
+       CASE WHEN full_up THEN coalesce(%(now)s::timestamptz, now()) END,
        CASE WHEN full_up THEN format('not started: this user already has at most %%s open background tasks (VIGIL_MAX_OPEN_TASKS_PER_USER)', %(max_open)s::int) END
 FROM (SELECT %(max_open)s::int IS NOT NULL AND count(*) >= %(max_open)s::int AS full_up
       FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running')) AS bound
@@ -30,7 +32,7 @@ ON CONFLICT (id) DO NOTHING
 -- The oldest queued tasks still within their deadline and not asked to stop, taken by one worker: a new lease epoch, an attempt counted, a first heartbeat. SKIP LOCKED: two workers never wait for each other or take the same task.
 WITH picked AS (
     SELECT id FROM tasks
-    WHERE status = 'queued' AND deadline > now() AND cancel_requested_at IS NULL
+    WHERE status = 'queued' AND deadline > coalesce(%(now)s::timestamptz, now()) AND cancel_requested_at IS NULL
     ORDER BY created_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -40,7 +42,7 @@ SET status = 'running',
     attempts = t.attempts + 1,
     lease_holder = %(holder)s,
     lease_epoch = t.lease_epoch + 1,
-    heartbeat_at = now(),
+    heartbeat_at = coalesce(%(now)s::timestamptz, now()),
     started_at = coalesce(t.started_at, now())
 FROM picked
 WHERE t.id = picked.id AND t.status = 'queued'
@@ -49,7 +51,7 @@ RETURNING t.*
 -- name: task_heartbeat
 -- The holder's proof of life, carrying the task's progress so far (usage, last tool, note). No row: the lease is gone (reaped, timed out, or taken by another worker), so stop and write nothing. cancel: the owner asked to stop.
 UPDATE tasks
-SET heartbeat_at = now(),
+SET heartbeat_at = coalesce(%(now)s::timestamptz, now()),
     turns = %(turns)s,
     input_tokens = %(input_tokens)s,
     output_tokens = %(output_tokens)s,
@@ -90,7 +92,7 @@ SET status = 'timed_out',
     finished_at = now(),
     lease_holder = NULL,
     error = format('deadline passed (%%s) after %%s attempt(s)', to_char(deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), attempts)
-WHERE status IN ('queued', 'running') AND deadline <= now()
+WHERE status IN ('queued', 'running') AND deadline <= coalesce(%(now)s::timestamptz, now())
 RETURNING id, user_id
 
 -- name: task_reap_stale
@@ -103,9 +105,9 @@ SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
                  THEN format('cancelled by %%s; its holder %%s fell silent before it stopped', cancel_requested_by,
                              lease_holder)
                  ELSE format('no heartbeat from %%s for %%s s (attempt %%s of %%s)', lease_holder,
-                             floor(extract(epoch FROM now() - heartbeat_at))::bigint, attempts, max_attempts) END,
+                             floor(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - heartbeat_at))::bigint, attempts, max_attempts) END,
     lease_holder = NULL
-WHERE status = 'running' AND heartbeat_at < now() - make_interval(secs => %(stale_s)s)
+WHERE status = 'running' AND heartbeat_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(stale_s)s)
 RETURNING id, user_id, status
 
 -- name: task_cancel
@@ -156,7 +158,7 @@ LIMIT %(limit)s
 -- Tasks by live status and the oldest heartbeat among running ones (ledger-wide: use max() across workers).
 SELECT count(*) FILTER (WHERE status = 'queued') AS queued,
        count(*) FILTER (WHERE status = 'running') AS running,
-       coalesce(extract(epoch FROM now() - min(heartbeat_at) FILTER (WHERE status = 'running')), 0)::float8
+       coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(heartbeat_at) FILTER (WHERE status = 'running')), 0)::float8
            AS heartbeat_age
 FROM tasks
 WHERE status IN ('queued', 'running')
