@@ -56,7 +56,16 @@ def test_a_chat_message_gets_a_reply(serve):
     assert result.session.state == SessionState.OPEN and result.session.id.startswith("ses-")
     first, second = server.requests()
     assert first["model"] == t.SCRIPTED_MODEL
-    assert [tool["name"] for tool in first["tools"]] == ["send_message", "set_followup", "memory", "delegate", "refund"]
+    assert [tool["name"] for tool in first["tools"]] == [
+        "send_message",
+        "set_followup",
+        "memory",
+        "delegate",
+        "tasks_list",
+        "task_result",
+        "task_cancel",
+        "refund",
+    ]
     assert '"kind": "chat.message"' in first["messages"][0]["content"][0]["text"]
     # The session keeps the transcript the model saw (the empty last answer is not stored),
     # without the cache marker the request carried on its last block.

@@ -8,8 +8,11 @@ import asyncio
 import dataclasses
 import time
 
+import psycopg
 import pytest
+from psycopg.rows import dict_row
 
+from support import query
 from vigil.agent.base import Delegation, TaskContext
 from vigil.agent.delegation import CHILD_SYSTEM
 from vigil_dev import agent_testing as t
@@ -209,3 +212,118 @@ def test_a_tasks_progress_names_its_last_tool_and_its_latest_note(server):
     result = asyncio.run(go())
     assert result.text == "all done"
     assert (ctx.usage.turns, ctx.usage.last_tool, ctx.usage.note) == (2, "refund", "refunding order 3 first")
+
+
+# -- the agent looks at its own tasks (tasks_list, task_result, task_cancel) --------------------
+
+
+def _seed_tasks(ledger: str, rows: list[tuple[str, str, tuple[str, ...], str]]) -> None:
+    """(id, user, owner chain, status) rows, as a delegating run's finish and a holder leave them."""
+    from vigil.ledger import tasks as ledger_tasks
+
+    async def seed():
+        conn = await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row)
+        for task_id, user, chain, status in rows:
+            new = ledger_tasks.NewTaskRow(
+                id=task_id,
+                user_id=user,
+                parent_run_key=chain[1],
+                parent_task_id=None,
+                session_id=None,
+                depth=1,
+                owner_chain=list(chain),
+                instructions=f"instructions of {task_id}",
+                tools=[],
+                token_budget=100,
+                max_attempts=2,
+                timeout_s=600,
+            )
+            await ledger_tasks.create(conn, new)
+            if status == "succeeded":
+                await conn.execute(
+                    "UPDATE tasks SET status = 'succeeded', result = %s, finished_at = now() WHERE id = %s",
+                    (f"answer of {task_id}", task_id),
+                )
+        await conn.close()
+
+    asyncio.run(seed())
+
+
+def test_an_agent_reads_and_cancels_only_its_own_tasks(server, ledger):
+    """tasks_list lists the tasks whose owner chain holds one of this run's owner ids (its user,
+    its run key: an earlier run's task of the same user too); task_result reads one;
+    task_cancel cancels one. Another user's task named by its id, and a row of this user whose
+    chain names none of the run's ids, are refused alike, as an unknown id is: an error result
+    that tells nothing of them."""
+    from vigil.worker.task_door import LedgerTasks
+
+    ctx = ctx_with("how are my tasks?", limits())
+    ctx.delegation = dataclasses.replace(ctx.delegation, owner_chain=("u1", ctx.run_key))
+    mine = ("u1", ctx.run_key)
+    _seed_tasks(
+        ledger,
+        [
+            ("tsk_done", "u1", mine, "succeeded"),
+            ("tsk_open", "u1", mine, "queued"),
+            ("tsk_earlier", "u1", ("u1", "u1:9:9:1"), "queued"),
+            ("tsk_stray", "u1", ("u0", "u0:9:9:1"), "succeeded"),
+            ("tsk_theirs", "u2", ("u2", ctx.run_key), "succeeded"),
+        ],
+    )
+    ctx.tasks = LedgerTasks.connecting(ledger)
+    calls = [
+        call("tasks_list"),
+        call("task_result", task_id="tsk_done"),
+        call("task_result", task_id="tsk_earlier"),
+        call("task_cancel", task_id="tsk_open"),
+        call("task_result", task_id="tsk_theirs"),
+        call("task_result", task_id="tsk_stray"),
+        call("task_result", task_id="tsk_nothing"),
+        call("task_cancel", task_id="tsk_theirs"),
+        call("task_cancel", task_id="tsk_stray"),
+    ]
+    run(server, [{"when": {"tool_result": "tasks_list"}, "reply": []}, {"reply": calls}], ctx)
+    listed, done, earlier, cancelled, *refused = delegate_results(server)
+    assert not listed.get("is_error"), listed
+    for task_id in ("tsk_done", "tsk_open", "tsk_earlier"):
+        assert task_id in listed["content"], listed
+    assert "tsk_stray" not in listed["content"] and "tsk_theirs" not in listed["content"]
+    assert not done.get("is_error") and "answer of tsk_done" in done["content"], done
+    assert not earlier.get("is_error") and "queued" in earlier["content"], earlier
+    assert not cancelled.get("is_error") and "cancelled" in cancelled["content"], cancelled
+    assert len(refused) == 5
+    for answer in refused:
+        assert answer.get("is_error"), answer
+        assert "answer of" not in answer["content"] and "no task" in answer["content"], answer
+    anonymous = {r["content"].replace(n, "X") for r, n in zip(refused[:3], ("tsk_theirs", "tsk_stray", "tsk_nothing"))}
+    assert len(anonymous) == 1, anonymous
+    statuses = dict((r["id"], r["status"]) for r in query(ledger, "SELECT id, status FROM tasks"))
+    assert statuses == {
+        "tsk_done": "succeeded",
+        "tsk_open": "cancelled",
+        "tsk_earlier": "queued",
+        "tsk_stray": "succeeded",
+        "tsk_theirs": "succeeded",
+    }
+
+
+def test_a_delegation_past_the_users_open_tasks_is_an_error_result(server, ledger):
+    """VIGIL_MAX_OPEN_TASKS_PER_USER=3 with two of the user's tasks open (one queued, one
+    running) and a finished one: the run's first background delegation is queued, its second
+    is refused with an error result the model reads."""
+    from vigil.worker.task_door import LedgerTasks
+
+    ctx = ctx_with("fan out", dataclasses.replace(limits(), max_open_tasks_per_user=3))
+    old = ("u1", "u1:7:7:1")
+    _seed_tasks(
+        ledger,
+        [("tsk_q", "u1", old, "queued"), ("tsk_r", "u1", old, "queued"), ("tsk_s", "u1", old, "succeeded")],
+    )
+    query(ledger, "UPDATE tasks SET status = 'running', lease_holder = 'w', heartbeat_at = now() WHERE id = 'tsk_r'")
+    ctx.tasks = LedgerTasks.connecting(ledger)
+    fan_out = [call("delegate", instructions=f"job {i}", budget=300) for i in range(2)]
+    result = run(server, [{"when": {"tool_result": "delegate"}, "reply": []}, {"reply": fan_out}], ctx)
+    queued, refused = delegate_results(server)
+    assert not queued.get("is_error"), queued
+    assert refused.get("is_error") and "at most 3 open background tasks" in refused["content"], refused
+    assert len(result.tasks) == 1 and result.tasks[0].max_open == 3

@@ -250,7 +250,14 @@ def test_auto_mode_lets_safe_calls_through(server, echo):
 
 def test_a_denied_tool_is_not_offered(server):
     run(server, [{"reply": []}], t.context([t.chat("hi")]), tool_permissions="refund=deny,set_followup=deny")
-    assert [tool["name"] for tool in server.requests()[0]["tools"]] == ["send_message", "memory", "delegate"]
+    assert [tool["name"] for tool in server.requests()[0]["tools"]] == [
+        "send_message",
+        "memory",
+        "delegate",
+        "tasks_list",
+        "task_result",
+        "task_cancel",
+    ]
 
 
 # ---------------------------------------------------------------------------- settings

@@ -9,6 +9,7 @@ must hold.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 
@@ -465,6 +466,92 @@ def test_a_token_scoped_to_another_user_cannot_list_read_or_cancel_the_task(stac
     finally:
         ingest.stop()
     assert scalar(ledger, "SELECT status FROM tasks") == "cancelled"
+
+
+def test_only_an_owner_in_the_chain_may_read_wait_for_or_cancel_over_http_and_the_cli(stack, topics, ledger):
+    """The owner-chain rule on every call, token scope still first: a row of race whose chain
+    names neither race nor its creator is refused (403) to race's own token on GET, ?wait and
+    DELETE, and `vigil tasks show/cancel` refuse it too; race's own task is read and cancelled
+    with DELETE /v1/tasks/{id} (the same answers as POST .../cancel)."""
+    import json
+
+    import httpx
+    from click.testing import CliRunner
+
+    from ingest_support import cli, start_ingest
+    from vigil.cli import main
+    from vigil.ledger import tasks as ledger_tasks
+
+    owned, stray = "tsk_" + "0" * 20, "tsk_" + "1" * 20
+
+    async def seed():
+        conn = await _tasks_conn(ledger)
+        await ledger_tasks.create(conn, _new_task(owned))
+        foreign = dataclasses.replace(_new_task(stray), parent_run_key="else:1:1:1", owner_chain=["else", "else:1:1:1"])
+        await ledger_tasks.create(conn, foreign)
+        await conn.close()
+
+    asyncio.run(seed())
+    token = json.loads(cli(ledger, "tokens", "create", "race-app", "--scope", "messages", "--users", "race", "--json"))
+    ingest = start_ingest(stack, ledger, topics)
+    try:
+        with httpx.Client(
+            base_url=ingest.url, headers={"Authorization": f"Bearer {token['token']}"}, timeout=10
+        ) as http:
+            for answer in (
+                http.get(f"/v1/tasks/{stray}"),
+                http.get(f"/v1/tasks/{stray}?wait=1"),
+                http.delete(f"/v1/tasks/{stray}"),
+                http.post(f"/v1/tasks/{stray}/cancel"),
+            ):
+                assert answer.status_code == 403 and answer.json()["error"] == "forbidden", answer.text
+                assert "tsk_" not in answer.text
+            assert http.get(f"/v1/tasks/{owned}").status_code == 200
+            deleted = http.delete(f"/v1/tasks/{owned}")
+            assert deleted.status_code == 200 and deleted.json()["status"] == "cancelled", deleted.text
+            assert http.delete(f"/v1/tasks/{owned}").status_code == 409
+    finally:
+        ingest.stop()
+    env = {"VIGIL_DATABASE_URL": ledger}
+    for args in (["show", stray], ["cancel", stray, "--actor", "oncall"]):
+        refused = CliRunner().invoke(main, ["tasks", *args], env=env)
+        assert refused.exit_code == 1 and "no owner" in refused.output, (args, refused.output)
+    assert scalar(ledger, "SELECT status FROM tasks WHERE id = %s", (stray,)) == "queued"
+    assert scalar(ledger, "SELECT cancel_requested_at FROM tasks WHERE id = %s", (stray,)) is None
+
+
+def test_open_tasks_per_user_are_bounded_atomically_by_the_ledger(ledger):
+    """VIGIL_MAX_OPEN_TASKS_PER_USER=1 and two finishes of the same user inserting a task at
+    once: the second waits for the first (one lock per user) and, seeing one open task, inserts
+    its task already failed with the reason, so its result event tells the agent. Never two open."""
+    from vigil.ledger import tasks as ledger_tasks
+
+    async def go():
+        first, second = await _tasks_conn(ledger), await _tasks_conn(ledger)
+        async with first.transaction():
+            await ledger_tasks.create(first, dataclasses.replace(_new_task("tsk_first"), max_open=1))
+            racing = asyncio.create_task(
+                _create_in_transaction(second, dataclasses.replace(_new_task("tsk_second"), max_open=1))
+            )
+            await asyncio.sleep(0.5)
+            assert not racing.done()  # held back by the first finish's lock
+        await racing
+        rows = {r.id: r for r in await ledger_tasks.of_user(first, user_id="race")}
+        for conn in (first, second):
+            await conn.close()
+        return rows
+
+    rows = asyncio.run(go())
+    assert rows["tsk_first"].status == "queued"
+    assert rows["tsk_second"].status == "failed" and rows["tsk_second"].finished_at is not None
+    assert "at most 1 open" in rows["tsk_second"].error
+
+
+async def _create_in_transaction(conn, task) -> None:
+    from vigil.ledger import tasks as ledger_tasks
+
+    async with conn.transaction():
+        await ledger_tasks.create(conn, task)
 
 
 # -- a cancel stands (issue 44 item 3) -------------------------------------------------------

@@ -31,6 +31,7 @@ from vigil.errors import VigilError
 # EventRow is a ledger row (vigil.ledger.events); the agent interface names it here too.
 from vigil.ledger.events import EventRow
 from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome
+from vigil.ledger.tasks import TaskRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +69,30 @@ class Delegation:
     max_attempts: int  # VIGIL_TASK_MAX_ATTEMPTS: holders lost before the task is lost
     owner_chain: tuple[str, ...]  # user id, then the run key and task ids that led here
     max_tasks_per_run: int = 8  # VIGIL_MAX_TASKS_PER_RUN: background tasks one run may start
+    max_open_tasks_per_user: int | None = None  # VIGIL_MAX_OPEN_TASKS_PER_USER: queued or running at once
 
     def child_depth(self) -> int | None:
         """The depth a child would have, or None if that is past the bound."""
         depth = self.depth + 1
         return depth if depth <= self.max_depth else None
+
+
+class TaskDoor(Protocol):
+    """The ledger's background tasks, as the worker lets a run look at them
+    (:mod:`vigil.worker.task_door`). Both calls apply the owner rule in the ledger itself."""
+
+    async def owned(self, *, user_id: str, owners: Sequence[str], task_id: str | None = None) -> list[TaskRow]:
+        """The tasks a caller with these owner ids may see, newest first (with ``task_id``: that one, or none)."""
+
+    async def cancel(self, *, task_id: str, actor: str) -> TaskRow | None:
+        """Cancel (queued) or ask to stop (running); None: already terminal."""
+
+    async def open_count(self, user_id: str) -> int:
+        """How many of the user's tasks are queued or running."""
+
+
+class TasksUnavailable(VigilError):
+    """The ledger did not answer a look at the tasks (the tool says so; the run goes on)."""
 
 
 @dataclass(slots=True)
@@ -114,6 +134,9 @@ class RunContext:
     # adopt(ids): claims these events of the user by id under this run's epoch (a replay's
     # events folded at a journaled boundary that the claim did not bring).
     adopt: Callable[[Sequence[int]], Awaitable[list[EventRow]]] | None = None
+    # The ledger's tasks as this run may see them (tasks_list, task_result, task_cancel); None:
+    # those tools answer that there is nothing to look at.
+    tasks: TaskDoor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +211,7 @@ class NewTask:
     owner_chain: tuple[str, ...]
     session_id: str | None = None  # the session its result resumes
     parent_task_id: str | None = None
+    max_open: int | None = None  # VIGIL_MAX_OPEN_TASKS_PER_USER, enforced again by the finish's insert
 
 
 @dataclass(frozen=True, slots=True)

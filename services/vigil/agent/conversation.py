@@ -32,8 +32,8 @@ from typing import Any
 import anthropic
 
 from vigil import tracing
-from vigil.agent import delegation, metrics, model
-from vigil.agent.base import ApprovalRequest, EventRow, NewApproval, RunContext
+from vigil.agent import delegation, metrics, model, task_tools
+from vigil.agent.base import ApprovalRequest, EventRow, NewApproval, RunContext, TasksUnavailable
 from vigil.agent.deferral import Deferral, defer, escalate, resolve, resumed_turn
 from vigil.agent.journal import Journal
 from vigil.agent.memory import MemoryFiles, MemoryRefused
@@ -53,6 +53,7 @@ from vigil.agent.tools import (
     MEMORY,
     SEND_MESSAGE,
     SET_FOLLOWUP,
+    TASK_TOOLS,
     ActionTool,
     CallContext,
     Outputs,
@@ -276,6 +277,12 @@ class Conversation:
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
                     output = await self._delegate(use, args, step)
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
+                elif name in TASK_TOOLS and self.gate.permission(name) is not Permission.DENY:
+                    ctx = self.run.ctx
+                    owners = ctx.delegation.owner_chain if ctx.delegation else (ctx.user_id, ctx.run_key)
+                    caller = task_tools.Caller(ctx.user_id, owners)
+                    output = await task_tools.look(name, args, ctx.tasks, caller)
+                    metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
                 elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
                     output, decision = await self._action(self.box.actions[name], use, args, asked is not None, step)
                     if decision is Decision.ASK and asked is None:
@@ -313,8 +320,18 @@ class Conversation:
         """The delegate tool: queue a background task in this run's result, or run a child now."""
         run, box = self.run, self.box
         limits = run.ctx.delegation
+        try:
+            open_tasks = await self._open_tasks(args)
+        except TasksUnavailable as exc:
+            return ToolOutput(f"Not delegated: {exc}. Try again later.", True)
         request = delegation.check(
-            args, limits, box.permissions, box.actions, run.budget.left, tasks_started=len(self.outputs.tasks)
+            args,
+            limits,
+            box.permissions,
+            box.actions,
+            run.budget.left,
+            tasks_started=len(self.outputs.tasks),
+            open_tasks=open_tasks,
         )
         if isinstance(request, str):
             return ToolOutput(request, True)
@@ -346,6 +363,14 @@ class Conversation:
             return ToolOutput(await delegation.run_child(child, request.instructions))
         finally:
             delegation.charge(run.budget, child.budget)
+
+    async def _open_tasks(self, args: dict[str, Any]) -> int:
+        """The user's open tasks, read only for a background delegation under a bound."""
+        ctx = self.run.ctx
+        bounded = ctx.delegation is not None and ctx.delegation.max_open_tasks_per_user is not None
+        if not bounded or ctx.tasks is None or args.get("mode", "background") != "background":
+            return 0
+        return await ctx.tasks.open_count(ctx.user_id)
 
     def _builtin(self, name: str, args: dict[str, Any]) -> ToolOutput:
         if name not in self.box.permissions or self.gate.permission(name) is Permission.DENY:

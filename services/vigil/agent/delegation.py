@@ -69,6 +69,7 @@ def check(
     actions: dict[str, ActionTool],
     tokens_left: int,
     tasks_started: int = 0,
+    open_tasks: int = 0,
 ) -> Request | str:
     """The request, or why it is refused (a readable tool error for the model)."""
     if delegation is None:
@@ -87,6 +88,12 @@ def check(
         return (
             f"Not delegated: a run may start at most {delegation.max_tasks_per_run} background tasks, and this "
             "one has. Wait for their results, or do the work yourself or with mode sync."
+        )
+    bound = delegation.max_open_tasks_per_user
+    if mode == "background" and bound is not None and open_tasks + tasks_started >= bound:
+        return (
+            f"Not delegated: this user may have at most {bound} open background tasks (queued or running), and "
+            "has. Wait for their results, cancel one (task_cancel), or do the work yourself or with mode sync."
         )
     tools = args.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
@@ -124,6 +131,7 @@ def background_task(
         parent_run_key=run_key,
         owner_chain=delegation.owner_chain,
         session_id=session_id,
+        max_open=delegation.max_open_tasks_per_user,
     )
 
 
@@ -252,6 +260,7 @@ def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Chi
             max_attempts=delegation.max_attempts,
             owner_chain=(*delegation.owner_chain, key),
             max_tasks_per_run=delegation.max_tasks_per_run,
+            max_open_tasks_per_user=delegation.max_open_tasks_per_user,
         ),
         budget=model.Budget(source["settings"].max_turns, request.budget, deadline),
         usage=TaskUsage(),

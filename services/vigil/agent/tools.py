@@ -5,6 +5,9 @@ Built in (they only shape the run's result, so they are always ``allow`` or ``de
 - ``delegate(instructions, mode, tools, budget)``: a sub-agent, now or as a background task
   (:mod:`vigil.agent.delegation`).
 
+- ``tasks_list()``, ``task_result(task_id)``, ``task_cancel(task_id)``: the background tasks
+  the agent delegated (:mod:`vigil.agent.task_tools`).
+
 - ``send_message(text, urgent=false)``: a message for the outbox, the first way a run ends.
   Not calling it is the quiet default: nothing is sent.
 - ``set_followup(delay_seconds | at, note)``: a one-off timer that wakes this user's agent
@@ -34,7 +37,9 @@ SEND_MESSAGE = "send_message"
 SET_FOLLOWUP = "set_followup"
 MEMORY = "memory"
 DELEGATE = "delegate"  # defined in vigil.agent.delegation
-BUILTIN = (SEND_MESSAGE, SET_FOLLOWUP, MEMORY, DELEGATE)
+TASKS_LIST, TASK_RESULT, TASK_CANCEL = "tasks_list", "task_result", "task_cancel"  # vigil.agent.task_tools
+TASK_TOOLS = (TASKS_LIST, TASK_RESULT, TASK_CANCEL)
+BUILTIN = (SEND_MESSAGE, SET_FOLLOWUP, MEMORY, DELEGATE, *TASK_TOOLS)
 MAX_MESSAGE_CHARS = 4000
 MAX_NOTE_CHARS = 1000
 
@@ -146,6 +151,43 @@ def builtin_definitions(settings: AgentSettings) -> dict[str, dict[str, Any]]:
         },
         MEMORY: {"type": "memory_20250818", "name": MEMORY},
         DELEGATE: delegate_definition(),
+        **task_definitions(),
+    }
+
+
+def task_definitions() -> dict[str, dict[str, Any]]:
+    """The tools over the agent's own background tasks (executed by :mod:`vigil.agent.task_tools`)."""
+    task_id = {
+        "type": "object",
+        "properties": {"task_id": {"type": "string", "description": "The id delegate gave, tsk_..."}},
+        "required": ["task_id"],
+        "additionalProperties": False,
+    }
+    return {
+        TASKS_LIST: {
+            "name": TASKS_LIST,
+            "description": (
+                "List the background tasks you delegated for this user (in any conversation), newest "
+                "first: id, status, progress and the start of their instructions."
+            ),
+            "input_schema": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+        TASK_RESULT: {
+            "name": TASK_RESULT,
+            "description": (
+                "Read one of your background tasks: its status and, once it ended, its "
+                "result or error. A task that has not ended wakes you with its result when it does."
+            ),
+            "input_schema": task_id,
+        },
+        TASK_CANCEL: {
+            "name": TASK_CANCEL,
+            "description": (
+                "Cancel one of your background tasks: a queued one at once, a running one "
+                "within seconds (it keeps what it spent). A task that already ended is left as it is."
+            ),
+            "input_schema": task_id,
+        },
     }
 
 

@@ -1,17 +1,20 @@
 """The background tasks HTTP API, mounted on ingest (``vigil.ingest.mounts.MOUNTED``).
 
-Only the owner chain may read, wait on or cancel a task: a caller whose token may act for
-the task's user (:func:`may_act_for`: the ``messages`` scope for that user, or ``admin``).
-Anyone else gets a 403 and learns nothing more.
+Only the owner chain may read, wait on or cancel a task, checked on every call: the caller's
+token must act for the task's user (:func:`may_act_for`: the ``messages`` scope for that
+user, or ``admin``), and that user must be the task's creator or an owner in its chain
+(:func:`vigil.ledger.tasks.may_own`). Never the session. Anyone else gets a 403 and learns
+nothing more.
 
 - ``GET /v1/users/{user_id}/tasks``: the user's tasks, newest first (``?status=``,
   ``?limit=`` up to 200, ``?before=<created_at>`` for the next page).
 - ``GET /v1/tasks/{task_id}``: one task, every column (the result once it has one).
   ``?wait=S`` (0 to 60): a long-poll, answered as soon as the task is terminal, else after S
   seconds with the task as it is (the row read again every ``WAIT_POLL_S``).
-- ``POST /v1/tasks/{task_id}/cancel``: cancel it. A queued task is cancelled at once (200);
-  a running one is flagged and stopped by its worker at its next heartbeat (202); a
-  terminal one is left as it is (409, with its status). Audited with the token's name.
+- ``POST /v1/tasks/{task_id}/cancel``, or ``DELETE /v1/tasks/{task_id}``: cancel it. A
+  queued task is cancelled at once (200); a running one is flagged and stopped by its worker
+  at its next heartbeat (202); a terminal one is left as it is (409, with its status).
+  Audited with the token's name.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def routes(ctx: Any) -> list[Route]:
             task = await ledger.get(conn, task_id)
         if task is None:
             raise ctx.Refusal(404, "not_found", "no such task")
-        if not may_act_for(caller, task.user_id):
+        if not may_act_for(caller, task.user_id) or not ledger.may_own(task, [task.user_id]):
             raise forbidden(task.user_id)
         return caller, task
 
@@ -125,6 +128,7 @@ def routes(ctx: Any) -> list[Route]:
     return [
         ctx.route(COLLECTION, list_tasks, methods=["GET"]),
         ctx.route(ITEM, get_task, methods=["GET"]),
+        ctx.route(ITEM, cancel_task, methods=["DELETE"]),
         ctx.route(CANCEL, cancel_task, methods=["POST"]),
     ]
 
@@ -137,6 +141,13 @@ def openapi_paths() -> dict[str, Any]:
     denied = {"description": "the token may not act for the task's user"}
     missing = {"description": "no such task"}
     statuses = [s.value for s in TaskStatus]
+    cancelled = {
+        "200": {"description": "cancelled (it had not started)"},
+        "202": {"description": "running: its worker stops it at its next heartbeat"},
+        "403": denied,
+        "404": missing,
+        "409": {"description": "already terminal"},
+    }
     return {
         COLLECTION: {
             "get": {
@@ -169,20 +180,20 @@ def openapi_paths() -> dict[str, Any]:
                     "403": denied,
                     "404": {"description": "no such task"},
                 },
-            }
+            },
+            "delete": {
+                "summary": "Cancel a background task (as POST .../cancel)",
+                "security": secured,
+                "parameters": [task],
+                "responses": cancelled,
+            },
         },
         CANCEL: {
             "post": {
                 "summary": "Cancel a background task",
                 "security": secured,
                 "parameters": [task],
-                "responses": {
-                    "200": {"description": "cancelled (it had not started)"},
-                    "202": {"description": "running: its worker stops it at its next heartbeat"},
-                    "403": denied,
-                    "404": missing,
-                    "409": {"description": "already terminal"},
-                },
+                "responses": cancelled,
             }
         },
     }

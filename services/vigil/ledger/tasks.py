@@ -17,6 +17,7 @@ is one statement that checks the state it expects and says whether it won:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -95,6 +96,9 @@ class NewTaskRow:
     max_attempts: int
     timeout_s: float
     run_id: int | None = None  # the delegating run's row (the console links the task to it)
+    # VIGIL_MAX_OPEN_TASKS_PER_USER (None: no bound): past it the task is inserted already
+    # failed, with the reason, so its result event tells the agent.
+    max_open: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +127,19 @@ class Gauges:
 
 async def create(conn: psycopg.AsyncConnection[DictRow], task: NewTaskRow, *, now: datetime | None = None) -> None:
     """Queue a task (its deadline ``timeout_s`` after ``now``): called inside the delegating
-    run's fenced finish transaction."""
+    run's fenced finish transaction. With a bound on the user's open tasks, the user's lock is
+    taken first (held to the commit), so two finishes of one user count and insert one after
+    the other."""
+    if task.max_open is not None:
+        await conn.execute(Q.task_open_lock, {"user_id": task.user_id})
     await conn.execute(Q.task_create, {**{f.name: getattr(task, f.name) for f in fields(task)}, "now": now})
+
+
+async def open_count(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> int:
+    """The user's queued and running tasks."""
+    row = await (await conn.execute(Q.task_open_count, {"user_id": user_id})).fetchone()
+    assert row is not None  # an aggregate: one row
+    return int(row["open"])
 
 
 async def claim(
@@ -224,6 +239,29 @@ async def of_user(
     limit: int = 50,
 ) -> list[TaskRow]:
     cur = await conn.execute(Q.tasks_of_user, {"user_id": user_id, "status": status, "before": before, "limit": limit})
+    return [TaskRow.of(row) for row in await cur.fetchall()]
+
+
+def may_own(task: TaskRow, owners: Sequence[str]) -> bool:
+    """The owner-chain rule (docs/tasks.md, "Ownership"): a caller whose owner ids (its own
+    chain: the user, then the run key and task ids that led to it) include the task's creator
+    or any owner in the task's chain may read, wait for and cancel it. Never the session: a
+    conversation id is recorded, not consulted. (``tasks_of_owner`` applies it in SQL.)"""
+    return bool(set(owners) & {task.parent_run_key, *task.owner_chain})
+
+
+async def of_owner(
+    conn: psycopg.AsyncConnection[DictRow],
+    *,
+    user_id: str,
+    owners: Sequence[str],
+    task_id: str | None = None,
+    limit: int = 20,
+) -> list[TaskRow]:
+    """The tasks of ``user_id`` that a caller with these owner ids may see (:func:`may_own`),
+    newest first; with ``task_id``, that one or none."""
+    params = {"user_id": user_id, "owners": list(owners), "id": task_id, "limit": limit}
+    cur = await conn.execute(Q.tasks_of_owner, params)
     return [TaskRow.of(row) for row in await cur.fetchall()]
 
 

@@ -186,6 +186,7 @@ def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledg
         max_attempts=task.max_attempts,
         timeout_s=task.timeout_s,
         run_id=run_id,
+        max_open=task.max_open,
     )
 
 

@@ -34,6 +34,7 @@ from vigil.worker import journal as run_journal
 from vigil.worker import metrics, traces
 from vigil.worker.finish import Finished
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.task_door import LedgerTasks
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Runs:
         self.settings = settings
         self.agent = agent
         self.pool = pool
+        self.task_door = LedgerTasks(lambda: self.pool.connection())
         self.clock = clock
         self.active: dict[str, Active] = {}
         self.journal_group = run_journal.GroupAppend(pool)  # every run's journal appends, grouped
@@ -295,5 +297,7 @@ class Runs:
                 max_attempts=self.settings.task_max_attempts,
                 owner_chain=(c.user_id, run_key),
                 max_tasks_per_run=self.settings.max_tasks_per_run,
+                max_open_tasks_per_user=self.settings.max_open_tasks_per_user,
             ),
+            tasks=self.task_door,
         )

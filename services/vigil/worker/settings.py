@@ -201,6 +201,15 @@ class WorkerSettings(CommonSettings):
         le=1000,
         description="Background tasks one run may start; a delegation past it is an error result the model reads.",
     )
+    max_open_tasks_per_user: int = Field(
+        32,
+        ge=1,
+        le=100_000,
+        description=(
+            "Background tasks one user may have queued or running at once; a delegation past it is an error "
+            "result the model reads (enforced again, atomically, when the run's finish inserts the task)."
+        ),
+    )
     max_delegation_depth: int = Field(
         2, ge=0, le=10, description="How deep sub-agents may delegate: 1 lets runs delegate, 2 lets their tasks too."
     )

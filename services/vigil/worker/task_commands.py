@@ -1,7 +1,9 @@
 """`vigil tasks list|show|cancel`: background tasks for operators (docs/tasks.md).
 
-An operator acts for every user; the HTTP API (``/v1/tasks``) is the owner's way in. A cancel
-is recorded in the task row (who asked, when) and in the audit table, in one transaction.
+An operator acts for every user, as that user: the owner-chain rule still holds on every call
+(:func:`vigil.ledger.tasks.may_own`), so a row whose chain names neither its user nor its
+creator is refused. The HTTP API (``/v1/tasks``) is the owner's way in. A cancel is recorded
+in the task row (who asked, when) and in the audit table, in one transaction.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ async def _connect():
 
 def _run(coro):
     return asyncio.run(coro)
+
+
+def _refuse_unowned(row: ledger.TaskRow | None) -> None:
+    """The owner-chain rule, the operator acting as the task's user (exit 1 when refused)."""
+    if row is not None and not ledger.may_own(row, [row.user_id]):
+        raise click.ClickException(
+            f"task {row.id}: no owner to act as (its chain names neither its user nor its creator)"
+        )
 
 
 def _table(rows: list[dict]) -> None:
@@ -75,6 +85,7 @@ def tasks_show(task_id: str, as_json: bool) -> None:
     row = _run(go())
     if row is None:
         raise click.ClickException(f"no task {task_id!r}")
+    _refuse_unowned(row)
     if as_json:
         click.echo(json.dumps(row.as_json()))
         return
@@ -107,6 +118,7 @@ def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
     async def go():
         async with await _connect() as conn:
             async with conn.transaction():
+                _refuse_unowned(await ledger.get(conn, task_id))
                 row = await ledger.cancel(conn, task_id=task_id, actor=who)
                 if row is not None:
                     await audit.record_async(

@@ -5,13 +5,27 @@
 -- statement that checks the status it expects; the holder's also check its lease epoch.
 -- Deadlines, heartbeats and the reaper decide on the caller's clock, coalesce(%(now)s, now()).
 
+-- name: task_open_lock
+-- A user's lock on opening tasks (VIGIL_MAX_OPEN_TASKS_PER_USER), held to the end of the finish's transaction; its own statement, so that task_create's count is read after it is held.
+SELECT pg_advisory_xact_lock(hashtextextended('vigil.tasks.open:' || %(user_id)s, 0))
+
+-- name: task_open_count
+-- The user's open tasks (queued or running).
+SELECT count(*) AS open FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running')
+
 -- name: task_create
--- A task delegated by a run, inserted in that run's fenced finish (a run that does not commit starts nothing).
+-- A task delegated by a run, inserted in that run's fenced finish (a run that does not commit starts nothing). Past %(max_open)s open tasks of its user (NULL: no bound) it is inserted already failed, with the reason: its result event tells the agent.
 INSERT INTO tasks (id, user_id, parent_run_key, parent_task_id, session_id, depth, owner_chain, instructions,
-                   tools, token_budget, max_attempts, deadline, run_id)
-VALUES (%(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
-        %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s, coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(timeout_s)s),
-        %(run_id)s)
+                   tools, token_budget, max_attempts, deadline, run_id, status, finished_at, error)
+SELECT %(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
+       %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s,
+       coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(timeout_s)s),
+       %(run_id)s,
+       CASE WHEN full_up THEN 'failed' ELSE 'queued' END,
+       CASE WHEN full_up THEN coalesce(%(now)s::timestamptz, now()) END,
+       CASE WHEN full_up THEN format('not started: this user already has at most %%s open background tasks (VIGIL_MAX_OPEN_TASKS_PER_USER)', %(max_open)s::int) END
+FROM (SELECT %(max_open)s::int IS NOT NULL AND count(*) >= %(max_open)s::int AS full_up
+      FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running')) AS bound
 ON CONFLICT (id) DO NOTHING
 
 -- name: task_claim
@@ -161,3 +175,12 @@ SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'qu
     lease_holder = NULL
 WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING id
+
+-- name: tasks_of_owner
+-- The tasks a caller may see (docs/tasks.md, "Ownership"; ledger.tasks.may_own is the same rule): its user's, with one of the caller's owner ids (its own chain: the user, a run key, task ids) in their owner chain; one of them when %(id)s is given. Never the session.
+SELECT * FROM tasks
+WHERE user_id = %(user_id)s
+  AND owner_chain && %(owners)s::text[]
+  AND (%(id)s::text IS NULL OR id = %(id)s)
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
