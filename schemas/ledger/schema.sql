@@ -237,7 +237,7 @@ CREATE TABLE runs (
     task_turns         integer     NOT NULL DEFAULT 0,   -- its background tasks' usage, added as each ends (0030)
     task_input_tokens  integer     NOT NULL DEFAULT 0,
     task_output_tokens integer     NOT NULL DEFAULT 0,
-    profile            text,                             -- the agent profile it ran with; NULL: the default (0036)
+    profile            text,                             -- the agent profile it ran with; NULL: the default (0034)
     profile_version    integer,
     CONSTRAINT runs_outcome_valid CHECK (outcome IN ('message', 'nothing', 'deferred', 'failed')),
     CONSTRAINT runs_finished_after_start CHECK (finished_at >= started_at)
@@ -399,7 +399,7 @@ CREATE TABLE agent_policies (
 -- profiles: agent profiles (model, system prompt, limits, tools, MCP servers, event policies,
 -- budgets) as a JSON spec, one row per version, never changed: an update adds the next
 -- version (`vigil profiles`, docs/agent.md "Profiles"). profile_assignments gives users a
--- profile by exact id or prefix pattern (`team-a/*`); the most specific wins (migration 0036).
+-- profile by exact id or prefix pattern (`team-a/*`); the most specific wins (migration 0034).
 CREATE TABLE profiles (
     name        text        NOT NULL,
     version     integer     NOT NULL,

@@ -1,4 +1,4 @@
--- 0036: agent profiles (docs/agent.md, "Profiles"). A profile is a model, a system prompt,
+-- 0034: agent profiles (docs/agent.md, "Profiles"). A profile is a model, a system prompt,
 -- limits, a tool set with permissions, MCP server names, event policies and a daily token
 -- budget, kept as a JSON spec. Versions are never changed: `vigil profiles update` adds the
 -- next one. Users get a profile by exact id or by a prefix pattern (`team-a/*`); the most

@@ -1,4 +1,4 @@
--- 0035: one fleet toward the model. A fleet-wide bound on concurrent model calls (leased
+-- 0033: one fleet toward the model. A fleet-wide bound on concurrent model calls (leased
 -- slots, VIGIL_MODEL_FLEET_CONCURRENCY) and a shared back-off: when the provider answers 429
 -- or 529, the worker that was told writes until when, and every worker waits for it before
 -- its next call (docs/agent.md, "One fleet toward the model").
