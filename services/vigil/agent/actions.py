@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from vigil.agent.http_tool import HttpRequestTool
-from vigil.agent.mcp_tools import server_tools
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import BUILTIN, ActionTool
 from vigil.outbound import address_policy
@@ -67,7 +66,14 @@ class ToolRegistry:
     @classmethod
     def from_settings(cls, settings: AgentSettings) -> ToolRegistry:
         """Built in, then installed packages, then MCP servers (whose tools are listed now)."""
-        listed, unreachable = server_tools(settings)
+        listed: list = []
+        unreachable: dict[str, str] = {}
+        if settings.servers:
+            # Imported only when servers are named: the MCP SDK costs a worker's start most of a
+            # second (a second worker joining a group late misses the rebalance it was for).
+            from vigil.agent.mcp_tools import server_tools
+
+            listed, unreachable = server_tools(settings)
         served = [Registered(tool, f"mcp:{tool.server}", version) for tool, version in listed]
         return cls([*builtin_tools(settings), *package_tools(settings), *served], unreachable)
 

@@ -76,7 +76,7 @@ SIZES = {
     # The model-bound workload's slots and answers, one wave and a half of users.
     "full": Size(users=4_000, concurrency=2_500, delay_s=5.0, spread_s=2.0, late=200),
     # Answers slow enough that runs are still in flight when the second worker is up.
-    "quick": Size(users=100, concurrency=100, delay_s=4.0, spread_s=1.0, late=24),
+    "quick": Size(users=100, concurrency=100, delay_s=5.0, spread_s=1.0, late=24),
 }
 
 
