@@ -32,6 +32,7 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 DELIBERATE_LATE_IMPORTS = {
     ("agent/__init__.py", "vigil.agent.claude"),  # the Anthropic SDK: VIGIL_AGENT=claude only
     ("agent/commands.py", "vigil.agent.actions"),  # the MCP SDK (2 s to import): `vigil tools list` only
+    ("agent/actions.py", "vigil.agent.mcp_tools"),  # the MCP SDK: only when VIGIL_MCP_SERVERS names servers
     ("bus/codec.py", "confluent_kafka.schema_registry"),  # VIGIL_SCHEMA_REGISTRY_URL only
     ("bus/codec.py", "confluent_kafka.schema_registry.avro"),
     # The OpenTelemetry SDK, exporter and instrumentations: only with an OTLP endpoint set.
