@@ -288,7 +288,12 @@ def test_a_rolling_restart_under_load_gives_no_call_two_keys(stack, topics, ledg
     users = [f"roll{i:02d}" for i in range(24)]
     rules = script(receiver.url)["rules"]
     for rule in rules:
-        rule["delay"] = [1.0, 3.0]  # every answer slow: runs are in flight whenever a worker stops
+        rule["delay"] = [0.5, 1.5]
+    # Every run asks its second question (after its POST) slowly the first time: a run that has
+    # posted is in flight, with a journal to replay, whenever a rebalance or a stop cuts it off.
+    # (Slow answers alone left it to the machine's speed: CI once saw no run cut off after its POST.)
+    posted = next(i for i, rule in enumerate(rules) if rule.get("when", {}).get("tool_result") == "http_request")
+    rules.insert(posted, {**rules[posted], "times": len(users), "delay": 12})
     with ScriptedServer({"rules": rules}) as server:
         grace = {"VIGIL_SHUTDOWN_GRACE_S": "3", "VIGIL_REVOKE_GRACE_S": "1"}
         procs = {}
