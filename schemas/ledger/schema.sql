@@ -471,13 +471,15 @@ CREATE TABLE tasks (
     last_tool           text,                                -- progress (0030): the last tool the child called
     note                text,                                -- its latest note: the text it wrote with that call
     progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
+    kind                text        NOT NULL DEFAULT 'delegated', -- or memory_review, queued by the scheduler (0036)
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal
         CHECK ((status IN ('succeeded', 'failed', 'cancelled', 'timed_out', 'lost')) = (finished_at IS NOT NULL)),
     CONSTRAINT tasks_running_has_lease CHECK (status <> 'running' OR (lease_holder IS NOT NULL AND heartbeat_at IS NOT NULL)),
     CONSTRAINT tasks_depth_positive CHECK (depth >= 1),
-    CONSTRAINT tasks_reported_after_finish CHECK (reported_at IS NULL OR finished_at IS NOT NULL)
+    CONSTRAINT tasks_reported_after_finish CHECK (reported_at IS NULL OR finished_at IS NOT NULL),
+    CONSTRAINT tasks_kind_valid CHECK (kind IN ('delegated', 'memory_review'))
 );
 -- The claim takes the oldest queued tasks; the reaper reads running ones by heartbeat age.
 CREATE INDEX tasks_queued ON tasks (created_at) WHERE status = 'queued';
@@ -485,6 +487,10 @@ CREATE INDEX tasks_running ON tasks (heartbeat_at) WHERE status = 'running';
 -- Terminal tasks whose result event has not been produced yet (a handful at any time).
 CREATE INDEX tasks_unreported ON tasks (finished_at) WHERE finished_at IS NOT NULL AND reported_at IS NULL;
 CREATE INDEX tasks_by_user ON tasks (user_id, created_at);
+-- One open memory review per user (docs/agent.md, "Dreaming"): two schedulers racing insert one.
+CREATE UNIQUE INDEX tasks_one_open_review ON tasks (user_id)
+    WHERE kind = 'memory_review' AND status IN ('queued', 'running');
+CREATE INDEX tasks_reviews ON tasks (user_id, created_at) WHERE kind = 'memory_review';
 
 -- run_journal: every step of a run in flight, appended as it happens (migration 0026), so a
 -- run claimed again after a crash, a deploy's stop or a rebalance replays what it did instead
@@ -556,6 +562,24 @@ CREATE TABLE memory (
     PRIMARY KEY (user_id, path),
     CONSTRAINT memory_path_confined CHECK (path LIKE '/memories/%' AND path NOT LIKE '%..%')
 );
+
+-- memory_history: every change of a memory file, by a run's finish, a memory review or an
+-- operator's revert, with the old and new content (0036): `vigil memory history` lists them,
+-- `vigil memory revert` undoes one (docs/agent.md, "Dreaming").
+CREATE TABLE memory_history (
+    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    user_id      text        NOT NULL,
+    path         text        NOT NULL,
+    old_content  text,                                     -- NULL: the file did not exist
+    new_content  text,                                     -- NULL: the file was deleted
+    run_id       bigint,                                   -- the run whose finish wrote it
+    task_id      text,                                     -- the background task (a memory review) that wrote it
+    actor        text,                                     -- the operator of a revert
+    reverts      bigint,                                   -- the change a revert undid
+    at           timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT memory_history_changed CHECK (old_content IS DISTINCT FROM new_content)
+);
+CREATE INDEX memory_history_by_user ON memory_history (user_id, id);
 
 -- refunds: the demo `refund` tool's record, standing in for a payment provider that honours
 -- idempotency keys: one refund per key (the approval's request id), however often it is called.

@@ -21,13 +21,14 @@ from vigil.ingest import commands as ingest_commands
 from vigil.scheduler import commands as scheduler_commands
 from vigil.service import VigilGroup
 from vigil.worker import commands as worker_commands
-from vigil.worker import run_commands, task_commands
+from vigil.worker import memory_commands, run_commands, task_commands
 
 COMMAND_MODULES = (
     admin_commands,
     config_command,
     worker_commands,
     task_commands,
+    memory_commands,
     run_commands,
     ingest_commands,
     scheduler_commands,

@@ -272,11 +272,17 @@ class TaskContext:
     attempt: int
     usage: TaskUsage = field(default_factory=TaskUsage)
     journal: Any = None  # the task's journal (vigil.agent.journal.Journal), fenced by its lease
+    # 'delegated', or 'memory_review' (docs/agent.md, "Dreaming"): a review is given the user's
+    # memory files (path -> content) and the memory tool only.
+    kind: str = "delegated"
+    memory: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TaskResult:
     text: str  # the child's answer, handed to the parent as the task's result
+    # A memory review's changes: written, audited, only if its outcome stands.
+    memory_writes: list[MemoryWrite] = field(default_factory=list)
 
 
 class RetryLater(VigilError):

@@ -29,7 +29,7 @@ import anthropic
 import httpx2
 import psycopg
 
-from vigil.agent import delegation, metrics, model
+from vigil.agent import delegation, dreaming, metrics, model
 from vigil.agent.actions import ToolRegistry, effective_permissions
 from vigil.agent.base import OverBudget, RetryLater, RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
@@ -45,6 +45,7 @@ from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
 from vigil.clock import Clock, SystemClock, utc
 from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger.db import AsyncPool
+from vigil.ledger.dreams import REVIEW
 from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
 
@@ -256,6 +257,8 @@ class ClaudeAgent:
             usage=ctx.usage,
             journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
         )
+        if ctx.kind == REVIEW:
+            return await dreaming.review(ctx, child, self.settings, self.limits)
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 
     async def _left_today(self, user_id: str, profile: Profile | None) -> int | None:

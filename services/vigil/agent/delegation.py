@@ -36,9 +36,18 @@ import anthropic
 from vigil.agent import metrics, model
 from vigil.agent.base import Delegation, NewTask, TaskUsage
 from vigil.agent.journal import Journal
+from vigil.agent.memory import MemoryFiles, MemoryRefused
 from vigil.agent.prompt import append_user, text_block, tool_result
 from vigil.agent.settings import AgentSettings, Permission
-from vigil.agent.tools import DELEGATE, ActionTool, CallContext, ToolOutput, delegate_definition
+from vigil.agent.tools import (
+    DELEGATE,
+    MEMORY,
+    MEMORY_DEFINITION,
+    ActionTool,
+    CallContext,
+    ToolOutput,
+    delegate_definition,
+)
 
 MAX_INSTRUCTIONS_CHARS = 8000
 NOTE_CHARS = 300  # a task's progress note: the start of the text the child wrote with its last call
@@ -153,6 +162,10 @@ class Child:
     # Its steps' journal: a sync child's is its parent run's (the steps are the run's), a
     # background task's its own (vigil.agent.journal). Action keys are its steps' keys.
     journal: Journal
+    # A memory review (vigil.agent.dreaming): its system prompt, and the user's files, which
+    # its one tool, memory, edits. None: a delegated child, which never touches memory.
+    system: model.Encoded = CHILD_SYSTEM_ENCODED
+    memory: MemoryFiles | None = None
 
 
 async def run_child(child: Child, instructions: str) -> str:
@@ -160,7 +173,9 @@ async def run_child(child: Child, instructions: str) -> str:
     Returns its answer (the text of its last turn)."""
     allowed = [n for n in child.tools if n in child.actions and child.permissions.get(n) is Permission.ALLOW]
     definitions = [child.actions[n].definition() for n in allowed]
-    if child.delegation.child_depth() is not None:
+    if child.memory is not None:
+        allowed, definitions = [], [MEMORY_DEFINITION]  # a memory review: the memory tool only
+    elif child.delegation.child_depth() is not None:
         definitions.append(delegate_definition())  # a child's own delegations always run sync
     tools = model.Encoded.of(definitions) if definitions else None
     messages: list[dict[str, Any]] = [{"role": "user", "content": [text_block(instructions)]}]
@@ -176,7 +191,7 @@ async def run_child(child: Child, instructions: str) -> str:
                 model.MIN_CALL_TOKENS,
                 min(child.settings.max_output_tokens, child.budget.max_tokens - child.budget.spent),
             ),
-            system=CHILD_SYSTEM_ENCODED,
+            system=child.system,
             messages=messages,
             tools=tools,
         )
@@ -208,6 +223,13 @@ async def run_child(child: Child, instructions: str) -> str:
 async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], step: int) -> ToolOutput:
     name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
     child.usage.last_tool = name
+    if child.memory is not None:
+        if name != MEMORY:
+            return ToolOutput(f"Not permitted: {name} is not one of your tools; memory is.", True)
+        try:
+            return ToolOutput(child.memory.execute(args))
+        except MemoryRefused as refused:
+            return ToolOutput(str(refused), True)
     if name == DELEGATE:
         request = check(
             {**args, "mode": "sync"},

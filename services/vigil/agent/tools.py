@@ -36,6 +36,7 @@ from vigil.ledger.states import TimerKind
 SEND_MESSAGE = "send_message"
 SET_FOLLOWUP = "set_followup"
 MEMORY = "memory"
+MEMORY_DEFINITION = {"type": "memory_20250818", "name": MEMORY}  # Anthropic's memory tool
 DELEGATE = "delegate"  # defined in vigil.agent.delegation
 TASKS_LIST, TASK_RESULT, TASK_CANCEL = "tasks_list", "task_result", "task_cancel"  # vigil.agent.task_tools
 TASK_TOOLS = (TASKS_LIST, TASK_RESULT, TASK_CANCEL)
@@ -149,7 +150,7 @@ def builtin_definitions(settings: AgentSettings) -> dict[str, dict[str, Any]]:
                 "additionalProperties": False,
             },
         },
-        MEMORY: {"type": "memory_20250818", "name": MEMORY},
+        MEMORY: MEMORY_DEFINITION,
         DELEGATE: delegate_definition(),
         **task_definitions(),
     }

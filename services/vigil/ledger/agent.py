@@ -68,6 +68,12 @@ class ContextRows:
     journal: ledger_journal.Live | None = None
 
 
+async def memory_of(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> dict[str, str]:
+    """One user's memory files, path -> content (a memory review starts from them)."""
+    cur = await conn.execute(Q.agent_memory_load_many, {"user_ids": [user_id]})
+    return {r["path"]: r["content"] for r in await cur.fetchall()}
+
+
 async def load_contexts(conn: psycopg.AsyncConnection[DictRow], wanted: list[ContextWanted]) -> list[ContextRows]:
     """Every run's context reads for a whole claim pass: six statements whatever the runs
     (seven with the live run journals; each reads all the pass's users at once), in one

@@ -175,10 +175,15 @@ async def insert_timer(
 
 
 async def write_memory(
-    conn: psycopg.AsyncConnection[DictRow], *, user_id: str, path: str, content: str | None, run_id: int | None
+    conn: psycopg.AsyncConnection[DictRow],
+    *,
+    user_id: str,
+    path: str,
+    content: str | None,
+    run_id: int | None,
+    task_id: str | None = None,
 ) -> None:
-    """The memory tool's write by run ``run_id`` (None deletes the file)."""
-    if content is None:
-        await conn.execute(Q.delete_memory, {"user_id": user_id, "path": path})
-    else:
-        await conn.execute(Q.upsert_memory, {"user_id": user_id, "path": path, "content": content, "run_id": run_id})
+    """The memory tool's write by run ``run_id`` or memory review ``task_id`` (None deletes
+    the file), audited in ``memory_history`` by the same statement."""
+    params = {"user_id": user_id, "path": path, "content": content, "run_id": run_id, "task_id": task_id}
+    await conn.execute(Q.delete_memory if content is None else Q.upsert_memory, params)

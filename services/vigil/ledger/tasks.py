@@ -62,6 +62,7 @@ class TaskRow:
     last_tool: str | None
     note: str | None
     progress_at: datetime | None
+    kind: str = "delegated"  # or "memory_review", queued by the scheduler (ledger.dreams)
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> TaskRow:

@@ -52,6 +52,7 @@ from vigil.ledger.db import connect
 from vigil.ledger.states import TimerKind
 from vigil.ledger.timers import TimerRow
 from vigil.scheduler import metrics
+from vigil.scheduler.dreams import Dreamer
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.scheduler.timing import Occurrence, TimerSpec, event_key, next_occurrence, plan
 
@@ -219,6 +220,7 @@ class Scheduler:
         self.clock = clock or SystemClock()
         self._conn: psycopg.Connection[DictRow] | None = None
         self._backlog_at = 0.0
+        self.dreamer = Dreamer(settings, self.clock)
 
     # -- database ------------------------------------------------------------------------
 
@@ -416,6 +418,7 @@ class Scheduler:
                         startup = None
                 if not report.full or time.monotonic() - self._backlog_at > BACKLOG_REFRESH_S:
                     self.backlog()
+                self.dreamer.maybe(self.conn())
             except retry_policy.retried as exc:
                 # Whatever the pass had not committed rolled back, so retrying is safe. Exiting
                 # would only turn a broker or ledger outage into a crash loop.

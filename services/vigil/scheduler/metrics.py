@@ -72,3 +72,7 @@ for _outcome in ("expired", "yes", "no", "escalated", "unknown", "not_yet_due"):
     APPROVAL_EXPIRIES.labels(_outcome)
 for _table in ("events", "outbox", "runs", "timers", "run_journal"):
     PRUNED.labels(_table)
+REVIEWS_SCHEDULED = Counter(
+    "vigil_memory_reviews_scheduled_total",
+    "Memory reviews this scheduler queued (dreaming, VIGIL_DREAM_AFTER_SESSIONS): at most one open per user.",
+)

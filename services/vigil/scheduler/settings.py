@@ -81,6 +81,23 @@ class SchedulerSettings(CommonSettings):
         description="A redelivered or retried event is recognised as a duplicate at least this long after it was "
         "recorded (longer than any webhook provider retries); retention may not delete its key sooner.",
     )
+    dream_after_sessions: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="Dreaming: a user's memory is reviewed (a background task with the memory tool only) once they "
+        'have had this many new sessions since their last review. 0: never (docs/agent.md, "Dreaming").',
+    )
+    dream_check_s: float = Field(
+        60.0,
+        gt=0,
+        le=86_400,
+        description="Seconds between the scheduler's looks for users due a memory review (with "
+        "VIGIL_DREAM_AFTER_SESSIONS set).",
+    )
+    dream_token_budget: int = Field(
+        20_000, ge=1, le=10_000_000, description="Most input+output tokens one memory review may use."
+    )
     scheduler_crash_after_produce: bool = Field(
         False,
         description="Test hook: SIGKILL the scheduler after the broker acknowledged a pass's events and before the "

@@ -42,14 +42,17 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from vigil.agent.base import Agent, Delegation, TaskContext, TaskUsage
+from vigil.agent.base import Agent, Delegation, MemoryWrite, TaskContext, TaskUsage
 from vigil.agent.journal import Journal
 from vigil.bus.kafka import EventProducer
 from vigil.clock import Clock, SystemClock, utc
 from vigil.envelope import Event
+from vigil.ledger import agent as ledger_agent
+from vigil.ledger import finish as ledger_finish
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import AsyncPool
+from vigil.ledger.dreams import REVIEW
 from vigil.ledger.states import TaskStatus
 from vigil.retry import backoff
 from vigil.worker import metrics
@@ -170,6 +173,7 @@ class TaskExecutor:
                 owner_chain=(*task.owner_chain, task.id),
             ),
             attempt=task.attempts,
+            kind=task.kind,
         )
         holding = Holding(task, ctx, leased_at)
         self.holding[task.id] = holding
@@ -183,7 +187,7 @@ class TaskExecutor:
         """Execute one task under its lease; write its outcome unless the lease was lost."""
         task, ctx = holding.task, holding.ctx
         started = time.monotonic()
-        if not await self._journal(holding):
+        if not await self._journal(holding) or not await self._memory(holding):
             self.holding.pop(task.id, None)
             metrics.TASKS_IN_FLIGHT.set(len(self.holding))
             await self._release(task)
@@ -221,7 +225,8 @@ class TaskExecutor:
             )
             return
         assert isinstance(outcome, ledger.Outcome)
-        stands = await self._write(task, outcome)
+        writes = holding.execution.result().memory_writes if outcome.status == TaskStatus.SUCCEEDED else []
+        stands = await self._write(task, outcome, writes)
         if stands is None:
             return
         if stands:
@@ -251,6 +256,20 @@ class TaskExecutor:
         ctx.journal = Journal.of(key, writer, steps)
         if steps:
             log.info("task %s: replaying its journal (%d steps)", task.id, len(steps))
+        return True
+
+    async def _memory(self, holding: Holding) -> bool:
+        """A memory review starts from the user's files as they are now. False if they cannot
+        be read: the task is handed back rather than reviewed blind."""
+        task = holding.task
+        if task.kind != REVIEW:
+            return True
+        try:
+            async with self.pool.connection() as conn:
+                holding.ctx.memory = await ledger_agent.memory_of(conn, task.user_id)
+        except (psycopg.Error, OSError) as exc:
+            log.warning("task %s: could not read the memory to review, handing it back: %s", task.id, exc)
+            return False
         return True
 
     async def _supervise(self, holding: Holding) -> ledger.Outcome | object | None:
@@ -317,9 +336,11 @@ class TaskExecutor:
         u = ctx.usage
         return ledger.Outcome(status, result, error, u.turns, u.input_tokens, u.output_tokens)
 
-    async def _write(self, task: ledger.TaskRow, outcome: ledger.Outcome) -> bool | None:
-        """The compare-and-set, retried through ledger errors with :func:`vigil.retry.backoff`
-        (from ``WRITE_RETRY_BASE_S``, jittered, capped) for at most ``VIGIL_TASK_STALE_S``: by
+    async def _write(self, task: ledger.TaskRow, outcome: ledger.Outcome, writes: list[MemoryWrite]) -> bool | None:
+        """The compare-and-set and, if it stands, a memory review's ``writes`` (each audited in
+        ``memory_history`` with the task's id) in the same transaction; retried through ledger
+        errors with :func:`vigil.retry.backoff` (from ``WRITE_RETRY_BASE_S``, jittered, capped)
+        for at most ``VIGIL_TASK_STALE_S``: by
         then no heartbeat has kept the lease (the execution has ended), the reaper may have
         taken the task back, and the task is left to it (queued again, replaying its journal,
         or lost). True: it stands; False: another outcome did; None: given up."""
@@ -330,6 +351,15 @@ class TaskExecutor:
                 async with self.pool.connection() as conn, conn.transaction():
                     stands = await ledger.finish(conn, task.id, task.lease_epoch, outcome)
                     if stands:
+                        for write in writes:
+                            await ledger_finish.write_memory(
+                                conn,
+                                user_id=task.user_id,
+                                path=write.path,
+                                content=write.content,
+                                run_id=None,
+                                task_id=task.id,
+                            )
                         await ledger_journal.finish_task(
                             conn, f"task:{task.id}", keep=self.settings.run_journal_days > 0
                         )
@@ -410,8 +440,10 @@ class TaskExecutor:
                 rows = await ledger.unreported(conn, REPORT_BATCH)
                 if not rows:
                     return 0
-                events = [result_event(row) for row in rows]
-                await asyncio.to_thread(self.producer.send, events)
+                # A memory review's outcome wakes nobody: it is on its row and in memory_history.
+                events = [result_event(row) for row in rows if row.kind != REVIEW]
+                if events:
+                    await asyncio.to_thread(self.producer.send, events)
                 await ledger.mark_reported(conn, [row.id for row in rows])
         metrics.TASK_RESULTS_REPORTED.inc(len(rows))
         return len(rows)

@@ -74,13 +74,24 @@ SET due = EXCLUDED.due, payload = EXCLUDED.payload, fixed_key = EXCLUDED.fixed_k
 WHERE NOT t.done
 
 -- name: upsert_memory
--- The memory tool's create/str_replace/insert/rename target, written by run %(run_id)s (the console's link).
-INSERT INTO memory (user_id, path, content, run_id) VALUES (%(user_id)s, %(path)s, %(content)s, %(run_id)s)
-ON CONFLICT (user_id, path) DO UPDATE SET content = EXCLUDED.content, run_id = EXCLUDED.run_id, updated_at = now()
+-- The memory tool's create/str_replace/insert/rename target, written by run %(run_id)s (the console's link) or a memory review, task %(task_id)s; the change, with the content it replaced, goes to memory_history in the same statement (none when nothing changed).
+WITH old AS (
+    SELECT content FROM memory WHERE user_id = %(user_id)s AND path = %(path)s FOR UPDATE
+), written AS (
+    INSERT INTO memory (user_id, path, content, run_id) VALUES (%(user_id)s, %(path)s, %(content)s, %(run_id)s)
+    ON CONFLICT (user_id, path) DO UPDATE SET content = EXCLUDED.content, run_id = EXCLUDED.run_id, updated_at = now()
+)
+INSERT INTO memory_history (user_id, path, old_content, new_content, run_id, task_id)
+SELECT %(user_id)s, %(path)s, (SELECT content FROM old), %(content)s, %(run_id)s, %(task_id)s
+WHERE (SELECT content FROM old) IS DISTINCT FROM %(content)s::text
 
 -- name: delete_memory
--- The memory tool's delete (and rename's source).
-DELETE FROM memory WHERE user_id = %(user_id)s AND path = %(path)s
+-- The memory tool's delete (and rename's source); the deleted content goes to memory_history in the same statement.
+WITH gone AS (
+    DELETE FROM memory WHERE user_id = %(user_id)s AND path = %(path)s RETURNING content
+)
+INSERT INTO memory_history (user_id, path, old_content, new_content, run_id, task_id)
+SELECT %(user_id)s, %(path)s, content, NULL, %(run_id)s, %(task_id)s FROM gone
 
 -- name: finish_failed
 -- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back, and so does one waiting for its daily budget.
