@@ -31,6 +31,8 @@ NOT_SQL = {
     # The agent's memory tool runs the model's file command (view, create, str_replace) on
     # the run's in-memory copy of the user's memory; the ledger writes it at the finish.
     ("agent/conversation.py", "self.run.memory.execute"),
+    # ... and MemoryFiles.answer, the same command as a tool result (a memory review's tool).
+    ("agent/memory.py", "self.execute"),
 }
 
 SQL_METHODS = {"execute", "executemany", "cursor"}

@@ -36,7 +36,7 @@ import anthropic
 from vigil.agent import metrics, model
 from vigil.agent.base import Delegation, NewTask, TaskUsage
 from vigil.agent.journal import Journal
-from vigil.agent.memory import MemoryFiles, MemoryRefused
+from vigil.agent.memory import MemoryFiles
 from vigil.agent.prompt import append_user, text_block, tool_result
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import (
@@ -226,10 +226,7 @@ async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], ste
     if child.memory is not None:
         if name != MEMORY:
             return ToolOutput(f"Not permitted: {name} is not one of your tools; memory is.", True)
-        try:
-            return ToolOutput(child.memory.execute(args))
-        except MemoryRefused as refused:
-            return ToolOutput(str(refused), True)
+        return ToolOutput(*child.memory.answer(args))
     if name == DELEGATE:
         request = check(
             {**args, "mode": "sync"},

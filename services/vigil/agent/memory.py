@@ -108,6 +108,13 @@ class MemoryFiles:
             )
         return handler(args)
 
+    def answer(self, args: dict) -> tuple[str, bool]:
+        """:meth:`execute` as a tool result: the text for the model, and whether it is a refusal."""
+        try:
+            return self.execute(args), False
+        except MemoryRefused as refused:
+            return str(refused), True
+
     def _under(self, directory: str) -> list[str]:
         prefix = directory + "/"
         return sorted(p for p in self.files if p.startswith(prefix))
