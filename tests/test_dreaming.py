@@ -205,3 +205,59 @@ def test_a_runs_memory_writes_are_audited_with_the_run(ledger):
     rows = query(ledger, "SELECT old_content, new_content, run_id, task_id FROM memory_history ORDER BY id")
     assert [(r["old_content"], r["new_content"]) for r in rows] == [(None, "one"), ("one", "two"), ("two", None)]
     assert {(r["run_id"], r["task_id"]) for r in rows} == {(7, None)}
+
+
+def test_a_review_never_touches_the_persons_instructions():
+    """In process, through the real client, with refund allowed on this worker: the review is
+    offered memory only; the instructions file is not shown to it and it cannot delete it."""
+    from vigil.agent.base import Delegation, TaskContext
+    from vigil.ledger.dreams import REVIEW
+    from vigil_dev import agent_testing as t
+
+    script = [
+        {"when": {"tool_result": "memory"}, "reply": [{"type": "text", "text": "done"}]},
+        {
+            "reply": [
+                {"type": "tool_use", "name": "memory", "input": {"command": "view", "path": "/memories"}},
+                {
+                    "type": "tool_use",
+                    "name": "memory",
+                    "input": {"command": "delete", "path": "/memories/instructions.md"},
+                },
+                {"type": "tool_use", "name": "memory", "input": {"command": "delete", "path": "/memories/a.md"}},
+            ]
+        },
+    ]
+    files = {"/memories/instructions.md": "Be brief.", "/memories/a.md": "old"}
+    ctx = TaskContext(
+        task_id="tsk_r",
+        user_id="u1",
+        instructions="Review this person's memory.",
+        tools=(),
+        token_budget=5000,
+        deadline=time.monotonic() + 60,
+        delegation=Delegation(
+            depth=1, max_depth=2, token_budget=5000, timeout_s=60, max_attempts=3, owner_chain=("u1",)
+        ),
+        attempt=1,
+        kind=REVIEW,
+        memory=files,
+    )
+
+    async def go():
+        claude = t.agent(server.base_url, tool_permissions="refund=allow")
+        try:
+            return await claude.run_task(ctx)
+        finally:
+            await claude.close()
+
+    with ScriptedServer(script) as server:
+        result = asyncio.run(go())
+        first, second = server.requests()
+    assert first["tools"] == [MEMORY_TOOL]
+    assert "instructions.md" not in json.dumps(first["messages"]) and "Be brief" not in json.dumps(first)
+    assert second["tools"] == [MEMORY_TOOL]
+    listing = json.dumps(second["messages"][-1]["content"][0])
+    assert "/memories/a.md" in listing and "instructions.md" not in listing
+    assert [(w.path, w.content) for w in result.memory_writes] == [("/memories/a.md", None)]
+    assert files == {"/memories/instructions.md": "Be brief.", "/memories/a.md": "old"}  # the caller's copy

@@ -29,6 +29,11 @@ Reporting: a terminal task becomes one event for its user, source ``task``, sour
 task id (the dedup key), produced and acknowledged before ``reported_at`` is committed. A
 crash in between produces it again and the ledger drops the copy: one result event per task,
 which wakes the delegating session with the result.
+
+A memory review (``kind`` memory_review, queued by the scheduler: docs/agent.md, "Dreaming")
+is executed the same way, given the user's memory files at the start; its memory writes are
+stored in the transaction of its outcome, only if that outcome stands, and its result
+produces no event (it wakes nobody).
 """
 
 from __future__ import annotations
@@ -340,10 +345,10 @@ class TaskExecutor:
         """The compare-and-set and, if it stands, a memory review's ``writes`` (each audited in
         ``memory_history`` with the task's id) in the same transaction; retried through ledger
         errors with :func:`vigil.retry.backoff` (from ``WRITE_RETRY_BASE_S``, jittered, capped)
-        for at most ``VIGIL_TASK_STALE_S``: by
-        then no heartbeat has kept the lease (the execution has ended), the reaper may have
-        taken the task back, and the task is left to it (queued again, replaying its journal,
-        or lost). True: it stands; False: another outcome did; None: given up."""
+        for at most ``VIGIL_TASK_STALE_S``: by then no heartbeat has kept the lease (the
+        execution has ended), the reaper may have taken the task back, and the task is left to
+        it (queued again, replaying its journal, or lost). True: it stands; False: another
+        outcome did; None: given up."""
         give_up = time.monotonic() + self.settings.task_stale_s
         attempt = 0
         while True:
