@@ -55,6 +55,7 @@ from vigil.retry import backoff
 from vigil.worker import metrics
 from vigil.worker.journal import RunWriter
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.task_door import LedgerTasks
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class TaskExecutor:
         # Leases, heartbeats and deadlines are decided on this clock, in the ledger too.
         self.clock = clock or SystemClock()
         self.holding: dict[str, Holding] = {}
+        self.door = LedgerTasks(lambda: self.pool.connection())  # where tasks record their sync children
         self._wake_report = asyncio.Event()
         self._stopping = False
 
@@ -170,6 +172,8 @@ class TaskExecutor:
                 owner_chain=(*task.owner_chain, task.id),
             ),
             attempt=task.attempts,
+            tasks=self.door,
+            session_id=task.session_id,
         )
         holding = Holding(task, ctx, leased_at)
         self.holding[task.id] = holding
