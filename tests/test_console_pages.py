@@ -345,7 +345,6 @@ def test_timeline_shows_the_users_background_tasks_escaped(console, ledger):
     assert XSS not in page and "research &lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
-
 def test_timeline_shows_a_sync_child_and_its_parent_task(console, ledger):
     """Issue 44's sync rows on the timeline: the mode, and the task that delegated it."""
     seeded = seed_user(ledger)
