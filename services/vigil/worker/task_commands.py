@@ -171,6 +171,8 @@ def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
         if changed is None:
             click.get_current_context().exit(EXIT_CONFLICT)
         return
+    if changed is None and row.mode == "sync" and row.status == "running":
+        raise Conflict(f"task {task_id} is a sync child: it ends with its run, not on its own")
     if changed is None:
         raise Conflict(f"task {task_id} is already {row.status}: nothing to cancel")
     if row.status == "cancelled":
