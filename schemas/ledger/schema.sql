@@ -469,7 +469,7 @@ CREATE TABLE tasks (
     turns               integer     NOT NULL DEFAULT 0,      -- usage, counted against the parent's budgets
     input_tokens        integer     NOT NULL DEFAULT 0,
     output_tokens       integer     NOT NULL DEFAULT 0,
-    run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0021)
+    run_id              bigint,                              -- the run whose finish queued it (a task's background child: that task's); NULL: a sync child (0021, 0035)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
     last_tool           text,                                -- progress (0030): the last tool the child called
     note                text,                                -- its latest note: the text it wrote with that call

@@ -291,6 +291,9 @@ class TaskContext:
     journal: Any = None  # the task's journal (vigil.agent.journal.Journal), fenced by its lease
     tasks: TaskDoor | None = None  # where its sync children are recorded (None: nowhere)
     session_id: str | None = None  # the delegating conversation (its sync children's rows name it)
+    # The background tasks it delegates (parent_task_id: this task): the agent appends, the
+    # holder's terminal write queues them if the task succeeded.
+    spawned: list[NewTask] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

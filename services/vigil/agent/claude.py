@@ -257,6 +257,7 @@ class ClaudeAgent:
             journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
             tasks=ctx.tasks,
             session_id=ctx.session_id,
+            spawned=ctx.spawned,
         )
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 

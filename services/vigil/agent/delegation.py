@@ -31,7 +31,8 @@ call's step key, as a background task's is, so a replayed run writes the same ro
 The row is best effort: a write the ledger does not take is logged and counted
 (``vigil_sync_task_rows_unwritten_total``), and the child runs all the same. A child's own
 delegations name it as their parent (``parent_task_id``): a background task's id, or the
-sync child's.
+sync child's. A background task's own conversation may delegate background tasks too: they
+are queued by the task's terminal write if it succeeds (``Child.spawned``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anthropic
@@ -177,6 +178,9 @@ class Child:
     journal: Journal
     tasks: TaskDoor | None = None  # where sync children are recorded (None: nowhere)
     session_id: str | None = None  # the delegating conversation, named on sync children's rows
+    # A background task's own conversation: the background tasks it delegates, queued by the
+    # task's terminal write if it succeeds. None (a sync child): its delegations run sync.
+    spawned: list[NewTask] | None = None
 
 
 async def run_child(child: Child, instructions: str) -> str:
@@ -185,7 +189,7 @@ async def run_child(child: Child, instructions: str) -> str:
     allowed = [n for n in child.tools if n in child.actions and child.permissions.get(n) is Permission.ALLOW]
     definitions = [child.actions[n].definition() for n in allowed]
     if child.delegation.child_depth() is not None:
-        definitions.append(delegate_definition())  # a child's own delegations always run sync
+        definitions.append(delegate_definition())  # sync, or background from a background task
     tools = model.Encoded.of(definitions) if definitions else None
     messages: list[dict[str, Any]] = [{"role": "user", "content": [text_block(instructions)]}]
     answer = ""
@@ -233,22 +237,7 @@ async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], ste
     name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
     child.usage.last_tool = name
     if name == DELEGATE:
-        request = check(
-            {**args, "mode": "sync"},
-            child.delegation,
-            child.permissions,
-            {n: child.actions[n] for n in allowed},
-            child.budget.left,
-        )
-        if isinstance(request, str):
-            return ToolOutput(request, True)
-        grandchild = nested(child, request, child.journal.key(step))
-        try:
-            answer = await run_sync(grandchild, request, parent_run_key=child.key, parent_task_id=child.key)
-        finally:
-            charge(child.budget, grandchild.budget)
-            _sync_usage(child)
-        return ToolOutput(answer)
+        return await _child_delegate(child, args, allowed, step)
     if name not in allowed:
         metrics.TOOL_CALLS.labels("unknown" if name not in child.permissions else name, "error").inc()
         return ToolOutput(f"Not permitted: {name} is not one of your tools.", True)
@@ -261,6 +250,45 @@ async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], ste
     )
     metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
     return output
+
+
+async def _child_delegate(child: Child, args: dict[str, Any], allowed: list[str], step: int) -> ToolOutput:
+    """A child's own delegation, whose parent is the child (``parent_task_id``): sync, or, from
+    a background task's own conversation, background (queued when the task succeeds)."""
+    background = child.spawned is not None and args.get("mode", "background") == "background"
+    open_tasks = 0
+    if background and child.tasks is not None and child.delegation.max_open_tasks_per_user is not None:
+        try:
+            open_tasks = await child.tasks.open_count(child.user_id)
+        except TasksUnavailable as exc:
+            return ToolOutput(f"Not delegated: {exc}. Try again later.", True)
+    request = check(
+        {**args, "mode": "background" if background else "sync"},
+        child.delegation,
+        child.permissions,
+        {n: child.actions[n] for n in allowed},
+        child.budget.left,
+        tasks_started=len(child.spawned or ()),
+        open_tasks=open_tasks,
+    )
+    if isinstance(request, str):
+        return ToolOutput(request, True)
+    if background:
+        assert child.spawned is not None
+        queued = background_task(request, child.delegation, child.key, child.session_id, child.journal.key(step))
+        child.spawned.append(replace(queued, parent_task_id=child.key))
+        child.budget.reserved += queued.token_budget  # the task may spend it: this one may not
+        return ToolOutput(
+            f"Background task {queued.id} will be queued when you have answered (if this task succeeds). "
+            "Its result goes to the conversation that delegated you, not to you."
+        )
+    grandchild = nested(child, request, child.journal.key(step))
+    try:
+        answer = await run_sync(grandchild, request, parent_run_key=child.key, parent_task_id=child.key)
+    finally:
+        charge(child.budget, grandchild.budget)
+        _sync_usage(child)
+    return ToolOutput(answer)
 
 
 def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Child:

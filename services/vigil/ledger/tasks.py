@@ -66,6 +66,7 @@ class TaskRow:
     note: str | None
     progress_at: datetime | None
     mode: str  # background | sync (a sub-agent run inside its parent's run)
+    run_id: int | None  # the run whose finish queued it (a task's background child: that task's run)
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> TaskRow:
