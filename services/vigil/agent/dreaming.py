@@ -47,6 +47,7 @@ async def review(ctx: TaskContext, base: Child, settings: AgentSettings, limits:
         base,
         tools=(),
         delegation=replace(base.delegation, max_depth=base.delegation.depth),  # no delegation
+        spawned=None,
         system=REVIEW_SYSTEM_ENCODED,
         memory=memory,
     )
