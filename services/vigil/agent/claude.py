@@ -179,7 +179,8 @@ class ClaudeAgent:
     def box_for(self, profile: Profile | None) -> Toolbox:
         """What runs of ``profile`` share (the deployment's own for the default profile): its
         settings over the deployment's, its tool set over the agent's tools, its event policies
-        over the deployment's. Built once per profile version (versions never change)."""
+        over the deployment's, its MCP servers (when it names any) choosing among the deployment's.
+        Built once per profile version (versions never change)."""
         if profile is None:
             return self.box
         box = self._boxes.get((profile.name, profile.version))
@@ -196,6 +197,8 @@ class ClaudeAgent:
                 for name, p in spec.tools.items()
                 if name in permissions
             }
+        if spec.mcp_servers:
+            permissions = self._only_servers(profile, permissions)
         policies = dict(self.box.policies)
         if spec.event_policies:
             policies |= parse_event_policies(spec.event_policies)
@@ -211,6 +214,25 @@ class ClaudeAgent:
         )
         self._boxes[profile.name, profile.version] = box
         return box
+
+    def _only_servers(self, profile: Profile, permissions: dict[str, Permission]) -> dict[str, Permission]:
+        """``permissions`` without the tools of MCP servers the profile does not name.
+        VIGIL_MCP_SERVERS says which servers exist; a profile chooses among them, never adds one."""
+        chosen = set(profile.spec.mcp_servers)
+        missing = sorted(chosen - set(self.settings.servers))
+        if missing:
+            log.warning(
+                "profile %s v%d: no MCP server named %s in VIGIL_MCP_SERVERS",
+                profile.name,
+                profile.version,
+                ", ".join(missing),
+            )
+        actions = self.box.actions
+        return {
+            name: p
+            for name, p in permissions.items()
+            if name not in actions or actions[name].server is None or actions[name].server in chosen
+        }
 
     def _prefix(
         self, ctx: RunContext, memory: MemoryFiles, now: datetime, box: Toolbox, profile: Profile | None
