@@ -272,6 +272,7 @@ class TaskContext:
     attempt: int
     usage: TaskUsage = field(default_factory=TaskUsage)
     journal: Any = None  # the task's journal (vigil.agent.journal.Journal), fenced by its lease
+    profile: tuple[str, int] | None = None  # the delegating run's profile version; None: the default
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal
 from vigil.agent.memory import Limits, MemoryFiles
-from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, resolve
+from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, resolve
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
@@ -261,12 +261,16 @@ class ClaudeAgent:
         return policies | own
 
     async def run_task(self, ctx: TaskContext) -> TaskResult:
-        """Execute a background task: a child conversation with the task's tools, re-checked
-        against this worker's permissions (a tool since set to ask or deny is dropped)."""
-        box = self.box
+        """Execute a background task: a child conversation with the task's tools, under the
+        profile version its delegating run had (model, limits, tool set; the deployment's for
+        the default), re-checked against this worker's permissions (a tool since set to ask or
+        deny is dropped)."""
+        profile = await self._task_profile(ctx)
+        box = self.box_for(profile)
+        settings = box.settings
         child = delegation.Child(
             client=box.client,
-            settings=self.settings,
+            settings=settings,
             retry=box.retry,
             actions=box.actions,
             permissions=box.permissions,
@@ -274,11 +278,29 @@ class ClaudeAgent:
             key=ctx.task_id,
             tools=ctx.tools,
             delegation=ctx.delegation,
-            budget=model.Budget(self.settings.max_turns, ctx.token_budget, ctx.deadline),
+            budget=model.Budget(
+                settings.max_turns, ctx.token_budget, ctx.deadline, profile=profile.name if profile else DEFAULT
+            ),
             usage=ctx.usage,
             journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
         )
         return TaskResult(await delegation.run_child(child, ctx.instructions))
+
+    async def _task_profile(self, ctx: TaskContext) -> Profile | None:
+        """The task's profile version. Not found, or the ledger unreadable: the task fails with
+        the reason rather than run with the deployment's settings, which may be wider."""
+        if ctx.profile is None:
+            return None
+        name, version = ctx.profile
+        if self.profiles is None:
+            raise ProfileRefused(f"profile {name} v{version}: this agent reads no profiles")
+        try:
+            profile = await self.profiles.version(name, version)
+        except psycopg.Error as exc:
+            raise ProfileRefused(f"profile {name} v{version}: the ledger did not answer: {exc}") from exc
+        if profile is None:
+            raise ProfileRefused(f"profile {name} v{version}: no such version in the ledger")
+        return profile
 
     async def _left_today(self, user_id: str, profile: Profile | None) -> int | None:
         """Billed tokens the user may still use today under their daily budget (None: no

@@ -170,6 +170,9 @@ class TaskExecutor:
                 owner_chain=(*task.owner_chain, task.id),
             ),
             attempt=task.attempts,
+            profile=(task.profile, task.profile_version)
+            if task.profile is not None and task.profile_version is not None
+            else None,
         )
         holding = Holding(task, ctx, leased_at)
         self.holding[task.id] = holding
