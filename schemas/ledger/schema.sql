@@ -475,6 +475,8 @@ CREATE TABLE tasks (
     note                text,                                -- its latest note: the text it wrote with that call
     progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
     mode                text        NOT NULL DEFAULT 'background', -- sync: a sub-agent run inside its parent's run (0035)
+    profile             text,                                -- the delegating run's profile, which the task runs with; NULL: the default (0037)
+    profile_version     integer,
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal

@@ -294,6 +294,7 @@ class TaskContext:
     # The background tasks it delegates (parent_task_id: this task): the agent appends, the
     # holder's terminal write queues them if the task succeeded.
     spawned: list[NewTask] = field(default_factory=list)
+    profile: tuple[str, int] | None = None  # the delegating run's profile version; None: the default
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal
 from vigil.agent.memory import Limits, MemoryFiles
-from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, resolve
+from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, resolve
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
@@ -179,7 +179,8 @@ class ClaudeAgent:
     def box_for(self, profile: Profile | None) -> Toolbox:
         """What runs of ``profile`` share (the deployment's own for the default profile): its
         settings over the deployment's, its tool set over the agent's tools, its event policies
-        over the deployment's. Built once per profile version (versions never change)."""
+        over the deployment's, its MCP servers (when it names any) choosing among the deployment's.
+        Built once per profile version (versions never change)."""
         if profile is None:
             return self.box
         box = self._boxes.get((profile.name, profile.version))
@@ -196,6 +197,8 @@ class ClaudeAgent:
                 for name, p in spec.tools.items()
                 if name in permissions
             }
+        if spec.mcp_servers:
+            permissions = self._only_servers(profile, permissions)
         policies = dict(self.box.policies)
         if spec.event_policies:
             policies |= parse_event_policies(spec.event_policies)
@@ -211,6 +214,25 @@ class ClaudeAgent:
         )
         self._boxes[profile.name, profile.version] = box
         return box
+
+    def _only_servers(self, profile: Profile, permissions: dict[str, Permission]) -> dict[str, Permission]:
+        """``permissions`` without the tools of MCP servers the profile does not name.
+        VIGIL_MCP_SERVERS says which servers exist; a profile chooses among them, never adds one."""
+        chosen = set(profile.spec.mcp_servers)
+        missing = sorted(chosen - set(self.settings.servers))
+        if missing:
+            log.warning(
+                "profile %s v%d: no MCP server named %s in VIGIL_MCP_SERVERS",
+                profile.name,
+                profile.version,
+                ", ".join(missing),
+            )
+        actions = self.box.actions
+        return {
+            name: p
+            for name, p in permissions.items()
+            if name not in actions or actions[name].server is None or actions[name].server in chosen
+        }
 
     def _prefix(
         self, ctx: RunContext, memory: MemoryFiles, now: datetime, box: Toolbox, profile: Profile | None
@@ -239,12 +261,16 @@ class ClaudeAgent:
         return policies | own
 
     async def run_task(self, ctx: TaskContext) -> TaskResult:
-        """Execute a background task: a child conversation with the task's tools, re-checked
-        against this worker's permissions (a tool since set to ask or deny is dropped)."""
-        box = self.box
+        """Execute a background task: a child conversation with the task's tools, under the
+        profile version its delegating run had (model, limits, tool set; the deployment's for
+        the default), re-checked against this worker's permissions (a tool since set to ask or
+        deny is dropped)."""
+        profile = await self._task_profile(ctx)
+        box = self.box_for(profile)
+        settings = box.settings
         child = delegation.Child(
             client=box.client,
-            settings=self.settings,
+            settings=settings,
             retry=box.retry,
             actions=box.actions,
             permissions=box.permissions,
@@ -252,7 +278,9 @@ class ClaudeAgent:
             key=ctx.task_id,
             tools=ctx.tools,
             delegation=ctx.delegation,
-            budget=model.Budget(self.settings.max_turns, ctx.token_budget, ctx.deadline),
+            budget=model.Budget(
+                settings.max_turns, ctx.token_budget, ctx.deadline, profile=profile.name if profile else DEFAULT
+            ),
             usage=ctx.usage,
             journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
             tasks=ctx.tasks,
@@ -260,6 +288,22 @@ class ClaudeAgent:
             spawned=ctx.spawned,
         )
         return TaskResult(await delegation.run_child(child, ctx.instructions))
+
+    async def _task_profile(self, ctx: TaskContext) -> Profile | None:
+        """The task's profile version. Not found, or the ledger unreadable: the task fails with
+        the reason rather than run with the deployment's settings, which may be wider."""
+        if ctx.profile is None:
+            return None
+        name, version = ctx.profile
+        if self.profiles is None:
+            raise ProfileRefused(f"profile {name} v{version}: this agent reads no profiles")
+        try:
+            profile = await self.profiles.version(name, version)
+        except psycopg.Error as exc:
+            raise ProfileRefused(f"profile {name} v{version}: the ledger did not answer: {exc}") from exc
+        if profile is None:
+            raise ProfileRefused(f"profile {name} v{version}: no such version in the ledger")
+        return profile
 
     async def _left_today(self, user_id: str, profile: Profile | None) -> int | None:
         """Billed tokens the user may still use today under their daily budget (None: no

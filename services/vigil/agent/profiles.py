@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vigil.agent.base import RetryLater
@@ -187,16 +188,28 @@ class ProfileBook:
                 return None  # the session began under the default profile: it keeps it
             if current is not None and (current.name, current.version) == (pin.name, pin.version):
                 return current
-            spec = self.pinned.get((pin.name, pin.version))
-            if spec is None:
-                raw = await ledger_profiles.get_version(conn, name=pin.name, version=pin.version)
-                if raw is None:
-                    return current
-                spec = parse_spec(raw)
-                if len(self.pinned) >= MAX_PINNED:
-                    self.pinned.clear()
-                self.pinned[pin.name, pin.version] = spec
-        return Profile(pin.name, pin.version, spec)
+            pinned = await self._version(conn, pin.name, pin.version)
+        return current if pinned is None else pinned
+
+    async def version(self, name: str, version: int) -> Profile | None:
+        """One version of a profile (a background task runs with its delegating run's); None:
+        the ledger has no such version."""
+        if (name, version) in self.pinned:
+            return Profile(name, version, self.pinned[name, version])
+        async with self.pool.connection() as conn:
+            return await self._version(conn, name, version)
+
+    async def _version(self, conn: psycopg.AsyncConnection[DictRow], name: str, version: int) -> Profile | None:
+        spec = self.pinned.get((name, version))
+        if spec is None:
+            raw = await ledger_profiles.get_version(conn, name=name, version=version)
+            if raw is None:
+                return None
+            spec = parse_spec(raw)
+            if len(self.pinned) >= MAX_PINNED:
+                self.pinned.clear()
+            self.pinned[name, version] = spec
+        return Profile(name, version, spec)
 
 
 async def resolve(book: ProfileBook | None, user_id: str, session_id: str | None) -> Profile | None:

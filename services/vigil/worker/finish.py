@@ -167,11 +167,15 @@ async def _write_more(
     for write in result.memory_writes:
         await ledger_finish.write_memory(conn, user_id=user, path=write.path, content=write.content, run_id=run_id)
     for task in result.tasks:
-        await ledger_tasks.create(conn, new_task_row(user, task, run_id), now=now)
+        await ledger_tasks.create(conn, new_task_row(user, task, run_id, result.profile), now=now)
     return []
 
 
-def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledger_tasks.NewTaskRow:
+def new_task_row(
+    user_id: str, task: NewTask, run_id: int | None = None, profile: tuple[str, int] | None = None
+) -> ledger_tasks.NewTaskRow:
+    """The task's row; ``profile``: the delegating run's version, which the task runs with."""
+    name, version = profile or (None, None)
     return ledger_tasks.NewTaskRow(
         id=task.id,
         user_id=user_id,
@@ -186,6 +190,8 @@ def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledg
         max_attempts=task.max_attempts,
         timeout_s=task.timeout_s,
         run_id=run_id,
+        profile=name,
+        profile_version=version,
         max_open=task.max_open,
     )
 
