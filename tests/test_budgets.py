@@ -4,15 +4,29 @@ no run behind, a real worker waits and resumes, and one weighting bills tokens e
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 
 import psycopg
 from psycopg.rows import dict_row
 
-from support import query, scalar
+from ingest_support import cli
+from support import query, scalar, wait_for
 from vigil.agent.base import RunResult
 from vigil.ledger.states import RunOutcome
 from vigil.worker.finish import Finished, commit_finished
+from vigil_dev.scripted_server import ScriptedServer
+from worker_support import chat, claude_env, metric, produce
+
+SCRIPT = {
+    "rules": [
+        {"when": {"tool_result": "send_message"}, "reply": []},
+        {
+            "when": {"user_text": "hello"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Hi!", "urgent": False}}],
+        },
+    ]
+}
 
 
 def test_a_run_refused_for_the_budget_leaves_no_run_row(ledger):
@@ -45,3 +59,54 @@ def test_a_run_refused_for_the_budget_leaves_no_run_row(ledger):
     )
     assert waiting["status"] == "pending" and (waiting["attempts"], waiting["transient_failures"]) == (0, 0)
     assert waiting["later"] and waiting["error"].startswith("budget: ") and waiting["run_id"] is None
+
+
+def test_a_worker_past_the_budget_calls_no_model_tells_once_and_resumes_when_raised(
+    spawn, vigil_env, ledger, stack, topics
+):
+    """A real worker, a profile of 1,500 billed tokens a day: the first run passes it; what
+    arrives next makes no model call, is no run and no attempt, and the user is told once;
+    `vigil profiles update --daily-tokens` raising the budget releases the waiting events at
+    once, and they run (each with the one attempt that ran it)."""
+    user = "bud/carol"
+    cli(ledger, "profiles", "create", "tight", "--daily-tokens", "1500", "--system-prompt", "Spend little.")
+    cli(ledger, "profiles", "assign", "bud/*", "tight")
+    with ScriptedServer(SCRIPT) as server:
+        env = claude_env(vigil_env, server.base_url)
+        port = int(env["VIGIL_WORKER_PORT"])
+        spawn(["worker"], env, name="worker").wait_healthy(port)
+
+        def replies() -> int:
+            return scalar(ledger, "SELECT count(*) FROM outbox WHERE user_id = %s AND run_id <> 0", (user,))
+
+        produce(stack.bootstrap, topics.events, [chat(user, "hello 1")])
+        wait_for(lambda: replies() == 1, 60, "the first run's reply", interval=0.2)
+        calls = len(server.requests())
+        assert calls >= 1
+
+        produce(stack.bootstrap, topics.events, [chat(user, "hello 2"), chat(user, "hello 3")])
+
+        def refused() -> int:
+            return scalar(
+                ledger,
+                "SELECT count(*) FROM events WHERE user_id = %s AND status = 'pending' AND error LIKE 'budget: %%'"
+                " AND next_attempt_at > now() + interval '1 minute'",
+                (user,),
+            )
+
+        wait_for(lambda: refused() == 2, 60, "both events waiting for the budget", interval=0.2)
+        time.sleep(2)  # ten scan intervals: nothing more may happen
+        assert len(server.requests()) == calls  # no model call past the budget
+        notices = query(ledger, "SELECT body FROM outbox WHERE user_id = %s AND run_id = 0", (user,))
+        assert len(notices) == 1 and "daily model budget (1500 tokens) is spent" in notices[0]["body"]
+        assert scalar(ledger, "SELECT count(*) FROM runs") == 1  # the refusal is no run
+        assert metric(port, "vigil_budget_exhausted_total", 'profile="tight"') >= 1
+        assert metric(port, "vigil_runs_total", 'outcome="failed"') == 0
+
+        cli(ledger, "profiles", "update", "tight", "--daily-tokens", "100000")
+        wait_for(lambda: replies() == 2, 60, "the waiting events' run after the budget was raised", interval=0.2)
+        assert len(server.requests()) > calls
+        rows = query(ledger, "SELECT status, attempts, transient_failures FROM events WHERE user_id = %s", (user,))
+        assert [(r["status"], r["attempts"], r["transient_failures"]) for r in rows] == [("done", 1, 0)] * 3
+        assert scalar(ledger, "SELECT count(*) FROM runs WHERE outcome = 'failed'") == 0
+        assert scalar(ledger, "SELECT count(*) FROM outbox WHERE user_id = %s AND run_id = 0", (user,)) == 1

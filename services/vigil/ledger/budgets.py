@@ -9,6 +9,10 @@ from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 
+# How the error of an event waiting for its user's daily budget begins (the worker writes it;
+# :func:`release` finds the waiting events by it).
+WAITING_PREFIX = "budget: "
+
 
 async def spent(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, since: datetime) -> int:
     """Billed tokens of the user's runs started since ``since`` and of their background tasks
@@ -24,3 +28,10 @@ async def notify_once(
     """Queue the day's notice for the user (an outbox row, run 0); False when already sent."""
     cur = await conn.execute(Q.budgets_notify_once, {"user_id": user_id, "day": day, "profile": profile, "body": body})
     return await cur.fetchone() is not None
+
+
+def release(conn: psycopg.Connection[DictRow], *, profile: str, now: datetime | None = None) -> int:
+    """The events waiting for the daily budget of ``profile``'s users due now (its budget was
+    changed); returns how many. ``now``: the caller's clock (None: the database's)."""
+    cur = conn.execute(Q.budgets_release, {"profile": profile, "prefix": WAITING_PREFIX, "now": now})
+    return cur.rowcount

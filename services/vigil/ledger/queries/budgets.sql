@@ -17,3 +17,20 @@ WITH first AS (
 INSERT INTO outbox (user_id, run_id, epoch, body, urgent)
 SELECT user_id, 0, 0, %(body)s, false FROM first
 RETURNING id
+
+-- name: budgets_release
+-- The events waiting for their user's daily budget (pending, the error starting with %(prefix)s, not yet due) of the users whose profile is %(profile)s (their most specific assignment: the exact id, else the longest prefix) are due now: the profile's budget was changed. A user still past it is refused again, with no attempt counted and no second notice.
+WITH waiting AS (
+    SELECT DISTINCT user_id FROM events
+    WHERE status = 'pending' AND starts_with(error, %(prefix)s) AND next_attempt_at > coalesce(%(now)s::timestamptz, now())
+),
+owned AS (
+    SELECT w.user_id FROM waiting w
+    WHERE (SELECT a.profile FROM profile_assignments a
+           WHERE a.pattern = w.user_id OR (right(a.pattern, 1) = '*' AND starts_with(w.user_id, left(a.pattern, -1)))
+           ORDER BY a.pattern = w.user_id DESC, length(a.pattern) DESC LIMIT 1) = %(profile)s
+)
+UPDATE events e SET next_attempt_at = coalesce(%(now)s::timestamptz, now())
+FROM owned
+WHERE e.user_id = owned.user_id AND e.status = 'pending' AND starts_with(e.error, %(prefix)s)
+  AND e.next_attempt_at > coalesce(%(now)s::timestamptz, now())
