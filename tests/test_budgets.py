@@ -13,8 +13,11 @@ from psycopg.rows import dict_row
 from ingest_support import cli
 from support import query, scalar, wait_for
 from vigil.agent.base import RunResult
+from vigil.agent.settings import DEFAULT_INSTRUCTIONS_PATH
+from vigil.ledger import budgets
 from vigil.ledger.states import RunOutcome
 from vigil.worker.finish import Finished, commit_finished
+from vigil_dev import agent_testing as t
 from vigil_dev.scripted_server import ScriptedServer
 from worker_support import chat, claude_env, metric, produce
 
@@ -110,3 +113,33 @@ def test_a_worker_past_the_budget_calls_no_model_tells_once_and_resumes_when_rai
         assert [(r["status"], r["attempts"], r["transient_failures"]) for r in rows] == [("done", 1, 0)] * 3
         assert scalar(ledger, "SELECT count(*) FROM runs WHERE outcome = 'failed'") == 0
         assert scalar(ledger, "SELECT count(*) FROM outbox WHERE user_id = %s AND run_id = 0", (user,)) == 1
+
+
+def test_a_runs_token_cap_counts_cache_reads_as_billed():
+    """A run of six turns over a large cached prompt (about 5,500 tokens: tools and 4,000 of
+    instructions): counted raw, each turn after the first costs the whole prefix again and a
+    cap of 14,000 stopped the run after three; billed as the daily budget bills it (cache
+    reads 0.1x, writes 1.25x), the six cost about 10,500 and the run ends on its own."""
+    script = {
+        "rules": [
+            {
+                "when": {"user_text": "count"},
+                "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "1"}}],
+            },
+            {
+                "when": {"tool_result": "send_message"},
+                "times": 4,
+                "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "more"}}],
+            },
+            {"when": {"tool_result": "send_message"}, "reply": []},
+        ]
+    }
+    instructions = "Keep every answer short and number it. " * 400  # 16,000 bytes: about 4,000 tokens
+    with ScriptedServer(script) as server:
+        ctx = t.context([t.chat("count to five")], memory={DEFAULT_INSTRUCTIONS_PATH: instructions})
+        [result] = t.run(server.base_url, ctx, max_run_tokens=14_000)
+    u = result.usage
+    assert u.turns == 6 and len(result.messages) == 5, (u, result.messages)
+    assert u.cache_read_tokens > 20_000, u  # the later turns read the prompt from the cache
+    assert u.input_tokens + u.output_tokens + u.cache_read_tokens + u.cache_write_tokens > 14_000, u
+    assert budgets.billed(u) < 14_000

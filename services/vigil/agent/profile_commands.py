@@ -32,7 +32,7 @@ def _spec_options(command):
         ),
         click.option("--instructions-path", help="Memory file of the standing instructions (/memories/...)."),
         click.option("--max-turns", type=int, help="Most model calls in one run."),
-        click.option("--max-run-tokens", type=int, help="Most tokens one run may use."),
+        click.option("--max-run-tokens", type=int, help="Most billed tokens one run may use."),
         click.option("--run-wall-s", type=float, help="Wall time of one run."),
         click.option(
             "--tools",
@@ -40,7 +40,11 @@ def _spec_options(command):
         ),
         click.option("--mcp-server", "mcp_servers", multiple=True, help="An MCP server the profile uses (repeat)."),
         click.option("--event-policies", help="Per source: chat=fold,pager=interrupt (queue | fold | interrupt)."),
-        click.option("--daily-tokens", type=int, help="Billed tokens per user per UTC day; 0: no limit (an update releases the events waiting for it)."),
+        click.option(
+            "--daily-tokens",
+            type=int,
+            help="Billed tokens per user per UTC day; 0: no limit (an update releases the events waiting for it).",
+        ),
         click.option("--json", "as_json", is_flag=True, help="The version as one JSON object."),
     ]
     for option in reversed(options):

@@ -2,9 +2,10 @@
 -- provider bills them, and the one notice per user and day that the budget is spent.
 
 -- name: budgets_spent
--- Billed tokens of the user's runs since `since`, their background tasks' too (cache writes 1.25x, cache reads 0.1x), through runs_by_user.
-SELECT coalesce(sum(input_tokens + output_tokens + 1.25 * cache_write_tokens + 0.1 * cache_read_tokens
-                    + task_input_tokens + task_output_tokens), 0)::bigint AS spent
+-- Billed tokens of the user's runs since `since`, their background tasks' too, through runs_by_user; the cache weights are vigil.ledger.budgets' (its billed(), which a run's token cap uses).
+SELECT ceil(coalesce(sum(input_tokens + output_tokens + %(write_weight)s * cache_write_tokens
+                         + %(read_weight)s * cache_read_tokens + task_input_tokens + task_output_tokens), 0))::bigint
+       AS spent
 FROM runs WHERE user_id = %(user_id)s AND started_at >= %(since)s
 
 -- name: budgets_notify_once
