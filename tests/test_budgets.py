@@ -105,10 +105,12 @@ def test_a_worker_past_the_budget_calls_no_model_tells_once_and_resumes_when_rai
         assert scalar(ledger, "SELECT count(*) FROM runs") == 1  # the refusal is no run
         assert metric(port, "vigil_budget_exhausted_total", 'profile="tight"') >= 1
         assert metric(port, "vigil_runs_total", 'outcome="failed"') == 0
+        assert metric(port, "vigil_budget_tokens", 'profile="tight"') == 1500
 
         cli(ledger, "profiles", "update", "tight", "--daily-tokens", "100000")
         wait_for(lambda: replies() == 2, 60, "the waiting events' run after the budget was raised", interval=0.2)
         assert len(server.requests()) > calls
+        assert metric(port, "vigil_budget_tokens", 'profile="tight"') == 100_000
         rows = query(ledger, "SELECT status, attempts, transient_failures FROM events WHERE user_id = %s", (user,))
         assert [(r["status"], r["attempts"], r["transient_failures"]) for r in rows] == [("done", 1, 0)] * 3
         assert scalar(ledger, "SELECT count(*) FROM runs WHERE outcome = 'failed'") == 0

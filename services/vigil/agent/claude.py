@@ -143,6 +143,7 @@ class ClaudeAgent:
         self.profiles: ProfileBook | None = None  # set by join_fleet: profiles live in the ledger
         self._boxes: dict[tuple[str, int], Toolbox] = {}
         self.clock: Clock = SystemClock()  # what "today" is for daily budgets
+        metrics.BUDGET_TOKENS.labels(DEFAULT).set(settings.user_daily_tokens)  # the series before any run
 
     @classmethod
     def from_environment(cls) -> ClaudeAgent:
@@ -259,10 +260,13 @@ class ClaudeAgent:
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 
     def _daily(self, profile: Profile | None) -> int:
-        """The daily budget of ``profile``'s users (0: none): its own, else the deployment's."""
+        """The daily budget of ``profile``'s users (0: none): its own, else the deployment's;
+        exported as ``vigil_budget_tokens{profile}`` for the dashboard's spend against it."""
+        daily = self.settings.user_daily_tokens
         if profile is not None and profile.spec.daily_tokens is not None:
-            return profile.spec.daily_tokens
-        return self.settings.user_daily_tokens
+            daily = profile.spec.daily_tokens
+        metrics.BUDGET_TOKENS.labels(profile.name if profile else DEFAULT).set(daily)
+        return daily
 
     async def _left_today(self, user_id: str) -> int | None:
         """Billed tokens the user may still use today under the daily budget of their current
