@@ -39,6 +39,11 @@ BUDGET_TOKENS = Gauge(
     "read it (the default profile: VIGIL_USER_DAILY_TOKENS).",
     ["profile"],
 )
+SYNC_TASK_ROWS_UNWRITTEN = Counter(
+    "vigil_sync_task_rows_unwritten_total",
+    "Writes of a sync sub-agent's task row (its start or its end) the ledger did not take: the child ran "
+    "anyway (the row is best effort).",
+)
 TOOL_CALLS = Counter(
     "vigil_tool_calls_total",
     "Tool calls the model made, by tool and what happened: ran, error (refused or failed), "
