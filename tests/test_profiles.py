@@ -20,7 +20,7 @@ from support import query, scalar
 from vigil.agent import profiles
 from vigil.agent.base import OverBudget, RunResult
 from vigil.clock import ManualClock, utc
-from vigil.ledger import db
+from vigil.ledger import budgets, db
 from vigil.ledger import finish as ledger_finish
 from vigil.ledger.states import RunOutcome
 from vigil.worker.finish import Finished, run_record
@@ -252,9 +252,7 @@ def test_a_user_past_the_daily_budget_waits_for_the_next_day_told_once(server, l
                     outcomes.append(("waits", round(exc.retry_after or 0), len(server.requests())))
                     continue
                 record_run(ledger, user, result, utc(clock.now()))
-                u = result.usage
-                billed = u.input_tokens + u.output_tokens + 1.25 * u.cache_write_tokens + 0.1 * u.cache_read_tokens
-                outcomes.append(("ran", billed, len(server.requests())))
+                outcomes.append(("ran", budgets.billed(result.usage), len(server.requests())))
         finally:
             await agent.close()
             await pool.close()

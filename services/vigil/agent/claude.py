@@ -143,6 +143,7 @@ class ClaudeAgent:
         self.profiles: ProfileBook | None = None  # set by join_fleet: profiles live in the ledger
         self._boxes: dict[tuple[str, int], Toolbox] = {}
         self.clock: Clock = SystemClock()  # what "today" is for daily budgets
+        metrics.BUDGET_TOKENS.labels(DEFAULT).set(settings.user_daily_tokens)  # the series before any run
 
     @classmethod
     def from_environment(cls) -> ClaudeAgent:
@@ -305,29 +306,46 @@ class ClaudeAgent:
             raise ProfileRefused(f"profile {name} v{version}: no such version in the ledger")
         return profile
 
-    async def _left_today(self, user_id: str, profile: Profile | None) -> int | None:
-        """Billed tokens the user may still use today under their daily budget (None: no
-        budget). Spent: :class:`OverBudget` until the next UTC day, and the user told once."""
-        daily = profile.spec.daily_tokens if profile and profile.spec.daily_tokens is not None else None
-        if daily is None:
-            daily = self.settings.user_daily_tokens
-        if not daily or self.profiles is None:
+    def _daily(self, profile: Profile | None) -> int:
+        """The daily budget of ``profile``'s users (0: none): its own, else the deployment's;
+        exported as ``vigil_budget_tokens{profile}`` for the dashboard's spend against it."""
+        daily = self.settings.user_daily_tokens
+        if profile is not None and profile.spec.daily_tokens is not None:
+            daily = profile.spec.daily_tokens
+        metrics.BUDGET_TOKENS.labels(profile.name if profile else DEFAULT).set(daily)
+        return daily
+
+    async def _left_today(self, user_id: str) -> int | None:
+        """Billed tokens the user may still use today under the daily budget of their current
+        profile (not a resumed session's pinned version; None: no budget). Spent: read again
+        from the ledger, uncached (an operator may just have raised it), then
+        :class:`OverBudget` until the next UTC day, and the user told once."""
+        book = self.profiles
+        if book is None:
             return None
         now = utc(self.clock.now())
         today = datetime(now.year, now.month, now.day, tzinfo=UTC)
         tomorrow = today + timedelta(days=1)
-        name = profile.name if profile else DEFAULT
         try:
-            async with self.profiles.pool.connection() as conn:
+            profile = await book.current(user_id)
+            if not (daily := self._daily(profile)):
+                return None
+            async with book.pool.connection() as conn:
                 spent = await ledger_budgets.spent(conn, user_id=user_id, since=today)
-                if spent < daily:
-                    return daily - spent
-                metrics.BUDGET_EXHAUSTED.labels(name).inc()
-                if self.settings.budget_notice:
-                    body = (
-                        f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
-                        f"until {tomorrow.isoformat(timespec='minutes')}."
-                    )
+            if spent >= daily:
+                profile = await book.current(user_id, fresh=True)
+                if not (daily := self._daily(profile)):
+                    return None
+            if spent < daily:
+                return daily - spent
+            name = profile.name if profile else DEFAULT
+            metrics.BUDGET_EXHAUSTED.labels(name).inc()
+            if self.settings.budget_notice:
+                body = (
+                    f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
+                    f"until {tomorrow.isoformat(timespec='minutes')}."
+                )
+                async with book.pool.connection() as conn:
                     await ledger_budgets.notify_once(conn, user_id=user_id, day=today.date(), profile=name, body=body)
         except psycopg.Error as exc:
             raise RetryLater(f"budget lookup: {exc}") from exc
@@ -339,7 +357,7 @@ class ClaudeAgent:
         box = self.box_for(profile)
         settings = box.settings
         max_tokens = settings.max_run_tokens
-        left = await self._left_today(ctx.user_id, profile)
+        left = await self._left_today(ctx.user_id)
         if left is not None:
             max_tokens = min(max_tokens, left)  # a run ends at the day's bound, its session saved
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)

@@ -173,9 +173,22 @@ class ProfileBook:
         async with self.pool.connection() as conn:
             return Assignments(await ledger_profiles.resolved(conn))
 
-    async def for_run(self, user_id: str, session_id: str | None) -> Profile | None:
+    async def _table(self, fresh: bool = False) -> Assignments | None:
+        """The assignments (None: there are none); ``fresh``: read now, not from the cache."""
+        if fresh:
+            self.cache.forget("assignments")
         table = await self.cache.get("assignments", self._load)
-        if table is None or not table.patterns:
+        return table if table is not None and table.patterns else None
+
+    async def current(self, user_id: str, fresh: bool = False) -> Profile | None:
+        """The user's profile by the assignments, never a session's pin: whose daily budget
+        applies to them. ``fresh``: read from the ledger now, not from the cache."""
+        table = await self._table(fresh)
+        return table.for_user(user_id) if table is not None else None
+
+    async def for_run(self, user_id: str, session_id: str | None) -> Profile | None:
+        table = await self._table()
+        if table is None:
             return None
         current = table.for_user(user_id)
         if session_id is None:
