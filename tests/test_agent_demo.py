@@ -133,3 +133,39 @@ def test_demo_background_research_is_delegated_and_reported(demo):
     assert told.messages == [OutMessage(f"Your background research is back: {answer}", False)]
     assert told.session.id == asked.session.id  # the delegating conversation, resumed
     assert json.dumps(told.session.messages).count("printing press") >= 2
+
+
+def test_demo_order_lookup_calls_the_stacks_mcp_server(demo):
+    """Step 3 of the demo: the model calls the dev stack's MCP server (started over stdio, as
+    `vigil-dev up` names it) and the tool's answer reaches both the model and the user."""
+    import json
+    import re
+    import sys
+    from pathlib import Path
+
+    import vigil_dev
+
+    server = Path(vigil_dev.__file__).with_name("mcp_demo_server.py")
+    servers = json.dumps({"shop": {"command": sys.executable, "args": [str(server)]}})
+    demo.clear()
+    [result] = t.run(demo.base_url, t.context([t.chat("where is order 42?")]), mcp_servers=servers)
+    answer = r"order 42: shipped by (parcel post|courier|freight), tracking VG-\d{5}"
+    [message] = result.messages
+    assert re.fullmatch(r"The shop says \(MCP server shop\): " + answer, message.text), message.text
+    # The server's answer is what the model was handed as the call's result.
+    blocks = [
+        block
+        for turn in demo.requests()[-1]["messages"]
+        if isinstance(turn["content"], list)
+        for block in turn["content"]
+    ]
+    [call] = [b["id"] for b in blocks if b.get("type") == "tool_use" and b["name"] == "shop__order_status"]
+    [content] = [b["content"] for b in blocks if b.get("type") == "tool_result" and b["tool_use_id"] == call]
+    text = content if isinstance(content, str) else "".join(block["text"] for block in content)
+    assert re.fullmatch(answer, text), text
+
+
+def test_demo_order_question_without_the_mcp_server_is_an_echo(demo):
+    """Without VIGIL_MCP_SERVERS the tool is not offered, and the rule that calls it is skipped."""
+    [result] = t.run(demo.base_url, t.context([t.chat("where is order 42?")]))
+    assert result.messages == [OutMessage("Hi! You said: where is order 42?", False)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,8 @@ from vigil_dev.devstack import http_ok
 
 @pytest.mark.slow
 @pytest.mark.stack  # starts a stack of its own
+# Two `up`s, a demo step and a `down` of a whole stack: four minutes on a busy 2-core machine.
+@pytest.mark.timeout(600)
 def test_dev_up_twice_then_down_leaves_nothing_running():
     root = Path(tempfile.mkdtemp(prefix="vigil-devstack-"))
     os.chmod(root, 0o755)
@@ -78,6 +81,27 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
         # The dev ports are kept: a shell that sourced .run/env finds this same stack.
         assert f"export VIGIL_DEV_PG_PORT={ports['VIGIL_DEV_PG_PORT']}" in settings
         assert f"export VIGIL_DEV_KAFKA_PORT={ports['VIGIL_DEV_KAFKA_PORT']}" in settings
+
+        # The demo's MCP step against this stack: the worker started the stack's `shop` server
+        # (VIGIL_MCP_SERVERS), the model called its tool, the answer was delivered and the
+        # ledger's copy of the conversation holds the call and its result.
+        stack = dict(shlex.split(line.removeprefix("export "))[0].split("=", 1) for line in settings.splitlines())
+        shown = subprocess.run(
+            [sys.executable, "-m", "vigil_dev", "demo", "--step", "mcp"],
+            env={**env, **{k: v for k, v in stack.items() if k.startswith("VIGIL_")}},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        answer = r"order 42: shipped by (parcel post|courier|freight), tracking VG-\d{5}"
+        assert re.search(r"agent: The shop says \(MCP server shop\): " + answer, shown.stdout), shown.stdout
+        assert re.search(
+            r"ledger: session \S+ holds the call shop__order_status\(\{\"order_id\": \"42\"\}\) -> '" + answer,
+            shown.stdout,
+        ), shown.stdout
+        assert "demo: ok" in shown.stdout and "4. a follow-up" not in shown.stdout
 
         again = vigil_dev("up", "--demo")
         assert again.returncode == 0, again.stderr

@@ -127,6 +127,7 @@ def test_every_recording_rule_and_dashboard_query_returns_series(
         "ANTHROPIC_API_KEY": "scripted-test-key",
         "VIGIL_MODEL": "claude-scripted-1",
         "VIGIL_TOOL_PERMISSIONS": "refund=ask",
+        "VIGIL_USER_DAILY_TOKENS": "10000000",  # a budget, for the budgets row's spend against it
     }
     envs = {
         "worker": worker_env,

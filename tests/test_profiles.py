@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -19,13 +20,14 @@ from support import query, scalar
 from vigil.agent import profiles
 from vigil.agent.base import OverBudget, RunResult
 from vigil.clock import ManualClock, utc
-from vigil.ledger import db
+from vigil.ledger import budgets, db
 from vigil.ledger import finish as ledger_finish
 from vigil.ledger.states import RunOutcome
 from vigil.worker.finish import Finished, run_record
 from vigil_dev import agent_testing as t
 from vigil_dev.scripted_server import ScriptedServer
 
+MCP_TEST_SERVER = Path(__file__).resolve().parent / "mcp_test_server.py"
 SCRIPT = {
     "rules": [
         {"when": {"tool_result": "send_message"}, "reply": []},
@@ -60,11 +62,11 @@ def seen(request: dict) -> tuple[str, str, list[str]]:
     return request["model"], request["system"][0]["text"], [tool["name"] for tool in request["tools"]]
 
 
-def run_all(server, ledger: str, ctxs) -> list:
+def run_all(server, ledger: str, ctxs, **overrides) -> list:
     async def go():
         pool = db.async_pool(ledger, name="w0", max_size=2, autocommit=True)
         await pool.open(wait=True)
-        agent = t.agent(server.base_url, profile_cache_s=0)
+        agent = t.agent(server.base_url, profile_cache_s=0, **overrides)
         await agent.join_fleet(pool, "worker-0")
         try:
             return [await agent.run(ctx) for ctx in ctxs]
@@ -171,6 +173,36 @@ def test_two_profiles_on_two_patterns_and_versions_kept_by_resumed_sessions(serv
     assert scalar(ledger, "SELECT count(*) FROM profiles") == 3
 
 
+@pytest.mark.slow  # two MCP servers started over stdio
+def test_a_profiles_mcp_servers_choose_the_servers_its_runs_are_offered(server, ledger, tmp_path):
+    """VIGIL_MCP_SERVERS names two servers (the test server twice, as orders and stock): a
+    profile naming orders is offered orders' tools only, one naming stock only stock's; a
+    profile naming none, and a user with no profile, are offered both."""
+    log = tmp_path / "calls.jsonl"
+    log.touch()
+    command = {"command": sys.executable, "args": [str(MCP_TEST_SERVER), "stdio", str(log)]}
+    ok(ledger, "profiles", "create", "ops", "--mcp-server", "orders")
+    ok(ledger, "profiles", "create", "warehouse", "--mcp-server", "stock", "--mcp-server", "gone")
+    ok(ledger, "profiles", "create", "plain", "--system-prompt", "Plain.")
+    for pattern, name in (("team-o/*", "ops"), ("team-w/*", "warehouse"), ("team-p/*", "plain")):
+        ok(ledger, "profiles", "assign", pattern, name)
+    server.clear()
+    users = ["team-o/olga", "team-w/wim", "team-p/pia", "other"]
+    results = run_all(
+        server,
+        ledger,
+        [t.context([t.chat(f"hello {u}")], user_id=u) for u in users],
+        mcp_servers=json.dumps({"orders": command, "stock": command}),
+    )
+    assert [r.profile for r in results] == [("ops", 1), ("warehouse", 1), ("plain", 1), None]
+    first = [seen(r) for r in server.requests() if not any("tool_result" in json.dumps(m) for m in r["messages"])]
+    served = [sorted(name for name in tools if "__" in name) for _, _, tools in first]
+    remote = ["big", "cancel_order", "lookup", "slow"]
+    orders, stock = [f"orders__{n}" for n in remote], [f"stock__{n}" for n in remote]
+    assert served == [orders, stock, orders + stock, orders + stock]
+    assert "send_message" in first[0][2] and "send_message" in first[1][2]  # only MCP tools are chosen
+
+
 def record_run(ledger: str, user_id: str, result, started_at) -> None:
     """The run's row as the worker's finish writes it (its billed usage and profile)."""
     u = result.usage
@@ -220,9 +252,7 @@ def test_a_user_past_the_daily_budget_waits_for_the_next_day_told_once(server, l
                     outcomes.append(("waits", round(exc.retry_after or 0), len(server.requests())))
                     continue
                 record_run(ledger, user, result, utc(clock.now()))
-                u = result.usage
-                billed = u.input_tokens + u.output_tokens + 1.25 * u.cache_write_tokens + 0.1 * u.cache_read_tokens
-                outcomes.append(("ran", billed, len(server.requests())))
+                outcomes.append(("ran", budgets.billed(result.usage), len(server.requests())))
         finally:
             await agent.close()
             await pool.close()

@@ -8,6 +8,7 @@ module takes minutes on 2 cores; later runs take seconds).
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from prometheus_support import (
+    DASHBOARD,
     OPERATIONS,
     PROMETHEUS_DIR,
     RULE_TESTS,
@@ -158,3 +160,14 @@ def test_dashboard_is_generated_and_well_formed():
         assert panel["datasource"]["uid"] == "${datasource}"
         for target in panel["targets"]:
             assert metric_names(target["expr"]) or "vigil:" in target["expr"] or "up{" in target["expr"], target
+
+
+def test_the_budgets_row_shows_spend_against_each_profiles_budget():
+    """The budgets row reads the budget itself (vigil_budget_tokens{profile}) and divides the
+    profile's billed tokens of the last 24 hours by it: spend against budget, per profile."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    [row] = [p for p in dashboard["panels"] if p["type"] == "row" and p["title"].startswith("budgets")]
+    exprs = [target["expr"] for panel in row["panels"] for target in panel["targets"]]
+    assert any(metric_names(e) == {"vigil_budget_tokens"} for e in exprs), exprs
+    against = [e for e in exprs if "vigil_model_tokens_total" in e and "vigil_budget_tokens" in e]
+    assert against and all("/" in e and "on (profile)" in e for e in against), exprs

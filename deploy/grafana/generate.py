@@ -274,12 +274,28 @@ BILLED_24H = (
     ' + 1.25 * sum by (profile) (increase(vigil_model_tokens_total{kind="cache_write"}[1d]))'
     ' + 0.1 * sum by (profile) (increase(vigil_model_tokens_total{kind="cache_read"}[1d]))'
 )
+# The budget is per user and day; the workers that ran the profile report the same value.
+BUDGET = "max by (profile) (vigil_budget_tokens)"
 BUDGETS = [
     panel(
         "Billed tokens by profile, last 24 hours",
         (BILLED_24H, "{{profile}}"),
-        description="Spend against budget: a profile's daily_tokens (or VIGIL_USER_DAILY_TOKENS) bounds each"
-        " of its users per UTC day; `vigil profiles show NAME` has the bound.",
+        description="A profile's daily_tokens (or VIGIL_USER_DAILY_TOKENS) bounds each of its users per UTC"
+        " day; `vigil profiles show NAME` has the bound.",
+    ),
+    panel(
+        "Spend against budget: billed in 24 hours, in users' daily budgets",
+        (f"({BILLED_24H}) / on (profile) ({BUDGET} > 0)", "{{profile}}"),
+        unit="none",
+        description="A profile's billed tokens of the last 24 hours divided by one user's daily budget: 1 is"
+        " one user's whole day; near the number of its active users, they are all near their bound."
+        " Profiles without a budget have no line.",
+    ),
+    panel(
+        "Daily budget per user, by profile",
+        (BUDGET, "{{profile}}"),
+        description="vigil_budget_tokens: the bound each user of the profile has per UTC day, as the workers"
+        " last read it (0: no limit; default: VIGIL_USER_DAILY_TOKENS).",
     ),
     panel(
         "Runs refused for a spent daily budget, by profile",

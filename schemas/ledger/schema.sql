@@ -476,6 +476,8 @@ CREATE TABLE tasks (
     progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
     mode                text        NOT NULL DEFAULT 'background', -- sync: a sub-agent run inside its parent's run (0035)
     kind                text        NOT NULL DEFAULT 'delegated', -- or memory_review, queued by the scheduler (0036)
+    profile             text,                                -- the delegating run's profile, which the task runs with; NULL: the default (0037)
+    profile_version     integer,
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal

@@ -81,6 +81,10 @@ def _stack_env(root: Path) -> dict[str, str]:
     env["VIGIL_APPROVAL_DEADLINE_S"] = "20"
     # The demo's receivers run on this machine; outbound HTTP refuses loopback otherwise.
     env["VIGIL_OUTBOUND_ALLOWED_NETS"] = "127.0.0.0/8,::1/128"
+    # The demo's MCP server (mcp_demo_server.py, read-only `shop__order_status`): each worker
+    # starts it over stdio. Run as a file: it needs the `mcp` package only.
+    server = Path(__file__).with_name("mcp_demo_server.py")
+    env["VIGIL_MCP_SERVERS"] = json.dumps({"shop": {"command": sys.executable, "args": [str(server)]}})
     for key, value in os.environ.items():
         if key.startswith("VIGIL_") and not key.startswith("VIGIL_DEV_"):
             env[key] = value

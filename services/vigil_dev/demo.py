@@ -31,6 +31,25 @@ class DemoFailed(click.ClickException):
     pass
 
 
+# The agent's steps, in the order the demo runs them (`vigil-dev demo --step NAME` runs some).
+STEPS = ("mcp", "reminder", "refund", "background", "expiry", "reply")
+MCP_TOOL = "shop__order_status"  # vigil_dev/mcp_demo_server.py's tool, as the model is offered it
+
+
+def _tool_exchange(messages: list[dict], name: str) -> tuple[dict | None, str | None]:
+    """The input of the conversation's last call of tool ``name``, and the text of its result."""
+    call_id, call, result = None, None, None
+    for message in messages:
+        for block in message.get("content") if isinstance(message.get("content"), list) else []:
+            if block.get("type") == "tool_use" and block.get("name") == name:
+                call_id, call, result = block.get("id"), block.get("input"), None
+            elif block.get("type") == "tool_result" and call_id and block.get("tool_use_id") == call_id:
+                content = block.get("content")
+                texts = [b.get("text", "") for b in content] if isinstance(content, list) else [str(content)]
+                result = "".join(texts)
+    return call, result
+
+
 def _wait(check, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -150,11 +169,31 @@ class AgentDemo:
 
             return _wait(delivered, timeout, what)
 
-    def run(self) -> None:
-        click.echo("3. a follow-up: the agent sets a timer, the scheduler fires it, the agent wakes again")
+    def run(self, steps: tuple[str, ...] = STEPS) -> None:
+        for step in steps:
+            getattr(self, step)()
+
+    def mcp(self) -> None:
+        """The model calls a tool of an MCP server (the stack's ``shop``, VIGIL_MCP_SERVERS); its
+        answer reaches the user, and the ledger's copy of the conversation holds the call."""
+        click.echo("3. a tool from an MCP server: the agent asks the stack's `shop` server where an order is")
+        self.say("where is order 42?")
+        self.expect(r"MCP server shop\): order 42: ", 60, "the MCP tool's answer")
+        session_id = self.last_delivery["session_id"]
+        with connect(self.settings.dsn, autocommit=True) as conn:
+            row = conn.execute(Q.demo_session_messages, {"id": session_id}).fetchone()
+        call, result = _tool_exchange(row["messages"] if row else [], MCP_TOOL)
+        if call is None or result is None:
+            raise DemoFailed(f"session {session_id} holds no {MCP_TOOL} call and result")
+        click.echo(f"  (ledger: session {session_id} holds the call {MCP_TOOL}({json.dumps(call)}) -> {result!r})")
+
+    def reminder(self) -> None:
+        click.echo("4. a follow-up: the agent sets a timer, the scheduler fires it, the agent wakes again")
         self.say("remind me in 5 seconds to stretch")
         self.expect(r"(?i)reminder", 60, "the reminder")
-        click.echo("4. a deferred tool call, approved by a chat reply to the question")
+
+    def refund(self) -> None:
+        click.echo("5. a deferred tool call, approved by a chat reply to the question")
         self.say("please refund order 42")
         self.expect(r"request_id: (\S+)", 60, "the approval question")
         question = self.last_delivery
@@ -163,17 +202,23 @@ class AgentDemo:
             raise DemoFailed(f"the reply did not answer the approval: {answered}")
         click.echo(f"  (the reply answered approval {answered['request_id']}: {answered['answer']})")
         self.expect(r"(?i)refund was made", 60, "the refund to be made")
-        click.echo("5. background work: the agent delegates research to a sub-agent and reports when it is back")
+
+    def background(self) -> None:
+        click.echo("6. background work: the agent delegates research to a sub-agent and reports when it is back")
         self.say("please research the printing press in the background")
         self.expect(r"(?i)started that research", 60, "the agent to start a background task")
         self.expect(r"(?i)research is back", 90, "the background task's result")
-        click.echo("6. a deferred tool call nobody answers: it expires into a denial")
+
+    def expiry(self) -> None:
+        click.echo("7. a deferred tool call nobody answers: it expires into a denial")
         self.say("please refund order 43")
         self.expect(r"request_id: (\S+)", 60, "the approval question")
         deadline = os.environ.get("VIGIL_APPROVAL_DEADLINE_S", "?")
         click.echo(f"  (not answering; the deadline is {deadline}s away)")
         self.expect(r"(?i)not made", 180, "the expiry to deny the refund")
-        click.echo("7. a reply resumes its conversation (in_reply_to: the delivery it answers)")
+
+    def reply(self) -> None:
+        click.echo("8. a reply resumes its conversation (in_reply_to: the delivery it answers)")
         self.say("my favourite colour is teal")
         self.expect(r"teal", 60, "the agent's answer")
         delivery = self.last_delivery
@@ -187,7 +232,14 @@ class AgentDemo:
 
 
 @click.command()
-def demo() -> None:
+@click.option(
+    "--step",
+    "steps",
+    multiple=True,
+    type=click.Choice(STEPS),
+    help="Run only these of the agent's steps (after the first two); repeatable. Default: all.",
+)
+def demo(steps: tuple[str, ...]) -> None:
     """Show the running stack at work: an event in, recorded, answered, delivered."""
     settings = load_or_exit(CommonSettings)
     # A fresh user per run: the outbox pacing gap (an hour by default) would hold a second
@@ -212,5 +264,5 @@ def demo() -> None:
     click.echo("2. recorded by a worker, answered by the agent, delivered on the user's channel")
     step_recorded_and_answered(settings, event)
     if os.environ.get("VIGIL_AGENT", "claude") == "claude":
-        AgentDemo(settings, user).run()
+        AgentDemo(settings, user).run(steps or STEPS)
     click.echo("demo: ok")

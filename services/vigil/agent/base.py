@@ -298,6 +298,7 @@ class TaskContext:
     # memory files (path -> content) and the memory tool only.
     kind: str = "delegated"
     memory: dict[str, str] | None = None
+    profile: tuple[str, int] | None = None  # the delegating run's profile version; None: the default
 
 
 @dataclass(frozen=True, slots=True)

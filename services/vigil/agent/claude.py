@@ -36,7 +36,7 @@ from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal
 from vigil.agent.memory import Limits, MemoryFiles
-from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, resolve
+from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, resolve
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
@@ -144,6 +144,7 @@ class ClaudeAgent:
         self.profiles: ProfileBook | None = None  # set by join_fleet: profiles live in the ledger
         self._boxes: dict[tuple[str, int], Toolbox] = {}
         self.clock: Clock = SystemClock()  # what "today" is for daily budgets
+        metrics.BUDGET_TOKENS.labels(DEFAULT).set(settings.user_daily_tokens)  # the series before any run
 
     @classmethod
     def from_environment(cls) -> ClaudeAgent:
@@ -180,7 +181,8 @@ class ClaudeAgent:
     def box_for(self, profile: Profile | None) -> Toolbox:
         """What runs of ``profile`` share (the deployment's own for the default profile): its
         settings over the deployment's, its tool set over the agent's tools, its event policies
-        over the deployment's. Built once per profile version (versions never change)."""
+        over the deployment's, its MCP servers (when it names any) choosing among the deployment's.
+        Built once per profile version (versions never change)."""
         if profile is None:
             return self.box
         box = self._boxes.get((profile.name, profile.version))
@@ -197,6 +199,8 @@ class ClaudeAgent:
                 for name, p in spec.tools.items()
                 if name in permissions
             }
+        if spec.mcp_servers:
+            permissions = self._only_servers(profile, permissions)
         policies = dict(self.box.policies)
         if spec.event_policies:
             policies |= parse_event_policies(spec.event_policies)
@@ -212,6 +216,25 @@ class ClaudeAgent:
         )
         self._boxes[profile.name, profile.version] = box
         return box
+
+    def _only_servers(self, profile: Profile, permissions: dict[str, Permission]) -> dict[str, Permission]:
+        """``permissions`` without the tools of MCP servers the profile does not name.
+        VIGIL_MCP_SERVERS says which servers exist; a profile chooses among them, never adds one."""
+        chosen = set(profile.spec.mcp_servers)
+        missing = sorted(chosen - set(self.settings.servers))
+        if missing:
+            log.warning(
+                "profile %s v%d: no MCP server named %s in VIGIL_MCP_SERVERS",
+                profile.name,
+                profile.version,
+                ", ".join(missing),
+            )
+        actions = self.box.actions
+        return {
+            name: p
+            for name, p in permissions.items()
+            if name not in actions or actions[name].server is None or actions[name].server in chosen
+        }
 
     def _prefix(
         self, ctx: RunContext, memory: MemoryFiles, now: datetime, box: Toolbox, profile: Profile | None
@@ -240,12 +263,16 @@ class ClaudeAgent:
         return policies | own
 
     async def run_task(self, ctx: TaskContext) -> TaskResult:
-        """Execute a background task: a child conversation with the task's tools, re-checked
-        against this worker's permissions (a tool since set to ask or deny is dropped)."""
-        box = self.box
+        """Execute a background task: a child conversation with the task's tools, under the
+        profile version its delegating run had (model, limits, tool set; the deployment's for
+        the default), re-checked against this worker's permissions (a tool since set to ask or
+        deny is dropped)."""
+        profile = await self._task_profile(ctx)
+        box = self.box_for(profile)
+        settings = box.settings
         child = delegation.Child(
             client=box.client,
-            settings=self.settings,
+            settings=settings,
             retry=box.retry,
             actions=box.actions,
             permissions=box.permissions,
@@ -253,7 +280,9 @@ class ClaudeAgent:
             key=ctx.task_id,
             tools=ctx.tools,
             delegation=ctx.delegation,
-            budget=model.Budget(self.settings.max_turns, ctx.token_budget, ctx.deadline),
+            budget=model.Budget(
+                settings.max_turns, ctx.token_budget, ctx.deadline, profile=profile.name if profile else DEFAULT
+            ),
             usage=ctx.usage,
             journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
             tasks=ctx.tasks,
@@ -261,32 +290,65 @@ class ClaudeAgent:
             spawned=ctx.spawned,
         )
         if ctx.kind == REVIEW:
-            return await dreaming.review(ctx, child, self.settings, self.limits)
+            return await dreaming.review(ctx, child, settings, self.limits)
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 
-    async def _left_today(self, user_id: str, profile: Profile | None) -> int | None:
-        """Billed tokens the user may still use today under their daily budget (None: no
-        budget). Spent: :class:`OverBudget` until the next UTC day, and the user told once."""
-        daily = profile.spec.daily_tokens if profile and profile.spec.daily_tokens is not None else None
-        if daily is None:
-            daily = self.settings.user_daily_tokens
-        if not daily or self.profiles is None:
+    async def _task_profile(self, ctx: TaskContext) -> Profile | None:
+        """The task's profile version. Not found, or the ledger unreadable: the task fails with
+        the reason rather than run with the deployment's settings, which may be wider."""
+        if ctx.profile is None:
+            return None
+        name, version = ctx.profile
+        if self.profiles is None:
+            raise ProfileRefused(f"profile {name} v{version}: this agent reads no profiles")
+        try:
+            profile = await self.profiles.version(name, version)
+        except psycopg.Error as exc:
+            raise ProfileRefused(f"profile {name} v{version}: the ledger did not answer: {exc}") from exc
+        if profile is None:
+            raise ProfileRefused(f"profile {name} v{version}: no such version in the ledger")
+        return profile
+
+    def _daily(self, profile: Profile | None) -> int:
+        """The daily budget of ``profile``'s users (0: none): its own, else the deployment's;
+        exported as ``vigil_budget_tokens{profile}`` for the dashboard's spend against it."""
+        daily = self.settings.user_daily_tokens
+        if profile is not None and profile.spec.daily_tokens is not None:
+            daily = profile.spec.daily_tokens
+        metrics.BUDGET_TOKENS.labels(profile.name if profile else DEFAULT).set(daily)
+        return daily
+
+    async def _left_today(self, user_id: str) -> int | None:
+        """Billed tokens the user may still use today under the daily budget of their current
+        profile (not a resumed session's pinned version; None: no budget). Spent: read again
+        from the ledger, uncached (an operator may just have raised it), then
+        :class:`OverBudget` until the next UTC day, and the user told once."""
+        book = self.profiles
+        if book is None:
             return None
         now = utc(self.clock.now())
         today = datetime(now.year, now.month, now.day, tzinfo=UTC)
         tomorrow = today + timedelta(days=1)
-        name = profile.name if profile else DEFAULT
         try:
-            async with self.profiles.pool.connection() as conn:
+            profile = await book.current(user_id)
+            if not (daily := self._daily(profile)):
+                return None
+            async with book.pool.connection() as conn:
                 spent = await ledger_budgets.spent(conn, user_id=user_id, since=today)
-                if spent < daily:
-                    return daily - spent
-                metrics.BUDGET_EXHAUSTED.labels(name).inc()
-                if self.settings.budget_notice:
-                    body = (
-                        f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
-                        f"until {tomorrow.isoformat(timespec='minutes')}."
-                    )
+            if spent >= daily:
+                profile = await book.current(user_id, fresh=True)
+                if not (daily := self._daily(profile)):
+                    return None
+            if spent < daily:
+                return daily - spent
+            name = profile.name if profile else DEFAULT
+            metrics.BUDGET_EXHAUSTED.labels(name).inc()
+            if self.settings.budget_notice:
+                body = (
+                    f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
+                    f"until {tomorrow.isoformat(timespec='minutes')}."
+                )
+                async with book.pool.connection() as conn:
                     await ledger_budgets.notify_once(conn, user_id=user_id, day=today.date(), profile=name, body=body)
         except psycopg.Error as exc:
             raise RetryLater(f"budget lookup: {exc}") from exc
@@ -298,7 +360,7 @@ class ClaudeAgent:
         box = self.box_for(profile)
         settings = box.settings
         max_tokens = settings.max_run_tokens
-        left = await self._left_today(ctx.user_id, profile)
+        left = await self._left_today(ctx.user_id)
         if left is not None:
             max_tokens = min(max_tokens, left)  # a run ends at the day's bound, its session saved
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 MODEL_REQUESTS = Counter(
     "vigil_model_requests_total",
@@ -31,6 +31,12 @@ MODEL_TOKENS = Counter(
 BUDGET_EXHAUSTED = Counter(
     "vigil_budget_exhausted_total",
     "Runs not started because the user's daily token budget was spent, by agent profile.",
+    ["profile"],
+)
+BUDGET_TOKENS = Gauge(
+    "vigil_budget_tokens",
+    "Billed tokens each user of the agent profile may spend per UTC day (0: no limit), as this worker last "
+    "read it (the default profile: VIGIL_USER_DAILY_TOKENS).",
     ["profile"],
 )
 SYNC_TASK_ROWS_UNWRITTEN = Counter(

@@ -47,6 +47,7 @@ from vigil import tracing
 from vigil.agent import metrics
 from vigil.agent.base import RetryLater, Usage
 from vigil.agent.fleet import OPEN, Gate
+from vigil.ledger.budgets import billed
 from vigil.retry import backoff
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class Budget:
 
     @property
     def spent(self) -> int:
-        return self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
+        """Billed tokens, weighted as the daily budget weighs them (cache reads 0.1x, writes 1.25x)."""
+        return billed(self)
 
     @property
     def left(self) -> int:

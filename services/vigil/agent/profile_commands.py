@@ -16,6 +16,7 @@ from vigil.agent.profiles import ProfileRefused, check_name, check_pattern, pars
 from vigil.agent.settings import parse_permissions
 from vigil.cliutil import Conflict, emit, login_name, table
 from vigil.ledger import audit
+from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger import profiles as ledger_profiles
 
 
@@ -31,7 +32,7 @@ def _spec_options(command):
         ),
         click.option("--instructions-path", help="Memory file of the standing instructions (/memories/...)."),
         click.option("--max-turns", type=int, help="Most model calls in one run."),
-        click.option("--max-run-tokens", type=int, help="Most tokens one run may use."),
+        click.option("--max-run-tokens", type=int, help="Most billed tokens one run may use."),
         click.option("--run-wall-s", type=float, help="Wall time of one run."),
         click.option(
             "--tools",
@@ -39,7 +40,11 @@ def _spec_options(command):
         ),
         click.option("--mcp-server", "mcp_servers", multiple=True, help="An MCP server the profile uses (repeat)."),
         click.option("--event-policies", help="Per source: chat=fold,pager=interrupt (queue | fold | interrupt)."),
-        click.option("--daily-tokens", type=int, help="Billed tokens per user per UTC day; 0: no limit."),
+        click.option(
+            "--daily-tokens",
+            type=int,
+            help="Billed tokens per user per UTC day; 0: no limit (an update releases the events waiting for it).",
+        ),
         click.option("--json", "as_json", is_flag=True, help="The version as one JSON object."),
     ]
     for option in reversed(options):
@@ -94,8 +99,12 @@ def _save(name: str, options: dict[str, Any], *, new: bool) -> None:
             )
             if row is None:
                 raise Conflict(f"profile {name!r} changed meanwhile: run the command again")
+            detail: dict[str, Any] = {"name": name, "version": row.version}
+            if not new and "daily_tokens" in changes:
+                # Its users' events waiting for the old budget are due now, not at 00:00 UTC.
+                detail["released"] = ledger_budgets.release(conn, profile=name)
             action = "profile.create" if new else "profile.update"
-            audit.record(conn, actor=login_name(), action=action, detail={"name": name, "version": row.version})
+            audit.record(conn, actor=login_name(), action=action, detail=detail)
     except ProfileRefused as exc:
         raise click.UsageError(str(exc)) from None
     emit(_row(row), options["as_json"], _line(row))

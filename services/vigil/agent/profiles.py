@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vigil.agent.base import RetryLater
@@ -172,9 +173,22 @@ class ProfileBook:
         async with self.pool.connection() as conn:
             return Assignments(await ledger_profiles.resolved(conn))
 
-    async def for_run(self, user_id: str, session_id: str | None) -> Profile | None:
+    async def _table(self, fresh: bool = False) -> Assignments | None:
+        """The assignments (None: there are none); ``fresh``: read now, not from the cache."""
+        if fresh:
+            self.cache.forget("assignments")
         table = await self.cache.get("assignments", self._load)
-        if table is None or not table.patterns:
+        return table if table is not None and table.patterns else None
+
+    async def current(self, user_id: str, fresh: bool = False) -> Profile | None:
+        """The user's profile by the assignments, never a session's pin: whose daily budget
+        applies to them. ``fresh``: read from the ledger now, not from the cache."""
+        table = await self._table(fresh)
+        return table.for_user(user_id) if table is not None else None
+
+    async def for_run(self, user_id: str, session_id: str | None) -> Profile | None:
+        table = await self._table()
+        if table is None:
             return None
         current = table.for_user(user_id)
         if session_id is None:
@@ -187,16 +201,28 @@ class ProfileBook:
                 return None  # the session began under the default profile: it keeps it
             if current is not None and (current.name, current.version) == (pin.name, pin.version):
                 return current
-            spec = self.pinned.get((pin.name, pin.version))
-            if spec is None:
-                raw = await ledger_profiles.get_version(conn, name=pin.name, version=pin.version)
-                if raw is None:
-                    return current
-                spec = parse_spec(raw)
-                if len(self.pinned) >= MAX_PINNED:
-                    self.pinned.clear()
-                self.pinned[pin.name, pin.version] = spec
-        return Profile(pin.name, pin.version, spec)
+            pinned = await self._version(conn, pin.name, pin.version)
+        return current if pinned is None else pinned
+
+    async def version(self, name: str, version: int) -> Profile | None:
+        """One version of a profile (a background task runs with its delegating run's); None:
+        the ledger has no such version."""
+        if (name, version) in self.pinned:
+            return Profile(name, version, self.pinned[name, version])
+        async with self.pool.connection() as conn:
+            return await self._version(conn, name, version)
+
+    async def _version(self, conn: psycopg.AsyncConnection[DictRow], name: str, version: int) -> Profile | None:
+        spec = self.pinned.get((name, version))
+        if spec is None:
+            raw = await ledger_profiles.get_version(conn, name=name, version=version)
+            if raw is None:
+                return None
+            spec = parse_spec(raw)
+            if len(self.pinned) >= MAX_PINNED:
+                self.pinned.clear()
+            self.pinned[name, version] = spec
+        return Profile(name, version, spec)
 
 
 async def resolve(book: ProfileBook | None, user_id: str, session_id: str | None) -> Profile | None:

@@ -242,8 +242,8 @@ class AgentSettings(CommonSettings):
         DEFAULT_MAX_RUN_TOKENS,
         ge=1000,
         le=10_000_000,
-        description="Most tokens (input, output, cache reads and writes) one run may use; the run stops "
-        "at the next turn boundary past it.",
+        description="Most billed tokens one run may use (input + output + 1.25 x cache writes + 0.1 x cache "
+        "reads); the run stops at the next turn boundary past it.",
     )
     max_output_tokens: int = Field(
         DEFAULT_MAX_OUTPUT_TOKENS, ge=16, le=64_000, description="max_tokens of each model call."

@@ -2,18 +2,54 @@
 
 from __future__ import annotations
 
+import math
 from datetime import date, datetime
+from typing import Protocol
 
 import psycopg
 from psycopg.rows import DictRow
 
 from vigil.ledger.queries import Q
 
+# How the provider bills prompt caching, relative to an input token (docs/agent.md, "Budgets").
+CACHE_WRITE_WEIGHT = 1.25
+CACHE_READ_WEIGHT = 0.1
+
+
+class Tokens(Protocol):
+    """What a run or a model call used (vigil.agent's Usage, a run's Budget)."""
+
+    @property
+    def input_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def cache_read_tokens(self) -> int: ...
+    @property
+    def cache_write_tokens(self) -> int: ...
+
+
+def billed(tokens: Tokens) -> int:
+    """The billed tokens of ``tokens``, rounded up: the one weighting of a run's token cap and,
+    through :func:`spent`'s weights, of the daily budget."""
+    return math.ceil(
+        tokens.input_tokens
+        + tokens.output_tokens
+        + CACHE_WRITE_WEIGHT * tokens.cache_write_tokens
+        + CACHE_READ_WEIGHT * tokens.cache_read_tokens
+    )
+
+
+# How the error of an event waiting for its user's daily budget begins (the worker writes it;
+# :func:`release` finds the waiting events by it).
+WAITING_PREFIX = "budget: "
+
 
 async def spent(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, since: datetime) -> int:
     """Billed tokens of the user's runs started since ``since`` and of their background tasks
-    (input + output, cache writes 1.25x, cache reads 0.1x, as the provider bills them)."""
-    cur = await conn.execute(Q.budgets_spent, {"user_id": user_id, "since": since})
+    (weighted as :func:`billed` weighs them)."""
+    weights = {"write_weight": CACHE_WRITE_WEIGHT, "read_weight": CACHE_READ_WEIGHT}
+    cur = await conn.execute(Q.budgets_spent, {"user_id": user_id, "since": since} | weights)
     row = await cur.fetchone()
     return int(row["spent"]) if row else 0
 
@@ -24,3 +60,10 @@ async def notify_once(
     """Queue the day's notice for the user (an outbox row, run 0); False when already sent."""
     cur = await conn.execute(Q.budgets_notify_once, {"user_id": user_id, "day": day, "profile": profile, "body": body})
     return await cur.fetchone() is not None
+
+
+def release(conn: psycopg.Connection[DictRow], *, profile: str, now: datetime | None = None) -> int:
+    """The events waiting for the daily budget of ``profile``'s users due now (its budget was
+    changed); returns how many. ``now``: the caller's clock (None: the database's)."""
+    cur = conn.execute(Q.budgets_release, {"profile": profile, "prefix": WAITING_PREFIX, "now": now})
+    return cur.rowcount

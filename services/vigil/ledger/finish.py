@@ -127,7 +127,7 @@ async def finish_failed(
     *,
     ids: list[int],
     epoch: int,
-    run_id: int,
+    run_id: int | None,
     error: str,
     backoff_s: float,
     transient: bool,
@@ -136,7 +136,8 @@ async def finish_failed(
 ) -> psycopg.AsyncCursor[DictRow]:
     """A failed attempt's events back to pending with the error and a backoff from ``now`` (a
     transient failure gives its attempt back and counts a transient failure; a ``waiting``
-    one, over its daily budget, counts nothing); only those still claimed under ``epoch``.
+    one, over its daily budget, counts nothing and has no run: ``run_id`` None); only those
+    still claimed under ``epoch``.
     Returns the cursor: in pipeline mode its ``rowcount`` (how many moved) is known once the
     pipeline syncs."""
     params = {"ids": ids, "epoch": epoch, "run_id": run_id, "error": error, "backoff_s": backoff_s, "now": now}

@@ -68,6 +68,8 @@ class TaskRow:
     mode: str  # background | sync (a sub-agent run inside its parent's run)
     run_id: int | None  # the run whose finish queued it (a task's background child: that task's run)
     kind: str  # delegated, or memory_review: queued by the scheduler (ledger.dreams)
+    profile: str | None  # the delegating run's profile version, which the task runs with (0037)
+    profile_version: int | None
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> TaskRow:
@@ -102,6 +104,8 @@ class NewTaskRow:
     max_attempts: int
     timeout_s: float
     run_id: int | None = None  # the delegating run's row (the console links the task to it)
+    profile: str | None = None  # the delegating run's profile version (None: the default)
+    profile_version: int | None = None
     # VIGIL_MAX_OPEN_TASKS_PER_USER (None: no bound): past it the task is inserted already
     # failed, with the reason, so its result event tells the agent.
     max_open: int | None = None

@@ -5,7 +5,8 @@ Order inside the transaction:
 1. Lock every involved partition row ``FOR SHARE`` and read its epoch (:func:`vigil.ledger.partitions.lock_epochs`). A
    run whose claim epoch is no longer current is *stale*: nothing of it is written, it is
    counted, and its events stay with the new owner, who handed them back at takeover.
-2. For all current runs at once (``finish_runs``, one statement): their ``runs`` rows, the
+2. For all current runs at once (``finish_runs``, one statement): their ``runs`` rows (none
+   for a run refused for its user's daily budget: it never started), the
    done runs' events and their outbox rows. Then, for runs that have them: a failed
    attempt's events back to ``pending`` with the error and a backoff, timers, approval
    requests, memory writes and delegated background tasks (a run that does not commit
@@ -64,7 +65,7 @@ class Finished:
     result: RunResult | None = None
     error: str | None = None  # set for a failed attempt
     transient: bool = False  # model API overload: give the attempt back
-    waiting: bool = False  # the user's daily token budget is spent: wait, counting nothing
+    waiting: bool = False  # the user's daily token budget is spent: not started, wait, count nothing
     backoff_s: float = 0.0
     folded: list = field(default_factory=list)  # EventRows claimed mid-run
     journaled: bool = False  # the run kept a journal (vigil.worker.journal): its finish ends it
@@ -116,10 +117,11 @@ def _has_more(run: Finished) -> bool:
 
 
 async def _write_more(
-    conn: psycopg.AsyncConnection[DictRow], run: Finished, run_id: int, now: datetime | None
+    conn: psycopg.AsyncConnection[DictRow], run: Finished, run_id: int | None, now: datetime | None
 ) -> list[tuple]:
     """Queue a run's other writes (pipeline mode); return (cursor, expected rowcount) checks.
-    ``now``: the finisher's clock, from which a failure's backoff and a task's deadline count."""
+    ``now``: the finisher's clock, from which a failure's backoff and a task's deadline count.
+    ``run_id``: None for a run refused for its budget (it has no row)."""
     claim = run.claim
     if run.error is not None:
         ids = run.event_ids
@@ -167,11 +169,15 @@ async def _write_more(
     for write in result.memory_writes:
         await ledger_finish.write_memory(conn, user_id=user, path=write.path, content=write.content, run_id=run_id)
     for task in result.tasks:
-        await ledger_tasks.create(conn, new_task_row(user, task, run_id), now=now)
+        await ledger_tasks.create(conn, new_task_row(user, task, run_id, result.profile), now=now)
     return []
 
 
-def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledger_tasks.NewTaskRow:
+def new_task_row(
+    user_id: str, task: NewTask, run_id: int | None = None, profile: tuple[str, int] | None = None
+) -> ledger_tasks.NewTaskRow:
+    """The task's row; ``profile``: the delegating run's version, which the task runs with."""
+    name, version = profile or (None, None)
     return ledger_tasks.NewTaskRow(
         id=task.id,
         user_id=user_id,
@@ -186,6 +192,8 @@ def new_task_row(user_id: str, task: NewTask, run_id: int | None = None) -> ledg
         max_attempts=task.max_attempts,
         timeout_s=task.timeout_s,
         run_id=run_id,
+        profile=name,
+        profile_version=version,
         max_open=task.max_open,
     )
 
@@ -218,15 +226,17 @@ async def _commit(
             # finish_runs matches a run's messages to it by user: one run per user per group,
             # which the runner guarantees (a user's next claim waits for this commit).
             assert len({r.claim.user_id for r in valid}) == len(valid), "two runs of one user in one finish"
-            ids = await ledger_finish.finish_runs(conn, [run_record(r) for r in valid], worker)
+            # A run refused for its user's daily budget was never started: no runs row.
+            records = [run_record(r) for r in valid if not r.waiting]
+            ids = await ledger_finish.finish_runs(conn, records, worker) if records else {}
             for run in valid:
-                written = ids[run.claim.user_id]
-                if run.error is None and written.done != len(run.event_ids):
-                    raise FinishMismatch(f"{written.done} of {len(run.event_ids)} events still claimed")
+                if run.error is None and (done := ids[run.claim.user_id].done) != len(run.event_ids):
+                    raise FinishMismatch(f"{done} of {len(run.event_ids)} events still claimed")
             checks: list[tuple] = []
             for run in valid:
                 if _has_more(run):
-                    checks.extend(await _write_more(conn, run, ids[run.claim.user_id].run_id, now))
+                    run_id = None if run.waiting else ids[run.claim.user_id].run_id
+                    checks.extend(await _write_more(conn, run, run_id, now))
             if checks:
                 await pipeline.sync()  # their row counts, before anything commits
             for cursor, expected in checks:

@@ -143,6 +143,8 @@ class Finisher:
             self.runs.forget(run.claim)
             if run.error is not None and id(run) in landed:
                 self.claimer.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
+            if run.waiting and id(run) in landed:
+                continue  # refused for its budget, never started: vigil_budget_exhausted_total counts it
             label = "retry_later" if run.transient else run.outcome.value
             outcomes[label if id(run) in landed else "stale"] += 1
             metrics.RUN_SECONDS.observe((now - run.started_at).total_seconds())

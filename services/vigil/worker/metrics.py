@@ -17,7 +17,9 @@ CLAIM_BATCH = Histogram(
     "vigil_claim_batch_events", "Events per claimed run.", buckets=(1, 2, 3, 5, 10, 20, 50, 100, 200)
 )
 RUNS = Counter(
-    "vigil_runs_total", "Finished runs by outcome (message, nothing, deferred, failed, retry_later).", ["outcome"]
+    "vigil_runs_total",
+    "Finished runs by outcome (message, nothing, deferred, failed, retry_later); one refused for its budget is none.",
+    ["outcome"],
 )
 RUN_SECONDS = Histogram(
     "vigil_run_duration_seconds",

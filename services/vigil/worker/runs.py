@@ -24,6 +24,7 @@ from vigil.agent.base import Agent, Delegation, OverBudget, RetryLater, RunConte
 from vigil.agent.journal import Diverged, HandedOver
 from vigil.agent.run_ledger import load_context_parts, load_contexts
 from vigil.clock import Clock, utc
+from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger.claims import Claim, claim_more
 from vigil.ledger.db import AsyncPool
@@ -204,7 +205,7 @@ class Runs:
             finished.error = f"fenced: {exc}"
         except OverBudget as exc:
             # Not started: its events wait for the next UTC day, no attempt of any kind counted.
-            finished.error = f"budget: {exc.reason}"
+            finished.error = f"{ledger_budgets.WAITING_PREFIX}{exc.reason}"
             finished.waiting = True
             finished.backoff_s = exc.retry_after or 0.0
         except RetryLater as exc:

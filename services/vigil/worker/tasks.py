@@ -187,6 +187,9 @@ class TaskExecutor:
             tasks=self.door,
             session_id=task.session_id,
             kind=task.kind,
+            profile=(task.profile, task.profile_version)
+            if task.profile is not None and task.profile_version is not None
+            else None,
         )
         holding = Holding(task, ctx, leased_at)
         self.holding[task.id] = holding
@@ -374,7 +377,10 @@ class TaskExecutor:
                     stands = await ledger.finish(conn, task.id, task.lease_epoch, outcome)
                     if stands:
                         for child in spawned:
-                            row = new_task_row(task.user_id, child, task.run_id)
+                            profile = (
+                                (task.profile, task.profile_version) if task.profile and task.profile_version else None
+                            )
+                            row = new_task_row(task.user_id, child, task.run_id, profile)
                             await ledger.create(conn, row, now=utc(self.clock.now()))
                         for write in writes:
                             await ledger_finish.write_memory(

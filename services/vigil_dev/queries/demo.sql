@@ -27,3 +27,7 @@ SELECT status, delivery_id FROM outbox WHERE id = %(id)s AND status = 'delivered
 -- A user's delivered messages after a given outbox id, oldest first.
 SELECT id, body, delivery_id, session_id FROM outbox
 WHERE user_id = %(user_id)s AND status = 'delivered' AND id > %(after)s ORDER BY id
+
+-- name: demo_session_messages
+-- A conversation as the ledger keeps it (the Messages API turns, tool calls and results included).
+SELECT messages FROM sessions WHERE id = %(id)s

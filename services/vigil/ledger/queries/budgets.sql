@@ -2,9 +2,10 @@
 -- provider bills them, and the one notice per user and day that the budget is spent.
 
 -- name: budgets_spent
--- Billed tokens of the user's runs since `since`, their background tasks' too (cache writes 1.25x, cache reads 0.1x), through runs_by_user.
-SELECT coalesce(sum(input_tokens + output_tokens + 1.25 * cache_write_tokens + 0.1 * cache_read_tokens
-                    + task_input_tokens + task_output_tokens), 0)::bigint AS spent
+-- Billed tokens of the user's runs since `since`, their background tasks' too, through runs_by_user; the cache weights are vigil.ledger.budgets' (its billed(), which a run's token cap uses).
+SELECT ceil(coalesce(sum(input_tokens + output_tokens + %(write_weight)s * cache_write_tokens
+                         + %(read_weight)s * cache_read_tokens + task_input_tokens + task_output_tokens), 0))::bigint
+       AS spent
 FROM runs WHERE user_id = %(user_id)s AND started_at >= %(since)s
 
 -- name: budgets_notify_once
@@ -17,3 +18,20 @@ WITH first AS (
 INSERT INTO outbox (user_id, run_id, epoch, body, urgent)
 SELECT user_id, 0, 0, %(body)s, false FROM first
 RETURNING id
+
+-- name: budgets_release
+-- The events waiting for their user's daily budget (pending, the error starting with %(prefix)s, not yet due) of the users whose profile is %(profile)s (their most specific assignment: the exact id, else the longest prefix) are due now: the profile's budget was changed. A user still past it is refused again, with no attempt counted and no second notice.
+WITH waiting AS (
+    SELECT DISTINCT user_id FROM events
+    WHERE status = 'pending' AND starts_with(error, %(prefix)s) AND next_attempt_at > coalesce(%(now)s::timestamptz, now())
+),
+owned AS (
+    SELECT w.user_id FROM waiting w
+    WHERE (SELECT a.profile FROM profile_assignments a
+           WHERE a.pattern = w.user_id OR (right(a.pattern, 1) = '*' AND starts_with(w.user_id, left(a.pattern, -1)))
+           ORDER BY a.pattern = w.user_id DESC, length(a.pattern) DESC LIMIT 1) = %(profile)s
+)
+UPDATE events e SET next_attempt_at = coalesce(%(now)s::timestamptz, now())
+FROM owned
+WHERE e.user_id = owned.user_id AND e.status = 'pending' AND starts_with(e.error, %(prefix)s)
+  AND e.next_attempt_at > coalesce(%(now)s::timestamptz, now())

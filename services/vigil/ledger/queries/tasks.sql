@@ -16,11 +16,12 @@ SELECT count(*) AS open FROM tasks WHERE user_id = %(user_id)s AND status IN ('q
 -- name: task_create
 -- A task delegated by a run, inserted in that run's fenced finish (a run that does not commit starts nothing). Past %(max_open)s open tasks of its user (NULL: no bound) it is inserted already failed, with the reason: its result event tells the agent.
 INSERT INTO tasks (id, user_id, parent_run_key, parent_task_id, session_id, depth, owner_chain, instructions,
-                   tools, token_budget, max_attempts, deadline, run_id, status, finished_at, error)
+                   tools, token_budget, max_attempts, deadline, run_id, profile, profile_version,
+                   status, finished_at, error)
 SELECT %(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
        %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s,
        coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(timeout_s)s),
-       %(run_id)s,
+       %(run_id)s, %(profile)s, %(profile_version)s,
        CASE WHEN full_up THEN 'failed' ELSE 'queued' END,
        CASE WHEN full_up THEN coalesce(%(now)s::timestamptz, now()) END,
        CASE WHEN full_up THEN format('not started: this user already has at most %%s open background tasks (VIGIL_MAX_OPEN_TASKS_PER_USER)', %(max_open)s::int) END

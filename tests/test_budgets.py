@@ -1,0 +1,147 @@
+"""Daily token budgets (docs/agent.md, "Budgets"): a run refused for its user's budget leaves
+no run behind, a real worker waits and resumes, and one weighting bills tokens everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+
+import psycopg
+from psycopg.rows import dict_row
+
+from ingest_support import cli
+from support import query, scalar, wait_for
+from vigil.agent.base import RunResult
+from vigil.agent.settings import DEFAULT_INSTRUCTIONS_PATH
+from vigil.ledger import budgets
+from vigil.ledger.states import RunOutcome
+from vigil.worker.finish import Finished, commit_finished
+from vigil_dev import agent_testing as t
+from vigil_dev.scripted_server import ScriptedServer
+from worker_support import chat, claude_env, metric, produce
+
+SCRIPT = {
+    "rules": [
+        {"when": {"tool_result": "send_message"}, "reply": []},
+        {
+            "when": {"user_text": "hello"},
+            "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "Hi!", "urgent": False}}],
+        },
+    ]
+}
+
+
+def test_a_run_refused_for_the_budget_leaves_no_run_row(ledger):
+    """A refused run was never started: its events wait (pending, the claim's attempt given
+    back), and no runs row counts it as a failure; a neighbour in the same group commits."""
+    from test_worker_claims import claim_pass, seed_pending  # the claim rules' own seeding
+
+    seed_pending(ledger, 2)
+    claims, _ = claim_pass(ledger, 2, "")
+    refused, ran = sorted(claims, key=lambda c: c.user_id)
+    started = datetime.now(UTC)
+    group = [
+        Finished(refused, started, error="budget: spent (1600 of 1500)", waiting=True, backoff_s=3600),
+        Finished(ran, started, result=RunResult(RunOutcome.NOTHING)),
+    ]
+
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            return await commit_finished(conn, group, "test-worker")
+
+    committed, stale = asyncio.run(go())
+    assert len(committed) == 2 and not stale
+    assert [r["user_id"] for r in query(ledger, "SELECT user_id FROM runs")] == [ran.user_id]
+    assert scalar(ledger, "SELECT count(*) FROM runs WHERE outcome = 'failed'") == 0
+    [waiting] = query(
+        ledger,
+        "SELECT status, attempts, transient_failures, error, run_id,"
+        " next_attempt_at > now() + interval '59 minutes' AS later FROM events WHERE user_id = %s",
+        (refused.user_id,),
+    )
+    assert waiting["status"] == "pending" and (waiting["attempts"], waiting["transient_failures"]) == (0, 0)
+    assert waiting["later"] and waiting["error"].startswith("budget: ") and waiting["run_id"] is None
+
+
+def test_a_worker_past_the_budget_calls_no_model_tells_once_and_resumes_when_raised(
+    spawn, vigil_env, ledger, stack, topics
+):
+    """A real worker, a profile of 1,500 billed tokens a day: the first run passes it; what
+    arrives next makes no model call, is no run and no attempt, and the user is told once;
+    `vigil profiles update --daily-tokens` raising the budget releases the waiting events at
+    once, and they run (each with the one attempt that ran it)."""
+    user = "bud/carol"
+    cli(ledger, "profiles", "create", "tight", "--daily-tokens", "1500", "--system-prompt", "Spend little.")
+    cli(ledger, "profiles", "assign", "bud/*", "tight")
+    with ScriptedServer(SCRIPT) as server:
+        env = claude_env(vigil_env, server.base_url)
+        port = int(env["VIGIL_WORKER_PORT"])
+        spawn(["worker"], env, name="worker").wait_healthy(port)
+
+        def replies() -> int:
+            return scalar(ledger, "SELECT count(*) FROM outbox WHERE user_id = %s AND run_id <> 0", (user,))
+
+        produce(stack.bootstrap, topics.events, [chat(user, "hello 1")])
+        wait_for(lambda: replies() == 1, 60, "the first run's reply", interval=0.2)
+        calls = len(server.requests())
+        assert calls >= 1
+
+        produce(stack.bootstrap, topics.events, [chat(user, "hello 2"), chat(user, "hello 3")])
+
+        def refused() -> int:
+            return scalar(
+                ledger,
+                "SELECT count(*) FROM events WHERE user_id = %s AND status = 'pending' AND error LIKE 'budget: %%'"
+                " AND next_attempt_at > now() + interval '1 minute'",
+                (user,),
+            )
+
+        wait_for(lambda: refused() == 2, 60, "both events waiting for the budget", interval=0.2)
+        time.sleep(2)  # ten scan intervals: nothing more may happen
+        assert len(server.requests()) == calls  # no model call past the budget
+        notices = query(ledger, "SELECT body FROM outbox WHERE user_id = %s AND run_id = 0", (user,))
+        assert len(notices) == 1 and "daily model budget (1500 tokens) is spent" in notices[0]["body"]
+        assert scalar(ledger, "SELECT count(*) FROM runs") == 1  # the refusal is no run
+        assert metric(port, "vigil_budget_exhausted_total", 'profile="tight"') >= 1
+        assert metric(port, "vigil_runs_total", 'outcome="failed"') == 0
+        assert metric(port, "vigil_budget_tokens", 'profile="tight"') == 1500
+
+        cli(ledger, "profiles", "update", "tight", "--daily-tokens", "100000")
+        wait_for(lambda: replies() == 2, 60, "the waiting events' run after the budget was raised", interval=0.2)
+        assert len(server.requests()) > calls
+        assert metric(port, "vigil_budget_tokens", 'profile="tight"') == 100_000
+        rows = query(ledger, "SELECT status, attempts, transient_failures FROM events WHERE user_id = %s", (user,))
+        assert [(r["status"], r["attempts"], r["transient_failures"]) for r in rows] == [("done", 1, 0)] * 3
+        assert scalar(ledger, "SELECT count(*) FROM runs WHERE outcome = 'failed'") == 0
+        assert scalar(ledger, "SELECT count(*) FROM outbox WHERE user_id = %s AND run_id = 0", (user,)) == 1
+
+
+def test_a_runs_token_cap_counts_cache_reads_as_billed():
+    """A run of six turns over a large cached prompt (about 5,500 tokens: tools and 4,000 of
+    instructions): counted raw, each turn after the first costs the whole prefix again and a
+    cap of 14,000 stopped the run after three; billed as the daily budget bills it (cache
+    reads 0.1x, writes 1.25x), the six cost about 10,500 and the run ends on its own."""
+    script = {
+        "rules": [
+            {
+                "when": {"user_text": "count"},
+                "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "1"}}],
+            },
+            {
+                "when": {"tool_result": "send_message"},
+                "times": 4,
+                "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "more"}}],
+            },
+            {"when": {"tool_result": "send_message"}, "reply": []},
+        ]
+    }
+    instructions = "Keep every answer short and number it. " * 400  # 16,000 bytes: about 4,000 tokens
+    with ScriptedServer(script) as server:
+        ctx = t.context([t.chat("count to five")], memory={DEFAULT_INSTRUCTIONS_PATH: instructions})
+        [result] = t.run(server.base_url, ctx, max_run_tokens=14_000)
+    u = result.usage
+    assert u.turns == 6 and len(result.messages) == 5, (u, result.messages)
+    assert u.cache_read_tokens > 20_000, u  # the later turns read the prompt from the cache
+    assert u.input_tokens + u.output_tokens + u.cache_read_tokens + u.cache_write_tokens > 14_000, u
+    assert budgets.billed(u) < 14_000
