@@ -73,10 +73,11 @@ CATALOG = "postgresql://vigil:pw@db0:5432/vigil"
     [
         (f"{CATALOG},mysql://db1/vigil", ["not a postgresql:// URL", "entry 1"]),
         (f"{CATALOG},,postgresql://vigil:pw@db2/vigil", ["entry 1 is empty"]),
-        (f"{CATALOG},postgresql://vigil:other@db0:5432/vigil", ["entries 0 and 1", "same database"]),
+        (f"{CATALOG},postgresql://vigil:pw@[db1/vigil", ["entry 1 is not a valid PostgreSQL URL"]),
+        (f"{CATALOG},postgresql://admin:other@db0:5432/vigil", ["entries 0 and 1", "same database"]),
         ("postgresql://vigil:pw@db9:5432/vigil,postgresql://vigil:pw@db1/vigil", ["catalog", "VIGIL_DATABASE_URL"]),
     ],
-    ids=["scheme", "empty-entry", "duplicate", "catalog-elsewhere"],
+    ids=["scheme", "empty-entry", "malformed", "duplicate", "catalog-elsewhere"],
 )
 def test_a_bad_ledger_shards_setting_is_refused_naming_it(shards, words):
     with pytest.raises(SettingsError) as refused:

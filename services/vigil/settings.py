@@ -84,8 +84,8 @@ class CommonSettings(BaseSettings):
     ledger_shards: SecretStr | None = Field(
         None,
         description="The ledger's shards: their PostgreSQL URLs, comma separated, shard 0 first. Shard 0 is the "
-        "catalog and must be VIGIL_DATABASE_URL's database; each Kafka partition of the events topic belongs to "
-        'one shard (docs/architecture.md, "Shards"). Unset: one shard, VIGIL_DATABASE_URL. Never logged.',
+        "catalog and must be VIGIL_DATABASE_URL's database; each Kafka partition of the events topic belongs to one "
+        'shard (docs/architecture.md, "Shards and the catalog"). Unset: one shard, VIGIL_DATABASE_URL. Never logged.',
     )
     events_topic: str = Field(DEFAULT_EVENTS_TOPIC, description="Topic every event goes through.")
     dlq_topic: str = Field(
@@ -233,7 +233,7 @@ class CommonSettings(BaseSettings):
         if len(dsns) > 1 and not same_database(dsns[0], self.dsn):
             raise ValueError(
                 "VIGIL_LEDGER_SHARDS: its first entry is shard 0, the catalog, and must name VIGIL_DATABASE_URL's "
-                "database (host, port, database and user)"
+                "database (its host, port and database name)"
             )
         if len(dsns) > self.partitions:
             raise ValueError(
@@ -291,9 +291,9 @@ def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Net
 
 
 def same_database(first: str, second: str) -> bool:
-    """Whether two libpq DSNs name one database of one server as one role (passwords aside)."""
+    """Whether two libpq DSNs name one database of one server (whoever connects, with any password)."""
     a, b = conninfo_to_dict(first), conninfo_to_dict(second)
-    return all(a.get(part) == b.get(part) for part in ("host", "port", "dbname", "user"))
+    return all(a.get(part) == b.get(part) for part in ("host", "port", "dbname"))
 
 
 def parse_shards(text: str) -> tuple[str, ...]:
