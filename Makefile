@@ -38,7 +38,7 @@ logs: ## Follow the services' logs
 
 test: lint tools ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
 	@bash deploy/tools/build-prometheus.sh >/dev/null  # promtool + prometheus, built once per machine
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 test-fast: $(STAMP) tools ## The tests that start no Kafka and no PostgreSQL (pytest -m "not stack"), under two minutes
 	@bash deploy/tools/build-prometheus.sh >/dev/null  # promtool + prometheus, built once per machine

@@ -327,3 +327,64 @@ def test_a_delegation_past_the_users_open_tasks_is_an_error_result(server, ledge
     assert not queued.get("is_error"), queued
     assert refused.get("is_error") and "at most 3 open background tasks" in refused["content"], refused
     assert len(result.tasks) == 1 and result.tasks[0].max_open == 3
+
+
+# -- every child visible (issue 44 item 2) ------------------------------------------------------
+
+
+def test_a_sync_child_leaves_a_sync_task_row_with_its_status_and_usage(server, ledger):
+    """A run's sync child, and that child's own sync child, each leave a `sync` task row: the
+    child's parent is the run (its key), the grandchild's parent the child (parent_task_id);
+    status succeeded, their turns and tokens, started and finished, never reported as an event.
+    The same run again (a replay: the same run key and steps) writes the same two rows, not
+    two more."""
+    from vigil.worker.task_door import LedgerTasks
+
+    ctx = ctx_with("compute please", dataclasses.replace(limits(), owner_chain=("u1", "u1:1:1:1")))
+    ctx.tasks = LedgerTasks.connecting(ledger)
+    rules = [
+        {"when": {**CHILD, "user_text": "^add 40 and 2$"}, "reply": [{"type": "text", "text": "42"}]},
+        {"when": {**CHILD, "tool_result": "delegate"}, "reply": [{"type": "text", "text": "it is 42"}]},
+        {"when": {**CHILD, "user_text": "^ask a helper$"}, "reply": [call("delegate", instructions="add 40 and 2")]},
+        {"when": {"tool_result": "delegate"}, "reply": []},
+        {"reply": [call("delegate", instructions="ask a helper", mode="sync")]},
+    ]
+    for attempt in (1, 2):
+        result = run(server, rules, ctx)
+        [answer] = delegate_results(server)[-1:]
+        assert answer["content"] == "it is 42", answer
+        rows = query(ledger, "SELECT * FROM tasks ORDER BY depth")
+        assert len(rows) == 2, rows
+        child, grandchild = rows
+        assert {r["mode"] for r in rows} == {"sync"} and {r["status"] for r in rows} == {"succeeded"}
+        assert (child["parent_run_key"], child["parent_task_id"], child["depth"]) == (ctx.run_key, None, 1)
+        assert (grandchild["parent_task_id"], grandchild["depth"]) == (child["id"], 2)
+        assert child["owner_chain"] == ["u1", "u1:1:1:1"]
+        assert grandchild["owner_chain"] == ["u1", "u1:1:1:1", child["id"]]
+        assert child["result"] == "it is 42" and grandchild["result"] == "42"
+        assert (child["turns"], grandchild["turns"]) == (3, 1)  # a row's usage includes its sync children's
+        assert grandchild["input_tokens"] > 0 and child["input_tokens"] > grandchild["input_tokens"]
+        assert child["output_tokens"] > 0 and child["attempts"] == attempt
+        assert all(r["started_at"] and r["finished_at"] and r["reported_at"] for r in rows)
+        assert all(r["lease_holder"] is None and r["heartbeat_at"] is None for r in rows)
+        assert result.usage.turns == 5 and result.tasks == []  # the run's two and its child's three
+
+
+def test_a_sync_child_whose_row_cannot_be_written_still_answers(server):
+    """Best effort: a ledger that does not answer costs the run nothing but a warning and a
+    count in vigil_sync_task_rows_unwritten_total."""
+    from vigil.agent import metrics
+    from vigil.worker.task_door import LedgerTasks
+
+    ctx = ctx_with("compute please", limits())
+    ctx.tasks = LedgerTasks.connecting("postgresql://vigil@127.0.0.1:1/none?connect_timeout=1")
+    before = metrics.SYNC_TASK_ROWS_UNWRITTEN._value.get()
+    rules = [
+        {"when": {**CHILD, "user_text": "add 40 and 2"}, "reply": [{"type": "text", "text": "42"}]},
+        {"when": {"tool_result": "delegate"}, "reply": []},
+        {"reply": [call("delegate", instructions="add 40 and 2", mode="sync")]},
+    ]
+    run(server, rules, ctx)
+    [answer] = delegate_results(server)
+    assert answer["content"] == "42" and not answer.get("is_error"), answer
+    assert metrics.SYNC_TASK_ROWS_UNWRITTEN._value.get() == before + 2  # its start and its end

@@ -345,6 +345,27 @@ def test_timeline_shows_the_users_background_tasks_escaped(console, ledger):
     assert XSS not in page and "research &lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
+def test_timeline_shows_a_sync_child_and_its_parent_task(console, ledger):
+    """Issue 44's sync rows on the timeline: the mode, and the task that delegated it."""
+    seeded = seed_user(ledger)
+    query(
+        ledger,
+        """INSERT INTO tasks (id, user_id, parent_run_key, parent_task_id, depth, owner_chain, instructions,
+                              token_budget, max_attempts, deadline, status, attempts, finished_at, mode)
+           VALUES ('tsk_parentparentparent', %(u)s, 'k', NULL, 1, ARRAY[%(u)s], 'survey', 100, 3,
+                   now() + interval '1 h', 'succeeded', 1, now(), 'background'),
+                  ('tsk_childchildchildchi', %(u)s, 'tsk_parentparentparent', 'tsk_parentparentparent', 2,
+                   ARRAY[%(u)s], 'count', 100, 1, now() + interval '1 h', 'succeeded', 1, now(), 'sync')""",
+        {"u": seeded.user},
+    )
+    login(console, ledger)
+    page = console.get(f"/users/{seeded.user}").text
+    row = page[page.index('id="task-tsk_childchildchildchi"') :]
+    row = row[: row.index("</tr>")]
+    assert "sync · depth 2" in row and 'child of <a href="#task-tsk_parentparentparent">' in row, row
+    assert "lease" not in row
+
+
 def console_with(ledger: str, **settings):
     from vigil.console.app import create_app
     from vigil.console.settings import ConsoleSettings

@@ -398,3 +398,48 @@ def test_a_stopping_worker_hands_its_runs_over(handover, stack, topics, ledger, 
     assert "handed over" not in a.log() or handover == "step"
     assert stopped_in < 20, stopped_in
     b.stop()
+
+
+def test_a_replayed_run_writes_its_sync_task_row_once(stack, topics, ledger, vigil_env, spawn):
+    """A run's sync child is mid-conversation (its second question answered only after 60 s)
+    when worker A is SIGKILLed: its row is `running`. Worker B replays the run from its journal:
+    the same row (its id derived from the delegate call's step key) ends `succeeded`, its second
+    attempt; no second row, and the child's first question is not asked again."""
+    receiver = Receiver()
+    child = {"system": "sub-agent"}
+    answer = {"when": {**child, "tool_result": "http_request"}, "reply": [{"type": "text", "text": "posted"}]}
+    post = {"type": "tool_use", "name": "http_request", "input": {"method": "POST", "url": f"{receiver.url}/t"}}
+    rules = [
+        {**answer, "times": 1, "delay": 60},  # A dies waiting for this one
+        answer,
+        {"when": {**child, "user_text": "^post it$"}, "reply": [post]},
+        {"when": {"tool_result": "delegate"}, "reply": []},
+        {
+            "when": {"user_text": "please post"},
+            "reply": [
+                {
+                    "type": "tool_use",
+                    "name": "delegate",
+                    "input": {"instructions": "post it", "mode": "sync", "tools": ["http_request"]},
+                }
+            ],
+        },
+    ]
+    with ScriptedServer({"rules": rules}) as server:
+        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a")
+        produce(stack.bootstrap, topics.events, [chat("syd", "please post")])
+        wait_for(lambda: receiver.keys, 60, "the child's POST")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
+        assert scalar(ledger, "SELECT status FROM tasks") == "running"
+        a.kill()
+        worker(spawn, vigil_env, server, receiver, "worker-b")
+        wait_for(lambda: scalar(ledger, "SELECT status FROM tasks") == "succeeded", 90, "the row to end on B")
+        first_questions = [
+            b for b in server.requests() if "sub-agent" in json.dumps(b.get("system")) and len(b["messages"]) == 1
+        ]
+    receiver.close()
+    [row] = query(ledger, "SELECT * FROM tasks")
+    assert (row["mode"], row["attempts"], row["result"], row["depth"]) == ("sync", 2, "posted", 1), row
+    assert row["turns"] == 2 and row["input_tokens"] > 0 and row["last_tool"] == "http_request"
+    assert len(receiver.keys) == 1, receiver.keys
+    assert len(first_questions) == 1, "the child's first question was asked again"

@@ -822,3 +822,112 @@ def test_get_task_with_wait_long_polls_until_terminal_or_the_wait(stack, topics,
             assert 0.9 <= took < 3.0, took
     finally:
         ingest.stop()
+
+
+# -- every child visible (issue 44 item 2) ------------------------------------------------------
+
+
+def test_a_background_tasks_children_point_at_it_and_vigil_tasks_show_draws_the_tree(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """A run delegates a background task (Claude, against the scripted Messages API); the task's
+    child delegates one sync and one background child. Both rows name the task as their parent
+    (parent_task_id). The sync row is mode sync, succeeded, with its usage, and no worker ever
+    claims it (no lease, one attempt) though the executor ran beside it. The background one is
+    queued by the task's success, executed, rolled up to the root run, and reported. `vigil
+    tasks show` of the task draws its parent run and both children (--json too)."""
+    import json
+
+    from vigil_dev.scripted_server import ScriptedServer
+    from worker_support import claude_env
+
+    child = {"system": "sub-agent"}
+    delegate = {"type": "tool_use", "name": "delegate"}
+    both = [
+        {**delegate, "input": {"instructions": "count to three", "mode": "sync"}},
+        {**delegate, "input": {"instructions": "tally the stars", "mode": "background", "budget": 2000}},
+    ]
+    rules = [
+        {"when": {**child, "user_text": "^count to three$"}, "reply": [{"type": "text", "text": "1 2 3"}]},
+        {"when": {**child, "user_text": "^tally the stars$"}, "reply": [{"type": "text", "text": "12 stars"}]},
+        {"when": {**child, "tool_result": "delegate"}, "reply": [{"type": "text", "text": "counted: 1 2 3"}]},
+        {"when": {**child, "user_text": "^survey$"}, "reply": both},
+        {"when": {"tool_result": "delegate"}, "reply": []},
+        {"when": {"user_text": "please delegate"}, "reply": [{**delegate, "input": {"instructions": "survey"}}]},
+        {"reply": []},  # the tasks' results, when they wake the session
+    ]
+    with ScriptedServer({"rules": rules}) as server:
+        env = claude_env(worker_env(vigil_env), server.base_url)
+        spawn(["worker"], env, name="w").wait_healthy(int(env["VIGIL_WORKER_PORT"]), timeout=90)
+        produce(stack.bootstrap, topics.events, [chat("tree", "please delegate")])
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM tasks WHERE finished_at IS NOT NULL") == 3, 60, "3 ended")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM events WHERE source = 'task'") == 2, 30, "2 reported")
+        time.sleep(2 * float(TASK_FAST["VIGIL_TASK_STALE_S"]))  # time for any reaper or claim to touch the sync row
+    rows = {r["instructions"]: r for r in query(ledger, "SELECT * FROM tasks")}
+    task, sync, grandchild = rows["survey"], rows["count to three"], rows["tally the stars"]
+    assert (task["mode"], task["status"], task["result"]) == ("background", "succeeded", "counted: 1 2 3"), task
+    assert (sync["mode"], sync["status"], sync["result"], sync["depth"]) == ("sync", "succeeded", "1 2 3", 2), sync
+    assert (sync["parent_task_id"], sync["parent_run_key"]) == (task["id"], task["id"])
+    assert sync["owner_chain"] == [*task["owner_chain"], task["id"]]
+    assert sync["turns"] == 1 and sync["input_tokens"] > 0 and sync["output_tokens"] > 0
+    assert (sync["attempts"], sync["lease_holder"], sync["lease_epoch"]) == (1, None, 0)  # never claimed
+    assert task["turns"] == 3  # its own two turns and its sync child's
+    assert (grandchild["mode"], grandchild["status"], grandchild["result"]) == ("background", "succeeded", "12 stars")
+    assert (grandchild["parent_task_id"], grandchild["depth"], grandchild["run_id"]) == (task["id"], 2, task["run_id"])
+    assert grandchild["owner_chain"] == [*task["owner_chain"], task["id"]]
+    rolled = query(ledger, "SELECT task_turns FROM runs WHERE id = %s", (task["run_id"],))[0]["task_turns"]
+    assert rolled == task["turns"] + grandchild["turns"], rolled
+    events = query(ledger, "SELECT source_id FROM events WHERE source = 'task'")
+    assert sorted(e["source_id"] for e in events) == sorted([task["id"], grandchild["id"]])  # a sync child wakes nobody
+
+    shown = _vigil(["tasks", "show", task["id"]], env)
+    assert f"{'parent':20} run {task['parent_run_key']}" in shown, shown
+    assert f"{'tree':20} {task['id']} background succeeded 3 turns" in shown, shown
+    assert f"├─ {sync['id']} sync succeeded 1 turn" in shown, shown
+    assert f"└─ {grandchild['id']} background succeeded 1 turn" in shown, shown
+    tree = json.loads(_vigil(["tasks", "show", task["id"], "--json"], env))
+    assert tree["id"] == task["id"] and tree["parent"] == {"run_key": task["parent_run_key"]}
+    kids = [(k["id"], k["mode"], k["status"], k["turns"], k["children"]) for k in tree["children"]]
+    assert kids == [(sync["id"], "sync", "succeeded", 1, []), (grandchild["id"], "background", "succeeded", 1, [])]
+    up = json.loads(_vigil(["tasks", "show", sync["id"], "--json"], env))
+    assert up["parent"]["id"] == task["id"] and up["parent"]["status"] == "succeeded" and up["children"] == []
+
+
+def test_the_claim_the_reaper_and_the_open_bound_leave_sync_rows_alone(ledger):
+    """A sync child's row, even one left `running` by a run that died, is never claimed, never
+    counts against VIGIL_MAX_OPEN_TASKS_PER_USER, and is never reported as an event: past its
+    deadline the reaper ends it `lost`, already reported."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    async def go():
+        conn = await _tasks_conn(ledger)
+        sync = dataclasses.replace(_new_task("tsk_sync", timeout_s=60), max_attempts=1)
+        await ledger_tasks.sync_started(conn, sync)
+        orphan = dataclasses.replace(_new_task("tsk_orphan", timeout_s=60), max_attempts=1)
+        await ledger_tasks.sync_started(conn, orphan)
+        clock = ManualClock(time.time())
+        claimed = await ledger_tasks.claim(conn, "w", 10, now=utc(clock.now()))
+        opened = await ledger_tasks.open_count(conn, "race")
+        await ledger_tasks.create(conn, dataclasses.replace(_new_task("tsk_bg"), max_open=1))
+        await ledger_tasks.sync_ended(
+            conn, task_id="tsk_sync", outcome=ledger_tasks.Outcome(TaskStatus.SUCCEEDED, "ok", None, 1, 10, 5)
+        )
+        clock.advance(120)
+        reaped = await ledger_tasks.reap(conn, 1.0, now=utc(clock.now()))
+        claimed += await ledger_tasks.claim(conn, "w", 10, now=utc(clock.now()))
+        async with conn.transaction():
+            unreported = await ledger_tasks.unreported(conn, 10)
+        await conn.close()
+        return claimed, opened, reaped, unreported
+
+    claimed, opened, reaped, unreported = asyncio.run(go())
+    assert [t.id for t in claimed] == ["tsk_bg"]  # the background task only
+    assert opened == 0
+    rows = {r["id"]: r for r in query(ledger, "SELECT * FROM tasks")}
+    assert rows["tsk_bg"]["status"] == "running"  # not failed by the bound of 1: sync rows do not count
+    assert (rows["tsk_sync"]["status"], rows["tsk_sync"]["turns"]) == ("succeeded", 1)
+    assert rows["tsk_orphan"]["status"] == "lost" and "its run ended" in rows["tsk_orphan"]["error"]
+    assert ("tsk_orphan", TaskStatus.LOST) in [(r.id, r.status) for r in reaped]
+    assert all(r["reported_at"] is not None for r in rows.values() if r["mode"] == "sync")
+    assert "tsk_orphan" not in [t.id for t in unreported] and "tsk_sync" not in [t.id for t in unreported]

@@ -438,6 +438,9 @@ CREATE TABLE budget_notices (
 --                     -> timed_out (reaper: deadline passed)
 --           succeeded, failed, cancelled, timed_out, lost: terminal (finished_at set);
 --           the worker then reports it once as an event `task:<id>` (reported_at set)
+--   mode sync (0035): a sub-agent run inside its parent's run, recorded best effort by that run:
+--           running (as it starts) -> succeeded | failed (as it ends, reported_at set: no event)
+--                                  -> lost (reaper: its run ended past the deadline without a word)
 CREATE TABLE tasks (
     id                  text        PRIMARY KEY,             -- tsk_<random>, chosen by the delegating run
     user_id             text        NOT NULL,                -- the user whose agent delegated it
@@ -466,16 +469,20 @@ CREATE TABLE tasks (
     turns               integer     NOT NULL DEFAULT 0,      -- usage, counted against the parent's budgets
     input_tokens        integer     NOT NULL DEFAULT 0,
     output_tokens       integer     NOT NULL DEFAULT 0,
-    run_id              bigint,                              -- the run whose finish queued it; NULL: a task's child (0021)
+    run_id              bigint,                              -- the run whose finish queued it (a task's background child: that task's); NULL: a sync child (0021, 0035)
     reported_at         timestamptz,                         -- its result event was acknowledged by the broker
     last_tool           text,                                -- progress (0030): the last tool the child called
     note                text,                                -- its latest note: the text it wrote with that call
     progress_at         timestamptz,                         -- when the holder's heartbeat last flushed progress
+    mode                text        NOT NULL DEFAULT 'background', -- sync: a sub-agent run inside its parent's run (0035)
     CONSTRAINT tasks_status_valid
         CHECK (status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'timed_out', 'lost')),
     CONSTRAINT tasks_finished_iff_terminal
         CHECK ((status IN ('succeeded', 'failed', 'cancelled', 'timed_out', 'lost')) = (finished_at IS NOT NULL)),
-    CONSTRAINT tasks_running_has_lease CHECK (status <> 'running' OR (lease_holder IS NOT NULL AND heartbeat_at IS NOT NULL)),
+    CONSTRAINT tasks_mode_valid CHECK (mode IN ('background', 'sync')),
+    -- A sync row holds no lease: its run's claim is its lease (0035).
+    CONSTRAINT tasks_running_has_lease
+        CHECK (status <> 'running' OR mode = 'sync' OR (lease_holder IS NOT NULL AND heartbeat_at IS NOT NULL)),
     CONSTRAINT tasks_depth_positive CHECK (depth >= 1),
     CONSTRAINT tasks_reported_after_finish CHECK (reported_at IS NULL OR finished_at IS NOT NULL)
 );
@@ -485,6 +492,8 @@ CREATE INDEX tasks_running ON tasks (heartbeat_at) WHERE status = 'running';
 -- Terminal tasks whose result event has not been produced yet (a handful at any time).
 CREATE INDEX tasks_unreported ON tasks (finished_at) WHERE finished_at IS NOT NULL AND reported_at IS NULL;
 CREATE INDEX tasks_by_user ON tasks (user_id, created_at);
+-- A task's children, for its tree (vigil tasks show; 0035).
+CREATE INDEX tasks_by_parent_task ON tasks (parent_task_id) WHERE parent_task_id IS NOT NULL;
 
 -- run_journal: every step of a run in flight, appended as it happens (migration 0026), so a
 -- run claimed again after a crash, a deploy's stop or a rebalance replays what it did instead

@@ -30,7 +30,7 @@ from vigil.errors import VigilError
 
 # EventRow is a ledger row (vigil.ledger.events); the agent interface names it here too.
 from vigil.ledger.events import EventRow
-from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome
+from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome, TaskStatus
 from vigil.ledger.tasks import TaskRow
 
 
@@ -88,7 +88,13 @@ class TaskDoor(Protocol):
         """Cancel (queued) or ask to stop (running); None: already terminal."""
 
     async def open_count(self, user_id: str) -> int:
-        """How many of the user's tasks are queued or running."""
+        """How many of the user's background tasks are queued or running."""
+
+    async def sync_started(self, *, user_id: str, task: NewTask) -> None:
+        """Record a sync child starting (mode sync, running): its row, or the same row again."""
+
+    async def sync_ended(self, *, user_id: str, task: NewTask, outcome: SyncOutcome) -> None:
+        """Record how a sync child ended, with its usage (its row written first if it is missing)."""
 
 
 class TasksUnavailable(VigilError):
@@ -134,8 +140,9 @@ class RunContext:
     # adopt(ids): claims these events of the user by id under this run's epoch (a replay's
     # events folded at a journaled boundary that the claim did not bring).
     adopt: Callable[[Sequence[int]], Awaitable[list[EventRow]]] | None = None
-    # The ledger's tasks as this run may see them (tasks_list, task_result, task_cancel); None:
-    # those tools answer that there is nothing to look at.
+    # The ledger's tasks as this run may see them (tasks_list, task_result, task_cancel) and
+    # where its sync children are recorded; None: those tools answer that there is nothing to
+    # look at, and sync children leave no row.
     tasks: TaskDoor | None = None
 
 
@@ -258,6 +265,16 @@ class TaskUsage:
         return self.input_tokens + self.output_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class SyncOutcome:
+    """How a sync child ended, for its task row."""
+
+    status: TaskStatus  # succeeded or failed
+    usage: TaskUsage
+    result: str | None = None
+    error: str | None = None
+
+
 @dataclass(slots=True)
 class TaskContext:
     """A background task as the agent executing it sees it."""
@@ -272,6 +289,11 @@ class TaskContext:
     attempt: int
     usage: TaskUsage = field(default_factory=TaskUsage)
     journal: Any = None  # the task's journal (vigil.agent.journal.Journal), fenced by its lease
+    tasks: TaskDoor | None = None  # where its sync children are recorded (None: nowhere)
+    session_id: str | None = None  # the delegating conversation (its sync children's rows name it)
+    # The background tasks it delegates (parent_task_id: this task): the agent appends, the
+    # holder's terminal write queues them if the task succeeded.
+    spawned: list[NewTask] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,6 +255,9 @@ class ClaudeAgent:
             budget=model.Budget(self.settings.max_turns, ctx.token_budget, ctx.deadline),
             usage=ctx.usage,
             journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
+            tasks=ctx.tasks,
+            session_id=ctx.session_id,
+            spawned=ctx.spawned,
         )
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 

@@ -358,9 +358,12 @@ class Conversation:
             delegation=limits,
             deadline=run.budget.deadline,
             journal=run.journal,
+            tasks=run.ctx.tasks,
+            session_id=self.thread.session_id,
         )
         try:
-            return ToolOutput(await delegation.run_child(child, request.instructions))
+            answer = await delegation.run_sync(child, request, parent_run_key=run.ctx.run_key, parent_task_id=None)
+            return ToolOutput(answer)
         finally:
             delegation.charge(run.budget, child.budget)
 

@@ -23,26 +23,44 @@
 
 A child is a conversation of its own (its own transcript, a short system prompt, only its
 tools), run by :func:`run_child` for both modes and for a background task's execution.
+
+**Every child visible.** A sync child is recorded as a task row of mode ``sync``
+(:func:`run_sync`, through the run's :class:`~vigil.agent.base.TaskDoor`): running as it
+starts, succeeded or failed with its usage as it ends. Its id is derived from the delegate
+call's step key, as a background task's is, so a replayed run writes the same row again.
+The row is best effort: a write the ledger does not take is logged and counted
+(``vigil_sync_task_rows_unwritten_total``), and the child runs all the same. A child's own
+delegations name it as their parent (``parent_task_id``): a background task's id, or the
+sync child's. A background task's own conversation may delegate background tasks too: they
+are queued by the task's terminal write if it succeeds (``Child.spawned``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from dataclasses import dataclass
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anthropic
 
 from vigil.agent import metrics, model
-from vigil.agent.base import Delegation, NewTask, TaskUsage
+from vigil.agent.base import Delegation, NewTask, SyncOutcome, TaskDoor, TasksUnavailable, TaskUsage
 from vigil.agent.journal import Journal
 from vigil.agent.prompt import append_user, text_block, tool_result
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.agent.tools import DELEGATE, ActionTool, CallContext, ToolOutput, delegate_definition
+from vigil.ledger.states import TaskStatus
+
+log = logging.getLogger(__name__)
 
 MAX_INSTRUCTIONS_CHARS = 8000
 NOTE_CHARS = 300  # a task's progress note: the start of the text the child wrote with its last call
 MODES = ("background", "sync")
+RECORD_TIMEOUT_S = 5.0  # the most a sync child's row write may hold up its run
 
 CHILD_SYSTEM = (
     "You are a sub-agent: another agent delegated one task to you. Do exactly that task with the "
@@ -121,7 +139,7 @@ def background_task(
     """The task the delegate call ``key`` (its step's idempotency key) queues: its id is
     derived from the key, so a replayed run queues the same task, not a second one."""
     return NewTask(
-        id=f"tsk_{hashlib.sha256(key.encode()).hexdigest()[:20]}",
+        id=task_id(key),
         instructions=request.instructions,
         tools=request.tools,
         token_budget=request.budget,
@@ -135,6 +153,11 @@ def background_task(
     )
 
 
+def task_id(key: str) -> str:
+    """The task id of the delegate call whose step key is ``key`` (the same on a replay)."""
+    return f"tsk_{hashlib.sha256(key.encode()).hexdigest()[:20]}"
+
+
 @dataclass
 class Child:
     """Everything a child conversation runs with."""
@@ -145,7 +168,7 @@ class Child:
     actions: dict[str, ActionTool]
     permissions: dict[str, Permission]
     user_id: str
-    key: str  # its owner-chain entry: the task id, or the key of the delegate call that made it
+    key: str  # its task id (a sync child's from its delegate call's key): its owner-chain entry
     tools: tuple[str, ...]
     delegation: Delegation  # the child's own depth
     budget: model.Budget
@@ -153,6 +176,11 @@ class Child:
     # Its steps' journal: a sync child's is its parent run's (the steps are the run's), a
     # background task's its own (vigil.agent.journal). Action keys are its steps' keys.
     journal: Journal
+    tasks: TaskDoor | None = None  # where sync children are recorded (None: nowhere)
+    session_id: str | None = None  # the delegating conversation, named on sync children's rows
+    # A background task's own conversation: the background tasks it delegates, queued by the
+    # task's terminal write if it succeeds. None (a sync child): its delegations run sync.
+    spawned: list[NewTask] | None = None
 
 
 async def run_child(child: Child, instructions: str) -> str:
@@ -161,7 +189,7 @@ async def run_child(child: Child, instructions: str) -> str:
     allowed = [n for n in child.tools if n in child.actions and child.permissions.get(n) is Permission.ALLOW]
     definitions = [child.actions[n].definition() for n in allowed]
     if child.delegation.child_depth() is not None:
-        definitions.append(delegate_definition())  # a child's own delegations always run sync
+        definitions.append(delegate_definition())  # sync, or background from a background task
     tools = model.Encoded.of(definitions) if definitions else None
     messages: list[dict[str, Any]] = [{"role": "user", "content": [text_block(instructions)]}]
     answer = ""
@@ -209,20 +237,7 @@ async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], ste
     name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
     child.usage.last_tool = name
     if name == DELEGATE:
-        request = check(
-            {**args, "mode": "sync"},
-            child.delegation,
-            child.permissions,
-            {n: child.actions[n] for n in allowed},
-            child.budget.left,
-        )
-        if isinstance(request, str):
-            return ToolOutput(request, True)
-        grandchild = nested(child, request, child.journal.key(step))
-        answer = await run_child(grandchild, request.instructions)
-        charge(child.budget, grandchild.budget)
-        _sync_usage(child)
-        return ToolOutput(answer)
+        return await _child_delegate(child, args, allowed, step)
     if name not in allowed:
         metrics.TOOL_CALLS.labels("unknown" if name not in child.permissions else name, "error").inc()
         return ToolOutput(f"Not permitted: {name} is not one of your tools.", True)
@@ -237,8 +252,48 @@ async def _child_tool(child: Child, use: dict[str, Any], allowed: list[str], ste
     return output
 
 
+async def _child_delegate(child: Child, args: dict[str, Any], allowed: list[str], step: int) -> ToolOutput:
+    """A child's own delegation, whose parent is the child (``parent_task_id``): sync, or, from
+    a background task's own conversation, background (queued when the task succeeds)."""
+    background = child.spawned is not None and args.get("mode", "background") == "background"
+    open_tasks = 0
+    if background and child.tasks is not None and child.delegation.max_open_tasks_per_user is not None:
+        try:
+            open_tasks = await child.tasks.open_count(child.user_id)
+        except TasksUnavailable as exc:
+            return ToolOutput(f"Not delegated: {exc}. Try again later.", True)
+    request = check(
+        {**args, "mode": "background" if background else "sync"},
+        child.delegation,
+        child.permissions,
+        {n: child.actions[n] for n in allowed},
+        child.budget.left,
+        tasks_started=len(child.spawned or ()),
+        open_tasks=open_tasks,
+    )
+    if isinstance(request, str):
+        return ToolOutput(request, True)
+    if background:
+        assert child.spawned is not None
+        queued = background_task(request, child.delegation, child.key, child.session_id, child.journal.key(step))
+        child.spawned.append(replace(queued, parent_task_id=child.key))
+        child.budget.reserved += queued.token_budget  # the task may spend it: this one may not
+        return ToolOutput(
+            f"Background task {queued.id} will be queued when you have answered (if this task succeeds). "
+            "Its result goes to the conversation that delegated you, not to you."
+        )
+    grandchild = nested(child, request, child.journal.key(step))
+    try:
+        answer = await run_sync(grandchild, request, parent_run_key=child.key, parent_task_id=child.key)
+    finally:
+        charge(child.budget, grandchild.budget)
+        _sync_usage(child)
+    return ToolOutput(answer)
+
+
 def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Child:
-    """A sync child's settings, from its parent child (or, with ``base``, from a run)."""
+    """A sync child's settings, from its parent child (or, with ``base``, from a run); ``key``
+    is its delegate call's step key, its task id derived from it."""
     source = base if parent is None else vars(parent)
     delegation: Delegation = source["delegation"]
     deadline = source["budget"].deadline if parent is not None else base["deadline"]
@@ -250,7 +305,7 @@ def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Chi
         actions=source["actions"],
         permissions=source["permissions"],
         user_id=source["user_id"],
-        key=key,
+        key=task_id(key),
         tools=request.tools,
         delegation=Delegation(
             depth=request.depth,
@@ -258,14 +313,66 @@ def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Chi
             token_budget=delegation.token_budget,
             timeout_s=delegation.timeout_s,
             max_attempts=delegation.max_attempts,
-            owner_chain=(*delegation.owner_chain, key),
+            owner_chain=(*delegation.owner_chain, task_id(key)),
             max_tasks_per_run=delegation.max_tasks_per_run,
             max_open_tasks_per_user=delegation.max_open_tasks_per_user,
         ),
         budget=model.Budget(source["settings"].max_turns, request.budget, deadline),
         usage=TaskUsage(),
         journal=journal,
+        tasks=source.get("tasks"),
+        session_id=source.get("session_id"),
     )
+
+
+async def run_sync(child: Child, request: Request, *, parent_run_key: str, parent_task_id: str | None) -> str:
+    """A sync child's conversation (:func:`run_child`), recorded as its task row of mode sync:
+    started, then succeeded or failed with its usage (its own sync children's included). A run
+    stopped mid-child (cancelled) writes no end: a replay starts the row again, else the
+    reaper ends it ``lost`` at its deadline (its run's)."""
+    row = NewTask(
+        id=child.key,
+        instructions=request.instructions,
+        tools=request.tools,
+        token_budget=request.budget,
+        depth=request.depth,
+        timeout_s=max(child.budget.deadline - time.monotonic(), 0.0),
+        max_attempts=1,
+        parent_run_key=parent_run_key,
+        owner_chain=child.delegation.owner_chain[:-1],
+        session_id=child.session_id,
+        parent_task_id=parent_task_id,
+    )
+    await _record(child, "start", lambda door: door.sync_started(user_id=child.user_id, task=row))
+    try:
+        answer = await run_child(child, request.instructions)
+    except Exception as exc:
+        _sync_usage(child)
+        failed = SyncOutcome(TaskStatus.FAILED, child.usage, error=f"{type(exc).__name__}: {exc}"[:2000])
+        await _record(child, "end", lambda door: door.sync_ended(user_id=child.user_id, task=row, outcome=failed))
+        raise
+    _sync_usage(child)
+    done = SyncOutcome(TaskStatus.SUCCEEDED, child.usage, result=answer)
+    await _record(child, "end", lambda door: door.sync_ended(user_id=child.user_id, task=row, outcome=done))
+    return answer
+
+
+async def _record(child: Child, what: str, write: Callable[[TaskDoor], Awaitable[None]]) -> None:
+    """One write of a sync child's row, best effort: at most RECORD_TIMEOUT_S, never an error."""
+    if child.tasks is None:
+        return
+    try:
+        async with asyncio.timeout(RECORD_TIMEOUT_S):
+            await write(child.tasks)
+    except (TasksUnavailable, TimeoutError) as exc:
+        metrics.SYNC_TASK_ROWS_UNWRITTEN.inc()
+        log.warning(
+            "sync child %s: its task row's %s was not written (the child runs all the same): %s",
+            child.key,
+            what,
+            exc or "timed out",
+            extra={"event": "sync_task_row_unwritten"},
+        )
 
 
 def charge(parent: model.Budget, child: model.Budget) -> None:

@@ -33,6 +33,11 @@ BUDGET_EXHAUSTED = Counter(
     "Runs not started because the user's daily token budget was spent, by agent profile.",
     ["profile"],
 )
+SYNC_TASK_ROWS_UNWRITTEN = Counter(
+    "vigil_sync_task_rows_unwritten_total",
+    "Writes of a sync sub-agent's task row (its start or its end) the ledger did not take: the child ran "
+    "anyway (the row is best effort).",
+)
 TOOL_CALLS = Counter(
     "vigil_tool_calls_total",
     "Tool calls the model made, by tool and what happened: ran, error (refused or failed), "

@@ -47,6 +47,8 @@ async def look(name: str, args: dict[str, Any], door: TaskDoor | None, caller: C
         cancelled = await door.cancel(task_id=task_id, actor=caller.owners[-1])
     except TasksUnavailable as exc:
         return ToolOutput(f"Could not look: {exc}. Try again later.", True)
+    if cancelled is None and owned[0].mode == "sync" and owned[0].status is TaskStatus.RUNNING:
+        return ToolOutput(f"Not cancelled: task {task_id} is a sync child; it ends with its run.", True)
     if cancelled is None:
         return ToolOutput(f"Not cancelled: task {task_id} had already ended ({owned[0].status}).", True)
     if cancelled.status is TaskStatus.CANCELLED:
@@ -56,11 +58,12 @@ async def look(name: str, args: dict[str, Any], door: TaskDoor | None, caller: C
 
 def _listed(tasks: list[TaskRow]) -> ToolOutput:
     if not tasks:
-        return ToolOutput("You have no background tasks.")
+        return ToolOutput("You have no tasks.")
     lines = [
-        f"- {t.id} {t.status}, {t.turns} turns, {t.input_tokens + t.output_tokens} tokens: " + _start(t) for t in tasks
+        f"- {t.id} {t.mode} {t.status}, {t.turns} turns, {t.input_tokens + t.output_tokens} tokens: " + _start(t)
+        for t in tasks
     ]
-    return ToolOutput("Your background tasks, newest first:\n" + "\n".join(lines))
+    return ToolOutput("Your tasks (background, and sync sub-agents), newest first:\n" + "\n".join(lines))
 
 
 def _described(task: TaskRow) -> str:
@@ -68,6 +71,8 @@ def _described(task: TaskRow) -> str:
     if task.status in OPEN:
         progress = f", last tool {task.last_tool}" if task.last_tool else ""
         note = f"; its latest note: {task.note}" if task.note else ""
+        if task.mode == "sync":
+            return f"{head}). It is a sync sub-agent: its answer goes back to the run that called it."
         return f"{head}{progress}){note}. Its result wakes you when it ends."
     if task.status is TaskStatus.SUCCEEDED:
         return f"{head}). Its result:\n{task.result or ''}"

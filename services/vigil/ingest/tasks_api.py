@@ -121,6 +121,8 @@ def routes(ctx: Any) -> list[Route]:
             async with ctx.ledger() as conn:
                 now = await ledger.get(conn, task.id)
             status = now.status if now else task.status
+            if task.mode == "sync" and status == TaskStatus.RUNNING:
+                raise ctx.Refusal(409, "conflict", "the task is a sync child: it ends with its run, not on its own")
             raise ctx.Refusal(409, "conflict", f"the task is already {status}")
         code = 200 if changed.status == TaskStatus.CANCELLED else 202
         return JSONResponse(changed.as_json(), status_code=code)

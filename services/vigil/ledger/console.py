@@ -293,7 +293,7 @@ class Cursor:
 
 @dataclass(frozen=True)
 class TaskRow:
-    """A background task as the timeline shows it (docs/tasks.md)."""
+    """A task (background, or a sync child) as the timeline shows it (docs/tasks.md)."""
 
     id: str
     status: str
@@ -313,6 +313,8 @@ class TaskRow:
     tokens: int
     parent_run_key: str
     reported_at: datetime | None
+    mode: str  # background | sync
+    parent_task_id: str | None  # the task that delegated it (None: a run did)
 
 
 @dataclass(frozen=True)

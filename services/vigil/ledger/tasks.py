@@ -12,7 +12,10 @@ is one statement that checks the state it expects and says whether it won:
   too old (their holder is gone), queued again or ``lost`` when attempts are used up;
 - :func:`cancel` is the owner's request;
 - :func:`unreported` / :func:`mark_reported` are the reporter's two halves around producing
-  a terminal task's result event.
+  a terminal task's result event;
+- :func:`sync_started` / :func:`sync_ended` record a sync child (mode ``sync``), best effort,
+  for its run: visible, never claimed, never reported, not counted as open;
+- :func:`children` reads a task's descendants (its tree).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class TaskRow:
     last_tool: str | None
     note: str | None
     progress_at: datetime | None
+    mode: str  # background | sync (a sub-agent run inside its parent's run)
+    run_id: int | None  # the run whose finish queued it (a task's background child: that task's run)
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> TaskRow:
@@ -116,6 +121,12 @@ class Outcome:
     turns: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    last_tool: str | None = None  # sync rows: the last tool the child called
+    note: str | None = None
+
+    def params(self, task_id: str) -> dict[str, Any]:
+        """The statement's parameters: the task's id and every field, the status as text."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "id": task_id, "status": str(self.status)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +144,27 @@ async def create(conn: psycopg.AsyncConnection[DictRow], task: NewTaskRow, *, no
     if task.max_open is not None:
         await conn.execute(Q.task_open_lock, {"user_id": task.user_id})
     await conn.execute(Q.task_create, {**{f.name: getattr(task, f.name) for f in fields(task)}, "now": now})
+
+
+async def sync_started(
+    conn: psycopg.AsyncConnection[DictRow], task: NewTaskRow, *, now: datetime | None = None
+) -> None:
+    """A sync child starts (its deadline ``timeout_s`` after ``now``: its run's): running, no
+    lease. The same id again (a replayed run) starts the same row again, an attempt counted."""
+    params = {f.name: getattr(task, f.name) for f in fields(task) if f.name != "max_open"}
+    await conn.execute(Q.task_sync_started, {**params, "now": now})
+
+
+async def sync_ended(conn: psycopg.AsyncConnection[DictRow], *, task_id: str, outcome: Outcome) -> bool:
+    """A sync child's end, its usage and answer. False: there is no such sync row."""
+    cur = await conn.execute(Q.task_sync_ended, outcome.params(task_id))
+    return await cur.fetchone() is not None
+
+
+async def children(conn: psycopg.AsyncConnection[DictRow], task_id: str, limit: int = 200) -> list[TaskRow]:
+    """The task's descendants by ``parent_task_id``, shallowest first."""
+    cur = await conn.execute(Q.task_children, {"id": task_id, "limit": limit})
+    return [TaskRow.of(row) for row in await cur.fetchall()]
 
 
 async def open_count(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> int:
@@ -185,19 +217,7 @@ async def heartbeat(
 async def finish(conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_epoch: int, outcome: Outcome) -> bool:
     """True if this outcome stands; False if another one already did (or the lease moved on)."""
     assert outcome.status not in (TaskStatus.QUEUED, TaskStatus.RUNNING)
-    cur = await conn.execute(
-        Q.task_finish,
-        {
-            "id": task_id,
-            "lease_epoch": lease_epoch,
-            "status": str(outcome.status),
-            "result": outcome.result,
-            "error": outcome.error,
-            "turns": outcome.turns,
-            "input_tokens": outcome.input_tokens,
-            "output_tokens": outcome.output_tokens,
-        },
-    )
+    cur = await conn.execute(Q.task_finish, {**outcome.params(task_id), "lease_epoch": lease_epoch})
     return await cur.fetchone() is not None
 
 
@@ -214,6 +234,8 @@ async def reap(conn: psycopg.AsyncConnection[DictRow], stale_s: float, *, now: d
     reaped = [Reaped(r["id"], r["user_id"], TaskStatus.TIMED_OUT) for r in await cur.fetchall()]
     cur = await conn.execute(Q.task_reap_stale, {"stale_s": stale_s, "now": now})
     reaped += [Reaped(r["id"], r["user_id"], TaskStatus(r["status"])) for r in await cur.fetchall()]
+    cur = await conn.execute(Q.task_reap_sync, {"now": now})
+    reaped += [Reaped(r["id"], r["user_id"], TaskStatus.LOST) for r in await cur.fetchall()]
     return reaped
 
 

@@ -20,7 +20,7 @@ from vigil.ledger.db import connect_async
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 
-COLUMNS = ["id", "user_id", "status", "attempts", "depth", "created_at", "finished_at", "error"]
+COLUMNS = ["id", "user_id", "mode", "status", "attempts", "depth", "created_at", "finished_at", "error"]
 
 
 async def _connect():
@@ -74,25 +74,62 @@ def tasks_list(user_id: str | None, status: str | None, limit: int, as_json: boo
 
 @tasks.command("show")
 @click.argument("task_id")
-@click.option("--json", "as_json", is_flag=True, help="The row as one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="The row as one JSON object, with its parent and children.")
 def tasks_show(task_id: str, as_json: bool) -> None:
-    """One task, every column."""
+    """One task, every column, and its tree: its parent (a run or a task) and its children
+    (sync and background, theirs too) with their status and usage."""
 
     async def go():
         async with await _connect() as conn:
-            return await ledger.get(conn, task_id)
+            row = await ledger.get(conn, task_id)
+            if row is None:
+                return None, None, []
+            parent = await ledger.get(conn, row.parent_task_id) if row.parent_task_id else None
+            return row, parent, await ledger.children(conn, row.id)
 
-    row = _run(go())
+    row, parent, descendants = _run(go())
     if row is None:
         raise click.ClickException(f"no task {task_id!r}")
     _refuse_unowned(row)
+    kids: dict[str, list[ledger.TaskRow]] = {}
+    for kid in descendants:
+        kids.setdefault(kid.parent_task_id or "", []).append(kid)
     if as_json:
-        click.echo(json.dumps(row.as_json()))
+        up = {"run_key": row.parent_run_key} if parent is None else _node(parent, {})
+        click.echo(json.dumps({**row.as_json(), "parent": up, "children": _node(row, kids)["children"]}))
         return
     for key, value in row.as_json().items():
         click.echo(f"{key:20} {value}")
     if row.progress_at is not None:
         click.echo(f"{'progress':20} {progress(row)}")
+    click.echo(f"{'parent':20} " + (f"run {row.parent_run_key}" if parent is None else summary(parent)))
+    click.echo(f"{'tree':20} {summary(row)}")
+    for line in _drawn(row.id, kids, ""):
+        click.echo(f"{'':20} {line}")
+
+
+def summary(row: ledger.TaskRow) -> str:
+    """A task in one line of its tree: id, mode, status, usage."""
+    turns = f"{row.turns} turn{'s' if row.turns != 1 else ''}"
+    return f"{row.id} {row.mode} {row.status} {turns}, {row.input_tokens + row.output_tokens} tokens"
+
+
+def _drawn(task_id: str, kids: dict[str, list[ledger.TaskRow]], indent: str) -> list[str]:
+    lines = []
+    below = kids.get(task_id, [])
+    for n, kid in enumerate(below):
+        last = n == len(below) - 1
+        lines.append(f"{indent}{'└─' if last else '├─'} {summary(kid)}")
+        lines += _drawn(kid.id, kids, indent + ("   " if last else "│  "))
+    return lines
+
+
+def _node(row: ledger.TaskRow, kids: dict[str, list[ledger.TaskRow]]) -> dict:
+    """A task in its tree as JSON: who it is, how it stands, what it spent, its children."""
+    fields = ("id", "mode", "status", "depth", "turns", "input_tokens", "output_tokens", "started_at", "finished_at")
+    out = {f: row.as_json()[f] for f in fields}
+    out["children"] = [_node(kid, kids) for kid in kids.get(row.id, [])]
+    return out
 
 
 def progress(row: ledger.TaskRow) -> str:
@@ -134,6 +171,8 @@ def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
         if changed is None:
             click.get_current_context().exit(EXIT_CONFLICT)
         return
+    if changed is None and row.mode == "sync" and row.status == "running":
+        raise Conflict(f"task {task_id} is a sync child: it ends with its run, not on its own")
     if changed is None:
         raise Conflict(f"task {task_id} is already {row.status}: nothing to cancel")
     if row.status == "cancelled":

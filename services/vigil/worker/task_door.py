@@ -1,6 +1,7 @@
 """The ledger's tasks as a run may look at them: :class:`vigil.agent.base.TaskDoor` over a
 connection source (the worker's pool, or a DSN for tools and tests). The owner rule is the
-ledger's (:func:`vigil.ledger.tasks.of_owner`), applied on every call."""
+ledger's (:func:`vigil.ledger.tasks.of_owner`), applied on every call. Runs and background
+tasks record their sync children through it too (:func:`vigil.ledger.tasks.sync_started`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Any
 
 import psycopg
 
-from vigil.agent.base import TasksUnavailable
+from vigil.agent.base import NewTask, SyncOutcome, TasksUnavailable
 from vigil.ledger import db
 from vigil.ledger import tasks as ledger
+from vigil.worker.finish import new_task_row
 
 Connect = Callable[[], AbstractAsyncContextManager[Any]]
 
@@ -53,5 +55,26 @@ class LedgerTasks:
         try:
             async with self._connect() as conn:
                 return await ledger.cancel(conn, task_id=task_id, actor=actor)
+        except (psycopg.Error, OSError) as exc:
+            raise TasksUnavailable(f"the task ledger did not answer: {exc}") from exc
+
+    async def sync_started(self, *, user_id: str, task: NewTask) -> None:
+        try:
+            async with self._connect() as conn:
+                await ledger.sync_started(conn, new_task_row(user_id, task))
+        except (psycopg.Error, OSError) as exc:
+            raise TasksUnavailable(f"the task ledger did not answer: {exc}") from exc
+
+    async def sync_ended(self, *, user_id: str, task: NewTask, outcome: SyncOutcome) -> None:
+        u = outcome.usage
+        ended = ledger.Outcome(
+            outcome.status, outcome.result, outcome.error, u.turns, u.input_tokens, u.output_tokens, u.last_tool, u.note
+        )
+        try:
+            async with self._connect() as conn:
+                if not await ledger.sync_ended(conn, task_id=task.id, outcome=ended):
+                    # Its start was not written (best effort): the row now, then its end.
+                    await ledger.sync_started(conn, new_task_row(user_id, task))
+                    await ledger.sync_ended(conn, task_id=task.id, outcome=ended)
         except (psycopg.Error, OSError) as exc:
             raise TasksUnavailable(f"the task ledger did not answer: {exc}") from exc

@@ -37,12 +37,13 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import psycopg
 
-from vigil.agent.base import Agent, Delegation, TaskContext, TaskUsage
+from vigil.agent.base import Agent, Delegation, NewTask, TaskContext, TaskUsage
 from vigil.agent.journal import Journal
 from vigil.bus.kafka import EventProducer
 from vigil.clock import Clock, SystemClock, utc
@@ -53,8 +54,10 @@ from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import TaskStatus
 from vigil.retry import backoff
 from vigil.worker import metrics
+from vigil.worker.finish import new_task_row
 from vigil.worker.journal import RunWriter
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.task_door import LedgerTasks
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,7 @@ class TaskExecutor:
         # Leases, heartbeats and deadlines are decided on this clock, in the ledger too.
         self.clock = clock or SystemClock()
         self.holding: dict[str, Holding] = {}
+        self.door = LedgerTasks(lambda: self.pool.connection())  # where tasks record their sync children
         self._wake_report = asyncio.Event()
         self._stopping = False
 
@@ -168,8 +172,12 @@ class TaskExecutor:
                 timeout_s=self.settings.task_timeout_s,
                 max_attempts=self.settings.task_max_attempts,
                 owner_chain=(*task.owner_chain, task.id),
+                max_tasks_per_run=self.settings.max_tasks_per_run,
+                max_open_tasks_per_user=self.settings.max_open_tasks_per_user,
             ),
             attempt=task.attempts,
+            tasks=self.door,
+            session_id=task.session_id,
         )
         holding = Holding(task, ctx, leased_at)
         self.holding[task.id] = holding
@@ -221,7 +229,7 @@ class TaskExecutor:
             )
             return
         assert isinstance(outcome, ledger.Outcome)
-        stands = await self._write(task, outcome)
+        stands = await self._write(task, outcome, ctx.spawned if outcome.status is TaskStatus.SUCCEEDED else [])
         if stands is None:
             return
         if stands:
@@ -317,8 +325,13 @@ class TaskExecutor:
         u = ctx.usage
         return ledger.Outcome(status, result, error, u.turns, u.input_tokens, u.output_tokens)
 
-    async def _write(self, task: ledger.TaskRow, outcome: ledger.Outcome) -> bool | None:
-        """The compare-and-set, retried through ledger errors with :func:`vigil.retry.backoff`
+    async def _write(
+        self, task: ledger.TaskRow, outcome: ledger.Outcome, spawned: Sequence[NewTask] = ()
+    ) -> bool | None:
+        """The compare-and-set, with the background tasks the task delegated (``spawned``,
+        given only for a success) queued in the same transaction if it stands, as a run's
+        finish queues its tasks: their usage is rolled up to the task's run. Retried through
+        ledger errors with :func:`vigil.retry.backoff`
         (from ``WRITE_RETRY_BASE_S``, jittered, capped) for at most ``VIGIL_TASK_STALE_S``: by
         then no heartbeat has kept the lease (the execution has ended), the reaper may have
         taken the task back, and the task is left to it (queued again, replaying its journal,
@@ -330,6 +343,9 @@ class TaskExecutor:
                 async with self.pool.connection() as conn, conn.transaction():
                     stands = await ledger.finish(conn, task.id, task.lease_epoch, outcome)
                     if stands:
+                        for child in spawned:
+                            row = new_task_row(task.user_id, child, task.run_id)
+                            await ledger.create(conn, row, now=utc(self.clock.now()))
                         await ledger_journal.finish_task(
                             conn, f"task:{task.id}", keep=self.settings.run_journal_days > 0
                         )

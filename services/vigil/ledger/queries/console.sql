@@ -118,7 +118,8 @@ LIMIT %(limit)s
 -- Background tasks the given runs delegated (tasks_by_user, then by run id), with their state.
 SELECT id, status, attempts, max_attempts, depth, lease_holder, lease_epoch, heartbeat_at, deadline, created_at,
        finished_at, cancel_requested_by, left(instructions, 300) AS instructions, left(result, 300) AS result,
-       left(error, 300) AS error, input_tokens + output_tokens AS tokens, parent_run_key, reported_at, run_id
+       left(error, 300) AS error, input_tokens + output_tokens AS tokens, parent_run_key, reported_at, mode,
+       parent_task_id, run_id
 FROM tasks
 WHERE user_id = %(user_id)s AND run_id = ANY(%(run_ids)s::bigint[])
 ORDER BY created_at, id
@@ -268,11 +269,11 @@ ORDER BY k.topic, k.partition
 LIMIT %(limit)s
 
 -- name: console_tasks_of_user
--- A user's background tasks, newest first (tasks_by_user index), bounded.
+-- A user's tasks (background and sync children), newest first (tasks_by_user index), bounded.
 SELECT id, status, attempts, max_attempts, depth, lease_holder, lease_epoch, heartbeat_at, deadline, created_at,
        finished_at, cancel_requested_by, left(instructions, 300) AS instructions, left(result, 300) AS result,
-       left(error, 300) AS error, input_tokens + output_tokens AS tokens, parent_run_key, reported_at,
-       turns, last_tool, note, progress_at
+       left(error, 300) AS error, input_tokens + output_tokens AS tokens, parent_run_key, reported_at, mode,
+       parent_task_id, turns, last_tool, note, progress_at
 FROM tasks
 WHERE user_id = %(user_id)s
 ORDER BY created_at DESC, id DESC

@@ -10,8 +10,8 @@
 SELECT pg_advisory_xact_lock(hashtextextended('vigil.tasks.open:' || %(user_id)s, 0))
 
 -- name: task_open_count
--- The user's open tasks (queued or running).
-SELECT count(*) AS open FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running')
+-- The user's open background tasks (queued or running): sync children are bounded by their run, not by this.
+SELECT count(*) AS open FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running') AND mode = 'background'
 
 -- name: task_create
 -- A task delegated by a run, inserted in that run's fenced finish (a run that does not commit starts nothing). Past %(max_open)s open tasks of its user (NULL: no bound) it is inserted already failed, with the reason: its result event tells the agent.
@@ -25,14 +25,51 @@ SELECT %(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id
        CASE WHEN full_up THEN coalesce(%(now)s::timestamptz, now()) END,
        CASE WHEN full_up THEN format('not started: this user already has at most %%s open background tasks (VIGIL_MAX_OPEN_TASKS_PER_USER)', %(max_open)s::int) END
 FROM (SELECT %(max_open)s::int IS NOT NULL AND count(*) >= %(max_open)s::int AS full_up
-      FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running')) AS bound
+      FROM tasks WHERE user_id = %(user_id)s AND status IN ('queued', 'running') AND mode = 'background') AS bound
 ON CONFLICT (id) DO NOTHING
+
+-- name: task_sync_started
+-- A sync child starting inside its run (best effort; docs/tasks.md "Every child visible"): running, no lease, deadline its run's. Its id is derived from the delegate call's step key, so a replayed run starts the same row again (an attempt counted), never a second one; a background task's row is never touched.
+INSERT INTO tasks AS t (id, user_id, parent_run_key, parent_task_id, session_id, depth, owner_chain, instructions,
+                        tools, token_budget, max_attempts, deadline, run_id, mode, status, attempts, started_at)
+VALUES (%(id)s, %(user_id)s, %(parent_run_key)s, %(parent_task_id)s, %(session_id)s, %(depth)s, %(owner_chain)s,
+        %(instructions)s, %(tools)s, %(token_budget)s, %(max_attempts)s,
+        coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(timeout_s)s), %(run_id)s, 'sync', 'running', 1,
+        coalesce(%(now)s::timestamptz, now()))
+ON CONFLICT (id) DO UPDATE
+SET status = 'running',
+    attempts = t.attempts + 1,
+    deadline = excluded.deadline,
+    started_at = excluded.started_at,
+    finished_at = NULL,
+    reported_at = NULL,
+    result = NULL,
+    error = NULL
+WHERE t.mode = 'sync'
+
+-- name: task_sync_ended
+-- A sync child's end, written by its run: its status, answer or error and usage (its own sync children's included). Already reported (its answer went back as the tool result; no event wakes anyone). The last word of its run stands, whatever the reaper said meanwhile.
+UPDATE tasks
+SET status = %(status)s,
+    finished_at = now(),
+    reported_at = now(),
+    result = %(result)s,
+    error = %(error)s,
+    turns = %(turns)s,
+    input_tokens = %(input_tokens)s,
+    output_tokens = %(output_tokens)s,
+    last_tool = %(last_tool)s,
+    note = %(note)s,
+    progress_at = now()
+WHERE id = %(id)s AND mode = 'sync'
+RETURNING id
 
 -- name: task_claim
 -- The oldest queued tasks still within their deadline and not asked to stop, taken by one worker: a new lease epoch, an attempt counted, a first heartbeat. SKIP LOCKED: two workers never wait for each other or take the same task.
 WITH picked AS (
     SELECT id FROM tasks
-    WHERE status = 'queued' AND deadline > coalesce(%(now)s::timestamptz, now()) AND cancel_requested_at IS NULL
+    WHERE status = 'queued' AND mode = 'background' AND deadline > coalesce(%(now)s::timestamptz, now())
+      AND cancel_requested_at IS NULL
     ORDER BY created_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -92,7 +129,17 @@ SET status = 'timed_out',
     finished_at = now(),
     lease_holder = NULL,
     error = format('deadline passed (%%s) after %%s attempt(s)', to_char(deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'), attempts)
-WHERE status IN ('queued', 'running') AND deadline <= coalesce(%(now)s::timestamptz, now())
+WHERE status IN ('queued', 'running') AND mode = 'background' AND deadline <= coalesce(%(now)s::timestamptz, now())
+RETURNING id, user_id
+
+-- name: task_reap_sync
+-- Sync rows still running past their deadline (their run's): the run died or was stopped without writing the child's end, and no replay wrote it since. Lost, already reported (no event: its parent's run never waited for one). A later replay of the run starts the row again.
+UPDATE tasks
+SET status = 'lost',
+    finished_at = now(),
+    reported_at = now(),
+    error = 'its run ended without recording how this sync child ended (the worker died or stopped it)'
+WHERE status = 'running' AND mode = 'sync' AND deadline <= coalesce(%(now)s::timestamptz, now())
 RETURNING id, user_id
 
 -- name: task_reap_stale
@@ -107,24 +154,25 @@ SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
                  ELSE format('no heartbeat from %%s for %%s s (attempt %%s of %%s)', lease_holder,
                              floor(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - heartbeat_at))::bigint, attempts, max_attempts) END,
     lease_holder = NULL
-WHERE status = 'running' AND heartbeat_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(stale_s)s)
+WHERE status = 'running' AND mode = 'background'
+  AND heartbeat_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(stale_s)s)
 RETURNING id, user_id, status
 
 -- name: task_cancel
--- The owner's cancel: a queued task is cancelled at once; a running one is flagged and its holder stops it at its next heartbeat. No row: the task is already terminal (or unknown).
+-- The owner's cancel: a queued task is cancelled at once; a running one is flagged and its holder stops it at its next heartbeat. No row: the task is already terminal (or unknown), or a sync child (it ends with its run).
 UPDATE tasks
 SET cancel_requested_at = coalesce(cancel_requested_at, now()),
     cancel_requested_by = coalesce(cancel_requested_by, %(actor)s),
     status = CASE WHEN status = 'queued' THEN 'cancelled' ELSE status END,
     finished_at = CASE WHEN status = 'queued' THEN now() ELSE finished_at END,
     error = CASE WHEN status = 'queued' THEN format('cancelled by %%s before it started', %(actor)s::text) ELSE error END
-WHERE id = %(id)s AND status IN ('queued', 'running')
+WHERE id = %(id)s AND status IN ('queued', 'running') AND mode = 'background'
 RETURNING *
 
 -- name: task_unreported
 -- Terminal tasks whose result event is not yet acknowledged, oldest first, locked so that one worker reports each.
 SELECT * FROM tasks
-WHERE finished_at IS NOT NULL AND reported_at IS NULL
+WHERE finished_at IS NOT NULL AND reported_at IS NULL AND mode = 'background'
 ORDER BY finished_at
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
@@ -155,13 +203,13 @@ ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s
 
 -- name: task_gauges
--- Tasks by live status and the oldest heartbeat among running ones (ledger-wide: use max() across workers).
+-- Background tasks by live status and the oldest heartbeat among running ones (ledger-wide: use max() across workers).
 SELECT count(*) FILTER (WHERE status = 'queued') AS queued,
        count(*) FILTER (WHERE status = 'running') AS running,
        coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(heartbeat_at) FILTER (WHERE status = 'running')), 0)::float8
            AS heartbeat_age
 FROM tasks
-WHERE status IN ('queued', 'running')
+WHERE status IN ('queued', 'running') AND mode = 'background'
 
 -- name: task_release
 -- A holder shutting down hands its task back: queued again with its attempt given back (it was not the task's fault), under the same compare-and-set as an outcome; a task whose cancel was requested ends cancelled instead.
@@ -184,3 +232,12 @@ WHERE user_id = %(user_id)s
   AND (%(id)s::text IS NULL OR id = %(id)s)
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s
+
+-- name: task_children
+-- A task's descendants (its children, theirs, ...: depth is bounded by VIGIL_MAX_DELEGATION_DEPTH), by parent_task_id, oldest first; at most %(limit)s.
+WITH RECURSIVE tree AS (
+    SELECT * FROM tasks WHERE parent_task_id = %(id)s
+    UNION ALL
+    SELECT c.* FROM tasks c JOIN tree ON c.parent_task_id = tree.id
+)
+SELECT * FROM tree ORDER BY depth, created_at, id LIMIT %(limit)s
