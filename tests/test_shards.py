@@ -225,6 +225,10 @@ def test_shards_lists_each_shard_and_an_unreachable_one_fails_the_command(databa
     # partitions are moved to it.
     assert shards[2]["partitions"] == []
     assert "shard 2" in three.stderr and len(three.stderr.strip().splitlines()) == 1
+    # `vigil migrate --check` stops at it, one line naming the shard (not VIGIL_DATABASE_URL).
+    check = vigil("migrate", "--check", env=shard_env(catalog, other, closed, partitions=6))
+    assert_one_line(check, 3, "ledger shard 2 (postgresql://vigil@127.0.0.1:", "VIGIL_LEDGER_SHARDS", "refused")
+    assert "hidden" not in check.stderr
 
     text = vigil("shards", env=shard_env(catalog, other, closed, partitions=6))
     assert text.returncode == 3
