@@ -97,7 +97,17 @@ def require_schema(settings: CommonSettings) -> None:
     A ledger that does not answer yet is not a reason to refuse: the service's own loops
     wait for it and report not-ready meanwhile (ingest answers 503), and on Kubernetes the
     init container has already run ``vigil migrate --check``.
+
+    Several shards (VIGIL_LEDGER_SHARDS) are refused too: the services do not route users to
+    shards yet (docs/scaling.md, "Shards: built so far"), and one that started would keep every
+    user on shard 0 while the operator believed them spread.
     """
+    if len(shards := settings.shard_dsns) > 1:
+        raise StartupError(
+            f"VIGIL_LEDGER_SHARDS names {len(shards)} shards, but this version's services keep every user on "
+            "one ledger: only `vigil migrate`, `vigil migrate --check` and `vigil shards` use several shards yet; "
+            "unset it (or leave one entry) to start the services"
+        )
     try:
         behind = pending(settings.dsn)
     except psycopg.OperationalError as exc:
