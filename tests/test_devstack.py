@@ -3,6 +3,7 @@ and down leaves nothing of the stack running."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -13,11 +14,27 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from support import REPO
 from vigil_dev import devstack
 from vigil_dev.devstack import http_ok
+
+STACK_PORTS = ("VIGIL_DEV_KAFKA_PORT", "VIGIL_DEV_KAFKA_CONTROLLER_PORT", "VIGIL_DEV_PG_PORT", "VIGIL_DEV_CLAUDE_PORT")
+
+
+def dev_env(root: Path, ports: dict[str, int]) -> dict[str, str]:
+    """What `vigil-dev` is run with: a stack of its own under ``root`` on ``ports``."""
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        # A checkout run with PYTHONPATH (a worktree beside an editable install) runs its own code.
+        **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
+        "VIGIL_DEV_RUN_DIR": str(root),
+        "VIGIL_DEV_KAFKA_LIBS": str(devstack.kafka_libs(REPO / ".run" / "kafka")),
+        **{k: str(v) for k, v in ports.items()},
+    }
 
 
 @pytest.mark.slow
@@ -30,10 +47,7 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
     ports = {
         name: devstack.free_port()
         for name in (
-            "VIGIL_DEV_KAFKA_PORT",
-            "VIGIL_DEV_KAFKA_CONTROLLER_PORT",
-            "VIGIL_DEV_PG_PORT",
-            "VIGIL_DEV_CLAUDE_PORT",
+            *STACK_PORTS,
             "VIGIL_INGEST_PORT",
             "VIGIL_WORKER_PORT",
             "VIGIL_SCHEDULER_PORT",
@@ -41,15 +55,7 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
             "VIGIL_CONSOLE_PORT",
         )
     }
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": os.environ.get("HOME", "/root"),
-        # A checkout run with PYTHONPATH (a worktree beside an editable install) runs its own code.
-        **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
-        "VIGIL_DEV_RUN_DIR": str(root),
-        "VIGIL_DEV_KAFKA_LIBS": str(devstack.kafka_libs(REPO / ".run" / "kafka")),
-        **{k: str(v) for k, v in ports.items()},
-    }
+    env = dev_env(root, ports)
 
     def vigil_dev(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -131,4 +137,63 @@ def test_dev_up_twice_then_down_leaves_nothing_running():
             assert not devstack.port_open(port), f"port {port} still open"
     finally:
         vigil_dev("down")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.stack  # starts a stack of its own
+def test_dev_up_with_two_shards_starts_a_second_postgresql_and_down_stops_both():
+    root = Path(tempfile.mkdtemp(prefix="vigil-devstack-shards-"))
+    os.chmod(root, 0o755)
+    ports = {name: devstack.free_port() for name in STACK_PORTS}
+    shard_port = devstack.free_port()
+    env = {**dev_env(root, ports), "VIGIL_DEV_SHARDS": "2", "VIGIL_DEV_PG_SHARD_PORTS": str(shard_port)}
+
+    def run(*args: str, extra: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", *args], env={**env, **(extra or {})}, capture_output=True, text=True, timeout=300
+        )
+
+    try:
+        up = run("vigil_dev", "up", "--no-services")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert re.search(rf"^shard 1\s+postgresql://vigil:\*\*\*@127.0.0.1:{shard_port}/vigil", up.stdout, re.M), (
+            up.stdout
+        )
+        settings = dict(
+            line.removeprefix("export ").split("=", 1) for line in (root / "env").read_text().splitlines()[1:]
+        )
+        # The second server has its own passwords, the same authentication and the same role.
+        first, second = (
+            (root / "pg" / "vigil.password").read_text().strip(),
+            (root / "pg1" / "vigil.password").read_text().strip(),
+        )
+        assert first != second and second not in up.stdout
+        assert settings["VIGIL_LEDGER_SHARDS"] == (
+            f"postgresql://vigil:{first}@127.0.0.1:{ports['VIGIL_DEV_PG_PORT']}/vigil,"
+            f"postgresql://vigil:{second}@127.0.0.1:{shard_port}/vigil"
+        )
+        assert settings["VIGIL_DEV_SHARDS"] == "2" and settings["VIGIL_DEV_PG_SHARD_PORTS"] == str(shard_port)
+        shard_url = settings["VIGIL_LEDGER_SHARDS"].split(",")[1]
+        with psycopg.connect(shard_url) as conn:
+            assert conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone() == (False,)
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(shard_url.replace(second, "wrong")).close()
+
+        # `vigil migrate` ran on both: `vigil shards` with the stack's settings lists two.
+        listed = run("vigil", "shards", "--json", extra=settings)
+        assert listed.returncode == 0, listed.stderr
+        shards = json.loads(listed.stdout)["shards"]
+        assert [(s["shard"], s["reachable"], s["pending"]) for s in shards] == [(0, True, []), (1, True, [])]
+        assert shards[1]["partitions"] == list(range(1, 12, 2))
+
+        pids = [int((root / name / "postgres.pid").read_text()) for name in ("pg", "pg1")]
+        assert "postgresql-1" in run("vigil_dev", "status").stdout
+        down = run("vigil_dev", "down")
+        assert down.returncode == 0, down.stderr
+        assert "postgresql, postgresql-1" in down.stdout
+        assert not [pid for pid in pids if devstack.pid_alive(pid)]
+        assert not devstack.port_open(shard_port) and not devstack.port_open(ports["VIGIL_DEV_PG_PORT"])
+    finally:
+        run("vigil_dev", "down")
         shutil.rmtree(root, ignore_errors=True)

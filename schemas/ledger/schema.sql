@@ -678,3 +678,15 @@ CREATE TABLE audit (
     action  text        NOT NULL,
     detail  jsonb       NOT NULL DEFAULT '{}'
 );
+
+-- shard_map: which ledger shard holds each Kafka partition of the events topic and its users
+-- (docs/architecture.md, "Shards"). Read from the catalog (shard 0); empty on the other shards.
+-- A partition without a row follows the rule partition % shards (vigil.ledger.shardmap);
+-- `vigil migrate` seeds the configured partitions' rows from it and never rewrites one (0039).
+CREATE TABLE shard_map (
+    partition   integer     PRIMARY KEY,
+    shard       integer     NOT NULL,
+    assigned_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT shard_map_partition_valid CHECK (partition >= 0),
+    CONSTRAINT shard_map_shard_valid CHECK (shard >= 0)
+);

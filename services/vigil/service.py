@@ -20,6 +20,7 @@ from vigil.ledger import sealing
 from vigil.ledger.db import connect
 from vigil.ledger.migrate import pending
 from vigil.ledger.sealing import SecretKeyError
+from vigil.ledger.shardmap import ShardUnreachable
 from vigil.settings import CommonSettings, SettingsError, load
 
 S = TypeVar("S", bound=CommonSettings)
@@ -47,16 +48,19 @@ def dependency_down(exc: BaseException) -> str | None:
     librdkafka's carry a struct dump; an operator needs which dependency, which setting
     points at it, and the first line of the reason.
     """
+    if isinstance(exc, ShardUnreachable):
+        return str(exc)
     if isinstance(exc, psycopg.OperationalError):  # psycopg_pool.PoolTimeout is one too
-        return f"PostgreSQL is unreachable (VIGIL_DATABASE_URL): {_first_line(exc)}"
+        return f"PostgreSQL is unreachable (VIGIL_DATABASE_URL): {first_line(exc)}"
     if isinstance(exc, KafkaException | ProduceError):
-        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else _first_line(exc)
+        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else first_line(exc)
         bootstrap = os.environ.get("VIGIL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
         return f"Kafka is unreachable at {bootstrap} (VIGIL_KAFKA_BOOTSTRAP): {reason}"
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, its whitespace folded (psycopg's errors span lines)."""
     text = " ".join(str(exc).split("\n")[0].split())
     return text or type(exc).__name__
 
@@ -93,12 +97,22 @@ def require_schema(settings: CommonSettings) -> None:
     A ledger that does not answer yet is not a reason to refuse: the service's own loops
     wait for it and report not-ready meanwhile (ingest answers 503), and on Kubernetes the
     init container has already run ``vigil migrate --check``.
+
+    Several shards (VIGIL_LEDGER_SHARDS) are refused too: the services do not route users to
+    shards yet (docs/scaling.md, "Shards: built so far"), and one that started would keep every
+    user on shard 0 while the operator believed them spread.
     """
+    if len(shards := settings.shard_dsns) > 1:
+        raise StartupError(
+            f"VIGIL_LEDGER_SHARDS names {len(shards)} shards, but this version's services keep every user on "
+            "one ledger: only `vigil migrate`, `vigil migrate --check` and `vigil shards` use several shards yet; "
+            "unset it (or leave one entry) to start the services"
+        )
     try:
         behind = pending(settings.dsn)
     except psycopg.OperationalError as exc:
         log = logging.getLogger("vigil")
-        log.warning("schema version not checked, the ledger does not answer: %s", _first_line(exc))
+        log.warning("schema version not checked, the ledger does not answer: %s", first_line(exc))
         return
     if behind:
         raise StartupError(
@@ -117,7 +131,7 @@ def require_secret_keys(settings: CommonSettings) -> None:
         with connect(settings.dsn) as conn:
             clear = sealing.check(conn, sealing.keys())
     except psycopg.OperationalError as exc:
-        log.warning("secret keys not checked, the ledger does not answer: %s", _first_line(exc))
+        log.warning("secret keys not checked, the ledger does not answer: %s", first_line(exc))
         return
     except SecretKeyError as exc:
         raise StartupError(str(exc)) from None

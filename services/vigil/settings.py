@@ -18,7 +18,9 @@ import os
 import socket
 from typing import Any, Literal, TypeVar
 
+import psycopg
 from cryptography.fernet import Fernet
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -78,6 +80,12 @@ class CommonSettings(BaseSettings):
     database_url: SecretStr = Field(
         SecretStr(DEFAULT_DATABASE_URL),
         description="PostgreSQL connection URL of the ledger (libpq form). Never logged.",
+    )
+    ledger_shards: SecretStr | None = Field(
+        None,
+        description="The ledger's shards: their PostgreSQL URLs, comma separated, shard 0 first. Shard 0 is the "
+        "catalog and must be VIGIL_DATABASE_URL's database; each Kafka partition of the events topic belongs to one "
+        'shard (docs/architecture.md, "Shards and the catalog"). Unset: one shard, VIGIL_DATABASE_URL. Never logged.',
     )
     events_topic: str = Field(DEFAULT_EVENTS_TOPIC, description="Topic every event goes through.")
     dlq_topic: str = Field(
@@ -183,6 +191,13 @@ class CommonSettings(BaseSettings):
             raise ValueError("expected a postgresql:// URL or a libpq key=value string")
         return value
 
+    @field_validator("ledger_shards")
+    @classmethod
+    def _shard_urls(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and value.get_secret_value().strip():  # empty: unset
+            parse_shards(value.get_secret_value())
+        return value
+
     @field_validator("secret_key", "secret_old_keys")
     @classmethod
     def _fernet_keys(cls, value: SecretStr | None) -> SecretStr | None:
@@ -211,6 +226,29 @@ class CommonSettings(BaseSettings):
                 f"VIGIL_TOPIC_REPLICATION={self.topic_replication}: no write could ever be acknowledged"
             )
         return self
+
+    @model_validator(mode="after")
+    def _shards_fit(self) -> CommonSettings:
+        dsns = self.shard_dsns
+        if len(dsns) > 1 and not same_database(dsns[0], self.dsn):
+            raise ValueError(
+                "VIGIL_LEDGER_SHARDS: its first entry is shard 0, the catalog, and must name VIGIL_DATABASE_URL's "
+                "database (its host, port and database name)"
+            )
+        if len(dsns) > self.partitions:
+            raise ValueError(
+                f"VIGIL_LEDGER_SHARDS names {len(dsns)} shards, more than VIGIL_PARTITIONS={self.partitions}: "
+                "a shard would hold no partition"
+            )
+        return self
+
+    @property
+    def shard_dsns(self) -> tuple[str, ...]:
+        """The ledger's shards, shard 0 (the catalog) first: VIGIL_DATABASE_URL alone when
+        VIGIL_LEDGER_SHARDS is unset."""
+        if self.ledger_shards is None or not self.ledger_shards.get_secret_value().strip():
+            return (self.dsn,)
+        return parse_shards(self.ledger_shards.get_secret_value())
 
     @property
     def min_insync_replicas(self) -> int:
@@ -252,6 +290,33 @@ def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Net
     return tuple(nets)
 
 
+def same_database(first: str, second: str) -> bool:
+    """Whether two libpq DSNs name one database of one server (whoever connects, with any password)."""
+    a, b = conninfo_to_dict(first), conninfo_to_dict(second)
+    return all(a.get(part) == b.get(part) for part in ("host", "port", "dbname"))
+
+
+def parse_shards(text: str) -> tuple[str, ...]:
+    """``"postgresql://...,postgresql://..."`` -> the shards' DSNs, shard 0 first; ValueError
+    naming the entry by its index, never showing one (they carry passwords). URLs only: a libpq
+    ``key=value`` string may hold a comma."""
+    entries = [entry.strip() for entry in text.split(",")]
+    for index, entry in enumerate(entries):
+        if not entry:
+            raise ValueError(f"entry {index} is empty (a stray comma?)")
+        if not entry.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"entry {index} is not a postgresql:// URL")
+        try:
+            conninfo_to_dict(entry)
+        except psycopg.ProgrammingError:
+            raise ValueError(f"entry {index} is not a valid PostgreSQL URL") from None
+    for later, entry in enumerate(entries):
+        for earlier in range(later):
+            if same_database(entries[earlier], entry):
+                raise ValueError(f"entries {earlier} and {later} name the same database: a shard is listed once")
+    return tuple(entries)
+
+
 def load(cls: type[S], **overrides: Any) -> S:
     """Read ``cls`` from the environment; raise :class:`SettingsError` naming the variable."""
     try:
@@ -265,7 +330,7 @@ def load(cls: type[S], **overrides: Any) -> S:
             field = str(error["loc"][0])
             variable = ENV_PREFIX + field.upper()
             shown = os.environ.get(variable)
-            secret = "url" in field or "secret" in field or "key" in field
+            secret = "url" in field or "secret" in field or "key" in field or "shards" in field
             value = "" if shown is None or secret else f"={shown!r}"
             problems.append(f"{variable}{value}: {error['msg']}")
         raise SettingsError("invalid settings: " + "; ".join(problems)) from None

@@ -105,7 +105,39 @@ DEV_SETTINGS = (
     "VIGIL_DEV_PG_PORT",
     "VIGIL_DEV_CLAUDE_PORT",
     "VIGIL_DEV_KAFKA_LIBS",
+    "VIGIL_DEV_SHARDS",
+    "VIGIL_DEV_PG_SHARD_PORTS",
 )
+
+
+def _shard_servers(root: Path, pg_port: int) -> list[devstack.PostgresServer]:
+    """The ledger's other shards (VIGIL_DEV_SHARDS, default 1: none): PostgreSQL servers like the
+    first, each in ``.run/pg<N>/`` on its own port, VIGIL_DEV_PG_SHARD_PORTS (comma separated)
+    or the first's port plus N."""
+    try:
+        count = int(os.environ.get("VIGIL_DEV_SHARDS", "1"))
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise click.ClickException("VIGIL_DEV_SHARDS must be a whole number of at least 1")
+    given = os.environ.get("VIGIL_DEV_PG_SHARD_PORTS", "")
+    try:
+        ports = [int(p) for p in given.split(",")] if given else [pg_port + n for n in range(1, count)]
+    except ValueError:
+        raise click.ClickException("VIGIL_DEV_PG_SHARD_PORTS must be ports, comma separated") from None
+    if len(ports) < count - 1:
+        raise click.ClickException(
+            f"VIGIL_DEV_PG_SHARD_PORTS names {len(ports)} port(s) for {count - 1} other shard(s)"
+        )
+    return [devstack.PostgresServer(root / f"pg{n}" / "data", ports[n - 1]) for n in range(1, count)]
+
+
+def _pg_pidfiles(root: Path) -> dict[str, Path]:
+    """``postgresql`` (shard 0, the catalog) and ``postgresql-N`` for each other shard's server."""
+    found = {"postgresql": root / "pg" / "postgres.pid"}
+    for folder in sorted(root.glob("pg[0-9]*"), key=lambda f: int(f.name[2:])):
+        found[f"postgresql-{folder.name[2:]}"] = folder / "postgres.pid"
+    return found
 
 
 @main.command()
@@ -115,6 +147,11 @@ DEV_SETTINGS = (
 )
 def up(services: bool, demo: bool) -> None:
     """Start everything (idempotent) and write .run/env."""
+    if services and os.environ.get("VIGIL_DEV_SHARDS", "1").strip() not in ("", "1"):
+        raise click.ClickException(
+            "VIGIL_DEV_SHARDS above 1 starts the shards' servers only: the services refuse several shards "
+            "until they route users to them (docs/scaling.md); add --no-services"
+        )
     root = run_dir()
     root.mkdir(parents=True, exist_ok=True)
     env = _stack_env(root)
@@ -143,13 +180,26 @@ def up(services: bool, demo: bool) -> None:
             # For `. .run/env && make test`: the tests clone databases, which the services' role may not.
             admin_url = {"VIGIL_DEV_ADMIN_DATABASE_URL": pg.admin_url()}
             click.echo(f"postgresql  {pg.shown_url()}  (password authentication, logs {pg.logfile})")
+            others = _shard_servers(root, pg.port)
+            env.pop("VIGIL_LEDGER_SHARDS", None)  # the stack's shards are the servers started here
+            for n, server in enumerate(others, start=1):
+                server.start()
+                click.echo(f"shard {n:<5} {server.shown_url()}  (password authentication, logs {server.logfile})")
+            if others:
+                env["VIGIL_LEDGER_SHARDS"] = ",".join([pg.url(), *(server.url() for server in others)])
         else:
+            if _shard_servers(root, 0):
+                raise click.ClickException(
+                    "VIGIL_DEV_SHARDS needs the stack's own PostgreSQL, not VIGIL_DATABASE_URL's"
+                )
             admin_url = {}
             click.echo("postgresql  VIGIL_DATABASE_URL (external, not started here)")
     except devstack.StackError as exc:
         raise click.ClickException(str(exc)) from None
 
     child_env = {**os.environ, **env}
+    if "VIGIL_LEDGER_SHARDS" not in env:  # a shell's from an earlier stack with more shards
+        child_env.pop("VIGIL_LEDGER_SHARDS", None)
     vigil = [sys.executable, "-m", "vigil"]
     for step in (["migrate"], ["topics"]):
         result = subprocess.run([*vigil, *step], env=child_env, capture_output=True, text=True)
@@ -266,8 +316,9 @@ def down() -> None:
             stopped.append(name)
     if devstack.stop(root / "kafka" / "data" / "kafka.pid", timeout=30):
         stopped.append("kafka")
-    if devstack.stop(root / "pg" / "postgres.pid", timeout=30):
-        stopped.append("postgresql")
+    for name, pidfile in _pg_pidfiles(root).items():
+        if devstack.stop(pidfile, timeout=30):
+            stopped.append(name)
     click.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
 
 
@@ -278,7 +329,7 @@ def status(as_json: bool) -> None:
     root = run_dir()
     rows = {name: root / "pids" / f"{name}.pid" for name in [*SERVICES, "scripted-claude"]}
     rows["kafka"] = root / "kafka" / "data" / "kafka.pid"
-    rows["postgresql"] = root / "pg" / "postgres.pid"
+    rows.update(_pg_pidfiles(root))
     for name, pidfile in rows.items():
         pid = devstack.read_pid(pidfile)  # a killed process not yet reaped (a zombie) counts as stopped
         state = "running" if pid else ("dead" if pidfile.exists() else "stopped")

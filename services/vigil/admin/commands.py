@@ -1,4 +1,5 @@
-"""Ledger and topic administration: ``vigil migrate``, ``vigil topics``, ``vigil secrets``."""
+"""Ledger and topic administration: ``vigil migrate``, ``vigil topics``, ``vigil secrets``;
+``vigil shards`` is :mod:`vigil.admin.shards`."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import sys
 
 import click
 
+from vigil.admin.shards import on_each_shard
+from vigil.admin.shards import shards as shards_command
 from vigil.bus.kafka import TopicError
 from vigil.bus.topics import ensure
 from vigil.cliutil import emit
-from vigil.ledger import sealing
+from vigil.ledger import sealing, shards
 from vigil.ledger.db import connect
 from vigil.ledger.migrate import migrate as run
 from vigil.ledger.migrate import pending
+from vigil.ledger.shardmap import shown_dsn
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 
@@ -24,24 +28,50 @@ from vigil.settings import CommonSettings
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def migrate(check: bool, as_json: bool) -> None:
-    """Apply the ledger's migrations (idempotent; safe from several replicas at once)."""
+    """Apply the ledger's migrations on every shard (idempotent; safe from several replicas at once).
+
+    Shard 0, the catalog, first; then each other shard, with the full schema (its catalog
+    tables stay empty). After the catalog's migrations, the shard map's rows of the configured
+    partitions are seeded there. With one shard (VIGIL_LEDGER_SHARDS unset) it prints what it
+    always printed."""
     settings = load_or_exit(CommonSettings)
+    dsns = settings.shard_dsns
     if check:
-        behind = pending(settings.dsn)
-        text = f"ledger is behind: {len(behind)} pending ({', '.join(behind)})" if behind else "ledger is up to date"
-        emit({"up_to_date": not behind, "pending": behind}, as_json, text)
-        if behind:
+        behind = on_each_shard(dsns, pending)
+        rows = [
+            {"shard": i, "dsn": shown_dsn(dsn), "up_to_date": not b, "pending": b}
+            for i, (dsn, b) in enumerate(zip(dsns, behind))
+        ]
+        if len(dsns) == 1:
+            only = behind[0]
+            text = f"ledger is behind: {len(only)} pending ({', '.join(only)})" if only else "ledger is up to date"
+        else:
+            text = "\n".join(
+                f"shard {i} {shown_dsn(dsn)}: " + (f"behind, {len(b)} pending ({', '.join(b)})" if b else "up to date")
+                for i, (dsn, b) in enumerate(zip(dsns, behind))
+            )
+        up_to_date = not any(behind)
+        emit({"up_to_date": up_to_date, "pending": behind[0], "shards": rows}, as_json, text)
+        if not up_to_date:
             sys.exit(1)
         return
-    applied = run(settings.dsn)
-    # SQL cannot see the key: the secrets a migration left in clear (0029) are sealed here.
-    sealed = 0
-    if sealing.keys().current:
-        with connect(settings.dsn, autocommit=True) as conn:
-            sealed = sealing.rotate(conn, sealing.keys())
-    text = "applied: " + ", ".join(applied) if applied else "ledger is up to date"
+    applied = on_each_shard(dsns, run)
+    with connect(dsns[0], autocommit=True) as conn:
+        seeded = shards.seed(conn, partitions=settings.partitions, shards=len(dsns))
+        # SQL cannot see the key: the secrets a migration left in clear (0029) are sealed here.
+        # The catalog's only: hooks and channels live there.
+        sealed = sealing.rotate(conn, sealing.keys()) if sealing.keys().current else 0
+    if len(dsns) == 1:
+        text = "applied: " + ", ".join(applied[0]) if applied[0] else "ledger is up to date"
+    else:
+        text = "\n".join(
+            f"shard {i} {shown_dsn(dsn)}: " + ("applied: " + ", ".join(a) if a else "up to date")
+            for i, (dsn, a) in enumerate(zip(dsns, applied))
+        )
+        text += f"\nshard map: {seeded} partition(s) placed by the rule" if seeded else ""
     text += f"; sealed {sealed} secret(s)" if sealed else ""
-    emit({"applied": applied, "secrets_sealed": sealed}, as_json, text)
+    rows = [{"shard": i, "dsn": shown_dsn(dsn), "applied": a} for i, (dsn, a) in enumerate(zip(dsns, applied))]
+    emit({"applied": applied[0], "secrets_sealed": sealed, "shard_map_seeded": seeded, "shards": rows}, as_json, text)
 
 
 @click.command()
@@ -119,4 +149,4 @@ def secrets_rotate(as_json: bool) -> None:
     emit({"resealed": done, "key": held.current_id}, as_json, f"sealed {done} secret(s) with key {held.current_id}")
 
 
-commands = [migrate, topics, secrets_group]
+commands = [migrate, shards_command, topics, secrets_group]

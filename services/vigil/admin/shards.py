@@ -1,0 +1,121 @@
+"""``vigil shards``: each ledger shard, its partitions, whether it answers, its schema and what
+waits on it; and :func:`on_each_shard`, how an operator command runs one step on every shard.
+
+docs/architecture.md, "Shards"; the map itself is :mod:`vigil.ledger.shardmap`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import click
+import psycopg
+
+from vigil.cliutil import emit, table
+from vigil.ledger import shards as shard_rows
+from vigil.ledger.db import connect
+from vigil.ledger.migrate import pending
+from vigil.ledger.shardmap import ShardMap, ShardMapError, ShardUnreachable, shown_dsn
+from vigil.service import EXIT_DEPENDENCY, StartupError, first_line, load_or_exit
+from vigil.settings import CommonSettings
+
+T = TypeVar("T")
+
+# A shard that does not answer in this long is reported unreachable; the others are still read.
+CONNECT_TIMEOUT_S = 5
+
+
+def on_each_shard(dsns: Sequence[str], step: Callable[[str], T]) -> list[T]:
+    """``step(dsn)`` on every shard in order, shard 0 first. With several shards, one that does
+    not answer stops the command with :class:`ShardUnreachable` naming it (exit 3); with one,
+    the error is the ledger's as it always was (VIGIL_DATABASE_URL)."""
+    results = []
+    for index, dsn in enumerate(dsns):
+        try:
+            results.append(step(dsn))
+        except psycopg.OperationalError as exc:
+            if len(dsns) == 1:
+                raise
+            raise ShardUnreachable(index, dsn, first_line(exc)) from exc
+    return results
+
+
+def _catalog_map(settings: CommonSettings) -> tuple[ShardMap, str]:
+    """The map, and where it came from: the catalog's rows, or the rule alone (no rows yet, or
+    a catalog that does not answer: then the listing says so)."""
+    dsns = settings.shard_dsns
+    try:
+        with connect(dsns[0], autocommit=True, connect_timeout=CONNECT_TIMEOUT_S) as conn:
+            rows = shard_rows.assigned(conn)
+        source = "catalog" if rows else "rule"
+    except psycopg.OperationalError:
+        rows, source = None, "rule (the catalog does not answer)"
+    try:
+        return ShardMap(dsns, rows or {}), source
+    except ShardMapError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def _shard_row(index: int, dsn: str, partitions: list[int]) -> dict:
+    row: dict = {
+        "shard": index,
+        "dsn": shown_dsn(dsn),
+        "partitions": partitions,
+        "reachable": False,
+        "error": None,
+        "schema_version": None,
+        "pending": None,
+        "events_waiting": None,
+        "outbox_pending": None,
+    }
+    try:
+        with connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S) as conn:
+            version, lag = shard_rows.schema_version(conn), shard_rows.lag(conn)
+        behind = pending(dsn, connect_timeout=CONNECT_TIMEOUT_S)
+    except psycopg.OperationalError as exc:
+        row["error"] = first_line(exc)
+        return row
+    row.update(reachable=True, schema_version=version, pending=behind)
+    if lag is not None:
+        row.update(events_waiting=lag.events_waiting, outbox_pending=lag.outbox_pending)
+    return row
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def shards(as_json: bool) -> None:
+    """List the ledger's shards: partitions, reachable, schema version, what waits on each.
+
+    Every shard is read, whichever does not answer; exit 3 when one does not (named on
+    stderr). "events_waiting" counts events not yet done, "outbox_pending" deliveries not yet
+    made: both read the queues only, never history."""
+    settings = load_or_exit(CommonSettings)
+    shard_map, source = _catalog_map(settings)
+    rows = [
+        _shard_row(i, dsn, shard_map.partitions_of(i, partitions=settings.partitions))
+        for i, dsn in enumerate(shard_map.dsns)
+    ]
+    if as_json:
+        emit({"map": source, "partitions": settings.partitions, "shards": rows}, True, "")
+    else:
+        shown = [
+            {
+                **r,
+                "partitions": ",".join(map(str, r["partitions"])) or "(none)",
+                "reachable": "yes" if r["reachable"] else "no",
+                "schema": r["schema_version"],
+            }
+            for r in rows
+        ]
+        click.echo(f"map: {source}")
+        table(
+            shown,
+            ["shard", "dsn", "partitions", "reachable", "schema", "events_waiting", "outbox_pending", "error"],
+        )
+    down = [r for r in rows if not r["reachable"]]
+    if down:
+        names = ", ".join(f"shard {r['shard']} ({r['dsn']}): {r['error']}" for r in down)
+        click.echo(f"vigil: {len(down)} ledger shard(s) do not answer: {names}", err=True)
+        sys.exit(EXIT_DEPENDENCY)

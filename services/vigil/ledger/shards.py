@@ -1,0 +1,63 @@
+"""The shard map's rows in the catalog, and what ``vigil shards`` reads of each shard
+(``queries/shards.sql``). The map's rule and its reading are :mod:`vigil.ledger.shardmap`.
+
+Every function takes a connection in autocommit mode: a shard whose schema is behind (no
+``shard_map``, no ``events_live`` yet) answers None instead of an error, and leaves no
+aborted transaction behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+from psycopg.rows import DictRow
+
+from vigil.ledger.queries import Q
+from vigil.ledger.shardmap import rule
+
+Conn = psycopg.Connection[DictRow]  # vigil.ledger.db's connections: dict rows
+
+
+@dataclass(frozen=True, slots=True)
+class Lag:
+    """What waits on one shard: events not yet done, and deliveries not yet made."""
+
+    events_waiting: int
+    outbox_pending: int
+
+
+def assigned(conn: Conn) -> dict[int, int] | None:
+    """The catalog's rows, partition -> shard; None before migration 0039 made the table."""
+    try:
+        return {int(row["partition"]): int(row["shard"]) for row in conn.execute(Q.shard_map_rows).fetchall()}
+    except psycopg.errors.UndefinedTable:
+        return None
+
+
+def seed(conn: Conn, *, partitions: int, shards: int) -> int:
+    """Rows for partitions ``0..partitions-1`` that have none, placed by the rule; returns how
+    many were added. A row that exists is never rewritten: where a partition's users are is
+    decided once, and moving them is changing the row."""
+    every = list(range(partitions))
+    cur = conn.execute(Q.shard_map_seed, {"partitions": every, "shards": [rule(p, shards=shards) for p in every]})
+    return cur.rowcount
+
+
+def schema_version(conn: Conn) -> int | None:
+    """The newest migration recorded on this shard; None when none is."""
+    try:
+        row = conn.execute(Q.shard_schema_version).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return None
+    return None if row is None or row["version"] is None else int(row["version"])
+
+
+def lag(conn: Conn) -> Lag | None:
+    """Counts of the two queues on this shard; None when its schema has not made them yet."""
+    try:
+        row = conn.execute(Q.shard_lag).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return None
+    assert row is not None  # a SELECT without FROM returns one row
+    return Lag(events_waiting=int(row["events_waiting"]), outbox_pending=int(row["outbox_pending"]))
