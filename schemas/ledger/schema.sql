@@ -682,7 +682,7 @@ CREATE TABLE audit (
 -- shard_map: which ledger shard holds each Kafka partition of the events topic and its users
 -- (docs/architecture.md, "Shards"). Read from the catalog (shard 0); empty on the other shards.
 -- A partition without a row follows the rule partition % shards (vigil.ledger.shardmap);
--- `vigil migrate` seeds the configured partitions' rows from it and never rewrites one (0039).
+-- `vigil migrate` seeds the configured partitions' rows from it and never rewrites one (0038).
 CREATE TABLE shard_map (
     partition   integer     PRIMARY KEY,
     shard       integer     NOT NULL,

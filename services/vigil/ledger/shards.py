@@ -28,7 +28,7 @@ class Lag:
 
 
 def assigned(conn: Conn) -> dict[int, int] | None:
-    """The catalog's rows, partition -> shard; None before migration 0039 made the table."""
+    """The catalog's rows, partition -> shard; None before migration 0038 made the table."""
     try:
         return {int(row["partition"]): int(row["shard"]) for row in conn.execute(Q.shard_map_rows).fetchall()}
     except psycopg.errors.UndefinedTable:

@@ -1,4 +1,4 @@
--- 0039: the shard map (issue 41; docs/architecture.md, "Shards"). Which ledger shard holds each
+-- 0038: the shard map (issue 41; docs/architecture.md, "Shards"). Which ledger shard holds each
 -- Kafka partition of the events topic, read from the catalog (shard 0). A partition without a
 -- row follows the rule partition % shards (vigil.ledger.shardmap); `vigil migrate` seeds the
 -- rows of the configured partitions from it and never rewrites one, and moving a partition is
