@@ -11,8 +11,9 @@ from datetime import UTC
 
 import pytest
 
-from vigil.bus.kafka import EventProducer, java_partition, murmur2
+from vigil.bus.kafka import EventProducer
 from vigil.envelope import Event
+from vigil.partitioner import java_partition, murmur2
 from vigil.settings import CommonSettings
 
 JAVA_VECTORS = [

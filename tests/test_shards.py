@@ -21,6 +21,7 @@ from support import query
 from test_operator_failures import assert_one_line, vigil
 from vigil.ledger.migrate import discover
 from vigil.ledger.shardmap import ShardMap, ShardMapError, rule, shown_dsn
+from vigil.partitioner import java_partition
 from vigil.settings import CommonSettings, SettingsError, load
 from vigil_dev.devstack import free_port
 
@@ -48,6 +49,18 @@ def test_the_catalogs_rows_win_over_the_rule():
     assert moved.partitions_of(1, partitions=6) == [1, 5]
     # A row past the topic's configured count is listed too (a topic grown past VIGIL_PARTITIONS).
     assert ShardMap(dsns, assigned={9: 1}).partitions_of(1, partitions=4) == [1, 3, 9]
+
+
+def test_a_user_lives_on_the_shard_of_their_home_partition():
+    dsns = ("postgresql://vigil@a/vigil", "postgresql://vigil@b/vigil")
+    # java_partition is checked against Kafka's own client in test_partitioner.py.
+    homes = {user: java_partition(user.encode(), 12) for user in ("alice", "bob", "carol", "dave")}
+    assert {homes[u] % 2 for u in homes} == {0, 1}, "the sample spans both shards"
+    plain = ShardMap(dsns)
+    assert {u: plain.shard_of_user(u, partitions=12) for u in homes} == {u: p % 2 for u, p in homes.items()}
+    moved = ShardMap(dsns, assigned={homes["alice"]: 1 - homes["alice"] % 2})
+    assert moved.shard_of_user("alice", partitions=12) == 1 - homes["alice"] % 2
+    assert moved.dsn_of(homes["alice"]) == dsns[1 - homes["alice"] % 2]
 
 
 def test_a_row_naming_a_shard_that_is_not_configured_is_an_error():

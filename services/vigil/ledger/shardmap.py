@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from vigil.errors import VigilError
+from vigil.partitioner import home_partition
 
 
 class ShardMapError(VigilError):
@@ -81,6 +82,15 @@ class ShardMap:
         """The shard holding ``partition``'s users: its catalog row, else the rule."""
         found = self.assigned.get(partition)
         return found if found is not None else rule(partition, shards=self.count)
+
+    def shard_of_user(self, user_id: str, *, partitions: int) -> int:
+        """The shard holding ``user_id``'s state: the shard of the user's home partition among
+        ``partitions`` (VIGIL_PARTITIONS, the events topic's count)."""
+        return self.shard_of(home_partition(user_id, partitions))
+
+    def dsn_of(self, partition: int) -> str:
+        """The DSN of the shard holding ``partition``."""
+        return self.dsns[self.shard_of(partition)]
 
     def partitions_of(self, shard: int, *, partitions: int) -> list[int]:
         """The partitions of ``shard`` among ``0..partitions-1`` and every partition with a row."""

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.rows import DictRow
 
+from vigil.ledger.db import connect
 from vigil.ledger.queries import Q
-from vigil.ledger.shardmap import rule
+from vigil.ledger.shardmap import ShardMap, rule
 
 Conn = psycopg.Connection[DictRow]  # vigil.ledger.db's connections: dict rows
 
@@ -61,3 +62,15 @@ def lag(conn: Conn) -> Lag | None:
         return None
     assert row is not None  # a SELECT without FROM returns one row
     return Lag(events_waiting=int(row["events_waiting"]), outbox_pending=int(row["outbox_pending"]))
+
+
+def load_map(dsns: tuple[str, ...], *, connect_timeout: int | None = None) -> ShardMap:
+    """The map the services route by: the shards' DSNs (``CommonSettings.shard_dsns``) and the
+    catalog's rows, read from shard 0. One shard reads nothing: every partition is on it.
+    Raises psycopg.OperationalError when the catalog does not answer, and
+    :class:`~vigil.ledger.shardmap.ShardMapError` when a row names a shard not configured."""
+    if len(dsns) == 1:
+        return ShardMap(dsns)
+    with connect(dsns[0], autocommit=True, connect_timeout=connect_timeout) as conn:
+        rows = assigned(conn)
+    return ShardMap(dsns, rows or {})
