@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
+import httpx
 import psycopg
 import pytest
 
@@ -23,12 +24,15 @@ from dispatcher_support import (
     add_users,
     standard_webhooks_valid,
 )
+from embedded_ingest import EmbeddedIngest
+from ingest_support import ingest_settings, make_request, read_events, stored
 from scheduler_support import read_topic
 from support import query, scalar, wait_for
 from test_dispatcher_replicas import clock_file, receiver  # noqa: F401 (fixtures)
 from test_shards import databases, shard_env  # noqa: F401 (databases: a fixture)
 from vigil.clock import write_clock_file
 from vigil.dispatcher.channels import new_secret
+from vigil.ingest.auth import new_token, token_hash
 from vigil.ledger.shardmap import ShardMap
 from worker_support import metric
 
@@ -239,3 +243,54 @@ def test_a_shard_taken_away_does_not_stop_the_dispatcher_serving_the_other(
     wait_for(lambda: statuses(one) == [("before", "delivered"), ("after", "delivered")], 60, "shard 1 served again")
     assert [r.bodies for r in receiver.got()] == [["before"], ["during"], ["after"]]
     assert "ledger error (shard 1)" in dispatcher.log()
+
+
+# -- ingest ----------------------------------------------------------------------------------
+
+
+def test_ingest_writes_a_users_approval_answer_timer_and_task_cancel_on_their_shard(databases, stack, topics):  # noqa: F811
+    zero, one = databases(migrated=True), databases(migrated=True)
+    dsns = (zero, one)
+    homes = users_by_shard(dsns, per_shard=1)
+    token = new_token()
+    query(zero, "INSERT INTO api_tokens (id, name, token_hash) VALUES ('tok-1', 'test', %s)", (token_hash(token),))
+    settings = ingest_settings(
+        stack.bootstrap, zero, topics.events, ledger_shards=",".join(dsns), partitions=PARTITIONS
+    )
+    with (
+        EmbeddedIngest(settings) as ingest,
+        httpx.Client(base_url=ingest.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as http,
+    ):
+        for shard, (user,) in homes.items():
+            dsn, other = dsns[shard], dsns[1 - shard]
+            # An approval answer: the request is on the user's shard, the answer is stored there.
+            request_id = f"r-{user}"
+            answer_token = make_request(dsn, request_id, datetime.now(UTC) + timedelta(hours=1), user_id=user)
+            answered = http.post(f"/v1/approvals/{request_id}", json={"answer": "yes", "token": answer_token})
+            assert answered.status_code == 200, answered.text
+            assert stored(dsn, request_id)["answer"] == "yes"
+            assert scalar(other, "SELECT count(*) FROM approvals WHERE user_id = %s", (user,)) == 0
+            # A timer through the timers API.
+            made = http.post(f"/v1/users/{user}/timers", json={"id": "digest", "every": 3600})
+            assert made.status_code == 201, made.text
+            assert query(dsn, "SELECT user_id, id FROM timers") == [{"user_id": user, "id": "digest"}]
+            assert scalar(other, "SELECT count(*) FROM timers WHERE user_id = %s", (user,)) == 0
+            assert [t["id"] for t in http.get(f"/v1/users/{user}/timers").json()["timers"]] == ["digest"]
+            # A task cancel: the task is found on its user's shard and cancelled there.
+            task_id = "tsk_" + str(shard) * 20
+            query(
+                dsn,
+                "INSERT INTO tasks (id, user_id, parent_run_key, depth, owner_chain, instructions, token_budget,"
+                " max_attempts, deadline) VALUES (%s, %s, 'k', 1, ARRAY[%s], 'dig', 100, 3, now() + interval '1 h')",
+                (task_id, user, user),
+            )
+            cancelled = http.post(f"/v1/tasks/{task_id}/cancel")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+            assert scalar(dsn, "SELECT status FROM tasks") == "cancelled"
+            assert scalar(other, "SELECT count(*) FROM tasks WHERE user_id = %s", (user,)) == 0
+            # Tokens and the audit trail are the catalog's.
+            audited = query(zero, "SELECT detail->>'task_id' AS task FROM audit WHERE action = 'task.cancel'")
+            assert task_id in [row["task"] for row in audited]
+        assert scalar(one, "SELECT count(*) FROM audit") == 0
+    wake_ups = read_events(stack.bootstrap, topics.events, expected=2, partitions=topics.partitions)
+    assert sorted(e.user_id for e in wake_ups) == sorted(homes[0] + homes[1])
