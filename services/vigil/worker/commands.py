@@ -22,7 +22,7 @@ from vigil.worker.settings import WorkerSettings
 def worker_command() -> None:
     """Run a worker: consume events, record them in the ledger, run the agent."""
     settings = load_or_exit(WorkerSettings)
-    require_schema(settings)
+    require_schema(settings, routes_shards=True)  # every user's ledger work on their shard (worker/shards.py)
     sys.exit(serve(settings))
 
 
