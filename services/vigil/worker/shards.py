@@ -10,7 +10,10 @@ user goes to the shard of a partition:
   partition they are about (:meth:`Shards.shard_of`);
 - a run's journal, sessions, memory, finish: the shard of its claim's home partition (where
   the claim was made), :meth:`Shards.pool_of`;
-- a background task: the shard it was claimed from.
+- a background task: the shard it was claimed from;
+- the agent's read of a user's spending: the user's shard (:meth:`Shards.pool_of_user`);
+- an event read on a partition of another shard than its user's: not recorded, produced
+  again to the user's home partition (:meth:`Shards.elsewhere`, the consumer's reroute).
 
 No transaction spans two shards: callers split their work with :meth:`Shards.split` and run
 one transaction per shard. One shard (the default) decides nothing: every lookup answers
@@ -110,8 +113,10 @@ class Shards:
         for shard in sorted({self.shard_of(p) for p in partitions} - set(self._pools)):
             assert self._make_pool is not None and self.map is not None
             pool = self._make_pool(self.map.dsns[shard], shard)
-            await pool.open(wait=True, timeout=30)
-            self._pools.setdefault(shard, pool)
+            # Not waiting for its first connections: a shard that does not answer yet fails
+            # its statements, which are retried, rather than the assignment.
+            await pool.open(wait=False)
+            self._pools[shard] = pool
 
     def pool(self, shard: int) -> AsyncPool:
         try:
