@@ -15,7 +15,9 @@ from support import query, scalar, wait_for
 from test_operator_failures import vigil
 from test_shards import databases, shard_env  # noqa: F401 (the fixture)
 from test_worker_failures import start, worker_env
+from vigil.ledger.shardmap import ShardMap
 from vigil.partitioner import home_partition
+from vigil.worker.shards import ShardNotOpen, Shards
 from worker_support import assert_runs_consistent, chat, metric, produce, statuses
 
 PARTITIONS = 4  # the topics fixture's default; the catalog's map puts 0, 2 on shard 0 and 1, 3 on shard 1
@@ -35,6 +37,25 @@ def two_shards(databases, vigil_env):  # noqa: F811 (the fixture imported above)
     migrated = vigil("migrate", env=env)
     assert migrated.returncode == 0, migrated.stderr
     return catalog, other, env
+
+
+def test_one_shard_routes_everything_to_the_catalog_without_the_map():
+    catalog = object()
+    shards = Shards(catalog)  # type: ignore[arg-type]
+    assert shards.single and shards.count == 1 and shards.map is None
+    assert shards.split([3, 1, 2], int) == {0: [3, 1, 2]}
+    assert shards.pool_of(7) is catalog and shards.pool_of_user("anyone") is catalog
+    assert shards.elsewhere("anyone", 3, partitions=PARTITIONS) is None
+
+
+def test_two_shards_route_by_the_catalogs_rows_then_the_rule():
+    shards = Shards(object(), ShardMap(("postgresql://a/v", "postgresql://b/v"), {2: 1}), partitions=PARTITIONS)  # type: ignore[arg-type]
+    assert shards.split([0, 1, 2, 3], int) == {0: [0], 1: [1, 2, 3]}
+    user = users_on(1, 1)[0]  # home partition 1 or 3: shard 1
+    assert shards.elsewhere(user, 0, partitions=PARTITIONS) == home_partition(user, PARTITIONS)
+    assert shards.elsewhere(user, 2, partitions=PARTITIONS) is None  # partition 2 moved to shard 1
+    with pytest.raises(ShardNotOpen):
+        shards.pool_of(1)
 
 
 def done(dsn: str) -> int:

@@ -10,7 +10,10 @@ The commit order, which tests/test_worker_*.py pin down:
    (duplicates dropped by the UNIQUE key) and each partition's next offset in
    ``consumer_positions``, pipelined with the commit. This runs on a second thread, the
    recorder, while this thread polls and decodes the next batch: the two overlap, the
-   decode on this core and the statement in PostgreSQL, instead of taking turns.
+   decode on this core and the statement in PostgreSQL, instead of taking turns. Several
+   ledger shards: one such transaction per shard, each holding its partitions' events and
+   positions; an event whose user's home partition is on another shard is produced again
+   there first (:meth:`ConsumerLoop._reroute`), not recorded here.
 4. Only once that commit is done, store the batch's offsets (``enable.auto.offset.store=
    false``); the periodic auto-commit sends stored offsets to the broker. Batches are
    settled in the order they were polled, one in flight at a time, and the one in flight
