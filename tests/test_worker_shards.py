@@ -13,6 +13,7 @@ import pytest
 
 from support import query, scalar, wait_for
 from test_operator_failures import vigil
+from test_shard_loops import bring_back, take_away
 from test_shards import databases, shard_env  # noqa: F401 (the fixture)
 from test_worker_failures import start, worker_env
 from vigil.ledger.shardmap import ShardMap
@@ -143,3 +144,32 @@ def test_a_worker_killed_mid_run_on_two_shards_loses_and_repeats_nothing(stack, 
         assert scalar(dsn, "SELECT count(*) FROM outbox") == 4
         assert {r["holder"] for r in query(dsn, "SELECT holder FROM partitions")} == {"worker-b"}
         assert_runs_consistent(dsn)
+
+
+def test_a_shard_that_does_not_answer_stops_only_its_own_users(stack, topics, two_shards, spawn):
+    """Shard 1's database refuses connections: shard 0's users go on being recorded, run and
+    finished; shard 1's partitions pause (vigil_worker_shard_up 0) and, once it answers again,
+    are read again from the ledger's position: every event once, none lost."""
+    catalog, other, env = two_shards
+    zero, one = users_on(0, 3), users_on(1, 3)
+    worker_env_ = worker_env(env)
+    worker = start(spawn, worker_env_, "worker")
+    port = int(worker_env_["VIGIL_WORKER_PORT"])
+    produce(stack.bootstrap, topics.events, [chat(u, f"first {u}") for u in zero + one])
+    wait_for(lambda: (done(catalog), done(other)) == (3, 3), 60, "the first round done on both shards")
+    take_away(stack, other)
+    try:
+        produce(stack.bootstrap, topics.events, [chat(u, f"second {u}") for u in one + zero])
+        wait_for(lambda: done(catalog) == 6, 30, "shard 0's users served while shard 1 does not answer")
+        wait_for(lambda: metric(port, "vigil_worker_shard_up", 'shard="1"') == 0, 10, "shard 1 reported down")
+        produce(stack.bootstrap, topics.events, [chat(u, f"third {u}") for u in zero])
+        wait_for(lambda: done(catalog) == 9, 30, "and again, still without shard 1")
+    finally:
+        bring_back(stack, other)
+    wait_for(lambda: done(other) == 6, 60, "shard 1's users served once it answers")
+    wait_for(lambda: metric(port, "vigil_worker_shard_up", 'shard="1"') == 1, 10, "shard 1 reported up")
+    for dsn, mine, count in ((catalog, zero, 9), (other, one, 6)):
+        assert scalar(dsn, "SELECT count(*) FROM events") == count
+        assert users_of(dsn, "events") == set(mine)
+        assert_runs_consistent(dsn)
+    assert worker.alive()

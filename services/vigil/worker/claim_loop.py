@@ -48,6 +48,11 @@ REVOKE_COMMIT_WAIT_S = 5.0
 # partitions' next owner back by this much at most, not by the whole grace. A stall longer
 # than the lease (a frozen process) lets the next owner take over: the stalled runs' finishes
 # are then fenced out, as for a lost partition.
+# Several shards: a claim pass waits this long for a connection to one shard, and skips a
+# shard that failed for this long, so a shard that does not answer delays the others' claims
+# by at most SHARD_CONNECT_S now and then, never a pool timeout every pass.
+SHARD_CONNECT_S = 2.0
+SHARD_PAUSE_S = 5.0
 HANDOVER_LEASE_S = 5.0
 HANDOVER_RENEW_S = 1.0
 
@@ -78,6 +83,7 @@ class Claimer:
         self._cursor: dict[int, str] = {}  # per shard, the round robin's position among waiting users (claims.claim)
         self._lone_due: dict[int, datetime] = {}  # per shard, when a lone last attempt is due there
         self._first = 0  # the shard a pass starts with, turning: no shard's claims always come last
+        self._shard_down_until: dict[int, float] = {}  # monotonic: a shard whose claims failed is skipped until then
         self._next_dead_check = 0.0
         self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
         self._lone: Active | None = None  # the last lone last attempt this process started (claim rule 3)
@@ -307,22 +313,37 @@ class Claimer:
             if len(order) > 1:
                 self._first = (self._first + 1) % len(order)
                 order = order[self._first :] + order[: self._first]
+            failed: list[BaseException] = []
             for shard in order:
+                if self.clock.monotonic() < self._shard_down_until.get(shard, 0.0):
+                    continue
                 owned = dict(by_shard[shard])
-                async with self.shards.pool(shard).connection() as conn:
-                    if check:
-                        dead += await mark_dead(conn, owned, self.settings.max_attempts)
-                        self._lone_at(
-                            shard, await alone_due(conn, owned, self.settings.max_attempts, now=utc(self.clock.now()))
-                        )
-                    if heal:
-                        await self._heal(conn, owned)
-                    claims, alone = await self._claim(conn, shard, owned, left) if left > 0 else ([], False)
-                    more = [Active(c, alone=alone) for c in claims]
-                    if more and self.runs.needs_context:
-                        await self.runs.preload(conn, more)
+                try:
+                    timeout = None if self.shards.single else SHARD_CONNECT_S
+                    async with self.shards.pool(shard).connection(timeout=timeout) as conn:
+                        if check:
+                            dead += await mark_dead(conn, owned, self.settings.max_attempts)
+                            now = utc(self.clock.now())
+                            self._lone_at(shard, await alone_due(conn, owned, self.settings.max_attempts, now=now))
+                        if heal:
+                            await self._heal(conn, owned)
+                        claims, alone = await self._claim(conn, shard, owned, left) if left > 0 else ([], False)
+                        more = [Active(c, alone=alone) for c in claims]
+                        if more and self.runs.needs_context:
+                            await self.runs.preload(conn, more)
+                except self.retry_policy.retried as exc:
+                    if self.shards.single:
+                        raise
+                    # Several shards: one that does not answer waits out its pause; the
+                    # others' claims go on (a pass fails only when every shard did).
+                    failed.append(exc)
+                    self._shard_down_until[shard] = self.clock.monotonic() + SHARD_PAUSE_S
+                    log.warning("claims on ledger shard %d failed, skipped for %g s: %s", shard, SHARD_PAUSE_S, exc)
+                    continue
                 left -= len(claims)
                 started += more
+            if failed and len(failed) == len(order):
+                raise failed[-1]
         if dead:
             metrics.EVENTS_DEAD.inc(len(dead))
             await asyncio.to_thread(self.dead_letters.publish_dead, dead)

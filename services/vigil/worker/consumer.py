@@ -145,16 +145,30 @@ class Batch(NamedTuple):
     rows: list[tuple]
     highest: dict[tuple[str, int], int]  # its partitions' highest offsets polled
     unknown: list[str]  # its users this process has not seen committed there
+    lowest: dict[tuple[str, int], int] | None = None  # several shards: where to read again if it fails
+
+
+class Down(NamedTuple):
+    """Several shards: one that did not take its batch. Its partitions are paused, to be read
+    again from ``seek`` once it answers; the other shards' partitions go on."""
+
+    seek: dict[PartitionKey, int]  # each paused partition's first offset not recorded
+    probe_at: float  # monotonic: when to ask the shard again
 
 
 class InFlight(NamedTuple):
     """A batch handed to the recorder thread and not yet settled."""
 
-    recorded: Future  # new events recorded, or None if the worker stopped before the ledger answered
+    recorded: Future  # Recorded, or None if the worker stopped before the ledger answered
     highest: dict[tuple[str, int], int]  # the offsets to store once it is committed
     rows: int
     users: dict[int, set[str]]  # per shard, whose users row exists there once it is committed
     spans: traces.RecordSpans | None = None  # traces on: the events' record spans, ended at the commit
+
+
+class Recorded(NamedTuple):
+    new: int  # events recorded (not duplicates)
+    failed: list[Batch]  # several shards: the shards' batches that did not commit (their shard down)
 
 
 class ConsumerLoop(threading.Thread):
@@ -197,6 +211,9 @@ class ConsumerLoop(threading.Thread):
         self.taking_over: set[PartitionKey] = set()
         self._takeover_lock = threading.Lock()
         self.abandoned = False  # a batch was given up (stopping with the ledger down): store no more offsets
+        # Several shards: those that did not take a batch, their partitions paused meanwhile
+        # (one shard: its outage is the worker's, retried in place as ever).
+        self.down: dict[int, Down] = {}
 
     # -- ledger connection ------------------------------------------------------------
 
@@ -342,6 +359,7 @@ class ConsumerLoop(threading.Thread):
         # take it does the grace pass here).
         grace_s = self.settings.revoke_grace_s
         self._forget_takeovers(keys)
+        self._forget_down(consumer, keys)
         self._call_runner(self.runner.claimer.hand_over(keys, grace_s), timeout=grace_s + 60.0)
         try:
             consumer.commit(asynchronous=False)
@@ -350,6 +368,16 @@ class ConsumerLoop(threading.Thread):
                 log.warning("offset commit on revoke failed: %s", exc)
         self.assigned.difference_update(keys)
         _forget_lag(keys)
+
+    def _forget_down(self, consumer, keys: list[PartitionKey]) -> None:
+        """Revoked or lost while paused for their shard: resumed as they go (a later owner reads
+        them from the ledger's position); the shard is still probed, to report it up again."""
+        gone = [k for down in self.down.values() for k in down.seek if k in keys]
+        for down in self.down.values():
+            for k in gone:
+                down.seek.pop(k, None)
+        if gone:
+            consumer.resume([TopicPartition(k.topic, k.partition) for k in gone])
 
     def _forget_takeovers(self, keys: list[PartitionKey]) -> None:
         """Revoked or lost before their takeover: never take them over (waits for one in
@@ -362,6 +390,7 @@ class ConsumerLoop(threading.Thread):
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
         log.warning("partitions lost (session timed out): %s; committing nothing", [k.partition for k in keys])
         self._forget_takeovers(keys)
+        self._forget_down(consumer, keys)
         self._call_runner(self.runner.claimer.revoke(keys, release=False))
         self.assigned.difference_update(keys)
         _forget_lag(keys)
@@ -401,6 +430,8 @@ class ConsumerLoop(threading.Thread):
                 messages = self._poll()
                 if messages:
                     self._handle(messages)
+                if self.down:
+                    self._probe_down()
         finally:
             try:
                 self._settle()
@@ -448,11 +479,15 @@ class ConsumerLoop(threading.Thread):
                 return
             rows = kept
         self._settle()
+        if self.down:  # polled before their shard's pause took effect: read again on resume
+            paused = {(k.topic, k.partition) for d in self.down.values() for k in d.seek}
+            rows = [r for r in rows if (r[PARTITION_COLUMN - 1], r[PARTITION_COLUMN]) not in paused]
+            highest = {tp: offset for tp, offset in highest.items() if tp not in paused}
         if highest:
             if self.shards.single:
                 batches = [Batch(CATALOG, rows, highest, [])]
             else:
-                batches = self._by_shard(rows, highest)
+                batches = self._by_shard(rows, highest, messages)
             users: dict[int, set[str]] = {}
             for b in batches:
                 users[b.shard] = {row[USER_COLUMN] for row in b.rows}
@@ -494,29 +529,36 @@ class ConsumerLoop(threading.Thread):
             )
         return kept
 
-    def _by_shard(self, rows: list[tuple], highest: dict[tuple[str, int], int]) -> list[Batch]:
-        """A polled batch split by the shard of each partition: its events and positions."""
+    def _by_shard(self, rows: list[tuple], highest: dict[tuple[str, int], int], messages: list) -> list[Batch]:
+        """A polled batch split by the shard of each partition: its events and positions, and
+        each partition's first offset polled (where to read again if its shard fails)."""
         batches: dict[int, Batch] = {}
         for (topic, partition), offset in highest.items():
             shard = self.shards.shard_of(partition)
-            batches.setdefault(shard, Batch(shard, [], {}, [])).highest[topic, partition] = offset
+            batches.setdefault(shard, Batch(shard, [], {}, [], {})).highest[topic, partition] = offset
+        for m in reversed(messages):  # a partition's messages in offset order: the first one wins
+            b = batches.get(self.shards.shard_of(m.partition()))
+            if b is not None and b.lowest is not None and (m.topic(), m.partition()) in b.highest:
+                b.lowest[m.topic(), m.partition()] = m.offset()
         for row in rows:
             batches[self.shards.shard_of(row[PARTITION_COLUMN])].rows.append(row)
         return [batches[shard] for shard in sorted(batches)]
 
-    def _record(self, batches: list[Batch]) -> int | None:
+    def _record(self, batches: list[Batch]) -> Recorded | None:
         """On the recorder thread: the batch recorded (``record_batch``), one transaction per
         shard holding that shard's partitions' events and positions; how many events were
-        new, or None if the worker stopped while a shard was unreachable. Home partitions
+        new, or None if the worker stopped while the ledger was unreachable. Home partitions
         are written only for each shard's ``unknown`` users (those this process has not
         seen committed there).
 
         The same statement moves the ledger's consumer positions past the batch, so the
         ledger's position and the events it covers commit or vanish together; a batch of
         undecodable messages only (already on the dead-letter topic) moves the positions
-        alone. A shard committed before another failed stays committed: its events are
-        read again after a crash and dropped by the dedup key."""
-        recorded = 0
+        alone. One shard: an outage is retried until it answers. Several: each shard's
+        transaction is tried once, and one that fails is returned in ``failed`` (its
+        partitions are paused and read again, :meth:`_settle`), so a shard down stops only
+        its own users. A shard committed before another failed stays committed."""
+        recorded, failed = 0, []
         for b in batches:
             positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in b.highest.items()}
 
@@ -524,11 +566,24 @@ class ConsumerLoop(threading.Thread):
                 with metrics.LEDGER_SECONDS.labels("record").time():
                     return ledger_events.record_batch(conn, b.rows, b.unknown, positions)
 
+            if self.shards.single:
+                try:
+                    recorded += self._retrying("recording events", record, b.shard)
+                except psycopg.OperationalError:
+                    return None
+                continue
             try:
-                recorded += self._retrying("recording events", record, b.shard)
-            except psycopg.OperationalError:
-                return None
-        return recorded
+                recorded += record(self._db(b.shard))
+            except psycopg.OperationalError as exc:
+                log.warning(
+                    "recording events on ledger shard %d failed (unreachable?): its partitions pause: %s",
+                    b.shard,
+                    exc,
+                    extra={"event": "shard_down"},
+                )
+                self.conns.pop(b.shard, None)
+                failed.append(b)
+        return Recorded(recorded, failed)
 
     def _settle(self) -> None:
         """Wait for the batch in flight; once it is committed, count it, store its offsets and
@@ -536,26 +591,80 @@ class ConsumerLoop(threading.Thread):
         if self.in_flight is None:
             return
         batch, self.in_flight = self.in_flight, None
-        recorded = batch.recorded.result()
+        result = batch.recorded.result()
+        recorded = None if result is None else result.new
         if batch.spans is not None:
             batch.spans.end(recorded)
-        if recorded is None:
+        if result is None:
             # Stopping with the ledger down: nothing of this batch, or of any later one, is
             # stored, so all of it is read again next time.
             self.abandoned = True
             return
         # Every user of a committed batch has its users row now (inserted or already there;
         # rows are never deleted): later batches skip the upsert for them.
+        assert recorded is not None
+        highest = batch.highest
+        if result.failed:
+            highest = self._pause(result.failed, highest)
+            for b in result.failed:
+                batch.users.pop(b.shard, None)
         for shard, users in batch.users.items():
             known = self.known_users.setdefault(shard, set())
             if len(known) > KNOWN_USERS_MAX:
                 known.clear()
             known.update(users)
         metrics.EVENTS_RECORDED.labels("new").inc(recorded)
-        metrics.EVENTS_RECORDED.labels("duplicate").inc(batch.rows - recorded)
-        self._store_offsets(batch.highest)
+        metrics.EVENTS_RECORDED.labels("duplicate").inc(batch.rows - recorded - sum(len(b.rows) for b in result.failed))
+        self._store_offsets(highest)
         if recorded:
             self.loop.call_soon_threadsafe(self.runner.wake, self.settings.batch_window_s)
+
+    def _pause(self, failed: list[Batch], highest: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        """The failed shards' partitions paused and set back to their first offset not
+        recorded; the offsets to store, theirs left out."""
+        assert self.consumer is not None  # made before the poll loop starts
+        probe_at = time.monotonic() + RETRY_S
+        for b in failed:
+            down = self.down.setdefault(b.shard, Down({}, probe_at))
+            for (topic, partition), first in (b.lowest or {}).items():
+                key = PartitionKey(topic, partition)
+                if key in self.assigned:
+                    down.seek.setdefault(key, first)
+            paused = [TopicPartition(k.topic, k.partition) for k in down.seek]
+            if paused:
+                self.consumer.pause(paused)
+            metrics.SHARD_UP.labels(str(b.shard)).set(0)
+        gone = {tp for b in failed for tp in b.highest}
+        return {tp: offset for tp, offset in highest.items() if tp not in gone}
+
+    def _probe_down(self) -> None:
+        """Ask each shard that is down, once its probe is due, for its partitions' positions; if
+        it answers, read them again from there (the ledger's position, else the first offset not
+        recorded) and resume them."""
+        assert self.consumer is not None  # made before the poll loop starts
+        now = time.monotonic()
+        for shard, down in list(self.down.items()):
+            if now < down.probe_at:
+                continue
+            keys = [k for k in down.seek if k in self.assigned]
+            try:
+                positions = read_positions(self._db(shard), keys) if keys else {}
+            except psycopg.OperationalError:
+                self.conns.pop(shard, None)
+                self.down[shard] = down._replace(probe_at=now + RETRY_S)
+                continue
+            del self.down[shard]
+            if keys:
+                self._seek_and_resume(keys, {k: positions.get(k, down.seek[k]) for k in keys})
+            metrics.SHARD_UP.labels(str(shard)).set(1)
+            log.info("ledger shard %d answers again: partitions %s resume", shard, sorted(k.partition for k in keys))
+
+    def _seek_and_resume(self, keys: list[PartitionKey], offsets: dict[PartitionKey, int]) -> None:
+        assert self.consumer is not None  # made before the poll loop starts
+        parts = [TopicPartition(k.topic, k.partition, offsets[k]) for k in keys]
+        for tp in parts:
+            self.consumer.seek(tp)
+        self.consumer.resume(parts)
 
     def _decode(self, messages: list) -> tuple[list[tuple], list[tuple], dict[tuple[str, int], int], Any]:
         """Staging rows of the decodable messages, ``(message, reason)`` of the others, the

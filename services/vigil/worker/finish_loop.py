@@ -67,6 +67,8 @@ class Finisher:
         self.clock = clock
         self.stopping = False
         self.committing = 0  # groups taken off the queue and not yet committed (VIGIL_FINISH_CONCURRENCY loops)
+        self._groups: set[asyncio.Task] = set()  # several shards: each shard's part of a group, committing
+        self._died: BaseException | None = None  # such a part's error, raised by the loop
 
     @property
     def idle(self) -> bool:
@@ -108,9 +110,31 @@ class Finisher:
                     except TimeoutError:
                         pass
                     self._take_queued(batch)
-                await self._commit(batch)
+                groups = self.shards.split(batch, _home_partition)
+                if len(groups) == 1:
+                    await self._commit(batch)
+                else:
+                    # Several shards: each shard's runs commit in a task of their own, so a
+                    # shard that does not answer holds only its own runs, never this loop.
+                    for runs in groups.values():
+                        self._spawn(runs)
             finally:
                 self.committing -= 1
+            if self._died is not None:
+                raise self._died
+
+    def _spawn(self, runs: list[Finished]) -> None:
+        self.committing += 1
+        task = asyncio.create_task(self._commit(runs), name="finish-shard")
+        self._groups.add(task)
+
+        def done(task: asyncio.Task) -> None:
+            self._groups.discard(task)
+            self.committing -= 1
+            if not task.cancelled() and task.exception() is not None and self._died is None:
+                self._died = task.exception()  # raised by the loop: the worker exits non-zero
+
+        task.add_done_callback(done)
 
     def _take_queued(self, batch: list[Finished]) -> None:
         while len(batch) < self.settings.finish_batch_max and not self.finished.empty():

@@ -16,6 +16,11 @@ EVENTS_REROUTED = Counter(
     "Events read on a partition of another ledger shard than their user's, produced again to the user's home "
     "partition instead of recorded here.",
 )
+SHARD_UP = Gauge(
+    "vigil_worker_shard_up",
+    "1 while this worker records on the ledger shard; 0 while its partitions there are paused (shard down).",
+    ["shard"],
+)
 SHARD_PARTITIONS = Gauge(
     "vigil_worker_shard_partitions", "Partitions this worker owns, by ledger shard (VIGIL_LEDGER_SHARDS).", ["shard"]
 )
