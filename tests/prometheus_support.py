@@ -59,6 +59,15 @@ def dashboard_panels() -> list[dict]:
     return out
 
 
+# What Grafana puts for each dashboard variable a query uses when every value is picked ("All").
+ALL_VALUES = {"shard": ".*"}
+
+
+def with_variables(expr: str) -> str:
+    """A panel's query as Grafana sends it with every variable at "All", for a real Prometheus."""
+    return re.sub(r"\$(\w+)", lambda m: ALL_VALUES[m.group(1)], expr)
+
+
 def with_annotations(tests: dict) -> dict:
     """The unit-test file with each expected alert's annotations filled in from the rule file.
 
