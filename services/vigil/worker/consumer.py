@@ -10,7 +10,10 @@ The commit order, which tests/test_worker_*.py pin down:
    (duplicates dropped by the UNIQUE key) and each partition's next offset in
    ``consumer_positions``, pipelined with the commit. This runs on a second thread, the
    recorder, while this thread polls and decodes the next batch: the two overlap, the
-   decode on this core and the statement in PostgreSQL, instead of taking turns.
+   decode on this core and the statement in PostgreSQL, instead of taking turns. Several
+   ledger shards: one such transaction per shard, each holding its partitions' events and
+   positions; an event whose user's home partition is on another shard is produced again
+   there first (:meth:`ConsumerLoop._reroute`), not recorded here.
 4. Only once that commit is done, store the batch's offsets (``enable.auto.offset.store=
    false``); the periodic auto-commit sends stored offsets to the broker. Batches are
    settled in the order they were polled, one in flight at a time, and the one in flight
@@ -47,7 +50,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import psycopg
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
@@ -60,12 +63,13 @@ from vigil.clock import Clock, utc
 from vigil.ledger import events as ledger_events
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
-from vigil.ledger.db import connect
+from vigil.ledger.db import AsyncPool, connect
 from vigil.ledger.events import USER_COLUMN, prepare_record_connection
 from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics, traces
 from vigil.worker.fencing import handing_over, take_over, wait_for_handover
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.shards import CATALOG, Shards
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,20 @@ def read_positions(conn: psycopg.Connection[DictRow], keys: list[PartitionKey]) 
 
 # Bound of the known-users set (about 100 bytes each); past it the set starts over.
 KNOWN_USERS_MAX = 500_000
+PARTITION_COLUMN = -2  # a staging row's partition (``_decode``: ..., topic, partition, offset)
+
+
+def _partition(key: PartitionKey) -> int:
+    return key.partition
+
+
+class Batch(NamedTuple):
+    """What one shard's transaction records of a polled batch."""
+
+    shard: int
+    rows: list[tuple]
+    highest: dict[tuple[str, int], int]  # its partitions' highest offsets polled
+    unknown: list[str]  # its users this process has not seen committed there
 
 
 class InFlight(NamedTuple):
@@ -135,7 +153,7 @@ class InFlight(NamedTuple):
     recorded: Future  # new events recorded, or None if the worker stopped before the ledger answered
     highest: dict[tuple[str, int], int]  # the offsets to store once it is committed
     rows: int
-    users: set[str]  # whose users row exists once it is committed
+    users: dict[int, set[str]]  # per shard, whose users row exists there once it is committed
     spans: traces.RecordSpans | None = None  # traces on: the events' record spans, ended at the commit
 
 
@@ -148,6 +166,7 @@ class ConsumerLoop(threading.Thread):
         dead_letters,
         stopping: threading.Event,
         clock: Clock | None = None,
+        shards: Shards | None = None,
     ):
         super().__init__(name="consumer", daemon=True)
         self.settings = settings
@@ -157,17 +176,20 @@ class ConsumerLoop(threading.Thread):
         self.stopping = stopping
         self.clock = clock  # the runner's: takeovers decide hand-overs and backoffs on it
         self.codec = EventCodec(settings.schema_registry_url)
-        self.conn: psycopg.Connection[DictRow] | None = None
+        # Where each partition's events, positions and takeovers go (the run loop's map: an
+        # assignment reads it again); a connection per shard, the catalog's as before.
+        self.shards = shards or Shards(cast(AsyncPool, None))
+        self.conns: dict[int, psycopg.Connection[DictRow]] = {}
         self.consumer: Consumer | None = None
         self.assigned: set[PartitionKey] = set()
         self.error: BaseException | None = None
         # The recorder: one thread, so batches commit in the order they were polled. It and
-        # the rebalance callbacks share self.conn; the callbacks settle the batch in flight
+        # the rebalance callbacks share self.conns; the callbacks settle the batch in flight
         # before they touch it.
         self.recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
-        # Users whose users row (home partition) a committed batch of ours has seen: the upsert
-        # of home partitions cost each batch an index probe per event for nothing.
-        self.known_users: set[str] = set()
+        # Users whose users row (home partition) a committed batch of ours has seen, per shard:
+        # the upsert of home partitions cost each batch an index probe per event for nothing.
+        self.known_users: dict[int, set[str]] = {}
         self.in_flight: InFlight | None = None
         # Assigned partitions whose takeover waits for the previous owner's hand-over (a
         # thread each batch, :meth:`_take_over_later`). The lock orders a takeover against a
@@ -178,22 +200,36 @@ class ConsumerLoop(threading.Thread):
 
     # -- ledger connection ------------------------------------------------------------
 
-    def _db(self) -> psycopg.Connection[DictRow]:
-        if self.conn is None or self.conn.closed or self.conn.broken:
-            self.conn = connect(self.settings.dsn)
-            prepare_record_connection(self.conn)
-        return self.conn
+    def _dsn(self, shard: int) -> str:
+        return self.settings.dsn if shard == CATALOG else self.settings.shard_dsns[shard]
 
-    def _retrying(self, what: str, action):
-        """Run ``action(conn)`` until it succeeds or the worker stops (ledger outages)."""
+    def _db(self, shard: int = CATALOG) -> psycopg.Connection[DictRow]:
+        conn = self.conns.get(shard)
+        if conn is None or conn.closed or conn.broken:
+            conn = self.conns[shard] = connect(self._dsn(shard))
+            prepare_record_connection(conn)
+        return conn
+
+    def _retrying(self, what: str, action, shard: int = CATALOG):
+        """Run ``action(conn)`` on ``shard``'s connection until it succeeds or the worker
+        stops (ledger outages)."""
         while True:
             try:
-                return action(self._db())
+                return action(self._db(shard))
             except psycopg.OperationalError as exc:
-                log.warning("%s failed (ledger unreachable?), retrying: %s", what, exc)
-                self.conn = None
+                log.warning("%s failed (ledger shard %d unreachable?), retrying: %s", what, shard, exc)
+                self.conns.pop(shard, None)
                 if self.stopping.wait(RETRY_S):
                     raise
+
+    def _per_shard(self, what: str, keys: list[PartitionKey], action) -> dict:
+        """``action(conn, keys_of_shard)`` on each shard of ``keys``, its own transaction
+        there; their answers (dicts or sets) merged."""
+        merged: Any = None
+        for shard, some in self.shards.split(keys, _partition).items():
+            answer = self._retrying(what, lambda conn, some=some: action(conn, some), shard)
+            merged = answer if merged is None else merged | answer
+        return merged
 
     # -- rebalance callbacks (run inside consume(), on this thread) ----------------------
 
@@ -205,13 +241,17 @@ class ConsumerLoop(threading.Thread):
         if not keys:
             return
         self._settle()
-        later = self._retrying("reading hand-overs", lambda conn: handing_over(conn, keys, self.clock))
+        if not self.shards.single:  # a partition may have moved: the catalog's map again
+            self._retrying("reading the shard map", lambda _conn: self.shards.reload())
+        later = self._per_shard("reading hand-overs", keys, lambda conn, some: handing_over(conn, some, self.clock))
         now = [k for k in keys if k not in later]
         if now:
-            epochs = self._retrying("takeover", lambda conn: self._take_over(conn, now, HANDOVER_WITHIN_NONE))
+            epochs = self._per_shard(
+                "takeover", now, lambda conn, some: self._take_over(conn, some, HANDOVER_WITHIN_NONE)
+            )
             self._call_runner(self.runner.claimer.assign(epochs))
         self.assigned.update(keys)
-        positions = self._retrying("reading consumer positions", lambda conn: read_positions(conn, keys))
+        positions = self._per_shard("reading consumer positions", keys, read_positions)
         consumer.incremental_assign(
             [TopicPartition(k.topic, k.partition, positions.get(k, OFFSET_INVALID)) for k in keys]
         )
@@ -225,7 +265,8 @@ class ConsumerLoop(threading.Thread):
                 "partitions %s: recording; taken over once the previous owner's hand-over ends",
                 ", ".join(str(k.partition) for k in sorted(later)),
             )
-            threading.Thread(target=self._take_over_later, args=(sorted(later),), name="takeover", daemon=True).start()
+            for shard, some in self.shards.split(sorted(later), _partition).items():
+                threading.Thread(target=self._take_over_later, args=(some, shard), name="takeover", daemon=True).start()
 
     def _take_over(self, conn: psycopg.Connection[DictRow], keys: list[PartitionKey], within_s: float) -> dict:
         return take_over(
@@ -239,12 +280,13 @@ class ConsumerLoop(threading.Thread):
             self.clock,
         )
 
-    def _take_over_later(self, keys: list[PartitionKey]) -> None:
+    def _take_over_later(self, keys: list[PartitionKey], shard: int = CATALOG) -> None:
         """Rule 4 off the consumer thread: wait for the previous owner's hand-over of ``keys``
         (at most half the poll interval, as before hand-overs the group bounded a revoke), then
         take over those still assigned and let the run loop claim for them. A revoke or a
         loss meanwhile drops them from ``taking_over``; the lock makes it wait for a takeover
-        in progress, so the partition is handed on as ours, never taken over after it left."""
+        in progress, so the partition is handed on as ours, never taken over after it left.
+        ``keys`` are all on ``shard``."""
         within_s = self.settings.kafka_max_poll_interval_ms / 2000
 
         def wanted() -> list[PartitionKey]:
@@ -257,7 +299,7 @@ class ConsumerLoop(threading.Thread):
             while not self.stopping.is_set() and wanted():
                 try:
                     if conn is None or conn.closed or conn.broken:
-                        conn = connect(self.settings.dsn)
+                        conn = connect(self._dsn(shard))
                     left_s = max(deadline - time.monotonic(), 0.0)
                     wait_for_handover(conn, wanted(), left_s, given_up=lambda: not wanted(), clock=self.clock)
                     with self._takeover_lock:
@@ -366,8 +408,8 @@ class ConsumerLoop(threading.Thread):
                 # close() revokes the assignment (our on_revoke releases runs and commits).
                 self.consumer.close()
                 self.recorder.shutdown()
-                if self.conn is not None:
-                    self.conn.close()
+                for conn in self.conns.values():
+                    conn.close()
 
     def _poll(self) -> list:
         """What has arrived, up to a batch; when nothing has, wait for the first message only.
@@ -400,33 +442,93 @@ class ConsumerLoop(threading.Thread):
                         return
             metrics.EVENTS_UNDECODABLE.inc(len(bad))
             log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
+        if rows and not self.shards.single:
+            kept = self._reroute(rows, messages)
+            if kept is None:
+                return
+            rows = kept
         self._settle()
         if highest:
-            users = {row[USER_COLUMN] for row in rows}
-            unknown = sorted(users - self.known_users)
-            self.in_flight = InFlight(
-                self.recorder.submit(self._record, rows, unknown, highest), highest, len(rows), users, spans
-            )
+            if self.shards.single:
+                batches = [Batch(CATALOG, rows, highest, [])]
+            else:
+                batches = self._by_shard(rows, highest)
+            users: dict[int, set[str]] = {}
+            for b in batches:
+                users[b.shard] = {row[USER_COLUMN] for row in b.rows}
+                b.unknown.extend(sorted(users[b.shard] - self.known_users.get(b.shard, set())))
+            self.in_flight = InFlight(self.recorder.submit(self._record, batches), highest, len(rows), users, spans)
 
-    def _record(self, rows: list[tuple], unknown_users: list[str], highest: dict[tuple[str, int], int]) -> int | None:
-        """On the recorder thread: the batch recorded (``record_batch``); how many events were
-        new, or None if the worker stopped while the ledger was unreachable. Home partitions
-        are written only for ``unknown_users`` (those this process has not seen committed).
+    def _reroute(self, rows: list[tuple], messages: list) -> list[tuple] | None:
+        """Several shards: the rows to record here; those whose user's home partition is on
+        another shard (a producer with another partitioner, a topic grown past
+        VIGIL_PARTITIONS) are produced again, verbatim, to that partition and acknowledged
+        first, so their offsets are stored only after that (a crash in between produces them
+        again: the home shard's dedup key drops the copy). None: the worker stopped first."""
+        kept: list[tuple] = []
+        away: dict[int, list[tuple]] = {}
+        for row in rows:
+            home = self.shards.elsewhere(row[USER_COLUMN], row[PARTITION_COLUMN], partitions=self.settings.partitions)
+            if home is None:
+                kept.append(row)
+            else:
+                away.setdefault(home, []).append(row)
+        if not away:
+            return rows
+        read = {(m.partition(), m.offset()): m for m in messages}
+        for home, foreign in sorted(away.items()):
+            copies = [(m.key(), m.value(), m.headers()) for m in (read[r[PARTITION_COLUMN], r[-1]] for r in foreign)]
+            while True:
+                try:
+                    self.dead_letters.producer.send_raw(copies, self.settings.events_topic, partition=home)
+                    break
+                except ProduceError as exc:
+                    log.warning("producing events again to their home partition failed, retrying: %s", exc)
+                    if self.stopping.wait(RETRY_S):
+                        return None
+            metrics.EVENTS_REROUTED.inc(len(foreign))
+            log.info(
+                "%d event(s) read on partition(s) of another shard produced again to their home partition %d",
+                len(foreign),
+                home,
+            )
+        return kept
+
+    def _by_shard(self, rows: list[tuple], highest: dict[tuple[str, int], int]) -> list[Batch]:
+        """A polled batch split by the shard of each partition: its events and positions."""
+        batches: dict[int, Batch] = {}
+        for (topic, partition), offset in highest.items():
+            shard = self.shards.shard_of(partition)
+            batches.setdefault(shard, Batch(shard, [], {}, [])).highest[topic, partition] = offset
+        for row in rows:
+            batches[self.shards.shard_of(row[PARTITION_COLUMN])].rows.append(row)
+        return [batches[shard] for shard in sorted(batches)]
+
+    def _record(self, batches: list[Batch]) -> int | None:
+        """On the recorder thread: the batch recorded (``record_batch``), one transaction per
+        shard holding that shard's partitions' events and positions; how many events were
+        new, or None if the worker stopped while a shard was unreachable. Home partitions
+        are written only for each shard's ``unknown`` users (those this process has not
+        seen committed there).
 
         The same statement moves the ledger's consumer positions past the batch, so the
         ledger's position and the events it covers commit or vanish together; a batch of
         undecodable messages only (already on the dead-letter topic) moves the positions
-        alone."""
-        positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in highest.items()}
+        alone. A shard committed before another failed stays committed: its events are
+        read again after a crash and dropped by the dedup key."""
+        recorded = 0
+        for b in batches:
+            positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in b.highest.items()}
 
-        def record(conn: psycopg.Connection[DictRow]) -> int:
-            with metrics.LEDGER_SECONDS.labels("record").time():
-                return ledger_events.record_batch(conn, rows, unknown_users, positions)
+            def record(conn: psycopg.Connection[DictRow], b: Batch = b, positions=positions) -> int:
+                with metrics.LEDGER_SECONDS.labels("record").time():
+                    return ledger_events.record_batch(conn, b.rows, b.unknown, positions)
 
-        try:
-            return self._retrying("recording events", record)
-        except psycopg.OperationalError:
-            return None
+            try:
+                recorded += self._retrying("recording events", record, b.shard)
+            except psycopg.OperationalError:
+                return None
+        return recorded
 
     def _settle(self) -> None:
         """Wait for the batch in flight; once it is committed, count it, store its offsets and
@@ -444,9 +546,11 @@ class ConsumerLoop(threading.Thread):
             return
         # Every user of a committed batch has its users row now (inserted or already there;
         # rows are never deleted): later batches skip the upsert for them.
-        if len(self.known_users) > KNOWN_USERS_MAX:
-            self.known_users.clear()
-        self.known_users.update(batch.users)
+        for shard, users in batch.users.items():
+            known = self.known_users.setdefault(shard, set())
+            if len(known) > KNOWN_USERS_MAX:
+                known.clear()
+            known.update(users)
         metrics.EVENTS_RECORDED.labels("new").inc(recorded)
         metrics.EVENTS_RECORDED.labels("duplicate").inc(batch.rows - recorded)
         self._store_offsets(batch.highest)

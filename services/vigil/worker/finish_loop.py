@@ -23,6 +23,7 @@ from vigil.worker.claim_loop import Claimer
 from vigil.worker.finish import Finished, commit_finished
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.shards import Shards
 from vigil.worker.wakeups import BACKOFF_SLACK_S, LEDGER_RETRY_S
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,11 @@ def gather_s(group: int, ran_s: float) -> float:
 class Finisher:
     """Group-commits finished runs; reports the ledger's backlog."""
 
-    def __init__(self, settings: WorkerSettings, pool: AsyncPool, runs: Runs, claimer: Claimer, clock: Clock) -> None:
+    def __init__(
+        self, settings: WorkerSettings, pool: AsyncPool | Shards, runs: Runs, claimer: Claimer, clock: Clock
+    ) -> None:
         self.settings = settings
-        self.pool = pool
+        self.shards = Shards.of(pool)  # a group's runs commit on their shards, a transaction each
         self.runs = runs
         self.claimer = claimer  # woken when a slot frees or a backoff ends; asked to heal
         self.clock = clock
@@ -114,26 +117,13 @@ class Finisher:
             batch.append(self.finished.get_nowait())
 
     async def _commit(self, batch: list[Finished]) -> None:
-        """One group: the fenced commit, retried until the ledger answers; then its runs leave."""
+        """One group: the fenced commit on each shard of its runs (one transaction per shard),
+        retried until the shard answers; then its runs leave."""
         began = time.monotonic()  # a measurement, not a decision: the host's clock
         began_ns = time.time_ns()
-        while True:
-            try:
-                async with self.pool.connection() as conn:
-                    committed, stale = await commit_finished(
-                        conn,
-                        batch,
-                        self.settings.instance_id,
-                        journal_keep=self.settings.run_journal_days > 0,
-                        now=utc(self.clock.now()),
-                    )
-                break
-            except (psycopg.Error, OSError) as exc:
-                log.warning("finish commit failed, retrying: %s", exc)
-                # Its outcome is unknown (the commit may have landed, or landed and then
-                # been lost): once the ledger answers again, look for orphaned claims.
-                self.claimer.heal_soon()
-                await asyncio.sleep(LEDGER_RETRY_S)
+        committed: list[Finished] = []
+        for shard, runs in self.shards.split(batch, _home_partition).items():
+            committed += await self._commit_on(shard, runs)
         metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
         traces.finish(batch, began_ns, committed)
         now = utc(self.clock.now())
@@ -153,14 +143,42 @@ class Finisher:
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         self.claimer.wake()
 
+    async def _commit_on(self, shard: int, runs: list[Finished]) -> list[Finished]:
+        """``runs`` (all claimed on ``shard``) committed there; those whose finish stood."""
+        while True:
+            try:
+                async with self.shards.pool(shard).connection() as conn:
+                    committed, _stale = await commit_finished(
+                        conn,
+                        runs,
+                        self.settings.instance_id,
+                        journal_keep=self.settings.run_journal_days > 0,
+                        now=utc(self.clock.now()),
+                    )
+                return committed
+            except (psycopg.Error, OSError) as exc:
+                log.warning("finish commit failed, retrying: %s", exc)
+                # Its outcome is unknown (the commit may have landed, or landed and then
+                # been lost): once the ledger answers again, look for orphaned claims.
+                self.claimer.heal_soon()
+                await asyncio.sleep(LEDGER_RETRY_S)
+
     async def gauge_loop(self) -> None:
-        """The ledger-wide backlog gauges, every GAUGE_INTERVAL_S (a dashboard's cadence)."""
+        """The ledger-wide backlog gauges, every GAUGE_INTERVAL_S (a dashboard's cadence): of
+        every shard this worker has a pool on (the oldest, the sum)."""
         while not self.stopping:
             try:
-                async with self.pool.connection() as conn:
-                    pending = await ledger_events.oldest_pending(conn)
-                metrics.OLDEST_PENDING.set(pending.age_s)
-                metrics.PENDING.set(pending.pending)
+                age_s, waiting = 0.0, 0
+                for _shard, pool in self.shards.opened():
+                    async with pool.connection() as conn:
+                        pending = await ledger_events.oldest_pending(conn)
+                    age_s, waiting = max(age_s, pending.age_s), waiting + pending.pending
+                metrics.OLDEST_PENDING.set(age_s)
+                metrics.PENDING.set(waiting)
             except psycopg.Error:
                 pass
             await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+def _home_partition(run: Finished) -> int:
+    return run.claim.home.partition
