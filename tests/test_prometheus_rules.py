@@ -184,10 +184,15 @@ def test_the_shards_row_shows_each_picked_shard():
     assert "vigil_scheduler_shard_up" in exported_metric_names()
     [row] = [p for p in dashboard["panels"] if p["type"] == "row" and p["title"].startswith("ledger shards")]
     exprs = [target["expr"] for panel in row["panels"] for target in panel["targets"]]
-    assert len(exprs) >= 7, exprs
+    assert len(exprs) >= 8, exprs
     for expr in exprs:
         assert 'shard=~"$shard"' in expr and ("by (shard)" in expr or "vigil:" in expr), expr
-    for name in ("vigil_scheduler_shard_up", "vigil_dispatcher_shard_up", "vigil:outbox_oldest_age_seconds:max"):
+    for name in (
+        "vigil_scheduler_shard_up",
+        "vigil_dispatcher_shard_up",
+        "vigil:outbox_oldest_age_seconds:max",
+        "vigil_worker_shard_partitions",
+    ):
         assert any(name in expr for expr in exprs), name
     # Every variable any panel uses is defined, and the live test knows its "All" value.
     from prometheus_support import ALL_VALUES, dashboard_panels

@@ -187,6 +187,13 @@ WORKER = [
         ("sum(rate(vigil_events_undecodable_total[5m]))", "to the dead-letter topic"),
         unit="ops",
     ),
+    panel(
+        "Events produced again to their user's home partition",
+        ("sum(rate(vigil_events_rerouted_total[5m]))", "rerouted"),
+        unit="ops",
+        description="Read on a partition of another ledger shard than their user's (another producer's"
+        " partitioner, a topic grown past VIGIL_PARTITIONS); always 0 on one shard.",
+    ),
 ]
 
 AGENT = [
@@ -308,6 +315,11 @@ SHARDS = [
         "vigil:outbox_oldest_age_seconds:max",
         unit="s",
         description="Over 3 hours for 15 minutes fires VigilOutboxStuck for the shard.",
+    ),
+    panel(
+        "Partitions held by shard (all workers)",
+        (f"sum by (shard) (vigil_worker_shard_partitions{{{SHARD}}})", "shard {{shard}}"),
+        description="The events topic's partitions the workers own, by the ledger shard holding their users.",
     ),
     panel(
         "Seconds since the dispatcher's last pass, by shard",
