@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import psycopg
 import pytest
@@ -267,3 +271,25 @@ def test_unknown_names_and_a_dead_shard_are_one_line(two_shards, databases):  # 
     dead = vigil("shards", "move", "2", "--to", "2", env=shard_env(catalog, other, closed, partitions=PARTITIONS))
     assert_one_line(dead, 3, "ledger shard 2", "unreachable")
     assert "hidden" not in dead.stderr
+
+
+def test_a_move_killed_mid_copy_completes_when_run_again(two_shards):
+    """The command itself, SIGKILLed as soon as it says it copied the events."""
+    catalog, other, env, people = two_shards
+    before = before_of(catalog, other, people)
+    command = [sys.executable, "-m", "vigil", "shards", "move", str(MOVED), "--to", "0"]
+    proc = subprocess.Popen(
+        command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip() == f"partition {MOVED}: copied events":
+            proc.send_signal(signal.SIGKILL)
+            break
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert query(catalog, "SELECT state FROM shard_moves WHERE partition = %s", (MOVED,))[0]["state"] == "copying"
+    assert listed(env) == {0: [0, 2], 1: [1, 3]}, "killed before the flip: the source still holds the partition"
+
+    resumed = vigil("shards", "move", str(MOVED), "--to", "0", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_moved(catalog, other, env, people, before)
