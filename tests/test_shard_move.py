@@ -99,11 +99,6 @@ def two_shards(databases):  # noqa: F811  (the fixture imported above)
     catalog, other = databases(migrated=True), databases(migrated=True)
     env = shard_env(catalog, other, partitions=PARTITIONS)
     assert vigil("migrate", env=env).returncode == 0
-    # Shard 1's identity sequences start far from shard 0's (docs/operations.md: ids are copied
-    # as they are, so the shards' ranges must not overlap).
-    with psycopg.connect(other, autocommit=True) as conn:
-        for table in sorted(shardmove.IDENTITY_TABLES):
-            conn.execute(f"ALTER TABLE {table} ALTER COLUMN id RESTART WITH 1000000000")
     people = {MOVED: users_of(MOVED, 3), STAYS: users_of(STAYS, 2), ELSEWHERE: users_of(ELSEWHERE, 2)}
     seed(other, MOVED, people[MOVED])
     seed(other, STAYS, people[STAYS])
@@ -135,7 +130,7 @@ def assert_moved(catalog: str, other: str, env: dict[str, str], people: dict[int
         "INSERT INTO events (user_id, source, source_id, kind, received_at) VALUES "
         "('x', 'api', 'new', 'm', now()) RETURNING id",
     )[0]["id"]
-    assert new > top >= 1_000_000_000
+    assert new > top >= 10**15
 
 
 def before_of(catalog: str, other: str, people: dict[int, list[str]]) -> dict:
@@ -293,3 +288,24 @@ def test_a_move_killed_mid_copy_completes_when_run_again(two_shards):
     resumed = vigil("shards", "move", str(MOVED), "--to", "0", env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert_moved(catalog, other, env, people, before)
+
+
+def test_migrate_starts_each_shards_ids_apart_and_a_collision_stops_the_move(two_shards):
+    catalog, other, env, people = two_shards
+    # Ids are copied as they are: `vigil migrate` started shard 1's sequences at 10**15.
+    for table in shardmove.IDENTITY_TABLES:
+        low = query(other, f"SELECT min(id) AS m FROM {table}")[0]["m"]
+        high = query(catalog, f"SELECT max(id) AS m FROM {table}")[0]["m"]
+        assert low >= 10**15 > high, table
+    # A shard whose sequences were in use before (ids overlapping): the move stops, naming the table.
+    taken = query(other, "SELECT min(id) AS id FROM outbox WHERE user_id = ANY(%s)", (people[MOVED],))[0]["id"]
+    query(
+        catalog,
+        "INSERT INTO outbox (id, user_id, run_id, epoch, body) OVERRIDING SYSTEM VALUE"
+        " VALUES (%s, 'someone', 1, 1, 'x') RETURNING id",
+        (taken,),
+    )
+    refused = vigil("shards", "move", str(MOVED), "--to", "0", env=env)
+    assert_one_line(refused, 4, "outbox", "ids the target already gives other users")
+    assert listed(env) == {0: [0, 2], 1: [1, 3]}, "nothing flipped"
+    assert rows_of(other, people[MOVED])["outbox"] == 3, "nothing deleted from the source"

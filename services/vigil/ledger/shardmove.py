@@ -48,7 +48,7 @@ from vigil.ledger import partitions as fencing
 from vigil.ledger.db import connect
 from vigil.ledger.queries import Q
 from vigil.ledger.shardmap import ShardMap, ShardUnreachable
-from vigil.ledger.shards import assigned
+from vigil.ledger.shards import IDENTITY_TABLES, assigned
 from vigil.ledger.states import MoveState
 from vigil.partitioner import home_partition
 
@@ -79,9 +79,8 @@ USER_TABLES = (
     "refunds",
 )
 TABLES = PARTITION_TABLES + USER_TABLES
-# Tables whose ids come from an identity sequence: copied as they are, checked for collisions,
-# and the target's sequence advanced past them.
-IDENTITY_TABLES = frozenset({"events", "runs", "outbox", "memory_history", "refunds"})
+# IDENTITY_TABLES (vigil.ledger.shards): ids copied as they are, checked for collisions, and
+# the target's sequence advanced past them; `vigil migrate` starts each shard's apart.
 
 # Users per chunk: one COPY and one target transaction each.
 CHUNK_USERS = 200
