@@ -65,7 +65,7 @@ def _connect(settings):
 def dispatcher_command() -> None:
     """Run the dispatcher: relay the outbox to each user's channel, paced per user."""
     settings = _settings()
-    require_schema(settings)
+    require_schema(settings, routes_shards=True)
     require_secret_keys(settings)
     sys.exit(serve(settings))
 
