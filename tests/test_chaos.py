@@ -62,3 +62,27 @@ def test_the_shard_outage_line_compares_the_other_shards_users_during_and_withou
         "shards other than 1: p99 received -> run finished while shard 1 was down 0.70 s (n=2); "
         "without faults 0.20 s (n=2)"
     ), line
+
+
+@pytest.mark.stack  # starts a stack of its own, with two ledger shards on two PostgreSQL servers
+@pytest.mark.timeout(660)
+def test_a_short_chaos_run_on_two_shards_with_a_shard_killed_loses_nothing(tmp_path):
+    """`make chaos SHARDS=2`, short: the last shard's server killed twice under load; nothing
+    acknowledged is lost, and the other shard's users are served meanwhile."""
+    args = [
+        *("--seed", "12", "--shards", "2", "--faults", "4", "--users", "8", "--rate", "12", "--gap", "1", "2"),
+        *("--kinds", "kill-shard,kill-worker", "--settle-s", "120"),
+        *("--run-dir", str(tmp_path / "stack")),
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "vigil_dev.chaos", *args], capture_output=True, text=True, timeout=600, env=os.environ
+    )
+    print(result.stdout[-6000:], result.stderr[-3000:])
+    lines = result.stdout.strip().splitlines()
+    match = SUMMARY.match(lines[-1] if lines else "")
+    assert match, f"no summary line: {lines[-1:]!r}"
+    assert int(match.group(1)) == 4 and int(match.group(2)) > 100
+    assert match.group(9) == "PASS" and result.returncode == 0
+    assert result.stdout.count(": kill-shard ... postgres-1 restarted") == 2, "the shard's server was killed twice"
+    outage = re.search(r"while shard 1 was down (\S+) s \(n=(\d+)\)", result.stdout)
+    assert outage and int(outage.group(2)) > 0, "shard 0's users ran while shard 1 was down"
