@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from vigil.admin.shards import Shards, report_down, with_shard
 from vigil.cliutil import emit
 from vigil.dispatcher.main import serve
 from vigil.dispatcher.operator import (
@@ -176,15 +177,37 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
     if sum(bool(x) for x in (user, dead, revive_id)) != 1:
         raise click.UsageError("give exactly one of USER, --dead, --revive DELIVERY_ID")
     settings = _settings()
-    with _connect(settings) as conn:
-        if revive_id:
-            rows = revive_delivery(conn, revive_id)
-            if not rows:
-                raise click.ClickException(f"no dead delivery {revive_id}")
-            text = f"delivery {revive_id}: {len(rows)} messages back to pending for {rows[0]['user_id']}"
-            emit({"revived": revive_id, "user_id": rows[0]["user_id"], "messages": len(rows)}, as_json, text)
-            return
-        rows = dead_deliveries(conn, limit) if dead else outbox_rows(conn, user, limit)
+    shards = Shards(settings)
+    down: list = []
+    if revive_id:
+        # A delivery id is a UUID: the first shard that holds it dead revives it.
+        found = shards.locate(lambda dsn: _revive(dsn, revive_id) or None, f"dead delivery {revive_id}", unique=True)
+        if found is None:
+            raise click.ClickException(f"no dead delivery {revive_id}")
+        rows = found.value
+        text = f"delivery {revive_id}: {len(rows)} messages back to pending for {rows[0]['user_id']}"
+        emit({"revived": revive_id, "user_id": rows[0]["user_id"], "messages": len(rows)}, as_json, text)
+        return
+    if dead:
+        merged, down = shards.merged(lambda dsn: _read(dsn, dead_deliveries, limit), lambda r: r["dead_at"], limit)
+        rows = [with_shard(f.value, f.shard, shards) for f in merged]
+    else:
+        rows = shards.on_user(user, lambda dsn: _read(dsn, outbox_rows, user, limit))
+    _print_outbox(rows, user, dead, as_json)
+    report_down(down)
+
+
+def _read(dsn: str, fn, *args):
+    with db.connect(dsn, autocommit=True) as conn:
+        return fn(conn, *args)
+
+
+def _revive(dsn: str, delivery_id: str) -> list[dict]:
+    with db.connect(dsn, autocommit=True) as conn:
+        return revive_delivery(conn, delivery_id)
+
+
+def _print_outbox(rows: list[dict], user: str | None, dead: bool, as_json: bool) -> None:
     if as_json:
         for row in rows:
             click.echo(to_json(row))
@@ -194,8 +217,10 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
         return
     if dead:
         for row in rows:
+            shard = f"shard {row['shard']}  " if "shard" in row else ""
             click.echo(
-                f"{row['dead_at']:%Y-%m-%d %H:%M:%S}  {row['delivery_id']}  {row['user_id']}  {row['channel'] or '-'}  "
+                f"{shard}{row['dead_at']:%Y-%m-%d %H:%M:%S}  {row['delivery_id']}  {row['user_id']}  "
+                f"{row['channel'] or '-'}  "
                 f"{row['messages']} msg  {row['attempts']} attempts  {row['error']}"
             )
         return
