@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -99,7 +100,8 @@ def test_lists_hold_every_shards_rows_merged_newest_first(two):
     assert deliveries == [(c, 0), (b, 1), (a, 0)]
     # The limit is the first rows of the union: each shard's first two, merged, cut at two.
     limited = lines(two.run("dead", "list", "--json", "--limit", "2"))
-    assert [(r["dead"], r["user_id"]) for r in limited] == [("event", c), ("event", b), ("delivery", c), ("delivery", b)]
+    expected = [("event", c), ("event", b), ("delivery", c), ("delivery", b)]
+    assert [(r["dead"], r["user_id"]) for r in limited] == expected
     text = two.run("dead", "list")
     assert text.returncode == 0 and text.stdout.splitlines()[1].split()[:2] == ["shard", "id"]
 
@@ -131,7 +133,7 @@ def test_a_users_commands_read_the_users_shard(two):
     query(
         two.dsns[1],
         "INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body)"
-        " VALUES (%s, 1, 'call', %s, 7, 1, '{\"name\": \"refund\", \"key\": \"k1\"}')",
+        ' VALUES (%s, 1, \'call\', %s, 7, 1, \'{"name": "refund", "key": "k1"}\')',
         (key, b),
     )
     shown = json.loads(two.run("runs", "show", key, "--json").stdout)
@@ -211,3 +213,98 @@ def test_a_shard_that_does_not_answer_is_named_and_the_rest_still_listed(two):
     unsure = two.run("runs", "show", run_id, env=env)
     assert unsure.returncode == 3 and "--shard 0" in unsure.stderr and "ledger shard 1" in unsure.stderr
     assert two.run("runs", "show", run_id, "--shard", "0", env=env).returncode == 0
+
+
+# -- the console -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def console_of(two):
+    """A console application in this process over ``dsns`` (shard 0: the catalog, with a token)."""
+    from starlette.testclient import TestClient
+
+    from ingest_support import create_token
+    from vigil.console.app import create_app
+    from vigil.console.settings import ConsoleSettings
+
+    token = create_token(two.dsns[0], "ops-shards")["token"]
+    clients = []
+
+    def make(*dsns: str) -> TestClient:
+        settings = ConsoleSettings(
+            database_url=dsns[0], ledger_shards=",".join(dsns), partitions=PARTITIONS, console_auth_cache_s=0
+        )
+        client = TestClient(create_app(settings), base_url="http://console.test", follow_redirects=False)
+        client.__enter__()
+        client.headers.update({"authorization": f"Bearer {token}", "accept": "text/html"})
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def test_console_lists_every_shard_and_acts_on_the_rows_shard(two, console_of, monkeypatch):
+    import vigil.console.app as console_app
+
+    a, b, c = two.a, two.b, two.c
+    console = console_of(*two.dsns)
+    dead = console.get("/dead")
+    assert dead.status_code == 200, dead.text
+    for user, shard in ((a, 0), (b, 1), (c, 0)):
+        assert f'href="/events/{two.seeded[user].dead_event}?shard={shard}"' in dead.text
+        assert f'value="{shard}:{two.seeded[user].dead_event}"' in dead.text
+    assert dead.text.index(f"/users/{c}") < dead.text.index(f"/users/{b}") < dead.text.index(f"/users/{a}")
+    approvals = console.get("/approvals").text
+    assert all(f"apr-{u}" in approvals for u in (a, b, c))
+    timeline = console.get(f"/users/{b}")
+    assert timeline.status_code == 200 and f'href="/events/{two.seeded[b].dead_event}?shard=1"' in timeline.text
+    # Run 1 is on both shards: the first, with a banner naming the other; ?shard=1 the other's.
+    run = console.get(f"/runs/{two.seeded[a].run_id}")
+    assert run.status_code == 200 and f"/users/{a}" in run.text and "Shard 1 has this id too" in run.text
+    assert f"/users/{b}" in console.get(f"/runs/{two.seeded[b].run_id}?shard=1").text
+    parts = console.get("/partitions")
+    assert parts.status_code == 200 and "<th>shard</th>" in parts.text
+
+    # A page of two rows at a time: the cursor holds a keyset per shard, nothing skipped or repeated.
+    monkeypatch.setattr(console_app, "PAGE", 2)
+    first = console.get("/dead").text
+    assert f"/users/{c}" in first and f"/users/{b}" in first and f"/users/{a}" not in first.split("Dead deliveries")[0]
+    nxt = re.search(r'href="/dead\?events_before=([^"]+)"', first).group(1)
+    second = console.get(f"/dead?events_before={nxt}").text.split("Dead deliveries")[0]
+    assert f"/users/{a}" in second and f"/users/{b}" not in second and f"/users/{c}" not in second
+    monkeypatch.undo()
+
+    # Retry shard 1's dead event (its id taken on shard 0 too): shard 1 changes, shard 0 not.
+    ev = two.seeded[b].dead_event
+    query(
+        two.dsns[0],
+        "INSERT INTO events (id, user_id, source, source_id, kind, received_at, status, attempts, finished_at, error)"
+        " OVERRIDING SYSTEM VALUE VALUES (%s, %s, 'chat', 'twin', 'chat.message', now(), 'dead', 5, now(), 'x')",
+        (ev, a),
+    )
+    done = console.post("/dead/events/retry", data={"event_id": f"1:{ev}"})
+    assert done.status_code == 303 and "retried=1%3A" in done.headers["location"], done.text
+    assert query(two.dsns[1], "SELECT status FROM events WHERE id = %s", (ev,)) == [{"status": "pending"}]
+    assert query(two.dsns[0], "SELECT status FROM events WHERE id = %s", (ev,)) == [{"status": "dead"}]
+    delivery = two.seeded[b].delivery_id
+    revived = console.post(f"/deliveries/{delivery}/revive")
+    assert revived.status_code == 303 and revived.headers["location"].endswith("?shard=1&revived=1")
+    assert query(two.dsns[1], "SELECT status FROM outbox WHERE delivery_id = %s", (delivery,)) == [
+        {"status": "pending"}
+    ]
+
+
+def test_console_names_a_shard_that_does_not_answer_and_shows_the_rest(two, console_of):
+    closed = f"postgresql://vigil@127.0.0.1:{free_port()}/vigil"
+    console = console_of(two.dsns[0], closed)
+    banner = "Ledger shard 1 (postgresql://vigil@127.0.0.1"
+    for path in ("/", "/dead", "/approvals", "/timers", "/partitions"):
+        page = console.get(path)
+        assert page.status_code == 200 and banner in page.text, (path, page.status_code, page.text[:300])
+    dead = console.get("/dead").text
+    assert f"/users/{two.a}" in dead and f"/users/{two.c}" in dead and f"/users/{two.b}" not in dead
+    assert console.get(f"/users/{two.a}").status_code == 200
+    down = console.get(f"/users/{two.b}")
+    assert down.status_code == 503 and "ledger shard 1" in down.text

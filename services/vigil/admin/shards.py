@@ -164,11 +164,13 @@ class Shards:
         return hits[0] if hits else None
 
 
-def merge(answers: Iterable[Found[list[R]]], key: Callable[[R], Any], limit: int) -> list[Found[R]]:
-    """Each shard's rows (newest first by ``key``) as one list, newest first, at most ``limit``;
-    equal keys keep shard order."""
+def merge(
+    answers: Iterable[Found[list[R]]], key: Callable[[R], Any], limit: int, newest_first: bool = True
+) -> list[Found[R]]:
+    """Each shard's rows (sorted by ``key``, descending unless not ``newest_first``) as one
+    list in that order, at most ``limit``; equal keys keep shard order."""
     rows = [Found(a.shard, row) for a in answers for row in a.value]
-    return sorted(rows, key=lambda f: key(f.value), reverse=True)[:limit]
+    return sorted(rows, key=lambda f: key(f.value), reverse=newest_first)[:limit]
 
 
 def shard_option(function: Callable) -> Callable:

@@ -21,6 +21,7 @@ from vigil.agent.settings import AgentSettings, parse_event_policies
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
 from vigil.ledger.db import connect
+from vigil.ledger.shardmap import ShardUnreachable
 from vigil.service import StartupError, load_or_exit
 from vigil.settings import CommonSettings, SettingsError
 
@@ -50,7 +51,8 @@ def approvals_list(user_id, include_answered, limit, as_json) -> None:
             return rule.list_requests(conn, user_id, include_answered, limit)
 
     if user_id:
-        found, down = [(shards.of_user(user_id), row) for row in shards.on_user(user_id, read)], []
+        found = [(shards.of_user(user_id), row) for row in shards.on_user(user_id, read)]
+        down: list[ShardUnreachable] = []
     else:
         merged, down = shards.merged(read, lambda r: r.created_at, limit)
         found = [(f.shard, f.value) for f in merged]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
+from functools import partial
 
 import click
 
@@ -37,6 +38,14 @@ def _dead_events(dsn: str, limit: int) -> list[dict]:
         return [asdict(row) for row in ledger_events.dead_list(conn, limit)]
 
 
+def _death_of_event(row: dict) -> tuple:
+    return row["finished_at"], row["id"]
+
+
+def _death_of_delivery(row: dict) -> tuple:
+    return (row["dead_at"],)
+
+
 def _dead_deliveries(dsn: str, limit: int) -> list[dict]:
     with connect(dsn, autocommit=True) as conn:
         return dead_deliveries(conn, limit)
@@ -53,8 +62,8 @@ def dead() -> None:
 def dead_list(limit: int, as_json: bool) -> None:
     """List dead events and dead deliveries, newest first (of every shard: "shard" says whose)."""
     shards = _shards()
-    found, down = shards.merged(lambda dsn: _dead_events(dsn, limit), lambda r: (r["finished_at"], r["id"]), limit)
-    kept, down_too = shards.merged(lambda dsn: _dead_deliveries(dsn, limit), lambda r: r["dead_at"], limit)
+    found, down = shards.merged(partial(_dead_events, limit=limit), _death_of_event, limit)
+    kept, down_too = shards.merged(partial(_dead_deliveries, limit=limit), _death_of_delivery, limit)
     rows = [with_shard(f.value, f.shard, shards) for f in found]
     deliveries = [with_shard(f.value, f.shard, shards) for f in kept]
     shard = ["shard"] if shards.many else []
@@ -81,15 +90,15 @@ def dead_retry(ids: tuple[int, ...], actor: str | None, as_json: bool, shard: in
     shards = _shards()
     on: dict[int, list[int]] = {} if shards.many else {0: list(ids)}
     for event_id in ids if shards.many else ():
-        place = shards.locate(lambda dsn, i=event_id: _dead_event(dsn, i), f"dead event {event_id}", shard)
+        place = shards.locate(partial(_dead_event, event_id=event_id), f"dead event {event_id}", shard)
         on.setdefault(place.shard if place else (shard or 0), []).append(event_id)
     retried: list[int] = []
     missing: list[int] = []
     for index, some in sorted(on.items()):
-        result = shards.on(index, lambda dsn, some=some: _retry(dsn, some, who))
+        result = shards.on(index, partial(_retry, ids=some, who=who))
         retried += result.retried
         missing += result.missing
-    text = f"retried {len(result.retried)} event(s)" + (f"; not dead (left alone): {missing}" if missing else "")
+    text = f"retried {len(retried)} event(s)" + (f"; not dead (left alone): {missing}" if missing else "")
     emit({"retried": retried, "not_dead": missing}, as_json, text)
 
 

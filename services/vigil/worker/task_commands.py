@@ -18,6 +18,7 @@ from vigil.cliutil import EXIT_CONFLICT, Conflict, login_name, table
 from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import connect_async
+from vigil.ledger.shardmap import ShardUnreachable
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 
@@ -67,7 +68,8 @@ def tasks_list(user_id: str | None, status: str | None, limit: int, as_json: boo
     shards = _shards()
     if user_id:
         shard = shards.of_user(user_id)
-        found, down = [(shard, row) for row in shards.on(shard, lambda dsn: _run(go(dsn)))], []
+        found = [(shard, row) for row in shards.on(shard, lambda dsn: _run(go(dsn)))]
+        down: list[ShardUnreachable] = []
     else:
         merged, down = shards.merged(lambda dsn: _run(go(dsn)), lambda r: (r.created_at, r.id), limit)
         found = [(f.shard, f.value) for f in merged]
