@@ -192,6 +192,25 @@ def test_actions_change_the_rows_shard_only(two):
     assert {r["answer"] for r in query(two.dsns[0], "SELECT answer FROM approvals")} == {None}
 
 
+def test_timers_and_attention_are_the_users_shards_and_channels_the_catalogs(two):
+    b = two.b
+    added = two.run("timers", "add", b, "ping", "--due", "2030-01-01T00:00:00Z", "--json")
+    assert added.returncode == 0, added.stderr
+    assert query(two.dsns[1], "SELECT id FROM timers WHERE user_id = %s ORDER BY id", (b,)) == [
+        {"id": "followup-1"},
+        {"id": "ping"},
+    ]
+    assert query(two.dsns[0], "SELECT count(*) AS n FROM timers WHERE user_id = %s", (b,)) == [{"n": 0}]
+    listed = lines(two.run("timers", "list", b, "--json"))
+    assert sorted(t["id"] for t in listed) == ["followup-1", "ping"]
+    # The channel is the catalog's; the attention (earned gap, deliveries) the user's shard's.
+    assert two.run("channels", "set", b, "--type", "log", "--gap", "90").returncode == 0
+    assert query(two.dsns[0], "SELECT gap_seconds FROM channels WHERE user_id = %s", (b,)) == [{"gap_seconds": 90}]
+    shown = two.run("users", "show", b, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["gap_seconds"] == 90 and json.loads(shown.stdout)["gap_source"] == "channel"
+
+
 def test_a_shard_that_does_not_answer_is_named_and_the_rest_still_listed(two):
     closed = f"postgresql://vigil@127.0.0.1:{free_port()}/vigil"
     env = shard_env(two.dsns[0], closed, partitions=PARTITIONS)

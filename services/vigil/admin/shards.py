@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import click
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil.cliutil import emit, table
 from vigil.ledger import shards as shard_rows
@@ -108,6 +110,24 @@ class Shards:
     def on_user(self, user_id: str, step: Callable[[str], T]) -> T:
         """``step`` on the shard of the user's home partition."""
         return self.on(self.of_user(user_id), step)
+
+    @contextmanager
+    def user_connection(self, user_id: str, *, autocommit: bool = True) -> Iterator[psycopg.Connection[DictRow]]:
+        """A connection to the user's shard for one command, closed at the end (as
+        vigil.admin.connection.cli_connection, which it is with one shard)."""
+        with self.connection(self.of_user(user_id), autocommit=autocommit) as conn:
+            yield conn
+
+    @contextmanager
+    def connection(self, shard: int, *, autocommit: bool = True) -> Iterator[psycopg.Connection[DictRow]]:
+        """A connection to one shard for one command (shard 0: the catalog)."""
+        try:
+            with connect(self.dsns[shard], autocommit=autocommit) as conn:
+                yield conn
+        except psycopg.OperationalError as exc:
+            if not self.many:
+                raise
+            raise ShardUnreachable(shard, self.dsns[shard], first_line(exc)) from exc
 
     def each(self, step: Callable[[str], T]) -> tuple[list[Found[T]], list[ShardUnreachable]]:
         """``step`` on every shard: what each that answered gave, and those that did not."""

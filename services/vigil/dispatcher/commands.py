@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -60,6 +61,19 @@ def _settings():
 
 def _connect(settings):
     return db.connect(settings.dsn, autocommit=True)
+
+
+@contextmanager
+def _user_and_catalog(settings, user: str):
+    """The user's shard (pacing, attention) and, with several shards, the catalog (channels);
+    one shard: one connection, the catalog None."""
+    shards = Shards(settings)
+    with shards.user_connection(user) as conn:
+        if not shards.many:
+            yield conn, None
+            return
+        with shards.connection(0) as catalog:
+            yield conn, catalog
 
 
 @click.command("dispatcher")
@@ -135,8 +149,8 @@ def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> N
 def channels_show(user, as_json) -> None:
     """Show USER's channel, the limits in effect and the pacing state (never the secret)."""
     settings = _settings()
-    with _connect(settings) as conn:
-        shown = show_channel(conn, user, settings.outbox_gap, settings.urgent_daily_cap)
+    with _user_and_catalog(settings, user) as (conn, catalog):
+        shown = show_channel(conn, user, settings.outbox_gap, settings.urgent_daily_cap, catalog)
     if as_json:
         click.echo(to_json(shown))
         return
@@ -248,8 +262,8 @@ def users() -> None:
 def users_show(user, as_json) -> None:
     """Show USER's effective gap, where it comes from and why, and today's deliveries."""
     settings = _settings()
-    with _connect(settings) as conn:
-        shown = show_user(conn, user, settings.outbox_gap)
+    with _user_and_catalog(settings, user) as (conn, catalog):
+        shown = show_user(conn, user, settings.outbox_gap, catalog)
     if shown is None:
         raise click.ClickException(f"no user {user!r}")
     text = "\n".join(
@@ -273,10 +287,10 @@ def users_attention(user, gap) -> None:
     vigil users attention alice --gap auto
     """
     settings = _settings()
-    with _connect(settings) as conn:
+    with _user_and_catalog(settings, user) as (conn, catalog):
         if not set_attention(conn, user, gap):
             raise click.ClickException(f"no user {user!r}")
-        shown = show_user(conn, user, settings.outbox_gap)
+        shown = show_user(conn, user, settings.outbox_gap, catalog)
     assert shown is not None
     click.echo(f"{user}: gap {shown['gap_seconds']}s ({shown['gap_source']}: {shown['reason']})")
 
