@@ -285,7 +285,7 @@ class Console:
         hits = [f for f in found if f.value]
         if not hits:
             return 0, None, down
-        others = [f"Shard {h.shard} has this id too: add ?shard={h.shard} to see its." for h in hits[1:]]
+        others = [f"Shard {h.shard} has this id too: add ?shard={h.shard} to see that one." for h in hits[1:]]
         return hits[0].shard, hits[0].value, others + down
 
     async def page_each(
