@@ -61,8 +61,9 @@ bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes)
 	$(BIN)/python -m vigil_dev.bench --quick
 
 SEED ?= 1
-chaos: $(STAMP) ## The nemesis under load on a stack of its own (.run/chaos): 30 faults, seeded (SEED=n); ends PASS or FAIL
-	$(BIN)/python -m vigil_dev.chaos --seed $(SEED) $(CHAOS_ARGS)
+SHARDS ?= 1
+chaos: $(STAMP) ## The nemesis under load on a stack of its own (.run/chaos): 30 faults, seeded (SEED=n), SHARDS=n ledger shards; ends PASS or FAIL
+	$(BIN)/python -m vigil_dev.chaos --seed $(SEED) --shards $(SHARDS) $(CHAOS_ARGS)
 
 MODEL ?=
 eval: $(STAMP) ## The agent's behaviour across scenarios, as a table: offline (scripted model) unless ANTHROPIC_API_KEY is set (MODEL=id)

@@ -38,3 +38,27 @@ def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
     assert int(match.group(7)) > 50 and int(match.group(8)) == 0
     assert match.group(9) == "PASS" and result.returncode == 0
     assert "fault 4/4: kill-" in result.stdout and "not running" not in result.stdout
+
+
+def test_the_shard_outage_line_compares_the_other_shards_users_during_and_without_faults():
+    from datetime import UTC, datetime
+
+    from vigil_dev.chaos.checks import Fault, shard_outage_line
+
+    def at(s: float) -> datetime:
+        return datetime.fromtimestamp(s, UTC)
+
+    kill = Fault("kill-shard", 1000.0, restart_s=10.0, recovery_s=12.0)
+    other = Fault("kill-worker", 2000.0, restart_s=3.0, recovery_s=4.0)
+    events, runs = [], []
+    # (shard, received, latency): shard 1 was killed; its users never count.
+    for n, (shard, got, took) in enumerate(
+        [(0, 1002, 0.5), (0, 1008, 0.7), (1, 1003, 30.0), (0, 500, 0.1), (0, 600, 0.2), (0, 2001, 9.0)]
+    ):
+        events.append({"user_id": f"u{n}", "id": 1, "shard": shard, "received_at": at(got)})
+        runs.append({"user_id": f"u{n}", "event_ids": [1], "outcome": "done", "finished_at": at(got + took)})
+    line = shard_outage_line([kill, other], {"events": events, "runs": runs}, killed=1)
+    assert line == (
+        "shards other than 1: p99 received -> run finished while shard 1 was down 0.70 s (n=2); "
+        "without faults 0.20 s (n=2)"
+    ), line

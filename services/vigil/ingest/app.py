@@ -30,6 +30,7 @@ from vigil.ingest.metrics import RequestMetrics
 from vigil.ingest.mounts import POOL_TIMEOUT_S, IngestContext, mounted_openapi_paths, mounted_routes
 from vigil.ingest.requests import EXCEPTION_HANDLERS, TargetCheck, route
 from vigil.ingest.settings import IngestSettings
+from vigil.ingest.shards import SyncShardPools
 from vigil.ledger import db
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,15 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
     """The application. ``before_answer`` is a test hook (see :mod:`vigil.ingest.approvals_api`)."""
     ctx = IngestContext(settings)
     answers_pool = db.pool(settings.dsn, name="ingest-approvals", max_size=APPROVALS_POOL_SIZE, timeout=POOL_TIMEOUT_S)
-    answers = ApprovalsApi(settings, answers_pool, ctx.publisher, before_answer)
-    events = EventsApi(settings, ctx.tokens, ctx.publisher, ctx.pool, answers.answer_reply)
+    answers_pools = SyncShardPools(
+        ctx.router,
+        answers_pool,
+        lambda dsn, shard: db.pool(
+            dsn, name=f"ingest-approvals-{shard}", max_size=APPROVALS_POOL_SIZE, timeout=POOL_TIMEOUT_S
+        ),
+    )
+    answers = ApprovalsApi(settings, answers_pools, ctx.publisher, before_answer)
+    events = EventsApi(settings, ctx.tokens, ctx.publisher, ctx.ledger, answers.answer_reply)
     hooks = HookReceiver(settings, ctx.pool, ctx.publisher)
     document = openapi.document(mounted_openapi_paths())
 
@@ -75,7 +83,9 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
             yield
         finally:
             await ctx.publisher.close()
+            await asyncio.to_thread(answers_pools.close_others)
             await asyncio.to_thread(answers_pool.close)
+            await ctx.pools.close_others()
             await ctx.pool.close()
             log.info("ingest stopped")
 

@@ -58,9 +58,10 @@ from vigil.ingest.metrics import UNKNOWN_KEYS
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import Refusal, read_json, received_at, unavailable
 from vigil.ingest.settings import IngestSettings
+from vigil.ingest.shards import SyncShardPools
 from vigil.ledger import approvals
 from vigil.ledger.approvals import Standing
-from vigil.ledger.db import Pool, PoolTimeout
+from vigil.ledger.db import PoolTimeout
 from vigil.ledger.states import AnsweredVia, ApprovalAnswer
 from vigil.ttl_cache import MissGuard
 
@@ -112,12 +113,14 @@ class ApprovalsApi:
     def __init__(
         self,
         settings: IngestSettings,
-        pool: Pool,
+        pools: SyncShardPools,
         publisher: Publisher,
         before_answer: BeforeAnswer | None = None,
     ):
         self.secret = settings.approval_secret.get_secret_value()
-        self.pool = pool
+        # A request lives on its user's shard; its id names no user, so an answer looks on
+        # each shard in turn (one shard: the one pool, as ever).
+        self.pools = pools
         self.publisher = publisher
         self.before_answer = before_answer
         # The route needs no API token: a made-up id was a query each (issue 46). As ingest's
@@ -133,8 +136,12 @@ class ApprovalsApi:
             raise unavailable("ledger_unavailable", "the ledger did not answer") from None
 
     def _answerable(self) -> frozenset[str]:
-        with self.pool.connection() as conn:
-            return approvals.answerable_ids(conn, datetime.now(UTC) - ANSWERABLE_AFTER_DUE)
+        since = datetime.now(UTC) - ANSWERABLE_AFTER_DUE
+        found: frozenset[str] = frozenset()
+        for pool in self.pools.every():
+            with pool.connection() as conn:
+                found |= approvals.answerable_ids(conn, since)
+        return found
 
     def _store(
         self,
@@ -144,15 +151,18 @@ class ApprovalsApi:
         via: AnsweredVia,
         allowed: Callable[[Standing], None],
     ) -> Standing | None:
-        """Step 2, one transaction. None: no such request. ``allowed`` raises a Refusal (a bad
-        token or signature) before anything is written."""
-        with self.pool.connection() as conn:
-            with conn.transaction():
-                asked = approvals.standing(conn, request_id)
-                if asked.answer == approvals.UNKNOWN:
-                    return None
-                allowed(asked)
-                return approvals.answer(conn, request_id, given, arrived, via)
+        """Step 2, one transaction on the shard that holds the request (each looked at in
+        turn). None: no such request. ``allowed`` raises a Refusal (a bad token or signature)
+        before anything is written."""
+        for pool in self.pools.every():
+            with pool.connection() as conn:
+                with conn.transaction():
+                    asked = approvals.standing(conn, request_id)
+                    if asked.answer == approvals.UNKNOWN:
+                        continue
+                    allowed(asked)
+                    return approvals.answer(conn, request_id, given, arrived, via)
+        return None
 
     async def _decide(
         self,
@@ -260,7 +270,7 @@ class ApprovalsApi:
         return counted(standing, given, 202, accepted=1, source_id=source_id, session_id=session_id)
 
     def _open_request(self, user_id: str, session_id: str) -> str | None:
-        with self.pool.connection() as conn:
+        with self.pools.of_user(user_id).connection() as conn:
             return approvals.open_request_of_session(conn, user_id=user_id, session_id=session_id)
 
 

@@ -28,9 +28,12 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+import psycopg
+from psycopg.rows import DictRow
 from pydantic import (
     AfterValidator,
     AwareDatetime,
@@ -45,19 +48,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vigil.envelope import Event
-from vigil.ingest.auth import TokenAuth, authorize, ledger
+from vigil.ingest.auth import TokenAuth, authorize
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.replies import clear_answer
 from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger import agent, outbox
-from vigil.ledger.db import AsyncPool
 from vigil.ledger.states import ApprovalAnswer, HookProvider, Scope
 from vigil.numbers import event_instant_problem, instant
 
 # A chat reply's clear answer (user, session, answer, arrival, the message's source_id): the
 # response to give, or None when the session waits on nothing (ApprovalsApi.answer_reply).
 AnswerReply = Callable[[str, str, ApprovalAnswer, datetime, str], Awaitable[Response | None]]
+# A pooled connection in one transaction on a user's ledger shard (IngestContext.ledger).
+UserLedger = Callable[[str], AbstractAsyncContextManager[psycopg.AsyncConnection[DictRow]]]
 
 CHAT_SOURCE = "chat"
 CHAT_KIND = "chat.message"
@@ -226,13 +230,13 @@ class EventsApi:
         settings: IngestSettings,
         auth: TokenAuth,
         publisher: Publisher,
-        pool: AsyncPool,
+        user_ledger: UserLedger,
         answer_reply: AnswerReply | None = None,
     ):
         self.settings = settings
         self.auth = auth
         self.publisher = publisher
-        self.pool = pool  # in_reply_to lookups
+        self.user_ledger = user_ledger  # session and in_reply_to lookups, on the user's shard
         self.answer_reply = answer_reply
 
     async def reply_session(self, user_id: str, message: MessageIn) -> str | None:
@@ -242,7 +246,7 @@ class EventsApi:
         delivery came from no session, e.g. the echo agent's)."""
         if message.in_reply_to is None:
             if message.session_id is not None:
-                async with ledger(self.pool) as conn:
+                async with self.user_ledger(user_id) as conn:
                     found = await agent.has_session(conn, user_id=user_id, session_id=message.session_id)
                 if not found:
                     raise Refusal(
@@ -254,7 +258,7 @@ class EventsApi:
             return message.session_id
         if message.session_id is not None:
             raise invalid("in_reply_to", "give in_reply_to or session_id, not both")
-        async with ledger(self.pool) as conn:
+        async with self.user_ledger(user_id) as conn:
             row = await outbox.delivery_session(conn, user_id, message.in_reply_to)
         if row is None:
             raise Refusal(

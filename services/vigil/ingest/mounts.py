@@ -11,15 +11,16 @@ type; ingest's middleware counts its requests and renders its refusals like its 
         caller = await ctx.authenticate(request)        # 401/403/429 or the Caller
         ctx.authorize(caller, Scope.TIMERS, user_id)    # 403 unless the token may act for user_id
         body = await ctx.read_json(request)             # 415/413/400 or the document
-        async with ctx.ledger() as conn:                # 503 if the ledger is down
+        async with ctx.ledger(user_id) as conn:         # the user's shard; 503 if it is down
             result = await upsert_async(conn, timer)  # committed when the block exits
         raise ctx.Refusal(409, "conflict", "...")       # -> {"error": "conflict", "detail": ...}
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import DictRow
@@ -30,10 +31,14 @@ from vigil.ingest import requests as _requests
 from vigil.ingest import tasks_api
 from vigil.ingest.auth import Caller, TokenAuth, authorize, ledger, permits
 from vigil.ingest.publisher import Publisher
+from vigil.ingest.requests import unavailable
 from vigil.ingest.settings import IngestSettings
+from vigil.ingest.shards import AsyncShardPools, ShardRouter
 from vigil.ledger import db
 from vigil.ledger.states import Scope
 from vigil.scheduler import api as timers_api
+
+T = TypeVar("T")
 
 # The mounted modules, in the order their routes are tried.
 MOUNTED = (timers_api, tasks_api)
@@ -55,6 +60,15 @@ class IngestContext:
         self.settings = settings
         # Opened by the app's lifespan (not here: there is no event loop yet).
         self.pool = db.async_pool(settings.dsn, name="ingest", max_size=settings.ingest_db_pool, timeout=POOL_TIMEOUT_S)
+        # The other shards' pools, for users' state (vigil.ingest.shards); made on first use.
+        self.router = ShardRouter(settings)
+        self.pools = AsyncShardPools(
+            self.router,
+            self.pool,
+            lambda dsn, shard: db.async_pool(
+                dsn, name=f"ingest-{shard}", max_size=settings.ingest_db_pool, timeout=POOL_TIMEOUT_S
+            ),
+        )
         self.publisher = Publisher(settings)
         self.tokens = TokenAuth(
             self.pool, settings.ingest_auth_cache_s, settings.ingest_token_rate, settings.ingest_token_burst
@@ -69,9 +83,34 @@ class IngestContext:
         """The JSON body under ``VIGIL_MAX_BODY_BYTES``: 415, 413 or 400 refusals otherwise."""
         return await _requests.read_json(request, self.settings.max_body_bytes)  # type: ignore[arg-type]  # set when validated
 
-    def ledger(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection[DictRow]]:
-        """A pooled connection (dict rows) in one transaction; a ledger outage is a 503."""
-        return ledger(self.pool)
+    @asynccontextmanager
+    async def ledger(self, user_id: str | None = None) -> AsyncIterator[psycopg.AsyncConnection[DictRow]]:
+        """A pooled connection (dict rows) in one transaction on ``user_id``'s ledger shard (None:
+        shard 0, the catalog: tokens, hooks, channels, the audit trail); a ledger outage is a 503."""
+        if user_id is None or self.router.count == 1:
+            pool = self.pool
+        else:
+            try:
+                pool = await self.pools.of_user(user_id)
+            except psycopg.OperationalError:
+                raise unavailable("ledger_unavailable", "the ledger's catalog did not answer") from None
+        async with ledger(pool) as conn:
+            yield conn
+
+    @property
+    def sharded(self) -> bool:
+        """Several ledger shards: a user's state and the catalog are in different databases."""
+        return self.router.count > 1
+
+    async def first_found(self, read: Callable[[psycopg.AsyncConnection[DictRow]], Awaitable[T | None]]) -> T | None:
+        """``read`` on each shard in turn, for an id that names no user (a task's): the first
+        thing found. A shard that does not answer before it is found is a 503."""
+        for shard in range(self.router.count):
+            pool = self.pool if shard == 0 else await self.pools.of_shard(shard)
+            async with ledger(pool) as conn:
+                if (found := await read(conn)) is not None:
+                    return found
+        return None
 
 
 def mounted_routes(ctx: IngestContext) -> list[Route]:

@@ -63,8 +63,7 @@ def routes(ctx: Any) -> list[Route]:
         task_id = request.path_params["task_id"]
         if not TASK_ID.match(task_id):
             raise ctx.Refusal(404, "not_found", "no such task")
-        async with ctx.ledger() as conn:
-            task = await ledger.get(conn, task_id)
+        task = await ctx.first_found(lambda conn: ledger.get(conn, task_id))
         if task is None:
             raise ctx.Refusal(404, "not_found", "no such task")
         if not may_act_for(caller, task.user_id) or not ledger.may_own(task, [task.user_id]):
@@ -90,7 +89,7 @@ def routes(ctx: Any) -> list[Route]:
             before_at = instant(before) if before else None  # a task's created_at, as listed
         except NotParsed as exc:
             raise ctx.invalid("before", str(exc)) from None
-        async with ctx.ledger() as conn:
+        async with ctx.ledger(user_id) as conn:
             rows = await ledger.of_user(conn, user_id=user_id, status=status, before=before_at, limit=limit)
         body: dict[str, Any] = {"tasks": [row.as_json() for row in rows]}
         if len(rows) == limit:
@@ -106,19 +105,27 @@ def routes(ctx: Any) -> list[Route]:
         until = time.monotonic() + wait_s
         while task.finished_at is None and time.monotonic() < until:
             await asyncio.sleep(min(WAIT_POLL_S, max(until - time.monotonic(), 0.0)))
-            async with ctx.ledger() as conn:  # held for one read, never across the wait
+            async with ctx.ledger(task.user_id) as conn:  # held for one read, never across the wait
                 task = await ledger.get(conn, task.id) or task
         return JSONResponse(task.as_json())
 
+    async def audit_cancel(conn, caller: Caller, changed: ledger.TaskRow) -> None:
+        detail = {"task_id": changed.id, "status": str(changed.status), "token_id": caller.token_id}
+        await audit.record_async(conn, actor=caller.name, action="task.cancel", detail=detail)
+
     async def cancel_task(request: Request) -> Response:
         caller, task = await owned(request)
-        async with ctx.ledger() as conn:
+        async with ctx.ledger(task.user_id) as conn:
             changed = await ledger.cancel(conn, task_id=task.id, actor=caller.name)
-            if changed is not None:
-                detail = {"task_id": task.id, "status": str(changed.status), "token_id": caller.token_id}
-                await audit.record_async(conn, actor=caller.name, action="task.cancel", detail=detail)
-        if changed is None:
+            if changed is not None and not ctx.sharded:
+                await audit_cancel(conn, caller, changed)
+        if changed is not None and ctx.sharded:
+            # The audit trail is the catalog's: its own transaction once the cancel committed
+            # on the user's shard (a crash between them loses the audit line, not the cancel).
             async with ctx.ledger() as conn:
+                await audit_cancel(conn, caller, changed)
+        if changed is None:
+            async with ctx.ledger(task.user_id) as conn:
                 now = await ledger.get(conn, task.id)
             status = now.status if now else task.status
             if task.mode == "sync" and status == TaskStatus.RUNNING:

@@ -54,6 +54,13 @@ def get(conn: psycopg.Connection[DictRow], user_id: str) -> ChannelRow | None:
     return None if row is None else ChannelRow.of(row)
 
 
+def of_users(conn: psycopg.Connection[DictRow], user_ids: list[str]) -> dict[str, ChannelRow]:
+    """The channels of those of ``user_ids`` that have one, by user (read from the catalog by a
+    dispatcher working another shard)."""
+    rows = conn.execute(Q.channels_of_users, {"users": user_ids}).fetchall()
+    return {row["user_id"]: ChannelRow.of(row) for row in rows}
+
+
 @dataclass(frozen=True, slots=True)
 class LockedChannel:
     """What an edit of a channel needs to know about the stored one."""

@@ -77,7 +77,7 @@ def routes(ctx: Any) -> list[Route]:
         except InvalidTimer as exc:
             raise ctx.invalid(exc.field, exc.reason) from None
         timer = replace(timer, token_id=caller.token_id)
-        async with ctx.ledger() as conn:
+        async with ctx.ledger(user_id) as conn:
             # Re-registering a timer is always allowed; only a new one counts against a quota.
             live = await ledger.quota_counts(conn, user_id=user_id, token_id=caller.token_id, other_than=timer.id)
             if live.of_user >= settings.max_timers_per_user:
@@ -106,7 +106,7 @@ def routes(ctx: Any) -> list[Route]:
             limit = whole_number(params.get("limit", str(DEFAULT_PAGE)), 1, MAX_PAGE)
         except NotParsed as exc:
             raise ctx.invalid("limit", str(exc)) from None
-        async with ctx.ledger() as conn:
+        async with ctx.ledger(user_id) as conn:
             rows = await ledger.of_user_async(
                 conn, user_id, include_done=include_done in {"true", "1"}, after=params.get("after", ""), limit=limit
             )
@@ -116,7 +116,7 @@ def routes(ctx: Any) -> list[Route]:
     async def get_timer(request: Request) -> Response:
         user_id, timer_id = await authorized(request, with_timer=True)
         assert timer_id is not None  # path_ids(with_timer=True) refuses a missing one
-        async with ctx.ledger() as conn:
+        async with ctx.ledger(user_id) as conn:
             row = await ledger.get_async(conn, user_id=user_id, timer_id=timer_id)
         if row is None:
             raise ctx.Refusal(404, "not_found", f"no timer {timer_id!r} for this user")
@@ -125,7 +125,7 @@ def routes(ctx: Any) -> list[Route]:
     async def cancel(request: Request) -> Response:
         user_id, timer_id = await authorized(request, with_timer=True)
         assert timer_id is not None  # path_ids(with_timer=True) refuses a missing one
-        async with ctx.ledger() as conn:
+        async with ctx.ledger(user_id) as conn:
             cancelled = await ledger.cancel_async(conn, user_id=user_id, timer_id=timer_id)
             row = None if cancelled else await ledger.get_async(conn, user_id=user_id, timer_id=timer_id)
         if cancelled:

@@ -20,6 +20,12 @@ re-produces the same occurrences under the same keys (``<timer id>@<scheduled_fo
 the ledger's dedup key (``event_keys``: user_id, source, source_id) drops the copies. (A coalescing timer
 whose next occurrence came due meanwhile fires that one too: each occurrence still lands
 once.) The loop never starts a run itself; the worker does, from the ledger.
+
+Several ledger shards (``VIGIL_LEDGER_SHARDS``): one :class:`Scheduler` per shard, each with its
+own connection, and :func:`run_shards` gives each its turn in one loop. A pass is still one
+shard's transaction (no transaction spans two shards); a shard that fails waits out its own
+backoff while the others go on (docs/scaling.md, "Shards": why every replica loops over every
+shard).
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ log = logging.getLogger("vigil.scheduler")
 # The backlog count scans the due index; while a backlog drains, refreshing it every few
 # seconds is plenty for a dashboard and keeps the count off the hot path.
 BACKLOG_REFRESH_S = 5.0
+# With several shards, a shard whose server does not answer (a blackholed host) holds the
+# loop at most this long per attempt before the other shards get their turn.
+SHARD_CONNECT_TIMEOUT_S = 5
 
 
 @overload
@@ -212,21 +221,32 @@ def fire_spans(outcomes: list[Outcome]) -> Iterator[None]:
 
 
 class Scheduler:
-    """Passes over the ledger's due timers. ``clock`` decides what "now" is for each pass."""
+    """Passes over one ledger shard's due timers (``shard``: its index in
+    ``VIGIL_LEDGER_SHARDS``, 0 with one shard). ``clock`` decides what "now" is for each pass."""
 
-    def __init__(self, settings: SchedulerSettings, producer: EventProducer, clock: Clock | None = None):
+    def __init__(
+        self, settings: SchedulerSettings, producer: EventProducer, clock: Clock | None = None, *, shard: int = 0
+    ):
         self.settings = settings
         self.producer = producer
         self.clock = clock or SystemClock()
+        self.shard = shard
+        self.dsn = settings.shard_dsns[shard]
+        self._several = len(settings.shard_dsns) > 1
         self._conn: psycopg.Connection[DictRow] | None = None
         self._backlog_at = 0.0
         self.dreamer = Dreamer(settings, self.clock)
+        self.retry_policy = retry.scheduler_pass(settings.scheduler_tick_s)
+        self._startup: PassReport | None = None  # the start-up catch-up, while it lasts
+        self._counted = False
+        self.healthy = True  # the last turn's pass committed (or had nothing to do)
 
     # -- database ------------------------------------------------------------------------
 
     def conn(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
-            self._conn = connect(self.settings.dsn, autocommit=True)
+            timeout = SHARD_CONNECT_TIMEOUT_S if self._several else None
+            self._conn = connect(self.dsn, autocommit=True, connect_timeout=timeout)
         return self._conn
 
     def close(self) -> None:
@@ -237,9 +257,10 @@ class Scheduler:
     def backlog(self) -> tuple[int, int | None]:
         """Due live timers now (all replicas) and the oldest one's due, as epoch seconds."""
         backlog = ledger.due_backlog(self.conn(), _utc(int(self.clock.now())))
-        metrics.DUE_BACKLOG.set(backlog.due)
+        shard = str(self.shard)
+        metrics.DUE_BACKLOG.labels(shard).set(backlog.due)
         oldest = _epoch(backlog.oldest)
-        metrics.OLDEST_DUE.set(max(0.0, self.clock.now() - oldest) if oldest is not None else 0)
+        metrics.OLDEST_DUE.labels(shard).set(max(0.0, self.clock.now() - oldest) if oldest is not None else 0)
         self._backlog_at = time.monotonic()
         return backlog.due, oldest
 
@@ -391,55 +412,78 @@ class Scheduler:
     # -- the service loop ----------------------------------------------------------------
 
     def run(self, stopping: threading.Event, on_health=lambda ok: None) -> None:
-        """Pass after pass until ``stopping``; a full batch goes again at once.
+        """This shard alone until ``stopping`` (:func:`run_shards` with one scheduler)."""
+        run_shards([self], stopping, on_health)
+
+    def turn(self) -> float:
+        """One pass on this shard; the seconds until its next turn.
 
         The first passes drain what was overdue at start-up and are summed into one log
-        line. A broker or database failure rolls the pass back and waits (doubling, up to
-        30 s, ``retry.scheduler_pass``) before the next attempt; the process never exits over it.
+        line. A broker or database failure rolls the pass back and this shard waits (doubling,
+        up to 30 s, ``retry.scheduler_pass``) before its next attempt; the process never exits
+        over it, and the other shards' turns go on meanwhile. A full batch goes again at once.
         """
-        tick = self.settings.scheduler_tick_s
-        retry_policy = retry.scheduler_pass(tick)
-        startup: PassReport | None = None  # the start-up catch-up, while it lasts
-        counted = False
-        while not stopping.is_set():
-            try:
-                if not counted:
-                    overdue, oldest = self.backlog()
-                    late = f" (oldest due {_span(self.clock.now() - oldest)} ago)" if oldest is not None else ""
-                    log.info("start-up: %d timer(s) overdue%s", overdue, late)
-                    counted, startup = True, PassReport()
-                report = self.run_pass()
-                if startup is not None:
-                    startup.add(report)
-                    if not report.full:
-                        log.info(
-                            "start-up catch-up done, %d timer(s) handled here: %s", startup.timers, startup.summary()
-                        )
-                        startup = None
-                if not report.full or time.monotonic() - self._backlog_at > BACKLOG_REFRESH_S:
-                    self.backlog()
-                self.dreamer.maybe(self.conn())
-            except retry_policy.retried as exc:
-                # Whatever the pass had not committed rolled back, so retrying is safe. Exiting
-                # would only turn a broker or ledger outage into a crash loop.
-                reason, backoff = retry_policy(exc)
-                metrics.PASS_FAILURES.labels(reason).inc()
-                log.warning(
-                    "pass failed, uncommitted timers stay due (%s): %s; retrying in %.1f s",
-                    reason,
-                    exc,
-                    backoff,
-                    exc_info=reason == "error",
-                    extra={"event": "pass_failed"},
-                )
-                if reason != "broker":
-                    self.close()
-                on_health(False)
-                stopping.wait(backoff)
-                continue
-            retry_policy.succeeded()
-            on_health(True)
-            if report.timers:
-                log.debug("pass: %d timer(s), %d event(s)", report.timers, report.events)
-            if not report.full:
-                stopping.wait(tick)
+        where = f"shard {self.shard}: " if self._several else ""
+        try:
+            if not self._counted:
+                overdue, oldest = self.backlog()
+                late = f" (oldest due {_span(self.clock.now() - oldest)} ago)" if oldest is not None else ""
+                log.info("%sstart-up: %d timer(s) overdue%s", where, overdue, late)
+                self._counted, self._startup = True, PassReport()
+            report = self.run_pass()
+            if self._startup is not None:
+                self._startup.add(report)
+                if not report.full:
+                    log.info(
+                        "%sstart-up catch-up done, %d timer(s) handled here: %s",
+                        where,
+                        self._startup.timers,
+                        self._startup.summary(),
+                    )
+                    self._startup = None
+            if not report.full or time.monotonic() - self._backlog_at > BACKLOG_REFRESH_S:
+                self.backlog()
+            self.dreamer.maybe(self.conn())
+        except self.retry_policy.retried as exc:
+            # Whatever the pass had not committed rolled back, so retrying is safe. Exiting
+            # would only turn a broker or ledger outage into a crash loop.
+            reason, backoff = self.retry_policy(exc)
+            metrics.PASS_FAILURES.labels(reason).inc()
+            log.warning(
+                "%spass failed, uncommitted timers stay due (%s): %s; retrying in %.1f s",
+                where,
+                reason,
+                exc,
+                backoff,
+                exc_info=reason == "error",
+                extra={"event": "pass_failed"},
+            )
+            if reason != "broker":
+                self.close()
+            self.healthy = False
+            metrics.SHARD_UP.labels(str(self.shard)).set(0)
+            return backoff
+        self.retry_policy.succeeded()
+        self.healthy = True
+        metrics.SHARD_UP.labels(str(self.shard)).set(1)
+        if report.timers:
+            log.debug("%spass: %d timer(s), %d event(s)", where, report.timers, report.events)
+        return 0.0 if report.full else self.settings.scheduler_tick_s
+
+
+def run_shards(schedulers: list[Scheduler], stopping: threading.Event, on_health=lambda ok: None) -> None:
+    """Every shard's turn when it is due, until ``stopping``: one loop, one shard at a time.
+
+    Each shard keeps its own schedule: a full batch goes again at once, an idle shard waits a
+    tick, a failed one its backoff. ``on_health`` hears whether every shard's last pass
+    committed: a shard down is a scheduler not fully serving, though the others still are.
+    """
+    next_at = [0.0] * len(schedulers)
+    while not stopping.is_set():
+        for index, scheduler in enumerate(schedulers):
+            if stopping.is_set():
+                return
+            if time.monotonic() >= next_at[index]:
+                next_at[index] = time.monotonic() + scheduler.turn()
+        on_health(all(s.healthy for s in schedulers))
+        stopping.wait(max(0.0, min(next_at) - time.monotonic()))

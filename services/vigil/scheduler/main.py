@@ -1,5 +1,6 @@
 """`vigil scheduler`: the timer loop on the main thread; health and metrics, and the ledger
-pruner (:mod:`vigil.scheduler.pruner`), each on a thread of their own.
+pruners (:mod:`vigil.scheduler.pruner`, one per ledger shard), each on a thread of their own.
+With several shards the timer loop gives each shard its turn (:func:`vigil.scheduler.loop.run_shards`).
 
 SIGTERM: the pass in progress finishes (what a crash mid-pass leaves behind is in
 :mod:`vigil.scheduler.loop`), then the process exits 0. The pruner's thread is a daemon: a
@@ -13,8 +14,9 @@ from __future__ import annotations
 from vigil import tracing
 from vigil.bus.kafka import EventProducer
 from vigil.health import HealthServer, Readiness, dependency_checks
-from vigil.scheduler.loop import Scheduler, log
-from vigil.scheduler.pruner import start_pruner
+from vigil.scheduler import metrics
+from vigil.scheduler.loop import Scheduler, log, run_shards
+from vigil.scheduler.pruner import start_pruners
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.service import EXIT_LOOP_DIED, stop_event
 
@@ -27,25 +29,29 @@ def serve(settings: SchedulerSettings) -> int:
     # A port taken raises StartupError: one line and exit 2 (vigil.service.VigilGroup).
     server = HealthServer(settings.scheduler_port, readiness).start()
     producer = EventProducer(settings)
-    scheduler = Scheduler(settings, producer)
+    shards = len(settings.shard_dsns)
+    metrics.start_shards(shards)
+    schedulers = [Scheduler(settings, producer, shard=shard) for shard in range(shards)]
     log.info(
-        "scheduler up: topic %s, tick %.1f s, batch %d, grace %d s, each cap %d, retention %s",
+        "scheduler up: topic %s, %d ledger shard(s), tick %.1f s, batch %d, grace %d s, each cap %d, retention %s",
         settings.events_topic,
+        shards,
         settings.scheduler_tick_s,
         settings.scheduler_batch_size,
         settings.scheduler_grace_s,
         settings.scheduler_each_cap,
         f"{settings.retention_days:g} days" if settings.retention_days else "off",
     )
-    pruner = start_pruner(settings, stopping)
+    pruners = start_pruners(settings, stopping)
     try:
-        scheduler.run(stopping, on_health=lambda ok: readiness.set("passes", ok))
+        run_shards(schedulers, stopping, on_health=lambda ok: readiness.set("passes", ok))
     except Exception:
         log.exception("timer loop died", extra={"event": "loop_died"})
         return EXIT_LOOP_DIED
     finally:
         producer.close()
-        scheduler.close()
+        for scheduler in schedulers:
+            scheduler.close()
         server.stop()
         log.info("scheduler stopped")
-    return EXIT_LOOP_DIED if pruner.error is not None else 0
+    return EXIT_LOOP_DIED if any(pruner.error is not None for pruner in pruners) else 0

@@ -1,6 +1,6 @@
 """The scheduler's metrics. Labels are bounded: a timer kind (followup, schedule,
-approval_expiry), a catch-up policy (coalesce, each, skip), an approval outcome. Never a user
-id or a timer id."""
+approval_expiry), a catch-up policy (coalesce, each, skip), an approval outcome, a ledger
+shard's index (VIGIL_LEDGER_SHARDS; "0" with one shard). Never a user id or a timer id."""
 
 from __future__ import annotations
 
@@ -26,16 +26,24 @@ LATENESS = Histogram(
 )
 DUE_BACKLOG = Gauge(
     "vigil_timer_due_backlog_timers",
-    "Live timers whose due time has passed and that no pass has handled yet (all replicas).",
+    "Live timers whose due time has passed and that no pass has handled yet (all replicas), by ledger shard.",
+    ["shard"],
 )
 OLDEST_DUE = Gauge(
     "vigil_timer_oldest_due_age_seconds",
-    "How long the oldest unhandled due timer has been waiting (0 when none).",
+    "How long the oldest unhandled due timer has been waiting (0 when none), by ledger shard.",
+    ["shard"],
 )
 PASS_SECONDS = Histogram(
     "vigil_scheduler_pass_duration_seconds",
     "One scheduler pass: lock a batch of due timers, plan, produce and wait for acks, commit.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+SHARD_UP = Gauge(
+    "vigil_scheduler_shard_up",
+    "1 when this scheduler's last pass on the ledger shard committed, 0 while it fails (the shard or the broker "
+    "away); the other shards are served meanwhile.",
+    ["shard"],
 )
 PASS_FAILURES = Counter(
     "vigil_scheduler_pass_failures_total",
@@ -47,6 +55,8 @@ TIMERS_SET_ASIDE = Counter(
     "vigil_timer_set_aside_total",
     "Timers the scheduler could not plan (a zone or cron that no longer parses) and marked done with the reason.",
 )
+for _reason in ("broker", "ledger", "error"):
+    PASS_FAILURES.labels(_reason)
 APPROVAL_EXPIRIES = Counter(
     "vigil_approval_expiries_total",
     "Approval expiry timers handled, by what stood afterwards (expired, yes by policy, escalated, "
@@ -66,8 +76,16 @@ for _kind in ("followup", "schedule", "approval_expiry"):
     for _policy in ("coalesce", "each", "skip"):
         EVENTS_FIRED.labels(_kind, _policy)
         OCCURRENCES_SKIPPED.labels(_kind, _policy)
-for _reason in ("broker", "ledger", "error"):
-    PASS_FAILURES.labels(_reason)
+
+
+def start_shards(shards: int) -> None:
+    """Every shard's per-shard series at zero from the start, so increase() sees the first failure."""
+    for shard in map(str, range(shards)):
+        DUE_BACKLOG.labels(shard)
+        OLDEST_DUE.labels(shard)
+        SHARD_UP.labels(shard).set(1)
+
+
 for _outcome in ("expired", "yes", "no", "escalated", "unknown", "not_yet_due"):
     APPROVAL_EXPIRIES.labels(_outcome)
 for _table in ("events", "outbox", "runs", "timers", "run_journal"):

@@ -4,7 +4,8 @@ What is kept and what goes is the ledger's rule (:mod:`vigil.ledger.retention`);
 decides when: once at start and then every ``PRUNE_INTERVAL_S``, on a daemon thread of its
 own so that a long prune never delays a timer. It also keeps the events partitions made
 ahead, so it runs whether or not retention is on. The scheduler service starts it
-(:func:`vigil.scheduler.main.serve`).
+(:func:`vigil.scheduler.main.serve`): one per ledger shard, each on its own thread, so a shard
+that does not answer (or answers slowly) delays no other shard's upkeep.
 """
 
 from __future__ import annotations
@@ -26,20 +27,27 @@ log = logging.getLogger("vigil.retention")
 PRUNE_INTERVAL_S = 3600.0
 
 
-def start_pruner(settings: SchedulerSettings, stopping: threading.Event) -> Pruner:
-    """Start the pruner on its thread, counting what it deletes in ``vigil_ledger_pruned_rows_total``."""
+def start_pruners(settings: SchedulerSettings, stopping: threading.Event) -> list[Pruner]:
+    """A pruner per ledger shard (VIGIL_LEDGER_SHARDS), each started on its thread."""
+    return [start_pruner(settings, stopping, shard=shard) for shard in range(len(settings.shard_dsns))]
+
+
+def start_pruner(settings: SchedulerSettings, stopping: threading.Event, *, shard: int = 0) -> Pruner:
+    """Start the pruner of one shard on its thread, counting what it deletes in
+    ``vigil_ledger_pruned_rows_total``."""
 
     def pruned(counts: dict[str, int]) -> None:
         for table, n in counts.items():
             metrics.PRUNED.labels(table).inc(n)
 
     return Pruner(
-        settings.dsn,
+        settings.shard_dsns[shard],
         settings.retention_days,
         stopping,
         on_pruned=pruned,
         dedup_window_days=settings.dedup_window_days,
         journal_days=settings.run_journal_days,
+        name=f"retention-{shard}" if len(settings.shard_dsns) > 1 else "retention",
     ).start()
 
 
@@ -61,13 +69,14 @@ class Pruner:
         interval_s: float = PRUNE_INTERVAL_S,
         dedup_window_days: float = DEFAULT_DEDUP_WINDOW_DAYS,
         journal_days: int = 0,
+        name: str = "retention",
     ):
         self.dsn, self.retention_days, self.stopping = dsn, retention_days, stopping
         self.on_pruned, self.interval_s = on_pruned, interval_s
         self.dedup_window_days = dedup_window_days
         self.journal_days = journal_days
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name="retention", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def start(self) -> Pruner:
         # Always: the partitions ahead are needed whether or not anything is ever deleted.
@@ -100,7 +109,7 @@ class Pruner:
                         time.monotonic() - began,
                     )
             except psycopg.Error as exc:
-                log.warning("retention prune failed (next try in %.0f s): %s", self.interval_s, exc)
+                log.warning("%s: prune failed (next try in %.0f s): %s", self.thread.name, self.interval_s, exc)
             except Exception as exc:
                 log.exception("retention pruner died, stopping the scheduler", extra={"event": "loop_died"})
                 self.error = exc

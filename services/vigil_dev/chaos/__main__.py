@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vigil.paths import repo_root
 from vigil_dev.chaos import actions
-from vigil_dev.chaos.checks import Fault, recovery_times, unsettled, verdict
+from vigil_dev.chaos.checks import Fault, recovery_times, shard_outage_line, unsettled, verdict
 from vigil_dev.chaos.load import Load
 from vigil_dev.chaos.stack import ChaosStack, Ports
 
@@ -30,7 +30,11 @@ KINDS = (
     "kill-kafka",
     "kill-postgres",
     "freeze-worker",
+    "kill-shard",
 )
+# Only with several shards (--shards): SIGKILL the last shard's PostgreSQL server, whose users
+# wait for its restart while the other shards' users must go on being served.
+SHARD_KINDS = ("kill-shard",)
 # A frozen worker stays stopped this much longer than its session timeout: long enough for the
 # group to give its partitions away, so that it wakes up fenced.
 FREEZE_EXTRA_S = 3.0
@@ -43,7 +47,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--users", type=int, default=40, help="users sending chat messages")
     p.add_argument("--rate", type=float, default=45.0, help="messages per second, all users together")
     p.add_argument("--gap", type=float, nargs=2, default=(4.0, 8.0), metavar=("MIN", "MAX"), help="seconds between")
-    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated: " + ", ".join(KINDS))
+    p.add_argument(
+        "--kinds",
+        default=None,
+        help="fault kinds, comma-separated: " + ", ".join(KINDS) + " (default: all; kill-shard only with --shards 2+)",
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        choices=(1, 2, 3, 4),
+        default=1,
+        help="ledger shards, each on a PostgreSQL server of its own",
+    )
     p.add_argument("--workers", type=int, choices=(1, 2), default=2, help="worker processes in one group")
     p.add_argument("--dispatchers", type=int, choices=(1, 2), default=2, help="dispatcher replicas")
     p.add_argument("--session-timeout-ms", type=int, default=10_000, help="the worker's Kafka session timeout")
@@ -81,6 +96,8 @@ def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> st
     fault.target = target
     if target in stack.workers:
         fault.partitions = stack.held(target)  # whose users' recovery this fault is measured on
+    if target == "shard":  # the last shard's server: the others keep serving their users
+        target = fault.target = f"postgres-{stack.shards - 1}"
     if action == "freeze":
         seconds = stack.session_timeout_ms / 1000 + FREEZE_EXTRA_S
         if not stack.freeze(target, seconds):
@@ -94,10 +111,14 @@ def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    every = KINDS if args.shards > 1 else tuple(k for k in KINDS if k not in SHARD_KINDS)
+    kinds = [k.strip() for k in (args.kinds or ",".join(every)).split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         print(f"unknown fault kind(s): {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    if args.shards == 1 and set(kinds) & set(SHARD_KINDS):
+        print("kill-shard needs --shards 2 or more (SHARDS=2)", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
     receiver = actions.Receiver() if args.agent == "claude" else None
@@ -110,12 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         args.workers,
         args.dispatchers,
         script=actions.script(receiver.host) if receiver else None,
+        shards=args.shards,
     )
     began = time.time()
     say(
         began,
         f"chaos seed {args.seed}: fresh stack in {stack.root}, workers {', '.join(stack.workers)}, "
-        f"dispatchers {', '.join(stack.dispatchers)}",
+        f"dispatchers {', '.join(stack.dispatchers)}, ledger shards {args.shards}",
     )
     stack.fresh()
     try:
@@ -155,20 +177,22 @@ def run(
     thread.join(args.settle_s + 30)
     say(began, f"{len(load.acked)} acknowledged; refusals on the way: {dict(sorted(load.refusals.items()))}")
     deadline = time.monotonic() + args.settle_s
-    left = unsettled(stack.dsn, prefix, load.acked)
+    left = unsettled(stack.dsns, prefix, load.acked)
     while any(left) and time.monotonic() < deadline:
         time.sleep(1.0)
-        left = unsettled(stack.dsn, prefix, load.acked)
+        left = unsettled(stack.dsns, prefix, load.acked)
     say(
         began,
         f"settled after {time.monotonic() - deadline + args.settle_s:.1f} s: {left[0]} acknowledged not "
         f"recorded, {left[1]} events and {left[2]} messages still moving",
     )
-    v, rows = verdict(stack.dsn, prefix, load.acked, stack.dispatcher_logs(), stack.ready())
+    v, rows = verdict(stack.dsns, prefix, load.acked, stack.dispatcher_logs(), stack.ready())
     if receiver is not None:
         v.act(receiver.keys_by_call(), len(receiver.seen))
     recovery_times(faults, rows)
     report(faults, v, began)
+    if stack.shards > 1:
+        print(shard_outage_line(faults, rows, killed=stack.shards - 1), flush=True)
     calls = f", calls {v.calls}, two keys {v.two_keys}" if receiver is not None else ""
     summary = (
         f"chaos: {len(faults)} faults, {v.acked} acked, lost {v.lost}, duplicated {v.duplicated}, "

@@ -72,14 +72,23 @@ class Verdict:
             self.examples.append(text)
 
 
-def unsettled(dsn: str, prefix: str, acked: list[Acked]) -> tuple[int, int, int]:
-    """Acknowledged messages not recorded yet, events not finished, messages not delivered."""
-    with connect(dsn, autocommit=True) as conn:
-        params = {"prefix": prefix + "%"}
-        row = conn.execute(Q.chaos_unsettled, params).fetchone()
-        recorded = {(e["user_id"], e["source_id"]) for e in conn.execute(Q.chaos_events, params).fetchall()}
+def _read(dsns: list[str], query, prefix: str) -> list[dict]:
+    """``query``'s rows from every shard, each tagged with its ``shard``. Ids are unique within a
+    shard only; a user's rows are all on one shard, so (user, id) names a row across shards."""
+    found: list[dict] = []
+    for shard, dsn in enumerate(dsns):
+        with connect(dsn, autocommit=True) as conn:
+            found.extend({**row, "shard": shard} for row in conn.execute(query, {"prefix": prefix + "%"}).fetchall())
+    return found
+
+
+def unsettled(dsns: list[str], prefix: str, acked: list[Acked]) -> tuple[int, int, int]:
+    """Acknowledged messages not recorded yet, events not finished, messages not delivered,
+    over every shard."""
+    counts = _read(dsns, Q.chaos_unsettled, prefix)
+    recorded = {(e["user_id"], e["source_id"]) for e in _read(dsns, Q.chaos_events, prefix)}
     missing = sum(1 for a in acked if (a.user, a.key) not in recorded)
-    return missing, row["events"], row["messages"]
+    return missing, sum(c["events"] for c in counts), sum(c["messages"] for c in counts)
 
 
 def deliveries(logs: list[Path]) -> list[dict]:
@@ -98,14 +107,13 @@ def deliveries(logs: list[Path]) -> list[dict]:
 
 
 def verdict(
-    dsn: str, prefix: str, acked: list[Acked], logs: list[Path], ready: dict[str, bool]
+    dsns: list[str], prefix: str, acked: list[Acked], logs: list[Path], ready: dict[str, bool]
 ) -> tuple[Verdict, dict]:
-    """Check every invariant. Returns the verdict and the ledger's rows (for recovery times)."""
-    with connect(dsn, autocommit=True) as conn:
-        params = {"prefix": prefix + "%"}
-        events = conn.execute(Q.chaos_events, params).fetchall()
-        runs = conn.execute(Q.chaos_runs, params).fetchall()
-        outbox = conn.execute(Q.chaos_outbox, params).fetchall()
+    """Check every invariant, over every shard. Returns the verdict and the ledger's rows (for
+    recovery times)."""
+    events = _read(dsns, Q.chaos_events, prefix)
+    runs = _read(dsns, Q.chaos_runs, prefix)
+    outbox = _read(dsns, Q.chaos_outbox, prefix)
     v = Verdict(acked=len(acked))
     v.not_ready = [name for name, ok in ready.items() if not ok]
 
@@ -121,9 +129,9 @@ def verdict(
             v.note(f"duplicated: {a.key} recorded {n} times")
 
     # Each event in exactly one run that did not fail; every event finished.
-    ran = Counter(i for r in runs if r["outcome"] != "failed" for i in r["event_ids"])
+    ran = Counter((r["user_id"], i) for r in runs if r["outcome"] != "failed" for i in r["event_ids"])
     for e in events:
-        n = ran.get(e["id"], 0)
+        n = ran.get((e["user_id"], e["id"]), 0)
         if e["status"] != "done":
             v.stuck += 1
             v.note(f"stuck: event {e['id']} ({e['source_id']}) is {e['status']}")
@@ -159,23 +167,24 @@ def verdict(
         last[e["user_id"]] = max(seq, last.get(e["user_id"], -1))
 
     # Every message delivered, under one delivery id (copies of that id allowed).
-    ids_of: dict[int, set[str]] = defaultdict(set)
+    ids_of: dict[tuple[str, int], set[str]] = defaultdict(set)  # (user, outbox id): ids unique per shard
     copies: Counter[str] = Counter()
     for d in deliveries(logs):
         copies[d["delivery_id"]] += 1
         for m in d.get("messages", []):
-            ids_of[m["id"]].add(d["delivery_id"])
+            ids_of[(d["user_id"], m["id"])].add(d["delivery_id"])
     v.copies = sum(n - 1 for n in copies.values())
     for m in outbox:
+        ids = ids_of.get((m["user_id"], m["id"]), set())
         if m["status"] != "delivered":
             v.stuck += 1
             v.note(f"stuck: message {m['id']} is {m['status']}")
-        elif not ids_of.get(m["id"]):
+        elif not ids:
             v.stuck += 1
             v.note(f"stuck: message {m['id']} marked delivered, never in the delivery log")
-        if len(ids_of.get(m["id"], ())) > 1:
+        if len(ids) > 1:
             v.duplicated += 1
-            v.note(f"duplicated: message {m['id']} under delivery ids {sorted(ids_of[m['id']])}")
+            v.note(f"duplicated: message {m['id']} under delivery ids {sorted(ids)}")
     return v, {"events": events, "runs": runs}
 
 
@@ -184,11 +193,11 @@ def recovery_times(faults: list[Fault], rows: dict) -> None:
     all received after it (the whole path works again: ingest, broker, worker, ledger). For a
     worker fault, the first such run of a user on a partition that worker held: the users
     whose runs had to move (another worker's users never stopped)."""
-    received = {e["id"]: e["received_at"] for e in rows["events"]}
+    received = {(e["user_id"], e["id"]): e["received_at"] for e in rows["events"]}
     # (oldest event of the run received, run finished, the run's partition)
     firsts: list[tuple[datetime, datetime, int]] = []
     for r in rows["runs"]:
-        times = [received[i] for i in r["event_ids"] if i in received]
+        times = [received[(r["user_id"], i)] for i in r["event_ids"] if (r["user_id"], i) in received]
         if times and r["finished_at"] is not None:
             firsts.append((min(times), r["finished_at"], r["partition"]))
     for fault in faults:
@@ -199,3 +208,44 @@ def recovery_times(faults: list[Fault], rows: dict) -> None:
             if got.timestamp() >= fault.at and (held is None or partition in held)
         ]
         fault.recovery_s = (min(after) - fault.at) if after else None
+
+
+# After a fault, how long its effects are counted as the fault's (beyond the restart and the
+# recovery measured): a run's latency in this window is not a latency "without faults".
+AFTERMATH_S = 5.0
+
+
+def _p99(values: list[float]) -> str:
+    if not values:
+        return "- (no runs)"
+    ordered = sorted(values)
+    return f"{ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]:.2f} s (n={len(ordered)})"
+
+
+def shard_outage_line(faults: list[Fault], rows: dict, *, killed: int) -> str:
+    """The other shards' users during the killed shard's outages, against no fault at all: the
+    p99 of received -> run finished of their events received while shard ``killed`` was down
+    (a kill-shard fault's injection to its restart), and of those received outside every
+    fault's window (injection to restart and recovery, plus AFTERMATH_S)."""
+    finished = {}
+    for r in rows["runs"]:
+        if r["outcome"] != "failed" and r["finished_at"] is not None:
+            for i in r["event_ids"]:
+                finished[(r["user_id"], i)] = r["finished_at"].timestamp()
+    outages = [(f.at, f.at + (f.restart_s or 0.0)) for f in faults if f.kind == "kill-shard"]
+    windows = [(f.at, f.at + max(f.restart_s or 0.0, f.recovery_s or 0.0) + AFTERMATH_S) for f in faults]
+    during: list[float] = []
+    calm: list[float] = []
+    for e in rows["events"]:
+        done = finished.get((e["user_id"], e["id"]))
+        if e["shard"] == killed or done is None:
+            continue
+        got = e["received_at"].timestamp()
+        if any(start <= got <= end for start, end in outages):
+            during.append(done - got)
+        elif not any(start <= got <= end for start, end in windows):
+            calm.append(done - got)
+    return (
+        f"shards other than {killed}: p99 received -> run finished while shard {killed} was down "
+        f"{_p99(during)}; without faults {_p99(calm)}"
+    )

@@ -67,8 +67,13 @@ class ChaosStack:
         workers: int = 2,
         dispatchers: int = 2,
         script: dict | None = None,
+        shards: int = 1,
     ):
         self.root = root
+        # The ledger's shards: shard 0 on ports.pg, each other one on a server of its own
+        # (`vigil-dev up`'s VIGIL_DEV_SHARDS), whose kill is the fault "kill-shard".
+        self.shards = shards
+        self.shard_ports = [ports.pg, *(devstack.free_port() for _ in range(shards - 1))]
         self.script = script  # the scripted Messages API's script (vigil_dev.chaos.actions), put after each up
         self.ports = ports
         self.session_timeout_ms = session_timeout_ms
@@ -85,6 +90,8 @@ class ChaosStack:
             "VIGIL_DEV_KAFKA_PORT": str(ports.kafka),
             "VIGIL_DEV_KAFKA_CONTROLLER_PORT": str(ports.controller),
             "VIGIL_DEV_PG_PORT": str(ports.pg),
+            "VIGIL_DEV_SHARDS": str(shards),
+            "VIGIL_DEV_PG_SHARD_PORTS": ",".join(map(str, self.shard_ports[1:])),
             "VIGIL_DEV_CLAUDE_PORT": str(ports.claude),
             "VIGIL_INGEST_PORT": str(ports.ingest),
             "VIGIL_WORKER_PORT": str(ports.worker),
@@ -167,9 +174,12 @@ class ChaosStack:
             subprocess.run([sys.executable, "-m", "vigil_dev", "down"], env=self.env, capture_output=True)
 
     @property
-    def dsn(self) -> str:
-        """The services' URL, with the password `vigil-dev up` generated for this stack."""
-        return devstack.PostgresServer(self.root / "pg" / "data", self.ports.pg).url()
+    def dsns(self) -> list[str]:
+        """The shards' URLs, shard 0 first, with the password `vigil-dev up` generated for this stack."""
+        folders = ["pg", *(f"pg{n}" for n in range(1, len(self.shard_ports)))]
+        return [
+            devstack.PostgresServer(self.root / f / "data", port).url() for f, port in zip(folders, self.shard_ports)
+        ]
 
     @property
     def ingest_url(self) -> str:
@@ -188,6 +198,8 @@ class ChaosStack:
             return self.root / "kafka" / "data" / "kafka.pid"
         if part == "postgres":
             return self.root / "pg" / "postgres.pid"
+        if part.startswith("postgres-"):  # shard N's server
+            return self.root / f"pg{part.removeprefix('postgres-')}" / "postgres.pid"
         return self.root / "pids" / f"{part}.pid"
 
     def pid(self, part: str) -> int | None:
@@ -226,11 +238,14 @@ class ChaosStack:
         by the chaos stack."""
         pid = self.pid(worker)
         holder = f"chaos-{worker}" if worker in EXTRA_WORKERS else f"{socket.gethostname()}-{pid}"
+        held: list[int] = []
         try:
-            with connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
-                return [r["partition"] for r in conn.execute(Q.chaos_held, {"holder": holder}).fetchall()]
+            for dsn in self.dsns:
+                with connect(dsn, autocommit=True, connect_timeout=5) as conn:
+                    held += [r["partition"] for r in conn.execute(Q.chaos_held, {"holder": holder}).fetchall()]
         except (OSError, psycopg.Error):  # a measurement: the fault goes ahead without it
             return None
+        return sorted(held)
 
     def port_of(self, name: str) -> int:
         return getattr(self.ports, name.replace("-", "_"))

@@ -15,6 +15,11 @@ SET type = EXCLUDED.type,
     updated_at = now()
 RETURNING user_id, type, url, secret, sealed_with, gap_seconds, urgent_daily_cap, created_at, updated_at
 
+-- name: channels_of_users
+-- The channel rows of the users in %(users)s that have one (a dispatcher on a shard other than the catalog: channels live in the catalog).
+SELECT user_id, type, url, secret, sealed_with, gap_seconds, urgent_daily_cap, created_at, updated_at
+FROM channels WHERE user_id = ANY(%(users)s::text[])
+
 -- name: channel_get
 -- One user's channel row, if any.
 SELECT user_id, type, url, secret, sealed_with, gap_seconds, urgent_daily_cap, created_at, updated_at
