@@ -59,18 +59,38 @@ def dashboard_panels() -> list[dict]:
     return out
 
 
+# What Grafana puts for each dashboard variable a query uses when every value is picked ("All").
+ALL_VALUES = {"shard": ".*"}
+
+
+def with_variables(expr: str) -> str:
+    """A panel's query as Grafana sends it with every variable at "All", for a real Prometheus."""
+    return re.sub(r"\$(\w+)", lambda m: ALL_VALUES[m.group(1)], expr)
+
+
 def with_annotations(tests: dict) -> dict:
     """The unit-test file with each expected alert's annotations filled in from the rule file.
 
     promtool compares annotations exactly; writing them twice by hand would make every edit of
-    a summary an edit of the tests. Templates are not expanded: vigil's annotations have none.
+    a summary an edit of the tests. The one template vigil's annotations use, ``{{ $labels.X }}``,
+    is filled from the expected alert's labels, so promtool checks that it names the right one.
     """
     annotations = {rule["alert"]: rule.get("annotations", {}) for rule in alert_rules()}
     for case in tests["tests"]:
         for check in case.get("alert_rule_test", []):
             for expected in check.get("exp_alerts") or []:
-                expected["exp_annotations"] = dict(annotations[check["alertname"]])
+                labels = expected.get("exp_labels", {})
+                expected["exp_annotations"] = {
+                    key: _fill_labels(text, labels) for key, text in annotations[check["alertname"]].items()
+                }
     return tests
+
+
+LABEL_TEMPLATE = re.compile(r"\{\{ \$labels\.([a-z_]+) \}\}")
+
+
+def _fill_labels(text: str, labels: dict) -> str:
+    return LABEL_TEMPLATE.sub(lambda m: str(labels[m.group(1)]), text)
 
 
 METRIC_NAME = re.compile(r"\b(vigil_[a-z0-9_]+)\b")

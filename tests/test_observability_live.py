@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from ingest_support import cli, create_token
-from prometheus_support import RULES, dashboard_panels, prometheus_tools, recording_rules
+from prometheus_support import RULES, dashboard_panels, prometheus_tools, recording_rules, with_variables
 from support import scalar, wait_for
 from vigil_dev.devstack import free_port
 from vigil_dev.scripted_server import ScriptedServer
@@ -169,7 +169,7 @@ def test_every_recording_rule_and_dashboard_query_returns_series(
 
         records = [rule["record"] for rule in recording_rules()]
         panels = dashboard_panels()
-        targets = [target["expr"] for panel in panels for target in panel["targets"]]
+        targets = [with_variables(target["expr"]) for panel in panels for target in panel["targets"]]
         assert len(records) >= 20 and len(panels) >= 40
         # The worker reports consumer lag with its librdkafka statistics (every 15 s), and the
         # rules run every second: wait until nothing is missing, then say what still is.

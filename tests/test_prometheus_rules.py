@@ -171,3 +171,31 @@ def test_the_budgets_row_shows_spend_against_each_profiles_budget():
     assert any(metric_names(e) == {"vigil_budget_tokens"} for e in exprs), exprs
     against = [e for e in exprs if "vigil_model_tokens_total" in e and "vigil_budget_tokens" in e]
     assert against and all("/" in e and "on (profile)" in e for e in against), exprs
+
+
+def test_the_shards_row_shows_each_picked_shard():
+    """The ledger shards row: every query keeps the `shard` label and reads only the shards the
+    dashboard's `shard` variable picks, whose values are the shards the schedulers report on."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    shard = variables["shard"]
+    assert shard["includeAll"] and shard["multi"] and shard["allValue"] == ".*"
+    assert shard["query"]["query"] == "label_values(vigil_scheduler_shard_up, shard)"
+    assert "vigil_scheduler_shard_up" in exported_metric_names()
+    [row] = [p for p in dashboard["panels"] if p["type"] == "row" and p["title"].startswith("ledger shards")]
+    exprs = [target["expr"] for panel in row["panels"] for target in panel["targets"]]
+    assert len(exprs) >= 8, exprs
+    for expr in exprs:
+        assert 'shard=~"$shard"' in expr and ("by (shard)" in expr or "vigil:" in expr), expr
+    for name in (
+        "vigil_scheduler_shard_up",
+        "vigil_dispatcher_shard_up",
+        "vigil:outbox_oldest_age_seconds:max",
+        "vigil_worker_shard_partitions",
+    ):
+        assert any(name in expr for expr in exprs), name
+    # Every variable any panel uses is defined, and the live test knows its "All" value.
+    from prometheus_support import ALL_VALUES, dashboard_panels
+
+    used = {v for panel in dashboard_panels() for t in panel["targets"] for v in re.findall(r"\$(\w+)", t["expr"])}
+    assert used <= set(variables) and used <= set(ALL_VALUES), used

@@ -8,9 +8,6 @@ DSNs share a server changes nothing here); an unreachable shard is a closed port
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 
 import psycopg
@@ -117,16 +114,13 @@ def test_a_bad_ledger_shards_is_one_line_and_exit_2_for_every_command():
         assert ":pw@" not in line
 
 
-def test_the_services_refuse_several_shards_until_they_route_users_to_them():
-    """Started with two shards, a service would keep every user on shard 0: it refuses, one line."""
-    env = {
-        "VIGIL_DATABASE_URL": CATALOG,
-        "VIGIL_LEDGER_SHARDS": f"{CATALOG},postgresql://vigil:pw@db1/vigil",
-        "VIGIL_APPROVAL_SECRET": "s" * 43,
-    }
-    for service in ("worker",):
-        line = assert_one_line(vigil(service, env=env), 2, "VIGIL_LEDGER_SHARDS names 2 shards", "vigil shards")
-        assert ":pw@" not in line
+def test_every_service_checks_every_shards_schema_at_start(databases):
+    """Started on two shards, a service refuses a shard whose schema is behind, naming it."""
+    catalog, behind = databases(migrated=True), databases()
+    env = {**shard_env(catalog, behind), "VIGIL_APPROVAL_SECRET": "s" * 43}
+    for service in ("worker", "scheduler", "dispatcher", "ingest"):
+        line = assert_one_line(vigil(service, env=env), 2, "ledger shard 1's schema is behind", "vigil migrate")
+        assert "shard 0" not in line
 
 
 # -- migrate and shards on two shards ---------------------------------------------------------
@@ -279,12 +273,3 @@ def test_shards_on_one_shard_lists_every_partition_with_the_rule_before_migrate(
     report = json.loads(listed.stdout)
     assert report["map"] == "rule"  # no row yet: `vigil migrate` seeds them
     assert [(s["shard"], s["partitions"], s["reachable"]) for s in report["shards"]] == [(0, [0, 1, 2], True)]
-
-
-def test_the_dev_stack_starts_several_shards_only_without_the_services(tmp_path):
-    env = {**os.environ, "VIGIL_DEV_RUN_DIR": str(tmp_path / "run"), "VIGIL_DEV_SHARDS": "2"}
-    result = subprocess.run(
-        [sys.executable, "-m", "vigil_dev", "up"], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode != 0 and "--no-services" in result.stderr, result.stderr
-    assert not (tmp_path / "run").exists(), "nothing is started before the refusal"

@@ -21,6 +21,8 @@ HERE = Path(__file__).resolve().parent
 DASHBOARD = HERE / "vigil.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 WIDTH = 24
+# The `shard` variable's values: every ledger shard a scheduler reports on.
+SHARD_VALUES = "label_values(vigil_scheduler_shard_up, shard)"
 
 
 def panel(title: str, *targets: tuple[str, str], unit: str = "short", description: str = "") -> dict:
@@ -74,10 +76,11 @@ OVERVIEW = [
     ),
     panel(
         "Outbox backlog",
-        ("vigil:outbox_backlog_messages:max", "{{status}}"),
-        description="Undelivered outbox messages (max over dispatchers: every dispatcher reads the ledger).",
+        ("sum by (status) (vigil:outbox_backlog_messages:max)", "{{status}}"),
+        description="Undelivered outbox messages, all ledger shards (max over dispatchers: every dispatcher"
+        " reads the ledger; the shards row has them per shard).",
     ),
-    panel("Outbox oldest undelivered", ("vigil:outbox_oldest_age_seconds:max", "oldest"), unit="s"),
+    panel("Outbox oldest undelivered", ("max(vigil:outbox_oldest_age_seconds:max)", "oldest"), unit="s"),
     panel("Deliveries by channel and result", ("vigil:deliveries:rate5m", "{{channel}} {{result}}"), unit="ops"),
     panel(
         "Dead events and dead deliveries (last hour)",
@@ -86,8 +89,8 @@ OVERVIEW = [
     ),
     panel(
         "Timers due and oldest due",
-        ("vigil:timer_due_backlog_timers:max", "due timers"),
-        ("vigil:timer_oldest_due_age_seconds:max", "oldest due (s)"),
+        ("sum(vigil:timer_due_backlog_timers:max)", "due timers"),
+        ("max(vigil:timer_oldest_due_age_seconds:max)", "oldest due (s)"),
     ),
     panel("Timer lateness p99 by kind", ("vigil:timer_lateness_seconds:p99_10m", "{{kind}}"), unit="s"),
     panel("Targets up", ('sum by (job) (up{job=~"vigil-.+"})', "{{job}}")),
@@ -184,6 +187,13 @@ WORKER = [
         ("sum(rate(vigil_events_undecodable_total[5m]))", "to the dead-letter topic"),
         unit="ops",
     ),
+    panel(
+        "Events produced again to their user's home partition",
+        ("sum(rate(vigil_events_rerouted_total[5m]))", "rerouted"),
+        unit="ops",
+        description="Read on a partition of another ledger shard than their user's (another producer's"
+        " partitioner, a topic grown past VIGIL_PARTITIONS); always 0 on one shard.",
+    ),
 ]
 
 AGENT = [
@@ -268,6 +278,56 @@ DISPATCHER = [
     ),
 ]
 
+# The ledger shards picked in the dashboard's `shard` variable (all of them by default).
+SHARD = 'shard=~"$shard"'
+
+
+def by_shard(title: str, recorded: str, unit: str = "short", description: str = "") -> dict:
+    """A panel of one recording rule kept by shard, for the shards the variable picks."""
+    return panel(title, (f"{recorded}{{{SHARD}}}", "shard {{shard}}"), unit=unit, description=description)
+
+
+SHARDS = [
+    panel(
+        "Shards answering (scheduler, dispatcher)",
+        (f"max by (shard) (vigil_scheduler_shard_up{{{SHARD}}})", "scheduler shard {{shard}}"),
+        (f"max by (shard) (vigil_dispatcher_shard_up{{{SHARD}}})", "dispatcher shard {{shard}}"),
+        description="1 while some replica's passes (scheduler) or loops (dispatcher) get through on the shard;"
+        " 0 for 3 minutes fires VigilLedgerShardDown. The other shards are served meanwhile.",
+    ),
+    by_shard(
+        "Timers due by shard",
+        "vigil:timer_due_backlog_timers:max",
+        description="Live timers past their due time that no pass has handled yet.",
+    ),
+    by_shard(
+        "Oldest due timer by shard",
+        "vigil:timer_oldest_due_age_seconds:max",
+        unit="s",
+        description="Over 2 minutes for 5 fires VigilSchedulerLate for the shard.",
+    ),
+    panel(
+        "Outbox backlog by shard",
+        (f"vigil:outbox_backlog_messages:max{{{SHARD}}}", "shard {{shard}} {{status}}"),
+    ),
+    by_shard(
+        "Outbox oldest undelivered by shard",
+        "vigil:outbox_oldest_age_seconds:max",
+        unit="s",
+        description="Over 3 hours for 15 minutes fires VigilOutboxStuck for the shard.",
+    ),
+    panel(
+        "Partitions held by shard (all workers)",
+        (f"sum by (shard) (vigil_worker_shard_partitions{{{SHARD}}})", "shard {{shard}}"),
+        description="The events topic's partitions the workers own, by the ledger shard holding their users.",
+    ),
+    panel(
+        "Seconds since the dispatcher's last pass, by shard",
+        (f"time() - max by (shard) (vigil_dispatcher_last_pass_timestamp_seconds{{{SHARD}}})", "shard {{shard}}"),
+        unit="s",
+    ),
+]
+
 # Billed as the provider bills, as daily budgets count: cache writes 1.25x, cache reads 0.1x.
 BILLED_24H = (
     'sum by (profile) (increase(vigil_model_tokens_total{kind=~"input|output"}[1d]))'
@@ -306,6 +366,7 @@ BUDGETS = [
 
 ROWS = [
     ("Overview", OVERVIEW, False),
+    ("ledger shards (pick them in the shard variable)", SHARDS, True),
     ("ingest", INGEST, True),
     ("worker", WORKER, True),
     ("agent (in the worker)", AGENT, True),
@@ -355,7 +416,22 @@ def dashboard() -> dict:
                     "query": "prometheus",
                     "current": {},
                     "hide": 0,
-                }
+                },
+                {
+                    "name": "shard",
+                    "label": "Ledger shard",
+                    "type": "query",
+                    "datasource": DS,
+                    "definition": SHARD_VALUES,
+                    "query": {"query": SHARD_VALUES, "refId": "shard"},
+                    "refresh": 2,
+                    "includeAll": True,
+                    "allValue": ".*",
+                    "multi": True,
+                    "sort": 3,
+                    "current": {},
+                    "hide": 0,
+                },
             ]
         },
         "annotations": {"list": []},

@@ -91,23 +91,15 @@ class VigilGroup(click.Group):
             sys.exit(EXIT_DEPENDENCY)
 
 
-def require_schema(settings: CommonSettings, *, routes_shards: bool = False) -> None:
-    """Refuse to start a service on a ledger whose migrations are behind this code.
+def require_schema(settings: CommonSettings) -> None:
+    """Refuse to start a service on a ledger whose migrations are behind this code, on any of
+    its shards (VIGIL_LEDGER_SHARDS), naming the shard.
 
     A ledger that does not answer yet is not a reason to refuse: the service's own loops
     wait for it and report not-ready meanwhile (ingest answers 503), and on Kubernetes the
     init container has already run ``vigil migrate --check``.
-
-    Several shards (VIGIL_LEDGER_SHARDS) are refused by a service that does not route users to
-    them (``routes_shards`` false): one that started would keep every user on shard 0 while the
-    operator believed them spread. A service that routes them checks every shard's schema.
     """
-    if len(shards := settings.shard_dsns) > 1 and not routes_shards:
-        raise StartupError(
-            f"VIGIL_LEDGER_SHARDS names {len(shards)} shards, but this version's services keep every user on "
-            "one ledger: only `vigil migrate`, `vigil migrate --check` and `vigil shards` use several shards yet; "
-            "unset it (or leave one entry) to start the services"
-        )
+    shards = settings.shard_dsns
     for index, dsn in enumerate(shards):
         _require_shard_schema(dsn, f"ledger shard {index}'s" if len(shards) > 1 else "ledger's")
 

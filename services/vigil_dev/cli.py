@@ -147,11 +147,6 @@ def _pg_pidfiles(root: Path) -> dict[str, Path]:
 )
 def up(services: bool, demo: bool) -> None:
     """Start everything (idempotent) and write .run/env."""
-    if services and os.environ.get("VIGIL_DEV_SHARDS", "1").strip() not in ("", "1"):
-        raise click.ClickException(
-            "VIGIL_DEV_SHARDS above 1 starts the shards' servers only: the services refuse several shards "
-            "until they route users to them (docs/scaling.md); add --no-services"
-        )
     root = run_dir()
     root.mkdir(parents=True, exist_ok=True)
     env = _stack_env(root)

@@ -332,8 +332,10 @@ class Agent(Protocol):
 
     async def run_task(self, ctx: TaskContext) -> TaskResult: ...
 
-    async def join_fleet(self, pool: Any, instance: str) -> None:
-        """Share what the deployment's workers share toward the model (the fleet's gate)."""
+    async def join_fleet(self, pool: Any, instance: str, user_ledger: Callable[[str], Any] | None = None) -> None:
+        """Share what the deployment's workers share toward the model (the fleet's gate):
+        ``pool`` is the catalog's; ``user_ledger(user_id)``, the pool of the user's ledger
+        shard (None: the catalog holds every user)."""
         ...
 
     async def close(self) -> None: ...

@@ -21,6 +21,7 @@ import logging
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -142,6 +143,7 @@ class ClaudeAgent:
         self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)
         self.definitions = {**builtins, **{t.name: t.definition() for t in actions}}
         self.profiles: ProfileBook | None = None  # set by join_fleet: profiles live in the ledger
+        self.user_ledger: Callable[[str], AsyncPool] | None = None  # set by join_fleet: several ledger shards
         self._boxes: dict[tuple[str, int], Toolbox] = {}
         self.clock: Clock = SystemClock()  # what "today" is for daily budgets
         metrics.BUDGET_TOKENS.labels(DEFAULT).set(settings.user_daily_tokens)  # the series before any run
@@ -153,12 +155,16 @@ class ClaudeAgent:
             raise SettingsError("ANTHROPIC_API_KEY: required with VIGIL_AGENT=claude")
         return cls(load(AgentSettings))
 
-    async def join_fleet(self, pool: AsyncPool, instance: str) -> None:
+    async def join_fleet(
+        self, pool: AsyncPool, instance: str, user_ledger: Callable[[str], AsyncPool] | None = None
+    ) -> None:
         """Share the model with the deployment's other workers (:mod:`vigil.agent.fleet`):
         their 429/529 back-off, and ``VIGIL_MODEL_FLEET_CONCURRENCY`` if set; and the agent
-        profiles assigned to users (:mod:`vigil.agent.profiles`)."""
+        profiles assigned to users (:mod:`vigil.agent.profiles`). ``pool`` is the catalog's;
+        a user's spending is read on ``user_ledger(user_id)``, their ledger shard."""
         s = self.settings
         self.profiles = ProfileBook(pool, s.profile_cache_s)
+        self.user_ledger = user_ledger
         if not s.model_fleet_concurrency and not s.model_shared_backoff:
             return
         gate = FleetGate(
@@ -333,7 +339,8 @@ class ClaudeAgent:
             profile = await book.current(user_id)
             if not (daily := self._daily(profile)):
                 return None
-            async with book.pool.connection() as conn:
+            ledger = book.pool if self.user_ledger is None else self.user_ledger(user_id)
+            async with ledger.connection() as conn:
                 spent = await ledger_budgets.spent(conn, user_id=user_id, since=today)
             if spent >= daily:
                 profile = await book.current(user_id, fresh=True)
@@ -348,7 +355,7 @@ class ClaudeAgent:
                     f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
                     f"until {tomorrow.isoformat(timespec='minutes')}."
                 )
-                async with book.pool.connection() as conn:
+                async with ledger.connection() as conn:
                     await ledger_budgets.notify_once(conn, user_id=user_id, day=today.date(), profile=name, body=body)
         except psycopg.Error as exc:
             raise RetryLater(f"budget lookup: {exc}") from exc

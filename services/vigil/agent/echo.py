@@ -121,7 +121,7 @@ class EchoAgent:
                 out.write(f"{self.instance} {time.time():.3f}\n")
             await asyncio.sleep(0.05)
 
-    async def join_fleet(self, pool: Any, instance: str) -> None:
+    async def join_fleet(self, pool: Any, instance: str, user_ledger: Any = None) -> None:
         return None  # no model, nothing to share
 
     async def close(self) -> None:

@@ -105,9 +105,11 @@ class EventProducer:
         topic: str,
         timeout: float | None = None,
         headers: Headers | None = None,
+        partition: int | None = None,
     ) -> list[Delivered]:
         """Produce ``messages``, each ``(key, value)`` with ``headers``, or ``(key, value, its
-        own headers)``, and wait for every acknowledgement (see the class)."""
+        own headers)``, and wait for every acknowledgement (see the class). ``partition``:
+        every message to that partition, not the partitioner's."""
         timeout = self.settings.produce_timeout_s if timeout is None else timeout
         results: list[Delivered | KafkaError | None] = [None] * len(messages)
         remaining = [len(messages)]
@@ -132,7 +134,12 @@ class EventProducer:
             while True:
                 try:
                     self._producer.produce(
-                        topic, value=value, key=key, headers=record_headers, on_delivery=callback(index)
+                        topic,
+                        value=value,
+                        key=key,
+                        headers=record_headers,
+                        on_delivery=callback(index),
+                        partition=-1 if partition is None else partition,  # -1: the partitioner's choice
                     )
                     break
                 except BufferError:

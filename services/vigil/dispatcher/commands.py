@@ -80,7 +80,7 @@ def _user_and_catalog(settings, user: str):
 def dispatcher_command() -> None:
     """Run the dispatcher: relay the outbox to each user's channel, paced per user."""
     settings = _settings()
-    require_schema(settings, routes_shards=True)
+    require_schema(settings)
     require_secret_keys(settings)
     sys.exit(serve(settings))
 

@@ -49,7 +49,7 @@ def _new_id(prefix: str) -> str:
 def ingest_command() -> None:
     """Run the ingest HTTP service (API, webhooks, approvals, /healthz /readyz /metrics)."""
     settings = load_or_exit(IngestSettings)
-    require_schema(settings, routes_shards=True)
+    require_schema(settings)
     require_secret_keys(settings)
     serve(settings)
 

@@ -22,7 +22,7 @@ from vigil.settings import CommonSettings
 def scheduler_command() -> None:
     """Run the scheduler service: due timers become events on the events topic."""
     settings = load_or_exit(SchedulerSettings)
-    require_schema(settings, routes_shards=True)
+    require_schema(settings)
     sys.exit(serve(settings))
 
 

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from datetime import datetime
 
 import psycopg
 
@@ -33,6 +34,7 @@ from vigil.worker import metrics
 from vigil.worker.lone import LoneAttempt
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.shards import Shards
 from vigil.worker.wakeups import BACKOFF_SLACK_S, Wakeups
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,11 @@ REVOKE_COMMIT_WAIT_S = 5.0
 # partitions' next owner back by this much at most, not by the whole grace. A stall longer
 # than the lease (a frozen process) lets the next owner take over: the stalled runs' finishes
 # are then fenced out, as for a lost partition.
+# Several shards: a claim pass waits this long for a connection to one shard, and skips a
+# shard that failed for this long, so a shard that does not answer delays the others' claims
+# by at most SHARD_CONNECT_S now and then, never a pool timeout every pass.
+SHARD_CONNECT_S = 2.0
+SHARD_PAUSE_S = 5.0
 HANDOVER_LEASE_S = 5.0
 HANDOVER_RENEW_S = 1.0
 
@@ -56,14 +63,14 @@ class Claimer:
     def __init__(
         self,
         settings: WorkerSettings,
-        pool: AsyncPool,
+        pool: AsyncPool | Shards,
         dead_letters,
         runs: Runs,
         wakeups: Wakeups,
         clock: Clock,
     ) -> None:
         self.settings = settings
-        self.pool = pool
+        self.shards = Shards.of(pool)  # each partition's claims on its shard
         self.dead_letters = dead_letters
         self.runs = runs
         self.wakeups = wakeups
@@ -73,7 +80,10 @@ class Claimer:
         self.owned: dict[PartitionKey, int] = {}
         self.stopping = False
         self._claim_lock = asyncio.Lock()
-        self._cursor = ""  # round-robin position among waiting users (see claims.claim)
+        self._cursor: dict[int, str] = {}  # per shard, the round robin's position among waiting users (claims.claim)
+        self._lone_due: dict[int, datetime] = {}  # per shard, when a lone last attempt is due there
+        self._first = 0  # the shard a pass starts with, turning: no shard's claims always come last
+        self._shard_down_until: dict[int, float] = {}  # monotonic: a shard whose claims failed is skipped until then
         self._next_dead_check = 0.0
         self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
         self._lone: Active | None = None  # the last lone last attempt this process started (claim rule 3)
@@ -94,20 +104,22 @@ class Claimer:
     async def assign(self, epochs: dict[PartitionKey, int]) -> None:
         """Claim for these partitions (their epochs are the takeover's): a pass now, rule 2 and
         the heal at it, and a pass at the end of each claim the takeover handed back."""
+        await self.shards.open(k.partition for k in epochs)
         async with self._claim_lock:
             self.owned.update(epochs)
             self._next_dead_check = 0.0  # the takeover may have handed back exhausted claims
             self._next_heal = 0.0
-        metrics.EPOCHS_HELD.set(len(self.owned))
+        self._count_held()
         self.wake()
         # The takeover handed the previous owner's claims back with jittered backoffs: wake
         # when each ends, so they come back one by one as they did before this process
         # (a poison event among them then tends to run, and crash us, alone).
-        keys = sorted(epochs)
+        ends = []
+        now = utc(self.clock.now())
         try:
-            async with self.pool.connection() as conn:
-                now = utc(self.clock.now())
-                ends = await ledger_claims.backoff_ends(conn, keys, now=now)
+            for shard, keys in self.shards.split(sorted(epochs), _partition).items():
+                async with self.shards.pool(shard).connection() as conn:
+                    ends += await ledger_claims.backoff_ends(conn, keys, now=now)
         except psycopg.Error as exc:
             log.warning("could not read backoffs after a takeover (the periodic pass finds them): %s", exc)
             return
@@ -153,8 +165,7 @@ class Claimer:
             await self._wind_down(gone, True, 0.0)
         else:
             try:
-                async with self.pool.connection() as conn:
-                    await ledger_partitions.begin_handover(conn, handing, HANDOVER_LEASE_S, now=utc(self.clock.now()))
+                await self._begin_handover(handing)
             except psycopg.Error as exc:
                 log.warning("could not leave a hand-over in the ledger (the revoke waits for its runs): %s", exc)
                 await self._wind_down(gone, True, grace_s)
@@ -181,8 +192,9 @@ class Claimer:
             renewing.cancel()
             await asyncio.gather(renewing, return_exceptions=True)
             try:
-                async with self.pool.connection() as conn:
-                    await ledger_partitions.end_handover(conn, handing)
+                for shard, keys in self.shards.split(handing, _partition).items():
+                    async with self.shards.pool(shard).connection() as conn:
+                        await ledger_partitions.end_handover(conn, {k: handing[k] for k in keys})
             except psycopg.Error as exc:
                 log.warning("could not end the hand-over (the next owner waits for its deadline): %s", exc)
             took = time.monotonic() - began
@@ -198,17 +210,30 @@ class Claimer:
         while True:
             await asyncio.sleep(HANDOVER_RENEW_S)
             try:
-                async with self.pool.connection() as conn:
-                    await ledger_partitions.begin_handover(conn, handing, HANDOVER_LEASE_S, now=utc(self.clock.now()))
+                await self._begin_handover(handing)
             except psycopg.Error as exc:
                 log.warning("could not renew the hand-over (the next owner may take over first): %s", exc)
+
+    def _count_held(self) -> None:
+        """The partitions held, in all and per shard (on a rebalance only)."""
+        metrics.EPOCHS_HELD.set(len(self.owned))
+        per_shard = Counter(self.shards.shard_of(key.partition) for key in self.owned)
+        for shard in range(self.shards.count):
+            metrics.SHARD_PARTITIONS.labels(str(shard)).set(per_shard[shard])
+
+    async def _begin_handover(self, handing: dict[PartitionKey, int]) -> None:
+        """The hand-over's deadline, HANDOVER_LEASE_S ahead, on each partition's shard."""
+        now = utc(self.clock.now())
+        for shard, keys in self.shards.split(handing, _partition).items():
+            async with self.shards.pool(shard).connection() as conn:
+                await ledger_partitions.begin_handover(conn, {k: handing[k] for k in keys}, HANDOVER_LEASE_S, now=now)
 
     async def _drop(self, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
         """No more claims for ``keys`` (under the claim lock: a pass in progress ends first);
         the epochs they were held at."""
         async with self._claim_lock:
             gone = {key: self.owned.pop(key) for key in keys if key in self.owned}
-        metrics.EPOCHS_HELD.set(len(self.owned))
+        self._count_held()
         return gone
 
     async def _wind_down(self, gone: dict[PartitionKey, int], release: bool, grace_s: float) -> None:
@@ -269,28 +294,56 @@ class Claimer:
         free = self.settings.run_concurrency - len(self.active)
         if not self.owned or (free <= 0 and self.clock.monotonic() < self._next_heal):
             return
+        take = min(free, self.settings.claim_pass_max)  # the trade-off: settings.DEFAULT_CLAIM_PASS_MAX
+        left = take
+        dead: list = []
+        started: list[Active] = []
         async with self._claim_lock:
-            owned = dict(self.owned)
-            async with self.pool.connection() as conn:
-                dead = []
-                # Rule 2 and the look for lone last attempts once per scan interval, not on
-                # every pass; the claim never takes an exhausted or lone row in between.
-                if self.clock.monotonic() >= self._next_dead_check:
-                    self._next_dead_check = self.clock.monotonic() + self.settings.scan_interval_s
-                    dead = await mark_dead(conn, owned, self.settings.max_attempts)
-                    self.lone.due_at = await alone_due(
-                        conn, owned, self.settings.max_attempts, now=utc(self.clock.now())
-                    )
-                    if self.lone.due_at is None:
-                        self.lone.drain_until = None
-                if self.clock.monotonic() >= self._next_heal:
-                    self._next_heal = self.clock.monotonic() + self.settings.heal_interval_s
-                    await self._heal(conn, owned)
-                take = min(free, self.settings.claim_pass_max)  # the trade-off: settings.DEFAULT_CLAIM_PASS_MAX
-                claims, alone = await self._claim(conn, owned, take) if take > 0 else ([], False)
-                started = [Active(c, alone=alone) for c in claims]
-                if started and self.runs.needs_context:
-                    await self.runs.preload(conn, started)
+            # Rule 2 and the look for lone last attempts once per scan interval, not on
+            # every pass; the claim never takes an exhausted or lone row in between.
+            check = self.clock.monotonic() >= self._next_dead_check
+            if check:
+                self._next_dead_check = self.clock.monotonic() + self.settings.scan_interval_s
+            heal = self.clock.monotonic() >= self._next_heal
+            if heal:
+                self._next_heal = self.clock.monotonic() + self.settings.heal_interval_s
+            # Each shard on its own connection, its partitions only: no statement spans two.
+            by_shard = self.shards.split(self.owned.items(), _owned_partition)
+            order = sorted(by_shard)
+            if len(order) > 1:
+                self._first = (self._first + 1) % len(order)
+                order = order[self._first :] + order[: self._first]
+            failed: list[BaseException] = []
+            for shard in order:
+                if self.clock.monotonic() < self._shard_down_until.get(shard, 0.0):
+                    continue
+                owned = dict(by_shard[shard])
+                try:
+                    timeout = None if self.shards.single else SHARD_CONNECT_S
+                    async with self.shards.pool(shard).connection(timeout=timeout) as conn:
+                        if check:
+                            dead += await mark_dead(conn, owned, self.settings.max_attempts)
+                            now = utc(self.clock.now())
+                            self._lone_at(shard, await alone_due(conn, owned, self.settings.max_attempts, now=now))
+                        if heal:
+                            await self._heal(conn, owned)
+                        claims, alone = await self._claim(conn, shard, owned, left) if left > 0 else ([], False)
+                        more = [Active(c, alone=alone) for c in claims]
+                        if more and self.runs.needs_context:
+                            await self.runs.preload(conn, more)
+                except self.retry_policy.retried as exc:
+                    if self.shards.single:
+                        raise
+                    # Several shards: one that does not answer waits out its pause; the
+                    # others' claims go on (a pass fails only when every shard did).
+                    failed.append(exc)
+                    self._shard_down_until[shard] = self.clock.monotonic() + SHARD_PAUSE_S
+                    log.warning("claims on ledger shard %d failed, skipped for %g s: %s", shard, SHARD_PAUSE_S, exc)
+                    continue
+                left -= len(claims)
+                started += more
+            if failed and len(failed) == len(order):
+                raise failed[-1]
         if dead:
             metrics.EVENTS_DEAD.inc(len(dead))
             await asyncio.to_thread(self.dead_letters.publish_dead, dead)
@@ -305,7 +358,7 @@ class Claimer:
         for label, n in attempts.items():
             metrics.CLAIM_ATTEMPTS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
-        if claims and len(claims) == take:
+        if started and left == 0:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us
 
     async def _heal(self, conn, owned: dict[PartitionKey, int]) -> None:
@@ -341,9 +394,21 @@ class Claimer:
         lone = self._lone
         return lone is not None and self.active.get(lone.claim.user_id) is lone
 
-    async def _claim(self, conn, owned: dict[PartitionKey, int], take: int) -> tuple[list[Claim], bool]:
+    def _lone_at(self, shard: int, due: datetime | None) -> None:
+        """What rule 2's look found on ``shard``: the earliest lone attempt of every shard is
+        the one the worker drains for (nothing runs beside it, whatever its shard)."""
+        if due is None:
+            self._lone_due.pop(shard, None)
+        else:
+            self._lone_due[shard] = due
+        self.lone.due_at = min(self._lone_due.values()) if self._lone_due else None
+        if self.lone.due_at is None:
+            self.lone.drain_until = None
+
+    async def _claim(self, conn, shard: int, owned: dict[PartitionKey, int], take: int) -> tuple[list[Claim], bool]:
         """Claim rule 3's lone last attempts before anything else, then the round robin for up
-        to ``take`` users. Returns the claims and whether they are a lone attempt."""
+        to ``take`` users, on ``shard`` (``conn``) for its partitions ``owned``. Returns the
+        claims and whether they are a lone attempt."""
         if self._lone_in_flight():
             return [], False  # nothing runs beside a lone attempt
         if self.lone.due_at is not None:
@@ -352,6 +417,8 @@ class Claimer:
                 self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
             elif self.active and not await self.lone.drained():
                 return [], False  # draining: each finishing run wakes a pass, and so does the deadline
+            elif self._lone_due.get(shard) != self.lone.due_at:
+                return [], False  # drained for another shard's lone attempt: that shard claims it
             else:
                 lone = await claim_alone(conn, owned, self.settings.max_attempts, now=utc(self.clock.now()))
                 self._next_dead_check = 0.0  # after it: dead? another one waiting?
@@ -362,8 +429,8 @@ class Claimer:
                         "event %d runs alone: its last attempt, and a worker was lost with it before", lone.events[0].id
                     )
                     return [lone], True
-                self.lone.due_at = None
-        claims, self._cursor = await claim(
+                self._lone_at(shard, None)
+        claims, self._cursor[shard] = await claim(
             conn,
             owned=owned,
             busy=list(self.active),
@@ -371,7 +438,15 @@ class Claimer:
             batch_max=self.settings.batch_max,
             window_s=self.settings.batch_window_s,
             max_attempts=self.settings.max_attempts,
-            cursor=self._cursor,
+            cursor=self._cursor.get(shard, ""),
             now=utc(self.clock.now()),
         )
         return claims, False
+
+
+def _partition(key: PartitionKey) -> int:
+    return key.partition
+
+
+def _owned_partition(item: tuple[PartitionKey, int]) -> int:
+    return item[0].partition

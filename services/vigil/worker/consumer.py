@@ -10,7 +10,10 @@ The commit order, which tests/test_worker_*.py pin down:
    (duplicates dropped by the UNIQUE key) and each partition's next offset in
    ``consumer_positions``, pipelined with the commit. This runs on a second thread, the
    recorder, while this thread polls and decodes the next batch: the two overlap, the
-   decode on this core and the statement in PostgreSQL, instead of taking turns.
+   decode on this core and the statement in PostgreSQL, instead of taking turns. Several
+   ledger shards: one such transaction per shard, each holding its partitions' events and
+   positions; an event whose user's home partition is on another shard is produced again
+   there first (:meth:`ConsumerLoop._reroute`), not recorded here.
 4. Only once that commit is done, store the batch's offsets (``enable.auto.offset.store=
    false``); the periodic auto-commit sends stored offsets to the broker. Batches are
    settled in the order they were polled, one in flight at a time, and the one in flight
@@ -47,7 +50,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import psycopg
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
@@ -60,12 +63,13 @@ from vigil.clock import Clock, utc
 from vigil.ledger import events as ledger_events
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
-from vigil.ledger.db import connect
+from vigil.ledger.db import AsyncPool, connect
 from vigil.ledger.events import USER_COLUMN, prepare_record_connection
 from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics, traces
 from vigil.worker.fencing import handing_over, take_over, wait_for_handover
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.shards import CATALOG, Shards
 
 log = logging.getLogger(__name__)
 
@@ -127,16 +131,44 @@ def read_positions(conn: psycopg.Connection[DictRow], keys: list[PartitionKey]) 
 
 # Bound of the known-users set (about 100 bytes each); past it the set starts over.
 KNOWN_USERS_MAX = 500_000
+PARTITION_COLUMN = -2  # a staging row's partition (``_decode``: ..., topic, partition, offset)
+
+
+def _partition(key: PartitionKey) -> int:
+    return key.partition
+
+
+class Batch(NamedTuple):
+    """What one shard's transaction records of a polled batch."""
+
+    shard: int
+    rows: list[tuple]
+    highest: dict[tuple[str, int], int]  # its partitions' highest offsets polled
+    unknown: list[str]  # its users this process has not seen committed there
+    lowest: dict[tuple[str, int], int] | None = None  # several shards: where to read again if it fails
+
+
+class Down(NamedTuple):
+    """Several shards: one that did not take its batch. Its partitions are paused, to be read
+    again from ``seek`` once it answers; the other shards' partitions go on."""
+
+    seek: dict[PartitionKey, int]  # each paused partition's first offset not recorded
+    probe_at: float  # monotonic: when to ask the shard again
 
 
 class InFlight(NamedTuple):
     """A batch handed to the recorder thread and not yet settled."""
 
-    recorded: Future  # new events recorded, or None if the worker stopped before the ledger answered
+    recorded: Future  # Recorded, or None if the worker stopped before the ledger answered
     highest: dict[tuple[str, int], int]  # the offsets to store once it is committed
     rows: int
-    users: set[str]  # whose users row exists once it is committed
+    users: dict[int, set[str]]  # per shard, whose users row exists there once it is committed
     spans: traces.RecordSpans | None = None  # traces on: the events' record spans, ended at the commit
+
+
+class Recorded(NamedTuple):
+    new: int  # events recorded (not duplicates)
+    failed: list[Batch]  # several shards: the shards' batches that did not commit (their shard down)
 
 
 class ConsumerLoop(threading.Thread):
@@ -148,6 +180,7 @@ class ConsumerLoop(threading.Thread):
         dead_letters,
         stopping: threading.Event,
         clock: Clock | None = None,
+        shards: Shards | None = None,
     ):
         super().__init__(name="consumer", daemon=True)
         self.settings = settings
@@ -157,17 +190,20 @@ class ConsumerLoop(threading.Thread):
         self.stopping = stopping
         self.clock = clock  # the runner's: takeovers decide hand-overs and backoffs on it
         self.codec = EventCodec(settings.schema_registry_url)
-        self.conn: psycopg.Connection[DictRow] | None = None
+        # Where each partition's events, positions and takeovers go (the run loop's map: an
+        # assignment reads it again); a connection per shard, the catalog's as before.
+        self.shards = shards or Shards(cast(AsyncPool, None))
+        self.conns: dict[int, psycopg.Connection[DictRow]] = {}
         self.consumer: Consumer | None = None
         self.assigned: set[PartitionKey] = set()
         self.error: BaseException | None = None
         # The recorder: one thread, so batches commit in the order they were polled. It and
-        # the rebalance callbacks share self.conn; the callbacks settle the batch in flight
+        # the rebalance callbacks share self.conns; the callbacks settle the batch in flight
         # before they touch it.
         self.recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
-        # Users whose users row (home partition) a committed batch of ours has seen: the upsert
-        # of home partitions cost each batch an index probe per event for nothing.
-        self.known_users: set[str] = set()
+        # Users whose users row (home partition) a committed batch of ours has seen, per shard:
+        # the upsert of home partitions cost each batch an index probe per event for nothing.
+        self.known_users: dict[int, set[str]] = {}
         self.in_flight: InFlight | None = None
         # Assigned partitions whose takeover waits for the previous owner's hand-over (a
         # thread each batch, :meth:`_take_over_later`). The lock orders a takeover against a
@@ -175,25 +211,42 @@ class ConsumerLoop(threading.Thread):
         self.taking_over: set[PartitionKey] = set()
         self._takeover_lock = threading.Lock()
         self.abandoned = False  # a batch was given up (stopping with the ledger down): store no more offsets
+        # Several shards: those that did not take a batch, their partitions paused meanwhile
+        # (one shard: its outage is the worker's, retried in place as ever).
+        self.down: dict[int, Down] = {}
 
     # -- ledger connection ------------------------------------------------------------
 
-    def _db(self) -> psycopg.Connection[DictRow]:
-        if self.conn is None or self.conn.closed or self.conn.broken:
-            self.conn = connect(self.settings.dsn)
-            prepare_record_connection(self.conn)
-        return self.conn
+    def _dsn(self, shard: int) -> str:
+        return self.settings.dsn if shard == CATALOG else self.settings.shard_dsns[shard]
 
-    def _retrying(self, what: str, action):
-        """Run ``action(conn)`` until it succeeds or the worker stops (ledger outages)."""
+    def _db(self, shard: int = CATALOG) -> psycopg.Connection[DictRow]:
+        conn = self.conns.get(shard)
+        if conn is None or conn.closed or conn.broken:
+            conn = self.conns[shard] = connect(self._dsn(shard))
+            prepare_record_connection(conn)
+        return conn
+
+    def _retrying(self, what: str, action, shard: int = CATALOG):
+        """Run ``action(conn)`` on ``shard``'s connection until it succeeds or the worker
+        stops (ledger outages)."""
         while True:
             try:
-                return action(self._db())
+                return action(self._db(shard))
             except psycopg.OperationalError as exc:
-                log.warning("%s failed (ledger unreachable?), retrying: %s", what, exc)
-                self.conn = None
+                log.warning("%s failed (ledger shard %d unreachable?), retrying: %s", what, shard, exc)
+                self.conns.pop(shard, None)
                 if self.stopping.wait(RETRY_S):
                     raise
+
+    def _per_shard(self, what: str, keys: list[PartitionKey], action) -> dict:
+        """``action(conn, keys_of_shard)`` on each shard of ``keys``, its own transaction
+        there; their answers (dicts or sets) merged."""
+        merged: Any = None
+        for shard, some in self.shards.split(keys, _partition).items():
+            answer = self._retrying(what, lambda conn, some=some: action(conn, some), shard)
+            merged = answer if merged is None else merged | answer
+        return merged
 
     # -- rebalance callbacks (run inside consume(), on this thread) ----------------------
 
@@ -205,13 +258,17 @@ class ConsumerLoop(threading.Thread):
         if not keys:
             return
         self._settle()
-        later = self._retrying("reading hand-overs", lambda conn: handing_over(conn, keys, self.clock))
+        if not self.shards.single:  # a partition may have moved: the catalog's map again
+            self._retrying("reading the shard map", lambda _conn: self.shards.reload())
+        later = self._per_shard("reading hand-overs", keys, lambda conn, some: handing_over(conn, some, self.clock))
         now = [k for k in keys if k not in later]
         if now:
-            epochs = self._retrying("takeover", lambda conn: self._take_over(conn, now, HANDOVER_WITHIN_NONE))
+            epochs = self._per_shard(
+                "takeover", now, lambda conn, some: self._take_over(conn, some, HANDOVER_WITHIN_NONE)
+            )
             self._call_runner(self.runner.claimer.assign(epochs))
         self.assigned.update(keys)
-        positions = self._retrying("reading consumer positions", lambda conn: read_positions(conn, keys))
+        positions = self._per_shard("reading consumer positions", keys, read_positions)
         consumer.incremental_assign(
             [TopicPartition(k.topic, k.partition, positions.get(k, OFFSET_INVALID)) for k in keys]
         )
@@ -225,7 +282,8 @@ class ConsumerLoop(threading.Thread):
                 "partitions %s: recording; taken over once the previous owner's hand-over ends",
                 ", ".join(str(k.partition) for k in sorted(later)),
             )
-            threading.Thread(target=self._take_over_later, args=(sorted(later),), name="takeover", daemon=True).start()
+            for shard, some in self.shards.split(sorted(later), _partition).items():
+                threading.Thread(target=self._take_over_later, args=(some, shard), name="takeover", daemon=True).start()
 
     def _take_over(self, conn: psycopg.Connection[DictRow], keys: list[PartitionKey], within_s: float) -> dict:
         return take_over(
@@ -239,12 +297,13 @@ class ConsumerLoop(threading.Thread):
             self.clock,
         )
 
-    def _take_over_later(self, keys: list[PartitionKey]) -> None:
+    def _take_over_later(self, keys: list[PartitionKey], shard: int = CATALOG) -> None:
         """Rule 4 off the consumer thread: wait for the previous owner's hand-over of ``keys``
         (at most half the poll interval, as before hand-overs the group bounded a revoke), then
         take over those still assigned and let the run loop claim for them. A revoke or a
         loss meanwhile drops them from ``taking_over``; the lock makes it wait for a takeover
-        in progress, so the partition is handed on as ours, never taken over after it left."""
+        in progress, so the partition is handed on as ours, never taken over after it left.
+        ``keys`` are all on ``shard``."""
         within_s = self.settings.kafka_max_poll_interval_ms / 2000
 
         def wanted() -> list[PartitionKey]:
@@ -257,7 +316,7 @@ class ConsumerLoop(threading.Thread):
             while not self.stopping.is_set() and wanted():
                 try:
                     if conn is None or conn.closed or conn.broken:
-                        conn = connect(self.settings.dsn)
+                        conn = connect(self._dsn(shard))
                     left_s = max(deadline - time.monotonic(), 0.0)
                     wait_for_handover(conn, wanted(), left_s, given_up=lambda: not wanted(), clock=self.clock)
                     with self._takeover_lock:
@@ -300,6 +359,7 @@ class ConsumerLoop(threading.Thread):
         # take it does the grace pass here).
         grace_s = self.settings.revoke_grace_s
         self._forget_takeovers(keys)
+        self._forget_down(consumer, keys)
         self._call_runner(self.runner.claimer.hand_over(keys, grace_s), timeout=grace_s + 60.0)
         try:
             consumer.commit(asynchronous=False)
@@ -308,6 +368,16 @@ class ConsumerLoop(threading.Thread):
                 log.warning("offset commit on revoke failed: %s", exc)
         self.assigned.difference_update(keys)
         _forget_lag(keys)
+
+    def _forget_down(self, consumer, keys: list[PartitionKey]) -> None:
+        """Revoked or lost while paused for their shard: resumed as they go (a later owner reads
+        them from the ledger's position); the shard is still probed, to report it up again."""
+        gone = [k for down in self.down.values() for k in down.seek if k in keys]
+        for down in self.down.values():
+            for k in gone:
+                down.seek.pop(k, None)
+        if gone:
+            consumer.resume([TopicPartition(k.topic, k.partition) for k in gone])
 
     def _forget_takeovers(self, keys: list[PartitionKey]) -> None:
         """Revoked or lost before their takeover: never take them over (waits for one in
@@ -320,6 +390,7 @@ class ConsumerLoop(threading.Thread):
         keys = [PartitionKey(p.topic, p.partition) for p in partitions]
         log.warning("partitions lost (session timed out): %s; committing nothing", [k.partition for k in keys])
         self._forget_takeovers(keys)
+        self._forget_down(consumer, keys)
         self._call_runner(self.runner.claimer.revoke(keys, release=False))
         self.assigned.difference_update(keys)
         _forget_lag(keys)
@@ -359,6 +430,8 @@ class ConsumerLoop(threading.Thread):
                 messages = self._poll()
                 if messages:
                     self._handle(messages)
+                if self.down:
+                    self._probe_down()
         finally:
             try:
                 self._settle()
@@ -366,8 +439,8 @@ class ConsumerLoop(threading.Thread):
                 # close() revokes the assignment (our on_revoke releases runs and commits).
                 self.consumer.close()
                 self.recorder.shutdown()
-                if self.conn is not None:
-                    self.conn.close()
+                for conn in self.conns.values():
+                    conn.close()
 
     def _poll(self) -> list:
         """What has arrived, up to a batch; when nothing has, wait for the first message only.
@@ -400,33 +473,117 @@ class ConsumerLoop(threading.Thread):
                         return
             metrics.EVENTS_UNDECODABLE.inc(len(bad))
             log.warning("%d undecodable message(s) sent to %s: %s", len(bad), self.settings.dlq_topic, bad[0][1])
+        if rows and not self.shards.single:
+            kept = self._reroute(rows, messages)
+            if kept is None:
+                return
+            rows = kept
         self._settle()
+        if self.down:  # polled before their shard's pause took effect: read again on resume
+            paused = {(k.topic, k.partition) for d in self.down.values() for k in d.seek}
+            rows = [r for r in rows if (r[PARTITION_COLUMN - 1], r[PARTITION_COLUMN]) not in paused]
+            highest = {tp: offset for tp, offset in highest.items() if tp not in paused}
         if highest:
-            users = {row[USER_COLUMN] for row in rows}
-            unknown = sorted(users - self.known_users)
-            self.in_flight = InFlight(
-                self.recorder.submit(self._record, rows, unknown, highest), highest, len(rows), users, spans
-            )
+            if self.shards.single:
+                batches = [Batch(CATALOG, rows, highest, [])]
+            else:
+                batches = self._by_shard(rows, highest, messages)
+            users: dict[int, set[str]] = {}
+            for b in batches:
+                users[b.shard] = {row[USER_COLUMN] for row in b.rows}
+                b.unknown.extend(sorted(users[b.shard] - self.known_users.get(b.shard, set())))
+            self.in_flight = InFlight(self.recorder.submit(self._record, batches), highest, len(rows), users, spans)
 
-    def _record(self, rows: list[tuple], unknown_users: list[str], highest: dict[tuple[str, int], int]) -> int | None:
-        """On the recorder thread: the batch recorded (``record_batch``); how many events were
+    def _reroute(self, rows: list[tuple], messages: list) -> list[tuple] | None:
+        """Several shards: the rows to record here; those whose user's home partition is on
+        another shard (a producer with another partitioner, a topic grown past
+        VIGIL_PARTITIONS) are produced again, verbatim, to that partition and acknowledged
+        first, so their offsets are stored only after that (a crash in between produces them
+        again: the home shard's dedup key drops the copy). None: the worker stopped first."""
+        kept: list[tuple] = []
+        away: dict[int, list[tuple]] = {}
+        for row in rows:
+            home = self.shards.elsewhere(row[USER_COLUMN], row[PARTITION_COLUMN], partitions=self.settings.partitions)
+            if home is None:
+                kept.append(row)
+            else:
+                away.setdefault(home, []).append(row)
+        if not away:
+            return rows
+        read = {(m.partition(), m.offset()): m for m in messages}
+        for home, foreign in sorted(away.items()):
+            copies = [(m.key(), m.value(), m.headers()) for m in (read[r[PARTITION_COLUMN], r[-1]] for r in foreign)]
+            while True:
+                try:
+                    self.dead_letters.producer.send_raw(copies, self.settings.events_topic, partition=home)
+                    break
+                except ProduceError as exc:
+                    log.warning("producing events again to their home partition failed, retrying: %s", exc)
+                    if self.stopping.wait(RETRY_S):
+                        return None
+            metrics.EVENTS_REROUTED.inc(len(foreign))
+            log.info(
+                "%d event(s) read on partition(s) of another shard produced again to their home partition %d",
+                len(foreign),
+                home,
+            )
+        return kept
+
+    def _by_shard(self, rows: list[tuple], highest: dict[tuple[str, int], int], messages: list) -> list[Batch]:
+        """A polled batch split by the shard of each partition: its events and positions, and
+        each partition's first offset polled (where to read again if its shard fails)."""
+        batches: dict[int, Batch] = {}
+        for (topic, partition), offset in highest.items():
+            shard = self.shards.shard_of(partition)
+            batches.setdefault(shard, Batch(shard, [], {}, [], {})).highest[topic, partition] = offset
+        for m in reversed(messages):  # a partition's messages in offset order: the first one wins
+            b = batches.get(self.shards.shard_of(m.partition()))
+            if b is not None and b.lowest is not None and (m.topic(), m.partition()) in b.highest:
+                b.lowest[m.topic(), m.partition()] = m.offset()
+        for row in rows:
+            batches[self.shards.shard_of(row[PARTITION_COLUMN])].rows.append(row)
+        return [batches[shard] for shard in sorted(batches)]
+
+    def _record(self, batches: list[Batch]) -> Recorded | None:
+        """On the recorder thread: the batch recorded (``record_batch``), one transaction per
+        shard holding that shard's partitions' events and positions; how many events were
         new, or None if the worker stopped while the ledger was unreachable. Home partitions
-        are written only for ``unknown_users`` (those this process has not seen committed).
+        are written only for each shard's ``unknown`` users (those this process has not
+        seen committed there).
 
         The same statement moves the ledger's consumer positions past the batch, so the
         ledger's position and the events it covers commit or vanish together; a batch of
         undecodable messages only (already on the dead-letter topic) moves the positions
-        alone."""
-        positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in highest.items()}
+        alone. One shard: an outage is retried until it answers. Several: each shard's
+        transaction is tried once, and one that fails is returned in ``failed`` (its
+        partitions are paused and read again, :meth:`_settle`), so a shard down stops only
+        its own users. A shard committed before another failed stays committed."""
+        recorded, failed = 0, []
+        for b in batches:
+            positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in b.highest.items()}
 
-        def record(conn: psycopg.Connection[DictRow]) -> int:
-            with metrics.LEDGER_SECONDS.labels("record").time():
-                return ledger_events.record_batch(conn, rows, unknown_users, positions)
+            def record(conn: psycopg.Connection[DictRow], b: Batch = b, positions=positions) -> int:
+                with metrics.LEDGER_SECONDS.labels("record").time():
+                    return ledger_events.record_batch(conn, b.rows, b.unknown, positions)
 
-        try:
-            return self._retrying("recording events", record)
-        except psycopg.OperationalError:
-            return None
+            if self.shards.single:
+                try:
+                    recorded += self._retrying("recording events", record, b.shard)
+                except psycopg.OperationalError:
+                    return None
+                continue
+            try:
+                recorded += record(self._db(b.shard))
+            except psycopg.OperationalError as exc:
+                log.warning(
+                    "recording events on ledger shard %d failed (unreachable?): its partitions pause: %s",
+                    b.shard,
+                    exc,
+                    extra={"event": "shard_down"},
+                )
+                self.conns.pop(b.shard, None)
+                failed.append(b)
+        return Recorded(recorded, failed)
 
     def _settle(self) -> None:
         """Wait for the batch in flight; once it is committed, count it, store its offsets and
@@ -434,24 +591,80 @@ class ConsumerLoop(threading.Thread):
         if self.in_flight is None:
             return
         batch, self.in_flight = self.in_flight, None
-        recorded = batch.recorded.result()
+        result = batch.recorded.result()
+        recorded = None if result is None else result.new
         if batch.spans is not None:
             batch.spans.end(recorded)
-        if recorded is None:
+        if result is None:
             # Stopping with the ledger down: nothing of this batch, or of any later one, is
             # stored, so all of it is read again next time.
             self.abandoned = True
             return
         # Every user of a committed batch has its users row now (inserted or already there;
         # rows are never deleted): later batches skip the upsert for them.
-        if len(self.known_users) > KNOWN_USERS_MAX:
-            self.known_users.clear()
-        self.known_users.update(batch.users)
+        assert recorded is not None
+        highest = batch.highest
+        if result.failed:
+            highest = self._pause(result.failed, highest)
+            for b in result.failed:
+                batch.users.pop(b.shard, None)
+        for shard, users in batch.users.items():
+            known = self.known_users.setdefault(shard, set())
+            if len(known) > KNOWN_USERS_MAX:
+                known.clear()
+            known.update(users)
         metrics.EVENTS_RECORDED.labels("new").inc(recorded)
-        metrics.EVENTS_RECORDED.labels("duplicate").inc(batch.rows - recorded)
-        self._store_offsets(batch.highest)
+        metrics.EVENTS_RECORDED.labels("duplicate").inc(batch.rows - recorded - sum(len(b.rows) for b in result.failed))
+        self._store_offsets(highest)
         if recorded:
             self.loop.call_soon_threadsafe(self.runner.wake, self.settings.batch_window_s)
+
+    def _pause(self, failed: list[Batch], highest: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        """The failed shards' partitions paused and set back to their first offset not
+        recorded; the offsets to store, theirs left out."""
+        assert self.consumer is not None  # made before the poll loop starts
+        probe_at = time.monotonic() + RETRY_S
+        for b in failed:
+            down = self.down.setdefault(b.shard, Down({}, probe_at))
+            for (topic, partition), first in (b.lowest or {}).items():
+                key = PartitionKey(topic, partition)
+                if key in self.assigned:
+                    down.seek.setdefault(key, first)
+            paused = [TopicPartition(k.topic, k.partition) for k in down.seek]
+            if paused:
+                self.consumer.pause(paused)
+            metrics.SHARD_UP.labels(str(b.shard)).set(0)
+        gone = {tp for b in failed for tp in b.highest}
+        return {tp: offset for tp, offset in highest.items() if tp not in gone}
+
+    def _probe_down(self) -> None:
+        """Ask each shard that is down, once its probe is due, for its partitions' positions; if
+        it answers, read them again from there (the ledger's position, else the first offset not
+        recorded) and resume them."""
+        assert self.consumer is not None  # made before the poll loop starts
+        now = time.monotonic()
+        for shard, down in list(self.down.items()):
+            if now < down.probe_at:
+                continue
+            keys = [k for k in down.seek if k in self.assigned]
+            try:
+                positions = read_positions(self._db(shard), keys) if keys else {}
+            except psycopg.OperationalError:
+                self.conns.pop(shard, None)
+                self.down[shard] = down._replace(probe_at=now + RETRY_S)
+                continue
+            del self.down[shard]
+            if keys:
+                self._seek_and_resume(keys, {k: positions.get(k, down.seek[k]) for k in keys})
+            metrics.SHARD_UP.labels(str(shard)).set(1)
+            log.info("ledger shard %d answers again: partitions %s resume", shard, sorted(k.partition for k in keys))
+
+    def _seek_and_resume(self, keys: list[PartitionKey], offsets: dict[PartitionKey, int]) -> None:
+        assert self.consumer is not None  # made before the poll loop starts
+        parts = [TopicPartition(k.topic, k.partition, offsets[k]) for k in keys]
+        for tp in parts:
+            self.consumer.seek(tp)
+        self.consumer.resume(parts)
 
     def _decode(self, messages: list) -> tuple[list[tuple], list[tuple], dict[tuple[str, int], int], Any]:
         """Staging rows of the decodable messages, ``(message, reason)`` of the others, the

@@ -23,6 +23,7 @@ from vigil.worker.claim_loop import Claimer
 from vigil.worker.finish import Finished, commit_finished
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.shards import Shards
 from vigil.worker.wakeups import BACKOFF_SLACK_S, LEDGER_RETRY_S
 
 log = logging.getLogger(__name__)
@@ -56,14 +57,18 @@ def gather_s(group: int, ran_s: float) -> float:
 class Finisher:
     """Group-commits finished runs; reports the ledger's backlog."""
 
-    def __init__(self, settings: WorkerSettings, pool: AsyncPool, runs: Runs, claimer: Claimer, clock: Clock) -> None:
+    def __init__(
+        self, settings: WorkerSettings, pool: AsyncPool | Shards, runs: Runs, claimer: Claimer, clock: Clock
+    ) -> None:
         self.settings = settings
-        self.pool = pool
+        self.shards = Shards.of(pool)  # a group's runs commit on their shards, a transaction each
         self.runs = runs
         self.claimer = claimer  # woken when a slot frees or a backoff ends; asked to heal
         self.clock = clock
         self.stopping = False
         self.committing = 0  # groups taken off the queue and not yet committed (VIGIL_FINISH_CONCURRENCY loops)
+        self._groups: set[asyncio.Task] = set()  # several shards: each shard's part of a group, committing
+        self._died: BaseException | None = None  # such a part's error, raised by the loop
 
     @property
     def idle(self) -> bool:
@@ -105,35 +110,44 @@ class Finisher:
                     except TimeoutError:
                         pass
                     self._take_queued(batch)
-                await self._commit(batch)
+                groups = self.shards.split(batch, _home_partition)
+                if len(groups) == 1:
+                    await self._commit(batch)
+                else:
+                    # Several shards: each shard's runs commit in a task of their own, so a
+                    # shard that does not answer holds only its own runs, never this loop.
+                    for runs in groups.values():
+                        self._spawn(runs)
             finally:
                 self.committing -= 1
+            if self._died is not None:
+                raise self._died
+
+    def _spawn(self, runs: list[Finished]) -> None:
+        self.committing += 1
+        task = asyncio.create_task(self._commit(runs), name="finish-shard")
+        self._groups.add(task)
+
+        def done(task: asyncio.Task) -> None:
+            self._groups.discard(task)
+            self.committing -= 1
+            if not task.cancelled() and task.exception() is not None and self._died is None:
+                self._died = task.exception()  # raised by the loop: the worker exits non-zero
+
+        task.add_done_callback(done)
 
     def _take_queued(self, batch: list[Finished]) -> None:
         while len(batch) < self.settings.finish_batch_max and not self.finished.empty():
             batch.append(self.finished.get_nowait())
 
     async def _commit(self, batch: list[Finished]) -> None:
-        """One group: the fenced commit, retried until the ledger answers; then its runs leave."""
+        """One group: the fenced commit on each shard of its runs (one transaction per shard),
+        retried until the shard answers; then its runs leave."""
         began = time.monotonic()  # a measurement, not a decision: the host's clock
         began_ns = time.time_ns()
-        while True:
-            try:
-                async with self.pool.connection() as conn:
-                    committed, stale = await commit_finished(
-                        conn,
-                        batch,
-                        self.settings.instance_id,
-                        journal_keep=self.settings.run_journal_days > 0,
-                        now=utc(self.clock.now()),
-                    )
-                break
-            except (psycopg.Error, OSError) as exc:
-                log.warning("finish commit failed, retrying: %s", exc)
-                # Its outcome is unknown (the commit may have landed, or landed and then
-                # been lost): once the ledger answers again, look for orphaned claims.
-                self.claimer.heal_soon()
-                await asyncio.sleep(LEDGER_RETRY_S)
+        committed: list[Finished] = []
+        for shard, runs in self.shards.split(batch, _home_partition).items():
+            committed += await self._commit_on(shard, runs)
         metrics.LEDGER_SECONDS.labels("finish").observe(time.monotonic() - began)
         traces.finish(batch, began_ns, committed)
         now = utc(self.clock.now())
@@ -153,14 +167,42 @@ class Finisher:
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
         self.claimer.wake()
 
+    async def _commit_on(self, shard: int, runs: list[Finished]) -> list[Finished]:
+        """``runs`` (all claimed on ``shard``) committed there; those whose finish stood."""
+        while True:
+            try:
+                async with self.shards.pool(shard).connection() as conn:
+                    committed, _stale = await commit_finished(
+                        conn,
+                        runs,
+                        self.settings.instance_id,
+                        journal_keep=self.settings.run_journal_days > 0,
+                        now=utc(self.clock.now()),
+                    )
+                return committed
+            except (psycopg.Error, OSError) as exc:
+                log.warning("finish commit failed, retrying: %s", exc)
+                # Its outcome is unknown (the commit may have landed, or landed and then
+                # been lost): once the ledger answers again, look for orphaned claims.
+                self.claimer.heal_soon()
+                await asyncio.sleep(LEDGER_RETRY_S)
+
     async def gauge_loop(self) -> None:
-        """The ledger-wide backlog gauges, every GAUGE_INTERVAL_S (a dashboard's cadence)."""
+        """The ledger-wide backlog gauges, every GAUGE_INTERVAL_S (a dashboard's cadence): of
+        every shard this worker has a pool on (the oldest, the sum)."""
         while not self.stopping:
             try:
-                async with self.pool.connection() as conn:
-                    pending = await ledger_events.oldest_pending(conn)
-                metrics.OLDEST_PENDING.set(pending.age_s)
-                metrics.PENDING.set(pending.pending)
+                age_s, waiting = 0.0, 0
+                for _shard, pool in self.shards.opened():
+                    async with pool.connection() as conn:
+                        pending = await ledger_events.oldest_pending(conn)
+                    age_s, waiting = max(age_s, pending.age_s), waiting + pending.pending
+                metrics.OLDEST_PENDING.set(age_s)
+                metrics.PENDING.set(waiting)
             except psycopg.Error:
                 pass
             await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+def _home_partition(run: Finished) -> int:
+    return run.claim.home.partition

@@ -19,11 +19,15 @@ import logging
 import threading
 import time
 
+from psycopg import OperationalError
+
 from vigil import tracing
 from vigil.agent import make_agent
 from vigil.bus.kafka import EventProducer
 from vigil.health import HealthServer, Readiness, dependency_checks
 from vigil.ledger import db
+from vigil.ledger.shardmap import ShardMapError
+from vigil.ledger.shards import load_map
 from vigil.service import EXIT_LOOP_DIED, StartupError, stop_event
 from vigil.settings import SettingsError
 from vigil.worker import loop_lag, metrics
@@ -31,6 +35,7 @@ from vigil.worker.consumer import ConsumerLoop
 from vigil.worker.deadletters import DeadLetters
 from vigil.worker.runner import Runner
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.shards import Shards
 from vigil.worker.tasks import TaskExecutor
 
 log = logging.getLogger("vigil.worker")
@@ -66,15 +71,27 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
         settings.dsn, name="worker", min_size=2, max_size=settings.db_pool_max, autocommit=True, check=False
     )
     await pool.open(wait=True, timeout=30)
-    await agent.join_fleet(pool, settings.instance_id)
-    runner = Runner(settings, agent, pool, dead_letters)
+    try:
+        shard_map = load_map(settings.shard_dsns, connect_timeout=30)
+    except (OperationalError, ShardMapError) as exc:
+        raise StartupError(f"the ledger's shard map: {exc}") from None
+
+    def shard_pool(dsn: str, shard: int) -> db.AsyncPool:
+        return db.async_pool(
+            dsn, name=f"worker-shard-{shard}", min_size=2, max_size=settings.db_pool_max, autocommit=True, check=False
+        )
+
+    shards = Shards(pool, shard_map, make_pool=shard_pool, partitions=settings.partitions)
+    # The catalog's pool for profiles, policies and the model fleet; the users' shards for their spending.
+    await agent.join_fleet(pool, settings.instance_id, None if shards.single else shards.pool_of_user)
+    runner = Runner(settings, agent, shards, dead_letters)
     readiness = Readiness(dependency_checks(settings))
     health = HealthServer(settings.worker_port, readiness).start()
     # The consumer has its own stop: it stays in the group while runs drain (closing it
     # revokes the partitions, which would cancel every run at once) and closes after them.
     closing = threading.Event()
-    consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing, runner.clock)
-    executor = TaskExecutor(settings, agent, pool, producer, runner.clock)
+    consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing, runner.clock, shards)
+    executor = TaskExecutor(settings, agent, shards, producer, runner.clock)
     tasks = [
         asyncio.create_task(runner.claimer.claim_loop(), name="claim-loop"),
         *(
@@ -144,7 +161,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     # must say so (status 0 is a completion to Kubernetes, not an error).
     died = any(not task.cancelled() and task.exception() is not None for task in tasks)
     await agent.close()
-    await pool.close()
+    await shards.close()
     producer.close()
     health.stop()
     log.info("worker stopped")

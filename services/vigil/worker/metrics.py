@@ -11,6 +11,19 @@ EVENTS_RECORDED = Counter(
 EVENTS_UNDECODABLE = Counter(
     "vigil_events_undecodable_total", "Messages that did not decode and went to the dead-letter topic."
 )
+EVENTS_REROUTED = Counter(
+    "vigil_events_rerouted_total",
+    "Events read on a partition of another ledger shard than their user's, produced again to the user's home "
+    "partition instead of recorded here.",
+)
+SHARD_UP = Gauge(
+    "vigil_worker_shard_up",
+    "1 while this worker records on the ledger shard; 0 while its partitions there are paused (shard down).",
+    ["shard"],
+)
+SHARD_PARTITIONS = Gauge(
+    "vigil_worker_shard_partitions", "Partitions this worker owns, by ledger shard (VIGIL_LEDGER_SHARDS).", ["shard"]
+)
 EVENTS_DEAD = Counter("vigil_events_dead_total", "Events that exhausted their attempts and became dead.")
 CLAIM_ATTEMPTS = Counter("vigil_claim_attempts_total", "Events claimed, by attempt number (1, 2, 3+).", ["attempt"])
 CLAIM_BATCH = Histogram(

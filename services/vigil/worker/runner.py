@@ -29,6 +29,7 @@ from vigil.worker.claim_loop import Claimer
 from vigil.worker.finish_loop import Finisher
 from vigil.worker.runs import Runs
 from vigil.worker.settings import WorkerSettings
+from vigil.worker.shards import Shards
 from vigil.worker.wakeups import Wakeups
 
 # At shutdown, how long hand-overs whose runs were just released get to clear their deadlines.
@@ -42,15 +43,16 @@ class Runner:
         self,
         settings: WorkerSettings,
         agent: Agent,
-        pool: AsyncPool,
+        pool: AsyncPool | Shards,
         dead_letters,
         clock: Clock | None = None,
     ) -> None:
         self.clock = clock or SystemClock()
+        self.shards = Shards.of(pool)  # where each partition's and run's ledger work goes
         self.wakeups = Wakeups(self.clock, settings.scan_interval_s)
-        self.runs = Runs(settings, agent, pool, self.clock)
-        self.claimer = Claimer(settings, pool, dead_letters, self.runs, self.wakeups, self.clock)
-        self.finisher = Finisher(settings, pool, self.runs, self.claimer, self.clock)
+        self.runs = Runs(settings, agent, self.shards, self.clock)
+        self.claimer = Claimer(settings, self.shards, dead_letters, self.runs, self.wakeups, self.clock)
+        self.finisher = Finisher(settings, self.shards, self.runs, self.claimer, self.clock)
 
     # -- called from the consumer thread (through the event loop) ------------------------
 

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 
 import psycopg
 
@@ -35,7 +36,7 @@ from vigil.worker import journal as run_journal
 from vigil.worker import metrics, traces
 from vigil.worker.finish import Finished
 from vigil.worker.settings import WorkerSettings
-from vigil.worker.task_door import LedgerTasks
+from vigil.worker.shards import Shards
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,15 @@ class Active:
 class Runs:
     """The runs in flight and their execution; ``finished`` hands outcomes to the finisher."""
 
-    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool, clock: Clock) -> None:
+    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool | Shards | None, clock: Clock) -> None:
         self.settings = settings
         self.agent = agent
-        self.pool = pool
-        self.task_door = LedgerTasks(lambda: self.pool.connection())
+        # A run's ledger work goes to the shard of its claim's home partition (where it was
+        # claimed): its context, journal, folds, tasks, release (and its finish, Finisher).
+        self.shards = Shards.of(pool)  # type: ignore[arg-type]  # None: tests that touch no ledger
         self.clock = clock
         self.active: dict[str, Active] = {}
-        self.journal_group = run_journal.GroupAppend(pool)  # every run's journal appends, grouped
+        self.journal_groups: dict[int, run_journal.GroupAppend] = {}  # per shard: its runs' appends, grouped
         self.finished: asyncio.Queue[Finished] = asyncio.Queue()
         # The partitions whose runs a revoke waits for (:meth:`wait_gone`): a finish group
         # holding one of their runs does not wait for company (finish_loop.gather_s), and
@@ -89,7 +91,20 @@ class Runs:
         with logs.context(
             user_id=c.user_id, event_id=c.events[0].id, partition=c.home.partition, epoch=c.epoch, run_id=c.run_key
         ):
-            active.task = asyncio.create_task(traces.run(self._run(active), c, self.pool), name=f"run-{c.user_id}")
+            active.task = asyncio.create_task(
+                traces.run(self._run(active), c, self.pool_of(c)), name=f"run-{c.user_id}"
+            )
+
+    def pool_of(self, claim: Claim) -> AsyncPool:
+        """The pool of the shard ``claim`` was made on: its home partition's."""
+        return self.shards.pool_of(claim.home.partition)
+
+    def _journal_group(self, claim: Claim) -> run_journal.GroupAppend:
+        shard = self.shards.shard_of(claim.home.partition)
+        group = self.journal_groups.get(shard)
+        if group is None:
+            group = self.journal_groups[shard] = run_journal.GroupAppend(self.shards.pool(shard))
+        return group
 
     def forget(self, claim: Claim) -> None:
         """The run of ``claim`` has left (its finish committed or refused): free its user's slot,
@@ -152,9 +167,10 @@ class Runs:
             claim = active.claim
             groups[claim.home, claim.epoch] += claim.event_ids + [event.id for event in active.folded]
         try:
-            async with self.pool.connection() as conn:
-                for (home, epoch), ids in groups.items():
-                    metrics.RELEASED.inc(await ledger_claims.release_claim(conn, home, epoch, ids))
+            for shard, some in self.shards.split(groups.items(), _group_partition).items():
+                async with self.shards.pool(shard).connection() as conn:
+                    for (home, epoch), ids in some:
+                        metrics.RELEASED.inc(await ledger_claims.release_claim(conn, home, epoch, ids))
         except psycopg.Error as exc:
             log.warning("could not release %d claim(s) (the next owner recovers them): %s", len(victims), exc)
 
@@ -168,8 +184,10 @@ class Runs:
         try:
             ctx = await self._context(active)
             if self.journaled:
-                await run_journal.prepare(self.pool, c, ctx, ctx.journal, self._reload, self.journal_group)
-                ctx.adopt = run_journal.adopter(self.pool, c, active.folded)
+                pool = self.pool_of(c)
+                reload = partial(self._reload, pool)
+                await run_journal.prepare(pool, c, ctx, ctx.journal, reload, self._journal_group(c))
+                ctx.adopt = run_journal.adopter(pool, c, active.folded)
                 ctx.journal.stop = lambda: active.handing_over
                 finished.journaled = True
             # wait_for, not asyncio.timeout (one task fewer per run, about 2% of a model-bound
@@ -195,7 +213,7 @@ class Runs:
             # The agent no longer takes the journaled steps (it changed between attempts):
             # the journal is dropped and this attempt fails; the next starts over, new key.
             log.warning("run failed: its journal cannot be replayed: %s", exc)
-            await run_journal.drop(self.pool, c, exc)
+            await run_journal.drop(self.pool_of(c), c, exc)
             finished.error = f"journal diverged: {exc}"
             finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
         except Fenced as exc:
@@ -245,7 +263,7 @@ class Runs:
             return active.ctx
         ctx = self._new_context(active)
         if self.needs_context:
-            async with self.pool.connection() as conn:
+            async with self.pool_of(active.claim).connection() as conn:
                 await load_context_parts(conn, ctx, self._recent_limit, self.journaled)
         return ctx
 
@@ -255,9 +273,9 @@ class Runs:
         has no model or tool step to journal."""
         return self.needs_context and self.settings.run_journal
 
-    async def _reload(self, ctx: RunContext) -> None:
-        """A replay's context read again for its events (vigil.worker.journal.prepare)."""
-        async with self.pool.connection() as conn:
+    async def _reload(self, pool: AsyncPool, ctx: RunContext) -> None:
+        """A replay's context read again for its events (vigil.worker.journal.prepare), on its shard's ``pool``."""
+        async with pool.connection() as conn:
             await load_context_parts(conn, ctx, self._recent_limit)
 
     @property
@@ -269,7 +287,7 @@ class Runs:
         c = active.claim
 
         async def fold(sources, session_id=None):
-            async with self.pool.connection() as conn:
+            async with self.pool_of(c).connection() as conn:
                 more = await claim_more(conn, c, sources, session_id)
             active.folded.extend(more)
             return more
@@ -300,5 +318,9 @@ class Runs:
                 max_tasks_per_run=self.settings.max_tasks_per_run,
                 max_open_tasks_per_user=self.settings.max_open_tasks_per_user,
             ),
-            tasks=self.task_door,
+            tasks=self.shards.task_door(self.shards.shard_of(c.home.partition)),
         )
+
+
+def _group_partition(item: tuple[tuple[PartitionKey, int], list[int]]) -> int:
+    return item[0][0].partition

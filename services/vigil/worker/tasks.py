@@ -65,7 +65,7 @@ from vigil.worker import metrics
 from vigil.worker.finish import new_task_row
 from vigil.worker.journal import RunWriter
 from vigil.worker.settings import WorkerSettings
-from vigil.worker.task_door import LedgerTasks
+from vigil.worker.shards import CATALOG, Shards
 
 log = logging.getLogger(__name__)
 
@@ -119,18 +119,18 @@ class TaskExecutor:
         self,
         settings: WorkerSettings,
         agent: Agent,
-        pool: AsyncPool,
+        pool: AsyncPool | Shards,
         producer: EventProducer,
         clock: Clock | None = None,
     ):
         self.settings = settings
         self.agent = agent
-        self.pool = pool
+        self.shards = Shards.of(pool)  # tasks are claimed on every shard held, each run on its own
         self.producer = producer
         # Leases, heartbeats and deadlines are decided on this clock, in the ledger too.
         self.clock = clock or SystemClock()
         self.holding: dict[str, Holding] = {}
-        self.door = LedgerTasks(lambda: self.pool.connection())  # where tasks record their sync children
+        self._shard_of: dict[str, int] = {}  # a held task's shard, from its claim to its last write
         self._wake_report = asyncio.Event()
         self._stopping = False
 
@@ -151,20 +151,31 @@ class TaskExecutor:
         while not self._stopping:
             free = self.settings.task_concurrency - len(self.holding)
             if free > 0:
-                sent = time.monotonic()
-                try:
-                    async with self.pool.connection() as conn:
-                        claimed = await ledger.claim(conn, self.settings.instance_id, free, now=utc(self.clock.now()))
-                except (psycopg.Error, OSError) as exc:
-                    log.warning("task claim failed, retrying: %s", exc)
-                    claimed = []
-                for task in claimed:
-                    self._start(task, sent)
-                if len(claimed) == free:
+                left = free
+                for shard, pool in self.shards.opened():
+                    if left <= 0:
+                        break
+                    sent = time.monotonic()
+                    try:
+                        async with pool.connection() as conn:
+                            claimed = await ledger.claim(
+                                conn, self.settings.instance_id, left, now=utc(self.clock.now())
+                            )
+                    except (psycopg.Error, OSError) as exc:
+                        log.warning("task claim failed (ledger shard %d), retrying: %s", shard, exc)
+                        claimed = []
+                    for task in claimed:
+                        self._start(task, sent, shard)
+                    left -= len(claimed)
+                if left <= 0:
                     continue  # there may be more
             await asyncio.sleep(POLL_S)
 
-    def _start(self, task: ledger.TaskRow, leased_at: float) -> None:
+    def _pool(self, task: ledger.TaskRow) -> AsyncPool:
+        """The pool of the shard ``task`` was claimed on."""
+        return self.shards.pool(self._shard_of.get(task.id, CATALOG))
+
+    def _start(self, task: ledger.TaskRow, leased_at: float, shard: int = CATALOG) -> None:
         deadline_s = (task.deadline - datetime.now(UTC)).total_seconds()
         ctx = TaskContext(
             task_id=task.id,
@@ -184,7 +195,7 @@ class TaskExecutor:
                 max_open_tasks_per_user=self.settings.max_open_tasks_per_user,
             ),
             attempt=task.attempts,
-            tasks=self.door,
+            tasks=self.shards.task_door(shard),
             session_id=task.session_id,
             kind=task.kind,
             profile=(task.profile, task.profile_version)
@@ -193,6 +204,7 @@ class TaskExecutor:
         )
         holding = Holding(task, ctx, leased_at)
         self.holding[task.id] = holding
+        self._shard_of[task.id] = shard
         metrics.TASKS_IN_FLIGHT.set(len(self.holding))
         asyncio.create_task(self._hold(holding), name=f"task-{task.id}")
         log.info(
@@ -201,6 +213,12 @@ class TaskExecutor:
 
     async def _hold(self, holding: Holding) -> None:
         """Execute one task under its lease; write its outcome unless the lease was lost."""
+        try:
+            await self._held(holding)
+        finally:
+            self._shard_of.pop(holding.task.id, None)
+
+    async def _held(self, holding: Holding) -> None:
         task, ctx = holding.task, holding.ctx
         started = time.monotonic()
         if not await self._journal(holding) or not await self._memory(holding):
@@ -264,12 +282,12 @@ class TaskExecutor:
             ctx.journal = Journal(key)
             return True
         try:
-            async with self.pool.connection() as conn:
+            async with self._pool(task).connection() as conn:
                 steps = await ledger_journal.live_task(conn, key)
         except (psycopg.Error, OSError) as exc:
             log.warning("task %s: could not read its journal, handing it back: %s", task.id, exc)
             return False
-        writer = RunWriter(self.pool, ledger_journal.TaskFence(task.id, task.lease_epoch), key)
+        writer = RunWriter(self._pool(task), ledger_journal.TaskFence(task.id, task.lease_epoch), key)
         ctx.journal = Journal.of(key, writer, steps)
         if steps:
             log.info("task %s: replaying its journal (%d steps)", task.id, len(steps))
@@ -282,7 +300,7 @@ class TaskExecutor:
         if task.kind != REVIEW:
             return True
         try:
-            async with self.pool.connection() as conn:
+            async with self._pool(task).connection() as conn:
                 holding.ctx.memory = await ledger_agent.memory_of(conn, task.user_id)
         except (psycopg.Error, OSError) as exc:
             log.warning("task %s: could not read the memory to review, handing it back: %s", task.id, exc)
@@ -335,7 +353,7 @@ class TaskExecutor:
 
     async def _beat(self, task: ledger.TaskRow, usage: TaskUsage) -> bool | None:
         progress = ledger.Progress(usage.turns, usage.input_tokens, usage.output_tokens, usage.last_tool, usage.note)
-        async with self.pool.connection() as conn:
+        async with self._pool(task).connection() as conn:
             return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress, now=utc(self.clock.now()))
 
     def _outcome(self, execution: asyncio.Task, ctx: TaskContext):
@@ -373,7 +391,7 @@ class TaskExecutor:
         attempt = 0
         while True:
             try:
-                async with self.pool.connection() as conn, conn.transaction():
+                async with self._pool(task).connection() as conn, conn.transaction():
                     stands = await ledger.finish(conn, task.id, task.lease_epoch, outcome)
                     if stands:
                         for child in spawned:
@@ -419,7 +437,7 @@ class TaskExecutor:
 
     async def _release(self, task: ledger.TaskRow) -> None:
         try:
-            async with self.pool.connection() as conn:
+            async with self._pool(task).connection() as conn:
                 released = await ledger.release(conn, task.id, task.lease_epoch)
         except (psycopg.Error, OSError) as exc:
             log.warning("task %s: could not hand it back (the reaper will): %s", task.id, exc)
@@ -431,12 +449,13 @@ class TaskExecutor:
 
     async def reap_loop(self) -> None:
         while not self._stopping:
-            try:
-                async with self.pool.connection() as conn:
-                    reaped = await ledger.reap(conn, self.settings.task_stale_s, now=utc(self.clock.now()))
-            except (psycopg.Error, OSError) as exc:
-                log.warning("task reaper failed, retrying: %s", exc)
-                reaped = []
+            reaped = []
+            for shard, pool in self.shards.opened():
+                try:
+                    async with pool.connection() as conn:
+                        reaped += await ledger.reap(conn, self.settings.task_stale_s, now=utc(self.clock.now()))
+                except (psycopg.Error, OSError) as exc:
+                    log.warning("task reaper failed (ledger shard %d), retrying: %s", shard, exc)
             for r in reaped:
                 metrics.TASKS_REAPED.labels(str(r.status)).inc()
                 if r.status != TaskStatus.QUEUED:
@@ -465,8 +484,16 @@ class TaskExecutor:
                 pass
 
     async def report_once(self) -> int:
-        """Lock unreported terminal tasks, produce their events (acknowledged), mark, commit."""
-        async with self.pool.connection() as conn:
+        """Lock unreported terminal tasks, produce their events (acknowledged), mark, commit:
+        on each shard held, a transaction each; how many were reported (at most REPORT_BATCH
+        on one shard: another round comes at once)."""
+        most = 0
+        for _shard, pool in self.shards.opened():
+            most = max(most, await self._report(pool))
+        return most
+
+    async def _report(self, pool: AsyncPool) -> int:
+        async with pool.connection() as conn:
             async with conn.transaction():
                 rows = await ledger.unreported(conn, REPORT_BATCH)
                 if not rows:
@@ -482,11 +509,15 @@ class TaskExecutor:
     async def gauge_loop(self) -> None:
         while not self._stopping:
             try:
-                async with self.pool.connection() as conn:
-                    g = await ledger.gauges(conn, now=utc(self.clock.now()))
-                metrics.TASKS_QUEUED.set(g.queued)
-                metrics.TASKS_RUNNING.set(g.running)
-                metrics.TASK_HEARTBEAT_AGE.set(g.heartbeat_age_s)
+                queued, running, age_s = 0, 0, 0.0
+                for _shard, pool in self.shards.opened():
+                    async with pool.connection() as conn:
+                        g = await ledger.gauges(conn, now=utc(self.clock.now()))
+                    queued, running = queued + g.queued, running + g.running
+                    age_s = max(age_s, g.heartbeat_age_s)
+                metrics.TASKS_QUEUED.set(queued)
+                metrics.TASKS_RUNNING.set(running)
+                metrics.TASK_HEARTBEAT_AGE.set(age_s)
             except (psycopg.Error, OSError):
                 pass
             await asyncio.sleep(max(self.settings.task_heartbeat_s, 5.0))
