@@ -31,9 +31,10 @@ def migrate(check: bool, as_json: bool) -> None:
     """Apply the ledger's migrations on every shard (idempotent; safe from several replicas at once).
 
     Shard 0, the catalog, first; then each other shard, with the full schema (its catalog
-    tables stay empty). After the catalog's migrations, the shard map's rows of the configured
-    partitions are seeded there. With one shard (VIGIL_LEDGER_SHARDS unset) it prints what it
-    always printed."""
+    tables stay empty), whose identity sequences, until they give an id, start in a range of the
+    shard's own (``vigil.ledger.shards.space_ids``). After the catalog's migrations, the shard
+    map's rows of the configured partitions are seeded there. With one shard (VIGIL_LEDGER_SHARDS
+    unset) it prints what it always printed."""
     settings = load_or_exit(CommonSettings)
     dsns = settings.shard_dsns
     if check:
@@ -56,6 +57,9 @@ def migrate(check: bool, as_json: bool) -> None:
             sys.exit(1)
         return
     applied = on_each_shard(dsns, run)
+    for index, dsn in enumerate(dsns[1:], start=1):
+        with connect(dsn, autocommit=True) as conn:
+            shards.space_ids(conn, shard=index)
     with connect(dsns[0], autocommit=True) as conn:
         seeded = shards.seed(conn, partitions=settings.partitions, shards=len(dsns))
         # SQL cannot see the key: the secrets a migration left in clear (0029) are sealed here.

@@ -28,13 +28,14 @@ import click
 import psycopg
 from psycopg.rows import DictRow
 
-from vigil.cliutil import emit, table
+from vigil.cliutil import EXIT_CONFLICT, emit, table
+from vigil.ledger import shardmove
 from vigil.ledger import shards as shard_rows
 from vigil.ledger.db import connect
 from vigil.ledger.migrate import pending
 from vigil.ledger.shardmap import ShardMap, ShardMapError, ShardUnreachable, shown_dsn
 from vigil.ledger.shards import load_map
-from vigil.service import EXIT_DEPENDENCY, StartupError, first_line, load_or_exit
+from vigil.service import EXIT_DEPENDENCY, EXIT_STARTUP, StartupError, first_line, load_or_exit
 from vigil.settings import CommonSettings
 
 T = TypeVar("T")
@@ -263,14 +264,17 @@ def _shard_row(index: int, dsn: str, partitions: list[int]) -> dict:
     return row
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def shards(as_json: bool) -> None:
+@click.pass_context
+def shards(ctx: click.Context, as_json: bool) -> None:
     """List the ledger's shards: partitions, reachable, schema version, what waits on each.
 
     Every shard is read, whichever does not answer; exit 3 when one does not (named on
     stderr). "events_waiting" counts events not yet done, "outbox_pending" deliveries not yet
-    made: both read the queues only, never history."""
+    made: both read the queues only, never history. `vigil shards move` moves a partition."""
+    if ctx.invoked_subcommand is not None:
+        return
     settings = load_or_exit(CommonSettings)
     shard_map, source = _catalog_map(settings)
     rows = [
@@ -299,3 +303,58 @@ def shards(as_json: bool) -> None:
         names = ", ".join(f"shard {r['shard']} ({r['dsn']}): {r['error']}" for r in down)
         click.echo(f"vigil: {len(down)} ledger shard(s) do not answer: {names}", err=True)
         sys.exit(EXIT_DEPENDENCY)
+
+
+@shards.command("move")
+@click.argument("partition", type=int)
+@click.option("--to", "target", type=int, required=True, help="The shard to move the partition's users to.")
+@click.option("--dry-run", is_flag=True, help="Print what would move, per table; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with --dry-run: the counts).")
+def move(partition: int, target: int, dry_run: bool, as_json: bool) -> None:
+    """Move PARTITION's users (every per-user table) to shard --to, then point the map there.
+
+    The partition must be paused first (docs/operations.md, "Moving a partition to another
+    shard"). Fences the partition on its shard, copies, verifies counts on both sides, changes
+    the catalog's shard_map row, then deletes the source's rows. Interrupted, run it again: it
+    carries on. Exit 2: an unknown partition or shard; 3: a shard does not answer; 4: the
+    move cannot go on (the message says why)."""
+    settings = load_or_exit(CommonSettings)
+    args: dict = {"partition": partition, "target": target, "partitions": settings.partitions}
+    try:
+        if dry_run:
+            _print_plan(shardmove.plan(settings.shard_dsns, topic=settings.events_topic, **args), as_json)
+            return
+        done = shardmove.move(
+            settings.shard_dsns,
+            topic=settings.events_topic,
+            on_step=lambda step: click.echo(f"partition {partition}: {step}", err=as_json),
+            **args,
+        )
+    except shardmove.UnknownName as exc:
+        click.echo(f"vigil: {exc}", err=True)
+        sys.exit(EXIT_STARTUP)
+    except shardmove.MoveRefused as exc:
+        click.echo(f"vigil: {exc}", err=True)
+        sys.exit(EXIT_CONFLICT)
+    if done.source == done.target:
+        text = f"partition {partition} is already on shard {target}: nothing to move"
+    else:
+        text = f"partition {partition}: moved {done.users} user(s) from shard {done.source} to shard {done.target}"
+    emit({"partition": partition, "source": done.source, "target": done.target, "users": done.users}, as_json, text)
+
+
+def _print_plan(plan: shardmove.Plan, as_json: bool) -> None:
+    rows = [{"table": t, "source_rows": s, "target_rows": d} for t, (s, d) in plan.rows.items()]
+    if as_json:
+        keys = ("partition", "source", "target", "state", "users")
+        emit({**{k: getattr(plan, k) for k in keys}, "tables": rows, "dry_run": True}, True, "")
+        return
+    if plan.source == plan.target:
+        click.echo(f"partition {plan.partition} is already on shard {plan.target}: nothing to move")
+        return
+    progress = f" (a move in progress: {plan.state})" if plan.state else ""
+    click.echo(
+        f"partition {plan.partition}: shard {plan.source} -> shard {plan.target}, {plan.users} user(s){progress}"
+    )
+    table(rows, ["table", "source_rows", "target_rows"])
+    click.echo("dry run: nothing changed")

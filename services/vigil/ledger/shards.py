@@ -45,6 +45,27 @@ def seed(conn: Conn, *, partitions: int, shards: int) -> int:
     return cur.rowcount
 
 
+# The per-user tables whose ids come from an identity sequence. Ids are unique within a shard
+# only, and `vigil shards move` copies them as they are: each shard's sequences start in a
+# range of their own (:func:`space_ids`), so a moved row's id is nobody's on its new shard.
+IDENTITY_TABLES = ("events", "memory_history", "outbox", "refunds", "runs")
+# Shard k's ids start at k * IDS_PER_SHARD: a million ids a second for thirty years each, and
+# every id below 2**53 (exact in JSON) for the first nine shards.
+IDS_PER_SHARD = 10**15
+
+
+def space_ids(conn: Conn, *, shard: int) -> list[str]:
+    """Start the identity sequences of :data:`IDENTITY_TABLES` that have never given an id at
+    ``shard * IDS_PER_SHARD`` (``vigil migrate``, shards after the first). A sequence in use is
+    left alone: its shard's ids are what they are. Returns the tables whose sequence moved."""
+    if shard == 0:
+        return []
+    unused = conn.execute(Q.shard_identities_unused, {"tables": list(IDENTITY_TABLES)}).fetchall()
+    for row in unused:
+        conn.execute(Q.shard_identity_start, {"seq": row["seq"], "start": shard * IDS_PER_SHARD})
+    return [row["tbl"] for row in unused]
+
+
 def schema_version(conn: Conn) -> int | None:
     """The newest migration recorded on this shard; None when none is."""
     try:

@@ -79,6 +79,14 @@ class TaskStatus(StrEnum):
     LOST = "lost"  # terminal: its holders kept dying, attempts exhausted
 
 
+class MoveState(StrEnum):
+    """``shard_moves.state``: a partition's move between shards (vigil.ledger.shardmove)."""
+
+    COPYING = "copying"  # `vigil shards move`: fenced, copied and verified -> flipped
+    FLIPPED = "flipped"  # `vigil shards move`: the source's rows deleted -> done
+    DONE = "done"  # terminal; the partition's next move starts the row again
+
+
 TASK_TERMINAL = frozenset(
     {TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELLED, TaskStatus.TIMED_OUT, TaskStatus.LOST}
 )
@@ -117,6 +125,7 @@ CHECKED = {
     "approvals_answer_valid": ApprovalAnswer,
     "approvals_answered_via_valid": AnsweredVia,
     "sessions_state_valid": SessionState,
+    "shard_moves_state_valid": MoveState,
     "channels_type_valid": ChannelType,
     "outbox_channel_valid": ChannelType,
     "hooks_provider_valid": HookProvider,
