@@ -16,11 +16,14 @@ from datetime import UTC, datetime
 import click
 
 from vigil.admin.connection import cli_connection
+from vigil.admin.shards import Shards, echo_rows, report_down, with_shard
 from vigil.agent.settings import AgentSettings, parse_event_policies
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
+from vigil.ledger.db import connect
+from vigil.ledger.shardmap import ShardUnreachable
 from vigil.service import StartupError, load_or_exit
-from vigil.settings import SettingsError
+from vigil.settings import CommonSettings, SettingsError
 
 
 def _ledger():
@@ -38,25 +41,48 @@ def approvals() -> None:
 @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def approvals_list(user_id, include_answered, limit, as_json) -> None:
-    """Open approval requests (newest first): who, which tool, the deadline, times asked again."""
-    with _ledger() as conn:
-        rows = rule.list_requests(conn, user_id, include_answered, limit)
-    for row in rows:
+    """Open approval requests (newest first): who, which tool, the deadline, times asked again.
+
+    Every shard's (one user's: that user's shard), merged newest first."""
+    shards = Shards(load_or_exit(CommonSettings))
+
+    def read(dsn: str) -> list[rule.RequestRow]:
+        with connect(dsn, autocommit=True) as conn:
+            return rule.list_requests(conn, user_id, include_answered, limit)
+
+    if user_id:
+        found = [(shards.of_user(user_id), row) for row in shards.on_user(user_id, read)]
+        down: list[ShardUnreachable] = []
+    else:
+        merged, down = shards.merged(read, lambda r: r.created_at, limit)
+        found = [(f.shard, f.value) for f in merged]
+    for shard, row in found:
         if as_json:
-            click.echo(json.dumps(asdict(row), default=str))
+            echo_rows([with_shard(asdict(row), shard, shards)])
         else:
             state = row.answer or f"open, due {row.due.isoformat()}"
+            where = f"shard {shard}  " if shards.many else ""
             click.echo(
-                f"{row.request_id}  {row.user_id}  {row.tool}  {row.on_expiry}  asked again {row.escalations}x  {state}"
+                f"{where}{row.request_id}  {row.user_id}  {row.tool}  {row.on_expiry}  "
+                f"asked again {row.escalations}x  {state}"
             )
+    report_down(down)
 
 
 @approvals.command("deny")
 @click.argument("request_id")
 def approvals_deny(request_id) -> None:
-    """Deny an open request: the session resumes with the denial (at the scheduler's next pass)."""
-    with _ledger() as conn, conn.transaction():
-        denied, standing = rule.operator_deny(conn, request_id, datetime.now(UTC))
+    """Deny an open request: the session resumes with the denial (at the scheduler's next pass).
+
+    On the shard that holds the request (request ids are unique: the first shard that knows it)."""
+
+    def deny(dsn: str) -> tuple[bool, rule.Standing] | None:
+        with connect(dsn, autocommit=True) as conn, conn.transaction():
+            denied, standing = rule.operator_deny(conn, request_id, datetime.now(UTC))
+        return None if standing.answer == rule.UNKNOWN else (denied, standing)
+
+    found = Shards(load_or_exit(CommonSettings)).locate(deny, f"approval request {request_id}", unique=True)
+    denied, standing = found.value if found else (False, rule.Standing(request_id, rule.UNKNOWN))
     if standing.answer == rule.UNKNOWN:
         raise click.ClickException(f"no approval request {request_id!r}")
     if not denied:

@@ -5,12 +5,19 @@ whatever a payload, an error or a user id contains is shown as text. The respons
 carry a Content-Security-Policy that allows no script at all: the console needs none, and a
 missed escape would still run nothing. Ledger reads go through :mod:`vigil.ledger.console`
 only, on worker threads (psycopg's blocking calls stay off the event loop).
+
+Several ledger shards (VIGIL_LEDGER_SHARDS): logins and tokens are read from shard 0 (the
+catalog); a user's page from the user's shard; lists from every shard, merged in their order,
+each row linking with ``?shard=N``, and a "next" link carrying one keyset per shard; an id
+page without ``?shard`` shows the first shard that has the id (naming the others that do). A
+shard that does not answer is named in a banner and the rest is shown (vigil.admin.shards).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -33,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from vigil.admin.shards import Found, Shards, merge
 from vigil.clock import Clock, SystemClock, utc
 from vigil.console import auth
 from vigil.console.lag import EndOffsets, answered_at
@@ -46,6 +54,7 @@ from vigil.ledger import journal as ledger_journal
 from vigil.ledger import sessions
 from vigil.ledger.db import PoolTimeout
 from vigil.ledger.events import retry_dead_events
+from vigil.ledger.shardmap import ShardMap, ShardUnreachable, shown_dsn
 from vigil.numbers import NotParsed, whole_number
 from vigil.ttl_cache import MissGuard, TtlCache
 
@@ -54,6 +63,8 @@ log = logging.getLogger(__name__)
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PAGE = 50  # rows per page of every list
 TIMERS_SOON = timedelta(minutes=15)  # "due soon" on the timers page
+MAP_REFRESH_S = 30  # how long the console routes by the shard map it read (several shards)
+MAP_CONNECT_S = 5  # the catalog not answering the map's read in this long: the page says so
 MAX_RETRY_IDS = 100  # one form post retries at most this many events
 LOGIN_FORM_S = 3600  # how long a login form's CSRF cookie lasts
 SHOWN_CHARS = 60  # what a refusal echoes of an id the client sent
@@ -157,11 +168,37 @@ def _redact(text: str) -> str:
     return APPROVAL_TOKEN.sub("v1.(answer token hidden)", text)
 
 
-def environment() -> Environment:
+def shard_link(shards: int) -> Callable[..., str]:
+    """A link's ``?shard=N``: the first shard given (a row's, then the page's); one shard: none."""
+
+    def on(*candidates: Any) -> str:
+        shard = next((c for c in candidates if isinstance(c, int)), None)
+        return f"?shard={shard}" if shards > 1 and shard is not None else ""
+
+    return on
+
+
+def environment(shards: int = 1) -> Environment:
     # Autoescape every template whatever its extension: nothing here is meant to emit raw HTML.
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(default=True))
     env.filters.update(ago=_ago, when=_when, pretty=_pretty, redact=_redact, q=lambda v: quote(str(v), safe=""))
+    env.globals.update(on=shard_link(shards), many_shards=shards > 1)
     return env
+
+
+class Sharded:
+    """A row of a list read from several shards: the row's fields, and ``shard``."""
+
+    def __init__(self, shard: int, row: Any) -> None:
+        self.shard = shard
+        self.row = row
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.row, name)
+
+
+def _sharded(found: list[Found[Any]]) -> list[Sharded]:
+    return [Sharded(f.shard, f.value) for f in found]
 
 
 class Console:
@@ -169,7 +206,11 @@ class Console:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.pool = ledger.open_pool(settings.dsn)
-        self.env = environment()
+        self.shards = Shards(settings, connect_timeout=MAP_CONNECT_S)
+        self.map_read_at = 0.0
+        # Shard 0 is the catalog: its pool serves both.
+        self.pools = [self.pool, *(ledger.open_pool(dsn) for dsn in settings.shard_dsns[1:])]
+        self.env = environment(len(self.pools))
         self.tokens: TtlCache[tokens.AuthToken] = TtlCache(settings.console_auth_cache_s)
         self.sessions: TtlCache[sessions.Session] = TtlCache(settings.console_auth_cache_s)
         # As ingest's: a flood of made-up tokens or cookies costs at most one query a second.
@@ -182,19 +223,88 @@ class Console:
     # -- plumbing --------------------------------------------------------------------------
 
     async def read(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """Run one ledger function on a pooled connection, off the event loop."""
+        """Run one ledger function on a pooled connection of the catalog (shard 0), off the event loop."""
+        return await self.read_on(0, fn, *args, **kwargs)
+
+    async def read_on(self, shard: int, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run one ledger function on a pooled connection of ``shard``, off the event loop."""
 
         def call():
-            with self.pool.connection() as conn:
+            with self.pools[shard].connection() as conn:
                 return fn(conn, *args, **kwargs)
 
+        where = f"ledger shard {shard}" if len(self.pools) > 1 else "ledger"
         try:
             return await run_in_threadpool(call)
         except PoolTimeout:
-            raise Refused(503, "ledger_unavailable", "no ledger connection available in time") from None
+            raise Refused(503, "ledger_unavailable", f"no {where} connection available in time") from None
         except psycopg.OperationalError as exc:
-            log.warning("ledger unreachable: %s", type(exc).__name__)
-            raise Refused(503, "ledger_unavailable", "the ledger did not answer") from None
+            log.warning("%s unreachable: %s", where, type(exc).__name__)
+            raise Refused(503, "ledger_unavailable", f"the {where} did not answer") from None
+
+    async def read_each(self, fn: Callable[..., Any], *args, **kwargs) -> tuple[list[Found[Any]], list[str]]:
+        """``fn`` on every shard at once: what each that answered gave, and a line naming each
+        that did not (the page's banner). With one shard its refusal is the page's, as before."""
+        if len(self.pools) == 1:
+            return [Found(0, await self.read_on(0, fn, *args, **kwargs))], []
+        answers = await asyncio.gather(*(self._answer(i, fn, *args, **kwargs) for i in range(len(self.pools))))
+        return [a for a in answers if isinstance(a, Found)], [a for a in answers if isinstance(a, str)]
+
+    async def _answer(self, shard: int, fn: Callable[..., Any], *args, **kwargs) -> Found[Any] | str:
+        try:
+            return Found(shard, await self.read_on(shard, fn, *args, **kwargs))
+        except Refused:
+            dsn = shown_dsn(self.settings.shard_dsns[shard])
+            return f"Ledger shard {shard} ({dsn}) did not answer: its rows are not shown."
+
+    async def shard_map(self) -> ShardMap:
+        """The catalog's shard map, read again at most every MAP_REFRESH_S (a partition moved
+        between shards shows on its new shard within that)."""
+        if time.monotonic() - self.map_read_at > MAP_REFRESH_S:
+            self.shards = Shards(self.settings, connect_timeout=MAP_CONNECT_S)
+            try:
+                await run_in_threadpool(self.shards.shard_map)
+            except ShardUnreachable:
+                raise Refused(503, "ledger_unavailable", "the catalog (ledger shard 0) did not answer") from None
+            self.map_read_at = time.monotonic()
+        return self.shards.shard_map()
+
+    async def user_shard(self, user_id: str) -> int:
+        """The shard of the user's home partition."""
+        if len(self.pools) == 1:
+            return 0
+        return (await self.shard_map()).shard_of_user(user_id, partitions=self.settings.partitions)
+
+    async def find(self, request: Request, fn: Callable[..., Any], *args) -> tuple[int, Any, list[str]]:
+        """An id's page: the shard ``?shard=N`` names, else the first that has it (the banner
+        names the others that do, and those that did not answer)."""
+        pinned = _shard_param(request.query_params.get("shard"), len(self.pools) - 1)
+        if pinned is not None:
+            return pinned, await self.read_on(pinned, fn, *args), []
+        found, down = await self.read_each(fn, *args)
+        hits = [f for f in found if f.value]
+        if not hits:
+            return 0, None, down
+        others = [f"Shard {h.shard} has this id too: add ?shard={h.shard} to see that one." for h in hits[1:]]
+        return hits[0].shard, hits[0].value, others + down
+
+    async def page_each(
+        self, fn: Callable[..., list], key: Callable[[Any], tuple], cursor: tuple[str | None, int, Callable], *args
+    ) -> tuple[list[Sharded], str | None, list[str]]:
+        """One page of a list from every shard, merged by ``key`` (the list's keyset; newest
+        first unless the list runs forward: then ``key`` is its keyset's order too). The "next"
+        cursor holds one keyset per shard: each shard's next page starts after the last of its
+        rows shown, so no row is skipped or shown twice, whatever the shards' ids."""
+        text, parts, last = cursor
+        keysets = _keysets(text, len(self.pools), last, parts)
+        answers = await asyncio.gather(*(self._answer(i, fn, *args, keysets[i], PAGE) for i in range(len(self.pools))))
+        rows = merge([a for a in answers if isinstance(a, Found)], key, PAGE, newest_first=fn not in FORWARD)
+        nxt = None
+        if len(rows) == PAGE:
+            for r in rows:
+                keysets[r.shard] = key(r.value)
+            nxt = json.dumps([None if k is None else _pieces(*k) for k in keysets], separators=(",", ":"))
+        return _sharded(rows), nxt, [a for a in answers if isinstance(a, str)]
 
     def page(self, request: Request, template: str, status: int = 200, **context) -> HTMLResponse:
         operator = request.scope.get("vigil.operator")
@@ -334,11 +444,15 @@ class Console:
 
     async def overview(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        data = await self.read(ledger.overview, now=utc(self.clock.now()))
-        return self.page(request, "overview.html", o=data)
+        found, banners = await self.read_each(ledger.overview, now=utc(self.clock.now()))
+        if not found:
+            raise Refused(503, "ledger_unavailable", " ".join(banners))
+        data = found[0].value if len(self.pools) == 1 else _combined(found)
+        return self.page(request, "overview.html", o=data, banners=banners)
 
     async def search(self, request: Request) -> Response:
-        """One box: a run id, a delivery id, a user id or a source id; the first that exists wins."""
+        """One box: a run id, a delivery id, a user id or a source id; the first that exists wins
+        (ids on the first shard that has them; a user on the user's shard)."""
         await self.operator(request, auth.Need.READ)
         q = request.query_params.get("q", "").strip()[:500]
         kind = request.query_params.get("kind", "any")
@@ -347,55 +461,84 @@ class Console:
             return self.page(request, "search.html", q=q, kind=kind, events=[], tried=[] if not q else ["anything"])
         tried = []
         number = _ledger_id(q)
-        if kind in ("any", "run") and number is not None and await self.read(ledger.run, number):
-            return RedirectResponse(f"/runs/{number}", status_code=303)
-        if kind in ("any", "event") and number is not None and await self.read(ledger.event, number):
-            return RedirectResponse(f"/events/{number}", status_code=303)
+        on = shard_link(len(self.pools))
+        if kind in ("any", "run") and number is not None:
+            shard, found, _ = await self.find(request, ledger.run, number)
+            if found:
+                return RedirectResponse(f"/runs/{number}{on(shard)}", status_code=303)
+        if kind in ("any", "event") and number is not None:
+            shard, found, _ = await self.find(request, ledger.event, number)
+            if found:
+                return RedirectResponse(f"/events/{number}{on(shard)}", status_code=303)
         if kind in ("any", "delivery"):
             with contextlib.suppress(ValueError):
-                if await self.read(ledger.delivery, UUID(q)):
-                    return RedirectResponse(f"/deliveries/{UUID(q)}", status_code=303)
+                shard, found, _ = await self.find(request, ledger.delivery, UUID(q))
+                if found:
+                    return RedirectResponse(f"/deliveries/{UUID(q)}{on(shard)}", status_code=303)
             tried.append("delivery id")
-        if kind in ("any", "user") and await self.read(ledger.user, q):
+        if kind in ("any", "user") and await self.read_on(await self.user_shard(q), ledger.user, q):
             return RedirectResponse(f"/users/{quote(q, safe='')}", status_code=303)
         events: list = []
+        banners: list[str] = []
         if kind in ("any", "source_id"):
-            events = await self.read(ledger.events_by_source_id, source_id=q, user_id=user_id)
+            if len(self.pools) == 1:
+                events = await self.read(ledger.events_by_source_id, source_id=q, user_id=user_id)
+            else:
+                home = await self.user_shard(user_id) if user_id is not None else None
+                found, banners = await self.read_each(ledger.events_by_source_id, source_id=q, user_id=user_id)
+                found = [f for f in found if home is None or f.shard == home]
+                events = _sharded(merge(found, lambda e: (e.received_at, e.id), PAGE))
             if len(events) == 1:
-                return RedirectResponse(f"/events/{events[0].id}", status_code=303)
+                return RedirectResponse(
+                    f"/events/{events[0].id}{on(getattr(events[0], 'shard', None))}", status_code=303
+                )
         tried += ["run id", "event id", "user id", "source id"]
-        return self.page(request, "search.html", q=q, kind=kind, events=events, tried=tried)
+        return self.page(request, "search.html", q=q, kind=kind, events=events, tried=tried, banners=banners)
 
     async def timeline(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
         user_id = request.path_params["user_id"]
         before = ledger.Cursor.decode(request.query_params.get("before"))
-        data = await self.read(ledger.timeline, user_id, before, PAGE) if _storable(user_id) else None
+        shard = await self.user_shard(user_id) if _storable(user_id) else 0
+        data = await self.read_on(shard, ledger.timeline, user_id, before, PAGE) if _storable(user_id) else None
         if data is None or (data.user is None and not data.entries):
             raise Refused(404, "unknown_user", f"the ledger has nothing for user {_shown(user_id)!r}")
-        tasks = await self.read(ledger.tasks_of_user, user_id) if before is None else []
-        return self.page(request, "timeline.html", user_id=user_id, tl=data, first=before is None, tasks=tasks)
+        tasks = await self.read_on(shard, ledger.tasks_of_user, user_id) if before is None else []
+        return self.page(
+            request, "timeline.html", user_id=user_id, tl=data, first=before is None, tasks=tasks, shard=shard
+        )
 
     async def event(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
         event_id = _ledger_id(request.path_params["event_id"])
-        e = None if event_id is None else await self.read(ledger.event, event_id)
+        shard, e, banners = (0, None, []) if event_id is None else await self.find(request, ledger.event, event_id)
         if e is None:
             raise Refused(404, "unknown_event", f"no event {_shown(request.path_params['event_id'])!r}")
-        runs = await self.read(ledger.runs_of_event, e)
-        return self.page(request, "event.html", e=e, runs=runs)
+        runs = await self.read_on(shard, ledger.runs_of_event, e)
+        return self.page(request, "event.html", e=e, runs=runs, shard=shard, banners=banners)
 
     async def run(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
         run_id = _ledger_id(request.path_params["run_id"])
-        r = None if run_id is None else await self.read(ledger.run, run_id)
+        shard, r, banners = (0, None, []) if run_id is None else await self.find(request, ledger.run, run_id)
         if r is None:
             raise Refused(404, "unknown_run", f"no run {_shown(request.path_params['run_id'])!r}")
-        events = await self.read(ledger.events_by_id, r.event_ids)
-        writes = (await self.read(ledger.run_writes, [r]))[r.id]
+        events = await self.read_on(shard, ledger.events_by_id, r.event_ids)
+        writes = (await self.read_on(shard, ledger.run_writes, [r]))[r.id]
         # Its journal, when VIGIL_RUN_JOURNAL_DAYS keeps finished ones (docs/worker.md).
-        steps = await self.read(ledger_journal.steps, f"{r.user_id}:{min(r.event_ids)}") if r.event_ids else []
-        return self.page(request, "run.html", r=r, events=events, w=writes, steps=[s.view() for s in steps])
+        steps = (
+            await self.read_on(shard, ledger_journal.steps, f"{r.user_id}:{min(r.event_ids)}") if r.event_ids else []
+        )
+        return self.page(
+            request,
+            "run.html",
+            r=r,
+            events=events,
+            w=writes,
+            steps=[s.view() for s in steps],
+            shard=shard,
+            banners=banners,
+        )
 
     async def delivery(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
@@ -403,34 +546,71 @@ class Console:
             delivery_id = UUID(request.path_params["delivery_id"])
         except ValueError:
             raise Refused(400, "bad_delivery_id", "a delivery id is a UUID") from None
-        rows = await self.read(ledger.delivery, delivery_id)
+        shard, rows, banners = await self.find(request, ledger.delivery, delivery_id)
         if not rows:
             raise Refused(404, "unknown_delivery", f"no delivery {delivery_id}")
-        return self.page(request, "delivery.html", delivery_id=delivery_id, rows=rows, done=request.query_params)
+        return self.page(
+            request,
+            "delivery.html",
+            delivery_id=delivery_id,
+            rows=rows,
+            done=request.query_params,
+            shard=shard,
+            banners=banners,
+        )
 
     async def dead(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
+        if len(self.pools) > 1:
+            return await self.dead_of_shards(request)
         ev_before = _keyset(request.query_params.get("events_before"), _ledger_id)
         out_before = _keyset(request.query_params.get("outbox_before"), _ledger_id)
         events = await self.read(ledger.dead_events, ev_before, PAGE)
         outbox = await self.read(ledger.dead_outbox_rows, out_before, PAGE)
         actions = await self.read(ledger.operator_actions) if ev_before is None and out_before is None else []
-        deliveries: dict[UUID, list] = {}
-        for row in outbox:
-            deliveries.setdefault(row.delivery_id, []).append(row)
         return self.page(
             request,
             "dead.html",
             events=events,
-            deliveries=deliveries,
+            deliveries=_by_delivery(outbox),
             events_next=_cursor(events[-1].finished_at, events[-1].id) if len(events) == PAGE else None,
             outbox_next=_cursor(outbox[-1].dead_at, outbox[-1].id) if len(outbox) == PAGE else None,
             done=request.query_params,
             actions=actions,
         )
 
+    async def dead_of_shards(self, request: Request) -> Response:
+        """The dead letters of every shard, merged newest first, each a shard's keyset in the cursor."""
+        ev_text, out_text = request.query_params.get("events_before"), request.query_params.get("outbox_before")
+        events, events_next, banners = await self.page_each(
+            ledger.dead_events, lambda e: (e.finished_at, e.id), (ev_text, 2, _ledger_id)
+        )
+        outbox, outbox_next, more = await self.page_each(
+            ledger.dead_outbox_rows, lambda o: (o.dead_at, o.id), (out_text, 2, _ledger_id)
+        )
+        first = ev_text is None and out_text is None
+        found, gone = await self.read_each(ledger.operator_actions) if first else ([], [])
+        actions = [f.value for f in merge(found, lambda a: a.at, 20)]
+        return self.page(
+            request,
+            "dead.html",
+            events=events,
+            deliveries=_by_delivery(outbox),
+            events_next=events_next,
+            outbox_next=outbox_next,
+            done=request.query_params,
+            actions=actions,
+            banners=sorted(set(banners + more + gone)),
+        )
+
     async def approvals(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
+        if len(self.pools) > 1:
+            key = lambda a: (a.due, a.request_id)  # noqa: E731
+            rows, nxt, banners = await self.page_each(
+                ledger.open_approvals, key, (request.query_params.get("after"), 2, str)
+            )
+            return self.page(request, "approvals.html", rows=rows, next=nxt, banners=banners)
         after = _keyset(request.query_params.get("after"), str)
         rows = await self.read(ledger.open_approvals, after, PAGE)
         nxt = _cursor(rows[-1].due, rows[-1].request_id) if len(rows) == PAGE else None
@@ -438,53 +618,128 @@ class Console:
 
     async def timers(self, request: Request) -> Response:
         await self.operator(request, auth.Need.READ)
-        after = _keyset(request.query_params.get("after"), str, parts=3)
         now = utc(self.clock.now())
+        if len(self.pools) > 1:
+            key = lambda t: (t.due, t.user_id, t.id)  # noqa: E731
+            text = request.query_params.get("after")
+            rows, nxt, banners = await self.page_each(ledger.timers_due_before, key, (text, 3, str), now + TIMERS_SOON)
+            return self.page(request, "timers.html", rows=rows, next=nxt, soon=TIMERS_SOON, banners=banners)
+        after = _keyset(request.query_params.get("after"), str, parts=3)
         rows = await self.read(ledger.timers_due_before, now + TIMERS_SOON, after, PAGE)
         nxt = _cursor(rows[-1].due, rows[-1].user_id, rows[-1].id) if len(rows) == PAGE else None
         return self.page(request, "timers.html", rows=rows, next=nxt, soon=TIMERS_SOON)
 
     async def partitions(self, request: Request) -> Response:
         """The ledger's rows and the broker's end offsets, asked at once (the broker's answer is
-        cached and bounded: see vigil.console.lag)."""
+        cached and bounded: see vigil.console.lag). Several shards: each shard's partitions."""
         await self.operator(request, auth.Need.READ)
         topic = self.settings.events_topic
-        rows, _ends = await asyncio.gather(self.read(ledger.partitions), self.end_offsets.of(topic))
-        joined, ends = await self.end_offsets.lags(rows, [topic])
+        (found, banners), _ends = await asyncio.gather(self.read_each(ledger.partitions), self.end_offsets.of(topic))
+        rows = found[0].value if len(self.pools) == 1 else [Sharded(f.shard, row) for f in found for row in f.value]
+        # A Sharded row reads as its PartitionRow, with its shard.
+        joined, ends = await self.end_offsets.lags(rows, [topic])  # type: ignore[arg-type]
         now = utc(self.clock.now())
         asked = {t: (answered_at(e, now), e.error) for t, e in ends.items()}
-        return self.page(request, "partitions.html", rows=joined, asked=asked)
+        shard_of = (await self.shard_map()).shard_of if len(self.pools) > 1 else None
+        return self.page(request, "partitions.html", rows=joined, asked=asked, shard_of=shard_of, banners=banners)
 
     # -- actions ---------------------------------------------------------------------------
 
     async def retry_events(self, request: Request) -> Response:
+        """Retry the chosen dead events, each on its shard (a form value ``SHARD:ID`` with
+        several shards; the id alone with one)."""
         operator, form = await self.form_action(request)
-        ids = sorted({_ledger_id(str(v)) for v in form.getlist("event_id")}, key=lambda i: i or 0)
-        if None in ids:
+        chosen = [_shard_and_id(str(v), len(self.pools)) for v in form.getlist("event_id")]
+        if None in chosen:
             raise Refused(400, "bad_event_id", f"event ids are whole numbers from 1 to {ledger.MAX_BIGINT}")
-        if not ids or len(ids) > MAX_RETRY_IDS:
+        if not chosen or len(set(chosen)) > MAX_RETRY_IDS:
             raise Refused(400, "bad_event_id", f"choose between 1 and {MAX_RETRY_IDS} dead events")
-        result = await self.read(retry_dead_events, ids, operator.actor)
+        on: dict[int, set[int]] = {}
+        for shard, event_id in chosen:  # type: ignore[misc]  # None refused above
+            on.setdefault(shard, set()).add(event_id)
+        retried: list[str] = []
+        missing: list[str] = []
+        for shard, ids in sorted(on.items()):
+            result = await self.read_on(shard, retry_dead_events, sorted(ids), operator.actor)
+            tag = (lambda i, s=shard: f"{s}:{i}") if len(self.pools) > 1 else str
+            retried += map(tag, result.retried)
+            missing += map(tag, result.missing)
         ACTIONS.labels("dead.retry").inc()
-        log.info("%s retried dead events %s", operator.actor, result.retried)
-        retried, missing = ",".join(map(str, result.retried)), ",".join(map(str, result.missing))
-        query = urlencode({"retried": retried, "missing": missing})
+        log.info("%s retried dead events %s", operator.actor, retried)
+        query = urlencode({"retried": ",".join(retried), "missing": ",".join(missing)})
         return RedirectResponse(f"/dead?{query}", status_code=303)
 
     async def revive(self, request: Request) -> Response:
+        """Send a dead delivery again on the shard that holds it (a delivery id is a UUID)."""
         operator, _form = await self.form_action(request)
         try:
             delivery_id = UUID(request.path_params["delivery_id"])
         except ValueError:
             raise Refused(400, "bad_delivery_id", "a delivery id is a UUID") from None
-        rows = await self.read(revive_delivery, str(delivery_id), operator.actor)
+        shard, _rows, _ = await self.find(request, ledger.delivery, delivery_id)
+        rows = await self.read_on(shard, revive_delivery, str(delivery_id), operator.actor)
         ACTIONS.labels("delivery.revive").inc()
         log.info("%s revived delivery %s (%d rows)", operator.actor, delivery_id, len(rows))
         outcome = "revived" if rows else "not_dead"
-        return RedirectResponse(f"/deliveries/{delivery_id}?{outcome}=1", status_code=303)
+        on = shard_link(len(self.pools))(shard)
+        return RedirectResponse(f"/deliveries/{delivery_id}{on}{'&' if on else '?'}{outcome}=1", status_code=303)
 
     async def stylesheet(self, _request: Request) -> Response:
         return Response((TEMPLATES / "console.css").read_text(), media_type="text/css")
+
+
+OVERVIEW_ROWS = 10  # ledger.overview's lists: across shards, merged by time (ids count per shard)
+# The lists that run forward (nearest deadline first); the others are newest first.
+FORWARD = (ledger.open_approvals, ledger.timers_due_before)
+
+
+def _by_delivery(outbox: list) -> dict[UUID, list]:
+    """Dead outbox rows by delivery (one delivery's rows are revived together)."""
+    deliveries: dict[UUID, list] = {}
+    for row in outbox:
+        deliveries.setdefault(row.delivery_id, []).append(row)
+    return deliveries
+
+
+def _shard_and_id(text: str, shards: int) -> tuple[int, int] | None:
+    """A retry form's value: ``SHARD:ID`` with several shards, ``ID`` with one."""
+    shard, _, event_id = text.rpartition(":") if shards > 1 else ("0", "", text)
+    number, at = _ledger_id(event_id), _shard_param(shard, shards - 1)
+    return None if number is None or at is None else (at, number)
+
+
+def _combined(found: list[Found[ledger.Overview]]) -> ledger.Overview:
+    """The overview of several shards: counts summed, the oldest waiting thing of any shard,
+    the lists merged (each row knowing its shard)."""
+    views = [f.value for f in found]
+    per_minute: dict[datetime, int] = {}
+    for v in views:
+        for minute, runs in v.runs_per_minute:
+            per_minute[minute] = per_minute.get(minute, 0) + runs
+    waiting = [(v.oldest_undelivered, n) for n, v in enumerate(views) if v.oldest_undelivered is not None]
+    oldest = views[min(waiting)[1]] if waiting else None
+    pending = [Found(f.shard, f.value.oldest_pending_events) for f in found]
+    recent = [Found(f.shard, f.value.recent_runs) for f in found]
+    return dataclasses.replace(
+        views[0],
+        pending=min(sum(v.pending for v in views), views[0].cap),
+        oldest_pending=min((v.oldest_pending for v in views if v.oldest_pending), default=None),
+        runs_per_minute=sorted(per_minute.items()),
+        dead_events_last_hour=sum(v.dead_events_last_hour for v in views),
+        dead_outbox_rows_last_hour=sum(v.dead_outbox_rows_last_hour for v in views),
+        undelivered=sum(v.undelivered for v in views),
+        oldest_undelivered=oldest.oldest_undelivered if oldest else None,
+        oldest_undelivered_user=oldest.oldest_undelivered_user if oldest else None,
+        oldest_undelivered_run=oldest.oldest_undelivered_run if oldest else None,
+        # Sharded rows read as the rows they hold, with their shard (the links carry it).
+        oldest_pending_events=_sharded(  # type: ignore[arg-type]
+            merge(pending, lambda e: (e.received_at, e.id), OVERVIEW_ROWS, newest_first=False)
+        ),
+        recent_runs=_sharded(merge(recent, lambda r: (r.finished_at, r.id), OVERVIEW_ROWS)),  # type: ignore[arg-type]
+        approvals_open=sum(v.approvals_open for v in views),
+        approvals_late=sum(v.approvals_late for v in views),
+        timers_late=sum(v.timers_late for v in views),
+    )
 
 
 def _frozen(values: list[str] | None) -> frozenset[str] | None:
@@ -540,10 +795,15 @@ def _shown(text: str) -> str:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
+def _pieces(t: datetime, *rest: int | str) -> list[str]:
+    """A keyset as a cursor writes it: the time at full precision (a rounded one would skip the
+    rows between it and the real one), ids of any text, every piece a string."""
+    return [t.isoformat(), *map(str, rest)]
+
+
 def _cursor(t: datetime, *rest: int | str) -> str:
-    """A list page's keyset for its "next" link: JSON, the time at full precision (a rounded
-    one would skip the rows between it and the real one), ids of any text, every piece a string."""
-    return json.dumps([t.isoformat(), *map(str, rest)], separators=(",", ":"))
+    """A list page's keyset for its "next" link, as JSON (see _pieces)."""
+    return json.dumps(_pieces(t, *rest), separators=(",", ":"))
 
 
 def _keyset(text: str | None, last: Callable[[str], Any], parts: int = 2) -> tuple | None:
@@ -552,13 +812,39 @@ def _keyset(text: str | None, last: Callable[[str], Any], parts: int = 2) -> tup
     if not text:
         return None
     try:
-        pieces = json.loads(text)
+        return _keyset_of(json.loads(text), last, parts)
+    except ValueError:
+        return None
+
+
+def _keyset_of(pieces: Any, last: Callable[[str], Any], parts: int) -> tuple | None:
+    try:
         if not isinstance(pieces, list) or len(pieces) != parts or not all(isinstance(p, str) for p in pieces):
             return None
         if not _storable(*pieces) or (key := last(pieces[-1])) is None:
             return None
         return (datetime.fromisoformat(pieces[0]), *pieces[1:-1], key)
     except (ValueError, TypeError, OverflowError):
+        return None
+
+
+def _keysets(text: str | None, shards: int, last: Callable[[str], Any], parts: int) -> list[tuple | None]:
+    """A several-shard "next" link's keysets, one per shard (None: that shard from its start);
+    malformed: every shard from its start."""
+    try:
+        each = json.loads(text) if text else None
+    except ValueError:
+        each = None
+    if not isinstance(each, list) or len(each) != shards:
+        return [None] * shards
+    return [None if k is None else _keyset_of(k, last, parts) for k in each]
+
+
+def _shard_param(text: str | None, top: int) -> int | None:
+    """``?shard=N`` of an id's page, or None when absent or not one of the shards."""
+    try:
+        return whole_number(text, 0, top) if text else None
+    except NotParsed:
         return None
 
 
@@ -601,12 +887,14 @@ def create_app(settings: ConsoleSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette):
-        await run_in_threadpool(console.pool.open, False)
+        for pool in console.pools:
+            await run_in_threadpool(pool.open, False)
         log.info("console on http://%s:%d", settings.console_host, settings.console_port)
         try:
             yield
         finally:
-            await run_in_threadpool(console.pool.close)
+            for pool in console.pools:
+                await run_in_threadpool(pool.close)
 
     app = Starlette(
         routes=routes,

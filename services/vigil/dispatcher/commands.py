@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import click
 
+from vigil.admin.shards import Shards, report_down, with_shard
 from vigil.cliutil import emit
 from vigil.dispatcher.main import serve
 from vigil.dispatcher.operator import (
@@ -59,6 +61,19 @@ def _settings():
 
 def _connect(settings):
     return db.connect(settings.dsn, autocommit=True)
+
+
+@contextmanager
+def _user_and_catalog(settings, user: str):
+    """The user's shard (pacing, attention) and, with several shards, the catalog (channels);
+    one shard: one connection, the catalog None."""
+    shards = Shards(settings)
+    with shards.user_connection(user) as conn:
+        if not shards.many:
+            yield conn, None
+            return
+        with shards.connection(0) as catalog:
+            yield conn, catalog
 
 
 @click.command("dispatcher")
@@ -134,8 +149,8 @@ def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> N
 def channels_show(user, as_json) -> None:
     """Show USER's channel, the limits in effect and the pacing state (never the secret)."""
     settings = _settings()
-    with _connect(settings) as conn:
-        shown = show_channel(conn, user, settings.outbox_gap, settings.urgent_daily_cap)
+    with _user_and_catalog(settings, user) as (conn, catalog):
+        shown = show_channel(conn, user, settings.outbox_gap, settings.urgent_daily_cap, catalog)
     if as_json:
         click.echo(to_json(shown))
         return
@@ -176,15 +191,37 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
     if sum(bool(x) for x in (user, dead, revive_id)) != 1:
         raise click.UsageError("give exactly one of USER, --dead, --revive DELIVERY_ID")
     settings = _settings()
-    with _connect(settings) as conn:
-        if revive_id:
-            rows = revive_delivery(conn, revive_id)
-            if not rows:
-                raise click.ClickException(f"no dead delivery {revive_id}")
-            text = f"delivery {revive_id}: {len(rows)} messages back to pending for {rows[0]['user_id']}"
-            emit({"revived": revive_id, "user_id": rows[0]["user_id"], "messages": len(rows)}, as_json, text)
-            return
-        rows = dead_deliveries(conn, limit) if dead else outbox_rows(conn, user, limit)
+    shards = Shards(settings)
+    down: list = []
+    if revive_id:
+        # A delivery id is a UUID: the first shard that holds it dead revives it.
+        found = shards.locate(lambda dsn: _revive(dsn, revive_id) or None, f"dead delivery {revive_id}", unique=True)
+        if found is None:
+            raise click.ClickException(f"no dead delivery {revive_id}")
+        rows = found.value
+        text = f"delivery {revive_id}: {len(rows)} messages back to pending for {rows[0]['user_id']}"
+        emit({"revived": revive_id, "user_id": rows[0]["user_id"], "messages": len(rows)}, as_json, text)
+        return
+    if dead:
+        merged, down = shards.merged(lambda dsn: _read(dsn, dead_deliveries, limit), lambda r: r["dead_at"], limit)
+        rows = [with_shard(f.value, f.shard, shards) for f in merged]
+    else:
+        rows = shards.on_user(user, lambda dsn: _read(dsn, outbox_rows, user, limit))
+    _print_outbox(rows, user, dead, as_json)
+    report_down(down)
+
+
+def _read(dsn: str, fn, *args):
+    with db.connect(dsn, autocommit=True) as conn:
+        return fn(conn, *args)
+
+
+def _revive(dsn: str, delivery_id: str) -> list[dict]:
+    with db.connect(dsn, autocommit=True) as conn:
+        return revive_delivery(conn, delivery_id)
+
+
+def _print_outbox(rows: list[dict], user: str | None, dead: bool, as_json: bool) -> None:
     if as_json:
         for row in rows:
             click.echo(to_json(row))
@@ -194,8 +231,10 @@ def outbox(user, dead, revive_id, limit, as_json) -> None:
         return
     if dead:
         for row in rows:
+            shard = f"shard {row['shard']}  " if "shard" in row else ""
             click.echo(
-                f"{row['dead_at']:%Y-%m-%d %H:%M:%S}  {row['delivery_id']}  {row['user_id']}  {row['channel'] or '-'}  "
+                f"{shard}{row['dead_at']:%Y-%m-%d %H:%M:%S}  {row['delivery_id']}  {row['user_id']}  "
+                f"{row['channel'] or '-'}  "
                 f"{row['messages']} msg  {row['attempts']} attempts  {row['error']}"
             )
         return
@@ -223,8 +262,8 @@ def users() -> None:
 def users_show(user, as_json) -> None:
     """Show USER's effective gap, where it comes from and why, and today's deliveries."""
     settings = _settings()
-    with _connect(settings) as conn:
-        shown = show_user(conn, user, settings.outbox_gap)
+    with _user_and_catalog(settings, user) as (conn, catalog):
+        shown = show_user(conn, user, settings.outbox_gap, catalog)
     if shown is None:
         raise click.ClickException(f"no user {user!r}")
     text = "\n".join(
@@ -248,10 +287,10 @@ def users_attention(user, gap) -> None:
     vigil users attention alice --gap auto
     """
     settings = _settings()
-    with _connect(settings) as conn:
+    with _user_and_catalog(settings, user) as (conn, catalog):
         if not set_attention(conn, user, gap):
             raise click.ClickException(f"no user {user!r}")
-        shown = show_user(conn, user, settings.outbox_gap)
+        shown = show_user(conn, user, settings.outbox_gap, catalog)
     assert shown is not None
     click.echo(f"{user}: gap {shown['gap_seconds']}s ({shown['gap_source']}: {shown['reason']})")
 

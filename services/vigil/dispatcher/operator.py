@@ -92,9 +92,16 @@ def set_channel(
     return ChannelSet(row=asdict(row), new_secret=generated)
 
 
-def show_channel(conn: psycopg.Connection[DictRow], user_id: str, default_gap: int, default_cap: int) -> dict:
-    """A user's channel with the limits in effect; the secret only as whether one is set."""
-    row = channels.get(conn, user_id)
+def show_channel(
+    conn: psycopg.Connection[DictRow],
+    user_id: str,
+    default_gap: int,
+    default_cap: int,
+    catalog: psycopg.Connection[DictRow] | None = None,
+) -> dict:
+    """A user's channel with the limits in effect; the secret only as whether one is set.
+    ``conn``: the user's shard (pacing); ``catalog``: shard 0 (the channel), ``conn`` if None."""
+    row = channels.get(catalog or conn, user_id)
     pacing = channels.pacing_state(conn, user_id)
     shown = {
         "user_id": user_id,
@@ -112,13 +119,19 @@ def show_channel(conn: psycopg.Connection[DictRow], user_id: str, default_gap: i
     return shown
 
 
-def show_user(conn: psycopg.Connection[DictRow], user_id: str, default_gap: int) -> dict | None:
+def show_user(
+    conn: psycopg.Connection[DictRow],
+    user_id: str,
+    default_gap: int,
+    catalog: psycopg.Connection[DictRow] | None = None,
+) -> dict | None:
     """A user's effective gap and why: a channel's gap wins, then the earned (or pinned) gap,
-    then VIGIL_OUTBOX_GAP; with today's deliveries. None: no such user."""
+    then VIGIL_OUTBOX_GAP; with today's deliveries. None: no such user. ``conn``: the user's
+    shard (attention); ``catalog``: shard 0 (the channel), ``conn`` if None."""
     state = channels.attention(conn, user_id)
     if state is None:
         return None
-    row = channels.get(conn, user_id)
+    row = channels.get(catalog or conn, user_id)
     if row is not None and row.gap_seconds is not None:
         gap, source, reason = row.gap_seconds, "channel", "set on the channel (vigil channels set --gap)"
     elif state.attention_gap_s is not None:

@@ -92,6 +92,12 @@ def history(
     return [Change.of(r) for r in cur.fetchall()]
 
 
+def change(conn: psycopg.Connection[DictRow], change_id: int) -> Change | None:
+    """One memory change by id (None: not on this ledger)."""
+    row = conn.execute(Q.memory_history_get, {"id": change_id}).fetchone()
+    return None if row is None else Change.of(row)
+
+
 def revert(conn: psycopg.Connection[DictRow], *, change_id: int, actor: str) -> Change:
     """Undo change ``change_id``: the file gets its old content back (deleted when the change
     created it). One statement, guarded by the file's current content, so a later change is

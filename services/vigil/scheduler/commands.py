@@ -8,13 +8,14 @@ import time
 
 import click
 
-from vigil.admin.connection import cli_connection
+from vigil.admin.shards import Shards
 from vigil.cliutil import emit
 from vigil.ledger import timers as ledger
 from vigil.scheduler.main import serve
 from vigil.scheduler.settings import SchedulerSettings
 from vigil.scheduler.timers import InvalidTimer, describe, parse_timer
 from vigil.service import load_or_exit, require_schema
+from vigil.settings import CommonSettings
 
 
 @click.command("scheduler")
@@ -46,6 +47,11 @@ def _line(timer: dict) -> str:
     else:
         state = f"due {timer['due_at']}"
     return f"{timer['id']}  {timer['kind']}  {recurrence}  {timer['catch_up']}  {state}  fired {timer['fired_count']}x"
+
+
+def _user_ledger(user_id: str):
+    """The user's ledger shard, where their timers are (one shard: VIGIL_DATABASE_URL)."""
+    return Shards(load_or_exit(CommonSettings)).user_connection(user_id)
 
 
 @timers_group.command("add")
@@ -93,7 +99,7 @@ def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, 
             else f"--{exc.field.replace('_', '-')}"
         )
         raise click.UsageError(f"{option}: {exc.reason}") from None
-    with cli_connection() as conn:
+    with _user_ledger(user_id) as conn:
         result = ledger.upsert(conn, timer)
     if result.status == "conflict":
         assert result.reason is not None  # a conflict says why
@@ -111,7 +117,7 @@ def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, 
 def timers_list(user_id, include_done, as_json) -> None:
     """List a user's timers, live ones only unless --all."""
     after = ""
-    with cli_connection() as conn:
+    with _user_ledger(user_id) as conn:
         while True:
             rows = ledger.of_user(conn, user_id, include_done=include_done, after=after, limit=500)
             for row in rows:
@@ -129,7 +135,7 @@ def timers_list(user_id, include_done, as_json) -> None:
 def timers_rm(user_id, timer_id, as_json) -> None:
     """Cancel a live timer: it fires nothing more (its row stays, so a re-registration cannot re-fire)."""
     # A ledger that does not answer: one line and exit 3 (vigil.service.VigilGroup).
-    with cli_connection() as conn:
+    with _user_ledger(user_id) as conn:
         if not ledger.cancel(conn, user_id=user_id, timer_id=timer_id):
             row = ledger.get(conn, user_id=user_id, timer_id=timer_id)
             if row is None:

@@ -13,6 +13,7 @@ import json
 
 import click
 
+from vigil.admin.shards import Shards, shard_option
 from vigil.cliutil import Conflict, login_name, table
 from vigil.ledger import audit
 from vigil.ledger import dreams as ledger
@@ -21,9 +22,8 @@ from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 
 
-def _connect():
-    settings = load_or_exit(CommonSettings)
-    return connect(settings.dsn, autocommit=True)
+def _shards() -> Shards:
+    return Shards(load_or_exit(CommonSettings))
 
 
 def _by(change: ledger.Change) -> str:
@@ -51,9 +51,14 @@ def memory() -> None:
 @click.option("--before", type=int, default=None, help="Only changes with ids below this one (paging).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per change, old and new content included.")
 def memory_history(user_id: str, limit: int, before: int | None, as_json: bool) -> None:
-    """A user's memory changes, newest first: who (run, task, operator), what, when."""
-    with _connect() as conn:
-        changes = ledger.history(conn, user_id=user_id, before=before, limit=limit)
+    """A user's memory changes, newest first: who (run, task, operator), what, when (the
+    user's shard: --before pages within it)."""
+
+    def read(dsn: str) -> list[ledger.Change]:
+        with connect(dsn, autocommit=True) as conn:
+            return ledger.history(conn, user_id=user_id, before=before, limit=limit)
+
+    changes = _shards().on_user(user_id, read)
     if as_json:
         for change in changes:
             click.echo(json.dumps(change.as_json()))
@@ -68,13 +73,27 @@ def memory_history(user_id: str, limit: int, before: int | None, as_json: bool) 
 @memory.command("revert")
 @click.argument("change_id", type=int)
 @click.option("--actor", default=None, help="Who is reverting (default: your login name).")
-def memory_revert(change_id: int, actor: str | None) -> None:
+@shard_option
+def memory_revert(change_id: int, actor: str | None, shard: int | None) -> None:
     """Put back what change CHANGE_ID replaced (delete the file if the change created it).
 
     Exits 4 if the file has changed since (revert the later changes first), 1 if there is no
-    such change."""
+    such change. Change ids count per shard: the shard that has it (--shard: that one)."""
     who = actor or login_name()
-    with _connect() as conn:
+    shards = _shards()
+    place = (
+        shards.locate(lambda dsn: _change(dsn, change_id), f"memory change {change_id}", shard) if shards.many else None
+    )
+    shards.on(place.shard if place else (shard or 0), lambda dsn: _revert(dsn, change_id, who))
+
+
+def _change(dsn: str, change_id: int) -> ledger.Change | None:
+    with connect(dsn, autocommit=True) as conn:
+        return ledger.change(conn, change_id)
+
+
+def _revert(dsn: str, change_id: int, who: str) -> None:
+    with connect(dsn, autocommit=True) as conn:
         try:
             with conn.transaction():
                 done = ledger.revert(conn, change_id=change_id, actor=who)

@@ -13,10 +13,13 @@ import json
 
 import click
 
-from vigil.admin.connection import cli_connection
+from vigil.admin.shards import Shards, shard_option
 from vigil.cliutil import table
 from vigil.ledger import console as ledger_console
 from vigil.ledger import journal as ledger_journal
+from vigil.ledger.db import connect
+from vigil.service import load_or_exit
+from vigil.settings import CommonSettings
 
 COLUMNS = ["step", "kind", "what", "epoch", "attempt", "recorded_at"]
 
@@ -29,14 +32,30 @@ def runs() -> None:
 @runs.command("show")
 @click.argument("run")
 @click.option("--json", "as_json", is_flag=True, help="The run and its steps as one JSON object.")
-def runs_show(run: str, as_json: bool) -> None:
-    """A run (by id or key) and its steps. Exit 1 when there is no such run."""
-    with cli_connection() as conn:
-        record = ledger_console.run(conn, int(run)) if run.isdigit() else None
-        if run.isdigit() and record is None:
+@shard_option
+def runs_show(run: str, as_json: bool, shard: int | None) -> None:
+    """A run (by id or key) and its steps. Exit 1 when there is no such run.
+
+    A key names its user: the user's shard. An id counts per shard: the shard that has it."""
+    shards = Shards(load_or_exit(CommonSettings))
+
+    def read(dsn: str):
+        with connect(dsn, autocommit=True) as conn:
+            record = ledger_console.run(conn, int(run)) if run.isdigit() else None
+            if run.isdigit() and record is None:
+                return None
+            key = f"{record.user_id}:{min(record.event_ids)}" if record is not None else run
+            return record, key, [s.view() for s in ledger_journal.steps(conn, key)]
+
+    if run.isdigit():
+        found = shards.locate(read, f"run {run}", shard)
+        if found is None:
             raise click.ClickException(f"no run {run}")
-        key = f"{record.user_id}:{min(record.event_ids)}" if record is not None else run
-        steps = [s.view() for s in ledger_journal.steps(conn, key)]
+        record, key, steps = found.value
+    else:
+        user = run.rpartition(":")[0]
+        at = shard if shard is not None else shards.of_user(user) if user else 0
+        record, key, steps = shards.on(at, read)
     if record is None and not steps:
         raise click.ClickException(f"no run {run} (no runs row, and no journal under that key)")
     out = {"run_key": key, "run": dataclasses.asdict(record) if record else None, "steps": steps}

@@ -13,20 +13,25 @@ import json
 
 import click
 
+from vigil.admin.shards import Shards, echo_rows, report_down, shard_option, with_shard
 from vigil.cliutil import EXIT_CONFLICT, Conflict, login_name, table
 from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import connect_async
+from vigil.ledger.shardmap import ShardUnreachable
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 
 COLUMNS = ["id", "user_id", "mode", "status", "attempts", "depth", "created_at", "finished_at", "error"]
 
 
-async def _connect():
-    settings = load_or_exit(CommonSettings)
+def _shards() -> Shards:
+    return Shards(load_or_exit(CommonSettings))
+
+
+async def _connect(dsn: str):
     # A ledger that does not answer is one line and exit 3 (vigil.service.VigilGroup).
-    return await connect_async(settings.dsn, autocommit=True)
+    return await connect_async(dsn, autocommit=True)
 
 
 def _run(coro):
@@ -41,10 +46,6 @@ def _refuse_unowned(row: ledger.TaskRow | None) -> None:
         )
 
 
-def _table(rows: list[dict]) -> None:
-    table(rows, COLUMNS)
-
-
 @click.group()
 def tasks() -> None:
     """Background tasks delegated by agents: list, show, cancel."""
@@ -56,38 +57,48 @@ def tasks() -> None:
 @click.option("--limit", default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def tasks_list(user_id: str | None, status: str | None, limit: int, as_json: bool) -> None:
-    """Tasks, newest first."""
+    """Tasks, newest first: every shard's merged (--user: that user's shard)."""
 
-    async def go():
-        async with await _connect() as conn:
+    async def go(dsn: str):
+        async with await _connect(dsn) as conn:
             if user_id:
                 return await ledger.of_user(conn, user_id=user_id, status=status, limit=limit)
             return await ledger.recent(conn, status=status, limit=limit)
 
-    rows = _run(go())
+    shards = _shards()
+    if user_id:
+        shard = shards.of_user(user_id)
+        found = [(shard, row) for row in shards.on(shard, lambda dsn: _run(go(dsn)))]
+        down: list[ShardUnreachable] = []
+    else:
+        merged, down = shards.merged(lambda dsn: _run(go(dsn)), lambda r: (r.created_at, r.id), limit)
+        found = [(f.shard, f.value) for f in merged]
+    rows = [with_shard(row.as_json(), shard, shards) for shard, row in found]
     if as_json:
-        for row in rows:
-            click.echo(json.dumps(row.as_json()))
-        return
-    _table([row.as_json() for row in rows])
+        echo_rows(rows)
+    else:
+        table(rows, (["shard"] if shards.many else []) + COLUMNS)
+    report_down(down)
 
 
 @tasks.command("show")
 @click.argument("task_id")
 @click.option("--json", "as_json", is_flag=True, help="The row as one JSON object, with its parent and children.")
-def tasks_show(task_id: str, as_json: bool) -> None:
+@shard_option
+def tasks_show(task_id: str, as_json: bool, shard: int | None) -> None:
     """One task, every column, and its tree: its parent (a run or a task) and its children
     (sync and background, theirs too) with their status and usage."""
 
-    async def go():
-        async with await _connect() as conn:
+    async def go(dsn: str):
+        async with await _connect(dsn) as conn:
             row = await ledger.get(conn, task_id)
             if row is None:
-                return None, None, []
+                return None
             parent = await ledger.get(conn, row.parent_task_id) if row.parent_task_id else None
             return row, parent, await ledger.children(conn, row.id)
 
-    row, parent, descendants = _run(go())
+    found = _shards().locate(lambda dsn: _run(go(dsn)), f"task {task_id}", shard)
+    row, parent, descendants = found.value if found else (None, None, [])
     if row is None:
         raise click.ClickException(f"no task {task_id!r}")
     _refuse_unowned(row)
@@ -146,14 +157,22 @@ def progress(row: ledger.TaskRow) -> str:
 @click.argument("task_id")
 @click.option("--actor", default=None, help="Who is cancelling (default: your login name).")
 @click.option("--json", "as_json", is_flag=True, help="The task after the request, as one JSON object.")
-def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
-    """Cancel a task: at once if queued, at its next heartbeat if running.
+@shard_option
+def tasks_cancel(task_id: str, actor: str | None, as_json: bool, shard: int | None) -> None:
+    """Cancel a task: at once if queued, at its next heartbeat if running (on its shard).
 
     Exits 4 if the task is already terminal (the API's 409), 1 if there is no such task."""
     who = actor or login_name()
+    shards = _shards()
 
-    async def go():
-        async with await _connect() as conn:
+    async def find(dsn: str):
+        async with await _connect(dsn) as conn:
+            return await ledger.get(conn, task_id)
+
+    place = shards.locate(lambda dsn: _run(find(dsn)), f"task {task_id}", shard) if shards.many else None
+
+    async def go(dsn: str):
+        async with await _connect(dsn) as conn:
             async with conn.transaction():
                 _refuse_unowned(await ledger.get(conn, task_id))
                 row = await ledger.cancel(conn, task_id=task_id, actor=who)
@@ -163,7 +182,7 @@ def tasks_cancel(task_id: str, actor: str | None, as_json: bool) -> None:
                     )
                 return row, (await ledger.get(conn, task_id) if row is None else row)
 
-    changed, row = _run(go())
+    changed, row = shards.on(place.shard if place else (shard or 0), lambda dsn: _run(go(dsn)))
     if row is None:
         raise click.ClickException(f"no task {task_id!r}")
     if as_json:
