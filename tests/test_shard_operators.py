@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 
+import psycopg
 import pytest
 
 from console_support import Seeded, seed_user
@@ -283,6 +284,14 @@ def test_console_lists_every_shard_and_acts_on_the_rows_shard(two, console_of, m
     run = console.get(f"/runs/{two.seeded[a].run_id}")
     assert run.status_code == 200 and f"/users/{a}" in run.text and "Shard 1 has this id too" in run.text
     assert f"/users/{b}" in console.get(f"/runs/{two.seeded[b].run_id}?shard=1").text
+    # Each shard's fencing row for its partition (the page lists the ledger's rows, and the
+    # broker's when it answers: here no broker is asked for, so the rows must be the ledger's).
+    for shard, dsn in enumerate(two.dsns):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO partitions (topic, partition, epoch, holder) VALUES ('vigil.events', %s, 1, 'w')",
+                (shard,),
+            )
     parts = console.get("/partitions")
     assert parts.status_code == 200 and "<th>shard</th>" in parts.text
 
