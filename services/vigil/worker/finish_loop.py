@@ -110,13 +110,13 @@ class Finisher:
                     except TimeoutError:
                         pass
                     self._take_queued(batch)
-                groups = self.shards.split(batch, _home_partition)
-                if len(groups) == 1:
+                if self.shards.single:
                     await self._commit(batch)
                 else:
                     # Several shards: each shard's runs commit in a task of their own, so a
-                    # shard that does not answer holds only its own runs, never this loop.
-                    for runs in groups.values():
+                    # shard that does not answer holds only its own runs, never this loop
+                    # (a group all of one shard too: else the loops fill with a dead shard's).
+                    for runs in self.shards.split(batch, _home_partition).values():
                         self._spawn(runs)
             finally:
                 self.committing -= 1
