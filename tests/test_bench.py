@@ -19,11 +19,11 @@ from support import REPO, query
 from vigil_dev.bench.__main__ import figure_names
 from vigil_dev.bench.plan import QUICK
 
-# Twelve workloads (single-event runs, retention, per-event costs, the model-bound runs, a
+# Thirteen workloads (single-event runs, retention, per-event costs, two ledger shards, the model-bound runs, a
 # rebalance and a rolling deploy under them): each starts its own worker, ingest or
 # scripted-server processes, which is most of the smoke mode's time; the rolling deploy, twice
 # over, about a minute. The bound keeps `make test` bounded, not the bench fast.
-QUICK_BUDGET_S = 260
+QUICK_BUDGET_S = 300
 
 
 @pytest.mark.slow

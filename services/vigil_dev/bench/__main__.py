@@ -17,7 +17,18 @@ import traceback
 
 from vigil.settings import load
 from vigil.worker.settings import WorkerSettings
-from vigil_dev.bench import costs, dispatch, ingest_http, model_bound, pipeline, raw, rebalance, retention, rolling
+from vigil_dev.bench import (
+    costs,
+    dispatch,
+    ingest_http,
+    model_bound,
+    pipeline,
+    raw,
+    rebalance,
+    retention,
+    rolling,
+    shards,
+)
 from vigil_dev.bench.figures import Figure, Report, fmt
 from vigil_dev.bench.plan import FULL, QUICK, Plan
 from vigil_dev.bench.stack import BenchStack
@@ -47,6 +58,7 @@ FIGURES = [
     "retention_drop_day_s",
     *dispatch.FIGURES,
     *[f"cost_{name}_per_{unit}" for unit in ("event", "run") for name in costs.COUNTERS],
+    *shards.FIGURES,
     *pipeline.REMOTE_DB_FIGURES,
     *model_bound.FIGURES,
     *rebalance.FIGURES,
@@ -63,6 +75,7 @@ WORKLOADS = [
     "retention",
     "dispatch",
     "costs",
+    "shards",
     "remote_db",
     "model_bound",
     "rebalance",
@@ -200,6 +213,7 @@ def summary(report: Report, plan: Plan) -> None:
         f"{scale:.2f} x one worker (no target; 2 cores shared with broker, database, producer)" if scale else "missing",
         None,
     )
+    shards.summary(report, line)
     model_bound.summary(report, line)
     rebalance.summary(report, line)
     rolling.summary(report, line)
@@ -246,6 +260,18 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: b
                 [n for n in figure_names(plan) if n.startswith("cost_") and n.endswith("_per_event")],
                 lambda: pipeline.per_event_costs(
                     stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2
+                ),
+            ),
+            # Two ledger shards on two servers: the e2e search from the record rate, and the cost
+            # passes at what the one-shard passes were offered.
+            "shards": (
+                shards.FIGURES,
+                lambda: shards.two_shards(
+                    stack,
+                    plan,
+                    report,
+                    report.value("record_events_per_s") or FALLBACK_RATE,
+                    (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2,
                 ),
             ),
             # A quarter of the e2e rate (below the knee: what the network adds, not the queue).

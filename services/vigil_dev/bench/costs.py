@@ -72,7 +72,7 @@ def pg_cpu_s(postmaster: int) -> float:
     return total
 
 
-def _snapshot(dsn: str, worker_pid: int, postmaster: int | None) -> dict[str, float]:
+def snapshot(dsn: str, worker_pid: int, postmaster: int | None) -> dict[str, float]:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
         row = conn.execute(B.cost_counters).fetchone()
@@ -92,16 +92,23 @@ def measure(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[dict, int, in
     postmaster = postmaster_pid(dsn)
     pid = workers.procs[0].pid
     time.sleep(plan.cost_settle_s)
-    before = _snapshot(dsn, pid, postmaster)
+    before = snapshot(dsn, pid, postmaster)
     source = e2e._source("cost")
     produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, e2e.users, source).result()
     time.sleep(0.3)
     totals = e2e._drain(workers, source, produced.count)
     time.sleep(plan.cost_settle_s)
-    after = _snapshot(dsn, pid, postmaster)
+    after = snapshot(dsn, pid, postmaster)
     return {k: after[k] - before[k] for k in COUNTERS}, int(totals["done"]), int(totals["runs"])
 
 
 def add_figures(report: Report, unit: str, grown: dict, count: int, note: str) -> None:
     for name in COUNTERS:
         report.add(Figure(f"cost_{name}_per_{unit}", [grown[name] / max(count, 1)], per="run", note=note))
+
+
+def round_done(dsn: str, source: str) -> tuple[int, int]:
+    """A round's events done and their runs, on one ledger (one shard's share of the round)."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        row = conn.execute(B.round_totals, {"source": source}).fetchone()
+    return int(row["done"]), int(row["runs"])

@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -114,10 +115,13 @@ def _wait_recorded(workers: Workers, dsn: str, source: str, count: int) -> float
 class EndToEnd:
     """One database and topic for the throughput, latency and scale-out rounds."""
 
-    def __init__(self, stack: BenchStack, plan: Plan, dsn: str, topics, users: int):
+    def __init__(self, stack: BenchStack, plan: Plan, dsn: str, topics, users: int, other_shards: tuple[str, ...] = ()):
         self.stack = stack
         self.plan = plan
         self.dsn = dsn
+        # Every ledger shard the workers write to, shard 0 (``dsn``) first: a round's totals
+        # are summed over them (``vigil_dev.bench.shards``).
+        self.dsns = (dsn, *other_shards)
         self.topics = topics
         self.users = users
         self.producer = load.BenchProducer(stack.bootstrap, topics.events)
@@ -131,12 +135,17 @@ class EndToEnd:
     def _drain(self, workers: Workers, source: str, expected: int) -> dict:
         """Wait until every event of the round is done; its totals."""
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        with psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row) as conn:
+        with contextlib.ExitStack() as opened:
+            conns = [
+                opened.enter_context(psycopg.connect(dsn, autocommit=True, row_factory=dict_row)) for dsn in self.dsns
+            ]
             while time.monotonic() < deadline:
                 workers.check()
-                row = conn.execute(B.round_totals, {"source": source}).fetchone() if self._quiet(conn) else None
-                if row and row["done"] >= expected:
-                    return row
+                if all(self._quiet(conn) for conn in conns):
+                    rows = [conn.execute(B.round_totals, {"source": source}).fetchone() for conn in conns]
+                    totals = {key: sum(row[key] for row in rows) for key in ("done", "not_done", "runs")}
+                    if totals["done"] >= expected:
+                        return totals
                 time.sleep(POLL_S)
         raise RuntimeError(f"round {source}: not all {expected} events done within {DRAIN_TIMEOUT_S:.0f}s")
 
@@ -162,9 +171,10 @@ class EndToEnd:
         skip = max(seconds / 4, self.window_s + FIRST_RUN_S)
         since = datetime.fromtimestamp(produced.started + skip, UTC)
         until = datetime.fromtimestamp(produced.started + seconds, UTC)
-        row = _query(self.dsn, B.finished_between, {"since": since, "until": until})[0]
+        rows = [_query(dsn, B.finished_between, {"since": since, "until": until})[0] for dsn in self.dsns]
+        events, runs = sum(row["events"] for row in rows), sum(row["runs"] for row in rows)
         span = seconds - skip
-        return row["events"] / span, row["runs"] / span, row["events"] / max(1, row["runs"])
+        return events / span, runs / span, events / max(1, runs)
 
     def throughput(
         self, workers: Workers, start_rate: float, floor: float = 0.0

@@ -118,6 +118,8 @@ def base_env(stack: BenchStack, dsn: str, topics: Topics) -> dict[str, str]:
     """The caller's environment (VIGIL_KAFKA_OPT_* and the like pass through) pointed at the
     workload's own database and topics."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIGIL_ECHO_")}
+    # A two-shard dev stack's shell names its shards: a workload names its own (bench/shards.py).
+    env.pop("VIGIL_LEDGER_SHARDS", None)
     env.update(
         {
             "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap,
