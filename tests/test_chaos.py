@@ -53,7 +53,8 @@ def test_the_shard_outage_line_compares_the_other_shards_users_during_and_withou
     events, runs = [], []
     # (shard, received, latency): shard 1 was killed; its users never count.
     for n, (shard, got, took) in enumerate(
-        [(0, 1002, 0.5), (0, 1008, 0.7), (1, 1003, 30.0), (0, 500, 0.1), (0, 600, 0.2), (0, 2001, 9.0)]
+        # (0, 1995, 8.0): received before the worker kill, finished after it: not "without faults".
+        [(0, 1002, 0.5), (0, 1008, 0.7), (1, 1003, 30.0), (0, 500, 0.1), (0, 600, 0.2), (0, 2001, 9.0), (0, 1995, 8.0)]
     ):
         events.append({"user_id": f"u{n}", "id": 1, "shard": shard, "received_at": at(got)})
         runs.append({"user_id": f"u{n}", "event_ids": [1], "outcome": "done", "finished_at": at(got + took)})

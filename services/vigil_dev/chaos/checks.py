@@ -225,8 +225,10 @@ def _p99(values: list[float]) -> str:
 def shard_outage_line(faults: list[Fault], rows: dict, *, killed: int) -> str:
     """The other shards' users during the killed shard's outages, against no fault at all: the
     p99 of received -> run finished of their events received while shard ``killed`` was down
-    (a kill-shard fault's injection to its restart), and of those received outside every
-    fault's window (injection to restart and recovery, plus AFTERMATH_S)."""
+    (a kill-shard fault's injection to its restart), and of those whose whole way, received to
+    run finished, lies outside every fault's window (injection to restart and recovery, plus
+    AFTERMATH_S): an event received a second before a broker kill and finished after its
+    restart waited for the fault, not for the system without faults."""
     finished = {}
     for r in rows["runs"]:
         if r["outcome"] != "failed" and r["finished_at"] is not None:
@@ -243,7 +245,7 @@ def shard_outage_line(faults: list[Fault], rows: dict, *, killed: int) -> str:
         got = e["received_at"].timestamp()
         if any(start <= got <= end for start, end in outages):
             during.append(done - got)
-        elif not any(start <= got <= end for start, end in windows):
+        elif not any(got <= end and done >= start for start, end in windows):
             calm.append(done - got)
     return (
         f"shards other than {killed}: p99 received -> run finished while shard {killed} was down "
