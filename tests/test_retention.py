@@ -142,7 +142,9 @@ def test_the_scheduler_prunes_at_start(stack, ledger, topics, vigil_env, spawn):
     port = int(env["VIGIL_SCHEDULER_PORT"])
     spawn(["scheduler"], env, name="scheduler").wait_healthy(port)
     wait_for(lambda: left(ledger) == KEPT, 30, "old finished work pruned", interval=0.2)
-    wait_for(lambda: metric(port, 'vigil_ledger_pruned_rows_total{table="events"}') == 4, 10, "prune counted")
+    wait_for(
+        lambda: metric(port, "vigil_ledger_pruned_rows_total", 'shard="0",table="events"') == 4, 10, "prune counted"
+    )
     assert scalar(ledger, "SELECT count(*) FROM events") == 3
 
 

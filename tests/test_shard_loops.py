@@ -113,6 +113,25 @@ def test_one_scheduler_fires_each_shards_due_timers_and_marks_them_on_that_shard
     assert scheduler.alive()
 
 
+def test_one_scheduler_prunes_each_shard_and_counts_it_under_that_shard(two_shards, stack, topics, spawn):
+    """Retention runs on every shard (a pruner thread each), counted under its shard: the same
+    old and young rows on both (test_retention.py's), the same left on both."""
+    from test_retention import KEPT, left, seed
+
+    (zero, one), env = two_shards
+    for dsn in (zero, one):
+        seed(dsn)
+    port = int(env["VIGIL_SCHEDULER_PORT"])
+    spawn(["scheduler"], {**env, **FAST}).wait_healthy(port)
+    wait_for(lambda: left(zero) == KEPT and left(one) == KEPT, 30, "both shards pruned", interval=0.2)
+    for shard in ("0", "1"):
+        wait_for(
+            lambda shard=shard: metric(port, "vigil_ledger_pruned_rows_total", f'shard="{shard}",table="events"') == 4,
+            10,
+            f"shard {shard}'s prune counted under its shard",
+        )
+
+
 def test_a_shard_taken_away_does_not_stop_the_scheduler_serving_the_other(two_shards, stack, topics, spawn):
     (zero, one), env = two_shards
     homes = users_by_shard((zero, one), per_shard=1)

@@ -66,11 +66,14 @@ APPROVAL_EXPIRIES = Counter(
 PRUNED = Counter(
     "vigil_ledger_pruned_rows_total",
     "Rows retention deleted from the ledger (finished events, delivered or dead outbox rows, runs, done timers, "
-    "expired dedup keys).",
-    ["table"],
+    "expired dedup keys), by ledger shard.",
+    ["table", "shard"],
 )
 
 # Every bounded label value starts at zero, so increase() sees the first occurrence of each.
+# What retention deletes from (``vigil.ledger.retention.prune``'s counts).
+PRUNED_TABLES = ("events", "outbox", "runs", "timers", "event_keys", "run_journal")
+
 for _kind in ("followup", "schedule", "approval_expiry"):
     LATENESS.labels(_kind)
     for _policy in ("coalesce", "each", "skip"):
@@ -84,12 +87,12 @@ def start_shards(shards: int) -> None:
         DUE_BACKLOG.labels(shard)
         OLDEST_DUE.labels(shard)
         SHARD_UP.labels(shard).set(1)
+        for table in PRUNED_TABLES:
+            PRUNED.labels(table, shard)
 
 
 for _outcome in ("expired", "yes", "no", "escalated", "unknown", "not_yet_due"):
     APPROVAL_EXPIRIES.labels(_outcome)
-for _table in ("events", "outbox", "runs", "timers", "run_journal"):
-    PRUNED.labels(_table)
 REVIEWS_SCHEDULED = Counter(
     "vigil_memory_reviews_scheduled_total",
     "Memory reviews this scheduler queued (dreaming, VIGIL_DREAM_AFTER_SESSIONS): at most one open per user.",

@@ -38,7 +38,7 @@ def start_pruner(settings: SchedulerSettings, stopping: threading.Event, *, shar
 
     def pruned(counts: dict[str, int]) -> None:
         for table, n in counts.items():
-            metrics.PRUNED.labels(table).inc(n)
+            metrics.PRUNED.labels(table, str(shard)).inc(n)
 
     return Pruner(
         settings.shard_dsns[shard],

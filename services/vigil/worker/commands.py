@@ -17,13 +17,16 @@ from vigil.ledger.db import connect
 from vigil.ledger.events import retry_dead_events
 from vigil.service import load_or_exit, require_schema
 from vigil.settings import CommonSettings
-from vigil.worker.main import serve
 from vigil.worker.settings import WorkerSettings
 
 
 @click.command("worker")
 def worker_command() -> None:
     """Run a worker: consume events, record them in the ledger, run the agent."""
+    # The worker's own modules (the agent, the anthropic SDK: two seconds of imports) load
+    # here, not for every `vigil` command that only reads the ledger.
+    from vigil.worker.main import serve
+
     settings = load_or_exit(WorkerSettings)
     require_schema(settings)
     sys.exit(serve(settings))
