@@ -70,10 +70,10 @@ PRUNED = Counter(
     ["table", "shard"],
 )
 
-# Every bounded label value starts at zero, so increase() sees the first occurrence of each.
 # What retention deletes from (``vigil.ledger.retention.prune``'s counts).
 PRUNED_TABLES = ("events", "outbox", "runs", "timers", "event_keys", "run_journal")
 
+# Every bounded label value starts at zero, so increase() sees the first occurrence of each.
 for _kind in ("followup", "schedule", "approval_expiry"):
     LATENESS.labels(_kind)
     for _policy in ("coalesce", "each", "skip"):

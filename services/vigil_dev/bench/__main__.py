@@ -272,6 +272,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: b
                     report,
                     report.value("record_events_per_s") or FALLBACK_RATE,
                     (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2,
+                    (report.value("e2e_single_event_runs_per_s") or FALLBACK_RATE) / 2,
                 ),
             ),
             # A quarter of the e2e rate (below the knee: what the network adds, not the queue).

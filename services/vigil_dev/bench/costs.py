@@ -72,7 +72,7 @@ def pg_cpu_s(postmaster: int) -> float:
     return total
 
 
-def snapshot(dsn: str, worker_pid: int, postmaster: int | None) -> dict[str, float]:
+def _snapshot(dsn: str, worker_pid: int, postmaster: int | None) -> dict[str, float]:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
         row = conn.execute(B.cost_counters).fetchone()
@@ -87,28 +87,37 @@ def snapshot(dsn: str, worker_pid: int, postmaster: int | None) -> dict[str, flo
 
 def measure(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[dict, int, int]:
     """Offer ``rate`` events/s to ``e2e``'s users and drain; the counters' growth, and the
-    events and runs finished (the only round in flight)."""
-    plan, dsn = e2e.plan, e2e.dsn
-    postmaster = postmaster_pid(dsn)
+    events and runs finished (the only round in flight). One ledger: its only shard."""
+    (grown,), (events,), (runs,) = measure_shards(e2e, workers, rate)
+    return grown, events, runs
+
+
+def measure_shards(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[list[dict], list[int], list[int]]:
+    """:func:`measure` on each of ``e2e``'s ledger shards: per shard, its server's counters'
+    growth (the worker's CPU, one process, is in each), and the events and runs it finished."""
+    plan = e2e.plan
+    postmasters = [postmaster_pid(dsn) for dsn in e2e.dsns]
     pid = workers.procs[0].pid
     time.sleep(plan.cost_settle_s)
-    before = snapshot(dsn, pid, postmaster)
+    before = [_snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
     source = e2e._source("cost")
     produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, e2e.users, source).result()
     time.sleep(0.3)
-    totals = e2e._drain(workers, source, produced.count)
+    e2e._drain(workers, source, produced.count)
     time.sleep(plan.cost_settle_s)
-    after = snapshot(dsn, pid, postmaster)
-    return {k: after[k] - before[k] for k in COUNTERS}, int(totals["done"]), int(totals["runs"])
+    after = [_snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
+    grown = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
+    done = [_round_done(dsn, source) for dsn in e2e.dsns]
+    return grown, [d[0] for d in done], [d[1] for d in done]
+
+
+def _round_done(dsn: str, source: str) -> tuple[int, int]:
+    """A round's events done and their runs, on one ledger (one shard's share of the round)."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        row = conn.execute(B.round_totals, {"source": source}).fetchone()
+    return int(row["done"]), int(row["runs"])
 
 
 def add_figures(report: Report, unit: str, grown: dict, count: int, note: str) -> None:
     for name in COUNTERS:
         report.add(Figure(f"cost_{name}_per_{unit}", [grown[name] / max(count, 1)], per="run", note=note))
-
-
-def round_done(dsn: str, source: str) -> tuple[int, int]:
-    """A round's events done and their runs, on one ledger (one shard's share of the round)."""
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        row = conn.execute(B.round_totals, {"source": source}).fetchone()
-    return int(row["done"]), int(row["runs"])

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from urllib.parse import quote
@@ -101,28 +100,13 @@ def _workers(stack: BenchStack, dsns: tuple[str, str], topics, **settings: str) 
     return Workers(stack, urls[0], topics, 1, VIGIL_LEDGER_SHARDS=",".join(urls), **settings)
 
 
-def measure(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[list[dict], float, list[int], list[int]]:
-    """:func:`costs.measure` on every shard: per shard the growth of its server's counters, its
-    events and runs finished; and the worker's CPU (one process for both)."""
-    plan = e2e.plan
-    postmasters = [costs.postmaster_pid(dsn) for dsn in e2e.dsns]
-    pid = workers.procs[0].pid
-    time.sleep(plan.cost_settle_s)
-    before = [costs.snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
-    source = e2e._source("cost")
-    produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, e2e.users, source).result()
-    time.sleep(0.3)
-    e2e._drain(workers, source, produced.count)
-    time.sleep(plan.cost_settle_s)
-    after = [costs.snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
-    grown = [{k: a[k] - b[k] for k in costs.COUNTERS} for a, b in zip(after, before)]
-    done = [costs.round_done(dsn, source) for dsn in e2e.dsns]
-    return grown, grown[0]["worker_cpu_us"], [d[0] for d in done], [d[1] for d in done]
+Measured = tuple[list[dict], list[int], list[int]]  # costs.measure_shards: growth, events, runs per shard
 
 
-def _add_costs(report: Report, unit: str, measured: tuple[list[dict], float, list[int], list[int]], note: str) -> None:
-    grown, worker_cpu, events, runs = measured
+def _add_costs(report: Report, unit: str, measured: Measured, note: str) -> None:
+    grown, events, runs = measured
     counts = events if unit == "event" else runs
+    worker_cpu = grown[0]["worker_cpu_us"]  # one worker process for both shards
     for k, (shard, n) in enumerate(zip(grown, counts)):
         per = ", ".join(f"{name} {fmt(shard[name] / max(n, 1))}" for name in PER_SHARD)
         report.say(f"  shard {k}: {n} {unit}s finished; per {unit}: {per}")
@@ -134,10 +118,14 @@ def _add_costs(report: Report, unit: str, measured: tuple[list[dict], float, lis
         report.add(Figure(f"cost_{name}_per_{unit}_2_shards", [statistics.mean(values)], per="run", note=note))
 
 
-def two_shards(stack: BenchStack, plan: Plan, report: Report, start_rate: float, cost_rate: float) -> None:
+def two_shards(
+    stack: BenchStack, plan: Plan, report: Report, start_rate: float, event_rate: float, run_rate: float
+) -> None:
+    """The throughput rounds from ``start_rate``; the per-event costs at ``event_rate`` and the
+    per-run costs at ``run_rate`` (what the one-shard passes were offered)."""
     with second_server(stack) as server:
-        _throughput_and_event_costs(stack, plan, report, server, start_rate, cost_rate)
-        _run_costs(stack, plan, report, server)
+        _throughput_and_event_costs(stack, plan, report, server, start_rate, event_rate)
+        _run_costs(stack, plan, report, server, run_rate)
 
 
 def _throughput_and_event_costs(
@@ -164,28 +152,27 @@ def _throughput_and_event_costs(
                         )
                     )
                 print(f"  two shards: per-event costs at {cost_rate:.0f} events/s", file=sys.stderr, flush=True)
-                measured = measure(e2e, workers, cost_rate)
+                measured = costs.measure_shards(e2e, workers, cost_rate)
         finally:
             e2e.producer.close()
-    events_done = sum(measured[2])
-    note = f"{events_done} events over 2 shards in {sum(measured[3])} runs, {cost_rate:.0f} events/s offered"
+    events_done = sum(measured[1])
+    note = f"{events_done} events over 2 shards in {sum(measured[2])} runs, {cost_rate:.0f} events/s offered"
     _add_costs(report, "event", measured, note)
 
 
-def _run_costs(stack: BenchStack, plan: Plan, report: Report, server) -> None:
+def _run_costs(stack: BenchStack, plan: Plan, report: Report, server, rate: float) -> None:
     """The per-run counters with every run carrying one event (the ``single`` workload's
-    cost pass), offered what the one-shard pass was offered."""
-    rate = (report.value("e2e_single_event_runs_per_s") or 1000.0) / 2
+    cost pass)."""
     with ledgers(stack, server, plan.partitions) as dsns, stack.topics(plan.partitions) as topics:
         e2e = EndToEnd(stack, plan, dsns[0], topics, plan.memory_users, other_shards=dsns[1:])
         try:
             with _workers(stack, dsns, topics, VIGIL_BATCH_MAX="1") as workers:
                 workers.wait_ready()
                 print(f"  two shards: per-run costs at {rate:.0f} events/s", file=sys.stderr, flush=True)
-                measured = measure(e2e, workers, rate)
+                measured = costs.measure_shards(e2e, workers, rate)
         finally:
             e2e.producer.close()
-    note = f"{sum(measured[3])} single-event runs over 2 shards, {rate:.0f} events/s offered"
+    note = f"{sum(measured[2])} single-event runs over 2 shards, {rate:.0f} events/s offered"
     _add_costs(report, "run", measured, note)
 
 
