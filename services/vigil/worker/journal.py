@@ -28,8 +28,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-import psycopg
-
 from vigil.agent import metrics as agent_metrics
 from vigil.agent.base import RunContext
 from vigil.agent.journal import Journal
@@ -134,6 +132,7 @@ async def prepare(
     ctx: RunContext,
     live: ledger_journal.Live | None,
     reload: Callable[[RunContext], Awaitable[None]],
+    max_attempts: int,
     group: GroupAppend | None = None,
 ) -> Journal:
     """Decide whether the run is fresh or a replay (module doc), set ``ctx`` (its key, its
@@ -142,8 +141,23 @@ async def prepare(
     was read without. Returns the run's journal."""
     fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
     start = _start_of(live)
+    if live is not None and start is not None and _isolates(claim, start, max_attempts):
+        # Claim rule 3: the last attempt of a run lost in company runs its first event alone,
+        # journal or not. Taking the journal's batch up again would spend the batch-mates'
+        # last attempt on a crash that may be another event's: the poison would take them
+        # down with it.
+        agent_metrics.RUN_REPLAYS.labels("isolated").inc()
+        log.warning(
+            "not replaying a journal of %d events on a last attempt: event %d runs alone",
+            len(start),
+            claim.events[0].id,
+        )
+        async with pool.connection() as conn:
+            await ledger_journal.discard(conn, fence, live.run_key)
+        key = f"{claim.run_key}~{claim.attempt}"
+        return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
     if live is not None and _is_this_run(live.run_key, claim) and start is not None:
-        adopted = await _take_up(pool, claim, start)
+        adopted = await _take_up(pool, claim, start, max_attempts)
         if adopted is not None:
             agent_metrics.RUN_REPLAYS.labels("replayed").inc()
             log.info("replaying the run's journal (%d steps)", len(live.steps))
@@ -163,19 +177,6 @@ async def prepare(
     return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
 
 
-async def drop(pool: AsyncPool, claim: Claim, exc: Exception) -> None:
-    """A replay that diverged (``vigil.agent.journal.Diverged``): its journal is dropped,
-    fenced, so the next attempt starts over under a new key instead of diverging again."""
-    agent_metrics.RUN_REPLAYS.labels("diverged").inc()
-    fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
-    key = getattr(exc, "run_key", None) or claim.run_key
-    try:
-        async with pool.connection() as conn:
-            await ledger_journal.discard(conn, fence, key)
-    except psycopg.Error as err:
-        log.warning("could not drop the diverged journal (the next attempt finds it again): %s", err)
-
-
 def _bind(ctx: RunContext, claim: Claim, journal: Journal) -> Journal:
     ctx.journal = journal
     ctx.run_key = journal.run_key
@@ -183,6 +184,11 @@ def _bind(ctx: RunContext, claim: Claim, journal: Journal) -> Journal:
     if ctx.delegation is not None:
         ctx.delegation = replace(ctx.delegation, owner_chain=(claim.user_id, journal.run_key))
     return journal
+
+
+def _isolates(claim: Claim, start: list[int], max_attempts: int) -> bool:
+    """Is this claim the lone last attempt of a run that started with other events?"""
+    return claim.attempt >= max_attempts and start != claim.event_ids
 
 
 def _is_this_run(run_key: str, claim: Claim) -> bool:
@@ -198,7 +204,7 @@ def _start_of(live: ledger_journal.Live | None) -> list[int] | None:
     return list(start["events"]) if start and isinstance(start.get("events"), list) else None
 
 
-async def _take_up(pool: AsyncPool, claim: Claim, start: list[int]) -> list | None:
+async def _take_up(pool: AsyncPool, claim: Claim, start: list[int], max_attempts: int) -> list | None:
     """Make the claim cover exactly the journal's start events: claim the missing ones by id,
     release those that came since. Returns the events claimed by id; None (nothing changed)
     if a start event cannot be claimed."""
@@ -206,7 +212,7 @@ async def _take_up(pool: AsyncPool, claim: Claim, start: list[int]) -> list | No
     missing = [i for i in start if i not in have]
     extra = [event.id for event in claim.events if event.id not in set(start)]
     async with pool.connection() as conn:
-        adopted = await ledger_claims.claim_ids(conn, claim, missing) if missing else []
+        adopted = await ledger_claims.claim_ids(conn, claim, missing, max_attempts) if missing else []
         if len(adopted) != len(missing):
             if adopted:
                 await ledger_claims.release_claim(conn, claim.home, claim.epoch, [e.id for e in adopted])
@@ -218,12 +224,12 @@ async def _take_up(pool: AsyncPool, claim: Claim, start: list[int]) -> list | No
     return adopted
 
 
-def adopter(pool: AsyncPool, claim: Claim, folded: list):
+def adopter(pool: AsyncPool, claim: Claim, folded: list, max_attempts: int):
     """ctx.adopt: a replayed boundary's events, claimed by id and folded into the run."""
 
     async def adopt(ids):
         async with pool.connection() as conn:
-            more = await ledger_claims.claim_ids(conn, claim, ids)
+            more = await ledger_claims.claim_ids(conn, claim, ids, max_attempts)
         folded.extend(more)
         return more
 
