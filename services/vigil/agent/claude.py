@@ -327,14 +327,15 @@ class ClaudeAgent:
     async def _left_today(self, user_id: str) -> int | None:
         """Billed tokens the user may still use today under the daily budget of their current
         profile (not a resumed session's pinned version; None: no budget). Spent: read again
-        from the ledger, uncached (an operator may just have raised it), then
-        :class:`OverBudget` until the next UTC day, and the user told once."""
+        from the ledger, uncached (an operator may just have raised it). A remainder too small
+        for one model call (``model.MIN_CALL_TOKENS``) counts as spent: :class:`OverBudget`
+        until the next UTC day, and the user told once. (Started with it, the run could make
+        no call and would end with nothing: its events done, unprocessed.)"""
         book = self.profiles
         if book is None:
             return None
         now = utc(self.clock.now())
         today = datetime(now.year, now.month, now.day, tzinfo=UTC)
-        tomorrow = today + timedelta(days=1)
         try:
             profile = await book.current(user_id)
             if not (daily := self._daily(profile)):
@@ -342,25 +343,44 @@ class ClaudeAgent:
             ledger = book.pool if self.user_ledger is None else self.user_ledger(user_id)
             async with ledger.connection() as conn:
                 spent = await ledger_budgets.spent(conn, user_id=user_id, since=today)
-            if spent >= daily:
+            if daily - spent < model.MIN_CALL_TOKENS:
                 profile = await book.current(user_id, fresh=True)
                 if not (daily := self._daily(profile)):
                     return None
-            if spent < daily:
+            if daily - spent >= model.MIN_CALL_TOKENS:
                 return daily - spent
-            name = profile.name if profile else DEFAULT
-            metrics.BUDGET_EXHAUSTED.labels(name).inc()
-            if self.settings.budget_notice:
-                body = (
-                    f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
-                    f"until {tomorrow.isoformat(timespec='minutes')}."
-                )
-                async with ledger.connection() as conn:
-                    await ledger_budgets.notify_once(conn, user_id=user_id, day=today.date(), profile=name, body=body)
         except psycopg.Error as exc:
             raise RetryLater(f"budget lookup: {exc}") from exc
+        await self._refuse(user_id, profile, daily, spent)
+        return None  # not reached: _refuse raises
+
+    async def _refuse(self, user_id: str, profile: Profile | None, daily: int, spent: int) -> None:
+        """The user's daily budget is spent: counted, the user told once a day (an outbox
+        row), and :class:`OverBudget`, so the run's events wait for the next UTC day with no
+        attempt counted."""
+        now = utc(self.clock.now())
+        today = datetime(now.year, now.month, now.day, tzinfo=UTC)
+        tomorrow = today + timedelta(days=1)
+        name = profile.name if profile else DEFAULT
+        metrics.BUDGET_EXHAUSTED.labels(name).inc()
+        if self.settings.budget_notice and self.profiles is not None:
+            book = self.profiles
+            ledger = book.pool if self.user_ledger is None else self.user_ledger(user_id)
+            body = (
+                f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
+                f"until {tomorrow.isoformat(timespec='minutes')}."
+            )
+            try:
+                async with ledger.connection() as conn:
+                    await ledger_budgets.notify_once(conn, user_id=user_id, day=today.date(), profile=name, body=body)
+            except psycopg.Error as exc:
+                raise RetryLater(f"budget notice: {exc}") from exc
         wait = (tomorrow - now).total_seconds()
-        raise OverBudget(f"daily token budget spent ({spent} of {daily})", retry_after=wait)
+        left = max(daily - spent, 0)
+        raise OverBudget(
+            f"daily token budget spent ({spent} of {daily}; {left} left, fewer than a model call takes)",
+            retry_after=wait,
+        )
 
     async def run(self, ctx: RunContext) -> RunResult:
         profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
