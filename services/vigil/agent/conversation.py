@@ -273,6 +273,13 @@ class Conversation:
         for use in uses:
             name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
             step = self.run.journal.take()
+            fact = self.run.journal.fact(step, name)
+            if fact is not None:
+                # Made before the replay: its outcome stands whatever the agent allows now.
+                tool = self.box.actions.get(name)
+                self.outputs.actions.append(tool.describe(args) if tool is not None else name)
+                results.append(tool_result(use["id"], screen_output(name, fact.text), fact.is_error))
+                continue
             with tool_span(name, use["id"], self.box.actions.get(name)) as span:
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
                     output = await self._delegate(use, args, step)
