@@ -51,15 +51,17 @@ class CrashingEndpoint:
         self.server.shutdown()
 
 
-def poison_script(url: str) -> dict:
+def poison_script(url: str, delay: float = 0.0) -> dict:
     """A message naming poison makes the model call the crashing endpoint (first rule that
-    matches wins: a run holding the poison message calls it); a hello is answered."""
+    matches wins: a run holding the poison message calls it), after ``delay`` seconds; a
+    hello is answered."""
     return {
         "rules": [
             {"when": {"tool_result": "send_message"}, "reply": []},
             {"when": {"tool_result": "http_request"}, "reply": []},
             {
                 "when": {"user_text": "poison"},
+                "delay": delay,
                 "reply": [
                     {
                         "type": "tool_use",
@@ -82,19 +84,41 @@ def settled(dsn: str, count: int) -> bool:
     return len(rows) == count and all(r["status"] in ("done", "dead") for r in rows)
 
 
+class KillOnAsk(threading.Thread):
+    """Kills the supervisor's workers whenever the model is asked about poison: the crash comes
+    while the run's first step is in flight, before anything is journaled."""
+
+    def __init__(self, server: ScriptedServer, supervisor: Supervisor):
+        super().__init__(daemon=True)
+        self.server, self.supervisor, self.stopped = server, supervisor, threading.Event()
+        self.kills = 0
+
+    def run(self) -> None:
+        seen = 0
+        while not self.stopped.wait(0.1):
+            asked = [r for r in self.server.requests() if "poison" in json.dumps(r["messages"][-1])]
+            if len(asked) > seen:
+                seen = len(asked)
+                self.kills += 1
+                for proc in list(self.supervisor.workers):
+                    proc.kill()
+
+
 @pytest.mark.partitions(1)
-def test_a_poison_event_in_a_journaled_batch_kills_no_batch_mate(stack, topics, ledger, vigil_env, spawn):
-    """Three messages claimed as one run: ``hello one``, ``poison X``, ``hello two``. The run
-    journals its first step (the model's answer), then its call kills the worker, on every
-    attempt. The journal's replay takes the batch up again on the next attempts; the lone last
-    attempt runs the suspect alone, journal or not (claim rule 3): the poison event ends dead
-    with its reason, both healthy events done and answered. Before, all three ended dead with
-    three attempts each."""
+@pytest.mark.parametrize("crash", ["after_its_first_step", "before_its_first_step"])
+def test_a_poison_event_in_a_journaled_batch_kills_no_batch_mate(crash, stack, topics, ledger, vigil_env, spawn):
+    """Three messages claimed as one run: ``hello one``, ``poison X``, ``hello two``. The
+    poison kills the worker on every attempt: after the run journaled its first step (the
+    model's answer, whose call kills it), or before (while the model is asked). The journal's
+    replay takes the batch up again on the next attempts; the lone last attempt runs the
+    suspect alone, journal or not (claim rule 3): the poison event ends dead with its reason,
+    both healthy events done and answered. Before, after the first step, all three ended dead
+    with three attempts each."""
     endpoint = CrashingEndpoint()
     # The three arrive before any worker: the first claim takes them together (one run).
     batch = [chat("pat", "hello one"), chat("pat", "poison X"), chat("pat", "hello two")]
     produce(stack.bootstrap, topics.events, batch)
-    with ScriptedServer(poison_script(endpoint.url)) as server:
+    with ScriptedServer(poison_script(endpoint.url, 5.0 if crash == "before_its_first_step" else 0.0)) as server:
         env = claude_env(
             vigil_env,
             server.base_url,
@@ -102,7 +126,11 @@ def test_a_poison_event_in_a_journaled_batch_kills_no_batch_mate(stack, topics, 
             VIGIL_HTTP_ALLOWED_HOSTS=endpoint.url.removeprefix("http://"),
         )
         supervisor = Supervisor(spawn, lambda: env, 1)
-        endpoint.supervisor = supervisor
+        killer = KillOnAsk(server, supervisor)
+        if crash == "before_its_first_step":
+            killer.start()
+        else:
+            endpoint.supervisor = supervisor
         try:
             wait_for(
                 lambda: settled(ledger, 3),
@@ -111,6 +139,7 @@ def test_a_poison_event_in_a_journaled_batch_kills_no_batch_mate(stack, topics, 
                 interval=0.5,
             )
         finally:
+            killer.stopped.set()
             supervisor.stop()
             endpoint.close()
             for row in query(ledger, "SELECT id, status, attempts, lost_claims, error, payload FROM events"):
@@ -121,7 +150,7 @@ def test_a_poison_event_in_a_journaled_batch_kills_no_batch_mate(stack, topics, 
     assert by_text["hello one"]["status"] == "done", by_text
     assert by_text["hello two"]["status"] == "done", by_text
     assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi one", "hi two"]
-    assert endpoint.crashes >= 3  # the poison's call killed the worker on each of its attempts
+    assert endpoint.crashes + killer.kills >= 3  # the poison killed the worker on each of its attempts
     assert_runs_consistent(ledger)
 
 
