@@ -646,17 +646,23 @@ def test_open_tasks_per_user_are_bounded_atomically_by_the_ledger(ledger):
     from vigil.ledger import tasks as ledger_tasks
 
     async def go():
-        first, second = await _tasks_conn(ledger), await _tasks_conn(ledger)
+        first, second, watcher = [await _tasks_conn(ledger) for _ in range(3)]
         async with first.transaction():
+            # The first finish has counted and inserted; its transaction stays open (uncommitted,
+            # so a count under READ COMMITTED elsewhere does not see its task).
             await ledger_tasks.create(first, dataclasses.replace(_new_task("tsk_first"), max_open=1))
             racing = asyncio.create_task(
                 _create_in_transaction(second, dataclasses.replace(_new_task("tsk_second"), max_open=1))
             )
-            await asyncio.sleep(0.5)
-            assert not racing.done()  # held back by the first finish's lock
+            # Until the second has counted and inserted, or waits for the user's lock.
+            waits = "SELECT wait_event FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'"
+            pid, deadline = second.info.backend_pid, time.monotonic() + 10
+            while not racing.done() and not await (await watcher.execute(waits, (pid,))).fetchall():
+                assert time.monotonic() < deadline, "the second finish neither waited nor ended"
+                await asyncio.sleep(0.01)
         await racing
         rows = {r.id: r for r in await ledger_tasks.of_user(first, user_id="race")}
-        for conn in (first, second):
+        for conn in (first, second, watcher):
             await conn.close()
         return rows
 
