@@ -269,10 +269,10 @@ async def of_user(
 
 
 def may_own(task: TaskRow, owners: Sequence[str]) -> bool:
-    """The owner-chain rule (docs/tasks.md, "Ownership"): a caller whose owner ids (its own
-    chain: the user, then the run key and task ids that led to it) include the task's creator
-    or any owner in the task's chain may read, wait for and cancel it. Never the session: a
-    conversation id is recorded, not consulted. (``tasks_of_owner`` applies it in SQL.)"""
+    """The owner-chain rule (docs/tasks.md, "Ownership"): a caller whose owner ids (the user,
+    over HTTP or the CLI; a run's conversation and run key, for its agent tools) include the
+    task's creator or any owner in the task's chain may read, wait for and cancel it. The
+    session_id column is recorded, never consulted. (``tasks_of_owner`` applies it in SQL.)"""
     return bool(set(owners) & {task.parent_run_key, *task.owner_chain})
 
 

@@ -236,7 +236,7 @@ WHERE id = %(id)s AND status = 'running' AND lease_epoch = %(lease_epoch)s
 RETURNING id
 
 -- name: tasks_of_owner
--- The tasks a caller may see (docs/tasks.md, "Ownership"; ledger.tasks.may_own is the same rule): its user's, with one of the caller's owner ids (its own chain: the user, a run key, task ids) in their owner chain; one of them when %(id)s is given. Never the session.
+-- The tasks a caller may see (docs/tasks.md, "Ownership"; ledger.tasks.may_own is the same rule): its user's, with one of the caller's owner ids (the user, over HTTP or the CLI; a run's conversation and run key, for its agent tools) in their owner chain; one of them when %(id)s is given. Never the session_id column.
 SELECT * FROM tasks
 WHERE user_id = %(user_id)s
   AND owner_chain && %(owners)s::text[]
