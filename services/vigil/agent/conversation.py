@@ -286,8 +286,8 @@ class Conversation:
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
                 elif name in TASK_TOOLS and self.gate.permission(name) is not Permission.DENY:
                     ctx = self.run.ctx
-                    owners = ctx.delegation.owner_chain if ctx.delegation else (ctx.user_id, ctx.run_key)
-                    caller = task_tools.Caller(ctx.user_id, owners)
+                    # Its own ids only, never the user's: the user is in every chain of theirs.
+                    caller = task_tools.Caller(ctx.user_id, (self.thread.session_id, ctx.run_key))
                     output = await task_tools.look(name, args, ctx.tasks, caller)
                     metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
                 elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
@@ -327,6 +327,8 @@ class Conversation:
         """The delegate tool: queue a background task in this run's result, or run a child now."""
         run, box = self.run, self.box
         limits = run.ctx.delegation
+        if limits is not None:
+            limits = delegation.in_conversation(limits, self.thread.session_id)
         try:
             open_tasks = await self._open_tasks(args)
         except TasksUnavailable as exc:

@@ -168,8 +168,8 @@ def task_definitions() -> dict[str, dict[str, Any]]:
         TASKS_LIST: {
             "name": TASKS_LIST,
             "description": (
-                "List the background tasks you delegated for this user (in any conversation), newest "
-                "first: id, status, progress and the start of their instructions."
+                "List the tasks delegated in this conversation (now or in an earlier turn) and the "
+                "sub-tasks they delegated, newest first: id, status, progress and the start of their instructions."
             ),
             "input_schema": {"type": "object", "properties": {}, "additionalProperties": False},
         },

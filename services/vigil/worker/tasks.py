@@ -127,7 +127,8 @@ class TaskExecutor:
         self.agent = agent
         self.shards = Shards.of(pool)  # tasks are claimed on every shard held, each run on its own
         self.producer = producer
-        # Leases, heartbeats and deadlines are decided on this clock, in the ledger too.
+        # Deadlines are decided on this clock, in the ledger too; leases on the ledger's alone
+        # (it stamps the heartbeats and judges their age), so no host's skew enters them.
         self.clock = clock or SystemClock()
         self.holding: dict[str, Holding] = {}
         self._shard_of: dict[str, int] = {}  # a held task's shard, from its claim to its last write
@@ -176,7 +177,7 @@ class TaskExecutor:
         return self.shards.pool(self._shard_of.get(task.id, CATALOG))
 
     def _start(self, task: ledger.TaskRow, leased_at: float, shard: int = CATALOG) -> None:
-        deadline_s = (task.deadline - datetime.now(UTC)).total_seconds()
+        deadline_s = (task.deadline - utc(self.clock.now())).total_seconds()  # set on a caller's clock
         ctx = TaskContext(
             task_id=task.id,
             user_id=task.user_id,
@@ -354,7 +355,7 @@ class TaskExecutor:
     async def _beat(self, task: ledger.TaskRow, usage: TaskUsage) -> bool | None:
         progress = ledger.Progress(usage.turns, usage.input_tokens, usage.output_tokens, usage.last_tool, usage.note)
         async with self._pool(task).connection() as conn:
-            return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress, now=utc(self.clock.now()))
+            return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress)
 
     def _outcome(self, execution: asyncio.Task, ctx: TaskContext):
         if execution.cancelled() and self._stopping:
@@ -512,7 +513,7 @@ class TaskExecutor:
                 queued, running, age_s = 0, 0, 0.0
                 for _shard, pool in self.shards.opened():
                     async with pool.connection() as conn:
-                        g = await ledger.gauges(conn, now=utc(self.clock.now()))
+                        g = await ledger.gauges(conn)
                     queued, running = queued + g.queued, running + g.running
                     age_s = max(age_s, g.heartbeat_age_s)
                 metrics.TASKS_QUEUED.set(queued)
