@@ -172,7 +172,7 @@ def _answer(text: str) -> SimpleNamespace:
 
 
 class LedgerModel(RuleBasedStateMachine):
-    """Two workers, four users on two partitions, and the model of what must hold."""
+    """Two workers, three users on two partitions, and the model of what must hold."""
 
     def __init__(self, world: World):
         super().__init__()
