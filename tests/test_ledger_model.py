@@ -265,7 +265,7 @@ class LedgerModel(RuleBasedStateMachine):
             return None
 
         brought = set(c.event_ids)
-        journal = self.world.run(run_journal.prepare(self.world.pool, c, ctx, cur, reload))
+        journal = self.world.run(run_journal.prepare(self.world.pool, c, ctx, cur, reload, MAX_ATTEMPTS))
         self.claimed.update(c.event_ids)
         if brought - set(c.event_ids):
             self.takes_back = True  # a replay released what its journal did not start with
@@ -645,11 +645,6 @@ def run_model(dsn: str) -> None:
         world.close()
 
 
-@pytest.mark.xfail(
-    raises=HealthyEventDead,
-    strict=False,
-    reason="issue 53 item 1: a replay takes its batch-mates up again on the lone last attempt (fix on another branch)",
-)
 def test_the_ledger_keeps_its_promises(ledger):
     run_model(ledger)
 
@@ -670,8 +665,8 @@ def drive(dsn: str, steps: list[tuple[str, dict]]) -> None:
 
 # Issue 53, item 1: one user's [healthy, poison, healthy] claimed as one run, journaled, whose
 # worker dies in the action call every time. The retry claims the first event alone, and the
-# replay takes the batch-mates up again by id (claim_ids), also on the lone last attempt: all
-# three die with three attempts each.
+# replay took the batch-mates up again by id (claim_ids), also on the lone last attempt: all
+# three died with three attempts each (before 4eff6d1).
 BATCH_MATES_OF_A_POISON_EVENT = [
     ("record", {"user": "u0", "poison": False}),
     ("record", {"user": "u0", "poison": True}),
@@ -699,11 +694,6 @@ BATCH_MATES_AS_FOUND = [
 ]
 
 
-@pytest.mark.xfail(
-    raises=HealthyEventDead,
-    strict=True,
-    reason="issue 53 item 1: a replay takes its batch-mates up again on the lone last attempt (fix on another branch)",
-)
 @pytest.mark.parametrize("steps", [BATCH_MATES_OF_A_POISON_EVENT, BATCH_MATES_AS_FOUND], ids=["by-hand", "as-found"])
 def test_a_poison_events_batch_mates_never_die(ledger, steps):
     drive(ledger, steps)
