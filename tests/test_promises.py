@@ -6,7 +6,10 @@ Each test is named after what must not happen. README "Guarantees" lists them.""
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler
 
 import pytest
@@ -212,3 +215,120 @@ def test_a_budget_too_small_for_a_model_call_drops_no_event(spawn, vigil_env, le
     notices = query(ledger, "SELECT user_id FROM outbox WHERE run_id = 0 ORDER BY user_id")
     assert [n["user_id"] for n in notices] == ["bud/dora", "one/olga"]  # each told once
     assert query(ledger, "SELECT count(*) AS n FROM runs")[0]["n"] == 1  # the earlier one: a refusal is no run
+
+
+class KillWhileRunning:
+    """An endpoint whose call kills the worker once the watched event runs while the calling
+    task still executes (the crash lands on whatever runs beside the task); a caller that goes
+    away first is let go."""
+
+    def __init__(self, dsn: str, watched: str, task: str) -> None:
+        self.supervisor: Supervisor | None = None
+        self.kills = self.calls = 0
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (the stdlib's name)
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                endpoint.calls += 1
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    both = query(
+                        dsn,
+                        "SELECT (SELECT status FROM events WHERE source_id = %s) AS event,"
+                        " (SELECT status FROM tasks WHERE id = %s) AS task",
+                        (watched, task),
+                    )[0]
+                    # The task's code kills its process while it executes beside the event.
+                    if both == {"event": "running", "task": "running"} and endpoint.supervisor is not None:
+                        endpoint.kills += 1
+                        for proc in list(endpoint.supervisor.workers):
+                            proc.kill()
+                        return
+                    readable, _, _ = select.select([self.connection], [], [], 0.1)
+                    if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                        return  # the caller went away (its task was handed back)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = LocalHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.mark.partitions(1)
+def test_a_background_task_never_crashes_a_lone_last_attempt(stack, topics, ledger, vigil_env, spawn):
+    """A lost event's last attempt runs with nothing else in flight in its worker, background
+    tasks included: the drain before it waits for the tasks in flight (up to
+    VIGIL_LONE_DRAIN_S) and hands the rest back, and no task is claimed while it runs. Here a
+    task's call kills the worker whenever the event is running: the event must end done, not
+    dead. Before, tasks were no part of the drain, the task's crash took the lone attempt down
+    and the healthy event died."""
+    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('lone', %s, 0)", (topics.events,))
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims,
+                               next_attempt_at, error)
+           VALUES ('lone', 'chat', 'lost-twice', 'chat.message', '{"text": "hello again"}', now(), 2, 2,
+                   now() + interval '4 seconds', 'claim abandoned: its worker lost partition 0')""",
+    )
+    endpoint = KillWhileRunning(ledger, "lost-twice", "tsk-crash")
+    query(
+        ledger,
+        "INSERT INTO tasks (id, user_id, parent_run_key, depth, owner_chain, instructions, tools, token_budget,"
+        " max_attempts, deadline) VALUES ('tsk-crash', 'other', 'other:1', 1, '{other}', 'crash call',"
+        " '{http_request}', 5000, 3, now() + interval '10 minutes')",
+    )
+    script = {
+        "rules": [
+            {"when": {"tool_result": "send_message"}, "reply": []},
+            {"when": {"tool_result": "http_request"}, "reply": [{"type": "text", "text": "called"}]},
+            {
+                "when": {"user_text": "crash call"},
+                "reply": [
+                    {
+                        "type": "tool_use",
+                        "name": "http_request",
+                        "input": {"method": "POST", "url": f"{endpoint.url}/crash", "body": "{}"},
+                    }
+                ],
+            },
+            {
+                "when": {"user_text": "hello (?P<who>\\w+)"},
+                "delay": 2.0,
+                "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "hi {who}"}}],
+            },
+        ]
+    }
+    with ScriptedServer(script) as server:
+        env = claude_env(
+            vigil_env,
+            server.base_url,
+            VIGIL_TOOL_PERMISSIONS="http_request=allow",
+            VIGIL_HTTP_ALLOWED_HOSTS=endpoint.url.removeprefix("http://"),
+            VIGIL_LONE_DRAIN_S="2",
+        )
+        supervisor = Supervisor(spawn, lambda: env, 1)
+        endpoint.supervisor = supervisor
+        try:
+            wait_for(
+                lambda: (
+                    query(ledger, "SELECT status FROM events WHERE source_id = 'lost-twice'")[0]["status"]
+                    in ("done", "dead")
+                ),
+                90,
+                "the lone attempt's end",
+                interval=0.3,
+            )
+        finally:
+            supervisor.stop()
+            endpoint.close()
+    row = query(ledger, "SELECT status, attempts, error FROM events WHERE source_id = 'lost-twice'")[0]
+    assert row["status"] == "done", row
+    assert endpoint.calls >= 1  # the task was in flight, its call waiting for the event to run
+    assert endpoint.kills == 0
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox WHERE user_id = 'lone'")] == ["hi again"]

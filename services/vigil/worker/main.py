@@ -92,6 +92,9 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     closing = threading.Event()
     consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing, runner.clock, shards)
     executor = TaskExecutor(settings, agent, shards, producer, runner.clock)
+    # A lone last attempt runs with nothing else in flight here, background tasks included.
+    executor.hold_off = runner.claimer.tasks_hold_off
+    runner.claimer.lone.beside = executor
     tasks = [
         asyncio.create_task(runner.claimer.claim_loop(), name="claim-loop"),
         *(

@@ -42,7 +42,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -112,6 +112,7 @@ class Holding:
     ctx: TaskContext
     leased_at: float  # time.monotonic() before the claim was sent: the lease is at least this fresh
     execution: asyncio.Task | None = None
+    handed_back: bool = False  # cancelled to be handed back (a lone attempt's drain), not failed
 
 
 class TaskExecutor:
@@ -134,6 +135,9 @@ class TaskExecutor:
         self._shard_of: dict[str, int] = {}  # a held task's shard, from its claim to its last write
         self._wake_report = asyncio.Event()
         self._stopping = False
+        # Set by the worker: while it says so, nothing is claimed (a lost event's last attempt
+        # runs with nothing else in flight in this process, tasks included: claim rule 3).
+        self.hold_off: Callable[[], bool] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -151,6 +155,8 @@ class TaskExecutor:
     async def claim_loop(self) -> None:
         while not self._stopping:
             free = self.settings.task_concurrency - len(self.holding)
+            if self.hold_off is not None and self.hold_off():
+                free = 0
             if free > 0:
                 left = free
                 for shard, pool in self.shards.opened():
@@ -335,7 +341,7 @@ class TaskExecutor:
                 waiting = {execution} if beat is None else {execution, beat}
                 done, _ = await asyncio.wait(waiting, timeout=max(wake - now, 0.0), return_when=asyncio.FIRST_COMPLETED)
                 if execution in done:
-                    return self._outcome(execution, ctx)
+                    return self._outcome(holding)
                 if beat is None or not beat.done():
                     continue
                 finished, beat = beat, None
@@ -357,8 +363,10 @@ class TaskExecutor:
         async with self._pool(task).connection() as conn:
             return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress)
 
-    def _outcome(self, execution: asyncio.Task, ctx: TaskContext):
-        if execution.cancelled() and self._stopping:
+    def _outcome(self, holding: Holding):
+        execution, ctx = holding.execution, holding.ctx
+        assert execution is not None
+        if execution.cancelled() and (self._stopping or holding.handed_back):
             return RELEASE
         if execution.cancelled():
             return self._usage(ctx, TaskStatus.FAILED, error="execution cancelled")
@@ -522,6 +530,21 @@ class TaskExecutor:
             except (psycopg.Error, OSError):
                 pass
             await asyncio.sleep(max(self.settings.task_heartbeat_s, 5.0))
+
+    def busy(self) -> int:
+        """Tasks this process holds."""
+        return len(self.holding)
+
+    def hand_back(self) -> int:
+        """Cancel every execution in flight and hand its task back to the queue, the attempt
+        not counted (as at shutdown); returns how many."""
+        count = 0
+        for holding in list(self.holding.values()):
+            holding.handed_back = True
+            if holding.execution is not None and not holding.execution.done():
+                holding.execution.cancel()
+                count += 1
+        return count
 
     async def stop(self, grace_s: float) -> None:
         """Stop claiming; give executions ``grace_s`` to end; hand the rest back to the queue."""
