@@ -21,7 +21,7 @@ as ``RunResult.session`` (the run's main one) or in ``RunResult.other_sessions``
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -336,6 +336,11 @@ class Agent(Protocol):
         """Share what the deployment's workers share toward the model (the fleet's gate):
         ``pool`` is the catalog's; ``user_ledger(user_id)``, the pool of the user's ledger
         shard (None: the catalog holds every user)."""
+        ...
+
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
+        """What the worker runs beside the runs for its whole life (a loop that raises stops
+        the worker): for the Claude agent, listing again the MCP servers that were down."""
         ...
 
     async def close(self) -> None: ...

@@ -17,11 +17,12 @@ exception for a failed attempt.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -31,7 +32,7 @@ import httpx2
 import psycopg
 
 from vigil.agent import delegation, dreaming, metrics, model
-from vigil.agent.actions import ToolRegistry, effective_permissions
+from vigil.agent.actions import ToolRegistry, effective_permissions, list_servers_again, permission_of
 from vigil.agent.base import OverBudget, RetryLater, RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
@@ -41,7 +42,7 @@ from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, 
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
-from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
+from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, EventPolicy, Permission, parse_event_policies
 from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
 from vigil.clock import Clock, SystemClock, utc
 from vigil.ledger import budgets as ledger_budgets
@@ -111,14 +112,17 @@ class ClaudeAgent:
         actions: list[ActionTool] | None = None,
     ):
         self.settings = settings
-        actions = ToolRegistry.from_settings(settings).tools if actions is None else actions
-        permissions = effective_permissions(settings, actions)
+        # MCP servers that could not be listed at start-up, and why: list_servers_again's.
+        self.servers_down: dict[str, str] = {}
+        if actions is None:
+            registry = ToolRegistry.from_settings(settings)
+            actions, self.servers_down = registry.tools, dict(registry.unreachable)
+        permissions = effective_permissions(settings, actions, self.servers_down)
         policies = settings.policies
         if policies.get("approval", EventPolicy.QUEUE) is not EventPolicy.QUEUE:
             raise SettingsError("VIGIL_EVENT_POLICIES: approval events resume their own session and are always queued")
         builtins = builtin_definitions(settings)
-        definitions = [d for n, d in builtins.items() if permissions[n] is not Permission.DENY]
-        definitions += [t.definition() for t in actions if permissions[t.name] is not Permission.DENY]
+        self.definitions = {**builtins, **{t.name: t.definition() for t in actions}}
         client = client or model_client(settings)
         model.prepare()
         self.box = Toolbox(
@@ -129,7 +133,7 @@ class ClaudeAgent:
             ),
             actions={t.name: t for t in actions},
             permissions=permissions,
-            tools=model.Encoded.of(definitions),
+            tools=model.Encoded.of(self._offered(permissions)),
             policies=policies,
             classifier=Classifier(
                 client,
@@ -141,7 +145,6 @@ class ClaudeAgent:
             else None,
         )
         self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)
-        self.definitions = {**builtins, **{t.name: t.definition() for t in actions}}
         self.profiles: ProfileBook | None = None  # set by join_fleet: profiles live in the ledger
         self.user_ledger: Callable[[str], AsyncPool] | None = None  # set by join_fleet: several ledger shards
         self._boxes: dict[tuple[str, int], Toolbox] = {}
@@ -177,6 +180,53 @@ class ClaudeAgent:
         await gate.start()
         self.box.retry = replace(self.box.retry, gate=gate)
 
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
+        """What the worker runs beside the runs for as long as it lives."""
+        return [self.list_servers_again()] if self.servers_down else []
+
+    async def list_servers_again(self) -> None:
+        """Every ``VIGIL_MCP_RETRY_S``, list the MCP servers that were down; offer the tools of
+        each that answers from then on, with the permissions VIGIL_TOOL_PERMISSIONS gives them.
+
+        Runs that started before keep the tools they started with (their box); the next runs
+        get the wider one. The tool list is part of the cached prompt prefix, so the prefix
+        changes once per server that comes back."""
+        while self.servers_down:
+            await asyncio.sleep(self.settings.mcp_retry_s)
+            found, still_down = await list_servers_again(self.settings, sorted(self.servers_down))
+            back = sorted(set(self.servers_down) - set(still_down))
+            self._add_tools([entry.tool for entry in found])
+            for server in back:
+                offered = [e.tool.name for e in found if e.tool.server == server]
+                log.info("MCP server %s is up: %d tool(s) offered from now on", server, len(offered))
+                prefix = f"{server}{MCP_SEPARATOR}"
+                for name in sorted(n for n in self.settings.permissions if n.startswith(prefix)):
+                    if name not in offered:
+                        log.warning("VIGIL_TOOL_PERMISSIONS: MCP server %s has no tool named %r", server, name)
+            self.servers_down = still_down
+
+    def _add_tools(self, tools: list[ActionTool]) -> None:
+        """A new default box with ``tools`` besides the agent's (profiles' boxes are built again)."""
+        box = self.box
+        actions, permissions = dict(box.actions), dict(box.permissions)
+        for tool in tools:
+            if tool.name in permissions:  # a built-in or a package's: start-up would have refused it
+                log.error("MCP server %s: tool %s skipped, a tool of that name exists", tool.server, tool.name)
+                continue
+            actions[tool.name] = tool
+            permissions[tool.name] = permission_of(self.settings, tool)
+            self.definitions[tool.name] = tool.definition()
+        self.box = replace(
+            box, actions=actions, permissions=permissions, tools=model.Encoded.of(self._offered(permissions))
+        )
+        self._boxes.clear()
+
+    def _offered(self, permissions: dict[str, Permission]) -> list[dict[str, Any]]:
+        """The definitions of the tools ``permissions`` does not deny, in their fixed order."""
+        return [
+            d for name, d in self.definitions.items() if permissions.get(name, Permission.DENY) is not Permission.DENY
+        ]
+
     async def close(self) -> None:
         await self.box.client.close()
         for tool in self.box.actions.values():
@@ -210,14 +260,11 @@ class ClaudeAgent:
         policies = dict(self.box.policies)
         if spec.event_policies:
             policies |= parse_event_policies(spec.event_policies)
-        offered = [
-            d for name, d in self.definitions.items() if permissions.get(name, Permission.DENY) is not Permission.DENY
-        ]
         box = replace(
             self.box,
             settings=self.settings.model_copy(update=spec.settings_update()),
             permissions=permissions,
-            tools=model.Encoded.of(offered),
+            tools=model.Encoded.of(self._offered(permissions)),
             policies=policies,
         )
         self._boxes[profile.name, profile.version] = box

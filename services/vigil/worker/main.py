@@ -104,6 +104,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
         asyncio.create_task(runner.finisher.gauge_loop(), name="gauges"),
         asyncio.create_task(loop_lag.watch(metrics.EVENT_LOOP_LAG.observe), name="loop-lag"),
         *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
+        *(asyncio.create_task(loop_, name=f"agent-{i}") for i, loop_ in enumerate(agent.loops())),
     ]
     # Everything allocated so far (modules, the SDK's ~180,000 type objects, pools) lives as
     # long as the process: keep it out of the collector's full passes. Unfrozen, each full
