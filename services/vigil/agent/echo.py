@@ -124,5 +124,8 @@ class EchoAgent:
     async def join_fleet(self, pool: Any, instance: str, user_ledger: Any = None) -> None:
         return None  # no model, nothing to share
 
+    def acting_tools(self) -> list[str]:
+        return []  # echo calls no tools
+
     async def close(self) -> None:
         return None

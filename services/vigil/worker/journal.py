@@ -31,12 +31,14 @@ from dataclasses import replace
 import psycopg
 
 from vigil.agent import metrics as agent_metrics
-from vigil.agent.base import RunContext
+from vigil.agent.base import Agent, RunContext
 from vigil.agent.journal import Journal
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.claims import Claim
 from vigil.ledger.db import AsyncPool
+from vigil.settings import SettingsError
+from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,23 @@ class RunWriter:
             return
         async with self.pool.connection() as conn:
             await ledger_journal.outcome(conn, self.fence, run_key=self.run_key, step=step, outcome=outcome)
+
+
+def refuse_unjournaled_actions(settings: WorkerSettings, agent: Agent) -> None:
+    """Without a journal a crash repeats every action call of the attempt it cut short, under
+    a new key the acted-on system cannot match: a worker whose agent has tools that act does
+    not start so unless the operator said so (VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept).
+    Raises SettingsError naming the settings and the tools."""
+    if settings.run_journal or settings.run_journal_off_with_actions == "accept":
+        return
+    acting = agent.acting_tools()
+    if acting:
+        raise SettingsError(
+            "VIGIL_RUN_JOURNAL=false: a retried run or task would repeat the calls of these tools, which act "
+            f"on the world, under new idempotency keys: {', '.join(acting)}. Turn the journal on, remove the "
+            "tools (a denied tool still counts: a profile may allow it), or set "
+            "VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept"
+        )
 
 
 def fresh_key(claim: Claim) -> str:
