@@ -448,6 +448,38 @@ def test_a_task_key_names_one_call_whoever_holds_it(journals, stack, topics, led
         assert len(asked) == 2, "nothing was journaled: the child's first question is asked again"
 
 
+def test_without_the_journal_a_run_released_for_an_overloaded_model_acts_under_new_keys(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """Journal off (accepted): a run POSTs /first, then the model is overloaded, so its claim
+    is released without counting an attempt (RetryLater). The retry asks the model again and
+    POSTs /second at the same step: under a key of its own, never the one /first had."""
+    receiver = Receiver()
+
+    def post(path: str) -> dict:
+        body = {"method": "POST", "url": f"{receiver.url}{path}", "body": "{}"}
+        return {"type": "tool_use", "name": "http_request", "input": body}
+
+    done = [{"type": "tool_use", "name": "send_message", "input": {"text": "Done."}}]
+    rules = [
+        {"when": {"tool_result": "send_message"}, "reply": []},
+        {"when": {"tool_result": "http_request"}, "error": {"status": 529, "retry_after": 0}, "times": 1},
+        {"when": {"tool_result": "http_request"}, "reply": done},
+        {"when": {"user_text": "refund"}, "reply": [post("/first")], "times": 1},
+        {"when": {"user_text": "refund"}, "reply": [post("/second")]},
+    ]
+    off = {"VIGIL_RUN_JOURNAL": "false", "VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS": "accept", "VIGIL_MODEL_RETRIES": "0"}
+    with ScriptedServer({"rules": rules}) as server:
+        worker(spawn, vigil_env, server, receiver, "worker-a", **off)
+        produce(stack.bootstrap, topics.events, [chat("uma", "refund A17")])
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox") == 1, 60, "the run's message")
+    receiver.close()
+    assert scalar(ledger, "SELECT attempts FROM events") == 1, "the overloaded model counted an attempt"
+    [(first, first_key), (second, second_key)] = receiver.calls
+    assert (first, second) == ("/first", "/second"), receiver.calls
+    assert first_key != second_key, f"one key named two calls: {receiver.calls}"
+
+
 def test_no_journal_with_tools_that_act_is_refused_unless_accepted(spawn, vigil_env):
     """VIGIL_RUN_JOURNAL=false with tools that act (http_request, the demo's refund package) is a
     start-up error naming the setting and the tools; an operator's VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS

@@ -16,6 +16,10 @@ Before the agent starts, :func:`prepare` decides what the run is:
 - **A journal it cannot replay** (another run's, or its events are gone): dropped, fenced,
   and the run starts over under a new key.
 
+With ``VIGIL_RUN_JOURNAL=false`` none of this happens: each claim's calls get keys of its own
+(:func:`unjournaled_key`), and a crash repeats them under new ones. The worker refuses that
+while its agent has tools that act, unless told to (:func:`refuse_unjournaled_actions`).
+
 :class:`RunWriter` appends a run's steps, each on a pooled connection in its own statement
 (autocommit), fenced by the claim's epoch; a refused append raises ``Fenced`` and the run
 stops as a failed attempt, whose finish is then refused as stale (nothing of it lands).
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -141,6 +146,15 @@ def refuse_unjournaled_actions(settings: WorkerSettings, agent: Agent) -> None:
             "tools (a denied tool still counts: a profile may allow it), or set "
             "VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept"
         )
+
+
+def unjournaled_key(claim: Claim) -> str:
+    """A run's key without a journal (VIGIL_RUN_JOURNAL=false): its claim's own,
+    ``<run key>~<attempt>.<8 random hex digits>``. The attempt alone is not enough: a claim
+    released without counting one (an overloaded model, a hand-over, the drain before a lone
+    last attempt) is claimed again at the same attempt, asks the model again, and may make
+    other calls at the same steps."""
+    return f"{claim.run_key}~{claim.attempt}.{secrets.token_hex(4)}"
 
 
 def fresh_key(claim: Claim) -> str:
