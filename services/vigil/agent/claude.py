@@ -36,7 +36,7 @@ from vigil.agent.actions import ToolRegistry, effective_permissions, list_server
 from vigil.agent.base import OverBudget, RetryLater, RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
-from vigil.agent.journal import Journal
+from vigil.agent.journal import Journal, task_key
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, resolve
 from vigil.agent.prompt import system_blocks, volatile_context
@@ -150,6 +150,13 @@ class ClaudeAgent:
         self._boxes: dict[tuple[str, int], Toolbox] = {}
         self.clock: Clock = SystemClock()  # what "today" is for daily budgets
         metrics.BUDGET_TOKENS.labels(DEFAULT).set(settings.user_daily_tokens)  # the series before any run
+
+    def acting_tools(self) -> list[str]:
+        """The tools that may act on the world when called: every action tool not marked
+        read-only, whatever its permission here (a profile may allow a tool the deployment
+        denies), and the tools of each MCP server that was not reachable at start (unknown)."""
+        acting = [t.name for t in self.box.actions.values() if not t.read_only]
+        return acting + [f"{server}__* (MCP server not listed at start)" for server in sorted(self.servers_down)]
 
     @classmethod
     def from_environment(cls) -> ClaudeAgent:
@@ -337,7 +344,7 @@ class ClaudeAgent:
                 settings.max_turns, ctx.token_budget, ctx.deadline, profile=profile.name if profile else DEFAULT
             ),
             usage=ctx.usage,
-            journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
+            journal=ctx.journal or Journal(task_key(ctx.task_id, ctx.lease_epoch, journaled=False)),
             tasks=ctx.tasks,
             session_id=ctx.session_id,
             spawned=ctx.spawned,

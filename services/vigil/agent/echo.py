@@ -128,5 +128,8 @@ class EchoAgent:
     def loops(self) -> list[Coroutine[Any, Any, None]]:
         return []  # no tools, nothing to watch
 
+    def acting_tools(self) -> list[str]:
+        return []  # echo calls no tools
+
     async def close(self) -> None:
         return None

@@ -233,6 +233,14 @@ class Journal:
             raise HandedOver(f"{self.run_key} handed over before step {self.step}")
 
 
+def task_key(task_id: str, lease_epoch: int, *, journaled: bool) -> str:
+    """A background task's run key. Journaled: ``task:<id>``, the same for every holder (each
+    replays what the ones before did, so a step's key names one call). Not journaled:
+    ``task:<id>~<lease epoch>``, a holder's own (a later holder asks the model again and may
+    make other calls at the same steps: they must never get a key an earlier call had)."""
+    return f"task:{task_id}" if journaled else f"task:{task_id}~{lease_epoch}"
+
+
 def _dumps(value: Any) -> str:
     """Compact JSON by pydantic-core's encoder (the requests' own: a fifth of the stdlib's CPU)."""
     return pydantic_core.to_json(value, fallback=str).decode()

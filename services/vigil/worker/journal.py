@@ -16,6 +16,10 @@ Before the agent starts, :func:`prepare` decides what the run is:
 - **A journal it cannot replay** (another run's, or its events are gone): dropped, fenced,
   and the run starts over under a new key.
 
+With ``VIGIL_RUN_JOURNAL=false`` none of this happens: each claim's calls get keys of its own
+(:func:`unjournaled_key`), and a crash repeats them under new ones. The worker refuses that
+while its agent has tools that act, unless told to (:func:`refuse_unjournaled_actions`).
+
 :class:`RunWriter` appends a run's steps, each on a pooled connection in its own statement
 (autocommit), fenced by the claim's epoch; a refused append raises ``Fenced`` and the run
 stops as a failed attempt, whose finish is then refused as stale (nothing of it lands).
@@ -25,16 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from vigil.agent import metrics as agent_metrics
-from vigil.agent.base import RunContext
+from vigil.agent.base import Agent, RunContext
 from vigil.agent.journal import Journal
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.claims import Claim
 from vigil.ledger.db import AsyncPool
+from vigil.settings import SettingsError
+from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +127,32 @@ class RunWriter:
             return
         async with self.pool.connection() as conn:
             await ledger_journal.outcome(conn, self.fence, run_key=self.run_key, step=step, outcome=outcome)
+
+
+def refuse_unjournaled_actions(settings: WorkerSettings, agent: Agent) -> None:
+    """Without a journal a crash repeats every action call of the attempt it cut short, under
+    a new key the acted-on system cannot match: a worker whose agent has tools that act does
+    not start so unless the operator said so (VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept).
+    Raises SettingsError naming the settings and the tools."""
+    if settings.run_journal or settings.run_journal_off_with_actions == "accept":
+        return
+    acting = agent.acting_tools()
+    if acting:
+        raise SettingsError(
+            "VIGIL_RUN_JOURNAL=false: a retried run or task would repeat the calls of these tools, which act "
+            f"on the world, under new idempotency keys: {', '.join(acting)}. Turn the journal on, remove the "
+            "tools (a denied tool still counts: a profile may allow it), or set "
+            "VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept"
+        )
+
+
+def unjournaled_key(claim: Claim) -> str:
+    """A run's key without a journal (VIGIL_RUN_JOURNAL=false): its claim's own,
+    ``<run key>~<attempt>.<8 random hex digits>``. The attempt alone is not enough: a claim
+    released without counting one (an overloaded model, a hand-over, the drain before a lone
+    last attempt) is claimed again at the same attempt, asks the model again, and may make
+    other calls at the same steps."""
+    return f"{claim.run_key}~{claim.attempt}.{secrets.token_hex(4)}"
 
 
 def fresh_key(claim: Claim) -> str:

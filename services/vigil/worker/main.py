@@ -33,6 +33,7 @@ from vigil.settings import SettingsError
 from vigil.worker import loop_lag, metrics
 from vigil.worker.consumer import ConsumerLoop
 from vigil.worker.deadletters import DeadLetters
+from vigil.worker.journal import refuse_unjournaled_actions
 from vigil.worker.runner import Runner
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
@@ -63,6 +64,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     loop = asyncio.get_running_loop()
     try:
         agent = make_agent(settings)
+        refuse_unjournaled_actions(settings, agent)
     except SettingsError as exc:  # e.g. VIGIL_AGENT=claude without ANTHROPIC_API_KEY
         raise StartupError(str(exc)) from None
     producer = EventProducer(settings)

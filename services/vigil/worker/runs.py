@@ -287,9 +287,11 @@ class Runs:
             return more
 
         # Without a journal a retry asks the model again and may call other tools at the same
-        # steps: it gets a key of its own (vigil.worker.journal.fresh_key), never one a tool
-        # already saw for another call. With one, prepare() sets the key.
-        run_key = run_journal.fresh_key(c)
+        # steps: each claim's calls get keys of its own (vigil.worker.journal.unjournaled_key),
+        # never one a tool already saw for another call. With one, prepare() sets the key. The
+        # echo agent calls no tools.
+        unjournaled = self.needs_context and not self.journaled
+        run_key = run_journal.unjournaled_key(c) if unjournaled else run_journal.fresh_key(c)
         return RunContext(
             user_id=c.user_id,
             run_key=run_key,

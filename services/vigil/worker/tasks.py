@@ -49,7 +49,7 @@ from datetime import UTC, datetime
 import psycopg
 
 from vigil.agent.base import Agent, Delegation, MemoryWrite, NewTask, TaskContext, TaskUsage
-from vigil.agent.journal import Journal
+from vigil.agent.journal import Journal, task_key
 from vigil.bus.kafka import EventProducer
 from vigil.clock import Clock, SystemClock, utc
 from vigil.envelope import Event
@@ -202,6 +202,7 @@ class TaskExecutor:
                 max_open_tasks_per_user=self.settings.max_open_tasks_per_user,
             ),
             attempt=task.attempts,
+            lease_epoch=task.lease_epoch,
             tasks=self.shards.task_door(shard),
             session_id=task.session_id,
             kind=task.kind,
@@ -284,10 +285,12 @@ class TaskExecutor:
         is replayed, not done again (vigil.worker.journal). False if it cannot be read: the
         task is handed back rather than run blind."""
         task, ctx = holding.task, holding.ctx
-        key = f"task:{task.id}"
         if not self.settings.run_journal:
-            ctx.journal = Journal(key)
+            # No journal to replay: this holder asks the model again and may make other calls
+            # at the same steps, so its keys are its own (task:<id>~<lease epoch>:<step>).
+            ctx.journal = Journal(task_key(task.id, task.lease_epoch, journaled=False))
             return True
+        key = task_key(task.id, task.lease_epoch, journaled=True)
         try:
             async with self._pool(task).connection() as conn:
                 steps = await ledger_journal.live_task(conn, key)
@@ -419,7 +422,9 @@ class TaskExecutor:
                                 task_id=task.id,
                             )
                         await ledger_journal.finish_task(
-                            conn, f"task:{task.id}", keep=self.settings.run_journal_days > 0
+                            conn,
+                            task_key(task.id, task.lease_epoch, journaled=True),
+                            keep=self.settings.run_journal_days > 0,
                         )
                     return stands
             except (psycopg.Error, OSError) as exc:
