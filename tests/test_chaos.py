@@ -17,7 +17,8 @@ SUMMARY = re.compile(
     r" calls (\d+), two keys (\d+), two calls (?P<two_calls>\d+),"
     r" poison dead (?P<poison_dead>\d+) of (?P<poison>\d+), healthy dead (?P<healthy_dead>\d+), unrun (?P<unrun>\d+),"
     r" waiting (?P<waiting>\d+) of (?P<waiting_users>\d+) users,"
-    r" notices bad (?P<notices>\d+) -> (?P<verdict>PASS|FAIL)$"
+    r" notices bad (?P<notices>\d+), tasks ended (?P<tasks_ended>\d+) of (?P<tasks>\d+), tasks bad (?P<tasks_bad>\d+)"
+    r" -> (?P<verdict>PASS|FAIL)$"
 )
 
 

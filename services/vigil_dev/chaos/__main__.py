@@ -2,8 +2,8 @@
 
 The last line is the summary:
 ``chaos: N faults, M acked, lost X, duplicated Y, overlaps Z, stuck W[, calls C, two keys K,
-two calls T], poison dead P of Q, healthy dead H, unrun U, waiting B of N users, notices bad M
--> PASS|FAIL``.
+two calls T], poison dead P of Q, healthy dead H, unrun U, waiting B of N users, notices bad M,
+tasks ended E of A, tasks bad X -> PASS|FAIL``.
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=DAILY_TOKENS,
         help=f"{BUDGETS[0][0]}'s daily tokens ({BUDGETS[1][0]}: {BUDGETS[1][1]} times as many)",
     )
+    p.add_argument(
+        "--task-users",
+        type=int,
+        default=2,
+        help="users whose every 7th message asks for a background task (claude agent only)",
+    )
     return p.parse_args(argv)
 
 
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         args.users,
         args.poison_users if receiver else 0,  # the echo agent makes no call: nothing can poison it
         {name: count for (name, _), count in zip(BUDGETS, args.budgeted)},
+        args.task_users if receiver else 0,
     )
     extra = actions.environment(receiver.host) if receiver else {}
     stack = ChaosStack(
@@ -202,7 +209,11 @@ def budgets(stack: ChaosStack, args: argparse.Namespace, cast: Cast, began: floa
             stack.vigil("profiles", "assign", f"chaos-{args.seed}-u{n:03d}", name)
     daily = {name: args.daily_tokens * times[name] for name in cast.budgeted}
     parts = [f"{name} ({daily[name]} tokens a day): {len(us)}" for name, us in cast.budgeted.items()]
-    say(began, f"users: {len(cast.poison)} with a poison message, budgeted {', '.join(parts)}")
+    say(
+        began,
+        f"users: {len(cast.poison)} with a poison message, {len(cast.tasks)} delegating tasks, "
+        f"budgeted {', '.join(parts)}",
+    )
 
 
 def poisoned(stack: ChaosStack, supervisor: Supervisor, port: int, began: float) -> None:
@@ -253,7 +264,7 @@ def run(
     say(
         began,
         f"settled after {time.monotonic() - deadline + args.settle_s:.1f} s: {left[0]} acknowledged not "
-        f"recorded, {left[1]} events and {left[2]} messages still moving",
+        f"recorded, {left[1]} events, {left[2]} messages and {left[3]} tasks still moving",
     )
     budgeted = frozenset(load.user_id(n) for users in cast.budgeted.values() for n in users)
     v, rows = verdict(
@@ -271,7 +282,8 @@ def run(
         f"chaos: {len(faults)} faults, {v.acked} acked, lost {v.lost}, duplicated {v.duplicated}, "
         f"overlaps {v.overlaps}, stuck {v.stuck}{calls}, poison dead {v.poison_dead} of {v.poison}, "
         f"healthy dead {v.healthy_dead}, unrun {v.unrun}, waiting {v.waiting} of {v.waiting_users} users, "
-        f"notices bad {v.notices} -> {'PASS' if v.passed else 'FAIL'}"
+        f"notices bad {v.notices}, tasks ended {v.tasks_ended} of {v.tasks}, tasks bad {v.tasks_bad} "
+        f"-> {'PASS' if v.passed else 'FAIL'}"
     )
     print(summary, flush=True)
     return 0 if v.passed else 1
@@ -315,6 +327,7 @@ def report(faults: list[Fault], v, began: float) -> None:
         ("no healthy event dead (healthy dead)", v.healthy_dead),
         ("no event done without a run that took it and made a model call (unrun)", v.unrun),
         ("each user waiting for the budget told once, and only they (notices bad)", v.notices),
+        ("every background task ended and reported, or open before its deadline (tasks bad)", v.tasks_bad),
     ]
     for name, bad in checks:
         print(f"  {'ok  ' if not bad else 'FAIL'} {name}: {bad}")
@@ -322,6 +335,7 @@ def report(faults: list[Fault], v, began: float) -> None:
     print(f"  (calls made again with their key, in doubt after a worker fault: {v.repeats} of {v.calls} calls)")
     print(f"  (a poison user's calls made again under their own key by an isolated lone run: {v.remade})")
     print(f"  (events of budgeted users waiting for the next UTC day: {v.waiting}, of {v.waiting_users} users)")
+    print(f"  (background tasks: {v.tasks}, ended and reported {v.tasks_ended}, open {v.tasks_open})")
     if v.not_ready:
         print(f"  not ready: {', '.join(v.not_ready)}")
     for line in v.examples:

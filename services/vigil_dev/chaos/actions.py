@@ -14,6 +14,11 @@ POSTs to the receiver's ``/poison`` instead, and the receiver SIGKILLs the worke
 (found by the connection's port), as an out-of-memory kill or a native crash would, every
 time; a supervisor (:class:`vigil_dev.chaos.stack.Supervisor`) brings it back. The poison
 event must end ``dead`` after its attempts, and no healthy event with it.
+
+**Tasks.** A run whose events ask for a task (:data:`vigil_dev.chaos.load.TASK`) delegates a
+background task and replies; the task's child POSTs ``task for <message>`` to the receiver
+(its key ``task:<id>:<step>``), a logical call of its own under the same two invariants,
+then answers. Its result event wakes the conversation, which ends without a call.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from vigil_dev.chaos.load import POISON
+from vigil_dev.chaos.load import POISON, TASK
 
 # The receiver's path whose caller dies.
 POISON_PATH = "/poison"
@@ -109,10 +114,36 @@ def script(host: str) -> dict:
                     }
                 ],
             },
+            # A background task's child (its system prompt is the sub-agent's): act, then answer.
+            {"when": {"system": "sub-agent", "tool_result": "http_request"}, "reply": [{"type": "text", "text": "ok"}]},
+            {
+                "when": {"system": "sub-agent", "user_text": "^(?P<t>task for .+)$"},
+                "reply": [
+                    {
+                        "type": "tool_use",
+                        "name": "http_request",
+                        "input": {"method": "POST", "url": f"http://{host}/task", "body": "{t}"},
+                    }
+                ],
+            },
             {"when": {"tool_result": "send_message"}, "reply": []},
             {
                 "when": {"tool_result": "http_request"},
                 "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "acted", "urgent": True}}],
+            },
+            {
+                "when": {"tool_result": "delegate"},
+                "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "delegated", "urgent": True}}],
+            },
+            {
+                "when": {"user_text": f'"text": "(?P<m>message [0-9]+ from [^" ]+) {TASK}"'},
+                "reply": [
+                    {
+                        "type": "tool_use",
+                        "name": "delegate",
+                        "input": {"instructions": "task for {m}", "mode": "background", "tools": ["http_request"]},
+                    }
+                ],
             },
             {
                 "when": {"user_text": '"text": "(?P<m>message [0-9]+ from [^"]+)"'},

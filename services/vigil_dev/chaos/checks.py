@@ -17,7 +17,9 @@
   (``unrun``): a budget must stop a run before it starts, never end its events unread;
 - budgets: a user's events wait for the budget only if their profile has one, and each user
   who waits was told exactly once (one ``budget_notices`` row and one outbox message:
-  ``notices``).
+  ``notices``);
+- background tasks: each ended and reported (its result event then done in a run, as every
+  event), or still open before its deadline (``tasks_bad`` otherwise).
 
 Copies of one delivery id (a dispatcher killed between the send and its commit sends it
 again) are counted, not failed: the receiver drops them by id.
@@ -68,6 +70,10 @@ class Verdict:
     waiting: int = 0  # budgeted users' events waiting for the next UTC day (allowed)
     waiting_users: int = 0  # ... of this many users
     notices: int = 0  # users told of their budget other than exactly once, if they wait (never allowed)
+    tasks: int = 0  # background tasks delegated
+    tasks_ended: int = 0  # ... ended and reported
+    tasks_open: int = 0  # ... still open before their deadline (allowed)
+    tasks_bad: int = 0  # ... open past their deadline, or ended and never reported (never allowed)
     not_ready: list[str] = field(default_factory=list)
     examples: list[str] = field(default_factory=list)
 
@@ -75,6 +81,7 @@ class Verdict:
     def passed(self) -> bool:
         bad = self.lost or self.duplicated or self.overlaps or self.misordered or self.stuck or self.two_keys
         promises = self.two_calls or self.poison_alive or self.healthy_dead or self.unrun or self.notices
+        promises = promises or self.tasks_bad
         return not (bad or promises or self.not_ready)
 
     def act(
@@ -117,13 +124,18 @@ def _read(dsns: list[str], query, prefix: str) -> list[dict]:
     return found
 
 
-def unsettled(dsns: list[str], prefix: str, acked: list[Acked]) -> tuple[int, int, int]:
+def unsettled(dsns: list[str], prefix: str, acked: list[Acked]) -> tuple[int, int, int, int]:
     """Acknowledged messages not recorded yet, events not finished, messages not delivered,
-    over every shard."""
+    background tasks not ended and reported, over every shard."""
     counts = _read(dsns, Q.chaos_unsettled, prefix)
     recorded = {(e["user_id"], e["source_id"]) for e in _read(dsns, Q.chaos_events, prefix)}
     missing = sum(1 for a in acked if (a.user, a.key) not in recorded)
-    return missing, sum(c["events"] for c in counts), sum(c["messages"] for c in counts)
+    return (
+        missing,
+        sum(c["events"] for c in counts),
+        sum(c["messages"] for c in counts),
+        sum(c["tasks"] for c in counts),
+    )
 
 
 def deliveries(logs: list[Path]) -> list[dict]:
@@ -157,6 +169,7 @@ def verdict(
     runs = _read(dsns, Q.chaos_runs, prefix)
     outbox = _read(dsns, Q.chaos_outbox, prefix)
     notices = _read(dsns, Q.chaos_budget_notices, prefix)
+    tasks = _read(dsns, Q.chaos_tasks, prefix)
     v = Verdict(acked=len(acked))
     v.not_ready = [name for name, ok in ready.items() if not ok]
 
@@ -236,6 +249,18 @@ def verdict(
             v.misordered += 1
             v.note(f"order: {e['source_id']} recorded after a later message of its user")
         last[e["user_id"]] = max(seq, last.get(e["user_id"], -1))
+
+    # Background tasks: each ended and reported (its result event is checked with the events
+    # above), or still open before its deadline.
+    v.tasks = len(tasks)
+    for t in tasks:
+        if t["finished_at"] is not None and t["reported_at"] is not None:
+            v.tasks_ended += 1
+        elif t["open"]:
+            v.tasks_open += 1
+        else:
+            v.tasks_bad += 1
+            v.note(f"task: {t['id']} of {t['user_id']} is {t['status']}, reported {t['reported_at']}, past deadline")
 
     # Every message delivered, under one delivery id (copies of that id allowed).
     ids_of: dict[tuple[str, int], set[str]] = defaultdict(set)  # (user, outbox id): ids unique per shard

@@ -5,7 +5,7 @@ does), so that what was acknowledged is exactly what the ledger must hold.
 Some users play a part (:class:`Cast`): a poison user sends one message with the poison
 marker (:data:`POISON`) among its healthy ones; budgeted users run under a profile with a
 small daily token budget (vigil_dev.chaos.__main__ creates and assigns it), which some pass
-during the run."""
+during the run; task users ask for a background task now and then (:data:`TASK`)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ POISON = "poison-pill"
 # A poison user's poison message is one of its first messages, so that its worker kills (the
 # attempts, each a rebalance) happen under load, not in the settling.
 POISON_SEQ = (4, 16)
+# A message holding this asks for a background task: the chaos script delegates one, whose
+# child POSTs to the receiver (vigil_dev.chaos.actions). A task user's every TASK_EVERY-th
+# message holds it.
+TASK = "delegate-task"
+TASK_EVERY = 7
 
 
 @dataclass(frozen=True)
@@ -36,17 +41,17 @@ class Cast:
 
     poison: frozenset[int] = frozenset()
     budgeted: dict[str, frozenset[int]] = field(default_factory=dict)  # profile -> users
+    tasks: frozenset[int] = frozenset()
 
     @classmethod
-    def pick(cls, users: int, poison: int, budgeted: dict[str, int]) -> Cast:
-        """Parts spread over the users, none playing two: poison first, then each budget."""
+    def pick(cls, users: int, poison: int, budgeted: dict[str, int], tasks: int = 0) -> Cast:
+        """Parts spread over the users, none playing two: poison first, then each budget, then tasks."""
         free = list(range(1, users, 2)) + list(range(0, users, 2))  # odd numbers first: spread out
-        parts = [free[:poison]]
-        del free[:poison]
-        for count in budgeted.values():
-            parts.append(free[:count])
+        parts = []
+        for count in (poison, *budgeted.values(), tasks):
+            parts.append(frozenset(free[:count]))
             del free[:count]
-        return cls(frozenset(parts[0]), {p: frozenset(ns) for p, ns in zip(budgeted, parts[1:])})
+        return cls(parts[0], dict(zip(budgeted, parts[1:-1])), parts[-1])
 
     def budget_of(self, n: int) -> str | None:
         return next((p for p, ns in self.budgeted.items() if n in ns), None)
@@ -100,6 +105,8 @@ class Load:
             key = f"{user}-m{seq:05d}"
             sent_at = time.time()
             text = f"message {seq} from {user}" + (f" {POISON}" if seq == poison_seq else "")
+            if n in self.cast.tasks and seq % TASK_EVERY == TASK_EVERY // 2:
+                text += f" {TASK}"
             if await self._send(client, user, key, text):
                 self.acked.append(Acked(user, seq, key, sent_at, time.time()))
             seq += 1
