@@ -32,6 +32,7 @@ KINDS = (
     "kill-kafka",
     "kill-postgres",
     "freeze-worker",
+    "kill-mcp",
     "kill-shard",
 )
 # Only with several shards (--shards): SIGKILL the last shard's PostgreSQL server, whose users
@@ -125,9 +126,13 @@ def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> st
     action, target = kind.split("-", 1)
     # With two workers, a worker fault hits one of them (seeded): the other takes its partitions.
     # With two dispatchers, likewise: the other goes on, and takes the lost sends after their lease.
-    replicas = {"worker": stack.workers, "dispatcher": stack.dispatchers}
+    replicas = {"worker": stack.workers, "dispatcher": stack.dispatchers, "mcp": stack.workers}
+    mcp = target == "mcp"
     target = rng.choice(replicas[target]) if target in replicas else target
     fault.target = target
+    if mcp:  # the worker's MCP stdio server alone: no restart, the worker's next call starts it
+        fault.target = f"mcp of {target}"
+        return f"{stack.kill_mcp(target)} MCP server process(es) of {target} killed"
     if target in stack.workers:
         fault.partitions = stack.held(target)  # whose users' recovery this fault is measured on
     if target == "shard":  # the last shard's server: the others keep serving their users

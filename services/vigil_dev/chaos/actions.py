@@ -19,6 +19,10 @@ event must end ``dead`` after its attempts, and no healthy event with it.
 background task and replies; the task's child POSTs ``task for <message>`` to the receiver
 (its key ``task:<id>:<step>``), a logical call of its own under the same two invariants,
 then answers. Its result event wakes the conversation, which ends without a call.
+
+**MCP.** A run whose events hold a message numbered 10, 20, ... asks the dev stack's MCP
+stdio server (``shop``) instead of acting, and replies with what it read (or the error
+result, the server killed under it by the nemesis's ``kill-mcp``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from vigil_dev.chaos.load import POISON, TASK
 
 # The receiver's path whose caller dies.
 POISON_PATH = "/poison"
+# The dev stack's MCP stdio server's tool (vigil_dev.mcp_demo_server, read-only: allowed).
+MCP_TOOL = "shop__order_status"
 
 
 class Receiver:
@@ -132,6 +138,10 @@ def script(host: str) -> dict:
                 "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "acted", "urgent": True}}],
             },
             {
+                "when": {"tool_result": MCP_TOOL},
+                "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "looked up", "urgent": True}}],
+            },
+            {
                 "when": {"tool_result": "delegate"},
                 "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "delegated", "urgent": True}}],
             },
@@ -144,6 +154,12 @@ def script(host: str) -> dict:
                         "input": {"instructions": "task for {m}", "mode": "background", "tools": ["http_request"]},
                     }
                 ],
+            },
+            # A run with a message numbered 10, 20, ... asks the stack's MCP stdio server, whose
+            # process the nemesis kills (kill-mcp): the next call starts it again.
+            {
+                "when": {"user_text": '"text": "message [0-9]*0 from '},
+                "reply": [{"type": "tool_use", "name": MCP_TOOL, "input": {"order_id": "A-1001"}}],
             },
             {
                 "when": {"user_text": '"text": "(?P<m>message [0-9]+ from [^"]+)"'},

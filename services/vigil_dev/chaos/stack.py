@@ -242,6 +242,25 @@ class ChaosStack:
             time.sleep(0.05)
         return True
 
+    def kill_mcp(self, worker: str) -> int:
+        """SIGKILL ``worker``'s MCP stdio servers (its child processes running the dev stack's
+        MCP server), as a crash of the server alone; the worker's next call starts it again.
+        How many were killed."""
+        pid = self.pid(worker)
+        killed = 0
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                command = (proc / "cmdline").read_bytes()
+                if parent == pid and b"mcp_demo_server" in command:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    killed += 1
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+        return killed
+
     def freeze(self, part: str, seconds: float) -> bool:
         """SIGSTOP ``part`` for ``seconds`` (past its session timeout), then SIGCONT."""
         pid = self.pid(part)
