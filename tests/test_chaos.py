@@ -1,6 +1,7 @@
-"""`make chaos`, short: a seeded run of the nemesis against a dev stack of its own (about a
-minute and a half), which must end in PASS. The full run (`make chaos`: 30 faults of every
-kind, Kafka kills and frozen workers included) is too long for the suite."""
+"""`make chaos`, short: a seeded run of the nemesis against a dev stack of its own (about
+three minutes), which must end in PASS. The full run (`make chaos`: 30 faults of every
+kind, Kafka kills and frozen workers included, more poison and budgeted users) is too long
+for the suite."""
 
 from __future__ import annotations
 
@@ -13,16 +14,24 @@ import pytest
 
 SUMMARY = re.compile(
     r"^chaos: (\d+) faults, (\d+) acked, lost (\d+), duplicated (\d+), overlaps (\d+), stuck (\d+),"
-    r" calls (\d+), two keys (\d+) -> (PASS|FAIL)$"
+    r" calls (\d+), two keys (\d+), two calls (?P<two_calls>\d+),"
+    r" poison dead (?P<poison_dead>\d+) of (?P<poison>\d+), healthy dead (?P<healthy_dead>\d+), unrun (?P<unrun>\d+),"
+    r" waiting (?P<waiting>\d+) of (?P<waiting_users>\d+) users,"
+    r" notices bad (?P<notices>\d+), tasks ended (?P<tasks_ended>\d+) of (?P<tasks>\d+), tasks bad (?P<tasks_bad>\d+)"
+    r" -> (?P<verdict>PASS|FAIL)$"
 )
 
 
 @pytest.mark.stack  # starts a stack of its own
 @pytest.mark.timeout(420)
 def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
+    """With a poison user (one message whose call kills its worker, three times) and a user
+    on each budget: the poison event dead, no healthy one; the budgeted users' events past
+    their budget waiting, each such user told once."""
     args = [
         *("--seed", "11", "--faults", "4", "--users", "8", "--rate", "12", "--gap", "1", "2"),
         *("--kinds", "kill-postgres,kill-worker,kill-dispatcher,kill-ingest", "--settle-s", "120"),
+        *("--poison-users", "1", "--budgeted", "1", "1"),
         *("--run-dir", str(tmp_path / "stack")),
     ]
     result = subprocess.run(
@@ -35,9 +44,13 @@ def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
     faults, acked = int(match.group(1)), int(match.group(2))
     assert faults == 4 and acked > 100  # the faults happened under load
     # The acting agent: every run POSTed once, and no logical call was seen under two keys.
-    assert int(match.group(7)) > 50 and int(match.group(8)) == 0
-    assert match.group(9) == "PASS" and result.returncode == 0
+    assert int(match.group(7)) > 50 and int(match.group(8)) == 0 and int(match["two_calls"]) == 0
+    assert (match["poison_dead"], match["poison"], match["healthy_dead"]) == ("1", "1", "0")
+    assert int(match["waiting"]) > 0 and int(match["notices"]) == 0 and int(match["unrun"]) == 0
+    assert match["verdict"] == "PASS" and result.returncode == 0
     assert "fault 4/4: kill-" in result.stdout and "not running" not in result.stdout
+    # The poison's call killed its worker on each attempt (a nemesis fault may have taken one first).
+    assert 1 <= result.stdout.count("killed by its own call") <= 3
 
 
 def test_the_shard_outage_line_compares_the_other_shards_users_during_and_without_faults():
@@ -72,7 +85,7 @@ def test_a_short_chaos_run_on_two_shards_with_a_shard_killed_loses_nothing(tmp_p
     acknowledged is lost, and the other shard's users are served meanwhile."""
     args = [
         *("--seed", "12", "--shards", "2", "--faults", "4", "--users", "8", "--rate", "12", "--gap", "1", "2"),
-        *("--kinds", "kill-shard,kill-worker", "--settle-s", "120"),
+        *("--kinds", "kill-shard,kill-worker", "--settle-s", "120", "--poison-users", "0", "--budgeted", "1", "1"),
         *("--run-dir", str(tmp_path / "stack")),
     ]
     result = subprocess.run(
@@ -83,7 +96,7 @@ def test_a_short_chaos_run_on_two_shards_with_a_shard_killed_loses_nothing(tmp_p
     match = SUMMARY.match(lines[-1] if lines else "")
     assert match, f"no summary line: {lines[-1:]!r}"
     assert int(match.group(1)) == 4 and int(match.group(2)) > 100
-    assert match.group(9) == "PASS" and result.returncode == 0
+    assert match["verdict"] == "PASS" and result.returncode == 0
     assert result.stdout.count(": kill-shard ... postgres-1 restarted") == 2, "the shard's server was killed twice"
     outage = re.search(r"while shard 1 was down (\S+) s \(n=(\d+)\)", result.stdout)
     assert outage and int(outage.group(2)) > 0, "shard 0's users ran while shard 1 was down"

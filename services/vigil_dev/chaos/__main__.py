@@ -1,7 +1,9 @@
 """``python -m vigil_dev.chaos --seed N``: one seeded chaos run; exit 0 on PASS, 1 on FAIL.
 
 The last line is the summary:
-``chaos: N faults, M acked, lost X, duplicated Y, overlaps Z, stuck W -> PASS|FAIL``.
+``chaos: N faults, M acked, lost X, duplicated Y, overlaps Z, stuck W[, calls C, two keys K,
+two calls T], poison dead P of Q, healthy dead H, unrun U, waiting B of N users, notices bad M,
+tasks ended E of A, tasks bad X -> PASS|FAIL``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pathlib import Path
 from vigil.paths import repo_root
 from vigil_dev.chaos import actions
 from vigil_dev.chaos.checks import Fault, recovery_times, shard_outage_line, unsettled, verdict
-from vigil_dev.chaos.load import Load
-from vigil_dev.chaos.stack import ChaosStack, Ports
+from vigil_dev.chaos.load import Cast, Load
+from vigil_dev.chaos.stack import ChaosStack, Ports, Supervisor
 
 KINDS = (
     "kill-worker",
@@ -30,6 +32,7 @@ KINDS = (
     "kill-kafka",
     "kill-postgres",
     "freeze-worker",
+    "kill-mcp",
     "kill-shard",
 )
 # Only with several shards (--shards): SIGKILL the last shard's PostgreSQL server, whose users
@@ -38,6 +41,12 @@ SHARD_KINDS = ("kill-shard",)
 # A frozen worker stays stopped this much longer than its session timeout: long enough for the
 # group to give its partitions away, so that it wakes up fenced.
 FREEZE_EXTRA_S = 3.0
+# The budgeted users' profiles: (name, times --daily-tokens). A chaos run's Claude run bills
+# about a thousand tokens (three model calls, the prompt cached): the tight budget is spent
+# within the first seconds of the load, the roomy one later, so both the refusal of new runs
+# and the runs that start near the end of the budget (capped at what is left) happen under faults.
+BUDGETS = (("chaos-tight", 1), ("chaos-roomy", 8))
+DAILY_TOKENS = 4000
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -73,6 +82,32 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="claude: every run POSTs to a receiver of the run's own and the check 'no call under two keys' "
         "holds (the scripted Messages API); echo: no model, no action",
     )
+    p.add_argument(
+        "--poison-users",
+        type=int,
+        default=3,
+        help="users who send one poison message each, whose call kills its worker every time (claude agent only)",
+    )
+    p.add_argument(
+        "--budgeted",
+        type=int,
+        nargs=2,
+        default=(2, 2),
+        metavar=("TIGHT", "ROOMY"),
+        help=f"users under the daily budgets {BUDGETS[0][0]} and {BUDGETS[1][0]} (profiles the run creates)",
+    )
+    p.add_argument(
+        "--daily-tokens",
+        type=int,
+        default=DAILY_TOKENS,
+        help=f"{BUDGETS[0][0]}'s daily tokens ({BUDGETS[1][0]}: {BUDGETS[1][1]} times as many)",
+    )
+    p.add_argument(
+        "--task-users",
+        type=int,
+        default=2,
+        help="users whose every 7th message asks for a background task (claude agent only)",
+    )
     return p.parse_args(argv)
 
 
@@ -91,9 +126,13 @@ def inject(stack: ChaosStack, kind: str, fault: Fault, rng: random.Random) -> st
     action, target = kind.split("-", 1)
     # With two workers, a worker fault hits one of them (seeded): the other takes its partitions.
     # With two dispatchers, likewise: the other goes on, and takes the lost sends after their lease.
-    replicas = {"worker": stack.workers, "dispatcher": stack.dispatchers}
+    replicas = {"worker": stack.workers, "dispatcher": stack.dispatchers, "mcp": stack.workers}
+    mcp = target == "mcp"
     target = rng.choice(replicas[target]) if target in replicas else target
     fault.target = target
+    if mcp:  # the worker's MCP stdio server alone: no restart, the worker's next call starts it
+        fault.target = f"mcp of {target}"
+        return f"{stack.kill_mcp(target)} MCP server process(es) of {target} killed"
     if target in stack.workers:
         fault.partitions = stack.held(target)  # whose users' recovery this fault is measured on
     if target == "shard":  # the last shard's server: the others keep serving their users
@@ -122,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rng = random.Random(args.seed)
     receiver = actions.Receiver() if args.agent == "claude" else None
+    cast = Cast.pick(
+        args.users,
+        args.poison_users if receiver else 0,  # the echo agent makes no call: nothing can poison it
+        {name: count for (name, _), count in zip(BUDGETS, args.budgeted)},
+        args.task_users if receiver else 0,
+    )
     extra = actions.environment(receiver.host) if receiver else {}
     stack = ChaosStack(
         args.run_dir.resolve(),
@@ -140,16 +185,50 @@ def main(argv: list[str] | None = None) -> int:
         f"dispatchers {', '.join(stack.dispatchers)}, ledger shards {args.shards}",
     )
     stack.fresh()
+    supervisor = Supervisor(stack)
     try:
         say(began, f"stack up in {stack.up():.1f} s")
-        return run(args, rng, kinds, stack, began, receiver)
+        budgets(stack, args, cast, began)
+        if receiver is not None:
+            receiver.poison = lambda port: poisoned(stack, supervisor, port, began)
+        return run(args, rng, kinds, stack, began, receiver, cast, supervisor)
     finally:
+        supervisor.stop()
         if receiver is not None:
             receiver.close()
         if args.keep:
             say(began, f"stack left running (VIGIL_DEV_RUN_DIR={stack.root} vigil-dev down stops it)")
         else:
             stack.down()
+
+
+def budgets(stack: ChaosStack, args: argparse.Namespace, cast: Cast, began: float) -> None:
+    """The budget profiles, each assigned to its users by their exact id (the workers read the
+    assignments within VIGIL_PROFILE_CACHE_S, before the load's first seconds are over)."""
+    times = dict(BUDGETS)
+    for name, users in cast.budgeted.items():
+        if not users:
+            continue
+        stack.vigil("profiles", "create", name, "--daily-tokens", str(args.daily_tokens * times[name]))
+        for n in sorted(users):
+            stack.vigil("profiles", "assign", f"chaos-{args.seed}-u{n:03d}", name)
+    daily = {name: args.daily_tokens * times[name] for name in cast.budgeted}
+    parts = [f"{name} ({daily[name]} tokens a day): {len(us)}" for name, us in cast.budgeted.items()]
+    say(
+        began,
+        f"users: {len(cast.poison)} with a poison message, {len(cast.tasks)} delegating tasks, "
+        f"budgeted {', '.join(parts)}",
+    )
+
+
+def poisoned(stack: ChaosStack, supervisor: Supervisor, port: int, began: float) -> None:
+    """A poison call arrived from ``port``: its worker dies now, and the supervisor brings it back."""
+    worker = stack.caller(port)
+    if worker is None:
+        say(began, f"poison call from port {port}: no worker of ours holds it (not killed)")
+        return
+    supervisor.kill(worker)
+    say(began, f"poison: {worker} killed by its own call (the supervisor brings it back)")
 
 
 def run(
@@ -159,8 +238,11 @@ def run(
     stack: ChaosStack,
     began: float,
     receiver: actions.Receiver | None = None,
+    cast: Cast | None = None,
+    supervisor: Supervisor | None = None,
 ) -> int:
-    load = Load(stack.ingest_url, stack.api_token(), args.users, args.rate, args.seed)
+    cast = cast or Cast()
+    load = Load(stack.ingest_url, stack.api_token(), args.users, args.rate, args.seed, cast)
     prefix = f"chaos-{args.seed}-"
     thread = threading.Thread(target=lambda: asyncio.run(load.run()), name="load", daemon=True)
     thread.start()
@@ -168,9 +250,12 @@ def run(
     faults: list[Fault] = []
     for n, kind in enumerate(schedule(rng, kinds, args.faults), 1):
         time.sleep(rng.uniform(*args.gap))
-        fault = Fault(kind, time.time())
-        faults.append(fault)
-        what = inject(stack, kind, fault, rng)
+        if supervisor is not None:
+            supervisor.quiet(args.gap[0])
+        with stack.lock:  # never while the supervisor brings a poisoned worker back
+            fault = Fault(kind, time.time())
+            faults.append(fault)
+            what = inject(stack, kind, fault, rng)
         say(began, f"fault {n}/{args.faults}: {kind} ... {what} ({len(load.acked)} acked so far)")
     say(began, "faults done; the clients finish what they began")
     load.stop_sending(args.settle_s)
@@ -184,19 +269,26 @@ def run(
     say(
         began,
         f"settled after {time.monotonic() - deadline + args.settle_s:.1f} s: {left[0]} acknowledged not "
-        f"recorded, {left[1]} events and {left[2]} messages still moving",
+        f"recorded, {left[1]} events, {left[2]} messages and {left[3]} tasks still moving",
     )
-    v, rows = verdict(stack.dsns, prefix, load.acked, stack.dispatcher_logs(), stack.ready())
+    budgeted = frozenset(load.user_id(n) for users in cast.budgeted.values() for n in users)
+    v, rows = verdict(
+        stack.dsns, prefix, load.acked, stack.dispatcher_logs(), stack.ready(), budgeted, receiver is not None
+    )
     if receiver is not None:
-        v.act(receiver.keys_by_call(), len(receiver.seen))
+        poison_users = frozenset(load.user_id(n) for n in cast.poison)
+        v.act(receiver.keys_by_call(), receiver.calls_by_key(), len(receiver.seen), poison_users)
     recovery_times(faults, rows)
     report(faults, v, began)
     if stack.shards > 1:
         print(shard_outage_line(faults, rows, killed=stack.shards - 1), flush=True)
-    calls = f", calls {v.calls}, two keys {v.two_keys}" if receiver is not None else ""
+    calls = f", calls {v.calls}, two keys {v.two_keys}, two calls {v.two_calls}" if receiver is not None else ""
     summary = (
         f"chaos: {len(faults)} faults, {v.acked} acked, lost {v.lost}, duplicated {v.duplicated}, "
-        f"overlaps {v.overlaps}, stuck {v.stuck}{calls} -> {'PASS' if v.passed else 'FAIL'}"
+        f"overlaps {v.overlaps}, stuck {v.stuck}{calls}, poison dead {v.poison_dead} of {v.poison}, "
+        f"healthy dead {v.healthy_dead}, unrun {v.unrun}, waiting {v.waiting} of {v.waiting_users} users, "
+        f"notices bad {v.notices}, tasks ended {v.tasks_ended} of {v.tasks}, tasks bad {v.tasks_bad} "
+        f"-> {'PASS' if v.passed else 'FAIL'}"
     )
     print(summary, flush=True)
     return 0 if v.passed else 1
@@ -235,11 +327,20 @@ def report(faults: list[Fault], v, began: float) -> None:
         ("nothing pending or running, every message delivered (stuck)", v.stuck),
         ("every service ready at the end (not ready)", len(v.not_ready)),
         ("no logical call seen under two idempotency keys (two keys)", v.two_keys),
+        ("no idempotency key seen for two logical calls (two calls)", v.two_calls),
+        ("every poison event dead with its reason, in no run (poison alive)", v.poison_alive),
+        ("no healthy event dead (healthy dead)", v.healthy_dead),
+        ("no event done without a run that took it and made a model call (unrun)", v.unrun),
+        ("each user waiting for the budget told once, and only they (notices bad)", v.notices),
+        ("every background task ended and reported, or open before its deadline (tasks bad)", v.tasks_bad),
     ]
     for name, bad in checks:
         print(f"  {'ok  ' if not bad else 'FAIL'} {name}: {bad}")
     print(f"  (copies of a delivery id re-sent after a dispatcher crash, dropped by receivers: {v.copies})")
     print(f"  (calls made again with their key, in doubt after a worker fault: {v.repeats} of {v.calls} calls)")
+    print(f"  (a poison user's calls made again under their own key by an isolated lone run: {v.remade})")
+    print(f"  (events of budgeted users waiting for the next UTC day: {v.waiting}, of {v.waiting_users} users)")
+    print(f"  (background tasks: {v.tasks}, ended and reported {v.tasks_ended}, open {v.tasks_open})")
     if v.not_ready:
         print(f"  not ready: {', '.join(v.not_ready)}")
     for line in v.examples:

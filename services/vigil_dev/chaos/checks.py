@@ -6,10 +6,20 @@
   event for one key);
 - no overlapping runs per user (``overlaps``);
 - runs in event order per user, and events in the order the user sent them (``misordered``);
-- nothing left pending or running, every message delivered (``stuck``);
+- nothing left pending or running, every message delivered (``stuck``), except a budgeted
+  user's events waiting for the next UTC day (``waiting``);
 - every service ready at the end;
 - with the acting agent (vigil_dev.chaos.actions): no logical call seen under two
-  idempotency keys (``two_keys``).
+  idempotency keys (``two_keys``), no key seen for two calls (``two_calls``);
+- poison (vigil_dev.chaos.load.POISON): every poison event ends ``dead`` with its reason and
+  in no run (``poison_alive``), no healthy event ends ``dead`` (``healthy_dead``);
+- no event ``done`` without a run that took it and, with the acting agent, made a model call
+  (``unrun``): a budget must stop a run before it starts, never end its events unread;
+- budgets: a user's events wait for the budget only if their profile has one, and each user
+  who waits was told exactly once (one ``budget_notices`` row and one outbox message:
+  ``notices``);
+- background tasks: each ended and reported (its result event then done in a run, as every
+  event), or still open before its deadline (``tasks_bad`` otherwise).
 
 Copies of one delivery id (a dispatcher killed between the send and its commit sends it
 again) are counted, not failed: the receiver drops them by id.
@@ -24,7 +34,7 @@ from datetime import datetime
 from pathlib import Path
 
 from vigil.ledger.db import connect
-from vigil_dev.chaos.load import Acked
+from vigil_dev.chaos.load import POISON, Acked
 from vigil_dev.queries import Q
 
 
@@ -49,23 +59,55 @@ class Verdict:
     copies: int = 0  # extra copies of a delivery id (allowed)
     calls: int = 0  # logical calls the agent made on the chaos receiver (durable runs)
     two_keys: int = 0  # ... seen under more than one idempotency key (never allowed)
+    two_calls: int = 0  # idempotency keys seen for more than one logical call (never allowed)
+    remade: int = 0  # a poison user's calls made again under their own key by an isolated run (allowed)
     repeats: int = 0  # requests past one per call: made again, with the same key, in doubt (allowed)
+    poison: int = 0  # poison events recorded
+    poison_dead: int = 0  # ... ended dead with a reason (all must)
+    poison_alive: int = 0  # ... done, or dead without a reason, or in a run that did not fail (never allowed)
+    healthy_dead: int = 0  # healthy events dead (never allowed)
+    unrun: int = 0  # events done without a run that took them and made a model call (never allowed)
+    waiting: int = 0  # budgeted users' events waiting for the next UTC day (allowed)
+    waiting_users: int = 0  # ... of this many users
+    notices: int = 0  # users told of their budget other than exactly once, if they wait (never allowed)
+    tasks: int = 0  # background tasks delegated
+    tasks_ended: int = 0  # ... ended and reported
+    tasks_open: int = 0  # ... still open before their deadline (allowed)
+    tasks_bad: int = 0  # ... open past their deadline, or ended and never reported (never allowed)
     not_ready: list[str] = field(default_factory=list)
     examples: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         bad = self.lost or self.duplicated or self.overlaps or self.misordered or self.stuck or self.two_keys
-        return not (bad or self.not_ready)
+        promises = self.two_calls or self.poison_alive or self.healthy_dead or self.unrun or self.notices
+        promises = promises or self.tasks_bad
+        return not (bad or promises or self.not_ready)
 
-    def act(self, keys_by_call: dict[str, set[str]], requests: int) -> None:
-        """The acting agent's check (vigil_dev.chaos.actions): one key per logical call."""
+    def act(
+        self,
+        keys_by_call: dict[str, set[str]],
+        calls_by_key: dict[str, set[str]],
+        requests: int,
+        poison_users: frozenset[str] = frozenset(),
+    ) -> None:
+        """The acting agent's check (vigil_dev.chaos.actions): one key per logical call, one
+        call per key. A poison user's healthy call may be made again under its own key when
+        the lone last attempt of a batch the poison killed does not replay the batch's journal
+        (docs/worker.md, "A poison event harms only itself"): counted as ``remade``."""
         self.calls = len(keys_by_call)
         self.repeats = requests - self.calls
         for call, keys in keys_by_call.items():
-            if len(keys) > 1:
+            if len(keys) > 1 and call.rsplit(" from ", 1)[-1] in poison_users:
+                self.remade += len(keys) - 1
+                self.note(f"remade (allowed): the poison user's call for {call!r} under {sorted(keys)}")
+            elif len(keys) > 1:
                 self.two_keys += 1
                 self.note(f"two keys: the call for {call!r} under {sorted(keys)}")
+        for key, calls in calls_by_key.items():
+            if len(calls) > 1:
+                self.two_calls += 1
+                self.note(f"two calls: key {key!r} for {sorted(calls)}")
 
     def note(self, text: str) -> None:
         if len(self.examples) < 20:
@@ -82,13 +124,18 @@ def _read(dsns: list[str], query, prefix: str) -> list[dict]:
     return found
 
 
-def unsettled(dsns: list[str], prefix: str, acked: list[Acked]) -> tuple[int, int, int]:
+def unsettled(dsns: list[str], prefix: str, acked: list[Acked]) -> tuple[int, int, int, int]:
     """Acknowledged messages not recorded yet, events not finished, messages not delivered,
-    over every shard."""
+    background tasks not ended and reported, over every shard."""
     counts = _read(dsns, Q.chaos_unsettled, prefix)
     recorded = {(e["user_id"], e["source_id"]) for e in _read(dsns, Q.chaos_events, prefix)}
     missing = sum(1 for a in acked if (a.user, a.key) not in recorded)
-    return missing, sum(c["events"] for c in counts), sum(c["messages"] for c in counts)
+    return (
+        missing,
+        sum(c["events"] for c in counts),
+        sum(c["messages"] for c in counts),
+        sum(c["tasks"] for c in counts),
+    )
 
 
 def deliveries(logs: list[Path]) -> list[dict]:
@@ -107,13 +154,22 @@ def deliveries(logs: list[Path]) -> list[dict]:
 
 
 def verdict(
-    dsns: list[str], prefix: str, acked: list[Acked], logs: list[Path], ready: dict[str, bool]
+    dsns: list[str],
+    prefix: str,
+    acked: list[Acked],
+    logs: list[Path],
+    ready: dict[str, bool],
+    budgeted: frozenset[str] = frozenset(),
+    acting: bool = False,
 ) -> tuple[Verdict, dict]:
-    """Check every invariant, over every shard. Returns the verdict and the ledger's rows (for
-    recovery times)."""
+    """Check every invariant, over every shard: ``budgeted`` are the users with a daily budget,
+    ``acting`` says every run is a Claude run (so a run that took events made a model call).
+    Returns the verdict and the ledger's rows (for recovery times)."""
     events = _read(dsns, Q.chaos_events, prefix)
     runs = _read(dsns, Q.chaos_runs, prefix)
     outbox = _read(dsns, Q.chaos_outbox, prefix)
+    notices = _read(dsns, Q.chaos_budget_notices, prefix)
+    tasks = _read(dsns, Q.chaos_tasks, prefix)
     v = Verdict(acked=len(acked))
     v.not_ready = [name for name, ok in ready.items() if not ok]
 
@@ -128,19 +184,47 @@ def verdict(
             v.duplicated += n - 1
             v.note(f"duplicated: {a.key} recorded {n} times")
 
-    # Each event in exactly one run that did not fail; every event finished.
+    # Each event in exactly one run that did not fail, that run a model call; every event
+    # finished: done, or dead if poison, or waiting for its user's budget if they have one.
     ran = Counter((r["user_id"], i) for r in runs if r["outcome"] != "failed" for i in r["event_ids"])
+    called = {(r["user_id"], i) for r in runs if r["outcome"] != "failed" and r["turns"] > 0 for i in r["event_ids"]}
+    waiting: Counter[str] = Counter()
     for e in events:
         n = ran.get((e["user_id"], e["id"]), 0)
-        if e["status"] != "done":
+        name = f"event {e['id']} ({e['source_id']})"
+        poison = POISON in e["payload"]
+        v.poison += poison
+        if poison and e["status"] == "dead" and e["error"] and n == 0:
+            v.poison_dead += 1
+        elif poison and e["status"] in ("done", "dead"):
+            v.poison_alive += 1
+            v.note(f"poison alive: {name} is {e['status']} (error {e['error']!r}) in {n} runs")
+        elif e["status"] == "dead":
+            v.healthy_dead += 1
+            v.note(f"healthy dead: {name} after {e['attempts']} attempts: {e['error']}")
+        elif e["waiting"] and e["user_id"] in budgeted and n == 0:
+            waiting[e["user_id"]] += 1
+        elif e["status"] != "done":
             v.stuck += 1
-            v.note(f"stuck: event {e['id']} ({e['source_id']}) is {e['status']}")
-        elif n == 0:
-            v.stuck += 1
-            v.note(f"stuck: event {e['id']} done without a run")
+            v.note(f"stuck: {name} is {e['status']} (error {e['error']!r})")
+        elif n == 0 or (acting and (e["user_id"], e["id"]) not in called):
+            v.unrun += 1
+            v.note(f"unrun: {name} done without a run that {'took it' if n == 0 else 'made a model call'}")
         if n > 1:
             v.duplicated += n - 1
-            v.note(f"duplicated: event {e['id']} in {n} runs")
+            v.note(f"duplicated: {name} in {n} runs")
+    v.waiting, v.waiting_users = sum(waiting.values()), len(waiting)
+
+    # Budgets: told once, exactly the users who wait.
+    told: dict[str, list[dict]] = defaultdict(list)
+    for row in notices:
+        told[row["user_id"]].append(row)
+    for user in sorted(set(waiting) | set(told)):
+        rows = told.get(user, [])
+        if not (user in waiting and len(rows) == 1 and rows[0]["messages"] == 1):
+            v.notices += 1
+            sent = [(str(r["day"]), r["messages"]) for r in rows]
+            v.note(f"notices: {user} has {waiting[user]} events waiting, notices (day, messages) {sent}")
 
     # No overlapping runs per user, and runs in event order.
     by_user: dict[str, list[dict]] = defaultdict(list)
@@ -165,6 +249,18 @@ def verdict(
             v.misordered += 1
             v.note(f"order: {e['source_id']} recorded after a later message of its user")
         last[e["user_id"]] = max(seq, last.get(e["user_id"], -1))
+
+    # Background tasks: each ended and reported (its result event is checked with the events
+    # above), or still open before its deadline.
+    v.tasks = len(tasks)
+    for t in tasks:
+        if t["finished_at"] is not None and t["reported_at"] is not None:
+            v.tasks_ended += 1
+        elif t["open"]:
+            v.tasks_open += 1
+        else:
+            v.tasks_bad += 1
+            v.note(f"task: {t['id']} of {t['user_id']} is {t['status']}, reported {t['reported_at']}, past deadline")
 
     # Every message delivered, under one delivery id (copies of that id allowed).
     ids_of: dict[tuple[str, int], set[str]] = defaultdict(set)  # (user, outbox id): ids unique per shard

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ class ChaosStack:
         shards: int = 1,
     ):
         self.root = root
+        # Held by whoever kills or brings back a process: the nemesis and the poison's
+        # supervisor (vigil_dev.chaos.actions) never restart the stack at the same time.
+        self.lock = threading.RLock()
         # The ledger's shards: shard 0 on ports.pg, each other one on a server of its own
         # (`vigil-dev up`'s VIGIL_DEV_SHARDS), whose kill is the fault "kill-shard".
         self.shards = shards
@@ -134,11 +138,7 @@ class ChaosStack:
         """Start each extra worker and dispatcher that is not running, with the stack's own
         settings (the ``env`` file `vigil-dev up` wrote) and a port of its own; wait for its
         /healthz."""
-        settings = {}
-        for line in (self.root / "env").read_text().splitlines():
-            name, _, value = line.removeprefix("export ").partition("=")
-            if name.startswith(("VIGIL_", "ANTHROPIC_")):
-                settings[name] = shlex.split(value)[0] if value else ""
+        settings = self.settings()
         extras = [("worker", n) for n in self.workers[1:]] + [("dispatcher", n) for n in self.dispatchers[1:]]
         for service, name in extras:
             if self.pid(name) is not None:
@@ -156,6 +156,28 @@ class ChaosStack:
             )
             url = f"http://127.0.0.1:{port}/healthz"
             devstack.wait_until(lambda url=url: devstack.http_ok(url), 60, name, logfile)
+
+    def settings(self) -> dict[str, str]:
+        """The stack's own settings: the ``env`` file `vigil-dev up` wrote."""
+        settings = {}
+        for line in (self.root / "env").read_text().splitlines():
+            name, _, value = line.removeprefix("export ").partition("=")
+            if name.startswith(("VIGIL_", "ANTHROPIC_")):
+                settings[name] = shlex.split(value)[0] if value else ""
+        return settings
+
+    def vigil(self, *args: str) -> str:
+        """The operator's CLI on this stack (``vigil profiles ...``); its output. Raises on failure."""
+        result = subprocess.run(
+            [sys.executable, "-m", "vigil", *args],
+            env={**self.env, **self.settings()},
+            capture_output=True,
+            text=True,
+            cwd=repo_root(),
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"vigil {' '.join(args)}: exit {result.returncode}: {result.stderr[-1500:]}")
+        return result.stdout
 
     def _script_up(self) -> None:
         """The chaos script on the stack's scripted Messages API (a restarted one starts with the demo's)."""
@@ -220,6 +242,25 @@ class ChaosStack:
             time.sleep(0.05)
         return True
 
+    def kill_mcp(self, worker: str) -> int:
+        """SIGKILL ``worker``'s MCP stdio servers (its child processes running the dev stack's
+        MCP server), as a crash of the server alone; the worker's next call starts it again.
+        How many were killed."""
+        pid = self.pid(worker)
+        killed = 0
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                command = (proc / "cmdline").read_bytes()
+                if parent == pid and b"mcp_demo_server" in command:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                    killed += 1
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+        return killed
+
     def freeze(self, part: str, seconds: float) -> bool:
         """SIGSTOP ``part`` for ``seconds`` (past its session timeout), then SIGCONT."""
         pid = self.pid(part)
@@ -229,8 +270,35 @@ class ChaosStack:
         try:
             time.sleep(seconds)
         finally:
-            os.kill(pid, signal.SIGCONT)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # killed meanwhile (a poison call of a run it had: it woke first and died)
         return True
+
+    def caller(self, port: int) -> str | None:
+        """The worker whose TCP connection to 127.0.0.1 comes from local ``port`` (None: no
+        worker's): the socket's inode from /proc/net/tcp, then the worker holding it among its
+        descriptors. Linux only, as the dev stack is."""
+        inode = None
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inode = fields[9]
+                break
+        if inode is None:
+            return None
+        for worker in self.workers:
+            pid = self.pid(worker)
+            if pid is None:
+                continue
+            try:
+                for fd in Path(f"/proc/{pid}/fd").iterdir():
+                    if os.readlink(fd) == f"socket:[{inode}]":
+                        return worker
+            except OSError:
+                continue  # it died meanwhile
+        return None
 
     def held(self, worker: str) -> list[int] | None:
         """The partitions ``worker`` holds in the ledger (None if it cannot be read). The
@@ -254,3 +322,57 @@ class ChaosStack:
         """Each service's /readyz (Kafka and PostgreSQL reachable from it)."""
         names = ("ingest", *self.workers, "scheduler", *self.dispatchers)
         return {name: devstack.http_ok(f"http://127.0.0.1:{self.port_of(name)}/readyz", timeout=2) for name in names}
+
+
+class Supervisor:
+    """Brings a worker that a poison call killed back, as a process supervisor would
+    (systemd's ``Restart=always``, Kubernetes' restart policy), on a thread of its own: the
+    poison's endpoint kills the caller at once and returns, and the restart waits its turn
+    with the nemesis's own (``stack.lock``)."""
+
+    def __init__(self, stack: ChaosStack):
+        self.stack = stack
+        self.restarts = 0
+        self._due = threading.Event()
+        self._stopped = False
+        self._busy = False  # a restart due or under way
+        self._last = 0.0  # monotonic: when the last restart ended
+        self._thread = threading.Thread(target=self._loop, name="chaos-supervisor", daemon=True)
+        self._thread.start()
+
+    def kill(self, worker: str) -> None:
+        """SIGKILL ``worker`` now, and bring it back soon."""
+        self._busy = True
+        self.stack.kill(worker)
+        self._due.set()
+
+    def quiet(self, seconds: float) -> None:
+        """Wait until no restart is due or under way, and the last ended ``seconds`` ago: the
+        nemesis's next fault then does not fall on the moment a restarted worker takes its
+        partitions over (and runs the lone last attempts its death left), which no supervisor's
+        timing would make more likely than any other."""
+        while not self._stopped and (self._busy or time.monotonic() - self._last < seconds):
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._due.set()
+        self._thread.join(timeout=120)
+
+    def _loop(self) -> None:
+        while True:
+            self._due.wait()
+            if self._stopped:
+                return
+            self._due.clear()
+            with self.stack.lock:
+                if self._stopped:
+                    return
+                try:
+                    self.stack.up()
+                    self.restarts += 1
+                except RuntimeError as exc:  # up() kept failing: the nemesis's next up() tries again
+                    print(f"supervisor: {exc}", file=sys.stderr, flush=True)
+                finally:
+                    self._last = time.monotonic()
+                    self._busy = self._due.is_set()
