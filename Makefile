@@ -74,7 +74,9 @@ bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes)
 
 SEED ?= 1
 SHARDS ?= 1
-chaos: $(STAMP) ## The nemesis under load on a stack of its own (.run/chaos): 30 faults, seeded (SEED=n), SHARDS=n ledger shards; ends PASS or FAIL
+MODEL_EXAMPLES ?= 300
+chaos: $(STAMP) ## The ledger's model test with MODEL_EXAMPLES examples (a random seed, printed), then the nemesis under load on a stack of its own (.run/chaos): 30 faults, seeded (SEED=n), SHARDS=n ledger shards; ends PASS or FAIL
+	VIGIL_MODEL_EXAMPLES=$(MODEL_EXAMPLES) VIGIL_MODEL_SEED=random $(BIN)/pytest -q -s -o timeout=1800 tests/test_ledger_model.py
 	$(BIN)/python -m vigil_dev.chaos --seed $(SEED) --shards $(SHARDS) $(CHAOS_ARGS)
 
 MODEL ?=

@@ -42,7 +42,18 @@ from vigil_dev import devstack
 # Only the stack's address comes from the caller's environment (`. .run/env && make test`):
 # every other VIGIL_ setting the services read is the test's own choice, so a developer's
 # shell (say, a short approval deadline for the demo) never changes what a test checks.
-KEPT = {"VIGIL_KAFKA_BOOTSTRAP", "VIGIL_DATABASE_URL", "VIGIL_DEV_RUN_DIR", "VIGIL_DEV_ADMIN_DATABASE_URL"}
+# The model test's own knobs (tests/test_ledger_model.py: how many examples, which seed) are
+# kept too: no service reads them.
+KEPT = {
+    "VIGIL_KAFKA_BOOTSTRAP",
+    "VIGIL_DATABASE_URL",
+    "VIGIL_DEV_RUN_DIR",
+    "VIGIL_DEV_ADMIN_DATABASE_URL",
+    "VIGIL_MODEL_EXAMPLES",
+    "VIGIL_MODEL_STEPS",
+    "VIGIL_MODEL_SEED",
+    "VIGIL_MODEL_SHRINK",
+}
 # A parallel run's worker: the stack its controller started (pytest_configure), taken out of
 # the environment so that the worker's tests and their processes see what a serial run's do.
 RUN_STACK = json.loads(os.environ.pop("VIGIL_TEST_RUN_STACK", "null"))

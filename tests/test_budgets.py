@@ -145,3 +145,30 @@ def test_a_runs_token_cap_counts_cache_reads_as_billed():
     assert u.cache_read_tokens > 20_000, u  # the later turns read the prompt from the cache
     assert u.input_tokens + u.output_tokens + u.cache_read_tokens + u.cache_write_tokens > 14_000, u
     assert budgets.billed(u) < 14_000
+
+
+def test_open_background_tasks_hold_their_budget_until_they_end(ledger):
+    """A run that starts while background tasks of its user work counts their whole budgets as
+    spent: before, it saw only ended usage and the user's run and tasks together could spend
+    the day's budget several times over."""
+    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    query(
+        ledger,
+        "INSERT INTO runs (user_id, topic, partition, epoch, worker, event_ids, started_at, finished_at, outcome,"
+        " input_tokens) VALUES ('hold/ann', 'events', 0, 1, 'w', '{}', now(), now(), 'message', 500)",
+    )
+    for status, budget in (("queued", 300), ("running", 100), ("succeeded", 7000)):
+        query(
+            ledger,
+            "INSERT INTO tasks (id, user_id, parent_run_key, depth, owner_chain, instructions, token_budget,"
+            " max_attempts, deadline, status, lease_holder, heartbeat_at, finished_at)"
+            " VALUES (gen_random_uuid()::text, 'hold/ann', 'hold/ann:1', 1, '{hold/ann}', 'look', %s, 3,"
+            " now() + interval '1 hour', %s, 'w', now(), CASE WHEN %s = 'succeeded' THEN now() END)",
+            (budget, status, status),
+        )
+
+    async def go():
+        async with await psycopg.AsyncConnection.connect(ledger, row_factory=dict_row) as conn:
+            return await budgets.spent(conn, user_id="hold/ann", since=today)
+
+    assert asyncio.run(go()) == 500 + 300 + 100

@@ -33,6 +33,7 @@ class Receiver:
 
     def __init__(self) -> None:
         self.keys: list[str] = []
+        self.calls: list[tuple[str, str]] = []  # (path, key) of each POST, in order
         self.hold = threading.Event()
         self.hold.set()  # answers at once unless cleared
         receiver = self
@@ -42,6 +43,7 @@ class Receiver:
                 length = int(self.headers.get("content-length") or 0)
                 self.rfile.read(length)
                 receiver.keys.append(self.headers.get("Idempotency-Key") or "")
+                receiver.calls.append((self.path, receiver.keys[-1]))
                 receiver.hold.wait(60)
                 data = b'{"refund": "made"}'
                 self.send_response(200)
@@ -368,6 +370,132 @@ def test_a_task_retried_after_its_holder_died_does_not_act_again(stack, topics, 
     assert len(child_questions) == 1, "the child's first question was asked again"
     assert scalar(ledger, "SELECT attempts FROM tasks") == 2
     assert scalar(ledger, "SELECT count(*) FROM run_journal WHERE run_key LIKE 'task:%%'") == 0
+
+
+# (first holder's journal, second holder's journal): each holder is its own worker process.
+HOLDERS = [("on", "on"), ("off", "off"), ("off", "on")]
+
+
+@pytest.mark.parametrize("journals", HOLDERS, ids=["-".join(j) for j in HOLDERS])
+def test_a_task_key_names_one_call_whoever_holds_it(journals, stack, topics, ledger, vigil_env, spawn):
+    """A background task POSTs; its holder is SIGKILLed while the POST is in flight (in doubt)
+    and another worker takes the task back. The model answers the child's first question
+    with POST /first once, then with POST /second. No key is ever given to two calls:
+
+    - journal on for both: the second holder replays the answer and makes the call in doubt
+      again under the same key (one logical call, one key: the system it acts on drops it);
+    - the first holder without a journal: nothing of it is replayed, the second holder asks
+      again and POSTs /second, under a key of its own (the lease epoch is in it), with or
+      without a journal of its own."""
+    first, second = (
+        {"VIGIL_RUN_JOURNAL": "false", "VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS": "accept"} if j == "off" else {}
+        for j in journals
+    )
+    receiver = Receiver()
+
+    def post(path: str) -> dict:
+        return {
+            "type": "tool_use",
+            "name": "http_request",
+            "input": {"method": "POST", "url": f"{receiver.url}{path}", "body": "{}"},
+        }
+
+    child = {"system": "sub-agent", "user_text": "open a ticket"}
+    rules = [
+        {"when": {"system": "sub-agent", "tool_result": "http_request"}, "reply": [{"type": "text", "text": "ok"}]},
+        {"when": child, "reply": [post("/first")], "times": 1},
+        {"when": child, "reply": [post("/second")]},
+        {"when": {"tool_result": "delegate"}, "reply": []},
+        {
+            "when": {"user_text": "please delegate"},
+            "reply": [
+                {
+                    "type": "tool_use",
+                    "name": "delegate",
+                    "input": {"instructions": "open a ticket", "mode": "background", "tools": ["http_request"]},
+                }
+            ],
+        },
+        {"reply": []},  # the task's result, when it wakes the session
+    ]
+    fast = {"VIGIL_TASK_HEARTBEAT_S": "0.5", "VIGIL_TASK_STALE_S": "2"}
+    with ScriptedServer({"rules": rules}) as server:
+        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a", **fast, **first)
+        receiver.hold.clear()  # the first holder's POST stays in flight: in doubt
+        produce(stack.bootstrap, topics.events, [chat("tia", "please delegate")])
+        wait_for(lambda: receiver.calls, 30, "the first holder's POST")
+        a.kill()
+        receiver.hold.set()
+        worker(spawn, vigil_env, server, receiver, "worker-b", **fast, **second)
+        wait_for(lambda: scalar(ledger, "SELECT status FROM tasks") == "succeeded", 60, "the task to succeed on B")
+        asked = [b for b in server.requests() if "sub-agent" in json.dumps(b.get("system")) and len(b["messages"]) == 1]
+    receiver.close()
+    task = query(ledger, "SELECT id, attempts, lease_epoch FROM tasks")[0]
+    assert (task["attempts"], task["lease_epoch"]) == (2, 2), task
+    paths_of: dict[str, set[str]] = {}
+    for path, key in receiver.calls:
+        paths_of.setdefault(key, set()).add(path)
+    assert all(len(paths) == 1 for paths in paths_of.values()), f"a key named two calls: {receiver.calls}"
+    [(first_path, first_key), *later] = receiver.calls
+    assert first_path == "/first" and later, receiver.calls
+    if journals == ("on", "on"):
+        assert receiver.calls == [("/first", f"task:{task['id']}:2")] * 2, "the call in doubt got another key"
+        assert len(asked) == 1, "the child's first question was asked again"
+    else:
+        assert first_key == f"task:{task['id']}~1:2", first_key
+        own = f"task:{task['id']}~2:2" if journals[1] == "off" else f"task:{task['id']}:2"
+        assert later == [("/second", own)], receiver.calls
+        assert len(asked) == 2, "nothing was journaled: the child's first question is asked again"
+
+
+def test_without_the_journal_a_run_released_for_an_overloaded_model_acts_under_new_keys(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """Journal off (accepted): a run POSTs /first, then the model is overloaded, so its claim
+    is released without counting an attempt (RetryLater). The retry asks the model again and
+    POSTs /second at the same step: under a key of its own, never the one /first had."""
+    receiver = Receiver()
+
+    def post(path: str) -> dict:
+        body = {"method": "POST", "url": f"{receiver.url}{path}", "body": "{}"}
+        return {"type": "tool_use", "name": "http_request", "input": body}
+
+    done = [{"type": "tool_use", "name": "send_message", "input": {"text": "Done."}}]
+    rules = [
+        {"when": {"tool_result": "send_message"}, "reply": []},
+        {"when": {"tool_result": "http_request"}, "error": {"status": 529, "retry_after": 0}, "times": 1},
+        {"when": {"tool_result": "http_request"}, "reply": done},
+        {"when": {"user_text": "refund"}, "reply": [post("/first")], "times": 1},
+        {"when": {"user_text": "refund"}, "reply": [post("/second")]},
+    ]
+    off = {"VIGIL_RUN_JOURNAL": "false", "VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS": "accept", "VIGIL_MODEL_RETRIES": "0"}
+    with ScriptedServer({"rules": rules}) as server:
+        worker(spawn, vigil_env, server, receiver, "worker-a", **off)
+        produce(stack.bootstrap, topics.events, [chat("uma", "refund A17")])
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox") == 1, 60, "the run's message")
+    receiver.close()
+    assert scalar(ledger, "SELECT attempts FROM events") == 1, "the overloaded model counted an attempt"
+    [(first, first_key), (second, second_key)] = receiver.calls
+    assert (first, second) == ("/first", "/second"), receiver.calls
+    assert first_key != second_key, f"one key named two calls: {receiver.calls}"
+
+
+def test_no_journal_with_tools_that_act_is_refused_unless_accepted(spawn, vigil_env):
+    """VIGIL_RUN_JOURNAL=false with tools that act (http_request, the demo's refund package) is a
+    start-up error naming the setting and the tools; an operator's VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS
+    =accept starts it; the echo agent, which calls no tools, starts without a journal."""
+    with ScriptedServer({"rules": [{"reply": []}]}) as server:
+        tools = {"VIGIL_HTTP_ALLOWED_HOSTS": "127.0.0.1:9", "VIGIL_RUN_JOURNAL": "false"}
+        refused = spawn(["worker"], claude_env(vigil_env, server.base_url, **tools), name="refused")
+        refused.proc.wait(30)
+        log = refused.log()
+        assert refused.proc.returncode == 2, log[-3000:]
+        assert "VIGIL_RUN_JOURNAL=false" in log and "http_request" in log and "refund" in log, log[-3000:]
+        assert "VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept" in log and "Traceback" not in log, log[-3000:]
+        env = claude_env(vigil_env, server.base_url, **tools, VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS="accept")
+        spawn(["worker"], env, name="accepted").wait_healthy(int(env["VIGIL_WORKER_PORT"]))
+    echo = {**vigil_env, "VIGIL_AGENT": "echo", "VIGIL_RUN_JOURNAL": "false", "VIGIL_WORKER_PORT": str(free_port())}
+    spawn(["worker"], echo, name="echo").wait_healthy(int(echo["VIGIL_WORKER_PORT"]))
 
 
 @pytest.mark.parametrize("handover", ["step", "finish"])

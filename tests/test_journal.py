@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import psycopg
 import pytest
@@ -147,6 +148,77 @@ def test_an_action_call_runs_once_and_in_doubt_again_with_its_key():
 
     asyncio.run(go())
     assert calls == ["ann:7:1", "ann:7:1"]
+
+
+def answer(*blocks):
+    """A model response as the journal sees it: content blocks and usage."""
+    usage = SimpleNamespace(input_tokens=10, output_tokens=5, cache_read_input_tokens=0, cache_creation_input_tokens=0)
+    return SimpleNamespace(content=[SimpleNamespace(**b, to_dict=lambda b=b: b) for b in blocks], usage=usage)
+
+
+def test_a_diverged_replay_never_gives_a_journaled_key_to_another_call(monkeypatch):
+    """The agent changed between two attempts (a tool renamed): the replay keeps the steps
+    before as facts, and the call that no longer matches its journaled step is made under a
+    number past every journaled one, never under the key its step had (that key named another
+    call, which happened). A replay after it, by the same code, takes up the continuation
+    instead of leaving the journal again. Before, the run failed (Diverged), its journal was
+    dropped and the next attempt started over: the refund made again under a new key."""
+    monkeypatch.setattr("vigil.agent.journal.assistant_content", lambda content: [c.to_dict() for c in content])
+    calls: list[str] = []
+
+    async def act(key):
+        calls.append(key)
+        return ToolOutput("done")
+
+    async def ask_tool():
+        return answer({"type": "tool_use", "id": "t1", "name": "refund", "input": {}})
+
+    async def go():
+        first = Recording()
+        journal = Journal("ann:7", first)
+        await journal.model_turn(ask_tool)
+        await journal.action(journal.take(), "refund", {}, act)
+        # The new code calls the tool by another name at step 2.
+        second = Recording()
+        second.rows = {n: list(row) for n, row in first.rows.items()}
+        replay = Journal.of("ann:7", second, first.steps())
+        await replay.model_turn(ask_tool)  # step 1: replayed, not asked
+        await replay.action(replay.take(), "credit", {}, act)
+        assert json.loads(second.rows[3][1])["diverged_at"] == 2
+        # Once more, the same code: the continuation is replayed, nothing runs again.
+        third = Journal.of("ann:7", Recording(), second.steps())
+        await third.model_turn(ask_tool)
+        assert (await third.action(third.take(), "credit", {}, act)).text == "done"
+        # A model turn where the journal holds a call: asked live under a new number.
+        fourth_rows = Recording()
+        fourth = Journal.of("ann:7", fourth_rows, first.steps())
+        await fourth.model_turn(ask_tool)
+        await fourth.model_turn(ask_tool)  # step 2, which the journal holds as a call
+        assert list(fourth_rows.rows) == [3] and json.loads(fourth_rows.rows[3][1])["diverged_at"] == 2
+
+    asyncio.run(go())
+    assert calls == ["ann:7:2", "ann:7:3"]
+
+
+def test_a_journaled_outcome_is_a_fact_whatever_the_agent_allows_now():
+    """A call made before the crash is handed back as made, even if the tool is since removed,
+    denied or set to ask (the conversation takes the fact before it asks permission); a call
+    of another name at that step is no fact."""
+    first = Recording()
+
+    async def go():
+        journal = Journal("bo:1", first)
+        await journal.action(journal.take(), "refund", {}, lambda key: _done())
+
+    async def _done():
+        return ToolOutput("refunded")
+
+    asyncio.run(go())
+    replay = Journal.of("bo:1", None, first.steps())
+    assert replay.fact(1, "refund") == ToolOutput("refunded")
+    assert replay.fact(1, "credit") is None
+    first.rows[1][2] = None  # in doubt: no fact, the call decides again (same key)
+    assert Journal.of("bo:1", None, first.steps()).fact(1, "refund") is None
 
 
 def test_the_finish_and_the_pruner_end_journals(ledger):

@@ -241,3 +241,17 @@ def test_model_and_tool_spans_follow_the_genai_conventions(model, http, monkeypa
     assert lookup["mcp.server.name"] == "orders" and lookup["mcp.tool.name"] == "lookup"
     assert lookup["server.address"] == "127.0.0.1" and lookup["gen_ai.tool.type"] == "extension"
     assert tools["execute_tool send_message"]["gen_ai.tool.name"] == "send_message"
+
+
+def test_the_tools_that_act_are_all_but_the_read_only_ones(model, servers):
+    """What the worker's start-up check refuses to run without a journal (VIGIL_RUN_JOURNAL):
+    every tool not annotated read-only, and whatever a server down at start may offer."""
+    down = {"closed": {"url": f"http://127.0.0.1:{free_port()}/mcp"}}
+    agent = t.agent(model.base_url, mcp_servers=json.dumps(servers | down), outbound_allowed_nets=LOOPBACK)
+    try:
+        acting = agent.acting_tools()
+    finally:
+        asyncio.run(agent.close())
+    assert {"orders__cancel_order", "orders__big"} <= set(acting)
+    assert "orders__lookup" not in acting and "orders__slow" not in acting
+    assert "closed__* (MCP server not listed at start)" in acting

@@ -1,15 +1,23 @@
 """`vigil scheduler` as real processes, in real time: replicas sharing a backlog, a SIGKILL
-between produce and commit, the start-up report, and timers created with `vigil timers`."""
+between produce and commit, a SIGTERM or SIGKILL in the middle of a pass, the start-up
+report, and timers created with `vigil timers`."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
+import uuid
+
+import psycopg
+import pytest
+from confluent_kafka import Consumer, TopicPartition
 
 from scheduler_support import DAY, bodies, read_topic, record, topic_size
 from support import REPO, query, scalar, wait_for
+from vigil_dev.devstack import free_port
 from worker_support import metric
 
 FAST = {"VIGIL_SCHEDULER_TICK_S": "0.2", "VIGIL_SCHEDULER_BATCH_SIZE": "25"}
@@ -50,8 +58,6 @@ def assert_each_occurrence_once_in_the_ledger(dsn: str, bootstrap: str, topic: s
 def test_two_scheduler_processes_over_1000_due_timers_produce_each_occurrence_once(
     stack, ledger, topics, vigil_env, spawn
 ):
-    from vigil_dev.devstack import free_port
-
     first = start_scheduler(spawn, vigil_env, "first")
     second_port = free_port()
     second = start_scheduler(spawn, vigil_env, "second", VIGIL_SCHEDULER_PORT=str(second_port))
@@ -153,3 +159,107 @@ def test_timers_from_the_cli_fire_in_real_time_and_an_outage_is_reported(stack, 
         json.loads(line) for line in vigil_cli(env, "timers", "list", "alice", "--all", "--json").stdout.splitlines()
     ]
     assert {t["id"]: (t["done"], t["cancelled"]) for t in listed} == {"digest": (False, False), "tick": (True, True)}
+
+
+HOUR = 3600
+MISSED_HOURS = 10  # each hourly `each` timer has this many occurrences and one more due
+
+
+def insert_timers_with_many_occurrences(dsn: str, count: int) -> dict[str, set[str]]:
+    """``count`` hourly `each` timers that missed ``MISSED_HOURS`` hours (``MISSED_HOURS`` + 1
+    occurrences each: a pass of them produces many events) and ``count`` due one-offs; the
+    dedup key (``<id>@<scheduled_for>``) of every occurrence they owe, by timer id."""
+    now = int(time.time())
+    hourly_due, one_off_due = now - MISSED_HOURS * HOUR - 30, now - 30
+    query(
+        dsn,
+        """INSERT INTO timers (id, user_id, kind, due, every_seconds, catch_up)
+           SELECT 'h' || g, 'u-' || (g %% 50), 'schedule', to_timestamp(%(hourly)s), 3600, 'each'
+           FROM generate_series(1, %(count)s) AS g
+           UNION ALL
+           SELECT 'f' || g, 'u-' || (g %% 50), 'followup', to_timestamp(%(one_off)s), NULL, 'coalesce'
+           FROM generate_series(1, %(count)s) AS g""",
+        {"count": count, "hourly": hourly_due, "one_off": one_off_due},
+    )
+    owed = {f"h{i}": {f"h{i}@{hourly_due + k * HOUR}" for k in range(MISSED_HOURS + 1)} for i in range(1, count + 1)}
+    owed.update({f"f{i}": {f"f{i}@{one_off_due}"} for i in range(1, count + 1)})
+    return owed
+
+
+class PassWatch:
+    """Whether a scheduler's first pass is producing: the broker acknowledged some of its
+    events, and no timer is advanced yet (the pass has not committed). One consumer and one
+    connection, polled every few milliseconds, so the window of one pass is not missed."""
+
+    def __init__(self, bootstrap: str, topic: str, dsn: str):
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"watch-{uuid.uuid4().hex}"})
+        self.partitions = [
+            TopicPartition(topic, p) for p in self.consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        ]
+        self.conn = psycopg.connect(dsn, autocommit=True)
+
+    def producing(self) -> bool:
+        acked = sum(self.consumer.get_watermark_offsets(p, timeout=10)[1] for p in self.partitions)
+        return acked > 0 and self.conn.execute("SELECT count(*) FROM timers WHERE fired_count > 0").fetchone()[0] == 0
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.conn.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP], ids=["sigterm", "sigkill", "sigstop"])
+def test_a_scheduler_stopped_in_the_middle_of_a_pass_loses_and_doubles_no_occurrence(
+    sig, stack, ledger, topics, vigil_env, spawn
+):
+    """Seed 002's stale claim: the scheduler is stopped while a pass holds its batch and is
+    producing it, and a second one starts at once. SIGTERM: the pass finishes (acknowledged
+    and committed), nothing reaches the topic twice. SIGKILL: the pass rolls back (its locks
+    go with its connection), the second scheduler produces the batch again, and the ledger
+    keeps each occurrence once. SIGSTOP (a frozen host, a partition: the connection stays
+    open): PostgreSQL ends the frozen pass's session after VIGIL_SCHEDULER_PASS_IDLE_S, the
+    second scheduler takes the batch, and the first, thawed, commits nothing. Every way,
+    every timer is advanced past what it owed."""
+    count = 300  # 300 x 11 + 300 = 3,600 occurrences, 2,200 of them in the first pass
+    owed = insert_timers_with_many_occurrences(ledger, count)
+    total = sum(len(keys) for keys in owed.values())
+    batch = {
+        "VIGIL_SCHEDULER_BATCH_SIZE": "200",
+        "VIGIL_SCHEDULER_EACH_CAP": "100",
+        "VIGIL_PRODUCE_TIMEOUT_S": "3",
+        "VIGIL_SCHEDULER_PASS_IDLE_S": "8",
+    }
+    watch = PassWatch(stack.bootstrap, topics.events, ledger)
+    try:
+        first = spawn(["scheduler"], {**vigil_env, **FAST, **batch}, name="first")
+        wait_for(watch.producing, 60, "the first pass to be producing", interval=0.005)
+        first.signal(sig)
+    finally:
+        watch.close()
+    second_port = str(free_port())
+    start_scheduler(spawn, vigil_env, "second", VIGIL_SCHEDULER_PORT=second_port, **batch)
+    if sig != signal.SIGSTOP:
+        assert first.proc.wait(30) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+    if sig == signal.SIGTERM:
+        assert "received SIGTERM, stopping" in first.log() and "scheduler stopped" in first.log()
+
+    advanced = (
+        "SELECT count(*) FROM timers WHERE (id LIKE 'h%%' AND fired_count = %(hours)s AND NOT done"
+        " AND due = to_timestamp(%(next)s)) OR (id LIKE 'f%%' AND fired_count = 1 AND done)"
+    )
+    hourly_due = min(int(key.split("@")[1]) for key in owed["h1"])
+    params = {"hours": MISSED_HOURS + 1, "next": hourly_due + (MISSED_HOURS + 1) * HOUR}
+    wait_for(lambda: scalar(ledger, advanced, params) == 2 * count, 60, "every timer advanced once", interval=0.2)
+    if sig == signal.SIGSTOP:
+        first.signal(signal.SIGCONT)  # thawed: its pass's session is gone, its commit fails
+        wait_for(lambda: "pass failed" in first.log(), 30, "the thawed pass to fail")
+        assert scalar(ledger, advanced, params) == 2 * count
+        assert first.stop() == 0
+
+    produced = read_topic(stack.bootstrap, topics.events)
+    if sig == signal.SIGTERM:
+        assert len(produced) == total  # the stopped pass committed what it produced: no copy
+    else:
+        assert len(produced) >= total  # the killed or frozen pass's events went out again
+    record(ledger, produced)
+    recorded = [r["source_id"] for r in query(ledger, "SELECT source_id FROM events WHERE source = 'timer'")]
+    assert len(recorded) == total and set(recorded) == set().union(*owed.values())

@@ -215,6 +215,14 @@ def _new_task(task_id: str, timeout_s: float = 600.0):
     )
 
 
+async def _silence(conn: psycopg.AsyncConnection, task_id: str, seconds: float) -> None:
+    """The task's holder silent for ``seconds`` of the ledger's clock, the one that stamps
+    heartbeats and judges their age: its last heartbeat moved back by that much."""
+    await conn.execute(
+        "UPDATE tasks SET heartbeat_at = heartbeat_at - make_interval(secs => %s) WHERE id = %s", (seconds, task_id)
+    )
+
+
 def _seed_task(ledger: str, task_id: str) -> None:
     """One queued task of user ``race``."""
     from vigil.ledger import tasks as ledger_tasks
@@ -273,14 +281,14 @@ def test_previous_holder_cannot_heartbeat_or_finish_after_a_reclaim(ledger):
         conn = await _tasks_conn(ledger)
         await ledger_tasks.create(conn, _new_task("tsk_old"), now=utc(clock.now()))
         (first,) = await ledger_tasks.claim(conn, "old-holder", 1, now=utc(clock.now()))
-        clock.advance(60.0)  # the holder has been silent for a minute
+        await _silence(conn, "tsk_old", 60.0)  # the holder has been silent for a minute
         reaped = await ledger_tasks.reap(conn, 5.0, now=utc(clock.now()))
         (second,) = await ledger_tasks.claim(conn, "new-holder", 1, now=utc(clock.now()))
-        late_beat = await ledger_tasks.heartbeat(conn, "tsk_old", first.lease_epoch, now=utc(clock.now()))
+        late_beat = await ledger_tasks.heartbeat(conn, "tsk_old", first.lease_epoch)
         late_finish = await ledger_tasks.finish(
             conn, "tsk_old", first.lease_epoch, ledger_tasks.Outcome(TaskStatus.SUCCEEDED, "stale")
         )
-        now_beat = await ledger_tasks.heartbeat(conn, "tsk_old", second.lease_epoch, now=utc(clock.now()))
+        now_beat = await ledger_tasks.heartbeat(conn, "tsk_old", second.lease_epoch)
         final = await ledger_tasks.get(conn, "tsk_old")
         await conn.close()
         return reaped, first, second, late_beat, late_finish, now_beat, final
@@ -305,7 +313,7 @@ def test_a_task_whose_holders_keep_dying_ends_lost_with_the_reason(ledger):
         statuses = []
         for holder in ("h1", "h2"):
             await ledger_tasks.claim(conn, holder, 1, now=utc(clock.now()))
-            clock.advance(60.0)  # its holder silent for a minute
+            await _silence(conn, "tsk_doomed", 60.0)  # its holder silent for a minute
             statuses += [r.status for r in await ledger_tasks.reap(conn, 5.0, now=utc(clock.now()))]
         final = await ledger_tasks.get(conn, "tsk_doomed")
         again = await ledger_tasks.claim(conn, "h3", 1, now=utc(clock.now()))
@@ -376,6 +384,117 @@ def test_reported_at_is_never_before_finished_at(ledger):
 
     final = asyncio.run(go())
     assert final.reported_at >= final.finished_at, (final.finished_at, final.reported_at)
+
+
+# -- one clock per row, and the lease on the ledger's clock (issue 53 item 5) ----------------
+
+HOUR = 3600.0
+ORDER = ("created_at", "started_at", "heartbeat_at", "progress_at", "finished_at", "reported_at")
+
+
+def _stamps_in_order(row) -> list[str]:
+    """The row's stamps that are out of order (created, started, heartbeat, progress, finished,
+    reported; a cancel request before the finish): none, on one clock."""
+    stamps = [(name, getattr(row, name)) for name in ORDER if getattr(row, name) is not None]
+    wrong = [f"{a}={x} > {b}={y}" for (a, x), (b, y) in zip(stamps, stamps[1:]) if x > y]
+    if row.cancel_requested_at is not None and row.finished_at is not None:
+        if row.cancel_requested_at > row.finished_at:
+            wrong.append(f"cancel_requested_at={row.cancel_requested_at} > finished_at={row.finished_at}")
+    return wrong
+
+
+def test_a_tasks_stamps_are_on_one_clock_and_in_order(ledger):
+    """Every way a row is stamped, by holders whose hosts read an hour ahead of the ledger:
+    a heartbeat that lands while the finish's transaction is open (the issue's heartbeat_at
+    after finished_at), a claim then a finish, a sync child started then ended, a task
+    claimed then timed out by the reaper, a queued task cancelled, a running one cancelled
+    then finished, each then reported. Each row's stamps are on the ledger's clock and in
+    order: created <= started <= heartbeat <= progress <= finished <= reported."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    ahead = ManualClock(time.time() + HOUR)  # the holders' and creators' hosts
+    now = lambda: utc(ahead.now())  # noqa: E731
+    ok = ledger_tasks.Outcome(TaskStatus.SUCCEEDED, "ok")
+
+    async def go():
+        holder, finisher = await _tasks_conn(ledger), await _tasks_conn(ledger)
+        for task_id in ("tsk_beat_in_finish", "tsk_claimed", "tsk_timed_out", "tsk_cancel_queued", "tsk_cancel_run"):
+            await ledger_tasks.create(holder, _new_task(task_id, timeout_s=3 * HOUR), now=now())
+        await ledger_tasks.cancel(holder, task_id="tsk_cancel_queued", actor="owner")
+        held = {t.id: t for t in await ledger_tasks.claim(holder, "h1", 10, now=now())}
+        # A heartbeat that lands while the finish's transaction is open: it commits first.
+        beating = held["tsk_beat_in_finish"]
+        async with finisher.transaction():
+            await finisher.execute("SELECT now()")  # the transaction has begun: now() is fixed
+            await asyncio.sleep(0.05)
+            assert await ledger_tasks.heartbeat(holder, beating.id, beating.lease_epoch) is False
+            assert await ledger_tasks.finish(finisher, beating.id, beating.lease_epoch, ok)
+        claimed = held["tsk_claimed"]
+        assert await ledger_tasks.finish(holder, claimed.id, claimed.lease_epoch, ok)
+        running = held["tsk_cancel_run"]
+        await ledger_tasks.cancel(holder, task_id=running.id, actor="owner")
+        assert await ledger_tasks.heartbeat(holder, running.id, running.lease_epoch) is True
+        outcome = ledger_tasks.Outcome(TaskStatus.CANCELLED, error="cancelled by its owner while it ran")
+        assert await ledger_tasks.finish(holder, running.id, running.lease_epoch, outcome)
+        ahead.advance(3 * HOUR)  # past tsk_timed_out's deadline on the clock that set it
+        reaped = await ledger_tasks.reap(holder, 60.0, now=now())
+        assert ("tsk_timed_out", TaskStatus.TIMED_OUT) in [(r.id, r.status) for r in reaped]
+        sync = dataclasses.replace(_new_task("tsk_sync", timeout_s=60), max_attempts=1)
+        await ledger_tasks.sync_started(holder, sync, now=now())
+        await ledger_tasks.sync_ended(holder, task_id="tsk_sync", outcome=ok)
+        async with holder.transaction():
+            rows = await ledger_tasks.unreported(holder, 10)
+            await ledger_tasks.mark_reported(holder, [r.id for r in rows])
+        final = {r.id: r for r in await ledger_tasks.of_user(holder, user_id="race")}
+        db_now = (await (await holder.execute("SELECT clock_timestamp() AS t")).fetchone())["t"]
+        for conn in (holder, finisher):
+            await conn.close()
+        return final, db_now
+
+    final, db_now = asyncio.run(go())
+    assert len(final) == 6 and all(r.finished_at and r.reported_at for r in final.values()), final
+    wrong = {task_id: _stamps_in_order(row) for task_id, row in final.items() if _stamps_in_order(row)}
+    assert wrong == {}, wrong
+    for row in final.values():  # the hosts' hour ahead entered no stamp: all are the ledger's
+        assert all(getattr(row, name) is None or getattr(row, name) <= db_now for name in ORDER), row
+
+
+@pytest.mark.parametrize(
+    ("holder_skew", "reaper_skew"),
+    [(-HOUR, 0.0), (HOUR, 0.0), (0.0, HOUR), (0.0, -HOUR)],
+    ids=["holder-behind", "holder-ahead", "reaper-ahead", "reaper-behind"],
+)
+def test_a_lease_is_judged_on_the_ledgers_clock_whatever_the_hosts_read(ledger, holder_skew, reaper_skew):
+    """A holder and a reaper whose hosts' clocks disagree by an hour (NTP broken on one): the
+    lease is neither stolen early (the holder's heartbeat is fresh: nothing is reaped, whichever
+    host is behind) nor kept late (once the ledger has taken no heartbeat for the bound, the
+    task is taken back, whichever host is ahead). Its silence is the ledger's time since its
+    last heartbeat (moved back, as time passing on the ledger would)."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.states import TaskStatus
+
+    holder_clock, reaper_clock = ManualClock(time.time() + holder_skew), ManualClock(time.time() + reaper_skew)
+    stale_s = 60.0
+
+    async def go():
+        holder, reaper = await _tasks_conn(ledger), await _tasks_conn(ledger)
+        # A deadline hours away on either clock: only the lease is judged here.
+        await ledger_tasks.create(holder, _new_task("tsk_lease", timeout_s=4 * HOUR), now=utc(holder_clock.now()))
+        (held,) = await ledger_tasks.claim(holder, "h1", 1, now=utc(holder_clock.now()))
+        # The claim is the holder's first heartbeat (and, the holder dying now, its last).
+        fresh = await ledger_tasks.reap(reaper, stale_s, now=utc(reaper_clock.now()))
+        await _silence(holder, held.id, stale_s - 1)
+        within = await ledger_tasks.reap(reaper, stale_s, now=utc(reaper_clock.now()))
+        await _silence(holder, held.id, 2.0)
+        past = await ledger_tasks.reap(reaper, stale_s, now=utc(reaper_clock.now()))
+        for conn in (holder, reaper):
+            await conn.close()
+        return fresh, within, past
+
+    fresh, within, past = asyncio.run(go())
+    assert (fresh, within) == ([], []), "stolen early"
+    assert [(r.id, r.status) for r in past] == [("tsk_lease", TaskStatus.QUEUED)], "kept late"
 
 
 # -- the HTTP API: the owner chain reads and cancels ----------------------------------------
@@ -527,17 +646,23 @@ def test_open_tasks_per_user_are_bounded_atomically_by_the_ledger(ledger):
     from vigil.ledger import tasks as ledger_tasks
 
     async def go():
-        first, second = await _tasks_conn(ledger), await _tasks_conn(ledger)
+        first, second, watcher = [await _tasks_conn(ledger) for _ in range(3)]
         async with first.transaction():
+            # The first finish has counted and inserted; its transaction stays open (uncommitted,
+            # so a count under READ COMMITTED elsewhere does not see its task).
             await ledger_tasks.create(first, dataclasses.replace(_new_task("tsk_first"), max_open=1))
             racing = asyncio.create_task(
                 _create_in_transaction(second, dataclasses.replace(_new_task("tsk_second"), max_open=1))
             )
-            await asyncio.sleep(0.5)
-            assert not racing.done()  # held back by the first finish's lock
+            # Until the second has counted and inserted, or waits for the user's lock.
+            waits = "SELECT wait_event FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'"
+            pid, deadline = second.info.backend_pid, time.monotonic() + 10
+            while not racing.done() and not await (await watcher.execute(waits, (pid,))).fetchall():
+                assert time.monotonic() < deadline, "the second finish neither waited nor ended"
+                await asyncio.sleep(0.01)
         await racing
         rows = {r.id: r for r in await ledger_tasks.of_user(first, user_id="race")}
-        for conn in (first, second):
+        for conn in (first, second, watcher):
             await conn.close()
         return rows
 

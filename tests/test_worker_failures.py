@@ -13,7 +13,7 @@ import pytest
 
 from support import query, scalar, wait_for
 from vigil.worker.claim_loop import HANDOVER_LEASE_S
-from worker_support import FAST, assert_runs_consistent, chat, metric, produce, statuses, wait_all_done
+from worker_support import FAST, Supervisor, assert_runs_consistent, chat, metric, produce, statuses, wait_all_done
 
 
 def worker_env(vigil_env, port=None, **extra):
@@ -48,32 +48,6 @@ def test_stale_epoch_finish_writes_nothing(stack, topics, ledger, vigil_env, spa
     assert scalar(ledger, "SELECT count(*) FROM outbox") == 1
     assert scalar(ledger, "SELECT attempts FROM events") == 2  # A's claim counted, B's claim counted
     assert_runs_consistent(ledger)
-
-
-class Supervisor:
-    """Restarts worker processes that die, like a process manager would."""
-
-    def __init__(self, spawn, env_factory, count: int):
-        self.spawn, self.env_factory = spawn, env_factory
-        self.workers = [self._start(i) for i in range(count)]
-        self.restarts = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _start(self, index: int):
-        return self.spawn(["worker"], self.env_factory(), name=f"w{index}-{time.monotonic_ns()}")
-
-    def _watch(self):
-        while not self._stop.wait(0.2):
-            for i, proc in enumerate(self.workers):
-                if not proc.alive():
-                    self.workers[i] = self._start(i)
-                    self.restarts += 1
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(5)
 
 
 @pytest.mark.partitions(2)

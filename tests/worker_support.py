@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import urllib.request
 import uuid
 from datetime import UTC, datetime
@@ -124,3 +126,29 @@ def claude_env(vigil_env: dict[str, str], base_url: str, **extra: str) -> dict[s
         "VIGIL_MODEL": "claude-scripted-1",
         **extra,
     }
+
+
+class Supervisor:
+    """Restarts worker processes that die, like a process manager would."""
+
+    def __init__(self, spawn, env_factory, count: int):
+        self.spawn, self.env_factory = spawn, env_factory
+        self.workers = [self._start(i) for i in range(count)]
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _start(self, index: int):
+        return self.spawn(["worker"], self.env_factory(), name=f"w{index}-{time.monotonic_ns()}")
+
+    def _watch(self):
+        while not self._stop.wait(0.2):
+            for i, proc in enumerate(self.workers):
+                if not proc.alive():
+                    self.workers[i] = self._start(i)
+                    self.restarts += 1
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from vigil.agent.http_tool import HttpRequestTool
-from vigil.agent.settings import AgentSettings, Permission
+from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, Permission
 from vigil.agent.tools import BUILTIN, ActionTool
 from vigil.outbound import address_policy
 from vigil.settings import SettingsError
@@ -47,7 +47,7 @@ class ToolRegistry:
     """The action tools of one agent, unique by name. Raises SettingsError on a clash."""
 
     def __init__(self, entries: Iterable[Registered], unreachable: dict[str, str] | None = None):
-        # MCP servers that could not be listed, and why: they offer no tools until a restart.
+        # MCP servers that could not be listed, and why: they offer no tools until they can be.
         self.unreachable = dict(unreachable or {})
         self.entries: list[Registered] = []
         seen: dict[str, Registered] = {}
@@ -144,17 +144,42 @@ def package_tools(settings: AgentSettings) -> list[Registered]:
     return found
 
 
-def effective_permissions(settings: AgentSettings, actions: list[ActionTool]) -> dict[str, Permission]:
-    """Every tool's permission: defaults, then VIGIL_TOOL_PERMISSIONS. Raises SettingsError."""
+def effective_permissions(
+    settings: AgentSettings, actions: list[ActionTool], servers_down: Iterable[str] = ()
+) -> dict[str, Permission]:
+    """Every tool's permission: defaults, then VIGIL_TOOL_PERMISSIONS. Raises SettingsError.
+
+    A permission naming a tool of an MCP server in ``servers_down`` (configured, not listed
+    yet) is no error: that server's tools are unknown until it answers, and the permission
+    waits in the settings for them (:func:`permission_of`). Any other name no tool has is
+    refused: a typo must stop start-up, not leave a tool with its default permission."""
     permissions = {name: Permission.ALLOW for name in BUILTIN}
     permissions.update({tool.name: tool.default_permission for tool in actions})
+    waiting = tuple(f"{server}{MCP_SEPARATOR}" for server in servers_down)
     for name, permission in settings.permissions.items():
         if name not in permissions:
+            if waiting and name.startswith(waiting):
+                continue
             raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: no tool named {name!r} (tools: {', '.join(permissions)})")
         if name in BUILTIN and permission not in (Permission.ALLOW, Permission.DENY):
             raise SettingsError(f"VIGIL_TOOL_PERMISSIONS: {name} is built in and can only be allow or deny")
         permissions[name] = permission
     return permissions
+
+
+def permission_of(settings: AgentSettings, tool: ActionTool) -> Permission:
+    """The permission of a tool that arrived after start-up (an MCP server that came back)."""
+    return settings.permissions.get(tool.name, tool.default_permission)
+
+
+async def list_servers_again(settings: AgentSettings, names: list[str]) -> tuple[list[Registered], dict[str, str]]:
+    """The tools of the MCP servers ``names`` (down so far), listed now on the caller's loop;
+    and why each of them that still cannot be listed offers none."""
+    # Imported here as in from_settings: servers are named, so the SDK is loaded already.
+    from vigil.agent.mcp_tools import list_again
+
+    listed, down = await list_again(settings, names)
+    return [Registered(tool, f"mcp:{tool.server}", version) for tool, version in listed], down
 
 
 def action_tools(settings: AgentSettings) -> list[ActionTool]:

@@ -21,7 +21,7 @@ as ``RunResult.session`` (the run's main one) or in ``RunResult.other_sessions``
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -288,6 +288,7 @@ class TaskContext:
     delegation: Delegation  # the task's own depth: it may delegate further only within the bound
     attempt: int
     usage: TaskUsage = field(default_factory=TaskUsage)
+    lease_epoch: int = 0  # the holder's lease: without a journal, its keys are its own
     journal: Any = None  # the task's journal (vigil.agent.journal.Journal), fenced by its lease
     tasks: TaskDoor | None = None  # where its sync children are recorded (None: nowhere)
     session_id: str | None = None  # the delegating conversation (its sync children's rows name it)
@@ -336,6 +337,16 @@ class Agent(Protocol):
         """Share what the deployment's workers share toward the model (the fleet's gate):
         ``pool`` is the catalog's; ``user_ledger(user_id)``, the pool of the user's ledger
         shard (None: the catalog holds every user)."""
+        ...
+
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
+        """What the worker runs beside the runs for its whole life (a loop that raises stops
+        the worker): for the Claude agent, listing again the MCP servers that were down."""
+        ...
+
+    def acting_tools(self) -> list[str]:
+        """The tools that may act on the world when called (the worker refuses to run them
+        without a journal unless told to: VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS)."""
         ...
 
     async def close(self) -> None: ...

@@ -17,11 +17,12 @@ exception for a failed attempt.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -31,17 +32,17 @@ import httpx2
 import psycopg
 
 from vigil.agent import delegation, dreaming, metrics, model
-from vigil.agent.actions import ToolRegistry, effective_permissions
+from vigil.agent.actions import ToolRegistry, effective_permissions, list_servers_again, permission_of
 from vigil.agent.base import OverBudget, RetryLater, RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
-from vigil.agent.journal import Journal
+from vigil.agent.journal import Journal, task_key
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, resolve
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
-from vigil.agent.settings import AgentSettings, EventPolicy, Permission, parse_event_policies
+from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, EventPolicy, Permission, parse_event_policies
 from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
 from vigil.clock import Clock, SystemClock, utc
 from vigil.ledger import budgets as ledger_budgets
@@ -111,14 +112,17 @@ class ClaudeAgent:
         actions: list[ActionTool] | None = None,
     ):
         self.settings = settings
-        actions = ToolRegistry.from_settings(settings).tools if actions is None else actions
-        permissions = effective_permissions(settings, actions)
+        # MCP servers that could not be listed at start-up, and why: list_servers_again's.
+        self.servers_down: dict[str, str] = {}
+        if actions is None:
+            registry = ToolRegistry.from_settings(settings)
+            actions, self.servers_down = registry.tools, dict(registry.unreachable)
+        permissions = effective_permissions(settings, actions, self.servers_down)
         policies = settings.policies
         if policies.get("approval", EventPolicy.QUEUE) is not EventPolicy.QUEUE:
             raise SettingsError("VIGIL_EVENT_POLICIES: approval events resume their own session and are always queued")
         builtins = builtin_definitions(settings)
-        definitions = [d for n, d in builtins.items() if permissions[n] is not Permission.DENY]
-        definitions += [t.definition() for t in actions if permissions[t.name] is not Permission.DENY]
+        self.definitions = {**builtins, **{t.name: t.definition() for t in actions}}
         client = client or model_client(settings)
         model.prepare()
         self.box = Toolbox(
@@ -129,7 +133,7 @@ class ClaudeAgent:
             ),
             actions={t.name: t for t in actions},
             permissions=permissions,
-            tools=model.Encoded.of(definitions),
+            tools=model.Encoded.of(self._offered(permissions)),
             policies=policies,
             classifier=Classifier(
                 client,
@@ -141,12 +145,18 @@ class ClaudeAgent:
             else None,
         )
         self.limits = Limits(settings.memory_file_max_bytes, settings.memory_total_max_bytes, settings.memory_max_files)
-        self.definitions = {**builtins, **{t.name: t.definition() for t in actions}}
         self.profiles: ProfileBook | None = None  # set by join_fleet: profiles live in the ledger
         self.user_ledger: Callable[[str], AsyncPool] | None = None  # set by join_fleet: several ledger shards
         self._boxes: dict[tuple[str, int], Toolbox] = {}
         self.clock: Clock = SystemClock()  # what "today" is for daily budgets
         metrics.BUDGET_TOKENS.labels(DEFAULT).set(settings.user_daily_tokens)  # the series before any run
+
+    def acting_tools(self) -> list[str]:
+        """The tools that may act on the world when called: every action tool not marked
+        read-only, whatever its permission here (a profile may allow a tool the deployment
+        denies), and the tools of each MCP server that was not reachable at start (unknown)."""
+        acting = [t.name for t in self.box.actions.values() if not t.read_only]
+        return acting + [f"{server}__* (MCP server not listed at start)" for server in sorted(self.servers_down)]
 
     @classmethod
     def from_environment(cls) -> ClaudeAgent:
@@ -176,6 +186,53 @@ class ClaudeAgent:
         )
         await gate.start()
         self.box.retry = replace(self.box.retry, gate=gate)
+
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
+        """What the worker runs beside the runs for as long as it lives."""
+        return [self.list_servers_again()] if self.servers_down else []
+
+    async def list_servers_again(self) -> None:
+        """Every ``VIGIL_MCP_RETRY_S``, list the MCP servers that were down; offer the tools of
+        each that answers from then on, with the permissions VIGIL_TOOL_PERMISSIONS gives them.
+
+        Runs that started before keep the tools they started with (their box); the next runs
+        get the wider one. The tool list is part of the cached prompt prefix, so the prefix
+        changes once per server that comes back."""
+        while self.servers_down:
+            await asyncio.sleep(self.settings.mcp_retry_s)
+            found, still_down = await list_servers_again(self.settings, sorted(self.servers_down))
+            back = sorted(set(self.servers_down) - set(still_down))
+            self._add_tools([entry.tool for entry in found])
+            for server in back:
+                offered = [e.tool.name for e in found if e.tool.server == server]
+                log.info("MCP server %s is up: %d tool(s) offered from now on", server, len(offered))
+                prefix = f"{server}{MCP_SEPARATOR}"
+                for name in sorted(n for n in self.settings.permissions if n.startswith(prefix)):
+                    if name not in offered:
+                        log.warning("VIGIL_TOOL_PERMISSIONS: MCP server %s has no tool named %r", server, name)
+            self.servers_down = still_down
+
+    def _add_tools(self, tools: list[ActionTool]) -> None:
+        """A new default box with ``tools`` besides the agent's (profiles' boxes are built again)."""
+        box = self.box
+        actions, permissions = dict(box.actions), dict(box.permissions)
+        for tool in tools:
+            if tool.name in permissions:  # a built-in or a package's: start-up would have refused it
+                log.error("MCP server %s: tool %s skipped, a tool of that name exists", tool.server, tool.name)
+                continue
+            actions[tool.name] = tool
+            permissions[tool.name] = permission_of(self.settings, tool)
+            self.definitions[tool.name] = tool.definition()
+        self.box = replace(
+            box, actions=actions, permissions=permissions, tools=model.Encoded.of(self._offered(permissions))
+        )
+        self._boxes.clear()
+
+    def _offered(self, permissions: dict[str, Permission]) -> list[dict[str, Any]]:
+        """The definitions of the tools ``permissions`` does not deny, in their fixed order."""
+        return [
+            d for name, d in self.definitions.items() if permissions.get(name, Permission.DENY) is not Permission.DENY
+        ]
 
     async def close(self) -> None:
         await self.box.client.close()
@@ -210,14 +267,11 @@ class ClaudeAgent:
         policies = dict(self.box.policies)
         if spec.event_policies:
             policies |= parse_event_policies(spec.event_policies)
-        offered = [
-            d for name, d in self.definitions.items() if permissions.get(name, Permission.DENY) is not Permission.DENY
-        ]
         box = replace(
             self.box,
             settings=self.settings.model_copy(update=spec.settings_update()),
             permissions=permissions,
-            tools=model.Encoded.of(offered),
+            tools=model.Encoded.of(self._offered(permissions)),
             policies=policies,
         )
         self._boxes[profile.name, profile.version] = box
@@ -290,7 +344,7 @@ class ClaudeAgent:
                 settings.max_turns, ctx.token_budget, ctx.deadline, profile=profile.name if profile else DEFAULT
             ),
             usage=ctx.usage,
-            journal=ctx.journal or Journal(f"task:{ctx.task_id}"),
+            journal=ctx.journal or Journal(task_key(ctx.task_id, ctx.lease_epoch, journaled=False)),
             tasks=ctx.tasks,
             session_id=ctx.session_id,
             spawned=ctx.spawned,
@@ -327,14 +381,15 @@ class ClaudeAgent:
     async def _left_today(self, user_id: str) -> int | None:
         """Billed tokens the user may still use today under the daily budget of their current
         profile (not a resumed session's pinned version; None: no budget). Spent: read again
-        from the ledger, uncached (an operator may just have raised it), then
-        :class:`OverBudget` until the next UTC day, and the user told once."""
+        from the ledger, uncached (an operator may just have raised it). A remainder too small
+        for one model call (``model.MIN_CALL_TOKENS``) counts as spent: :class:`OverBudget`
+        until the next UTC day, and the user told once. (Started with it, the run could make
+        no call and would end with nothing: its events done, unprocessed.)"""
         book = self.profiles
         if book is None:
             return None
         now = utc(self.clock.now())
         today = datetime(now.year, now.month, now.day, tzinfo=UTC)
-        tomorrow = today + timedelta(days=1)
         try:
             profile = await book.current(user_id)
             if not (daily := self._daily(profile)):
@@ -342,25 +397,44 @@ class ClaudeAgent:
             ledger = book.pool if self.user_ledger is None else self.user_ledger(user_id)
             async with ledger.connection() as conn:
                 spent = await ledger_budgets.spent(conn, user_id=user_id, since=today)
-            if spent >= daily:
+            if daily - spent < model.MIN_CALL_TOKENS:
                 profile = await book.current(user_id, fresh=True)
                 if not (daily := self._daily(profile)):
                     return None
-            if spent < daily:
+            if daily - spent >= model.MIN_CALL_TOKENS:
                 return daily - spent
-            name = profile.name if profile else DEFAULT
-            metrics.BUDGET_EXHAUSTED.labels(name).inc()
-            if self.settings.budget_notice:
-                body = (
-                    f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
-                    f"until {tomorrow.isoformat(timespec='minutes')}."
-                )
-                async with ledger.connection() as conn:
-                    await ledger_budgets.notify_once(conn, user_id=user_id, day=today.date(), profile=name, body=body)
         except psycopg.Error as exc:
             raise RetryLater(f"budget lookup: {exc}") from exc
+        await self._refuse(user_id, profile, daily, spent)
+        return None  # not reached: _refuse raises
+
+    async def _refuse(self, user_id: str, profile: Profile | None, daily: int, spent: int) -> None:
+        """The user's daily budget is spent: counted, the user told once a day (an outbox
+        row), and :class:`OverBudget`, so the run's events wait for the next UTC day with no
+        attempt counted."""
+        now = utc(self.clock.now())
+        today = datetime(now.year, now.month, now.day, tzinfo=UTC)
+        tomorrow = today + timedelta(days=1)
+        name = profile.name if profile else DEFAULT
+        metrics.BUDGET_EXHAUSTED.labels(name).inc()
+        if self.settings.budget_notice and self.profiles is not None:
+            book = self.profiles
+            ledger = book.pool if self.user_ledger is None else self.user_ledger(user_id)
+            body = (
+                f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
+                f"until {tomorrow.isoformat(timespec='minutes')}."
+            )
+            try:
+                async with ledger.connection() as conn:
+                    await ledger_budgets.notify_once(conn, user_id=user_id, day=today.date(), profile=name, body=body)
+            except psycopg.Error as exc:
+                raise RetryLater(f"budget notice: {exc}") from exc
         wait = (tomorrow - now).total_seconds()
-        raise OverBudget(f"daily token budget spent ({spent} of {daily})", retry_after=wait)
+        left = max(daily - spent, 0)
+        raise OverBudget(
+            f"daily token budget spent ({spent} of {daily}; {left} left, fewer than a model call takes)",
+            retry_after=wait,
+        )
 
     async def run(self, ctx: RunContext) -> RunResult:
         profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)

@@ -147,11 +147,11 @@ def tools_list(as_json) -> None:
     settings = load_or_exit(AgentSettings)
     try:
         registry = ToolRegistry.from_settings(settings)
-        permissions = effective_permissions(settings, registry.tools)
+        permissions = effective_permissions(settings, registry.tools, registry.unreachable)
     except SettingsError as exc:
         raise StartupError(str(exc)) from None
     for server, reason in sorted(registry.unreachable.items()):
-        click.echo(f"vigil: MCP server {server} offers no tools (not listed: {reason})", err=True)
+        click.echo(f"vigil: MCP server {server} offers no tools while it is down (not listed: {reason})", err=True)
     for row in registry.listing(permissions):
         if as_json:
             click.echo(json.dumps(row))

@@ -273,14 +273,21 @@ class Conversation:
         for use in uses:
             name, args = use["name"], use["input"] if isinstance(use["input"], dict) else {}
             step = self.run.journal.take()
+            fact = self.run.journal.fact(step, name)
+            if fact is not None:
+                # Made before the replay: its outcome stands whatever the agent allows now.
+                tool = self.box.actions.get(name)
+                self.outputs.actions.append(tool.describe(args) if tool is not None else name)
+                results.append(tool_result(use["id"], screen_output(name, fact.text), fact.is_error))
+                continue
             with tool_span(name, use["id"], self.box.actions.get(name)) as span:
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
                     output = await self._delegate(use, args, step)
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
                 elif name in TASK_TOOLS and self.gate.permission(name) is not Permission.DENY:
                     ctx = self.run.ctx
-                    owners = ctx.delegation.owner_chain if ctx.delegation else (ctx.user_id, ctx.run_key)
-                    caller = task_tools.Caller(ctx.user_id, owners)
+                    # Its own ids only, never the user's: the user is in every chain of theirs.
+                    caller = task_tools.Caller(ctx.user_id, (self.thread.session_id, ctx.run_key))
                     output = await task_tools.look(name, args, ctx.tasks, caller)
                     metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
                 elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
@@ -320,6 +327,8 @@ class Conversation:
         """The delegate tool: queue a background task in this run's result, or run a child now."""
         run, box = self.run, self.box
         limits = run.ctx.delegation
+        if limits is not None:
+            limits = delegation.in_conversation(limits, self.thread.session_id)
         try:
             open_tasks = await self._open_tasks(args)
         except TasksUnavailable as exc:

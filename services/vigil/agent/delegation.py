@@ -142,6 +142,14 @@ def check(
     return Request(instructions.strip(), mode, tuple(dict.fromkeys(tools)), budget, depth)
 
 
+def in_conversation(limits: Delegation, session_id: str) -> Delegation:
+    """A run's limits as one of its conversations delegates: the chain names the conversation
+    after the user (user, session, run key), so the conversation's later runs own the tasks
+    too (docs/tasks.md, "The agent looks at its tasks")."""
+    user, *rest = limits.owner_chain
+    return replace(limits, owner_chain=(user, session_id, *rest))
+
+
 def background_task(
     request: Request, delegation: Delegation, run_key: str, session_id: str | None, key: str
 ) -> NewTask:

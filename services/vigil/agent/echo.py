@@ -28,6 +28,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Coroutine
 from typing import Any
 
 from vigil.agent.base import NewTask, OutMessage, RunContext, RunResult, TaskContext, TaskResult, Usage
@@ -129,6 +130,12 @@ class EchoAgent:
 
     async def join_fleet(self, pool: Any, instance: str, user_ledger: Any = None) -> None:
         return None  # no model, nothing to share
+
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
+        return []  # no tools, nothing to watch
+
+    def acting_tools(self) -> list[str]:
+        return []  # echo calls no tools
 
     async def close(self) -> None:
         return None

@@ -25,6 +25,7 @@ steps are numbered and keyed, and nothing is journaled.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,14 +39,7 @@ from vigil.agent.prompt import assistant_content
 from vigil.agent.tools import ToolOutput
 from vigil.errors import VigilError
 
-
-class Diverged(VigilError):
-    """The run did not take the step its journal holds at that position (the agent's code or
-    settings changed between the attempts): the journal cannot be replayed."""
-
-    def __init__(self, message: str, run_key: str):
-        super().__init__(message)
-        self.run_key = run_key
+log = logging.getLogger(__name__)
 
 
 class HandedOver(VigilError):
@@ -79,6 +73,7 @@ class Journal:
     stop: Callable[[], bool] | None = None
     _results: list[dict[str, Any]] | None = None  # the last turn's tool results, for the next model step
     _folded: list[int] = field(default_factory=list)  # events folded since the last model step
+    _diverged_at: int | None = None  # the step where the replay left the journal, stamped on the next append
 
     @classmethod
     def of(cls, run_key: str, writer: Writer | None, steps: list | None = None) -> Journal:
@@ -124,11 +119,10 @@ class Journal:
         blocks, usage, replayed). ``start`` goes with step 1."""
         self.step += 1
         rec = self.recorded.get(self.step)
+        if rec is not None and rec.kind != "model":
+            self.step = self._diverge(self.step, "model", None)
+            rec = self.recorded.get(self.step)
         if rec is not None:
-            if rec.kind != "model":
-                raise Diverged(
-                    f"step {self.step} of {self.run_key} is a {rec.kind} in the journal, not a model turn", self.run_key
-                )
             usage: Any = SimpleNamespace(**rec.body.get("usage", {}))
             metrics.REPLAYED_STEPS["model"].inc()
             tokens = sum(vars(usage).values())
@@ -153,6 +147,7 @@ class Journal:
             body["folded"] = self._folded
         if start is not None and self.step == 1:
             body["start"] = start
+        self._stamp(body)
         self._results, self._folded = None, []
         if self.writer is not None:
             await self.writer.append(self.step, "model", _dumps(body))
@@ -161,6 +156,16 @@ class Journal:
     def journaled(self, step: int) -> bool:
         """Whether step ``step`` is in the journal (a replayed call ran before: decided then)."""
         return step in self.recorded
+
+    def fact(self, step: int, name: str) -> ToolOutput | None:
+        """The outcome of call ``step`` of ``name`` if the journal holds one: it happened, so
+        the replay hands it to the model whatever the agent allows now (a tool since removed,
+        denied or set to ask), and never runs it again."""
+        rec = self.recorded.get(step)
+        if rec is None or rec.kind != "call" or rec.body.get("name") != name or rec.outcome is None:
+            return None
+        metrics.REPLAYED_STEPS["call"].inc()
+        return ToolOutput(rec.outcome["text"], bool(rec.outcome.get("is_error")))
 
     def take(self) -> int:
         """A tool call's step: every call takes one, whatever becomes of it (a builtin's effect
@@ -174,28 +179,66 @@ class Journal:
         """Action call ``step`` (taken with :meth:`take`): the recorded outcome, or
         ``execute(key)`` between its intent and its outcome. A call in doubt executes again
         with the same key."""
-        key = self.key(step)
         rec = self.recorded.get(step)
+        if rec is not None and (rec.kind != "call" or rec.body.get("name") != name):
+            step = self.step = self._diverge(step, "call", name)
+            rec = self.recorded.get(step)
+        key = self.key(step)
         if rec is not None:
-            if rec.kind != "call" or rec.body.get("name") != name:
-                raise Diverged(f"step {step} of {self.run_key} is not a call of {name} in the journal", self.run_key)
             if rec.outcome is not None:
                 metrics.REPLAYED_STEPS["call"].inc()
                 return ToolOutput(rec.outcome["text"], bool(rec.outcome.get("is_error")))
             metrics.REPLAYED_STEPS["in_doubt"].inc()
         else:
             self._boundary()
+            intent: dict[str, Any] = {"name": name, "input": args, "key": key}
+            self._stamp(intent)
             if self.writer is not None:
-                await self.writer.append(step, "call", _dumps({"name": name, "input": args, "key": key}))
+                await self.writer.append(step, "call", _dumps(intent))
         output = await execute(key)
         if self.writer is not None:
             await self.writer.outcome(step, _dumps({"text": output.text, "is_error": output.is_error}))
         return output
 
+    def _diverge(self, at: int, kind: str, name: str | None) -> int:
+        """The run does not take the journaled step ``at`` (the agent changed between the
+        attempts): the number its step takes instead. Steps before ``at`` stay facts; none
+        from ``at`` on is replayed, and no key of theirs is given to another call: the run goes
+        on live under numbers past every journaled one, the first new step stamped with
+        ``diverged_at``. A later replay that diverges at the same step the same way takes up
+        that continuation instead of leaving it again."""
+        metrics.RUN_REPLAYS.labels("diverged").inc()
+        for n in sorted(k for k in self.recorded if k > at):
+            rec = self.recorded[n]
+            if (
+                rec.body.get("diverged_at") == at
+                and rec.kind == kind
+                and (name is None or rec.body.get("name") == name)
+            ):
+                log.info("replay of %s left its journal at step %d again: its continuation at %d", self.run_key, at, n)
+                return n
+        log.warning("replay of %s diverged at step %d: the run goes on live from there", self.run_key, at)
+        after = max(self.recorded) + 1
+        self.recorded = {k: v for k, v in self.recorded.items() if k < at}
+        self._diverged_at = at
+        return after
+
+    def _stamp(self, body: dict[str, Any]) -> None:
+        if self._diverged_at is not None:
+            body["diverged_at"], self._diverged_at = self._diverged_at, None
+
     def _boundary(self) -> None:
         """Before a new step: stop here if the run is being handed over."""
         if self.stop is not None and self.stop():
             raise HandedOver(f"{self.run_key} handed over before step {self.step}")
+
+
+def task_key(task_id: str, lease_epoch: int, *, journaled: bool) -> str:
+    """A background task's run key. Journaled: ``task:<id>``, the same for every holder (each
+    replays what the ones before did, so a step's key names one call). Not journaled:
+    ``task:<id>~<lease epoch>``, a holder's own (a later holder asks the model again and may
+    make other calls at the same steps: they must never get a key an earlier call had)."""
+    return f"task:{task_id}" if journaled else f"task:{task_id}~{lease_epoch}"
 
 
 def _dumps(value: Any) -> str:

@@ -20,8 +20,10 @@ Every call carries the run's idempotency key in the request's ``_meta``
 (``idempotency_key``), is bounded by ``VIGIL_MCP_TIMEOUT_S``, and its result is cut at
 ``VIGIL_MCP_MAX_RESULT_BYTES``. A server that is down, slow or refused is an error result
 the model reads, never a failed run. A server that cannot be listed at start-up is logged
-and offers no tools until the worker restarts: the tool list is part of the cached prompt
-prefix, fixed per worker.
+and offers no tools while it is down: the worker lists it again every ``VIGIL_MCP_RETRY_S``
+(:func:`list_again`) and offers its tools from the first listing that succeeds. A server
+listed once keeps its tools (the list is part of the cached prompt prefix): a tool added
+to it later appears after a restart.
 """
 
 from __future__ import annotations
@@ -41,14 +43,13 @@ from mcp.client import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
-from vigil.agent.settings import AgentSettings, Credential, McpServer, Permission
+from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, Credential, McpServer, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
 from vigil.outbound import AddressPolicy, BlockedAddress, address_policy, guarded_async_transport2, url_problem
 from vigil.settings import SettingsError
 
 log = logging.getLogger(__name__)
 
-SEPARATOR = "__"
 IDEMPOTENCY_META = "idempotency_key"
 MAX_NAME = 64  # the Messages API's limit on a tool name
 # Starting a stdio server (often an interpreter importing an SDK) takes seconds on a busy
@@ -191,7 +192,7 @@ class McpTool(ActionTool):
     def __init__(self, connection: Connection, tool: mcp_types.Tool, max_result_bytes: int):
         self.connection = connection
         self.remote_name = tool.name
-        self.name = f"{connection.spec.name}{SEPARATOR}{tool.name}"  # type: ignore[misc]  # per instance
+        self.name = f"{connection.spec.name}{MCP_SEPARATOR}{tool.name}"  # type: ignore[misc]  # per instance
         self.server = connection.spec.name
         self.description = tool.description or f"{tool.name} (MCP server {connection.spec.name})"
         self.input_schema = tool.input_schema
@@ -279,28 +280,56 @@ async def _list_all(connections: list[Connection]) -> list[tuple[list[mcp_types.
     return await asyncio.gather(*(c.list_tools() for c in connections), return_exceptions=True)
 
 
-def server_tools(settings: AgentSettings) -> tuple[list[tuple[McpTool, str]], dict[str, str]]:
-    """The tools of every server of ``VIGIL_MCP_SERVERS``, listed now (in parallel), each with
-    its server's version; and why each server that could not be listed offers none."""
-    servers = settings.servers
-    if not servers:
-        return [], {}
+def _reason(exc: BaseException) -> str:
+    """Why a listing failed, for the log: the SDK wraps a process that exits at once in task
+    groups, whose own message says nothing; the first error inside them does."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _connections(settings: AgentSettings, names: list[str]) -> list[Connection]:
     policy = address_policy(settings)
-    connections = [Connection(spec, settings, policy) for spec in servers.values()]
+    connections = [Connection(settings.servers[name], settings, policy) for name in names]
     for connection in connections:
         _check_credential_host(connection.spec, connection.credential)
+    return connections
+
+
+def _tools_of(
+    connections: list[Connection],
+    listings: list[tuple[list[mcp_types.Tool], str] | BaseException],
+    max_result_bytes: int,
+) -> tuple[list[tuple[McpTool, str]], dict[str, str]]:
     found: list[tuple[McpTool, str]] = []
     failed: dict[str, str] = {}
-    for connection, listed in zip(connections, _run_in_thread(_list_all(connections))):
+    for connection, listed in zip(connections, listings):
         name = connection.spec.name
         if isinstance(listed, BaseException):
-            failed[name] = f"{type(listed).__name__}: {listed}"
-            log.warning("MCP server %s offers no tools until restart: %s", name, failed[name])
+            failed[name] = _reason(listed)
             continue
         tools, version = listed
         for tool in sorted(tools, key=lambda t: t.name):
-            if len(name) + len(SEPARATOR) + len(tool.name) > MAX_NAME:
+            if len(name) + len(MCP_SEPARATOR) + len(tool.name) > MAX_NAME:
                 log.warning("MCP server %s: tool %s skipped, its prefixed name is over %d", name, tool.name, MAX_NAME)
                 continue
-            found.append((McpTool(connection, tool, settings.mcp_max_result_bytes), version))
+            found.append((McpTool(connection, tool, max_result_bytes), version))
     return found, failed
+
+
+def server_tools(settings: AgentSettings) -> tuple[list[tuple[McpTool, str]], dict[str, str]]:
+    """The tools of every server of ``VIGIL_MCP_SERVERS``, listed now (in parallel), each with
+    its server's version; and why each server that could not be listed offers none (yet)."""
+    if not settings.servers:
+        return [], {}
+    connections = _connections(settings, list(settings.servers))
+    found, failed = _tools_of(connections, _run_in_thread(_list_all(connections)), settings.mcp_max_result_bytes)
+    for name, reason in failed.items():
+        log.warning("MCP server %s offers no tools until it can be listed: %s", name, reason)
+    return found, failed
+
+
+async def list_again(settings: AgentSettings, names: list[str]) -> tuple[list[tuple[McpTool, str]], dict[str, str]]:
+    """:func:`server_tools` for the servers ``names`` (down so far), on the caller's loop."""
+    connections = _connections(settings, names)
+    return _tools_of(connections, await _list_all(connections), settings.mcp_max_result_bytes)

@@ -125,10 +125,12 @@ RUN_REPLAYS = Counter(
     "vigil_run_replays_total",
     "Runs that found a journal when they started, by what became of it: replayed (taken up where "
     "it stopped), discarded (its events could not all be claimed again: it started over with a new "
-    "key), diverged (the run did not take the journaled steps, e.g. the agent changed: the attempt failed).",
+    "key), isolated (a batch's journal on the lone last attempt of its first event: that event ran alone, "
+    "claim rule 3), diverged (the run did not take a journaled step, e.g. the agent changed: it went on live "
+    "from there under new step numbers, the steps before kept as facts).",
     ["reason"],
 )
-for _reason in ("replayed", "discarded", "diverged"):
+for _reason in ("replayed", "discarded", "isolated", "diverged"):
     RUN_REPLAYS.labels(_reason)
 
 FLEET_WAITS_TOTAL = Counter(

@@ -74,6 +74,10 @@ DEFAULT_AUTO_CLASSIFIER_TIMEOUT_S = 5.0
 DEFAULT_AUTO_CLASSIFIER_MAX_TOKENS = 64
 # An MCP tool call is a remote action like http_request: a bound the model's turn can wait out.
 DEFAULT_MCP_TIMEOUT_S = 30.0
+# A server down at start-up is listed again this often: a listing that fails at once costs a
+# process start (stdio) or a connection, so every few seconds would be waste; half a minute
+# bounds how long its tools stay missing after it is back.
+DEFAULT_MCP_RETRY_S = 30.0
 DEFAULT_MCP_MAX_RESULT_BYTES = 64 * 1024
 
 # Built-in and package tools are lower case; an MCP server's tools keep their own case and hyphens.
@@ -150,6 +154,10 @@ def parse_hosts(value: str) -> tuple[str, ...]:
         if not _HOST.match(host):
             raise ValueError(f"{host!r} is not a host or host:port")
     return hosts
+
+
+# An MCP server's tool is offered as <server>__<tool>; a server's name has no "__" of its own.
+MCP_SEPARATOR = "__"
 
 
 @dataclass(frozen=True)
@@ -399,6 +407,13 @@ class AgentSettings(CommonSettings):
     )
     mcp_timeout_s: float = Field(
         DEFAULT_MCP_TIMEOUT_S, gt=0, le=600, description="Timeout of one MCP tool call or tool listing."
+    )
+    mcp_retry_s: float = Field(
+        DEFAULT_MCP_RETRY_S,
+        gt=0,
+        le=3600,
+        description="How often a worker lists again an MCP server it could not list (down at start-up); "
+        "the server's tools are offered, with their VIGIL_TOOL_PERMISSIONS, from the first listing that succeeds.",
     )
     mcp_max_result_bytes: int = Field(
         DEFAULT_MCP_MAX_RESULT_BYTES,

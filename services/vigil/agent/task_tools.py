@@ -1,11 +1,13 @@
 """``tasks_list``, ``task_result`` and ``task_cancel``: a conversation looks at the background
 tasks it delegated (docs/tasks.md, "Ownership").
 
-The caller is the run, never the model's arguments: its user and its owner chain (the user,
-the run key). The ledger applies the owner rule on every call
-(:func:`vigil.ledger.tasks.of_owner`), so a task the caller does not own is refused exactly
-as a task that does not exist: the model learns nothing of it. The conversation is never
-consulted (it is recorded on the task, for the result event, not as a key).
+The caller is the run, never the model's arguments: its user and its own owner ids, the
+conversation it runs in and its run key, never the user's id (which heads every chain of
+theirs, so it would own them all). It sees the tasks whose chain names one of them: those
+delegated by this run or by an earlier run of this conversation, and their descendants;
+never another run's or conversation's of the same user. The ledger applies the owner rule
+on every call (:func:`vigil.ledger.tasks.of_owner`), so a task the caller does not own is
+refused exactly as a task that does not exist: the model learns nothing of it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ OPEN = (TaskStatus.QUEUED, TaskStatus.RUNNING)
 @dataclass(frozen=True)
 class Caller:
     user_id: str
-    owners: tuple[str, ...]  # the run's owner chain: the user, then the run key
+    owners: tuple[str, ...]  # the caller's own ids: its conversation (session id), its run key
 
 
 async def look(name: str, args: dict[str, Any], door: TaskDoor | None, caller: Caller) -> ToolOutput:

@@ -71,6 +71,9 @@ class ActionTool(ABC):
     input_schema: dict[str, Any]
     default_permission: ClassVar[Permission] = Permission.ASK
     server: str | None = None  # the MCP server behind the tool (vigil.agent.mcp_tools), for its span
+    # A tool that only reads (an MCP tool's readOnlyHint): running it twice changes nothing, so
+    # it needs no journal (the worker's start-up check, VIGIL_RUN_JOURNAL). Every other acts.
+    read_only: bool = False
 
     def definition(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "input_schema": self.input_schema}
@@ -168,8 +171,8 @@ def task_definitions() -> dict[str, dict[str, Any]]:
         TASKS_LIST: {
             "name": TASKS_LIST,
             "description": (
-                "List the background tasks you delegated for this user (in any conversation), newest "
-                "first: id, status, progress and the start of their instructions."
+                "List the tasks delegated in this conversation (now or in an earlier turn) and the "
+                "sub-tasks they delegated, newest first: id, status, progress and the start of their instructions."
             ),
             "input_schema": {"type": "object", "properties": {}, "additionalProperties": False},
         },

@@ -46,8 +46,10 @@ WAITING_PREFIX = "budget: "
 
 
 async def spent(conn: psycopg.AsyncConnection[DictRow], *, user_id: str, since: datetime) -> int:
-    """Billed tokens of the user's runs started since ``since`` and of their background tasks
-    (weighted as :func:`billed` weighs them)."""
+    """Billed tokens of the user's runs started since ``since`` and of their ended background
+    tasks (weighted as :func:`billed` weighs them), plus the token budget of each of their
+    background tasks still open: held until the task ends, so that runs and tasks of one user
+    working at once cannot together pass the day's budget by more than a call each."""
     weights = {"write_weight": CACHE_WRITE_WEIGHT, "read_weight": CACHE_READ_WEIGHT}
     cur = await conn.execute(Q.budgets_spent, {"user_id": user_id, "since": since} | weights)
     row = await cur.fetchone()

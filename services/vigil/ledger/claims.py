@@ -244,17 +244,21 @@ async def claim_more(
     return await _claim_under(conn, Q.claim_more, claim, {"sources": list(sources), "session_id": session_id})
 
 
-async def claim_ids(conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: Sequence[int]) -> list[EventRow]:
+async def claim_ids(
+    conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: Sequence[int], max_attempts: int
+) -> list[EventRow]:
     """A replay's adoption (:mod:`vigil.ledger.journal`): the user's pending events ``ids``,
-    claimed under the running claim's epoch. Returns those it claimed, in id order."""
-    return await _claim_under(conn, Q.claim_ids, claim, {"ids": list(ids)})
+    claimed under the running claim's epoch, except any this claim would bring to its last
+    attempt (rule 3: a last attempt runs alone, never taken up by another event's replay).
+    Returns those it claimed, in id order."""
+    return await _claim_under(conn, Q.claim_ids, claim, {"ids": list(ids), "max_attempts": max_attempts})
 
 
 async def _claim_under(
     conn: psycopg.AsyncConnection[DictRow],
     query: str,
     claim: Claim,
-    params: dict[str, list[str] | list[int] | str | None],
+    params: dict[str, list[str] | list[int] | str | int | None],
 ) -> list[EventRow]:
     """More of the user's events claimed under a running claim's home partition and epoch, in id order."""
     home = {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch}

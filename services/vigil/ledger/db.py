@@ -45,7 +45,7 @@ AsyncPool = AsyncConnectionPool[psycopg.AsyncConnection[DictRow]]
 STATEMENT_TIMEOUT_MS = 30_000
 
 
-def session_options(statement_timeout_ms: int = STATEMENT_TIMEOUT_MS) -> str:
+def session_options(statement_timeout_ms: int = STATEMENT_TIMEOUT_MS, idle_in_transaction_ms: int = 0) -> str:
     """The settings of every session vigil opens: a statement timeout, and synchronous commit.
 
     Synchronous commit whatever the server's default: a commit vigil acts on (an offset
@@ -53,18 +53,30 @@ def session_options(statement_timeout_ms: int = STATEMENT_TIMEOUT_MS) -> str:
     synchronous_commit=off the commits of the last few hundred milliseconds vanish with the
     process, after the worker stored the Kafka offsets past them. (A server may still be set
     to off for other clients; the session setting wins.)
+
+    ``idle_in_transaction_ms`` (0: off): the server ends a session idle that long inside a
+    transaction, releasing its locks, for a holder whose connection may never close (the
+    scheduler's pass, frozen with its batch locked).
     """
-    return f"-c statement_timeout={int(statement_timeout_ms)} -c synchronous_commit=on"
+    options = f"-c statement_timeout={int(statement_timeout_ms)} -c synchronous_commit=on"
+    if idle_in_transaction_ms:
+        options += f" -c idle_in_transaction_session_timeout={int(idle_in_transaction_ms)}"
+    return options
 
 
 SESSION_OPTIONS = session_options()
 
 
 def connection_kwargs(
-    *, autocommit: bool = False, rows: RowFactory[Any] = dict_row, statement_timeout_ms: int = STATEMENT_TIMEOUT_MS
+    *,
+    autocommit: bool = False,
+    rows: RowFactory[Any] = dict_row,
+    statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
+    idle_in_transaction_ms: int = 0,
 ) -> dict[str, Any]:
     """What every ledger connection (single or pooled) is opened with."""
-    return {"autocommit": autocommit, "row_factory": rows, "options": session_options(statement_timeout_ms)}
+    options = session_options(statement_timeout_ms, idle_in_transaction_ms)
+    return {"autocommit": autocommit, "row_factory": rows, "options": options}
 
 
 def connect(
@@ -74,11 +86,16 @@ def connect(
     rows: RowFactory[Any] = dict_row,
     statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
     connect_timeout: int | None = None,
+    idle_in_transaction_ms: int = 0,
 ) -> psycopg.Connection[Any]:
     extra: dict[str, Any] = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
-    return psycopg.connect(
-        dsn, **connection_kwargs(autocommit=autocommit, rows=rows, statement_timeout_ms=statement_timeout_ms), **extra
+    kwargs = connection_kwargs(
+        autocommit=autocommit,
+        rows=rows,
+        statement_timeout_ms=statement_timeout_ms,
+        idle_in_transaction_ms=idle_in_transaction_ms,
     )
+    return psycopg.connect(dsn, **kwargs, **extra)
 
 
 async def connect_async(

@@ -16,6 +16,9 @@ is one statement that checks the state it expects and says whether it won:
 - :func:`sync_started` / :func:`sync_ended` record a sync child (mode ``sync``), best effort,
   for its run: visible, never claimed, never reported, not counted as open;
 - :func:`children` reads a task's descendants (its tree).
+
+Deadlines are decided on the caller's clock (``now=``); every stamp of a row and the lease on
+the ledger's (docs/tasks.md, "One clock per row").
 """
 
 from __future__ import annotations
@@ -199,20 +202,15 @@ class Progress:
 
 
 async def heartbeat(
-    conn: psycopg.AsyncConnection[DictRow],
-    task_id: str,
-    lease_epoch: int,
-    progress: Progress = Progress(),
-    *,
-    now: datetime | None = None,
+    conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_epoch: int, progress: Progress = Progress()
 ) -> bool | None:
-    """Proof of life at ``now``. None: the lease is gone (stop, write nothing). True: cancel
-    requested. False: carry on."""
+    """Proof of life, stamped on the ledger's clock as it arrives (the lease is judged on that
+    clock alone, whatever the holder's and the reaper's hosts read). None: the lease is gone
+    (stop, write nothing). True: cancel requested. False: carry on."""
     params = {
         "id": task_id,
         "lease_epoch": lease_epoch,
         **{f.name: getattr(progress, f.name) for f in fields(progress)},
-        "now": now,
     }
     cur = await conn.execute(Q.task_heartbeat, params)
     row = await cur.fetchone()
@@ -233,8 +231,9 @@ async def release(conn: psycopg.AsyncConnection[DictRow], task_id: str, lease_ep
 
 
 async def reap(conn: psycopg.AsyncConnection[DictRow], stale_s: float, *, now: datetime | None = None) -> list[Reaped]:
-    """Deadlines first (a task past its deadline at ``now`` is timed_out, not retried), then
-    leases with no heartbeat for ``stale_s`` before ``now``."""
+    """Deadlines first (a task past its deadline at ``now``, the caller's clock, is timed_out,
+    not retried), then leases with no heartbeat for ``stale_s`` on the ledger's clock, which
+    stamped the heartbeats (no host's clock enters a lease)."""
     cur = await conn.execute(Q.task_reap_timed_out, {"now": now})
     reaped = [Reaped(r["id"], r["user_id"], TaskStatus.TIMED_OUT) for r in await cur.fetchall()]
     cur = await conn.execute(Q.task_reap_stale, {"stale_s": stale_s, "now": now})
@@ -270,10 +269,10 @@ async def of_user(
 
 
 def may_own(task: TaskRow, owners: Sequence[str]) -> bool:
-    """The owner-chain rule (docs/tasks.md, "Ownership"): a caller whose owner ids (its own
-    chain: the user, then the run key and task ids that led to it) include the task's creator
-    or any owner in the task's chain may read, wait for and cancel it. Never the session: a
-    conversation id is recorded, not consulted. (``tasks_of_owner`` applies it in SQL.)"""
+    """The owner-chain rule (docs/tasks.md, "Ownership"): a caller whose owner ids (the user,
+    over HTTP or the CLI; a run's conversation and run key, for its agent tools) include the
+    task's creator or any owner in the task's chain may read, wait for and cancel it. The
+    session_id column is recorded, never consulted. (``tasks_of_owner`` applies it in SQL.)"""
     return bool(set(owners) & {task.parent_run_key, *task.owner_chain})
 
 
@@ -307,7 +306,8 @@ async def mark_reported(conn: psycopg.AsyncConnection[DictRow], ids: list[str]) 
     await conn.execute(Q.task_mark_reported, {"ids": ids})
 
 
-async def gauges(conn: psycopg.AsyncConnection[DictRow], *, now: datetime | None = None) -> Gauges:
-    row = await (await conn.execute(Q.task_gauges, {"now": now})).fetchone()
+async def gauges(conn: psycopg.AsyncConnection[DictRow]) -> Gauges:
+    """The heartbeat age on the ledger's clock, as the reaper judges it."""
+    row = await (await conn.execute(Q.task_gauges)).fetchone()
     assert row is not None  # aggregates only: one row
     return Gauges(row["queued"], row["running"], row["heartbeat_age"])

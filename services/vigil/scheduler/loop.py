@@ -14,6 +14,9 @@ One pass (:meth:`Scheduler.run_pass`) is one database transaction:
 
 What a failure leaves behind: anything before the acknowledgement (broker down, a crash)
 rolls the transaction back: the timers are still due and the next pass plans them again.
+A pass that stops without its connection closing (a frozen host, a partition) holds its
+batch until PostgreSQL ends its session after ``VIGIL_SCHEDULER_PASS_IDLE_S`` idle; then
+another replica takes the batch, and the frozen pass, thawed, fails at its next statement.
 A crash between the acknowledgement and the commit (``VIGIL_SCHEDULER_CRASH_AFTER_PRODUCE``
 places one there) leaves events on the topic and the timers unchanged: the next pass
 re-produces the same occurrences under the same keys (``<timer id>@<scheduled_for>``), and
@@ -246,7 +249,11 @@ class Scheduler:
     def conn(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
             timeout = SHARD_CONNECT_TIMEOUT_S if self._several else None
-            self._conn = connect(self.dsn, autocommit=True, connect_timeout=timeout)
+            # A pass frozen with its batch locked (a stopped host, a partition: the connection
+            # stays open) is ended by the server after VIGIL_SCHEDULER_PASS_IDLE_S, so another
+            # replica takes the batch; thawed, this pass's commit fails and nothing of it lands.
+            idle_ms = self.settings.scheduler_pass_idle_s * 1000
+            self._conn = connect(self.dsn, autocommit=True, connect_timeout=timeout, idle_in_transaction_ms=idle_ms)
         return self._conn
 
     def close(self) -> None:

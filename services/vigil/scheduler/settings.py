@@ -22,6 +22,13 @@ DEFAULT_BATCH_SIZE = 200
 DEFAULT_RETENTION_DAYS = 30.0
 # An escalated approval asks again and waits this long for the next deadline (and asks again).
 DEFAULT_ESCALATE_AFTER_S = 3600
+# A pass idle this long inside its transaction is a frozen or cut-off scheduler (a stopped
+# VM, a partition: its connection never closes, so its locks never go): PostgreSQL ends its
+# session and another replica takes the batch. A live pass is idle while it plans (well
+# under a second for a batch) and while it waits for the broker (VIGIL_PRODUCE_TIMEOUT_S).
+DEFAULT_PASS_IDLE_S = 60
+# What a pass needs besides the broker's wait: the send's own extra second, and planning.
+PASS_IDLE_OVER_PRODUCE_S = 5
 
 
 class SchedulerSettings(CommonSettings):
@@ -98,6 +105,14 @@ class SchedulerSettings(CommonSettings):
     dream_token_budget: int = Field(
         20_000, ge=1, le=10_000_000, description="Most input+output tokens one memory review may use."
     )
+    scheduler_pass_idle_s: int = Field(
+        DEFAULT_PASS_IDLE_S,
+        ge=1,
+        le=3600,
+        description="A pass whose transaction stays idle this long (a frozen or cut-off scheduler still holding its "
+        "locked timers) is ended by PostgreSQL (idle_in_transaction_session_timeout) and its timers go to another "
+        f"replica. At least VIGIL_PRODUCE_TIMEOUT_S + {PASS_IDLE_OVER_PRODUCE_S}.",
+    )
     scheduler_crash_after_produce: bool = Field(
         False,
         description="Test hook: SIGKILL the scheduler after the broker acknowledged a pass's events and before the "
@@ -112,6 +127,15 @@ class SchedulerSettings(CommonSettings):
             # Otherwise a timer found one tick late would count as missed, and `skip`
             # timers would drop occurrences depending on the tick's phase.
             raise ValueError(f"must be at least VIGIL_SCHEDULER_TICK_S ({tick:g} s)")
+        return value
+
+    @field_validator("scheduler_pass_idle_s")
+    @classmethod
+    def _idle_covers_the_broker_wait(cls, value: int, info: ValidationInfo) -> int:
+        produce = info.data.get("produce_timeout_s")
+        if produce is not None and value < produce + PASS_IDLE_OVER_PRODUCE_S:
+            # Otherwise a pass waiting out a slow broker would be ended while still live.
+            raise ValueError(f"must be at least VIGIL_PRODUCE_TIMEOUT_S + {PASS_IDLE_OVER_PRODUCE_S} s")
         return value
 
     @field_validator("dedup_window_days")

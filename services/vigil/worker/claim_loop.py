@@ -388,6 +388,12 @@ class Claimer:
             )
             self.wake(self.settings.backoff_base_s + BACKOFF_SLACK_S)
 
+    def tasks_hold_off(self) -> bool:
+        """Whether background tasks must not be claimed now: a lone last attempt is due (the
+        drain before it) or in flight (claim rule 3: nothing else runs in this process)."""
+        due = self.lone.due_at
+        return self._lone_in_flight() or (due is not None and due <= utc(self.clock.now()))
+
     def _lone_in_flight(self) -> bool:
         """Is the lone last attempt still in flight? (A look at one run, not at every run in
         flight: with thousands of them, that walk was 0.5% of a model-bound worker's CPU.)"""
@@ -415,7 +421,7 @@ class Claimer:
             wait_s = (self.lone.due_at - utc(self.clock.now())).total_seconds()
             if wait_s > 0:
                 self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
-            elif self.active and not await self.lone.drained():
+            elif self.lone.busy() and not await self.lone.drained():
                 return [], False  # draining: each finishing run wakes a pass, and so does the deadline
             elif self._lone_due.get(shard) != self.lone.due_at:
                 return [], False  # drained for another shard's lone attempt: that shard claims it

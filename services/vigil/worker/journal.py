@@ -16,6 +16,10 @@ Before the agent starts, :func:`prepare` decides what the run is:
 - **A journal it cannot replay** (another run's, or its events are gone): dropped, fenced,
   and the run starts over under a new key.
 
+With ``VIGIL_RUN_JOURNAL=false`` none of this happens: each claim's calls get keys of its own
+(:func:`unjournaled_key`), and a crash repeats them under new ones. The worker refuses that
+while its agent has tools that act, unless told to (:func:`refuse_unjournaled_actions`).
+
 :class:`RunWriter` appends a run's steps, each on a pooled connection in its own statement
 (autocommit), fenced by the claim's epoch; a refused append raises ``Fenced`` and the run
 stops as a failed attempt, whose finish is then refused as stale (nothing of it lands).
@@ -25,18 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-import psycopg
-
 from vigil.agent import metrics as agent_metrics
-from vigil.agent.base import RunContext
+from vigil.agent.base import Agent, RunContext
 from vigil.agent.journal import Journal
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.claims import Claim
 from vigil.ledger.db import AsyncPool
+from vigil.settings import SettingsError
+from vigil.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +129,32 @@ class RunWriter:
             await ledger_journal.outcome(conn, self.fence, run_key=self.run_key, step=step, outcome=outcome)
 
 
+def refuse_unjournaled_actions(settings: WorkerSettings, agent: Agent) -> None:
+    """Without a journal a crash repeats every action call of the attempt it cut short, under
+    a new key the acted-on system cannot match: a worker whose agent has tools that act does
+    not start so unless the operator said so (VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept).
+    Raises SettingsError naming the settings and the tools."""
+    if settings.run_journal or settings.run_journal_off_with_actions == "accept":
+        return
+    acting = agent.acting_tools()
+    if acting:
+        raise SettingsError(
+            "VIGIL_RUN_JOURNAL=false: a retried run or task would repeat the calls of these tools, which act "
+            f"on the world, under new idempotency keys: {', '.join(acting)}. Turn the journal on, remove the "
+            "tools (a denied tool still counts: a profile may allow it), or set "
+            "VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept"
+        )
+
+
+def unjournaled_key(claim: Claim) -> str:
+    """A run's key without a journal (VIGIL_RUN_JOURNAL=false): its claim's own,
+    ``<run key>~<attempt>.<8 random hex digits>``. The attempt alone is not enough: a claim
+    released without counting one (an overloaded model, a hand-over, the drain before a lone
+    last attempt) is claimed again at the same attempt, asks the model again, and may make
+    other calls at the same steps."""
+    return f"{claim.run_key}~{claim.attempt}.{secrets.token_hex(4)}"
+
+
 def fresh_key(claim: Claim) -> str:
     return claim.run_key if claim.attempt <= 1 else f"{claim.run_key}~{claim.attempt}"
 
@@ -134,6 +165,7 @@ async def prepare(
     ctx: RunContext,
     live: ledger_journal.Live | None,
     reload: Callable[[RunContext], Awaitable[None]],
+    max_attempts: int,
     group: GroupAppend | None = None,
 ) -> Journal:
     """Decide whether the run is fresh or a replay (module doc), set ``ctx`` (its key, its
@@ -142,8 +174,23 @@ async def prepare(
     was read without. Returns the run's journal."""
     fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
     start = _start_of(live)
+    if live is not None and start is not None and _isolates(claim, start, max_attempts):
+        # Claim rule 3: the last attempt of a run lost in company runs its first event alone,
+        # journal or not. Taking the journal's batch up again would spend the batch-mates'
+        # last attempt on a crash that may be another event's: the poison would take them
+        # down with it.
+        agent_metrics.RUN_REPLAYS.labels("isolated").inc()
+        log.warning(
+            "not replaying a journal of %d events on a last attempt: event %d runs alone",
+            len(start),
+            claim.events[0].id,
+        )
+        async with pool.connection() as conn:
+            await ledger_journal.discard(conn, fence, live.run_key)
+        key = f"{claim.run_key}~{claim.attempt}"
+        return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
     if live is not None and _is_this_run(live.run_key, claim) and start is not None:
-        adopted = await _take_up(pool, claim, start)
+        adopted = await _take_up(pool, claim, start, max_attempts)
         if adopted is not None:
             agent_metrics.RUN_REPLAYS.labels("replayed").inc()
             log.info("replaying the run's journal (%d steps)", len(live.steps))
@@ -163,19 +210,6 @@ async def prepare(
     return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
 
 
-async def drop(pool: AsyncPool, claim: Claim, exc: Exception) -> None:
-    """A replay that diverged (``vigil.agent.journal.Diverged``): its journal is dropped,
-    fenced, so the next attempt starts over under a new key instead of diverging again."""
-    agent_metrics.RUN_REPLAYS.labels("diverged").inc()
-    fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
-    key = getattr(exc, "run_key", None) or claim.run_key
-    try:
-        async with pool.connection() as conn:
-            await ledger_journal.discard(conn, fence, key)
-    except psycopg.Error as err:
-        log.warning("could not drop the diverged journal (the next attempt finds it again): %s", err)
-
-
 def _bind(ctx: RunContext, claim: Claim, journal: Journal) -> Journal:
     ctx.journal = journal
     ctx.run_key = journal.run_key
@@ -183,6 +217,11 @@ def _bind(ctx: RunContext, claim: Claim, journal: Journal) -> Journal:
     if ctx.delegation is not None:
         ctx.delegation = replace(ctx.delegation, owner_chain=(claim.user_id, journal.run_key))
     return journal
+
+
+def _isolates(claim: Claim, start: list[int], max_attempts: int) -> bool:
+    """Is this claim the lone last attempt of a run that started with other events?"""
+    return claim.attempt >= max_attempts and start != claim.event_ids
 
 
 def _is_this_run(run_key: str, claim: Claim) -> bool:
@@ -198,7 +237,7 @@ def _start_of(live: ledger_journal.Live | None) -> list[int] | None:
     return list(start["events"]) if start and isinstance(start.get("events"), list) else None
 
 
-async def _take_up(pool: AsyncPool, claim: Claim, start: list[int]) -> list | None:
+async def _take_up(pool: AsyncPool, claim: Claim, start: list[int], max_attempts: int) -> list | None:
     """Make the claim cover exactly the journal's start events: claim the missing ones by id,
     release those that came since. Returns the events claimed by id; None (nothing changed)
     if a start event cannot be claimed."""
@@ -206,7 +245,7 @@ async def _take_up(pool: AsyncPool, claim: Claim, start: list[int]) -> list | No
     missing = [i for i in start if i not in have]
     extra = [event.id for event in claim.events if event.id not in set(start)]
     async with pool.connection() as conn:
-        adopted = await ledger_claims.claim_ids(conn, claim, missing) if missing else []
+        adopted = await ledger_claims.claim_ids(conn, claim, missing, max_attempts) if missing else []
         if len(adopted) != len(missing):
             if adopted:
                 await ledger_claims.release_claim(conn, claim.home, claim.epoch, [e.id for e in adopted])
@@ -218,12 +257,12 @@ async def _take_up(pool: AsyncPool, claim: Claim, start: list[int]) -> list | No
     return adopted
 
 
-def adopter(pool: AsyncPool, claim: Claim, folded: list):
+def adopter(pool: AsyncPool, claim: Claim, folded: list, max_attempts: int):
     """ctx.adopt: a replayed boundary's events, claimed by id and folded into the run."""
 
     async def adopt(ids):
         async with pool.connection() as conn:
-            more = await ledger_claims.claim_ids(conn, claim, ids)
+            more = await ledger_claims.claim_ids(conn, claim, ids, max_attempts)
         folded.extend(more)
         return more
 

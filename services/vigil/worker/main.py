@@ -33,6 +33,7 @@ from vigil.settings import SettingsError
 from vigil.worker import loop_lag, metrics
 from vigil.worker.consumer import ConsumerLoop
 from vigil.worker.deadletters import DeadLetters
+from vigil.worker.journal import refuse_unjournaled_actions
 from vigil.worker.runner import Runner
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
@@ -63,6 +64,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     loop = asyncio.get_running_loop()
     try:
         agent = make_agent(settings)
+        refuse_unjournaled_actions(settings, agent)
     except SettingsError as exc:  # e.g. VIGIL_AGENT=claude without ANTHROPIC_API_KEY
         raise StartupError(str(exc)) from None
     producer = EventProducer(settings)
@@ -92,6 +94,9 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     closing = threading.Event()
     consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing, runner.clock, shards)
     executor = TaskExecutor(settings, agent, shards, producer, runner.clock)
+    # A lone last attempt runs with nothing else in flight here, background tasks included.
+    executor.hold_off = runner.claimer.tasks_hold_off
+    runner.claimer.lone.beside = executor
     tasks = [
         asyncio.create_task(runner.claimer.claim_loop(), name="claim-loop"),
         *(
@@ -101,6 +106,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
         asyncio.create_task(runner.finisher.gauge_loop(), name="gauges"),
         asyncio.create_task(loop_lag.watch(metrics.EVENT_LOOP_LAG.observe), name="loop-lag"),
         *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
+        *(asyncio.create_task(loop_, name=f"agent-{i}") for i, loop_ in enumerate(agent.loops())),
     ]
     # Everything allocated so far (modules, the SDK's ~180,000 type objects, pools) lives as
     # long as the process: keep it out of the collector's full passes. Unfrozen, each full

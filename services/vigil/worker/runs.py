@@ -22,7 +22,7 @@ import psycopg
 
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, OverBudget, RetryLater, RunContext
-from vigil.agent.journal import Diverged, HandedOver
+from vigil.agent.journal import HandedOver
 from vigil.agent.run_ledger import load_context_parts, load_contexts
 from vigil.clock import Clock, utc
 from vigil.ledger import budgets as ledger_budgets
@@ -186,8 +186,9 @@ class Runs:
             if self.journaled:
                 pool = self.pool_of(c)
                 reload = partial(self._reload, pool)
-                await run_journal.prepare(pool, c, ctx, ctx.journal, reload, self._journal_group(c))
-                ctx.adopt = run_journal.adopter(pool, c, active.folded)
+                attempts = self.settings.max_attempts
+                await run_journal.prepare(pool, c, ctx, ctx.journal, reload, attempts, self._journal_group(c))
+                ctx.adopt = run_journal.adopter(pool, c, active.folded, attempts)
                 ctx.journal.stop = lambda: active.handing_over
                 finished.journaled = True
             # wait_for, not asyncio.timeout (one task fewer per run, about 2% of a model-bound
@@ -209,13 +210,6 @@ class Runs:
             if self.active.get(c.user_id) is active:
                 del self.active[c.user_id]
             return
-        except Diverged as exc:
-            # The agent no longer takes the journaled steps (it changed between attempts):
-            # the journal is dropped and this attempt fails; the next starts over, new key.
-            log.warning("run failed: its journal cannot be replayed: %s", exc)
-            await run_journal.drop(self.pool_of(c), c, exc)
-            finished.error = f"journal diverged: {exc}"
-            finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
         except Fenced as exc:
             # The partition moved on: its finish will be refused as stale, so nothing of the
             # run lands, and the next owner replays its journal.
@@ -293,9 +287,11 @@ class Runs:
             return more
 
         # Without a journal a retry asks the model again and may call other tools at the same
-        # steps: it gets a key of its own (vigil.worker.journal.fresh_key), never one a tool
-        # already saw for another call. With one, prepare() sets the key.
-        run_key = run_journal.fresh_key(c)
+        # steps: each claim's calls get keys of its own (vigil.worker.journal.unjournaled_key),
+        # never one a tool already saw for another call. With one, prepare() sets the key. The
+        # echo agent calls no tools.
+        unjournaled = self.needs_context and not self.journaled
+        run_key = run_journal.unjournaled_key(c) if unjournaled else run_journal.fresh_key(c)
         return RunContext(
             user_id=c.user_id,
             run_key=run_key,

@@ -177,7 +177,16 @@ class WorkerSettings(CommonSettings):
         True,
         description="Journal every step of a Claude run (model answers, action calls) in the ledger, so a run "
         "taken over after a crash, a deploy's stop or a rebalance replays them instead of asking and acting again "
-        '(docs/worker.md, "Durable runs"). Off: a retried run starts over.',
+        '(docs/worker.md, "Durable runs"). Off: a retried run or task starts over, asks the model again and '
+        "repeats every action call its earlier attempts made, under new idempotency keys (a key per attempt), so "
+        "the systems it acts on cannot tell the repeat. Refused at start-up while the agent has tools that act "
+        "(any action tool not marked read-only) unless VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS=accept.",
+    )
+    run_journal_off_with_actions: Literal["refuse", "accept"] = Field(
+        "refuse",
+        description="With VIGIL_RUN_JOURNAL=false and tools that act on the world: `refuse` stops the worker at "
+        "start-up, naming them; `accept`, an operator's choice, runs them without a journal (a crash repeats "
+        "their calls under new keys).",
     )
     task_stale_s: float = Field(
         30.0,

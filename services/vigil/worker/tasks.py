@@ -42,14 +42,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import psycopg
 
 from vigil.agent.base import Agent, Delegation, MemoryWrite, NewTask, TaskContext, TaskUsage
-from vigil.agent.journal import Journal
+from vigil.agent.journal import Journal, task_key
 from vigil.bus.kafka import EventProducer
 from vigil.clock import Clock, SystemClock, utc
 from vigil.envelope import Event
@@ -112,6 +112,7 @@ class Holding:
     ctx: TaskContext
     leased_at: float  # time.monotonic() before the claim was sent: the lease is at least this fresh
     execution: asyncio.Task | None = None
+    handed_back: bool = False  # cancelled to be handed back (a lone attempt's drain), not failed
 
 
 class TaskExecutor:
@@ -127,12 +128,16 @@ class TaskExecutor:
         self.agent = agent
         self.shards = Shards.of(pool)  # tasks are claimed on every shard held, each run on its own
         self.producer = producer
-        # Leases, heartbeats and deadlines are decided on this clock, in the ledger too.
+        # Deadlines are decided on this clock, in the ledger too; leases on the ledger's alone
+        # (it stamps the heartbeats and judges their age), so no host's skew enters them.
         self.clock = clock or SystemClock()
         self.holding: dict[str, Holding] = {}
         self._shard_of: dict[str, int] = {}  # a held task's shard, from its claim to its last write
         self._wake_report = asyncio.Event()
         self._stopping = False
+        # Set by the worker: while it says so, nothing is claimed (a lost event's last attempt
+        # runs with nothing else in flight in this process, tasks included: claim rule 3).
+        self.hold_off: Callable[[], bool] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -150,6 +155,8 @@ class TaskExecutor:
     async def claim_loop(self) -> None:
         while not self._stopping:
             free = self.settings.task_concurrency - len(self.holding)
+            if self.hold_off is not None and self.hold_off():
+                free = 0
             if free > 0:
                 left = free
                 for shard, pool in self.shards.opened():
@@ -176,7 +183,7 @@ class TaskExecutor:
         return self.shards.pool(self._shard_of.get(task.id, CATALOG))
 
     def _start(self, task: ledger.TaskRow, leased_at: float, shard: int = CATALOG) -> None:
-        deadline_s = (task.deadline - datetime.now(UTC)).total_seconds()
+        deadline_s = (task.deadline - utc(self.clock.now())).total_seconds()  # set on a caller's clock
         ctx = TaskContext(
             task_id=task.id,
             user_id=task.user_id,
@@ -195,6 +202,7 @@ class TaskExecutor:
                 max_open_tasks_per_user=self.settings.max_open_tasks_per_user,
             ),
             attempt=task.attempts,
+            lease_epoch=task.lease_epoch,
             tasks=self.shards.task_door(shard),
             session_id=task.session_id,
             kind=task.kind,
@@ -277,10 +285,12 @@ class TaskExecutor:
         is replayed, not done again (vigil.worker.journal). False if it cannot be read: the
         task is handed back rather than run blind."""
         task, ctx = holding.task, holding.ctx
-        key = f"task:{task.id}"
         if not self.settings.run_journal:
-            ctx.journal = Journal(key)
+            # No journal to replay: this holder asks the model again and may make other calls
+            # at the same steps, so its keys are its own (task:<id>~<lease epoch>:<step>).
+            ctx.journal = Journal(task_key(task.id, task.lease_epoch, journaled=False))
             return True
+        key = task_key(task.id, task.lease_epoch, journaled=True)
         try:
             async with self._pool(task).connection() as conn:
                 steps = await ledger_journal.live_task(conn, key)
@@ -334,7 +344,7 @@ class TaskExecutor:
                 waiting = {execution} if beat is None else {execution, beat}
                 done, _ = await asyncio.wait(waiting, timeout=max(wake - now, 0.0), return_when=asyncio.FIRST_COMPLETED)
                 if execution in done:
-                    return self._outcome(execution, ctx)
+                    return self._outcome(holding)
                 if beat is None or not beat.done():
                     continue
                 finished, beat = beat, None
@@ -354,10 +364,12 @@ class TaskExecutor:
     async def _beat(self, task: ledger.TaskRow, usage: TaskUsage) -> bool | None:
         progress = ledger.Progress(usage.turns, usage.input_tokens, usage.output_tokens, usage.last_tool, usage.note)
         async with self._pool(task).connection() as conn:
-            return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress, now=utc(self.clock.now()))
+            return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress)
 
-    def _outcome(self, execution: asyncio.Task, ctx: TaskContext):
-        if execution.cancelled() and self._stopping:
+    def _outcome(self, holding: Holding):
+        execution, ctx = holding.execution, holding.ctx
+        assert execution is not None
+        if execution.cancelled() and (self._stopping or holding.handed_back):
             return RELEASE
         if execution.cancelled():
             return self._usage(ctx, TaskStatus.FAILED, error="execution cancelled")
@@ -410,7 +422,9 @@ class TaskExecutor:
                                 task_id=task.id,
                             )
                         await ledger_journal.finish_task(
-                            conn, f"task:{task.id}", keep=self.settings.run_journal_days > 0
+                            conn,
+                            task_key(task.id, task.lease_epoch, journaled=True),
+                            keep=self.settings.run_journal_days > 0,
                         )
                     return stands
             except (psycopg.Error, OSError) as exc:
@@ -512,7 +526,7 @@ class TaskExecutor:
                 queued, running, age_s = 0, 0, 0.0
                 for _shard, pool in self.shards.opened():
                     async with pool.connection() as conn:
-                        g = await ledger.gauges(conn, now=utc(self.clock.now()))
+                        g = await ledger.gauges(conn)
                     queued, running = queued + g.queued, running + g.running
                     age_s = max(age_s, g.heartbeat_age_s)
                 metrics.TASKS_QUEUED.set(queued)
@@ -521,6 +535,21 @@ class TaskExecutor:
             except (psycopg.Error, OSError):
                 pass
             await asyncio.sleep(max(self.settings.task_heartbeat_s, 5.0))
+
+    def busy(self) -> int:
+        """Tasks this process holds."""
+        return len(self.holding)
+
+    def hand_back(self) -> int:
+        """Cancel every execution in flight and hand its task back to the queue, the attempt
+        not counted (as at shutdown); returns how many."""
+        count = 0
+        for holding in list(self.holding.values()):
+            holding.handed_back = True
+            if holding.execution is not None and not holding.execution.done():
+                holding.execution.cancel()
+                count += 1
+        return count
 
     async def stop(self, grace_s: float) -> None:
         """Stop claiming; give executions ``grace_s`` to end; hand the rest back to the queue."""

@@ -2,9 +2,12 @@
 -- provider bills them, and the one notice per user and day that the budget is spent.
 
 -- name: budgets_spent
--- Billed tokens of the user's runs since `since`, their background tasks' too, through runs_by_user; the cache weights are vigil.ledger.budgets' (its billed(), which a run's token cap uses).
+-- Billed tokens of the user's runs since `since`, their ended background tasks' too, through runs_by_user (the cache weights are vigil.ledger.budgets' billed(), which a run's token cap uses); plus the whole token budget of each background task of theirs still open (queued or running), through tasks_by_user: held until it ends and its usage joins its run's row, so a run that starts while tasks of the user work cannot spend what they may.
 SELECT ceil(coalesce(sum(input_tokens + output_tokens + %(write_weight)s * cache_write_tokens
                          + %(read_weight)s * cache_read_tokens + task_input_tokens + task_output_tokens), 0))::bigint
+       + (SELECT coalesce(sum(t.token_budget), 0) FROM tasks t
+          WHERE t.user_id = %(user_id)s AND t.created_at >= %(since)s AND t.status IN ('queued', 'running')
+            AND t.mode = 'background')::bigint
        AS spent
 FROM runs WHERE user_id = %(user_id)s AND started_at >= %(since)s
 

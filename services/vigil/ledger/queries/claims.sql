@@ -226,7 +226,7 @@ RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_i
           e.attempts, e.transient_failures, e.claim_epoch
 
 -- name: claim_ids
--- A replay's adoption: the events its journal started with (or folded) that the claim did not bring, claimed by id under the run's own epoch (rows handed back after a crash are pending again, with their attempts).
+-- A replay's adoption: the events its journal started with (or folded) that the claim did not bring, claimed by id under the run's own epoch (rows handed back after a crash are pending again, with their attempts), never for an event's last attempt.
 WITH owned AS (
     SELECT 1 FROM partitions p
     WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
@@ -235,6 +235,8 @@ WITH owned AS (
 UPDATE events e
 SET status = 'running', attempts = e.attempts + 1, claim_epoch = %(epoch)s, claimed_at = now(), next_attempt_at = NULL
 WHERE e.id = ANY(%(ids)s) AND e.user_id = %(user_id)s AND e.status IN ('pending', 'running') AND e.status <> 'running'
+  -- Never an event's last attempt: that one runs alone (claim rule 3), not in another's replay.
+  AND e.attempts + 1 < %(max_attempts)s
   AND EXISTS (SELECT 1 FROM owned)
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch
