@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install up demo down status logs test test-fast lint fmt bench bench-quick chaos eval clean lock tools
+.PHONY: help install up demo down status logs test suite test-fast lint fmt bench bench-quick chaos eval clean lock tools
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -36,12 +36,24 @@ status: $(STAMP) ## Show which parts of the local stack run
 logs: ## Follow the services' logs
 	tail -F .run/logs/*.log
 
-test: lint tools ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
-	@bash deploy/tools/build-prometheus.sh >/dev/null  # promtool + prometheus, built once per machine
-	$(BIN)/pytest -q --durations=25
+test: lint suite ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
+
+# Parallel test processes (pytest-xdist): measured on 2 cores, docs/architecture.md "Tests".
+TEST_WORKERS ?= 3
+# Both phases run, whatever the first's outcome; the target fails if either failed. pytest's
+# exit 5 (no test selected, e.g. PYTEST_ARGS naming only solo tests) fails neither.
+suite: $(STAMP) tools ## Every test without the linter: in parallel, then the solo tests (@pytest.mark.solo) one at a time
+	@status=0; started=$$SECONDS; \
+	echo "tests: parallel phase (-n $(TEST_WORKERS) -m 'not solo')"; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) -m "not solo" --durations=25 $(PYTEST_ARGS); rc=$$?; \
+	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; parallel=$$((SECONDS - started)); \
+	echo "tests: solo phase (-m solo, one at a time)"; \
+	$(BIN)/pytest -q -m solo --durations=25 $(PYTEST_ARGS); rc=$$?; \
+	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; \
+	echo "tests: parallel phase $${parallel}s, solo phase $$((SECONDS - started - parallel))s, total $$((SECONDS - started))s"; \
+	exit $$status
 
 test-fast: $(STAMP) tools ## The tests that start no Kafka and no PostgreSQL (pytest -m "not stack"), under two minutes
-	@bash deploy/tools/build-prometheus.sh >/dev/null  # promtool + prometheus, built once per machine
 	$(BIN)/pytest -q -m "not stack"
 
 lint: $(STAMP) ## ruff (lint, formatting), import-linter (the layers), mypy (types); settings in pyproject.toml
@@ -84,7 +96,8 @@ $(TOOLS)/kube-score-$(KUBE_SCORE_VERSION)/kube-score:
 $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize:
 	GOBIN=$(dir $@) $(GO) install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
 
-tools: $(TOOLS)/kube-score-$(KUBE_SCORE_VERSION)/kube-score $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize ## Build kube-score and kustomize (Go) under ~/.cache/vigil/tools, once
+tools: $(TOOLS)/kube-score-$(KUBE_SCORE_VERSION)/kube-score $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize ## Build kube-score, kustomize, promtool and prometheus (Go) under ~/.cache/vigil/tools, once
+	@bash deploy/tools/build-prometheus.sh >/dev/null
 
 lock: $(STAMP) ## Refresh deploy/requirements.lock (exact versions and hashes the image installs) from pyproject.toml
 	$(BIN)/pip install -q uv==0.13.9

@@ -12,14 +12,21 @@ services' role, the one ``VIGIL_DATABASE_URL`` names, which is what every test c
 Isolation: every test gets a fresh database cloned from a template (the canonical schema,
 built once per session) and its own topic names, consumer group and ports, so tests never
 see each other's events, and several test sessions can share one stack.
+
+In parallel (``pytest -n N``, what ``make test`` runs), the controlling process starts the
+broker and the server once, before the workers exist, and names them to the workers: one JVM
+and one PostgreSQL for the whole run, each worker with its own template database.
+``devstack.free_port`` gives each worker ports of its own.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +54,9 @@ KEPT = {
     "VIGIL_MODEL_SEED",
     "VIGIL_MODEL_SHRINK",
 }
+# A parallel run's worker: the stack its controller started (pytest_configure), taken out of
+# the environment so that the worker's tests and their processes see what a serial run's do.
+RUN_STACK = json.loads(os.environ.pop("VIGIL_TEST_RUN_STACK", "null"))
 for _name in list(os.environ):
     if (_name.startswith("VIGIL_") and _name not in KEPT) or _name.startswith("ANTHROPIC_"):
         del os.environ[_name]
@@ -88,29 +98,56 @@ def _admin_dsn(url: str) -> str:
     return psycopg.conninfo.make_conninfo(url, dbname="postgres")
 
 
+class OwnStack:
+    """A broker and a server of this test run's own, on free ports in a temporary folder."""
+
+    def __init__(self) -> None:
+        # Not under pytest's basetemp: pytest resets that folder to mode 700 whenever another
+        # session starts, and PostgreSQL runs as another account that must reach its data.
+        self.root = Path(tempfile.mkdtemp(prefix="vigil-test-stack-"))
+        os.chmod(self.root, 0o755)
+        libs = devstack.kafka_libs(Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run")) / "kafka")
+        self.kafka = devstack.KafkaServer(self.root / "kafka", devstack.free_port(), devstack.free_port(), libs)
+        self.pg = devstack.PostgresServer(self.root / "pg" / "data", devstack.free_port())
+
+    def start(self) -> OwnStack:
+        try:
+            # The server starts while the JVM does: the broker's start is most of the wait.
+            with ThreadPoolExecutor(2) as pool:
+                for started in [pool.submit(thing.start) for thing in (self.kafka, self.pg)]:
+                    started.result()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for thing in (self.pg, self.kafka):  # both, whether or not its start returned
+            thing.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
     bootstrap = os.environ.get("VIGIL_KAFKA_BOOTSTRAP")
     database_url = os.environ.get("VIGIL_DATABASE_URL")
-    owned: list = []
+    own: OwnStack | None = None
     if bootstrap and database_url:
+        # A developer's stack (`. .run/env`): used as it is, never stopped.
         admin = os.environ.get("VIGIL_DEV_ADMIN_DATABASE_URL") or database_url
         st = Stack(bootstrap=bootstrap, admin_dsn=_admin_dsn(admin), service_url=database_url)
+    elif RUN_STACK:
+        # A parallel run's worker: the run's own stack, which its controller stops.
+        given = RUN_STACK["kafka"]
+        kafka = devstack.KafkaServer(
+            Path(given["data_dir"]), given["port"], given["controller_port"], Path(given["libs"])
+        )
+        st = Stack(bootstrap=kafka.bootstrap, admin_dsn=RUN_STACK["admin_dsn"], service_url=RUN_STACK["service_url"])
+        st.kafka = kafka
     else:
-        # Not under pytest's basetemp: pytest resets that folder to mode 700 whenever another
-        # session starts, and PostgreSQL runs as another account that must reach its data.
-        root = Path(tempfile.mkdtemp(prefix="vigil-test-stack-"))
-        os.chmod(root, 0o755)
-        owned.append(root)
-        kafka_port = devstack.free_port()
-        libs = devstack.kafka_libs(Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run")) / "kafka")
-        kafka = devstack.KafkaServer(root / "kafka", kafka_port, devstack.free_port(), libs)
-        pg = devstack.PostgresServer(root / "pg" / "data", devstack.free_port())
-        kafka.start()
-        owned.append(kafka)
-        pg.start()
-        owned.append(pg)
-        st = Stack(bootstrap=kafka.bootstrap, admin_dsn=pg.admin_url(), service_url=pg.url(), kafka=kafka)
+        own = OwnStack().start()
+        st = Stack(bootstrap=own.kafka.bootstrap, admin_dsn=own.pg.admin_url(), service_url=own.pg.url())
+        st.kafka = own.kafka
     os.environ["VIGIL_TEST_ADMIN_DSN"] = st.admin_dsn  # support.explaining: plans need a superuser
     with psycopg.connect(st.admin_dsn, autocommit=True) as conn:
         st.create_database(conn, st.template)
@@ -120,11 +157,8 @@ def stack(tmp_path_factory) -> Stack:
     finally:
         with psycopg.connect(st.admin_dsn, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{st.template}" WITH (FORCE)')
-        for thing in reversed(owned):
-            if isinstance(thing, Path):
-                shutil.rmtree(thing, ignore_errors=True)
-            else:
-                thing.stop()
+        if own is not None:
+            own.stop()
 
 
 @pytest.fixture
@@ -218,7 +252,34 @@ def pytest_runtest_makereport(item, call):
         item.rep_call_failed = report.failed
 
 
+def _parallel_controller(config) -> bool:
+    """This process runs no test itself but starts pytest-xdist's workers (``-n N``, N > 0)."""
+    return not hasattr(config, "workerinput") and (getattr(config.option, "numprocesses", None) or 0) > 0
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    """In a parallel run, the controller starts the broker and the server before the workers
+    exist (xdist starts them at the session's start, after this), and names them to the
+    workers through the environment they inherit (``VIGIL_TEST_RUN_STACK``, read by
+    :func:`stack`). Stopped in :func:`pytest_unconfigure`."""
+    given = os.environ.get("VIGIL_KAFKA_BOOTSTRAP") and os.environ.get("VIGIL_DATABASE_URL")
+    if _parallel_controller(config) and not given and not config.option.collectonly:
+        own = OwnStack().start()
+        config.stash[_OWN_STACK] = own
+        kafka = own.kafka
+        os.environ["VIGIL_TEST_RUN_STACK"] = json.dumps(
+            {
+                "admin_dsn": own.pg.admin_url(),
+                "service_url": own.pg.url(),
+                "kafka": {
+                    "data_dir": str(kafka.data_dir),
+                    "port": kafka.port,
+                    "controller_port": kafka.controller_port,
+                    "libs": str(kafka.libs),
+                },
+            }
+        )
     config.addinivalue_line("markers", "partitions(n): partition count of the test's events topic")
     config.addinivalue_line(
         "markers",
@@ -234,3 +295,13 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "stack" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.stack)
+
+
+_OWN_STACK = pytest.StashKey[OwnStack]()
+
+
+def pytest_unconfigure(config):
+    own = config.stash.get(_OWN_STACK, None)
+    if own is not None:
+        os.environ.pop("VIGIL_TEST_RUN_STACK", None)
+        own.stop()

@@ -27,6 +27,7 @@ QUICK_BUDGET_S = 300
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # minutes of load on every core, and a bound on its own time
 @pytest.mark.timeout(QUICK_BUDGET_S + 60)
 def test_quick_bench_prints_every_figure_and_cleans_up(stack):
     env = {**os.environ, "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap, "VIGIL_DATABASE_URL": stack.admin_dsn}
@@ -56,6 +57,7 @@ def test_quick_bench_prints_every_figure_and_cleans_up(stack):
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # saturates the machine to find the e2e rate, then measures latency under load
 def test_the_latency_curve_prints_a_line_per_share(stack):
     """``--latency-curve``: more latency rounds at given shares of the saturated rate, so the
     knee (docs/performance.md, "Where the knee is") is a command, not a scratch script."""

@@ -23,6 +23,7 @@ SUMMARY = re.compile(
 
 
 @pytest.mark.stack  # starts a stack of its own
+@pytest.mark.solo  # load, a stack of its own and deadlines on recovery: the machine to itself
 @pytest.mark.timeout(420)
 def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
     """With a poison user (one message whose call kills its worker, three times) and a user
@@ -79,6 +80,7 @@ def test_the_shard_outage_line_compares_the_other_shards_users_during_and_withou
 
 
 @pytest.mark.stack  # starts a stack of its own, with two ledger shards on two PostgreSQL servers
+@pytest.mark.solo  # as above
 @pytest.mark.timeout(660)
 def test_a_short_chaos_run_on_two_shards_with_a_shard_killed_loses_nothing(tmp_path):
     """`make chaos SHARDS=2`, short: the last shard's server killed twice under load; nothing

@@ -7,6 +7,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -84,15 +85,6 @@ def test_a_lone_attempt_waits_for_runs_in_flight_only_so_long(stack, topics, led
     """A lost event's last attempt runs alone, but a run that takes minutes must not stall
     the worker for minutes: after VIGIL_LONE_DRAIN_S it is cancelled and released (its
     attempt given back), the lone attempt runs, and the released run comes back after."""
-    # An event lost with a crashed worker before, due in 4 s, its last attempt to come.
-    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('lone', %s, 0)", (topics.events,))
-    query(
-        ledger,
-        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims,
-                                         next_attempt_at, error)
-                     VALUES ('lone', 'chat', 'lost-twice', 'chat.message', '{"text": "again"}', now(), 2, 2,
-                             now() + interval '4 seconds', 'claim abandoned: its worker lost partition 0')""",
-    )
     env = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="glacial:45", VIGIL_LONE_DRAIN_S="2")
     worker = start(spawn, env, "w")
     produce(stack.bootstrap, topics.events, [chat("slowpoke", "a glacial request")])
@@ -102,6 +94,16 @@ def test_a_lone_attempt_waits_for_runs_in_flight_only_so_long(stack, topics, led
         "the slow run started",
     )
     began = time.monotonic()
+    # An event lost with a crashed worker before, its last attempt due in 4 s: while the slow
+    # run is in flight, however long the worker took to start.
+    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('lone', %s, 0)", (topics.events,))
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims,
+                                         next_attempt_at, error)
+                     VALUES ('lone', 'chat', 'lost-twice', 'chat.message', '{"text": "again"}', now(), 2, 2,
+                             now() + interval '4 seconds', 'claim abandoned: its worker lost partition 0')""",
+    )
     wait_for(
         lambda: scalar(ledger, "SELECT status FROM events WHERE user_id = 'lone'") == "done",
         30,
@@ -198,16 +200,21 @@ def test_foreign_partitioner_never_gives_one_user_two_runs(stack, topics, ledger
 
 
 @pytest.mark.partitions(2)
-def test_a_rebalance_does_not_run_again_what_was_in_flight(stack, topics, ledger, vigil_env, spawn):
-    """Worker A holds both partitions, its runs waiting 5 s on the model; B joins and takes
-    one partition. Within VIGIL_REVOKE_GRACE_S (default 10 s) A's runs of that partition
-    finish and commit under A's epoch: B has nothing to run again and A releases nothing.
-    (Cancelled and released at once, B ran them a second time.)"""
-    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:5", VIGIL_INSTANCE_ID="worker-a")
+def test_a_rebalance_does_not_run_again_what_was_in_flight(stack, topics, ledger, vigil_env, spawn, tmp_path):
+    """Worker A holds both partitions, its runs waiting on the model until B has joined, then
+    3 s more; B joins and takes one partition. Within VIGIL_REVOKE_GRACE_S (default 10 s) A's
+    runs of that partition finish and commit under A's epoch: B has nothing to run again and
+    A releases nothing. (Cancelled and released at once, B ran them a second time.)"""
+    hold = tmp_path / "release"
+    env_a = worker_env(
+        vigil_env, VIGIL_ECHO_SLEEP_ON="slow:3", VIGIL_INSTANCE_ID="worker-a", VIGIL_ECHO_HOLD_FILE=str(hold)
+    )
     a = start(spawn, env_a, "a")
     produce(stack.bootstrap, topics.events, [chat(f"user-{i}", "slow hello") for i in range(12)])
     wait_for(lambda: statuses(ledger).get("running", 0) == 12, 20, "A running every user")
-    start(spawn, worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:5", VIGIL_INSTANCE_ID="worker-b"), "b")
+    start(spawn, worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:3", VIGIL_INSTANCE_ID="worker-b"), "b")
+    wait_for(lambda: len(query(ledger, HANDING)) == 1, 60, "A handing a partition over")
+    hold.touch()  # the runs go on: they finish within the hand-over's grace
     wait_for(
         lambda: {r["holder"] for r in query(ledger, "SELECT holder FROM partitions")} == {"worker-a", "worker-b"},
         60,
@@ -236,25 +243,29 @@ def test_a_rebalance_does_not_run_again_what_was_in_flight(stack, topics, ledger
 HANDING = "SELECT partition FROM partitions WHERE handover_until IS NOT NULL"
 
 
-def join_while_running(stack, topics, ledger, spawn, env_a: dict, env_b: dict):
-    """Worker A runs 12 users' slow runs; B joins and A hands a partition over: ``(a, moving)``."""
-    a = start(spawn, env_a, "a")
+def join_while_running(stack, topics, ledger, spawn, env_a: dict, env_b: dict, hold: Path):
+    """Worker A runs 12 users' slow runs; B joins and A hands a partition over: ``(a, moving)``.
+
+    A's runs are held (``VIGIL_ECHO_HOLD_FILE``) until the hand-over has begun, then sleep
+    their seconds: in flight during the hand-over however long B took to start."""
+    a = start(spawn, {**env_a, "VIGIL_ECHO_HOLD_FILE": str(hold)}, "a")
     produce(stack.bootstrap, topics.events, [chat(f"user-{i}", "slow hello") for i in range(12)])
     wait_for(lambda: statuses(ledger).get("running", 0) == 12, 20, "A running every user")
     start(spawn, env_b, "b")
     wait_for(lambda: len(query(ledger, HANDING)) == 1, 60, "A handing a partition over")
+    hold.touch()
     return a, scalar(ledger, HANDING)
 
 
 @pytest.mark.partitions(2)
-def test_a_revoke_does_not_stop_the_worker_recording(stack, topics, ledger, vigil_env, spawn):
-    """Worker A's runs take 8 s; B joins and takes one partition. A hands it over (its runs
-    finish there under A's epoch, B's takeover waits for them) and goes on recording the
-    partition it kept: new events on it are in the ledger while the moved runs still run.
+def test_a_revoke_does_not_stop_the_worker_recording(stack, topics, ledger, vigil_env, spawn, tmp_path):
+    """Worker A's runs last until B has joined, then 5 s; B joins and takes one partition. A
+    hands it over (its runs finish there under A's epoch, B's takeover waits for them) and
+    goes on recording the partition it kept: new events on it are in the ledger while the moved runs still run.
     (Before hand-overs, A's consumer waited in the revoke for those runs, recording nothing.)"""
-    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:8", VIGIL_INSTANCE_ID="worker-a")
-    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:8", VIGIL_INSTANCE_ID="worker-b")
-    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b)
+    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:5", VIGIL_INSTANCE_ID="worker-a")
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:5", VIGIL_INSTANCE_ID="worker-b")
+    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b, tmp_path / "release")
     kept = scalar(ledger, "SELECT partition FROM partitions WHERE partition <> %s", (moving,))
     produce(stack.bootstrap, topics.events, [chat(f"fresh-{i}", "quick hello") for i in range(3)], partition=kept)
     fresh = "SELECT count(*) FROM events WHERE user_id LIKE 'fresh-%%'"
@@ -281,17 +292,17 @@ def test_a_revoke_does_not_stop_the_worker_recording(stack, topics, ledger, vigi
 
 @pytest.mark.partitions(2)
 def test_a_joining_worker_records_the_partition_handed_to_it_while_the_hand_over_lasts(
-    stack, topics, ledger, vigil_env, spawn
+    stack, topics, ledger, vigil_env, spawn, tmp_path
 ):
-    """A's runs take 12 s; B joins and is given the partition A hands over. B records that
-    partition's new events at once, while A's runs on it still run under A's epoch (until
-    c390748 B's consumer waited for the hand-over in its assignment callback, recording
-    nothing), and claims them only once its takeover follows the hand-over."""
+    """A's runs last until B has joined, then 12 s; B joins and is given the partition A
+    hands over. B records that partition's new events at once, while A's runs on it still run
+    under A's epoch (until c390748 B's consumer waited for the hand-over in its assignment
+    callback, recording nothing), and claims them only once its takeover follows the hand-over."""
     env_a = worker_env(
         vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-a", VIGIL_REVOKE_GRACE_S="30"
     )
     env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-b")
-    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b)
+    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b, tmp_path / "release")
     produce(stack.bootstrap, topics.events, [chat(f"fresh-{i}", "quick hello") for i in range(3)], partition=moving)
     fresh = "SELECT count(*) FROM events WHERE user_id LIKE 'fresh-%%'"
     wait_for(lambda: scalar(ledger, fresh) == 3, 20, "B recording the partition handed to it")
@@ -312,17 +323,22 @@ def test_a_joining_worker_records_the_partition_handed_to_it_while_the_hand_over
 
 @pytest.mark.partitions(2)
 def test_a_worker_stopped_while_it_waits_for_a_hand_over_never_takes_the_partition(
-    stack, topics, ledger, vigil_env, spawn
+    stack, topics, ledger, vigil_env, spawn, tmp_path
 ):
-    """B is given the partition A hands over (A's runs take 12 s) and is stopped (SIGTERM)
-    while its takeover waits. B exits at once, without waiting for A's runs, and never takes
+    """B is given the partition A hands over (A's runs held until B has stopped, then 2 s) and
+    is stopped (SIGTERM) while its takeover waits. B exits at once, without waiting for A's runs, and never takes
     the partition over; the partition goes back to A, which is still handing it over: A's own
     runs finish under its old epoch, then A takes it over and runs what came meanwhile. Every
     user is served once, never two runs at a time, nothing released."""
+    hold = tmp_path / "release"
     env_a = worker_env(
-        vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-a", VIGIL_REVOKE_GRACE_S="30"
+        vigil_env,
+        VIGIL_ECHO_SLEEP_ON="slow:2",
+        VIGIL_INSTANCE_ID="worker-a",
+        VIGIL_REVOKE_GRACE_S="30",
+        VIGIL_ECHO_HOLD_FILE=str(hold),
     )
-    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:12", VIGIL_INSTANCE_ID="worker-b")
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:2", VIGIL_INSTANCE_ID="worker-b")
     a = start(spawn, env_a, "a")
     produce(stack.bootstrap, topics.events, [chat(f"user-{i}", "slow hello") for i in range(12)])
     wait_for(lambda: statuses(ledger).get("running", 0) == 12, 20, "A running every user")
@@ -336,9 +352,10 @@ def test_a_worker_stopped_while_it_waits_for_a_hand_over_never_takes_the_partiti
     assert b.stop(timeout=20) == 0
     stopped_in = time.monotonic() - asked
     assert stopped_in < 8, f"B took {stopped_in:.1f}s to stop: it waited for A's hand-over"
-    # Still A's, still being handed over (its runs take 12 s): B never took it.
+    # Still A's, still being handed over (its runs are held): B never took it.
     assert scalar(ledger, "SELECT holder FROM partitions WHERE partition = %s", (moving,)) == "worker-a"
     assert query(ledger, HANDING) == [{"partition": moving}]
+    hold.touch()
     produce(stack.bootstrap, topics.events, [chat(f"fresh-{i}", "quick hello") for i in range(3)], partition=moving)
     wait_all_done(ledger, 15, timeout=60)
     assert {r["worker"] for r in query(ledger, "SELECT worker FROM runs")} == {"worker-a"}
@@ -355,7 +372,9 @@ def test_a_worker_stopped_while_it_waits_for_a_hand_over_never_takes_the_partiti
 
 
 @pytest.mark.partitions(2)
-def test_a_worker_killed_mid_hand_over_delays_its_partition_only_to_the_lease(stack, topics, ledger, vigil_env, spawn):
+def test_a_worker_killed_mid_hand_over_delays_its_partition_only_to_the_lease(
+    stack, topics, ledger, vigil_env, spawn, tmp_path
+):
     """A hands a partition over to B (a 30 s grace) and is SIGKILLed before its runs finish:
     nobody renews or clears the hand-over, so B's takeover waits out its deadline, never less
     (A might have been alive and committing), but only the lease (5 s), not the grace; then B
@@ -364,7 +383,7 @@ def test_a_worker_killed_mid_hand_over_delays_its_partition_only_to_the_lease(st
         vigil_env, VIGIL_ECHO_SLEEP_ON="slow:60", VIGIL_INSTANCE_ID="worker-a", VIGIL_REVOKE_GRACE_S="30"
     )
     env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:0.2", VIGIL_INSTANCE_ID="worker-b")
-    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b)
+    a, moving = join_while_running(stack, topics, ledger, spawn, env_a, env_b, tmp_path / "release")
     deadline = scalar(ledger, "SELECT handover_until FROM partitions WHERE partition = %s", (moving,))
     a.signal(signal.SIGKILL)
     wait_all_done(ledger, 12, timeout=60)

@@ -11,6 +11,8 @@ pids, nothing else.
 
 from __future__ import annotations
 
+import collections
+import fcntl
 import glob
 import logging
 import os
@@ -50,10 +52,37 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+# Ports this process handed out lately: free_port() releases its port before the caller's
+# process binds it, so the kernel may offer the same port again meanwhile.
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=2048)
+
+
+def _port_slot() -> tuple[int, int]:
+    """(this process's slot, the number of slots) among processes that pick ports at once: the
+    test suite's parallel workers (pytest-xdist's gw0, gw1, ...), else (0, 1)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        return int(worker[2:]) % int(count), int(count)
+    return 0, 1
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nobody listens on now, for a process about to listen on it.
+
+    The port is free when this returns, not reserved: two callers could be handed the same one
+    before either binds it. So one process never gets a port it was handed lately, and the
+    test suite's parallel workers each take only ports of their own (worker i of n: those with
+    port // 2 % n == i, as Linux hands out odd ports to bind first), so no two workers are ever
+    handed the same port."""
+    slot, slots = _port_slot()
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port // 2 % slots == slot and port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise StackError("no free port of this process's own found in 1000 tries")
 
 
 def pid_alive(pid: int) -> bool:
@@ -161,22 +190,37 @@ def wait_until(check, timeout: float, what: str, logfile: Path | None = None) ->
 
 
 def kafka_libs(cache_dir: Path) -> Path:
-    """The broker's jars, fetched from Maven Central once and cached."""
+    """The broker's jars, fetched from Maven Central once and cached (under a lock: parallel
+    test workers may ask at once)."""
     libs = cache_dir / "libs"
     if list(libs.glob("kafka_2.13-*.jar")):
         return libs
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if list(libs.glob("kafka_2.13-*.jar")):
+            return libs
+        return _fetch_kafka_libs(libs)
+
+
+def _fetch_kafka_libs(libs: Path) -> Path:
     mvn = shutil.which("mvn")
     if mvn is None:
         raise StackError("Maven (mvn) is needed to fetch the Kafka broker: apt-get install maven")
     pom = repo_root() / "deploy" / "local" / "pom.xml"
     log.info("fetching the Kafka broker jars from Maven Central into %s", libs)
+    # Into a folder beside it, renamed when complete: whoever sees libs/ sees every jar.
+    partial = libs.with_name(libs.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
     result = subprocess.run(
-        [mvn, "-q", "-B", "-f", str(pom), "dependency:copy-dependencies", f"-DoutputDirectory={libs}"],
+        [mvn, "-q", "-B", "-f", str(pom), "dependency:copy-dependencies", f"-DoutputDirectory={partial}"],
         capture_output=True,
         text=True,
     )
-    if result.returncode != 0 or not list(libs.glob("kafka_2.13-*.jar")):
+    if result.returncode != 0 or not list(partial.glob("kafka_2.13-*.jar")):
         raise StackError(f"fetching Kafka with Maven failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    shutil.rmtree(libs, ignore_errors=True)
+    partial.rename(libs)
     return libs
 
 

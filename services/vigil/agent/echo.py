@@ -8,6 +8,9 @@ environment so that tests can inject failures into a real worker process:
   (a poison event that takes its process down, as a segfaulting tool would).
 - ``VIGIL_ECHO_SLEEP_ON``: ``substring:seconds``; a message containing it makes the run
   sleep that long first (a slow run, for stale-finish and fencing tests).
+- ``VIGIL_ECHO_HOLD_FILE``: a path; such a slow run waits until this file exists before its
+  sleep (runs held in flight until the test has seen what it waits for, say a hand-over
+  begin, however long the processes took to start).
 - ``VIGIL_ECHO_FAIL_ON``: a substring; a message containing it raises (a failed attempt).
 - ``VIGIL_ECHO_TICK_FILE``: a path; while a task executes, a line ``<instance> <unix time>``
   is appended to it every 50 ms (when a holder acted, for the tests of holders that stop).
@@ -44,12 +47,15 @@ class EchoAgent:
         self.sleep_on, _, seconds = sleep.partition(":")
         self.sleep_s = float(seconds or 0)
         self.tick_file = os.environ.get("VIGIL_ECHO_TICK_FILE") or None
+        self.hold_file = os.environ.get("VIGIL_ECHO_HOLD_FILE") or None
         self.instance = os.environ.get("VIGIL_INSTANCE_ID") or str(os.getpid())
 
     async def _hooks(self, text: str) -> None:
         if self.crash_on and self.crash_on in text:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.sleep_on and self.sleep_on in text:
+            while self.hold_file and not os.path.exists(self.hold_file):
+                await asyncio.sleep(0.05)
             await asyncio.sleep(self.sleep_s)
         if self.fail_on and self.fail_on in text:
             raise RuntimeError(f"echo agent told to fail on {self.fail_on!r}")
