@@ -26,7 +26,11 @@ After every step it checks, against a small model of what happened:
     call gets two keys; a logical call is the action a run takes for the events it started
     with;
 (f) every write under a stale epoch is refused: a claim, a journal append or outcome, a
-    finish, a release.
+    finish, a release;
+(g) (with the journal) an action call that completed for a batch of healthy events is never
+    made again under another key for any of them: a batch that lost its worker only in company
+    (another run's crash) replays, even on its lead's lone last attempt. Only a batch whose
+    run crashed with nothing else in flight may be split, and its lead run alone afresh.
 
 ``make test`` runs a fixed number of examples from a fixed seed; ``VIGIL_MODEL_EXAMPLES=n``
 runs ``n`` (``make chaos`` for many), ``VIGIL_MODEL_SEED=random`` (or a number) a random
@@ -182,6 +186,8 @@ class LedgerModel(RuleBasedStateMachine):
         self.offsets: Counter[PartitionKey] = Counter()
         self.poison: set[int] = set()
         self.blamed: set[int] = set()  # events whose worker was lost with them alone in flight
+        self.alone_lost: set[frozenset[int]] = set()  # runs lost with their worker, the only one in flight
+        self.acted: dict[int, tuple[frozenset[int], str]] = {}  # event -> (its batch, key) of a completed call
         self.processed: set[frozenset[int]] = set()  # the event sets of committed done runs
         self.attempts: dict[int, int] = {}
         self.call_of_key: dict[str, tuple] = {}
@@ -221,9 +227,11 @@ class LedgerModel(RuleBasedStateMachine):
     def lose(self, name: str, actives: list[Active]) -> None:
         """``actives`` are lost with their worker: blame the event if it was the worker's only
         one in flight (then the ledger cannot tell its crash from the event's fault)."""
-        live = [i for a in self.workers[name].active.values() if not a.stale for i in a.ids]
-        if len(live) == 1 and any(live[0] in a.ids for a in actives):
-            self.blamed.add(live[0])
+        live = [a for a in self.workers[name].active.values() if not a.stale]
+        if len(live) == 1 and live[0] in actives:
+            self.alone_lost.add(frozenset(live[0].ids))
+            if len(live[0].ids) == 1:
+                self.blamed.add(live[0].ids[0])
 
     def crash(self, name: str) -> None:
         """The worker dies with every run in flight, restarts and takes over the partitions it
@@ -302,8 +310,17 @@ class LedgerModel(RuleBasedStateMachine):
                 raise Broken(f"(e) key {key} given to {call} and before to {self.call_of_key[key]}")
             if self.key_of_call.setdefault(call, key) != key:
                 raise Broken(f"(e) call {call} got key {key} and before {self.key_of_call[call]}")
+            for e in active.ids:
+                batch, before = self.acted.get(e, (frozenset(), key))
+                if before != key and not (batch & self.poison) and batch not in self.alone_lost:
+                    raise Broken(
+                        f"(g) event {e}'s completed call of batch {sorted(batch)} (key {before}) made again"
+                        f" under key {key} for {list(active.ids)}: the batch never crashed alone"
+                    )
             if crash:
                 raise Crash(key)
+            for e in active.ids:
+                self.acted[e] = (frozenset(active.ids), key)
             return ToolOutput(f"acted for {list(active.ids)}")
 
         return act
@@ -697,3 +714,121 @@ BATCH_MATES_AS_FOUND = [
 @pytest.mark.parametrize("steps", [BATCH_MATES_OF_A_POISON_EVENT, BATCH_MATES_AS_FOUND], ids=["by-hand", "as-found"])
 def test_a_poison_events_batch_mates_never_die(ledger, steps):
     drive(ledger, steps)
+
+
+# Issue 53, as `make chaos --seed 1` found it: another user's poison kills the worker twice
+# while u0's healthy batch, its action call made, is in flight beside it. The batch's lead
+# reaches its lone last attempt having never crashed alone, and the isolation dropped its
+# journal and made the call again under a new key (u0:1~3:2 after u0:1:2).
+A_HEALTHY_BATCH_LOST_IN_COMPANY = [
+    ("record", {"user": "u0", "poison": False}),
+    ("record", {"user": "u0", "poison": False}),
+    ("record", {"user": "u2", "poison": True}),
+    *[
+        step
+        for _ in range(MAX_ATTEMPTS - 1)
+        for step in (
+            ("claim", {"name": "wa", "drain_over": False}),
+            ("step", {"name": "wa", "slot": 0, "crash": False}),  # u0: the model turn
+            ("step", {"name": "wa", "slot": 0, "crash": False}),  # u0: the call, done
+            ("step", {"name": "wa", "slot": 1, "crash": False}),  # u2: the model turn
+            ("step", {"name": "wa", "slot": 1, "crash": True}),  # u2: dies in the call
+            ("wait", {"seconds": 5.0}),
+        )
+    ],
+]
+
+
+def test_a_healthy_batch_lost_only_in_company_replays_on_its_last_attempt(ledger):
+    drive(ledger, A_HEALTHY_BATCH_LOST_IN_COMPANY)
+
+
+# Found by the model (seed 2058252951): an operator's retry of an older dead event overtakes
+# the user's run in progress. The retried event's claim met that run's journal, dropped it as
+# another run's, and the run made its call again under a new key (u1:2~2:2 after u1:2:2).
+A_RUN_IN_PROGRESS_OVERTAKEN_BY_A_RETRIED_DEAD_EVENT = [
+    ("record", {"user": "u1", "poison": True}),
+    *[
+        step
+        for _ in range(MAX_ATTEMPTS)
+        for step in (
+            ("claim", {"name": "wb", "drain_over": True}),
+            ("step", {"name": "wb", "slot": 0, "crash": True}),  # dies in the model turn
+            ("wait", {"seconds": 5.0}),
+        )
+    ],
+    ("claim", {"name": "wb", "drain_over": True}),  # rule 2: dead
+    ("record", {"user": "u1", "poison": False}),
+    ("claim", {"name": "wb", "drain_over": True}),
+    ("step", {"name": "wb", "slot": 0, "crash": False}),  # the model turn
+    ("step", {"name": "wb", "slot": 0, "crash": False}),  # the call, done
+    ("freeze", {"key": P1}),  # wa takes the partition over; the run is lost
+    ("retry_dead", {}),  # the poison event, older, is pending again
+]
+
+
+def test_a_run_in_progress_keeps_its_journal_when_a_retried_dead_event_overtakes_it(ledger):
+    drive(ledger, A_RUN_IN_PROGRESS_OVERTAKEN_BY_A_RETRIED_DEAD_EVENT)
+
+
+# Found by the model (seed 2058252951, as found: 50 steps): the lone last attempt of u1's
+# second event was announced due while u1's older event (retried by an operator) ran. The
+# drain released that run, claim_alone could not take the second event (the older one was
+# pending again), the next pass claimed the older one again, and so on: nothing of u1 or of
+# the worker's other users ever finished.
+A_LONE_ATTEMPT_BEHIND_THE_USERS_RUN_IN_FLIGHT = [
+    ("claim", {"drain_over": False, "name": "wb"}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("record", {"poison": True, "user": "u1"}),
+    ("rebalance", {"key": P1, "to": "wa"}),
+    ("retry_dead", {}),
+    ("claim", {"drain_over": True, "name": "wa"}),
+    ("freeze", {"key": P0}),
+    ("rebalance", {"key": P0, "to": "wa"}),
+    ("record", {"poison": True, "user": "u0"}),
+    ("rebalance", {"key": P0, "to": "wa"}),
+    ("retry_dead", {}),
+    ("work", {"crash": True, "name": "wb"}),
+    ("freeze", {"key": P0}),
+    ("freeze", {"key": P0}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("rebalance", {"key": P0, "to": "wb"}),
+    ("freeze", {"key": P1}),
+    ("step", {"crash": True, "name": "wb", "slot": 1}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("retry_dead", {}),
+    ("work", {"crash": True, "name": "wb"}),
+    ("rebalance", {"key": P0, "to": "wb"}),
+    ("retry_dead", {}),
+    ("claim", {"drain_over": True, "name": "wa"}),
+    ("retry_dead", {}),
+    ("rebalance", {"key": P0, "to": "wa"}),
+    ("retry_dead", {}),
+    ("claim", {"drain_over": True, "name": "wb"}),
+    ("retry_dead", {}),
+    ("work", {"crash": True, "name": "wb"}),
+    ("freeze", {"key": P1}),
+    ("record", {"poison": False, "user": "u0"}),
+    ("claim", {"drain_over": False, "name": "wb"}),
+    ("overloaded", {"name": "wa", "slot": 1}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("work", {"crash": False, "name": "wb"}),
+    ("work", {"crash": True, "name": "wa"}),
+    ("rebalance", {"key": P0, "to": "wb"}),
+    ("rebalance", {"key": P0, "to": "wa"}),
+    ("retry_dead", {}),
+    ("rebalance", {"key": P0, "to": "wa"}),
+    ("claim", {"drain_over": False, "name": "wa"}),
+    ("step", {"crash": True, "name": "wb", "slot": 1}),
+    ("freeze", {"key": P1}),
+    ("freeze", {"key": P1}),
+    ("retry_dead", {}),
+]
+
+
+def test_a_lone_attempt_is_due_only_once_the_users_run_in_flight_ended(ledger):
+    drive(ledger, A_LONE_ATTEMPT_BEHIND_THE_USERS_RUN_IN_FLIGHT)

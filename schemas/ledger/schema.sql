@@ -520,6 +520,9 @@ CREATE INDEX tasks_reviews ON tasks (user_id, created_at) WHERE kind = 'memory_r
 --   body, outcome: json, not jsonb: replay hands the model the same bytes it saw.
 --   finished_at: set by the run's finish when VIGIL_RUN_JOURNAL_DAYS > 0 (kept for operators,
 --            then pruned); with the default 0 the finish deletes the run's rows.
+--   alone_at: on step 1, when the run's batch was replayed alone on its lead's last attempt
+--            (migration 0040; docs/worker.md, "Claiming"): a journal so stamped that comes back
+--            to a last attempt crashed by itself, and its first event runs alone afresh.
 CREATE TABLE run_journal (
     run_key     text        NOT NULL,
     step        integer     NOT NULL,
@@ -532,6 +535,7 @@ CREATE TABLE run_journal (
     recorded_at timestamptz NOT NULL DEFAULT now(),
     outcome_at  timestamptz,
     finished_at timestamptz,
+    alone_at    timestamptz,
     PRIMARY KEY (run_key, step),
     CONSTRAINT run_journal_kind_valid CHECK (kind IN ('model', 'call')),
     CONSTRAINT run_journal_step_positive CHECK (step >= 1),

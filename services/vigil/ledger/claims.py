@@ -17,7 +17,10 @@
    event's last attempt (query ``hand_back_stale_claims``), and a crash becomes an event's
    death only when the event ran alone. A poison event that kills its worker therefore dies
    after ``max_attempts`` claims, the last of them alone, and the events that happened to
-   run beside it lose at most ``max_attempts - 1`` attempts, never their lives.
+   run beside it lose at most ``max_attempts - 1`` attempts, never their lives. A journaled
+   batch on its first event's lone last attempt replays whole once, uncounted
+   (:func:`claim_ids_alone`; its journal stamped): lost only in company, it finishes with the
+   keys it had; crashing alone, it is split at the next lone attempt.
 4. No claim for a user who already has a ``running`` row under the current epoch.
 
 Attempts are counted at claim time, because a worker that crashes mid-run records nothing.
@@ -252,6 +255,20 @@ async def claim_ids(
     attempt (rule 3: a last attempt runs alone, never taken up by another event's replay).
     Returns those it claimed, in id order."""
     return await _claim_under(conn, Q.claim_ids, claim, {"ids": list(ids), "max_attempts": max_attempts})
+
+
+async def claim_ids_alone(
+    conn: psycopg.AsyncConnection[DictRow], claim: Claim, ids: Sequence[int], max_attempts: int
+) -> list[EventRow]:
+    """A batch replayed alone on its lead's last attempt (rule 3): the batch-mates ``ids``
+    claimed under the lead's epoch without counting an attempt, and the lead's own attempt
+    given back: a batch that lost its worker only in company has not crashed by itself yet.
+    The caller marks the journal in the same transaction, so this happens once per batch.
+    Returns the mates it claimed, in id order."""
+    mates = await _claim_under(conn, Q.claim_ids_alone, claim, {"ids": list(ids), "max_attempts": max_attempts})
+    home = {"topic": claim.home.topic, "partition": claim.home.partition, "epoch": claim.epoch}
+    await conn.execute(Q.give_back_attempt, {**home, "ids": claim.event_ids})
+    return mates
 
 
 async def _claim_under(

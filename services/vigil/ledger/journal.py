@@ -53,10 +53,12 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Live:
-    """A user's live journal: the key of the run it belongs to and its steps in order."""
+    """A user's live journal: the key of the run it belongs to and its steps in order;
+    ``alone``: its batch was already replayed alone on its lead's last attempt (rule 3)."""
 
     run_key: str
     steps: list[Step]
+    alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,7 @@ async def live_from(cursor: psycopg.AsyncCursor[DictRow]) -> dict[str, Live]:
     for row in await cursor.fetchall():
         live = out.get(row["user_id"])
         if live is None or live.run_key != row["run_key"]:
-            live = out[row["user_id"]] = Live(row["run_key"], [])
+            live = out[row["user_id"]] = Live(row["run_key"], [], alone=row.get("alone_at") is not None)
         live.steps.append(Step(row["step"], row["kind"], row["body"], row["outcome"]))
     return out
 
@@ -228,6 +230,13 @@ async def discard(conn: psycopg.AsyncConnection[DictRow], fence: RunFence, run_k
     """Drop a live journal its run cannot replay; fenced. Returns the rows dropped."""
     cur = await conn.execute(Q.journal_discard, {**fence.params(), "run_key": run_key})
     return cur.rowcount
+
+
+async def mark_alone(conn: psycopg.AsyncConnection[DictRow], fence: RunFence, run_key: str) -> bool:
+    """Stamp a batch's journal as replayed alone on its lead's last attempt; fenced, once.
+    False if it was stamped before (or the fence moved on)."""
+    cur = await conn.execute(Q.journal_mark_alone, {**fence.params(), "run_key": run_key})
+    return cur.rowcount == 1
 
 
 async def finish_users(conn: psycopg.AsyncConnection[DictRow], user_ids: list[str], *, keep: bool) -> None:

@@ -15,6 +15,9 @@ Before the agent starts, :func:`prepare` decides what the run is:
   The agent then takes journaled answers and outcomes instead of asking and acting again.
 - **A journal it cannot replay** (another run's, or its events are gone): dropped, fenced,
   and the run starts over under a new key.
+- **A batch's journal on its first event's lone last attempt** (claim rule 3): replayed
+  whole, alone, once and uncounted (a batch lost only in company keeps its keys); stamped
+  so, a journal that comes back crashed by itself: dropped, and the first event runs alone.
 
 With ``VIGIL_RUN_JOURNAL=false`` none of this happens: each claim's calls get keys of its own
 (:func:`unjournaled_key`), and a crash repeats them under new ones. The worker refuses that
@@ -32,6 +35,9 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+
+from psycopg import AsyncConnection
+from psycopg.rows import DictRow
 
 from vigil.agent import metrics as agent_metrics
 from vigil.agent.base import Agent, RunContext
@@ -174,31 +180,50 @@ async def prepare(
     was read without. Returns the run's journal."""
     fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
     start = _start_of(live)
-    if live is not None and start is not None and _isolates(claim, start, max_attempts):
-        # Claim rule 3: the last attempt of a run lost in company runs its first event alone,
-        # journal or not. Taking the journal's batch up again would spend the batch-mates'
-        # last attempt on a crash that may be another event's: the poison would take them
-        # down with it.
-        agent_metrics.RUN_REPLAYS.labels("isolated").inc()
-        log.warning(
-            "not replaying a journal of %d events on a last attempt: event %d runs alone",
-            len(start),
-            claim.events[0].id,
-        )
-        async with pool.connection() as conn:
-            await ledger_journal.discard(conn, fence, live.run_key)
-        key = f"{claim.run_key}~{claim.attempt}"
-        return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
-    if live is not None and _is_this_run(live.run_key, claim) and start is not None:
-        adopted = await _take_up(pool, claim, start, max_attempts)
+    this_run = live is not None and _is_this_run(live.run_key, claim)
+    if live is not None and start is not None and (this_run or claim.attempt < max_attempts):
+        # Another run's journal (the user's run in progress, which an operator's retry of an
+        # older dead event overtook): that run goes first, this claim's events go back.
+        isolates = this_run and _isolates(claim, start, max_attempts)
+        if not isolates:
+            adopted = await _take_up(pool, claim, start, max_attempts)
+        elif not live.alone:
+            # Claim rule 3's lone last attempt, of a batch that lost its worker only in company
+            # so far: the whole batch replays once with nothing else in flight, uncounted.
+            # Splitting it now would make its calls again under new keys for another run's crash.
+            adopted = await _take_up(pool, claim, start, max_attempts, alone=live.run_key)
+        else:
+            adopted = None
         if adopted is not None:
-            agent_metrics.RUN_REPLAYS.labels("replayed").inc()
-            log.info("replaying the run's journal (%d steps)", len(live.steps))
+            reason = "alone" if isolates else "replayed"
+            agent_metrics.RUN_REPLAYS.labels(reason).inc()
+            log.log(
+                logging.WARNING if isolates else logging.INFO,
+                "replaying the run's journal (%d steps, %d events)%s",
+                len(live.steps),
+                len(start),
+                ", alone on its first event's last attempt, the attempt given back" if isolates else "",
+            )
             journal = Journal.of(live.run_key, RunWriter(pool, fence, live.run_key, group), live.steps)
-            if any(e.session_id or e.source == "approval" for e in adopted):
+            if not this_run or any(e.session_id or e.source == "approval" for e in adopted):
                 ctx.events = list(claim.events)
                 await reload(ctx)
             return _bind(ctx, claim, journal)
+        if isolates:
+            # The batch crashed with nothing else in flight (its replay alone did): its first
+            # event's last attempt runs alone afresh. Taking the batch up again would spend the
+            # batch-mates' last attempt on a crash that may be another event's: the poison
+            # would take them down with it.
+            agent_metrics.RUN_REPLAYS.labels("isolated").inc()
+            log.warning(
+                "not replaying a journal of %d events that crashed alone: event %d runs alone",
+                len(start),
+                claim.events[0].id,
+            )
+            async with pool.connection() as conn:
+                await ledger_journal.discard(conn, fence, live.run_key)
+            key = f"{claim.run_key}~{claim.attempt}"
+            return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
     if live is not None:
         agent_metrics.RUN_REPLAYS.labels("discarded").inc()
         log.warning("dropping a journal its run cannot replay (%d steps of %s)", len(live.steps), live.run_key)
@@ -237,23 +262,58 @@ def _start_of(live: ledger_journal.Live | None) -> list[int] | None:
     return list(start["events"]) if start and isinstance(start.get("events"), list) else None
 
 
-async def _take_up(pool: AsyncPool, claim: Claim, start: list[int], max_attempts: int) -> list | None:
+async def _take_up(
+    pool: AsyncPool,
+    claim: Claim,
+    start: list[int],
+    max_attempts: int,
+    alone: str | None = None,
+) -> list | None:
     """Make the claim cover exactly the journal's start events: claim the missing ones by id,
     release those that came since. Returns the events claimed by id; None (nothing changed)
-    if a start event cannot be claimed."""
+    if a start event cannot be claimed. ``alone``: the journal's key, for the lone last
+    attempt's batch replay (:func:`_take_up_alone`)."""
     have = {event.id: event for event in claim.events}
     missing = [i for i in start if i not in have]
     extra = [event.id for event in claim.events if event.id not in set(start)]
     async with pool.connection() as conn:
-        adopted = await ledger_claims.claim_ids(conn, claim, missing, max_attempts) if missing else []
-        if len(adopted) != len(missing):
-            if adopted:
-                await ledger_claims.release_claim(conn, claim.home, claim.epoch, [e.id for e in adopted])
-            return None
+        if alone is not None:
+            adopted = await _take_up_alone(conn, claim, alone, missing, max_attempts)
+            if adopted is None:
+                return None
+        else:
+            adopted = await ledger_claims.claim_ids(conn, claim, missing, max_attempts) if missing else []
+            if len(adopted) != len(missing):
+                if adopted:
+                    await ledger_claims.release_claim(conn, claim.home, claim.epoch, [e.id for e in adopted])
+                return None
         if extra:
             await ledger_claims.release_claim(conn, claim.home, claim.epoch, extra)
     have.update({event.id: event for event in adopted})
     claim.events[:] = [have[i] for i in start]
+    return adopted
+
+
+class _NotAlone(Exception):
+    """The batch cannot be taken up alone: the transaction that tried rolls back."""
+
+
+async def _take_up_alone(
+    conn: AsyncConnection[DictRow], claim: Claim, run_key: str, missing: list[int], max_attempts: int
+) -> list | None:
+    """The batch replayed alone on its lead's last attempt, in one transaction: its journal
+    stamped (once: a stamped journal that comes back crashed alone), the batch-mates claimed
+    and the lead's attempt given back, uncounted. None (nothing changed) if any fails."""
+    fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
+    try:
+        async with conn.transaction():
+            if not await ledger_journal.mark_alone(conn, fence, run_key):
+                raise _NotAlone
+            adopted = await ledger_claims.claim_ids_alone(conn, claim, missing, max_attempts)
+            if len(adopted) != len(missing):
+                raise _NotAlone
+    except _NotAlone:
+        return None
     return adopted
 
 

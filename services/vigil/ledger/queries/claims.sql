@@ -150,7 +150,7 @@ RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_i
           e.attempts, e.transient_failures, e.claim_epoch
 
 -- name: alone_due
--- Claim rule 3, the last attempt of an event lost with its worker before: when the first of these (on the owned partitions, at the user's turn: its oldest pending row) may be claimed. NULL: none waits.
+-- Claim rule 3, the last attempt of an event lost with its worker before: when the first of these (on the owned partitions, at the user's turn: its oldest pending row, and no run of the user in flight, as claim_alone asks) may be claimed. NULL: none waits. A row announced due that claim_alone cannot take would drain the worker for nothing, and again at every scan: the user's run in flight, released by the drain, claimed again, released again.
 WITH owned AS (
     SELECT p.topic, p.partition FROM partitions p
     JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
@@ -165,6 +165,7 @@ CROSS JOIN LATERAL (SELECT u.home_topic, u.home_partition FROM users u WHERE u.u
 WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
   AND EXISTS (SELECT 1 FROM owned o WHERE o.topic = u.home_topic AND o.partition = u.home_partition)
   AND NOT EXISTS (SELECT 1 FROM events o WHERE o.user_id = e.user_id AND o.status = 'pending' AND o.id < e.id)
+  AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running')
 
 -- name: claim_alone
 -- Claim rule 3, the last attempt of an event lost with its worker before: one such row, claimed by a worker with no other run in flight (the runner sees to that), so that if it crashes the worker again, the crash is its own and no other event pays an attempt for it.
@@ -240,6 +241,29 @@ WHERE e.id = ANY(%(ids)s) AND e.user_id = %(user_id)s AND e.status IN ('pending'
   AND EXISTS (SELECT 1 FROM owned)
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch
+
+-- name: claim_ids_alone
+-- A batch replayed alone on its lead's last attempt: the batch-mates claimed by id under the lead's epoch, their attempts not counted (the replay is the lead's, on an attempt the lead gives back: give_back_attempt). Never a dead event's.
+WITH owned AS (
+    SELECT 1 FROM partitions p
+    WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
+    FOR SHARE
+)
+UPDATE events e
+SET status = 'running', claim_epoch = %(epoch)s, claimed_at = now(), next_attempt_at = NULL
+WHERE e.id = ANY(%(ids)s) AND e.user_id = %(user_id)s AND e.status = 'pending'
+  AND e.attempts < %(max_attempts)s
+  AND EXISTS (SELECT 1 FROM owned)
+RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
+          e.attempts, e.transient_failures, e.claim_epoch
+
+-- name: give_back_attempt
+-- The lead of a batch replayed alone: its last attempt's count given back (it ran in company only, so far), fenced by the claim's epoch.
+UPDATE events e
+SET attempts = e.attempts - 1
+WHERE e.id = ANY(%(ids)s) AND e.status = 'running' AND e.claim_epoch = %(epoch)s AND e.attempts > 0
+  AND EXISTS (SELECT 1 FROM partitions p
+              WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s)
 
 -- name: release_claim
 -- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted. The events of every run the worker cancels for one partition at one epoch, in one statement.

@@ -2,7 +2,7 @@
 
 -- name: journal_live_many
 -- The live (unfinished) run journal of each of these users, every step in order: a run's start reads its user's (one run per user at a time). Their background tasks' journals (task:tsk_...) are the tasks' own.
-SELECT j.user_id, j.run_key, j.step, j.kind, j.body::text AS body, j.outcome::text AS outcome
+SELECT j.user_id, j.run_key, j.step, j.kind, j.body::text AS body, j.outcome::text AS outcome, j.alone_at
 FROM run_journal j
 WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
 ORDER BY j.user_id, j.run_key, j.step
@@ -77,6 +77,14 @@ USING (SELECT 1 FROM partitions p
        WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
        FOR SHARE OF p) fence
 WHERE j.run_key = %(run_key)s AND j.finished_at IS NULL
+
+-- name: journal_mark_alone
+-- A batch's journal taken up by its lead's lone last attempt (claim rule 3): its first step stamped, once, fenced like an append. A journal already stamped is not taken up alone again.
+UPDATE run_journal j SET alone_at = now()
+FROM (SELECT 1 FROM partitions p
+      WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s
+      FOR SHARE OF p) fence
+WHERE j.run_key = %(run_key)s AND j.step = 1 AND j.finished_at IS NULL AND j.alone_at IS NULL
 
 -- name: journal_steps
 -- A run's steps for operators (`vigil runs show`, the console's run page), live or kept: its key's, and those of a later attempt that started over under <key>~<attempt>.
