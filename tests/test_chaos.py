@@ -26,18 +26,16 @@ SUMMARY = re.compile(
 @pytest.mark.solo  # load, a stack of its own and deadlines on recovery: the machine to itself
 @pytest.mark.timeout(420)
 def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
-    """With a user on each budget: the budgeted users' events past their budget waiting, each
-    such user told once; background tasks and the acting agent under their keys.
-
-    No poison user here (`make chaos` has three): each poison kill costs every claim in flight
-    an attempt, and a healthy batch lost twice that way reaches its lone last attempt, where
-    the isolation rule drops its journal and repeats its call under a new key (issue 53, open:
-    `make chaos --seed 1` reads `two keys 3`; this run read `two keys 2, healthy dead 1` with
-    one poison user). Its poison checks come back here with that fix."""
+    """With a poison user (one message whose call kills its worker, three times) and a user
+    on each budget: the poison event dead, no healthy one, and no healthy batch's call made
+    twice (each poison kill costs every claim in flight an attempt: a healthy batch lost twice
+    so replays alone on its lone last attempt, issue 53); the budgeted users' events past their
+    budget waiting, each such user told once; background tasks and the acting agent under
+    their keys."""
     args = [
         *("--seed", "11", "--faults", "4", "--users", "8", "--rate", "12", "--gap", "1", "2"),
         *("--kinds", "kill-postgres,kill-worker,kill-dispatcher,kill-ingest", "--settle-s", "120"),
-        *("--poison-users", "0", "--budgeted", "1", "1"),
+        *("--poison-users", "1", "--budgeted", "1", "1"),
         *("--run-dir", str(tmp_path / "stack")),
     ]
     result = subprocess.run(
@@ -51,10 +49,13 @@ def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
     assert faults == 4 and acked > 100  # the faults happened under load
     # The acting agent: every run POSTed once, and no logical call was seen under two keys.
     assert int(match.group(7)) > 50 and int(match.group(8)) == 0 and int(match["two_calls"]) == 0
-    assert (match["poison_dead"], match["poison"], match["healthy_dead"]) == ("0", "0", "0")
+    assert (match["poison_dead"], match["poison"], match["healthy_dead"]) == ("1", "1", "0")
     assert int(match["waiting"]) > 0 and int(match["notices"]) == 0 and int(match["unrun"]) == 0
     assert match["verdict"] == "PASS" and result.returncode == 0
     assert "fault 4/4: kill-" in result.stdout and "not running" not in result.stdout
+    # The poison's call killed its worker on each attempt (a nemesis fault may have taken one
+    # first), and once more if its batch replayed alone, uncounted, on its lead's last attempt.
+    assert 1 <= result.stdout.count("killed by its own call") <= 4
 
 
 def test_the_shard_outage_line_compares_the_other_shards_users_during_and_without_faults():
