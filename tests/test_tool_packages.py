@@ -1,6 +1,8 @@
 """Tool packages: an ordinary Python package with a ``vigil.tools`` entry point, pip-installed
-into the venv by the test (and uninstalled after), is loaded, listed by ``vigil tools list``
-and called by a run; two tools with one name stop start-up with one line."""
+by the test into a directory of its own (on this process's path and on its child processes'
+PYTHONPATH, never the shared venv, which every other test's processes would see), is loaded,
+listed by ``vigil tools list`` and called by a run; two tools with one name stop start-up
+with one line."""
 
 from __future__ import annotations
 
@@ -70,30 +72,40 @@ def pip(*args: str) -> None:
 
 
 @pytest.fixture
-def installed(tmp_path):
-    """Install packages into the venv for one test; uninstall them whatever happens."""
-    names: list[str] = []
+def site(tmp_path, monkeypatch) -> Path:
+    """This test's own site directory: first on this process's path (importlib.metadata reads
+    the path at each call) and on the PYTHONPATH of the processes :func:`vigil` starts."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+@pytest.fixture
+def installed(tmp_path, site):
+    """Install packages into this test's site directory, gone with its tmp_path."""
 
     def install(dist: str, module: str, tool: str) -> None:
-        names.append(dist)
-        pip("install", "--no-deps", str(build_package(tmp_path, dist, module, tool)))
+        pip("install", "--no-deps", "--target", str(site), str(build_package(tmp_path, dist, module, tool)))
 
     yield install
-    if names:
-        pip("uninstall", "-y", *names)
+    for module in [m for m in sys.modules if m.startswith("vigil_test_")]:
+        del sys.modules[module]
 
 
-def vigil(*args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "VIGIL_APPROVAL_SECRET": "x", "PYTHONPATH": f"{REPO / 'services'}", **env}
+def vigil(*args: str, site: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """``python -m vigil ...``, seeing the packages installed into ``site`` if given."""
+    path = [str(REPO / "services"), *([str(site)] if site else [])]
+    environ = {**os.environ, "VIGIL_APPROVAL_SECRET": "x", "PYTHONPATH": os.pathsep.join(path), **env}
     return subprocess.run(
         [sys.executable, "-m", "vigil", *args], capture_output=True, text=True, env=environ, timeout=120
     )
 
 
-def test_an_installed_tool_package_is_loaded_listed_and_called(installed):
+def test_an_installed_tool_package_is_loaded_listed_and_called(installed, site):
     installed("vigil-test-lookup-tool", "vigil_test_lookup_tool", "lookup")
 
-    listed = vigil("tools", "list", "--json")
+    listed = vigil("tools", "list", "--json", site=site)
     assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
     assert {"name": "lookup", "source": "vigil-test-lookup-tool", "version": "0.3.1", "permission": "allow"} in rows
@@ -114,17 +126,22 @@ def test_an_installed_tool_package_is_loaded_listed_and_called(installed):
     assert [m.text for m in result.messages] == ["order A17 shipped"]
 
 
-def test_two_tools_with_one_name_stop_start_up_with_one_line(installed, ledger):
+def test_two_tools_with_one_name_stop_start_up_with_one_line(installed, site, ledger):
     installed("vigil-test-clash-tool", "vigil_test_clash_tool", "refund")
 
     with pytest.raises(Exception, match="two tools are named 'refund'"):
         ToolRegistry.from_settings(t.settings())
-    listed = vigil("tools", "list")
+    listed = vigil("tools", "list", site=site)
     # A ledger at this code's schema, so that the worker gets as far as building its agent.
-    worker = vigil("worker", VIGIL_AGENT="claude", ANTHROPIC_API_KEY="offline", VIGIL_DATABASE_URL=ledger)
+    worker = vigil("worker", site=site, VIGIL_AGENT="claude", ANTHROPIC_API_KEY="offline", VIGIL_DATABASE_URL=ledger)
     for refused in (listed, worker):
         assert refused.returncode == 2, refused.stderr
         lines = refused.stderr.strip().splitlines()
         assert len(lines) == 1, refused.stderr
         assert "two tools are named 'refund'" in lines[0]
         assert "vigil-refund-tool 1.0.0" in lines[0] and "vigil-test-clash-tool 0.3.1" in lines[0]
+    # Every other test's processes (other xdist workers included) see the venv, not this
+    # test's site: the clash is this test's alone.
+    elsewhere = vigil("tools", "list")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert "vigil-test-clash-tool" not in elsewhere.stdout

@@ -13,7 +13,7 @@ from psycopg.rows import dict_row
 
 from support import query
 from vigil.agent.base import EventRow, MemoryWrite, NewTask, NewTimer, OutMessage, RunResult, Usage
-from vigil.clock import SystemClock
+from vigil.clock import ManualClock, SystemClock, utc
 from vigil.ledger.claims import Claim
 from vigil.ledger.db import async_pool
 from vigil.ledger.partitions import PartitionKey
@@ -160,10 +160,13 @@ class _Wakes:
         pass
 
 
-def finish_groups(ledger: str, runs: list[Finished], arrive_every_s: float) -> list[int]:
-    """Run a real finish loop against the ledger, hand it ``runs`` one every ``arrive_every_s``
-    and return how many runs each finish transaction committed (runs of one transaction share
-    its ``now()``)."""
+def finish_groups(ledger: str, arrivals: list[list[Finished]], ran_s: float) -> list[int]:
+    """Run a real finish loop against the ledger and hand it ``arrivals``, each list of runs
+    at once as soon as the loop has taken the list before it off its queue (it is then
+    waiting for company, or committing), every run having run ``ran_s`` by the finisher's
+    clock, which stands still: what happens is the loop's decision, never the machine's
+    speed. Return how many runs each finish transaction committed (rows of one transaction
+    share its ``xmin``)."""
 
     async def go():
         pool = async_pool(ledger, name="finish-test", max_size=2, autocommit=True, check=False)
@@ -171,14 +174,20 @@ def finish_groups(ledger: str, runs: list[Finished], arrive_every_s: float) -> l
         settings = SimpleNamespace(
             finish_batch_max=200, instance_id="test-worker", run_journal_days=0, run_journal=False, handover="finish"
         )
-        slots = Runs(settings, None, pool, SystemClock())
-        finisher = Finisher(settings, pool, slots, _Wakes(), SystemClock())
+        clock = ManualClock(datetime.now(UTC).timestamp())
+        slots = Runs(settings, None, pool, clock)
+        finisher = Finisher(settings, pool, slots, _Wakes(), clock)
         loop = asyncio.create_task(finisher.finish_loop())
         try:
-            for run in runs:
-                slots.active[run.claim.user_id] = Active(run.claim)
-                slots.finished.put_nowait(run)
-                await asyncio.sleep(arrive_every_s)
+            for runs in arrivals:
+                while not slots.finished.empty():
+                    # Ready before a gather's timer of the same loop pass: the arrivals are
+                    # queued before a group that waits for company could time out.
+                    await asyncio.sleep(0)
+                for run in runs:
+                    run.started_at = utc(clock.now() - ran_s)
+                    slots.active[run.claim.user_id] = Active(run.claim)
+                    slots.finished.put_nowait(run)
             while not finisher.idle:
                 await asyncio.sleep(0.01)
         finally:
@@ -187,7 +196,7 @@ def finish_groups(ledger: str, runs: list[Finished], arrive_every_s: float) -> l
             await pool.close()
 
     asyncio.run(go())
-    groups = query(ledger, "SELECT count(*)::int AS n FROM runs GROUP BY finished_at ORDER BY finished_at")
+    groups = query(ledger, "SELECT count(*)::int AS n FROM runs GROUP BY xmin ORDER BY min(id)")
     return [r["n"] for r in groups]
 
 
@@ -197,17 +206,15 @@ def test_runs_that_waited_on_a_model_for_seconds_finish_together(ledger):
     of its run's time (at most 50 ms) for the runs finishing just after it."""
     ids = seed(ledger, ["u1", "u2", "u3"])
     runs = [finished(u, i, RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")])) for u, i in ids.items()]
-    for run in runs:
-        run.started_at = datetime.now(UTC) - timedelta(seconds=4)  # a model call's worth
-    assert finish_groups(ledger, runs, arrive_every_s=0.01) == [3]
+    assert finish_groups(ledger, [runs[:1], runs[1:]], ran_s=4.0) == [3]  # a model call's worth
 
 
 def test_quick_runs_finish_without_waiting_for_company(ledger):
     """Runs of a few milliseconds (the echo agent, runs under latency-bound load) never wait:
-    each commits as it comes when the next is 30 ms away."""
+    each commits alone though the next arrives while it is being committed."""
     ids = seed(ledger, ["u1", "u2", "u3"])
     runs = [finished(u, i, RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")])) for u, i in ids.items()]
-    assert finish_groups(ledger, runs, arrive_every_s=0.03) == [1, 1, 1]
+    assert finish_groups(ledger, [[run] for run in runs], ran_s=0.005) == [1, 1, 1]
 
 
 def finished_in_revokes() -> float:
