@@ -197,3 +197,14 @@ def test_dev_up_with_two_shards_starts_a_second_postgresql_and_down_stops_both()
     finally:
         run("vigil_dev", "down")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_dev_up_help_names_every_service_it_starts():
+    from click.testing import CliRunner
+
+    from vigil_dev.cli import SERVICES, main
+
+    text = " ".join(CliRunner().invoke(main, ["up", "--help"]).output.split())
+    assert "four" not in text
+    for name in SERVICES:
+        assert name in text, f"`vigil-dev up --help` does not name the {name} service: {text}"

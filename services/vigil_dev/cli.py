@@ -1,7 +1,7 @@
 """``vigil-dev up|down|status|demo``: the whole system on this machine, as real processes.
 
 ``up`` starts (or finds running) a Kafka broker and PostgreSQL under ``.run/``, applies the
-migrations, creates the topics, starts the four services and waits for their health checks,
+migrations, creates the topics, starts the services (``SERVICES``) and waits for their health checks,
 then writes the settings it used to ``.run/env``. Running it twice is harmless: whatever is
 already running (by its pid file) is left alone. ``down`` stops exactly the pids ``up``
 wrote, services first so that none of them outlives its broker or database.
@@ -141,7 +141,7 @@ def _pg_pidfiles(root: Path) -> dict[str, Path]:
 
 
 @main.command()
-@click.option("--services/--no-services", default=True, help="Start the four vigil services too.")
+@click.option("--services/--no-services", default=True, help=f"Start the vigil services too: {', '.join(SERVICES)}.")
 @click.option(
     "--demo", is_flag=True, help="Run `vigil-dev demo` afterwards, only if this started the stack's services."
 )
