@@ -49,7 +49,7 @@ def _same_server(url: str, other: str) -> bool:
 
 
 def _stack_env(root: Path) -> dict[str, str]:
-    """The VIGIL_ settings of the local stack: the caller's own values win."""
+    """The VIGIL_ (and OTEL_) settings of the local stack: the caller's own values win."""
     kafka_port = int(os.environ.get("VIGIL_DEV_KAFKA_PORT", "9092"))
     pg_port = int(os.environ.get("VIGIL_DEV_PG_PORT", "5432"))
     env = {
@@ -86,7 +86,8 @@ def _stack_env(root: Path) -> dict[str, str]:
     server = Path(__file__).with_name("mcp_demo_server.py")
     env["VIGIL_MCP_SERVERS"] = json.dumps({"shop": {"command": sys.executable, "args": [str(server)]}})
     for key, value in os.environ.items():
-        if key.startswith("VIGIL_") and not key.startswith("VIGIL_DEV_"):
+        # OTEL_*: a service restarted from `. .run/env` exports its traces where `up`'s did.
+        if key.startswith(("VIGIL_", "OTEL_")) and not key.startswith("VIGIL_DEV_"):
             env[key] = value
     return env
 
