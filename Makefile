@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml examples/vigil-refund-tool/pyproject.toml
 
 install: $(STAMP) ## Create .venv and install vigil with its pinned dependencies and the example tool package
 
-up: $(STAMP) ## Start Kafka, PostgreSQL and the four services under .run/, then run the demo (not when already up)
+up: $(STAMP) ## Start Kafka, PostgreSQL and the five services under .run/, then run the demo (not when already up)
 	$(BIN)/vigil-dev up --demo
 
 demo: $(STAMP) ## Run the demonstration against the running stack

@@ -197,3 +197,24 @@ def test_dev_up_with_two_shards_starts_a_second_postgresql_and_down_stops_both()
     finally:
         run("vigil_dev", "down")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_dev_up_help_names_every_service_it_starts():
+    from click.testing import CliRunner
+
+    from vigil_dev.cli import SERVICES, main
+
+    text = " ".join(CliRunner().invoke(main, ["up", "--help"]).output.split())
+    assert "four" not in text
+    for name in SERVICES:
+        assert name in text, f"`vigil-dev up --help` does not name the {name} service: {text}"
+
+
+def test_dev_up_keeps_the_otel_settings_in_its_env_file(tmp_path, monkeypatch):
+    from vigil_dev.cli import _stack_env
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "vigil-dev-test")
+    env = _stack_env(tmp_path)
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://127.0.0.1:4318", "a restart from .run/env exports nothing"
+    assert env["OTEL_SERVICE_NAME"] == "vigil-dev-test"

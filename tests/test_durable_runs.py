@@ -272,6 +272,14 @@ def test_the_journal_is_kept_for_operators_when_asked(stack, topics, ledger, vig
     assert [(s["step"], s["kind"]) for s in out["steps"]] == [(1, "model"), (2, "call"), (3, "model"), (5, "model")]
     assert out["steps"][0]["tools_called"] == ["http_request"]
     assert out["steps"][1]["idempotency_key"] == receiver.keys[0] and out["steps"][1]["outcome"] == "ok"
+    by_key = subprocess.run(
+        [sys.executable, "-m", "vigil", "runs", "show", call["run_key"], "--json"],
+        env={**os.environ, "VIGIL_DATABASE_URL": ledger},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(by_key.stdout)["run"]["id"] == run_id, "a finished run is found by the key it was shown under"
     missing = subprocess.run(
         [sys.executable, "-m", "vigil", "runs", "show", "999999"],
         env={**os.environ, "VIGIL_DATABASE_URL": ledger},

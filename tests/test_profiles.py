@@ -113,6 +113,7 @@ def test_two_profiles_on_two_patterns_and_versions_kept_by_resumed_sessions(serv
         "send_message=allow,set_followup=allow",
         "--mcp-server",
         "crm",
+        "--allow-unknown",  # a server the workers are given later
     )
     ok(ledger, "profiles", "assign", "team-a/*", "support")
     ok(ledger, "profiles", "assign", "team-b/*", "sales")
@@ -120,6 +121,10 @@ def test_two_profiles_on_two_patterns_and_versions_kept_by_resumed_sessions(serv
     refused = vigil(ledger, "profiles", "assign", "team-*/x", "sales")
     assert refused.returncode != 0 and "only at the end" in refused.stderr
     assert vigil(ledger, "profiles", "create", "support").returncode == 4  # exists: update it
+    typo = vigil(ledger, "profiles", "create", "typo", "--tools", "send_mesage=allow", "--mcp-server", "crm")
+    assert typo.returncode == 2, typo.stdout + typo.stderr
+    assert "no tool send_mesage, MCP server crm here" in typo.stderr and "--allow-unknown" in typo.stderr
+    assert vigil(ledger, "profiles", "show", "typo").returncode == 1, "a refused profile was saved"
 
     users = ["team-a/alice", "team-b/bob", "team-a/boss", "other"]
     results = run_all(server, ledger, [t.context([t.chat(f"hello {u}")], user_id=u) for u in users])
@@ -181,8 +186,8 @@ def test_a_profiles_mcp_servers_choose_the_servers_its_runs_are_offered(server, 
     log = tmp_path / "calls.jsonl"
     log.touch()
     command = {"command": sys.executable, "args": [str(MCP_TEST_SERVER), "stdio", str(log)]}
-    ok(ledger, "profiles", "create", "ops", "--mcp-server", "orders")
-    ok(ledger, "profiles", "create", "warehouse", "--mcp-server", "stock", "--mcp-server", "gone")
+    ok(ledger, "profiles", "create", "ops", "--mcp-server", "orders", "--allow-unknown")
+    ok(ledger, "profiles", "create", "warehouse", "--mcp-server", "stock", "--mcp-server", "gone", "--allow-unknown")
     ok(ledger, "profiles", "create", "plain", "--system-prompt", "Plain.")
     for pattern, name in (("team-o/*", "ops"), ("team-w/*", "warehouse"), ("team-p/*", "plain")):
         ok(ledger, "profiles", "assign", pattern, name)

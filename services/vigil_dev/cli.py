@@ -1,7 +1,7 @@
 """``vigil-dev up|down|status|demo``: the whole system on this machine, as real processes.
 
 ``up`` starts (or finds running) a Kafka broker and PostgreSQL under ``.run/``, applies the
-migrations, creates the topics, starts the four services and waits for their health checks,
+migrations, creates the topics, starts the services (``SERVICES``) and waits for their health checks,
 then writes the settings it used to ``.run/env``. Running it twice is harmless: whatever is
 already running (by its pid file) is left alone. ``down`` stops exactly the pids ``up``
 wrote, services first so that none of them outlives its broker or database.
@@ -49,7 +49,7 @@ def _same_server(url: str, other: str) -> bool:
 
 
 def _stack_env(root: Path) -> dict[str, str]:
-    """The VIGIL_ settings of the local stack: the caller's own values win."""
+    """The VIGIL_ (and OTEL_) settings of the local stack: the caller's own values win."""
     kafka_port = int(os.environ.get("VIGIL_DEV_KAFKA_PORT", "9092"))
     pg_port = int(os.environ.get("VIGIL_DEV_PG_PORT", "5432"))
     env = {
@@ -86,7 +86,8 @@ def _stack_env(root: Path) -> dict[str, str]:
     server = Path(__file__).with_name("mcp_demo_server.py")
     env["VIGIL_MCP_SERVERS"] = json.dumps({"shop": {"command": sys.executable, "args": [str(server)]}})
     for key, value in os.environ.items():
-        if key.startswith("VIGIL_") and not key.startswith("VIGIL_DEV_"):
+        # OTEL_*: a service restarted from `. .run/env` exports its traces where `up`'s did.
+        if key.startswith(("VIGIL_", "OTEL_")) and not key.startswith("VIGIL_DEV_"):
             env[key] = value
     return env
 
@@ -141,7 +142,7 @@ def _pg_pidfiles(root: Path) -> dict[str, Path]:
 
 
 @main.command()
-@click.option("--services/--no-services", default=True, help="Start the four vigil services too.")
+@click.option("--services/--no-services", default=True, help=f"Start the vigil services too: {', '.join(SERVICES)}.")
 @click.option(
     "--demo", is_flag=True, help="Run `vigil-dev demo` afterwards, only if this started the stack's services."
 )

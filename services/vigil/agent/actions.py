@@ -119,6 +119,11 @@ def _installed() -> list[EntryPoint]:
     return sorted(unique.values(), key=lambda p: (p.name, p.dist.name if p.dist else ""))
 
 
+def known_names() -> set[str]:
+    """The names of the tools compiled in and installed (MCP servers' tools are not listed)."""
+    return {*BUILTIN, HttpRequestTool.name, *(point.name for point in _installed())}
+
+
 def package_tools(settings: AgentSettings) -> list[Registered]:
     """The tools of every installed package declaring a ``vigil.tools`` entry point.
 

@@ -5,6 +5,7 @@ is never changed, an update adds the next one."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ from typing import Any
 import click
 
 from vigil.admin.connection import cli_connection
+from vigil.agent.actions import known_names
 from vigil.agent.profiles import ProfileRefused, check_name, check_pattern, parse_spec
-from vigil.agent.settings import parse_permissions
+from vigil.agent.settings import MCP_SEPARATOR, parse_mcp_servers, parse_permissions
 from vigil.cliutil import Conflict, emit, login_name, table
 from vigil.ledger import audit
 from vigil.ledger import budgets as ledger_budgets
@@ -45,6 +47,11 @@ def _spec_options(command):
             type=int,
             help="Billed tokens per user per UTC day; 0: no limit (an update releases the events waiting for it).",
         ),
+        click.option(
+            "--allow-unknown",
+            is_flag=True,
+            help="Accept tool and MCP server names this deployment does not know (a server added later).",
+        ),
         click.option("--json", "as_json", is_flag=True, help="The version as one JSON object."),
     ]
     for option in reversed(options):
@@ -74,6 +81,28 @@ def _changes(options: dict[str, Any]) -> dict[str, Any]:
     return changes
 
 
+def _check_known(changes: dict[str, Any]) -> None:
+    """Refuse tool and server names that VIGIL_MCP_SERVERS and the installed tools do not know:
+    a typo would otherwise show only as a warning in the worker's log, on every run."""
+    try:
+        servers = set(parse_mcp_servers(os.environ.get("VIGIL_MCP_SERVERS", "")))
+    except ValueError as exc:
+        raise click.UsageError(f"VIGIL_MCP_SERVERS: {exc}") from None
+    known = known_names()
+    unknown = [f"tool {t}" for t in changes.get("tools") or {} if t not in known and not _of_server(t, servers)]
+    unknown += [f"MCP server {s}" for s in changes.get("mcp_servers") or [] if s not in servers]
+    if unknown:
+        raise click.UsageError(
+            f"no {', '.join(unknown)} here (VIGIL_MCP_SERVERS and the installed tools): "
+            "--allow-unknown to save it anyway"
+        )
+
+
+def _of_server(tool: str, servers: set[str]) -> bool:
+    server, separator, _ = tool.partition(MCP_SEPARATOR)
+    return bool(separator) and server in servers
+
+
 def _row(row: ledger_profiles.ProfileRow) -> dict[str, Any]:
     return asdict(row)
 
@@ -86,6 +115,8 @@ def _save(name: str, options: dict[str, Any], *, new: bool) -> None:
     try:
         check_name(name)
         changes = _changes(options)
+        if not options["allow_unknown"]:
+            _check_known(changes)
         with cli_connection() as conn, conn.transaction():
             current = ledger_profiles.get(conn, name)
             if new and current is not None:

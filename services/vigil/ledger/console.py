@@ -461,6 +461,12 @@ def run(conn: psycopg.Connection[DictRow], run_id: int) -> RunDetail | None:
     return rows[0] if rows else None
 
 
+def run_by_key(conn: psycopg.Connection[DictRow], user_id: str, first_event: int) -> RunDetail | None:
+    """The finished run whose key is ``user_id:first_event`` (None: none finished under it)."""
+    rows = _rows(RunDetail, _fetch(conn, Q.console_run_by_key, {"user_id": user_id, "first": first_event}))
+    return rows[0] if rows else None
+
+
 def events_by_id(conn: psycopg.Connection[DictRow], ids: list[int], limit: int = 500) -> list[EventRow]:
     return _rows(EventRow, _fetch(conn, Q.console_events_by_id, {"ids": ids, "limit": limit}))
 

@@ -41,9 +41,13 @@ def runs_show(run: str, as_json: bool, shard: int | None) -> None:
 
     def read(dsn: str):
         with connect(dsn, autocommit=True) as conn:
-            record = ledger_console.run(conn, int(run)) if run.isdigit() else None
-            if run.isdigit() and record is None:
-                return None
+            if run.isdigit():
+                record = ledger_console.run(conn, int(run))
+                if record is None:
+                    return None
+            else:
+                user, _, first = run.rpartition(":")
+                record = ledger_console.run_by_key(conn, user, int(first)) if first.isdigit() else None
             key = f"{record.user_id}:{min(record.event_ids)}" if record is not None else run
             return record, key, [s.view() for s in ledger_journal.steps(conn, key)]
 

@@ -148,6 +148,15 @@ SELECT id, user_id, epoch, worker, event_ids, started_at, finished_at, outcome, 
        profile, profile_version
 FROM runs WHERE id = %(id)s
 
+-- name: console_run_by_key
+-- One run by its key (user:first event id): the run its first event records.
+SELECT r.id, r.user_id, r.epoch, r.worker, r.event_ids, r.started_at, r.finished_at, r.outcome, r.error, r.turns,
+       r.input_tokens, r.output_tokens, r.cache_read_tokens, r.cache_write_tokens, r.tool_calls, r.topic,
+       r.partition, r.session_id, r.profile, r.profile_version
+FROM events e JOIN runs r ON r.id = e.run_id
+WHERE e.id = %(first)s AND e.user_id = %(user_id)s AND r.user_id = %(user_id)s
+  AND (SELECT min(x) FROM unnest(r.event_ids) x) = %(first)s
+
 -- name: console_events_by_id
 -- Events by id (a run's events), in id order.
 SELECT id, user_id, source, source_id, kind, status, attempts, lost_claims, claim_epoch, error, received_at,
