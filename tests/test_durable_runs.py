@@ -579,3 +579,31 @@ def test_a_replayed_run_writes_its_sync_task_row_once(stack, topics, ledger, vig
     assert row["turns"] == 2 and row["input_tokens"] > 0 and row["last_tool"] == "http_request"
     assert len(receiver.keys) == 1, receiver.keys
     assert len(first_questions) == 1, "the child's first question was asked again"
+
+
+def test_a_run_replayed_after_its_profile_was_updated_keeps_its_version(stack, topics, ledger, vigil_env, spawn):
+    def profiles(*args: str) -> None:
+        env = {**os.environ, "VIGIL_DATABASE_URL": ledger}
+        argv = [sys.executable, "-m", "vigil", "profiles", *args]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    profiles("create", "refunds", "--model", "claude-v1", "--tools", "http_request=allow,send_message=allow")
+    profiles("assign", "ann", "refunds")
+    receiver = Receiver()
+    with ScriptedServer(script(receiver.url, 60.0)) as server:
+        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a")
+        produce(stack.bootstrap, topics.events, [chat("ann", "refund A100")])
+        wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
+        a.kill()
+        profiles("update", "refunds", "--model", "claude-v2")  # v2 while the run is in flight
+
+        b, _ = worker(spawn, vigil_env, server, receiver, "worker-b")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish on B")
+        models = [body["model"] for body in server.requests()]
+    receiver.close()
+    assert models == ["claude-v1"] * 4, models  # q1, q2 (A), q2 again and q3 (B): v1 throughout
+    assert len(receiver.keys) == 1, receiver.keys  # the journaled POST is not made again
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["Refund posted."]
+    b.stop()

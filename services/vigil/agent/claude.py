@@ -353,6 +353,18 @@ class ClaudeAgent:
             return await dreaming.review(ctx, child, settings, self.limits)
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 
+    async def _recorded_profile(self, start: dict | None) -> Profile | None:
+        """A replayed run's profile: the version its journal's start recorded, not the user's
+        current one (docs/worker.md, "Versions that hold"). None: a fresh run, or none recorded."""
+        recorded = start.get("profile") if start else None
+        if not recorded or self.profiles is None:
+            return None
+        name, version = recorded
+        profile = await self.profiles.version(name, version)
+        if profile is None:
+            raise ProfileRefused(f"profile {name} v{version}: the replayed run's version is not in the ledger")
+        return profile
+
     async def _task_profile(self, ctx: TaskContext) -> Profile | None:
         """The task's profile version. Not found, or the ledger unreadable: the task fails with
         the reason rather than run with the deployment's settings, which may be wider."""
@@ -437,7 +449,11 @@ class ClaudeAgent:
         )
 
     async def run(self, ctx: RunContext) -> RunResult:
-        profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
+        journal = ctx.journal or Journal(ctx.run_key)
+        start = journal.start
+        profile = await self._recorded_profile(start)
+        if profile is None:
+            profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
         box = self.box_for(profile)
         settings = box.settings
         max_tokens = settings.max_run_tokens
@@ -446,8 +462,6 @@ class ClaudeAgent:
             max_tokens = min(max_tokens, left)  # a run ends at the day's bound, its session saved
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)
         memory = MemoryFiles(ctx.memory, self.limits)
-        journal = ctx.journal or Journal(ctx.run_key)
-        start = journal.start
         if start is not None:
             # A replay: the prompt's "now" and the system prompt as the model saw them, so the
             # transcript it sees next is the same bytes (and the cached prefix still matches).
@@ -463,7 +477,12 @@ class ClaudeAgent:
             system=model.Encoded.of(system),
             approvals=dict(ctx.approval_requests),
             journal=journal,
-            start={"events": [e.id for e in ctx.events], "now": now.isoformat(), "system": system},
+            start={
+                "events": [e.id for e in ctx.events],
+                "now": now.isoformat(),
+                "system": system,
+                "profile": [profile.name, profile.version] if profile else None,
+            },
             policies=self.policies_for(ctx, box),
         )
         laid_out = plan(ctx, settings.session_max_bytes)
