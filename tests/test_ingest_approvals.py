@@ -195,6 +195,16 @@ def test_a_forged_action_url_is_refused_and_stores_nothing(ingest, ledger, stack
     assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
 
 
+@pytest.mark.parametrize("odd", ["\u2461", "\u00b2", "\u2460", "\u2075", "\u1369", "1796528169\u00b2", "9" * 20, "-1"])
+def test_an_action_url_with_odd_digits_in_expires_is_403_not_500(ingest, odd):
+    # Issue 58: str.isdigit() let "②" through to int(), a 500 with tracebacks and no token needed.
+    response = httpx.post(
+        f"{ingest.url}/v1/approvals/r-odd/actions/no", params={"expires": odd, "signature": "v1.AAAA"}, timeout=30
+    )
+    assert response.status_code == 403, response.text
+    assert response.json()["error"] == "invalid_signature"
+
+
 def delivered_question(dsn: str, request_id: str) -> str:
     """The question's delivery as the dispatcher fixed it: its id, which a reply names."""
     with psycopg.connect(dsn) as conn:

@@ -63,14 +63,13 @@ from vigil.ledger import approvals
 from vigil.ledger.approvals import Standing
 from vigil.ledger.db import PoolTimeout
 from vigil.ledger.states import AnsweredVia, ApprovalAnswer
+from vigil.numbers import MAX_EPOCH, NotParsed, whole_number
 from vigil.ttl_cache import MissGuard
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_TOKEN_CHARS = 512
-# Checked before the signature, whatever the caller sent: the time an action URL expires.
-MAX_EXPIRES_DIGITS = 12
 # Under a flood of made-up ids, requests due longer ago than this are answered 404 from the
 # miss guard's set: a retry of an answer comes within minutes of it, not a day later.
 ANSWERABLE_AFTER_DUE = timedelta(days=1)
@@ -221,9 +220,12 @@ class ApprovalsApi:
         given = ApprovalAnswer(word)
         raw_expires = request.query_params.get("expires", "")
         signature = request.query_params.get("signature", "")
-        if not (raw_expires.isdigit() and len(raw_expires) <= MAX_EXPIRES_DIGITS) or not signature:
+        try:  # ASCII digits only: "②" or "²" pass str.isdigit but not int() (issue 58)
+            expires = whole_number(raw_expires, 0, MAX_EPOCH)
+        except NotParsed:
+            expires = None
+        if expires is None or not signature:
             raise Refusal(403, "invalid_signature", "the action URL is incomplete: expires and signature are required")
-        expires = int(raw_expires)
         if len(signature) > MAX_TOKEN_CHARS:
             raise Refusal(403, "invalid_signature", "the signature does not grant this action")
 
