@@ -253,8 +253,9 @@ class LedgerModel(RuleBasedStateMachine):
                 raise Broken(f"(f) a release under stale epoch {c.epoch} moved {moved} event(s)")
         self.takes_back = True
 
-    def start(self, name: str, c: Claim) -> Active:
-        """A claimed run starts as the worker starts it: its journal read and taken up."""
+    def start(self, name: str, c: Claim) -> Active | None:
+        """A claimed run starts as the worker starts it: its journal read and taken up. None:
+        the claim stepped back for the user's run in progress (released, nothing counted)."""
         if self.epoch(c.home) != c.epoch or self.workers[name].owned.get(c.home) != c.epoch:
             raise Broken(f"(f) a claim at stale epoch {c.epoch} of partition {c.home.partition}")
         cur = self.world.run(self._live(c.user_id))
@@ -273,7 +274,13 @@ class LedgerModel(RuleBasedStateMachine):
             return None
 
         brought = set(c.event_ids)
-        journal = self.world.run(run_journal.prepare(self.world.pool, c, ctx, cur, reload, MAX_ATTEMPTS))
+        try:
+            journal = self.world.run(run_journal.prepare(self.world.pool, c, ctx, cur, reload, MAX_ATTEMPTS))
+        except run_journal.StepsBack:
+            # The runner's release (Runs._run): the user's run in progress goes first, alone.
+            self.world.on(ledger_claims.release_claim, c.home, c.epoch, c.event_ids)
+            self.takes_back = True
+            return None
         self.claimed.update(c.event_ids)
         if brought - set(c.event_ids):
             self.takes_back = True  # a replay released what its journal did not start with
@@ -832,3 +839,66 @@ A_LONE_ATTEMPT_BEHIND_THE_USERS_RUN_IN_FLIGHT = [
 
 def test_a_lone_attempt_is_due_only_once_the_users_run_in_flight_ended(ledger):
     drive(ledger, A_LONE_ATTEMPT_BEHIND_THE_USERS_RUN_IN_FLIGHT)
+
+
+# Found by the model (seed 1026909810, as found: 50 steps): an operator retried u0's poison
+# event while u0's younger event was between attempts with a live journal, its next attempt
+# a lone last one. The retried (older) event's claim could not take that run up (claim_ids
+# never takes a last attempt) and dropped its journal: the call was made again under a new
+# key, u0:3~3:2 after u0:3~1:2. The claim now steps back, and the run in progress goes first.
+A_RUN_IN_PROGRESS_DUE_ALONE_OVERTAKEN_BY_A_RETRIED_DEAD_EVENT = [
+    ("claim", {"drain_over": True, "name": "wa"}),
+    ("work", {"crash": True, "name": "wb"}),
+    ("retry_dead", {}),
+    ("claim", {"drain_over": True, "name": "wa"}),
+    ("retry_dead", {}),
+    ("freeze", {"key": P1}),
+    ("work", {"crash": True, "name": "wb"}),
+    ("work", {"crash": True, "name": "wa"}),
+    ("record", {"poison": True, "user": "u0"}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("freeze", {"key": P0}),
+    ("wait", {"seconds": 2.0}),
+    ("record", {"poison": False, "user": "u0"}),
+    ("rebalance", {"key": P1, "to": "wa"}),
+    ("step", {"crash": False, "name": "wa", "slot": 0}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("claim", {"drain_over": True, "name": "wb"}),
+    ("retry_dead", {}),
+    ("work", {"crash": True, "name": "wa"}),
+    ("work", {"crash": True, "name": "wb"}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("wait", {"seconds": 5.0}),
+    ("claim", {"drain_over": False, "name": "wb"}),
+    ("work", {"crash": True, "name": "wb"}),
+    ("claim", {"drain_over": True, "name": "wb"}),
+    ("claim", {"drain_over": True, "name": "wa"}),
+    ("step", {"crash": False, "name": "wa", "slot": 1}),
+    ("claim", {"drain_over": True, "name": "wa"}),
+    ("wait", {"seconds": 2.0}),
+    ("record", {"poison": True, "user": "u1"}),
+    ("freeze", {"key": P0}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("claim", {"drain_over": False, "name": "wa"}),
+    ("retry_dead", {}),
+    ("rebalance", {"key": P1, "to": "wb"}),
+    ("claim", {"drain_over": False, "name": "wa"}),
+    ("step", {"crash": True, "name": "wb", "slot": 0}),
+    ("work", {"crash": True, "name": "wa"}),
+    ("rebalance", {"key": P0, "to": "wb"}),
+    ("claim", {"drain_over": True, "name": "wb"}),
+    ("retry_dead", {}),
+    ("rebalance", {"key": P1, "to": "wb"}),
+    ("step", {"crash": False, "name": "wb", "slot": 0}),
+]
+
+
+def test_a_run_in_progress_due_its_lone_attempt_keeps_its_journal_when_overtaken(ledger):
+    drive(ledger, A_RUN_IN_PROGRESS_DUE_ALONE_OVERTAKEN_BY_A_RETRIED_DEAD_EVENT)

@@ -127,12 +127,14 @@ RUN_REPLAYS = Counter(
     "it stopped), discarded (its events could not all be claimed again: it started over with a new "
     "key), alone (a batch's journal on the lone last attempt of its first event, the batch having lost its "
     "worker only in company: the whole batch replayed with nothing else in flight, uncounted, once), isolated "
-    "(such a batch that crashed alone: its first event ran alone afresh, claim rule 3), diverged (the run did "
+    "(such a batch that crashed alone: its first event ran alone afresh, claim rule 3), stepped_back (another "
+    "run's journal, the user's run in progress, due its lone last attempt: the claim was released so that "
+    "attempt runs first, alone), diverged (the run did "
     "not take a journaled step, e.g. the agent changed: it went on live "
     "from there under new step numbers, the steps before kept as facts).",
     ["reason"],
 )
-for _reason in ("replayed", "discarded", "alone", "isolated", "diverged"):
+for _reason in ("replayed", "discarded", "alone", "isolated", "stepped_back", "diverged"):
     RUN_REPLAYS.labels(_reason)
 
 FLEET_WAITS_TOTAL = Counter(

@@ -20,7 +20,9 @@
    run beside it lose at most ``max_attempts - 1`` attempts, never their lives. A journaled
    batch on its first event's lone last attempt replays whole once, uncounted
    (:func:`claim_ids_alone`; its journal stamped): lost only in company, it finishes with the
-   keys it had; crashing alone, it is split at the next lone attempt.
+   keys it had; crashing alone, it is split at the next lone attempt. Such an attempt is at
+   its user's turn when its event is the first of the user's run in progress (a live
+   journal), even behind an older event an operator retried: that run goes first.
 4. No claim for a user who already has a ``running`` row under the current epoch.
 
 Attempts are counted at claim time, because a worker that crashes mid-run records nothing.
@@ -255,6 +257,12 @@ async def claim_ids(
     attempt (rule 3: a last attempt runs alone, never taken up by another event's replay).
     Returns those it claimed, in id order."""
     return await _claim_under(conn, Q.claim_ids, claim, {"ids": list(ids), "max_attempts": max_attempts})
+
+
+async def due_alone(conn: psycopg.AsyncConnection[DictRow], event_id: int, max_attempts: int) -> bool:
+    """Is ``event_id`` pending for rule 3's lone last attempt (lost with its worker before)?"""
+    cur = await conn.execute(Q.due_alone, {"id": event_id, "max_attempts": max_attempts})
+    return await cur.fetchone() is not None
 
 
 async def claim_ids_alone(

@@ -13,8 +13,13 @@ Before the agent starts, :func:`prepare` decides what the run is:
   those it brought that the journal did not start with are released (they came meanwhile:
   the fold policy meets them at the first live boundary, or they wait for the next run).
   The agent then takes journaled answers and outcomes instead of asking and acting again.
-- **A journal it cannot replay** (another run's, or its events are gone): dropped, fenced,
-  and the run starts over under a new key.
+- **Another run's journal** (the user's run in progress, which an operator's retry of an
+  older dead event overtook): that run goes first, taken up with its events, this claim's
+  released. If its first event's next attempt is a lone last attempt (claim rule 3), the claim
+  steps back instead (:class:`StepsBack`, nothing counted): that attempt is due alone at once
+  (the run in progress is at its user's turn) and replays the journal with nothing in flight.
+- **A journal it cannot replay** (its events are gone): dropped, fenced, and the run starts
+  over under a new key.
 - **A batch's journal on its first event's lone last attempt** (claim rule 3): replayed
   whole, alone, once and uncounted (a batch lost only in company keeps its keys); stamped
   so, a journal that comes back crashed by itself: dropped, and the first event runs alone.
@@ -41,7 +46,7 @@ from psycopg.rows import DictRow
 
 from vigil.agent import metrics as agent_metrics
 from vigil.agent.base import Agent, RunContext
-from vigil.agent.journal import Journal
+from vigil.agent.journal import HandedOver, Journal
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.claims import Claim
@@ -98,6 +103,11 @@ class GroupAppend:
                     done.set_exception(
                         ledger_journal.Fenced(f"journal {item.kind} of step {item.step} of {item.run_key} refused")
                     )
+
+
+class StepsBack(HandedOver):
+    """The claim found the user's run in progress (another run's journal) due its lone last
+    attempt: it is released, nothing counted, so that attempt runs alone first (claim rule 3)."""
 
 
 # Steps per group statement: bounds its parameters (a few KB each) and its lock list.
@@ -224,6 +234,17 @@ async def prepare(
                 await ledger_journal.discard(conn, fence, live.run_key)
             key = f"{claim.run_key}~{claim.attempt}"
             return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
+    if live is not None and start is not None and not this_run:
+        async with pool.connection() as conn:
+            lone = await ledger_claims.due_alone(conn, start[0], max_attempts)
+        if lone:
+            # The run in progress cannot be taken up here (its first event's last attempt runs
+            # alone): dropping its journal would make its calls again under new keys.
+            agent_metrics.RUN_REPLAYS.labels("stepped_back").inc()
+            log.warning(
+                "the user's run in progress (%s) is due its lone last attempt: this claim steps back", live.run_key
+            )
+            raise StepsBack(f"{live.run_key} goes first, alone")
     if live is not None:
         agent_metrics.RUN_REPLAYS.labels("discarded").inc()
         log.warning("dropping a journal its run cannot replay (%d steps of %s)", len(live.steps), live.run_key)

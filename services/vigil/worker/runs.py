@@ -201,10 +201,12 @@ class Runs:
             finished.folded = active.folded
         except asyncio.CancelledError:
             raise  # revoked or shutting down: the claim is released by whoever cancelled
-        except HandedOver:
+        except HandedOver as exc:
             # A revoke or a shutdown stopped it between two steps: its claim goes back (the
-            # attempt not counted) and the next owner replays it from the journal.
-            metrics.HANDED_OVER.inc()
+            # attempt not counted) and the next owner replays it from the journal. Or the
+            # claim stepped back before it started, for the user's run in progress.
+            if not isinstance(exc, run_journal.StepsBack):
+                metrics.HANDED_OVER.inc()
             active.handed_over = True
             await self._release([active])
             if self.active.get(c.user_id) is active:

@@ -150,7 +150,7 @@ RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_i
           e.attempts, e.transient_failures, e.claim_epoch
 
 -- name: alone_due
--- Claim rule 3, the last attempt of an event lost with its worker before: when the first of these (on the owned partitions, at the user's turn: its oldest pending row, and no run of the user in flight, as claim_alone asks) may be claimed. NULL: none waits. A row announced due that claim_alone cannot take would drain the worker for nothing, and again at every scan: the user's run in flight, released by the drain, claimed again, released again.
+-- Claim rule 3, the last attempt of an event lost with its worker before: when the first of these (on the owned partitions, at the user's turn: its oldest pending row or the first event of its run in progress, a live journal; and no run of the user in flight, as claim_alone asks) may be claimed. NULL: none waits. A row announced due that claim_alone cannot take would drain the worker for nothing, and again at every scan: the user's run in flight, released by the drain, claimed again, released again.
 WITH owned AS (
     SELECT p.topic, p.partition FROM partitions p
     JOIN unnest(%(topics)s::text[], %(partitions)s::int[], %(epochs)s::bigint[]) AS w(topic, partition, epoch)
@@ -164,7 +164,9 @@ CROSS JOIN LATERAL (SELECT u.home_topic, u.home_partition FROM users u WHERE u.u
 -- Through events_retries (its predicate spelled out): the tried rows only.
 WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
   AND EXISTS (SELECT 1 FROM owned o WHERE o.topic = u.home_topic AND o.partition = u.home_partition)
-  AND NOT EXISTS (SELECT 1 FROM events o WHERE o.user_id = e.user_id AND o.status = 'pending' AND o.id < e.id)
+  AND (NOT EXISTS (SELECT 1 FROM events o WHERE o.user_id = e.user_id AND o.status = 'pending' AND o.id < e.id)
+       OR EXISTS (SELECT 1 FROM run_journal j WHERE j.user_id = e.user_id AND j.finished_at IS NULL AND j.step = 1
+                    AND (j.run_key = e.user_id || ':' || e.id OR starts_with(j.run_key, e.user_id || ':' || e.id || '~'))))
   AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running')
 
 -- name: claim_alone
@@ -187,8 +189,12 @@ chosen AS MATERIALIZED (
     ) o
     WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
       AND coalesce(e.next_attempt_at, %(now)s::timestamptz, now()) <= coalesce(%(now)s::timestamptz, now())
-      -- At the user's turn (runs follow event order per user) and no run of the user (rule 4).
-      AND NOT EXISTS (SELECT 1 FROM events b WHERE b.user_id = e.user_id AND b.status = 'pending' AND b.id < e.id)
+      -- At the user's turn (runs follow event order per user; the run in progress, its live
+      -- journal's first event, goes first: an operator's retry of an older dead event does not
+      -- overtake it) and no run of the user (rule 4).
+      AND (NOT EXISTS (SELECT 1 FROM events b WHERE b.user_id = e.user_id AND b.status = 'pending' AND b.id < e.id)
+           OR EXISTS (SELECT 1 FROM run_journal j WHERE j.user_id = e.user_id AND j.finished_at IS NULL AND j.step = 1
+                        AND (j.run_key = e.user_id || ':' || e.id OR starts_with(j.run_key, e.user_id || ':' || e.id || '~'))))
       AND NOT EXISTS (SELECT 1 FROM events r WHERE r.user_id = e.user_id AND r.status = 'running' AND r.claim_epoch = o.epoch)
     ORDER BY e.next_attempt_at NULLS FIRST, e.id
     LIMIT 1
@@ -241,6 +247,11 @@ WHERE e.id = ANY(%(ids)s) AND e.user_id = %(user_id)s AND e.status IN ('pending'
   AND EXISTS (SELECT 1 FROM owned)
 RETURNING e.id, e.user_id, e.source, e.source_id, e.kind, e.payload, e.session_id, e.received_at, e.recorded_at,
           e.attempts, e.transient_failures, e.claim_epoch
+
+-- name: due_alone
+-- Is this event pending for claim rule 3's lone last attempt (lost with its worker before)?
+SELECT 1 AS due FROM events e
+WHERE e.id = %(id)s AND e.status = 'pending' AND e.attempts > 0 AND e.attempts = %(max_attempts)s - 1 AND e.lost_claims > 0
 
 -- name: claim_ids_alone
 -- A batch replayed alone on its lead's last attempt: the batch-mates claimed by id under the lead's epoch, their attempts not counted (the replay is the lead's, on an attempt the lead gives back: give_back_attempt). Never a dead event's.
