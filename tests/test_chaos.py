@@ -17,8 +17,9 @@ SUMMARY = re.compile(
     r" calls (\d+), two keys (\d+), two calls (?P<two_calls>\d+),"
     r" poison dead (?P<poison_dead>\d+) of (?P<poison>\d+), healthy dead (?P<healthy_dead>\d+), unrun (?P<unrun>\d+),"
     r" waiting (?P<waiting>\d+) of (?P<waiting_users>\d+) users,"
-    r" notices bad (?P<notices>\d+), tasks ended (?P<tasks_ended>\d+) of (?P<tasks>\d+), tasks bad (?P<tasks_bad>\d+)"
-    r" -> (?P<verdict>PASS|FAIL)$"
+    r" notices bad (?P<notices>\d+), tasks ended (?P<tasks_ended>\d+) of (?P<tasks>\d+), tasks bad (?P<tasks_bad>\d+),"
+    r" approvals (?P<approvals>\d+) \(yes (?P<yes>\d+), no (?P<no>\d+), expired (?P<expired>\d+)\),"
+    r" approvals bad (?P<approvals_bad>\d+) -> (?P<verdict>PASS|FAIL)$"
 )
 
 
@@ -31,7 +32,7 @@ def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
     twice (each poison kill costs every claim in flight an attempt: a healthy batch lost twice
     so replays alone on its lone last attempt, issue 53); the budgeted users' events past their
     budget waiting, each such user told once; background tasks and the acting agent under
-    their keys."""
+    their keys; two users whose every action waits for an approval answered yes, no or late."""
     args = [
         *("--seed", "11", "--faults", "4", "--users", "8", "--rate", "12", "--gap", "1", "2"),
         *("--kinds", "kill-postgres,kill-worker,kill-dispatcher,kill-ingest", "--settle-s", "120"),
@@ -51,6 +52,9 @@ def test_a_short_chaos_run_loses_nothing_and_leaves_nothing_stuck(tmp_path):
     assert int(match.group(7)) > 50 and int(match.group(8)) == 0 and int(match["two_calls"]) == 0
     assert (match["poison_dead"], match["poison"], match["healthy_dead"]) == ("1", "1", "0")
     assert int(match["waiting"]) > 0 and int(match["notices"]) == 0 and int(match["unrun"]) == 0
+    # Approvals answered yes, no and too late under the faults: each approved call ran under its
+    # request id, none other ran, every late answer was refused.
+    assert min(int(match["yes"]), int(match["no"]), int(match["expired"])) > 0 and int(match["approvals_bad"]) == 0
     assert match["verdict"] == "PASS" and result.returncode == 0
     assert "fault 4/4: kill-" in result.stdout and "not running" not in result.stdout
     # The poison's call killed its worker on each attempt (a nemesis fault may have taken one

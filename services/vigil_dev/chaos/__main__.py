@@ -3,7 +3,7 @@
 The last line is the summary:
 ``chaos: N faults, M acked, lost X, duplicated Y, overlaps Z, stuck W[, calls C, two keys K,
 two calls T], poison dead P of Q, healthy dead H, unrun U, waiting B of N users, notices bad M,
-tasks ended E of A, tasks bad X -> PASS|FAIL``.
+tasks ended E of A, tasks bad X, approvals R (yes Y, no N, expired E), approvals bad B -> PASS|FAIL``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from vigil.paths import repo_root
 from vigil_dev.chaos import actions
-from vigil_dev.chaos.checks import Fault, recovery_times, shard_outage_line, unsettled, verdict
+from vigil_dev.chaos.approvals import Approver
+from vigil_dev.chaos.checks import Fault, approvals_verdict, recovery_times, shard_outage_line, unsettled, verdict
 from vigil_dev.chaos.load import Cast, Load
 from vigil_dev.chaos.stack import ChaosStack, Ports, Supervisor
 
@@ -47,6 +48,9 @@ FREEZE_EXTRA_S = 3.0
 # and the runs that start near the end of the budget (capped at what is left) happen under faults.
 BUDGETS = (("chaos-tight", 1), ("chaos-roomy", 8))
 DAILY_TOKENS = 4000
+# The approval users' profile: every action asks first (the MCP look-up and the replies do not).
+APPROVALS_PROFILE = "chaos-approvals"
+APPROVALS_TOOLS = f"http_request=ask,send_message=allow,{actions.MCP_TOOL}=allow"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -108,6 +112,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=2,
         help="users whose every 7th message asks for a background task (claude agent only)",
     )
+    p.add_argument(
+        "--approval-users",
+        type=int,
+        default=2,
+        help=f"users under the profile {APPROVALS_PROFILE}, which asks before every action; their questions are "
+        "answered yes, no or too late (claude agent only)",
+    )
     return p.parse_args(argv)
 
 
@@ -166,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         args.poison_users if receiver else 0,  # the echo agent makes no call: nothing can poison it
         {name: count for (name, _), count in zip(BUDGETS, args.budgeted)},
         args.task_users if receiver else 0,
+        args.approval_users if receiver else 0,
     )
     extra = actions.environment(receiver.host) if receiver else {}
     stack = ChaosStack(
@@ -189,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         say(began, f"stack up in {stack.up():.1f} s")
         budgets(stack, args, cast, began)
+        approval_profile(stack, args, cast)
         if receiver is not None:
             receiver.poison = lambda port: poisoned(stack, supervisor, port, began)
         return run(args, rng, kinds, stack, began, receiver, cast, supervisor)
@@ -217,8 +230,18 @@ def budgets(stack: ChaosStack, args: argparse.Namespace, cast: Cast, began: floa
     say(
         began,
         f"users: {len(cast.poison)} with a poison message, {len(cast.tasks)} delegating tasks, "
+        f"{len(cast.approvals)} asked to approve every action, "
         f"budgeted {', '.join(parts)}",
     )
+
+
+def approval_profile(stack: ChaosStack, args: argparse.Namespace, cast: Cast) -> None:
+    """The approval users' profile, assigned to each of them."""
+    if not cast.approvals:
+        return
+    stack.vigil("profiles", "create", APPROVALS_PROFILE, "--tools", APPROVALS_TOOLS, "--allow-unknown")
+    for n in sorted(cast.approvals):
+        stack.vigil("profiles", "assign", f"chaos-{args.seed}-u{n:03d}", APPROVALS_PROFILE)
 
 
 def poisoned(stack: ChaosStack, supervisor: Supervisor, port: int, began: float) -> None:
@@ -246,6 +269,11 @@ def run(
     prefix = f"chaos-{args.seed}-"
     thread = threading.Thread(target=lambda: asyncio.run(load.run()), name="load", daemon=True)
     thread.start()
+    approver = Approver(
+        stack.dsns, stack.ingest_url, prefix, frozenset(load.user_id(n) for n in cast.approvals), args.seed
+    )
+    answering = threading.Thread(target=lambda: asyncio.run(approver.run()), name="approver", daemon=True)
+    answering.start()
     time.sleep(3.0)  # the clients get going before the first fault
     faults: list[Fault] = []
     for n, kind in enumerate(schedule(rng, kinds, args.faults), 1):
@@ -269,8 +297,10 @@ def run(
     say(
         began,
         f"settled after {time.monotonic() - deadline + args.settle_s:.1f} s: {left[0]} acknowledged not "
-        f"recorded, {left[1]} events, {left[2]} messages and {left[3]} tasks still moving",
+        f"recorded, {left[1]} events, {left[2]} messages, {left[3]} tasks and {left[4]} approvals still moving",
     )
+    approver.stop()
+    answering.join(30)
     budgeted = frozenset(load.user_id(n) for users in cast.budgeted.values() for n in users)
     v, rows = verdict(
         stack.dsns, prefix, load.acked, stack.dispatcher_logs(), stack.ready(), budgeted, receiver is not None
@@ -278,6 +308,7 @@ def run(
     if receiver is not None:
         poison_users = frozenset(load.user_id(n) for n in cast.poison)
         v.act(receiver.keys_by_call(), receiver.calls_by_key(), len(receiver.seen), poison_users)
+        approvals_verdict(v, stack.dsns, prefix, approver.answers, set(receiver.calls_by_key()))
     recovery_times(faults, rows)
     report(faults, v, began)
     if stack.shards > 1:
@@ -287,8 +318,9 @@ def run(
         f"chaos: {len(faults)} faults, {v.acked} acked, lost {v.lost}, duplicated {v.duplicated}, "
         f"overlaps {v.overlaps}, stuck {v.stuck}{calls}, poison dead {v.poison_dead} of {v.poison}, "
         f"healthy dead {v.healthy_dead}, unrun {v.unrun}, waiting {v.waiting} of {v.waiting_users} users, "
-        f"notices bad {v.notices}, tasks ended {v.tasks_ended} of {v.tasks}, tasks bad {v.tasks_bad} "
-        f"-> {'PASS' if v.passed else 'FAIL'}"
+        f"notices bad {v.notices}, tasks ended {v.tasks_ended} of {v.tasks}, tasks bad {v.tasks_bad}, "
+        f"approvals {v.approvals} (yes {v.approvals_yes}, no {v.approvals_no}, expired {v.approvals_expired}), "
+        f"approvals bad {v.approvals_bad} -> {'PASS' if v.passed else 'FAIL'}"
     )
     print(summary, flush=True)
     return 0 if v.passed else 1
@@ -333,6 +365,7 @@ def report(faults: list[Fault], v, began: float) -> None:
         ("no event done without a run that took it and made a model call (unrun)", v.unrun),
         ("each user waiting for the budget told once, and only they (notices bad)", v.notices),
         ("every background task ended and reported, or open before its deadline (tasks bad)", v.tasks_bad),
+        ("approvals answered or expired, run only if approved, late answers refused (approvals bad)", v.approvals_bad),
     ]
     for name, bad in checks:
         print(f"  {'ok  ' if not bad else 'FAIL'} {name}: {bad}")

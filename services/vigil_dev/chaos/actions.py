@@ -20,6 +20,10 @@ background task and replies; the task's child POSTs ``task for <message>`` to th
 (its key ``task:<id>:<step>``), a logical call of its own under the same two invariants,
 then answers. Its result event wakes the conversation, which ends without a call.
 
+**Approvals.** The approval users' profile asks before every ``http_request``: their runs
+defer the call, and the call runs after a yes, with the request id as its key
+(vigil_dev.chaos.approvals).
+
 **MCP.** A run whose events hold a message numbered 10, 20, ... asks the dev stack's MCP
 stdio server (``shop``) instead of acting, and replies with what it read (or the error
 result, the server killed under it by the nemesis's ``kill-mcp``).
@@ -176,10 +180,16 @@ def script(host: str) -> dict:
     }
 
 
+# The approval users' questions expire this soon (VIGIL_APPROVAL_DEADLINE_S): within the
+# run, so that the expiry happens under faults too and every request ends before the settling.
+APPROVAL_DEADLINE_S = 30
+
+
 def environment(host: str) -> dict[str, str]:
     """The workers' settings for the acting agent."""
     return {
         "VIGIL_AGENT": "claude",
+        "VIGIL_APPROVAL_DEADLINE_S": str(APPROVAL_DEADLINE_S),
         "VIGIL_TOOL_PERMISSIONS": "http_request=allow",
         "VIGIL_HTTP_ALLOWED_HOSTS": host,
         "VIGIL_OUTBOUND_ALLOWED_NETS": "127.0.0.0/8",

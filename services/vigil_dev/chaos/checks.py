@@ -19,7 +19,11 @@
   who waits was told exactly once (one ``budget_notices`` row and one outbox message:
   ``notices``);
 - background tasks: each ended and reported (its result event then done in a run, as every
-  event), or still open before its deadline (``tasks_bad`` otherwise).
+  event), or still open before its deadline (``tasks_bad`` otherwise);
+- approvals (vigil_dev.chaos.approvals): every request answered or expired, an approved call
+  run under the request id as its key, no call for a request denied or expired, an answer
+  sent after the deadline refused, one in time stored as sent or refused only because the
+  deadline or the same answer came first (``approvals_bad`` otherwise).
 
 Copies of one delivery id (a dispatcher killed between the send and its commit sends it
 again) are counted, not failed: the receiver drops them by id.
@@ -34,6 +38,7 @@ from datetime import datetime
 from pathlib import Path
 
 from vigil.ledger.db import connect
+from vigil_dev.chaos.approvals import Answer
 from vigil_dev.chaos.load import POISON, Acked
 from vigil_dev.queries import Q
 
@@ -74,6 +79,11 @@ class Verdict:
     tasks_ended: int = 0  # ... ended and reported
     tasks_open: int = 0  # ... still open before their deadline (allowed)
     tasks_bad: int = 0  # ... open past their deadline, or ended and never reported (never allowed)
+    approvals: int = 0  # approval requests of the approval users
+    approvals_yes: int = 0  # ... approved (their call ran)
+    approvals_no: int = 0  # ... denied
+    approvals_expired: int = 0  # ... expired (answered late on purpose, or in time but held up by a fault)
+    approvals_bad: int = 0  # a promise of the approvals broken (never allowed)
     not_ready: list[str] = field(default_factory=list)
     examples: list[str] = field(default_factory=list)
 
@@ -81,7 +91,7 @@ class Verdict:
     def passed(self) -> bool:
         bad = self.lost or self.duplicated or self.overlaps or self.misordered or self.stuck or self.two_keys
         promises = self.two_calls or self.poison_alive or self.healthy_dead or self.unrun or self.notices
-        promises = promises or self.tasks_bad
+        promises = promises or self.tasks_bad or self.approvals_bad
         return not (bad or promises or self.not_ready)
 
     def act(
@@ -124,9 +134,9 @@ def _read(dsns: list[str], query, prefix: str) -> list[dict]:
     return found
 
 
-def unsettled(dsns: list[str], prefix: str, acked: list[Acked]) -> tuple[int, int, int, int]:
+def unsettled(dsns: list[str], prefix: str, acked: list[Acked]) -> tuple[int, int, int, int, int]:
     """Acknowledged messages not recorded yet, events not finished, messages not delivered,
-    background tasks not ended and reported, over every shard."""
+    background tasks not ended and reported, approval requests open, over every shard."""
     counts = _read(dsns, Q.chaos_unsettled, prefix)
     recorded = {(e["user_id"], e["source_id"]) for e in _read(dsns, Q.chaos_events, prefix)}
     missing = sum(1 for a in acked if (a.user, a.key) not in recorded)
@@ -135,6 +145,7 @@ def unsettled(dsns: list[str], prefix: str, acked: list[Acked]) -> tuple[int, in
         sum(c["events"] for c in counts),
         sum(c["messages"] for c in counts),
         sum(c["tasks"] for c in counts),
+        sum(c["approvals"] for c in counts),
     )
 
 
@@ -282,6 +293,45 @@ def verdict(
             v.duplicated += 1
             v.note(f"duplicated: message {m['id']} under delivery ids {sorted(ids)}")
     return v, {"events": events, "runs": runs}
+
+
+def approvals_verdict(v: Verdict, dsns: list[str], prefix: str, answers: dict[str, Answer], keys: set[str]) -> None:
+    """The approvals' promises (module doc), from the ledger's requests, the approvers'
+    answers and the idempotency keys the receiver saw (an approved call's is its request id)."""
+    for row in _read(dsns, Q.chaos_approvals, prefix):
+        rid, standing = row["request_id"], row["answer"]
+        v.approvals += 1
+        ran = rid in keys
+        if standing is None:
+            v.approvals_bad += 1
+            v.note(f"approval {rid}: neither answered nor expired (due {row['due']})")
+        elif standing == "yes":
+            v.approvals_yes += 1
+            if not ran:
+                v.approvals_bad += 1
+                v.note(f"approval {rid}: approved, its call never ran")
+        else:
+            v.approvals_no += standing == "no"
+            v.approvals_expired += standing == "expired"
+            if ran:
+                v.approvals_bad += 1
+                v.note(f"approval {rid}: {standing}, yet its call ran")
+        a = answers.get(rid)
+        if a is None:
+            continue  # never answered: the expiry's
+        stored = 200 <= a.status < 300
+        if a.status == 0:
+            v.approvals_bad += 1
+            v.note(f"approval {rid}: ingest never answered the {a.sent!r} sent")
+        elif a.late and stored:
+            v.approvals_bad += 1
+            v.note(f"approval {rid}: {a.sent!r} sent after the deadline was accepted ({a.status})")
+        elif stored and standing != a.sent:
+            v.approvals_bad += 1
+            v.note(f"approval {rid}: {a.sent!r} accepted ({a.status}), yet {standing!r} stands")
+        elif not stored and not (a.status == 409 and (a.error == "expired" or a.standing == a.sent)):
+            v.approvals_bad += 1
+            v.note(f"approval {rid}: {a.sent!r} refused {a.status} {a.error!r} with {a.standing!r} standing")
 
 
 def recovery_times(faults: list[Fault], rows: dict) -> None:

@@ -5,7 +5,9 @@ does), so that what was acknowledged is exactly what the ledger must hold.
 Some users play a part (:class:`Cast`): a poison user sends one message with the poison
 marker (:data:`POISON`) among its healthy ones; budgeted users run under a profile with a
 small daily token budget (vigil_dev.chaos.__main__ creates and assigns it), which some pass
-during the run; task users ask for a background task now and then (:data:`TASK`)."""
+during the run; task users ask for a background task now and then (:data:`TASK`); approval
+users run under a profile that asks before every action, and their questions are answered by
+:class:`vigil_dev.chaos.approvals.Approver`."""
 
 from __future__ import annotations
 
@@ -42,16 +44,18 @@ class Cast:
     poison: frozenset[int] = frozenset()
     budgeted: dict[str, frozenset[int]] = field(default_factory=dict)  # profile -> users
     tasks: frozenset[int] = frozenset()
+    approvals: frozenset[int] = frozenset()
 
     @classmethod
-    def pick(cls, users: int, poison: int, budgeted: dict[str, int], tasks: int = 0) -> Cast:
-        """Parts spread over the users, none playing two: poison first, then each budget, then tasks."""
+    def pick(cls, users: int, poison: int, budgeted: dict[str, int], tasks: int = 0, approvals: int = 0) -> Cast:
+        """Parts spread over the users, none playing two: poison first, then each budget, then
+        tasks, then approvals."""
         free = list(range(1, users, 2)) + list(range(0, users, 2))  # odd numbers first: spread out
         parts = []
-        for count in (poison, *budgeted.values(), tasks):
+        for count in (poison, *budgeted.values(), tasks, approvals):
             parts.append(frozenset(free[:count]))
             del free[:count]
-        return cls(parts[0], dict(zip(budgeted, parts[1:-1])), parts[-1])
+        return cls(parts[0], dict(zip(budgeted, parts[1:-2])), parts[-2], parts[-1])
 
     def budget_of(self, n: int) -> str | None:
         return next((p for p, ns in self.budgeted.items() if n in ns), None)

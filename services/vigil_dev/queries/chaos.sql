@@ -20,7 +20,7 @@ SELECT id, user_id, run_id, status, delivery_id, delivered_at
 FROM outbox WHERE user_id LIKE %(prefix)s ORDER BY id
 
 -- name: chaos_unsettled
--- What still moves for the run's users: events not finished (those waiting for their user's daily budget, as chaos_events says, wait for the next UTC day, not for the stack), messages not delivered, background tasks not ended and reported (before their deadline).
+-- What still moves for the run's users: events not finished (those waiting for their user's daily budget, as chaos_events says, wait for the next UTC day, not for the stack), messages not delivered, background tasks not ended and reported (before their deadline), approval requests neither answered nor expired.
 SELECT (SELECT count(*) FROM events e WHERE e.user_id LIKE %(prefix)s AND e.status IN ('pending', 'running')
           AND NOT EXISTS (
               SELECT 1 FROM events w
@@ -28,7 +28,8 @@ SELECT (SELECT count(*) FROM events e WHERE e.user_id LIKE %(prefix)s AND e.stat
                 AND starts_with(w.error, 'budget: ') AND w.next_attempt_at > now()))::int AS events,
        (SELECT count(*) FROM outbox WHERE user_id LIKE %(prefix)s AND status IN ('pending', 'sending'))::int AS messages,
        (SELECT count(*) FROM tasks WHERE user_id LIKE %(prefix)s AND mode = 'background'
-          AND (finished_at IS NULL OR reported_at IS NULL) AND deadline > now())::int AS tasks
+          AND (finished_at IS NULL OR reported_at IS NULL) AND deadline > now())::int AS tasks,
+       (SELECT count(*) FROM approvals WHERE user_id LIKE %(prefix)s AND answer IS NULL)::int AS approvals
 
 -- name: chaos_held
 -- The events topic's partitions a worker holds in the ledger (its instance id is the holder).
@@ -46,3 +47,15 @@ FROM budget_notices n WHERE n.user_id LIKE %(prefix)s ORDER BY n.user_id, n.day
 SELECT id, user_id, status, attempts, error, finished_at, reported_at,
        (finished_at IS NULL OR reported_at IS NULL) AND deadline > now() AS open
 FROM tasks WHERE user_id LIKE %(prefix)s AND mode = 'background' ORDER BY created_at
+
+-- name: chaos_approval_questions
+-- The open approval requests of the run's users whose question was delivered, with its text (the person reads request_id and token there).
+SELECT a.request_id, a.user_id, a.due, o.body
+FROM approvals a
+JOIN outbox o ON o.user_id = a.user_id AND o.status = 'delivered' AND strpos(o.body, 'request_id: ' || a.request_id) > 0
+WHERE a.user_id LIKE %(prefix)s AND a.answer IS NULL
+
+-- name: chaos_approvals
+-- Every approval request of the run's users and the answer that stands.
+SELECT request_id, user_id, answer, answered_via, due, answered_at
+FROM approvals WHERE user_id LIKE %(prefix)s ORDER BY created_at
