@@ -8,8 +8,10 @@ the test sees what arrived.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import ToolAnnotations
@@ -20,8 +22,10 @@ LOG = sys.argv[-1]
 
 def record(ctx: Context, tool: str, **args: object) -> None:
     meta = dict(ctx.request_context.meta or {})
+    params = ctx.session.client_params
+    client = f"{params.client_info.name} {params.client_info.version}" if params else None
     with open(LOG, "a") as f:
-        f.write(json.dumps({"tool": tool, "args": args, "meta": meta}, default=str) + "\n")
+        f.write(json.dumps({"tool": tool, "args": args, "meta": meta, "client": client}, default=str) + "\n")
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
@@ -53,7 +57,27 @@ def slow(ctx: Context) -> str:
     return "late"
 
 
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+def whereami(ctx: Context) -> str:
+    """The server's working directory and its ORDERS_REGION variable."""
+    record(ctx, "whereami")
+    return f"cwd={os.getcwd()} region={os.environ.get('ORDERS_REGION')} home={os.environ.get('HOME')}"
+
+
+@server.tool()
+def crash_once(ctx: Context) -> str:
+    """Dies in the middle of its first call (a marker file beside LOG remembers it did)."""
+    record(ctx, "crash_once")
+    marker = Path(LOG + ".crashed")
+    if not marker.exists():
+        marker.touch()
+        os._exit(1)
+    return "done"
+
+
 if __name__ == "__main__":
+    # Two lines on stderr at start, as servers log: the worker labels each with the server's name.
+    print("orders: starting\norders: ready for calls", file=sys.stderr, flush=True)
     if sys.argv[1] == "stdio":
         server.run("stdio")
     else:

@@ -10,11 +10,12 @@ import json
 import shlex
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 from support import REPO, query, wait_for
 from vigil_dev.scripted_server import ScriptedServer
-from worker_support import chat, claude_env, produce
+from worker_support import chat, claude_env, metric, produce
 
 SERVER = Path(__file__).resolve().parent / "mcp_test_server.py"
 
@@ -36,6 +37,11 @@ def offered(request: dict) -> set[str]:
 
 def outbox(dsn: str, user: str) -> list[str]:
     return [r["body"] for r in query(dsn, "SELECT body FROM outbox WHERE user_id = %s ORDER BY id", (user,))]
+
+
+def readyz(port: int) -> tuple[int, dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
+        return response.status, json.loads(response.read())
 
 
 def test_a_server_down_at_start_up_offers_its_tools_when_back_with_their_permissions(
@@ -60,9 +66,16 @@ def test_a_server_down_at_start_up_offers_its_tools_when_back_with_their_permiss
         produce(stack.bootstrap, topics.events, [chat("ann", "hello")])
         wait_for(lambda: outbox(ledger, "ann") == ["hello back"], 60, "a reply while the server is down")
         assert not any(name.startswith("orders__") for name in offered(model.requests()[0]))
+        port = int(env["VIGIL_WORKER_PORT"])
+        status, body = readyz(port)
+        assert status == 200 and body["ready"] and "orders" in body["down"], body  # named, not failing
+        assert metric(port, "vigil_mcp_server_up", 'server="orders"') == 0
 
         up.touch()
         wait_for(lambda: "MCP server orders is up" in worker.log(), 30, "the worker to list the server again")
+        assert readyz(port)[1]["down"] == {}
+        assert metric(port, "vigil_mcp_server_up", 'server="orders"') == 1
+        assert metric(port, "vigil_mcp_server_tools", 'server="orders"') >= 4
         model.clear()
         produce(stack.bootstrap, topics.events, [chat("bob", "where is A17?")])
         wait_for(lambda: len(outbox(ledger, "bob")) == 1, 60, "bob's approval question")

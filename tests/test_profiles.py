@@ -202,7 +202,7 @@ def test_a_profiles_mcp_servers_choose_the_servers_its_runs_are_offered(server, 
     assert [r.profile for r in results] == [("ops", 1), ("warehouse", 1), ("plain", 1), None]
     first = [seen(r) for r in server.requests() if not any("tool_result" in json.dumps(m) for m in r["messages"])]
     served = [sorted(name for name in tools if "__" in name) for _, _, tools in first]
-    remote = ["big", "cancel_order", "lookup", "slow"]
+    remote = ["big", "cancel_order", "crash_once", "lookup", "slow", "whereami"]
     orders, stock = [f"orders__{n}" for n in remote], [f"stock__{n}" for n in remote]
     assert served == [orders, stock, orders + stock, orders + stock]
     assert "send_message" in first[0][2] and "send_message" in first[1][2]  # only MCP tools are chosen

@@ -113,6 +113,8 @@ class Readiness:
         self.checks = checks
         self.gating = set(checks) if gating is None else gating
         self.flags: dict[str, bool] = {}
+        # Named in the body, never gating: e.g. the worker's MCP servers that are down.
+        self.notes: dict[str, Callable[[], object]] = {}
         self._at = 0.0
         self._last: dict[str, bool] = {}
         self._lock = threading.Lock()
@@ -170,7 +172,9 @@ def health_routes(readiness: Readiness) -> list[Route]:
     async def readyz(_: Request) -> Response:
         status = await anyio.to_thread.run_sync(readiness.status)
         ok = readiness.ready(status)
-        return JSONResponse({"ready": ok, "checks": status}, status_code=200 if ok else 503)
+        body: dict[str, object] = {"ready": ok, "checks": status}
+        body.update({name: note() for name, note in readiness.notes.items()})
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

@@ -38,7 +38,7 @@ from typing import IO
 
 # ``event``: a line's stable name (``extra={"event": "stale_finish"}``), on the lines the
 # runbooks of docs/operations.md send an operator to: filter on it, not on the wording.
-FIELDS = ("event", "user_id", "event_id", "run_id", "partition", "epoch", "trace_id")
+FIELDS = ("event", "user_id", "event_id", "run_id", "partition", "epoch", "trace_id", "mcp_server")
 # Per-request INFO lines from HTTP clients (214 of 227 worker lines in one demo run were the
 # SDK's "HTTP Request: POST ..."); warnings and errors from them still come through.
 QUIET = ("httpx", "httpx2", "httpcore", "anthropic", "uvicorn.access", "psycopg.pool")

@@ -349,4 +349,9 @@ class Agent(Protocol):
         without a journal unless told to: VIGIL_RUN_JOURNAL_OFF_WITH_ACTIONS)."""
         ...
 
+    def down(self) -> dict[str, str]:
+        """What the agent relies on that does not answer now, and why (the worker's /readyz
+        names it without failing: the runs go on without it)."""
+        ...
+
     async def close(self) -> None: ...

@@ -38,12 +38,12 @@ from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal, task_key
 from vigil.agent.memory import Limits, MemoryFiles
-from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, resolve
+from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, resolve, tool_set
 from vigil.agent.prompt import system_blocks, volatile_context
 from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
 from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, EventPolicy, Permission, parse_event_policies
-from vigil.agent.tools import BUILTIN, ActionTool, builtin_definitions
+from vigil.agent.tools import ActionTool, builtin_definitions
 from vigil.clock import Clock, SystemClock, utc
 from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger.db import AsyncPool
@@ -158,6 +158,10 @@ class ClaudeAgent:
         acting = [t.name for t in self.box.actions.values() if not t.read_only]
         return acting + [f"{server}__* (MCP server not listed at start)" for server in sorted(self.servers_down)]
 
+    def down(self) -> dict[str, str]:
+        """The MCP servers not listed yet (down since start-up), and why."""
+        return dict(self.servers_down)
+
     @classmethod
     def from_environment(cls) -> ClaudeAgent:
         """The agent as ``VIGIL_*`` and ``ANTHROPIC_*`` configure it; SettingsError names what is wrong."""
@@ -257,11 +261,7 @@ class ClaudeAgent:
             missing = sorted(set(spec.tools) - set(permissions))
             if missing:
                 log.warning("profile %s v%d: no tool named %s here", profile.name, profile.version, ", ".join(missing))
-            permissions = {
-                name: Permission.DENY if name in BUILTIN and p not in (Permission.ALLOW, Permission.DENY) else p
-                for name, p in spec.tools.items()
-                if name in permissions
-            }
+            permissions = tool_set(permissions, spec.tools)
         if spec.mcp_servers:
             permissions = self._only_servers(profile, permissions)
         policies = dict(self.box.policies)

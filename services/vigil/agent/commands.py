@@ -10,16 +10,20 @@ leave, a question sent to the wrong channel) waits until an operator denies it.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from datetime import UTC, datetime
 
 import click
+from pydantic import Field, SecretStr
 
 from vigil.admin.connection import cli_connection
 from vigil.admin.shards import Shards, echo_rows, report_down, with_shard
+from vigil.agent.profiles import ProfileSpec, parse_spec, tool_set
 from vigil.agent.settings import AgentSettings, parse_event_policies
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
+from vigil.ledger import profiles as ledger_profiles
 from vigil.ledger.db import connect
 from vigil.ledger.shardmap import ShardUnreachable
 from vigil.service import StartupError, load_or_exit
@@ -134,29 +138,66 @@ def tools() -> None:
     """The agent's tools: built in, from tool packages, from MCP servers."""
 
 
+class ListingSettings(AgentSettings):
+    """The agent's settings as `vigil tools list` reads them: it signs no approval, so it runs
+    where the worker's secrets are not (a laptop, a CI job checking VIGIL_MCP_SERVERS)."""
+
+    approval_secret: SecretStr = Field(SecretStr(""), description="Not read by `vigil tools list`.")
+
+
+def _profile_spec(name: str) -> ProfileSpec:
+    with _ledger() as conn:
+        row = ledger_profiles.get(conn, name)
+    if row is None:
+        raise click.ClickException(f"no profile {name!r}")
+    return parse_spec(row.spec)
+
+
+def _only_chosen(settings: ListingSettings, chosen: tuple[str, ...]) -> ListingSettings:
+    """``settings`` with only the MCP servers a profile chooses (all when it names none)."""
+    if not chosen:
+        return settings
+    missing = sorted(set(chosen) - set(settings.servers))
+    if missing:
+        click.echo(f"vigil: the profile names MCP servers not in VIGIL_MCP_SERVERS: {', '.join(missing)}", err=True)
+    servers = {name: spec for name, spec in json.loads(settings.mcp_servers or "{}").items() if name in chosen}
+    return settings.model_copy(update={"mcp_servers": json.dumps(servers)})
+
+
 @tools.command("list")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-def tools_list(as_json) -> None:
+@click.option("--profile", "profile_name", help="As runs of this agent profile see them (read from the ledger).")
+def tools_list(as_json, profile_name) -> None:
     """Every tool a worker with these settings would offer: name, source package and version,
     permission. Loads tool packages and lists MCP servers' tools exactly as the worker does at
-    start-up, so a name clash or a broken package fails here the same way."""
+    start-up, so a name clash or a broken package fails here the same way. Exits 1 when an MCP
+    server could not be listed (after listing the rest), 2 on a bad setting."""
     # Imported here on purpose: the registry brings the MCP SDK, about two seconds to import,
     # which no other `vigil` command needs.
     from vigil.agent.actions import ToolRegistry, effective_permissions
 
-    settings = load_or_exit(AgentSettings)
+    settings = load_or_exit(ListingSettings)
+    spec = _profile_spec(profile_name) if profile_name else None
+    if spec is not None:
+        settings = _only_chosen(settings, spec.mcp_servers)
     try:
         registry = ToolRegistry.from_settings(settings)
         permissions = effective_permissions(settings, registry.tools, registry.unreachable)
     except SettingsError as exc:
         raise StartupError(str(exc)) from None
-    for server, reason in sorted(registry.unreachable.items()):
-        click.echo(f"vigil: MCP server {server} offers no tools while it is down (not listed: {reason})", err=True)
-    for row in registry.listing(permissions):
+    rows = registry.listing(permissions)
+    if spec is not None and spec.tools is not None:
+        narrowed = tool_set(permissions, spec.tools)
+        rows = [{**row, "permission": narrowed[row["name"]].value} for row in rows if row["name"] in narrowed]
+    for row in rows:
         if as_json:
             click.echo(json.dumps(row))
         else:
             click.echo(f"{row['name']:<32} {row['permission']:<6} {row['source']} {row['version']}".rstrip())
+    for server, reason in sorted(registry.unreachable.items()):
+        click.echo(f"vigil: MCP server {server} offers no tools while it is down (not listed: {reason})", err=True)
+    if registry.unreachable:
+        sys.exit(1)
 
 
 commands = [approvals, policies, tools]

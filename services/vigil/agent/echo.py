@@ -137,5 +137,8 @@ class EchoAgent:
     def acting_tools(self) -> list[str]:
         return []  # echo calls no tools
 
+    def down(self) -> dict[str, str]:
+        return {}  # echo relies on nothing
+
     async def close(self) -> None:
         return None

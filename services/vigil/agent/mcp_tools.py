@@ -31,9 +31,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
-from contextlib import AbstractAsyncContextManager
-from typing import Any
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from importlib.metadata import version as distribution_version
+from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 import anyio
@@ -43,6 +47,7 @@ from mcp.client import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
+from vigil.agent import metrics
 from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, Credential, McpServer, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
 from vigil.outbound import AddressPolicy, BlockedAddress, address_policy, guarded_async_transport2, url_problem
@@ -55,10 +60,26 @@ MAX_NAME = 64  # the Messages API's limit on a tool name
 # Starting a stdio server (often an interpreter importing an SDK) takes seconds on a busy
 # machine: that is not the tool's time, so it has its own bound beside VIGIL_MCP_TIMEOUT_S.
 START_TIMEOUT_S = 30.0
+# A server's last stderr lines are added to the reason it failed: a traceback's last line,
+# with the few before it that say where.
+STDERR_TAIL_LINES = 5
+# How long a failed listing waits for the server's stderr to reach its end (the process is
+# stopped by then; only a grandchild holding the pipe makes this wait run out).
+STDERR_DRAIN_S = 1.0
+# How vigil introduces itself in the MCP handshake (clientInfo): servers log it.
+CLIENT_INFO = mcp_types.Implementation(name="vigil", version=distribution_version("vigil"))
 
 
 class ServerDown(Exception):
     """The server could not be reached, refused by policy, or did not answer in time."""
+
+
+class _Lost(Exception):
+    """The connection failed before an answer came (the server closed it, or died)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Connection:
@@ -72,6 +93,8 @@ class Connection:
         self._client: Client | None = None  # stdio: the kept session
         self._closing: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)  # stdio: its last lines
+        self._stderr_reader: threading.Thread | None = None
 
     @property
     def address(self) -> str:
@@ -83,7 +106,7 @@ class Connection:
     def _transport(self) -> AbstractAsyncContextManager[Any]:
         spec = self.spec
         if spec.command is not None:
-            return stdio_client(StdioServerParameters(command=spec.command, args=list(spec.args)))
+            return self._stdio()
         assert spec.url is not None
         headers = {self.credential.header: self.credential.header_value()} if self.credential else {}
         http = httpx2.AsyncClient(
@@ -93,9 +116,57 @@ class Connection:
         )
         return streamable_http_client(spec.url, http_client=http)
 
+    @asynccontextmanager
+    async def _stdio(self) -> AsyncIterator[Any]:
+        """The stdio transport, the process's stderr read line by line into the log.
+
+        The pipe's write end is closed here once the process holds its own copy, so the
+        reader ends when the process does; a spawn that fails closes it too."""
+        spec = self.spec
+        params = StdioServerParameters(
+            command=spec.command or "", args=list(spec.args), env=dict(spec.env), cwd=spec.cwd
+        )
+        read_fd, write_fd = os.pipe()
+        errlog = os.fdopen(write_fd, "w")
+        reader = threading.Thread(
+            target=self._forward_stderr, args=(os.fdopen(read_fd, errors="replace"),), daemon=True, name="mcp-stderr"
+        )
+        reader.start()
+        self._stderr_reader = reader
+        try:
+            async with stdio_client(params, errlog=errlog) as streams:
+                errlog.close()
+                yield streams
+        finally:
+            errlog.close()
+
+    def _forward_stderr(self, pipe: TextIO) -> None:
+        """Each line the server writes to stderr, as one log line labelled with its name."""
+        with pipe:
+            for raw in pipe:
+                line = raw.rstrip("\r\n")
+                if not line.strip():
+                    continue
+                self.stderr_tail.append(line)
+                log.info(
+                    "MCP server %s: %s",
+                    self.spec.name,
+                    line,
+                    extra={"event": "mcp_stderr", "mcp_server": self.spec.name},
+                )
+
+    async def _stderr_note(self) -> str:
+        """The server's last stderr lines, for the reason it failed ('' if it wrote none)."""
+        reader = self._stderr_reader
+        if reader is not None:
+            await asyncio.to_thread(reader.join, STDERR_DRAIN_S)
+        if not self.stderr_tail:
+            return ""
+        return "; its stderr ended: " + " | ".join(self.stderr_tail)
+
     def _new_client(self) -> Client:
         # cache=None: a tool call must reach the server every time.
-        return Client(self._transport(), read_timeout_seconds=self.timeout, cache=None)
+        return Client(self._transport(), read_timeout_seconds=self.timeout, cache=None, client_info=CLIENT_INFO)
 
     async def _check_address(self) -> None:
         url = self.spec.url
@@ -116,23 +187,48 @@ class Connection:
     async def list_tools(self) -> tuple[list[mcp_types.Tool], str]:
         """The server's tools and its version (as it reports itself)."""
         await self._check_address()
-        with anyio.fail_after(max(self.timeout, START_TIMEOUT_S)):
-            async with self._new_client() as client:
-                version = client.server_info.version if client.server_info else ""
-                tools: list[mcp_types.Tool] = []
-                cursor = None
-                while True:
-                    page = await client.list_tools(cursor=cursor)
-                    tools += page.tools
-                    cursor = page.next_cursor
-                    if not cursor:
-                        return tools, version
+        bound = max(self.timeout, START_TIMEOUT_S)
+        try:
+            with anyio.fail_after(bound):
+                async with self._new_client() as client:
+                    version = client.server_info.version if client.server_info else ""
+                    tools: list[mcp_types.Tool] = []
+                    cursor = None
+                    while True:
+                        page = await client.list_tools(cursor=cursor)
+                        tools += page.tools
+                        cursor = page.next_cursor
+                        if not cursor:
+                            return tools, version
+        except TimeoutError:
+            raise ServerDown(f"not listed within {bound:g} s{await self._stderr_note()}") from None
+        except Exception as exc:  # the SDK's errors are many: say which, and what the server said
+            raise ServerDown(f"{_reason(exc)}{await self._stderr_note()}") from None
 
     async def call(self, tool: str, args: dict[str, Any], key: str) -> mcp_types.CallToolResult:
         """One tools/call with the idempotency key in ``_meta``; ServerDown for any failure to get
         an answer (the tool's own errors come back as a result with ``is_error``)."""
-        meta: Any = {IDEMPOTENCY_META: key}
         await self._check_address()
+        try:
+            result = await self._call_once(tool, args, key)
+        except _Lost as lost:
+            if self.spec.command is None:
+                raise ServerDown(lost.reason) from None
+            # A kept stdio process that died (crashed, killed, restarted by its package) is
+            # started again and asked once more, with the same key: a server that acted
+            # before it died drops the second request by the key.
+            log.warning("MCP server %s: %s; starting it again for one more try", self.spec.name, lost.reason)
+            try:
+                result = await self._call_once(tool, args, key)
+            except _Lost as again:
+                raise ServerDown(again.reason) from None
+        metrics.MCP_SERVER_UP.labels(self.spec.name).set(1)
+        return result
+
+    async def _call_once(self, tool: str, args: dict[str, Any], key: str) -> mcp_types.CallToolResult:
+        """One attempt; _Lost when the connection failed (not a timeout: a call still running
+        on the server is not sent again)."""
+        meta: Any = {IDEMPOTENCY_META: key}
         try:
             if self.spec.command is not None:
                 with anyio.fail_after(START_TIMEOUT_S):
@@ -149,7 +245,8 @@ class Connection:
             raise ServerDown(f"no answer within {self.timeout:g} s") from None
         except Exception as exc:  # the SDK's errors are many: any of them means no answer
             self._drop()
-            raise ServerDown(f"{type(exc).__name__}: {exc}") from None
+            metrics.MCP_SERVER_UP.labels(self.spec.name).set(0)
+            raise _Lost(f"{_reason(exc)}{await self._stderr_note()}") from None
 
     async def _kept(self) -> Client:
         """The stdio session this worker keeps, started on first use (and after a failure).
@@ -285,6 +382,8 @@ def _reason(exc: BaseException) -> str:
     groups, whose own message says nothing; the first error inside them does."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
+    if isinstance(exc, ServerDown):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -307,8 +406,12 @@ def _tools_of(
         name = connection.spec.name
         if isinstance(listed, BaseException):
             failed[name] = _reason(listed)
+            metrics.MCP_SERVER_UP.labels(name).set(0)
+            metrics.MCP_SERVER_TOOLS.labels(name).set(0)
             continue
         tools, version = listed
+        metrics.MCP_SERVER_UP.labels(name).set(1)
+        metrics.MCP_SERVER_TOOLS.labels(name).set(len(tools))
         for tool in sorted(tools, key=lambda t: t.name):
             if len(name) + len(MCP_SEPARATOR) + len(tool.name) > MAX_NAME:
                 log.warning("MCP server %s: tool %s skipped, its prefixed name is over %d", name, tool.name, MAX_NAME)

@@ -162,3 +162,15 @@ CLASSIFIER_VERDICTS = Counter(
     "(blocked), failed (error, timeout or an answer out of form: the call asks the person).",
     ["verdict"],
 )
+
+MCP_SERVER_UP = Gauge(
+    "vigil_mcp_server_up",
+    "Is each MCP server of VIGIL_MCP_SERVERS answering this worker (its last listing or call got an answer: 1; "
+    "it could not be listed or a call lost the connection: 0)?",
+    ["server"],
+)
+MCP_SERVER_TOOLS = Gauge(
+    "vigil_mcp_server_tools",
+    "Tools each MCP server offered at its last listing by this worker (0 while it could not be listed).",
+    ["server"],
+)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from vigil.agent.base import RetryLater
 from vigil.agent.settings import Permission, confined, parse_event_policies
+from vigil.agent.tools import BUILTIN
 from vigil.errors import VigilError
 from vigil.ledger import profiles as ledger_profiles
 from vigil.ledger.db import AsyncPool
@@ -98,6 +99,16 @@ class ProfileSpec(BaseModel):
     def stored(self) -> dict[str, Any]:
         """The spec as the ledger keeps it: only what it sets."""
         return self.model_dump(mode="json", exclude_defaults=True)
+
+
+def tool_set(permissions: dict[str, Permission], tools: dict[str, Permission]) -> dict[str, Permission]:
+    """A profile's tool set (``tools``) over the agent's tools (``permissions``): only the
+    tools it names that exist, with its permissions; a built-in can only be allowed or denied."""
+    return {
+        name: Permission.DENY if name in BUILTIN and p not in (Permission.ALLOW, Permission.DENY) else p
+        for name, p in tools.items()
+        if name in permissions
+    }
 
 
 def parse_spec(raw: dict[str, Any]) -> ProfileSpec:

@@ -84,6 +84,7 @@ DEFAULT_MCP_MAX_RESULT_BYTES = 64 * 1024
 _TOOL_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 _SERVER_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")  # no "__": that separates server and tool
 _SOURCE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CREDENTIAL_NAME = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
 _HOST = re.compile(r"^[a-z0-9.-]+(:\d{1,5})?$|^\[[0-9a-f:]+\](:\d{1,5})?$")
 
@@ -169,6 +170,9 @@ class McpServer:
     credential: str | None = None  # a VIGIL_CREDENTIAL_<NAME>, sent like http_request sends it
     command: str | None = None
     args: tuple[str, ...] = ()
+    # Set over the few variables the SDK passes on (HOME, PATH, ...): never the worker's own.
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None  # the process's working directory (default: the worker's)
 
 
 def parse_mcp_servers(value: str) -> dict[str, McpServer]:
@@ -187,7 +191,7 @@ def parse_mcp_servers(value: str) -> dict[str, McpServer]:
             raise ValueError(f"{name!r} is not a server name (lower case letters, digits, single '_')")
         if not isinstance(spec, dict) or ("url" in spec) == ("command" in spec):
             raise ValueError(f"{name}: give either url (streamable HTTP) or command (stdio)")
-        unknown = set(spec) - ({"url", "credential"} if "url" in spec else {"command", "args"})
+        unknown = set(spec) - ({"url", "credential"} if "url" in spec else {"command", "args", "env", "cwd"})
         if unknown:
             raise ValueError(f"{name}: unknown keys {', '.join(sorted(unknown))}")
         if "url" in spec:
@@ -200,11 +204,18 @@ def parse_mcp_servers(value: str) -> dict[str, McpServer]:
             servers[name] = McpServer(name, url=url, credential=credential.lower() if credential else None)
         else:
             command, args = spec["command"], spec.get("args", [])
+            env, cwd = spec.get("env", {}), spec.get("cwd")
             if not isinstance(command, str) or not command:
                 raise ValueError(f"{name}: command must be a non-empty string")
             if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
                 raise ValueError(f"{name}: args must be a list of strings")
-            servers[name] = McpServer(name, command=command, args=tuple(args))
+            if not isinstance(env, dict) or not all(
+                isinstance(k, str) and _ENV_NAME.match(k) and isinstance(v, str) for k, v in env.items()
+            ):
+                raise ValueError(f"{name}: env must map variable names to strings")
+            if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
+                raise ValueError(f"{name}: cwd must be an absolute path")
+            servers[name] = McpServer(name, command=command, args=tuple(args), env=tuple(sorted(env.items())), cwd=cwd)
     return servers
 
 
@@ -402,7 +413,8 @@ class AgentSettings(CommonSettings):
     mcp_servers: str = Field(
         "",
         description='MCP servers whose tools the agent is offered as `<server>__<tool>`, JSON: `{"docs": {"url": '
-        '"https://mcp.example.com/mcp", "credential": "docs"}, "files": {"command": "mcp-files", "args": []}}` '
+        '"https://mcp.example.com/mcp", "credential": "docs"}, "files": {"command": "mcp-files", "args": [], '
+        '"env": {}, "cwd": "/srv"}}` '
         "(streamable HTTP with a VIGIL_CREDENTIAL_<NAME>, or stdio: a process each worker starts and keeps).",
     )
     mcp_timeout_s: float = Field(

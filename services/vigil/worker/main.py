@@ -88,6 +88,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     await agent.join_fleet(pool, settings.instance_id, None if shards.single else shards.pool_of_user)
     runner = Runner(settings, agent, shards, dead_letters)
     readiness = Readiness(dependency_checks(settings))
+    readiness.notes["down"] = agent.down  # MCP servers not listed: the runs go on without their tools
     health = HealthServer(settings.worker_port, readiness).start()
     # The consumer has its own stop: it stays in the group while runs drain (closing it
     # revokes the partitions, which would cancel every run at once) and closes after them.
