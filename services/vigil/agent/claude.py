@@ -448,12 +448,28 @@ class ClaudeAgent:
             retry_after=wait,
         )
 
-    async def run(self, ctx: RunContext) -> RunResult:
-        journal = ctx.journal or Journal(ctx.run_key)
-        start = journal.start
+    async def _run_profile(self, ctx: RunContext, start: dict | None) -> Profile | None:
+        """The profile version the run runs with: a replay's recorded one, else the user's."""
         profile = await self._recorded_profile(start)
         if profile is None:
             profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
+        return profile
+
+    def _opening(
+        self, ctx: RunContext, start: dict | None, memory: MemoryFiles, box: Toolbox, profile: Profile | None
+    ) -> tuple[datetime, list[dict[str, Any]]]:
+        """The run's "now" and system prompt."""
+        if start is not None:
+            # A replay: the prompt's "now" and the system prompt as the model saw them, so the
+            # transcript it sees next is the same bytes (and the cached prefix still matches).
+            return datetime.fromisoformat(start["now"]), start["system"]
+        now = datetime.now(UTC)
+        return now, self._prefix(ctx, memory, now, box, profile)
+
+    async def run(self, ctx: RunContext) -> RunResult:
+        journal = ctx.journal or Journal(ctx.run_key)
+        start = journal.start
+        profile = await self._run_profile(ctx, start)
         box = self.box_for(profile)
         settings = box.settings
         max_tokens = settings.max_run_tokens
@@ -462,13 +478,7 @@ class ClaudeAgent:
             max_tokens = min(max_tokens, left)  # a run ends at the day's bound, its session saved
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)
         memory = MemoryFiles(ctx.memory, self.limits)
-        if start is not None:
-            # A replay: the prompt's "now" and the system prompt as the model saw them, so the
-            # transcript it sees next is the same bytes (and the cached prefix still matches).
-            now, system = datetime.fromisoformat(start["now"]), start["system"]
-        else:
-            now = datetime.now(UTC)
-            system = self._prefix(ctx, memory, now, box, profile)
+        now, system = self._opening(ctx, start, memory, box, profile)
         run = RunState(
             ctx=ctx,
             memory=memory,
