@@ -269,6 +269,13 @@ class WhatIfAgent(ClaudeAgent):
     async def _run_profile(self, ctx: RunContext, start: dict | None) -> Profile | None:
         return self._runs[ctx.run_key]
 
+    @staticmethod
+    def _recorded_model(box: Toolbox, start: dict[str, Any]) -> Toolbox:
+        return box  # the replay asks the model of the version under test (or --model)
+
+    async def _count_version_change(self, ctx: RunContext, start: dict[str, Any], box: Toolbox) -> None:
+        return None  # a what-if replay is not a worker's replay
+
     def box_for(self, profile: Profile | None) -> Toolbox:
         box = super().box_for(profile)
         return replace(box, settings=box.settings.model_copy(update={"model": self.model})) if self.model else box
