@@ -122,6 +122,13 @@ def test_a_replay_against_a_prompt_that_calls_another_tool_shows_it_and_executes
     # Nothing executed, nothing sent, nothing written.
     assert receiver.calls == posts, receiver.calls
     assert ledger_state(ledger) == before
+    # Each replay is recorded for the console's run page: and only that.
+    recorded = query(ledger, "SELECT run_key, verdict FROM run_replays ORDER BY id")
+    assert [(r["run_key"], r["verdict"]) for r in recorded] == [
+        (keys["ann"], "same actions"),
+        (keys["ann"], "new actions"),
+        (keys["ann"], "new actions"),
+    ]
 
 
 def test_the_canary_over_50_kept_runs_prints_its_table(stack, topics, ledger, vigil_env, spawn):

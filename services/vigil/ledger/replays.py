@@ -36,3 +36,46 @@ def sample(conn: psycopg.Connection[DictRow], *, since: datetime, profile: str |
 def memory(conn: psycopg.Connection[DictRow], user_id: str) -> dict[str, str]:
     """The user's memory files now, path -> content."""
     return {row["path"]: row["content"] for row in conn.execute(Q.replays_memory, {"user_id": user_id})}
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRow:
+    """A recorded what-if replay, as the console lists it."""
+
+    id: int
+    run_key: str
+    made_at: datetime
+    made_by: str
+    ran_with: str
+    verdict: str
+    messages_changed: bool
+
+
+def record(
+    conn: psycopg.Connection[DictRow],
+    *,
+    run_key: str,
+    user_id: str,
+    made_by: str,
+    ran_with: str,
+    verdict: str,
+    messages_changed: bool,
+    report: str,
+) -> None:
+    """One replay of a kept run (``report``: its JSON as the command prints it)."""
+    params = {
+        "run_key": run_key,
+        "user_id": user_id,
+        "made_by": made_by,
+        "ran_with": ran_with,
+        "verdict": verdict,
+        "messages_changed": messages_changed,
+        "report": report,
+    }
+    conn.execute(Q.replays_record, params)
+
+
+def of_run(conn: psycopg.Connection[DictRow], run_key: str, limit: int = 50) -> list[ReplayRow]:
+    """The replays of a run (``<user>:<first event id>``), newest first."""
+    params = {"user_id": run_key.rpartition(":")[0], "run_key": run_key, "limit": limit}
+    return [ReplayRow(**row) for row in conn.execute(Q.replays_of_run, params)]

@@ -2,7 +2,8 @@
 (docs/agent.md, "Changing an agent safely"; the replay itself: :mod:`vigil.agent.whatif`).
 
 Reads the ledger (the kept journal, its events, the user's memory, profile versions) and
-writes nothing to it; the model is asked anew through the client ``ANTHROPIC_*`` configures.
+writes only a ``run_replays`` row per replay (what the console's run page lists); the model
+is asked anew through the client ``ANTHROPIC_*`` configures.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vigil.admin.shards import Shards
 from vigil.agent.profiles import Profile, ProfileRefused, parse_spec
 from vigil.agent.settings import AgentSettings
 from vigil.agent.whatif import DIFFERENT, NEW, NEW_ACTIONS, SAME, Kept, Replay, Side, WhatIfAgent
+from vigil.cliutil import login_name
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger import profiles as ledger_profiles
 from vigil.ledger import replays as ledger_replays
@@ -84,6 +86,7 @@ def replay(
             kept = _kept(shards, run_key)
             target = _target(shards, kept, profile_name, profile_version)
             done = asyncio.run(_replay_all(agent, [(kept, target)]))[0]
+            _record(shards, [done])
             if as_json:
                 click.echo(json.dumps(done.view(), default=str))
             else:
@@ -94,9 +97,29 @@ def replay(
         runs = _sample(shards, sample, _since(since), profile_name)
         pairs = [(kept, _target(shards, kept, profile_name, version)) for kept in runs]
         replays = asyncio.run(_replay_all(agent, pairs))
+        _record(shards, replays)
         _print_canary(replays, since, profile_name, version, as_json)
     finally:
         asyncio.run(agent.close())
+
+
+def _record(shards: Shards, replays: Sequence[Replay]) -> None:
+    """A row per replay for the console's run page (in the run's user's shard)."""
+    made_by = login_name()
+    for done in replays:
+        user = done.run_key.rpartition(":")[0]
+        report = json.dumps(done.view(), default=str)
+        with shards.user_connection(user) as conn:
+            ledger_replays.record(
+                conn,
+                run_key=done.run_key,
+                user_id=user,
+                made_by=made_by,
+                ran_with=done.replay.label,
+                verdict=done.verdict,
+                messages_changed=done.messages_changed,
+                report=report,
+            )
 
 
 async def _replay_all(agent: WhatIfAgent, pairs: Sequence[tuple[Kept, Profile | None]]) -> list[Replay]:

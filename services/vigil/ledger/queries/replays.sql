@@ -20,3 +20,16 @@ LIMIT %(limit)s
 -- name: replays_memory
 -- The user's memory files as they are now, path -> content (a replay reads them; it writes none).
 SELECT path, content FROM memory WHERE user_id = %(user_id)s ORDER BY path
+
+-- name: replays_record
+-- One what-if replay of a kept run, as the command printed it (the console's run page lists them).
+INSERT INTO run_replays (run_key, user_id, made_by, ran_with, verdict, messages_changed, report)
+VALUES (%(run_key)s, %(user_id)s, %(made_by)s, %(ran_with)s, %(verdict)s, %(messages_changed)s, %(report)s::json)
+
+-- name: replays_of_run
+-- The replays of a run, newest first: those of its key and of a later attempt's (<key>~<attempt>).
+SELECT r.id, r.run_key, r.made_at, r.made_by, r.ran_with, r.verdict, r.messages_changed
+FROM run_replays r
+WHERE r.user_id = %(user_id)s AND (r.run_key = %(run_key)s OR starts_with(r.run_key, %(run_key)s || '~'))
+ORDER BY r.made_at DESC, r.id DESC
+LIMIT %(limit)s
