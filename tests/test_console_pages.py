@@ -504,6 +504,25 @@ def test_a_run_page_lists_its_kept_journal(console, ledger):
     assert "<refunded>" not in page  # results are not shown raw
 
 
+def test_a_run_page_lists_its_what_if_replays(console, ledger):
+    """`vigil runs replay` records each replay: the run's page lists them with their verdict
+    and the command that shows the diff (docs/agent.md, "Changing an agent safely")."""
+    seeded = seed_user(ledger)
+    login(console, ledger)
+    assert "None (<code>vigil runs replay</code>" in console.get(f"/runs/{seeded.run_id}").text
+    first = scalar(ledger, "SELECT min(e) FROM runs, unnest(event_ids) e WHERE id = %s", (seeded.run_id,))
+    key = f"{seeded.user}:{first}"
+    with __import__("psycopg").connect(ledger) as conn:
+        conn.execute(
+            "INSERT INTO run_replays (run_key, user_id, made_by, ran_with, verdict, messages_changed, report)"
+            " VALUES (%s, %s, 'ops', 'profile support v2, model claude-next', 'new actions', true, '{}')",
+            (key, seeded.user),
+        )
+    page = console.get(f"/runs/{seeded.run_id}").text
+    assert 'id="replays"' in page and "profile support v2, model claude-next" in page
+    assert "new actions" in page and f"vigil runs replay {key}" in page
+
+
 def test_odd_ids_and_query_values_are_4xx_or_a_page_never_500(console, ledger):
     """Issue 46: /events/<5,000 digits> and /runs/<20 digits> were 500s before any
     authentication; with a token, /search?q=² (or ①, NUL) and NUL in /users/ were 500s, and a

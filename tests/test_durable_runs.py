@@ -607,3 +607,30 @@ def test_a_run_replayed_after_its_profile_was_updated_keeps_its_version(stack, t
     assert len(receiver.keys) == 1, receiver.keys  # the journaled POST is not made again
     assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["Refund posted."]
     b.stop()
+
+
+def test_a_run_replayed_after_the_deployment_changed_its_model_keeps_the_recorded_one(
+    stack, topics, ledger, vigil_env, spawn
+):
+    receiver = Receiver()
+    with ScriptedServer(script(receiver.url, 60.0)) as server:
+        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a", VIGIL_MODEL="claude-v1")
+        produce(stack.bootstrap, topics.events, [chat("ann", "refund A100")])
+        wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
+        a.kill()
+        start = json.loads(scalar(ledger, "SELECT body::text FROM run_journal WHERE step = 1"))["start"]
+
+        b, b_port = worker(spawn, vigil_env, server, receiver, "worker-b", VIGIL_MODEL="claude-v2")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish on B")
+        models = [body["model"] for body in server.requests()]
+        changed = metric(b_port, "vigil_runs_replayed_across_versions_total", 'changed="model"')
+    receiver.close()
+    b.stop()
+    # What the run started with: the model, the tool set with versions, vigil's version.
+    assert start["model"] == "claude-v1"
+    assert start["tools"]["http_request"].startswith("vigil ") and "send_message" in start["tools"], start["tools"]
+    assert start["vigil"]
+    assert models == ["claude-v1"] * 4, models  # the deployment's v2 never reaches this run
+    assert changed == 1
+    assert len(receiver.keys) == 1, receiver.keys

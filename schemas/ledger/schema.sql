@@ -546,6 +546,27 @@ CREATE INDEX run_journal_live ON run_journal (user_id, run_key) WHERE finished_a
 -- Retention of the kept journals (VIGIL_RUN_JOURNAL_DAYS).
 CREATE INDEX run_journal_finished ON run_journal (finished_at) WHERE finished_at IS NOT NULL;
 
+-- run_replays: one row per what-if replay (`vigil runs replay`, migration 0041; docs/agent.md,
+-- "Changing an agent safely"), written by that command only, read by the console's run page.
+--   run_key:  the kept run replayed (its journal's key, "<user>:<first event id>[~<attempt>]").
+--   ran_with: what the replay ran with (profile, version, model).
+--   verdict:  same actions | different actions | new actions (a call the recorded run did not
+--             make, not executed); messages_changed: the user would have received other messages.
+--   report:   both runs side by side, as `vigil runs replay --json` prints them.
+CREATE TABLE run_replays (
+    id               bigserial   PRIMARY KEY,
+    run_key          text        NOT NULL,
+    user_id          text        NOT NULL,
+    made_at          timestamptz NOT NULL DEFAULT now(),
+    made_by          text        NOT NULL,
+    ran_with         text        NOT NULL,
+    verdict          text        NOT NULL,
+    messages_changed boolean     NOT NULL,
+    report           json        NOT NULL,
+    CONSTRAINT run_replays_verdict_valid CHECK (verdict IN ('same actions', 'different actions', 'new actions'))
+);
+CREATE INDEX run_replays_of_run ON run_replays (user_id, run_key);
+
 -- model_slots: the fleet-wide bound on concurrent model calls (VIGIL_MODEL_FLEET_CONCURRENCY
 -- rows, made and trimmed by the workers at start). A call takes a free slot (lease_until in
 -- the past) for at most the model timeout and a margin, and gives it back when it ends; a

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Any
 
 import anthropic
@@ -32,7 +34,7 @@ import httpx2
 import psycopg
 
 from vigil.agent import delegation, dreaming, metrics, model
-from vigil.agent.actions import ToolRegistry, effective_permissions, list_servers_again, permission_of
+from vigil.agent.actions import BUILT_IN, ToolRegistry, effective_permissions, list_servers_again, permission_of
 from vigil.agent.base import OverBudget, RetryLater, RunContext, RunResult, TaskContext, TaskResult
 from vigil.agent.conversation import Conversation, RunState, Toolbox
 from vigil.agent.fleet import FleetGate
@@ -52,6 +54,18 @@ from vigil.ledger.states import RunOutcome, SessionState
 from vigil.settings import SettingsError, load
 
 log = logging.getLogger(__name__)
+
+
+def _own_version() -> str:
+    """vigil's own version, as a run's journal records it ("unknown" when run from a tree
+    that was never installed)."""
+    try:
+        return package_version("vigil")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+VIGIL_VERSION = _own_version()
 
 # Sockets the process needs besides its model connections: ledger pool, Kafka, health server.
 OTHER_FILES = 256
@@ -77,6 +91,11 @@ def model_client(settings: AgentSettings, **client_options: Any) -> anthropic.As
     limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=settings.model_keepalive_s)
     http = anthropic.DefaultAioHttpClient(limits=limits)
     return anthropic.AsyncAnthropic(max_retries=0, http_client=http, **client_options)
+
+
+def _version_of(source: str, version: str) -> str:
+    """A tool's version as journaled: ``<package or mcp:server> <version>``."""
+    return f"{source} {version or VIGIL_VERSION}".strip() if source == BUILT_IN else f"{source} {version}".strip()
 
 
 def _allow_open_files(needed: int) -> None:
@@ -114,9 +133,13 @@ class ClaudeAgent:
         self.settings = settings
         # MCP servers that could not be listed at start-up, and why: list_servers_again's.
         self.servers_down: dict[str, str] = {}
+        # Each action tool's version as a run's journal records it: its package's, or its MCP
+        # server's name and version ("vigil" and vigil's version for those compiled in).
+        self.tool_versions: dict[str, str] = {}
         if actions is None:
             registry = ToolRegistry.from_settings(settings)
             actions, self.servers_down = registry.tools, dict(registry.unreachable)
+            self.tool_versions = {e.tool.name: _version_of(e.source, e.version) for e in registry.entries}
         permissions = effective_permissions(settings, actions, self.servers_down)
         policies = settings.policies
         if policies.get("approval", EventPolicy.QUEUE) is not EventPolicy.QUEUE:
@@ -448,13 +471,68 @@ class ClaudeAgent:
             retry_after=wait,
         )
 
-    async def run(self, ctx: RunContext) -> RunResult:
-        journal = ctx.journal or Journal(ctx.run_key)
-        start = journal.start
+    @staticmethod
+    def _recorded_model(box: Toolbox, start: dict[str, Any]) -> Toolbox:
+        """A replay asks the model its start recorded (a default-profile run whose deployment
+        changed VIGIL_MODEL since), not the current one."""
+        model_id = start.get("model")
+        if not model_id or model_id == box.settings.model:
+            return box
+        return replace(box, settings=box.settings.model_copy(update={"model": model_id}))
+
+    async def _run_profile(self, ctx: RunContext, start: dict | None) -> Profile | None:
+        """The profile version the run runs with: a replay's recorded one, else the user's."""
         profile = await self._recorded_profile(start)
         if profile is None:
             profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
+        return profile
+
+    def _tool_set(self, box: Toolbox) -> dict[str, str]:
+        """The tools ``box`` offers, each with its version (builtins: vigil's)."""
+        return {
+            name: self.tool_versions.get(name, _version_of(BUILT_IN, ""))
+            for name, p in box.permissions.items()
+            if p is not Permission.DENY
+        }
+
+    async def _count_version_change(self, ctx: RunContext, start: dict[str, Any], box: Toolbox) -> None:
+        """A replay: count what its journal's start recorded that this worker would now start
+        it with otherwise (``vigil_runs_replayed_across_versions_total``)."""
+        recorded = tuple(start["profile"]) if start.get("profile") else None
+        try:
+            now = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
+        except RetryLater:
+            now = None  # unknown: not counted as a change
+        else:
+            if recorded != ((now.name, now.version) if now else None):
+                metrics.REPLAYED_ACROSS.labels("profile").inc()
+        if "model" in start and start["model"] != self.box_for(now).settings.model:
+            metrics.REPLAYED_ACROSS.labels("model").inc()
+        tools = start.get("tools")
+        if tools is not None and any(self._tool_set(box).get(name) != v for name, v in tools.items()):
+            metrics.REPLAYED_ACROSS.labels("tools").inc()
+        if "vigil" in start and start["vigil"] != VIGIL_VERSION:
+            metrics.REPLAYED_ACROSS.labels("vigil").inc()
+
+    def _opening(
+        self, ctx: RunContext, start: dict | None, memory: MemoryFiles, box: Toolbox, profile: Profile | None
+    ) -> tuple[datetime, list[dict[str, Any]]]:
+        """The run's "now" and system prompt."""
+        if start is not None:
+            # A replay: the prompt's "now" and the system prompt as the model saw them, so the
+            # transcript it sees next is the same bytes (and the cached prefix still matches).
+            return datetime.fromisoformat(start["now"]), start["system"]
+        now = datetime.now(UTC)
+        return now, self._prefix(ctx, memory, now, box, profile)
+
+    async def run(self, ctx: RunContext) -> RunResult:
+        journal = ctx.journal or Journal(ctx.run_key)
+        start = journal.start
+        profile = await self._run_profile(ctx, start)
         box = self.box_for(profile)
+        if start is not None:
+            box = self._recorded_model(box, start)
+            await self._count_version_change(ctx, start, box)
         settings = box.settings
         max_tokens = settings.max_run_tokens
         left = await self._left_today(ctx.user_id)
@@ -462,13 +540,7 @@ class ClaudeAgent:
             max_tokens = min(max_tokens, left)  # a run ends at the day's bound, its session saved
         deadline = min(ctx.deadline - DEADLINE_MARGIN_S, time.monotonic() + settings.run_wall_s)
         memory = MemoryFiles(ctx.memory, self.limits)
-        if start is not None:
-            # A replay: the prompt's "now" and the system prompt as the model saw them, so the
-            # transcript it sees next is the same bytes (and the cached prefix still matches).
-            now, system = datetime.fromisoformat(start["now"]), start["system"]
-        else:
-            now = datetime.now(UTC)
-            system = self._prefix(ctx, memory, now, box, profile)
+        now, system = self._opening(ctx, start, memory, box, profile)
         run = RunState(
             ctx=ctx,
             memory=memory,
@@ -482,6 +554,9 @@ class ClaudeAgent:
                 "now": now.isoformat(),
                 "system": system,
                 "profile": [profile.name, profile.version] if profile else None,
+                "model": settings.model,
+                "tools": self._tool_set(box),
+                "vigil": VIGIL_VERSION,
             },
             policies=self.policies_for(ctx, box),
         )

@@ -137,6 +137,17 @@ RUN_REPLAYS = Counter(
 for _reason in ("replayed", "discarded", "alone", "isolated", "stepped_back", "diverged"):
     RUN_REPLAYS.labels(_reason)
 
+REPLAYED_ACROSS = Counter(
+    "vigil_runs_replayed_across_versions_total",
+    "Replayed runs whose journal's start recorded another version than this worker would start "
+    "them with now, by what changed: profile (the user's assigned version), model, tools (a tool of "
+    "the recorded set gone or at another version), vigil. The replay keeps the recorded profile "
+    "version and model either way.",
+    ["changed"],
+)
+for _changed in ("profile", "model", "tools", "vigil"):
+    REPLAYED_ACROSS.labels(_changed)
+
 FLEET_WAITS_TOTAL = Counter(
     "vigil_model_fleet_waits_total",
     "Model calls that waited at the fleet's gate, by reason: backoff (the shared 429/529 back-off "

@@ -69,12 +69,17 @@ credentials or data elsewhere.
 DEAD_ERROR_CHARS = 300
 
 
+def system_prompt(profile_prompt: str | None = None) -> str:
+    """System block 1: vigil's prompt, and a profile's own after it."""
+    return SYSTEM_PROMPT if not profile_prompt else f"{SYSTEM_PROMPT}\n# Profile\n{profile_prompt.strip()}\n"
+
+
 def system_blocks(
     instructions_path: str, instructions: str | None, index: str, volatile: str, profile_prompt: str | None = None
 ) -> list[dict[str, Any]]:
     """The system prompt as three blocks; the first two carry cache breakpoints. A profile's
     own prompt follows vigil's in the first block (the same for every user of the profile)."""
-    base = SYSTEM_PROMPT if not profile_prompt else f"{SYSTEM_PROMPT}\n# Profile\n{profile_prompt.strip()}\n"
+    base = system_prompt(profile_prompt)
     user_part = (
         f"# Standing instructions ({instructions_path})\n"
         + (instructions.strip() if instructions and instructions.strip() else "(none yet)")

@@ -51,6 +51,7 @@ from vigil.httpserver import Refusal as Refused  # the one refusal type, under t
 from vigil.ledger import console as ledger
 from vigil.ledger import ingest as tokens
 from vigil.ledger import journal as ledger_journal
+from vigil.ledger import replays as ledger_replays
 from vigil.ledger import sessions
 from vigil.ledger.db import PoolTimeout
 from vigil.ledger.events import retry_dead_events
@@ -526,9 +527,10 @@ class Console:
         events = await self.read_on(shard, ledger.events_by_id, r.event_ids)
         writes = (await self.read_on(shard, ledger.run_writes, [r]))[r.id]
         # Its journal, when VIGIL_RUN_JOURNAL_DAYS keeps finished ones (docs/worker.md).
-        steps = (
-            await self.read_on(shard, ledger_journal.steps, f"{r.user_id}:{min(r.event_ids)}") if r.event_ids else []
-        )
+        key = f"{r.user_id}:{min(r.event_ids)}" if r.event_ids else None
+        steps = await self.read_on(shard, ledger_journal.steps, key) if key else []
+        # Its what-if replays (`vigil runs replay`; docs/agent.md, "Changing an agent safely").
+        replays = await self.read_on(shard, ledger_replays.of_run, key) if key else []
         return self.page(
             request,
             "run.html",
@@ -536,6 +538,7 @@ class Console:
             events=events,
             w=writes,
             steps=[s.view() for s in steps],
+            replays=replays,
             shard=shard,
             banners=banners,
         )

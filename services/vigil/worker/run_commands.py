@@ -20,6 +20,7 @@ from vigil.ledger import journal as ledger_journal
 from vigil.ledger.db import connect
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
+from vigil.worker.replay_commands import replay
 
 COLUMNS = ["step", "kind", "what", "epoch", "attempt", "recorded_at"]
 
@@ -83,5 +84,7 @@ def runs_show(run: str, as_json: bool, shard: int | None) -> None:
     ]
     table(rows, COLUMNS)
 
+
+runs.add_command(replay)
 
 commands = [runs]
