@@ -169,7 +169,9 @@ def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
         (["--type", "webhook"], "needs --url"),
         (["--type", "webhook", "--url", "ftp://x"], "http(s) URL"),
         (["--type", "kafka", "--url", "http://x"], "only for --type webhook"),
-        (["--type", "log", "--gap", "-5"], "must be >= 0"),
+        (["--type", "log", "--gap", "-5"], "expected a whole number from 0 to 2147483647"),
+        (["--type", "log", "--gap", "3000000000"], "expected a whole number from 0 to 2147483647"),
+        (["--type", "log", "--urgent-cap", "²"], "expected a whole number from 0 to 2147483647"),
     ],
 )
 def test_channels_set_refuses_what_cannot_work(ledger, cli, args, complaint):
