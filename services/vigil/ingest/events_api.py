@@ -57,9 +57,10 @@ from vigil.ledger import agent, outbox
 from vigil.ledger.states import ApprovalAnswer, HookProvider, Scope
 from vigil.numbers import event_instant_problem, instant
 
-# A chat reply's clear answer (user, session, answer, arrival, the message's source_id): the
-# response to give, or None when the session waits on nothing (ApprovalsApi.answer_reply).
-AnswerReply = Callable[[str, str, ApprovalAnswer, datetime, str], Awaitable[Response | None]]
+# A chat reply's clear answer (user, session, answer, arrival, the message's source_id, the
+# delivery it names): the response to give, or None when it answers no request
+# (ApprovalsApi.answer_reply).
+AnswerReply = Callable[[str, str, ApprovalAnswer, datetime, str, uuid.UUID | None], Awaitable[Response | None]]
 # A pooled connection in one transaction on a user's ledger shard (IngestContext.ledger).
 UserLedger = Callable[[str], AbstractAsyncContextManager[psycopg.AsyncConnection[DictRow]]]
 
@@ -300,7 +301,9 @@ class EventsApi:
         source_id = key or str(uuid.uuid4())
         given = clear_answer(message.text) if session_id is not None and self.answer_reply else None
         if given is not None and session_id is not None and self.answer_reply is not None:
-            answered = await self.answer_reply(user_id, session_id, given, received_at(request), source_id)
+            answered = await self.answer_reply(
+                user_id, session_id, given, received_at(request), source_id, message.in_reply_to
+            )
             if answered is not None:
                 return answered
         event = Event(
