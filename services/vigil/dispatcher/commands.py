@@ -26,6 +26,7 @@ from vigil.dispatcher.settings import DispatcherSettings
 from vigil.ledger import db
 from vigil.ledger.states import ChannelType
 from vigil.numbers import NotParsed, whole_number
+from vigil.outbound import address_policy
 from vigil.service import load_or_exit, require_schema, require_secret_keys
 
 
@@ -119,6 +120,7 @@ def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> N
                 gap_seconds=gap if gap_source == given else KEEP,
                 urgent_cap=urgent_cap if cap_source == given else KEEP,
                 rotate_secret=rotate_secret,
+                policy=address_policy(settings),
             )
         except ChannelError as exc:
             raise click.UsageError(str(exc)) from None
