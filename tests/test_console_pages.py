@@ -34,7 +34,7 @@ def login(console, ledger) -> dict:
 
 
 def csrf_of(html: str) -> str:
-    return re.search(r'name="csrf" value="([0-9a-f]{64})"', html).group(1)
+    return re.search(r'name="csrf" value="([0-9a-f.]{64,})"', html).group(1)
 
 
 def post_login(console, data: dict):

@@ -187,3 +187,88 @@ def test_a_flood_of_unknown_console_tokens_and_cookies_is_not_a_flood_of_queries
     assert console.get("/").status_code == 200  # a real session still works
     assert console.get("/", headers={"authorization": f"Bearer {token['token']}"}).status_code == 200
     guard.assert_guarded(200)
+
+
+def test_a_made_up_equal_login_pair_is_refused(console, ledger):
+    """Issue 58: the double-submit check took any equal pair the client made up (a cookie
+    planted from a sibling subdomain beside the same value in a forged form). The pair is now
+    issued and signed by the console."""
+    token = create_token(ledger)
+    for made_up in ("0" * 64, "1767225600." + "a" * 32 + "." + "b" * 64):
+        console.cookies.set("vigil_console_login", made_up, domain="console.test", path="/login")
+        answer = console.post("/login", data={"token": token["token"], "csrf": made_up})
+        assert answer.status_code == 403 and "expired" in answer.text, made_up
+    assert scalar(ledger, "SELECT count(*) FROM console_sessions") == 0
+    console.cookies.clear()
+    assert post_login(console, {"token": token["token"], "next": "/"}).status_code == 303
+
+
+async def _call(app, method: str, path: str, headers: list[tuple[bytes, bytes]], chunks: list[dict]):
+    """One request straight into the ASGI app: the scope and body a raw client would give."""
+    sent: list[dict] = []
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": headers,
+        "scheme": "http",
+        "server": ("console.test", 80),
+        "client": ("127.0.0.1", 5000),
+        "root_path": "",
+        "app": app,
+    }
+    queue = list(chunks)
+
+    async def receive():
+        return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], body
+
+
+FORM = [(b"content-type", b"application/x-www-form-urlencoded"), (b"content-length", b"100")]
+
+
+def test_a_client_that_hangs_up_mid_body_is_a_disconnect_not_a_500(console, caplog):
+    """Issue 58: a login whose client went away mid-body (or that the console's own body
+    timeout answered 408) logged a ClientDisconnect traceback and counted a 500."""
+    import asyncio
+    import json as json_
+
+    app = console.app
+    chunks = [{"type": "http.request", "body": b"token=vgl_", "more_body": True}, {"type": "http.disconnect"}]
+    with caplog.at_level("DEBUG"):
+        status, body = asyncio.run(_call(app, "POST", "/login", [(b"host", b"console.test"), *FORM], chunks))
+    assert status == 400 and json_.loads(body)["error"] == "client_disconnected", body
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+@pytest.mark.parametrize("hosts", [[], [b"console.test", b"evil.test"]])
+def test_the_console_refuses_a_missing_or_doubled_host_as_ingest_does(console, hosts):
+    import asyncio
+    import json as json_
+
+    headers = [(b"host", h) for h in hosts]
+    status, body = asyncio.run(_call(console.app, "GET", "/healthz", headers, []))
+    assert status == 400, body
+    assert json_.loads(body)["error"] == "invalid_request" and json_.loads(body)["field"] == "Host"
+
+
+def test_a_form_past_its_limits_and_a_wrong_method_have_their_own_codes(console):
+    """Issue 58: the form-limit 400 and the 405 both said not_found."""
+    too_many = console.post(
+        "/login",
+        content="&".join(f"f{i}=1" for i in range(1500)),
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert too_many.status_code == 400 and too_many.json()["error"] == "invalid_request", too_many.text
+    wrong = console.get("/dead/events/retry")
+    assert wrong.status_code == 405 and wrong.json()["error"] == "method_not_allowed", wrong.text

@@ -195,6 +195,8 @@ def test_no_secret_is_applied_and_topics_replicate_in_prod(rendered):
     assert by_kind(objects, "Secret") == {}, "the Secret is created separately (secret.example.yaml)"
     config = by_kind(objects, "ConfigMap")["vigil"]["data"]
     assert config["VIGIL_TOPIC_REPLICATION"] == ("3" if overlay == "prod" else "1")
+    # Issue 58: a pod without VIGIL_SECRET_KEY refuses to start instead of storing secrets in clear.
+    assert config["VIGIL_ENV"] == "production"
     secret_refs = {
         ref["secretRef"]["name"]
         for d in by_kind(objects, "Deployment").values()
@@ -203,6 +205,7 @@ def test_no_secret_is_applied_and_topics_replicate_in_prod(rendered):
     }
     example = yaml.safe_load((K8S / "secret.example.yaml").read_text())
     assert secret_refs == {example["metadata"]["name"]}
+    assert "VIGIL_SECRET_KEY" in example["stringData"], "the production profile needs the sealing key"
 
 
 def test_ingest_autoscales_and_every_deployment_has_a_pdb(rendered):

@@ -169,7 +169,17 @@ def test_channels_set_prints_the_secret_once_and_show_never_does(ledger, cli):
         (["--type", "webhook"], "needs --url"),
         (["--type", "webhook", "--url", "ftp://x"], "http(s) URL"),
         (["--type", "kafka", "--url", "http://x"], "only for --type webhook"),
-        (["--type", "log", "--gap", "-5"], "must be >= 0"),
+        (["--type", "log", "--gap", "-5"], "expected a whole number from 0 to 2147483647"),
+        (["--type", "log", "--gap", "3000000000"], "expected a whole number from 0 to 2147483647"),
+        (["--type", "log", "--urgent-cap", "²"], "expected a whole number from 0 to 2147483647"),
+        # Issue 58: the send-time policy's rules at set time (the suite allows 127.0.0.0/8 and ::1).
+        (["--type", "webhook", "--url", "http://10.0.0.5/hook"], "10.0.0.5 is not a public address"),
+        (["--type", "webhook", "--url", "http://169.254.169.254/"], "169.254.169.254 is not a public address"),
+        (["--type", "webhook", "--url", "http://0xa9.254.169.254/"], "169.254.169.254 is not a public address"),
+        (["--type", "webhook", "--url", "http://[fd00::1]:8080/"], "fd00::1 is not a public address"),
+        (["--type", "webhook", "--url", "http://exa\r\nmple.com/"], "control character"),
+        (["--type", "webhook", "--url", "http://exa mple.com/"], "control character"),
+        (["--type", "webhook", "--url", "http://<b>x</b>.example.com/"], "characters no host name"),
     ],
 )
 def test_channels_set_refuses_what_cannot_work(ledger, cli, args, complaint):

@@ -206,16 +206,25 @@ def test_an_action_url_with_odd_digits_in_expires_is_403_not_500(ingest, odd):
 
 
 def delivered_question(dsn: str, request_id: str) -> str:
-    """The question's delivery as the dispatcher fixed it: its id, which a reply names."""
+    """The question's delivery as the dispatcher fixed it, with the actions that name its
+    request: its id, which a reply names."""
+    actions = [{"id": a, "answer": w, "request_id": request_id} for a, w in (("approve", "yes"), ("deny", "no"))]
     with psycopg.connect(dsn) as conn:
         return str(
             conn.execute(
                 "INSERT INTO outbox (user_id, run_id, epoch, body, status, delivery_id, fixed_at, delivered_at,"
-                " session_id, urgent) VALUES (%s, 1, 1, 'Approval needed', 'delivered', gen_random_uuid(), now(),"
-                " now(), %s, true) RETURNING delivery_id",
-                (USER, f"s-{request_id}"),
+                " session_id, urgent, actions) VALUES (%s, 1, 1, 'Approval needed', 'delivered', gen_random_uuid(),"
+                " now(), now(), %s, true, %s) RETURNING delivery_id",
+                (USER, f"s-{request_id}", json.dumps(actions)),
             ).fetchone()[0]
         )
+
+
+def with_session(dsn: str, request_id: str) -> str:
+    """The saved session the request waits in (a reply may name it instead of the delivery)."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute("INSERT INTO sessions (user_id, id) VALUES (%s, %s)", (USER, f"s-{request_id}"))
+    return f"s-{request_id}"
 
 
 @pytest.fixture
@@ -251,6 +260,62 @@ def test_a_chat_reply_after_the_deadline_is_told_expired(chat, ledger):
     response = chat.post(f"/v1/users/{USER}/messages", json={"text": "yes", "in_reply_to": delivery})
     assert not_counted(response)["answer"] == "expired" and response.json()["error"] == "expired"
     assert stored(ledger, "r-chat-late")["answered_via"] == "chat"
+
+
+@pytest.mark.parametrize("naming", ["in_reply_to", "session_id"])
+def test_a_second_chat_answer_is_told_the_answer_that_stands_and_is_not_run(chat, ledger, stack, topics, naming):
+    # Issue 58: a "no" after the question was answered yes was a 202 ordinary message, run
+    # as a new turn in the question's session; the API and the links answer 409.
+    token = make_request(ledger, "r-twice", now() + timedelta(hours=1))
+    delivery, session = delivered_question(ledger, "r-twice"), with_session(ledger, "r-twice")
+    assert answer_status(chat, "r-twice", "yes", token) == 200
+    named = {"in_reply_to": delivery} if naming == "in_reply_to" else {"session_id": session}
+    response = chat.post(f"/v1/users/{USER}/messages", json={"text": "No.", **named})
+    assert not_counted(response) == {
+        "request_id": "r-twice",
+        "answer": "yes",
+        "given": "no",
+        "accepted": 1,
+        "source_id": response.json()["source_id"],
+        "session_id": session,
+    }
+    assert response.json()["error"] == "already_answered"
+    assert stored(ledger, "r-twice")["answer"] == "yes"
+    events = read_events(stack.bootstrap, topics.events, 2, topics.partitions, settle=1.0)
+    assert {e.source for e in events} == {"approval"}, "the late no was also run as a chat turn"
+
+
+def test_a_chat_yes_after_the_expiry_was_stored_is_told_expired_and_is_not_run(chat, ledger, stack, topics):
+    make_request(ledger, "r-gone", now() - timedelta(minutes=5))
+    delivery = delivered_question(ledger, "r-gone")
+    assert run_expiry(ledger, "r-gone") == "expired"
+    response = chat.post(f"/v1/users/{USER}/messages", json={"text": "yes", "in_reply_to": delivery})
+    assert response.status_code == 409 and response.json()["error"] == "expired", response.text
+    assert (response.json()["answer"], response.json()["given"]) == ("expired", "yes")
+    events = read_events(stack.bootstrap, topics.events, 1, topics.partitions, settle=1.0)
+    assert {e.source for e in events} == {"approval"}, "the late yes was also run as a chat turn"
+
+
+def test_a_yes_to_a_later_message_of_the_session_is_an_ordinary_message(chat, ledger, stack, topics):
+    """Only a reply to the question is an answer: once the agent wrote again, "yes" replies
+    to that, and reaches the agent."""
+    token = make_request(ledger, "r-then", now() + timedelta(hours=1))
+    delivered_question(ledger, "r-then")
+    session = with_session(ledger, "r-then")
+    assert answer_status(chat, "r-then", "yes", token) == 200
+    with psycopg.connect(ledger) as conn:
+        conn.execute(
+            "INSERT INTO outbox (user_id, run_id, epoch, body, session_id) VALUES (%s, 1, 1, 'Refunded. More?', %s)",
+            (USER, session),
+        )
+    response = chat.post(f"/v1/users/{USER}/messages", json={"text": "yes", "session_id": session})
+    assert response.status_code == 202, response.text
+    events = read_events(stack.bootstrap, topics.events, 2, topics.partitions, settle=1.0)
+    assert sorted(e.source for e in events) == ["approval", "chat"]
+
+
+def answer_status(client: httpx.Client, request_id: str, given: str, token: str) -> int:
+    return client.post(f"/v1/approvals/{request_id}", json={"answer": given, "token": token}).status_code
 
 
 def test_a_flood_of_made_up_approval_ids_is_not_a_flood_of_queries(ingest, ledger):

@@ -97,7 +97,9 @@ def test_chat_message_idempotency_key_is_the_source_id(client, stack, topics):
     assert all(e.user_id == "u-42" for e in events)
 
 
-def test_producer_api_may_continue_a_conversation_with_a_chat_event(client, stack, topics):
+def test_producer_api_may_continue_a_conversation_with_a_chat_event(client, ledger, stack, topics):
+    with psycopg.connect(ledger) as conn:  # the user's own session: another's, or none, is a 404 (issue 58)
+        conn.execute("INSERT INTO sessions (id, user_id) VALUES ('ses-1', 'user-1')")
     body = envelope(1, source="chat", kind="chat.message", payload={"text": "and one more thing"}, session_id="ses-1")
     response = client.post("/v1/events", json=body)
     assert response.status_code == 202, response.text

@@ -220,3 +220,12 @@ def test_unknown_and_oversized_hook_ids_are_404(ingest):
     for hook_id in ("hk_missing", "x" * 300):
         response = httpx.post(f"{ingest.url}/v1/hooks/{hook_id}", json={"id": "evt"})
         assert response.status_code == 404 and response.json()["error"] == "unknown_hook"
+
+
+def test_a_stripe_delivery_with_created_null_is_refused_and_produces_nothing(ingest, ledger, stack, topics):
+    # Issue 58: "created": null was stored as an event with no time.
+    hook = add_hook(ledger, "stripe")
+    body = json.dumps({"id": "evt_null", "type": "invoice.paid", "created": None}).encode()
+    response = post(ingest, hook, body, signed("stripe", hook["secret"], body, delivery="evt_null"))
+    assert response.status_code == 400 and response.json()["field"] == "created", response.text
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []

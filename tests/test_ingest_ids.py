@@ -109,3 +109,73 @@ def test_cli_commands_take_a_slash_user_id(ledger):
     hook = json.loads(cli(ledger, "hooks", "add", "--provider", "github", "--user", USER, "--json"))
     assert query(ledger, "SELECT user_id FROM hooks WHERE id = %s", (hook["id"],)) == [{"user_id": USER}]
     cli(ledger, "inbox", USER)
+
+
+# Issue 58: one id rule on every route (vigil.envelope.id_problem): 1 to 256 printable
+# characters with no space at either end. " b1" showed in the console as a lookalike of b1;
+# the tasks list allowed 200 where every other route allowed 256.
+EDGE_IDS = [" b1", "b1 ", " ", "   ", "\u3000b1", "b\x01"]
+
+
+@pytest.fixture
+def admin(ingest, ledger):
+    made = json.loads(cli(ledger, "tokens", "create", "admin", "--json"))
+    with httpx.Client(base_url=ingest.url, headers={"Authorization": f"Bearer {made['token']}"}, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize("odd", EDGE_IDS)
+def test_an_id_with_an_edge_space_is_refused_on_every_route(admin, ledger, stack, topics, odd):
+    user = quote(odd, safe="")
+    answers = [
+        admin.post("/v1/events", json={"user_id": odd, "source": "s", "source_id": "1", "kind": "k"}),
+        admin.post("/v1/events", json={"user_id": "u1", "source": odd, "source_id": "1", "kind": "k"}),
+        admin.post("/v1/events", json={"user_id": "u1", "source": "s", "source_id": odd, "kind": "k"}),
+        admin.post(f"/v1/users/{user}/messages", json={"text": "hi"}),
+        admin.post(f"/v1/users/{user}/timers", json={"id": "t1", "every": 60}),
+        admin.get(f"/v1/users/{user}/timers"),
+        admin.get(f"/v1/users/{user}/tasks"),
+    ]
+    for response in answers:
+        assert response.status_code == 400, (response.request.url, response.text)
+        assert response.json()["error"] in ("invalid_request", "invalid_event", "invalid_timer"), response.text
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+    assert ledger_count(ledger, "SELECT count(*) FROM timers") == 0
+
+
+def test_the_tasks_list_takes_a_user_id_of_256_characters_as_every_route_does(admin):
+    long_user = "u" * 256
+    assert admin.get(f"/v1/users/{long_user}/tasks").status_code == 200
+    assert admin.get(f"/v1/users/{long_user}/timers").status_code == 200
+    assert admin.get(f"/v1/users/{long_user}u/tasks").status_code == 400
+
+
+@pytest.mark.parametrize(
+    "source", ["Timer", "timer ", "\uff54\uff49\uff4d\uff45\uff52", "APPROVAL", "GitHub", " stripe"]
+)
+def test_a_reserved_source_is_refused_however_it_is_written(admin, stack, topics, source):
+    response = admin.post("/v1/events", json={"user_id": "u1", "source": source, "source_id": "1", "kind": "k"})
+    assert response.status_code == 400 and response.json()["field"] == "source", response.text
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+
+
+def test_a_batch_with_a_repeated_source_id_reports_what_was_stored(admin, stack, topics):
+    one = {"user_id": "u1", "source": "s", "source_id": "dup", "kind": "k"}
+    other = {**one, "source_id": "other"}
+    response = admin.post("/v1/events", json={"events": [one, {**one, "kind": "k2"}, other]})
+    assert response.status_code == 202 and response.json() == {"accepted": 2, "duplicates": 1}, response.text
+    produced = read_events(stack.bootstrap, topics.events, 2, topics.partitions, settle=1.0)
+    assert sorted((e.source_id, e.kind) for e in produced) == [("dup", "k"), ("other", "k")]
+
+
+def test_another_users_session_is_404_on_events_as_on_messages(admin, ledger, stack, topics):
+    query(ledger, "INSERT INTO sessions (id, user_id) VALUES ('s-of-ann', 'ann') RETURNING id")
+    mine = {"user_id": "ann", "source": "s", "source_id": "1", "kind": "k", "session_id": "s-of-ann"}
+    theirs = {**mine, "user_id": "bob", "source_id": "2"}
+    response = admin.post("/v1/events", json=theirs)
+    assert response.status_code == 404 and response.json()["error"] == "unknown_session", response.text
+    batch = admin.post("/v1/events", json={"events": [mine, theirs]})
+    assert batch.status_code == 404 and batch.json()["field"] == "events[1].session_id", batch.text
+    assert admin.post("/v1/users/bob/messages", json={"text": "hi", "session_id": "s-of-ann"}).status_code == 404
+    assert admin.post("/v1/events", json=mine).status_code == 202
+    assert [e.source_id for e in read_events(stack.bootstrap, topics.events, 1, topics.partitions, settle=1.0)] == ["1"]

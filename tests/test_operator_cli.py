@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from support import query
 
 
@@ -54,3 +56,43 @@ def test_inbox_shows_states(ledger):
     lines = result.stdout.splitlines()
     assert lines[0].split()[:5] == ["id", "source", "source_id", "kind", "status"]
     assert any("dead" in line for line in lines) and any("done" in line for line in lines)
+
+
+# Issue 58: every number an operator types goes through vigil.numbers (ASCII digits, a
+# range the ledger column holds): "²" passed str.isdigit() to int(), 20 digits reached the
+# ledger, and each printed a Python traceback. Now: one usage line, exit 2.
+ODD_NUMBERS = ["\u00b2", "\u2461", "\u0661\u0662", " 5", "1_0", "9" * 20, "-1", "1e3", "nan"]
+NUMBER_COMMANDS = [
+    ["runs", "show", "{}"],
+    ["runs", "show", "ann:{}"],
+    ["dead", "list", "--limit", "{}"],
+    ["dead", "retry", "{}"],
+    ["inbox", "ann", "--limit", "{}"],
+    ["tasks", "list", "--limit", "{}"],
+    ["memory", "history", "ann", "--limit", "{}"],
+    ["memory", "history", "ann", "--before", "{}"],
+    ["memory", "revert", "ann", "{}"],
+    ["approvals", "list", "--limit", "{}"],
+    ["outbox", "ann", "--limit", "{}"],
+    ["channels", "set", "ann", "--type", "log", "--gap", "{}"],
+    ["timers", "add", "ann", "t1", "--due", "2000000000", "--every", "{}"],
+    ["hooks", "revoke-secret", "h1", "{}"],
+    ["profiles", "show", "p1", "--version", "{}"],
+    ["profiles", "create", "p1", "--max-turns", "{}"],
+    ["profiles", "create", "p1", "--run-wall-s", "{}"],
+    ["shards", "move", "{}", "--to", "1"],
+    ["topics", "--timeout", "{}"],
+]
+
+
+@pytest.mark.parametrize("odd", ODD_NUMBERS)
+@pytest.mark.parametrize("command", NUMBER_COMMANDS, ids=" ".join)
+def test_an_odd_number_at_the_cli_is_a_usage_line_not_a_traceback(command, odd):
+    from click.testing import CliRunner
+
+    from vigil.cli import main
+
+    args = [part.replace("{}", odd) for part in command]
+    result = CliRunner().invoke(main, args, env={"VIGIL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
+    assert result.exit_code == 2, (args, result.output, result.exception)
+    assert "Traceback" not in result.output and "\nError: " in result.output, result.output

@@ -27,7 +27,7 @@ from cryptography.fernet import Fernet
 
 from support import query
 from test_ingest_process import github_delivery
-from vigil.ledger.sealing import key_id
+from vigil.ledger.sealing import BOUND, Keys, Place, SecretKeyError, key_id
 from vigil_dev import devstack
 
 
@@ -84,7 +84,8 @@ def test_a_hook_secret_is_sealed_in_the_row_and_still_verifies_on_a_real_ingest(
     assert len(rows) == 1
     assert hook["secret"] not in rows[0]["secret"]
     assert rows[0]["sealed_with"] == key_id(key)
-    assert Fernet(key.encode()).decrypt(rows[0]["secret"].encode()).decode() == hook["secret"]
+    assert rows[0]["secret"].startswith(BOUND)
+    assert Keys(key).open(rows[0]["secret"], key_id(key), Place("hook_secrets", hook["id"])) == hook["secret"]
 
     assert ingest_answers(spawn, env, hook, hook["secret"], "ingest") == 202
     assert ingest_answers(spawn, env, hook, "not-the-secret-at-all", "ingest-bad") == 401
@@ -105,7 +106,7 @@ def test_a_channel_secret_is_sealed_in_the_row(vigil_env, ledger):
     again = vigil("channels", "set", "u-ch", "--type", "webhook", "--url", "http://127.0.0.1:9/other", env=env)
     assert again.returncode == 0, again.stderr
     kept = query(ledger, "SELECT secret FROM channels WHERE user_id = 'u-ch'")[0]["secret"]
-    assert Fernet(key.encode()).decrypt(kept.encode()).decode() == secret
+    assert Keys(key).open(kept, key_id(key), Place("channels", "u-ch")) == secret
 
 
 @pytest.mark.slow
@@ -156,6 +157,52 @@ def test_migrate_with_a_key_seals_the_secrets_left_in_clear(vigil_env, ledger):
     assert json.loads(migrated.stdout)["secrets_sealed"] == 1
     row = query(ledger, "SELECT secret, sealed_with FROM hook_secrets")[0]
     assert row["sealed_with"] == key_id(key) and hook["secret"] not in row["secret"]
+
+
+def test_a_sealed_secret_copied_into_another_row_does_not_open_there(vigil_env, ledger):
+    """Issue 58: Fernet has no associated data, so whoever could write the ledger could copy
+    one user's sealed channel secret into another's row (or one hook's into another's), and
+    it opened. The seal is now bound to its table, owner and column."""
+    key = Fernet.generate_key().decode()
+    env = keyed(vigil_env, key)
+    for user in ("u-a", "u-b"):
+        made = vigil("channels", "set", user, "--type", "webhook", "--url", "http://127.0.0.1:9/h", env=env)
+        assert made.returncode == 0, made.stderr
+    query(
+        ledger, "UPDATE channels SET secret = (SELECT secret FROM channels WHERE user_id = 'u-a') WHERE user_id = 'u-b'"
+    )
+    rows = {r["user_id"]: r for r in query(ledger, "SELECT user_id, secret, sealed_with FROM channels")}
+    assert Keys(key).open(rows["u-a"]["secret"], key_id(key), Place("channels", "u-a"))
+    with pytest.raises(SecretKeyError, match="does not open in channels row 'u-b'"):
+        Keys(key).open(rows["u-b"]["secret"], key_id(key), Place("channels", "u-b"))
+    with pytest.raises(SecretKeyError):  # nor as a hook's secret, nor in another column
+        Keys(key).open(rows["u-a"]["secret"], key_id(key), Place("hook_secrets", "u-a"))
+    with pytest.raises(SecretKeyError):
+        Keys(key).open(rows["u-a"]["secret"], key_id(key), Place("channels", "u-a", "url"))
+
+
+def test_a_row_sealed_before_the_binding_opens_and_rotate_binds_it(vigil_env, ledger):
+    key = Fernet.generate_key().decode()
+    env = keyed(vigil_env, key)
+    hook = add_github_hook(env)
+    legacy = Fernet(key.encode()).encrypt(hook["secret"].encode()).decode()  # as sealed before issue 58
+    query(ledger, "UPDATE hook_secrets SET secret = %s", (legacy,))
+    assert Keys(key).open(legacy, key_id(key), Place("hook_secrets", hook["id"])) == hook["secret"]
+    rotated = vigil("secrets", "rotate", "--json", env=env)
+    assert rotated.returncode == 0 and json.loads(rotated.stdout)["resealed"] == 1, rotated.stderr
+    row = query(ledger, "SELECT secret, sealed_with FROM hook_secrets")[0]
+    assert row["secret"].startswith(BOUND) and row["sealed_with"] == key_id(key)
+    assert Keys(key).open(row["secret"], key_id(key), Place("hook_secrets", hook["id"])) == hook["secret"]
+    assert json.loads(vigil("secrets", "rotate", "--json", env=env).stdout)["resealed"] == 0
+
+
+def test_production_without_a_key_is_a_startup_error_naming_the_setting(vigil_env):
+    for service in ("ingest", "dispatcher"):
+        refused = vigil(service, env={**keyed(vigil_env, None), "VIGIL_ENV": "production"})
+        assert refused.returncode == 2 and "VIGIL_SECRET_KEY is not set" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    bad = vigil("ingest", env={**keyed(vigil_env, None), "VIGIL_ENV": "prod"})
+    assert bad.returncode == 2 and "VIGIL_ENV" in bad.stderr, bad.stderr
 
 
 def test_a_bad_key_is_refused_naming_the_setting(vigil_env):

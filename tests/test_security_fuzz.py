@@ -377,3 +377,24 @@ def test_console_routes_never_answer_500(console_target, route, segment, value, 
         shown = response.json()
         assert isinstance(shown.get("error"), str) and isinstance(shown.get("detail"), str), shown
         assert not any(word in shown["detail"] for word in INTERNALS) and len(shown["detail"]) < 300, shown
+
+
+# Issue 58: the approval action URL (no token: the signature is the capability). Its
+# `expires` went to int(): "②" was a 500 with two tracebacks per request, for anyone.
+@three_hundred
+@given(
+    request_id=segments,
+    word=st.sampled_from(["yes", "no", "maybe", "YES", "%79es"]),
+    expires=st.one_of(digit_strings, instants.map(str), st.just("")),
+    signature=st.one_of(texts, st.just("v1.AAAA"), st.text(alphabet="v1.AZaz09-_=", max_size=60)),
+)
+def test_the_action_route_never_answers_500_whatever_its_query(target, request_id, word, expires, signature):
+    client = target[0]
+    response = client.post(
+        f"/v1/approvals/{request_id}/actions/{word}", params={"expires": expires, "signature": signature}
+    )
+    assert response.status_code < 500, (request_id, word, expires[:80], response.text[:300])
+    assert 400 <= response.status_code < 500, response.text  # nothing was ever asked: nothing to answer
+    shown = response.json()
+    assert isinstance(shown.get("error"), str) and isinstance(shown.get("detail"), str), shown
+    assert not any(word in shown["detail"] for word in INTERNALS) and len(shown["detail"]) < 300, shown

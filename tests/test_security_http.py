@@ -314,6 +314,26 @@ def test_missing_or_duplicate_host_is_400(stack, ledger, topics, head):
         server.stop()
 
 
+@pytest.mark.parametrize(
+    "head",
+    [b"GET /healthz HTTP/1.1\r\n\r\n", b"GET /metrics HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"],
+)
+def test_health_ports_refuse_a_missing_or_doubled_host_as_ingest_does(head):
+    """Issue 58: every port but ingest's accepted a request with no Host or two (the
+    console's is in test_console_sessions.py)."""
+    port = free_port()
+    server = HealthServer(port, Readiness({}), host="127.0.0.1").start()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(head)
+            answer = read_answer(sock, timeout=5)
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+        body = json_body(answer)
+        assert body["error"] == "invalid_request" and body["field"] == "Host", body
+    finally:
+        server.stop()
+
+
 def test_health_ports_answer_json_for_unknown_paths_and_methods():
     """Finding: the services' health ports answered plain text (``Not Found``) for a 404 or 405."""
     port = free_port()

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import getpass
 import json
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from vigil.errors import VigilError
+from vigil.numbers import NotParsed, decimal_number, whole_number
+
+INT_MAX = 2**31 - 1  # a ledger `integer` column (gaps, caps, seconds): past it PostgreSQL refuses
+BIGINT_MAX = 2**63 - 1  # a ledger `bigint` (row ids, tokens): past it PostgreSQL refuses
 
 # A command asked to change something whose state forbids it (a task already finished): the
 # HTTP API's 409. Not 1, which is a command's other errors (no such task: the API's 404), nor
@@ -24,6 +30,35 @@ class Conflict(VigilError, click.ClickException):
     """``Error: <message>`` on stderr and exit ``EXIT_CONFLICT``: the state forbids the change."""
 
     exit_code = EXIT_CONFLICT
+
+
+class WholeNumber(click.ParamType):
+    """A whole number from ``low`` to ``high``, parsed by :func:`vigil.numbers.whole_number`
+    as the HTTP edges parse theirs: ASCII digits only, so ``²``, ``١٢``, `` 5`` and ``1_0``
+    (which ``int()`` and Click's ``INT`` take or trip on) and 20 digits (which the ledger
+    would refuse with a traceback) are a usage error: one line, exit 2 (issue 58)."""
+
+    name = "integer"
+    parse: Callable[[str, Any, Any], float] = staticmethod(whole_number)
+
+    def __init__(self, low: float = 0, high: float = BIGINT_MAX):
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and self.low <= value <= self.high:
+            return value  # a default
+        try:
+            return self.parse(str(value), self.low, self.high)
+        except NotParsed as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class DecimalNumber(WholeNumber):
+    """Seconds and the like, with an optional fraction (``2.5``): ASCII digits and a point
+    only; ``nan``, ``inf`` and ``1e9``, which ``float()`` takes, are a usage error."""
+
+    name = "number"
+    parse = staticmethod(decimal_number)
 
 
 def emit(obj: dict, as_json: bool, text: str) -> None:

@@ -8,9 +8,36 @@ the other (docs/architecture.md, "Layers").
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, overload
+
+MAX_USER_ID_CHARS = 256  # every route, command and topic key: one length (issue 58)
+
+
+def id_problem(value: str, max_chars: int | None = MAX_USER_ID_CHARS) -> str | None:
+    """Why ``value`` cannot be an id (a user id, a source, a source id, a kind), or None.
+
+    The one rule of every route and command (issue 58): 1 to ``max_chars`` characters, all
+    printable (no control character, NUL or lone surrogate: ids become Kafka keys, ledger text
+    and an operator's terminal lines), and no space at either end, so ``" b1"`` and ``"b1 "``
+    cannot pass for ``b1`` in the console, and an id of spaces is no id."""
+    if not value:
+        return "must not be empty"
+    if max_chars is not None and len(value) > max_chars:
+        return f"must be at most {max_chars} characters"
+    if not value.isprintable():
+        return "must be printable characters (no control character, NUL or lone surrogate)"
+    if value != value.strip():
+        return "must not begin or end with a space"
+    return None
+
+
+def folded(name: str) -> str:
+    """``name`` as a reserved name is compared: NFKC (fullwidth ``ｔｉｍｅｒ`` is ``timer``),
+    case-folded and trimmed, so ``Timer`` or ``timer `` cannot pass for a reserved source."""
+    return unicodedata.normalize("NFKC", name).casefold().strip()
 
 
 @dataclass(frozen=True, slots=True)

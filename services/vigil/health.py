@@ -23,12 +23,13 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, disable_created_metrics, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vigil.bus.kafka import quiet_admin
-from vigil.httpserver import HEALTH_LIMITS, on_http_exception, on_unexpected, server_config
+from vigil.httpserver import HEALTH_LIMITS, HostCheck, on_http_exception, on_unexpected, server_config
 from vigil.ledger import db
 from vigil.service import StartupError
 from vigil.settings import CommonSettings
@@ -189,6 +190,7 @@ class HealthServer:
         self.readiness = readiness
         app = Starlette(
             routes=health_routes(readiness),
+            middleware=[Middleware(HostCheck)],
             exception_handlers={HTTPException: on_http_exception, Exception: on_unexpected},
         )
         config = server_config(app, host, port, HEALTH_LIMITS, log_level="warning", log_config=None, lifespan="off")

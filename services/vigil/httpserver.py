@@ -289,14 +289,51 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 # -- the application's own refusals, in the same shape -------------------------------------
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+# Starlette's own refusals: no route, no method, and a form past its limits (the console's
+# login and action forms: too many fields, a part too large).
+HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
 async def on_http_exception(_: Request, exc: Exception) -> Response:
     """Starlette's own 404 and 405 (no route, no method) in the one refusal shape, not plain text."""
     assert isinstance(exc, HTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    code = HTTP_CODES.get(exc.status_code, "http_error")
     return JSONResponse({"error": code, "detail": exc.detail}, exc.status_code, headers=exc.headers)
+
+
+async def on_disconnect(_: Request, exc: Exception) -> Response:
+    """The client went away (or this module's body timeout answered 408 and closed it) while
+    its body was read: nothing was done, nobody is left to read an answer, and it is neither
+    a traceback nor a 500 (issue 58: the console's login logged one and counted a 500)."""
+    log.debug("client disconnected before its body was read")
+    return JSONResponse({"error": "client_disconnected", "detail": "the request body was not received"}, 400)
+
+
+def host_problem(scope: dict) -> Refusal | None:
+    """RFC 9112 section 3.2: an HTTP/1.1 request without ``Host``, or any request with more
+    than one, is a 400 (two could name two different sites to a proxy in front)."""
+    hosts = sum(1 for name, _ in scope.get("headers", ()) if name.lower() == b"host")
+    if hosts > 1:
+        return Refusal(400, "invalid_request", "Host: sent more than once", field="Host")
+    if hosts == 0 and scope.get("http_version") != "1.0":
+        return Refusal(400, "invalid_request", "Host: is missing (HTTP/1.1 requires it)", field="Host")
+    return None
+
+
+class HostCheck:
+    """Pure ASGI middleware: :func:`host_problem`'s rule on every port vigil serves (the
+    console, each service's health and metrics port; ingest applies it in its own target
+    check), the same 400 JSON everywhere."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        problem = host_problem(scope) if scope["type"] == "http" else None
+        if problem is not None:
+            await problem.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 async def on_unexpected(_: Request, exc: Exception) -> Response:

@@ -8,6 +8,8 @@ with advice about ``sys.set_int_max_str_digits``, and ``float()`` turns ``1e-400
 
 * **Whole numbers in text** (:func:`whole_number`): ASCII digits only, at most
   :data:`MAX_DIGITS` of them; no sign, space, underscore or other digit characters.
+* **Decimal numbers in text** (:func:`decimal_number`, seconds at the operator CLI): the
+  same, with an optional fraction.
 * **Number literals in JSON** (:func:`json_int`, :func:`json_float`, the hooks of ingest's
   JSON decoder): at most :data:`MAX_LITERAL_CHARS` characters, finite, and not so small that
   they would be stored as 0.
@@ -61,6 +63,15 @@ def whole_number(text: str, low: int, high: int) -> int:
     if not _DIGITS.fullmatch(text) or not low <= int(text) <= high:
         raise NotParsed(f"expected a whole number from {low} to {high}")
     return int(text)
+
+
+def decimal_number(text: str, low: float, high: float) -> float:
+    """``text`` as a number from ``low`` to ``high``: ASCII digits with an optional fraction
+    (``2.5``); no sign, exponent, ``nan`` or ``inf``, which ``float()`` takes."""
+    match = _DECIMAL.fullmatch(text)
+    if match is None or match[1] or len(match[2]) > MAX_DIGITS or not low <= float(text) <= high:
+        raise NotParsed(f"expected a number from {low:g} to {high:g}")
+    return float(text)
 
 
 # -- JSON number literals ----------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from collections.abc import Iterable
 from typing import Any
@@ -47,6 +48,9 @@ def parse_nets(text: str) -> tuple[Network, ...]:
     return parse_networks(text)
 
 
+_HOST = re.compile(r"[\w.:%-]+")  # names (IDN letters too), IPv4, IPv6 (with a %zone)
+
+
 def url_problem(url: str) -> str | None:
     """Why ``url`` may not be used for outbound HTTP before any address is looked at, or None."""
     try:
@@ -58,7 +62,27 @@ def url_problem(url: str) -> str | None:
         return "expected an http(s) URL with a host"
     if parts.username is not None or parts.password is not None:
         return "credentials in the URL are not allowed (they would be stored and shown)"
+    # urlsplit drops CR, LF and tab silently, so the URL stored is not the one judged; and a
+    # host of "<", quotes or spaces is HTML or a header injection, never a name (issue 58).
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "the URL has a space or a control character (CR, LF, tab)"
+    if not _HOST.fullmatch(parts.hostname):
+        return "the host has characters no host name or address has"
     return None
+
+
+def literal_address(url: str) -> Address | None:
+    """The address a URL's host writes literally, in any form ``getaddrinfo`` reads
+    (``127.1``, ``0x7f.0.0.1`` and ``2130706433`` too); None for a name."""
+    host = (urlsplit(url).hostname or "").split("%", 1)[0]
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def address_policy(settings: CommonSettings) -> AddressPolicy:
@@ -132,6 +156,17 @@ class AddressPolicy:
             if carried:
                 return all(self._allowed(v4) or self._public(v4) for v4 in carried)
         return self._public(address)
+
+    def url_problem(self, url: str) -> str | None:
+        """:func:`url_problem`, and a literal address the policy refuses (where it is given,
+        e.g. ``vigil channels set``; a name is judged at each connection, as it resolves)."""
+        problem = url_problem(url)
+        if problem is not None:
+            return problem
+        address = literal_address(url)
+        if address is not None and not self.permits(address):
+            return f"{address} is not a public address (allow its network in VIGIL_OUTBOUND_ALLOWED_NETS)"
+        return None
 
     def choose(self, host: str, infos: list[tuple[Any, ...]]) -> str:
         """The first resolved address the policy permits; BlockedAddress if any is refused.

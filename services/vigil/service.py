@@ -122,8 +122,14 @@ def require_secret_keys(settings: CommonSettings) -> None:
     """Refuse to start a service that reads hook or channel secrets when the ledger holds one
     sealed with a key this process lacks (VIGIL_SECRET_KEY unset, or rotated away without
     VIGIL_SECRET_OLD_KEYS): every delivery would fail later, one by one. Secrets still in
-    clear are allowed, with a warning that names the way out."""
+    clear are allowed, with a warning that names the way out; with ``VIGIL_ENV=production``
+    no key at all is a start-up error (new secrets would be stored in clear; issue 58)."""
     log = logging.getLogger("vigil")
+    if settings.env == "production" and not sealing.keys().current:
+        raise StartupError(
+            f"{sealing.KEY_SETTING} is not set and VIGIL_ENV=production: hook and channel secrets would be "
+            "stored in clear (`vigil secrets new-key` makes one)"
+        )
     try:
         with connect(settings.dsn) as conn:
             clear = sealing.check(conn, sealing.keys())

@@ -73,6 +73,11 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
+    env: Literal["development", "production"] = Field(
+        "development",
+        description="The deployment's profile. production: what development only warns about refuses to "
+        "start (no VIGIL_SECRET_KEY: secrets would be stored in clear). The Kubernetes base sets it.",
+    )
     kafka_bootstrap: str = Field(
         DEFAULT_KAFKA_BOOTSTRAP,
         description="Kafka bootstrap servers, comma separated host:port.",
@@ -147,9 +152,10 @@ class CommonSettings(BaseSettings):
     )
     secret_key: SecretStr | None = Field(
         None,
-        description="Fernet key that seals hook and channel secrets in the ledger (`vigil secrets new-key` makes "
-        "one; `make up` generates one per stack). Unset: secrets are stored in clear, and a service refuses to "
-        "start once a sealed one exists. Never logged.",
+        description="Fernet key (AES-256-GCM is derived from it) that seals hook and channel secrets in the "
+        "ledger, each bound to its row (`vigil secrets new-key` makes one; `make up` generates one per stack). "
+        "Unset: secrets are stored in clear with a warning (a start-up error with VIGIL_ENV=production), and a "
+        "service refuses to start once a sealed one exists. Never logged.",
     )
     secret_old_keys: SecretStr | None = Field(
         None,

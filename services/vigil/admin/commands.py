@@ -12,7 +12,7 @@ from vigil.admin.shards import on_each_shard
 from vigil.admin.shards import shards as shards_command
 from vigil.bus.kafka import TopicError
 from vigil.bus.topics import ensure
-from vigil.cliutil import emit
+from vigil.cliutil import DecimalNumber, emit
 from vigil.ledger import sealing, shards
 from vigil.ledger.db import connect
 from vigil.ledger.migrate import migrate as run
@@ -79,7 +79,9 @@ def migrate(check: bool, as_json: bool) -> None:
 
 
 @click.command()
-@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the broker.")
+@click.option(
+    "--timeout", type=DecimalNumber(0, 3600), default=10.0, show_default=True, help="Seconds to wait for the broker."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def topics(timeout: float, as_json: bool) -> None:
     """Create the missing topics, then say how each one differs from the settings.

@@ -28,7 +28,7 @@ import click
 import psycopg
 from psycopg.rows import DictRow
 
-from vigil.cliutil import EXIT_CONFLICT, emit, table
+from vigil.cliutil import EXIT_CONFLICT, INT_MAX, WholeNumber, emit, table
 from vigil.ledger import shardmove
 from vigil.ledger import shards as shard_rows
 from vigil.ledger.db import connect
@@ -198,7 +198,7 @@ def shard_option(function: Callable) -> Callable:
     """``--shard N`` for a command taking an id that counts per shard."""
     return click.option(
         "--shard",
-        type=click.IntRange(min=0),
+        type=WholeNumber(0, INT_MAX),
         default=None,
         help="The ledger shard holding the id (asked for when the id is on several).",
     )(function)
@@ -306,8 +306,10 @@ def shards(ctx: click.Context, as_json: bool) -> None:
 
 
 @shards.command("move")
-@click.argument("partition", type=int)
-@click.option("--to", "target", type=int, required=True, help="The shard to move the partition's users to.")
+@click.argument("partition", type=WholeNumber(0, INT_MAX))
+@click.option(
+    "--to", "target", type=WholeNumber(0, INT_MAX), required=True, help="The shard to move the partition's users to."
+)
 @click.option("--dry-run", is_flag=True, help="Print what would move, per table; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with --dry-run: the counts).")
 def move(partition: int, target: int, dry_run: bool, as_json: bool) -> None:

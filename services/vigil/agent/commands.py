@@ -21,6 +21,7 @@ from vigil.admin.connection import cli_connection
 from vigil.admin.shards import Shards, echo_rows, report_down, with_shard
 from vigil.agent.profiles import ProfileSpec, parse_spec, tool_set
 from vigil.agent.settings import AgentSettings, parse_event_policies
+from vigil.cliutil import WholeNumber
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
 from vigil.ledger import profiles as ledger_profiles
@@ -42,7 +43,7 @@ def approvals() -> None:
 @approvals.command("list")
 @click.option("--user", "user_id", help="Only this user's requests.")
 @click.option("--all", "include_answered", is_flag=True, help="Include answered and expired requests.")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option("--limit", type=WholeNumber(1, 10_000), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def approvals_list(user_id, include_answered, limit, as_json) -> None:
     """Open approval requests (newest first): who, which tool, the deadline, times asked again.

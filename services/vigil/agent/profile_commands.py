@@ -16,7 +16,7 @@ from vigil.admin.connection import cli_connection
 from vigil.agent.actions import known_names
 from vigil.agent.profiles import ProfileRefused, check_name, check_pattern, parse_spec
 from vigil.agent.settings import MCP_SEPARATOR, parse_mcp_servers, parse_permissions
-from vigil.cliutil import Conflict, emit, login_name, table
+from vigil.cliutil import BIGINT_MAX, INT_MAX, Conflict, DecimalNumber, WholeNumber, emit, login_name, table
 from vigil.ledger import audit
 from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger import profiles as ledger_profiles
@@ -33,9 +33,9 @@ def _spec_options(command):
             help="... from a file.",
         ),
         click.option("--instructions-path", help="Memory file of the standing instructions (/memories/...)."),
-        click.option("--max-turns", type=int, help="Most model calls in one run."),
-        click.option("--max-run-tokens", type=int, help="Most billed tokens one run may use."),
-        click.option("--run-wall-s", type=float, help="Wall time of one run."),
+        click.option("--max-turns", type=WholeNumber(0, INT_MAX), help="Most model calls in one run."),
+        click.option("--max-run-tokens", type=WholeNumber(0, BIGINT_MAX), help="Most billed tokens one run may use."),
+        click.option("--run-wall-s", type=DecimalNumber(0, INT_MAX), help="Wall time of one run."),
         click.option(
             "--tools",
             help="The tool set: name=permission,... (allow | ask | auto | deny); only these are offered; '': all.",
@@ -44,7 +44,7 @@ def _spec_options(command):
         click.option("--event-policies", help="Per source: chat=fold,pager=interrupt (queue | fold | interrupt)."),
         click.option(
             "--daily-tokens",
-            type=int,
+            type=WholeNumber(0, BIGINT_MAX),
             help="Billed tokens per user per UTC day; 0: no limit (an update releases the events waiting for it).",
         ),
         click.option(
@@ -164,7 +164,7 @@ def profiles_update(name, **options) -> None:
 
 @profiles.command("show")
 @click.argument("name")
-@click.option("--version", "version", type=int, help="This version (default: the latest).")
+@click.option("--version", "version", type=WholeNumber(1, INT_MAX), help="This version (default: the latest).")
 @click.option("--history", is_flag=True, help="Every version, oldest first.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def profiles_show(name, version, history, as_json) -> None:

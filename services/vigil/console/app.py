@@ -36,7 +36,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
@@ -47,6 +47,7 @@ from vigil.console.lag import EndOffsets, answered_at
 from vigil.console.settings import ConsoleSettings
 from vigil.dispatcher.operator import revive_delivery
 from vigil.health import Readiness, dependency_checks, health_routes
+from vigil.httpserver import HTTP_CODES, HostCheck, on_disconnect
 from vigil.httpserver import Refusal as Refused  # the one refusal type, under the console's name
 from vigil.ledger import console as ledger
 from vigil.ledger import ingest as tokens
@@ -206,6 +207,8 @@ class Console:
     def __init__(self, settings: ConsoleSettings, clock: Clock | None = None):
         self.settings = settings
         self.clock = clock or SystemClock()
+        secret = settings.secret_key.get_secret_value() if settings.secret_key is not None else None
+        self.login_key = auth.login_key(secret)
         self.pool = ledger.open_pool(settings.dsn)
         self.shards = Shards(settings, connect_timeout=MAP_CONNECT_S)
         self.map_read_at = 0.0
@@ -382,7 +385,7 @@ class Console:
         return self.login_page(request, target, None)
 
     def login_page(self, request: Request, target: str, failed: str | None, status: int = 200) -> Response:
-        csrf = auth.new_csrf()
+        csrf = auth.new_login_csrf(self.login_key, self.clock.now())
         response = self.page(request, "login.html", status, next=target, failed=failed, login_csrf=csrf)
         _cookie(response, request, auth.LOGIN_COOKIE, csrf, LOGIN_FORM_S, path="/login")
         return response
@@ -394,7 +397,8 @@ class Console:
         is sent; a crash between them leaves a session nobody holds, which expires."""
         form = await request.form()
         target = _safe_next(str(form.get("next", "/")))
-        if not auth.same(request.cookies.get(auth.LOGIN_COOKIE), form.get(auth.CSRF_FIELD)):
+        pair = (request.cookies.get(auth.LOGIN_COOKIE), form.get(auth.CSRF_FIELD))
+        if not auth.login_csrf_ok(self.login_key, *pair, self.clock.now(), LOGIN_FORM_S):
             return self.login_page(request, target, "The login form expired: try again.", 403)
         token = str(form.get("token", "")).strip()
         row = await self.token(token) if token else None
@@ -885,8 +889,12 @@ def create_app(settings: ConsoleSettings) -> Starlette:
             return response
         return console.refused(request, exc)
 
-    async def not_found(request: Request, exc: HTTPException) -> Response:
-        return console.refused(request, Refused(exc.status_code, "not_found", str(exc.detail)))
+    async def starlette_refused(request: Request, exc: HTTPException) -> Response:
+        # No route, no method, a form past its limits: ingest's codes, not "not_found" for all.
+        code = HTTP_CODES.get(exc.status_code, "http_error")
+        return console.refused(
+            request, Refused(exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {}))
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette):
@@ -901,8 +909,12 @@ def create_app(settings: ConsoleSettings) -> Starlette:
 
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(Metrics)],
-        exception_handlers={Refused: refused, HTTPException: not_found},  # type: ignore[dict-item]  # each for its class
+        middleware=[Middleware(Metrics), Middleware(HostCheck)],
+        exception_handlers={
+            Refused: refused,  # type: ignore[dict-item]  # each for its class
+            HTTPException: starlette_refused,  # type: ignore[dict-item]
+            ClientDisconnect: on_disconnect,
+        },
         lifespan=lifespan,
     )
     app.state.console = console

@@ -11,7 +11,8 @@ Every page needs an API token from `vigil tokens create`, one that may use the c
   (``Max-Age`` and the session's ``expires_at``, ``VIGIL_CONSOLE_SESSION_S``); logout ends the
   session in the ledger. Each session has a random CSRF value that its forms send back,
   logout's included; the login form itself is protected by a double-submit value (a cookie
-  set with the form, sent back in it).
+  set with the form, sent back in it) that this console issued and signed
+  (:func:`new_login_csrf`): a pair the client made up, equal or not, is refused.
 
 What a token may do is decided in one place, :func:`permits`: the console takes an ``admin``
 token for every user.
@@ -104,6 +105,37 @@ def session_hash(cookie: str) -> str | None:
 def new_csrf() -> str:
     """A session's (or the login form's) CSRF value: random, nothing an attacker can derive."""
     return secrets.token_hex(32)
+
+
+def login_key(secret: str | None) -> bytes:
+    """The key that signs login forms' CSRF values: derived from ``VIGIL_SECRET_KEY`` when it
+    is set (every console replica then accepts the others' forms), else random per process
+    (a form from another replica, or from before a restart, asks to log in again)."""
+    if secret is None:
+        return secrets.token_bytes(32)
+    return hashlib.sha256(b"vigil console login csrf\x00" + secret.encode()).digest()
+
+
+def _login_mac(key: bytes, issued: str) -> str:
+    return hmac.new(key, f"login-csrf:{issued}".encode(), hashlib.sha256).hexdigest()
+
+
+def new_login_csrf(key: bytes, now: float) -> str:
+    """The login form's CSRF value: ``<issued unix seconds>.<random>.<HMAC>``, issued here."""
+    issued = f"{int(now)}.{secrets.token_hex(16)}"
+    return f"{issued}.{_login_mac(key, issued)}"
+
+
+def login_csrf_ok(key: bytes, cookie: str | None, sent: object, now: float, lifetime_s: int) -> bool:
+    """The form sent back the cookie's value, and this console issued it within ``lifetime_s``
+    (issue 58: any equal pair the client made up passed the double-submit check)."""
+    if not same(cookie, sent):
+        return False
+    issued, _, mac = str(cookie).rpartition(".")
+    at, _, nonce = issued.partition(".")
+    if not (at.isascii() and at.isdigit() and len(at) <= 12 and nonce):
+        return False
+    return hmac.compare_digest(mac.encode(), _login_mac(key, issued).encode()) and 0 <= now - int(at) <= lifetime_s
 
 
 def same(expected: str | None, sent: object) -> bool:

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import click
 
 from vigil.admin.shards import Shards, report_down, with_shard
-from vigil.cliutil import emit
+from vigil.cliutil import INT_MAX, WholeNumber, emit
 from vigil.dispatcher.main import serve
 from vigil.dispatcher.operator import (
     KEEP,
@@ -25,6 +25,8 @@ from vigil.dispatcher.operator import (
 from vigil.dispatcher.settings import DispatcherSettings
 from vigil.ledger import db
 from vigil.ledger.states import ChannelType
+from vigil.numbers import NotParsed, whole_number
+from vigil.outbound import address_policy
 from vigil.service import load_or_exit, require_schema, require_secret_keys
 
 
@@ -39,13 +41,10 @@ class Limit(click.ParamType):
             return value
         if str(value).strip().lower() == self.keyword:
             return None
-        try:
-            number = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is not a whole number or {self.keyword!r}", param, ctx)
-        if number < 0:
-            self.fail("must be >= 0", param, ctx)
-        return number
+        try:  # an integer column: past INT_MAX the ledger would refuse with a traceback
+            return whole_number(str(value), 0, INT_MAX)
+        except NotParsed as exc:
+            self.fail(f"{exc}, or {self.keyword!r}", param, ctx)
 
 
 class AutoGap(Limit):
@@ -121,6 +120,7 @@ def channels_set(user, type_, url, gap, urgent_cap, rotate_secret, as_json) -> N
                 gap_seconds=gap if gap_source == given else KEEP,
                 urgent_cap=urgent_cap if cap_source == given else KEEP,
                 rotate_secret=rotate_secret,
+                policy=address_policy(settings),
             )
         except ChannelError as exc:
             raise click.UsageError(str(exc)) from None
@@ -178,7 +178,7 @@ def _preview(body: str, width: int = 60) -> str:
 @click.argument("user", required=False)
 @click.option("--dead", is_flag=True, help="List dead deliveries of every user instead.")
 @click.option("--revive", "revive_id", metavar="DELIVERY_ID", help="Send a dead delivery again under its own id.")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
+@click.option("--limit", type=WholeNumber(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def outbox(user, dead, revive_id, limit, as_json) -> None:
     """USER's outbox rows (status, attempts, delivery id, error; --json: session, deadline), newest first.

@@ -18,7 +18,7 @@ from vigil.dispatcher.channels import new_secret
 from vigil.errors import VigilError
 from vigil.ledger import audit, channels, outbox
 from vigil.ledger.states import ChannelType
-from vigil.outbound import url_problem
+from vigil.outbound import AddressPolicy
 
 KEEP = object()  # "leave the stored value as it is" for the optional limits
 
@@ -33,13 +33,15 @@ class ChannelSet:
     new_secret: str | None  # shown once: only when this call generated it
 
 
-def check_url(url: str | None) -> str:
+def check_url(url: str | None, policy: AddressPolicy) -> str:
+    """The send-time policy's rules, at the time the URL is set (issue 58): a URL that could
+    never be sent to is refused now, not stored to fail every delivery."""
     if not url:
         raise ChannelError("--type webhook needs --url")
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ChannelError(f"--url must be an http(s) URL, got {url!r}")
-    problem = url_problem(url)
+    problem = policy.url_problem(url)
     if problem is not None:
         # Not echoed: the URL may hold a password.
         raise ChannelError(f"--url: {problem}")
@@ -55,15 +57,17 @@ def set_channel(
     urgent_cap: int | None | object = KEEP,
     rotate_secret: bool = False,
     actor: str | None = None,
+    policy: AddressPolicy | None = None,
 ) -> ChannelSet:
     """Create or change a user's channel in one transaction, audited (without the secret).
 
     A webhook gets a generated signing secret the first time (or with ``rotate_secret``);
     it is returned once and never shown again. ``KEEP`` leaves a stored limit as it is;
-    None puts it back to the service default.
+    None puts it back to the service default. ``policy``: ``VIGIL_OUTBOUND_ALLOWED_NETS``'s
+    (none: public addresses only).
     """
     if type_ is ChannelType.WEBHOOK:
-        url = check_url(url)
+        url = check_url(url, policy or AddressPolicy())
     elif url:
         raise ChannelError(f"--url is only for --type webhook, not {type_.value}")
     for name, value in (("--gap", gap_seconds), ("--urgent-cap", urgent_cap)):

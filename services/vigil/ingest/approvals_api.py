@@ -33,8 +33,10 @@ Two more paths answer with the same rule, the same wake-up and the same statuses
   action is a 409 (``already_used`` when an action URL stored it), because the ledger stores
   one answer per request. POST, not GET: link previews fetch GETs.
 - A chat reply (:meth:`ApprovalsApi.answer_reply`, from the messages endpoint): a clear yes
-  or no naming a session that waits on a request answers that request for the authenticated
-  user; the chat text itself is not produced (the answer event resumes the session).
+  or no replying to a question (naming its delivery, or a session that waits on it or whose
+  newest message it is) answers that request for the authenticated user, or is told the
+  answer that stands (409, late or second); the chat text itself is never produced (the
+  answer event resumes the session).
 
 The rule lives in :mod:`vigil.ledger.approvals` and is synchronous, so step 2 runs on a
 worker thread with a small synchronous pool of its own; approvals are rare next to events.
@@ -47,6 +49,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
+from uuid import UUID
 
 import psycopg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -254,13 +257,21 @@ class ApprovalsApi:
         return counted(standing, given, single_use=True)
 
     async def answer_reply(
-        self, user_id: str, session_id: str, given: ApprovalAnswer, arrived: datetime, source_id: str
+        self,
+        user_id: str,
+        session_id: str,
+        given: ApprovalAnswer,
+        arrived: datetime,
+        source_id: str,
+        in_reply_to: UUID | None,
     ) -> Response | None:
         """A chat reply's clear yes or no for a session of ``user_id`` (the messages endpoint
-        authorized them): answers the request that session waits on, by the same rule,
-        statuses and wake-up as the API (202 when it counted). None: the session waits on
-        nothing, and the reply is an ordinary message."""
-        request_id = await on_ledger(self._open_request, user_id, session_id)
+        authorized them): answers the request it replies to
+        (:func:`vigil.ledger.approvals.request_of_reply`), by the same rule, statuses and
+        wake-up as the API: 202 when it counted; late or second, the API's 409 with the
+        answer that stands, and the text is not run as a new turn either. None: the reply
+        answers no request, and is an ordinary message."""
+        request_id = await on_ledger(self._request_of_reply, user_id, session_id, in_reply_to)
         if request_id is None:
             return None
 
@@ -271,9 +282,9 @@ class ApprovalsApi:
         standing = await self._decide(request_id, given, arrived, AnsweredVia.CHAT, same_user)
         return counted(standing, given, 202, accepted=1, source_id=source_id, session_id=session_id)
 
-    def _open_request(self, user_id: str, session_id: str) -> str | None:
+    def _request_of_reply(self, user_id: str, session_id: str, in_reply_to: UUID | None) -> str | None:
         with self.pools.of_user(user_id).connection() as conn:
-            return approvals.open_request_of_session(conn, user_id=user_id, session_id=session_id)
+            return approvals.request_of_reply(conn, user_id=user_id, session_id=session_id, delivery_id=in_reply_to)
 
 
 def counted(

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 import click
 
 from vigil.admin.connection import cli_connection
-from vigil.cliutil import emit, login_name
+from vigil.cliutil import WholeNumber, emit, login_name
 from vigil.ingest.auth import new_token, token_hash
 from vigil.ingest.main import serve
 from vigil.ingest.settings import IngestSettings
@@ -268,7 +268,7 @@ def hook_rotate(hook_id: str, secret_stdin: bool, as_json: bool) -> None:
 
 @hooks.command("revoke-secret")
 @click.argument("hook_id")
-@click.argument("secret_id", type=int)
+@click.argument("secret_id", type=WholeNumber(1))
 @click.option(
     "--force", is_flag=True, help="Revoke even the last active secret (the hook then refuses every delivery)."
 )

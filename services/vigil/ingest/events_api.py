@@ -47,19 +47,20 @@ from pydantic import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vigil.envelope import Event
+from vigil.envelope import MAX_USER_ID_CHARS, Event, folded, id_problem
 from vigil.ingest.auth import TokenAuth, authorize
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.replies import clear_answer
-from vigil.ingest.requests import Refusal, invalid, read_json, received_at, text_problem
+from vigil.ingest.requests import Refusal, invalid, read_json, received_at
 from vigil.ingest.settings import IngestSettings
 from vigil.ledger import agent, outbox
 from vigil.ledger.states import ApprovalAnswer, HookProvider, Scope
 from vigil.numbers import event_instant_problem, instant
 
-# A chat reply's clear answer (user, session, answer, arrival, the message's source_id): the
-# response to give, or None when the session waits on nothing (ApprovalsApi.answer_reply).
-AnswerReply = Callable[[str, str, ApprovalAnswer, datetime, str], Awaitable[Response | None]]
+# A chat reply's clear answer (user, session, answer, arrival, the message's source_id, the
+# delivery it names): the response to give, or None when it answers no request
+# (ApprovalsApi.answer_reply).
+AnswerReply = Callable[[str, str, ApprovalAnswer, datetime, str, uuid.UUID | None], Awaitable[Response | None]]
 # A pooled connection in one transaction on a user's ledger shard (IngestContext.ledger).
 UserLedger = Callable[[str], AbstractAsyncContextManager[psycopg.AsyncConnection[DictRow]]]
 
@@ -75,10 +76,10 @@ MIN_YEAR = 1
 PAYLOAD_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def _printable(value: str) -> str:
-    # Ids become Kafka keys, ledger text and JSON keys: a NUL or a newline in them breaks
-    # PostgreSQL (text cannot hold NUL) or the operators' tools.
-    problem = text_problem(value, ident=True)
+def _one_id_rule(value: str) -> str:
+    # vigil.envelope's rule for every id (its length is the field's): Kafka keys, ledger text
+    # and JSON keys, where a NUL, a newline or an edge space would break or deceive.
+    problem = id_problem(value, None)
     if problem is not None:
         raise ValueError(problem)
     return value
@@ -106,7 +107,7 @@ Instant = Annotated[AwareDatetime, BeforeValidator(_instant), AfterValidator(_in
 
 
 def _id(max_length: int):
-    return Annotated[str, Field(min_length=1, max_length=max_length), AfterValidator(_printable)]
+    return Annotated[str, Field(min_length=1, max_length=max_length), AfterValidator(_one_id_rule)]
 
 
 class EventIn(BaseModel):
@@ -114,7 +115,7 @@ class EventIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    user_id: _id(256) = Field(description="Whose agent wakes; also the Kafka key.")
+    user_id: _id(MAX_USER_ID_CHARS) = Field(description="Whose agent wakes; also the Kafka key.")
     source: _id(64) = Field(
         description="The producer's name. chat, timer, approval and webhook providers are reserved."
     )
@@ -130,7 +131,7 @@ class EventIn(BaseModel):
         None, description="When the producer received it (RFC 3339 or Unix seconds); default: when ingest did."
     )
     session_id: _id(256) | None = Field(None, description="Resume this saved agent session.")
-    headers: dict[_id(128), Annotated[str, Field(max_length=4096), AfterValidator(_printable)]] = Field(
+    headers: dict[_id(128), Annotated[str, Field(max_length=4096), AfterValidator(_one_id_rule)]] = Field(
         default_factory=dict, max_length=32, description="Trace context and other metadata."
     )
 
@@ -169,7 +170,11 @@ class MessageIn(BaseModel):
 
 
 class Accepted(BaseModel):
-    accepted: int = Field(description="Events the broker acknowledged.")
+    accepted: int = Field(description="Events the broker acknowledged (a batch's repeats counted once).")
+    duplicates: int | None = Field(
+        None,
+        description="A batch: events dropped as repeats of an earlier one (same user_id, source, source_id).",
+    )
     source_id: str | None = Field(
         None, description="The dedup key used (messages: the Idempotency-Key or a fresh uuid)."
     )
@@ -212,7 +217,7 @@ def parse_events(document: Any, max_batch: int, arrived: datetime) -> list[Event
             raise refuse_validation(exc) from None
         prefix = ()
     for index, envelope in enumerate(envelopes):
-        if envelope.source in RESERVED_SOURCES:
+        if folded(envelope.source) in RESERVED_SOURCES:  # "Timer", "timer ", "ｔｉｍｅｒ" too
             where = field_path(prefix + ((index,) if prefix else ()) + ("source",))
             raise invalid(where, f"{envelope.source!r} is reserved for ingest's own endpoints", code="invalid_event")
         for name in ("occurred_at", "received_at"):
@@ -278,15 +283,47 @@ class EventsApi:
             batch = "events" in document
             for index, envelope in enumerate(envelopes):
                 authorize(caller, Scope.EVENTS, envelope.user_id, f"events[{index}].user_id" if batch else "user_id")
-        delivered = await self.publisher.send([envelope.event(arrived) for envelope in envelopes], via="events")
+        await self.check_sessions(envelopes, "events" in document)
+        # One event per (user_id, source, source_id), the first: the ledger stores one, so
+        # the answer counts one and says how many repeats it dropped (issue 58).
+        unique: dict[tuple[str, str, str], EventIn] = {}
+        for envelope in envelopes:
+            unique.setdefault((envelope.user_id, envelope.source, envelope.source_id), envelope)
+        delivered = await self.publisher.send([envelope.event(arrived) for envelope in unique.values()], via="events")
         # The body JSONResponse would render, without its json.dumps: this is the hot path.
-        return Response(b'{"accepted":%d}' % len(delivered), 202, media_type="application/json")
+        repeats = len(envelopes) - len(unique)
+        body = (
+            b'{"accepted":%d,"duplicates":%d}' % (len(delivered), repeats)
+            if repeats
+            else b'{"accepted":%d}' % len(delivered)
+        )
+        return Response(body, 202, media_type="application/json")
+
+    async def check_sessions(self, envelopes: list[EventIn], batch: bool) -> None:
+        """A ``session_id`` must be one of the event's user's sessions: 404, as the messages
+        route answers (another user's session is not theirs to wake; issue 58)."""
+        seen: set[tuple[str, str]] = set()
+        for index, envelope in enumerate(envelopes):
+            if envelope.session_id is None or (envelope.user_id, envelope.session_id) in seen:
+                continue
+            async with self.user_ledger(envelope.user_id) as conn:
+                found = await agent.has_session(conn, user_id=envelope.user_id, session_id=envelope.session_id)
+            if not found:
+                where = f"events[{index}].session_id" if batch else "session_id"
+                raise Refusal(
+                    404,
+                    "unknown_session",
+                    f"{where}: no session {envelope.session_id} of user {envelope.user_id}",
+                    field=where,
+                )
+            seen.add((envelope.user_id, envelope.session_id))
 
     async def post_message(self, request: Request) -> Response:
         caller = await self.auth(request)
         user_id = request.path_params["user_id"]
-        if len(user_id) > 256 or text_problem(user_id, ident=True):
-            raise invalid("user_id", "at most 256 printable characters")
+        problem = id_problem(user_id)
+        if problem is not None:
+            raise invalid("user_id", problem)
         authorize(caller, Scope.MESSAGES, user_id)
         key = request.headers.get("idempotency-key")
         # ASCII only: header bytes arrive as latin-1, so a UTF-8 key would be stored as mojibake.
@@ -300,7 +337,9 @@ class EventsApi:
         source_id = key or str(uuid.uuid4())
         given = clear_answer(message.text) if session_id is not None and self.answer_reply else None
         if given is not None and session_id is not None and self.answer_reply is not None:
-            answered = await self.answer_reply(user_id, session_id, given, received_at(request), source_id)
+            answered = await self.answer_reply(
+                user_id, session_id, given, received_at(request), source_id, message.in_reply_to
+            )
             if answered is not None:
                 return answered
         event = Event(

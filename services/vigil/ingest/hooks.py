@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vigil.envelope import Event
+from vigil.envelope import Event, id_problem
 from vigil.ingest.auth import ledger
 from vigil.ingest.metrics import SIGNATURE_FAILURES, UNKNOWN_KEYS
 from vigil.ingest.publisher import Publisher
@@ -54,10 +54,11 @@ def _header(request: Request, *names: str) -> str | None:
 
 
 def _clean(value: Any, field: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise invalid(field, "missing or empty")
-    if len(value) > MAX_ID_CHARS or not value.isprintable():
-        raise invalid(field, f"longer than {MAX_ID_CHARS} characters or not printable")
+    if not isinstance(value, str):
+        raise invalid(field, "missing or not a string")
+    problem = id_problem(value, MAX_ID_CHARS)  # the one id rule: no edge space either
+    if problem is not None:
+        raise invalid(field, problem)
     return value
 
 
@@ -78,7 +79,7 @@ def delivery_event(provider: HookProvider, user_id: str, request: Request, body:
         document = _object(document)
         source_id = _clean(document.get("id"), "id")
         event_type = _clean(document.get("type"), "type")
-        if document.get("created") is not None:
+        if "created" in document:  # null too: a 400, not an event stored with no time (issue 58)
             try:
                 occurred_at = unix_seconds(document["created"])
             except NotParsed as exc:

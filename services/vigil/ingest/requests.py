@@ -19,11 +19,11 @@ from urllib.parse import unquote_to_bytes
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from vigil.httpserver import Refusal as Refusal  # the one refusal type; ingest's modules import it from here
-from vigil.httpserver import on_http_exception, on_unexpected
+from vigil.httpserver import host_problem, on_disconnect, on_http_exception, on_unexpected
 from vigil.numbers import MAX_DIGITS, NotParsed, json_constant, json_float, json_int, whole_number
 
 log = logging.getLogger(__name__)
@@ -213,13 +213,6 @@ async def on_refusal(_: Request, exc: Exception) -> Response:
     return exc.response()
 
 
-async def on_disconnect(_: Request, exc: Exception) -> Response:
-    # The client went away (or the server's read timeout closed it) while its body was
-    # read: nothing was produced, and nobody is left to read an answer.
-    log.debug("client disconnected before its body was read")
-    return JSONResponse({"error": "client_disconnected", "detail": "the request body was not received"}, 400)
-
-
 EXCEPTION_HANDLERS = {
     Refusal: on_refusal,
     HTTPException: on_http_exception,
@@ -280,17 +273,6 @@ def routing_path(scope: dict) -> str:
     raw_path = scope.get("raw_path") or scope["path"].encode()
     segments = (_decoded(raw, "path") for raw in raw_path.split(b"/"))
     return "/".join(segment.replace("%", "%25").replace("/", "%2F") for segment in segments)
-
-
-def host_problem(scope: dict) -> Refusal | None:
-    """RFC 9112 section 3.2: an HTTP/1.1 request without ``Host``, or any request with more
-    than one, is a 400 (two could name two different sites to a proxy in front of ingest)."""
-    hosts = sum(1 for name, _ in scope.get("headers", ()) if name.lower() == b"host")
-    if hosts > 1:
-        return invalid("Host", "sent more than once")
-    if hosts == 0 and scope.get("http_version") != "1.0":
-        return invalid("Host", "is missing (HTTP/1.1 requires it)")
-    return None
 
 
 class TargetCheck:

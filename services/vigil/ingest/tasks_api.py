@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from vigil.envelope import id_problem
 from vigil.ingest.auth import Caller, permits
 from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
@@ -35,7 +36,6 @@ from vigil.ledger.states import Scope, TaskStatus
 from vigil.numbers import NotParsed, instant, whole_number
 
 TASK_ID = re.compile(r"^tsk_[0-9a-f]{20}$")
-MAX_USER_ID_LENGTH = 200
 DEFAULT_PAGE = 50
 MAX_PAGE = 200
 MAX_WAIT_S = 60
@@ -73,8 +73,9 @@ def routes(ctx: Any) -> list[Route]:
     async def list_tasks(request: Request) -> Response:
         caller = await ctx.authenticate(request)
         user_id = request.path_params["user_id"]
-        if not 0 < len(user_id) <= MAX_USER_ID_LENGTH:
-            raise ctx.invalid("user_id", f"must be 1 to {MAX_USER_ID_LENGTH} characters")
+        problem = id_problem(user_id)  # the one id rule (it allowed 200 characters: issue 58)
+        if problem is not None:
+            raise ctx.invalid("user_id", problem)
         if not may_act_for(caller, user_id):
             raise forbidden(user_id)
         status = request.query_params.get("status")

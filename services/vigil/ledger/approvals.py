@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 import psycopg
 from psycopg.rows import DictRow
@@ -119,6 +120,26 @@ def answer(
 def open_request_of_session(conn: psycopg.Connection[DictRow], *, user_id: str, session_id: str) -> str | None:
     """The request id a session of this user waits on, if any (a chat reply naming it answers it)."""
     row = conn.execute(Q.approval_open_for_session, {"user_id": user_id, "session_id": session_id}).fetchone()
+    return None if row is None else row["request_id"]
+
+
+def request_of_reply(
+    conn: psycopg.Connection[DictRow], *, user_id: str, session_id: str, delivery_id: UUID | None
+) -> str | None:
+    """The request a chat reply of this user answers, open or not (issue 58: a late or second
+    answer is told what stands, as the API tells it, instead of running as a new turn).
+
+    In order: the request the delivery it names (``in_reply_to``) asked; the one its session
+    waits on; naming only the session, the one the session's newest message asked (the agent
+    said nothing since). None: the reply answers nothing, and is an ordinary message."""
+    if delivery_id is not None:
+        row = conn.execute(Q.approval_asked_by_delivery, {"user_id": user_id, "delivery_id": delivery_id}).fetchone()
+        if row is not None:
+            return str(row["request_id"])
+    found = open_request_of_session(conn, user_id=user_id, session_id=session_id)
+    if found is not None or delivery_id is not None:
+        return found
+    row = conn.execute(Q.approval_asked_last_in_session, {"user_id": user_id, "session_id": session_id}).fetchone()
     return None if row is None else row["request_id"]
 
 

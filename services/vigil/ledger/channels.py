@@ -36,7 +36,9 @@ class ChannelRow:
 
 
 def _open(row: dict[str, Any]) -> str | None:
-    return None if row["secret"] is None else sealing.keys().open(row["secret"], row["sealed_with"])
+    if row["secret"] is None:
+        return None
+    return sealing.keys().open(row["secret"], row["sealed_with"], sealing.Place("channels", row["user_id"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,8 @@ def set_channel(
 ) -> ChannelRow:
     """Create or replace a user's channel (its secret sealed with the current key);
     ``keep_gap`` / ``keep_cap`` keep the stored limits."""
-    stored, sealed_with = sealing.keys().seal(secret) if secret is not None else (None, None)
+    place = sealing.Place("channels", user_id)
+    stored, sealed_with = sealing.keys().seal(secret, place) if secret is not None else (None, None)
     row = conn.execute(
         Q.channel_set,
         {

@@ -195,7 +195,8 @@ def _hook(row: dict[str, Any] | None) -> Hook | None:
         return None
     keys = sealing.keys()
     pairs = zip(row["secrets"], row["sealed_with"], strict=True)
-    opened = [keys.open(secret, sealed_with) for secret, sealed_with in pairs]
+    place = sealing.Place("hook_secrets", row["id"])
+    opened = [keys.open(secret, sealed_with, place) for secret, sealed_with in pairs]
     return Hook(row["id"], row["provider"], row["user_id"], row["disabled_at"], opened)
 
 
@@ -227,7 +228,7 @@ def hooks(conn: psycopg.Connection[DictRow]) -> list[ListedHook]:
 
 def add_secret(conn: psycopg.Connection[DictRow], *, hook_id: str, secret: str) -> Secret | None:
     """Add a signing secret, sealed with the current key; None: no such hook, or it is disabled."""
-    stored, sealed_with = sealing.keys().seal(secret)
+    stored, sealed_with = sealing.keys().seal(secret, sealing.Place("hook_secrets", hook_id))
     row = conn.execute(Q.hook_secret_add, {"hook_id": hook_id, "secret": stored, "sealed_with": sealed_with}).fetchone()
     return None if row is None else Secret(row["id"], row["hook_id"], created_at=row["created_at"])
 

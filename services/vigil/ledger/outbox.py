@@ -179,7 +179,8 @@ def lock_due_users(
 def _opened(row: dict[str, Any]) -> dict[str, Any]:
     if row["secret"] is None:
         return row
-    return {**row, "secret": sealing.keys().open(row["secret"], row["sealed_with"])}
+    place = sealing.Place("channels", row["user_id"])
+    return {**row, "secret": sealing.keys().open(row["secret"], row["sealed_with"], place)}
 
 
 def unfinished_for_users(conn: psycopg.Connection[DictRow], users: list[str], max_messages: int) -> list[UnfinishedRow]:

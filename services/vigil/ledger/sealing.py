@@ -1,10 +1,19 @@
 """Secrets at rest: hook signing secrets and channel secrets, sealed with ``VIGIL_SECRET_KEY``.
 
 A secret that must be used in clear (an HMAC key cannot be checked against a hash) is stored
-as a Fernet token (AES-128-CBC with HMAC-SHA256, from the ``cryptography`` package) beside the
-id of the key that sealed it (``sealed_with``: the first 12 hex digits of the key's sha256).
-The ledger's functions seal on write and open on read, so a row read straight from
-PostgreSQL, a dump or a backup holds no usable secret.
+sealed with AES-256-GCM (``cryptography``'s AESGCM; the key derived from ``VIGIL_SECRET_KEY``
+by HKDF-SHA256) as ``v2:<base64url of nonce and ciphertext>``, beside the id of the key
+that sealed it (``sealed_with``: the first 12 hex digits of the key's sha256). The ledger's
+functions seal on write and open on read, so a row read straight from PostgreSQL, a dump or
+a backup holds no usable secret.
+
+The seal is bound to its place (:class:`Place`: table, owner, column) as associated data:
+a sealed value copied into another row (another hook's, another user's channel) does not
+open there, so whoever can write the ledger cannot swap secrets between rows (issue 58).
+The owner is the row's stable key: ``channels`` the user id, ``hook_secrets`` the hook id
+(its secrets are one hook's, interchangeable; the row id is not known before the insert).
+Rows sealed before (Fernet, no associated data) still open; ``vigil secrets rotate`` and
+``vigil migrate`` (with the key set) seal them again in the bound form.
 
 Keys: ``VIGIL_SECRET_KEY`` seals every new secret and opens its own rows;
 ``VIGIL_SECRET_OLD_KEYS`` (comma separated) only open rows during a rotation.
@@ -16,13 +25,19 @@ to start once a sealed row exists (:func:`check`), naming the setting.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
+import secrets
 from dataclasses import dataclass, field
 from functools import cache
 
 import psycopg
+from cryptography.exceptions import InvalidTag
 from cryptography.fernet import Fernet, InvalidToken
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from psycopg.rows import DictRow
 
 from vigil.errors import VigilError
@@ -31,6 +46,31 @@ from vigil.settings import SettingsError
 
 KEY_SETTING = "VIGIL_SECRET_KEY"
 OLD_KEYS_SETTING = "VIGIL_SECRET_OLD_KEYS"
+
+
+BOUND = "v2:"  # the prefix of a seal bound to its place; anything else sealed is a Fernet token
+NONCE_BYTES = 12
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a sealed secret lives: the associated data its seal is bound to."""
+
+    table: str
+    owner: str  # the row's stable key: channels.user_id, hook_secrets.hook_id
+    column: str = "secret"
+
+    def data(self) -> bytes:
+        # Length-prefixed, so no owner containing the separator can forge another place.
+        parts = (self.table, self.owner, self.column)
+        return b"".join(len(p.encode()).to_bytes(4, "big") + p.encode() for p in parts)
+
+
+def _aead(key: str) -> AESGCM:
+    derived = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"vigil sealed secrets v2").derive(
+        base64.urlsafe_b64decode(key.encode())
+    )
+    return AESGCM(derived)
 
 
 class SecretKeyError(VigilError):
@@ -53,10 +93,12 @@ class Keys:
     current: str | None = None
     old: tuple[str, ...] = ()
     _openers: dict[str, Fernet] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _aeads: dict[str, AESGCM] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for key in (*self.old, *([self.current] if self.current else [])):
             self._openers[key_id(key)] = Fernet(key.encode())
+            self._aeads[key_id(key)] = _aead(key)
 
     @property
     def current_id(self) -> str | None:
@@ -67,22 +109,33 @@ class Keys:
         """The ids of every key held: the rows these keys open."""
         return frozenset(self._openers)
 
-    def seal(self, secret: str) -> tuple[str, str | None]:
-        """(stored text, sealed_with): the Fernet token and the key's id; in clear without a key."""
+    def seal(self, secret: str, place: Place) -> tuple[str, str | None]:
+        """(stored text, sealed_with): the seal bound to ``place`` and the key's id; in clear
+        without a key."""
         if not self.current:
             return secret, None
-        return self._openers[key_id(self.current)].encrypt(secret.encode()).decode(), key_id(self.current)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        sealed = self._aeads[key_id(self.current)].encrypt(nonce, secret.encode(), place.data())
+        return BOUND + base64.urlsafe_b64encode(nonce + sealed).decode(), key_id(self.current)
 
-    def open(self, stored: str, sealed_with: str | None) -> str:
+    def open(self, stored: str, sealed_with: str | None, place: Place) -> str:
+        """The secret of the row at ``place``; SecretKeyError if no key held sealed it, or it
+        does not open there (altered, or copied from another row)."""
         if sealed_with is None:
             return stored
         opener = self._openers.get(sealed_with)
         if opener is None:
             raise SecretKeyError(_missing(sealed_with, self.current))
         try:
-            return opener.decrypt(stored.encode()).decode()
-        except InvalidToken:
-            raise SecretKeyError(f"a secret sealed with key {sealed_with} does not open (altered row?)") from None
+            if not stored.startswith(BOUND):
+                return opener.decrypt(stored.encode()).decode()  # sealed before issue 58: Fernet
+            raw = base64.urlsafe_b64decode(stored[len(BOUND) :].encode())
+            return self._aeads[sealed_with].decrypt(raw[:NONCE_BYTES], raw[NONCE_BYTES:], place.data()).decode()
+        except (InvalidToken, InvalidTag, ValueError):
+            raise SecretKeyError(
+                f"a secret sealed with key {sealed_with} does not open in {place.table} row {place.owner!r}"
+                " (altered, or copied from another row?)"
+            ) from None
 
 
 def _missing(sealed_with: str, current: str | None) -> str:
@@ -140,7 +193,8 @@ def check(conn: psycopg.Connection[DictRow], held: Keys) -> int:
 
 
 def rotate(conn: psycopg.Connection[DictRow], held: Keys) -> int:
-    """Seal again, with the current key, every secret sealed otherwise or in clear; the count.
+    """Seal again, with the current key and bound to its row, every secret sealed otherwise,
+    sealed unbound (Fernet, before issue 58) or in clear; the count.
 
     One row per statement, each checking the row still holds what was read (its text and key
     id), so a rotation running beside edits or a second rotation never overwrites a newer
@@ -150,9 +204,10 @@ def rotate(conn: psycopg.Connection[DictRow], held: Keys) -> int:
         raise SecretKeyError(f"{KEY_SETTING} is not set: there is no key to seal with")
     current = held.current_id
     done = 0
-    for row in conn.execute(Q.secrets_not_sealed_with, {"key_id": current}).fetchall():
-        plain = held.open(row["secret"], row["sealed_with"])
-        stored, sealed_with = held.seal(plain)
+    for row in conn.execute(Q.secrets_not_sealed_with, {"key_id": current, "bound": BOUND + "%"}).fetchall():
+        place = Place(row["tbl"], row["owner"])
+        plain = held.open(row["secret"], row["sealed_with"], place)
+        stored, sealed_with = held.seal(plain, place)
         args = {"id": row["id"], "old": row["secret"], "new": stored, "key_id": sealed_with}
         query = Q.hook_secret_reseal if row["tbl"] == "hook_secrets" else Q.channel_secret_reseal
         with conn.transaction():

@@ -25,10 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from vigil.envelope import id_problem
 from vigil.ledger import timers as ledger
 from vigil.ledger.states import Scope, TimerKind
 from vigil.numbers import NotParsed, whole_number
-from vigil.scheduler.timers import MAX_USER_ID_LENGTH, TIMER_ID, InvalidTimer, describe, parse_timer
+from vigil.scheduler.timers import TIMER_ID, InvalidTimer, describe, parse_timer
 
 DEFAULT_PAGE = 100
 # A quota frees up when one of the user's timers fires or is cancelled, which no client can
@@ -53,10 +54,9 @@ def routes(ctx: Any) -> list[Route]:
 
     def path_ids(request: Request, with_timer: bool = False) -> tuple[str, str | None]:
         user_id = request.path_params["user_id"]
-        if not 0 < len(user_id) <= MAX_USER_ID_LENGTH:
-            raise ctx.invalid("user_id", f"must be 1 to {MAX_USER_ID_LENGTH} characters")
-        if not user_id.isprintable():  # a %0A or %01 in the path (ingest refuses a %00 before routing)
-            raise ctx.invalid("user_id", "must not contain control characters")
+        problem = id_problem(user_id)  # a %0A, %01 or %20 in the path: the one id rule
+        if problem is not None:
+            raise ctx.invalid("user_id", problem)
         timer_id = request.path_params.get("timer_id") if with_timer else None
         if with_timer and not TIMER_ID.match(timer_id or ""):
             # No such id can exist, so this is the same 404 as an unknown one.

@@ -9,7 +9,7 @@ import time
 import click
 
 from vigil.admin.shards import Shards
-from vigil.cliutil import emit
+from vigil.cliutil import INT_MAX, WholeNumber, emit
 from vigil.ledger import timers as ledger
 from vigil.scheduler.main import serve
 from vigil.scheduler.settings import SchedulerSettings
@@ -58,7 +58,7 @@ def _user_ledger(user_id: str):
 @click.argument("user_id")
 @click.argument("timer_id")
 @click.option("--due", help="First occurrence: epoch seconds or RFC 3339 with an offset (2026-03-08T09:00:00Z).")
-@click.option("--every", type=int, help="Recur every this many seconds.")
+@click.option("--every", type=WholeNumber(1, INT_MAX), help="Recur every this many seconds.")
 @click.option("--cron", help="Recur by a 5-field cron expression (minute hour day month weekday), in --tz.")
 @click.option("--tz", default="UTC", show_default=True, help="IANA time zone the cron expression is read in.")
 @click.option(
@@ -69,7 +69,7 @@ def _user_ledger(user_id: str):
     show_default=True,
     help="After an outage: one event for the latest missed occurrence, one per occurrence, or none.",
 )
-@click.option("--max-lateness", type=int, help="Seconds: an occurrence older than this is skipped.")
+@click.option("--max-lateness", type=WholeNumber(0, INT_MAX), help="Seconds: an occurrence older than this is skipped.")
 @click.option("--payload", default="{}", help="JSON object copied into every event the timer fires.")
 @click.option("--json", "as_json", is_flag=True, help="Print the stored timer as one JSON object.")
 def timers_add(user_id, timer_id, due, every, cron, tz, catch_up, max_lateness, payload, as_json) -> None:

@@ -22,6 +22,7 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
+from vigil.envelope import id_problem
 from vigil.errors import VigilError
 from vigil.ledger.states import CatchUp, TimerKind
 
@@ -35,7 +36,6 @@ from vigil.scheduler.timing import TimerSpec, next_occurrence, validate_cron, va
 
 # Ids appear in URLs (DELETE .../timers/{id}) and in event keys (<id>@<epoch>).
 TIMER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-MAX_USER_ID_LENGTH = 256
 # The payload is copied into every event the timer fires; events should stay small.
 MAX_PAYLOAD_BYTES = 16 * 1024
 MAX_SECONDS = 2**31 - 1  # every_seconds and max_lateness are integer columns
@@ -112,10 +112,9 @@ def parse_timer(user_id: str, body: Any, now: int, min_every: int = 1) -> NewTim
     after ``now``, an interval one ``every`` seconds from ``now``. A one-off needs it.
     ``min_every`` is the API's floor for intervals (``VIGIL_MIN_TIMER_EVERY_S``).
     """
-    if not isinstance(user_id, str) or not user_id or len(user_id) > MAX_USER_ID_LENGTH:
-        raise InvalidTimer("user_id", f"must be 1 to {MAX_USER_ID_LENGTH} characters")
-    if not user_id.isprintable():  # also refuses NUL and lone surrogates
-        raise InvalidTimer("user_id", "must not contain control characters")
+    problem = id_problem(user_id) if isinstance(user_id, str) else "must be a string"
+    if problem is not None:
+        raise InvalidTimer("user_id", problem)
     if not isinstance(body, dict):
         raise InvalidTimer("body", "expected a JSON object")
     unknown = sorted(set(body) - FIELDS)

@@ -9,7 +9,7 @@ from functools import partial
 import click
 
 from vigil.admin.shards import Shards, echo_rows, report_down, shard_option, with_shard
-from vigil.cliutil import emit, login_name, table
+from vigil.cliutil import WholeNumber, emit, login_name, table
 from vigil.dispatcher.operator import dead_deliveries
 from vigil.ledger import console as ledger_console
 from vigil.ledger import events as ledger_events
@@ -60,7 +60,7 @@ def dead() -> None:
 
 
 @dead.command("list")
-@click.option("--limit", default=50, show_default=True)
+@click.option("--limit", type=WholeNumber(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def dead_list(limit: int, as_json: bool) -> None:
     """List dead events and dead deliveries, newest first (of every shard: "shard" says whose)."""
@@ -81,7 +81,7 @@ def dead_list(limit: int, as_json: bool) -> None:
 
 
 @dead.command("retry")
-@click.argument("ids", nargs=-1, type=int, required=True)
+@click.argument("ids", nargs=-1, type=WholeNumber(1), required=True)
 @click.option("--actor", default=None, help="Who is retrying (default: your login name).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @shard_option
@@ -119,7 +119,7 @@ def _retry(dsn: str, ids: list[int], who: str):
 
 @click.command()
 @click.argument("user_id")
-@click.option("--limit", default=50, show_default=True)
+@click.option("--limit", type=WholeNumber(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def inbox(user_id: str, limit: int, as_json: bool) -> None:
     """A user's events and their states, newest first (from the user's shard)."""

@@ -14,7 +14,7 @@ import json
 import click
 
 from vigil.admin.shards import Shards, shard_option
-from vigil.cliutil import Conflict, login_name, table
+from vigil.cliutil import Conflict, WholeNumber, login_name, table
 from vigil.ledger import audit
 from vigil.ledger import dreams as ledger
 from vigil.ledger.db import connect
@@ -47,8 +47,8 @@ def memory() -> None:
 
 @memory.command("history")
 @click.argument("user_id")
-@click.option("--limit", default=100, show_default=True)
-@click.option("--before", type=int, default=None, help="Only changes with ids below this one (paging).")
+@click.option("--limit", type=WholeNumber(1, 10_000), default=100, show_default=True)
+@click.option("--before", type=WholeNumber(1), default=None, help="Only changes with ids below this one (paging).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per change, old and new content included.")
 def memory_history(user_id: str, limit: int, before: int | None, as_json: bool) -> None:
     """A user's memory changes, newest first: who (run, task, operator), what, when (the
@@ -71,7 +71,7 @@ def memory_history(user_id: str, limit: int, before: int | None, as_json: bool) 
 
 
 @memory.command("revert")
-@click.argument("change_id", type=int)
+@click.argument("change_id", type=WholeNumber(1))
 @click.option("--actor", default=None, help="Who is reverting (default: your login name).")
 @shard_option
 def memory_revert(change_id: int, actor: str | None, shard: int | None) -> None:

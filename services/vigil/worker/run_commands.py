@@ -14,10 +14,11 @@ import json
 import click
 
 from vigil.admin.shards import Shards, shard_option
-from vigil.cliutil import table
+from vigil.cliutil import BIGINT_MAX, table
 from vigil.ledger import console as ledger_console
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.db import connect
+from vigil.numbers import NotParsed, whole_number
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 from vigil.worker.replay_commands import replay
@@ -30,11 +31,29 @@ def runs() -> None:
     """Runs and their journaled steps."""
 
 
+class RunRef(click.ParamType):
+    """A run's id, or its key ``<user>:<first event id>``: ``int`` or a ``str`` key whose
+    event id is ASCII digits in a bigint's range (``²``, ``١٢`` or 20 digits: a usage error,
+    exit 2, never a traceback from ``int()`` or the ledger; issue 58)."""
+
+    name = "RUN"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        user, colon, first = value.rpartition(":")
+        try:
+            number = whole_number(first, 1, BIGINT_MAX)
+        except NotParsed as exc:
+            self.fail(f"a run id or a key <user>:<first event id>: {exc}", param, ctx)
+        return f"{user}:{number}" if colon else number
+
+
 @runs.command("show")
-@click.argument("run")
+@click.argument("run", type=RunRef())
 @click.option("--json", "as_json", is_flag=True, help="The run and its steps as one JSON object.")
 @shard_option
-def runs_show(run: str, as_json: bool, shard: int | None) -> None:
+def runs_show(run: int | str, as_json: bool, shard: int | None) -> None:
     """A run (by id or key) and its steps. Exit 1 when there is no such run.
 
     A key names its user: the user's shard. An id counts per shard: the shard that has it."""
@@ -42,17 +61,17 @@ def runs_show(run: str, as_json: bool, shard: int | None) -> None:
 
     def read(dsn: str):
         with connect(dsn, autocommit=True) as conn:
-            if run.isdigit():
-                record = ledger_console.run(conn, int(run))
+            if isinstance(run, int):
+                record = ledger_console.run(conn, run)
                 if record is None:
                     return None
             else:
                 user, _, first = run.rpartition(":")
-                record = ledger_console.run_by_key(conn, user, int(first)) if first.isdigit() else None
-            key = f"{record.user_id}:{min(record.event_ids)}" if record is not None else run
+                record = ledger_console.run_by_key(conn, user, int(first))
+            key = f"{record.user_id}:{min(record.event_ids)}" if record is not None else str(run)
             return record, key, [s.view() for s in ledger_journal.steps(conn, key)]
 
-    if run.isdigit():
+    if isinstance(run, int):
         found = shards.locate(read, f"run {run}", shard)
         if found is None:
             raise click.ClickException(f"no run {run}")

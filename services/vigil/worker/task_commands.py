@@ -14,7 +14,7 @@ import json
 import click
 
 from vigil.admin.shards import Shards, echo_rows, report_down, shard_option, with_shard
-from vigil.cliutil import EXIT_CONFLICT, Conflict, login_name, table
+from vigil.cliutil import EXIT_CONFLICT, Conflict, WholeNumber, login_name, table
 from vigil.ledger import audit
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import connect_async
@@ -54,7 +54,7 @@ def tasks() -> None:
 @tasks.command("list")
 @click.option("--user", "user_id", default=None, help="Only this user's tasks.")
 @click.option("--status", default=None, help="Only tasks in this status (queued, running, succeeded, ...).")
-@click.option("--limit", default=50, show_default=True)
+@click.option("--limit", type=WholeNumber(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def tasks_list(user_id: str | None, status: str | None, limit: int, as_json: bool) -> None:
     """Tasks, newest first: every shard's merged (--user: that user's shard)."""

@@ -47,6 +47,19 @@ WHERE user_id = %(user_id)s AND session_id = %(session_id)s AND answer IS NULL
 ORDER BY created_at DESC
 LIMIT 1
 
+-- name: approval_asked_by_delivery
+-- The request a question's delivery asked (its actions name it), whatever its state: a chat reply naming that delivery answers it, or is told the answer that stands.
+SELECT actions -> 0 ->> 'request_id' AS request_id FROM outbox
+WHERE user_id = %(user_id)s AND delivery_id = %(delivery_id)s AND actions -> 0 ->> 'request_id' IS NOT NULL
+ORDER BY id DESC
+LIMIT 1
+
+-- name: approval_asked_last_in_session
+-- The request the session's newest message asked, if its newest message is a question: a reply naming only the session, when the agent said nothing since asking, replies to it.
+SELECT actions -> 0 ->> 'request_id' AS request_id
+FROM (SELECT actions FROM outbox WHERE user_id = %(user_id)s AND session_id = %(session_id)s ORDER BY id DESC LIMIT 1) AS newest
+WHERE actions -> 0 ->> 'request_id' IS NOT NULL
+
 -- name: approvals_list
 -- Operators (`vigil approvals list`): requests, newest first; only the open ones unless %(all)s; one user's if %(user_id)s is set.
 SELECT request_id, user_id, session_id, tool, due, on_expiry, escalations, answer, answered_at, created_at

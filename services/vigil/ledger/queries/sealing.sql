@@ -9,12 +9,12 @@ SELECT 'channels', sealed_with, count(*) FROM channels WHERE secret IS NOT NULL 
 ORDER BY 1, 2 NULLS FIRST
 
 -- name: secrets_not_sealed_with
--- Every stored secret not sealed with %(key_id)s (in clear included), for a rotation.
-SELECT 'hook_secrets' AS tbl, id::text AS id, secret, sealed_with
-FROM hook_secrets WHERE sealed_with IS DISTINCT FROM %(key_id)s
+-- Every stored secret not sealed with %(key_id)s in the bound form (prefix %(bound)s), in clear included, for a rotation; owner is the row's place.
+SELECT 'hook_secrets' AS tbl, id::text AS id, hook_id AS owner, secret, sealed_with
+FROM hook_secrets WHERE sealed_with IS DISTINCT FROM %(key_id)s OR secret NOT LIKE %(bound)s
 UNION ALL
-SELECT 'channels', user_id, secret, sealed_with
-FROM channels WHERE secret IS NOT NULL AND sealed_with IS DISTINCT FROM %(key_id)s
+SELECT 'channels', user_id, user_id, secret, sealed_with
+FROM channels WHERE secret IS NOT NULL AND (sealed_with IS DISTINCT FROM %(key_id)s OR secret NOT LIKE %(bound)s)
 
 -- name: hook_secret_reseal
 -- Replace one hook secret's stored text, only if it still holds what the rotation read.
