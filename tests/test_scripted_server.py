@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
@@ -479,6 +480,19 @@ def test_a_delay_range_draws_each_answer_s_wait(serve):
     assert max(took) - min(took) > 0.05, took
 
 
+def test_a_held_answer_waits_for_its_file(serve, tmp_path):
+    """ "hold": the rebalance bench holds a wave of runs in flight until a second worker's join
+    is under way, however long that worker takes to start on a loaded machine."""
+    hold = tmp_path / "release"
+    server = serve([{"hold": str(hold), "reply": [{"type": "text", "text": "ok"}]}])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(client(server).messages.create, model=MODEL, max_tokens=16, messages=[user("hi")])
+        with pytest.raises(concurrent.futures.TimeoutError):
+            answer.result(timeout=0.5)
+        hold.touch()
+        assert answer.result(timeout=10).content[0].text == "ok"
+
+
 def test_script_errors_are_caught_early():
     for bad in (
         {"rules": "nope"},
@@ -491,6 +505,8 @@ def test_script_errors_are_caught_early():
         [{"delay": [2, 1]}],
         [{"delay": [1]}],
         [{"delay": True}],
+        [{"hold": 3}],
+        [{"hold": ""}],
     ):
         with pytest.raises(ScriptError):
             compile_script(bad)

@@ -84,8 +84,11 @@ A rule::
         "retry_after": 1            #   retry-after header on 429/529 (default 1 second)
       },
       "times": 2,                   # optional: the rule answers at most this many requests
-      "delay": 0.5                  # optional: seconds to wait before answering, or
-    }                               #   [low, high]: a uniformly drawn wait per request
+      "delay": 0.5,                 # optional: seconds to wait before answering, or
+                                    #   [low, high]: a uniformly drawn wait per request
+      "hold": "PATH"                # optional: after the delay, the answer also waits until
+    }                               #   the file PATH exists (a load's held wave: every
+                                    #   process of a --load group sees the same file)
 
 A REGEX is a Python regular expression (``re.search``; use inline flags such as ``(?i)`` or
 ``(?s)``), or a list of them that must all match.  Their groups can be substituted into any
@@ -118,6 +121,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import socket
@@ -151,7 +155,8 @@ _ERROR_TYPES = {
 }
 _STOP_REASONS = {"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"}
 _WHEN_KEYS = {"user_text", "tool_result", "tool_result_text", "tool_result_error", "system", "model", "history"}
-_RULE_KEYS = {"name", "when", "reply", "stop_reason", "error", "times", "delay"}
+_RULE_KEYS = {"name", "when", "reply", "stop_reason", "error", "times", "delay", "hold"}
+_HOLD_POLL_S = 0.05
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{(\w+)(?::(int|float))?\}")
 _TYPED_PLACEHOLDER = re.compile(r"^\{(\w+):(int|float)\}$")
@@ -207,6 +212,7 @@ class _Rule:
     stop_reason: str | None
     times: int | None
     delay: tuple[float, float]  # (low, high): seconds before answering, drawn per request
+    hold: str | None = None  # a file that must exist before the answer goes
 
     @property
     def label(self) -> str:
@@ -290,7 +296,10 @@ def _compile_rule(index: int, raw: Any) -> _Rule:
     if times is not None and (not isinstance(times, int) or isinstance(times, bool) or times < 0):
         raise ScriptError(f"{where}.times: expected a non-negative integer")
     delay = _delay(raw.get("delay", 0), where)
-    return _Rule(index, str(raw.get("name", "")), when, reply, error, stop_reason, times, delay)
+    hold = raw.get("hold")
+    if hold is not None and (not isinstance(hold, str) or not hold):
+        raise ScriptError(f"{where}.hold: expected a file path")
+    return _Rule(index, str(raw.get("name", "")), when, reply, error, stop_reason, times, delay, hold)
 
 
 def _delay(raw: Any, where: str) -> tuple[float, float]:
@@ -817,6 +826,8 @@ async def _create_message(request: Request) -> Response:
         low, high = rule.delay
         if high:
             await asyncio.sleep(random.uniform(low, high))
+        while rule.hold is not None and not os.path.exists(rule.hold):
+            await asyncio.sleep(_HOLD_POLL_S)
 
         if rule.error is not None:
             headers = {}

@@ -108,19 +108,18 @@ SIZES = {
 }
 
 
-def script(delay_s: float, spread_s: float = 0.0) -> dict:
+def script(delay_s: float, spread_s: float = 0.0, hold: Path | None = None) -> dict:
     """Every first call: after ``delay_s`` +/- ``spread_s`` (drawn uniformly per call), a
-    send_message; the call with its result: done at once."""
-    return {
-        "rules": [
-            {"name": "done", "when": {"tool_result": "send_message"}, "reply": []},
-            {
-                "name": "reply",
-                "delay": [delay_s - spread_s, delay_s + spread_s],
-                "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "On it.", "urgent": False}}],
-            },
-        ]
+    send_message; the call with its result: done at once. ``hold``: first calls also wait
+    until that file exists (``ScriptedServers.release``)."""
+    reply = {
+        "name": "reply",
+        "delay": [delay_s - spread_s, delay_s + spread_s],
+        "reply": [{"type": "tool_use", "name": "send_message", "input": {"text": "On it.", "urgent": False}}],
     }
+    if hold is not None:
+        reply["hold"] = str(hold)
+    return {"rules": [{"name": "done", "when": {"tool_result": "send_message"}, "reply": []}, reply]}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -139,13 +138,23 @@ def rss_mb(pid: int) -> float:
 class ScriptedServers:
     """``count`` scripted server processes on one port (``--load``: SO_REUSEPORT, no recording).
     ``rules``: a script of the caller's instead of the model-bound one, on one process that
-    records every request (``GET /_requests``)."""
+    records every request (``GET /_requests``). ``held``: first calls are not answered before
+    ``release()``."""
 
-    def __init__(self, workdir: Path, delay_s: float, count: int, spread_s: float = 0.0, rules: dict | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        delay_s: float,
+        count: int,
+        spread_s: float = 0.0,
+        rules: dict | None = None,
+        held: bool = False,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = workdir / f"model-bound-script-{self.port}.json"
-        path.write_text(json.dumps(rules or script(delay_s, spread_s)))
+        self.hold = workdir / f"model-bound-hold-{self.port}"
+        path.write_text(json.dumps(rules or script(delay_s, spread_s, self.hold if held else None)))
         self.log_path = workdir / f"model-bound-server-{self.port}.log"
         args = [sys.executable, "-m", "vigil_dev.scripted_server", "--script", str(path)]
         args += ["--port", str(self.port), "--log-level", "warning"] + ([] if rules else ["--load"])
@@ -173,6 +182,10 @@ class ScriptedServers:
 
     def cpu_seconds(self) -> float:
         return sum(cpu_seconds(proc.pid) for proc in self.procs)
+
+    def release(self) -> None:
+        """Held first calls go (after their delay, counted from their arrival or later)."""
+        self.hold.touch()
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -210,12 +223,15 @@ def claude_worker(stack: BenchStack, dsn: str, topics, size: Size, url: str, **s
 
 
 @contextlib.contextmanager
-def claude_stack(stack: BenchStack, plan: Plan, size, servers: int = 1, **settings: str) -> Iterator[tuple]:
-    """Scripted servers answering after ``size.delay_s`` +/- ``size.spread_s``, a ledger, the
-    topics and one worker running the Claude agent against them (``settings``: its environment
-    beyond the bench's), ready (partitions held): ``(servers, dsn, topics, workers)``."""
+def claude_stack(
+    stack: BenchStack, plan: Plan, size, servers: int = 1, held: bool = False, **settings: str
+) -> Iterator[tuple]:
+    """Scripted servers answering after ``size.delay_s`` +/- ``size.spread_s`` (``held``: and
+    not before ``servers.release()``), a ledger, the topics and one worker running the Claude
+    agent against them (``settings``: its environment beyond the bench's), ready (partitions
+    held): ``(servers, dsn, topics, workers)``."""
     with (
-        ScriptedServers(stack.workdir, size.delay_s, servers, size.spread_s) as scripted,
+        ScriptedServers(stack.workdir, size.delay_s, servers, size.spread_s, held=held) as scripted,
         stack.ledger() as dsn,
         stack.topics(plan.partitions) as topics,
     ):

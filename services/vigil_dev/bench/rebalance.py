@@ -113,7 +113,10 @@ def _late(count: int) -> list[tuple[bytes, bytes]]:
 def _join(stack: BenchStack, plan: Plan, size: Size, late: bool = False, **settings: str) -> Join:
     """One worker fills its slots, a second joins; what that cost (``settings``: both workers').
     ``late``: once the hand-over has begun, ``size.late`` new users send a message each."""
-    with claude_stack(stack, plan, size, **settings) as (servers, dsn, topics, workers):  # type: ignore[arg-type]
+    # The first wave's answers are held until the join is under way: on a loaded machine the
+    # second worker can take longer to start than a run takes, and a join with no run in
+    # flight measures nothing (it failed the bench with "no hand-over began" once).
+    with claude_stack(stack, plan, size, held=True, **settings) as (servers, dsn, topics, workers):  # type: ignore[arg-type]
         first = workers.procs[0]
         with (
             load.BenchProducer(stack.bootstrap, topics.events) as producer,
@@ -138,8 +141,17 @@ def _join(stack: BenchStack, plan: Plan, size: Size, late: bool = False, **setti
                         raise RuntimeError(f"no hand-over began within {START_TIMEOUT_S:.0f}s of the join")
                     workers.check()
                     time.sleep(0.02)
+                servers.release()
                 producer.blast(_late(size.late))
                 extra = size.late
+            else:
+                deadline = time.monotonic() + START_TIMEOUT_S
+                while first.metric("vigil_worker_revoke_seconds_count") < 1:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no revoke within {START_TIMEOUT_S:.0f}s of the join")
+                    workers.check()
+                    time.sleep(0.02)
+                servers.release()
             wait_finished(conn, size.users + extra, workers, servers)
             took = time.monotonic() - joined
             moved = [r["s"] for r in conn.execute(M.rebalance_moved_record_s, {"source": LATE_SOURCE}).fetchall()]
