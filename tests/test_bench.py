@@ -26,14 +26,20 @@ from vigil_dev.bench.plan import QUICK
 QUICK_BUDGET_S = 300
 
 
+BENCH = [sys.executable, "-m", "vigil_dev.bench"]
+
+
 @pytest.mark.slow
 @pytest.mark.solo  # minutes of load on every core, and a bound on its own time
 @pytest.mark.timeout(QUICK_BUDGET_S + 60)
 def test_quick_bench_prints_every_figure_and_cleans_up(stack):
+    """And ``--latency-curve``: more latency rounds at given shares of the saturated rate, so
+    the knee (docs/performance.md, "Where the knee is") is a command, not a scratch script.
+    One run for both: the curve needs the e2e workload, which is a fifth of the run's time."""
     env = {**os.environ, "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap, "VIGIL_DATABASE_URL": stack.admin_dsn}
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "vigil_dev.bench", "--quick"],
+        [*BENCH, "--quick", "--latency-curve", "0.3,0.4"],
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -50,29 +56,21 @@ def test_quick_bench_prints_every_figure_and_cleans_up(stack):
     assert re.search(r"^postgresql: \d+", output, re.MULTILINE)
     assert re.search(r"^kafka: ", output, re.MULTILINE)
     assert "summary (ratios against the targets" in output
+    curve = re.findall(
+        r"^latency curve: (\S+) of e2e_events_per_s \((\d+) events/s\): p50 \d+ ms, p99 \d+ ms", output, re.M
+    )
+    rate = float(re.search(r"^e2e_events_per_s: ([0-9.]+)", output, re.M).group(1))
+    assert [share for share, _ in curve] == ["0.30", "0.40"], output
+    for (share, offered), expected in zip(curve, (0.3, 0.4), strict=True):
+        assert abs(int(offered) - rate * expected) <= max(2, rate / 100), (share, offered, rate)
     assert took < QUICK_BUDGET_S, f"--quick took {took:.0f}s"
     # Everything the bench created is gone: its databases (and its topics, dropped with them).
     left = query(stack.admin_dsn, "SELECT datname FROM pg_database WHERE datname LIKE 'vigil_bench_%%'")
     assert left == [], left
 
 
-@pytest.mark.slow
-@pytest.mark.solo  # saturates the machine to find the e2e rate, then measures latency under load
-def test_the_latency_curve_prints_a_line_per_share(stack):
-    """``--latency-curve``: more latency rounds at given shares of the saturated rate, so the
-    knee (docs/performance.md, "Where the knee is") is a command, not a scratch script."""
-    env = {**os.environ, "VIGIL_KAFKA_BOOTSTRAP": stack.bootstrap, "VIGIL_DATABASE_URL": stack.admin_dsn}
-    args = [sys.executable, "-m", "vigil_dev.bench", "--quick", "--only", "e2e", "--latency-curve", "0.3,0.4"]
-    result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
-    curve = re.findall(
-        r"^latency curve: (\S+) of e2e_events_per_s \((\d+) events/s\): p50 \d+ ms, p99 \d+ ms", result.stdout, re.M
-    )
-    rate = float(re.search(r"^e2e_events_per_s: ([0-9.]+)", result.stdout, re.M).group(1))
-    assert [share for share, _ in curve] == ["0.30", "0.40"], result.stdout
-    for (share, offered), expected in zip(curve, (0.3, 0.4), strict=True):
-        assert abs(int(offered) - rate * expected) <= max(2, rate / 100), (share, offered, rate)
-    bad = subprocess.run([*args[:-1], "0.3,x"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+def test_a_latency_curve_that_is_not_numbers_is_refused():
+    bad = subprocess.run([*BENCH, "--latency-curve", "0.3,x"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--latency-curve: comma-separated numbers" in bad.stderr
 
 

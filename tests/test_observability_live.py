@@ -128,6 +128,7 @@ def test_every_recording_rule_and_dashboard_query_returns_series(
         "VIGIL_MODEL": "claude-scripted-1",
         "VIGIL_TOOL_PERMISSIONS": "refund=ask",
         "VIGIL_USER_DAILY_TOKENS": "10000000",  # a budget, for the budgets row's spend against it
+        "VIGIL_KAFKA_OPT_STATISTICS_INTERVAL_MS": "1000",  # the consumer lag series without 15 s waits
     }
     envs = {
         "worker": worker_env,
@@ -171,8 +172,8 @@ def test_every_recording_rule_and_dashboard_query_returns_series(
         panels = dashboard_panels()
         targets = [with_variables(target["expr"]) for panel in panels for target in panel["targets"]]
         assert len(records) >= 20 and len(panels) >= 40
-        # The worker reports consumer lag with its librdkafka statistics (every 15 s), and the
-        # rules run every second: wait until nothing is missing, then say what still is.
+        # The worker reports consumer lag with its librdkafka statistics (every second here), and
+        # the rules run every second: wait until nothing is missing, then say what still is.
         missing: list[str] = []
 
         def all_answer() -> bool:

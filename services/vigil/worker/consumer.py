@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 RETRY_S = 1.0
 # take_over's wait for a hand-over, when the caller knows none is in progress or has waited.
 HANDOVER_WITHIN_NONE = 0.0
+# librdkafka's statistics (the consumer lag gauges): VIGIL_KAFKA_OPT_STATISTICS_INTERVAL_MS
+# overrides it, as the tests that wait for a report do.
 STATS_INTERVAL_MS = 15_000
 
 
@@ -90,7 +92,11 @@ FETCH_WAIT_MAX_MS = 10
 
 
 def consumer_config(settings: WorkerSettings, on_stats) -> dict[str, Any]:
-    config: dict[str, Any] = {"fetch.min.bytes": FETCH_MIN_BYTES, "fetch.wait.max.ms": FETCH_WAIT_MAX_MS}
+    config: dict[str, Any] = {
+        "fetch.min.bytes": FETCH_MIN_BYTES,
+        "fetch.wait.max.ms": FETCH_WAIT_MAX_MS,
+        "statistics.interval.ms": STATS_INTERVAL_MS,
+    }
     config.update(settings.kafka_client_options())
     config.update(
         {
@@ -109,7 +115,6 @@ def consumer_config(settings: WorkerSettings, on_stats) -> dict[str, Any]:
             # the hand-over began with a fifth (docs/performance.md, "Rebalances").
             "heartbeat.interval.ms": max(500, settings.kafka_session_timeout_ms // 10),
             "max.poll.interval.ms": settings.kafka_max_poll_interval_ms,
-            "statistics.interval.ms": STATS_INTERVAL_MS,
             "stats_cb": on_stats,
         }
     )

@@ -90,8 +90,9 @@ def figure_names(plan: Plan) -> list[str]:
     return [name.format(small=plan.small_window_ms) for name in FIGURES]
 
 
-def _phase(report: Report, plan: Plan, names: list[str], action) -> None:
+def _phase(report: Report, workload: str, names: list[str], action) -> None:
     """Run one workload; if it fails, its figures that are still missing print as pending."""
+    began = time.monotonic()
     try:
         action()
     except Exception as exc:  # one failed workload must not hide the others' figures
@@ -100,6 +101,9 @@ def _phase(report: Report, plan: Plan, names: list[str], action) -> None:
         for name in names:
             if name not in report.figures:
                 report.add(Figure(name, pending=f"failed: {reason}"))
+    finally:
+        # Where a run's minutes go: the figures do not say, and `make test` pays for them.
+        report.say(f"workload {workload}: {time.monotonic() - began:.1f} s")
 
 
 def _worker_settings(report: Report) -> WorkerSettings:
@@ -288,7 +292,7 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: b
         }
         for name, (figures, action) in workloads.items():
             if only is None or name in only:
-                _phase(report, plan, figures, action)
+                _phase(report, name, figures, action)
         summary(report, plan)
         load_avg = " ".join(f"{x:.2f}" for x in os.getloadavg())
         report.say(f"\nload average at end: {load_avg}; took {time.monotonic() - began:.0f} s")
