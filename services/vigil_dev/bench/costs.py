@@ -150,7 +150,7 @@ def _print_tables(before: Tables, after: Tables, done: tuple[int, int], label: s
     scans per run (0: written by every insert and non-HOT update, read by no statement)."""
     runs = max(done[1], 1)
     print(
-        f"  rows written by table{f' ({label})' if label else ''}, per run of {done[1]} ({done[0]} events):",
+        f"  rows written by table{label}, per run of {done[1]} ({done[0]} events):",
         file=sys.stderr,
     )
     for table, now in sorted(after[0].items()):
