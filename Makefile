@@ -66,7 +66,7 @@ fmt: $(STAMP) ## ruff: fix what can be fixed and format
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP) ## Run the benchmarks (about 12 minutes on 2 cores, River's CLI built first once per machine) and print name: value lines
+bench: $(STAMP) ## Run the benchmarks (about 12 minutes on 2 cores; River's CLI is built once per machine) and print name: value lines
 	$(BIN)/python -m vigil_dev.bench
 
 bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes; skips River)
