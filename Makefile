@@ -66,10 +66,10 @@ fmt: $(STAMP) ## ruff: fix what can be fixed and format
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP) ## Run the benchmarks (about 8 minutes on 2 cores) and print name: value lines
+bench: $(STAMP) ## Run the benchmarks (about 12 minutes on 2 cores; River's CLI is built once per machine) and print name: value lines
 	$(BIN)/python -m vigil_dev.bench
 
-bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes)
+bench-quick: $(STAMP) ## The benchmarks' smoke mode (under 3 minutes; skips River)
 	$(BIN)/python -m vigil_dev.bench --quick
 
 SEED ?= 1
@@ -86,7 +86,8 @@ eval: $(STAMP) ## The agent's behaviour across scenarios, as a table: offline (s
 clean: down ## Stop the stack and delete .run/ (Kafka jars, data, logs)
 	rm -rf .run
 
-# Go-built checkers for deploy/ (tests/test_deploy.py), built once per machine outside the repo.
+# Go-built checkers for deploy/ (tests/test_deploy.py) and the bench's peer (River's CLI,
+# tests/test_bench_river.py), built once per machine outside the repo.
 GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
 TOOLS := $(HOME)/.cache/vigil/tools
 KUBE_SCORE_VERSION := v1.20.0
@@ -96,8 +97,9 @@ $(TOOLS)/kube-score-$(KUBE_SCORE_VERSION)/kube-score:
 $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize:
 	GOBIN=$(dir $@) $(GO) install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
 
-tools: $(TOOLS)/kube-score-$(KUBE_SCORE_VERSION)/kube-score $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize ## Build kube-score, kustomize, promtool and prometheus (Go) under ~/.cache/vigil/tools, once
+tools: $(TOOLS)/kube-score-$(KUBE_SCORE_VERSION)/kube-score $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize ## Build kube-score, kustomize, promtool, prometheus and River's CLI (Go) under ~/.cache/vigil/tools, once
 	@bash deploy/tools/build-prometheus.sh >/dev/null
+	@bash deploy/tools/build-river.sh >/dev/null
 
 lock: $(STAMP) ## Refresh deploy/requirements.lock (exact versions and hashes the image installs) from pyproject.toml
 	$(BIN)/pip install -q uv==0.13.9

@@ -56,6 +56,17 @@ def test_quick_bench_prints_every_figure_and_cleans_up(stack):
     assert re.search(r"^postgresql: \d+", output, re.MULTILINE)
     assert re.search(r"^kafka: ", output, re.MULTILINE)
     assert "summary (ratios against the targets" in output
+    # River is skipped in --quick, and says so; its ratios too.
+    assert "river: skipped in --quick" in output and "e2e_vs_river: skipped in --quick" in output
+    # Each cost pass says where its rows and its WAL went (docs/performance.md, "What a single-event run writes").
+    assert re.search(
+        r"^    events_live: [0-9.]+ ins, [0-9.]+ upd \([0-9.]+ HOT\), [0-9.]+ del; index scans per run: ",
+        result.stderr,
+        re.M,
+    ), result.stderr[-3000:]
+    assert re.search(r"^  WAL by relation, per run \(bytes, records\): .*\bevents_live \d+ B", result.stderr, re.M), (
+        result.stderr[-3000:]
+    )
     curve = re.findall(
         r"^latency curve: (\S+) of e2e_events_per_s \((\d+) events/s\): p50 \d+ ms, p99 \d+ ms", output, re.M
     )

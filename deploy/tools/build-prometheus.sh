@@ -5,7 +5,8 @@
 #
 # The binaries are cached under ${VIGIL_TOOLS_DIR:-~/.cache/vigil/tools}/prometheus-<version>/,
 # outside the repository; a second call prints the folder and returns at once. Several test
-# sessions may call it at the same time: a lock makes the others wait for the one build.
+# sessions may call it at the same time: a lock makes the others wait for the one build
+# (deploy/tools/once.sh).
 #
 # Why not `go install .../cmd/promtool@version`: the module's go.mod has `exclude`
 # directives, which `go install pkg@version` refuses. Downloading the module and building
@@ -17,19 +18,8 @@ set -euo pipefail
 VERSION="${VIGIL_PROMETHEUS_VERSION:-v0.316.0}"  # Prometheus 3.x's Go module version
 OUT="${VIGIL_TOOLS_DIR:-$HOME/.cache/vigil/tools}/prometheus-$VERSION"
 
-if [ -x "$OUT/promtool" ] && [ -x "$OUT/prometheus" ]; then
-  echo "$OUT"
-  exit 0
-fi
-command -v go >/dev/null 2>&1 || PATH="$PATH:/usr/local/go/bin"  # the Go toolchain's usual home
-command -v go >/dev/null 2>&1 || { echo "build-prometheus: the Go toolchain (go 1.26+) is not on PATH" >&2; exit 2; }
-mkdir -p "$OUT"
-exec 9>"$OUT.lock"
-flock 9
-if [ -x "$OUT/promtool" ] && [ -x "$OUT/prometheus" ]; then  # another caller built it meanwhile
-  echo "$OUT"
-  exit 0
-fi
+. "$(dirname "$0")/once.sh"
+once_per_machine "$OUT" "$OUT" promtool prometheus
 
 export GOWORK=off GOFLAGS="-mod=mod"
 started=$(date +%s)

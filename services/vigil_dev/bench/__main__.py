@@ -26,6 +26,7 @@ from vigil_dev.bench import (
     raw,
     rebalance,
     retention,
+    river,
     rolling,
     shards,
 )
@@ -48,6 +49,7 @@ FIGURES = [
     "e2e_2_workers_events_per_s",
     "scale_2_workers_ratio",
     "e2e_single_event_runs_per_s",
+    *river.FIGURES,
     "trivial_http_requests_per_s",
     "ingest_http_events_per_s",
     "ingest_http_batched_events_per_s",
@@ -70,6 +72,7 @@ WORKLOADS = [
     "record",
     "e2e",
     "single",
+    "river",
     "memory",
     "ingest",
     "retention",
@@ -87,7 +90,9 @@ FALLBACK_RATE = 1000.0  # events/s for a workload whose input figure failed
 
 
 def figure_names(plan: Plan) -> list[str]:
-    return [name.format(small=plan.small_window_ms) for name in FIGURES]
+    """The figures ``plan`` prints: River's only where it runs (not in ``--quick``)."""
+    skipped = river.FIGURES if plan.river_seconds <= 0 else []
+    return [name.format(small=plan.small_window_ms) for name in FIGURES if name not in skipped]
 
 
 def _phase(report: Report, workload: str, names: list[str], action) -> None:
@@ -156,6 +161,7 @@ def summary(report: Report, plan: Plan) -> None:
         )
     else:
         line("single_event_runs_vs_raw_pg", None, "missing input", None)
+    river.summary(report, plan, line)
     p99, p99_small = v("e2e_latency_p99_ms"), v(f"e2e_latency_p99_ms_window_{plan.small_window_ms}ms")
     if p99 is not None:
         line(
@@ -249,6 +255,8 @@ def run(plan: Plan, keep_logs: bool, only: set[str] | None = None, statements: b
                     stack, plan, report, report.value("e2e_runs_per_s") or FALLBACK_RATE / 2
                 ),
             ),
+            # The peer, right after vigil's figures it is compared with: the same hour, the same neighbours.
+            "river": (river.FIGURES, lambda: river.river(stack, plan, report)),
             "memory": (
                 ["worker_rss_mb", "worker_rss_growth_mb"],
                 lambda: pipeline.memory(stack, plan, report, (report.value("e2e_events_per_s") or FALLBACK_RATE) / 2),

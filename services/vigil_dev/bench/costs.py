@@ -19,6 +19,7 @@ and its neighbours; the counts do not.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,14 +101,20 @@ def measure_shards(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[list[d
     pid = workers.procs[0].pid
     time.sleep(plan.cost_settle_s)
     before = [_snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
+    tables_before = [_by_table(dsn) for dsn in e2e.dsns]
     source = e2e._source("cost")
     produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, e2e.users, source).result()
     time.sleep(0.3)
     e2e._drain(workers, source, produced.count)
     time.sleep(plan.cost_settle_s)
     after = [_snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
+    tables_after = [_by_table(dsn) for dsn in e2e.dsns]  # before the bench's own reads below
     grown = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
     done = [_round_done(dsn, source) for dsn in e2e.dsns]
+    for shard, dsn in enumerate(e2e.dsns):
+        label = f" (shard {shard})" if len(e2e.dsns) > 1 else ""
+        _print_tables(tables_before[shard], tables_after[shard], done[shard], label)
+        _print_wal(dsn, before[shard]["wal_bytes"], after[shard]["wal_bytes"], done[shard][1], label)
     return grown, [d[0] for d in done], [d[1] for d in done]
 
 
@@ -121,3 +128,58 @@ def _round_done(dsn: str, source: str) -> tuple[int, int]:
 def add_figures(report: Report, unit: str, grown: dict, count: int, note: str) -> None:
     for name in COUNTERS:
         report.add(Figure(f"cost_{name}_per_{unit}", [grown[name] / max(count, 1)], per="run", note=note))
+
+
+Tables = tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]  # rows by table, index scans by table
+
+
+def _by_table(dsn: str) -> Tables:
+    """Each table's inserted, updated (HOT among them) and deleted rows, and each of its
+    indexes' scans, so far."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        rows = {r["relname"]: {k: int(r[k]) for k in ("ins", "upd", "hot", "del")} for r in conn.execute(B.cost_tables)}
+        scans: dict[str, dict[str, int]] = {}
+        for r in conn.execute(B.cost_indexes):
+            scans.setdefault(r["relname"], {})[r["indexrelname"]] = int(r["idx_scan"])
+    return rows, scans
+
+
+def _print_tables(before: Tables, after: Tables, done: tuple[int, int], label: str) -> None:
+    """Where a cost pass's rows went, per run: one line per table written, with its indexes'
+    scans per run (0: written by every insert and non-HOT update, read by no statement)."""
+    runs = max(done[1], 1)
+    print(
+        f"  rows written by table{label}, per run of {done[1]} ({done[0]} events):",
+        file=sys.stderr,
+    )
+    for table, now in sorted(after[0].items()):
+        was = before[0].get(table, dict.fromkeys(now, 0))
+        grew = {k: now[k] - was[k] for k in now}
+        if not (grew["ins"] or grew["upd"] or grew["del"]):
+            continue
+        scans = after[1].get(table, {})
+        looked = ", ".join(
+            f"{index} {(n - before[1].get(table, {}).get(index, 0)) / runs:.2f}" for index, n in sorted(scans.items())
+        )
+        print(
+            f"    {table}: {grew['ins'] / runs:.2f} ins, {grew['upd'] / runs:.2f} upd ({grew['hot'] / runs:.2f} HOT),"
+            f" {grew['del'] / runs:.2f} del; index scans per run: {looked or 'no index'}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _print_wal(dsn: str, since: float, until: float, runs: int, label: str) -> None:
+    """Where a cost pass's WAL went, per run, by table or index (pg_walinspect; a server
+    without it, or a role that may not read it, prints why)."""
+    try:
+        with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+            conn.execute(B.cost_walinspect)
+            rows = conn.execute(B.cost_wal_by_relation, {"since": int(since), "until": int(until)}).fetchall()
+    except psycopg.Error as exc:
+        print(f"  WAL by relation{label}: not available ({exc.diag.message_primary or exc})", file=sys.stderr)
+        return
+    per = max(runs, 1)
+    parts = ", ".join(f"{r['relation']} {r['bytes'] / per:.0f} B ({r['records'] / per:.2f})" for r in rows)
+    print(f"  WAL by relation{label}, per run (bytes, records): {parts}", file=sys.stderr, flush=True)

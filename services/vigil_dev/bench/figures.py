@@ -27,6 +27,7 @@ class Figure:
     per: str = "rounds"  # what one sample is: a round, an RSS sample after warm-up
     note: str = ""  # printed after the spread: the setting a figure was taken at
     pending: str | None = None  # why there is no value (a workload that could not run)
+    counted: bool = True  # False: its absence does not fail the run (a peer this machine cannot build)
 
     @property
     def value(self) -> float | None:
@@ -63,4 +64,8 @@ class Report:
         return figure.value if figure else None
 
     def missing(self, names: list[str]) -> list[str]:
-        return [name for name in names if self.value(name) is None]
+        return [
+            name
+            for name in names
+            if self.value(name) is None and (name not in self.figures or self.figures[name].counted)
+        ]

@@ -30,6 +30,7 @@ class Plan:
     dispatch_users: int  # dispatch_deliveries_per_s: users with one message each in the outbox
     cost_seconds: float  # each pass of the cost counters offers load this long
     cost_settle_s: float  # and waits this long for PostgreSQL's counters before reading them
+    river_seconds: float  # peer_river_jobs_per_s: each `river bench` round this long (0: skipped)
     http_concurrency: int = 64
     http_batch: int = 50  # events per batched POST /v1/events
     default_window_ms: int = DEFAULT_BATCH_WINDOW_MS
@@ -59,6 +60,7 @@ FULL = Plan(
     dispatch_users=20_000,
     cost_seconds=10.0,
     cost_settle_s=11.0,
+    river_seconds=15.0,
 )
 
 QUICK = Plan(
@@ -78,4 +80,7 @@ QUICK = Plan(
     dispatch_users=500,
     cost_seconds=1.0,
     cost_settle_s=1.0,
+    # River's CLI is a Go build (minutes on a fresh machine) and its figure is a peer's, not
+    # vigil's: the smoke run skips it.
+    river_seconds=0.0,
 )

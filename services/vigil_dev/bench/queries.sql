@@ -117,6 +117,34 @@ SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) FROM pg_stat_
        pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS wal_bytes,
        (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())::bigint AS transactions
 
+-- name: cost_tables
+-- The cost passes' rows by table (each partition its own): what a run writes where, printed beside the cost figures.
+SELECT relname, n_tup_ins AS ins, n_tup_upd AS upd, n_tup_hot_upd AS hot, n_tup_del AS del FROM pg_stat_user_tables
+
+-- name: cost_indexes
+-- The cost passes' index scans by index: an index that its table's writes keep up but no statement scanned during the pass.
+SELECT relname, indexrelname, idx_scan FROM pg_stat_user_indexes
+
+-- name: cost_walinspect
+-- The cost passes' WAL by relation: pg_walinspect (PostgreSQL's contrib) reads the records back; needs a superuser, as the bench's own server has.
+CREATE EXTENSION IF NOT EXISTS pg_walinspect
+
+-- name: cost_wal_by_relation
+-- WAL bytes and records between two positions (bytes since 0/0) by the relation of each record's first block (this database's tables and indexes by name; anything else by resource manager).
+WITH here AS MATERIALIZED (
+    SELECT (SELECT oid FROM pg_database WHERE datname = current_database())::text AS db,
+           pg_relation_filenode(c.oid)::text AS node, c.relname
+    FROM pg_class c WHERE pg_relation_filenode(c.oid) IS NOT NULL
+),
+records AS (
+    SELECT w.resource_manager, w.record_length, regexp_match(w.block_ref, 'rel [0-9]+/([0-9]+)/([0-9]+)') AS rel
+    FROM pg_get_wal_records_info('0/0'::pg_lsn + %(since)s::numeric, '0/0'::pg_lsn + %(until)s::numeric) w
+)
+SELECT coalesce(h.relname, '(' || r.resource_manager || CASE WHEN r.rel IS NULL THEN ')' ELSE ', elsewhere)' END) AS relation,
+       sum(r.record_length)::bigint AS bytes, count(*)::bigint AS records
+FROM records r LEFT JOIN here h ON h.db = r.rel[1] AND h.node = r.rel[2]
+GROUP BY 1 ORDER BY 2 DESC
+
 -- name: statements_extension
 -- --statements: pg_stat_statements in the bench's database (the server loads the library at start).
 CREATE EXTENSION IF NOT EXISTS pg_stat_statements

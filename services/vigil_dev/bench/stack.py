@@ -104,17 +104,23 @@ class BenchStack:
         return psycopg.conninfo.make_conninfo(self.admin_dsn, dbname=database)
 
     @contextlib.contextmanager
-    def ledger(self) -> Iterator[str]:
-        """A fresh ledger database (canonical schema), dropped afterwards; its DSN."""
-        name = f"vigil_bench_{uuid.uuid4().hex[:10]}"
+    def database(self, label: str = "") -> Iterator[str]:
+        """A fresh empty database, ``vigil_bench_[label_]*``, dropped afterwards; its DSN."""
+        name = f"vigil_bench_{label + '_' if label else ''}{uuid.uuid4().hex[:10]}"
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         try:
-            apply_canonical(self.dsn(name))
             yield self.dsn(name)
         finally:
             with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    @contextlib.contextmanager
+    def ledger(self) -> Iterator[str]:
+        """A fresh ledger database (canonical schema), dropped afterwards; its DSN."""
+        with self.database() as dsn:
+            apply_canonical(dsn)
+            yield dsn
 
     @contextlib.contextmanager
     def topics(self, partitions: int) -> Iterator[Topics]:
