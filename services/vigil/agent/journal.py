@@ -44,7 +44,12 @@ log = logging.getLogger(__name__)
 
 class HandedOver(VigilError):
     """The run stopped at a step boundary because its worker hands it over (a revoke, a
-    shutdown): nothing is lost, the next owner replays the journal and goes on from here."""
+    shutdown): nothing is lost, the next owner replays the journal and goes on from here.
+
+    Not a failure of anything the run was doing: a handler that records failures (a sync
+    child's row, :func:`vigil.agent.delegation.run_sync`) lets it through by name first. It
+    stays a ``VigilError`` (one exception base) rather than a ``BaseException``: the steps it
+    stops are reached only through the run's own code, and those handlers are the ones to hold."""
 
 
 class Writer(Protocol):
