@@ -257,6 +257,7 @@ def steps(conn: psycopg.Connection[DictRow], run_key: str, limit: int = 1000) ->
     return [StepRow(**row) for row in rows]
 
 
-def prune(conn: psycopg.Connection[DictRow], *, keep_days: int, live_days: int) -> int:
-    """Retention (rule 4). Returns the rows dropped."""
-    return conn.execute(Q.journal_prune, {"keep_days": keep_days, "live_days": live_days}).rowcount
+def prune(conn: psycopg.Connection[DictRow], *, keep_days: int, live_days: int, now: datetime | None = None) -> int:
+    """Retention (rule 4), judged at ``now`` (the pruner's clock; None: the ledger's). Returns
+    the rows dropped."""
+    return conn.execute(Q.journal_prune, {"keep_days": keep_days, "live_days": live_days, "now": now}).rowcount
