@@ -42,14 +42,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import psycopg
 
-from vigil.agent.base import Agent, Delegation, MemoryWrite, NewTask, TaskContext, TaskUsage
-from vigil.agent.journal import Journal, task_key
+from vigil.agent.base import Agent, Delegation, MemoryWrite, NewTask, TaskContext, TaskResult, TaskUsage
+from vigil.agent.journal import task_key
 from vigil.bus.kafka import EventProducer
 from vigil.clock import Clock, SystemClock, utc
 from vigil.envelope import Event
@@ -63,7 +64,7 @@ from vigil.ledger.states import TaskStatus
 from vigil.retry import backoff
 from vigil.worker import metrics
 from vigil.worker.finish import new_task_row
-from vigil.worker.journal import RunWriter
+from vigil.worker.journal import FencedWriter, open_journal
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import CATALOG, Shards
 
@@ -112,7 +113,7 @@ class Holding:
     task: ledger.TaskRow
     ctx: TaskContext
     leased_at: float  # the clock's monotonic() before the claim was sent: the lease is at least this fresh
-    execution: asyncio.Task | None = None
+    execution: asyncio.Task[TaskResult] | None = None
     handed_back: bool = False  # cancelled to be handed back (a lone attempt's drain), not failed
 
 
@@ -146,7 +147,7 @@ class TaskExecutor:
     def enabled(self) -> bool:
         return self.settings.task_concurrency > 0 and hasattr(self.agent, "run_task")
 
-    def loops(self) -> list:
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
         """The coroutines to run for as long as the worker does."""
         loops = [self.reap_loop(), self.report_loop(), self.gauge_loop()]
         if self.enabled:
@@ -293,7 +294,7 @@ class TaskExecutor:
         if not self.settings.run_journal:
             # No journal to replay: this holder asks the model again and may make other calls
             # at the same steps, so its keys are its own (task:<id>~<lease epoch>:<step>).
-            ctx.journal = Journal(task_key(task.id, task.lease_epoch, journaled=False))
+            ctx.journal = open_journal(task_key(task.id, task.lease_epoch, journaled=False), None)
             return True
         key = task_key(task.id, task.lease_epoch, journaled=True)
         try:
@@ -302,8 +303,8 @@ class TaskExecutor:
         except (psycopg.Error, OSError) as exc:
             log.warning("task %s: could not read its journal, handing it back: %s", task.id, exc)
             return False
-        writer = RunWriter(self._pool(task), ledger_journal.TaskFence(task.id, task.lease_epoch), key)
-        ctx.journal = Journal.of(key, writer, steps)
+        writer = FencedWriter(self._pool(task), ledger_journal.TaskFence(task.id, task.lease_epoch), key)
+        ctx.journal = open_journal(key, writer, steps)
         if steps:
             log.info("task %s: replaying its journal (%d steps)", task.id, len(steps))
         return True
@@ -334,7 +335,7 @@ class TaskExecutor:
         fence_at = holding.leased_at + fence_s  # the claim itself was the first heartbeat
         next_beat = self.clock.monotonic() + period
         deadline = task.deadline.timestamp()  # wall time, set on a caller's clock: judged on ours
-        beat: asyncio.Task | None = None
+        beat: asyncio.Task[bool | None] | None = None
         beat_sent = 0.0
         try:
             while True:
@@ -373,7 +374,7 @@ class TaskExecutor:
         async with self._pool(task).connection() as conn:
             return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress)
 
-    def _outcome(self, holding: Holding):
+    def _outcome(self, holding: Holding) -> ledger.Outcome | object:
         execution, ctx = holding.execution, holding.ctx
         assert execution is not None
         if execution.cancelled() and (self._stopping or holding.handed_back):
@@ -386,7 +387,9 @@ class TaskExecutor:
         return self._usage(ctx, TaskStatus.SUCCEEDED, result=execution.result().text)
 
     @staticmethod
-    def _usage(ctx: TaskContext, status: TaskStatus, result: str | None = None, error: str | None = None):
+    def _usage(
+        ctx: TaskContext, status: TaskStatus, result: str | None = None, error: str | None = None
+    ) -> ledger.Outcome:
         u = ctx.usage
         return ledger.Outcome(status, result, error, u.turns, u.input_tokens, u.output_tokens)
 
