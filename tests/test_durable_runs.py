@@ -581,6 +581,49 @@ def test_a_replayed_run_writes_its_sync_task_row_once(stack, topics, ledger, vig
     assert len(first_questions) == 1, "the child's first question was asked again"
 
 
+def test_a_sync_child_handed_over_is_not_recorded_failed(stack, topics, ledger, vigil_env, spawn):
+    """Worker A stops (VIGIL_HANDOVER=step) while a run's sync child waits for its first answer
+    (6 s): the answer is journaled, the child stops before its POST and the run is handed
+    over. The child's row stays `running` (it did not fail: a replay takes it up), and B's
+    replay ends it `succeeded` with the one POST."""
+    receiver = Receiver()
+    child = {"system": "sub-agent"}
+    post = {"type": "tool_use", "name": "http_request", "input": {"method": "POST", "url": f"{receiver.url}/t"}}
+    ask = {"when": {**child, "user_text": "^post it$"}, "reply": [post]}
+    rules = [
+        {"when": {**child, "tool_result": "http_request"}, "reply": [{"type": "text", "text": "posted"}]},
+        {**ask, "times": 1, "delay": 6},  # A is stopped waiting for this one
+        ask,
+        {"when": {"tool_result": "delegate"}, "reply": []},
+        {
+            "when": {"user_text": "please post"},
+            "reply": [
+                {
+                    "type": "tool_use",
+                    "name": "delegate",
+                    "input": {"instructions": "post it", "mode": "sync", "tools": ["http_request"]},
+                }
+            ],
+        },
+    ]
+    with ScriptedServer({"rules": rules}) as server:
+        a, _ = worker(
+            spawn, vigil_env, server, receiver, "worker-a", VIGIL_HANDOVER="step", VIGIL_SHUTDOWN_GRACE_S="30"
+        )
+        produce(stack.bootstrap, topics.events, [chat("sol", "please post")])
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM tasks") == 1, 60, "the child's row")
+        assert a.stop(40) == 0
+        [row] = query(ledger, "SELECT status, error FROM tasks")
+        assert (row["status"], row["error"]) == ("running", None), row
+        assert receiver.keys == []
+        worker(spawn, vigil_env, server, receiver, "worker-b", VIGIL_HANDOVER="step")
+        wait_for(lambda: scalar(ledger, "SELECT status FROM tasks") == "succeeded", 90, "the row to end on B")
+    receiver.close()
+    [row] = query(ledger, "SELECT * FROM tasks")
+    assert (row["mode"], row["attempts"], row["result"]) == ("sync", 2, "posted"), row
+    assert len(receiver.keys) == 1, receiver.keys
+
+
 def test_a_run_replayed_after_its_profile_was_updated_keeps_its_version(stack, topics, ledger, vigil_env, spawn):
     def profiles(*args: str) -> None:
         env = {**os.environ, "VIGIL_DATABASE_URL": ledger}

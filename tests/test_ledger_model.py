@@ -274,13 +274,18 @@ class LedgerModel(RuleBasedStateMachine):
             return None
 
         brought = set(c.event_ids)
-        try:
-            journal = self.world.run(run_journal.prepare(self.world.pool, c, ctx, cur, reload, MAX_ATTEMPTS))
-        except run_journal.StepsBack:
+        ctx.found = cur
+        opened = self.world.run(
+            run_journal.open_run(
+                self.world.pool, c, ctx, max_attempts=MAX_ATTEMPTS, reload=reload, folded=[], stop=lambda: False
+            )
+        )
+        if opened.journal is None:
             # The runner's release (Runs._run): the user's run in progress goes first, alone.
             self.world.on(ledger_claims.release_claim, c.home, c.epoch, c.event_ids)
             self.takes_back = True
             return None
+        journal = opened.journal
         self.claimed.update(c.event_ids)
         if brought - set(c.event_ids):
             self.takes_back = True  # a replay released what its journal did not start with

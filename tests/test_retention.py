@@ -228,3 +228,27 @@ def test_dropping_a_day_drops_it_whole_and_fast_and_keeps_its_keys(ledger):
     # The keys stay for the dedup window (counted from now: 40 days old here, so the next
     # prune with a 7-day window deletes them, in batches, which is the keys' own retention).
     assert scalar(ledger, "SELECT count(*) FROM event_keys") == n
+
+
+def test_the_pruner_judges_journal_retention_on_its_clock(ledger):
+    """A journal kept (VIGIL_RUN_JOURNAL_DAYS=2) that finished a moment ago on the ledger's
+    clock is past its days on the pruner's, three days ahead: the pruner drops it. Retention
+    follows the scheduler's clock, not the database's now()."""
+    from vigil.clock import ManualClock
+    from vigil.scheduler.pruner import Pruner
+
+    query(
+        ledger,
+        "INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body, finished_at)"
+        " VALUES ('kim:1', 1, 'model', 'kim', 1, 1, '{}', now())",
+    )
+    pruned: list[dict[str, int]] = []
+    stopping = threading.Event()
+    clock = ManualClock(time.time() + 3 * 86_400)
+    Pruner(ledger, 0, stopping, on_pruned=pruned.append, journal_days=2, clock=clock).start()
+    try:
+        wait_for(lambda: pruned, 30, "a prune")
+    finally:
+        stopping.set()
+    assert pruned[0]["run_journal"] == 1, pruned
+    assert scalar(ledger, "SELECT count(*) FROM run_journal") == 0

@@ -1056,3 +1056,63 @@ def test_the_claim_the_reaper_and_the_open_bound_leave_sync_rows_alone(ledger):
     assert ("tsk_orphan", TaskStatus.LOST) in [(r.id, r.status) for r in reaped]
     assert all(r["reported_at"] is not None for r in rows.values() if r["mode"] == "sync")
     assert "tsk_orphan" not in [t.id for t in unreported] and "tsk_sync" not in [t.id for t in unreported]
+
+
+def test_a_tasks_deadline_is_decided_on_its_holders_clock(ledger):
+    """A holder whose clock passes the task's deadline while the execution stalls ends it
+    `timed_out` at once, whatever the host's clock reads: the deadline is judged on the clock
+    the worker was given (here moved an hour by hand), not on time.monotonic()."""
+    from vigil.ledger import tasks as ledger_tasks
+    from vigil.ledger.db import async_pool
+    from vigil.ledger.states import TaskStatus
+    from vigil.settings import load
+    from vigil.worker.settings import WorkerSettings
+    from vigil.worker.tasks import TaskExecutor
+
+    clock = ManualClock(time.time())
+
+    class Stalls:
+        """An agent whose task never ends by itself."""
+
+        async def run_task(self, ctx):
+            await asyncio.Event().wait()
+
+    async def go():
+        conn = await _tasks_conn(ledger)
+        await ledger_tasks.create(conn, _new_task("tsk_late", timeout_s=60), now=utc(clock.now()))
+        pool = async_pool(ledger, name="tasks-clock", max_size=4, autocommit=True)
+        await pool.open()
+        settings = load(
+            WorkerSettings,
+            database_url=ledger,
+            run_journal=False,
+            task_concurrency=1,
+            task_heartbeat_s=0.2,
+            task_stale_s=3600.0,
+        )
+        executor = TaskExecutor(settings, Stalls(), pool, producer=None, clock=clock)  # type: ignore[arg-type]
+        claiming = asyncio.create_task(executor.claim_loop())
+        try:
+            for _ in range(100):
+                if executor.holding:
+                    break
+                await asyncio.sleep(0.05)
+            assert executor.holding, "the task was not claimed"
+            clock.advance(HOUR)
+            status, waited = None, time.monotonic()
+            while time.monotonic() - waited < 10:
+                status = (await ledger_tasks.get(conn, "tsk_late")).status
+                if status != TaskStatus.RUNNING:
+                    break
+                await asyncio.sleep(0.1)
+            return status, time.monotonic() - waited
+        finally:
+            executor._stopping = True
+            claiming.cancel()
+            await executor.stop(0.5)
+            await pool.close()
+            await conn.close()
+
+    status, took = asyncio.run(go())
+    assert status == TaskStatus.TIMED_OUT, status
+    assert took < 5, took

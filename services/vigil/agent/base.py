@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from vigil.agent.journal import Journal
 from vigil.errors import VigilError
 
 # EventRow is a ledger row (vigil.ledger.events); the agent interface names it here too.
-from vigil.ledger.events import EventRow
+from vigil.ledger.events import EventRow as EventRow
+from vigil.ledger.journal import Live
 from vigil.ledger.states import CatchUp, OnExpiry, RunOutcome, TaskStatus
 from vigil.ledger.tasks import TaskRow
 
@@ -38,12 +40,12 @@ from vigil.ledger.tasks import TaskRow
 class SavedSession:
     id: str
     state: str  # SessionState value
-    messages: list[dict]
+    messages: list[dict[str, Any]]
     blocks: int = 0  # auto-mode permission blocks in this session, in total
     consecutive_blocks: int = 0  # ... since the last auto-mode call that passed
     # While waiting: the deferred tool call (request_id, tool_use_id, tool, input, args_hash,
     # due, the results of the calls made beside it). Column sessions.pending.
-    pending: dict | None = None
+    pending: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +126,7 @@ class RunContext:
     queued_messages: list[str] = field(default_factory=list)
     # The user's events that died (attempts used up) since their last run that did not fail:
     # dicts of id, source, kind, received_at, attempts, error. The agent hears of them once.
-    dead_events: list[dict] = field(default_factory=list)
+    dead_events: list[dict[str, Any]] = field(default_factory=list)
     # The user's own event policies (``agent_policies``, VIGIL_EVENT_POLICIES's syntax): they
     # win over the deployment's, source by source.
     event_policies: str = ""
@@ -134,9 +136,13 @@ class RunContext:
     approval_requests: dict[str, ApprovalRequest] = field(default_factory=dict)
     # What this run may delegate (None: the worker offers no delegation).
     delegation: Delegation | None = None
-    # The run's journal (vigil.agent.journal.Journal): its steps so far when the run is a
-    # replay, and where new ones go. None: the agent keeps a journal of its own that writes nothing.
-    journal: Any = None
+    # The run's journal: its steps so far when the run is a replay, and where new ones go (set
+    # by the worker, vigil.worker.journal.open_run). None: the agent keeps a journal of its own
+    # that writes nothing.
+    journal: Journal | None = None
+    # The user's live journal as read with the context, for the worker to open the run against
+    # (None: none, or not read); the worker clears it once the run's journal is open.
+    found: Live | None = None
     # adopt(ids): claims these events of the user by id under this run's epoch (a replay's
     # events folded at a journaled boundary that the claim did not bring).
     adopt: Callable[[Sequence[int]], Awaitable[list[EventRow]]] | None = None
@@ -158,7 +164,7 @@ class OutMessage:
     deadline: datetime | None = field(default=None, compare=False)
     # An approval question's approve / deny actions (signed answer URLs), rendered by the
     # dispatcher's channels so a chat app can show buttons (outbox.actions).
-    actions: tuple[dict, ...] = field(default=(), compare=False)
+    actions: tuple[dict[str, Any], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +174,7 @@ class NewTimer:
     id: str
     due: datetime
     kind: str = "followup"
-    payload: dict = field(default_factory=dict)
+    payload: dict[str, Any] = field(default_factory=dict)
     fixed_key: str | None = None
     catch_up: CatchUp = CatchUp.COALESCE
 
@@ -194,10 +200,10 @@ class MemoryWrite:
 class SessionSave:
     id: str
     state: str  # SessionState value
-    messages: list[dict]
+    messages: list[dict[str, Any]]
     blocks: int = 0
     consecutive_blocks: int = 0
-    pending: dict | None = None  # the deferred call while state is waiting, else None
+    pending: dict[str, Any] | None = None  # the deferred call while state is waiting, else None
     # The messages as JSON, when the agent already encoded them to measure them: the finish
     # stores these bytes instead of encoding the conversation again.
     encoded: str | None = field(default=None, compare=False, repr=False)
@@ -289,7 +295,7 @@ class TaskContext:
     attempt: int
     usage: TaskUsage = field(default_factory=TaskUsage)
     lease_epoch: int = 0  # the holder's lease: without a journal, its keys are its own
-    journal: Any = None  # the task's journal (vigil.agent.journal.Journal), fenced by its lease
+    journal: Journal | None = None  # the task's journal, fenced by its lease (vigil.worker.journal.open_journal)
     tasks: TaskDoor | None = None  # where its sync children are recorded (None: nowhere)
     session_id: str | None = None  # the delegating conversation (its sync children's rows name it)
     # The background tasks it delegates (parent_task_id: this task): the agent appends, the

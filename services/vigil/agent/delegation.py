@@ -49,7 +49,7 @@ import anthropic
 
 from vigil.agent import metrics, model
 from vigil.agent.base import Delegation, NewTask, SyncOutcome, TaskDoor, TasksUnavailable, TaskUsage
-from vigil.agent.journal import Journal
+from vigil.agent.journal import HandedOver, Journal
 from vigil.agent.memory import MemoryFiles
 from vigil.agent.prompt import append_user, text_block, tool_result
 from vigil.agent.settings import AgentSettings, Permission
@@ -346,8 +346,8 @@ def nested(parent: Child | None, request: Request, key: str, **base: Any) -> Chi
 async def run_sync(child: Child, request: Request, *, parent_run_key: str, parent_task_id: str | None) -> str:
     """A sync child's conversation (:func:`run_child`), recorded as its task row of mode sync:
     started, then succeeded or failed with its usage (its own sync children's included). A run
-    stopped mid-child (cancelled) writes no end: a replay starts the row again, else the
-    reaper ends it ``lost`` at its deadline (its run's)."""
+    stopped mid-child (cancelled, or handed over at a step boundary) writes no end: a replay
+    starts the row again, else the reaper ends it ``lost`` at its deadline (its run's)."""
     row = NewTask(
         id=child.key,
         instructions=request.instructions,
@@ -364,6 +364,8 @@ async def run_sync(child: Child, request: Request, *, parent_run_key: str, paren
     await _record(child, "start", lambda door: door.sync_started(user_id=child.user_id, task=row))
     try:
         answer = await run_child(child, request.instructions)
+    except HandedOver:
+        raise  # the run stopped at a step boundary, not the child: the next owner's replay starts its row again
     except Exception as exc:
         _sync_usage(child)
         failed = SyncOutcome(TaskStatus.FAILED, child.usage, error=f"{type(exc).__name__}: {exc}"[:2000])

@@ -20,6 +20,10 @@ had (:mod:`vigil.ledger.journal` for the ledger's rules).
 The agent never writes to the ledger itself: the worker hands a :class:`Writer` (appends
 fenced by the claim's epoch or the task's lease). Without one (an agent driven by a test)
 steps are numbered and keyed, and nothing is journaled.
+
+What a claim makes of its user's live journal (fresh, replayed, dropped...) is decided here
+too, by one pure function, :func:`decide`, over what the worker found; the worker does the
+ledger's side (:func:`vigil.worker.journal.open_run`).
 """
 
 from __future__ import annotations
@@ -27,24 +31,38 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import SimpleNamespace
 from typing import Any, Protocol
 
 import pydantic_core
 
 from vigil.agent import metrics
-from vigil.agent.prompt import assistant_content
-from vigil.agent.tools import ToolOutput
 from vigil.errors import VigilError
+from vigil.ledger.journal import Step
 
 log = logging.getLogger(__name__)
 
 
 class HandedOver(VigilError):
     """The run stopped at a step boundary because its worker hands it over (a revoke, a
-    shutdown): nothing is lost, the next owner replays the journal and goes on from here."""
+    shutdown): nothing is lost, the next owner replays the journal and goes on from here.
+
+    Not a failure of anything the run was doing: a handler that records failures (a sync
+    child's row, :func:`vigil.agent.delegation.run_sync`) lets it through by name first. It
+    stays a ``VigilError`` (one exception base) rather than a ``BaseException``: the steps it
+    stops are reached only through the run's own code, and those handlers are the ones to hold."""
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """What a tool call returned: the text the model reads, and whether it is an error. An
+    action call's outcome as the journal records it and a replay hands it back."""
+
+    text: str
+    is_error: bool = False
 
 
 class Writer(Protocol):
@@ -76,7 +94,7 @@ class Journal:
     _diverged_at: int | None = None  # the step where the replay left the journal, stamped on the next append
 
     @classmethod
-    def of(cls, run_key: str, writer: Writer | None, steps: list | None = None) -> Journal:
+    def of(cls, run_key: str, writer: Writer | None, steps: Sequence[Step] | None = None) -> Journal:
         """``steps``: :class:`vigil.ledger.journal.Step` rows read back (a replay), in order."""
         recorded = {
             s.step: Recorded(s.kind, json.loads(s.body), json.loads(s.outcome) if s.outcome else None)
@@ -239,6 +257,107 @@ def task_key(task_id: str, lease_epoch: int, *, journaled: bool) -> str:
     ``task:<id>~<lease epoch>``, a holder's own (a later holder asks the model again and may
     make other calls at the same steps: they must never get a key an earlier call had)."""
     return f"task:{task_id}" if journaled else f"task:{task_id}~{lease_epoch}"
+
+
+def assistant_content(blocks: list[Any]) -> list[dict[str, Any]]:
+    """A response's content as request blocks (only the fields the API accepts back)."""
+    out = []
+    for block in blocks:
+        kind = getattr(block, "type", None)
+        if kind == "text":
+            if block.text:
+                out.append({"type": "text", "text": block.text})
+        elif kind == "tool_use":
+            out.append({"type": "tool_use", "id": block.id, "name": block.name, "input": dict(block.input)})
+        else:  # thinking and other blocks the API wants back verbatim
+            out.append(block.model_dump(mode="json", exclude_none=True))
+    return out
+
+
+# -- what a claim makes of its user's live journal ----------------------------------------
+
+
+class Opening(StrEnum):
+    """How a run starts against its user's live journal (``vigil_run_replays_total``'s
+    reasons, but ``fresh``). vigil.worker.journal's module doc has the cases in prose."""
+
+    FRESH = "fresh"  # no journal: a new one under the claim's key
+    REPLAYED = "replayed"  # the journal's run taken up (this run's, or the run in progress) and replayed
+    ALONE = "alone"  # a batch's journal replayed whole on its lead's lone last attempt, uncounted
+    ISOLATED = "isolated"  # the batch crashed alone before: journal dropped, the lead runs alone afresh
+    STEPPED_BACK = "stepped_back"  # the run in progress is due its lone last attempt: this claim waits
+    DISCARDED = "discarded"  # a journal nobody can replay: dropped, the run starts over under a new key
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A user's live journal as the claim found it."""
+
+    run_key: str
+    start: tuple[int, ...] | None  # the events its run started with (its step 1); None: no start
+    alone: bool = False  # already replayed alone on its lead's last attempt (claim rule 3)
+    # Its first event is pending for rule 3's lone last attempt; read only for another run's journal.
+    lone_due: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to do: ``opening``, under ``run_key``; for a take-up (replayed, alone) the events
+    the run must cover (``start``) and what to do instead if they cannot all be claimed."""
+
+    opening: Opening
+    run_key: str
+    start: tuple[int, ...] = ()
+    refused: Decision | None = None
+
+    @property
+    def takes_up(self) -> bool:
+        return self.opening in (Opening.REPLAYED, Opening.ALONE)
+
+    @property
+    def drops_journal(self) -> bool:
+        return self.opening in (Opening.ISOLATED, Opening.DISCARDED)
+
+
+def same_run(journal_key: str, claim_key: str) -> bool:
+    """Is a journal of ``journal_key`` the run of a claim keyed ``claim_key`` (or a later
+    attempt of it that started over under ``<key>~<attempt>``)?"""
+    return journal_key == claim_key or journal_key.startswith(claim_key + "~")
+
+
+def first_key(claim_key: str, attempt: int) -> str:
+    """A fresh run's key: the claim's on a first attempt; a later attempt with no journal adds
+    ``~<attempt>`` (an earlier attempt wrote nothing, so no tool ever saw a key of it)."""
+    return claim_key if attempt <= 1 else f"{claim_key}~{attempt}"
+
+
+def decide(claim_key: str, attempt: int, events: Sequence[int], found: Found | None, max_attempts: int) -> Decision:
+    """Fresh, replay or drop: what a claim (its key, attempt and event ids) makes of its user's
+    live journal ``found`` (claim rule 3 for ``max_attempts``). Pure: the worker reads the facts
+    and carries the decision out, falling back to ``refused`` when a take-up is refused."""
+    if found is None:
+        return Decision(Opening.FRESH, first_key(claim_key, attempt))
+    anew = f"{claim_key}~{attempt}"  # never a key the dropped journal lent to a call
+    discard = Decision(Opening.DISCARDED, anew)
+    if found.start is None:
+        return discard
+    if not same_run(found.run_key, claim_key):
+        # The user's run in progress, which an operator's retry of an older dead event
+        # overtook: it goes first, with its events, unless its first event's lone last attempt
+        # is due (it must run alone: this claim steps back, nothing counted).
+        refused = Decision(Opening.STEPPED_BACK, claim_key) if found.lone_due else discard
+        if attempt >= max_attempts:
+            return refused  # a last attempt is never spent on another event's run
+        return Decision(Opening.REPLAYED, found.run_key, found.start, refused)
+    if attempt < max_attempts or list(found.start) == list(events):
+        return Decision(Opening.REPLAYED, found.run_key, found.start, discard)
+    # This claim is the lone last attempt of a batch's lead (claim rule 3).
+    isolated = Decision(Opening.ISOLATED, anew)
+    if found.alone:
+        return isolated  # the batch crashed alone before: its lead runs alone afresh
+    # Lost only in company so far: the batch replays whole once with nothing else in flight,
+    # uncounted (splitting it now would make its calls again under new keys).
+    return Decision(Opening.ALONE, found.run_key, found.start, isolated)
 
 
 def _dumps(value: Any) -> str:

@@ -176,21 +176,6 @@ def with_conversation_breakpoint(messages: list[dict[str, Any]]) -> list[dict[st
     return [*messages[:-1], {**last, "content": [*last["content"][:-1], marked]}]
 
 
-def assistant_content(blocks: list[Any]) -> list[dict[str, Any]]:
-    """A response's content as request blocks (only the fields the API accepts back)."""
-    out = []
-    for block in blocks:
-        kind = getattr(block, "type", None)
-        if kind == "text":
-            if block.text:
-                out.append({"type": "text", "text": block.text})
-        elif kind == "tool_use":
-            out.append({"type": "tool_use", "id": block.id, "name": block.name, "input": dict(block.input)})
-        else:  # thinking and other blocks the API wants back verbatim
-            out.append(block.model_dump(mode="json", exclude_none=True))
-    return out
-
-
 def tool_result(tool_use_id: str, text: str, is_error: bool = False) -> dict[str, Any]:
     block: dict[str, Any] = {"type": "tool_result", "tool_use_id": tool_use_id, "content": text}
     if is_error:

@@ -36,7 +36,7 @@ async def load_contexts(
 ) -> None:
     """:func:`load_context_parts` for many runs at once, in one pipeline
     (:func:`vigil.ledger.agent.load_contexts`). ``journal``: each user's live run journal
-    too, left in ``ctx.journal`` (a :class:`vigil.ledger.journal.Live`) for the worker to bind."""
+    too, left in ``ctx.found`` for the worker to open the run's journal against."""
     wanted = [
         ledger_agent.ContextWanted(
             user_id=ctx.user_id,
@@ -64,7 +64,7 @@ def _fill(ctx: RunContext, want: ledger_agent.ContextWanted, rows: ledger_agent.
         }
         ctx.session = next(iter(ctx.sessions.values()), None)
     ctx.memory = rows.memory
-    ctx.journal = rows.journal
+    ctx.found = rows.journal
     if rows.recent is not None:
         ctx.recent_messages = [body for body, queued in rows.recent if not queued]
         ctx.queued_messages = [body for body, queued in rows.recent if queued]

@@ -30,6 +30,9 @@ from typing import Any, ClassVar
 from uuid import uuid4
 
 from vigil.agent.base import NewTask, NewTimer, OutMessage
+
+# A tool's outcome is what the journal records and replays: defined there, offered here to tools.
+from vigil.agent.journal import ToolOutput as ToolOutput
 from vigil.agent.settings import AgentSettings, Permission
 from vigil.ledger.states import TimerKind
 
@@ -43,12 +46,6 @@ TASK_TOOLS = (TASKS_LIST, TASK_RESULT, TASK_CANCEL)
 BUILTIN = (SEND_MESSAGE, SET_FOLLOWUP, MEMORY, DELEGATE, *TASK_TOOLS)
 MAX_MESSAGE_CHARS = 4000
 MAX_NOTE_CHARS = 1000
-
-
-@dataclass(frozen=True)
-class ToolOutput:
-    text: str
-    is_error: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg.rows import DictRow
@@ -61,6 +61,15 @@ class Live:
     alone: bool = False
 
 
+class Fence(Protocol):
+    """What a journal's writes are fenced by (rule 2): each gives its statements and their
+    parameters, so :func:`append` and :func:`outcome` never ask which fence they hold."""
+
+    def append_statement(self, run_key: str, step: int, kind: str, body: str) -> tuple[str, dict[str, Any]]: ...
+
+    def outcome_statement(self, run_key: str, step: int, outcome: str) -> tuple[str, dict[str, Any]]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RunFence:
     """A run's fence: its claim's home partition and epoch."""
@@ -73,6 +82,13 @@ class RunFence:
     def params(self) -> dict[str, Any]:
         return {"topic": self.home.topic, "partition": self.home.partition, "epoch": self.epoch}
 
+    def append_statement(self, run_key: str, step: int, kind: str, body: str) -> tuple[str, dict[str, Any]]:
+        params = {"run_key": run_key, "step": step, "kind": kind, "body": body, "user_id": self.user_id}
+        return Q.journal_append, {**self.params(), **params, "attempt": self.attempt}
+
+    def outcome_statement(self, run_key: str, step: int, outcome: str) -> tuple[str, dict[str, Any]]:
+        return Q.journal_outcome, {**self.params(), "run_key": run_key, "step": step, "outcome": outcome}
+
 
 @dataclass(frozen=True, slots=True)
 class TaskFence:
@@ -83,6 +99,12 @@ class TaskFence:
 
     def params(self) -> dict[str, Any]:
         return {"task_id": self.task_id, "epoch": self.epoch}
+
+    def append_statement(self, run_key: str, step: int, kind: str, body: str) -> tuple[str, dict[str, Any]]:
+        return Q.journal_task_append, {**self.params(), "run_key": run_key, "step": step, "kind": kind, "body": body}
+
+    def outcome_statement(self, run_key: str, step: int, outcome: str) -> tuple[str, dict[str, Any]]:
+        return Q.journal_task_outcome, {**self.params(), "run_key": run_key, "step": step, "outcome": outcome}
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +172,7 @@ async def live_task(conn: psycopg.AsyncConnection[DictRow], run_key: str) -> lis
 
 async def append(
     conn: psycopg.AsyncConnection[DictRow],
-    fence: RunFence | TaskFence,
+    fence: Fence,
     *,
     run_key: str,
     step: int,
@@ -159,22 +181,16 @@ async def append(
 ) -> None:
     """Append one step (rule 2); raises :class:`Fenced` when the fence no longer holds.
     ``conn`` in autocommit mode: the step is durable when this returns."""
-    params = {**fence.params(), "run_key": run_key, "step": step, "kind": kind, "body": body}
-    if isinstance(fence, RunFence):
-        cur = await conn.execute(Q.journal_append, {**params, "user_id": fence.user_id, "attempt": fence.attempt})
-    else:
-        cur = await conn.execute(Q.journal_task_append, params)
+    cur = await conn.execute(*fence.append_statement(run_key, step, kind, body))
     if cur.rowcount != 1:
         raise Fenced(f"journal append of step {step} of {run_key} refused: the fence moved on")
 
 
 async def outcome(
-    conn: psycopg.AsyncConnection[DictRow], fence: RunFence | TaskFence, *, run_key: str, step: int, outcome: str
+    conn: psycopg.AsyncConnection[DictRow], fence: Fence, *, run_key: str, step: int, outcome: str
 ) -> None:
     """Record a call's outcome (rule 3); raises :class:`Fenced` when the fence no longer holds."""
-    params = {**fence.params(), "run_key": run_key, "step": step, "outcome": outcome}
-    query = Q.journal_outcome if isinstance(fence, RunFence) else Q.journal_task_outcome
-    cur = await conn.execute(query, params)
+    cur = await conn.execute(*fence.outcome_statement(run_key, step, outcome))
     if cur.rowcount != 1:
         raise Fenced(f"journal outcome of step {step} of {run_key} refused: the fence moved on")
 
@@ -257,6 +273,7 @@ def steps(conn: psycopg.Connection[DictRow], run_key: str, limit: int = 1000) ->
     return [StepRow(**row) for row in rows]
 
 
-def prune(conn: psycopg.Connection[DictRow], *, keep_days: int, live_days: int) -> int:
-    """Retention (rule 4). Returns the rows dropped."""
-    return conn.execute(Q.journal_prune, {"keep_days": keep_days, "live_days": live_days}).rowcount
+def prune(conn: psycopg.Connection[DictRow], *, keep_days: int, live_days: int, now: datetime | None = None) -> int:
+    """Retention (rule 4), judged at ``now`` (the pruner's clock; None: the ledger's). Returns
+    the rows dropped."""
+    return conn.execute(Q.journal_prune, {"keep_days": keep_days, "live_days": live_days, "now": now}).rowcount

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from vigil import tracing
 from vigil.bus.kafka import EventProducer
+from vigil.clock import SystemClock
 from vigil.health import HealthServer, Readiness, dependency_checks
 from vigil.scheduler import metrics
 from vigil.scheduler.loop import Scheduler, log, run_shards
@@ -31,7 +32,8 @@ def serve(settings: SchedulerSettings) -> int:
     producer = EventProducer(settings)
     shards = len(settings.shard_dsns)
     metrics.start_shards(shards)
-    schedulers = [Scheduler(settings, producer, shard=shard) for shard in range(shards)]
+    clock = SystemClock()  # one clock for the timers and retention
+    schedulers = [Scheduler(settings, producer, clock, shard=shard) for shard in range(shards)]
     log.info(
         "scheduler up: topic %s, %d ledger shard(s), tick %.1f s, batch %d, grace %d s, each cap %d, retention %s",
         settings.events_topic,
@@ -42,7 +44,7 @@ def serve(settings: SchedulerSettings) -> int:
         settings.scheduler_each_cap,
         f"{settings.retention_days:g} days" if settings.retention_days else "off",
     )
-    pruners = start_pruners(settings, stopping)
+    pruners = start_pruners(settings, stopping, clock)
     try:
         run_shards(schedulers, stopping, on_health=lambda ok: readiness.set("passes", ok))
     except Exception:

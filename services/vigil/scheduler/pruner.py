@@ -16,6 +16,7 @@ import time
 
 import psycopg
 
+from vigil.clock import Clock, SystemClock, utc
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.db import connect
 from vigil.ledger.retention import DEFAULT_DEDUP_WINDOW_DAYS, ensure_partitions, prune
@@ -27,12 +28,14 @@ log = logging.getLogger("vigil.retention")
 PRUNE_INTERVAL_S = 3600.0
 
 
-def start_pruners(settings: SchedulerSettings, stopping: threading.Event) -> list[Pruner]:
+def start_pruners(settings: SchedulerSettings, stopping: threading.Event, clock: Clock | None = None) -> list[Pruner]:
     """A pruner per ledger shard (VIGIL_LEDGER_SHARDS), each started on its thread."""
-    return [start_pruner(settings, stopping, shard=shard) for shard in range(len(settings.shard_dsns))]
+    return [start_pruner(settings, stopping, shard=shard, clock=clock) for shard in range(len(settings.shard_dsns))]
 
 
-def start_pruner(settings: SchedulerSettings, stopping: threading.Event, *, shard: int = 0) -> Pruner:
+def start_pruner(
+    settings: SchedulerSettings, stopping: threading.Event, *, shard: int = 0, clock: Clock | None = None
+) -> Pruner:
     """Start the pruner of one shard on its thread, counting what it deletes in
     ``vigil_ledger_pruned_rows_total``."""
 
@@ -47,13 +50,15 @@ def start_pruner(settings: SchedulerSettings, stopping: threading.Event, *, shar
         on_pruned=pruned,
         dedup_window_days=settings.dedup_window_days,
         journal_days=settings.run_journal_days,
+        clock=clock,
         name=f"retention-{shard}" if len(settings.shard_dsns) > 1 else "retention",
     ).start()
 
 
 class Pruner:
     """Keeps the events partitions made ahead and prunes (when ``retention_days`` > 0), now and
-    every ``interval_s``, on a daemon thread until ``stopping`` is set.
+    every ``interval_s``, on a daemon thread until ``stopping`` is set. What is past its days is
+    judged at ``clock``'s now (the scheduler's), in the ledger too.
 
     A ledger error is tried again at the next interval. Anything else ends the thread with
     ``error`` set and sets ``stopping``: the scheduler stops and exits non-zero, rather than
@@ -70,11 +75,13 @@ class Pruner:
         dedup_window_days: float = DEFAULT_DEDUP_WINDOW_DAYS,
         journal_days: int = 0,
         name: str = "retention",
+        clock: Clock | None = None,
     ):
         self.dsn, self.retention_days, self.stopping = dsn, retention_days, stopping
         self.on_pruned, self.interval_s = on_pruned, interval_s
         self.dedup_window_days = dedup_window_days
         self.journal_days = journal_days
+        self.clock = clock or SystemClock()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -85,12 +92,16 @@ class Pruner:
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            began = time.monotonic()
+            began = time.monotonic()  # a measurement, not a decision: the host's clock
             try:
+                now = utc(self.clock.now())
                 with connect(self.dsn, autocommit=True) as conn:
                     if self.retention_days > 0:
                         counts = prune(
-                            conn, retention_days=self.retention_days, dedup_window_days=self.dedup_window_days
+                            conn,
+                            retention_days=self.retention_days,
+                            now=now,
+                            dedup_window_days=self.dedup_window_days,
                         )
                     else:
                         ensure_partitions(conn)
@@ -98,7 +109,7 @@ class Pruner:
                     # Whatever the events' retention: kept journals past their days, and live
                     # ones their runs abandoned (their events died) past the dedup window.
                     counts["run_journal"] = ledger_journal.prune(
-                        conn, keep_days=self.journal_days, live_days=max(1, round(self.dedup_window_days))
+                        conn, keep_days=self.journal_days, live_days=max(1, round(self.dedup_window_days)), now=now
                     )
                 self.on_pruned(counts)
                 if any(counts.values()):

@@ -21,16 +21,18 @@ from collections import Counter
 from datetime import datetime
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil import retry
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
-from vigil.ledger.claims import Claim, alone_due, claim, claim_alone, mark_dead
+from vigil.ledger.claims import Claim, DeadEvent, alone_due, claim, claim_alone, mark_dead
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics
+from vigil.worker.deadletters import DeadLetters
 from vigil.worker.lone import LoneAttempt
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
@@ -64,7 +66,7 @@ class Claimer:
         self,
         settings: WorkerSettings,
         pool: AsyncPool | Shards,
-        dead_letters,
+        dead_letters: DeadLetters,
         runs: Runs,
         wakeups: Wakeups,
         clock: Clock,
@@ -87,7 +89,7 @@ class Claimer:
         self._next_dead_check = 0.0
         self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
         self._lone: Active | None = None  # the last lone last attempt this process started (claim rule 3)
-        self._handovers: set[asyncio.Task] = set()  # revoked partitions' runs finishing (hand_over)
+        self._handovers: set[asyncio.Task[None]] = set()  # revoked partitions' runs finishing (hand_over)
 
     @property
     def active(self) -> dict[str, Active]:
@@ -296,7 +298,7 @@ class Claimer:
             return
         take = min(free, self.settings.claim_pass_max)  # the trade-off: settings.DEFAULT_CLAIM_PASS_MAX
         left = take
-        dead: list = []
+        dead: list[DeadEvent] = []
         started: list[Active] = []
         async with self._claim_lock:
             # Rule 2 and the look for lone last attempts once per scan interval, not on
@@ -361,7 +363,7 @@ class Claimer:
         if started and left == 0:
             self.wake()  # there may be more; a finishing run frees a slot and wakes us
 
-    async def _heal(self, conn, owned: dict[PartitionKey, int]) -> None:
+    async def _heal(self, conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int]) -> None:
         """Release the claims at our epochs that no run of ours holds.
 
         Such a row is a finish the ledger lost (its commit vanished with a crashed server or a
@@ -411,7 +413,9 @@ class Claimer:
         if self.lone.due_at is None:
             self.lone.drain_until = None
 
-    async def _claim(self, conn, shard: int, owned: dict[PartitionKey, int], take: int) -> tuple[list[Claim], bool]:
+    async def _claim(
+        self, conn: psycopg.AsyncConnection[DictRow], shard: int, owned: dict[PartitionKey, int], take: int
+    ) -> tuple[list[Claim], bool]:
         """Claim rule 3's lone last attempts before anything else, then the round robin for up
         to ``take`` users, on ``shard`` (``conn``) for its partitions ``owned``. Returns the
         claims and whether they are a lone attempt."""

@@ -45,6 +45,7 @@ from vigil.ledger import journal as ledger_journal
 from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import tasks as ledger_tasks
 from vigil.ledger.claims import Claim
+from vigil.ledger.events import EventRow
 from vigil.ledger.states import RunOutcome
 from vigil.retry import backoff
 from vigil.worker import metrics
@@ -67,7 +68,7 @@ class Finished:
     transient: bool = False  # model API overload: give the attempt back
     waiting: bool = False  # the user's daily token budget is spent: not started, wait, count nothing
     backoff_s: float = 0.0
-    folded: list = field(default_factory=list)  # EventRows claimed mid-run
+    folded: list[EventRow] = field(default_factory=list)  # claimed mid-run
     journaled: bool = False  # the run kept a journal (vigil.worker.journal): its finish ends it
 
     @property
@@ -118,7 +119,7 @@ def _has_more(run: Finished) -> bool:
 
 async def _write_more(
     conn: psycopg.AsyncConnection[DictRow], run: Finished, run_id: int | None, now: datetime | None
-) -> list[tuple]:
+) -> list[tuple[psycopg.AsyncCursor[DictRow], int]]:
     """Queue a run's other writes (pipeline mode); return (cursor, expected rowcount) checks.
     ``now``: the finisher's clock, from which a failure's backoff and a task's deadline count.
     ``run_id``: None for a run refused for its budget (it has no row)."""
@@ -232,7 +233,7 @@ async def _commit(
             for run in valid:
                 if run.error is None and (done := ids[run.claim.user_id].done) != len(run.event_ids):
                     raise FinishMismatch(f"{done} of {len(run.event_ids)} events still claimed")
-            checks: list[tuple] = []
+            checks: list[tuple[psycopg.AsyncCursor[DictRow], int]] = []
             for run in valid:
                 if _has_more(run):
                     run_id = None if run.waiting else ids[run.claim.user_id].run_id

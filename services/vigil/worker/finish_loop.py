@@ -67,7 +67,7 @@ class Finisher:
         self.clock = clock
         self.stopping = False
         self.committing = 0  # groups taken off the queue and not yet committed (VIGIL_FINISH_CONCURRENCY loops)
-        self._groups: set[asyncio.Task] = set()  # several shards: each shard's part of a group, committing
+        self._groups: set[asyncio.Task[None]] = set()  # several shards: each shard's part of a group, committing
         self._died: BaseException | None = None  # such a part's error, raised by the loop
 
     @property
@@ -128,7 +128,7 @@ class Finisher:
         task = asyncio.create_task(self._commit(runs), name="finish-shard")
         self._groups.add(task)
 
-        def done(task: asyncio.Task) -> None:
+        def done(task: asyncio.Task[None]) -> None:
             self._groups.discard(task)
             self.committing -= 1
             if not task.cancelled() and task.exception() is not None and self._died is None:

@@ -1,7 +1,8 @@
-"""Durable runs, the worker's side: a run's journal found, taken up, and written fenced.
+"""Durable runs, the worker's side: a run's journal found, opened, and written fenced.
 
 A Claude run's context is read with its user's live journal (:mod:`vigil.ledger.journal`).
-Before the agent starts, :func:`prepare` decides what the run is:
+Before the agent starts, :func:`open_run` reads what else the decision needs, has
+:func:`vigil.agent.journal.decide` (pure) say what the run is, and carries it out:
 
 - **No journal**: a fresh run. Its key is ``<user>:<first event id>`` on a first attempt; a
   later attempt with no journal adds ``~<attempt>`` (an earlier attempt wrote nothing, so no
@@ -16,21 +17,27 @@ Before the agent starts, :func:`prepare` decides what the run is:
 - **Another run's journal** (the user's run in progress, which an operator's retry of an
   older dead event overtook): that run goes first, taken up with its events, this claim's
   released. If its first event's next attempt is a lone last attempt (claim rule 3), the claim
-  steps back instead (:class:`StepsBack`, nothing counted): that attempt is due alone at once
-  (the run in progress is at its user's turn) and replays the journal with nothing in flight.
+  steps back instead (``Opened.steps_back``, nothing counted): that attempt is due alone at
+  once (the run in progress is at its user's turn) and replays the journal with nothing in flight.
 - **A journal it cannot replay** (its events are gone): dropped, fenced, and the run starts
   over under a new key.
 - **A batch's journal on its first event's lone last attempt** (claim rule 3): replayed
   whole, alone, once and uncounted (a batch lost only in company keeps its keys); stamped
   so, a journal that comes back crashed by itself: dropped, and the first event runs alone.
 
+Runs and background tasks both get their journal from :func:`open_journal`: a key, where its
+steps go (a :class:`vigil.agent.journal.Writer` fenced by a
+:class:`vigil.ledger.journal.Fence`: a claim's epoch or a task's lease), the steps a replay
+takes, and when to stop at a step boundary.
+
 With ``VIGIL_RUN_JOURNAL=false`` none of this happens: each claim's calls get keys of its own
 (:func:`unjournaled_key`), and a crash repeats them under new ones. The worker refuses that
 while its agent has tools that act, unless told to (:func:`refuse_unjournaled_actions`).
 
-:class:`RunWriter` appends a run's steps, each on a pooled connection in its own statement
-(autocommit), fenced by the claim's epoch; a refused append raises ``Fenced`` and the run
-stops as a failed attempt, whose finish is then refused as stale (nothing of it lands).
+A run's steps are appended through the worker's :class:`GroupAppend` (many runs' steps in one
+statement), a task's by :class:`FencedWriter` (a statement each); each append is fenced, and a
+refused one raises ``Fenced``: the run stops as a failed attempt, whose finish is then refused
+as stale (nothing of it lands).
 """
 
 from __future__ import annotations
@@ -38,19 +45,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
 from vigil.agent import metrics as agent_metrics
 from vigil.agent.base import Agent, RunContext
-from vigil.agent.journal import HandedOver, Journal
+from vigil.agent.journal import Decision, Found, Journal, Opening, Writer, decide, first_key, same_run
+from vigil.errors import VigilError
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger.claims import Claim
 from vigil.ledger.db import AsyncPool
+from vigil.ledger.events import EventRow
 from vigil.settings import SettingsError
 from vigil.worker.settings import WorkerSettings
 
@@ -67,14 +76,18 @@ class GroupAppend:
     still stands or is refused by its own fence. If the statement fails, every step of the
     group fails with it (the runs fail as attempts, as a single append's failure did)."""
 
-    def __init__(self, pool: AsyncPool):
+    def __init__(self, pool: AsyncPool) -> None:
         self.pool = pool
-        self._waiting: list[tuple[ledger_journal.Pending, asyncio.Future]] = []
-        self._writing: asyncio.Task | None = None
+        self._waiting: list[tuple[ledger_journal.Pending, asyncio.Future[None]]] = []
+        self._writing: asyncio.Task[None] | None = None
+
+    def writer(self, fence: ledger_journal.RunFence, run_key: str) -> Writer:
+        """Where one run's steps go: into this group's statements, each under ``fence``."""
+        return _Grouped(self, fence, run_key)
 
     async def put(self, item: ledger_journal.Pending) -> None:
         """Write ``item`` with the next group; raises ``Fenced`` when its fence refused it."""
-        done = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append((item, done))
         if self._writing is None or self._writing.done():
             self._writing = asyncio.create_task(self._write(), name="journal-group-append")
@@ -105,44 +118,55 @@ class GroupAppend:
                     )
 
 
-class StepsBack(HandedOver):
-    """The claim found the user's run in progress (another run's journal) due its lone last
-    attempt: it is released, nothing counted, so that attempt runs alone first (claim rule 3)."""
-
-
 # Steps per group statement: bounds its parameters (a few KB each) and its lock list.
 GROUP_MAX = 500
 
 
-class RunWriter:
-    """Appends one run's steps, fenced (:mod:`vigil.ledger.journal`, rule 2): through the
-    worker's :class:`GroupAppend` when it has one, else a statement per step (a task's)."""
+@dataclass(frozen=True, slots=True)
+class _Grouped:
+    """One run's writer through its shard's :class:`GroupAppend`."""
 
-    def __init__(
-        self,
-        pool: AsyncPool,
-        fence: ledger_journal.RunFence | ledger_journal.TaskFence,
-        run_key: str,
-        group: GroupAppend | None = None,
-    ):
-        self.pool = pool
-        self.fence = fence
-        self.run_key = run_key
-        self.group = group  # a task's steps (TaskFence) are few: a statement each
+    group: GroupAppend
+    fence: ledger_journal.RunFence
+    run_key: str
 
     async def append(self, step: int, kind: str, body: str) -> None:
-        if self.group is not None and isinstance(self.fence, ledger_journal.RunFence):
-            await self.group.put(ledger_journal.Pending(self.fence, self.run_key, step, kind, body))
-            return
+        await self.group.put(ledger_journal.Pending(self.fence, self.run_key, step, kind, body))
+
+    async def outcome(self, step: int, outcome: str) -> None:
+        await self.group.put(ledger_journal.Pending(self.fence, self.run_key, step, "outcome", outcome))
+
+
+@dataclass(frozen=True, slots=True)
+class FencedWriter:
+    """Appends one journal's steps, a statement each on a pooled connection (autocommit),
+    fenced (:mod:`vigil.ledger.journal`, rule 2): a background task's, whose steps are few."""
+
+    pool: AsyncPool
+    fence: ledger_journal.Fence
+    run_key: str
+
+    async def append(self, step: int, kind: str, body: str) -> None:
         async with self.pool.connection() as conn:
             await ledger_journal.append(conn, self.fence, run_key=self.run_key, step=step, kind=kind, body=body)
 
     async def outcome(self, step: int, outcome: str) -> None:
-        if self.group is not None and isinstance(self.fence, ledger_journal.RunFence):
-            await self.group.put(ledger_journal.Pending(self.fence, self.run_key, step, "outcome", outcome))
-            return
         async with self.pool.connection() as conn:
             await ledger_journal.outcome(conn, self.fence, run_key=self.run_key, step=step, outcome=outcome)
+
+
+def open_journal(
+    run_key: str,
+    writer: Writer | None,
+    steps: Sequence[ledger_journal.Step] = (),
+    stop: Callable[[], bool] | None = None,
+) -> Journal:
+    """A run's or a task's journal, the one way either is opened: keyed ``run_key``, its steps
+    written by ``writer`` (None: nowhere, VIGIL_RUN_JOURNAL=false), replaying ``steps``, and
+    stopping at its next step boundary once ``stop()`` says so (a hand-over)."""
+    journal = Journal.of(run_key, writer, steps)
+    journal.stop = stop
+    return journal
 
 
 def refuse_unjournaled_actions(settings: WorkerSettings, agent: Agent) -> None:
@@ -171,135 +195,137 @@ def unjournaled_key(claim: Claim) -> str:
     return f"{claim.run_key}~{claim.attempt}.{secrets.token_hex(4)}"
 
 
-def fresh_key(claim: Claim) -> str:
-    return claim.run_key if claim.attempt <= 1 else f"{claim.run_key}~{claim.attempt}"
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """What :func:`open_run` made of the claim: its opening, and the run's journal; none when
+    the claim steps back (the caller releases it, nothing counted)."""
+
+    opening: Opening
+    journal: Journal | None
+
+    @property
+    def steps_back(self) -> bool:
+        return self.journal is None
 
 
-async def prepare(
+async def open_run(
     pool: AsyncPool,
     claim: Claim,
     ctx: RunContext,
-    live: ledger_journal.Live | None,
-    reload: Callable[[RunContext], Awaitable[None]],
+    *,
     max_attempts: int,
+    reload: Callable[[RunContext], Awaitable[None]],
+    folded: list[EventRow],
+    stop: Callable[[], bool],
     group: GroupAppend | None = None,
-) -> Journal:
-    """Decide whether the run is fresh or a replay (module doc), set ``ctx`` (its key, its
-    events, its journal) and, for a replay, the claim's events. ``reload``: reads the run's
-    context again, for a replay whose taken-up events name sessions or approvals the context
-    was read without. Returns the run's journal."""
+) -> Opened:
+    """Open the run's journal against its user's live one (``ctx.found``, read with the
+    context), in order: read what the decision needs (the run in progress's lone last attempt),
+    :func:`vigil.agent.journal.decide`, take the journal's events up (claimed by id, or
+    released: :func:`_take_up`; refused, the decision's fallback), drop the journal it cannot
+    replay, then bind the run: its key, events, journal and ``adopt`` in ``ctx``, and for a
+    replay whose taken-up events name sessions or approvals, its context read again
+    (``reload``). A crash anywhere before the agent starts leaves the claim (and whatever was
+    claimed by id under its epoch) to the heal or the next owner; the journal, untouched or
+    dropped fenced, decides the same again."""
+    live, ctx.found = ctx.found, None
+    found = await _found(pool, claim, live, max_attempts)
+    decision = decide(claim.run_key, claim.attempt, claim.event_ids, found, max_attempts)
     fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
-    start = _start_of(live)
-    this_run = live is not None and _is_this_run(live.run_key, claim)
-    if live is not None and start is not None and (this_run or claim.attempt < max_attempts):
-        # Another run's journal (the user's run in progress, which an operator's retry of an
-        # older dead event overtook): that run goes first, this claim's events go back.
-        isolates = this_run and _isolates(claim, start, max_attempts)
-        if not isolates:
-            adopted = await _take_up(pool, claim, start, max_attempts)
-        elif not live.alone:
-            # Claim rule 3's lone last attempt, of a batch that lost its worker only in company
-            # so far: the whole batch replays once with nothing else in flight, uncounted.
-            # Splitting it now would make its calls again under new keys for another run's crash.
-            adopted = await _take_up(pool, claim, start, max_attempts, alone=live.run_key)
+    adopted: list[EventRow] = []
+    if decision.takes_up:
+        taken = await _take_up(pool, claim, decision, max_attempts)
+        if taken is None:
+            assert decision.refused is not None  # a take-up always says what follows its refusal
+            decision = decision.refused
         else:
-            adopted = None
-        if adopted is not None:
-            reason = "alone" if isolates else "replayed"
-            agent_metrics.RUN_REPLAYS.labels(reason).inc()
-            log.log(
-                logging.WARNING if isolates else logging.INFO,
-                "replaying the run's journal (%d steps, %d events)%s",
-                len(live.steps),
-                len(start),
-                ", alone on its first event's last attempt, the attempt given back" if isolates else "",
-            )
-            journal = Journal.of(live.run_key, RunWriter(pool, fence, live.run_key, group), live.steps)
-            if not this_run or any(e.session_id or e.source == "approval" for e in adopted):
-                ctx.events = list(claim.events)
-                await reload(ctx)
-            return _bind(ctx, claim, journal)
-        if isolates:
-            # The batch crashed with nothing else in flight (its replay alone did): its first
-            # event's last attempt runs alone afresh. Taking the batch up again would spend the
-            # batch-mates' last attempt on a crash that may be another event's: the poison
-            # would take them down with it.
-            agent_metrics.RUN_REPLAYS.labels("isolated").inc()
-            log.warning(
-                "not replaying a journal of %d events that crashed alone: event %d runs alone",
-                len(start),
-                claim.events[0].id,
-            )
-            async with pool.connection() as conn:
-                await ledger_journal.discard(conn, fence, live.run_key)
-            key = f"{claim.run_key}~{claim.attempt}"
-            return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
-    if live is not None and start is not None and not this_run:
-        async with pool.connection() as conn:
-            lone = await ledger_claims.due_alone(conn, start[0], max_attempts)
-        if lone:
-            # The run in progress cannot be taken up here (its first event's last attempt runs
-            # alone): dropping its journal would make its calls again under new keys.
-            agent_metrics.RUN_REPLAYS.labels("stepped_back").inc()
-            log.warning(
-                "the user's run in progress (%s) is due its lone last attempt: this claim steps back", live.run_key
-            )
-            raise StepsBack(f"{live.run_key} goes first, alone")
-    if live is not None:
-        agent_metrics.RUN_REPLAYS.labels("discarded").inc()
-        log.warning("dropping a journal its run cannot replay (%d steps of %s)", len(live.steps), live.run_key)
+            adopted = taken
+    _report(decision, claim, live)
+    if decision.opening is Opening.STEPPED_BACK:
+        return Opened(decision.opening, None)
+    if decision.drops_journal and live is not None:
         async with pool.connection() as conn:
             await ledger_journal.discard(conn, fence, live.run_key)
-        key = f"{claim.run_key}~{claim.attempt}"
-    else:
-        key = fresh_key(claim)
-    return _bind(ctx, claim, Journal(key, RunWriter(pool, fence, key, group)))
-
-
-def _bind(ctx: RunContext, claim: Claim, journal: Journal) -> Journal:
-    ctx.journal = journal
-    ctx.run_key = journal.run_key
-    ctx.events = list(claim.events)
+    writer = group.writer(fence, decision.run_key) if group is not None else FencedWriter(pool, fence, decision.run_key)
+    steps = live.steps if decision.takes_up and live is not None else ()
+    journal = open_journal(decision.run_key, writer, steps, stop)
+    ctx.journal, ctx.run_key, ctx.events = journal, journal.run_key, list(claim.events)
     if ctx.delegation is not None:
         ctx.delegation = replace(ctx.delegation, owner_chain=(claim.user_id, journal.run_key))
-    return journal
+    ctx.adopt = _adopter(pool, claim, folded, max_attempts)
+    if decision.takes_up and (
+        not same_run(decision.run_key, claim.run_key) or any(e.session_id or e.source == "approval" for e in adopted)
+    ):
+        await reload(ctx)
+    return Opened(decision.opening, journal)
 
 
-def _isolates(claim: Claim, start: list[int], max_attempts: int) -> bool:
-    """Is this claim the lone last attempt of a run that started with other events?"""
-    return claim.attempt >= max_attempts and start != claim.event_ids
-
-
-def _is_this_run(run_key: str, claim: Claim) -> bool:
-    return run_key == claim.run_key or run_key.startswith(claim.run_key + "~")
-
-
-def _start_of(live: ledger_journal.Live | None) -> list[int] | None:
-    """The events the journaled run started with (its step 1), or None if it has none."""
-    if live is None or not live.steps or live.steps[0].step != 1:
+async def _found(pool: AsyncPool, claim: Claim, live: ledger_journal.Live | None, max_attempts: int) -> Found | None:
+    """The live journal as :func:`vigil.agent.journal.decide` takes it: with its start, and
+    for another run's journal, whether its first event is due its lone last attempt."""
+    if live is None:
         return None
-    journal = Journal.of(live.run_key, None, live.steps[:1])
-    start = journal.start
+    start = _start_of(live)
+    lone = False
+    if start is not None and not same_run(live.run_key, claim.run_key):
+        async with pool.connection() as conn:
+            lone = await ledger_claims.due_alone(conn, start[0], max_attempts)
+    return Found(live.run_key, tuple(start) if start is not None else None, live.alone, lone)
+
+
+def _report(decision: Decision, claim: Claim, live: ledger_journal.Live | None) -> None:
+    """The decision in the replay metric and the log (a fresh run is neither)."""
+    if decision.opening is Opening.FRESH or live is None:
+        return
+    agent_metrics.RUN_REPLAYS.labels(decision.opening.value).inc()
+    steps, events = len(live.steps), len(decision.start)
+    if decision.opening is Opening.REPLAYED:
+        log.info("replaying the run's journal (%d steps, %d events)", steps, events)
+    elif decision.opening is Opening.ALONE:
+        log.warning(
+            "replaying the run's journal (%d steps, %d events), alone on its first event's last attempt, "
+            "the attempt given back",
+            steps,
+            events,
+        )
+    elif decision.opening is Opening.ISOLATED:
+        # The batch crashed with nothing else in flight (its replay alone did): its first
+        # event's last attempt runs alone afresh. Taking the batch up again would spend the
+        # batch-mates' last attempt on a crash that may be another event's.
+        log.warning("not replaying a journal that crashed alone: event %d runs alone", claim.events[0].id)
+    elif decision.opening is Opening.STEPPED_BACK:
+        # Dropping the run in progress's journal would make its calls again under new keys.
+        log.warning("the user's run in progress (%s) is due its lone last attempt: this claim steps back", live.run_key)
+    else:
+        log.warning("dropping a journal its run cannot replay (%d steps of %s)", steps, live.run_key)
+
+
+def fresh_key(claim: Claim) -> str:
+    """A fresh run's key (:func:`vigil.agent.journal.first_key`)."""
+    return first_key(claim.run_key, claim.attempt)
+
+
+def _start_of(live: ledger_journal.Live) -> list[int] | None:
+    """The events the journaled run started with (its step 1), or None if it has none."""
+    if not live.steps or live.steps[0].step != 1:
+        return None
+    start = Journal.of(live.run_key, None, live.steps[:1]).start
     return list(start["events"]) if start and isinstance(start.get("events"), list) else None
 
 
-async def _take_up(
-    pool: AsyncPool,
-    claim: Claim,
-    start: list[int],
-    max_attempts: int,
-    alone: str | None = None,
-) -> list | None:
+async def _take_up(pool: AsyncPool, claim: Claim, decision: Decision, max_attempts: int) -> list[EventRow] | None:
     """Make the claim cover exactly the journal's start events: claim the missing ones by id,
     release those that came since. Returns the events claimed by id; None (nothing changed)
-    if a start event cannot be claimed. ``alone``: the journal's key, for the lone last
-    attempt's batch replay (:func:`_take_up_alone`)."""
+    if a start event cannot be claimed. For the lone last attempt's batch replay
+    (``Opening.ALONE``): :func:`_take_up_alone`."""
+    start = list(decision.start)
     have = {event.id: event for event in claim.events}
     missing = [i for i in start if i not in have]
     extra = [event.id for event in claim.events if event.id not in set(start)]
     async with pool.connection() as conn:
-        if alone is not None:
-            adopted = await _take_up_alone(conn, claim, alone, missing, max_attempts)
+        adopted: list[EventRow] | None
+        if decision.opening is Opening.ALONE:
+            adopted = await _take_up_alone(conn, claim, decision.run_key, missing, max_attempts)
             if adopted is None:
                 return None
         else:
@@ -315,13 +341,13 @@ async def _take_up(
     return adopted
 
 
-class _NotAlone(Exception):
+class _NotAlone(VigilError):
     """The batch cannot be taken up alone: the transaction that tried rolls back."""
 
 
 async def _take_up_alone(
     conn: AsyncConnection[DictRow], claim: Claim, run_key: str, missing: list[int], max_attempts: int
-) -> list | None:
+) -> list[EventRow] | None:
     """The batch replayed alone on its lead's last attempt, in one transaction: its journal
     stamped (once: a stamped journal that comes back crashed alone), the batch-mates claimed
     and the lead's attempt given back, uncounted. None (nothing changed) if any fails."""
@@ -338,10 +364,12 @@ async def _take_up_alone(
     return adopted
 
 
-def adopter(pool: AsyncPool, claim: Claim, folded: list, max_attempts: int):
+def _adopter(
+    pool: AsyncPool, claim: Claim, folded: list[EventRow], max_attempts: int
+) -> Callable[[Sequence[int]], Awaitable[list[EventRow]]]:
     """ctx.adopt: a replayed boundary's events, claimed by id and folded into the run."""
 
-    async def adopt(ids):
+    async def adopt(ids: Sequence[int]) -> list[EventRow]:
         async with pool.connection() as conn:
             more = await ledger_claims.claim_ids(conn, claim, ids, max_attempts)
         folded.extend(more)

@@ -26,6 +26,7 @@ from vigil.agent.base import Agent
 from vigil.clock import Clock, SystemClock
 from vigil.ledger.db import AsyncPool
 from vigil.worker.claim_loop import Claimer
+from vigil.worker.deadletters import DeadLetters
 from vigil.worker.finish_loop import Finisher
 from vigil.worker.runs import Runs
 from vigil.worker.settings import WorkerSettings
@@ -44,7 +45,7 @@ class Runner:
         settings: WorkerSettings,
         agent: Agent,
         pool: AsyncPool | Shards,
-        dead_letters,
+        dead_letters: DeadLetters,
         clock: Clock | None = None,
     ) -> None:
         self.clock = clock or SystemClock()

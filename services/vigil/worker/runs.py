@@ -15,10 +15,12 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 import psycopg
+from psycopg.rows import DictRow
 
 from vigil import logs
 from vigil.agent.base import Agent, Delegation, OverBudget, RetryLater, RunContext
@@ -29,6 +31,7 @@ from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger.claims import Claim, claim_more
 from vigil.ledger.db import AsyncPool
+from vigil.ledger.events import EventRow
 from vigil.ledger.journal import Fenced
 from vigil.ledger.partitions import PartitionKey
 from vigil.retry import backoff
@@ -49,8 +52,8 @@ GONE_POLL_S = 0.01  # how often wait_gone looks whether the finisher has committ
 @dataclass(slots=True)
 class Active:
     claim: Claim
-    task: asyncio.Task | None = None
-    folded: list = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    folded: list[EventRow] = field(default_factory=list)
     alone: bool = False  # a lost event's last attempt: nothing else runs beside it
     ctx: RunContext | None = None  # loaded with its claim pass; None: the run loads its own
     handing_over: bool = False  # stop at the next step boundary (VIGIL_HANDOVER=step)
@@ -127,7 +130,7 @@ class Runs:
         self._hurrying.update(homes)
         self.hurry.set()
         try:
-            deadline = time.monotonic() + within_s
+            deadline = time.monotonic() + within_s  # the revoke's grace, as the consumer measures it
             while any(self.active.get(a.claim.user_id) is a for a in victims) and time.monotonic() < deadline:
                 await asyncio.sleep(GONE_POLL_S)
         finally:
@@ -185,11 +188,21 @@ class Runs:
             ctx = await self._context(active)
             if self.journaled:
                 pool = self.pool_of(c)
-                reload = partial(self._reload, pool)
-                attempts = self.settings.max_attempts
-                await run_journal.prepare(pool, c, ctx, ctx.journal, reload, attempts, self._journal_group(c))
-                ctx.adopt = run_journal.adopter(pool, c, active.folded, attempts)
-                ctx.journal.stop = lambda: active.handing_over
+                opened = await run_journal.open_run(
+                    pool,
+                    c,
+                    ctx,
+                    max_attempts=self.settings.max_attempts,
+                    reload=partial(self._reload, pool),
+                    folded=active.folded,
+                    stop=lambda: active.handing_over,
+                    group=self._journal_group(c),
+                )
+                if opened.steps_back:
+                    # The user's run in progress goes first, alone: this claim goes back unstarted,
+                    # nothing counted (vigil.worker.journal).
+                    await self._hand_back(active)
+                    return
                 finished.journaled = True
             # wait_for, not asyncio.timeout (one task fewer per run, about 2% of a model-bound
             # worker's CPU, tried in 06fb73f): on Python 3.11 a run whose agent has returned
@@ -201,16 +214,11 @@ class Runs:
             finished.folded = active.folded
         except asyncio.CancelledError:
             raise  # revoked or shutting down: the claim is released by whoever cancelled
-        except HandedOver as exc:
+        except HandedOver:
             # A revoke or a shutdown stopped it between two steps: its claim goes back (the
-            # attempt not counted) and the next owner replays it from the journal. Or the
-            # claim stepped back before it started, for the user's run in progress.
-            if not isinstance(exc, run_journal.StepsBack):
-                metrics.HANDED_OVER.inc()
-            active.handed_over = True
-            await self._release([active])
-            if self.active.get(c.user_id) is active:
-                del self.active[c.user_id]
+            # attempt not counted) and the next owner replays it from the journal.
+            metrics.HANDED_OVER.inc()
+            await self._hand_back(active)
             return
         except Fenced as exc:
             # The partition moved on: its finish will be refused as stale, so nothing of the
@@ -240,7 +248,15 @@ class Runs:
         if c.home in self._hurrying:
             self.hurry.set()  # a group waiting for company takes this run and commits now
 
-    async def preload(self, conn, started: list[Active]) -> None:
+    async def _hand_back(self, active: Active) -> None:
+        """``active`` leaves unfinished: its claim (and what it folded) released, the attempt not
+        counted, for the next owner or the next pass to take up."""
+        active.handed_over = True
+        await self._release([active])
+        if self.active.get(active.claim.user_id) is active:
+            del self.active[active.claim.user_id]
+
+    async def preload(self, conn: psycopg.AsyncConnection[DictRow], started: list[Active]) -> None:
         """The contexts of a pass's runs, read together: one pipeline on the claim's
         connection instead of a pooled connection and round trips per run. If that fails,
         each run reads its own (and fails as an attempt if it cannot either): the claims are
@@ -270,7 +286,7 @@ class Runs:
         return self.needs_context and self.settings.run_journal
 
     async def _reload(self, pool: AsyncPool, ctx: RunContext) -> None:
-        """A replay's context read again for its events (vigil.worker.journal.prepare), on its shard's ``pool``."""
+        """A replay's context read again for its events (vigil.worker.journal.open_run), on its shard's ``pool``."""
         async with pool.connection() as conn:
             await load_context_parts(conn, ctx, self._recent_limit)
 
@@ -282,7 +298,7 @@ class Runs:
     def _new_context(self, active: Active) -> RunContext:
         c = active.claim
 
-        async def fold(sources, session_id=None):
+        async def fold(sources: Sequence[str], session_id: str | None = None) -> list[EventRow]:
             async with self.pool_of(c).connection() as conn:
                 more = await claim_more(conn, c, sources, session_id)
             active.folded.extend(more)
@@ -290,7 +306,7 @@ class Runs:
 
         # Without a journal a retry asks the model again and may call other tools at the same
         # steps: each claim's calls get keys of its own (vigil.worker.journal.unjournaled_key),
-        # never one a tool already saw for another call. With one, prepare() sets the key. The
+        # never one a tool already saw for another call. With one, open_run sets the key. The
         # echo agent calls no tools.
         unjournaled = self.needs_context and not self.journaled
         run_key = run_journal.unjournaled_key(c) if unjournaled else run_journal.fresh_key(c)

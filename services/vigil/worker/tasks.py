@@ -42,14 +42,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
+from typing import Any
 
 import psycopg
 
-from vigil.agent.base import Agent, Delegation, MemoryWrite, NewTask, TaskContext, TaskUsage
-from vigil.agent.journal import Journal, task_key
+from vigil.agent.base import Agent, Delegation, MemoryWrite, NewTask, TaskContext, TaskResult, TaskUsage
+from vigil.agent.journal import task_key
 from vigil.bus.kafka import EventProducer
 from vigil.clock import Clock, SystemClock, utc
 from vigil.envelope import Event
@@ -63,7 +64,7 @@ from vigil.ledger.states import TaskStatus
 from vigil.retry import backoff
 from vigil.worker import metrics
 from vigil.worker.finish import new_task_row
-from vigil.worker.journal import RunWriter
+from vigil.worker.journal import FencedWriter, open_journal
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import CATALOG, Shards
 
@@ -83,8 +84,9 @@ RELEASE = object()
 FENCED = object()
 
 
-def result_event(task: ledger.TaskRow) -> Event:
-    """The one event a terminal task produces: keyed by its id, resuming the delegating session."""
+def result_event(task: ledger.TaskRow, received_at: datetime) -> Event:
+    """The one event a terminal task produces: keyed by its id, resuming the delegating session.
+    ``received_at``: now on the reporting worker's clock."""
     body = {
         "task_id": task.id,
         "status": str(task.status),
@@ -100,7 +102,7 @@ def result_event(task: ledger.TaskRow) -> Event:
         source_id=task.id,
         kind=f"task.{task.status}",
         payload=json.dumps(body, separators=(",", ":")),
-        received_at=datetime.now(UTC),
+        received_at=received_at,
         occurred_at=task.finished_at,
         session_id=task.session_id,
     )
@@ -110,8 +112,8 @@ def result_event(task: ledger.TaskRow) -> Event:
 class Holding:
     task: ledger.TaskRow
     ctx: TaskContext
-    leased_at: float  # time.monotonic() before the claim was sent: the lease is at least this fresh
-    execution: asyncio.Task | None = None
+    leased_at: float  # the clock's monotonic() before the claim was sent: the lease is at least this fresh
+    execution: asyncio.Task[TaskResult] | None = None
     handed_back: bool = False  # cancelled to be handed back (a lone attempt's drain), not failed
 
 
@@ -128,8 +130,10 @@ class TaskExecutor:
         self.agent = agent
         self.shards = Shards.of(pool)  # tasks are claimed on every shard held, each run on its own
         self.producer = producer
-        # Deadlines are decided on this clock, in the ledger too; leases on the ledger's alone
-        # (it stamps the heartbeats and judges their age), so no host's skew enters them.
+        # Every decision of a holder is on this clock: the task's deadline (in the ledger too),
+        # its heartbeat period, its self-fence, the retries of its outcome, the stop's grace.
+        # Leases are judged on the ledger's clock alone (it stamps the heartbeats and judges
+        # their age), so no host's skew enters them.
         self.clock = clock or SystemClock()
         self.holding: dict[str, Holding] = {}
         self._shard_of: dict[str, int] = {}  # a held task's shard, from its claim to its last write
@@ -143,7 +147,7 @@ class TaskExecutor:
     def enabled(self) -> bool:
         return self.settings.task_concurrency > 0 and hasattr(self.agent, "run_task")
 
-    def loops(self) -> list:
+    def loops(self) -> list[Coroutine[Any, Any, None]]:
         """The coroutines to run for as long as the worker does."""
         loops = [self.reap_loop(), self.report_loop(), self.gauge_loop()]
         if self.enabled:
@@ -162,7 +166,7 @@ class TaskExecutor:
                 for shard, pool in self.shards.opened():
                     if left <= 0:
                         break
-                    sent = time.monotonic()
+                    sent = self.clock.monotonic()
                     try:
                         async with pool.connection() as conn:
                             claimed = await ledger.claim(
@@ -183,6 +187,8 @@ class TaskExecutor:
         return self.shards.pool(self._shard_of.get(task.id, CATALOG))
 
     def _start(self, task: ledger.TaskRow, leased_at: float, shard: int = CATALOG) -> None:
+        # The agent checks its deadline against the host's monotonic clock (as a run's); the
+        # holder decides the timeout itself, on its clock (_supervise).
         deadline_s = (task.deadline - utc(self.clock.now())).total_seconds()  # set on a caller's clock
         ctx = TaskContext(
             task_id=task.id,
@@ -228,7 +234,7 @@ class TaskExecutor:
 
     async def _held(self, holding: Holding) -> None:
         task, ctx = holding.task, holding.ctx
-        started = time.monotonic()
+        started = time.monotonic()  # a measurement, not a decision: the host's clock
         if not await self._journal(holding) or not await self._memory(holding):
             self.holding.pop(task.id, None)
             metrics.TASKS_IN_FLIGHT.set(len(self.holding))
@@ -288,7 +294,7 @@ class TaskExecutor:
         if not self.settings.run_journal:
             # No journal to replay: this holder asks the model again and may make other calls
             # at the same steps, so its keys are its own (task:<id>~<lease epoch>:<step>).
-            ctx.journal = Journal(task_key(task.id, task.lease_epoch, journaled=False))
+            ctx.journal = open_journal(task_key(task.id, task.lease_epoch, journaled=False), None)
             return True
         key = task_key(task.id, task.lease_epoch, journaled=True)
         try:
@@ -297,8 +303,8 @@ class TaskExecutor:
         except (psycopg.Error, OSError) as exc:
             log.warning("task %s: could not read its journal, handing it back: %s", task.id, exc)
             return False
-        writer = RunWriter(self._pool(task), ledger_journal.TaskFence(task.id, task.lease_epoch), key)
-        ctx.journal = Journal.of(key, writer, steps)
+        writer = FencedWriter(self._pool(task), ledger_journal.TaskFence(task.id, task.lease_epoch), key)
+        ctx.journal = open_journal(key, writer, steps)
         if steps:
             log.info("task %s: replaying its journal (%d steps)", task.id, len(steps))
         return True
@@ -327,22 +333,24 @@ class TaskExecutor:
         assert execution is not None
         fence_s, period = self.settings.task_fence_s, self.settings.task_heartbeat_s
         fence_at = holding.leased_at + fence_s  # the claim itself was the first heartbeat
-        next_beat = time.monotonic() + period
-        beat: asyncio.Task | None = None
+        next_beat = self.clock.monotonic() + period
+        deadline = task.deadline.timestamp()  # wall time, set on a caller's clock: judged on ours
+        beat: asyncio.Task[bool | None] | None = None
         beat_sent = 0.0
         try:
             while True:
-                now = time.monotonic()
-                if now >= ctx.deadline:
+                now = self.clock.monotonic()
+                left_s = deadline - self.clock.now()
+                if left_s <= 0:
                     return self._usage(ctx, TaskStatus.TIMED_OUT, error="deadline passed while it ran")
                 if now >= fence_at:
                     return FENCED
                 if beat is None and now >= next_beat:
                     beat_sent, next_beat = now, now + period
                     beat = asyncio.create_task(self._beat(task, ctx.usage), name=f"task-beat-{task.id}")
-                wake = min(ctx.deadline, fence_at, next_beat if beat is None else fence_at)
+                wake_s = min(left_s, fence_at - now, (next_beat if beat is None else fence_at) - now)
                 waiting = {execution} if beat is None else {execution, beat}
-                done, _ = await asyncio.wait(waiting, timeout=max(wake - now, 0.0), return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waiting, timeout=max(wake_s, 0.0), return_when=asyncio.FIRST_COMPLETED)
                 if execution in done:
                     return self._outcome(holding)
                 if beat is None or not beat.done():
@@ -366,7 +374,7 @@ class TaskExecutor:
         async with self._pool(task).connection() as conn:
             return await ledger.heartbeat(conn, task.id, task.lease_epoch, progress)
 
-    def _outcome(self, holding: Holding):
+    def _outcome(self, holding: Holding) -> ledger.Outcome | object:
         execution, ctx = holding.execution, holding.ctx
         assert execution is not None
         if execution.cancelled() and (self._stopping or holding.handed_back):
@@ -379,7 +387,9 @@ class TaskExecutor:
         return self._usage(ctx, TaskStatus.SUCCEEDED, result=execution.result().text)
 
     @staticmethod
-    def _usage(ctx: TaskContext, status: TaskStatus, result: str | None = None, error: str | None = None):
+    def _usage(
+        ctx: TaskContext, status: TaskStatus, result: str | None = None, error: str | None = None
+    ) -> ledger.Outcome:
         u = ctx.usage
         return ledger.Outcome(status, result, error, u.turns, u.input_tokens, u.output_tokens)
 
@@ -399,7 +409,7 @@ class TaskExecutor:
         then no heartbeat has kept the lease (the execution has ended), the reaper may have
         taken the task back, and the task is left to it (queued again, replaying its journal,
         or lost). True: it stands; False: another outcome did; None: given up."""
-        give_up = time.monotonic() + self.settings.task_stale_s
+        give_up = self.clock.monotonic() + self.settings.task_stale_s
         attempt = 0
         while True:
             try:
@@ -430,7 +440,7 @@ class TaskExecutor:
             except (psycopg.Error, OSError) as exc:
                 attempt += 1
                 pause = backoff(attempt, WRITE_RETRY_BASE_S, WRITE_RETRY_CAP_S)
-                if time.monotonic() + pause > give_up:
+                if self.clock.monotonic() + pause > give_up:
                     log.warning(
                         "task %s: outcome %s not written after %d attempts; left to the reaper: %s",
                         task.id,
@@ -513,7 +523,8 @@ class TaskExecutor:
                 if not rows:
                     return 0
                 # A memory review's outcome wakes nobody: it is on its row and in memory_history.
-                events = [result_event(row) for row in rows if row.kind != REVIEW]
+                now = utc(self.clock.now())
+                events = [result_event(row, now) for row in rows if row.kind != REVIEW]
                 if events:
                     await asyncio.to_thread(self.producer.send, events)
                 await ledger.mark_reported(conn, [row.id for row in rows])
@@ -554,12 +565,12 @@ class TaskExecutor:
     async def stop(self, grace_s: float) -> None:
         """Stop claiming; give executions ``grace_s`` to end; hand the rest back to the queue."""
         self._stopping = True
-        deadline = time.monotonic() + grace_s
-        while self.holding and time.monotonic() < deadline:
+        deadline = self.clock.monotonic() + grace_s
+        while self.holding and self.clock.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for holding in list(self.holding.values()):
             if holding.execution is not None:
                 holding.execution.cancel()
-        deadline = time.monotonic() + 5.0
-        while self.holding and time.monotonic() < deadline:
+        deadline = self.clock.monotonic() + 5.0
+        while self.holding and self.clock.monotonic() < deadline:
             await asyncio.sleep(0.05)

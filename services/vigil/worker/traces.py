@@ -16,14 +16,17 @@ that are not exported.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 
 from vigil import logs, tracing
 from vigil.ledger import tracing as ledger_tracing
+from vigil.ledger.claims import Claim
+from vigil.ledger.db import AsyncPool
+from vigil.worker.finish import Finished
 
 HEADERS = 7  # a staging row's headers column (after n, user_id, source, source_id, kind, payload, session_id)
 PARTITION, OFFSET = 11, 12
@@ -36,9 +39,9 @@ class RecordSpans:
 
     def __init__(self, topic: str):
         self.topic = topic
-        self.spans: list = []
+        self.spans: list[Span] = []
 
-    def add(self, row: tuple, record_headers) -> tuple:
+    def add(self, row: tuple[Any, ...], record_headers: list[tuple[str, bytes]] | None) -> tuple[Any, ...]:
         """Start the event's record span; return the row with its context in the headers."""
         headers = row[HEADERS]
         parent = tracing.context_of(headers)
@@ -71,14 +74,14 @@ class RecordSpans:
             s.end()
 
 
-def run(coro: Coroutine[Any, Any, None], claim, pool) -> Coroutine[Any, Any, None]:
+def run(coro: Coroutine[Any, Any, None], claim: Claim, pool: AsyncPool) -> Coroutine[Any, Any, None]:
     """``coro`` (a run) under its span; ``coro`` itself when traces are off."""
     if not tracing.enabled:
         return coro
     return _traced_run(coro, claim, pool)
 
 
-async def _traced_run(coro, claim, pool) -> None:
+async def _traced_run(coro: Coroutine[Any, Any, None], claim: Claim, pool: AsyncPool) -> None:
     started = tracing.now_ns()
     lookup_error = None
     try:
@@ -123,7 +126,7 @@ async def _traced_run(coro, claim, pool) -> None:
         await tracing.within(s, coro)
 
 
-def finish(batch: list, began_ns: int, committed: list) -> None:
+def finish(batch: Sequence[Finished], began_ns: int, committed: Sequence[Finished]) -> None:
     """One ``vigil.finish`` span per run of a group commit, under the run's span."""
     if not tracing.enabled:
         return

@@ -96,10 +96,12 @@ ORDER BY j.run_key, j.step
 LIMIT %(limit)s
 
 -- name: journal_prune
--- Retention: kept journals past VIGIL_RUN_JOURNAL_DAYS, and live ones left by runs whose events ended otherwise (dead) and older than the dedup window.
+-- Retention: kept journals past VIGIL_RUN_JOURNAL_DAYS, and live ones left by runs whose events ended otherwise (dead) and older than the dedup window; "now" is the pruner's clock (the ledger's without one).
 DELETE FROM run_journal j
-WHERE (j.finished_at IS NOT NULL AND j.finished_at < now() - make_interval(days => %(keep_days)s))
-   OR (j.finished_at IS NULL AND j.recorded_at < now() - make_interval(days => %(live_days)s))
+WHERE (j.finished_at IS NOT NULL
+       AND j.finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(days => %(keep_days)s))
+   OR (j.finished_at IS NULL
+       AND j.recorded_at < coalesce(%(now)s::timestamptz, now()) - make_interval(days => %(live_days)s))
 
 -- name: journal_append_many
 -- Steps of many runs in one statement (the worker's group append), each fenced by its claim's epoch: the partition rows are held FOR SHARE to commit, in one global order (as lock_epochs does: no deadlock with a takeover); a step whose epoch is no longer current matches no fence row and is not written. Returns the steps written.
