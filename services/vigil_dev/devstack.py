@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vigil.paths import repo_root
+from vigil_dev.tls import LocalTLS, write_file
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,16 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def kept_secret(path: Path) -> str:
+    """A generated password (hex, so it needs no quoting in a URL or a JAAS line), made the
+    first time and kept in ``path`` (mode 600)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(secrets.token_hex(24))
+    return path.read_text().strip()
+
+
 def wait_until(check, timeout: float, what: str, logfile: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -231,12 +242,27 @@ def java_binary() -> str:
     return java
 
 
+# The secure broker's SCRAM-SHA-512 users: the broker itself (between its listeners), one per
+# service, and ``admin`` for the operator's CLI (`vigil topics`, `. .run/env`) and the tooling.
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+BROKER_USER = "broker"
+ADMIN_KAFKA_USER = "admin"
+SERVICE_KAFKA_USERS = ("ingest", "worker", "scheduler", "dispatcher", "console")
+SCRAM_USERS = (BROKER_USER, ADMIN_KAFKA_USER, *SERVICE_KAFKA_USERS)
+
+
 @dataclass
 class KafkaServer:
+    """A one-node KRaft broker. With ``tls`` (the secure stack) its one client listener is
+    SASL_SSL, SCRAM-SHA-512 with a user per service (passwords kept in ``scram/<user>.password``,
+    bootstrapped into the metadata when the storage is formatted), and its controller listener
+    is TLS with a client certificate required, so no port of it takes an unauthenticated client."""
+
     data_dir: Path
     port: int
     controller_port: int
     libs: Path
+    tls: LocalTLS | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -250,46 +276,116 @@ class KafkaServer:
     def logfile(self) -> Path:
         return self.data_dir / "kafka.log"
 
+    def password(self, user: str) -> str:
+        return kept_secret(self.data_dir / "scram" / f"{user}.password")
+
+    def client_options(self, user: str = ADMIN_KAFKA_USER) -> dict[str, str]:
+        """librdkafka settings (beyond ``bootstrap.servers``) of a client connecting as ``user``;
+        none for a PLAINTEXT broker. As ``VIGIL_KAFKA_OPT_*`` they are :meth:`client_env`."""
+        if self.tls is None:
+            return {}
+        return {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanisms": SCRAM_MECHANISM,
+            "sasl.username": user,
+            "sasl.password": self.password(user),
+            "ssl.ca.location": str(self.tls.ca),
+            # librdkafka's default since 1.9, written out: the broker's name is checked too.
+            "ssl.endpoint.identification.algorithm": "https",
+        }
+
+    def client_env(self, user: str = ADMIN_KAFKA_USER) -> dict[str, str]:
+        """:meth:`client_options` as the services read them (``VIGIL_KAFKA_OPT_SASL_USERNAME``...)."""
+        return {
+            "VIGIL_KAFKA_OPT_" + name.upper().replace(".", "_"): value
+            for name, value in self.client_options(user).items()
+        }
+
     def properties(self) -> str:
-        return "\n".join(
-            [
-                "process.roles=broker,controller",
-                "node.id=1",
-                f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
-                f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+        return "\n".join([*self._listeners(), *self._common_properties()])
+
+    def _listeners(self) -> list[str]:
+        controller = f"CONTROLLER://127.0.0.1:{self.controller_port}"
+        if self.tls is None:
+            return [
+                f"listeners=PLAINTEXT://127.0.0.1:{self.port},{controller}",
                 f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
-                "controller.listener.names=CONTROLLER",
                 "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
                 "inter.broker.listener.name=PLAINTEXT",
-                f"log.dirs={self.data_dir / 'log'}",
-                # One broker: every internal topic at replication factor 1.
-                "offsets.topic.replication.factor=1",
-                "offsets.topic.num.partitions=10",
-                "transaction.state.log.replication.factor=1",
-                "transaction.state.log.min.isr=1",
-                "share.coordinator.state.topic.replication.factor=1",
-                "share.coordinator.state.topic.min.isr=1",
-                # No waiting for more members before the first rebalance: tests and the demo
-                # start one worker at a time.
-                "group.initial.rebalance.delay.ms=0",
-                # Lets tests use short consumer session timeouts for failover scenarios.
-                "group.min.session.timeout.ms=1000",
-                # Topics are created on purpose (`vigil topics`), never by a typo'd consumer.
-                "auto.create.topics.enable=false",
-                "num.partitions=1",
-                "",
             ]
+        jaas = (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required "
+            f'username="{BROKER_USER}" password="{self.password(BROKER_USER)}";'
         )
+        return [
+            f"listeners=SASL_SSL://127.0.0.1:{self.port},{controller}",
+            f"advertised.listeners=SASL_SSL://127.0.0.1:{self.port}",
+            # KRaft keeps SCRAM credentials in its metadata, so the controller cannot use them:
+            # its listener takes TLS with a client certificate from the stack's CA instead.
+            "listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:SSL",
+            "inter.broker.listener.name=SASL_SSL",
+            f"sasl.enabled.mechanisms={SCRAM_MECHANISM}",
+            f"sasl.mechanism.inter.broker.protocol={SCRAM_MECHANISM}",
+            f"listener.name.sasl_ssl.{SCRAM_MECHANISM.lower()}.sasl.jaas.config={jaas}",
+            "listener.name.controller.ssl.client.auth=required",
+            "ssl.keystore.type=PEM",
+            f"ssl.keystore.location={self.tls.keystore}",
+            "ssl.truststore.type=PEM",
+            f"ssl.truststore.location={self.tls.ca}",
+            "ssl.endpoint.identification.algorithm=https",
+        ]
+
+    def _common_properties(self) -> list[str]:
+        return [
+            "process.roles=broker,controller",
+            "node.id=1",
+            f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
+            "controller.listener.names=CONTROLLER",
+            f"log.dirs={self.data_dir / 'log'}",
+            # One broker: every internal topic at replication factor 1.
+            "offsets.topic.replication.factor=1",
+            "offsets.topic.num.partitions=10",
+            "transaction.state.log.replication.factor=1",
+            "transaction.state.log.min.isr=1",
+            "share.coordinator.state.topic.replication.factor=1",
+            "share.coordinator.state.topic.min.isr=1",
+            # No waiting for more members before the first rebalance: tests and the demo
+            # start one worker at a time.
+            "group.initial.rebalance.delay.ms=0",
+            # Lets tests use short consumer session timeouts for failover scenarios.
+            "group.min.session.timeout.ms=1000",
+            # Topics are created on purpose (`vigil topics`), never by a typo'd consumer.
+            "auto.create.topics.enable=false",
+            "num.partitions=1",
+            "",
+        ]
+
+    def _scram_arguments(self) -> list[str]:
+        """``kafka-storage format``'s ``--add-scram`` for each user: the credentials exist
+        before the broker first listens."""
+        if self.tls is None:
+            return []
+        return [
+            arg
+            for user in SCRAM_USERS
+            for arg in ("--add-scram", f"{SCRAM_MECHANISM}=[name={user},password={self.password(user)}]")
+        ]
 
     def start(self) -> None:
         if read_pid(self.pidfile) is not None:
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        formatted = (self.data_dir / "log" / "meta.properties").exists()
+        if self.tls is not None and formatted and not (self.data_dir / "scram").exists():
+            raise StackError(
+                f"{self.data_dir} was formatted without SCRAM users (a PLAINTEXT stack): stop the stack "
+                f"(`vigil-dev down`), remove {self.data_dir} and start it again with VIGIL_DEV_SECURE=1"
+            )
         config = self.data_dir / "server.properties"
-        config.write_text(self.properties())
+        write_file(config, self.properties().encode(), 0o600)  # the secure broker's holds its SCRAM password
         java = java_binary()
         classpath = str(self.libs / "*")
-        if not (self.data_dir / "log" / "meta.properties").exists():
+        if not formatted:
             result = subprocess.run(
                 [
                     java,
@@ -301,6 +397,7 @@ class KafkaServer:
                     uuid.uuid4().hex[:22],
                     "-c",
                     str(config),
+                    *self._scram_arguments(),
                 ],
                 capture_output=True,
                 text=True,
@@ -325,7 +422,7 @@ class KafkaServer:
         from confluent_kafka.admin import AdminClient
 
         try:
-            AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=2)
+            AdminClient({"bootstrap.servers": self.bootstrap, **self.client_options()}).list_topics(timeout=2)
             return True
         except Exception:
             return False
@@ -382,11 +479,32 @@ def _server_user() -> str | None:
 ADMIN_USER = "vigil_admin"
 
 
+# The secure server's pg_hba.conf: TCP with TLS only (no socket, no unencrypted TCP), each
+# connection with its role's password.
+SECURE_HBA = """\
+# VIGIL_DEV_SECURE: TLS connections only (`sslmode=verify-full` against the stack's CA).
+hostssl all all 127.0.0.1/32 scram-sha-256
+hostssl all all ::1/128 scram-sha-256
+"""
+# What initdb writes with --auth-local/--auth-host=scram-sha-256, put back when a server made
+# secure is started without VIGIL_DEV_SECURE.
+PLAIN_HBA = """\
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+local replication all scram-sha-256
+host replication all 127.0.0.1/32 scram-sha-256
+host replication all ::1/128 scram-sha-256
+"""
+
+
 @dataclass
 class PostgresServer:
     """A PostgreSQL server that asks every connection for a password (scram-sha-256), local
     sockets included. The passwords are generated when the data folder is made and kept
-    beside it (mode 600): ``admin.password`` and ``<user>.password``."""
+    beside it (mode 600): ``admin.password`` and ``<user>.password``. With ``tls`` (the secure
+    stack) it takes TLS connections only (``hostssl``, its certificate from the stack's CA) and
+    its URLs carry ``sslmode=verify-full`` and ``sslrootcert``."""
 
     data_dir: Path
     port: int
@@ -397,6 +515,7 @@ class PostgresServer:
     durable: bool = False
     # Server libraries to load at start (the bench's --statements: pg_stat_statements).
     preload: tuple[str, ...] = ()
+    tls: LocalTLS | None = None
 
     @property
     def pidfile(self) -> Path:
@@ -416,20 +535,19 @@ class PostgresServer:
 
     def shown_url(self) -> str:
         """:meth:`url` without its password, to print."""
-        return f"postgresql://{self.user}:***@127.0.0.1:{self.port}/{self.database}"
+        return f"postgresql://{self.user}:***@127.0.0.1:{self.port}/{self.database}{self.url_options}"
 
     def _url(self, role: str, database: str) -> str:
-        return f"postgresql://{role}:{self.password(role)}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://{role}:{self.password(role)}@127.0.0.1:{self.port}/{database}{self.url_options}"
+
+    @property
+    def url_options(self) -> str:
+        """The URL's query: TLS with the server's name and certificate checked against the CA."""
+        return f"?sslmode=verify-full&sslrootcert={self.tls.ca}" if self.tls else ""
 
     def password(self, role: str) -> str:
         """A role's password, made (hex, so it needs no quoting in a URL) the first time."""
-        name = "admin" if role == ADMIN_USER else role
-        path = self.data_dir.parent / f"{name}.password"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
-                out.write(secrets.token_hex(24))
-        return path.read_text().strip()
+        return kept_secret(self.data_dir.parent / f"{'admin' if role == ADMIN_USER else role}.password")
 
     def start(self) -> None:
         if read_pid(self.pidfile) is not None:
@@ -460,6 +578,7 @@ class PostgresServer:
             )
         if port_open(self.port):
             raise StackError(f"port {self.port} is taken by another process; set VIGIL_DEV_PG_PORT")
+        tls_settings = self._tls_setup(run_as)
         spawn(
             [
                 str(bindir / "postgres"),
@@ -491,6 +610,7 @@ class PostgresServer:
                 "-c",
                 "autovacuum_naptime=5s",
                 *(["-c", f"shared_preload_libraries={','.join(self.preload)}"] if self.preload else []),
+                *tls_settings,
             ],
             self.logfile,
             self.pidfile,
@@ -498,6 +618,24 @@ class PostgresServer:
         )
         wait_until(self._accepting, START_TIMEOUT_S, "PostgreSQL", self.logfile)
         self._create_database()
+
+    def _tls_setup(self, run_as: str | None) -> list[str]:
+        """pg_hba.conf for this start's mode; with TLS, the certificate and key copied into the
+        data folder (the server reads its key only if the server's account owns it, mode 600)
+        and the server's TLS settings."""
+        (self.data_dir / "pg_hba.conf").write_text(SECURE_HBA if self.tls else PLAIN_HBA)
+        if self.tls is None:
+            return []
+        for source, name in ((self.tls.cert, "server.crt"), (self.tls.key, "server.key")):
+            target = self.data_dir / name
+            write_file(target, source.read_bytes(), 0o600)
+            if run_as:
+                entry = pwd.getpwnam(run_as)
+                os.chown(target, entry.pw_uid, entry.pw_gid)
+        return [
+            *("-c", "ssl=on", "-c", "ssl_cert_file=server.crt", "-c", "ssl_key_file=server.key"),
+            *("-c", "ssl_min_protocol_version=TLSv1.2"),
+        ]
 
     def _initdb(self, bindir: Path, run_as: str | None) -> None:
         # initdb reads the bootstrap role's password from a file: readable by the server's
