@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from vigil_dev import devstack
+from vigil_dev import broker
 from vigil_dev.devstack import http_ok
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def dev_env(root: Path, ports: dict[str, int]) -> dict[str, str]:
         # A checkout run with PYTHONPATH (a worktree beside an editable install) runs its own code.
         **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
         "VIGIL_DEV_RUN_DIR": str(root),
-        "VIGIL_DEV_KAFKA_LIBS": str(devstack.kafka_libs(REPO / ".run" / "kafka")),
+        "VIGIL_DEV_KAFKA_LIBS": str(broker.kafka_libs(REPO / ".run" / "kafka")),
         **{k: str(v) for k, v in ports.items()},
     }
 

@@ -26,7 +26,7 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from support import REPO, SERVICE_PORTS, STACK_PORTS, dev_env, stack_settings, wait_for
 from vigil.bus.codec import DELIVERY_SCHEMA_NAME, AvroCodec
-from vigil_dev import devstack
+from vigil_dev import broker, devstack
 from vigil_dev.tls import LocalTLS
 
 pytestmark = [
@@ -98,7 +98,7 @@ def test_settings_name_the_secure_parts(secure):
     url = psycopg.conninfo.conninfo_to_dict(settings["VIGIL_DATABASE_URL"])
     assert url["sslmode"] == "verify-full" and url["sslrootcert"] == str(secure.root / "tls" / "ca.pem")
     # Each service its own user: the broker's log names who connected.
-    users = {u for u in devstack.SERVICE_KAFKA_USERS if u != "console"}
+    users = {u for u in broker.SERVICE_KAFKA_USERS if u != "console"}
     log = (secure.root / "kafka" / "data" / "kafka.log").read_text(errors="replace")
     for name in users:
         password = (secure.root / "kafka" / "data" / "scram" / f"{name}.password").read_text().strip()

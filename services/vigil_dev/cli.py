@@ -22,7 +22,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from vigil.ledger.sealing import new_key
 from vigil.paths import repo_root
-from vigil_dev import devstack
+from vigil_dev import broker, devstack
 from vigil_dev.demo import demo as demo_command
 from vigil_dev.tls import LocalTLS
 
@@ -168,9 +168,9 @@ def up(services: bool, demo: bool) -> None:
         libs = (
             Path(os.environ["VIGIL_DEV_KAFKA_LIBS"])
             if os.environ.get("VIGIL_DEV_KAFKA_LIBS")
-            else devstack.kafka_libs(root / "kafka")
+            else broker.kafka_libs(root / "kafka")
         )
-        kafka = devstack.KafkaServer(
+        kafka = broker.KafkaServer(
             root / "kafka" / "data",
             kafka_port,
             int(os.environ.get("VIGIL_DEV_KAFKA_CONTROLLER_PORT", kafka_port + 1)),
@@ -180,7 +180,7 @@ def up(services: bool, demo: bool) -> None:
         kafka.start()
         # The CLI's and the tooling's Kafka user (the services get their own below).
         env.update(kafka.client_env())
-        security = f", SASL_SSL {devstack.SCRAM_MECHANISM}, CA {tls.ca}" if tls else ""
+        security = f", SASL_SSL {broker.SCRAM_MECHANISM}, CA {tls.ca}" if tls else ""
         click.echo(f"kafka       {kafka.bootstrap}  (Apache Kafka, KRaft{security}, logs {kafka.logfile})")
         local_pg_url = f"postgresql://vigil@127.0.0.1:{os.environ.get('VIGIL_DEV_PG_PORT', '5432')}/vigil"
         # A shell that sourced .run/env carries this stack's URL with its password: still local.
