@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -155,17 +157,20 @@ def test_the_broker_refuses_plaintext_and_a_wrong_password(secure):
     stored_before = _stored(secure, events)
     plaintext = {"bootstrap.servers": secure.settings["VIGIL_KAFKA_BOOTSTRAP"]}
     wrong_password = secure.kafka_options(**{"sasl.username": "worker", "sasl.password": "not-the-password"})
-    refused = {}
-    for name, config in (("plaintext", plaintext), ("wrong password", wrong_password)):
-        errors: list[KafkaError] = []
-        outcomes: list[KafkaError | None] = []
-        producer = Producer({**config, "message.timeout.ms": 5000, "error_cb": errors.append, "log_level": 0})
+    errors: dict[str, list[KafkaError]] = {"plaintext": [], "wrong password": []}
+    outcomes: dict[str, list[KafkaError | None]] = {name: [] for name in errors}
+    producers = {
+        name: Producer({**config, "message.timeout.ms": 3000, "error_cb": errors[name].append, "log_level": 0})
+        for name, config in (("plaintext", plaintext), ("wrong password", wrong_password))
+    }
+    for name, producer in producers.items():  # both at once: each waits out its message timeout
         producer.produce(
-            events, b"forged", key=b"mallory", on_delivery=lambda err, _msg, seen=outcomes: seen.append(err)
+            events, b"forged", key=b"mallory", on_delivery=lambda err, _msg, n=name: outcomes[n].append(err)
         )
+    for name, producer in producers.items():
         producer.flush(15)
-        assert len(outcomes) == 1 and outcomes[0] is not None, f"{name}: the broker acknowledged it"
-        refused[name] = {err.code() for err in errors}
+        assert len(outcomes[name]) == 1 and outcomes[name][0] is not None, f"{name}: the broker acknowledged it"
+    refused = {name: {err.code() for err in found} for name, found in errors.items()}
     # librdkafka cannot speak to a TLS port in plain: it never gets a broker to answer.
     assert KafkaError._ALL_BROKERS_DOWN in refused["plaintext"], refused
     assert KafkaError._AUTHENTICATION in refused["wrong password"], refused
@@ -193,3 +198,36 @@ def test_postgresql_refuses_a_connection_without_tls(secure):
     other_ca = LocalTLS(secure.root / "other-tls").ensure().ca
     with pytest.raises(psycopg.OperationalError, match="certificate verify failed"):
         psycopg.connect(psycopg.conninfo.make_conninfo(url, sslrootcert=str(other_ca)), connect_timeout=10).close()
+
+
+# Kafka's ApiVersions request, v0, correlation id 1, client id "probe": any Kafka port answers it.
+API_VERSIONS = bytes.fromhex("0000000f00120000000000010005") + b"probe"
+
+
+def _kafka_answers(sock: socket.socket) -> bool:
+    """Whether a Kafka port answers ApiVersions on ``sock``: a response (its size, then the
+    request's correlation id), not a TLS alert or a closed connection."""
+    sock.settimeout(10)
+    sock.sendall(API_VERSIONS)
+    answer = b""
+    try:
+        while len(answer) < 8 and (chunk := sock.recv(8 - len(answer))):
+            answer += chunk
+    except (ConnectionResetError, ssl.SSLError):
+        pass
+    return len(answer) == 8 and answer[4:8] == (1).to_bytes(4, "big")
+
+
+def test_no_port_of_the_broker_answers_without_tls_and_the_controller_wants_a_certificate(secure):
+    tls_dir = secure.root / "tls"
+    for variable in ("VIGIL_DEV_KAFKA_PORT", "VIGIL_DEV_KAFKA_CONTROLLER_PORT"):
+        with socket.create_connection(("127.0.0.1", int(secure.env[variable])), timeout=10) as plain:
+            assert not _kafka_answers(plain), f"{variable} answered a PLAINTEXT request"
+    controller = ("127.0.0.1", int(secure.env["VIGIL_DEV_KAFKA_CONTROLLER_PORT"]))
+    context = ssl.create_default_context(cafile=str(tls_dir / "ca.pem"))
+    with context.wrap_socket(socket.create_connection(controller, timeout=10), server_hostname="127.0.0.1") as anon:
+        assert not _kafka_answers(anon), "the controller answered a client without a certificate"
+    # The same with the stack's certificate: the refusal above was for the missing certificate.
+    context.load_cert_chain(tls_dir / "server.pem", tls_dir / "server.key")
+    with context.wrap_socket(socket.create_connection(controller, timeout=10), server_hostname="127.0.0.1") as known:
+        assert _kafka_answers(known)
