@@ -37,7 +37,8 @@ from psycopg import sql
 
 from support import VigilProcess
 from vigil.ledger.migrate import apply_canonical
-from vigil_dev import devstack
+from vigil.paths import repo_root
+from vigil_dev import broker, devstack
 
 # Only the stack's address comes from the caller's environment (`. .run/env && make test`):
 # every other VIGIL_ setting the services read is the test's own choice, so a developer's
@@ -76,7 +77,7 @@ class Stack:
     bootstrap: str
     admin_dsn: str  # the server's maintenance database as the admin role, for CREATE/DROP DATABASE
     service_url: str  # the services' role (VIGIL_DATABASE_URL): what tests and services connect as
-    kafka: devstack.KafkaServer | None = None  # set when this session owns the broker
+    kafka: broker.KafkaServer | None = None  # set when this session owns the broker
     template: str = field(default_factory=lambda: f"vigil_tpl_{uuid.uuid4().hex[:8]}")
 
     def dsn(self, database: str) -> str:
@@ -106,8 +107,8 @@ class OwnStack:
         # session starts, and PostgreSQL runs as another account that must reach its data.
         self.root = Path(tempfile.mkdtemp(prefix="vigil-test-stack-"))
         os.chmod(self.root, 0o755)
-        libs = devstack.kafka_libs(Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run")) / "kafka")
-        self.kafka = devstack.KafkaServer(self.root / "kafka", devstack.free_port(), devstack.free_port(), libs)
+        libs = broker.kafka_libs(Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run")) / "kafka")
+        self.kafka = broker.KafkaServer(self.root / "kafka", devstack.free_port(), devstack.free_port(), libs)
         self.pg = devstack.PostgresServer(self.root / "pg" / "data", devstack.free_port())
 
     def start(self) -> OwnStack:
@@ -139,7 +140,7 @@ def stack(tmp_path_factory) -> Stack:
     elif RUN_STACK:
         # A parallel run's worker: the run's own stack, which its controller stops.
         given = RUN_STACK["kafka"]
-        kafka = devstack.KafkaServer(
+        kafka = broker.KafkaServer(
             Path(given["data_dir"]), given["port"], given["controller_port"], Path(given["libs"])
         )
         st = Stack(bootstrap=kafka.bootstrap, admin_dsn=RUN_STACK["admin_dsn"], service_url=RUN_STACK["service_url"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,9 +18,39 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from vigil_dev import broker
 from vigil_dev.devstack import http_ok
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The ports of a `vigil-dev up` stack of a test's own (tests/test_devstack.py, test_secure_stack.py).
+STACK_PORTS = ("VIGIL_DEV_KAFKA_PORT", "VIGIL_DEV_KAFKA_CONTROLLER_PORT", "VIGIL_DEV_PG_PORT", "VIGIL_DEV_CLAUDE_PORT")
+SERVICE_PORTS = (
+    "VIGIL_INGEST_PORT",
+    "VIGIL_WORKER_PORT",
+    "VIGIL_SCHEDULER_PORT",
+    "VIGIL_DISPATCHER_PORT",
+    "VIGIL_CONSOLE_PORT",
+)
+
+
+def dev_env(root: Path, ports: dict[str, int]) -> dict[str, str]:
+    """What `vigil-dev` is run with: a stack of its own under ``root`` on ``ports``."""
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        # A checkout run with PYTHONPATH (a worktree beside an editable install) runs its own code.
+        **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
+        "VIGIL_DEV_RUN_DIR": str(root),
+        "VIGIL_DEV_KAFKA_LIBS": str(broker.kafka_libs(REPO / ".run" / "kafka")),
+        **{k: str(v) for k, v in ports.items()},
+    }
+
+
+def stack_settings(env_file: Path) -> dict[str, str]:
+    """The settings `vigil-dev up` wrote to ``env_file`` (``.run/env``), as a shell that sourced it has them."""
+    lines = [line.removeprefix("export ") for line in env_file.read_text().splitlines() if "=" in line]
+    return dict(shlex.split(line)[0].split("=", 1) for line in lines if not line.startswith("PATH="))
 
 
 class LocalHTTPServer(ThreadingHTTPServer):

@@ -17,24 +17,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from support import REPO
+from support import REPO, SERVICE_PORTS, STACK_PORTS, dev_env
 from vigil_dev import devstack
 from vigil_dev.devstack import http_ok
-
-STACK_PORTS = ("VIGIL_DEV_KAFKA_PORT", "VIGIL_DEV_KAFKA_CONTROLLER_PORT", "VIGIL_DEV_PG_PORT", "VIGIL_DEV_CLAUDE_PORT")
-
-
-def dev_env(root: Path, ports: dict[str, int]) -> dict[str, str]:
-    """What `vigil-dev` is run with: a stack of its own under ``root`` on ``ports``."""
-    return {
-        "PATH": os.environ["PATH"],
-        "HOME": os.environ.get("HOME", "/root"),
-        # A checkout run with PYTHONPATH (a worktree beside an editable install) runs its own code.
-        **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
-        "VIGIL_DEV_RUN_DIR": str(root),
-        "VIGIL_DEV_KAFKA_LIBS": str(devstack.kafka_libs(REPO / ".run" / "kafka")),
-        **{k: str(v) for k, v in ports.items()},
-    }
 
 
 @pytest.mark.slow
@@ -44,17 +29,7 @@ def dev_env(root: Path, ports: dict[str, int]) -> dict[str, str]:
 def test_dev_up_twice_then_down_leaves_nothing_running():
     root = Path(tempfile.mkdtemp(prefix="vigil-devstack-"))
     os.chmod(root, 0o755)
-    ports = {
-        name: devstack.free_port()
-        for name in (
-            *STACK_PORTS,
-            "VIGIL_INGEST_PORT",
-            "VIGIL_WORKER_PORT",
-            "VIGIL_SCHEDULER_PORT",
-            "VIGIL_DISPATCHER_PORT",
-            "VIGIL_CONSOLE_PORT",
-        )
-    }
+    ports = {name: devstack.free_port() for name in (*STACK_PORTS, *SERVICE_PORTS)}
     env = dev_env(root, ports)
 
     def vigil_dev(*args: str) -> subprocess.CompletedProcess:

@@ -18,8 +18,9 @@ import pytest
 from ingest_support import create_token, make_request, read_events, start_ingest, stored
 from support import wait_for
 from vigil.bus.kafka import ensure_topics
+from vigil.paths import repo_root
 from vigil.settings import CommonSettings
-from vigil_dev import devstack
+from vigil_dev import broker, devstack
 
 TOPIC = "broker-outage.events"
 PRODUCE_TIMEOUT_S = 3.0
@@ -27,9 +28,9 @@ PRODUCE_TIMEOUT_S = 3.0
 
 @pytest.fixture
 def own_kafka(tmp_path):
-    run_dir = Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run"))
-    kafka = devstack.KafkaServer(
-        tmp_path / "kafka", devstack.free_port(), devstack.free_port(), devstack.kafka_libs(run_dir / "kafka")
+    run_dir = Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run"))
+    kafka = broker.KafkaServer(
+        tmp_path / "kafka", devstack.free_port(), devstack.free_port(), broker.kafka_libs(run_dir / "kafka")
     )
     kafka.start()
     ensure_topics(CommonSettings(kafka_bootstrap=kafka.bootstrap), {TOPIC: 1})

@@ -22,8 +22,9 @@ from psycopg.conninfo import conninfo_to_dict
 
 from vigil.ledger.sealing import new_key
 from vigil.paths import repo_root
-from vigil_dev import devstack
+from vigil_dev import broker, devstack
 from vigil_dev.demo import demo as demo_command
+from vigil_dev.tls import LocalTLS
 
 SERVICES = {
     # name -> (port setting, default port)
@@ -39,6 +40,14 @@ OFFLINE_KEY = "offline-demo"  # what the scripted server is given as a key: it c
 
 def run_dir() -> Path:
     return Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run")).resolve()
+
+
+def _secure_tls(root: Path) -> LocalTLS | None:
+    """VIGIL_DEV_SECURE=1: the stack's certificates (made at the first start), else None."""
+    value = os.environ.get("VIGIL_DEV_SECURE", "0").strip()
+    if value not in ("0", "1"):
+        raise click.ClickException(f"VIGIL_DEV_SECURE must be 1 (SASL_SSL and TLS) or 0 (unset), not {value!r}")
+    return LocalTLS(root / "tls").ensure() if value == "1" else None
 
 
 def _same_server(url: str, other: str) -> bool:
@@ -108,10 +117,11 @@ DEV_SETTINGS = (
     "VIGIL_DEV_KAFKA_LIBS",
     "VIGIL_DEV_SHARDS",
     "VIGIL_DEV_PG_SHARD_PORTS",
+    "VIGIL_DEV_SECURE",
 )
 
 
-def _shard_servers(root: Path, pg_port: int) -> list[devstack.PostgresServer]:
+def _shard_servers(root: Path, pg_port: int, tls: LocalTLS | None = None) -> list[devstack.PostgresServer]:
     """The ledger's other shards (VIGIL_DEV_SHARDS, default 1: none): PostgreSQL servers like the
     first, each in ``.run/pg<N>/`` on its own port, VIGIL_DEV_PG_SHARD_PORTS (comma separated)
     or the first's port plus N."""
@@ -130,7 +140,7 @@ def _shard_servers(root: Path, pg_port: int) -> list[devstack.PostgresServer]:
         raise click.ClickException(
             f"VIGIL_DEV_PG_SHARD_PORTS names {len(ports)} port(s) for {count - 1} other shard(s)"
         )
-    return [devstack.PostgresServer(root / f"pg{n}" / "data", ports[n - 1]) for n in range(1, count)]
+    return [devstack.PostgresServer(root / f"pg{n}" / "data", ports[n - 1], tls=tls) for n in range(1, count)]
 
 
 def _pg_pidfiles(root: Path) -> dict[str, Path]:
@@ -152,35 +162,43 @@ def up(services: bool, demo: bool) -> None:
     root.mkdir(parents=True, exist_ok=True)
     env = _stack_env(root)
     kafka_port = int(env["VIGIL_KAFKA_BOOTSTRAP"].rsplit(":", 1)[1])
+    tls = _secure_tls(root)
     try:
         # VIGIL_DEV_KAFKA_LIBS reuses jars fetched elsewhere (tests start stacks in temp folders).
         libs = (
             Path(os.environ["VIGIL_DEV_KAFKA_LIBS"])
             if os.environ.get("VIGIL_DEV_KAFKA_LIBS")
-            else devstack.kafka_libs(root / "kafka")
+            else broker.kafka_libs(root / "kafka")
         )
-        kafka = devstack.KafkaServer(
+        kafka = broker.KafkaServer(
             root / "kafka" / "data",
             kafka_port,
             int(os.environ.get("VIGIL_DEV_KAFKA_CONTROLLER_PORT", kafka_port + 1)),
             libs,
+            tls=tls,
         )
         kafka.start()
-        click.echo(f"kafka       {kafka.bootstrap}  (Apache Kafka, KRaft, logs {kafka.logfile})")
+        # The CLI's and the tooling's Kafka user (the services get their own below).
+        env.update(kafka.client_env())
+        security = f", SASL_SSL {broker.SCRAM_MECHANISM}, CA {tls.ca}" if tls else ""
+        click.echo(f"kafka       {kafka.bootstrap}  (Apache Kafka, KRaft{security}, logs {kafka.logfile})")
         local_pg_url = f"postgresql://vigil@127.0.0.1:{os.environ.get('VIGIL_DEV_PG_PORT', '5432')}/vigil"
         # A shell that sourced .run/env carries this stack's URL with its password: still local.
         if _same_server(env["VIGIL_DATABASE_URL"], local_pg_url):
-            pg = devstack.PostgresServer(root / "pg" / "data", int(os.environ.get("VIGIL_DEV_PG_PORT", "5432")))
+            pg = devstack.PostgresServer(
+                root / "pg" / "data", int(os.environ.get("VIGIL_DEV_PG_PORT", "5432")), tls=tls
+            )
             pg.start()
             env["VIGIL_DATABASE_URL"] = pg.url()
             # For `. .run/env && make test`: the tests clone databases, which the services' role may not.
             admin_url = {"VIGIL_DEV_ADMIN_DATABASE_URL": pg.admin_url()}
-            click.echo(f"postgresql  {pg.shown_url()}  (password authentication, logs {pg.logfile})")
-            others = _shard_servers(root, pg.port)
+            auth = "TLS only, password authentication" if tls else "password authentication"
+            click.echo(f"postgresql  {pg.shown_url()}  ({auth}, logs {pg.logfile})")
+            others = _shard_servers(root, pg.port, tls)
             env.pop("VIGIL_LEDGER_SHARDS", None)  # the stack's shards are the servers started here
             for n, server in enumerate(others, start=1):
                 server.start()
-                click.echo(f"shard {n:<5} {server.shown_url()}  (password authentication, logs {server.logfile})")
+                click.echo(f"shard {n:<5} {server.shown_url()}  ({auth}, logs {server.logfile})")
             if others:
                 env["VIGIL_LEDGER_SHARDS"] = ",".join([pg.url(), *(server.url() for server in others)])
         else:
@@ -216,7 +234,9 @@ def up(services: bool, demo: bool) -> None:
             pidfile = root / "pids" / f"{name}.pid"
             if devstack.read_pid(pidfile) is None:
                 started.append(name)
-                devstack.spawn([*vigil, name], root / "logs" / f"{name}.log", pidfile, env=child_env, cwd=repo_root())
+                # Each service its own Kafka user on the secure stack (the broker's logs name it).
+                service_env = {**child_env, **kafka.client_env(name)}
+                devstack.spawn([*vigil, name], root / "logs" / f"{name}.log", pidfile, env=service_env, cwd=repo_root())
         for name, (variable, _) in SERVICES.items():
             port = env[variable]
             logfile = root / "logs" / f"{name}.log"

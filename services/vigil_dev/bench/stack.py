@@ -4,7 +4,9 @@ Without ``VIGIL_KAFKA_BOOTSTRAP`` and ``VIGIL_DATABASE_URL`` the bench starts it
 broker and PostgreSQL server (:mod:`vigil_dev.devstack`, the same processes `make up` runs) on
 free ports in a temporary folder, and stops them at the end. With both set, it uses that
 stack and touches nothing of it but what it creates: databases named ``vigil_bench_*`` and
-topics named ``bench-*``, dropped again when the workload ends (also after a failure).
+topics named ``bench-*``, dropped again when the workload ends (also after a failure). Its
+clients take ``VIGIL_KAFKA_OPT_*`` and the URL's TLS options like the services, so ``. .run/env``
+of a ``VIGIL_DEV_SECURE=1`` stack runs the bench over SASL_SSL and TLS.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from pathlib import Path
 
 import psycopg
 
-from vigil.bus.kafka import ensure_topics
+from vigil.bus.kafka import ensure_topics, quiet_admin
 from vigil.ledger.db import SESSION_OPTIONS
 from vigil.ledger.migrate import apply_canonical
+from vigil.paths import repo_root
 from vigil.settings import CommonSettings
-from vigil_dev import devstack
+from vigil_dev import broker, devstack
 
 
 @dataclass
@@ -59,7 +62,10 @@ class BenchStack:
             if bootstrap and database_url:
                 stack = cls(
                     bootstrap,
-                    psycopg.conninfo.make_conninfo(database_url, dbname="postgres"),
+                    # The stack's admin role where `. .run/env` names it: the bench creates databases.
+                    psycopg.conninfo.make_conninfo(
+                        os.environ.get("VIGIL_DEV_ADMIN_DATABASE_URL") or database_url, dbname="postgres"
+                    ),
                     temp / "logs",
                     _local_kafka_version(),
                     temp=temp,
@@ -78,9 +84,9 @@ class BenchStack:
 
     @classmethod
     def _start_own(cls, temp: Path, statements: bool = False) -> BenchStack:
-        run_dir = Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run"))
-        libs = devstack.kafka_libs(run_dir / "kafka")
-        kafka = devstack.KafkaServer(temp / "kafka", devstack.free_port(), devstack.free_port(), libs)
+        run_dir = Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run"))
+        libs = broker.kafka_libs(run_dir / "kafka")
+        kafka = broker.KafkaServer(temp / "kafka", devstack.free_port(), devstack.free_port(), libs)
         preload = ("pg_stat_statements",) if statements else ()
         pg = devstack.PostgresServer(temp / "pg" / "data", devstack.free_port(), durable=True, preload=preload)
         stack = cls(kafka.bootstrap, "", temp / "logs", _jar_version(libs), temp=temp)
@@ -125,8 +131,6 @@ class BenchStack:
     @contextlib.contextmanager
     def topics(self, partitions: int) -> Iterator[Topics]:
         """Fresh events, dead-letter and deliveries topics, deleted afterwards."""
-        from confluent_kafka.admin import AdminClient
-
         prefix = f"bench-{uuid.uuid4().hex[:10]}"
         names = Topics(f"{prefix}.events", f"{prefix}.dlq", f"{prefix}.deliveries", partitions)
         # The bench's broker is a single one: one copy.
@@ -134,7 +138,7 @@ class BenchStack:
         try:
             yield names
         finally:
-            admin = AdminClient({"bootstrap.servers": self.bootstrap})  # alive until its futures settle
+            admin = quiet_admin(self.settings)  # alive until its futures settle
             futures = admin.delete_topics([names.events, names.dlq, names.deliveries], operation_timeout=30)
             for future in futures.values():
                 with contextlib.suppress(Exception):
@@ -182,7 +186,7 @@ def _jar_version(libs: Path) -> str:
 def _local_kafka_version() -> str:
     # The wire protocol does not carry the broker's version; an external stack started by
     # `make up` runs the jars cached under .run/kafka/libs, so report those when present.
-    libs = Path(os.environ.get("VIGIL_DEV_RUN_DIR", devstack.repo_root() / ".run")) / "kafka" / "libs"
+    libs = Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run")) / "kafka" / "libs"
     if libs.is_dir():
         return _jar_version(libs) + " (jars in .run/kafka/libs)"
     return "external broker (version not reported by the protocol)"

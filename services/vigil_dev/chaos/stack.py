@@ -21,8 +21,9 @@ import psycopg
 
 from vigil.ledger.db import connect
 from vigil.paths import repo_root
-from vigil_dev import devstack
+from vigil_dev import broker, devstack
 from vigil_dev.queries import Q
+from vigil_dev.tls import LocalTLS
 
 SERVICES = ("ingest", "worker", "scheduler", "dispatcher")
 # Workers beyond `vigil-dev up`'s one, started by the chaos stack itself in the same consumer
@@ -85,10 +86,14 @@ class ChaosStack:
         self.dispatchers = ["dispatcher", *EXTRA_DISPATCHERS[: max(0, dispatchers - 1)]]
         # The broker's jars: wherever the developer's stack keeps them (fetched once).
         libs_root = Path(os.environ.get("VIGIL_DEV_RUN_DIR", repo_root() / ".run"))
-        self.libs = devstack.kafka_libs(libs_root / "kafka")
+        self.libs = broker.kafka_libs(libs_root / "kafka")
         base = {k: v for k, v in os.environ.items() if not k.startswith(("VIGIL_", "ANTHROPIC_"))}
+        # VIGIL_DEV_SECURE=1: the whole run on Kafka SASL_SSL and PostgreSQL TLS (docs/faults.md).
+        secure = os.environ.get("VIGIL_DEV_SECURE", "0")
+        self.tls = LocalTLS(root / "tls") if secure == "1" else None
         self.env = {
             **base,
+            "VIGIL_DEV_SECURE": secure,
             "VIGIL_DEV_RUN_DIR": str(root),
             "VIGIL_DEV_KAFKA_LIBS": str(self.libs),
             "VIGIL_DEV_KAFKA_PORT": str(ports.kafka),
@@ -200,7 +205,8 @@ class ChaosStack:
         """The shards' URLs, shard 0 first, with the password `vigil-dev up` generated for this stack."""
         folders = ["pg", *(f"pg{n}" for n in range(1, len(self.shard_ports)))]
         return [
-            devstack.PostgresServer(self.root / f / "data", port).url() for f, port in zip(folders, self.shard_ports)
+            devstack.PostgresServer(self.root / f / "data", port, tls=self.tls).url()
+            for f, port in zip(folders, self.shard_ports)
         ]
 
     @property
