@@ -22,6 +22,7 @@ from vigil.numbers import NotParsed, whole_number
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 from vigil.worker.replay_commands import replay
+from vigil.worker.upgrade_commands import upgrade
 
 COLUMNS = ["step", "kind", "what", "epoch", "attempt", "recorded_at"]
 
@@ -105,5 +106,6 @@ def runs_show(run: int | str, as_json: bool, shard: int | None) -> None:
 
 
 runs.add_command(replay)
+runs.add_command(upgrade)
 
 commands = [runs]
