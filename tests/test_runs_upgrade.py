@@ -108,6 +108,11 @@ def test_it_moves_the_live_runs_of_older_versions_only_and_records_who_and_how_m
         "run_keys": ["ann:1", "eve:5"],
     }
 
+    # The run shows where it was moved.
+    shown = json.loads(ok(ledger, "runs", "show", "ann:1", "--json").stdout)
+    assert [(u["from_version"], u["to_version"]) for u in shown["upgrades"]] == [(1, 3)], shown["upgrades"]
+    assert "moved from refunds v1 to v3 by" in ok(ledger, "runs", "show", "ann:1").stdout
+
     # Moved runs are on version 3 now: a second upgrade to it moves nothing (and says so).
     again = json.loads(ok(ledger, "runs", "upgrade", "--profile", "refunds", "--to-version", "3", "--json").stdout)
     assert (again["moved"], again["runs"]) == (0, []), again
