@@ -113,11 +113,13 @@ def worker(spawn, vigil_env, server, receiver, name, **extra):
     env = claude_env(
         vigil_env,
         server.base_url,
-        VIGIL_INSTANCE_ID=name,
-        VIGIL_TOOL_PERMISSIONS="http_request=allow",
-        VIGIL_HTTP_ALLOWED_HOSTS=receiver.url.removeprefix("http://"),
-        VIGIL_MODEL_TIMEOUT_S="120",
-        **extra,
+        **{
+            "VIGIL_INSTANCE_ID": name,
+            "VIGIL_TOOL_PERMISSIONS": "http_request=allow",
+            "VIGIL_HTTP_ALLOWED_HOSTS": receiver.url.removeprefix("http://"),
+            "VIGIL_MODEL_TIMEOUT_S": "120",
+            **extra,
+        },
     )
     proc = spawn(["worker"], env, name)
     return proc.wait_healthy(int(env["VIGIL_WORKER_PORT"])), int(env["VIGIL_WORKER_PORT"])
@@ -624,23 +626,34 @@ def test_a_sync_child_handed_over_is_not_recorded_failed(stack, topics, ledger, 
     assert len(receiver.keys) == 1, receiver.keys
 
 
+def posted_then_asking(stack, topics, ledger, vigil_env, spawn, server, receiver, **extra):
+    """Worker A runs ann's "refund A100" until its POST's outcome is journaled and the second
+    question (held by the script) is in flight: a run to kill mid-way. Returns A."""
+    a, _ = worker(spawn, vigil_env, server, receiver, "worker-a", **extra)
+    produce(stack.bootstrap, topics.events, [chat("ann", "refund A100")])
+    wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
+    wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
+    return a
+
+
+def vigil_cli(ledger: str, *args: str) -> str:
+    env = {**os.environ, "VIGIL_DATABASE_URL": ledger}
+    done = subprocess.run([sys.executable, "-m", "vigil", *args], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_a_run_replayed_after_its_profile_was_updated_keeps_its_version(stack, topics, ledger, vigil_env, spawn):
     def profiles(*args: str) -> None:
-        env = {**os.environ, "VIGIL_DATABASE_URL": ledger}
-        argv = [sys.executable, "-m", "vigil", "profiles", *args]
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
+        vigil_cli(ledger, "profiles", *args)
 
     profiles("create", "refunds", "--model", "claude-v1", "--tools", "http_request=allow,send_message=allow")
     profiles("assign", "ann", "refunds")
     receiver = Receiver()
     with ScriptedServer(script(receiver.url, 60.0)) as server:
-        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a")
-        produce(stack.bootstrap, topics.events, [chat("ann", "refund A100")])
-        wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
-        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
-        a.kill()
+        a = posted_then_asking(stack, topics, ledger, vigil_env, spawn, server, receiver)
         profiles("update", "refunds", "--model", "claude-v2")  # v2 while the run is in flight
+        a.kill()  # SIGKILL mid-run, after the update
 
         b, _ = worker(spawn, vigil_env, server, receiver, "worker-b")
         wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish on B")
@@ -649,7 +662,111 @@ def test_a_run_replayed_after_its_profile_was_updated_keeps_its_version(stack, t
     assert models == ["claude-v1"] * 4, models  # q1, q2 (A), q2 again and q3 (B): v1 throughout
     assert len(receiver.keys) == 1, receiver.keys  # the journaled POST is not made again
     assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["Refund posted."]
+    [run] = query(ledger, "SELECT profile, profile_version FROM runs")
+    assert (run["profile"], run["profile_version"]) == ("refunds", 1), run  # the version it started with
     b.stop()
+
+
+def test_an_upgraded_run_goes_on_under_the_new_version_and_repeats_nothing(stack, topics, ledger, vigil_env, spawn):
+    """`vigil runs upgrade` moves the in-flight run to v2, whose prompt, model and tool set
+    differ (http_request gone): the replay keeps the journaled POST as a fact (its result in the
+    transcript, not executed again) and asks what is left under v2."""
+    tools_v1 = "http_request=allow,send_message=allow"
+    vigil_cli(
+        ledger,
+        "profiles",
+        "create",
+        "refunds",
+        "--model",
+        "claude-v1",
+        "--system-prompt",
+        "Desk v1.",
+        "--tools",
+        tools_v1,
+    )
+    vigil_cli(ledger, "profiles", "assign", "ann", "refunds")
+    receiver = Receiver()
+    with ScriptedServer(script(receiver.url, 60.0)) as server:
+        a = posted_then_asking(stack, topics, ledger, vigil_env, spawn, server, receiver)
+        a.kill()
+        vigil_cli(
+            ledger,
+            "profiles",
+            "update",
+            "refunds",
+            "--model",
+            "claude-v2",
+            "--system-prompt",
+            "Desk v2.",
+            "--tools",
+            "send_message=allow",
+        )
+        moved = json.loads(vigil_cli(ledger, "runs", "upgrade", "--profile", "refunds", "--to-version", "2", "--json"))
+
+        b, b_port = worker(spawn, vigil_env, server, receiver, "worker-b")
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish on B")
+        requests = server.requests()
+        upgraded = metric(b_port, "vigil_runs_upgraded_total", 'profile="refunds"')
+    receiver.close()
+    b.stop()
+    [run] = moved["runs"]
+    assert (moved["moved"], run["from_version"], run["calls_done"]) == (1, 1, 1), moved
+    # q1 and q2 on A under v1; q2 again and q3 on B under v2: its model, prompt and tools.
+    assert [body["model"] for body in requests] == ["claude-v1", "claude-v1", "claude-v2", "claude-v2"]
+    for body in requests[2:]:
+        assert "Desk v2." in json.dumps(body["system"]) and "Desk v1." not in json.dumps(body["system"])
+        assert "http_request" not in [t["name"] for t in body["tools"]]
+    assert len(receiver.keys) == 1, receiver.keys  # the journaled POST is a fact: not made again
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["Refund posted."]
+    [row] = query(ledger, "SELECT profile, profile_version FROM runs")
+    assert (row["profile"], row["profile_version"]) == ("refunds", 2), row
+    assert upgraded == 1
+
+
+def test_a_call_in_doubt_whose_tool_is_gone_at_replay_is_an_error_the_model_reads(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """Worker A dies while its POST is in flight (intent journaled, no outcome); worker B no
+    longer has http_request: the replay does not make the call again, does not start the run
+    over, and the model reads an error result saying what happened."""
+    receiver = Receiver()
+    receiver.hold.clear()
+    with ScriptedServer(script(receiver.url)) as server:
+        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a", VIGIL_RUN_JOURNAL_DAYS="1")
+        produce(stack.bootstrap, topics.events, [chat("ann", "refund A100")])
+        wait_for(lambda: len(receiver.keys) == 1, 30, "the POST to be in flight")
+        a.kill()
+        receiver.hold.set()
+        b, b_port = worker(
+            spawn,
+            vigil_env,
+            server,
+            receiver,
+            "worker-b",
+            VIGIL_RUN_JOURNAL_DAYS="1",
+            VIGIL_TOOL_PERMISSIONS="http_request=deny",
+        )
+        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "the run to finish on B")
+        asked = questions(server)
+        results = [
+            block
+            for body in server.requests()
+            for block in body["messages"][-1]["content"]
+            if isinstance(block, dict) and block.get("type") == "tool_result"
+        ]
+        replayed = metric(b_port, "vigil_run_replays_total", 'reason="replayed"')
+    receiver.close()
+    b.stop()
+    assert len(receiver.keys) == 1, receiver.keys  # not made again
+    assert asked["q1"] == 1, asked  # the journaled answer is not asked again: no start-over
+    assert replayed == 1
+    [gone] = [r for r in results if "http_request" in json.dumps(r["content"])]
+    assert gone.get("is_error") is True, gone
+    assert "Not run again" in json.dumps(gone["content"]) and "outcome is unknown" in json.dumps(gone["content"]), gone
+    # One run key throughout (no "~<attempt>" start-over).
+    assert [r["run_key"] for r in query(ledger, "SELECT DISTINCT run_key FROM run_journal")] == [
+        f"ann:{scalar(ledger, 'SELECT min(id) FROM events')}"
+    ]
 
 
 def test_a_run_replayed_after_the_deployment_changed_its_model_keeps_the_recorded_one(
@@ -657,10 +774,7 @@ def test_a_run_replayed_after_the_deployment_changed_its_model_keeps_the_recorde
 ):
     receiver = Receiver()
     with ScriptedServer(script(receiver.url, 60.0)) as server:
-        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a", VIGIL_MODEL="claude-v1")
-        produce(stack.bootstrap, topics.events, [chat("ann", "refund A100")])
-        wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
-        wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
+        a = posted_then_asking(stack, topics, ledger, vigil_env, spawn, server, receiver, VIGIL_MODEL="claude-v1")
         a.kill()
         start = json.loads(scalar(ledger, "SELECT body::text FROM run_journal WHERE step = 1"))["start"]
 

@@ -20,6 +20,7 @@ from vigil_dev.scripted_server import ScriptedServer
 from worker_support import chat, claude_env, produce
 
 CANCEL = "Cancel instead of refunding"
+TOOLS = "http_request=allow,send_message=allow"
 
 
 def script(url: str) -> dict:
@@ -61,7 +62,7 @@ def vigil(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 def kept_runs(stack, topics, ledger, vigil_env, spawn, server, receiver, users: list[str]) -> dict[str, str]:
     """One finished, kept run per user (profile refunds v1); their keys by user."""
     env = cli_env(vigil_env, ledger, server, receiver)
-    vigil(env, "profiles", "create", "refunds", "--tools", "http_request=allow,send_message=allow")
+    vigil(env, "profiles", "create", "refunds", "--tools", TOOLS)
     vigil(env, "profiles", "assign", "*", "refunds")
     worker_env = {**env, "VIGIL_INSTANCE_ID": "worker-a", "VIGIL_RUN_JOURNAL_DAYS": "1"}
     proc = spawn(["worker"], worker_env, "worker-a")
@@ -152,5 +153,28 @@ def test_the_canary_over_50_kept_runs_prints_its_table(stack, topics, ledger, vi
     assert report["tokens"]["before"] > 0 and report["tokens"]["after"] > 0
     assert all(r["diff"].startswith(f"vigil runs replay {r['run_key']}") for r in report["runs_differing"])
     assert "same actions" in table and "new actions" in table and "tokens before/after" in table, table
+    assert receiver.calls == posts
+    assert ledger_state(ledger) == before
+
+
+def test_a_canary_against_a_draft_profile_compares_the_runs_of_the_assigned_one(
+    stack, topics, ledger, vigil_env, spawn
+):
+    """The loop of docs/agent.md: a draft (a profile assigned to nobody) is tried on the kept
+    runs of the assigned profile before it ships."""
+    receiver = Receiver()
+    with ScriptedServer(script(receiver.url)) as server:
+        keys = kept_runs(stack, topics, ledger, vigil_env, spawn, server, receiver, [f"u{n}" for n in range(6)])
+        env = cli_env(vigil_env, ledger, server, receiver)
+        vigil(env, "profiles", "create", "refunds-next", "--system-prompt", f"{CANCEL}.", "--tools", TOOLS)
+        before, posts = ledger_state(ledger), list(receiver.calls)
+        argv = ["runs", "replay", "--sample", "10", "--since", "1d", "--profile", "refunds"]
+        report = json.loads(vigil(env, *argv, "--against-profile", "refunds-next", "--json").stdout)
+    receiver.close()
+
+    # Orders A0-A4 are cancelled under the draft (a new call, not executed); A5 refunded as before.
+    assert (report["runs"], report["same_actions"], report["new_actions"]) == (6, 1, 5), report
+    differing = {r["run_key"]: r["diff"] for r in report["runs_differing"]}
+    assert differing == {keys[f"u{n}"]: f"vigil runs replay {keys[f'u{n}']} --profile refunds-next" for n in range(5)}
     assert receiver.calls == posts
     assert ledger_state(ledger) == before

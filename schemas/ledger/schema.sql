@@ -567,6 +567,26 @@ CREATE TABLE run_replays (
 );
 CREATE INDEX run_replays_of_run ON run_replays (user_id, run_key);
 
+-- run_upgrades: in-flight runs an operator moved to a newer version of their profile (`vigil
+-- runs upgrade`, migration 0042; docs/agent.md, "Changing an agent safely"), one row per run
+-- moved, written by that command only (with an `audit` row per shard: who, when, how many).
+-- A replay of the run (a crash, a hand-over, a takeover) reads its latest row and goes on under
+-- `to_version`: its journaled steps stay facts, what it has not done yet runs on the new version.
+--   run_key:      the live journal's key ("<user>:<first event id>[~<attempt>]").
+--   from_version: the version the run had (its journal's start, or an earlier upgrade).
+CREATE TABLE run_upgrades (
+    id           bigserial   PRIMARY KEY,
+    run_key      text        NOT NULL,
+    user_id      text        NOT NULL,
+    profile      text        NOT NULL,
+    from_version integer     NOT NULL,
+    to_version   integer     NOT NULL,
+    made_at      timestamptz NOT NULL DEFAULT now(),
+    made_by      text        NOT NULL,
+    CONSTRAINT run_upgrades_newer CHECK (to_version > from_version)
+);
+CREATE INDEX run_upgrades_of_run ON run_upgrades (run_key, to_version);
+
 -- model_slots: the fleet-wide bound on concurrent model calls (VIGIL_MODEL_FLEET_CONCURRENCY
 -- rows, made and trimmed by the workers at start). A call takes a free slot (lease_until in
 -- the past) for at most the model timeout and a margin, and gives it back when it ends; a

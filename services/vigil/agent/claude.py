@@ -41,13 +41,14 @@ from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal, task_key
 from vigil.agent.memory import Limits, MemoryFiles
 from vigil.agent.profiles import DEFAULT, Profile, ProfileBook, ProfileRefused, resolve, tool_set
-from vigil.agent.prompt import system_blocks, volatile_context
+from vigil.agent.prompt import system_blocks, system_prompt, volatile_context
 from vigil.agent.screening import Classifier
 from vigil.agent.sessions import plan
 from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, EventPolicy, Permission, parse_event_policies
 from vigil.agent.tools import ActionTool, builtin_definitions
 from vigil.clock import Clock, SystemClock, utc
 from vigil.ledger import budgets as ledger_budgets
+from vigil.ledger import upgrades as ledger_upgrades
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.dreams import REVIEW
 from vigil.ledger.states import RunOutcome, SessionState
@@ -96,6 +97,18 @@ def model_client(settings: AgentSettings, **client_options: Any) -> anthropic.As
 def _version_of(source: str, version: str) -> str:
     """A tool's version as journaled: ``<package or mcp:server> <version>``."""
     return f"{source} {version or VIGIL_VERSION}".strip() if source == BUILT_IN else f"{source} {version}".strip()
+
+
+def _moved(start: dict[str, Any], profile: Profile | None) -> bool:
+    """Does a replay run with another profile version than its journal's start recorded (an
+    operator's `vigil runs upgrade`)?"""
+    recorded = tuple(start["profile"]) if start.get("profile") else None
+    return recorded is not None and profile is not None and recorded != (profile.name, profile.version)
+
+
+def with_profile_prompt(system: list[dict[str, Any]], prompt: str | None) -> list[dict[str, Any]]:
+    """A recorded system prompt with its first block's profile part set to ``prompt``."""
+    return [{**system[0], "text": system_prompt(prompt)}, *system[1:]]
 
 
 def _allow_open_files(needed: int) -> None:
@@ -376,17 +389,36 @@ class ClaudeAgent:
             return await dreaming.review(ctx, child, settings, self.limits)
         return TaskResult(await delegation.run_child(child, ctx.instructions))
 
-    async def _recorded_profile(self, start: dict | None) -> Profile | None:
+    async def _recorded_profile(self, ctx: RunContext, start: dict | None) -> Profile | None:
         """A replayed run's profile: the version its journal's start recorded, not the user's
-        current one (docs/worker.md, "Versions that hold"). None: a fresh run, or none recorded."""
+        current one (docs/worker.md, "Versions that hold"), unless an operator moved the run to
+        a newer one (`vigil runs upgrade`): then that. None: a fresh run, or none recorded."""
         recorded = start.get("profile") if start else None
         if not recorded or self.profiles is None:
             return None
         name, version = recorded
+        moved = await self._upgraded_to(ctx, name)
+        if moved is not None and moved > version:
+            log.info(
+                "replaying %s under %s v%d, moved there from v%d by an operator", ctx.run_key, name, moved, version
+            )
+            version = moved
         profile = await self.profiles.version(name, version)
         if profile is None:
             raise ProfileRefused(f"profile {name} v{version}: the replayed run's version is not in the ledger")
         return profile
+
+    async def _upgraded_to(self, ctx: RunContext, profile: str) -> int | None:
+        """The version an operator moved this in-flight run to, if any (one indexed read, on a
+        replay only). The ledger unreadable is RetryLater: the run must not go on under a
+        version the operator moved it away from."""
+        assert self.profiles is not None
+        ledger = self.profiles.pool if self.user_ledger is None else self.user_ledger(ctx.user_id)
+        try:
+            async with ledger.connection() as conn:
+                return await ledger_upgrades.latest(conn, run_key=ctx.run_key, profile=profile)
+        except psycopg.Error as exc:
+            raise RetryLater(f"upgrade lookup: {exc}") from exc
 
     async def _task_profile(self, ctx: TaskContext) -> Profile | None:
         """The task's profile version. Not found, or the ledger unreadable: the task fails with
@@ -482,7 +514,7 @@ class ClaudeAgent:
 
     async def _run_profile(self, ctx: RunContext, start: dict | None) -> Profile | None:
         """The profile version the run runs with: a replay's recorded one, else the user's."""
-        profile = await self._recorded_profile(start)
+        profile = await self._recorded_profile(ctx, start)
         if profile is None:
             profile = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
         return profile
@@ -495,10 +527,16 @@ class ClaudeAgent:
             if p is not Permission.DENY
         }
 
-    async def _count_version_change(self, ctx: RunContext, start: dict[str, Any], box: Toolbox) -> None:
+    async def _count_version_change(
+        self, ctx: RunContext, start: dict[str, Any], box: Toolbox, profile: Profile | None
+    ) -> None:
         """A replay: count what its journal's start recorded that this worker would now start
-        it with otherwise (``vigil_runs_replayed_across_versions_total``)."""
+        it with otherwise (``vigil_runs_replayed_across_versions_total``), and a run an
+        operator moved to another version (``vigil_runs_upgraded_total``)."""
         recorded = tuple(start["profile"]) if start.get("profile") else None
+        if _moved(start, profile):
+            assert profile is not None
+            metrics.RUNS_UPGRADED.labels(profile.name).inc()
         try:
             now = await resolve(self.profiles, ctx.user_id, ctx.session.id if ctx.session else None)
         except RetryLater:
@@ -520,8 +558,12 @@ class ClaudeAgent:
         """The run's "now" and system prompt."""
         if start is not None:
             # A replay: the prompt's "now" and the system prompt as the model saw them, so the
-            # transcript it sees next is the same bytes (and the cached prefix still matches).
-            return datetime.fromisoformat(start["now"]), start["system"]
+            # transcript it sees next is the same bytes (and the cached prefix still matches);
+            # a run moved to another version gets that version's part of the prompt.
+            system = start["system"]
+            if _moved(start, profile):
+                system = with_profile_prompt(system, profile.spec.system_prompt if profile else None)
+            return datetime.fromisoformat(start["now"]), system
         now = datetime.now(UTC)
         return now, self._prefix(ctx, memory, now, box, profile)
 
@@ -531,8 +573,9 @@ class ClaudeAgent:
         profile = await self._run_profile(ctx, start)
         box = self.box_for(profile)
         if start is not None:
-            box = self._recorded_model(box, start)
-            await self._count_version_change(ctx, start, box)
+            # The recorded model, unless an operator moved the run to a version of its own.
+            box = box if _moved(start, profile) else self._recorded_model(box, start)
+            await self._count_version_change(ctx, start, box, profile)
         settings = box.settings
         max_tokens = settings.max_run_tokens
         left = await self._left_today(ctx.user_id)

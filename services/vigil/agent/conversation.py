@@ -280,6 +280,16 @@ class Conversation:
                 self.outputs.actions.append(tool.describe(args) if tool is not None else name)
                 results.append(tool_result(use["id"], screen_output(name, fact.text), fact.is_error))
                 continue
+            if self._gone_in_doubt(step, name):
+                # Its intent is journaled, its outcome is not: it may have acted. The tool is not
+                # this run's any more (a deploy, an upgraded profile): not run again, not restarted.
+                metrics.TOOL_CALLS.labels(name, "error").inc()
+                text = (
+                    f"Not run again: this {name} call was made before the run was interrupted and its outcome is "
+                    f"unknown; {name} is no longer available to you. Do not assume it succeeded or failed."
+                )
+                results.append(tool_result(use["id"], text, True))
+                continue
             with tool_span(name, use["id"], self.box.actions.get(name)) as span:
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
                     output = await self._delegate(use, args, step)
@@ -322,6 +332,13 @@ class Conversation:
         )
         metrics.TOOL_CALLS.labels(tool.name, "deferred").inc()
         return results, deferral
+
+    def _gone_in_doubt(self, step: int, name: str) -> bool:
+        """Is call ``step`` one in doubt (journaled intent, no outcome) of an action tool this
+        run no longer offers?"""
+        rec = self.run.journal.recorded.get(step)
+        in_doubt = rec is not None and rec.kind == "call" and rec.body.get("name") == name and rec.outcome is None
+        return in_doubt and (name not in self.box.actions or self.gate.permission(name) is Permission.DENY)
 
     async def _delegate(self, use: dict[str, Any], args: dict[str, Any], step: int) -> ToolOutput:
         """The delegate tool: queue a background task in this run's result, or run a child now."""

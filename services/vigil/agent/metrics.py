@@ -148,6 +148,14 @@ REPLAYED_ACROSS = Counter(
 for _changed in ("profile", "model", "tools", "vigil"):
     REPLAYED_ACROSS.labels(_changed)
 
+RUNS_UPGRADED = Counter(
+    "vigil_runs_upgraded_total",
+    "Replayed runs that went on under a newer version of their profile than their journal's start "
+    "recorded, because an operator moved them (`vigil runs upgrade`): their journaled steps stayed facts, "
+    "what they had not done yet ran on the new version.",
+    ["profile"],
+)
+
 FLEET_WAITS_TOTAL = Counter(
     "vigil_model_fleet_waits_total",
     "Model calls that waited at the fleet's gate, by reason: backoff (the shared 429/529 back-off "

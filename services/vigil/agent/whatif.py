@@ -28,12 +28,11 @@ from datetime import datetime
 from typing import Any
 
 from vigil.agent.base import EventRow, RunContext
-from vigil.agent.claude import DEADLINE_MARGIN_S, ClaudeAgent
+from vigil.agent.claude import DEADLINE_MARGIN_S, ClaudeAgent, with_profile_prompt
 from vigil.agent.conversation import Toolbox
 from vigil.agent.journal import Journal
 from vigil.agent.memory import MemoryFiles
 from vigil.agent.profiles import Profile
-from vigil.agent.prompt import system_prompt
 from vigil.agent.settings import AgentSettings
 from vigil.agent.tools import BUILTIN, SEND_MESSAGE, ToolOutput
 
@@ -273,7 +272,9 @@ class WhatIfAgent(ClaudeAgent):
     def _recorded_model(box: Toolbox, start: dict[str, Any]) -> Toolbox:
         return box  # the replay asks the model of the version under test (or --model)
 
-    async def _count_version_change(self, ctx: RunContext, start: dict[str, Any], box: Toolbox) -> None:
+    async def _count_version_change(
+        self, ctx: RunContext, start: dict[str, Any], box: Toolbox, profile: Profile | None
+    ) -> None:
         return None  # a what-if replay is not a worker's replay
 
     def box_for(self, profile: Profile | None) -> Toolbox:
@@ -284,15 +285,15 @@ class WhatIfAgent(ClaudeAgent):
         self, ctx: RunContext, start: dict | None, memory: MemoryFiles, box: Toolbox, profile: Profile | None
     ) -> tuple[datetime, list[dict[str, Any]]]:
         """The recorded "now" and system prompt; its profile's part swapped when the replay
-        runs with another version than the recorded one, or another prompt."""
+        runs with another version than the recorded one (the base class's), or another prompt."""
         assert start is not None  # a kept run's
         now, system = super()._opening(ctx, start, memory, box, profile)
         recorded = tuple(start["profile"]) if start.get("profile") else None
-        same = recorded == ((profile.name, profile.version) if profile else None)
-        if self.prompt is None and same:
-            return now, system
-        prompt = self.prompt if self.prompt is not None else (profile.spec.system_prompt if profile else None)
-        return now, [{**system[0], "text": system_prompt(prompt)}, *system[1:]]
+        if self.prompt is not None:
+            return now, with_profile_prompt(system, self.prompt)
+        if (recorded is None) != (profile is None):  # to or from the default profile
+            return now, with_profile_prompt(system, profile.spec.system_prompt if profile else None)
+        return now, system
 
     async def replay(self, kept: Kept, profile: Profile | None) -> Replay:
         """``kept`` run again with ``profile`` (None: the deployment's settings)."""

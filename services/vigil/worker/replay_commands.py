@@ -52,6 +52,10 @@ COLUMN = 56  # characters of one side in the side-by-side view
 @click.option(
     "--against-version", type=int, help="The canary's version: of --profile, or of each run's recorded profile."
 )
+@click.option(
+    "--against-profile",
+    help="The canary replays against this profile (a draft assigned to nobody): its --against-version, else latest.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (for CI).")
 def replay(
     run_key: str | None,
@@ -62,6 +66,7 @@ def replay(
     sample: int | None,
     since: str,
     against_version: int | None,
+    against_profile: str | None,
     as_json: bool,
 ) -> None:
     """Run a kept run again against a changed agent, executing nothing, and show both runs.
@@ -72,8 +77,10 @@ def replay(
     recorded run did not make is shown and not executed; nothing is sent or written."""
     if (run_key is None) == (sample is None):
         raise click.UsageError("give a RUN_KEY, or --sample N for a canary")
-    if sample is not None and against_version is None and profile_version is None:
-        raise click.UsageError("--sample needs --against-version M")
+    if sample is not None and against_version is None and profile_version is None and against_profile is None:
+        raise click.UsageError("--sample needs --against-version M or --against-profile Q")
+    if against_profile is not None and sample is None:
+        raise click.UsageError("--against-profile is the canary's (--sample N); one run takes --profile")
     if not os.environ.get("ANTHROPIC_API_KEY") and not os.environ.get("ANTHROPIC_AUTH_TOKEN"):
         raise click.UsageError(
             "ANTHROPIC_API_KEY: the replay asks the model anew (for the scripted server, set it and ANTHROPIC_BASE_URL)"
@@ -95,10 +102,10 @@ def replay(
         version = against_version if against_version is not None else profile_version
         assert sample is not None
         runs = _sample(shards, sample, _since(since), profile_name)
-        pairs = [(kept, _target(shards, kept, profile_name, version)) for kept in runs]
+        pairs = [(kept, _target(shards, kept, against_profile or profile_name, version)) for kept in runs]
         replays = asyncio.run(_replay_all(agent, pairs))
         _record(shards, replays)
-        _print_canary(replays, since, profile_name, version, as_json)
+        _print_canary(replays, since, profile_name, against_profile, version, as_json)
     finally:
         asyncio.run(agent.close())
 
@@ -234,21 +241,25 @@ def _columns(left: str, right: str, step: str = "") -> None:
     click.echo(f"{step:>4}  {cut(left):<{COLUMN}}  {cut(right)}")
 
 
-def _print_canary(replays: list[Replay], since: str, profile: str | None, version: int | None, as_json: bool) -> None:
+def _print_canary(
+    replays: list[Replay], since: str, profile: str | None, against: str | None, version: int | None, as_json: bool
+) -> None:
     by = {v: [r for r in replays if r.verdict == v] for v in (SAME, DIFFERENT, NEW_ACTIONS)}
     changed = [r for r in replays if r.messages_changed]
     before = sum(sum(r.recorded.tokens) for r in replays)
     after = sum(sum(r.replay.tokens) for r in replays)
-    flag = f" --profile {profile}" if profile else ""
+    flag = f" --profile {against or profile}" if against or profile else ""
+    pinned = f" --profile-version {version}" if version is not None else ""
 
     def pointer(r: Replay) -> str:
-        return f"vigil runs replay {r.run_key}{flag} --profile-version {version}"
+        return f"vigil runs replay {r.run_key}{flag}{pinned}"
 
     if as_json:
         out = {
             "runs": len(replays),
             "since": since,
             "profile": profile,
+            "against_profile": against,
             "against_version": version,
             **{v.replace(" ", "_"): len(rs) for v, rs in by.items()},
             "messages_changed": len(changed),
@@ -262,7 +273,8 @@ def _print_canary(replays: list[Replay], since: str, profile: str | None, versio
     click.echo(
         f"canary: {len(replays)} kept runs since {since}"
         + (f" of {profile}" if profile else "")
-        + f", against version {version}"
+        + (f", against {against}" if against else "")
+        + (f", against version {version}" if version is not None else "")
     )
     click.echo(f"{'same actions':<20}{len(by[SAME]):>6}")
     for verdict in (DIFFERENT, NEW_ACTIONS):

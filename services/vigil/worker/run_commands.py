@@ -17,11 +17,13 @@ from vigil.admin.shards import Shards, shard_option
 from vigil.cliutil import BIGINT_MAX, table
 from vigil.ledger import console as ledger_console
 from vigil.ledger import journal as ledger_journal
+from vigil.ledger import upgrades as ledger_upgrades
 from vigil.ledger.db import connect
 from vigil.numbers import NotParsed, whole_number
 from vigil.service import load_or_exit
 from vigil.settings import CommonSettings
 from vigil.worker.replay_commands import replay
+from vigil.worker.upgrade_commands import upgrade
 
 COLUMNS = ["step", "kind", "what", "epoch", "attempt", "recorded_at"]
 
@@ -69,20 +71,21 @@ def runs_show(run: int | str, as_json: bool, shard: int | None) -> None:
                 user, _, first = run.rpartition(":")
                 record = ledger_console.run_by_key(conn, user, int(first))
             key = f"{record.user_id}:{min(record.event_ids)}" if record is not None else str(run)
-            return record, key, [s.view() for s in ledger_journal.steps(conn, key)]
+            moved = [dataclasses.asdict(u) for u in ledger_upgrades.of_run(conn, key)]
+            return record, key, [s.view() for s in ledger_journal.steps(conn, key)], moved
 
     if isinstance(run, int):
         found = shards.locate(read, f"run {run}", shard)
         if found is None:
             raise click.ClickException(f"no run {run}")
-        record, key, steps = found.value
+        record, key, steps, moved = found.value
     else:
         user = run.rpartition(":")[0]
         at = shard if shard is not None else shards.of_user(user) if user else 0
-        record, key, steps = shards.on(at, read)
+        record, key, steps, moved = shards.on(at, read)
     if record is None and not steps:
         raise click.ClickException(f"no run {run} (no runs row, and no journal under that key)")
-    out = {"run_key": key, "run": dataclasses.asdict(record) if record else None, "steps": steps}
+    out = {"run_key": key, "run": dataclasses.asdict(record) if record else None, "steps": steps, "upgrades": moved}
     if as_json:
         click.echo(json.dumps(out, default=str))
         return
@@ -102,8 +105,13 @@ def runs_show(run: int | str, as_json: bool, shard: int | None) -> None:
         for s in steps
     ]
     table(rows, COLUMNS)
+    for u in moved:  # `vigil runs upgrade`: the run takes the version at its next replay
+        click.echo(
+            f"moved from {u['profile']} v{u['from_version']} to v{u['to_version']} by {u['made_by']} at {u['made_at']}"
+        )
 
 
 runs.add_command(replay)
+runs.add_command(upgrade)
 
 commands = [runs]
