@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from typing import Any
 
 import click
 
@@ -56,7 +57,7 @@ def upgrade(profile: str, to_version: int, dry_run: bool, as_json: bool) -> None
         )
     made_by = login_name()
 
-    def step(dsn: str) -> list[dict]:
+    def step(dsn: str) -> list[dict[str, Any]]:
         with connect(dsn) as conn, conn.transaction():
             found = ledger_upgrades.in_flight(conn, profile=profile, to_version=to_version)
             moved = (
@@ -81,14 +82,14 @@ def upgrade(profile: str, to_version: int, dry_run: bool, as_json: bool) -> None
     report_down(down)
 
 
-def _row(run: ledger_upgrades.InFlight, moved: bool) -> dict:
+def _row(run: ledger_upgrades.InFlight, moved: bool) -> dict[str, Any]:
     row = asdict(run)
     row["state"] = "claimed" if row.pop("claimed") else "awaiting replay"
     row["moved"] = moved  # False: its journal ended (the run finished on its version) meanwhile
     return row
 
 
-def _report(rows: list[dict], profile: str, to_version: int, dry_run: bool, as_json: bool) -> None:
+def _report(rows: list[dict[str, Any]], profile: str, to_version: int, dry_run: bool, as_json: bool) -> None:
     moved = [r for r in rows if r["moved"]]
     if as_json:
         out = {"profile": profile, "to_version": to_version, "dry_run": dry_run, "moved": len(moved), "runs": rows}
