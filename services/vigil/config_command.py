@@ -1,7 +1,7 @@
-"""``vigil config``: every VIGIL_ setting of every service, one table (the README's too).
+"""``vigil config``: every VIGIL_ setting of every service, one table (docs/settings.md's too).
 
 It reads every service's settings class, so it sits above the services rather than in any
-one of them (``python -m vigil.readme`` writes the same table into README.md).
+one of them (``python -m vigil.readme`` writes the same table into docs/settings.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SETTINGS_CLASSES: list[type[CommonSettings]] = [
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of {variable, services, default, meaning}.")
 def config(as_json: bool) -> None:
-    """Print every VIGIL_ setting as a Markdown table (the README's configuration section)."""
+    """Print every VIGIL_ setting as a Markdown table (docs/settings.md)."""
     if as_json:
         click.echo(json.dumps(settings_rows(SETTINGS_CLASSES)))
         return

@@ -1,4 +1,4 @@
-"""``python -m vigil.readme``: refresh README.md's configuration table from the settings classes."""
+"""``python -m vigil.readme``: refresh the settings table of docs/settings.md from the settings classes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from vigil.settings import settings_table
 
 
 def main() -> None:
-    path = repo_root() / "README.md"
+    path = repo_root() / "docs" / "settings.md"
     text = path.read_text()
     table = settings_table(SETTINGS_CLASSES)
     text = re.sub(

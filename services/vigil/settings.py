@@ -7,7 +7,7 @@ variable, so a bad deployment fails at once with a message an operator can act o
 than crash-looping later.
 
 Each field's ``description`` is its documentation: ``vigil config`` prints the table that
-README.md carries, and a test keeps the two in step.
+docs/settings.md carries, and a test keeps the two in step.
 """
 
 from __future__ import annotations
@@ -378,7 +378,7 @@ def settings_rows(classes: list[type[CommonSettings]]) -> list[dict[str, str]]:
 
 
 def settings_table(classes: list[type[CommonSettings]]) -> str:
-    """The README's configuration table: every variable, its default and its meaning."""
+    """The configuration table of docs/settings.md: every variable, its default and its meaning."""
     lines = ["| variable | services | default | meaning |", "| --- | --- | --- | --- |"]
     for row in settings_rows(classes):
         lines.append(f"| `{row['variable']}` | {row['services']} | {row['default']} | {row['meaning']} |")

@@ -3,7 +3,7 @@
 -- Every query is bounded: it returns at most %(limit)s rows, pages by keyset (never OFFSET),
 -- and the counts an overview shows stop at %(cap)s rows so that a huge backlog costs the
 -- page a bounded scan, not a count of millions. Events are read by their documented columns
--- only (README "The ledger"), so the storage underneath may change.
+-- only (docs/ledger.md), so the storage underneath may change.
 --
 -- A run's writes (outbox rows, approvals, timers, memory files, tasks) carry its run id,
 -- written by its finish: a timeline links them by that id, never by time.
