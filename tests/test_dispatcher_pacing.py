@@ -10,7 +10,7 @@ from uuid import uuid4
 import pytest
 
 from dispatcher_support import T0
-from vigil.dispatcher.channels import retry_after_seconds, sign
+from vigil.dispatcher.channels import sign
 from vigil.dispatcher.pacing import Action, Pacing, Row, plan, retry_delay, wake_at
 
 GAP = 3600
@@ -109,12 +109,6 @@ def test_joined_messages_are_bounded():
 def test_retry_delay_doubles_is_capped_and_honours_retry_after(attempt, retry_after, low, high):
     delay = retry_delay(attempt, 30, 3600, retry_after, random.Random(7))
     assert low <= delay <= high
-
-
-def test_retry_after_parses_seconds_and_http_dates():
-    assert retry_after_seconds("120") == 120
-    assert retry_after_seconds("soon") is None and retry_after_seconds(None) is None
-    assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") == 0  # in the past: at once
 
 
 def test_signature_matches_the_standard_webhooks_published_example():

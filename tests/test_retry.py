@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import httpx
 import psycopg
 import pytest
 
@@ -27,6 +28,31 @@ def test_a_jitter_above_one_stretches_but_never_past_the_cap():
 def test_retry_after_is_honoured_past_the_cap_up_to_its_own_limit():
     assert retry.backoff(1, 1.0, 60.0, retry_after_s=120) == 120
     assert retry.backoff(1, 1.0, 60.0, retry_after_s=10**9, retry_after_max_s=86_400) == 86_400
+
+
+NOW = 1_445_412_480.0  # Wed, 21 Oct 2015 07:28:00 GMT
+
+
+@pytest.mark.parametrize(
+    ("headers", "seconds"),
+    [
+        ({"Retry-After": "120"}, 120.0),
+        ({"Retry-After": " 1.5 "}, 1.5),
+        ({"Retry-After": "Wed, 21 Oct 2015 07:30:00 GMT"}, 120.0),  # a date: measured from the caller's now
+        ({"Retry-After": "Wed, 21 Oct 2015 07:20:00 GMT"}, 0.0),  # in the past: at once
+        ({"Retry-After": "Wed, 21 Oct 2015 07:30:00 -0000"}, 120.0),  # no zone given: UTC
+        ({"Retry-After": "-5"}, 0.0),
+        ({"retry-after-ms": "2500", "Retry-After": "9"}, 2.5),  # the finer header wins
+        ({"retry-after-ms": "soon", "Retry-After": "9"}, 9.0),
+        ({"Retry-After": "soon"}, None),
+        ({"Retry-After": "nan"}, None),
+        ({"Retry-After": "inf"}, None),
+        ({"Retry-After": ""}, None),
+        ({}, None),
+    ],
+)
+def test_retry_after_is_read_once_for_every_caller(headers, seconds):
+    assert retry.retry_after_seconds(httpx.Headers(headers), NOW) == seconds
 
 
 def test_the_scheduler_doubles_from_its_tick_to_30s_and_starts_over_after_a_pass():

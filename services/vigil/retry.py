@@ -10,13 +10,19 @@
   counts and logs them under (:func:`failure_label`), and the pause, :func:`backoff` over
   the consecutive failures. The scheduler, dispatcher and worker claim loops each hold one
   (:func:`scheduler_pass`, :func:`dispatcher_pass`, :func:`worker_claim_pass` below say with what).
+* :func:`retry_after_seconds`: a server's ``Retry-After`` (or ``retry-after-ms``) as seconds, the
+  one parser of it: a delivery receiver's answer (``dispatcher/channels.py``) and the model
+  API's (``agent/model.py``) feed :func:`backoff`'s ``retry_after_s`` through it.
 """
 
 from __future__ import annotations
 
+import email.utils
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC
 
 import psycopg
 
@@ -45,6 +51,44 @@ def backoff(
     if retry_after_s is not None:
         delay = max(delay, min(retry_after_s, retry_after_max_s))
     return delay
+
+
+def retry_after_seconds(headers: Mapping[str, str], now: float) -> float | None:
+    """Seconds a server asked to wait, from its answer's headers; ``None`` when it did not say.
+
+    ``headers`` is a case-insensitive mapping (``httpx.Headers``; a plain dict needs lower-case
+    names). ``retry-after-ms`` (milliseconds, sent by the Anthropic API among others) wins over
+    ``Retry-After``, which is delta-seconds or an HTTP date, measured from ``now`` (epoch
+    seconds: the caller's clock). A date in the past is 0; anything unreadable is ``None``, so
+    a malformed header falls back to the plain backoff instead of failing the retry.
+    """
+    milliseconds = headers.get("retry-after-ms")
+    if milliseconds is not None:
+        seconds = _seconds(milliseconds)
+        if seconds is not None:
+            return seconds / 1000.0
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _seconds(value)
+    if seconds is not None:
+        return seconds
+    try:
+        when = email.utils.parsedate_to_datetime(value.strip())
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # "-0000": UTC by RFC 5322
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - now)
+
+
+def _seconds(value: str) -> float | None:
+    """A non-negative finite number of seconds (or milliseconds), else ``None``."""
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return None
+    return max(0.0, number) if math.isfinite(number) else None
 
 
 def failure_label(exc: BaseException) -> str:

@@ -164,7 +164,7 @@ class ClaudeAgent:
         self.box = Toolbox(
             settings=settings,
             client=client,
-            retry=model.RetryPolicy(
+            retry=model.CallPolicy(
                 settings.model_retries, settings.model_backoff_s, settings.model_backoff_cap_s, settings.model_timeout_s
             ),
             actions={t.name: t for t in actions},

@@ -71,7 +71,7 @@ class Toolbox:
 
     settings: AgentSettings
     client: anthropic.AsyncAnthropic
-    retry: model.RetryPolicy
+    retry: model.CallPolicy
     actions: dict[str, ActionTool]
     permissions: dict[str, Permission]  # every known tool's effective permission
     tools: model.Encoded  # the tools offered (definitions in their fixed order), encoded once

@@ -181,7 +181,7 @@ class Child:
 
     client: anthropic.AsyncAnthropic
     settings: AgentSettings
-    retry: model.RetryPolicy
+    retry: model.CallPolicy
     actions: dict[str, ActionTool]
     permissions: dict[str, Permission]
     user_id: str

@@ -50,6 +50,7 @@ from mcp.client.streamable_http import streamable_http_client
 from vigil.agent import metrics
 from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, Credential, McpServer, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
+from vigil.errors import VigilError
 from vigil.outbound import AddressPolicy, BlockedAddress, address_policy, guarded_async_transport2, url_problem
 from vigil.settings import SettingsError
 
@@ -70,11 +71,11 @@ STDERR_DRAIN_S = 1.0
 CLIENT_INFO = mcp_types.Implementation(name="vigil", version=distribution_version("vigil"))
 
 
-class ServerDown(Exception):
+class ServerDown(VigilError):
     """The server could not be reached, refused by policy, or did not answer in time."""
 
 
-class _Lost(Exception):
+class _Lost(VigilError):
     """The connection failed before an answer came (the server closed it, or died)."""
 
     def __init__(self, reason: str):

@@ -9,7 +9,7 @@
   a bad key, a prompt too long), is the run's own problem: it propagates and the attempt
   counts as failed, so a request that can never succeed ends dead instead of looping.
 
-- Every attempt passes the fleet's gate (``RetryPolicy.gate``, :mod:`vigil.agent.fleet`): the
+- Every attempt passes the fleet's gate (``CallPolicy.gate``, :mod:`vigil.agent.fleet`): the
   back-off a 429 or 529 told any worker, and the fleet-wide bound on calls in flight.
 
 The SDK's own retries are switched off (``max_retries=0``) so that this is the only policy
@@ -32,7 +32,6 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 from typing import Any, cast
 
 import anthropic
@@ -48,7 +47,7 @@ from vigil.agent import metrics
 from vigil.agent.base import RetryLater, Usage
 from vigil.agent.fleet import OPEN, Gate
 from vigil.ledger.budgets import billed
-from vigil.retry import backoff
+from vigil.retry import backoff, retry_after_seconds
 
 log = logging.getLogger(__name__)
 
@@ -129,28 +128,14 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class CallPolicy:
+    """How one model call is made and retried: attempts, backoff, timeout, the fleet's gate."""
+
     retries: int
     backoff_s: float
     backoff_cap_s: float
     timeout_s: float
     gate: Gate = OPEN  # the fleet's (vigil.agent.fleet): shared back-off, fleet-wide slots
-
-
-def _retry_after(exc: anthropic.APIStatusError) -> float | None:
-    headers = exc.response.headers
-    try:
-        if "retry-after-ms" in headers:
-            return float(headers["retry-after-ms"]) / 1000.0
-        value = headers.get("retry-after")
-        if value is None:
-            return None
-        try:
-            return max(0.0, float(value))
-        except ValueError:
-            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
 
 
 def _transient(exc: Exception) -> tuple[bool, str, float | None]:
@@ -160,13 +145,13 @@ def _transient(exc: Exception) -> tuple[bool, str, float | None]:
     if isinstance(exc, anthropic.APIStatusError):
         status = exc.status_code
         if status == 429:
-            return True, "rate_limited", _retry_after(exc)
+            return True, "rate_limited", retry_after_seconds(exc.response.headers, time.time())
         if status == 529:
-            return True, "overloaded", _retry_after(exc)
+            return True, "overloaded", retry_after_seconds(exc.response.headers, time.time())
         if status >= 500:
             if exc.response.headers.get("x-should-retry") == "false":
                 return False, "server_error", None
-            return True, "server_error", _retry_after(exc)
+            return True, "server_error", retry_after_seconds(exc.response.headers, time.time())
         return False, "client_error", None
     return False, "other_error", None
 
@@ -325,7 +310,7 @@ async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes,
         return message
 
 
-async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Budget, policy: RetryPolicy) -> Message:
+async def create(client: anthropic.AsyncAnthropic, request: Request, budget: Budget, policy: CallPolicy) -> Message:
     """One model call with retries; raises RetryLater when the API stays unavailable."""
     body = request.body()
     attempt = 0

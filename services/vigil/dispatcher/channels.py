@@ -13,7 +13,6 @@ crash is byte-identical and the receiver can drop it by id.
 from __future__ import annotations
 
 import base64
-import email.utils
 import hashlib
 import hmac
 import json
@@ -24,7 +23,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import IO, Protocol
 from uuid import UUID
@@ -37,6 +36,7 @@ from vigil.bus.kafka import EventProducer, Headers, ProduceError
 from vigil.dispatcher.pacing import Row
 from vigil.ledger.states import ChannelType
 from vigil.outbound import AddressPolicy, BlockedAddress, guarded_transport, url_problem
+from vigil.retry import retry_after_seconds
 
 log = logging.getLogger(__name__)
 
@@ -156,22 +156,6 @@ def sign(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
     return f"{SIGNATURE_VERSION},{base64.b64encode(mac).decode()}"
 
 
-def retry_after_seconds(value: str | None) -> float | None:
-    """Retry-After as seconds: delta-seconds or an HTTP date (relative to this host's clock)."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
-
-
 # -- channels ---------------------------------------------------------------------------
 
 
@@ -219,7 +203,7 @@ class WebhookChannel:
         try:
             with self.client.stream("POST", config.url, content=body, headers=headers) as response:
                 status = response.status_code
-                retry_after = response.headers.get("retry-after")
+                retry_after = retry_after_seconds(response.headers, now.timestamp())
                 # Read a small answer to its end so the connection is reused (a new
                 # connection per delivery overflows small receivers' accept queues); stop
                 # at the bound, and the connection is closed instead.
@@ -243,7 +227,7 @@ class WebhookChannel:
             return Outcome(Result.DELIVERED)
         error = f"HTTP {status}"
         if status in RETRIED_STATUSES or status >= 500:
-            return Outcome(Result.RETRY, error, retry_after_seconds(retry_after))
+            return Outcome(Result.RETRY, error, retry_after)
         return Outcome(Result.DEAD, f"{error} (not retried)")
 
     def close(self) -> None:
