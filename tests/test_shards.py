@@ -7,6 +7,7 @@ DSNs share a server changes nothing here); an unreachable shard is a closed port
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -18,6 +19,7 @@ from support import query
 from test_operator_failures import assert_one_line, vigil
 from vigil.ledger.migrate import discover
 from vigil.ledger.shardmap import ShardMap, ShardMapError, rule, shown_dsn
+from vigil.ledger.shardpools import AsyncShardPools, ShardRoutes, SyncShardPools
 from vigil.partitioner import java_partition
 from vigil.settings import CommonSettings, SettingsError, load
 from vigil_dev.devstack import free_port
@@ -69,6 +71,85 @@ def test_one_shard_by_default_is_the_database_url():
     settings = CommonSettings(database_url="postgresql://vigil:pw@db:5432/vigil")
     assert settings.shard_dsns == ("postgresql://vigil:pw@db:5432/vigil",)
     assert ShardMap(settings.shard_dsns).partitions_of(0, partitions=3) == [0, 1, 2]
+
+
+# -- the routes and the pools (vigil.ledger.shardpools) ---------------------------------------
+
+
+def test_one_shard_routes_to_the_catalog_without_reading_a_map():
+    closed = f"postgresql://vigil@127.0.0.1:{free_port()}/vigil"  # nothing listens: a read would fail
+    routes = ShardRoutes((closed,), partitions=12, connect_timeout=1)
+    assert routes.single and routes.loaded and routes.count == 1
+    assert routes.shard_of(7) == 0 and routes.shard_of_user("alice") == 0
+
+
+def test_several_shards_read_the_catalogs_map_on_first_need_and_again_after_a_failure(databases):
+    dsns = (databases(migrated=True), databases(migrated=True))
+    with psycopg.connect(dsns[0], autocommit=True) as conn:
+        conn.execute("DELETE FROM shard_map")
+        conn.execute("INSERT INTO shard_map (partition, shard) VALUES (3, 0)")
+    down = (f"postgresql://vigil@127.0.0.1:{free_port()}/vigil", dsns[1])
+    routes = ShardRoutes(down, partitions=6, connect_timeout=1)
+    assert not routes.loaded
+    with pytest.raises(psycopg.OperationalError):
+        routes.shard_of(3)
+    routes.dsns = dsns  # the catalog answers now: the next lookup reads it
+    assert routes.shard_of(3) == 0 and routes.shard_of(5) == 1 and routes.loaded
+    with psycopg.connect(dsns[0], autocommit=True) as conn:
+        conn.execute("UPDATE shard_map SET shard = 1 WHERE partition = 3")
+    assert routes.shard_of(3) == 0, "read once: a lookup does not read the catalog"
+    routes.reload()
+    assert routes.shard_of(3) == 1
+
+
+class FakePool:
+    def __init__(self, name):
+        self.name, self.opened, self.closed = name, 0, 0
+
+    def open(self, wait):
+        assert wait is False  # a shard that does not answer yet fails statements, not its opener
+        self.opened += 1
+
+    def close(self):
+        self.closed += 1
+
+
+class FakeAsyncPool(FakePool):
+    async def open(self, wait):
+        FakePool.open(self, wait)
+
+    async def close(self):
+        FakePool.close(self)
+
+
+def test_a_shards_pool_is_made_and_opened_once_and_the_catalogs_left_to_its_opener():
+    routes = ShardRoutes(("postgresql://a/v", "postgresql://b/v", "postgresql://c/v"), partitions=6)
+    made = []
+    catalog = FakePool("catalog")
+    pools = SyncShardPools(routes, catalog, lambda dsn, shard: made.append(FakePool(dsn)) or made[-1])  # type: ignore[arg-type]
+    assert pools.get(2) is None and pools.open(0) is catalog
+    assert pools.open(2) is pools.open(2) is made[0] and made[0].name == "postgresql://c/v" and made[0].opened == 1
+    assert [shard for shard, _ in pools.opened()] == [0, 2]
+    pools.close(catalog=False)
+    assert made[0].closed == 1 and catalog.closed == 0
+
+
+def test_the_async_pools_too_and_closing_every_one_closes_the_catalogs_last():
+    routes = ShardRoutes(("postgresql://a/v", "postgresql://b/v"), partitions=6)
+    closed = []
+
+    class Recorded(FakeAsyncPool):
+        async def close(self):
+            closed.append(self.name)
+
+    async def scenario():
+        pools = AsyncShardPools(routes, Recorded("catalog"), lambda dsn, shard: Recorded(dsn))  # type: ignore[arg-type]
+        other = await pools.open(1)
+        assert await pools.open(1) is other and other.opened == 1
+        await pools.close(catalog=True)
+
+    asyncio.run(scenario())
+    assert closed == ["postgresql://b/v", "catalog"]
 
 
 def test_shown_dsn_drops_the_password():

@@ -34,7 +34,7 @@ from vigil.ledger import shards as shard_rows
 from vigil.ledger.db import connect
 from vigil.ledger.migrate import pending
 from vigil.ledger.shardmap import ShardMap, ShardMapError, ShardUnreachable, shown_dsn
-from vigil.ledger.shards import load_map
+from vigil.ledger.shardpools import ShardRoutes
 from vigil.service import EXIT_DEPENDENCY, EXIT_STARTUP, StartupError, first_line, load_or_exit
 from vigil.settings import CommonSettings
 
@@ -77,25 +77,31 @@ class Shards:
 
     def __init__(self, settings: CommonSettings, connect_timeout: int | None = CONNECT_TIMEOUT_S) -> None:
         self.dsns = settings.shard_dsns
-        self.partitions = settings.partitions
-        self.connect_timeout = connect_timeout
-        self._map: ShardMap | None = None
+        # The ledger's map (vigil.ledger.shardpools), read once per command: a moved partition's
+        # users are where its row says. Commands connect per command: no pools.
+        self.routes = ShardRoutes(self.dsns, partitions=settings.partitions, connect_timeout=connect_timeout)
 
     @property
     def many(self) -> bool:
         return len(self.dsns) > 1
 
     def shard_map(self) -> ShardMap:
-        """The catalog's map, read once (a moved partition's users are where its row says)."""
-        if self._map is None:
-            try:
-                self._map = load_map(self.dsns, connect_timeout=self.connect_timeout)
-            except psycopg.OperationalError as exc:
-                raise ShardUnreachable(0, self.dsns[0], f"the catalog (shard map): {first_line(exc)}") from exc
-        return self._map
+        """The catalog's map, read once."""
+        with self._catalog_named():
+            return self.routes.shard_map()
 
     def of_user(self, user_id: str) -> int:
-        return self.shard_map().shard_of_user(user_id, partitions=self.partitions) if self.many else 0
+        """The shard of the user's home partition (one shard: 0, no map read)."""
+        with self._catalog_named():
+            return self.routes.shard_of_user(user_id)
+
+    @contextmanager
+    def _catalog_named(self) -> Iterator[None]:
+        """A catalog that does not answer while the map is read is shard 0 unreachable (exit 3)."""
+        try:
+            yield
+        except psycopg.OperationalError as exc:
+            raise ShardUnreachable(0, self.dsns[0], f"the catalog (shard map): {first_line(exc)}") from exc
 
     def on(self, shard: int, step: Callable[[str], T]) -> T:
         """``step`` on one shard."""

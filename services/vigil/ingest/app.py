@@ -44,7 +44,7 @@ def create_app(settings: IngestSettings, *, before_answer: BeforeAnswer | None =
     ctx = IngestContext(settings)
     answers_pool = db.pool(settings.dsn, name="ingest-approvals", max_size=APPROVALS_POOL_SIZE, timeout=POOL_TIMEOUT_S)
     answers_pools = SyncShardPools(
-        ctx.router,
+        ctx.routes,
         answers_pool,
         lambda dsn, shard: db.pool(
             dsn, name=f"ingest-approvals-{shard}", max_size=APPROVALS_POOL_SIZE, timeout=POOL_TIMEOUT_S

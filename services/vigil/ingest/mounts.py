@@ -28,12 +28,12 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from vigil.ingest import requests as _requests
-from vigil.ingest import tasks_api
+from vigil.ingest import shards, tasks_api
 from vigil.ingest.auth import Caller, TokenAuth, authorize, ledger, permits
 from vigil.ingest.publisher import Publisher
 from vigil.ingest.requests import unavailable
 from vigil.ingest.settings import IngestSettings
-from vigil.ingest.shards import AsyncShardPools, ShardRouter
+from vigil.ingest.shards import AsyncShardPools
 from vigil.ledger import db
 from vigil.ledger.states import Scope
 from vigil.scheduler import api as timers_api
@@ -61,9 +61,9 @@ class IngestContext:
         # Opened by the app's lifespan (not here: there is no event loop yet).
         self.pool = db.async_pool(settings.dsn, name="ingest", max_size=settings.ingest_db_pool, timeout=POOL_TIMEOUT_S)
         # The other shards' pools, for users' state (vigil.ingest.shards); made on first use.
-        self.router = ShardRouter(settings)
+        self.routes = shards.routes(settings)
         self.pools = AsyncShardPools(
-            self.router,
+            self.routes,
             self.pool,
             lambda dsn, shard: db.async_pool(
                 dsn, name=f"ingest-{shard}", max_size=settings.ingest_db_pool, timeout=POOL_TIMEOUT_S
@@ -87,7 +87,7 @@ class IngestContext:
     async def ledger(self, user_id: str | None = None) -> AsyncIterator[psycopg.AsyncConnection[DictRow]]:
         """A pooled connection (dict rows) in one transaction on ``user_id``'s ledger shard (None:
         shard 0, the catalog: tokens, hooks, channels, the audit trail); a ledger outage is a 503."""
-        if user_id is None or self.router.count == 1:
+        if user_id is None or self.routes.count == 1:
             pool = self.pool
         else:
             try:
@@ -100,13 +100,13 @@ class IngestContext:
     @property
     def sharded(self) -> bool:
         """Several ledger shards: a user's state and the catalog are in different databases."""
-        return self.router.count > 1
+        return self.routes.count > 1
 
     async def first_found(self, read: Callable[[psycopg.AsyncConnection[DictRow]], Awaitable[T | None]]) -> T | None:
         """``read`` on each shard in turn, for an id that names no user (a task's): the first
         thing found. A shard that does not answer before it is found is a 503."""
-        for shard in range(self.router.count):
-            pool = self.pool if shard == 0 else await self.pools.of_shard(shard)
+        for shard in range(self.routes.count):
+            pool = self.pool if shard == 0 else await self.pools.open(shard)
             async with ledger(pool) as conn:
                 if (found := await read(conn)) is not None:
                     return found

@@ -1,10 +1,12 @@
 """Where the worker's ledger work goes when the ledger has several shards (issue 41;
 docs/architecture.md, "Shards and the catalog").
 
-One place decides it: :class:`Shards` holds the catalog's pool (shard 0,
+One place decides it: :class:`Shards`, over the ledger's map and pools
+(:mod:`vigil.ledger.shardpools`), with the worker's own policy: the catalog's pool (shard 0,
 ``VIGIL_DATABASE_URL``: profiles, policies, the model fleet) and a pool per other shard this
-worker holds partitions on, opened when a partition of it is first assigned. Everything per
-user goes to the shard of a partition:
+worker holds partitions on, opened when a partition of it is first assigned (a shard it holds
+none of has no pool: :class:`ShardNotOpen`); the map read at start and again at each
+assignment. Everything per user goes to the shard of a partition:
 
 - recording, consumer positions, takeover, hand-over, heal, claims: the shard of the
   partition they are about (:meth:`Shards.shard_of`);
@@ -28,13 +30,16 @@ from typing import TypeVar
 from vigil.errors import VigilError
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.shardmap import ShardMap
-from vigil.ledger.shards import load_map
+from vigil.ledger.shardpools import CATALOG, AsyncShardPools, ShardRoutes
 from vigil.partitioner import home_partition
 from vigil.worker.task_door import LedgerTasks
 
 T = TypeVar("T")
 
-CATALOG = 0
+__all__ = ["CATALOG", "ShardNotOpen", "Shards"]
+
+# Reading the catalog's map (at start, at an assignment) waits this long for a connection.
+MAP_CONNECT_TIMEOUT_S = 30
 
 
 class ShardNotOpen(VigilError):
@@ -52,13 +57,16 @@ class Shards:
         make_pool: Callable[[str, int], AsyncPool] | None = None,
         partitions: int = 1,
     ) -> None:
-        self.map = shard_map
-        self.partitions = partitions  # VIGIL_PARTITIONS: a user's home partition among them
-        self.single = shard_map is None or shard_map.count == 1
+        self.routes = ShardRoutes(
+            shard_map.dsns if shard_map is not None else (),
+            partitions=partitions,
+            shard_map=shard_map,
+            connect_timeout=MAP_CONNECT_TIMEOUT_S,
+        )
+        self.pools = AsyncShardPools(self.routes, catalog, make_pool)
+        self.single = self.routes.single
         self.catalog = catalog
-        self._pools: dict[int, AsyncPool] = {CATALOG: catalog}
         self._doors: dict[int, LedgerTasks] = {}
-        self._make_pool = make_pool
 
     @classmethod
     def of(cls, source: Shards | AsyncPool) -> Shards:
@@ -69,20 +77,19 @@ class Shards:
 
     @property
     def count(self) -> int:
-        return 1 if self.map is None else self.map.count
+        return self.routes.count
+
+    @property
+    def partitions(self) -> int:
+        return self.routes.partitions
 
     def reload(self) -> None:
         """Read the catalog's map again (an assignment: a partition may have moved). One
         shard reads nothing. Raises psycopg.OperationalError when the catalog does not answer."""
-        if not self.single:
-            assert self.map is not None
-            self.map = load_map(self.map.dsns)
+        self.routes.reload()
 
     def shard_of(self, partition: int) -> int:
-        if self.single:
-            return CATALOG
-        assert self.map is not None
-        return self.map.shard_of(partition)
+        return self.routes.shard_of(partition)
 
     def elsewhere(self, user_id: str, partition: int, *, partitions: int) -> int | None:
         """The user's home partition (among ``partitions``, VIGIL_PARTITIONS) when its shard is
@@ -91,9 +98,8 @@ class Shards:
         (always, on one shard)."""
         if self.single:
             return None
-        assert self.map is not None
         home = home_partition(user_id, partitions)
-        return None if self.map.shard_of(home) == self.map.shard_of(partition) else home
+        return None if self.shard_of(home) == self.shard_of(partition) else home
 
     def split(self, items: Iterable[T], partition: Callable[[T], int]) -> dict[int, list[T]]:
         """``items`` by shard (``partition(item)`` its partition), in their order."""
@@ -110,19 +116,14 @@ class Shards:
         """Open the pools of the shards of ``partitions`` that are not open yet."""
         if self.single:
             return
-        for shard in sorted({self.shard_of(p) for p in partitions} - set(self._pools)):
-            assert self._make_pool is not None and self.map is not None
-            pool = self._make_pool(self.map.dsns[shard], shard)
-            # Not waiting for its first connections: a shard that does not answer yet fails
-            # its statements, which are retried, rather than the assignment.
-            await pool.open(wait=False)
-            self._pools[shard] = pool
+        for shard in sorted({self.shard_of(p) for p in partitions}):
+            await self.pools.open(shard)
 
     def pool(self, shard: int) -> AsyncPool:
-        try:
-            return self._pools[shard]
-        except KeyError:
-            raise ShardNotOpen(f"ledger shard {shard}: no partition of it was assigned to this worker") from None
+        pool = self.pools.get(shard)
+        if pool is None:
+            raise ShardNotOpen(f"ledger shard {shard}: no partition of it was assigned to this worker")
+        return pool
 
     def pool_of(self, partition: int) -> AsyncPool:
         """The pool of the shard holding ``partition`` (a claim's home: where its run's ledger work goes)."""
@@ -140,15 +141,12 @@ class Shards:
         """The pool of the user's shard (their home partition's): the agent's reads of their
         spending. A run's own work goes by its claim (:meth:`pool_of`), which is the same
         shard once every event is recorded at its user's home (:meth:`elsewhere`)."""
-        if self.single:
-            return self.catalog
-        return self.pool(self.shard_of(home_partition(user_id, self.partitions)))
+        return self.catalog if self.single else self.pool(self.routes.shard_of_user(user_id))
 
     def opened(self) -> list[tuple[int, AsyncPool]]:
         """Every shard with an open pool (the catalog's first): where background tasks are claimed."""
-        return sorted(self._pools.items(), key=lambda item: item[0])
+        return self.pools.opened()
 
     async def close(self) -> None:
         """Close the shards' pools, the catalog's last."""
-        for _shard, pool in sorted(self._pools.items(), reverse=True):
-            await pool.close()
+        await self.pools.close(catalog=True)
