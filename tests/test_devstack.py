@@ -183,6 +183,9 @@ def test_dev_up_help_names_every_service_it_starts():
     assert "four" not in text
     for name in SERVICES:
         assert name in text, f"`vigil-dev up --help` does not name the {name} service: {text}"
+    counts = {4: "four", 5: "five", 6: "six", 7: "seven"}
+    [make_up] = [line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("up:")]
+    assert f"the {counts[len(SERVICES)]} services" in make_up, f"`make help` counts the services wrong: {make_up}"
 
 
 def test_dev_up_keeps_the_otel_settings_in_its_env_file(tmp_path, monkeypatch):
