@@ -171,6 +171,7 @@ def up(services: bool, demo: bool, script: Path | None) -> None:
     offline = os.environ.get("ANTHROPIC_API_KEY", OFFLINE_KEY) == OFFLINE_KEY
     # Checked before anything starts: a bad script found after Kafka and the services are up
     # would leave a stack whose every run fails on the model's 500.
+    named = script is not None  # by --script or VIGIL_DEV_SCRIPT: a running server must answer from it
     script = _checked_script(script, offline)
     root = run_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -239,7 +240,7 @@ def up(services: bool, demo: bool, script: Path | None) -> None:
 
     # A shell that sourced .run/env carries the offline placeholder key: still offline.
     if offline:
-        env.update(_start_scripted_claude(root, child_env, script, replace=script != DEMO_SCRIPT_PATH))
+        env.update(_start_scripted_claude(root, child_env, script, replace=named))
         child_env.update(env)
 
     started = []
@@ -334,9 +335,10 @@ def _checked_script(given: Path | None, offline: bool) -> Path:
 def _start_scripted_claude(root: Path, env: dict, script: Path, replace: bool) -> dict[str, str]:
     """Without ANTHROPIC_API_KEY, the agent talks to the local scripted Messages API server.
 
-    A server already running (by its pid file) is left alone unless ``replace``: then it is given
-    ``script`` through ``PUT /_script``, so `up --script` on a running stack changes what the
-    model answers without a restart."""
+    A server already running (by its pid file) is left alone unless ``replace``: then, when its
+    script differs, it is given ``script`` through ``PUT /_script``, so `up --script` on a
+    running stack changes what the model answers without a restart (and an `up` from a shell
+    that sourced .run/env, which names the same script, resets no rule's ``times``)."""
     port = int(os.environ.get("VIGIL_DEV_CLAUDE_PORT", SCRIPTED_CLAUDE_PORT))
     pidfile = root / "pids" / "scripted-claude.pid"
     logfile = root / "logs" / "scripted-claude.log"
@@ -366,9 +368,13 @@ def _start_scripted_claude(root: Path, env: dict, script: Path, replace: bool) -
 
 
 def _load_script(port: int, script: Path) -> None:
-    """Replace the running scripted server's script (it answers 204, or 400 with the reason)."""
+    """Replace the running scripted server's script if it differs (204, or 400 with the reason)."""
+    url = f"http://127.0.0.1:{port}/_script"
     try:
-        httpx.put(f"http://127.0.0.1:{port}/_script", content=script.read_bytes(), timeout=10).raise_for_status()
+        running = httpx.get(url, timeout=10).raise_for_status().json()
+        if running == json.loads(script.read_bytes()):
+            return
+        httpx.put(url, content=script.read_bytes(), timeout=10).raise_for_status()
     except httpx.HTTPError as exc:
         raise click.ClickException(f"loading {script} into the running scripted server: {exc}") from None
 
