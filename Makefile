@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml examples/vigil-refund-tool/pyproject.toml
 
 install: $(STAMP) ## Create .venv and install vigil with its pinned dependencies and the example tool package
 
-up: $(STAMP) ## Start Kafka, PostgreSQL and the five services under .run/, then run the demo (not when already up)
-	$(BIN)/vigil-dev up --demo
+up: $(STAMP) ## Start Kafka, PostgreSQL, the five services and the offline model under .run/, then the demo; SCRIPT=FILE: the model answers from FILE (no demo)
+	$(BIN)/vigil-dev up --demo $(if $(SCRIPT),--script "$(SCRIPT)")
 
 demo: $(STAMP) ## Run the demonstration against the running stack
 	. .run/env && $(BIN)/vigil-dev demo

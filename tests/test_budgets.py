@@ -70,7 +70,8 @@ def test_a_worker_past_the_budget_calls_no_model_tells_once_and_resumes_when_rai
     """A real worker, a profile of 1,500 billed tokens a day: the first run passes it; what
     arrives next makes no model call, is no run and no attempt, and the user is told once;
     `vigil profiles update --daily-tokens` raising the budget releases the waiting events at
-    once, and they run (each with the one attempt that ran it)."""
+    once, and they run (each with the one attempt that ran it); the notice, not sent yet, is
+    withdrawn."""
     user = "bud/carol"
     cli(ledger, "profiles", "create", "tight", "--daily-tokens", "1500", "--system-prompt", "Spend little.")
     cli(ledger, "profiles", "assign", "bud/*", "tight")
@@ -114,7 +115,36 @@ def test_a_worker_past_the_budget_calls_no_model_tells_once_and_resumes_when_rai
         rows = query(ledger, "SELECT status, attempts, transient_failures FROM events WHERE user_id = %s", (user,))
         assert [(r["status"], r["attempts"], r["transient_failures"]) for r in rows] == [("done", 1, 0)] * 3
         assert scalar(ledger, "SELECT count(*) FROM runs WHERE outcome = 'failed'") == 0
-        assert scalar(ledger, "SELECT count(*) FROM outbox WHERE user_id = %s AND run_id = 0", (user,)) == 1
+        # The notice was still queued (no dispatcher runs here): withdrawn by the raise, not sent late.
+        assert scalar(ledger, "SELECT count(*) FROM outbox WHERE user_id = %s AND run_id = 0", (user,)) == 0
+        assert scalar(ledger, "SELECT count(*) FROM budget_notices WHERE user_id = %s", (user,)) == 0
+
+
+def test_raising_the_budget_keeps_a_notice_whose_send_began(ledger):
+    """Only a notice no send has begun is withdrawn: one the dispatcher fixed a delivery id for
+    may have reached the user, so it stays (and so does the record that they were told)."""
+    with psycopg.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+        for user in ("bud/ann", "bud/bob"):
+            conn.execute(
+                "INSERT INTO events (user_id, source, source_id, kind, received_at, status, error, next_attempt_at)"
+                " VALUES (%s, 'chat', %s, 'chat.message', now(), 'pending', 'budget: spent',"
+                " now() + interval '1 hour')",
+                (user, user),
+            )
+            asyncio.run(_notify(ledger, user))
+        conn.execute("UPDATE outbox SET delivery_id = gen_random_uuid(), fixed_at = now() WHERE user_id = 'bud/bob'")
+    cli(ledger, "profiles", "create", "tight", "--daily-tokens", "1500")
+    cli(ledger, "profiles", "assign", "bud/*", "tight")
+    cli(ledger, "profiles", "update", "tight", "--daily-tokens", "9000")
+    assert [r["user_id"] for r in query(ledger, "SELECT user_id FROM outbox WHERE run_id = 0")] == ["bud/bob"]
+    assert [r["user_id"] for r in query(ledger, "SELECT user_id FROM budget_notices")] == ["bud/bob"]
+    [detail] = query(ledger, "SELECT detail FROM audit WHERE action = 'profile.update'")
+    assert (detail["detail"]["released"], detail["detail"]["withdrawn_notices"]) == (2, 1)
+
+
+async def _notify(ledger: str, user: str) -> None:
+    async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+        await budgets.notify_once(conn, user_id=user, day=datetime.now(UTC).date(), profile="tight", body="spent")
 
 
 def test_a_runs_token_cap_counts_cache_reads_as_billed():

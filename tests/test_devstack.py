@@ -183,6 +183,9 @@ def test_dev_up_help_names_every_service_it_starts():
     assert "four" not in text
     for name in SERVICES:
         assert name in text, f"`vigil-dev up --help` does not name the {name} service: {text}"
+    counts = {4: "four", 5: "five", 6: "six", 7: "seven"}
+    [make_up] = [line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("up:")]
+    assert f"the {counts[len(SERVICES)]} services" in make_up, f"`make help` counts the services wrong: {make_up}"
 
 
 def test_dev_up_keeps_the_otel_settings_in_its_env_file(tmp_path, monkeypatch):
@@ -193,3 +196,43 @@ def test_dev_up_keeps_the_otel_settings_in_its_env_file(tmp_path, monkeypatch):
     env = _stack_env(tmp_path)
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://127.0.0.1:4318", "a restart from .run/env exports nothing"
     assert env["OTEL_SERVICE_NAME"] == "vigil-dev-test"
+
+
+def test_dev_up_refuses_a_bad_script_before_starting_anything(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from vigil_dev.cli import main
+
+    root = tmp_path / "run"
+    monkeypatch.setenv("VIGIL_DEV_RUN_DIR", str(root))
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    bad = tmp_path / "mine.json"
+    bad.write_text(json.dumps({"rules": [{"when": {"user_txt": "refund"}, "reply": []}]}))
+    result = CliRunner().invoke(main, ["up", "--script", str(bad)])
+    assert result.exit_code == 1, result.output
+    assert str(bad) in result.output and "user_txt" in result.output, result.output
+    assert not root.exists(), "a bad script must be refused before Kafka, PostgreSQL or a service starts"
+    missing = CliRunner().invoke(main, ["up", "--script", str(tmp_path / "none.json")])
+    assert missing.exit_code == 1 and "none.json" in missing.output and "No such file" in missing.output
+
+
+def test_the_scripted_model_answers_from_the_authors_script_and_takes_a_new_one_when_running(tmp_path, monkeypatch):
+    import httpx
+
+    from vigil_dev.cli import _start_scripted_claude
+
+    port = devstack.free_port()
+    monkeypatch.setenv("VIGIL_DEV_CLAUDE_PORT", str(port))
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps({"rules": [{"name": "mine", "reply": [{"type": "text", "text": "one"}]}]}))
+    second.write_text(json.dumps({"rules": [{"name": "later", "reply": []}]}))
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "logs").mkdir()
+    try:
+        env = _start_scripted_claude(tmp_path, dict(os.environ), first, replace=True)
+        assert env["ANTHROPIC_BASE_URL"] == f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{env['ANTHROPIC_BASE_URL']}/_script").json()["rules"][0]["name"] == "mine"
+        _start_scripted_claude(tmp_path, dict(os.environ), second, replace=True)  # already running: PUT /_script
+        assert httpx.get(f"{env['ANTHROPIC_BASE_URL']}/_script").json()["rules"][0]["name"] == "later"
+    finally:
+        devstack.stop(tmp_path / "pids" / "scripted-claude.pid")

@@ -1,4 +1,4 @@
-"""Operator commands against a real ledger: `vigil dead list|retry`, `vigil inbox`."""
+"""Operator commands against a real ledger: `vigil dead list|retry`, `vigil inbox`, `vigil runs show`."""
 
 from __future__ import annotations
 
@@ -96,3 +96,37 @@ def test_an_odd_number_at_the_cli_is_a_usage_line_not_a_traceback(command, odd):
     result = CliRunner().invoke(main, args, env={"VIGIL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
     assert result.exit_code == 2, (args, result.output, result.exception)
     assert "Traceback" not in result.output and "\nError: " in result.output, result.output
+
+
+def test_runs_show_finds_a_finished_run_without_a_journal_by_the_key_it_printed(ledger):
+    """A finished run keeps no journal by default: `vigil runs show ID` prints its key, and
+    `vigil runs show KEY` must find the run through its first event, not say `no run`."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    import psycopg
+    from psycopg.rows import dict_row
+
+    from test_worker_claims import claim_pass, seed_pending  # the claim rules' own seeding
+    from vigil.agent.base import RunResult
+    from vigil.ledger.states import RunOutcome
+    from vigil.worker.finish import Finished, commit_finished
+
+    seed_pending(ledger, 1, per_user=2)
+    [claim], _ = claim_pass(ledger, 1, "")
+
+    async def finish():
+        async with await psycopg.AsyncConnection.connect(ledger, autocommit=True, row_factory=dict_row) as conn:
+            return await commit_finished(
+                conn, [Finished(claim, datetime.now(UTC), result=RunResult(RunOutcome.NOTHING))], "w"
+            )
+
+    asyncio.run(finish())
+    assert query(ledger, "SELECT count(*) AS n FROM run_journal")[0]["n"] == 0
+    run_id = query(ledger, "SELECT id FROM runs")[0]["id"]
+    by_id = vigil(ledger, "runs", "show", str(run_id))
+    assert by_id.returncode == 0, by_id.stderr
+    key = by_id.stdout.split("key ", 1)[1].split()[0]
+    by_key = vigil(ledger, "runs", "show", key, "--json")
+    assert by_key.returncode == 0, f"`vigil runs show {key}` refused the key it printed: {by_key.stderr}"
+    assert json.loads(by_key.stdout)["run"]["id"] == run_id

@@ -18,12 +18,14 @@ import sys
 from pathlib import Path
 
 import click
+import httpx
 from psycopg.conninfo import conninfo_to_dict
 
 from vigil.ledger.sealing import new_key
 from vigil.paths import repo_root
 from vigil_dev import broker, devstack
 from vigil_dev.demo import demo as demo_command
+from vigil_dev.scripted_server import DEMO_SCRIPT_PATH, ScriptError, compile_script, load_script
 from vigil_dev.tls import LocalTLS
 
 SERVICES = {
@@ -118,6 +120,7 @@ DEV_SETTINGS = (
     "VIGIL_DEV_SHARDS",
     "VIGIL_DEV_PG_SHARD_PORTS",
     "VIGIL_DEV_SECURE",
+    "VIGIL_DEV_SCRIPT",
 )
 
 
@@ -156,8 +159,20 @@ def _pg_pidfiles(root: Path) -> dict[str, Path]:
 @click.option(
     "--demo", is_flag=True, help="Run `vigil-dev demo` afterwards, only if this started the stack's services."
 )
-def up(services: bool, demo: bool) -> None:
+@click.option(
+    "--script",
+    type=click.Path(path_type=Path),
+    envvar="VIGIL_DEV_SCRIPT",
+    help="The offline model's script (JSON, see docs/agent.md); default: the demo's. Loaded into a running "
+    "scripted server too.",
+)
+def up(services: bool, demo: bool, script: Path | None) -> None:
     """Start everything (idempotent) and write .run/env."""
+    offline = os.environ.get("ANTHROPIC_API_KEY", OFFLINE_KEY) == OFFLINE_KEY
+    # Checked before anything starts: a bad script found after Kafka and the services are up
+    # would leave a stack whose every run fails on the model's 500.
+    named = script is not None  # by --script or VIGIL_DEV_SCRIPT: a running server must answer from it
+    script = _checked_script(script, offline)
     root = run_dir()
     root.mkdir(parents=True, exist_ok=True)
     env = _stack_env(root)
@@ -224,8 +239,8 @@ def up(services: bool, demo: bool) -> None:
     env.update(_api_token(root, vigil, child_env))
 
     # A shell that sourced .run/env carries the offline placeholder key: still offline.
-    if os.environ.get("ANTHROPIC_API_KEY", OFFLINE_KEY) == OFFLINE_KEY:
-        env.update(_start_scripted_claude(root, child_env))
+    if offline:
+        env.update(_start_scripted_claude(root, child_env, script, replace=named))
         child_env.update(env)
 
     started = []
@@ -259,6 +274,8 @@ def up(services: bool, demo: bool) -> None:
         **{k: os.environ[k] for k in DEV_SETTINGS if os.environ.get(k)},
         **admin_url,
     }
+    if offline:  # which script the model answers from; a restart from a shell that sourced .run/env keeps it
+        kept["VIGIL_DEV_SCRIPT"] = str(script)
     env_file = root / "env"
     # The virtualenv's bin first on PATH, so `vigil ...` works in the shell that sourced it.
     path_line = f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"\n'
@@ -267,7 +284,9 @@ def up(services: bool, demo: bool) -> None:
     )
     env_file.chmod(0o600)
     click.echo(f"settings    {env_file}  (`. {env_file}` points a shell at this stack)")
-    if demo and "worker" in started:
+    if demo and script != DEMO_SCRIPT_PATH:
+        click.echo(f"demo        not run: it needs the demo's script, and {script} is loaded")
+    elif demo and "worker" in started:
         demo_run = subprocess.run([sys.executable, "-m", "vigil_dev", "demo"], env={**child_env, **env})
         if demo_run.returncode != 0:
             raise SystemExit(demo_run.returncode)
@@ -292,15 +311,39 @@ def _api_token(root: Path, vigil: list[str], env: dict) -> dict[str, str]:
     return {"VIGIL_API_TOKEN": token_file.read_text().strip()}
 
 
-def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:
-    """Without ANTHROPIC_API_KEY, the agent talks to the local scripted Messages API server."""
-    script = Path(__file__).with_name("demo_script.json")
-    if not script.exists():
-        return {}
+def _checked_script(given: Path | None, offline: bool) -> Path:
+    """The script the offline model will answer from, read and compiled as the server will.
+
+    Raises a ClickException naming the file and the problem (unreadable, not JSON, a bad
+    rule), or when a script is given but ANTHROPIC_API_KEY names the real API."""
+    if given is None:
+        return DEMO_SCRIPT_PATH
+    if not offline:
+        raise click.ClickException(
+            f"--script {given}: the scripted model is started only without ANTHROPIC_API_KEY (it is set)"
+        )
+    path = given.resolve()
+    try:
+        compile_script(load_script(path))
+    except OSError as exc:
+        raise click.ClickException(f"script {path}: {exc.strerror or exc}") from None
+    except (ValueError, ScriptError) as exc:  # json.JSONDecodeError is a ValueError
+        raise click.ClickException(f"script {path}: {exc}") from None
+    return path
+
+
+def _start_scripted_claude(root: Path, env: dict, script: Path, replace: bool) -> dict[str, str]:
+    """Without ANTHROPIC_API_KEY, the agent talks to the local scripted Messages API server.
+
+    A server already running (by its pid file) is left alone unless ``replace``: then, when its
+    script differs, it is given ``script`` through ``PUT /_script``, so `up --script` on a
+    running stack changes what the model answers without a restart (and an `up` from a shell
+    that sourced .run/env, which names the same script, resets no rule's ``times``)."""
     port = int(os.environ.get("VIGIL_DEV_CLAUDE_PORT", SCRIPTED_CLAUDE_PORT))
     pidfile = root / "pids" / "scripted-claude.pid"
     logfile = root / "logs" / "scripted-claude.log"
-    if devstack.read_pid(pidfile) is None:
+    started = devstack.read_pid(pidfile) is None
+    if started:
         devstack.spawn(
             [
                 sys.executable,
@@ -318,8 +361,22 @@ def _start_scripted_claude(root: Path, env: dict) -> dict[str, str]:
             env=env,
         )
     devstack.wait_until(lambda: devstack.port_open(port), 30, "scripted Claude server", logfile)
-    click.echo(f"claude      http://127.0.0.1:{port}  (offline: scripted Messages API, {script.name})")
+    if replace and not started:
+        _load_script(port, script)
+    click.echo(f"claude      http://127.0.0.1:{port}  (offline: scripted Messages API, script {script})")
     return {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}", "ANTHROPIC_API_KEY": OFFLINE_KEY}
+
+
+def _load_script(port: int, script: Path) -> None:
+    """Replace the running scripted server's script if it differs (204, or 400 with the reason)."""
+    url = f"http://127.0.0.1:{port}/_script"
+    try:
+        running = httpx.get(url, timeout=10).raise_for_status().json()
+        if running == json.loads(script.read_bytes()):
+            return
+        httpx.put(url, content=script.read_bytes(), timeout=10).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"loading {script} into the running scripted server: {exc}") from None
 
 
 @main.command()

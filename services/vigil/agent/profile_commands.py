@@ -133,7 +133,9 @@ def _save(name: str, options: dict[str, Any], *, new: bool) -> None:
             detail: dict[str, Any] = {"name": name, "version": row.version}
             if not new and "daily_tokens" in changes:
                 # Its users' events waiting for the old budget are due now, not at 00:00 UTC.
-                detail["released"] = ledger_budgets.release(conn, profile=name)
+                # Its users' notices still queued are withdrawn: the wait they announce is over.
+                released = ledger_budgets.release(conn, profile=name)
+                detail["released"], detail["withdrawn_notices"] = released.events, released.notices
             action = "profile.create" if new else "profile.update"
             audit.record(conn, actor=login_name(), action=action, detail=detail)
     except ProfileRefused as exc:

@@ -1,4 +1,4 @@
-"""The tools the model is offered: three built in, and a registry of action tools.
+"""The tools the model is offered: the built-in ones (``BUILTIN``), and a registry of action tools.
 
 Built in (they only shape the run's result, so they are always ``allow`` or ``deny``):
 

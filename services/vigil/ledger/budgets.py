@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Protocol
 
@@ -64,8 +65,17 @@ async def notify_once(
     return await cur.fetchone() is not None
 
 
-def release(conn: psycopg.Connection[DictRow], *, profile: str, now: datetime | None = None) -> int:
+@dataclass(frozen=True)
+class Released:
+    events: int  # waiting events made due now
+    notices: int  # queued budget notices withdrawn (not yet sent)
+
+
+def release(conn: psycopg.Connection[DictRow], *, profile: str, now: datetime | None = None) -> Released:
     """The events waiting for the daily budget of ``profile``'s users due now (its budget was
-    changed); returns how many. ``now``: the caller's clock (None: the database's)."""
+    changed), and those users' budget notices that no send has begun withdrawn: a notice saying
+    "wait until tomorrow" must not go out after the wait was lifted. ``now``: the caller's
+    clock (None: the database's)."""
     cur = conn.execute(Q.budgets_release, {"profile": profile, "prefix": WAITING_PREFIX, "now": now})
-    return cur.rowcount
+    row = cur.fetchone()
+    return Released(int(row["released"]), int(row["withdrawn"])) if row else Released(0, 0)

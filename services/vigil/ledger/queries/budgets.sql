@@ -23,7 +23,7 @@ SELECT user_id, 0, 0, %(body)s, false FROM first
 RETURNING id
 
 -- name: budgets_release
--- The events waiting for their user's daily budget (pending, the error starting with %(prefix)s, not yet due) of the users whose profile is %(profile)s (their most specific assignment: the exact id, else the longest prefix) are due now: the profile's budget was changed. A user still past it is refused again, with no attempt counted and no second notice.
+-- The events waiting for their user's daily budget (pending, the error starting with %(prefix)s, not yet due) of the users whose profile is %(profile)s (their most specific assignment: the exact id, else the longest prefix) are due now: the profile's budget was changed. The notices of those users still queued (run 0 marks a notice's outbox row; pending with no delivery id fixed: no send began) are withdrawn, with their latest budget_notices row, so a user still past the new budget is refused again with no attempt counted and told once, by the refusal's notice.
 WITH waiting AS (
     SELECT DISTINCT user_id FROM events
     WHERE status = 'pending' AND starts_with(error, %(prefix)s) AND next_attempt_at > coalesce(%(now)s::timestamptz, now())
@@ -33,8 +33,25 @@ owned AS (
     WHERE (SELECT a.profile FROM profile_assignments a
            WHERE a.pattern = w.user_id OR (right(a.pattern, 1) = '*' AND starts_with(w.user_id, left(a.pattern, -1)))
            ORDER BY a.pattern = w.user_id DESC, length(a.pattern) DESC LIMIT 1) = %(profile)s
+),
+released AS (
+    UPDATE events e SET next_attempt_at = coalesce(%(now)s::timestamptz, now())
+    FROM owned
+    WHERE e.user_id = owned.user_id AND e.status = 'pending' AND starts_with(e.error, %(prefix)s)
+      AND e.next_attempt_at > coalesce(%(now)s::timestamptz, now())
+    RETURNING e.user_id
+),
+-- A row the dispatcher is claiming is locked: this waits, then sees it 'sending' and keeps it.
+withdrawn AS (
+    DELETE FROM outbox o
+    WHERE o.user_id IN (SELECT user_id FROM released) AND o.run_id = 0
+      AND o.status = 'pending' AND o.delivery_id IS NULL
+    RETURNING o.user_id
+),
+forgotten AS (
+    DELETE FROM budget_notices n
+    USING (SELECT user_id, max(day) AS day FROM budget_notices
+           WHERE user_id IN (SELECT user_id FROM withdrawn) GROUP BY user_id) latest
+    WHERE n.user_id = latest.user_id AND n.day = latest.day
 )
-UPDATE events e SET next_attempt_at = coalesce(%(now)s::timestamptz, now())
-FROM owned
-WHERE e.user_id = owned.user_id AND e.status = 'pending' AND starts_with(e.error, %(prefix)s)
-  AND e.next_attempt_at > coalesce(%(now)s::timestamptz, now())
+SELECT (SELECT count(*) FROM released) AS released, (SELECT count(*) FROM withdrawn) AS withdrawn
