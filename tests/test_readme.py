@@ -92,3 +92,12 @@ def test_every_relative_link_resolves():
             elif anchor and path.suffix == ".md" and anchor not in anchors(path):
                 broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert broken == []
+
+
+def test_every_dev_stack_setting_is_in_the_settings_page():
+    from vigil_dev.cli import DEV_SETTINGS
+
+    text = (DOCS / "settings.md").read_text()
+    section = text.split("## The dev stack's settings", 1)[-1]
+    missing = [name for name in (*DEV_SETTINGS, "VIGIL_DEV_ADMIN_DATABASE_URL") if f"`{name}`" not in section]
+    assert not missing, f"docs/settings.md, 'The dev stack's settings', lacks {missing}"
