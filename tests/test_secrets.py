@@ -205,6 +205,28 @@ def test_production_without_a_key_is_a_startup_error_naming_the_setting(vigil_en
     assert bad.returncode == 2 and "VIGIL_ENV" in bad.stderr, bad.stderr
 
 
+def test_production_without_a_key_refuses_the_commands_that_store_a_secret_and_stores_nothing(vigil_env, ledger):
+    """Issue 58: the services refused to start, but `hooks add`, `hooks rotate` and `channels
+    set` still stored new secrets in clear with VIGIL_ENV=production; they go through the same
+    rule (vigil.ledger.sealing.Keys.seal)."""
+    hook = add_github_hook(keyed(vigil_env, None))  # made in development, to rotate below
+    production = {**keyed(vigil_env, None), "VIGIL_ENV": "production"}
+    for args in (
+        ("hooks", "add", "--provider", "github", "--user", "u-prod"),
+        ("hooks", "rotate", hook["id"]),
+        ("channels", "set", "u-prod", "--type", "webhook", "--url", "http://127.0.0.1:9/h"),
+    ):
+        refused = vigil(*args, env=production)
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        assert "VIGIL_SECRET_KEY is not set" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert [r["id"] for r in query(ledger, "SELECT id FROM hooks")] == [hook["id"]]
+    assert query(ledger, "SELECT count(*) AS n FROM hook_secrets")[0]["n"] == 1
+    assert query(ledger, "SELECT count(*) AS n FROM channels")[0]["n"] == 0
+    assert query(ledger, "SELECT count(*) AS n FROM audit")[0]["n"] == 1  # the development hook.add only
+    kafka = vigil("channels", "set", "u-prod", "--type", "kafka", env=production)  # no secret to store
+    assert kafka.returncode == 0, kafka.stderr
+
+
 def test_a_bad_key_is_refused_naming_the_setting(vigil_env):
     result = vigil("secrets", "rotate", env=keyed(vigil_env, "not-a-fernet-key"))
     assert result.returncode == 2 and "VIGIL_SECRET_KEY" in result.stderr, result.stderr
