@@ -18,7 +18,16 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from ingest_support import APPROVAL_SECRET, USER, create_token, make_request, read_events, start_ingest, stored
+from ingest_support import (
+    APPROVAL_SECRET,
+    USER,
+    create_token,
+    make_request,
+    probed_ingest,
+    read_events,
+    start_ingest,
+    stored,
+)
 from vigil.ledger import approvals
 
 
@@ -34,9 +43,8 @@ def now() -> datetime:
 
 @pytest.fixture
 def ingest(stack, ledger, topics):
-    server = start_ingest(stack, ledger, topics)
-    yield server
-    server.stop()
+    with probed_ingest(stack, ledger, topics) as server:
+        yield server
 
 
 def answer(ingest, request_id: str, given: str, token: str) -> httpx.Response:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from ingest_support import cli, ledger_count, read_events, start_ingest
+from ingest_support import cli, ledger_count, probed_ingest, read_events
 from support import query
 from vigil.ingest.app import create_app
 
@@ -24,9 +24,8 @@ PATH_USER = quote(USER, safe="")  # team-a%2Fbob
 
 @pytest.fixture
 def ingest(stack, ledger, topics):
-    server = start_ingest(stack, ledger, topics)
-    yield server
-    server.stop()
+    with probed_ingest(stack, ledger, topics) as server:
+        yield server
 
 
 @pytest.fixture
