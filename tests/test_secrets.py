@@ -181,19 +181,22 @@ def test_a_sealed_secret_copied_into_another_row_does_not_open_there(vigil_env, 
         Keys(key).open(rows["u-a"]["secret"], key_id(key), Place("channels", "u-a", "url"))
 
 
-def test_a_row_sealed_before_the_binding_opens_and_rotate_binds_it(vigil_env, ledger):
+@pytest.mark.parametrize(
+    ("command", "count"), [(("secrets", "rotate", "--json"), "resealed"), (("migrate", "--json"), "secrets_sealed")]
+)
+def test_a_row_sealed_before_the_binding_opens_and_rotate_or_migrate_binds_it(vigil_env, ledger, command, count):
     key = Fernet.generate_key().decode()
     env = keyed(vigil_env, key)
     hook = add_github_hook(env)
     legacy = Fernet(key.encode()).encrypt(hook["secret"].encode()).decode()  # as sealed before issue 58
     query(ledger, "UPDATE hook_secrets SET secret = %s", (legacy,))
     assert Keys(key).open(legacy, key_id(key), Place("hook_secrets", hook["id"])) == hook["secret"]
-    rotated = vigil("secrets", "rotate", "--json", env=env)
-    assert rotated.returncode == 0 and json.loads(rotated.stdout)["resealed"] == 1, rotated.stderr
+    rotated = vigil(*command, env=env)
+    assert rotated.returncode == 0 and json.loads(rotated.stdout)[count] == 1, rotated.stderr
     row = query(ledger, "SELECT secret, sealed_with FROM hook_secrets")[0]
     assert row["secret"].startswith(BOUND) and row["sealed_with"] == key_id(key)
     assert Keys(key).open(row["secret"], key_id(key), Place("hook_secrets", hook["id"])) == hook["secret"]
-    assert json.loads(vigil("secrets", "rotate", "--json", env=env).stdout)["resealed"] == 0
+    assert json.loads(vigil(*command, env=env).stdout)[count] == 0
 
 
 def test_production_without_a_key_is_a_startup_error_naming_the_setting(vigil_env):
