@@ -181,6 +181,28 @@ def test_a_sealed_secret_copied_into_another_row_does_not_open_there(vigil_env, 
         Keys(key).open(rows["u-a"]["secret"], key_id(key), Place("channels", "u-a", "url"))
 
 
+def test_a_hook_secret_copied_from_another_hook_is_refused_by_ingest_not_a_500(spawn, vigil_env, ledger):
+    """Issue 58 at the service: whoever can write the ledger copies hook A's sealed secret
+    into hook B's row; a delivery to B signed with A's secret must not verify, nor be a 500."""
+    env = keyed(vigil_env, Fernet.generate_key().decode())
+    a, b = add_github_hook(env), add_github_hook(env)
+    query(
+        ledger,
+        "UPDATE hook_secrets SET secret = (SELECT secret FROM hook_secrets WHERE hook_id = %s) WHERE hook_id = %s",
+        (a["id"], b["id"]),
+    )
+    process = spawn(["ingest"], env, name="ingest-swapped")
+    process.wait_healthy(int(env["VIGIL_INGEST_PORT"]))
+    try:
+        answers = [post_signed(env, b, secret) for secret in (a["secret"], b["secret"])]
+    finally:
+        process.stop()
+    for response in answers:
+        assert (response.status_code, response.json()["error"]) == (401, "invalid_signature"), response.text
+    assert "Traceback" not in process.log(), process.log()
+    assert query(ledger, "SELECT count(*) AS n FROM events")[0]["n"] == 0
+
+
 @pytest.mark.parametrize(
     ("command", "count"), [(("secrets", "rotate", "--json"), "resealed"), (("migrate", "--json"), "secrets_sealed")]
 )
