@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -40,6 +43,45 @@ def ingest_settings(bootstrap: str, dsn: str, topic: str, **overrides: Any) -> I
 def start_ingest(stack, ledger: str, topics, **overrides: Any) -> EmbeddedIngest:
     app_options = {k: overrides.pop(k) for k in list(overrides) if k in ("before_answer",)}
     return EmbeddedIngest(ingest_settings(stack.bootstrap, ledger, topics.events, **overrides), **app_options).start()
+
+
+class TracebackWatch(logging.Handler):
+    """Every record at ERROR or carrying a traceback, from the root logger and from uvicorn's
+    (which does not propagate to the root, so pytest's caplog never sees its "Exception in
+    ASGI application")."""
+
+    LOGGERS = ("", "uvicorn")
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR or record.exc_info:
+            self.records.append(record)
+
+    def __enter__(self) -> TracebackWatch:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+
+
+@contextmanager
+def probed_ingest(stack, ledger: str, topics, **overrides: Any) -> Iterator[EmbeddedIngest]:
+    """An ingest for probes of bad input (issue 58: a precise 4xx, and no traceback logged):
+    when the test has passed, fails it if ingest logged an error or a traceback meanwhile."""
+    with TracebackWatch() as watch:
+        server = start_ingest(stack, ledger, topics, **overrides)
+        try:
+            yield server
+        finally:
+            server.stop()
+    logged = [f"{r.name}: {r.getMessage()}" for r in watch.records]
+    assert logged == [], "ingest logged an error or a traceback: " + "; ".join(logged)
 
 
 def cli(dsn: str, *args: str, input: str | None = None) -> str:

@@ -18,7 +18,16 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from ingest_support import APPROVAL_SECRET, USER, create_token, make_request, read_events, start_ingest, stored
+from ingest_support import (
+    APPROVAL_SECRET,
+    USER,
+    create_token,
+    make_request,
+    probed_ingest,
+    read_events,
+    start_ingest,
+    stored,
+)
 from vigil.ledger import approvals
 
 
@@ -34,9 +43,8 @@ def now() -> datetime:
 
 @pytest.fixture
 def ingest(stack, ledger, topics):
-    server = start_ingest(stack, ledger, topics)
-    yield server
-    server.stop()
+    with probed_ingest(stack, ledger, topics) as server:
+        yield server
 
 
 def answer(ingest, request_id: str, given: str, token: str) -> httpx.Response:
@@ -254,35 +262,62 @@ def test_a_clear_chat_reply_to_the_question_answers_it(chat, ledger, stack, topi
     assert json.loads(event.payload)["answer"] == given
 
 
-def test_a_chat_reply_after_the_deadline_is_told_expired(chat, ledger):
+def test_a_chat_reply_after_the_deadline_is_told_expired(chat, ledger, stack, topics):
     make_request(ledger, "r-chat-late", now() - timedelta(seconds=1))
     delivery = delivered_question(ledger, "r-chat-late")
     response = chat.post(f"/v1/users/{USER}/messages", json={"text": "yes", "in_reply_to": delivery})
     assert not_counted(response)["answer"] == "expired" and response.json()["error"] == "expired"
     assert stored(ledger, "r-chat-late")["answered_via"] == "chat"
+    events = read_events(stack.bootstrap, topics.events, 1, topics.partitions, settle=1.0)
+    assert {e.source for e in events} == {"approval"}, "the late yes was also run as a chat turn"
 
 
 @pytest.mark.parametrize("naming", ["in_reply_to", "session_id"])
-def test_a_second_chat_answer_is_told_the_answer_that_stands_and_is_not_run(chat, ledger, stack, topics, naming):
+@pytest.mark.parametrize(("first", "text", "given"), [("yes", "No.", "no"), ("no", "Yes!", "yes")])
+def test_a_second_chat_answer_is_told_the_answer_that_stands_and_is_not_run(
+    chat, ledger, stack, topics, naming, first, text, given
+):
     # Issue 58: a "no" after the question was answered yes was a 202 ordinary message, run
-    # as a new turn in the question's session; the API and the links answer 409.
+    # as a new turn in the question's session; the API and the links answer 409. Either order.
     token = make_request(ledger, "r-twice", now() + timedelta(hours=1))
     delivery, session = delivered_question(ledger, "r-twice"), with_session(ledger, "r-twice")
-    assert answer_status(chat, "r-twice", "yes", token) == 200
+    assert answer_status(chat, "r-twice", first, token) == 200
     named = {"in_reply_to": delivery} if naming == "in_reply_to" else {"session_id": session}
-    response = chat.post(f"/v1/users/{USER}/messages", json={"text": "No.", **named})
+    response = chat.post(f"/v1/users/{USER}/messages", json={"text": text, **named})
     assert not_counted(response) == {
         "request_id": "r-twice",
-        "answer": "yes",
-        "given": "no",
+        "answer": first,
+        "given": given,
         "accepted": 1,
         "source_id": response.json()["source_id"],
         "session_id": session,
     }
     assert response.json()["error"] == "already_answered"
-    assert stored(ledger, "r-twice")["answer"] == "yes"
+    assert stored(ledger, "r-twice")["answer"] == first
     events = read_events(stack.bootstrap, topics.events, 2, topics.partitions, settle=1.0)
-    assert {e.source for e in events} == {"approval"}, "the late no was also run as a chat turn"
+    assert {e.source for e in events} == {"approval"}, f"the late {given} was also run as a chat turn"
+
+
+@pytest.mark.parametrize("naming", ["in_reply_to", "session_id"])
+def test_the_same_chat_answer_twice_is_a_retry_and_is_not_run(chat, ledger, stack, topics, naming):
+    """The answer that stands, given again (a person who sends "yes" twice): the API's retry,
+    202 with that answer, the first answer's record unchanged, and no chat turn."""
+    make_request(ledger, "r-again", now() + timedelta(hours=1))
+    delivery, session = delivered_question(ledger, "r-again"), with_session(ledger, "r-again")
+    named = {"in_reply_to": delivery} if naming == "in_reply_to" else {"session_id": session}
+    answers = [chat.post(f"/v1/users/{USER}/messages", json={"text": text, **named}) for text in ("yes", "Yes!")]
+    for response in answers:
+        assert response.status_code == 202, response.text
+        assert (response.json()["request_id"], response.json()["answer"], response.json()["given"]) == (
+            "r-again",
+            "yes",
+            "yes",
+        )
+    assert answers[0].json()["source_id"] != answers[1].json()["source_id"]
+    row = stored(ledger, "r-again")
+    assert (row["answer"], row["answered_via"]) == ("yes", "chat")
+    events = read_events(stack.bootstrap, topics.events, 2, topics.partitions, settle=1.0)
+    assert {e.source for e in events} == {"approval"}, "the repeated yes was also run as a chat turn"
 
 
 def test_a_chat_yes_after_the_expiry_was_stored_is_told_expired_and_is_not_run(chat, ledger, stack, topics):

@@ -19,7 +19,7 @@ import uuid
 import httpx
 import pytest
 
-from ingest_support import cli, read_events, start_ingest
+from ingest_support import cli, probed_ingest, read_events
 from support import wait_for
 
 STRIPE_ISSUED = "whsec_" + "s" * 32  # Stripe issues the secret; the operator pastes it in
@@ -27,9 +27,8 @@ STRIPE_ISSUED = "whsec_" + "s" * 32  # Stripe issues the secret; the operator pa
 
 @pytest.fixture
 def ingest(stack, ledger, topics):
-    server = start_ingest(stack, ledger, topics, ingest_auth_cache_s=1.0)
-    yield server
-    server.stop()
+    with probed_ingest(stack, ledger, topics, ingest_auth_cache_s=1.0) as server:
+        yield server
 
 
 def hex_hmac(key: bytes, message: bytes) -> str:

@@ -12,9 +12,10 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from click.testing import CliRunner
 from starlette.routing import Route
 
-from ingest_support import cli, ledger_count, read_events, start_ingest
+from ingest_support import cli, ledger_count, probed_ingest, read_events
 from support import query
 from vigil.ingest.app import create_app
 
@@ -24,9 +25,8 @@ PATH_USER = quote(USER, safe="")  # team-a%2Fbob
 
 @pytest.fixture
 def ingest(stack, ledger, topics):
-    server = start_ingest(stack, ledger, topics)
-    yield server
-    server.stop()
+    with probed_ingest(stack, ledger, topics) as server:
+        yield server
 
 
 @pytest.fixture
@@ -127,20 +127,42 @@ def admin(ingest, ledger):
 @pytest.mark.parametrize("odd", EDGE_IDS)
 def test_an_id_with_an_edge_space_is_refused_on_every_route(admin, ledger, stack, topics, odd):
     user = quote(odd, safe="")
+    event = {"user_id": "u1", "source": "s", "source_id": "1", "kind": "k"}
+    in_path = "user_id" if odd.isprintable() else "path"  # a control character fails the whole path first
     answers = [
-        admin.post("/v1/events", json={"user_id": odd, "source": "s", "source_id": "1", "kind": "k"}),
-        admin.post("/v1/events", json={"user_id": "u1", "source": odd, "source_id": "1", "kind": "k"}),
-        admin.post("/v1/events", json={"user_id": "u1", "source": "s", "source_id": odd, "kind": "k"}),
-        admin.post(f"/v1/users/{user}/messages", json={"text": "hi"}),
-        admin.post(f"/v1/users/{user}/timers", json={"id": "t1", "every": 60}),
-        admin.get(f"/v1/users/{user}/timers"),
-        admin.get(f"/v1/users/{user}/tasks"),
+        *((admin.post("/v1/events", json={**event, name: odd}), "invalid_event", name) for name in event),
+        (admin.post("/v1/events", json={**event, "session_id": odd}), "invalid_event", "session_id"),
+        (admin.post(f"/v1/users/{user}/messages", json={"text": "hi"}), "invalid_request", in_path),
+        (admin.post(f"/v1/users/{user}/timers", json={"id": "t1", "every": 60}), "invalid_request", in_path),
+        (admin.get(f"/v1/users/{user}/timers"), "invalid_request", in_path),
+        (admin.get(f"/v1/users/{user}/timers/t1"), "invalid_request", in_path),
+        (admin.delete(f"/v1/users/{user}/timers/t1"), "invalid_request", in_path),
+        (admin.get(f"/v1/users/{user}/tasks"), "invalid_request", in_path),
     ]
-    for response in answers:
+    for response, error, field in answers:
         assert response.status_code == 400, (response.request.url, response.text)
-        assert response.json()["error"] in ("invalid_request", "invalid_event", "invalid_timer"), response.text
+        assert (response.json()["error"], response.json()["field"]) == (error, field), response.text
     assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
     assert ledger_count(ledger, "SELECT count(*) FROM timers") == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("channels", "set", " b1", "--type", "log"),
+        ("hooks", "add", "--provider", "github", "--user", "b1 "),
+        ("policies", "set", "  b1", "chat=fold"),
+    ],
+)
+def test_an_id_with_an_edge_space_is_refused_by_the_commands_that_store_one(ledger, args):
+    """Issue 58: only `timers add` had the id rule; `channels set " b1"` stored a lookalike
+    of b1 that no route can reach."""
+    from vigil.cli import main
+
+    result = CliRunner().invoke(main, list(args), env={"VIGIL_DATABASE_URL": ledger})
+    assert result.exit_code == 2 and "a user id must not begin or end with a space" in result.output, result.output
+    for table in ("channels", "hooks", "agent_policies"):
+        assert ledger_count(ledger, f"SELECT count(*) FROM {table}") == 0, table
 
 
 def test_the_tasks_list_takes_a_user_id_of_256_characters_as_every_route_does(admin):

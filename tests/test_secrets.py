@@ -181,19 +181,44 @@ def test_a_sealed_secret_copied_into_another_row_does_not_open_there(vigil_env, 
         Keys(key).open(rows["u-a"]["secret"], key_id(key), Place("channels", "u-a", "url"))
 
 
-def test_a_row_sealed_before_the_binding_opens_and_rotate_binds_it(vigil_env, ledger):
+def test_a_hook_secret_copied_from_another_hook_is_refused_by_ingest_not_a_500(spawn, vigil_env, ledger):
+    """Issue 58 at the service: whoever can write the ledger copies hook A's sealed secret
+    into hook B's row; a delivery to B signed with A's secret must not verify, nor be a 500."""
+    env = keyed(vigil_env, Fernet.generate_key().decode())
+    a, b = add_github_hook(env), add_github_hook(env)
+    query(
+        ledger,
+        "UPDATE hook_secrets SET secret = (SELECT secret FROM hook_secrets WHERE hook_id = %s) WHERE hook_id = %s",
+        (a["id"], b["id"]),
+    )
+    process = spawn(["ingest"], env, name="ingest-swapped")
+    process.wait_healthy(int(env["VIGIL_INGEST_PORT"]))
+    try:
+        answers = [post_signed(env, b, secret) for secret in (a["secret"], b["secret"])]
+    finally:
+        process.stop()
+    for response in answers:
+        assert (response.status_code, response.json()["error"]) == (401, "invalid_signature"), response.text
+    assert "Traceback" not in process.log(), process.log()
+    assert query(ledger, "SELECT count(*) AS n FROM events")[0]["n"] == 0
+
+
+@pytest.mark.parametrize(
+    ("command", "count"), [(("secrets", "rotate", "--json"), "resealed"), (("migrate", "--json"), "secrets_sealed")]
+)
+def test_a_row_sealed_before_the_binding_opens_and_rotate_or_migrate_binds_it(vigil_env, ledger, command, count):
     key = Fernet.generate_key().decode()
     env = keyed(vigil_env, key)
     hook = add_github_hook(env)
     legacy = Fernet(key.encode()).encrypt(hook["secret"].encode()).decode()  # as sealed before issue 58
     query(ledger, "UPDATE hook_secrets SET secret = %s", (legacy,))
     assert Keys(key).open(legacy, key_id(key), Place("hook_secrets", hook["id"])) == hook["secret"]
-    rotated = vigil("secrets", "rotate", "--json", env=env)
-    assert rotated.returncode == 0 and json.loads(rotated.stdout)["resealed"] == 1, rotated.stderr
+    rotated = vigil(*command, env=env)
+    assert rotated.returncode == 0 and json.loads(rotated.stdout)[count] == 1, rotated.stderr
     row = query(ledger, "SELECT secret, sealed_with FROM hook_secrets")[0]
     assert row["secret"].startswith(BOUND) and row["sealed_with"] == key_id(key)
     assert Keys(key).open(row["secret"], key_id(key), Place("hook_secrets", hook["id"])) == hook["secret"]
-    assert json.loads(vigil("secrets", "rotate", "--json", env=env).stdout)["resealed"] == 0
+    assert json.loads(vigil(*command, env=env).stdout)[count] == 0
 
 
 def test_production_without_a_key_is_a_startup_error_naming_the_setting(vigil_env):
@@ -203,6 +228,28 @@ def test_production_without_a_key_is_a_startup_error_naming_the_setting(vigil_en
         assert "Traceback" not in refused.stderr
     bad = vigil("ingest", env={**keyed(vigil_env, None), "VIGIL_ENV": "prod"})
     assert bad.returncode == 2 and "VIGIL_ENV" in bad.stderr, bad.stderr
+
+
+def test_production_without_a_key_refuses_the_commands_that_store_a_secret_and_stores_nothing(vigil_env, ledger):
+    """Issue 58: the services refused to start, but `hooks add`, `hooks rotate` and `channels
+    set` still stored new secrets in clear with VIGIL_ENV=production; they go through the same
+    rule (vigil.ledger.sealing.Keys.seal)."""
+    hook = add_github_hook(keyed(vigil_env, None))  # made in development, to rotate below
+    production = {**keyed(vigil_env, None), "VIGIL_ENV": "production"}
+    for args in (
+        ("hooks", "add", "--provider", "github", "--user", "u-prod"),
+        ("hooks", "rotate", hook["id"]),
+        ("channels", "set", "u-prod", "--type", "webhook", "--url", "http://127.0.0.1:9/h"),
+    ):
+        refused = vigil(*args, env=production)
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        assert "VIGIL_SECRET_KEY is not set" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert [r["id"] for r in query(ledger, "SELECT id FROM hooks")] == [hook["id"]]
+    assert query(ledger, "SELECT count(*) AS n FROM hook_secrets")[0]["n"] == 1
+    assert query(ledger, "SELECT count(*) AS n FROM channels")[0]["n"] == 0
+    assert query(ledger, "SELECT count(*) AS n FROM audit")[0]["n"] == 1  # the development hook.add only
+    kafka = vigil("channels", "set", "u-prod", "--type", "kafka", env=production)  # no secret to store
+    assert kafka.returncode == 0, kafka.stderr
 
 
 def test_a_bad_key_is_refused_naming_the_setting(vigil_env):

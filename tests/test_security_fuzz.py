@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ingest_support import cli, create_token, ledger_count, read_events, start_ingest
+from ingest_support import cli, create_token, ledger_count, probed_ingest, read_events
 
 OPENAPI = json.loads((Path(__file__).parent.parent / "services/vigil/ingest/openapi.json").read_text())
 OPERATIONS = sorted(
@@ -148,29 +148,28 @@ content_types = st.sampled_from(
 
 @pytest.fixture
 def target(stack, ledger, topics):
-    server = start_ingest(stack, ledger, topics, max_timers_per_user=20)
-    token = create_token(ledger)["token"]
-    scoped = json.loads(cli(ledger, "tokens", "create", "s", "--scope", "events", "--users", "u*", "--json"))
-    github = json.loads(cli(ledger, "hooks", "add", "--provider", "github", "--user", "u1", "--json"))
-    stripe = json.loads(
-        cli(
-            ledger,
-            "hooks",
-            "add",
-            "--provider",
-            "stripe",
-            "--user",
-            "u1",
-            "--secret-stdin",
-            "--json",
-            input=STRIPE_SECRET + "\n",
+    with probed_ingest(stack, ledger, topics, max_timers_per_user=20) as server:
+        token = create_token(ledger)["token"]
+        scoped = json.loads(cli(ledger, "tokens", "create", "s", "--scope", "events", "--users", "u*", "--json"))
+        github = json.loads(cli(ledger, "hooks", "add", "--provider", "github", "--user", "u1", "--json"))
+        stripe = json.loads(
+            cli(
+                ledger,
+                "hooks",
+                "add",
+                "--provider",
+                "stripe",
+                "--user",
+                "u1",
+                "--secret-stdin",
+                "--json",
+                input=STRIPE_SECRET + "\n",
+            )
         )
-    )
-    hooks = {"github": (github["id"], github["secret"]), "stripe": (stripe["id"], STRIPE_SECRET)}
-    seen = {"events": 0, "timers": 0}
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        yield client, token, scoped["token"], hooks, seen
-    server.stop()
+        hooks = {"github": (github["id"], github["secret"]), "stripe": (stripe["id"], STRIPE_SECRET)}
+        seen = {"events": 0, "timers": 0}
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            yield client, token, scoped["token"], hooks, seen
     produced = read_events(stack.bootstrap, topics.events, seen["events"], topics.partitions, settle=1.0)
     assert len(produced) == seen["events"], "a refused request produced, or an acknowledged one did not"
     assert ledger_count(ledger, "SELECT count(*) FROM timers") == seen["timers"], "a refused request stored a timer"

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from vigil.envelope import id_problem
 from vigil.errors import VigilError
 from vigil.numbers import NotParsed, decimal_number, whole_number
 
@@ -59,6 +60,20 @@ class DecimalNumber(WholeNumber):
 
     name = "number"
     parse = staticmethod(decimal_number)
+
+
+class UserId(click.ParamType):
+    """A user id under the one id rule of every route (:func:`vigil.envelope.id_problem`): a
+    command storing ``" b1"`` would make a lookalike of ``b1`` that no route can reach; a
+    usage error instead, exit 2 (issue 58)."""
+
+    name = "user"
+
+    def convert(self, value, param, ctx):
+        problem = id_problem(str(value))
+        if problem is not None:
+            self.fail(f"a user id {problem}", param, ctx)
+        return str(value)
 
 
 def emit(obj: dict, as_json: bool, text: str) -> None:

@@ -125,12 +125,8 @@ def require_secret_keys(settings: CommonSettings) -> None:
     clear are allowed, with a warning that names the way out; with ``VIGIL_ENV=production``
     no key at all is a start-up error (new secrets would be stored in clear; issue 58)."""
     log = logging.getLogger("vigil")
-    if settings.env == "production" and not sealing.keys().current:
-        raise StartupError(
-            f"{sealing.KEY_SETTING} is not set and VIGIL_ENV=production: hook and channel secrets would be "
-            "stored in clear (`vigil secrets new-key` makes one)"
-        )
     try:
+        sealing.keys().require_key()
         with connect(settings.dsn) as conn:
             clear = sealing.check(conn, sealing.keys())
     except psycopg.OperationalError as exc:

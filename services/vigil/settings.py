@@ -75,8 +75,8 @@ class CommonSettings(BaseSettings):
 
     env: Literal["development", "production"] = Field(
         "development",
-        description="The deployment's profile. production: what development only warns about refuses to "
-        "start (no VIGIL_SECRET_KEY: secrets would be stored in clear). The Kubernetes base sets it.",
+        description="The deployment's profile. production: what development only warns about is refused "
+        "(no VIGIL_SECRET_KEY: services do not start, commands store no secret in clear). The Kubernetes base sets it.",
     )
     kafka_bootstrap: str = Field(
         DEFAULT_KAFKA_BOOTSTRAP,

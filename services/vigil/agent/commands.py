@@ -21,7 +21,7 @@ from vigil.admin.connection import cli_connection
 from vigil.admin.shards import Shards, echo_rows, report_down, with_shard
 from vigil.agent.profiles import ProfileSpec, parse_spec, tool_set
 from vigil.agent.settings import AgentSettings, parse_event_policies
-from vigil.cliutil import WholeNumber
+from vigil.cliutil import UserId, WholeNumber
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as rule
 from vigil.ledger import profiles as ledger_profiles
@@ -114,7 +114,7 @@ def policies_show(user_id) -> None:
 
 
 @policies.command("set")
-@click.argument("user_id")
+@click.argument("user_id", type=UserId())
 @click.argument("event_policies")
 def policies_set(user_id, event_policies) -> None:
     """Replace the user's event policies, e.g. 'chat=fold,pager=interrupt' ('' clears them).

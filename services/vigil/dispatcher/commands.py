@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import click
 
 from vigil.admin.shards import Shards, report_down, with_shard
-from vigil.cliutil import INT_MAX, WholeNumber, emit
+from vigil.cliutil import INT_MAX, UserId, WholeNumber, emit
 from vigil.dispatcher.main import serve
 from vigil.dispatcher.operator import (
     KEEP,
@@ -90,7 +90,7 @@ def channels() -> None:
 
 
 @channels.command("set")
-@click.argument("user")
+@click.argument("user", type=UserId())
 @click.option("--type", "type_", type=click.Choice([t.value for t in ChannelType]), required=True, help="Channel type.")
 @click.option("--url", help="Webhook target (--type webhook).")
 @click.option("--gap", type=Limit(), help="Seconds between deliveries for this user, or 'default'.")

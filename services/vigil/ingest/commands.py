@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 import click
 
 from vigil.admin.connection import cli_connection
-from vigil.cliutil import WholeNumber, emit, login_name
+from vigil.cliutil import UserId, WholeNumber, emit, login_name
 from vigil.ingest.auth import new_token, token_hash
 from vigil.ingest.main import serve
 from vigil.ingest.settings import IngestSettings
@@ -220,7 +220,7 @@ def hooks() -> None:
 
 @hooks.command("add")
 @click.option("--provider", type=click.Choice([p.value for p in HookProvider]), required=True)
-@click.option("--user", "user_id", required=True, help="The user whose agent the deliveries wake.")
+@click.option("--user", "user_id", type=UserId(), required=True, help="The user whose agent the deliveries wake.")
 @click.option("--secret-stdin", is_flag=True, help="Read the secret from stdin (Stripe issues its own).")
 @click.option("--json", "as_json", is_flag=True, help="Print the hook as one JSON object, secret included.")
 def hook_add(provider: str, user_id: str, secret_stdin: bool, as_json: bool) -> None:

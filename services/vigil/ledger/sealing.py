@@ -20,7 +20,10 @@ Keys: ``VIGIL_SECRET_KEY`` seals every new secret and opens its own rows;
 ``vigil secrets rotate`` re-seals every row not sealed with the current key, clear ones
 included, one row per statement, so an interrupted rotation is finished by running it again.
 Without any key, secrets are stored in clear (a warning at start-up) and a service refuses
-to start once a sealed row exists (:func:`check`), naming the setting.
+to start once a sealed row exists (:func:`check`), naming the setting. With
+``VIGIL_ENV=production`` no key is refused instead, by :meth:`Keys.require_key`: the one rule
+the services apply at start-up and every command that stores a secret meets in
+:meth:`Keys.seal`, before anything is written.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from vigil.settings import SettingsError
 
 KEY_SETTING = "VIGIL_SECRET_KEY"
 OLD_KEYS_SETTING = "VIGIL_SECRET_OLD_KEYS"
+ENV_SETTING = "VIGIL_ENV"  # validated by vigil.settings.CommonSettings.env before any command runs
+PRODUCTION = "production"
 
 
 BOUND = "v2:"  # the prefix of a seal bound to its place; anything else sealed is a Fernet token
@@ -92,6 +97,8 @@ class Keys:
 
     current: str | None = None
     old: tuple[str, ...] = ()
+    # VIGIL_ENV=production: a secret is never stored in clear, no key is an error instead.
+    clear_refused: bool = False
     _openers: dict[str, Fernet] = field(default_factory=dict, init=False, repr=False, compare=False)
     _aeads: dict[str, AESGCM] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -109,10 +116,20 @@ class Keys:
         """The ids of every key held: the rows these keys open."""
         return frozenset(self._openers)
 
+    def require_key(self) -> None:
+        """SecretKeyError, naming the setting, if this profile refuses secrets in clear and
+        there is no key to seal with."""
+        if self.clear_refused and not self.current:
+            raise SecretKeyError(
+                f"{KEY_SETTING} is not set and {ENV_SETTING}={PRODUCTION}: hook and channel secrets would be "
+                "stored in clear (`vigil secrets new-key` makes one)"
+            )
+
     def seal(self, secret: str, place: Place) -> tuple[str, str | None]:
         """(stored text, sealed_with): the seal bound to ``place`` and the key's id; in clear
-        without a key."""
+        without a key, or SecretKeyError where that is refused (:meth:`require_key`)."""
         if not self.current:
+            self.require_key()
             return secret, None
         nonce = secrets.token_bytes(NONCE_BYTES)
         sealed = self._aeads[key_id(self.current)].encrypt(nonce, secret.encode(), place.data())
@@ -152,7 +169,7 @@ def from_environment(environ: dict[str, str] | None = None) -> Keys:
     current = env.get(KEY_SETTING, "").strip() or None
     old = tuple(k.strip() for k in env.get(OLD_KEYS_SETTING, "").split(",") if k.strip())
     try:
-        return Keys(current, old)
+        return Keys(current, old, clear_refused=env.get(ENV_SETTING) == PRODUCTION)
     except ValueError:
         raise SettingsError(f"{KEY_SETTING} or {OLD_KEYS_SETTING}: not a Fernet key") from None
 
