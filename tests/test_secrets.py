@@ -203,6 +203,44 @@ def test_a_hook_secret_copied_from_another_hook_is_refused_by_ingest_not_a_500(s
     assert query(ledger, "SELECT count(*) AS n FROM events")[0]["n"] == 0
 
 
+def test_a_channel_secret_copied_from_another_user_dead_letters_only_that_users_delivery(ledger, monkeypatch):
+    """Issue 58 at the dispatcher: a channel secret copied into another user's row does not
+    open there. Before, the claim's open raised out of the pass, for every user it locked (a
+    dispatcher that delivers nothing, again at every pass); now that user's delivery is dead
+    with a reason, the log names the row, and the others' go out."""
+    from dispatcher_support import T0, Receiver, add_message, add_webhook_users, in_process_dispatcher, one_pass
+    from vigil.clock import ManualClock
+    from vigil.ledger import sealing
+
+    key = Fernet.generate_key().decode()
+    monkeypatch.setenv("VIGIL_SECRET_KEY", key)
+    sealing.keys.cache_clear()
+    receiver = Receiver().start()
+    try:
+        clear = add_webhook_users(ledger, ["u-a", "u-b"], receiver.url)
+        for user, secret in clear.items():
+            sealed, kid = Keys(key).seal(secret, Place("channels", user))
+            query(ledger, "UPDATE channels SET secret = %s, sealed_with = %s WHERE user_id = %s", (sealed, kid, user))
+        query(
+            ledger,
+            "UPDATE channels SET secret = (SELECT secret FROM channels WHERE user_id = 'u-a') WHERE user_id = 'u-b'",
+        )
+        for user in ("u-a", "u-b"):
+            add_message(ledger, user, f"hello {user}", created_at=T0)
+        d = in_process_dispatcher(ledger, ManualClock(T0.timestamp()))
+        try:
+            one_pass(d)
+        finally:
+            d.close()
+        got = receiver.got()
+    finally:
+        receiver.server.shutdown()
+        sealing.keys.cache_clear()
+    rows = {r["user_id"]: r for r in query(ledger, "SELECT user_id, status, error FROM outbox")}
+    assert rows["u-a"]["status"] == "delivered" and len(got) == 1, (rows, got)
+    assert (rows["u-b"]["status"], rows["u-b"]["error"]) == ("dead", "webhook channel without url or secret"), rows
+
+
 @pytest.mark.parametrize(
     ("command", "count"), [(("secrets", "rotate", "--json"), "resealed"), (("migrate", "--json"), "secrets_sealed")]
 )

@@ -177,10 +177,8 @@ def lock_due_users(
 
 
 def _opened(row: dict[str, Any]) -> dict[str, Any]:
-    if row["secret"] is None:
-        return row
     place = sealing.Place("channels", row["user_id"])
-    return {**row, "secret": sealing.keys().open(row["secret"], row["sealed_with"], place)}
+    return {**row, "secret": sealing.opened_or_left_out(row["secret"], row["sealed_with"], place)}
 
 
 def unfinished_for_users(conn: psycopg.Connection[DictRow], users: list[str], max_messages: int) -> list[UnfinishedRow]:

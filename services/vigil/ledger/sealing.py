@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from psycopg.rows import DictRow
 from vigil.errors import VigilError
 from vigil.ledger.queries import Q
 from vigil.settings import SettingsError
+
+log = logging.getLogger(__name__)
 
 KEY_SETTING = "VIGIL_SECRET_KEY"
 OLD_KEYS_SETTING = "VIGIL_SECRET_OLD_KEYS"
@@ -80,6 +83,10 @@ def _aead(key: str) -> AESGCM:
 
 class SecretKeyError(VigilError):
     """A sealed secret cannot be opened with the keys this process has; names the setting."""
+
+
+class SecretMisplaced(SecretKeyError):
+    """A sealed secret does not open in its row: altered, or copied from another row."""
 
 
 def key_id(key: str) -> str:
@@ -149,10 +156,24 @@ class Keys:
             raw = base64.urlsafe_b64decode(stored[len(BOUND) :].encode())
             return self._aeads[sealed_with].decrypt(raw[:NONCE_BYTES], raw[NONCE_BYTES:], place.data()).decode()
         except (InvalidToken, InvalidTag, ValueError):
-            raise SecretKeyError(
+            raise SecretMisplaced(
                 f"a secret sealed with key {sealed_with} does not open in {place.table} row {place.owner!r}"
                 " (altered, or copied from another row?)"
             ) from None
+
+
+def opened_or_left_out(stored: str | None, sealed_with: str | None, place: Place) -> str | None:
+    """The secret of the row at ``place``, or None, with a warning, where it does not open
+    there: one altered or copied row must not stop a service's other users (its channel or
+    hook then has no secret, and what needs one is refused with a reason). A key this
+    process lacks is still SecretKeyError: that is the deployment's, not a row's."""
+    if stored is None:
+        return None
+    try:
+        return keys().open(stored, sealed_with, place)
+    except SecretMisplaced as exc:
+        log.warning("%s row %r: its secret is left out: %s", place.table, place.owner, exc)
+        return None
 
 
 def _missing(sealed_with: str, current: str | None) -> str:
