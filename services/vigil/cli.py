@@ -1,8 +1,10 @@
 """The ``vigil`` command: every service and every operator tool.
 
 Each area contributes its commands from its own module (a ``commands`` list of click
-commands), imported here by name: a module that is missing or broken is an import error at
-start-up, never a command that silently is not there.
+commands). ``COMMANDS`` names the module of each, and a command's module is imported only
+when that command runs (``vigil --help`` imports them all, for their summaries):
+tests/test_cli_lazy.py checks the table against every module's list, so a command is never
+silently missing.
 """
 
 from __future__ import annotations
@@ -11,35 +13,30 @@ import sys
 
 import click
 
-from vigil import config_command
-from vigil.admin import commands as admin_commands
-from vigil.agent import commands as agent_commands
-from vigil.agent import profile_commands
-from vigil.console import commands as console_commands
-from vigil.dispatcher import commands as dispatcher_commands
-from vigil.ingest import commands as ingest_commands
-from vigil.scheduler import commands as scheduler_commands
 from vigil.service import VigilGroup
-from vigil.worker import commands as worker_commands
-from vigil.worker import memory_commands, run_commands, task_commands
 
-COMMAND_MODULES = (
-    admin_commands,
-    config_command,
-    worker_commands,
-    task_commands,
-    memory_commands,
-    run_commands,
-    ingest_commands,
-    scheduler_commands,
-    dispatcher_commands,
-    agent_commands,
-    profile_commands,
-    console_commands,
+AREAS = {
+    "vigil.admin.commands": ("migrate", "shards", "topics", "secrets"),
+    "vigil.config_command": ("config",),
+    "vigil.worker.commands": ("worker", "dead", "inbox"),
+    "vigil.worker.task_commands": ("tasks",),
+    "vigil.worker.memory_commands": ("memory",),
+    "vigil.worker.run_commands": ("runs",),
+    "vigil.ingest.commands": ("ingest", "tokens", "hooks"),
+    "vigil.scheduler.commands": ("scheduler", "timers"),
+    "vigil.dispatcher.commands": ("dispatcher", "channels", "outbox", "users"),
+    "vigil.agent.commands": ("approvals", "policies", "tools"),
+    "vigil.agent.profile_commands": ("profiles",),
+    "vigil.console.commands": ("console",),
+}
+COMMANDS = {name: module for module, names in AREAS.items() for name in names}
+
+
+@click.group(
+    cls=VigilGroup,
+    lazy=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
-
-
-@click.group(cls=VigilGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="vigil")
 def main() -> None:
     """vigil: an always-on agent runtime on Kafka and PostgreSQL.
@@ -49,10 +46,6 @@ def main() -> None:
     local stack.
     """
 
-
-for _module in COMMAND_MODULES:
-    for _command in _module.commands:
-        main.add_command(_command)
 
 if __name__ == "__main__":
     sys.exit(main())

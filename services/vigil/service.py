@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
 import sys
 import threading
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import click
 import psycopg
@@ -65,7 +67,33 @@ def first_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-class VigilGroup(click.Group):
+class LazyGroup(click.Group):
+    """A command group whose commands are imported when one is used: ``lazy`` maps a command's
+    name to the module whose ``commands`` list holds it. ``vigil ingest`` or ``vigil runs show``
+    imports its own module, not every area's (the Anthropic SDK alone is over a second of CPU,
+    which every command and every service start paid when the group imported them all). A
+    name its module does not hold is an error when used; tests/test_cli_lazy.py checks the
+    tables against the modules."""
+
+    def __init__(self, *args: Any, lazy: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module_name = self.lazy.get(cmd_name)
+        if module_name is None:
+            return super().get_command(ctx, cmd_name)
+        module = importlib.import_module(module_name)
+        for command in getattr(module, "commands", ()):
+            if command.name == cmd_name:
+                return command
+        raise RuntimeError(f"{module_name} holds no command {cmd_name!r}, which its group's table names there")
+
+
+class VigilGroup(LazyGroup):
     """The ``vigil`` command group: start-up errors and unreachable dependencies end in one line.
 
     Every command, operator tool or service, gets the same rule without each catching it:

@@ -283,3 +283,6 @@ def _print_canary(
             click.echo(f"    {r.run_key}: {pointer(r)}")
     click.echo(f"{'messages changed':<20}{len(changed):>6}")
     click.echo(f"{'tokens before/after':<20}{before:>6} / {after}")
+
+
+commands = [replay]

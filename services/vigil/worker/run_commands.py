@@ -20,15 +20,17 @@ from vigil.ledger import journal as ledger_journal
 from vigil.ledger import upgrades as ledger_upgrades
 from vigil.ledger.db import connect
 from vigil.numbers import NotParsed, whole_number
-from vigil.service import load_or_exit
+from vigil.service import LazyGroup, load_or_exit
 from vigil.settings import CommonSettings
-from vigil.worker.replay_commands import replay
-from vigil.worker.upgrade_commands import upgrade
 
 COLUMNS = ["step", "kind", "what", "epoch", "attempt", "recorded_at"]
 
 
-@click.group()
+# `runs replay` imports the agent (the Anthropic SDK): only when it runs, not for `runs show`.
+SUBCOMMANDS = {"replay": "vigil.worker.replay_commands", "upgrade": "vigil.worker.upgrade_commands"}
+
+
+@click.group(cls=LazyGroup, lazy=SUBCOMMANDS)
 def runs() -> None:
     """Runs and their journaled steps."""
 
@@ -110,8 +112,5 @@ def runs_show(run: int | str, as_json: bool, shard: int | None) -> None:
             f"moved from {u['profile']} v{u['from_version']} to v{u['to_version']} by {u['made_by']} at {u['made_at']}"
         )
 
-
-runs.add_command(replay)
-runs.add_command(upgrade)
 
 commands = [runs]

@@ -110,3 +110,6 @@ def _report(rows: list[dict[str, Any]], profile: str, to_version: int, dry_run: 
         "still offers their tool (else the model reads that it is gone). A step a run no longer takes is where it "
         'leaves its journal and goes on live (vigil_run_replays_total{reason="diverged"}).'
     )
+
+
+commands = [upgrade]
