@@ -408,12 +408,17 @@ class ClaudeAgent:
             raise ProfileRefused(f"profile {name} v{version}: the replayed run's version is not in the ledger")
         return profile
 
+    def _ledger_of(self, user_id: str) -> AsyncPool:
+        """The ledger (shard) that holds ``user_id``'s rows: their runs, upgrades, notices."""
+        assert self.profiles is not None
+        return self.profiles.pool if self.user_ledger is None else self.user_ledger(user_id)
+
     async def _upgraded_to(self, ctx: RunContext, profile: str) -> int | None:
         """The version an operator moved this in-flight run to, if any (one indexed read, on a
         replay only). The ledger unreadable is RetryLater: the run must not go on under a
         version the operator moved it away from."""
         assert self.profiles is not None
-        ledger = self.profiles.pool if self.user_ledger is None else self.user_ledger(ctx.user_id)
+        ledger = self._ledger_of(ctx.user_id)
         try:
             async with ledger.connection() as conn:
                 return await ledger_upgrades.latest(conn, run_key=ctx.run_key, profile=profile)
@@ -461,7 +466,7 @@ class ClaudeAgent:
             profile = await book.current(user_id)
             if not (daily := self._daily(profile)):
                 return None
-            ledger = book.pool if self.user_ledger is None else self.user_ledger(user_id)
+            ledger = self._ledger_of(user_id)
             async with ledger.connection() as conn:
                 spent = await ledger_budgets.spent(conn, user_id=user_id, since=today)
             if daily - spent < model.MIN_CALL_TOKENS:
@@ -485,8 +490,7 @@ class ClaudeAgent:
         name = profile.name if profile else DEFAULT
         metrics.BUDGET_EXHAUSTED.labels(name).inc()
         if self.settings.budget_notice and self.profiles is not None:
-            book = self.profiles
-            ledger = book.pool if self.user_ledger is None else self.user_ledger(user_id)
+            ledger = self._ledger_of(user_id)
             body = (
                 f"Your daily model budget ({daily} tokens) is spent; what arrives for you waits "
                 f"until {tomorrow.isoformat(timespec='minutes')}."
