@@ -206,3 +206,27 @@ def test_a_console_client_that_hangs_up_mid_body_is_no_traceback_and_no_500(runn
     time.sleep(0.3)  # the login is reading its body
     sock.close()
     assert_a_disconnect(running, before)
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_no_route_and_a_wrong_method_have_ingests_codes_on_every_port(running, service):
+    """Issue 58: the console's 405 (and its form-limit 400) said not_found; the health ports
+    answered plain text."""
+    running.mark()
+    for port in running.ports[service].values():
+        for line, status, code in (
+            (b"GET /nope", b"404", "not_found"),
+            (b"POST /healthz", b"405", "method_not_allowed"),
+        ):
+            answer = raw(port, request_of(line, [b"127.0.0.1"]))
+            assert answer.startswith(b"HTTP/1.1 " + status + b" "), (service, line, answer[:300])
+            assert json_body(answer)["error"] == code, (service, line, answer[:300])
+    if service == "console":
+        fields = b"&".join(b"f%d=1" % i for i in range(1500))
+        form = (
+            b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: %d\r\n\r\n" % len(fields)
+        )
+        answer = raw(running.ports["console"]["VIGIL_CONSOLE_PORT"], form + fields)
+        assert answer.startswith(b"HTTP/1.1 400 ") and json_body(answer)["error"] == "invalid_request", answer[:300]
+    running.assert_clean(service)
