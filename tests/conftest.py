@@ -26,7 +26,9 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,9 +164,9 @@ def stack(tmp_path_factory) -> Stack:
             own.stop()
 
 
-@pytest.fixture
-def ledger(stack: Stack) -> str:
-    """A fresh ledger database for this test (a copy of the template); its DSN."""
+@contextmanager
+def fresh_ledger(stack: Stack) -> Iterator[str]:
+    """A fresh ledger database (a copy of the template), dropped afterwards; its DSN."""
     name = f"vigil_t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(stack.admin_dsn, autocommit=True) as conn:
         stack.create_database(conn, name, stack.template)
@@ -175,6 +177,13 @@ def ledger(stack: Stack) -> str:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture
+def ledger(stack: Stack) -> Iterator[str]:
+    """A fresh ledger database for this test; its DSN."""
+    with fresh_ledger(stack) as dsn:
+        yield dsn
+
+
 @dataclass
 class Topics:
     events: str
@@ -183,16 +192,14 @@ class Topics:
     partitions: int
 
 
-@pytest.fixture
-def topics(stack: Stack, request) -> Topics:
-    """Topics of this test only. ``@pytest.mark.partitions(n)`` sets the events topic's count."""
+@contextmanager
+def fresh_topics(stack: Stack, count: int = 4) -> Iterator[Topics]:
+    """Topics of their own (the events topic with ``count`` partitions), deleted afterwards."""
     from confluent_kafka.admin import AdminClient
 
     from vigil.bus.kafka import ensure_topics
     from vigil.settings import CommonSettings
 
-    marker = request.node.get_closest_marker("partitions")
-    count = marker.args[0] if marker else 4
     prefix = f"t{uuid.uuid4().hex[:10]}"
     names = Topics(f"{prefix}.events", f"{prefix}.dlq", f"{prefix}.deliveries", count)
     settings = CommonSettings(kafka_bootstrap=stack.bootstrap)
@@ -202,8 +209,22 @@ def topics(stack: Stack, request) -> Topics:
 
 
 @pytest.fixture
+def topics(stack: Stack, request) -> Iterator[Topics]:
+    """Topics of this test only. ``@pytest.mark.partitions(n)`` sets the events topic's count."""
+    marker = request.node.get_closest_marker("partitions")
+    with fresh_topics(stack, marker.args[0] if marker else 4) as names:
+        yield names
+
+
+@pytest.fixture
 def vigil_env(stack: Stack, ledger: str, topics: Topics) -> dict[str, str]:
     """VIGIL_* settings that point a service process at this test's ledger and topics."""
+    return service_env(stack, ledger, topics)
+
+
+def service_env(stack: Stack, ledger: str, topics: Topics) -> dict[str, str]:
+    """VIGIL_* settings that point a service process at ``ledger`` and ``topics``, each
+    service on a free port."""
     from vigil_dev.devstack import free_port
 
     return {
@@ -223,26 +244,50 @@ def vigil_env(stack: Stack, ledger: str, topics: Topics) -> dict[str, str]:
     }
 
 
+class Spawner:
+    """Starts ``vigil <args>`` processes with their logs under ``folder``; stops them all."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.started: list[VigilProcess] = []
+
+    def __call__(self, args: list[str], env: dict[str, str], name: str | None = None) -> VigilProcess:
+        label = name or f"{args[0]}-{len(self.started)}"
+        proc = VigilProcess(args, env, self.folder / f"{label}.log").start()
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self, show_logs: bool) -> None:
+        for proc in self.started:
+            proc.stop()
+        if show_logs:
+            for proc in self.started:
+                print(f"\n----- log of vigil {' '.join(proc.args)} ({proc.log_path}) -----\n{proc.log()[-6000:]}")
+
+
 @pytest.fixture
 def spawn(tmp_path, request):
     """Start ``vigil <args>`` processes; all of them are stopped when the test ends.
 
     On failure the processes' logs are attached to the report.
     """
-    started: list[VigilProcess] = []
+    spawner = Spawner(tmp_path / "logs")
+    yield spawner
+    spawner.stop_all(getattr(request.node, "rep_call_failed", False))
 
-    def start(args: list[str], env: dict[str, str], name: str | None = None) -> VigilProcess:
-        label = name or f"{args[0]}-{len(started)}"
-        proc = VigilProcess(args, env, tmp_path / "logs" / f"{label}.log").start()
-        started.append(proc)
-        return proc
 
-    yield start
-    for proc in started:
-        proc.stop()
-    if request.node.rep_call_failed if hasattr(request.node, "rep_call_failed") else False:
-        for proc in started:
-            print(f"\n----- log of vigil {' '.join(proc.args)} ({proc.log_path}) -----\n{proc.log()[-6000:]}")
+@pytest.fixture(scope="module")
+def module_stack(stack: Stack, tmp_path_factory, request) -> Iterator[tuple[dict[str, str], Spawner]]:
+    """One ledger, one set of topics and one process starter for a whole module, for tests
+    that probe the same running services (``service_env``'s settings); the processes stop
+    when the module ends, with their logs shown if any test of the session failed meanwhile."""
+    failed_before = request.session.testsfailed
+    with fresh_ledger(stack) as dsn, fresh_topics(stack) as names:
+        spawner = Spawner(tmp_path_factory.mktemp("logs"))
+        try:
+            yield service_env(stack, dsn, names), spawner
+        finally:
+            spawner.stop_all(request.session.testsfailed > failed_before)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

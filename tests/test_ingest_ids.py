@@ -172,12 +172,37 @@ def test_the_tasks_list_takes_a_user_id_of_256_characters_as_every_route_does(ad
     assert admin.get(f"/v1/users/{long_user}u/tasks").status_code == 400
 
 
-@pytest.mark.parametrize(
-    "source", ["Timer", "timer ", "\uff54\uff49\uff4d\uff45\uff52", "APPROVAL", "GitHub", " stripe"]
-)
+# Each reserved source (timer, approval and the hook providers) as a producer might write it.
+RESERVED_WRITTEN = [
+    "Timer",
+    "timer ",
+    "\uff54\uff49\uff4d\uff45\uff52",  # fullwidth timer
+    "APPROVAL",
+    "GitHub",
+    " stripe",
+    "Standard-Webhooks",
+    "\uff53\uff54\uff52\uff49\uff50\uff45",  # fullwidth stripe
+]
+
+
+@pytest.mark.parametrize("source", RESERVED_WRITTEN)
 def test_a_reserved_source_is_refused_however_it_is_written(admin, stack, topics, source):
     response = admin.post("/v1/events", json={"user_id": "u1", "source": source, "source_id": "1", "kind": "k"})
     assert response.status_code == 400 and response.json()["field"] == "source", response.text
+    assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
+
+
+def test_a_reserved_source_in_a_batch_is_refused_as_alone_and_nothing_is_produced(admin, stack, topics):
+    """Issue 58: the batch route refuses a folded reserved source as the single-event route
+    does, naming the item, and produces none of the batch (the good item before it either)."""
+    good = {"user_id": "u1", "source": "s", "source_id": "1", "kind": "k"}
+    for source in RESERVED_WRITTEN:
+        reserved = {**good, "source": source, "source_id": "2"}
+        alone = admin.post("/v1/events", json=reserved)
+        batch = admin.post("/v1/events", json={"events": [good, reserved]})
+        assert batch.status_code == alone.status_code == 400, (source, batch.text)
+        named = {"field": "events[1].source", "detail": "events[1]." + alone.json()["detail"]}
+        assert batch.json() == {**alone.json(), **named}, (source, batch.text, alone.text)
     assert read_events(stack.bootstrap, topics.events, 0, topics.partitions, settle=1.0) == []
 
 
