@@ -67,6 +67,9 @@ PAGE = 50  # rows per page of every list
 TIMERS_SOON = timedelta(minutes=15)  # "due soon" on the timers page
 MAP_REFRESH_S = 30  # how long the console routes by the shard map it read (several shards)
 MAP_CONNECT_S = 5  # the catalog not answering the map's read in this long: the page says so
+# A shard whose pool could not connect is shown down this long without waiting for it again:
+# during an outage each page answers at once with the banner, not after the pool's timeout.
+DOWN_HOLD_S = 5.0
 MAX_RETRY_IDS = 100  # one form post retries at most this many events
 LOGIN_FORM_S = 3600  # how long a login form's CSRF cookie lasts
 SHOWN_CHARS = 60  # what a refusal echoes of an id the client sent
@@ -214,6 +217,8 @@ class Console:
         self.map_read_at = 0.0
         # Shard 0 is the catalog: its pool serves both.
         self.pools = [self.pool, *(ledger.open_pool(dsn) for dsn in settings.shard_dsns[1:])]
+        self.down_until = [0.0] * len(self.pools)  # time.monotonic(): DOWN_HOLD_S after a failed connect
+        self.connect_errors = [0] * len(self.pools)  # the pool's count at its last answer
         self.env = environment(len(self.pools))
         self.tokens: TtlCache[tokens.AuthToken] = TtlCache(settings.console_auth_cache_s)
         self.sessions: TtlCache[sessions.Session] = TtlCache(settings.console_auth_cache_s)
@@ -238,13 +243,27 @@ class Console:
                 return fn(conn, *args, **kwargs)
 
         where = f"ledger shard {shard}" if len(self.pools) > 1 else "ledger"
+        if time.monotonic() < self.down_until[shard]:
+            raise Refused(503, "ledger_unavailable", f"the {where} did not answer (tried again in a few seconds)")
         try:
-            return await run_in_threadpool(call)
+            answer = await run_in_threadpool(call)
         except PoolTimeout:
+            # No connection in time: the pool could not connect (down: hold), or every
+            # connection was busy (no hold: the next request may get one).
+            if self._connect_errors(shard) > self.connect_errors[shard]:
+                self.down_until[shard] = time.monotonic() + DOWN_HOLD_S
+                raise Refused(503, "ledger_unavailable", f"the {where} did not answer") from None
             raise Refused(503, "ledger_unavailable", f"no {where} connection available in time") from None
         except psycopg.OperationalError as exc:
             log.warning("%s unreachable: %s", where, type(exc).__name__)
+            self.down_until[shard] = time.monotonic() + DOWN_HOLD_S
             raise Refused(503, "ledger_unavailable", f"the {where} did not answer") from None
+        self.connect_errors[shard] = self._connect_errors(shard)
+        return answer
+
+    def _connect_errors(self, shard: int) -> int:
+        """The shard's pool's failed connection attempts so far (psycopg_pool's own count)."""
+        return int(self.pools[shard].get_stats().get("connections_errors", 0))
 
     async def read_each(self, fn: Callable[..., Any], *args, **kwargs) -> tuple[list[Found[Any]], list[str]]:
         """``fn`` on every shard at once: what each that answered gave, and a line naming each
