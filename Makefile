@@ -44,8 +44,8 @@ TEST_WORKERS ?= 3
 # exit 5 (no test selected, e.g. PYTEST_ARGS naming only solo tests) fails neither.
 suite: $(STAMP) tools ## Every test without the linter: in parallel, then the solo tests (@pytest.mark.solo) one at a time
 	@status=0; started=$$SECONDS; \
-	echo "tests: parallel phase (-n $(TEST_WORKERS) -m 'not solo')"; \
-	$(BIN)/pytest -q -n $(TEST_WORKERS) -m "not solo" --durations=25 $(PYTEST_ARGS); rc=$$?; \
+	echo "tests: parallel phase (-n $(TEST_WORKERS) --dist loadgroup -m 'not solo')"; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not solo" --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; parallel=$$((SECONDS - started)); \
 	echo "tests: solo phase (-m solo, one at a time)"; \
 	$(BIN)/pytest -q -m solo --durations=25 $(PYTEST_ARGS); rc=$$?; \

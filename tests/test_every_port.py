@@ -91,6 +91,10 @@ def fives(port: int) -> list[str]:
     ]
 
 
+# One worker runs the module: its five processes start once (make suite runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("every_port")
+
+
 @pytest.fixture(scope="module")
 def running(module_stack) -> Running:
     env, spawn = module_stack

@@ -37,6 +37,8 @@ pytestmark = [
     # A broker, a database and five services started on a busy 2-core machine, then a timer
     # that fires five seconds after the agent sets it.
     pytest.mark.timeout(420),
+    # One worker runs the module: its stack starts once (make suite runs --dist loadgroup).
+    pytest.mark.xdist_group("secure_stack"),
 ]
 
 
