@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The dev stack's run dir: vigil-dev reads the same setting.
+RUN_DIR := $(or $(VIGIL_DEV_RUN_DIR),.run)
 
 .PHONY: help install up demo down status logs test suite test-fast lint fmt bench bench-quick chaos eval clean lock tools
 
@@ -25,7 +27,7 @@ up: $(STAMP) ## Start Kafka, PostgreSQL, the five services and the offline model
 	$(BIN)/vigil-dev up --demo $(if $(SCRIPT),--script "$(SCRIPT)")
 
 demo: $(STAMP) ## Run the demonstration against the running stack
-	. .run/env && $(BIN)/vigil-dev demo
+	. $(RUN_DIR)/env && $(BIN)/vigil-dev demo
 
 down: ## Stop everything `make up` started
 	@if [ -x $(BIN)/vigil-dev ]; then $(BIN)/vigil-dev down; else echo "nothing to stop"; fi
@@ -34,7 +36,7 @@ status: $(STAMP) ## Show which parts of the local stack run
 	$(BIN)/vigil-dev status
 
 logs: ## Follow the services' logs
-	tail -F .run/logs/*.log
+	tail -F $(RUN_DIR)/logs/*.log
 
 test: lint suite ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
 

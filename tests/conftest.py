@@ -351,3 +351,21 @@ def pytest_unconfigure(config):
     if own is not None:
         os.environ.pop("VIGIL_TEST_RUN_STACK", None)
         own.stop()
+
+
+@pytest.fixture
+def exporter(monkeypatch):
+    """Traces on, every finished span kept in the SDK's in-memory exporter: what an LLM
+    observability tool reads."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vigil import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "enabled", True)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    return exporter

@@ -250,3 +250,23 @@ def test_the_answer_token_never_reaches_the_model(asked, agent_run, server):
     agent_run(t.context([t.chat("any news?")], recent=[m.text for m in asked.messages]))
     sent = json.dumps(server.requests())
     assert "Approval needed: refund 19.99" in sent and token not in sent
+
+
+def test_a_resumed_call_has_its_tool_span_with_the_decision(asked, agent_run, exporter):
+    """The approved call runs in an execute_tool span of its own (it used to run outside any),
+    and a denied one says so."""
+    from opentelemetry.trace import StatusCode
+
+    waiting = t.saved(asked)
+    for given, decision in (("yes", "approved"), ("no", "declined")):
+        exporter.clear()
+        row, wake = answer(asked, given)
+        agent_run(t.context([wake], sessions=[waiting], approvals=[row]))
+        [span] = [s for s in exporter.get_finished_spans() if s.name == "execute_tool refund"]
+        assert span.attributes["vigil.tool.decision"] == decision
+        assert span.attributes["vigil.approval.request_id"] == row.request_id
+        assert span.attributes["gen_ai.tool.call.id"] == row.tool_use_id
+        if decision == "approved":
+            assert span.status.status_code is StatusCode.UNSET
+        else:
+            assert span.status.status_code is StatusCode.ERROR and span.attributes["error.type"] == "declined"

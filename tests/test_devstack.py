@@ -236,3 +236,12 @@ def test_the_scripted_model_answers_from_the_authors_script_and_takes_a_new_one_
         assert httpx.get(f"{env['ANTHROPIC_BASE_URL']}/_script").json()["rules"][0]["name"] == "later"
     finally:
         devstack.stop(tmp_path / "pids" / "scripted-claude.pid")
+
+
+def test_make_demo_and_logs_find_a_stack_in_its_own_run_dir(tmp_path):
+    """`make up` honours VIGIL_DEV_RUN_DIR; the targets that read the stack's env file and logs
+    must look there too, not in .run/."""
+    env = {**os.environ, "VIGIL_DEV_RUN_DIR": str(tmp_path / "run")}
+    out = subprocess.run(["make", "-n", "demo", "logs"], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert f". {tmp_path}/run/env" in out.stdout, out.stdout
+    assert f"{tmp_path}/run/logs/*.log" in out.stdout, out.stdout

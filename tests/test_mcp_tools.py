@@ -209,20 +209,7 @@ def test_the_address_policy_refuses_a_server_on_a_forbidden_address(http, log):
     assert calls(log) == []
 
 
-def test_model_and_tool_spans_follow_the_genai_conventions(model, http, monkeypatch):
-    """Read back from the SDK's in-memory exporter: what an LLM observability tool reads."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from vigil import tracing
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "enabled", True)
-    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
-
+def test_model_and_tool_spans_follow_the_genai_conventions(model, http, exporter):
     run(model, {"orders": {"url": http.url}}, t.context([t.chat("where is A17?")]))
 
     spans = exporter.get_finished_spans()
@@ -235,6 +222,10 @@ def test_model_and_tool_spans_follow_the_genai_conventions(model, http, monkeypa
     assert attributes["gen_ai.response.model"] == t.SCRIPTED_MODEL
     assert attributes["gen_ai.provider.name"] == attributes["gen_ai.system"] == "anthropic"
     assert attributes["gen_ai.usage.input_tokens"] > 0 and attributes["gen_ai.usage.output_tokens"] > 0
+    # Cached tokens counted in, as the conventions ask (the API's input_tokens leaves them out).
+    last = dict(chats[-1].attributes)
+    cached = last["gen_ai.usage.cache_read.input_tokens"] + last["gen_ai.usage.cache_creation.input_tokens"]
+    assert cached > 0 and last["gen_ai.usage.input_tokens"] > cached
     tools = {s.name: dict(s.attributes) for s in spans if s.attributes.get("gen_ai.operation.name") == "execute_tool"}
     lookup = tools["execute_tool orders__lookup"]
     assert lookup["gen_ai.tool.name"] == "orders__lookup" and lookup["gen_ai.tool.call.id"].startswith("toolu_")
@@ -255,3 +246,40 @@ def test_the_tools_that_act_are_all_but_the_read_only_ones(model, servers):
     assert {"orders__cancel_order", "orders__big"} <= set(acting)
     assert "orders__lookup" not in acting and "orders__slow" not in acting
     assert "closed__* (MCP server not listed at start)" in acting
+
+
+def test_a_tool_span_names_its_decision_and_a_blocked_call_is_not_a_tool_error(model, http, exporter):
+    """A deferred call's span says so (it ran nothing), and a call the safety policy blocked
+    has its own error.type, apart from a tool that answered with an error."""
+    from opentelemetry.trace import StatusCode
+
+    servers = {"orders": {"url": http.url}}
+
+    def tool_spans(name: str) -> list:
+        return [s for s in exporter.get_finished_spans() if s.name == f"execute_tool {name}"]
+
+    [deferred] = run(model, servers, t.context([t.chat("please cancel A17")]))
+    assert deferred.outcome is RunOutcome.DEFERRED
+    [asked] = tool_spans("orders__cancel_order")
+    assert asked.attributes["vigil.tool.decision"] == "ask"
+    assert asked.status.status_code is StatusCode.UNSET and "error.type" not in asked.attributes
+
+    exporter.clear()
+    run(model, servers, t.context([t.chat("please cancel A17")]), tool_permissions="orders__cancel_order=auto")
+    blocked = tool_spans("orders__cancel_order")[0]  # the script asks again: blocks, then the fallback to ask
+    assert blocked.attributes["vigil.tool.decision"] == "block"
+    assert blocked.status.status_code is StatusCode.ERROR and blocked.attributes["error.type"] == "blocked"
+
+    async def down_by_the_call():
+        agent = t.agent(model.base_url, mcp_servers=json.dumps(servers), outbound_allowed_nets=LOOPBACK)
+        try:
+            http.stop()  # listed at start-up, gone by the call: its error result is a tool error
+            return await agent.run(t.context([t.chat("where is A17?")]))
+        finally:
+            await agent.close()
+
+    exporter.clear()
+    asyncio.run(down_by_the_call())
+    failed = tool_spans("orders__lookup")[0]
+    assert failed.attributes["vigil.tool.decision"] == "run"
+    assert failed.status.status_code is StatusCode.ERROR and failed.attributes["error.type"] == "tool_error"

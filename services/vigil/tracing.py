@@ -243,9 +243,18 @@ def parent_and_links(contexts: Iterable[Any]) -> tuple[Any, list[Link]]:
     return parent, links
 
 
-def failed(s, description: str | None) -> None:
+def failed(s, description: str | None, error_type: str | None = None) -> None:
+    """Mark span ``s`` failed; ``error_type`` is the conventions' ``error.type`` (a low-cardinality
+    class of failure, e.g. ``blocked`` apart from ``tool_error``)."""
     if s is not None:
         s.set_status(Status(StatusCode.ERROR, description))
+        if error_type is not None:
+            s.set_attribute("error.type", error_type)
+
+
+def set_attribute(s, key: str, value: str) -> None:
+    if s is not None:
+        s.set_attribute(key, value)
 
 
 def now_ns() -> int:

@@ -198,14 +198,23 @@ class Conversation:
         pending = thread.pending
         assert pending is not None
         request = self.run.approvals.get(pending["request_id"])
-        resolved, decision = await resolve(
-            pending,
-            request,
-            user_id=self.run.ctx.user_id,
-            session_id=thread.session_id,
-            gate=self.gate,
-            tools=self.box.actions,
-        )
+        name = pending["tool"]
+        # The deferred call's own span, now that it is decided (and, if approved, made).
+        with tool_span(name, pending["tool_use_id"], self.box.actions.get(name)) as span:
+            resolved, decision = await resolve(
+                pending,
+                request,
+                user_id=self.run.ctx.user_id,
+                session_id=thread.session_id,
+                gate=self.gate,
+                tools=self.box.actions,
+            )
+            tracing.set_attribute(span, "vigil.tool.decision", decision)
+            tracing.set_attribute(span, "vigil.approval.request_id", pending["request_id"])
+            if resolved.get("is_error") and decision == "approved":
+                tracing.failed(span, "the tool answered with an error", error_type="tool_error")
+            elif resolved.get("is_error"):
+                tracing.failed(span, f"not run: {decision}", error_type=decision)
         if decision == "approved":
             self.outputs.actions.append(pending["summary"])
         thread.pending = None
@@ -291,6 +300,7 @@ class Conversation:
                 results.append(tool_result(use["id"], text, True))
                 continue
             with tool_span(name, use["id"], self.box.actions.get(name)) as span:
+                decision: Decision | None = None
                 if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
                     output = await self._delegate(use, args, step)
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
@@ -302,6 +312,8 @@ class Conversation:
                     metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
                 elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
                     output, decision = await self._action(self.box.actions[name], use, args, asked is not None, step)
+                    if decision is not None:
+                        tracing.set_attribute(span, "vigil.tool.decision", decision.value)
                     if decision is Decision.ASK and asked is None:
                         asked = (self.box.actions[name], use)
                         continue
@@ -310,8 +322,10 @@ class Conversation:
                     metrics.TOOL_CALLS.labels(
                         name if name in self.box.permissions else "unknown", "error" if output.is_error else "ran"
                     ).inc()
-                if output.is_error:
-                    tracing.failed(span, "the tool answered with an error")
+                if decision is Decision.BLOCK:
+                    tracing.failed(span, "blocked by the safety policy", error_type="blocked")
+                elif output.is_error:
+                    tracing.failed(span, "the tool answered with an error", error_type="tool_error")
             results.append(tool_result(use["id"], output.text, output.is_error))
         if asked is None:
             return results, None

@@ -298,9 +298,12 @@ async def _post(client: anthropic.AsyncAnthropic, request: Request, body: bytes,
             raise
         span.set_attribute("gen_ai.response.id", message.id)
         span.set_attribute("gen_ai.response.model", message.model)
-        span.set_attribute("gen_ai.usage.input_tokens", message.usage.input_tokens or 0)
-        span.set_attribute("gen_ai.usage.output_tokens", message.usage.output_tokens or 0)
         usage = message.usage
+        # The conventions count every input token, cached ones included; the API's input_tokens
+        # is the uncached rest. The cache parts go beside the total.
+        cached = (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+        span.set_attribute("gen_ai.usage.input_tokens", (usage.input_tokens or 0) + cached)
+        span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens or 0)
         if usage.cache_read_input_tokens is not None:
             span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cache_read_input_tokens)
         if usage.cache_creation_input_tokens is not None:
