@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from vigil import cli
-from vigil.worker import run_commands
+from vigil.ops import runs as run_commands
 
 PRODUCT = Path(cli.__file__).parent
 

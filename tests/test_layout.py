@@ -31,7 +31,7 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 # only some deployments use (the reason is commented at the import).
 DELIBERATE_LATE_IMPORTS = {
     ("agent/__init__.py", "vigil.agent.claude"),  # the Anthropic SDK: VIGIL_AGENT=claude only
-    ("agent/commands.py", "vigil.agent.actions"),  # the MCP SDK (2 s to import): `vigil tools list` only
+    ("ops/agent.py", "vigil.agent.actions"),  # the MCP SDK (2 s to import): `vigil tools list` only
     ("agent/actions.py", "vigil.agent.mcp_tools"),  # the MCP SDK: only when VIGIL_MCP_SERVERS names servers
     ("worker/commands.py", "vigil.worker.main"),  # the agent and the Anthropic SDK (2 s): `vigil worker` only
     ("bus/codec.py", "confluent_kafka.schema_registry"),  # VIGIL_SCHEMA_REGISTRY_URL only

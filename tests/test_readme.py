@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-from vigil.config_command import SETTINGS_CLASSES
+from vigil.ops.config import SETTINGS_CLASSES
 from vigil.settings import settings_table
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,18 +16,25 @@ import click
 from vigil.service import VigilGroup
 
 AREAS = {
-    "vigil.admin.commands": ("migrate", "shards", "topics", "secrets"),
-    "vigil.config_command": ("config",),
-    "vigil.worker.commands": ("worker", "dead", "inbox"),
-    "vigil.worker.task_commands": ("tasks",),
-    "vigil.worker.memory_commands": ("memory",),
-    "vigil.worker.run_commands": ("runs",),
-    "vigil.ingest.commands": ("ingest", "tokens", "hooks"),
-    "vigil.scheduler.commands": ("scheduler", "timers"),
-    "vigil.dispatcher.commands": ("dispatcher", "channels", "outbox", "users"),
-    "vigil.agent.commands": ("approvals", "policies", "tools"),
-    "vigil.agent.profile_commands": ("profiles",),
+    # Each service's start command, in its own package.
+    "vigil.ingest.commands": ("ingest",),
+    "vigil.worker.commands": ("worker",),
+    "vigil.scheduler.commands": ("scheduler",),
+    "vigil.dispatcher.commands": ("dispatcher",),
     "vigil.console.commands": ("console",),
+    # Every operator command, in vigil.ops.
+    "vigil.ops.admin": ("migrate", "topics", "secrets"),
+    "vigil.ops.shards": ("shards",),
+    "vigil.ops.config": ("config",),
+    "vigil.ops.events": ("dead", "inbox"),
+    "vigil.ops.tasks": ("tasks",),
+    "vigil.ops.memory": ("memory",),
+    "vigil.ops.runs": ("runs",),
+    "vigil.ops.access": ("tokens", "hooks"),
+    "vigil.ops.timers": ("timers",),
+    "vigil.ops.deliveries": ("channels", "outbox", "users"),
+    "vigil.ops.agent": ("approvals", "policies", "tools"),
+    "vigil.ops.profiles": ("profiles",),
 }
 COMMANDS = {name: module for module, names in AREAS.items() for name in names}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from vigil.config_command import SETTINGS_CLASSES
+from vigil.ops.config import SETTINGS_CLASSES
 from vigil.paths import repo_root
 from vigil.settings import settings_table
 

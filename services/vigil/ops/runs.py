@@ -27,7 +27,7 @@ COLUMNS = ["step", "kind", "what", "epoch", "attempt", "recorded_at"]
 
 
 # `runs replay` imports the agent (the Anthropic SDK): only when it runs, not for `runs show`.
-SUBCOMMANDS = {"replay": "vigil.worker.replay_commands", "upgrade": "vigil.worker.upgrade_commands"}
+SUBCOMMANDS = {"replay": "vigil.ops.replay", "upgrade": "vigil.ops.upgrade"}
 
 
 @click.group(cls=LazyGroup, lazy=SUBCOMMANDS)

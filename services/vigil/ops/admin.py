@@ -1,5 +1,5 @@
-"""Ledger and topic administration: ``vigil migrate``, ``vigil topics``, ``vigil secrets``;
-``vigil shards`` is :mod:`vigil.admin.shards`."""
+"""Ledger and topic administration: ``vigil migrate``, ``vigil topics``, ``vigil secrets``
+(``vigil shards`` is :mod:`vigil.ops.shards`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import sys
 import click
 
 from vigil.admin.shards import on_each_shard
-from vigil.admin.shards import shards as shards_command
 from vigil.bus.kafka import TopicError
 from vigil.bus.topics import ensure
 from vigil.cliutil import DecimalNumber, emit
@@ -155,4 +154,4 @@ def secrets_rotate(as_json: bool) -> None:
     emit({"resealed": done, "key": held.current_id}, as_json, f"sealed {done} secret(s) with key {held.current_id}")
 
 
-commands = [migrate, shards_command, topics, secrets_group]
+commands = [migrate, topics, secrets_group]
