@@ -93,3 +93,29 @@ def test_the_shard_outage_line_compares_the_other_shards_users_during_and_withou
         "shards other than 1: p99 received -> run finished while shard 1 was down 0.70 s (n=2); "
         "without faults 0.20 s (n=2)"
     ), line
+
+
+def test_budget_notices_are_one_a_day_for_exactly_the_users_who_wait_today():
+    """A chaos run that crossed midnight failed its notices check on four correct users: told
+    on the 6th and again on the 7th (the budget started again at 00:00 UTC, their waiting
+    events ran and spent it), the check wanted one notice in all."""
+    from datetime import date
+
+    from vigil_dev.chaos.checks import notice_problems
+
+    today, yesterday = date(2026, 12, 7), date(2026, 12, 6)
+
+    def told(user, *days):
+        return [{"user_id": user, "day": d, "messages": len(days)} for d in days]
+
+    assert notice_problems({"a": 742}, told("a", yesterday, today), today) == []
+    assert notice_problems({"a": 5}, told("a", today), today) == []
+    assert notice_problems({}, told("b", yesterday), today) == []  # ran within today's budget
+    bad = {
+        "waiting, never told": ({"a": 5}, []),
+        "waiting, told only yesterday": ({"a": 5}, told("a", yesterday)),
+        "told today, not waiting": ({}, told("b", today)),
+        "two messages for one notice": ({"a": 5}, [{"user_id": "a", "day": today, "messages": 2}]),
+    }
+    for case, (waiting, notices) in bad.items():
+        assert len(notice_problems(waiting, notices, today)) == 1, case

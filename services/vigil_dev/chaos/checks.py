@@ -16,8 +16,8 @@
 - no event ``done`` without a run that took it and, with the acting agent, made a model call
   (``unrun``): a budget must stop a run before it starts, never end its events unread;
 - budgets: a user's events wait for the budget only if their profile has one, and each user
-  who waits was told exactly once (one ``budget_notices`` row and one outbox message:
-  ``notices``);
+  who waits was told once that UTC day (one ``budget_notices`` row and one outbox message a
+  day: ``notices``, :func:`notice_problems`);
 - background tasks: each ended and reported (its result event then done in a run, as every
   event), or still open before its deadline (``tasks_bad`` otherwise);
 - approvals (vigil_dev.chaos.approvals): every request answered or expired, an approved call
@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 from vigil.ledger.db import connect
@@ -226,16 +226,12 @@ def verdict(
             v.note(f"duplicated: {name} in {n} runs")
     v.waiting, v.waiting_users = sum(waiting.values()), len(waiting)
 
-    # Budgets: told once, exactly the users who wait.
-    told: dict[str, list[dict]] = defaultdict(list)
-    for row in notices:
-        told[row["user_id"]].append(row)
-    for user in sorted(set(waiting) | set(told)):
-        rows = told.get(user, [])
-        if not (user in waiting and len(rows) == 1 and rows[0]["messages"] == 1):
-            v.notices += 1
-            sent = [(str(r["day"]), r["messages"]) for r in rows]
-            v.note(f"notices: {user} has {waiting[user]} events waiting, notices (day, messages) {sent}")
+    # Budgets: told once a UTC day (a run that crosses midnight sees the budget start again,
+    # the waiting events run, and a user past it again is told again), each notice one message;
+    # told today exactly the users who wait now.
+    for problem in notice_problems(waiting, notices, datetime.now(UTC).date()):
+        v.notices += 1
+        v.note(problem)
 
     # No overlapping runs per user, and runs in event order.
     by_user: dict[str, list[dict]] = defaultdict(list)
@@ -366,6 +362,27 @@ def _p99(values: list[float]) -> str:
         return "- (no runs)"
     ordered = sorted(values)
     return f"{ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]:.2f} s (n={len(ordered)})"
+
+
+def notice_problems(waiting: dict[str, int], notices: list[dict], today: date) -> list[str]:
+    """The users not told of their budget as promised: one notice a UTC day at most (a run
+    that crosses midnight sees the budget start again, the waiting events run, and a user past
+    it again is told again), each notice one outbox message, and told today exactly the users
+    whose events wait now. ``notices``: ``budget_notices`` rows with ``messages``, the user's
+    notice messages in the outbox (every day's)."""
+    told: dict[str, list[dict]] = defaultdict(list)
+    for row in notices:
+        told[row["user_id"]].append(row)
+    problems = []
+    for user in sorted(set(waiting) | set(told)):
+        rows = told.get(user, [])
+        told_today = any(r["day"] == today for r in rows)
+        if (user in waiting) != told_today or any(r["messages"] != len(rows) for r in rows):
+            sent = [(str(r["day"]), r["messages"]) for r in rows]
+            problems.append(
+                f"notices: {user} has {waiting.get(user, 0)} events waiting, notices (day, messages) {sent}"
+            )
+    return problems
 
 
 def shard_outage_line(faults: list[Fault], rows: dict, *, killed: int) -> str:
