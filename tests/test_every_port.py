@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support import VigilProcess, wait_for
 from test_security_http import json_body, read_answer
-from vigil.config_command import SETTINGS_CLASSES
+from vigil.ops.config import SETTINGS_CLASSES
 from vigil.settings import settings_rows
 from vigil_dev.devstack import free_port
 
