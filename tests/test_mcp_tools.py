@@ -231,6 +231,7 @@ def test_model_and_tool_spans_follow_the_genai_conventions(model, http, exporter
     assert lookup["gen_ai.tool.name"] == "orders__lookup" and lookup["gen_ai.tool.call.id"].startswith("toolu_")
     assert lookup["mcp.server.name"] == "orders" and lookup["mcp.tool.name"] == "lookup"
     assert lookup["server.address"] == "127.0.0.1" and lookup["gen_ai.tool.type"] == "extension"
+    assert lookup["mcp.method.name"] == "tools/call"
     assert tools["execute_tool send_message"]["gen_ai.tool.name"] == "send_message"
 
 
@@ -263,12 +264,14 @@ def test_a_tool_span_names_its_decision_and_a_blocked_call_is_not_a_tool_error(m
     [asked] = tool_spans("orders__cancel_order")
     assert asked.attributes["vigil.tool.decision"] == "ask"
     assert asked.status.status_code is StatusCode.UNSET and "error.type" not in asked.attributes
+    assert "mcp.method.name" not in asked.attributes  # nothing was sent to the server
 
     exporter.clear()
     run(model, servers, t.context([t.chat("please cancel A17")]), tool_permissions="orders__cancel_order=auto")
     blocked = tool_spans("orders__cancel_order")[0]  # the script asks again: blocks, then the fallback to ask
     assert blocked.attributes["vigil.tool.decision"] == "block"
     assert blocked.status.status_code is StatusCode.ERROR and blocked.attributes["error.type"] == "blocked"
+    assert "mcp.method.name" not in blocked.attributes  # nothing was sent to the server
 
     async def down_by_the_call():
         agent = t.agent(model.base_url, mcp_servers=json.dumps(servers), outbound_allowed_nets=LOOPBACK)
@@ -283,3 +286,4 @@ def test_a_tool_span_names_its_decision_and_a_blocked_call_is_not_a_tool_error(m
     failed = tool_spans("orders__lookup")[0]
     assert failed.attributes["vigil.tool.decision"] == "run"
     assert failed.status.status_code is StatusCode.ERROR and failed.attributes["error.type"] == "tool_error"
+    assert failed.attributes["mcp.method.name"] == "tools/call"  # sent, unanswered

@@ -257,6 +257,23 @@ def set_attribute(s, key: str, value: str) -> None:
         s.set_attribute(key, value)
 
 
+def set_current(attributes: Mapping[str, Any]) -> None:
+    """Set ``attributes`` on the current span (nothing when traces are off or none records)."""
+    if enabled:
+        current = trace.get_current_span()
+        if current.is_recording():
+            current.set_attributes(attributes)
+
+
+def replayed(name: str, attributes: Mapping[str, Any]) -> None:
+    """A step a run's journal replayed (nothing made again): a span of no duration under the
+    current one, marked ``vigil.replayed``, so the trace shows the step without a call."""
+    if enabled:
+        now = now_ns()
+        s = _tracer.start_span(name, attributes={**attributes, "vigil.replayed": True}, start_time=now)
+        s.end(end_time=now)
+
+
 def now_ns() -> int:
     return time.time_ns()
 
