@@ -15,9 +15,10 @@ How one event's trace is carried (docs/operations.md, "Traces"):
   event) and onto the Kafka record's headers (``traceparent``, ``tracestate``);
 - the worker's record span continues it (from the envelope, else from the record's headers)
   and writes its own context into the headers it stores; the run's span is a child of its
-  first event's stored context and links to the others'; model calls (the SDK's own spans,
-  and aiohttp's per attempt), tool calls and ledger statements are its children; the finish
-  is a span under the run;
+  first event's stored context and links to the others'; each conversation of the run is an
+  ``invoke_agent`` span under it, with the model calls (the SDK's own spans, and aiohttp's
+  per attempt) and tool calls as its children; ledger statements are the run's children;
+  the finish is a span under the run;
 - the run's context is stored on its outbox rows and timers (``traceparent`` columns): the
   dispatcher's delivery span continues it, and so does the scheduler's fire span of a
   one-off timer the run set (a follow-up belongs to the conversation that asked for it). A
