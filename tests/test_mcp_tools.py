@@ -231,6 +231,7 @@ def test_model_and_tool_spans_follow_the_genai_conventions(model, http, exporter
     assert lookup["gen_ai.tool.name"] == "orders__lookup" and lookup["gen_ai.tool.call.id"].startswith("toolu_")
     assert lookup["mcp.server.name"] == "orders" and lookup["mcp.tool.name"] == "lookup"
     assert lookup["server.address"] == "127.0.0.1" and lookup["gen_ai.tool.type"] == "extension"
+    assert lookup["mcp.method.name"] == "tools/call"
     assert tools["execute_tool send_message"]["gen_ai.tool.name"] == "send_message"
 
 
@@ -263,12 +264,14 @@ def test_a_tool_span_names_its_decision_and_a_blocked_call_is_not_a_tool_error(m
     [asked] = tool_spans("orders__cancel_order")
     assert asked.attributes["vigil.tool.decision"] == "ask"
     assert asked.status.status_code is StatusCode.UNSET and "error.type" not in asked.attributes
+    assert "mcp.method.name" not in asked.attributes  # nothing was sent to the server
 
     exporter.clear()
     run(model, servers, t.context([t.chat("please cancel A17")]), tool_permissions="orders__cancel_order=auto")
     blocked = tool_spans("orders__cancel_order")[0]  # the script asks again: blocks, then the fallback to ask
     assert blocked.attributes["vigil.tool.decision"] == "block"
     assert blocked.status.status_code is StatusCode.ERROR and blocked.attributes["error.type"] == "blocked"
+    assert "mcp.method.name" not in blocked.attributes  # nothing was sent to the server
 
     async def down_by_the_call():
         agent = t.agent(model.base_url, mcp_servers=json.dumps(servers), outbound_allowed_nets=LOOPBACK)
@@ -283,3 +286,47 @@ def test_a_tool_span_names_its_decision_and_a_blocked_call_is_not_a_tool_error(m
     failed = tool_spans("orders__lookup")[0]
     assert failed.attributes["vigil.tool.decision"] == "run"
     assert failed.status.status_code is StatusCode.ERROR and failed.attributes["error.type"] == "tool_error"
+    assert failed.attributes["mcp.method.name"] == "tools/call"  # sent, unanswered
+
+
+def test_a_replayed_step_is_marked_and_no_span_pretends_it_was_made_again(model, http, log, exporter):
+    """A run replayed after its first attempt died (the journal it wrote up to the lookup's
+    outcome, as the next owner reads it back): the journaled answer and lookup are not made
+    again, and their spans say so, with no duration, no GenAI operation and no usage (nothing
+    was asked or billed); the steps made live after them have their ordinary spans."""
+    from dataclasses import replace
+
+    from test_journal import Recording
+    from vigil.agent.journal import Journal
+
+    servers = {"orders": {"url": http.url}}
+    ctx = t.context([t.chat("where is A17?")])
+    first = Recording()
+    run(model, servers, replace(ctx, journal=Journal(ctx.run_key, first)))
+    died = [s for s in first.steps() if s.step <= 2]  # the first attempt died after the lookup
+    assert [s.kind for s in died] == ["model", "call"]
+    looked_up = len(calls(log))
+
+    exporter.clear()
+    [result] = run(model, servers, replace(ctx, journal=Journal.of(ctx.run_key, None, died)))
+    assert [m.text for m in result.messages] == ["order A17 shipped"]
+    assert len(calls(log)) == looked_up and len(model.requests()) == 2  # made and asked once each
+
+    spans = exporter.get_finished_spans()
+    [agent] = [s for s in spans if s.name.startswith("invoke_agent ")]
+    marks = [s for s in spans if s.attributes.get("vigil.replayed")]
+    assert [(s.name, s.attributes["vigil.journal.step"]) for s in marks] == [
+        ("replayed chat", 1),
+        ("replayed execute_tool orders__lookup", 2),
+    ]
+    for mark in marks:
+        assert mark.parent.span_id == agent.context.span_id and mark.end_time == mark.start_time
+        assert "gen_ai.operation.name" not in mark.attributes
+        assert not [key for key in mark.attributes if key.startswith("gen_ai.usage.")]
+    live = [(s.attributes["gen_ai.operation.name"], s.name) for s in spans if "gen_ai.operation.name" in s.attributes]
+    assert live == [
+        ("chat", f"chat {t.SCRIPTED_MODEL}"),  # the question after the lookup's result, asked live
+        ("execute_tool", "execute_tool send_message"),
+        ("chat", f"chat {t.SCRIPTED_MODEL}"),
+        ("invoke_agent", "invoke_agent default"),
+    ]

@@ -327,3 +327,46 @@ def test_the_finish_records_the_profile_version_a_run_ran_with(ledger):
     rows = query(ledger, "SELECT user_id, profile, profile_version FROM runs ORDER BY user_id")
     by_user = {r["user_id"]: (r["profile"], r["profile_version"]) for r in rows}
     assert by_user == {claims[0].user_id: ("support", 2), claims[1].user_id: (None, None)}
+
+
+def test_a_conversation_is_an_invoke_agent_span_naming_its_profile_and_session(server, ledger, exporter):
+    """GenAI conventions: each conversation of a run is an ``invoke_agent`` span under the run's
+    (the agent: the user's profile, or ``default``; the conversation: the session), parent of
+    its model and tool spans; the run's span names the profile and its version too."""
+    from vigil import tracing
+
+    server.clear()
+    ok(ledger, "profiles", "create", "support", "--tools", "send_message=allow")
+    ok(ledger, "profiles", "assign", "team-a/*", "support")
+
+    async def go():
+        pool = db.async_pool(ledger, name="w0", max_size=2, autocommit=True)
+        await pool.open(wait=True)
+        agent = t.agent(server.base_url, profile_cache_s=0)
+        await agent.join_fleet(pool, "worker-0")
+        try:
+            results = []
+            for user in ("team-a/alice", "other"):
+                with tracing.span("vigil.run"):  # as the worker runs it (vigil.worker.traces)
+                    results.append(await agent.run(t.context([t.chat("hello")], user_id=user)))
+            return results
+        finally:
+            await agent.close()
+            await pool.close()
+
+    support, default = asyncio.run(go())
+    spans = exporter.get_finished_spans()
+    runs = [s for s in spans if s.name == "vigil.run"]
+    agents = [s for s in spans if s.attributes.get("gen_ai.operation.name") == "invoke_agent"]
+    assert [s.name for s in agents] == ["invoke_agent support", "invoke_agent default"]
+    for run_span, agent_span, result in zip(runs, agents, (support, default), strict=True):
+        assert agent_span.parent.span_id == run_span.context.span_id
+        assert agent_span.attributes["gen_ai.conversation.id"] == result.session.id
+        children = [s for s in spans if s.parent is not None and s.parent.span_id == agent_span.context.span_id]
+        assert {s.attributes.get("gen_ai.operation.name") for s in children} == {"chat", "execute_tool"}
+    assert agents[0].attributes["gen_ai.agent.name"] == "support"
+    assert agents[0].attributes["vigil.profile.version"] == 1
+    assert runs[0].attributes["vigil.profile"] == "support" and runs[0].attributes["vigil.profile.version"] == 1
+    assert agents[1].attributes["gen_ai.agent.name"] == "default"
+    assert "vigil.profile.version" not in agents[1].attributes
+    assert runs[1].attributes["vigil.profile"] == "default"

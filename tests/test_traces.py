@@ -16,8 +16,9 @@ import gzip
 import json
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
+from typing import Any
 
 import httpx
 import pytest
@@ -74,6 +75,7 @@ class Span:
     parent: str
     links: tuple[str, ...]
     start: int  # unix nanoseconds
+    attributes: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
 class OtlpReceiver:
@@ -126,6 +128,7 @@ class OtlpReceiver:
                             parent=s.parent_span_id.hex(),
                             links=tuple(link.span_id.hex() for link in s.links),
                             start=s.start_time_unix_nano,
+                            attributes={a.key: getattr(a.value, a.value.WhichOneof("value")) for a in s.attributes},
                         )
                     )
         with self.lock:
@@ -267,13 +270,19 @@ def test_one_chat_message_is_one_trace_across_the_four_services(
     records = [s for s in spans if s.name == f"process {topics.events}"]
     runs = [s for s in spans if s.name == "vigil.run"]
     assert len(records) == 2 and len(runs) == 2, shown
-    # The message's run: record under ingest's produce, run under the record, its claim,
-    # model calls (two: the overload and the retry) with their HTTP attempts, tools, finish.
+    # The message's run: record under ingest's produce, run under the record, its claim, its
+    # conversation (invoke_agent) with the model calls (two: the overload and the retry) and
+    # their HTTP attempts, and the tools; the finish.
     first_record = next(s for s in records if parent(s) == produce)
     first_run = next(s for s in runs if parent(s) == first_record)
-    children = [s for s in spans if s.parent == first_run.span_id]
+    assert first_run.attributes["vigil.profile"] == "default", shown
+    run_children = sorted(s.name for s in spans if s.parent == first_run.span_id)
+    assert "vigil.claim" in run_children and "vigil.finish" in run_children, shown
+    [agent] = [s for s in spans if s.parent == first_run.span_id and s.name.startswith("invoke_agent ")]
+    assert agent.name == "invoke_agent default" and agent.attributes["gen_ai.agent.name"] == "default", shown
+    assert agent.attributes["gen_ai.conversation.id"].startswith("ses-"), agent.attributes
+    children = [s for s in spans if s.parent == agent.span_id]
     child_names = sorted(s.name for s in children)
-    assert "vigil.claim" in child_names and "vigil.finish" in child_names, shown
     assert {"execute_tool send_message", "execute_tool set_followup"} <= set(child_names), shown
     model_calls = {s.span_id for s in children if s.kind == PbSpan.SPAN_KIND_CLIENT}
     assert len(model_calls) >= 2, f"the SDK's call spans (overload, retry) under the run:\n{shown}"

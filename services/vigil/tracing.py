@@ -15,9 +15,10 @@ How one event's trace is carried (docs/operations.md, "Traces"):
   event) and onto the Kafka record's headers (``traceparent``, ``tracestate``);
 - the worker's record span continues it (from the envelope, else from the record's headers)
   and writes its own context into the headers it stores; the run's span is a child of its
-  first event's stored context and links to the others'; model calls (the SDK's own spans,
-  and aiohttp's per attempt), tool calls and ledger statements are its children; the finish
-  is a span under the run;
+  first event's stored context and links to the others'; each conversation of the run is an
+  ``invoke_agent`` span under it, with the model calls (the SDK's own spans, and aiohttp's
+  per attempt) and tool calls as its children; ledger statements are the run's children;
+  the finish is a span under the run;
 - the run's context is stored on its outbox rows and timers (``traceparent`` columns): the
   dispatcher's delivery span continues it, and so does the scheduler's fire span of a
   one-off timer the run set (a follow-up belongs to the conversation that asked for it). A
@@ -255,6 +256,23 @@ def failed(s, description: str | None, error_type: str | None = None) -> None:
 def set_attribute(s, key: str, value: str) -> None:
     if s is not None:
         s.set_attribute(key, value)
+
+
+def set_current(attributes: Mapping[str, Any]) -> None:
+    """Set ``attributes`` on the current span (nothing when traces are off or none records)."""
+    if enabled:
+        current = trace.get_current_span()
+        if current.is_recording():
+            current.set_attributes(attributes)
+
+
+def replayed(name: str, attributes: Mapping[str, Any]) -> None:
+    """A step a run's journal replayed (nothing made again): a span of no duration under the
+    current one, marked ``vigil.replayed``, so the trace shows the step without a call."""
+    if enabled:
+        now = now_ns()
+        s = _tracer.start_span(name, attributes={**attributes, "vigil.replayed": True}, start_time=now)
+        s.end(end_time=now)
 
 
 def now_ns() -> int:

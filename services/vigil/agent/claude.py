@@ -33,10 +33,11 @@ import anthropic
 import httpx2
 import psycopg
 
+from vigil import tracing
 from vigil.agent import delegation, dreaming, metrics, model
 from vigil.agent.actions import BUILT_IN, ToolRegistry, effective_permissions, list_servers_again, permission_of
 from vigil.agent.base import OverBudget, RetryLater, RunContext, RunResult, TaskContext, TaskResult
-from vigil.agent.conversation import Conversation, RunState, Toolbox
+from vigil.agent.conversation import Conversation, RunState, Toolbox, profile_attributes
 from vigil.agent.fleet import FleetGate
 from vigil.agent.journal import Journal, task_key
 from vigil.agent.memory import Limits, MemoryFiles
@@ -575,6 +576,7 @@ class ClaudeAgent:
         journal = ctx.journal or Journal(ctx.run_key)
         start = journal.start
         profile = await self._run_profile(ctx, start)
+        tracing.set_current(profile_attributes((profile.name, profile.version) if profile else None))  # on vigil.run
         box = self.box_for(profile)
         if start is not None:
             # The recorded model, unless an operator moved the run to a version of its own.

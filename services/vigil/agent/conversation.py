@@ -38,6 +38,7 @@ from vigil.agent.deferral import Deferral, defer, escalate, resolve, resumed_tur
 from vigil.agent.journal import Journal
 from vigil.agent.memory import MemoryFiles, MemoryRefused
 from vigil.agent.permissions import BlockCounters, Decision, Gate
+from vigil.agent.profiles import DEFAULT
 from vigil.agent.prompt import (
     append_user,
     render_events,
@@ -118,6 +119,31 @@ def tool_span(name: str, call_id: str, tool: ActionTool | None = None):
     return tracing.span(f"execute_tool {name}", attributes=attributes)
 
 
+def profile_attributes(profile: list | tuple | None) -> dict[str, Any]:
+    """A run's profile (name and version, None for the deployment's own) as span attributes."""
+    if not profile:
+        return {"vigil.profile": DEFAULT}
+    name, version = profile
+    return {"vigil.profile": name, "vigil.profile.version": version}
+
+
+def agent_span(box: Toolbox, run: RunState, session_id: str):
+    """A conversation's ``invoke_agent`` span (GenAI semantic conventions), parent of its model
+    and tool spans: the agent is the run's profile, the conversation its session."""
+    if not tracing.enabled:
+        return tracing.span("invoke_agent")
+    profile = profile_attributes(run.start.get("profile"))
+    attributes = {
+        "gen_ai.operation.name": "invoke_agent",
+        "gen_ai.agent.name": profile.pop("vigil.profile"),
+        "gen_ai.conversation.id": session_id,
+        "gen_ai.provider.name": "anthropic",
+        "gen_ai.request.model": box.settings.model,
+        **profile,
+    }
+    return tracing.span(f"invoke_agent {attributes['gen_ai.agent.name']}", attributes=attributes)
+
+
 class Conversation:
     def __init__(self, box: Toolbox, run: RunState, thread: Thread):
         self.box = box
@@ -127,6 +153,10 @@ class Conversation:
         self.outputs = Outputs()
 
     async def converse(self) -> Ended:
+        with agent_span(self.box, self.run, self.thread.session_id):
+            return await self._converse()
+
+    async def _converse(self) -> Ended:
         thread, _ctx = self.thread, self.run.ctx
         if thread.waiting and thread.answer is None:
             return self._reask()

@@ -16,6 +16,8 @@ had (:mod:`vigil.ledger.journal` for the ledger's rules).
   key**, ``<run key>:<step>``.
 - Builtins (messages, follow-ups, memory) only change the run's result, which commits with
   the finish: they run again on a replay, and the transcript gets the results journaled.
+- A replayed answer or outcome is marked in the trace (``replayed chat``, ``replayed
+  execute_tool <tool>``: no call span, no usage; docs/operations.md, "Traces").
 
 The agent never writes to the ledger itself: the worker hands a :class:`Writer` (appends
 fenced by the claim's epoch or the task's lease). Without one (an agent driven by a test)
@@ -39,6 +41,7 @@ from typing import Any, Protocol
 
 import pydantic_core
 
+from vigil import tracing
 from vigil.agent import metrics
 from vigil.errors import VigilError
 from vigil.ledger.journal import Step
@@ -143,6 +146,7 @@ class Journal:
         if rec is not None:
             usage: Any = SimpleNamespace(**rec.body.get("usage", {}))
             metrics.REPLAYED_STEPS["model"].inc()
+            _replayed(self.step, "chat", {})
             tokens = sum(vars(usage).values())
             metrics.REPLAY_SAVED_TOKENS.inc(tokens)
             self._results, self._folded = None, []
@@ -183,6 +187,7 @@ class Journal:
         if rec is None or rec.kind != "call" or rec.body.get("name") != name or rec.outcome is None:
             return None
         metrics.REPLAYED_STEPS["call"].inc()
+        _replayed(step, f"execute_tool {name}", {"gen_ai.tool.name": name})
         return ToolOutput(rec.outcome["text"], bool(rec.outcome.get("is_error")))
 
     def take(self) -> int:
@@ -205,6 +210,7 @@ class Journal:
         if rec is not None:
             if rec.outcome is not None:
                 metrics.REPLAYED_STEPS["call"].inc()
+                _replayed(step, f"execute_tool {name}", {"gen_ai.tool.name": name})
                 return ToolOutput(rec.outcome["text"], bool(rec.outcome.get("is_error")))
             metrics.REPLAYED_STEPS["in_doubt"].inc()
         else:
@@ -249,6 +255,13 @@ class Journal:
         """Before a new step: stop here if the run is being handed over."""
         if self.stop is not None and self.stop():
             raise HandedOver(f"{self.run_key} handed over before step {self.step}")
+
+
+def _replayed(step: int, what: str, attributes: dict[str, Any]) -> None:
+    """A replayed step's mark in the trace: ``replayed <what>``, no duration, ``vigil.replayed``,
+    no ``gen_ai.operation.name`` or ``gen_ai.usage.*`` (no call was made, nothing billed), so
+    an LLM observability tool counts no call and no tokens for it."""
+    tracing.replayed(f"replayed {what}", {**attributes, "vigil.journal.step": step})
 
 
 def task_key(task_id: str, lease_epoch: int, *, journaled: bool) -> str:

@@ -47,6 +47,7 @@ from mcp.client import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
+from vigil import tracing
 from vigil.agent import metrics
 from vigil.agent.settings import MCP_SEPARATOR, AgentSettings, Credential, McpServer, Permission
 from vigil.agent.tools import ActionTool, CallContext, ToolOutput
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 
 IDEMPOTENCY_META = "idempotency_key"
 MAX_NAME = 64  # the Messages API's limit on a tool name
+CALL_SENT = {"mcp.method.name": "tools/call"}  # a sent call's span (GenAI conventions' MCP attribute)
 # Starting a stdio server (often an interpreter importing an SDK) takes seconds on a busy
 # machine: that is not the tool's time, so it has its own bound beside VIGIL_MCP_TIMEOUT_S.
 START_TIMEOUT_S = 30.0
@@ -302,9 +304,9 @@ class McpTool(ActionTool):
 
     def span_attributes(self) -> dict[str, str]:
         # mcp.server.name is vigil's: the conventions name the method and tool, not the server.
+        # mcp.method.name is set by run(), only on a call that is sent (not a blocked or deferred one).
         attributes = {
             "gen_ai.tool.type": "extension",
-            "mcp.method.name": "tools/call",
             "mcp.server.name": self.connection.spec.name,
             "mcp.tool.name": self.remote_name,
         }
@@ -318,6 +320,7 @@ class McpTool(ActionTool):
         return None
 
     async def run(self, args: dict[str, Any], call: CallContext) -> ToolOutput:
+        tracing.set_current(CALL_SENT)  # on the execute_tool span: this call goes to the server
         try:
             result = await self.connection.call(self.remote_name, args, call.idempotency_key)
         except ServerDown as exc:
