@@ -48,6 +48,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, cast
@@ -57,6 +58,7 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from psycopg.rows import DictRow
 
 from vigil import tracing
+from vigil.bus import kafka
 from vigil.bus.codec import DecodeError, EventCodec
 from vigil.bus.kafka import ProduceError
 from vigil.clock import Clock, utc
@@ -76,49 +78,18 @@ log = logging.getLogger(__name__)
 RETRY_S = 1.0
 # take_over's wait for a hand-over, when the caller knows none is in progress or has waited.
 HANDOVER_WITHIN_NONE = 0.0
-# librdkafka's statistics (the consumer lag gauges): VIGIL_KAFKA_OPT_STATISTICS_INTERVAL_MS
-# overrides it, as the tests that wait for a report do.
-STATS_INTERVAL_MS = 15_000
 
 
-# A broker answers the worker's fetch once this much waits for it, or after this long. With
-# librdkafka's defaults (1 byte, 500 ms) every fetch was answered at once, so under load the
-# broker served one per few messages. At 7,700 events/s: the broker's CPU 13.9 -> 11.6 s over
-# the same rounds; the e2e bench 14,735 -> 15,581 events/s with one worker, 16,592 -> 18,513
-# with two (docs/performance.md, change 15). An event at low load waits at most the 10 ms
-# more (5 at the median at 200 events/s). VIGIL_KAFKA_OPT_FETCH_* override them.
-FETCH_MIN_BYTES = 64 * 1024
-FETCH_WAIT_MAX_MS = 10
-
-
-def consumer_config(settings: WorkerSettings, on_stats) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "fetch.min.bytes": FETCH_MIN_BYTES,
-        "fetch.wait.max.ms": FETCH_WAIT_MAX_MS,
-        "statistics.interval.ms": STATS_INTERVAL_MS,
-    }
-    config.update(settings.kafka_client_options())
-    config.update(
-        {
-            "group.id": settings.worker_group,
-            "client.id": f"vigil-worker-{settings.instance_id}",
-            "partition.assignment.strategy": "cooperative-sticky",
-            "enable.auto.commit": True,
-            # Offsets are stored by hand, after the ledger commit (step 4 above).
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            "session.timeout.ms": settings.kafka_session_timeout_ms,
-            # A member learns that a rebalance began from its next heartbeat: every rebalance
-            # (a join, a hand-over's second round, a failover) waits up to one interval for
-            # each member. A tenth of the session (1 s by default) instead of a fifth: the
-            # rebalance bench's moved partitions reached the next owner's ledger 1.88 s after
-            # the hand-over began with a fifth (docs/performance.md, "Rebalances").
-            "heartbeat.interval.ms": max(500, settings.kafka_session_timeout_ms // 10),
-            "max.poll.interval.ms": settings.kafka_max_poll_interval_ms,
-            "stats_cb": on_stats,
-        }
+def consumer_config(settings: WorkerSettings, on_stats: Callable[[str], None]) -> dict[str, Any]:
+    """The worker's group consumer (:func:`vigil.bus.kafka.consumer_config`) under its settings."""
+    return kafka.consumer_config(
+        settings,
+        group=settings.worker_group,
+        client_id=f"vigil-worker-{settings.instance_id}",
+        session_timeout_ms=settings.kafka_session_timeout_ms,
+        max_poll_interval_ms=settings.kafka_max_poll_interval_ms,
+        on_stats=on_stats,
     )
-    return config
 
 
 # How long an idle poll waits for the next message. A poll never waits for a *full* batch:
