@@ -150,16 +150,6 @@ def test_a_result_the_ledger_refuses_fails_that_run_only(ledger):
     assert query(ledger, "SELECT count(*) AS n FROM memory")[0]["n"] == 0
 
 
-class _Wakes:
-    """What the finish loop needs of the claim loop: to be woken, or asked to heal."""
-
-    def wake(self, delay: float = 0.0) -> None:
-        pass
-
-    def heal_soon(self) -> None:
-        pass
-
-
 def finish_groups(ledger: str, arrivals: list[list[Finished]], ran_s: float) -> list[int]:
     """Run a real finish loop against the ledger and hand it ``arrivals``, each list of runs
     at once as soon as the loop has taken the list before it off its queue (it is then
@@ -176,7 +166,7 @@ def finish_groups(ledger: str, arrivals: list[list[Finished]], ran_s: float) -> 
         )
         clock = ManualClock(datetime.now(UTC).timestamp())
         slots = Runs(settings, None, pool, clock)
-        finisher = Finisher(settings, pool, slots, _Wakes(), clock)
+        finisher = Finisher(settings, pool, slots, clock, wake=lambda _delay: None, on_commit_unknown=lambda: None)
         loop = asyncio.create_task(finisher.finish_loop())
         try:
             for runs in arrivals:
@@ -242,7 +232,7 @@ def revoke_with(
         runs = Runs(settings, None, pool, clock)
         claimer = Claimer(settings, pool, None, runs, Wakeups(clock, 60.0), clock)
         claimer.owned = {HOME: 1}
-        finisher = Finisher(settings, pool, runs, claimer, clock)
+        finisher = Finisher(settings, pool, runs, clock, wake=claimer.wake, on_commit_unknown=claimer.heal_soon)
         loop = asyncio.create_task(finisher.finish_loop())
         try:
             done = finished("returned", ids["returned"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")]))
