@@ -170,14 +170,14 @@ def finish_groups(ledger: str, arrivals: list[list[Finished]], ran_s: float) -> 
         loop = asyncio.create_task(finisher.finish_loop())
         try:
             for runs in arrivals:
-                while not slots.finished.empty():
+                while not finisher.finished.empty():
                     # Ready before a gather's timer of the same loop pass: the arrivals are
                     # queued before a group that waits for company could time out.
                     await asyncio.sleep(0)
                 for run in runs:
                     run.started_at = utc(clock.now() - ran_s)
                     slots.active[run.claim.user_id] = Active(run.claim)
-                    slots.finished.put_nowait(run)
+                    finisher.take(run)
             while not finisher.idle:
                 await asyncio.sleep(0.01)
         finally:
@@ -243,11 +243,11 @@ def revoke_with(
 
             async def agent():  # waiting on its model, then its outcome goes to the finisher
                 await asyncio.sleep(model_s)
-                await runs.finished.put(late)
+                finisher.take(late)
 
             working = Active(late.claim, task=asyncio.create_task(agent()))
             runs.active.update({"returned": returned, "working": working})
-            runs.finished.put_nowait(done)
+            finisher.take(done)
             await asyncio.sleep(0.005)  # the finish loop has taken the run and waits for company
             assert finisher.committing == 1
             if hand_over:

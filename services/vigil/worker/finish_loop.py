@@ -1,6 +1,7 @@
 """Finishing: the group finish loop and the backlog gauges (docs/worker.md, "Finishing").
 
-:class:`Finisher` takes the runs :class:`vigil.worker.runs.Runs` put on ``finished`` and
+:class:`Finisher` owns the queue of finished runs (``finished``: :class:`vigil.worker.runs.Runs`
+hands each outcome to its ``on_finished``, :meth:`Finisher.take`) and
 commits them together with :func:`vigil.worker.finish.commit_finished` (the fenced
 transaction, docs/architecture.md, "The finish"), then frees their users' slots and wakes
 the claim loop: at once for the slot, and when a failed run's backoff ends. It knows the claim
@@ -75,6 +76,7 @@ class Finisher:
         self.wake = wake  # a claim pass no later than so many seconds: a slot freed (0), a backoff's end
         self.on_commit_unknown = on_commit_unknown  # a commit that may or may not have landed: heal soon
         self.clock = clock
+        self.finished: asyncio.Queue[Finished] = asyncio.Queue()  # the runs' outcomes, to commit
         self.stopping = False
         self.committing = 0  # groups taken off the queue and not yet committed (VIGIL_FINISH_CONCURRENCY loops)
         self._groups: set[asyncio.Task[None]] = set()  # several shards: each shard's part of a group, committing
@@ -89,9 +91,9 @@ class Finisher:
     def active(self) -> dict[str, Active]:
         return self.runs.active
 
-    @property
-    def finished(self) -> asyncio.Queue[Finished]:
-        return self.runs.finished
+    def take(self, run: Finished) -> None:
+        """A run's outcome, queued for the next group (:attr:`Runs.on_finished`)."""
+        self.finished.put_nowait(run)
 
     async def finish_loop(self) -> None:
         """Take up to ``VIGIL_FINISH_BATCH_MAX`` finished runs, commit them in one fenced

@@ -61,6 +61,7 @@ class Runner:
             wake=self.claimer.wake,
             on_commit_unknown=self.claimer.heal_soon,
         )
+        self.runs.on_finished = self.finisher.take  # the finish loop owns the queue of outcomes
 
     # -- called from the consumer thread (through the event loop) ------------------------
 
