@@ -25,7 +25,7 @@ from vigil.ledger.partitions import PartitionKey
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import CATALOG, Shards
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vigil.worker.consumer")  # the consumer thread's lines keep their logger
 
 # The pause before a ledger statement that failed is tried again.
 RETRY_S = 1.0

@@ -43,7 +43,7 @@ from vigil.worker.ledger_conns import RETRY_S, LedgerConns, key_partition, read_
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import CATALOG, Shards
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vigil.worker.consumer")  # the consumer thread's lines keep their logger
 
 # take_over's wait for a hand-over, when the caller knows none is in progress or has waited.
 HANDOVER_WITHIN_NONE = 0.0

@@ -19,7 +19,7 @@ from vigil.worker import metrics
 from vigil.worker.deadletters import until_acknowledged
 from vigil.worker.shards import Shards
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vigil.worker.consumer")  # the consumer thread's lines keep their logger
 
 # A staging row is ``(index, *the event's fields, topic, partition, offset)`` (the consumer's ``_decode``).
 PARTITION_COLUMN = -2

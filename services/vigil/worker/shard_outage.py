@@ -21,7 +21,7 @@ from vigil.worker import metrics
 from vigil.worker.ledger_conns import RETRY_S, LedgerConns, read_positions
 from vigil.worker.reroute import PARTITION_COLUMN, TOPIC_COLUMN, Batch, Offsets, Row
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vigil.worker.consumer")  # the consumer thread's lines keep their logger
 
 
 class Down(NamedTuple):
