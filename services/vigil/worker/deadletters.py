@@ -9,8 +9,6 @@ produces the record again rather than losing it.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 from confluent_kafka import Message
@@ -21,23 +19,6 @@ from vigil.ledger.claims import DeadEvent
 from vigil.settings import CommonSettings
 
 log = logging.getLogger(__name__)
-
-# The pause before a produce that was not acknowledged is tried again.
-PRODUCE_RETRY_S = 1.0
-
-
-def until_acknowledged(what: str, produce: Callable[[], object], stopping: threading.Event) -> bool:
-    """``produce()`` again until the broker acknowledges it (it raises ProduceError until
-    then): the consumer stores no offset past a message before its copy is acknowledged.
-    False: the worker stopped first."""
-    while True:
-        try:
-            produce()
-            return True
-        except ProduceError as exc:
-            log.warning("%s failed, retrying: %s", what, exc)
-            if stopping.wait(PRODUCE_RETRY_S):
-                return False
 
 
 class DeadLetters:

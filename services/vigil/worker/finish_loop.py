@@ -1,12 +1,9 @@
 """Finishing: the group finish loop and the backlog gauges (docs/worker.md, "Finishing").
 
-:class:`Finisher` owns the queue of finished runs (``finished``: :class:`vigil.worker.runs.Runs`
-hands each outcome to its ``on_finished``, :meth:`Finisher.take`) and
+:class:`Finisher` takes the runs :class:`vigil.worker.runs.Runs` put on ``finished`` and
 commits them together with :func:`vigil.worker.finish.commit_finished` (the fenced
 transaction, docs/architecture.md, "The finish"), then frees their users' slots and wakes
-the claim loop: at once for the slot, and when a failed run's backoff ends. It knows the claim
-loop only by two callbacks: ``wake`` (a pass no later than so many seconds from now) and
-``on_commit_unknown`` (a commit whose outcome is unknown: look for orphaned claims).
+the claim loop: at once for the slot, and when a failed run's backoff ends.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 
 import psycopg
 
@@ -23,6 +19,7 @@ from vigil.clock import Clock, utc
 from vigil.ledger import events as ledger_events
 from vigil.ledger.db import AsyncPool
 from vigil.worker import metrics, traces
+from vigil.worker.claim_loop import Claimer
 from vigil.worker.finish import Finished, commit_finished
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
@@ -61,22 +58,13 @@ class Finisher:
     """Group-commits finished runs; reports the ledger's backlog."""
 
     def __init__(
-        self,
-        settings: WorkerSettings,
-        pool: AsyncPool | Shards,
-        runs: Runs,
-        clock: Clock,
-        *,
-        wake: Callable[[float], None],
-        on_commit_unknown: Callable[[], None],
+        self, settings: WorkerSettings, pool: AsyncPool | Shards, runs: Runs, claimer: Claimer, clock: Clock
     ) -> None:
         self.settings = settings
         self.shards = Shards.of(pool)  # a group's runs commit on their shards, a transaction each
         self.runs = runs
-        self.wake = wake  # a claim pass no later than so many seconds: a slot freed (0), a backoff's end
-        self.on_commit_unknown = on_commit_unknown  # a commit that may or may not have landed: heal soon
+        self.claimer = claimer  # woken when a slot frees or a backoff ends; asked to heal
         self.clock = clock
-        self.finished: asyncio.Queue[Finished] = asyncio.Queue()  # the runs' outcomes, to commit
         self.stopping = False
         self.committing = 0  # groups taken off the queue and not yet committed (VIGIL_FINISH_CONCURRENCY loops)
         self._groups: set[asyncio.Task[None]] = set()  # several shards: each shard's part of a group, committing
@@ -91,9 +79,9 @@ class Finisher:
     def active(self) -> dict[str, Active]:
         return self.runs.active
 
-    def take(self, run: Finished) -> None:
-        """A run's outcome, queued for the next group (:attr:`Runs.on_finished`)."""
-        self.finished.put_nowait(run)
+    @property
+    def finished(self) -> asyncio.Queue[Finished]:
+        return self.runs.finished
 
     async def finish_loop(self) -> None:
         """Take up to ``VIGIL_FINISH_BATCH_MAX`` finished runs, commit them in one fenced
@@ -168,7 +156,7 @@ class Finisher:
         for run in batch:
             self.runs.forget(run.claim)
             if run.error is not None and id(run) in landed:
-                self.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
+                self.claimer.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
             if run.waiting and id(run) in landed:
                 continue  # refused for its budget, never started: vigil_budget_exhausted_total counts it
             label = "retry_later" if run.transient else run.outcome.value
@@ -177,7 +165,7 @@ class Finisher:
         for label, n in outcomes.items():
             metrics.RUNS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
-        self.wake(0.0)  # the group's slots are free
+        self.claimer.wake()
 
     async def _commit_on(self, shard: int, runs: list[Finished]) -> list[Finished]:
         """``runs`` (all claimed on ``shard``) committed there; those whose finish stood."""
@@ -196,7 +184,7 @@ class Finisher:
                 log.warning("finish commit failed, retrying: %s", exc)
                 # Its outcome is unknown (the commit may have landed, or landed and then
                 # been lost): once the ledger answers again, look for orphaned claims.
-                self.on_commit_unknown()
+                self.claimer.heal_soon()
                 await asyncio.sleep(LEDGER_RETRY_S)
 
     async def gauge_loop(self) -> None:

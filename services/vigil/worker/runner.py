@@ -53,15 +53,7 @@ class Runner:
         self.wakeups = Wakeups(self.clock, settings.scan_interval_s)
         self.runs = Runs(settings, agent, self.shards, self.clock)
         self.claimer = Claimer(settings, self.shards, dead_letters, self.runs, self.wakeups, self.clock)
-        self.finisher = Finisher(
-            settings,
-            self.shards,
-            self.runs,
-            self.clock,
-            wake=self.claimer.wake,
-            on_commit_unknown=self.claimer.heal_soon,
-        )
-        self.runs.on_finished = self.finisher.take  # the finish loop owns the queue of outcomes
+        self.finisher = Finisher(settings, self.shards, self.runs, self.claimer, self.clock)
 
     # -- called from the consumer thread (through the event loop) ------------------------
 

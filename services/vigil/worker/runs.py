@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -61,7 +61,7 @@ class Active:
 
 
 class Runs:
-    """The runs in flight and their execution; ``on_finished`` hands outcomes to the finisher."""
+    """The runs in flight and their execution; ``finished`` hands outcomes to the finisher."""
 
     def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool | Shards | None, clock: Clock) -> None:
         self.settings = settings
@@ -72,9 +72,7 @@ class Runs:
         self.clock = clock
         self.active: dict[str, Active] = {}
         self.journal_groups: dict[int, run_journal.GroupAppend] = {}  # per shard: its runs' appends, grouped
-        # Where each run's outcome goes: the finisher's queue (:meth:`Finisher.take`, wired by
-        # the Runner); a run never finishes without it.
-        self.on_finished: Callable[[Finished], None] = _no_finisher
+        self.finished: asyncio.Queue[Finished] = asyncio.Queue()
         # The partitions whose runs a revoke waits for (:meth:`wait_gone`): a finish group
         # holding one of their runs does not wait for company (finish_loop.gather_s), and
         # ``hurry`` wakes a group already waiting when the revoke starts or when one of those
@@ -246,7 +244,7 @@ class Runs:
             log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
             finished.error = f"{type(exc).__name__}: {exc}"
             finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
-        self.on_finished(finished)
+        await self.finished.put(finished)
         if c.home in self._hurrying:
             self.hurry.set()  # a group waiting for company takes this run and commits now
 
@@ -340,7 +338,3 @@ class Runs:
 
 def _group_partition(item: tuple[tuple[PartitionKey, int], list[int]]) -> int:
     return item[0][0].partition
-
-
-def _no_finisher(run: Finished) -> None:
-    raise RuntimeError(f"run of {run.claim.user_id} finished with no finisher wired (Runs.on_finished)")
