@@ -233,8 +233,8 @@ def test_the_finish_and_the_pruner_end_journals(ledger):
 
     async def go():
         conn = await aconn(ledger)
-        await ledger_journal.finish_users(conn, ["ann"], keep=False)
-        await ledger_journal.finish_users(conn, ["bob"], keep=True)
+        await ledger_journal.finish_users(conn, ["ann"], [1], keep=False)
+        await ledger_journal.finish_users(conn, ["bob"], [2], keep=True)
         await conn.close()
 
     asyncio.run(go())
@@ -251,6 +251,48 @@ def test_the_finish_and_the_pruner_end_journals(ledger):
     assert scalar(ledger, "SELECT count(*) FROM run_journal") == 0
 
 
+def test_a_dead_events_journal_is_parked_until_the_operators_retry(ledger):
+    """Rule 5: a dead event's journal (a call in doubt) is no later run's to read or end; the
+    operator's retry brings it back, to the retried event's claim first."""
+    setup(ledger)
+    ids = [
+        scalar(
+            ledger,
+            "INSERT INTO events (user_id, source, source_id, kind, received_at) VALUES ('ann', 'chat', %s, 'm', now())"
+            " RETURNING id",
+            (f"s{n}",),
+        )
+        for n in range(2)
+    ]
+    dead, later = ids
+    query(ledger, "UPDATE events SET status = 'dead', finished_at = now(), error = 'x' WHERE id = %s", (dead,))
+    for key in (f"ann:{dead}~3", f"ann:{later}"):
+        query(
+            ledger,
+            "INSERT INTO run_journal (run_key, step, kind, user_id, epoch, attempt, body)"
+            " VALUES (%s, 1, 'model', 'ann', 1, 1, '{}')",
+            (key,),
+        )
+
+    async def live() -> list[str]:
+        conn = await aconn(ledger)
+        lives = (await ledger_journal.live_from(await ledger_journal.live_many_cursor(conn, ["ann"]))).get("ann", [])
+        await conn.close()
+        return [each.run_key for each in lives]
+
+    async def finish(event_ids: list[int]) -> None:
+        conn = await aconn(ledger)
+        await ledger_journal.finish_users(conn, ["ann"], event_ids, keep=False)
+        await conn.close()
+
+    assert asyncio.run(live()) == [f"ann:{later}"]  # parked: the later run never sees it
+    asyncio.run(finish([later]))
+    assert asyncio.run(live()) == []
+    assert query(ledger, "SELECT run_key FROM run_journal") == [{"run_key": f"ann:{dead}~3"}]
+    query(ledger, "UPDATE events SET status = 'pending', attempts = 0, finished_at = NULL WHERE id = %s", (dead,))
+    assert asyncio.run(live()) == [f"ann:{dead}~3"]
+
+
 def test_steps_read_back_keep_their_bytes(ledger):
     """json, not jsonb: a replayed answer is the same text, key order included."""
     setup(ledger)
@@ -264,7 +306,7 @@ def test_steps_read_back_keep_their_bytes(ledger):
         await conn.close()
         return live
 
-    assert asyncio.run(go())["ann"].steps[0].body == body
+    assert asyncio.run(go())["ann"][0].steps[0].body == body
 
 
 def test_a_group_append_writes_each_step_under_its_own_fence(ledger):

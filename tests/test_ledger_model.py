@@ -294,7 +294,7 @@ class LedgerModel(RuleBasedStateMachine):
         active = self.workers[name].active[c.user_id] = Active(c, journal, datetime.now(UTC))
         return active
 
-    async def _live(self, user_id: str) -> ledger_journal.Live | None:
+    async def _live(self, user_id: str) -> list[ledger_journal.Live] | None:
         async with self.world.pool.connection() as conn:
             cur = await ledger_journal.live_many_cursor(conn, [user_id])
             return (await ledger_journal.live_from(cur)).get(user_id)
@@ -913,8 +913,8 @@ def test_a_run_in_progress_due_its_lone_attempt_keeps_its_journal_when_overtaken
 # unshrunk): u1's poison event 2 dies with its action call in doubt (key u1:2~3:2, its lone
 # run afresh); a later run of u1 ends every live journal of the user (journal_finish_users;
 # or drops it, journal_discard, when it meets it first), so the operator's retry of event 2
-# finds no journal and makes the call again under u1:2:2. Open: a dead event's journal must
-# outlive its user's later runs until it is retried or pruned (issue 53).
+# finds no journal and makes the call again under u1:2:2. Fixed by parking a dead event's
+# journal (vigil.ledger.journal, rule 5): later runs neither read nor end it, the retry replays it.
 A_RETRIED_DEAD_EVENT_AFTER_ITS_USERS_NEXT_RUN = [
     ("record", {"poison": True, "user": "u2"}),
     ("claim", {"drain_over": False, "name": "wb"}),
@@ -969,8 +969,5 @@ A_RETRIED_DEAD_EVENT_AFTER_ITS_USERS_NEXT_RUN = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=Broken, reason="open, issue 53: a dead event's journal ends with its user's next run"
-)
 def test_a_retried_dead_events_call_keeps_its_key(ledger):
     drive(ledger, A_RETRIED_DEAD_EVENT_AFTER_ITS_USERS_NEXT_RUN)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
@@ -27,11 +29,13 @@ class CrashingEndpoint:
     def __init__(self) -> None:
         self.supervisor: Supervisor | None = None
         self.crashes = 0
+        self.keys: list[str] = []  # the Idempotency-Key of every call, in order
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 (the stdlib's name)
                 self.rfile.read(int(self.headers.get("content-length") or 0))
+                endpoint.keys.append(self.headers.get("idempotency-key", ""))
                 if self.path.startswith("/crash") and endpoint.supervisor is not None:
                     endpoint.crashes += 1
                     for proc in list(endpoint.supervisor.workers):
@@ -141,20 +145,50 @@ def test_a_poison_event_in_a_journaled_batch_kills_no_batch_mate(crash, stack, t
                 "every event done or dead",
                 interval=0.5,
             )
+            assert_poison_isolated(ledger, endpoint.crashes + killer.kills)
+            if crash == "after_its_first_step":
+                retry_after_the_users_next_run(endpoint, env, stack, topics, ledger)
         finally:
             killer.stopped.set()
             supervisor.stop()
             endpoint.close()
             for row in query(ledger, "SELECT id, status, attempts, lost_claims, error, payload FROM events"):
                 print("event:", dict(row))
+
+
+def assert_poison_isolated(ledger: str, crashes: int) -> None:
     by_text = {json.loads(r["payload"])["text"]: r for r in query(ledger, "SELECT payload, status, error FROM events")}
     assert by_text["poison X"]["status"] == "dead", by_text
     assert "dead after 3 attempts" in by_text["poison X"]["error"]
     assert by_text["hello one"]["status"] == "done", by_text
     assert by_text["hello two"]["status"] == "done", by_text
     assert sorted(r["body"] for r in query(ledger, "SELECT body FROM outbox")) == ["hi one", "hi two"]
-    assert endpoint.crashes + killer.kills >= 3  # the poison killed the worker on each of its attempts
+    assert crashes >= 3  # the poison killed the worker on each of its attempts
     assert_runs_consistent(ledger)
+
+
+def retry_after_the_users_next_run(endpoint: CrashingEndpoint, env, stack, topics, ledger) -> None:
+    """The poison event died with its call in doubt. The user's next message runs, then an
+    operator retries the dead event (the endpoint mended): its call goes out again under the
+    key of the call in doubt, not a new one. Before, the next run ended the dead event's
+    journal, and the retry made the call again under another key (issue 53)."""
+    endpoint.supervisor = None  # the endpoint no longer crashes anyone
+    in_doubt = endpoint.keys[-1]
+    poison = query(ledger, "SELECT id FROM events WHERE status = 'dead'")[0]["id"]
+    produce(stack.bootstrap, topics.events, [chat("pat", "hello three")])
+    wait_for(lambda: settled(ledger, 4), 60, "the user's next message answered", interval=0.5)
+    retried = subprocess.run(
+        [sys.executable, "-m", "vigil", "dead", "retry", str(poison), "--actor", "oncall"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert retried.returncode == 0, retried.stderr
+    wait_for(lambda: settled(ledger, 4), 60, "the retried event done", interval=0.5)
+    assert query(ledger, "SELECT status FROM events WHERE id = %s", (poison,))[0]["status"] == "done"
+    assert endpoint.keys[-1] == in_doubt, endpoint.keys
+    assert_runs_consistent(ledger, retried=True)
 
 
 HELLO = {

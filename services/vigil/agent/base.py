@@ -140,9 +140,9 @@ class RunContext:
     # by the worker, vigil.worker.journal.open_run). None: the agent keeps a journal of its own
     # that writes nothing.
     journal: Journal | None = None
-    # The user's live journal as read with the context, for the worker to open the run against
-    # (None: none, or not read); the worker clears it once the run's journal is open.
-    found: Live | None = None
+    # The user's live journals as read with the context, oldest lead first, for the worker to
+    # open the run against (None: not read); the worker clears it once the run's journal is open.
+    found: list[Live] | None = None
     # adopt(ids): claims these events of the user by id under this run's epoch (a replay's
     # events folded at a journaled boundary that the claim did not bring).
     adopt: Callable[[Sequence[int]], Awaitable[list[EventRow]]] | None = None

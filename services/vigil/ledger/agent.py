@@ -65,7 +65,7 @@ class ContextRows:
     event_policies: str = ""
     dead_events: list[dict[str, Any]] = field(default_factory=list)
     approvals: list[ApprovalLoaded] | None = None
-    journal: ledger_journal.Live | None = None
+    journal: list[ledger_journal.Live] | None = None  # the user's live journals, oldest lead first
 
 
 async def memory_of(conn: psycopg.AsyncConnection[DictRow], user_id: str) -> dict[str, str]:
@@ -145,8 +145,8 @@ async def load_contexts(conn: psycopg.AsyncConnection[DictRow], wanted: list[Con
             ApprovalLoaded(r["request_id"], r["session_id"], r["tool"], r["tool_use_id"], r["args_hash"], r["answer"])
         )
     if journals is not None:
-        for user_id, live in (await ledger_journal.live_from(journals)).items():
-            out[user_id].journal = live
+        for user_id, lives in (await ledger_journal.live_from(journals)).items():
+            out[user_id].journal = lives
     return [out[w.user_id] for w in wanted]
 
 

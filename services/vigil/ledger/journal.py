@@ -15,10 +15,16 @@ The rules:
    duration; the first also carries the run's start). An action tool call is an insert before
    it executes (its intent) and an update after (its outcome). A call with an intent and no
    outcome is *in doubt*: the replay executes it again, with the same key.
-4. **The finish ends it.** The fenced finish of a done run deletes its user's live journal,
-   or marks it finished when ``VIGIL_RUN_JOURNAL_DAYS`` keeps journals for operators
-   (:func:`finish_users`); a failed attempt keeps it (the retry replays). The pruner drops
-   kept journals past their days and live ones abandoned past the dedup window.
+4. **The finish ends it.** The fenced finish of a done run deletes its journal (the user's
+   live journals led by an event the finish made done), or marks it finished when
+   ``VIGIL_RUN_JOURNAL_DAYS`` keeps journals for operators (:func:`finish_users`); a failed
+   attempt keeps it (the retry replays). The pruner drops kept journals past their days and
+   live ones abandoned past the dedup window.
+5. **A dead event's journal is parked.** When its lead event goes dead with a call in doubt,
+   the journal stays: no later run of the user reads, replays, drops or ends it (its lead is
+   not theirs), and an operator's retry (``vigil dead retry``) makes the event pending again,
+   so its claim finds the journal and replays the call under the key it had. Only the pruner
+   drops a parked journal, past the dedup window; a retry after that starts afresh.
 """
 
 from __future__ import annotations
@@ -59,6 +65,11 @@ class Live:
     run_key: str
     steps: list[Step]
     alone: bool = False
+
+    @property
+    def lead(self) -> int:
+        """The run's first event (rule 1: ``<user>:<id>``, or ``<user>:<id>~<attempt>``)."""
+        return int(self.run_key.rpartition(":")[2].partition("~")[0])
 
 
 class Fence(Protocol):
@@ -152,16 +163,17 @@ async def live_many_cursor(conn: psycopg.AsyncConnection[DictRow], user_ids: lis
     return await conn.execute(Q.journal_live_many, {"user_ids": user_ids})
 
 
-async def live_from(cursor: psycopg.AsyncCursor[DictRow]) -> dict[str, Live]:
-    """The rows of :func:`live_many_cursor`, by user. A user with two live journals (an
-    abandoned one beside the current) gets the one whose key sorts last: the caller checks it
-    against the claim anyway, and drops one that is not its run's."""
-    out: dict[str, Live] = {}
+async def live_from(cursor: psycopg.AsyncCursor[DictRow]) -> dict[str, list[Live]]:
+    """The rows of :func:`live_many_cursor`: each user's live journals, oldest lead first (a
+    user has one, or beside it a retried dead event's: the claim picks its own run's)."""
+    out: dict[str, list[Live]] = {}
     for row in await cursor.fetchall():
-        live = out.get(row["user_id"])
-        if live is None or live.run_key != row["run_key"]:
-            live = out[row["user_id"]] = Live(row["run_key"], [], alone=row.get("alone_at") is not None)
-        live.steps.append(Step(row["step"], row["kind"], row["body"], row["outcome"]))
+        lives = out.setdefault(row["user_id"], [])
+        if not lives or lives[-1].run_key != row["run_key"]:
+            lives.append(Live(row["run_key"], [], alone=row.get("alone_at") is not None))
+        lives[-1].steps.append(Step(row["step"], row["kind"], row["body"], row["outcome"]))
+    for lives in out.values():
+        lives.sort(key=lambda live: live.lead)
     return out
 
 
@@ -255,10 +267,13 @@ async def mark_alone(conn: psycopg.AsyncConnection[DictRow], fence: RunFence, ru
     return cur.rowcount == 1
 
 
-async def finish_users(conn: psycopg.AsyncConnection[DictRow], user_ids: list[str], *, keep: bool) -> None:
-    """In a finish's transaction (rule 4): these users' live journals end."""
+async def finish_users(
+    conn: psycopg.AsyncConnection[DictRow], user_ids: list[str], event_ids: list[int], *, keep: bool
+) -> None:
+    """In a finish's transaction (rule 4): the live journals of these users led by one of the
+    events it made done end; a parked one (rule 5) and a retried one waiting stay."""
     if user_ids:
-        await conn.execute(Q.journal_finish_users, {"user_ids": user_ids, "keep": keep})
+        await conn.execute(Q.journal_finish_users, {"user_ids": user_ids, "event_ids": event_ids, "keep": keep})
 
 
 async def finish_task(conn: psycopg.AsyncConnection[DictRow], run_key: str, *, keep: bool) -> None:

@@ -243,8 +243,13 @@ async def _commit(
             for cursor, expected in checks:
                 if cursor.rowcount != expected:
                     raise FinishMismatch(f"{cursor.rowcount} of {expected} events still claimed")
+            # A run that waits for its budget keeps its journal: its events come back to it.
+            ended = [r for r in valid if r.journaled and r.error is None and not r.waiting]
             await ledger_journal.finish_users(
-                conn, [r.claim.user_id for r in valid if r.journaled and r.error is None], keep=journal_keep
+                conn,
+                [r.claim.user_id for r in ended],
+                [event_id for r in ended for event_id in r.event_ids],
+                keep=journal_keep,
             )
             await ledger_agent.save_sessions(conn, _sessions(valid))
             await ledger_agent.tag_messages(conn, _message_tags(valid, ids))

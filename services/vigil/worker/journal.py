@@ -228,7 +228,7 @@ async def open_run(
     (``reload``). A crash anywhere before the agent starts leaves the claim (and whatever was
     claimed by id under its epoch) to the heal or the next owner; the journal, untouched or
     dropped fenced, decides the same again."""
-    live, ctx.found = ctx.found, None
+    live, ctx.found = pick(ctx.found or [], claim.run_key), None
     found = await _found(pool, claim, live, max_attempts)
     decision = decide(claim.run_key, claim.attempt, claim.event_ids, found, max_attempts)
     fence = ledger_journal.RunFence(claim.home, claim.epoch, claim.user_id, claim.attempt)
@@ -258,6 +258,12 @@ async def open_run(
     ):
         await reload(ctx)
     return Opened(decision.opening, journal)
+
+
+def pick(lives: Sequence[ledger_journal.Live], claim_key: str) -> ledger_journal.Live | None:
+    """The live journal a claim opens against: its own run's, else the oldest (the user's run
+    in progress, or a retried dead event's that waits its turn: :func:`decide` takes it up)."""
+    return next((live for live in lives if same_run(live.run_key, claim_key)), lives[0] if lives else None)
 
 
 async def _found(pool: AsyncPool, claim: Claim, live: ledger_journal.Live | None, max_attempts: int) -> Found | None:

@@ -1,10 +1,12 @@
 -- The run journal: each step of a run appended as it happens, fenced like the finish, read back when the run is claimed again. Read services/vigil/ledger/journal.py for the rules.
 
 -- name: journal_live_many
--- The live (unfinished) run journal of each of these users, every step in order: a run's start reads its user's (one run per user at a time). Their background tasks' journals (task:tsk_...) are the tasks' own.
+-- The live (unfinished) run journals of these users, every step in order: a run's start reads its user's (one run per user at a time; a second journal is an operator's retry of a dead event waiting its turn). Their background tasks' journals (task:tsk_...) are the tasks' own. A journal whose lead event is dead is parked (rule 5): no run reads it until an operator's retry makes that event pending again. The lead is the run key's event id (<user>:<id>, or <user>:<id>~<attempt>).
 SELECT j.user_id, j.run_key, j.step, j.kind, j.body::text AS body, j.outcome::text AS outcome, j.alone_at
 FROM run_journal j
 WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
+  AND NOT EXISTS (SELECT 1 FROM events e
+                  WHERE e.id = substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint AND e.status = 'dead')
 ORDER BY j.user_id, j.run_key, j.step
 
 -- name: journal_live_task
@@ -49,15 +51,17 @@ FROM (SELECT 1 FROM tasks t
 WHERE j.run_key = %(run_key)s AND j.step = %(step)s AND j.kind = 'call' AND j.outcome IS NULL
 
 -- name: journal_finish_users
--- In a finish: the live run journals of these users' done runs end (one run per user at a time, so every live run journal of the user is that run's, or an abandoned one's; their tasks' journals are not). Deleted, or kept as finished for VIGIL_RUN_JOURNAL_DAYS.
+-- In a finish: the live run journals of these users' done runs end, those whose lead event (the run key's id) is one the finish made done. Another journal of the user is left: a dead event's (parked for the operator's retry, rule 5) or a retried one's waiting its turn; their tasks' journals are the tasks' own. Deleted, or kept as finished for VIGIL_RUN_JOURNAL_DAYS.
 WITH ended AS (
     DELETE FROM run_journal j
     WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
+      AND substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint = ANY(%(event_ids)s)
       AND NOT %(keep)s
     RETURNING 1
 )
 UPDATE run_journal j SET finished_at = now()
 WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
+  AND substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint = ANY(%(event_ids)s)
   AND %(keep)s
 
 -- name: journal_finish_task
