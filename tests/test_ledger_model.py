@@ -53,6 +53,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, invariant, precondition, rule
+from psycopg.pq import TransactionStatus
 from psycopg.rows import DictRow, dict_row
 
 from vigil.agent.base import OutMessage, RunContext, RunResult
@@ -138,9 +139,16 @@ class World:
         self.loop = asyncio.new_event_loop()
         self.pool = db.async_pool(dsn, name="model", max_size=4, autocommit=True)
         self.run(self.pool.open(wait=True))
-        self.conn: psycopg.Connection[DictRow] = psycopg.connect(dsn, autocommit=True, row_factory=dict_row)
-        self.recorder: psycopg.Connection[DictRow] = psycopg.connect(dsn, row_factory=dict_row)
-        ledger_events.prepare_record_connection(self.recorder)
+        self.conn = self._connect()
+        self.recorder = self._recorder()
+
+    def _connect(self) -> psycopg.Connection[DictRow]:
+        return psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
+
+    def _recorder(self) -> psycopg.Connection[DictRow]:
+        recorder: psycopg.Connection[DictRow] = psycopg.connect(self.dsn, row_factory=dict_row)
+        ledger_events.prepare_record_connection(recorder)
+        return recorder
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -154,6 +162,14 @@ class World:
         return self.run(self._on(fn, *args, **kwargs))
 
     def reset(self) -> None:
+        # An example that failed (or was interrupted while shrinking) can leave a connection in
+        # a transaction or a command ("another command is already in progress"): a new one.
+        if not _idle(self.conn):
+            self.conn.close()
+            self.conn = self._connect()
+        if not _idle(self.recorder):
+            self.recorder.close()
+            self.recorder = self._recorder()
         self.conn.execute(
             "TRUNCATE events, event_keys, partitions, consumer_positions, users, runs, outbox, run_journal, audit"
             " RESTART IDENTITY CASCADE"
@@ -167,6 +183,10 @@ class World:
         self.loop.close()
         self.conn.close()
         self.recorder.close()
+
+
+def _idle(conn: psycopg.Connection[DictRow]) -> bool:
+    return not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE
 
 
 def _answer(text: str) -> SimpleNamespace:
