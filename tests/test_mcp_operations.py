@@ -104,6 +104,46 @@ def test_a_server_built_on_mcp_1_runs_from_a_venv_of_its_own(tmp_path):
     assert "orders" in listed.text
 
 
+def test_a_server_that_does_not_know_discover_is_probed_once_and_quietly(tmp_path, caplog, monkeypatch):
+    """mcp-server-sqlite (mcp 1.x) answers the SDK's ``server/discover`` probe with an error,
+    after a validation warning of some 90 lines on its stderr. The worker probes it once, at
+    the listing: the warning goes to DEBUG under one INFO line, and the call's connection
+    uses the initialize handshake at once (no probe, no ERROR span in the run's trace)."""
+    import mcp.shared._otel
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(mcp.shared._otel, "_tracer", provider.get_tracer("mcp-python-sdk"))  # the SDK's spans
+    caplog.set_level(logging.DEBUG, logger="vigil.agent.mcp_tools")
+    bin_dir = installed("sqlite", "mcp-server-sqlite==2025.4.25", "mcp<2")
+    servers = {"sqlite": {"command": str(bin_dir / "mcp-server-sqlite"), "args": ["--db-path", str(tmp_path / "s.db")]}}
+    tools = {tool.name: tool for tool in registry(servers).tools}
+    assert [s.name for s in exporter.get_finished_spans() if "discover" in s.name] == ["MCP send server/discover"]
+    exporter.clear()
+    listed = call(tools["sqlite__list_tables"], {}, "k1")
+    assert not listed.is_error, listed.text
+
+    def logged(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "vigil.agent.mcp_tools" and r.levelno == level]
+
+    said = [m for m in logged(logging.INFO) if "discover" in m or "validat" in m]
+    assert said == [
+        "MCP server sqlite does not know server/discover (older than MCP 2026-07-28): reached with the "
+        "initialize handshake from now on"
+    ], said
+    assert any("Failed to validate request" in m for m in logged(logging.DEBUG))
+    sent = exporter.get_finished_spans()
+    names = [s.name for s in sent if s.name.startswith("MCP send ")]
+    assert names[:2] == ["MCP send initialize", "MCP send tools/call list_tables"], names
+    assert "MCP send server/discover" not in names
+    assert [s.name for s in sent if s.status.status_code is StatusCode.ERROR] == []
+
+
 def test_the_reference_time_server_from_pypi_is_named_and_called():
     bin_dir = installed("time", "mcp-server-time==2026.10.19")
     servers = {"time": {"command": str(bin_dir / "mcp-server-time"), "args": ["--local-timezone", "UTC"]}}

@@ -24,6 +24,12 @@ and offers no tools while it is down: the worker lists it again every ``VIGIL_MC
 (:func:`list_again`) and offers its tools from the first listing that succeeds. A server
 listed once keeps its tools (the list is part of the cached prompt prefix): a tool added
 to it later appears after a restart.
+
+The handshake: the SDK probes ``server/discover`` (MCP 2026-07-28) and falls back to the
+``initialize`` handshake when the server answers with an error. A server that fell back
+(one built on ``mcp`` 1.x, which also writes a long validation warning to its stderr) is
+reached with the handshake from then on: one probe per worker, and what the server wrote
+during it goes to the log at DEBUG under one INFO line saying so.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from importlib.metadata import version as distribution_version
 from typing import Any, TextIO
@@ -98,6 +105,10 @@ class Connection:
         self._lock: asyncio.Lock | None = None
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)  # stdio: its last lines
         self._stderr_reader: threading.Thread | None = None
+        # "auto": probe server/discover, fall back to the initialize handshake; "legacy" once
+        # the server fell back (it does not know server/discover: no probe again).
+        self.mode = "auto"
+        self._settle: Callable[[bool], None] | None = None  # stdio: ends the handshake's stderr hold
 
     @property
     def address(self) -> str:
@@ -123,40 +134,91 @@ class Connection:
     async def _stdio(self) -> AsyncIterator[Any]:
         """The stdio transport, the process's stderr read line by line into the log.
 
-        The pipe's write end is closed here once the process holds its own copy, so the
-        reader ends when the process does; a spawn that fails closes it too."""
+        What the server writes before the handshake is settled is held (:meth:`_connected`):
+        our copy of the pipe's write end stays open until then, to put a mark behind it. A
+        pipe keeps order, so every line the server wrote before its answer to the handshake
+        is ahead of the mark. Once our copy is closed the reader ends when the process does;
+        a spawn or a handshake that fails closes it too, and what was held is logged."""
         spec = self.spec
         params = StdioServerParameters(
             command=spec.command or "", args=list(spec.args), env=dict(spec.env), cwd=spec.cwd
         )
         read_fd, write_fd = os.pipe()
         errlog = os.fdopen(write_fd, "w")
+        mark = secrets.token_hex(16)  # no line of the server's starts with it
         reader = threading.Thread(
-            target=self._forward_stderr, args=(os.fdopen(read_fd, errors="replace"),), daemon=True, name="mcp-stderr"
+            target=self._forward_stderr,
+            args=(os.fdopen(read_fd, errors="replace"), mark),
+            daemon=True,
+            name="mcp-stderr",
         )
         reader.start()
         self._stderr_reader = reader
+
+        def settle(fell_back: bool) -> None:
+            if not errlog.closed:
+                errlog.write(f"\n{mark} {'fell-back' if fell_back else 'settled'}\n")
+                errlog.close()
+
+        self._settle = settle
         try:
             async with stdio_client(params, errlog=errlog) as streams:
-                errlog.close()
                 yield streams
         finally:
+            if self._settle is settle:
+                self._settle = None
             errlog.close()
+            # What the server wrote is in the log when its connection is over (the process is
+            # stopped: only a grandchild holding the pipe makes this wait run out).
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(reader.join, STDERR_DRAIN_S)
 
-    def _forward_stderr(self, pipe: TextIO) -> None:
-        """Each line the server writes to stderr, as one log line labelled with its name."""
+    def _forward_stderr(self, pipe: TextIO, mark: str) -> None:
+        """Each line the server writes to stderr, as one log line labelled with its name; those
+        of the handshake held until :meth:`_connected` marks it settled: at DEBUG if the
+        server fell back to the initialize handshake (they are its complaint about the probe)."""
+        held: list[str] | None = []
         with pipe:
             for raw in pipe:
                 line = raw.rstrip("\r\n")
+                if held is not None and line.startswith(mark):
+                    self._log_stderr(held, logging.DEBUG if line.endswith("fell-back") else logging.INFO)
+                    held = None
+                    continue
                 if not line.strip():
                     continue
                 self.stderr_tail.append(line)
-                log.info(
-                    "MCP server %s: %s",
-                    self.spec.name,
-                    line,
-                    extra={"event": "mcp_stderr", "mcp_server": self.spec.name},
-                )
+                if held is not None:
+                    held.append(line)
+                else:
+                    self._log_stderr([line], logging.INFO)
+        if held:  # the process ended before the handshake did: as it wrote them
+            self._log_stderr(held, logging.INFO)
+
+    def _log_stderr(self, lines: list[str], level: int) -> None:
+        for line in lines:
+            log.log(
+                level,
+                "MCP server %s: %s",
+                self.spec.name,
+                line,
+                extra={"event": "mcp_stderr", "mcp_server": self.spec.name},
+            )
+
+    def _connected(self, client: Client) -> None:
+        """The handshake is done: a server that answered ``server/discover`` with an error and
+        fell back to ``initialize`` is not probed again."""
+        fell_back = self.mode == "auto" and client.session.initialize_result is not None
+        if fell_back:
+            self.mode = "legacy"
+            log.info(
+                "MCP server %s does not know server/discover (older than MCP 2026-07-28): reached with the "
+                "initialize handshake from now on",
+                self.spec.name,
+                extra={"mcp_server": self.spec.name},
+            )
+        if self._settle is not None:
+            self._settle(fell_back)
 
     async def _stderr_note(self) -> str:
         """The server's last stderr lines, for the reason it failed ('' if it wrote none)."""
@@ -169,7 +231,9 @@ class Connection:
 
     def _new_client(self) -> Client:
         # cache=None: a tool call must reach the server every time.
-        return Client(self._transport(), read_timeout_seconds=self.timeout, cache=None, client_info=CLIENT_INFO)
+        return Client(
+            self._transport(), read_timeout_seconds=self.timeout, cache=None, client_info=CLIENT_INFO, mode=self.mode
+        )
 
     async def _check_address(self) -> None:
         url = self.spec.url
@@ -194,6 +258,7 @@ class Connection:
         try:
             with anyio.fail_after(bound):
                 async with self._new_client() as client:
+                    self._connected(client)
                     version = client.server_info.version if client.server_info else ""
                     tools: list[mcp_types.Tool] = []
                     cursor = None
@@ -240,6 +305,7 @@ class Connection:
                     return await client.call_tool(tool, args, meta=meta)
             with anyio.fail_after(self.timeout):
                 async with self._new_client() as client:
+                    self._connected(client)
                     return await client.call_tool(tool, args, meta=meta)
         except ServerDown:
             raise
@@ -268,6 +334,7 @@ class Connection:
     async def _hold(self, ready: asyncio.Future[Client], closing: asyncio.Event) -> None:
         try:
             async with self._new_client() as client:
+                self._connected(client)
                 ready.set_result(client)
                 await closing.wait()
         except BaseException as exc:
