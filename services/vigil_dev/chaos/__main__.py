@@ -247,6 +247,11 @@ def approval_profile(stack: ChaosStack, args: argparse.Namespace, cast: Cast) ->
 def poisoned(stack: ChaosStack, supervisor: Supervisor, port: int, began: float) -> None:
     """A poison call arrived from ``port``: its worker dies now, and the supervisor brings it back."""
     worker = stack.caller(port)
+    for _ in range(25):  # a worker restarted a moment ago: its pid file, its socket, in a moment
+        if worker is not None:
+            break
+        time.sleep(0.2)
+        worker = stack.caller(port)
     if worker is None:
         say(began, f"poison call from port {port}: no worker of ours holds it (not killed)")
         return

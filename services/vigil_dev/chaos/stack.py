@@ -299,11 +299,15 @@ class ChaosStack:
             if pid is None:
                 continue
             try:
-                for fd in Path(f"/proc/{pid}/fd").iterdir():
-                    if os.readlink(fd) == f"socket:[{inode}]":
-                        return worker
+                fds = list(Path(f"/proc/{pid}/fd").iterdir())
             except OSError:
                 continue  # it died meanwhile
+            for fd in fds:
+                try:
+                    if os.readlink(fd) == f"socket:[{inode}]":
+                        return worker
+                except OSError:
+                    continue  # this descriptor closed meanwhile: the worker's others still count
         return None
 
     def held(self, worker: str) -> list[int] | None:
