@@ -4,7 +4,6 @@ no run behind, a real worker waits and resumes, and one weighting bills tokens e
 from __future__ import annotations
 
 import asyncio
-import time
 from datetime import UTC, datetime
 
 import psycopg
@@ -99,7 +98,14 @@ def test_a_worker_past_the_budget_calls_no_model_tells_once_and_resumes_when_rai
             )
 
         wait_for(lambda: refused() == 2, 60, "both events waiting for the budget", interval=0.2)
-        time.sleep(2)  # ten scan intervals: nothing more may happen
+        # A few more claim passes (counted, not slept for): none may call the model.
+        passes = metric(port, "vigil_worker_ledger_seconds_count", 'step="claim"')
+        assert passes > 0
+        wait_for(
+            lambda: metric(port, "vigil_worker_ledger_seconds_count", 'step="claim"') >= passes + 3,
+            60,
+            "three more claim passes",
+        )
         assert len(server.requests()) == calls  # no model call past the budget
         notices = query(ledger, "SELECT body FROM outbox WHERE user_id = %s AND run_id = 0", (user,))
         assert len(notices) == 1 and "daily model budget (1500 tokens) is spent" in notices[0]["body"]

@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler
 import psycopg
 import pytest
 
+from dispatcher_support import metric as scraped
 from support import LocalHTTPServer, query, scalar, wait_for
 from vigil_dev.devstack import free_port
 from vigil_dev.scripted_server import ScriptedServer
@@ -226,15 +227,18 @@ def test_a_frozen_worker_lands_nothing_after_another_replayed_its_run(stack, top
     comes in and its next append is refused (or its run is revoked first): nothing of A lands."""
     receiver = Receiver()
     with ScriptedServer(script(receiver.url, 8.0)) as server:
-        a, _ = worker(spawn, vigil_env, server, receiver, "worker-a")
+        a, a_port = worker(spawn, vigil_env, server, receiver, "worker-a")
         produce(stack.bootstrap, topics.events, [chat("bob", "refund B200")])
         wait_for(lambda: questions(server)["q2"] == 1, 30, "the second question to be asked")
+        assert scraped(a_port, "vigil_runs_in_flight") == 1
         a.signal(signal.SIGSTOP)
         b, _ = worker(spawn, vigil_env, server, receiver, "worker-b", VIGIL_WORKER_PORT=str(free_port()))
         wait_for(lambda: scalar(ledger, "SELECT count(*) FROM outbox"), 60, "B to finish the run")
         a.signal(signal.SIGCONT)
-        # A's model call ends (the scripted delay) and it would append its answer, or finish.
-        time.sleep(10)
+        # A's model call ends (the scripted delay) and it would append its answer, or finish:
+        # whichever way A's run ends (refused, revoked, its finish stale), it is over once A
+        # holds no run, and nothing of it can land after that (a scrape that fails is None).
+        wait_for(lambda: scraped(a_port, "vigil_runs_in_flight") == 0, 60, "A's run to end")
         asked = questions(server)
     receiver.close()
     assert len(receiver.keys) == 1, receiver.keys

@@ -620,39 +620,51 @@ def claim_dead(ledger: str) -> list[DeadEvent]:
 
 
 def test_a_pass_in_between_does_not_cancel_a_requested_one(monkeypatch):
-    """The loop's scheduling alone (its passes recorded, no ledger): a wake-up asked for at
-    +0.3 s still happens when passes run in between, and the periodic pass comes a scan interval after the last pass."""
+    """The claim loop itself (its passes recorded, no ledger) on a clock the test moves: a
+    wake-up asked for at +0.3 s still happens when a pass runs in between, and the periodic
+    pass comes a scan interval after the last pass, not before."""
     from vigil.settings import load
     from vigil.worker.runner import Runner
     from vigil.worker.settings import WorkerSettings
 
     monkeypatch.setenv("VIGIL_DATABASE_URL", "postgresql://unused@127.0.0.1/unused")
     settings = load(WorkerSettings, scan_interval_s=1.0)
-    runner = Runner(settings, agent=None, pool=None, dead_letters=None)
+    clock = ManualClock(1_000.0)
+    runner = Runner(settings, agent=None, pool=None, dead_letters=None, clock=clock)
     passes: list[float] = []
 
     async def record_pass():
-        passes.append(time.monotonic() - start)
+        passes.append(round(clock.monotonic() - 1_000.0, 6))
 
     runner.claimer._claim_pass = record_pass
 
+    async def loop_turn() -> None:
+        """Let the loop see the clock: it wakes, passes if one is due, and waits again. Its
+        pass awaits nothing (recorded, not run), so a few turns of the event loop do it."""
+        runner.wakeups.interrupt()
+        for _ in range(20):
+            await asyncio.sleep(0)
+
     async def go():
         loop_task = asyncio.create_task(runner.claimer.claim_loop())
-        await asyncio.sleep(0.05)  # the first pass (at start) is done
+        await loop_turn()  # the first pass, at start
         runner.wake(0.3)  # the window of what was just recorded ends then
-        await asyncio.sleep(0.1)
+        clock.advance(0.1)
         runner.wake()  # a finish frees a slot: a pass now
-        await asyncio.sleep(1.4)
+        await loop_turn()
+        clock.advance(0.19)
+        await loop_turn()  # not yet
+        clock.advance(0.01)
+        await loop_turn()  # the requested one, not cancelled by the pass in between
+        clock.advance(0.99)
+        await loop_turn()  # not yet: the scan is an interval after the last pass
+        clock.advance(0.01)
+        await loop_turn()
         await runner.drain(0)  # nothing runs: it only stops the loop
         await loop_task
 
-    start = time.monotonic()
     asyncio.run(go())
-    assert passes[0] < 0.05
-    assert any(0.12 < t < 0.2 for t in passes), passes  # the immediate one
-    assert any(0.33 < t < 0.45 for t in passes), passes  # the requested one, not cancelled by it
-    assert any(1.33 < t < 1.5 for t in passes), passes  # the periodic one, a scan interval after the last
-    assert len(passes) == 4, passes
+    assert passes == [0.0, 0.1, 0.3, 1.3]
 
 
 def test_a_group_finish_runs_no_trigger_per_message(ledger):

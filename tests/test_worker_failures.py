@@ -423,23 +423,37 @@ def test_a_rolling_deploy_runs_nothing_twice(stack, topics, ledger, vigil_env, s
     sent, stop = 0, threading.Event()
 
     def load() -> None:
+        # Steady, not growing: up to one event per user waiting or running, topped up every
+        # quarter second. An open-ended rate piles up a backlog as long as the steps take on
+        # a loaded machine, and every one of those runs is drained at the end.
         nonlocal sent
         while not stop.is_set():
-            produce(stack.bootstrap, topics.events, [chat(rng.choice(users), f"slow {sent + i}") for i in range(20)])
-            sent += 20
+            if sent - statuses(ledger).get("done", 0) < len(users):
+                batch = [chat(rng.choice(users), f"slow {sent + i}") for i in range(20)]
+                produce(stack.bootstrap, topics.events, batch)
+                sent += 20
             time.sleep(0.25)
 
     producer = threading.Thread(target=load, daemon=True)
     producer.start()
     seen: dict[str, dict[str, float]] = {}
+
+    def ran_runs(name: str) -> bool:
+        return scalar(ledger, "SELECT count(*) FROM runs WHERE worker = %s", (name,)) > 0
+
+    def holds(name: str) -> int:
+        return scalar(ledger, "SELECT count(*) FROM partitions WHERE holder = %s", (name,))
+
+    # Each step waits for what it is there for, not for a fixed time: every second of load
+    # is more than a second of runs to drain at the end.
     try:
-        time.sleep(3)
+        wait_for(lambda: ran_runs("old-1") and ran_runs("old-2"), 60, "both old workers running the load")
         for old, new in (("old-1", "new-1"), ("old-2", "new-2")):
             up(new)  # joins: the old ones hand partitions over to it
-            time.sleep(4)
+            wait_for(lambda new=new: ran_runs(new), 60, f"{new} running a partition handed over to it")
             seen[old] = counters(old)
             assert workers[old][0].stop(60) == 0, f"{old} did not stop cleanly"
-            time.sleep(2)
+            wait_for(lambda old=old: holds(old) == 0, 60, f"{old}'s partitions taken over")
     finally:
         stop.set()
         producer.join(10)
