@@ -119,3 +119,53 @@ def test_budget_notices_are_one_a_day_for_exactly_the_users_who_wait_today():
     }
     for case, (waiting, notices) in bad.items():
         assert len(notice_problems(waiting, notices, today)) == 1, case
+
+
+def test_the_poison_receiver_finds_its_caller_beside_a_closed_connection_on_the_same_port():
+    """The poison receiver kills the worker whose socket comes from the caller's port. An
+    ephemeral port can be shared by a closed connection's TIME_WAIT entry (no process owns it:
+    inode 0); the lookup that stopped at the first entry found no worker, and the poison call
+    got a cut connection instead of killing its caller (make chaos SEED=3 SHARDS=2: poison alive)."""
+    import socket
+
+    from vigil_dev.chaos.stack import ChaosStack
+
+    def listener() -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        return s
+
+    first, second = listener(), listener()
+    closed = socket.socket()
+    closed.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.connect(first.getsockname())
+    peer = first.accept()[0]
+    closed.close()  # the client closes first: its port goes to TIME_WAIT
+    peer.close()
+    live = socket.socket()
+    live.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    live.bind(("127.0.0.1", port))
+    live.connect(second.getsockname())
+    accepted = second.accept()[0]
+    states = [
+        line.split()[3]
+        for line in open("/proc/net/tcp").read().splitlines()[1:]
+        if int(line.split()[1].rsplit(":", 1)[1], 16) == port
+    ]
+    assert sorted(states) == ["01", "06"]  # established and TIME_WAIT, on one local port
+
+    class OneWorker:
+        workers = ["worker"]
+
+        def pid(self, part: str) -> int:
+            return os.getpid()
+
+    try:
+        assert ChaosStack.caller(OneWorker(), port) == "worker"  # type: ignore[arg-type]
+    finally:
+        for s in (live, accepted, first, second):
+            s.close()

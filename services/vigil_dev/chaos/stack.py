@@ -284,15 +284,16 @@ class ChaosStack:
 
     def caller(self, port: int) -> str | None:
         """The worker whose TCP connection to 127.0.0.1 comes from local ``port`` (None: no
-        worker's): the socket's inode from /proc/net/tcp, then the worker holding it among its
-        descriptors. Linux only, as the dev stack is."""
-        inode = None
+        worker's): the sockets' inodes from /proc/net/tcp, then the worker holding one among
+        its descriptors. Every entry of that local port counts but those owned by no process
+        (inode 0: a closed connection's TIME_WAIT, which an ephemeral port can share with a
+        live one). Linux only, as the dev stack is."""
+        inodes = set()
         for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
             fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inode = fields[9]
-                break
-        if inode is None:
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
+                inodes.add(f"socket:[{fields[9]}]")
+        if not inodes:
             return None
         for worker in self.workers:
             pid = self.pid(worker)
@@ -304,7 +305,7 @@ class ChaosStack:
                 continue  # it died meanwhile
             for fd in fds:
                 try:
-                    if os.readlink(fd) == f"socket:[{inode}]":
+                    if os.readlink(fd) in inodes:
                         return worker
                 except OSError:
                     continue  # this descriptor closed meanwhile: the worker's others still count
