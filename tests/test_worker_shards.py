@@ -173,3 +173,50 @@ def test_a_shard_that_does_not_answer_stops_only_its_own_users(stack, topics, tw
         assert users_of(dsn, "events") == set(mine)
         assert_runs_consistent(dsn)
     assert worker.alive()
+
+
+def test_a_shard_probe_waits_for_the_batch_in_flight_on_its_connection(ledger, stack, topics, monkeypatch):
+    """The probe of a shard that was down asks on the shard's recorder connection, so it waits
+    for the batch in flight, as the rebalance callbacks do. Before, it ran beside the recorder:
+    its commit, landing between the recorder's COPY and its statement, committed the COPY
+    (emptying the staging table), and the statement then moved the ledger's position past an
+    event it never inserted (make chaos SEED=1 SHARDS=2: one acknowledged event lost)."""
+    import asyncio
+    import threading
+    from concurrent.futures import Future
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    from vigil.ledger.partitions import PartitionKey
+    from vigil.settings import load
+    from vigil.worker.consumer import ConsumerLoop, Down, InFlight, Recorded
+    from vigil.worker.settings import WorkerSettings
+
+    monkeypatch.setenv("VIGIL_DATABASE_URL", ledger)
+    monkeypatch.setenv("VIGIL_KAFKA_BOOTSTRAP", stack.bootstrap)
+    monkeypatch.setenv("VIGIL_EVENTS_TOPIC", topics.events)
+    settings = load(WorkerSettings, instance_id="prober")
+    loop = ConsumerLoop(settings, None, asyncio.new_event_loop(), None, threading.Event())
+    loop.consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"{topics.events}.probe"})
+    key = PartitionKey(topics.events, 0)
+    loop.consumer.assign([TopicPartition(key.topic, key.partition, 0)])
+    loop.assigned.add(key)
+    loop.down = {0: Down({key: 0}, probe_at=0.0)}  # shard 0 down, its probe due
+    batch: Future = Future()  # the recorder's batch, still in its transaction
+    loop.in_flight = InFlight(batch, {}, 0, {})
+    probe = threading.Thread(target=loop._probe_down, daemon=True)
+    try:
+        probe.start()
+        probe.join(1.0)
+        assert probe.is_alive(), "the probe used the recorder's connection while its batch was in flight"
+        batch.set_result(Recorded(0, []))
+        probe.join(10)
+        assert not probe.is_alive()
+        assert loop.in_flight is None and loop.down == {}  # settled, then probed: the shard answers
+    finally:
+        if not batch.done():
+            batch.set_result(Recorded(0, []))
+        probe.join(10)
+        loop.consumer.close()
+        for conn in loop.conns.values():
+            conn.close()
