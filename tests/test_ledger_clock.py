@@ -139,6 +139,7 @@ def test_claims_handed_back_at_a_takeover_back_off_from_the_callers_clock(ledger
             backoff_base_s=60.0,
             backoff_cap_s=120.0,
             max_attempts=3,
+            verdict_s=30.0,
             now=utc(clock.now()),
         )
         conn.commit()

@@ -93,7 +93,7 @@ def test_claim_and_rule_2_read_the_live_queue_only(ledger):
     }
     for name, sql, args in (
         ("claim", Q.claim, params),
-        ("mark_exhausted_dead", Q.mark_exhausted_dead, {**OWNED, "max_attempts": 3}),
+        ("mark_exhausted_dead", Q.mark_exhausted_dead, {**OWNED, "max_attempts": 3, "now": datetime.now(UTC)}),
         ("claim_alone", Q.claim_alone, {**OWNED, "max_attempts": 3, "now": datetime.now(UTC)}),
         ("alone_due", Q.alone_due, {**OWNED, "max_attempts": 3, "now": datetime.now(UTC)}),
     ):
@@ -151,6 +151,7 @@ def test_the_group_finish_and_the_takeover_read_the_live_queue_only(ledger):
                 "max_attempts": 3,
                 "backoff_cap": 1.0,
                 "backoff_base": 1.0,
+                "verdict_s": 30.0,
                 "now": now,
             },
         ),

@@ -452,7 +452,9 @@ def test_a_claim_pass_stays_cheap_when_the_statistics_say_nothing_waits(ledger):
     query(ledger, "UPDATE events SET attempts = 3 WHERE user_id = 'u00007'")
     assert (
         _explain(
-            ledger, Q.mark_exhausted_dead, {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3}
+            ledger,
+            Q.mark_exhausted_dead,
+            {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3, "now": None},
         )
         <= 100
     )
@@ -605,7 +607,7 @@ def test_rule_2_reads_the_retries_not_the_backlog(ledger):
     seed_pending(ledger, 1000, per_user=5)
     query(ledger, "UPDATE events SET attempts = 3 WHERE user_id = 'u00007'")  # one exhausted user among 5,000 rows
     query(ledger, "ANALYZE events")
-    params = {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3}
+    params = {"topics": ["events"], "partitions": [0], "epochs": [1], "max_attempts": 3, "now": None}
     assert _explain(ledger, Q.mark_exhausted_dead, params) <= 50
     dead = claim_dead(ledger)
     assert sorted(r.user_id for r in dead) == ["u00007"] * 5

@@ -128,6 +128,45 @@ def test_a_lone_attempt_waits_for_runs_in_flight_only_so_long(stack, topics, led
     assert worker.alive()
 
 
+@pytest.mark.partitions(1)
+def test_a_lone_last_attempt_lost_by_a_live_worker_is_not_its_events_death(stack, topics, ledger, vigil_env, spawn):
+    """An event lost with its worker before runs its last attempt alone, and a crash there is
+    its death. Here the worker does not crash: frozen past its session timeout (a long GC, a
+    stalled host), it loses the partition, B takes over first and hands the claim back as a
+    lone attempt's loss. A thawed sees its loss, cancels the run and gives the attempt back
+    within the verdict's wait (3 session timeouts): the event runs alone again, on B, and is
+    done. (Before: B's next pass made it dead, `dead after 3 attempts`, the chaos run's
+    `healthy dead 1`.)"""
+    env_a = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:30")
+    a = start(spawn, env_a, "a")
+    query(ledger, "INSERT INTO users (user_id, home_topic, home_partition) VALUES ('lone', %s, 0)", (topics.events,))
+    query(
+        ledger,
+        """INSERT INTO events (user_id, source, source_id, kind, payload, received_at, attempts, lost_claims, error)
+           VALUES ('lone', 'chat', 'lost-once', 'chat.message', '{"text": "a slow one"}', now(), 2, 1,
+                   'claim abandoned: its worker lost partition 0')""",
+    )
+    wait_for(lambda: scalar(ledger, "SELECT status FROM events") == "running", 20, "A claimed the lone attempt")
+    assert scalar(ledger, "SELECT attempts FROM events") == 3
+    epoch_a = scalar(ledger, "SELECT claim_epoch FROM events")
+    a.signal(signal.SIGSTOP)
+    env_b = worker_env(vigil_env, VIGIL_ECHO_SLEEP_ON="slow:0.5")
+    b = start(spawn, env_b, "b")
+    wait_for(lambda: scalar(ledger, "SELECT epoch FROM partitions") > epoch_a, 30, "B took over (epoch + 1)")
+    handed = query(ledger, "SELECT status, attempts, lost_claims, claim_epoch FROM events")[0]
+    assert handed == {"status": "pending", "attempts": 3, "lost_claims": 2, "claim_epoch": epoch_a}
+    a.signal(signal.SIGCONT)
+    port_a = int(env_a["VIGIL_WORKER_PORT"])
+    wait_for(lambda: metric(port_a, "vigil_lost_claims_forgiven_total") == 1, 15, "A gave the lone attempt back")
+    assert "lost partitions: 1 claim(s) a takeover counted as lost with a crashed worker given back" in a.log()
+    wait_for(lambda: scalar(ledger, "SELECT status FROM events") in ("done", "dead"), 30, "the event settled")
+    event = query(ledger, "SELECT status, attempts, lost_claims, error FROM events")[0]
+    assert (event["status"], event["attempts"], event["lost_claims"]) == ("done", 3, 1), event  # the loss uncounted
+    assert metric(int(env_b["VIGIL_WORKER_PORT"]), "vigil_lone_runs_total") == 1
+    assert a.alive() and b.alive()
+    assert_runs_consistent(ledger)
+
+
 @pytest.mark.slow
 @pytest.mark.partitions(4)
 def test_random_sigkills_lose_and_duplicate_nothing(stack, topics, ledger, vigil_env, spawn):

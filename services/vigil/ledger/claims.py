@@ -15,7 +15,8 @@
    until it finishes. A crash takes down every run in flight, and each lost
    claim counted an attempt; so the takeover never lets a claim lost in company use up an
    event's last attempt (query ``hand_back_stale_claims``), and a crash becomes an event's
-   death only when the event ran alone. A poison event that kills its worker therefore dies
+   death only when the event ran alone, and its worker did not come back alive within the
+   verdict's wait to say it was no crash (:func:`forgive_lost_claims`). A poison event that kills its worker therefore dies
    after ``max_attempts`` claims, the last of them alone, and the events that happened to
    run beside it lose at most ``max_attempts - 1`` attempts, never their lives. A journaled
    batch on its first event's lone last attempt replays whole once, uncounted
@@ -103,12 +104,19 @@ class DeadEvent:
 
 
 async def mark_dead(
-    conn: psycopg.AsyncConnection[DictRow], owned: dict[PartitionKey, int], max_attempts: int
+    conn: psycopg.AsyncConnection[DictRow],
+    owned: dict[PartitionKey, int],
+    max_attempts: int,
+    *,
+    now: datetime | None = None,
 ) -> list[DeadEvent]:
-    """Rule 2 for every owned partition. Returns the rows that became dead (for the DLQ)."""
+    """Rule 2 for every owned partition, at ``now``: a lone last attempt a takeover handed
+    back is not dead before its verdict's wait ends (:func:`forgive_lost_claims`). Returns
+    the rows that became dead (for the DLQ)."""
     if not owned:
         return []
-    cur = await conn.execute(Q.mark_exhausted_dead, {**owned_params(owned), "max_attempts": max_attempts})
+    params = {**owned_params(owned), "max_attempts": max_attempts, "now": now}
+    cur = await conn.execute(Q.mark_exhausted_dead, params)
     return [DeadEvent(**{f.name: row[f.name] for f in fields(DeadEvent)}) for row in await cur.fetchall()]
 
 
@@ -299,6 +307,32 @@ async def backoff_ends(
     (read at takeover)."""
     cur = await conn.execute(Q.backoff_ends, {**keys_params(sorted(keys)), "now": now})
     return [row["at"] for row in await cur.fetchall()]
+
+
+async def forgive_lost_claims(
+    conn: psycopg.AsyncConnection[DictRow],
+    home: PartitionKey,
+    epoch: int,
+    ids: list[int],
+    max_attempts: int,
+    *,
+    now: datetime | None = None,
+) -> list[int]:
+    """A worker that lost ``home`` while alive and cancelled the runs of ``ids`` (claimed
+    under ``epoch``); a takeover came first and counted them lost with a crashed worker (rule
+    1). It was no crash: the loss uncounted, a lone last attempt's count given back (its
+    verdict of death waits for this) and a batch replayed alone unstamped, so the event's last
+    attempt, or the batch's replay alone, runs again. Returns the ids forgiven; none once the
+    verdict's wait ended (the event is dead) or a row was written since."""
+    params = {
+        "ids": ids,
+        "epoch": epoch,
+        "topic": home.topic,
+        "partition": home.partition,
+        "max_attempts": max_attempts,
+        "now": now,
+    }
+    return [row["id"] for row in await (await conn.execute(Q.forgive_lost_claims, params)).fetchall()]
 
 
 # A release that meets a finish committing one of its rows at the same moment (a run that

@@ -85,10 +85,12 @@ def hand_back_stale_claims(
     backoff_base_s: float,
     backoff_cap_s: float,
     max_attempts: int,
+    verdict_s: float,
     now: datetime | None = None,
 ) -> list[int]:
     """Rule 1's second half: the partition's events still claimed under an older epoch back to
-    pending with a backoff from ``now``. Returns their ids."""
+    pending with a backoff from ``now``; a lone last attempt's death waits ``verdict_s`` for
+    its worker to say it was alive (claims' ``forgive_lost_claims``). Returns their ids."""
     rows = conn.execute(
         Q.hand_back_stale_claims,
         {
@@ -98,6 +100,7 @@ def hand_back_stale_claims(
             "backoff_base": backoff_base_s,
             "backoff_cap": backoff_cap_s,
             "max_attempts": max_attempts,
+            "verdict_s": verdict_s,
             "now": now,
         },
     ).fetchall()

@@ -137,7 +137,9 @@ class Claimer:
         commit (:meth:`Runs.wait_gone`), so a rebalance does not run finished work again.
         A release is fenced like a finish: if the new owner already took over, it matches
         nothing and the takeover's hand-back has done the job. A *lost* partition
-        (``release=False``) waits for nothing: its new owner may hold it already.
+        (``release=False``) waits for nothing: its new owner may hold it already; its runs'
+        claims are given back in the background (:meth:`Runs.cancel`), so that a takeover that
+        came first does not make a lone last attempt of this live worker its event's death.
         """
         began = time.monotonic()  # a measurement, not a decision: the host's clock
         await self._wind_down(await self._drop(keys), release, grace_s)
@@ -266,7 +268,7 @@ class Claimer:
                 finished,
                 handed,
                 len(victims),
-                " and released" if release else " (partitions lost: nothing released)",
+                " and released" if release else " (partitions lost: given back unless taken over)",
             )
 
     async def claim_loop(self) -> None:
@@ -324,8 +326,8 @@ class Claimer:
                     timeout = None if self.shards.single else SHARD_CONNECT_S
                     async with self.shards.pool(shard).connection(timeout=timeout) as conn:
                         if check:
-                            dead += await mark_dead(conn, owned, self.settings.max_attempts)
                             now = utc(self.clock.now())
+                            dead += await mark_dead(conn, owned, self.settings.max_attempts, now=now)
                             self._lone_at(shard, await alone_due(conn, owned, self.settings.max_attempts, now=now))
                         if heal:
                             await self._heal(conn, owned)

@@ -300,6 +300,7 @@ class ConsumerLoop(threading.Thread):
             self.settings.max_attempts,
             within_s,
             self.clock,
+            self.settings.lost_verdict_s,
         )
 
     def _take_over_later(self, keys: list[PartitionKey], shard: int = CATALOG) -> None:

@@ -85,11 +85,14 @@ def take_over(
     max_attempts: int,
     handover_within_s: float = 60.0,
     clock: Clock | None = None,
+    verdict_s: float = 30.0,
 ) -> dict[PartitionKey, int]:
     """Rule 1, for every newly assigned partition in one transaction, once no hand-over of
     them is in progress (rule 4, :func:`wait_for_handover`, at most ``handover_within_s``;
     0: the caller has waited already). Returns the new epochs. ``clock``: what the hand-over
     deadlines and the handed-back claims' backoffs are decided on (None: the ledger's clock).
+    ``verdict_s``: how long a lone last attempt handed back waits before it is its event's
+    death (its worker, alive, may give it back: :func:`vigil.ledger.claims.forgive_lost_claims`).
 
     Partitions are taken in sorted order so that two workers taking over overlapping sets
     cannot deadlock. A crash before the commit leaves the old epochs: the next assignment
@@ -108,6 +111,7 @@ def take_over(
                 backoff_base_s=backoff_base_s,
                 backoff_cap_s=backoff_cap_s,
                 max_attempts=max_attempts,
+                verdict_s=verdict_s,
                 now=_now(clock),
             )
             epochs[key] = epoch

@@ -43,6 +43,11 @@ STALE_FINISHES = Counter(
     "vigil_stale_finishes_total", "Finishes refused because the partition changed hands (fencing worked)."
 )
 RELEASED = Counter("vigil_claims_released_total", "Claims handed back without counting an attempt (revoke, shutdown).")
+LOST_FORGIVEN = Counter(
+    "vigil_lost_claims_forgiven_total",
+    "Claims a takeover counted as lost with a crashed worker that the worker, alive after losing the partition, "
+    "gave back: the loss uncounted, a lone last attempt no longer its event's death.",
+)
 HANDED_OVER = Counter(
     "vigil_runs_handed_over_total",
     "Runs a revoke or a shutdown stopped at a step boundary (VIGIL_HANDOVER=step): released, their journal "

@@ -79,6 +79,7 @@ class Runs:
         # runs is queued. Other partitions' groups go on gathering.
         self.hurry = asyncio.Event()
         self._hurrying: Counter[PartitionKey] = Counter()
+        self._giving_back: set[asyncio.Task[None]] = set()  # lost partitions' claims (:meth:`cancel`)
 
     @property
     def needs_context(self) -> bool:
@@ -151,31 +152,73 @@ class Runs:
         return bool(self._hurrying) and any(f.claim.home in self._hurrying for f in group)
 
     async def cancel(self, victims: list[Active], release: bool = True) -> None:
-        """Cancel these runs, forget them, and (``release``) hand their claims back."""
+        """Cancel these runs, forget them, and hand their claims back: ``release``, at once
+        (the partitions are still ours); otherwise (lost) in the background, as the runs of a
+        live worker that a takeover may have counted as crashed (:meth:`_give_back_lost`)."""
         tasks = [active.task for active in victims if active.task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for active in victims:
             self.active.pop(active.claim.user_id, None)
-        if release and victims:
-            await self._release(victims)
+        if not victims:
+            return
+        if release:
+            await self._release(_claimed(victims))
+        else:
+            task = asyncio.create_task(self._give_back_lost(_claimed(victims)), name="give-back-lost")
+            self._giving_back.add(task)
+            task.add_done_callback(self._giving_back.discard)
 
-    async def _release(self, victims: list[Active]) -> None:
-        """One statement per partition and epoch for all of ``victims``' events (their claims
-        and what they folded in). A statement per run was a transaction per run: a revoke
-        holding 1,124 model-bound runs took 6 s, the worker recording nothing meanwhile."""
-        groups: dict[tuple[PartitionKey, int], list[int]] = defaultdict(list)
-        for active in victims:
-            claim = active.claim
-            groups[claim.home, claim.epoch] += claim.event_ids + [event.id for event in active.folded]
+    async def _release(self, groups: dict[tuple[PartitionKey, int], list[int]]) -> None:
+        """One statement per partition and epoch for all the events of the runs cancelled
+        (their claims and what they folded in). A statement per run was a transaction per run:
+        a revoke holding 1,124 model-bound runs took 6 s, the worker recording nothing
+        meanwhile."""
         try:
             for shard, some in self.shards.split(groups.items(), _group_partition).items():
                 async with self.shards.pool(shard).connection() as conn:
                     for (home, epoch), ids in some:
                         metrics.RELEASED.inc(await ledger_claims.release_claim(conn, home, epoch, ids))
         except psycopg.Error as exc:
-            log.warning("could not release %d claim(s) (the next owner recovers them): %s", len(victims), exc)
+            log.warning("could not release %d claim(s) (the next owner recovers them): %s", len(groups), exc)
+
+    async def _give_back_lost(self, groups: dict[tuple[PartitionKey, int], list[int]]) -> None:
+        """The claims of runs cancelled because their partitions were lost, this worker alive:
+        released if no one took the partitions over yet (fenced by the epoch); if a takeover
+        came first and counted them lost with a crashed worker, forgiven (a lone last
+        attempt's death waits VIGIL_KAFKA_SESSION_TIMEOUT_MS x 3 for this:
+        :func:`vigil.ledger.claims.forgive_lost_claims`). Retried while the
+        ledger is unreachable, until that wait is over: only a worker that never came back
+        makes a lone attempt's loss a crash."""
+        deadline = time.monotonic() + self.settings.lost_verdict_s
+        while True:
+            try:
+                forgiven: list[int] = []
+                for shard, some in self.shards.split(groups.items(), _group_partition).items():
+                    async with self.shards.pool(shard).connection() as conn:
+                        for (home, epoch), ids in some:
+                            metrics.RELEASED.inc(await ledger_claims.release_claim(conn, home, epoch, ids))
+                            now = utc(self.clock.now())
+                            max_attempts = self.settings.max_attempts
+                            forgiven += await ledger_claims.forgive_lost_claims(
+                                conn, home, epoch, ids, max_attempts, now=now
+                            )
+                if forgiven:
+                    metrics.LOST_FORGIVEN.inc(len(forgiven))
+                    log.warning(
+                        "lost partitions: %d claim(s) a takeover counted as lost with a crashed worker given back:"
+                        " events %s",
+                        len(forgiven),
+                        ", ".join(map(str, forgiven)),
+                        extra={"event": "lost_claims_forgiven"},
+                    )
+                return
+            except psycopg.Error as exc:
+                if time.monotonic() >= deadline:
+                    log.warning("could not give back the claims of lost partitions (the next owner decides): %s", exc)
+                    return
+                await asyncio.sleep(1.0)
 
     async def _run(self, active: Active) -> None:
         """Load the context, run the agent, queue the outcome for the finisher. A crash here
@@ -252,7 +295,7 @@ class Runs:
         """``active`` leaves unfinished: its claim (and what it folded) released, the attempt not
         counted, for the next owner or the next pass to take up."""
         active.handed_over = True
-        await self._release([active])
+        await self._release(_claimed([active]))
         if self.active.get(active.claim.user_id) is active:
             del self.active[active.claim.user_id]
 
@@ -334,6 +377,15 @@ class Runs:
             ),
             tasks=self.shards.task_door(self.shards.shard_of(c.home.partition)),
         )
+
+
+def _claimed(victims: list[Active]) -> dict[tuple[PartitionKey, int], list[int]]:
+    """The events of ``victims`` (their claims and what they folded in), by home and epoch."""
+    groups: dict[tuple[PartitionKey, int], list[int]] = defaultdict(list)
+    for active in victims:
+        claim = active.claim
+        groups[claim.home, claim.epoch] += claim.event_ids + [event.id for event in active.folded]
+    return groups
 
 
 def _group_partition(item: tuple[tuple[PartitionKey, int], list[int]]) -> int:

@@ -250,5 +250,12 @@ class WorkerSettings(CommonSettings):
         return self.task_stale_s / 2
 
     @property
+    def lost_verdict_s(self) -> float:
+        """How long a lone last attempt that a takeover handed back waits before it is its
+        event's death: three session timeouts, for the worker that lost it, if alive, to see
+        its loss, cancel the run and give the attempt back (a crashed one never does)."""
+        return 3 * self.kafka_session_timeout_ms / 1000.0
+
+    @property
     def batch_window_s(self) -> float:
         return self.batch_window_ms / 1000.0

@@ -27,6 +27,9 @@ exhausted AS MATERIALIZED (
         WHERE u.user_id = e.user_id LIMIT 1
     ) mine
     WHERE e.status = 'pending' AND e.attempts > 0 AND e.attempts >= %(max_attempts)s
+      -- Not a lone last attempt a takeover handed back while its verdict waits: the worker
+      -- that lost it may be alive and give it back (forgive_lost_claims).
+      AND NOT (e.claim_epoch IS NOT NULL AND coalesce(e.next_attempt_at > coalesce(%(now)s::timestamptz, now()), false))
 )
 UPDATE events e
 SET status = 'dead', finished_at = now(),
@@ -275,6 +278,28 @@ SET attempts = e.attempts - 1
 WHERE e.id = ANY(%(ids)s) AND e.status = 'running' AND e.claim_epoch = %(epoch)s AND e.attempts > 0
   AND EXISTS (SELECT 1 FROM partitions p
               WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s)
+
+-- name: forgive_lost_claims
+-- A worker that lost a partition while alive cancelled the runs of these events (claimed under %(epoch)s); a takeover came first and handed them back as lost with a crashed worker (hand_back_stale_claims). It was no crash: the loss uncounted, a lone last attempt's count given back (a verdict of death waits for this), and the journal of a batch replayed alone unstamped (else its next lone attempt takes the stamp for a crash alone); so the event's last attempt, or the batch's replay alone, runs again. Only rows no one wrote since (a claim, release or finish writes claim_epoch); a non-last attempt stays counted (the hand-back's row does not say whether it gave one back). Never a dead row.
+WITH forgiven AS (
+    UPDATE events e
+    SET lost_claims = e.lost_claims - 1,
+        attempts = least(e.attempts, %(max_attempts)s - 1),
+        claim_epoch = NULL,
+        next_attempt_at = coalesce(%(now)s::timestamptz, now()),
+        error = 'claim given back: its worker lost partition ' || %(partition)s || ' alive (epoch ' || e.claim_epoch || ') and cancelled the run'
+    WHERE e.id = ANY(%(ids)s) AND e.status = 'pending' AND e.claim_epoch = %(epoch)s AND e.lost_claims > 0
+      AND EXISTS (SELECT 1 FROM users u
+                  WHERE u.user_id = e.user_id AND u.home_topic = %(topic)s AND u.home_partition = %(partition)s)
+    RETURNING e.id, e.user_id
+),
+unstamped AS (
+    UPDATE run_journal j SET alone_at = NULL
+    FROM forgiven f
+    WHERE j.user_id = f.user_id AND j.step = 1 AND j.finished_at IS NULL AND j.alone_at IS NOT NULL
+      AND substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint = f.id
+)
+SELECT id FROM forgiven
 
 -- name: release_claim
 -- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted. The events of every run the worker cancels for one partition at one epoch, in one statement.

@@ -36,17 +36,32 @@ JOIN unnest(%(topics)s::text[], %(partitions)s::int[]) AS w(topic, partition)
 WHERE p.handover_until > coalesce(%(now)s::timestamptz, now())
 
 -- name: hand_back_stale_claims
--- Claims made under an older epoch of this partition belong to a worker that lost it: back to pending, with a backoff. Their attempt counts (the worker may have crashed on them), except that a claim lost in company never uses up the last attempt: only a claim that ran alone (an event lost before, on its last attempt: claim rule 3) can make a crash an event's death.
+-- Claims made under an older epoch of this partition belong to a worker that lost it: back to pending, with a backoff. Their attempt counts (the worker may have crashed on them), except that a claim lost in company never uses up the last attempt: only a claim that ran alone (an event lost before, on its last attempt: claim rule 3) can make a crash an event's death, and that verdict (or a batch's, replayed alone: its journal's stamp) waits %(verdict_s)s for the worker to come back alive and say it was no crash (forgive_lost_claims).
 UPDATE events e
 SET status = 'pending',
-    claim_epoch = NULL,
+    -- Kept: which claim was lost (the epoch of the worker that held it), until a claim,
+    -- release or finish writes the row again. forgive_lost_claims matches on it.
+    claim_epoch = e.claim_epoch,
     -- attempts >= max after a claim means the claim was for the last attempt; it ran alone
     -- exactly when the event had been lost before (the claim rules choose so).
     attempts = CASE WHEN e.attempts >= %(max_attempts)s AND e.lost_claims = 0 THEN %(max_attempts)s - 1 ELSE e.attempts END,
     lost_claims = e.lost_claims + 1,
     error = 'claim abandoned: its worker lost partition ' || %(partition)s || ' (epoch ' || e.claim_epoch || ')',
     -- The backoff of vigil.retry.backoff (jitter 0.5 to 1), per row: change the two together.
-    next_attempt_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
+    -- A lone last attempt's: the verdict's wait instead (mark_exhausted_dead waits for it). A
+    -- batch replayed alone (its lead at max - 1, its journal stamped): at least that wait, or
+    -- its next lone attempt would take the stamp for a crash alone and drop the journal.
+    next_attempt_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => CASE
+        WHEN e.lost_claims > 0 AND e.attempts >= %(max_attempts)s THEN %(verdict_s)s
+        ELSE greatest(
+            CASE WHEN e.lost_claims > 0 AND e.attempts = %(max_attempts)s - 1
+                      AND EXISTS (SELECT 1 FROM run_journal j
+                                  WHERE j.user_id = e.user_id AND j.step = 1 AND j.finished_at IS NULL
+                                    AND j.alone_at IS NOT NULL
+                                    AND substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint = e.id)
+                 THEN %(verdict_s)s ELSE 0 END,
+            least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
+        END)
 FROM users u
 WHERE u.user_id = e.user_id
   AND u.home_topic = %(topic)s AND u.home_partition = %(partition)s
