@@ -536,6 +536,8 @@ CREATE TABLE run_journal (
     outcome_at  timestamptz,
     finished_at timestamptz,
     alone_at    timestamptz,
+    -- the run's first event: the run key's id (<user>:<id>[~<attempt>]); NULL for a task's (0043)
+    lead_event  bigint GENERATED ALWAYS AS (substring(run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint) STORED,
     PRIMARY KEY (run_key, step),
     CONSTRAINT run_journal_kind_valid CHECK (kind IN ('model', 'call')),
     CONSTRAINT run_journal_step_positive CHECK (step >= 1),

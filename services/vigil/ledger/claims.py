@@ -16,9 +16,10 @@
    claim counted an attempt; so the takeover never lets a claim lost in company use up an
    event's last attempt (query ``hand_back_stale_claims``), and a crash becomes an event's
    death only when the event ran alone, and its worker did not come back alive within the
-   verdict's wait to say it was no crash (:func:`forgive_lost_claims`). A poison event that kills its worker therefore dies
-   after ``max_attempts`` claims, the last of them alone, and the events that happened to
-   run beside it lose at most ``max_attempts - 1`` attempts, never their lives. A journaled
+   verdict's wait to say it was no crash (:func:`forgive_lost_claims`). A poison event that
+   kills its worker therefore dies after ``max_attempts`` claims, the last of them alone,
+   and the events that happened to run beside it lose at most ``max_attempts - 1``
+   attempts, never their lives. A journaled
    batch on its first event's lone last attempt replays whole once, uncounted
    (:func:`claim_ids_alone`; its journal stamped): lost only in company, it finishes with the
    keys it had; crashing alone, it is split at the next lone attempt. Such an attempt is at

@@ -66,11 +66,6 @@ class Live:
     steps: list[Step]
     alone: bool = False
 
-    @property
-    def lead(self) -> int:
-        """The run's first event (rule 1: ``<user>:<id>``, or ``<user>:<id>~<attempt>``)."""
-        return int(self.run_key.rpartition(":")[2].partition("~")[0])
-
 
 class Fence(Protocol):
     """What a journal's writes are fenced by (rule 2): each gives its statements and their
@@ -172,8 +167,6 @@ async def live_from(cursor: psycopg.AsyncCursor[DictRow]) -> dict[str, list[Live
         if not lives or lives[-1].run_key != row["run_key"]:
             lives.append(Live(row["run_key"], [], alone=row.get("alone_at") is not None))
         lives[-1].steps.append(Step(row["step"], row["kind"], row["body"], row["outcome"]))
-    for lives in out.values():
-        lives.sort(key=lambda live: live.lead)
     return out
 
 

@@ -297,7 +297,7 @@ unstamped AS (
     UPDATE run_journal j SET alone_at = NULL
     FROM forgiven f
     WHERE j.user_id = f.user_id AND j.step = 1 AND j.finished_at IS NULL AND j.alone_at IS NOT NULL
-      AND substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint = f.id
+      AND j.lead_event = f.id
 )
 SELECT id FROM forgiven
 

@@ -1,13 +1,13 @@
 -- The run journal: each step of a run appended as it happens, fenced like the finish, read back when the run is claimed again. Read services/vigil/ledger/journal.py for the rules.
 
 -- name: journal_live_many
--- The live (unfinished) run journals of these users, every step in order: a run's start reads its user's (one run per user at a time; a second journal is an operator's retry of a dead event waiting its turn). Their background tasks' journals (task:tsk_...) are the tasks' own. A journal whose lead event is dead is parked (rule 5): no run reads it until an operator's retry makes that event pending again. The lead is the run key's event id (<user>:<id>, or <user>:<id>~<attempt>).
+-- The live (unfinished) run journals of these users, oldest lead first, every step in order: a run's start reads its user's (one run per user at a time; a second journal is an operator's retry of a dead event waiting its turn). Their background tasks' journals (task:tsk_...) are the tasks' own. A journal whose lead event is dead is parked (rule 5): no run reads it until an operator's retry makes that event pending again. The lead is the run key's event id (<user>:<id>, or <user>:<id>~<attempt>: lead_event).
 SELECT j.user_id, j.run_key, j.step, j.kind, j.body::text AS body, j.outcome::text AS outcome, j.alone_at
 FROM run_journal j
 WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
   AND NOT EXISTS (SELECT 1 FROM events e
-                  WHERE e.id = substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint AND e.status = 'dead')
-ORDER BY j.user_id, j.run_key, j.step
+                  WHERE e.id = j.lead_event AND e.status = 'dead')
+ORDER BY j.user_id, j.lead_event, j.run_key, j.step
 
 -- name: journal_live_task
 -- A background task's live journal, every step in order (its execution's start reads it).
@@ -55,13 +55,13 @@ WHERE j.run_key = %(run_key)s AND j.step = %(step)s AND j.kind = 'call' AND j.ou
 WITH ended AS (
     DELETE FROM run_journal j
     WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
-      AND substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint = ANY(%(event_ids)s)
+      AND j.lead_event = ANY(%(event_ids)s)
       AND NOT %(keep)s
     RETURNING 1
 )
 UPDATE run_journal j SET finished_at = now()
 WHERE j.user_id = ANY(%(user_ids)s) AND j.finished_at IS NULL AND NOT starts_with(j.run_key, 'task:tsk_')
-  AND substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint = ANY(%(event_ids)s)
+  AND j.lead_event = ANY(%(event_ids)s)
   AND %(keep)s
 
 -- name: journal_finish_task

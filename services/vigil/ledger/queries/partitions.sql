@@ -58,7 +58,7 @@ SET status = 'pending',
                       AND EXISTS (SELECT 1 FROM run_journal j
                                   WHERE j.user_id = e.user_id AND j.step = 1 AND j.finished_at IS NULL
                                     AND j.alone_at IS NOT NULL
-                                    AND substring(j.run_key FROM ':([0-9]+)(~[^:]*)?$')::bigint = e.id)
+                                    AND j.lead_event = e.id)
                  THEN %(verdict_s)s ELSE 0 END,
             least(%(backoff_cap)s, %(backoff_base)s * power(2, greatest(e.attempts - 1, 0))) * (0.5 + random() / 2))
         END)
