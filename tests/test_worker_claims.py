@@ -200,7 +200,7 @@ def test_a_stale_holder_cannot_start_a_hand_over(ledger):
 
 class DeferredTakeover:
     """A worker's consumer at an assignment of HOME during a hand-over (its takeover deferred
-    to a thread, ``ConsumerLoop._take_over_later``), against the real ledger; the run loop
+    to a thread, ``Rebalancer.take_over_later``), against the real ledger; the run loop
     only records what it is told to claim for."""
 
     def __init__(self, ledger: str, monkeypatch):
@@ -224,9 +224,9 @@ class DeferredTakeover:
 
         settings = load(WorkerSettings, instance_id="next-worker")
         self.consumer = ConsumerLoop(settings, RunLoop(), self.loop, None, threading.Event())
-        self.consumer.taking_over.add(HOME)
+        self.consumer.rebalance.taking_over.add(HOME)
         metrics.AWAITING_TAKEOVER.set(1)  # as on_assign sets it
-        self.thread = threading.Thread(target=self.consumer._take_over_later, args=([HOME],), daemon=True)
+        self.thread = threading.Thread(target=self.consumer.rebalance.take_over_later, args=([HOME],), daemon=True)
         self.thread.start()
 
     def close(self) -> None:
@@ -257,7 +257,7 @@ def test_a_deferred_takeover_waits_for_the_hand_over_then_lets_the_run_loop_clai
         assert deferred.assigned == [{HOME: 2}]
         assert REGISTRY.get_sample_value("vigil_partitions_awaiting_takeover") == 0
         assert holder(ledger) == {"epoch": 2, "holder": "next-worker"}
-        assert not deferred.consumer.taking_over
+        assert not deferred.consumer.rebalance.taking_over
     finally:
         deferred.close()
 
@@ -271,7 +271,7 @@ def test_a_partition_revoked_before_its_deferred_takeover_is_never_taken_over(le
     deferred = DeferredTakeover(ledger, monkeypatch)
     try:
         time.sleep(0.3)
-        deferred.consumer._forget_takeovers([HOME])  # what on_revoke and on_lost do first
+        deferred.consumer.rebalance.forget_takeovers([HOME])  # what on_revoke and on_lost do first
         deferred.thread.join(2)
         assert not deferred.thread.is_alive(), "the takeover went on waiting for a partition it lost"
         handover(ledger, 1, 0, end=True)

@@ -184,24 +184,26 @@ def test_a_shard_probe_waits_for_the_batch_in_flight_on_its_connection(ledger, s
     import asyncio
     import threading
     from concurrent.futures import Future
+    from types import SimpleNamespace
 
     from confluent_kafka import Consumer, TopicPartition
 
     from vigil.ledger.partitions import PartitionKey
     from vigil.settings import load
-    from vigil.worker.consumer import ConsumerLoop, Down, InFlight, Recorded
+    from vigil.worker.consumer import ConsumerLoop, InFlight, Recorded
     from vigil.worker.settings import WorkerSettings
+    from vigil.worker.shard_outage import Down
 
     monkeypatch.setenv("VIGIL_DATABASE_URL", ledger)
     monkeypatch.setenv("VIGIL_KAFKA_BOOTSTRAP", stack.bootstrap)
     monkeypatch.setenv("VIGIL_EVENTS_TOPIC", topics.events)
     settings = load(WorkerSettings, instance_id="prober")
-    loop = ConsumerLoop(settings, None, asyncio.new_event_loop(), None, threading.Event())
+    loop = ConsumerLoop(settings, SimpleNamespace(claimer=None), asyncio.new_event_loop(), None, threading.Event())
     loop.consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"{topics.events}.probe"})
     key = PartitionKey(topics.events, 0)
     loop.consumer.assign([TopicPartition(key.topic, key.partition, 0)])
     loop.assigned.add(key)
-    loop.down = {0: Down({key: 0}, probe_at=0.0)}  # shard 0 down, its probe due
+    loop.outages.down = {0: Down({key: 0}, probe_at=0.0)}  # shard 0 down, its probe due
     batch: Future = Future()  # the recorder's batch, still in its transaction
     loop.in_flight = InFlight(batch, {}, 0, {})
     probe = threading.Thread(target=loop._probe_down, daemon=True)
@@ -212,11 +214,10 @@ def test_a_shard_probe_waits_for_the_batch_in_flight_on_its_connection(ledger, s
         batch.set_result(Recorded(0, []))
         probe.join(10)
         assert not probe.is_alive()
-        assert loop.in_flight is None and loop.down == {}  # settled, then probed: the shard answers
+        assert loop.in_flight is None and loop.outages.down == {}  # settled, then probed: the shard answers
     finally:
         if not batch.done():
             batch.set_result(Recorded(0, []))
         probe.join(10)
         loop.consumer.close()
-        for conn in loop.conns.values():
-            conn.close()
+        loop.conns.close()

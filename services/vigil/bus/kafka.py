@@ -61,6 +61,57 @@ def producer_config(settings: CommonSettings, **extra: object) -> dict[str, Any]
     return config
 
 
+# A broker answers a consumer's fetch once this much waits for it, or after this long. With
+# librdkafka's defaults (1 byte, 500 ms) every fetch was answered at once, so under load the
+# broker served one per few messages. At 7,700 events/s: the broker's CPU 13.9 -> 11.6 s over
+# the same rounds; the e2e bench 14,735 -> 15,581 events/s with one worker, 16,592 -> 18,513
+# with two (docs/performance.md, change 15). An event at low load waits at most the 10 ms
+# more (5 at the median at 200 events/s). VIGIL_KAFKA_OPT_FETCH_* override them.
+FETCH_MIN_BYTES = 64 * 1024
+FETCH_WAIT_MAX_MS = 10
+# librdkafka's statistics (the consumer lag gauges): VIGIL_KAFKA_OPT_STATISTICS_INTERVAL_MS
+# overrides it, as the tests that wait for a report do.
+STATS_INTERVAL_MS = 15_000
+
+
+def consumer_config(
+    settings: CommonSettings,
+    *,
+    group: str,
+    session_timeout_ms: int,
+    max_poll_interval_ms: int,
+    on_stats: Callable[[str], None],
+) -> dict[str, Any]:
+    """A group member that stores its offsets by hand, once what it read is durable (the
+    worker: after the ledger's commit), and lets the periodic auto-commit send them."""
+    config: dict[str, Any] = {
+        "fetch.min.bytes": FETCH_MIN_BYTES,
+        "fetch.wait.max.ms": FETCH_WAIT_MAX_MS,
+        "statistics.interval.ms": STATS_INTERVAL_MS,
+    }
+    config.update(settings.kafka_client_options())
+    config.update(
+        {
+            "group.id": group,
+            "client.id": f"vigil-worker-{settings.instance_id}",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "enable.auto.commit": True,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": session_timeout_ms,
+            # A member learns that a rebalance began from its next heartbeat: every rebalance
+            # (a join, a hand-over's second round, a failover) waits up to one interval for
+            # each member. A tenth of the session (1 s by default) instead of a fifth: the
+            # rebalance bench's moved partitions reached the next owner's ledger 1.88 s after
+            # the hand-over began with a fifth (docs/performance.md, "Rebalances").
+            "heartbeat.interval.ms": max(500, session_timeout_ms // 10),
+            "max.poll.interval.ms": max_poll_interval_ms,
+            "stats_cb": on_stats,
+        }
+    )
+    return config
+
+
 @dataclass(frozen=True, slots=True)
 class Delivered:
     topic: str

@@ -75,6 +75,7 @@ STAGING_TYPES = [
     "int8",
 ]
 USER_COLUMN = 1  # a staging row's user_id (after n)
+PARTITION_COLUMN = -2  # a staging row's partition (..., topic, partition, offset)
 
 
 def _headers_json(headers: dict[str, str]) -> str:
