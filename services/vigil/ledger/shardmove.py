@@ -195,7 +195,9 @@ def _copy_chunk(source: Conn, target: Conn, table: str, *, out: sql.Composed, pa
                     f"{found['n']} row(s) of {table} have ids the target already gives other users: the shards' "
                     'identity sequences overlap (docs/operations.md, "Moving a partition to another shard")'
                 )
-        target.execute(_q("move_insert", table))
+        names = [row["attname"] for row in target.execute(Q.move_columns, {"table": table}).fetchall()]
+        columns = sql.SQL(", ").join(map(sql.Identifier, names))
+        target.execute(sql.SQL(Q.move_insert).format(table=sql.Identifier(table), columns=columns))
 
 
 def _copy_table(source: Conn, target: Conn, table: str, *, users: list[str], key: dict[str, Any]) -> None:

@@ -72,9 +72,15 @@ COPY move_stage FROM STDIN (FORMAT BINARY)
 -- Staged rows whose id the target already gives another user's row: the two shards' identity sequences overlapped.
 SELECT count(*)::int AS n FROM move_stage s JOIN {table} t ON t.id = s.id WHERE t.user_id <> s.user_id
 
+-- name: move_columns
+-- The columns of a table that a copy writes: every one but the generated (run_journal.lead_event, computed again on the target).
+SELECT attname FROM pg_attribute
+WHERE attrelid = %(table)s::regclass AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
+ORDER BY attnum
+
 -- name: move_insert
--- The staged chunk into {table}; a row copied before (an interrupted run) is left as it is. Ids as they were (OVERRIDING SYSTEM VALUE).
-INSERT INTO {table} OVERRIDING SYSTEM VALUE SELECT * FROM move_stage ON CONFLICT DO NOTHING
+-- The staged chunk into {table} ({columns}: move_columns); a row copied before (an interrupted run) is left as it is. Ids as they were (OVERRIDING SYSTEM VALUE).
+INSERT INTO {table} ({columns}) OVERRIDING SYSTEM VALUE SELECT {columns} FROM move_stage ON CONFLICT DO NOTHING
 
 -- name: move_tally_users
 -- How many rows of {table} these users have, and a sum of their rows' hashes: equal on both shards means the same rows.
