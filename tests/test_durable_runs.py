@@ -252,6 +252,37 @@ def test_a_frozen_worker_lands_nothing_after_another_replayed_its_run(stack, top
     b.stop()
 
 
+def test_the_ledger_lost_mid_run_on_the_last_attempt_is_not_the_events_death(stack, topics, ledger, vigil_env, spawn):
+    """The run's connection to the ledger dies under it (PostgreSQL restarted, a failover: here
+    its backend terminated while its journal append waits) on the event's last attempt. That
+    is the ledger's outage, not the event's fault: the attempt is given back as a transient
+    failure and the event is run again, its call made again under its one key, where it used
+    to be ``dead`` (seen in the chaos run of 7 December, seed 1: a healthy event whose lone
+    last attempt met a PostgreSQL kill)."""
+    receiver = Receiver()
+    with ScriptedServer(script(receiver.url)) as server:
+        worker(spawn, vigil_env, server, receiver, "worker-a", VIGIL_MAX_ATTEMPTS="1")
+        locked = Locked(ledger, "run_journal")
+        produce(stack.bootstrap, topics.events, [chat("cid", "refund C300")])
+        blocked = wait_for(lambda: backend_waiting(ledger, "run_journal"), 30, "a journal write to wait")
+        query(ledger, "SELECT pg_terminate_backend(%s)", (blocked,))
+        locked.release()
+        wait_for(
+            lambda: scalar(ledger, "SELECT count(*) FROM events WHERE status IN ('done', 'dead')"),
+            60,
+            "the event to end",
+        )
+    receiver.close()
+    row = query(ledger, "SELECT status, attempts, transient_failures, error FROM events")[0]
+    assert row["status"] == "done", row
+    assert (row["attempts"], row["transient_failures"]) == (1, 1), row
+    assert [r["body"] for r in query(ledger, "SELECT body FROM outbox")] == ["Refund posted."]
+    assert len(set(receiver.keys)) <= 1, receiver.keys
+    runs = query(ledger, "SELECT outcome, error FROM runs ORDER BY id")
+    assert [r["outcome"] for r in runs] == ["failed", "message"], runs
+    assert runs[0]["error"].startswith("ledger unavailable: terminating connection"), runs
+
+
 def test_the_journal_is_kept_for_operators_when_asked(stack, topics, ledger, vigil_env, spawn):
     """VIGIL_RUN_JOURNAL_DAYS keeps a finished run's steps: `vigil runs show` lists them."""
     receiver = Receiver()

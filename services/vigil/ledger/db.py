@@ -30,6 +30,7 @@ __all__ = [
     "connect_async",
     "connection_kwargs",
     "is_alive",
+    "is_outage",
     "pipelined_transaction",
     "pool",
     "session_options",
@@ -164,6 +165,14 @@ def statement_names() -> dict[str, str]:
     """SQL text -> the name of its query in ``queries/*.sql``, for every statement the ledger
     runs (vigil.tracing names a statement's span after its query)."""
     return {sql: name for name, sql in Q.items()}
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` is the ledger lost, not a statement refused: the connection closed or
+    terminated under it (a restart, a failover), none to be had from the pool. A statement
+    cancelled by its timeout is the statement's own (a run that makes one every time is poison),
+    and so is every error PostgreSQL answered about the statement itself."""
+    return isinstance(exc, psycopg.OperationalError) and not isinstance(exc, psycopg.errors.QueryCanceled)
 
 
 def is_alive(conn: psycopg.Connection[Any]) -> None:

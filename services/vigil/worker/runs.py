@@ -30,11 +30,12 @@ from vigil.clock import Clock, utc
 from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger.claims import Claim, claim_more
-from vigil.ledger.db import AsyncPool
+from vigil.ledger.db import AsyncPool, is_outage
 from vigil.ledger.events import EventRow
 from vigil.ledger.journal import Fenced
 from vigil.ledger.partitions import PartitionKey
 from vigil.retry import backoff
+from vigil.service import first_line
 from vigil.worker import journal as run_journal
 from vigil.worker import metrics, traces
 from vigil.worker.finish import Finished
@@ -274,22 +275,31 @@ class Runs:
             finished.waiting = True
             finished.backoff_s = exc.retry_after or 0.0
         except RetryLater as exc:
-            exhausted = c.transient_failures + 1 >= self.settings.transient_max_attempts
-            finished.error = f"model unavailable: {exc.reason}"
-            finished.transient = not exhausted
-            finished.backoff_s = backoff(
-                c.transient_failures + 1,
-                self.settings.backoff_base_s,
-                self.settings.backoff_cap_s,
-                retry_after_s=exc.retry_after,
-            )
-        except Exception as exc:  # the agent failed: a counted attempt
-            log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
-            finished.error = f"{type(exc).__name__}: {exc}"
-            finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
+            self._transient(finished, f"model unavailable: {exc.reason}", exc.retry_after)
+        except Exception as exc:
+            if is_outage(exc):
+                # The ledger lost under the run (a restart, a failover), not the event's fault:
+                # like an overloaded model, the attempt goes back, and a lone last attempt is
+                # tried again alone.
+                log.warning("run stopped, the ledger lost under it (attempt given back): %s", first_line(exc))
+                self._transient(finished, f"ledger unavailable: {first_line(exc)}", None)
+            else:  # the agent failed: a counted attempt
+                log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
+                finished.error = f"{type(exc).__name__}: {exc}"
+                finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
         await self.finished.put(finished)
         if c.home in self._hurrying:
             self.hurry.set()  # a group waiting for company takes this run and commits now
+
+    def _transient(self, finished: Finished, error: str, retry_after: float | None) -> None:
+        """``finished`` failed for a reason not the event's: its attempt given back, a transient
+        failure counted instead, until VIGIL_TRANSIENT_MAX_ATTEMPTS makes it a counted one."""
+        failures = finished.claim.transient_failures + 1
+        finished.error = error
+        finished.transient = failures < self.settings.transient_max_attempts
+        finished.backoff_s = backoff(
+            failures, self.settings.backoff_base_s, self.settings.backoff_cap_s, retry_after_s=retry_after
+        )
 
     async def _hand_back(self, active: Active) -> None:
         """``active`` leaves unfinished: its claim (and what it folded) released, the attempt not

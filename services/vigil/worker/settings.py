@@ -65,7 +65,10 @@ class WorkerSettings(CommonSettings):
         20,
         ge=1,
         le=1000,
-        description="Releases for model API overload (429/529/5xx) an event gets before they count as attempts.",
+        description=(
+            "Releases for model API overload (429/529/5xx) or a ledger lost mid-run an event gets"
+            " before they count as attempts."
+        ),
     )
     batch_max: int = Field(DEFAULT_BATCH_MAX, ge=1, le=1000, description="Most events one run takes.")
     batch_window_ms: int = Field(
