@@ -1091,7 +1091,7 @@ def test_a_tasks_deadline_is_decided_on_its_holders_clock(ledger):
             task_heartbeat_s=0.2,
             task_stale_s=3600.0,
         )
-        executor = TaskExecutor(settings, Stalls(), pool, producer=None, clock=clock)  # type: ignore[arg-type]
+        executor = TaskExecutor(settings, Stalls(), pool, clock=clock)
         claiming = asyncio.create_task(executor.claim_loop())
         try:
             for _ in range(100):

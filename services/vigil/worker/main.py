@@ -3,7 +3,8 @@
 - the consumer thread (:mod:`vigil.worker.consumer`): poll, record, store offsets;
 - the run loop (:mod:`vigil.worker.runner`) on an asyncio event loop in the main thread:
   claim, run the agent, group-commit finishes; beside it, on the same loop, background
-  tasks (:mod:`vigil.worker.tasks`): claim, execute under a heartbeat, reap, report;
+  tasks: claim and execute under a heartbeat (:mod:`vigil.worker.tasks`), reap and report
+  (:mod:`vigil.worker.task_upkeep`);
 - the health server thread: /healthz, /readyz, /metrics.
 
 SIGTERM: stop claiming, give runs a grace period to finish and commit, release the rest,
@@ -37,6 +38,7 @@ from vigil.worker.journal import refuse_unjournaled_actions
 from vigil.worker.runner import Runner
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
+from vigil.worker.task_upkeep import TaskUpkeep
 from vigil.worker.tasks import TaskExecutor
 
 log = logging.getLogger("vigil.worker")
@@ -94,7 +96,10 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     # revokes the partitions, which would cancel every run at once) and closes after them.
     closing = threading.Event()
     consumer = ConsumerLoop(settings, runner, loop, dead_letters, closing, runner.clock, shards)
-    executor = TaskExecutor(settings, agent, shards, producer, runner.clock)
+    # The reaper and the reporter are fleet-wide, whatever this process holds; the executor
+    # only wakes the reporter when an outcome of its own stands.
+    upkeep = TaskUpkeep(settings, shards, producer, runner.clock)
+    executor = TaskExecutor(settings, agent, shards, runner.clock, wake_report=upkeep.wake_report)
     # A lone last attempt runs with nothing else in flight here, background tasks included.
     executor.hold_off = runner.claimer.tasks_hold_off
     runner.claimer.lone.beside = executor
@@ -106,7 +111,10 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
         ),
         asyncio.create_task(runner.finisher.gauge_loop(), name="gauges"),
         asyncio.create_task(loop_lag.watch(metrics.EVENT_LOOP_LAG.observe), name="loop-lag"),
-        *(asyncio.create_task(loop_, name=f"tasks-{i}") for i, loop_ in enumerate(executor.loops())),
+        *(
+            asyncio.create_task(loop_, name=f"tasks-{i}")
+            for i, loop_ in enumerate([*upkeep.loops(), *executor.loops()])
+        ),
         *(asyncio.create_task(loop_, name=f"agent-{i}") for i, loop_ in enumerate(agent.loops())),
     ]
     # Everything allocated so far (modules, the SDK's ~180,000 type objects, pools) lives as
@@ -151,6 +159,7 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     # and released (tasks handed back to the queue).
     runs_s, _close_s = shutdown_budget(settings.shutdown_grace_s)
     deadline = time.monotonic() + settings.shutdown_grace_s
+    upkeep.stop()
     await asyncio.gather(runner.drain(runs_s), executor.stop(runs_s))
     # Let the finisher commit what drained before the consumer's revoke runs.
     while not runner.finisher.idle and time.monotonic() < deadline:

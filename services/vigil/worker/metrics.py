@@ -135,8 +135,8 @@ for _outcome in ("message", "nothing", "deferred", "failed", "retry_later", "sta
 for _step in ("record", "claim", "finish"):
     LEDGER_SECONDS.labels(_step)
 
-# Background tasks (services/vigil/worker/tasks.py). Ledger-wide gauges: every worker reports
-# the same value, so aggregate them with max(), never sum().
+# Background tasks (services/vigil/worker/tasks.py, task_upkeep.py). Ledger-wide gauges: every
+# worker reports the same value, so aggregate them with max(), never sum().
 TASKS = Counter(
     "vigil_tasks_total",
     "Background tasks that reached a terminal status, by status (succeeded, failed, cancelled, timed_out, lost).",

@@ -17,18 +17,19 @@ Executing one task, in order:
    stopped before the reaper may hand the task to anyone else.
 3. The outcome (``succeeded``, ``failed``, ``timed_out`` at the task's deadline) is written
    by :func:`vigil.ledger.tasks.finish`, a compare-and-set on the lease epoch: if another
-   terminal outcome got there first (a timeout, a cancel, a reaper), this one is dropped.
+   terminal outcome got there first (a timeout, a cancel, a reaper), this one is dropped
+   (:mod:`vigil.worker.task_writer`).
 
 A crash anywhere leaves the task ``running`` with a heartbeat that stops growing; the reaper
-(every worker runs one) takes it back after ``VIGIL_TASK_STALE_S`` and the next claim fences
-this holder out for good. A holder alive but cut off from the ledger has stopped itself by
-then (step 2). So no two holders act at once, none is silently re-created, and a
-task whose holders keep dying ends ``lost``, with the reason, after ``VIGIL_TASK_MAX_ATTEMPTS``.
+(every worker runs one: :mod:`vigil.worker.task_upkeep`) takes it back after
+``VIGIL_TASK_STALE_S`` and the next claim fences this holder out for good. A holder alive but
+cut off from the ledger has stopped itself by then (step 2). So no two holders act at once,
+none is silently re-created, and a task whose holders keep dying ends ``lost``, with the
+reason, after ``VIGIL_TASK_MAX_ATTEMPTS``.
 
-Reporting: a terminal task becomes one event for its user, source ``task``, source id the
-task id (the dedup key), produced and acknowledged before ``reported_at`` is committed. A
-crash in between produces it again and the ledger drops the copy: one result event per task,
-which wakes the delegating session with the result.
+Reporting: a terminal task becomes one event for its user, which wakes the delegating
+session with the result (:mod:`vigil.worker.task_upkeep`, which this executor wakes through
+``wake_report`` when an outcome of its own stands).
 
 A memory review (``kind`` memory_review, queued by the scheduler: docs/agent.md, "Dreaming")
 is executed the same way, given the user's memory files at the start; its memory writes are
@@ -39,73 +40,38 @@ produces no event (it wakes nobody).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import psycopg
 
-from vigil.agent.base import Agent, Delegation, MemoryWrite, NewTask, TaskContext, TaskResult, TaskUsage
+from vigil.agent.base import Agent, Delegation, TaskContext, TaskResult, TaskUsage
 from vigil.agent.journal import task_key
-from vigil.bus.kafka import EventProducer
 from vigil.clock import Clock, SystemClock, utc
-from vigil.envelope import Event
 from vigil.ledger import agent as ledger_agent
-from vigil.ledger import finish as ledger_finish
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger import tasks as ledger
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.dreams import REVIEW
 from vigil.ledger.states import TaskStatus
-from vigil.retry import backoff
 from vigil.worker import metrics
-from vigil.worker.finish import new_task_row
 from vigil.worker.journal import FencedWriter, open_journal
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import CATALOG, Shards
+from vigil.worker.task_writer import TaskWriter, with_usage
 
 log = logging.getLogger(__name__)
 
-TASK_SOURCE = "task"
-# How often the claim, reaper and reporter look when nobody woke them.
+# How often the claim loop looks again when it has no room, or claimed all there was.
 POLL_S = 1.0
-REPORT_BATCH = 100
-# A holder's outcome refused by a ledger error is written again after backoff(attempt, these).
-WRITE_RETRY_BASE_S = 0.2
-WRITE_RETRY_CAP_S = 5.0
 # What _supervise returns for an execution this worker stopped because it is shutting down.
 RELEASE = object()
 # What _supervise returns for an execution its holder stopped because the ledger did not take
 # its heartbeats for VIGIL_TASK_STALE_S / 2 (settings.task_fence_s).
 FENCED = object()
-
-
-def result_event(task: ledger.TaskRow, received_at: datetime) -> Event:
-    """The one event a terminal task produces: keyed by its id, resuming the delegating session.
-    ``received_at``: now on the reporting worker's clock."""
-    body = {
-        "task_id": task.id,
-        "status": str(task.status),
-        "instructions": task.instructions[:500],
-        "result": task.result,
-        "error": task.error,
-        "attempts": task.attempts,
-        "usage": {"turns": task.turns, "input_tokens": task.input_tokens, "output_tokens": task.output_tokens},
-    }
-    return Event(
-        user_id=task.user_id,
-        source=TASK_SOURCE,
-        source_id=task.id,
-        kind=f"task.{task.status}",
-        payload=json.dumps(body, separators=(",", ":")),
-        received_at=received_at,
-        occurred_at=task.finished_at,
-        session_id=task.session_id,
-    )
 
 
 @dataclass(slots=True)
@@ -118,18 +84,21 @@ class Holding:
 
 
 class TaskExecutor:
+    """The tasks this process holds: claiming, executing, and deciding each one's end.
+    ``wake_report`` is called when an outcome of its own stands (the reporter's wake-up,
+    :meth:`vigil.worker.task_upkeep.TaskUpkeep.wake_report`)."""
+
     def __init__(
         self,
         settings: WorkerSettings,
         agent: Agent,
         pool: AsyncPool | Shards,
-        producer: EventProducer,
         clock: Clock | None = None,
+        wake_report: Callable[[], None] = lambda: None,
     ):
         self.settings = settings
         self.agent = agent
         self.shards = Shards.of(pool)  # tasks are claimed on every shard held, each run on its own
-        self.producer = producer
         # Every decision of a holder is on this clock: the task's deadline (in the ledger too),
         # its heartbeat period, its self-fence, the retries of its outcome, the stop's grace.
         # Leases are judged on the ledger's clock alone (it stamps the heartbeats and judges
@@ -137,7 +106,8 @@ class TaskExecutor:
         self.clock = clock or SystemClock()
         self.holding: dict[str, Holding] = {}
         self._shard_of: dict[str, int] = {}  # a held task's shard, from its claim to its last write
-        self._wake_report = asyncio.Event()
+        self._wake_report = wake_report
+        self._writer = TaskWriter(settings, self.clock, self._pool)
         self._stopping = False
         # Set by the worker: while it says so, nothing is claimed (a lost event's last attempt
         # runs with nothing else in flight in this process, tasks included: claim rule 3).
@@ -148,11 +118,9 @@ class TaskExecutor:
         return self.settings.task_concurrency > 0 and hasattr(self.agent, "run_task")
 
     def loops(self) -> list[Coroutine[Any, Any, None]]:
-        """The coroutines to run for as long as the worker does."""
-        loops = [self.reap_loop(), self.report_loop(), self.gauge_loop()]
-        if self.enabled:
-            loops.append(self.claim_loop())
-        return loops
+        """The coroutines to run for as long as the worker does (the claim loop, if tasks are
+        executed here at all)."""
+        return [self.claim_loop()] if self.enabled else []
 
     # -- claiming and executing -----------------------------------------------------------
 
@@ -238,7 +206,7 @@ class TaskExecutor:
         if not await self._journal(holding) or not await self._memory(holding):
             self.holding.pop(task.id, None)
             metrics.TASKS_IN_FLIGHT.set(len(self.holding))
-            await self._release(task)
+            await self._writer.release(task)
             return
         holding.execution = asyncio.create_task(self.agent.run_task(ctx), name=f"task-run-{task.id}")
         outcome: ledger.Outcome | object | None = None
@@ -251,7 +219,7 @@ class TaskExecutor:
             self.holding.pop(task.id, None)
             metrics.TASKS_IN_FLIGHT.set(len(self.holding))
         if outcome is RELEASE:
-            await self._release(task)
+            await self._writer.release(task)
             return
         if outcome is FENCED:
             metrics.TASK_SELF_FENCED.inc()
@@ -275,13 +243,13 @@ class TaskExecutor:
         assert isinstance(outcome, ledger.Outcome)
         succeeded = outcome.status is TaskStatus.SUCCEEDED
         writes = holding.execution.result().memory_writes if succeeded else []
-        stands = await self._write(task, outcome, ctx.spawned if succeeded else [], writes)
+        stands = await self._writer.write(task, outcome, ctx.spawned if succeeded else [], writes)
         if stands is None:
             return
         if stands:
             metrics.TASKS.labels(str(outcome.status)).inc()
             metrics.TASK_SECONDS.observe(time.monotonic() - started)
-            self._wake_report.set()
+            self._wake_report()
         else:
             metrics.TASK_LATE_OUTCOMES.inc()
             log.warning("task %s: outcome %s refused, another one stood first", task.id, outcome.status)
@@ -342,7 +310,7 @@ class TaskExecutor:
                 now = self.clock.monotonic()
                 left_s = deadline - self.clock.now()
                 if left_s <= 0:
-                    return self._usage(ctx, TaskStatus.TIMED_OUT, error="deadline passed while it ran")
+                    return with_usage(ctx, TaskStatus.TIMED_OUT, error="deadline passed while it ran")
                 if now >= fence_at:
                     return FENCED
                 if beat is None and now >= next_beat:
@@ -363,7 +331,7 @@ class TaskExecutor:
                 if answer is None:
                     return None
                 if answer:
-                    return self._usage(ctx, TaskStatus.CANCELLED, error="cancelled by its owner while it ran")
+                    return with_usage(ctx, TaskStatus.CANCELLED, error="cancelled by its owner while it ran")
                 fence_at = beat_sent + fence_s
         finally:
             if beat is not None:
@@ -380,172 +348,11 @@ class TaskExecutor:
         if execution.cancelled() and (self._stopping or holding.handed_back):
             return RELEASE
         if execution.cancelled():
-            return self._usage(ctx, TaskStatus.FAILED, error="execution cancelled")
+            return with_usage(ctx, TaskStatus.FAILED, error="execution cancelled")
         exc = execution.exception()
         if exc is not None:
-            return self._usage(ctx, TaskStatus.FAILED, error=f"{type(exc).__name__}: {exc}"[:2000])
-        return self._usage(ctx, TaskStatus.SUCCEEDED, result=execution.result().text)
-
-    @staticmethod
-    def _usage(
-        ctx: TaskContext, status: TaskStatus, result: str | None = None, error: str | None = None
-    ) -> ledger.Outcome:
-        u = ctx.usage
-        return ledger.Outcome(status, result, error, u.turns, u.input_tokens, u.output_tokens)
-
-    async def _write(
-        self,
-        task: ledger.TaskRow,
-        outcome: ledger.Outcome,
-        spawned: Sequence[NewTask] = (),
-        writes: Sequence[MemoryWrite] = (),
-    ) -> bool | None:
-        """The compare-and-set, with the background tasks the task delegated (``spawned``,
-        given only for a success) queued in the same transaction if it stands, as a run's
-        finish queues its tasks: their usage is rolled up to the task's run; and a memory
-        review's ``writes`` (given only for a success), each audited in ``memory_history`` with
-        the task's id. Retried through ledger errors with :func:`vigil.retry.backoff`
-        (from ``WRITE_RETRY_BASE_S``, jittered, capped) for at most ``VIGIL_TASK_STALE_S``: by
-        then no heartbeat has kept the lease (the execution has ended), the reaper may have
-        taken the task back, and the task is left to it (queued again, replaying its journal,
-        or lost). True: it stands; False: another outcome did; None: given up."""
-        give_up = self.clock.monotonic() + self.settings.task_stale_s
-        attempt = 0
-        while True:
-            try:
-                async with self._pool(task).connection() as conn, conn.transaction():
-                    stands = await ledger.finish(conn, task.id, task.lease_epoch, outcome)
-                    if stands:
-                        for child in spawned:
-                            profile = (
-                                (task.profile, task.profile_version) if task.profile and task.profile_version else None
-                            )
-                            row = new_task_row(task.user_id, child, task.run_id, profile)
-                            await ledger.create(conn, row, now=utc(self.clock.now()))
-                        for write in writes:
-                            await ledger_finish.write_memory(
-                                conn,
-                                user_id=task.user_id,
-                                path=write.path,
-                                content=write.content,
-                                run_id=None,
-                                task_id=task.id,
-                            )
-                        await ledger_journal.finish_task(
-                            conn,
-                            task_key(task.id, task.lease_epoch, journaled=True),
-                            keep=self.settings.run_journal_days > 0,
-                        )
-                    return stands
-            except (psycopg.Error, OSError) as exc:
-                attempt += 1
-                pause = backoff(attempt, WRITE_RETRY_BASE_S, WRITE_RETRY_CAP_S)
-                if self.clock.monotonic() + pause > give_up:
-                    log.warning(
-                        "task %s: outcome %s not written after %d attempts; left to the reaper: %s",
-                        task.id,
-                        outcome.status,
-                        attempt,
-                        exc,
-                        extra={"event": "task_outcome_abandoned"},
-                    )
-                    return None
-                log.warning(
-                    "task %s: writing its outcome failed (attempt %d), retrying in %.2f s: %s",
-                    task.id,
-                    attempt,
-                    pause,
-                    exc,
-                )
-                await asyncio.sleep(pause)
-
-    async def _release(self, task: ledger.TaskRow) -> None:
-        try:
-            async with self._pool(task).connection() as conn:
-                released = await ledger.release(conn, task.id, task.lease_epoch)
-        except (psycopg.Error, OSError) as exc:
-            log.warning("task %s: could not hand it back (the reaper will): %s", task.id, exc)
-            return
-        if released:
-            log.info("task %s handed back for another worker (shutting down)", task.id)
-
-    # -- the reaper and the reporter ----------------------------------------------------------
-
-    async def reap_loop(self) -> None:
-        while not self._stopping:
-            reaped = []
-            for shard, pool in self.shards.opened():
-                try:
-                    async with pool.connection() as conn:
-                        reaped += await ledger.reap(conn, self.settings.task_stale_s, now=utc(self.clock.now()))
-                except (psycopg.Error, OSError) as exc:
-                    log.warning("task reaper failed (ledger shard %d), retrying: %s", shard, exc)
-            for r in reaped:
-                metrics.TASKS_REAPED.labels(str(r.status)).inc()
-                if r.status != TaskStatus.QUEUED:
-                    metrics.TASKS.labels(str(r.status)).inc()
-                log.warning("task %s reaped: now %s", r.id, r.status)
-            if any(r.status != TaskStatus.QUEUED for r in reaped):
-                self._wake_report.set()
-            await asyncio.sleep(self.settings.task_heartbeat_s)
-
-    async def report_loop(self) -> None:
-        while not self._stopping:
-            try:
-                sent = await self.report_once()
-            except (psycopg.Error, OSError) as exc:
-                log.warning("task reporter failed, retrying: %s", exc)
-                sent = 0
-            except Exception as exc:  # a produce failure: the rows stay unreported
-                log.warning("task results not produced, retrying: %s", exc)
-                sent = 0
-            if sent == REPORT_BATCH:
-                continue
-            self._wake_report.clear()
-            try:
-                await asyncio.wait_for(self._wake_report.wait(), POLL_S)
-            except TimeoutError:
-                pass
-
-    async def report_once(self) -> int:
-        """Lock unreported terminal tasks, produce their events (acknowledged), mark, commit:
-        on each shard held, a transaction each; how many were reported (at most REPORT_BATCH
-        on one shard: another round comes at once)."""
-        most = 0
-        for _shard, pool in self.shards.opened():
-            most = max(most, await self._report(pool))
-        return most
-
-    async def _report(self, pool: AsyncPool) -> int:
-        async with pool.connection() as conn:
-            async with conn.transaction():
-                rows = await ledger.unreported(conn, REPORT_BATCH)
-                if not rows:
-                    return 0
-                # A memory review's outcome wakes nobody: it is on its row and in memory_history.
-                now = utc(self.clock.now())
-                events = [result_event(row, now) for row in rows if row.kind != REVIEW]
-                if events:
-                    await asyncio.to_thread(self.producer.send, events)
-                await ledger.mark_reported(conn, [row.id for row in rows])
-        metrics.TASK_RESULTS_REPORTED.inc(len(rows))
-        return len(rows)
-
-    async def gauge_loop(self) -> None:
-        while not self._stopping:
-            try:
-                queued, running, age_s = 0, 0, 0.0
-                for _shard, pool in self.shards.opened():
-                    async with pool.connection() as conn:
-                        g = await ledger.gauges(conn)
-                    queued, running = queued + g.queued, running + g.running
-                    age_s = max(age_s, g.heartbeat_age_s)
-                metrics.TASKS_QUEUED.set(queued)
-                metrics.TASKS_RUNNING.set(running)
-                metrics.TASK_HEARTBEAT_AGE.set(age_s)
-            except (psycopg.Error, OSError):
-                pass
-            await asyncio.sleep(max(self.settings.task_heartbeat_s, 5.0))
+            return with_usage(ctx, TaskStatus.FAILED, error=f"{type(exc).__name__}: {exc}"[:2000])
+        return with_usage(ctx, TaskStatus.SUCCEEDED, result=execution.result().text)
 
     def busy(self) -> int:
         """Tasks this process holds."""
