@@ -169,3 +169,37 @@ def test_the_poison_receiver_finds_its_caller_beside_a_closed_connection_on_the_
     finally:
         for s in (live, accepted, first, second):
             s.close()
+
+
+def test_the_supervisor_keeps_trying_a_worker_that_was_slow_to_come_up():
+    """A loaded machine (four chaos stacks at once) made a restarted worker miss up()'s 60 s
+    wait: StackError killed the supervisor's thread, no worker was brought back again and the
+    nemesis waited for a quiet moment forever (make chaos SEED=3, 7 December). It tries again."""
+    import threading
+    import time
+
+    from vigil_dev.chaos.stack import Supervisor
+    from vigil_dev.devstack import StackError
+
+    class SlowStack:
+        lock = threading.Lock()
+        ups = 0
+
+        def kill(self, worker: str) -> None:
+            pass
+
+        def up(self) -> None:
+            SlowStack.ups += 1
+            if SlowStack.ups == 1:
+                raise StackError("worker-b did not come up within 60s")
+
+    supervisor = Supervisor(SlowStack())  # type: ignore[arg-type]
+    try:
+        supervisor.kill("worker-b")
+        deadline = time.monotonic() + 10
+        while supervisor.restarts < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (SlowStack.ups, supervisor.restarts) == (2, 1)
+        supervisor.quiet(0.0)  # returns: nothing due or under way
+    finally:
+        supervisor.stop()

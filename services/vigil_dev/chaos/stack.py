@@ -382,8 +382,13 @@ class Supervisor:
                 try:
                     self.stack.up()
                     self.restarts += 1
-                except RuntimeError as exc:  # up() kept failing: the nemesis's next up() tries again
-                    print(f"supervisor: {exc}", file=sys.stderr, flush=True)
+                except (RuntimeError, devstack.StackError) as exc:
+                    # A start slower than up()'s wait (a loaded machine): try again, as
+                    # Restart=always does; a supervisor that gave up stalled the whole run.
+                    print(f"supervisor: {exc}; trying again", file=sys.stderr, flush=True)
+                    self._due.set()
                 finally:
                     self._last = time.monotonic()
                     self._busy = self._due.is_set()
+            if self._due.is_set() and not self._stopped:
+                time.sleep(2.0)
