@@ -152,6 +152,18 @@ def test_the_reference_time_server_from_pypi_is_named_and_called():
     assert not result.is_error and "Europe/Paris" in result.text, result.text
 
 
+def test_the_reference_git_server_from_pypi_lists_its_tools_and_reads_a_repository(tmp_path):
+    bin_dir = installed("git", "mcp-server-git==2026.10.19")
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "notes.txt").write_text("remember the milk\n")
+    servers = {"git": {"command": str(bin_dir / "mcp-server-git"), "args": ["--repository", str(repo)]}}
+    tools = {tool.name: tool for tool in registry(servers).tools}
+    assert {"git__git_status", "git__git_log", "git__git_diff_unstaged", "git__git_commit"} <= set(tools), tools
+    result = call(tools["git__git_status"], {"repo_path": str(repo)}, "k1")
+    assert not result.is_error and "notes.txt" in result.text, result.text
+
+
 def test_a_servers_stderr_is_logged_line_by_line_under_its_name(call_log, caplog):
     caplog.set_level(logging.INFO, logger="vigil.agent.mcp_tools")
     registry({"orders": orders(call_log)})
