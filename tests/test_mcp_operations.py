@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY
 
 from support import REPO
 from test_mcp_tools import calls
+from vigil import logs
 from vigil.agent.actions import ToolRegistry
 from vigil.agent.mcp_tools import Connection, McpTool
 from vigil.agent.settings import McpServer
@@ -185,6 +186,18 @@ def test_a_server_that_fails_at_start_says_why_and_its_gauges_say_down(call_log)
     assert REGISTRY.get_sample_value("vigil_mcp_server_tools", {"server": "orders"}) == len(
         [tool for tool in found.tools if tool.name.startswith("orders__")]
     )
+
+
+def test_the_workers_log_says_why_a_server_offers_no_tools(caplog):
+    """The start-up WARNING, as the worker's JSON log writes it, carries the server's own failure
+    (its stderr's last lines), not only the SDK's wrapper around it."""
+    caplog.set_level(logging.WARNING, logger="vigil.agent.mcp_tools")
+    registry({"broken": {"command": sys.executable, "args": BROKEN}})
+    written = [logs.JsonFormatter("vigil-worker").format(r) for r in caplog.records if "offers no" in r.getMessage()]
+    [line] = [json.loads(w) for w in written]
+    assert line["level"] == "WARNING" and line["logger"] == "vigil.agent.mcp_tools", line
+    assert line["msg"].startswith("MCP server broken offers no tools until it can be listed: "), line
+    assert "RuntimeError: no database at /srv/orders.db" in line["msg"] and "ExceptionGroup" not in line["msg"], line
 
 
 def test_a_call_that_loses_its_server_is_tried_once_more_with_the_same_key(call_log):
