@@ -369,3 +369,22 @@ def exporter(monkeypatch):
     monkeypatch.setattr(tracing, "enabled", True)
     monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
     return exporter
+
+
+@pytest.fixture
+def otlp(monkeypatch):
+    """Traces on, exported as a service exports them (the provider ``tracing.setup`` installs:
+    its sampler, its batching OTLP/HTTP exporter, ``OTEL_EXPORTER_OTLP_ENDPOINT``) to a real
+    OTLP receiver in this process; ``otlp.flush()`` before reading what it was sent. In-process:
+    the exporter is the subject, not a service's process."""
+    from otlp_support import OtlpReceiver
+    from vigil import tracing
+
+    with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+        provider = tracing.exporting_provider("worker")
+        monkeypatch.setattr(tracing, "enabled", True)
+        monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("vigil"))
+        receiver.flush = provider.force_flush
+        yield receiver
+        provider.shutdown()

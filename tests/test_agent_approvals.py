@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from otlp_support import UNSET
 from support import query, scalar
 from vigil.agent.base import ApprovalRequest, OutMessage
 from vigil.ledger.approvals import args_hash, sign_token
@@ -270,3 +271,17 @@ def test_a_resumed_call_has_its_tool_span_with_the_decision(asked, agent_run, ex
             assert span.status.status_code is StatusCode.UNSET
         else:
             assert span.status.status_code is StatusCode.ERROR and span.attributes["error.type"] == "declined"
+
+
+def test_an_approved_call_reads_correctly_in_an_otlp_receiver(otlp, asked, agent_run):
+    """What a tracing backend is sent over OTLP: the asking run's span says ask, and the run the
+    answer woke has the call's own span, approved, naming the request."""
+    row, wake = answer(asked, "yes")
+    agent_run(t.context([wake], sessions=[t.saved(asked)], approvals=[row]))
+    otlp.flush()
+    deferred, approved = otlp.named("execute_tool refund")
+    assert deferred.attributes["vigil.tool.decision"] == "ask"
+    assert approved.attributes["vigil.tool.decision"] == "approved"
+    assert approved.attributes["vigil.approval.request_id"] == row.request_id and approved.status == UNSET
+    [woken] = [s for s in otlp.trace(approved.trace_id) if s.span_id == approved.parent]
+    assert woken.name == "invoke_agent default" and approved.trace_id != deferred.trace_id

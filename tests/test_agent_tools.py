@@ -260,6 +260,42 @@ def test_a_denied_tool_is_not_offered(server):
     ]
 
 
+def test_a_refused_call_has_its_decision_on_its_span(server, exporter):
+    """A call refused before anything ran says why, apart from a tool that answered with an
+    error: ``refused`` for arguments the tool's own check refuses; ``deny`` for a tool its
+    permission denies, which a model asks for only in a replay of a turn it answered before the
+    deployment denied the tool (a model is not offered a denied tool)."""
+    from dataclasses import replace
+
+    from opentelemetry.trace import StatusCode
+
+    from test_journal import Recording
+    from vigil.agent.journal import Journal
+
+    rules = [
+        {"when": {"tool_result": "http_request"}, "reply": []},
+        {"reply": [call("http_request", method="GET", url="https://example.org/")]},
+    ]
+    ctx = t.context([t.chat("go")])
+    first = Recording()
+    run(server, rules, replace(ctx, journal=Journal(ctx.run_key, first)), http_allowed_hosts="127.0.0.1")
+    answered = [s for s in first.steps() if s.step == 1]  # the model's answer: the call
+    run(
+        server,
+        rules,
+        replace(ctx, journal=Journal.of(ctx.run_key, None, answered)),
+        http_allowed_hosts="127.0.0.1",
+        tool_permissions="http_request=deny",
+    )
+    refused, denied = [s for s in exporter.get_finished_spans() if s.name == "execute_tool http_request"]
+    assert (refused.attributes.get("vigil.tool.decision"), refused.attributes.get("error.type")) == (
+        "refused",
+        "refused",
+    )
+    assert (denied.attributes.get("vigil.tool.decision"), denied.attributes.get("error.type")) == ("deny", "denied")
+    assert refused.status.status_code is denied.status.status_code is StatusCode.ERROR
+
+
 # ---------------------------------------------------------------------------- settings
 
 

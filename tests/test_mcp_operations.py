@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY
 
 from support import REPO
 from test_mcp_tools import calls
+from vigil import logs
 from vigil.agent.actions import ToolRegistry
 from vigil.agent.mcp_tools import Connection, McpTool
 from vigil.agent.settings import McpServer
@@ -152,6 +153,18 @@ def test_the_reference_time_server_from_pypi_is_named_and_called():
     assert not result.is_error and "Europe/Paris" in result.text, result.text
 
 
+def test_the_reference_git_server_from_pypi_lists_its_tools_and_reads_a_repository(tmp_path):
+    bin_dir = installed("git", "mcp-server-git==2026.10.19")
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "notes.txt").write_text("remember the milk\n")
+    servers = {"git": {"command": str(bin_dir / "mcp-server-git"), "args": ["--repository", str(repo)]}}
+    tools = {tool.name: tool for tool in registry(servers).tools}
+    assert {"git__git_status", "git__git_log", "git__git_diff_unstaged", "git__git_commit"} <= set(tools), tools
+    result = call(tools["git__git_status"], {"repo_path": str(repo)}, "k1")
+    assert not result.is_error and "notes.txt" in result.text, result.text
+
+
 def test_a_servers_stderr_is_logged_line_by_line_under_its_name(call_log, caplog):
     caplog.set_level(logging.INFO, logger="vigil.agent.mcp_tools")
     registry({"orders": orders(call_log)})
@@ -173,6 +186,18 @@ def test_a_server_that_fails_at_start_says_why_and_its_gauges_say_down(call_log)
     assert REGISTRY.get_sample_value("vigil_mcp_server_tools", {"server": "orders"}) == len(
         [tool for tool in found.tools if tool.name.startswith("orders__")]
     )
+
+
+def test_the_workers_log_says_why_a_server_offers_no_tools(caplog):
+    """The start-up WARNING, as the worker's JSON log writes it, carries the server's own failure
+    (its stderr's last lines), not only the SDK's wrapper around it."""
+    caplog.set_level(logging.WARNING, logger="vigil.agent.mcp_tools")
+    registry({"broken": {"command": sys.executable, "args": BROKEN}})
+    written = [logs.JsonFormatter("vigil-worker").format(r) for r in caplog.records if "offers no" in r.getMessage()]
+    [line] = [json.loads(w) for w in written]
+    assert line["level"] == "WARNING" and line["logger"] == "vigil.agent.mcp_tools", line
+    assert line["msg"].startswith("MCP server broken offers no tools until it can be listed: "), line
+    assert "RuntimeError: no database at /srv/orders.db" in line["msg"] and "ExceptionGroup" not in line["msg"], line
 
 
 def test_a_call_that_loses_its_server_is_tried_once_more_with_the_same_key(call_log):

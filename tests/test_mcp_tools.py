@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from otlp_support import ERROR
 from vigil.agent.actions import ToolRegistry, effective_permissions
 from vigil.agent.mcp_tools import Connection, ServerDown
 from vigil.agent.settings import McpServer
@@ -289,26 +290,33 @@ def test_a_tool_span_names_its_decision_and_a_blocked_call_is_not_a_tool_error(m
     assert failed.attributes["mcp.method.name"] == "tools/call"  # sent, unanswered
 
 
-def test_a_replayed_step_is_marked_and_no_span_pretends_it_was_made_again(model, http, log, exporter):
-    """A run replayed after its first attempt died (the journal it wrote up to the lookup's
-    outcome, as the next owner reads it back): the journaled answer and lookup are not made
-    again, and their spans say so, with no duration, no GenAI operation and no usage (nothing
-    was asked or billed); the steps made live after them have their ordinary spans."""
+def died_after_the_lookup(model, servers):
+    """Run "where is A17?" once, journaled. Returns its replay, to call: the run again, as the
+    next owner makes it when the first attempt died right after the lookup."""
     from dataclasses import replace
 
     from test_journal import Recording
     from vigil.agent.journal import Journal
 
-    servers = {"orders": {"url": http.url}}
     ctx = t.context([t.chat("where is A17?")])
     first = Recording()
     run(model, servers, replace(ctx, journal=Journal(ctx.run_key, first)))
-    died = [s for s in first.steps() if s.step <= 2]  # the first attempt died after the lookup
+    died = [s for s in first.steps() if s.step <= 2]
     assert [s.kind for s in died] == ["model", "call"]
+    return lambda: run(model, servers, replace(ctx, journal=Journal.of(ctx.run_key, None, died)))
+
+
+def test_a_replayed_step_is_marked_and_no_span_pretends_it_was_made_again(model, http, log, exporter):
+    """A run replayed after its first attempt died (the journal it wrote up to the lookup's
+    outcome, as the next owner reads it back): the journaled answer and lookup are not made
+    again, and their spans say so, with no duration, no GenAI operation and no usage (nothing
+    was asked or billed); the steps made live after them have their ordinary spans."""
+    servers = {"orders": {"url": http.url}}
+    replay = died_after_the_lookup(model, servers)
     looked_up = len(calls(log))
 
     exporter.clear()
-    [result] = run(model, servers, replace(ctx, journal=Journal.of(ctx.run_key, None, died)))
+    [result] = replay()
     assert [m.text for m in result.messages] == ["order A17 shipped"]
     assert len(calls(log)) == looked_up and len(model.requests()) == 2  # made and asked once each
 
@@ -330,3 +338,34 @@ def test_a_replayed_step_is_marked_and_no_span_pretends_it_was_made_again(model,
         ("chat", f"chat {t.SCRIPTED_MODEL}"),
         ("invoke_agent", "invoke_agent default"),
     ]
+
+
+def test_a_blocked_call_reads_correctly_in_an_otlp_receiver(model, http, otlp):
+    """What a tracing backend is sent over OTLP for a call the safety policy blocked."""
+    run(
+        model,
+        {"orders": {"url": http.url}},
+        t.context([t.chat("cancel A17")]),
+        tool_permissions="orders__cancel_order=auto",
+    )
+    otlp.flush()
+    blocked = otlp.named("execute_tool orders__cancel_order")[0]  # then the fallback asks
+    assert blocked.attributes["vigil.tool.decision"] == "block" and blocked.attributes["error.type"] == "blocked"
+    assert blocked.status == ERROR and blocked.attributes["mcp.server.name"] == "orders"
+
+
+def test_a_replayed_run_reads_correctly_in_an_otlp_receiver(model, http, otlp):
+    """What a tracing backend is sent over OTLP for a replayed run: its journaled steps are marks
+    of no duration under the run's conversation, with no GenAI operation and no usage."""
+    replay = died_after_the_lookup(model, {"orders": {"url": http.url}})
+    replay()
+    otlp.flush()
+    marks = sorted((s for s in otlp.spans if s.attributes.get("vigil.replayed") is True), key=lambda s: s.start)
+    assert [(s.name, s.attributes["vigil.journal.step"]) for s in marks] == [
+        ("replayed chat", 1),
+        ("replayed execute_tool orders__lookup", 2),
+    ]
+    [agent] = [s for s in otlp.trace(marks[0].trace_id) if s.name.startswith("invoke_agent ")]
+    for mark in marks:
+        assert mark.parent == agent.span_id and mark.end == mark.start
+        assert not [key for key in mark.attributes if key.startswith(("gen_ai.usage.", "gen_ai.operation."))]

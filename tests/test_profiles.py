@@ -179,6 +179,16 @@ def test_two_profiles_on_two_patterns_and_versions_kept_by_resumed_sessions(serv
 
 
 @pytest.mark.slow  # two MCP servers started over stdio
+def test_an_update_naming_an_unknown_tool_or_server_is_refused_and_saves_nothing(ledger):
+    ok(ledger, "profiles", "create", "ops", "--tools", "send_message=allow")
+    typo = vigil(ledger, "profiles", "update", "ops", "--tools", "send_mesage=allow", "--mcp-server", "crm")
+    assert typo.returncode == 2, typo.stdout + typo.stderr
+    assert "no tool send_mesage, MCP server crm here" in typo.stderr and "--allow-unknown" in typo.stderr
+    history = vigil(ledger, "profiles", "show", "ops", "--history", "--json").stdout.splitlines()
+    assert [json.loads(line)["version"] for line in history] == [1], "a refused update was saved"
+    assert [r["action"] for r in query(ledger, "SELECT action FROM audit ORDER BY id")] == ["profile.create"]
+
+
 def test_a_profiles_mcp_servers_choose_the_servers_its_runs_are_offered(server, ledger, tmp_path):
     """VIGIL_MCP_SERVERS names two servers (the test server twice, as orders and stock): a
     profile naming orders is offered orders' tools only, one naming stock only stock's; a

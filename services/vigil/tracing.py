@@ -75,10 +75,29 @@ def setup(service: str) -> bool:
     # Imported here on purpose, as in the other functions that only run with traces on: the
     # SDK, the exporter and the instrumentations take about a third of a second to import, and
     # a deployment without an OTLP endpoint never needs them.
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
     from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
+    from opentelemetry.sdk.resources import SERVICE_NAME
+
+    provider = exporting_provider(service)
+    trace.set_tracer_provider(provider)
+    _name_statements_after_queries()
+    PsycopgInstrumentor().instrument()
+    HTTPXClientInstrumentor().instrument()
+    AioHttpClientInstrumentor().instrument()
+    _tracer = trace.get_tracer("vigil")
+    enabled = True
+    log.info("traces exported over OTLP/HTTP as %s", provider.resource.attributes[SERVICE_NAME])
+    return True
+
+
+def exporting_provider(service: str):
+    """The SDK's tracer provider :func:`setup` installs, not installed: ``vigil-<service>`` (or
+    ``OTEL_SERVICE_NAME``), the sampler, and a batching OTLP/HTTP exporter to the endpoint the
+    ``OTEL_EXPORTER_OTLP_*`` variables name. Apart from setup() so that a test can export
+    in-process spans exactly as a service does, without the process-wide instrumentations."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # late: see setup()
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -90,15 +109,7 @@ def setup(service: str) -> bool:
     sampler = CausedOnly(_get_from_env_or_default())  # a Sampler by its methods (the SDK is imported late)
     provider = TracerProvider(resource=Resource.create(attributes), sampler=sampler)  # type: ignore[arg-type]
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(provider)
-    _name_statements_after_queries()
-    PsycopgInstrumentor().instrument()
-    HTTPXClientInstrumentor().instrument()
-    AioHttpClientInstrumentor().instrument()
-    _tracer = trace.get_tracer("vigil")
-    enabled = True
-    log.info("traces exported over OTLP/HTTP as %s", attributes.get(SERVICE_NAME) or os.environ["OTEL_SERVICE_NAME"])
-    return True
+    return provider
 
 
 def _name_statements_after_queries() -> None:

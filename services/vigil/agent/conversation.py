@@ -65,6 +65,14 @@ from vigil.agent.tools import (
 
 log = logging.getLogger(__name__)
 
+# The calls refused before anything ran: their span's status message and error.type, apart
+# from a tool that ran and answered with an error (tool_error).
+NOT_RUN = {
+    Decision.BLOCK: ("blocked by the safety policy", "blocked"),
+    Decision.DENY: ("denied by its permission, or no such tool", "denied"),
+    Decision.REFUSED: ("refused by the tool's check of its arguments", "refused"),
+}
+
 
 @dataclass
 class Toolbox:
@@ -331,29 +339,34 @@ class Conversation:
                 continue
             with tool_span(name, use["id"], self.box.actions.get(name)) as span:
                 decision: Decision | None = None
-                if name == DELEGATE and self.gate.permission(name) is not Permission.DENY:
+                if self.gate.permission(name) is Permission.DENY:
+                    # Denied, or no such tool: neither is offered to the model, so only a replayed
+                    # answer (given before the tool was denied) or a made-up name comes here.
+                    output = ToolOutput(f"Not permitted: there is no tool {name} you may use.", True)
+                    decision = Decision.DENY
+                    metrics.TOOL_CALLS.labels(name if name in self.box.permissions else "unknown", "denied").inc()
+                elif name == DELEGATE:
                     output = await self._delegate(use, args, step)
                     metrics.TOOL_CALLS.labels(DELEGATE, "error" if output.is_error else "ran").inc()
-                elif name in TASK_TOOLS and self.gate.permission(name) is not Permission.DENY:
+                elif name in TASK_TOOLS:
                     ctx = self.run.ctx
                     # Its own ids only, never the user's: the user is in every chain of theirs.
                     caller = task_tools.Caller(ctx.user_id, (self.thread.session_id, ctx.run_key))
                     output = await task_tools.look(name, args, ctx.tasks, caller)
                     metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
-                elif name in self.box.actions and self.gate.permission(name) is not Permission.DENY:
+                elif name in self.box.actions:
                     output, decision = await self._action(self.box.actions[name], use, args, asked is not None, step)
-                    if decision is not None:
-                        tracing.set_attribute(span, "vigil.tool.decision", decision.value)
                     if decision is Decision.ASK and asked is None:
+                        tracing.set_attribute(span, "vigil.tool.decision", decision.value)
                         asked = (self.box.actions[name], use)
                         continue
                 else:
                     output = self._builtin(name, args)
-                    metrics.TOOL_CALLS.labels(
-                        name if name in self.box.permissions else "unknown", "error" if output.is_error else "ran"
-                    ).inc()
-                if decision is Decision.BLOCK:
-                    tracing.failed(span, "blocked by the safety policy", error_type="blocked")
+                    metrics.TOOL_CALLS.labels(name, "error" if output.is_error else "ran").inc()
+                if decision is not None:
+                    tracing.set_attribute(span, "vigil.tool.decision", decision.value)
+                if decision in NOT_RUN:
+                    tracing.failed(span, NOT_RUN[decision][0], error_type=NOT_RUN[decision][1])
                 elif output.is_error:
                     tracing.failed(span, "the tool answered with an error", error_type="tool_error")
             results.append(tool_result(use["id"], output.text, output.is_error))
@@ -446,8 +459,6 @@ class Conversation:
         return await ctx.tasks.open_count(ctx.user_id)
 
     def _builtin(self, name: str, args: dict[str, Any]) -> ToolOutput:
-        if name not in self.box.permissions or self.gate.permission(name) is Permission.DENY:
-            return ToolOutput(f"Not permitted: there is no tool {name} you may use.", True)
         if name == SEND_MESSAGE:
             return send_message(args, self.outputs, self.box.settings)
         if name == SET_FOLLOWUP:
@@ -464,7 +475,7 @@ class Conversation:
         refusal = tool.check(args)
         if refusal is not None:
             metrics.TOOL_CALLS.labels(tool.name, "error").inc()
-            return ToolOutput(f"Not run: {refusal}.", True), None
+            return ToolOutput(f"Not run: {refusal}.", True), Decision.REFUSED
         was_fallen_back = self.gate.counters.fallen_back
         verdict = self.gate.decide(tool.name, tool.risk(args))
         classifier = self.box.classifier

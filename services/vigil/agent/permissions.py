@@ -27,10 +27,13 @@ MAX_TOTAL_BLOCKS = 20
 
 
 class Decision(StrEnum):
+    """What became of a call; the value is its span's ``vigil.tool.decision``."""
+
     RUN = "run"
     ASK = "ask"
     BLOCK = "block"
     DENY = "deny"
+    REFUSED = "refused"  # the tool's own check refused the arguments: the gate was never asked
 
 
 @dataclass(frozen=True)
