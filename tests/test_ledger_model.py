@@ -1061,3 +1061,71 @@ A_BATCH_REPLAYED_ALONE_LOST_BY_A_LIVE_WORKER = [
 
 def test_a_batch_replayed_alone_lost_by_a_live_worker_keeps_its_keys(ledger):
     drive(ledger, A_BATCH_REPLAYED_ALONE_LOST_BY_A_LIVE_WORKER, verdict_s=VERDICT_S)
+
+
+# Found by the model's random run (VIGIL_MODEL_SEED=257935749, 300 examples, shrunk as far as
+# it went): u0's batch [2, 7], its call made under u0:2:2, lost in company, replays whole and
+# alone on its lead's last attempt (its journal stamped). That run ends without a crash: the
+# model overloaded (a transient failure; a ledger lost mid-run is one too) or its partition
+# moved gracefully (a release). The stamp stayed, the lead's next lone attempt took it for a
+# crash alone, dropped the journal and made the call again under u0:2~3:2.
+AN_ALONE_REPLAY_AS_FOUND = [
+    ("freeze", {"back": True, "key": P1}),
+    ("freeze", {"back": False, "key": P1}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("freeze", {"back": True, "key": P1}),
+    ("retry_dead", {}),
+    ("record", {"poison": False, "user": "u0"}),
+    ("retry_dead", {}),
+    ("freeze", {"back": True, "key": P1}),
+    ("freeze", {"back": True, "key": P0}),
+    ("freeze", {"back": False, "key": P0}),
+    ("freeze", {"back": True, "key": P0}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("record", {"poison": True, "user": "u1"}),
+    ("record", {"poison": True, "user": "u1"}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("record", {"poison": False, "user": "u0"}),
+    ("freeze", {"back": False, "key": P0}),
+    ("wait", {"seconds": 2.0}),
+    ("freeze", {"back": True, "key": P1}),
+    ("wait", {"seconds": 2.0}),
+    ("work", {"crash": False, "name": "wb"}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("freeze", {"back": False, "key": P0}),
+    ("record", {"poison": True, "user": "u2"}),
+    ("freeze", {"back": False, "key": P0}),
+    ("wait", {"seconds": 2.0}),
+    ("wait", {"seconds": 2.0}),
+    ("wait", {"seconds": 2.0}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("work", {"crash": True, "name": "wa"}),
+    ("rebalance", {"key": P0, "to": "wa"}),
+    ("retry_dead", {}),
+    ("freeze", {"back": True, "key": P0}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("work", {"crash": True, "name": "wb"}),
+    ("record", {"poison": False, "user": "u1"}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("wait", {"seconds": 60.0}),
+    ("retry_dead", {}),
+    ("retry_dead", {}),
+    ("rebalance", {"key": P1, "to": "wa"}),
+    ("wait", {"seconds": 5.0}),
+    ("work", {"crash": True, "name": "wb"}),
+]
+ENDS_WITHOUT_A_CRASH = {
+    "overloaded": ("overloaded", {"name": "wa", "slot": 0}),
+    "released": ("rebalance", {"key": P0, "to": "wa"}),
+}
+
+
+@pytest.mark.parametrize("end", sorted(ENDS_WITHOUT_A_CRASH))
+def test_an_alone_replay_that_ends_without_a_crash_keeps_its_keys(ledger, end):
+    drive(ledger, [*AN_ALONE_REPLAY_AS_FOUND, ENDS_WITHOUT_A_CRASH[end]], verdict_s=VERDICT_S)

@@ -302,7 +302,15 @@ unstamped AS (
 SELECT id FROM forgiven
 
 -- name: release_claim
--- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted. The events of every run the worker cancels for one partition at one epoch, in one statement.
+-- A graceful release (partition revoked mid-run, worker shutting down): back to pending, the attempt not counted. The events of every run the worker cancels for one partition at one epoch, in one statement. A batch's journal its lead took up alone (its stamp) is unstamped: the run was released, it did not crash alone, so its next lone attempt replays it whole again instead of splitting it under new keys.
+WITH unstamped AS (
+    UPDATE run_journal j SET alone_at = NULL
+    FROM events e
+    WHERE e.id = ANY(%(ids)s) AND e.status = 'running' AND e.claim_epoch = %(epoch)s
+      AND j.user_id = e.user_id AND j.lead_event = e.id AND j.step = 1 AND j.finished_at IS NULL
+      AND j.alone_at IS NOT NULL
+      AND EXISTS (SELECT 1 FROM partitions p WHERE p.topic = %(topic)s AND p.partition = %(partition)s AND p.epoch = %(epoch)s)
+)
 UPDATE events
 SET status = 'pending', claim_epoch = NULL, attempts = greatest(attempts - 1, 0)
 WHERE id = ANY(%(ids)s) AND status = 'running' AND claim_epoch = %(epoch)s

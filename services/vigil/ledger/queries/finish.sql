@@ -94,7 +94,15 @@ INSERT INTO memory_history (user_id, path, old_content, new_content, run_id, tas
 SELECT %(user_id)s, %(path)s, content, NULL, %(run_id)s, %(task_id)s FROM gone
 
 -- name: finish_failed
--- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back, and so does one waiting for its daily budget.
+-- Finish of a failed attempt: back to pending with the error and a backoff; a transient failure gives its attempt back, and so does one waiting for its daily budget. Either also unstamps a batch's journal its lead took up alone: that run did not fail alone (the model or the ledger was unavailable, the budget spent), so its next lone attempt replays it whole again instead of splitting it under new keys.
+WITH unstamped AS (
+    UPDATE run_journal j SET alone_at = NULL
+    FROM events e
+    WHERE (%(transient)s OR %(waiting)s)
+      AND e.id = ANY(%(ids)s) AND e.status = 'running' AND e.claim_epoch = %(epoch)s
+      AND j.user_id = e.user_id AND j.lead_event = e.id AND j.step = 1 AND j.finished_at IS NULL
+      AND j.alone_at IS NOT NULL
+)
 UPDATE events
 SET status = 'pending', claim_epoch = NULL, error = %(error)s, run_id = %(run_id)s,
     next_attempt_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(backoff_s)s),
