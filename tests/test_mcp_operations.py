@@ -252,12 +252,17 @@ def test_tools_list_shows_a_profiles_tools_and_servers(call_log, vigil_env, tmp_
         timeout=120,
     )
     assert made.returncode == 0, made.stderr
+    # A permission for a tool of a server the profile leaves out is kept, not refused as a
+    # typo (the worker keeps it too); a name no configured server can have still is.
+    env["VIGIL_TOOL_PERMISSIONS"] = "broken__reset=deny"
     done = tools_list(env, "--json", "--profile", "support")
     assert done.returncode == 0, done.stderr  # the broken server is not the profile's
     rows = {row["name"]: row["permission"] for row in map(json.loads, done.stdout.splitlines())}
     assert rows == {"send_message": "allow", "orders__lookup": "ask"}
     missing = tools_list(env, "--profile", "nobody")
     assert missing.returncode == 1 and "no profile 'nobody'" in missing.stderr
+    typo = tools_list({**env, "VIGIL_TOOL_PERMISSIONS": "orders__lookupp=deny"}, "--profile", "support")
+    assert typo.returncode == 2 and "no tool named 'orders__lookupp'" in typo.stderr, typo.stderr
 
 
 class Hanging:

@@ -179,11 +179,16 @@ def tools_list(as_json, profile_name) -> None:
 
     settings = load_or_exit(ListingSettings)
     spec = _profile_spec(profile_name) if profile_name else None
+    left_out: set[str] = set()
     if spec is not None:
+        configured = set(settings.servers)
         settings = _only_chosen(settings, spec.mcp_servers)
+        left_out = configured - set(settings.servers)
     try:
         registry = ToolRegistry.from_settings(settings)
-        permissions = effective_permissions(settings, registry.tools, registry.unreachable)
+        # A permission naming a tool of a server the profile leaves out is no typo: the worker
+        # keeps it for that server (as for a server that is down), so the listing does too.
+        permissions = effective_permissions(settings, registry.tools, [*registry.unreachable, *left_out])
     except SettingsError as exc:
         raise StartupError(str(exc)) from None
     rows = registry.listing(permissions)
