@@ -368,7 +368,7 @@ def test_a_send_whose_ledger_went_away_does_not_wait_out_its_lease(ledger, dispa
         query(
             ledger,
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            " WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
         )
         return 200, {}
 
