@@ -18,6 +18,8 @@ from vigil_dev.bench.figures import Report
 from vigil_dev.bench.plan import FULL
 from vigil_dev.bench.stack import BenchStack
 
+pytestmark = pytest.mark.tools  # River's CLI, Go-built: `make test` runs these after the parallel phase
+
 
 def test_river_gets_a_url_with_every_connection_parameter():
     """River's CLI takes only ``postgresql://`` URLs; a named stack's DSN is a libpq key=value

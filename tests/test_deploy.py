@@ -9,7 +9,8 @@
 - The image runs as a numeric user and installs exactly the locked dependencies.
 
 kustomize and kube-score are Go programs built once per machine under ~/.cache/vigil/tools
-(`make tools`, which `make test` runs first); this module builds them itself when missing.
+(deploy/tools/build-go-install.sh: `make tools`, which `make test` runs before its serial
+phase); this module builds them itself when missing, or waits for a build under way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -28,9 +28,10 @@ import yaml
 
 from support import REPO
 
+pytestmark = pytest.mark.tools  # kustomize and kube-score, Go-built: `make test` runs these after the parallel phase
+
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ["dev", "prod"]
-TOOLS = Path.home() / ".cache" / "vigil" / "tools"  # the Makefile's TOOLS
 GO_TOOLS = {
     "kustomize": ("sigs.k8s.io/kustomize/kustomize/v5", "v5.8.2"),
     "kube-score": ("github.com/zegl/kube-score/cmd/kube-score", "v1.20.0"),
@@ -44,17 +45,17 @@ KUBE_SCORE_OK = 10  # kube-score's grades: 1 critical, 5 warning, 7 almost OK, 1
 
 
 def go_tool(name: str) -> Path:
+    """The tool's binary, built on first use (or waited for, while `make tools` builds it)."""
     module, version = GO_TOOLS[name]
-    binary = TOOLS / f"{name}-{version}" / name
-    if not binary.exists():
-        go = os.environ.get("GO") or shutil.which("go") or "/usr/local/go/bin/go"
-        subprocess.run(
-            [go, "install", f"{module}@{version}"],
-            env={**os.environ, "GOBIN": str(binary.parent)},
-            check=True,
-            timeout=900,
-        )
-    return binary
+    done = subprocess.run(
+        ["bash", str(REPO / "deploy" / "tools" / "build-go-install.sh"), name, module, version],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"build-go-install.sh {name} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -71,9 +72,13 @@ def call(tool, args: dict, key: str):
 
 def installed(name: str, *requirements: str) -> Path:
     """The bin folder of a venv of its own holding ``requirements`` (made once per machine)."""
-    done = subprocess.run(["bash", str(VENV_TOOL), name, *requirements], capture_output=True, text=True, timeout=600)
+    uv = Path(sys.executable).parent / "uv"  # `make install` puts it in the venv
+    env = {**os.environ, "VIGIL_UV": str(uv)} if uv.exists() else None
+    done = subprocess.run(
+        ["bash", str(VENV_TOOL), name, *requirements], capture_output=True, text=True, timeout=600, env=env
+    )
     if done.returncode != 0:
-        if "Could not find a version" in done.stderr or "Failed to establish" in done.stderr:
+        if any(s in done.stderr for s in ("Could not find a version", "Failed to establish", "Failed to fetch")):
             pytest.skip(f"PyPI unreachable, {requirements} not installed: {done.stderr.strip()[-300:]}")
         raise RuntimeError(f"{VENV_TOOL} failed:\n{done.stderr[-3000:]}")
     return Path(done.stdout.strip().splitlines()[-1])

@@ -26,6 +26,8 @@ from vigil_dev.devstack import free_port
 from vigil_dev.scripted_server import ScriptedServer
 from worker_support import FAST
 
+pytestmark = pytest.mark.tools  # promtool and prometheus, Go-built: `make test` runs these after the parallel phase
+
 SERVICES = ("ingest", "worker", "scheduler", "dispatcher")
 SCRIPT = {
     "rules": [

@@ -29,6 +29,8 @@ from prometheus_support import (
     with_annotations,
 )
 
+pytestmark = pytest.mark.tools  # promtool, Go-built: `make test` runs these after the parallel phase
+
 
 @pytest.fixture(scope="module")
 def promtool():
