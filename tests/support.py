@@ -182,7 +182,9 @@ class VigilProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def wait_healthy(self, port: int, timeout: float = 30.0) -> VigilProcess:
+    def wait_healthy(self, port: int, timeout: float = 60.0) -> VigilProcess:
+        # A ceiling, not a wait: a start is 3-5 s of CPU, and CI's 2 cores read a worker's past 30 s
+        # under the parallel phase's load (7 December).
         def healthy() -> bool:
             if not self.alive():
                 raise AssertionError(f"vigil {' '.join(self.args)} exited:\n{self.log()[-3000:]}")

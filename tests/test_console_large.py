@@ -122,6 +122,7 @@ def fill(dsn: str, topic: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # a bound on time: the 7 December CI run under load read one median at 206 ms
 @pytest.mark.partitions(12)
 @pytest.mark.timeout(900)
 def test_every_page_answers_in_under_200_ms_with_a_million_events(spawn, ledger, stack, topics, capsys):
