@@ -869,7 +869,7 @@ class LedgerModel(RuleBasedStateMachine):
             for name in WORKERS:
                 for _ in range(SETTLE_TURNS):  # until a turn finds nothing to do
                     self.work(name, crash=True)
-                    idle = not self.claimed and not self.workers[name].active
+                    idle = not self.claimed and not self.workers[name].active and name not in self.holdings
                     self.promises()
                     if idle:
                         break
