@@ -9,24 +9,40 @@ the agent's own :class:`vigil.agent.journal.Journal` (a model turn, an action ca
 turn) and its finish (:func:`vigil.worker.finish.commit_finished`); a crash (the worker
 restarts and takes its partitions over: the epoch moves, lost claims are handed back), a
 graceful rebalance (runs released, the next owner takes over), a freeze (another worker
-takes the partition over while the holder goes on writing), a transient model failure, an
-operator's retry of the dead, and time moved by hand (a :class:`ManualClock`).
+takes the partition over while the holder goes on writing), a transient model failure, a run
+stopped by its user's daily token budget before its first model call (committed as the worker
+decides it, :func:`vigil.worker.finish.stopped_by_budget`) and the UTC day that changes, an
+operator's retry of the dead, and time moved by hand (a :class:`ManualClock`). Beside the
+runs, background tasks of u0 (:mod:`vigil.ledger.tasks`): queued, leased to either worker
+(a step of each worker's loop), stepped through a model turn, an action call and an outcome
+under the journal the worker opens for a holder
+(:func:`vigil.worker.tasks.open_task_journal`), a holder dying in its call, heartbeats, the
+reaper taking every lease back while the holder goes on (a second holder), a release.
+
+Half the examples run without a journal (``VIGIL_RUN_JOURNAL=false``, the first step): no
+journal read or written, the agent's ``Journal`` without a writer under the worker's keys for
+such a run (:func:`vigil.worker.journal.unjournaled_key`) and task holder
+(``task:<id>~<lease epoch>``), every start of a run and every holder asking the model anew.
 
 After every step it checks, against a small model of what happened:
 
 (a) every event is ``done`` by a committed run that processed it, ``dead`` with a reason,
     ``pending`` (waiting with a reason while its backoff runs) or ``running`` in a live run;
+    one a budget stopped is ``pending`` with the budget's reason until the next UTC day (never
+    ``done``: no run processed it), and runs after it;
 (b) an event that never made a run fail never reaches ``dead``. *Made a run fail*: it is
     poison, or its worker was lost (crash, freeze) while it was the only event that worker
     had in flight: the ledger cannot tell that from the event's own fault;
 (c) attempts grow only at a claim (by one) and go back only where a claim is given back
-    (release, transient failure, a claim lost in company, an operator's retry);
+    (release, transient failure, a budget stop, a claim lost in company, an operator's retry);
+    a budget stop counts none;
 (d) at most one live run per user, holding exactly the user's running rows;
 (e) no idempotency key is given to two different calls, and (with the journal) no logical
     call gets two keys; a logical call is the action a run takes for the events it started
-    with;
+    with, or a task's action (without a journal, the action of one start of a run or of one
+    task holder: a retry asks the model again);
 (f) every write under a stale epoch is refused: a claim, a journal append or outcome, a
-    finish, a release;
+    finish, a release; a task's journal append and outcome under a lease the reaper took;
 (g) (with the journal) an action call that completed for a batch of healthy events is never
     made again under another key for any of them: a batch that lost its worker only in company
     (another run's crash) replays, even on its lead's lone last attempt. Only a batch whose
@@ -45,32 +61,42 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 import psycopg
 import pytest
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    get_state_machine_test,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from psycopg.pq import TransactionStatus
 from psycopg.rows import DictRow, dict_row
 
-from vigil.agent.base import OutMessage, RunContext, RunResult
+from vigil.agent.base import OutMessage, OverBudget, RunContext, RunResult
 from vigil.agent.journal import Journal
 from vigil.agent.tools import ToolOutput
 from vigil.clock import ManualClock, utc
+from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger import db
 from vigil.ledger import events as ledger_events
 from vigil.ledger import journal as ledger_journal
 from vigil.ledger import recovery as ledger_recovery
+from vigil.ledger import tasks as ledger_tasks
 from vigil.ledger.claims import Claim
 from vigil.ledger.partitions import PartitionKey
-from vigil.ledger.states import RunOutcome
+from vigil.ledger.states import RunOutcome, TaskStatus
 from vigil.worker import fencing
 from vigil.worker import journal as run_journal
-from vigil.worker.finish import Finished, commit_finished
+from vigil.worker.finish import Finished, commit_finished, stopped_by_budget
+from vigil.worker.tasks import open_task_journal
 
 TOPIC = "events"
 P0, P1 = PartitionKey(TOPIC, 0), PartitionKey(TOPIC, 1)
@@ -118,10 +144,21 @@ class Active:
     started_at: datetime
     pc: int = 0  # 0: not started; 1: its first model turn taken; 2: its action call made
     stale: bool = False  # its worker lost the partition without knowing (a freeze)
+    serial: int = 0  # which start of a run this is (without a journal each asks the model anew)
 
     @property
     def ids(self) -> list[int]:
         return self.claim.event_ids
+
+
+@dataclass
+class Holding:
+    """A background task held under its lease, as far as its holder got (``pc`` as a run's)."""
+
+    task: ledger_tasks.TaskRow
+    journal: Journal
+    serial: int
+    pc: int = 0
 
 
 @dataclass
@@ -172,7 +209,8 @@ class World:
             self.recorder.close()
             self.recorder = self._recorder()
         self.conn.execute(
-            "TRUNCATE events, event_keys, partitions, consumer_positions, users, runs, outbox, run_journal, audit"
+            "TRUNCATE events, event_keys, partitions, consumer_positions, users, runs, outbox, run_journal, audit,"
+            " tasks"
             " RESTART IDENTITY CASCADE"
         )
         # The takeover's backoff jitter (random() in hand_back_stale_claims) repeats from one
@@ -199,10 +237,16 @@ def _answer(text: str) -> SimpleNamespace:
 class LedgerModel(RuleBasedStateMachine):
     """Two workers, three users on two partitions, and the model of what must hold."""
 
-    def __init__(self, world: World, verdict_s: float = VERDICT_S):
+    def __init__(self, world: World, verdict_s: float = VERDICT_S, journaled: bool = True):
         super().__init__()
         self.world = world
         self.verdict_s = verdict_s
+        self.journaled = journaled  # VIGIL_RUN_JOURNAL
+        self.starts = 0
+        self.waiting: dict[int, datetime] = {}  # event -> the day its budget stop waits for
+        self.refunded: dict[int, int] = {}  # event -> its attempts once a budget stop gave its claim's back
+        self.holdings: dict[str, Holding] = {}  # background tasks in flight, by holder
+        self.delegated = 0
         world.reset()
         self.clock = ManualClock(time.time() + AHEAD_S)
         self.offsets: Counter[PartitionKey] = Counter()
@@ -281,6 +325,20 @@ class LedgerModel(RuleBasedStateMachine):
         the claim stepped back for the user's run in progress (released, nothing counted)."""
         if self.epoch(c.home) != c.epoch or self.workers[name].owned.get(c.home) != c.epoch:
             raise Broken(f"(f) a claim at stale epoch {c.epoch} of partition {c.home.partition}")
+        now = self.now()
+        for e in c.event_ids:
+            until = self.waiting.get(e)
+            if until is not None and now < until:
+                raise Broken(f"(a) event {e} waits for its user's budget until {until}, yet was claimed at {now}")
+        self.starts += 1
+        if not self.journaled:
+            # VIGIL_RUN_JOURNAL=false: no journal read or written; the agent's Journal has no
+            # writer and the run's key is the worker's (Runs._new_context).
+            journal = Journal(run_journal.unjournaled_key(c))
+            self.claimed.update(c.event_ids)
+            active = Active(c, journal, datetime.now(UTC), serial=self.starts)
+            self.workers[name].active[c.user_id] = active
+            return active
         cur = self.world.run(self._live(c.user_id))
         ctx = RunContext(
             user_id=c.user_id,
@@ -314,7 +372,7 @@ class LedgerModel(RuleBasedStateMachine):
             self.takes_back = True  # a replay released what its journal did not start with
         # started_at is a stamp of record beside the ledger's finished_at (its own clock, behind
         # the model's): the host's time, as the runs' CHECK wants it.
-        active = self.workers[name].active[c.user_id] = Active(c, journal, datetime.now(UTC))
+        active = self.workers[name].active[c.user_id] = Active(c, journal, datetime.now(UTC), serial=self.starts)
         return active
 
     async def _live(self, user_id: str) -> list[ledger_journal.Live] | None:
@@ -338,14 +396,13 @@ class LedgerModel(RuleBasedStateMachine):
 
     def execute(self, active: Active, *, crash: bool):
         """The action tool: it sees its key (e), then the worker may die before its outcome."""
-        call = (active.claim.user_id, tuple(active.ids), "act")
+        # With the journal a retry replays the call; without one it asks the model again and
+        # may make another call at the same step: each start's call is a call of its own.
+        call = (active.claim.user_id, tuple(active.ids), "act", 0 if self.journaled else active.serial)
 
         async def act(key: str) -> ToolOutput:
-            if self.call_of_key.setdefault(key, call) != call:
-                raise Broken(f"(e) key {key} given to {call} and before to {self.call_of_key[key]}")
-            if self.key_of_call.setdefault(call, key) != key:
-                raise Broken(f"(e) call {call} got key {key} and before {self.key_of_call[call]}")
-            for e in active.ids:
+            self.keyed(key, call)
+            for e in active.ids if self.journaled else ():
                 batch, before = self.acted.get(e, (frozenset(), key))
                 if before != key and not (batch & self.poison) and batch not in self.alone_lost:
                     raise Broken(
@@ -360,7 +417,21 @@ class LedgerModel(RuleBasedStateMachine):
 
         return act
 
+    def keyed(self, key: str, call: tuple) -> None:
+        """A tool sees ``key`` for ``call`` (e)."""
+        if self.call_of_key.setdefault(key, call) != call:
+            raise Broken(f"(e) key {key} given to {call} and before to {self.call_of_key[key]}")
+        if self.key_of_call.setdefault(call, key) != key:
+            raise Broken(f"(e) call {call} got key {key} and before {self.key_of_call[call]}")
+
     # -- rules ----------------------------------------------------------------------------
+
+    @initialize(journaled=st.sampled_from([False, True]))
+    def run_journal(self, journaled: bool) -> None:
+        """VIGIL_RUN_JOURNAL for the example (half without): without a journal every start of a
+        run, and every task holder, asks the model anew, so its calls are calls of their own,
+        whose keys no other call may have had (e)."""
+        self.journaled = journaled
 
     @rule(user=st.sampled_from(USERS), poison=st.booleans())
     def record(self, user: str, poison: bool) -> None:
@@ -453,12 +524,14 @@ class LedgerModel(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(WORKERS), crash=st.booleans())
     def work(self, name: str, crash: bool) -> None:
-        """A turn of the worker's loop: a claim pass, then a step of each of its runs."""
+        """A turn of the worker's loop: a claim pass, then a step of each of its runs, then a
+        step of its background task (leased first if it holds none)."""
         self.claim(name, drain_over=True)
         for user in sorted(self.workers[name].active):
             active = self.workers[name].active.get(user)
             if active is not None:
                 self.advance(name, active, crash)
+        self.task(name, "step")
 
     def advance(self, name: str, active: Active, crash: bool) -> None:
         """:meth:`step`'s work on ``active``, a run of worker ``name``."""
@@ -476,7 +549,7 @@ class LedgerModel(RuleBasedStateMachine):
         try:
             if active.pc == 0:
                 _, _, replayed = self.world.run(journal.model_turn(self._ask("thinking"), start=start))
-                if active.stale and not replayed:
+                if active.stale and not replayed and self.journaled:
                     raise Broken(f"(f) a model turn appended at stale epoch {active.claim.epoch}")
                 active.pc = 1
                 return
@@ -484,12 +557,12 @@ class LedgerModel(RuleBasedStateMachine):
                 step = journal.take()
                 doubt = journal.journaled(step)
                 self.world.run(journal.action(step, "act", {"events": ids}, self.execute(active, crash=crash)))
-                if active.stale and (not doubt or journal.recorded[step].outcome is None):
+                if active.stale and self.journaled and (not doubt or journal.recorded[step].outcome is None):
                     raise Broken(f"(f) an action call journaled at stale epoch {active.claim.epoch}")
                 active.pc = 2
                 return
             _, _, replayed = self.world.run(journal.model_turn(self._ask("done")))
-            if active.stale and not replayed:
+            if active.stale and not replayed and self.journaled:
                 raise Broken(f"(f) a model turn appended at stale epoch {active.claim.epoch}")
         except Crash:
             self.crash(name)
@@ -499,12 +572,13 @@ class LedgerModel(RuleBasedStateMachine):
                 raise Broken(f"(f) a run at the current epoch was fenced: {exc}") from exc
             # The run stops as a failed attempt, whose finish is refused as stale.
             del worker.active[active.claim.user_id]
-            failed = Finished(active.claim, active.started_at, error=f"fenced: {exc}", journaled=True)
+            failed = Finished(active.claim, active.started_at, error=f"fenced: {exc}", journaled=self.journaled)
             self.finish(name, active, failed)
             return
         del worker.active[active.claim.user_id]
         result = RunResult(outcome=RunOutcome.MESSAGE, messages=[OutMessage(f"done: {ids}")])
-        if self.finish(name, active, Finished(active.claim, active.started_at, result=result, journaled=True)):
+        done = Finished(active.claim, active.started_at, result=result, journaled=self.journaled)
+        if self.finish(name, active, done):
             self.processed.add(frozenset(ids))
 
     def _ask(self, text: str):
@@ -531,10 +605,50 @@ class LedgerModel(RuleBasedStateMachine):
             error="model unavailable: overloaded",
             transient=True,
             backoff_s=BACKOFF_BASE_S,
-            journaled=True,
+            journaled=self.journaled,
         )
         self.finish(name, active, failed)
         self.takes_back = True
+
+    @precondition(busy)
+    @rule(name=st.sampled_from(WORKERS), slot=st.integers(0, CONCURRENCY - 1))
+    def over_budget(self, name: str, slot: int) -> None:
+        """The user's daily token budget is spent: the agent stops the run before its first
+        model call (OverBudget), and the worker commits it as Runs._run does
+        (:func:`vigil.worker.finish.stopped_by_budget`): its events wait until the next UTC day
+        with the reason, no attempt counted (c), none of them done (a)."""
+        name = self.with_runs(name)
+        worker = self.workers[name]
+        fresh = sorted((a for a in worker.active.values() if not a.stale and a.pc == 0), key=lambda a: a.claim.user_id)
+        if not fresh:
+            return
+        active = fresh[slot % len(fresh)]
+        now = self.now()
+        tomorrow = _next_day(now)
+        counted = self.world.conn.execute(
+            "SELECT id, attempts FROM events WHERE id = ANY(%s)", (active.ids,)
+        ).fetchall()
+        del worker.active[active.claim.user_id]
+        # As the agent raises it (ClaudeAgent._refuse): the wait runs to the next 00:00 UTC.
+        spent = OverBudget("daily token budget spent (1000 of 1000)", retry_after=(tomorrow - now).total_seconds())
+        stopped = stopped_by_budget(Finished(active.claim, active.started_at, journaled=self.journaled), spent)
+        if self.finish(name, active, stopped):
+            for row in counted:
+                self.waiting[row["id"]] = tomorrow
+                self.refunded[row["id"]] = row["attempts"] - 1
+        self.takes_back = True
+
+    def budget_waits(self) -> bool:
+        now = self.now()
+        return any(until > now for until in self.waiting.values())
+
+    @precondition(budget_waits)
+    @rule()
+    def new_day(self) -> None:
+        """The UTC day changes: the clock moves past the next 00:00, when the events a budget
+        stopped are due again."""
+        now = self.now()
+        self.clock.advance((_next_day(now) - now).total_seconds() + TICK_S)
 
     @rule(key=st.sampled_from([P0, P1]), to=st.sampled_from(WORKERS))
     def rebalance(self, key: PartitionKey, to: str) -> None:
@@ -576,6 +690,78 @@ class LedgerModel(RuleBasedStateMachine):
                 self.world.on(ledger_claims.forgive_lost_claims, c.home, c.epoch, a.ids, MAX_ATTEMPTS, now=self.now())
                 del worker.active[c.user_id]
         self.takes_back = True
+
+    @rule(
+        name=st.sampled_from(WORKERS),
+        move=st.sampled_from(["delegate", "step", "crash", "heartbeat", "reap", "release"]),
+    )
+    def task(self, name: str, move: str) -> None:
+        """A background task (vigil.ledger.tasks) and its holders, each opening its journal as
+        the worker does (:func:`vigil.worker.tasks.open_task_journal`): ``delegate`` queues one;
+        ``step``: ``name`` leases one if it holds none, else takes its next step (a model turn,
+        the action call, the last turn and the outcome); ``crash``: the holder dies in its call;
+        ``heartbeat``: the holder learns whether its lease is gone; ``reap``: every lease taken
+        for stale (its holder may go on, fenced); ``release``: the holder hands it back."""
+        holding = self.holdings.get(name)
+        if not self.delegated and move != "delegate":
+            return  # no task yet: nothing to lease, reap or step
+        if move == "delegate":
+            if self.delegated < 2:
+                self.delegated += 1
+                self.world.on(ledger_tasks.create, _task_row(f"t{self.delegated}"), now=self.now())
+        elif move == "step" and holding is None:
+            for task in self.world.on(ledger_tasks.claim, name, 1, now=self.now()):
+                journal = self.world.run(open_task_journal(self.world.pool, task, journaled=self.journaled))
+                self.starts += 1
+                self.holdings[name] = Holding(task, journal, self.starts)
+        elif move == "reap":
+            self.world.on(ledger_tasks.reap, 0.0, now=self.now())
+        elif holding is None:
+            return
+        elif move == "heartbeat":
+            if self.world.on(ledger_tasks.heartbeat, holding.task.id, holding.task.lease_epoch) is None:
+                del self.holdings[name]  # the lease is gone: stop, write nothing
+        elif move == "release":
+            self.world.on(ledger_tasks.release, holding.task.id, holding.task.lease_epoch)
+            del self.holdings[name]
+        else:
+            self.task_step(name, holding, crash=move == "crash")
+
+    def task_step(self, name: str, holding: Holding, *, crash: bool) -> None:
+        task, journal = holding.task, holding.journal
+        current = self.world.conn.execute("SELECT lease_epoch, status FROM tasks WHERE id = %s", (task.id,)).fetchone()
+        held = current is not None and current["status"] == "running" and current["lease_epoch"] == task.lease_epoch
+        # With the journal every holder's call is the task's one; without, each holder's own.
+        call = ("task", task.id, "act", 0 if self.journaled else holding.serial)
+
+        async def act(key: str) -> ToolOutput:
+            self.keyed(key, call)
+            if crash:
+                raise Crash(key)
+            return ToolOutput("acted")
+
+        try:
+            if holding.pc == 0:
+                self.world.run(journal.model_turn(self._ask("thinking"), start={"task": task.id}))
+            elif holding.pc == 1:
+                self.world.run(journal.action(journal.take(), "act", {"task": task.id}, act))
+            else:
+                self.world.run(journal.model_turn(self._ask("done")))
+                outcome = ledger_tasks.Outcome(TaskStatus.SUCCEEDED, result="done")
+                stood = self.world.on(ledger_tasks.finish, task.id, task.lease_epoch, outcome)
+                if stood and not held:
+                    raise Broken(f"(f) task {task.id}'s outcome under lost lease {task.lease_epoch} stood")
+                del self.holdings[name]
+                return
+        except Crash:
+            del self.holdings[name]  # the holder died in its call: the reaper takes the lease back
+            return
+        except ledger_journal.Fenced as exc:
+            if held:
+                raise Broken(f"(f) task {task.id}'s holder under its current lease was fenced: {exc}") from exc
+            del self.holdings[name]
+            return
+        holding.pc += 1
 
     @rule(seconds=st.sampled_from([2.0, 5.0, 60.0]))
     def wait(self, seconds: float) -> None:
@@ -622,6 +808,19 @@ class LedgerModel(RuleBasedStateMachine):
         now = self.now()
         for row in rows:
             e, status = row["id"], row["status"]
+            until = self.waiting.get(e)
+            if until is not None and now < until:
+                # Stopped by its budget before any model call: it waits for the next day.
+                if status == "done":
+                    raise Broken(
+                        f"(a) event {e} is done by run {row['event_ids']}, stopped by its budget before any"
+                        " model call: no run processed it"
+                    )
+                error, due = row["error"] or "", row["next_attempt_at"]
+                if status != "pending" or not error.startswith(ledger_budgets.WAITING_PREFIX) or due < until:
+                    raise Broken(
+                        f"(a) event {e}, stopped by its budget, is {status} ({error!r}, due {due}) before {until}"
+                    )
             if status == "done":
                 if not row["event_ids"] or not any(e in s and set(row["event_ids"]) == s for s in self.processed):
                     raise Broken(f"(a) event {e} is done by run {row['event_ids']}, which did not process it")
@@ -640,6 +839,11 @@ class LedgerModel(RuleBasedStateMachine):
                 if active is None or e not in active.ids or row["claim_epoch"] != epochs.get(home):
                     raise Broken(f"(a) event {e} is running (epoch {row['claim_epoch']}) in no live run")
             before, after = self.attempts.get(e, 0), row["attempts"]
+            refunded = self.refunded.pop(e, None)
+            if refunded is not None and after != refunded:
+                raise Broken(
+                    f"(c) event {e}'s budget stop counted an attempt: {after} attempts, {refunded} before its claim"
+                )
             if after > before and (after != before + 1 or e not in self.claimed):
                 raise Broken(f"(c) attempts of event {e} went {before} -> {after} outside a claim")
             if after < before and not self.takes_back:
@@ -659,11 +863,13 @@ class LedgerModel(RuleBasedStateMachine):
         for _ in range(rounds):
             if not self.world.conn.execute("SELECT 1 FROM events WHERE status IN ('pending', 'running')").fetchone():
                 break
+            if self.budget_waits():
+                self.new_day()
             self.wait(BACKOFF_CAP_S + 1)
             for name in WORKERS:
                 for _ in range(SETTLE_TURNS):  # until a turn finds nothing to do
                     self.work(name, crash=True)
-                    idle = not self.claimed and not self.workers[name].active
+                    idle = not self.claimed and not self.workers[name].active and name not in self.holdings
                     self.promises()
                     if idle:
                         break
@@ -675,6 +881,29 @@ class LedgerModel(RuleBasedStateMachine):
         done = {r["id"] for r in self.world.conn.execute("SELECT id FROM events WHERE status = 'done'").fetchall()}
         if self.poison & done:
             raise Broken(f"(a) poison events done: {sorted(self.poison & done)}, yet every run of them crashed")
+
+
+def _task_row(task_id: str) -> ledger_tasks.NewTaskRow:
+    """A background task u0's run delegated (its deadline far past any example's end)."""
+    return ledger_tasks.NewTaskRow(
+        id=task_id,
+        user_id="u0",
+        parent_run_key="u0:0",
+        parent_task_id=None,
+        session_id=None,
+        depth=1,
+        owner_chain=["u0"],
+        instructions="act",
+        tools=["act"],
+        token_budget=10_000,
+        max_attempts=MAX_ATTEMPTS,
+        timeout_s=30 * 86_400.0,
+    )
+
+
+def _next_day(now: datetime) -> datetime:
+    """The next 00:00 UTC after ``now``."""
+    return datetime(now.year, now.month, now.day, tzinfo=UTC) + timedelta(days=1)
 
 
 def _settings(examples: int = EXAMPLES, derandomize: bool = not SEED) -> settings:
@@ -1129,3 +1358,100 @@ ENDS_WITHOUT_A_CRASH = {
 @pytest.mark.parametrize("end", sorted(ENDS_WITHOUT_A_CRASH))
 def test_an_alone_replay_that_ends_without_a_crash_keeps_its_keys(ledger, end):
     drive(ledger, [*AN_ALONE_REPLAY_AS_FOUND, ENDS_WITHOUT_A_CRASH[end]], verdict_s=VERDICT_S)
+
+
+# Issue 53, break 2, as the model found and shrank it with stopped_by_budget reverted to what
+# the worker did before 2fd0780 (a run its budget stopped before any model call ended with
+# outcome `nothing`): `(a) event 1 is done by run [1], stopped by its budget before any model
+# call: no run processed it`. Its events must wait for the next UTC day (the example's end
+# moves the clock past 00:00) with no attempt counted, and then run.
+A_RUN_STOPPED_BY_ITS_BUDGET = [
+    ("record", {"user": "u0", "poison": False}),
+    ("claim", {"name": "wa", "drain_over": False}),
+    ("over_budget", {"name": "wa", "slot": 0}),
+]
+# By hand: a replayed batch (its journal kept), stopped on its lone last attempt, next to
+# another user's run; the day changes mid-example and the events run.
+A_REPLAY_STOPPED_BY_ITS_BUDGET = [
+    ("record", {"user": "u0", "poison": False}),
+    ("record", {"user": "u0", "poison": False}),
+    ("record", {"user": "u2", "poison": False}),
+    ("claim", {"name": "wa", "drain_over": False}),
+    ("step", {"name": "wa", "slot": 0, "crash": False}),  # u0: the model turn, journaled
+    ("step", {"name": "wa", "slot": 0, "crash": False}),  # u0: the call, done
+    ("overloaded", {"name": "wa", "slot": 0}),  # u0 back, its journal kept
+    ("wait", {"seconds": 2.0}),
+    ("claim", {"name": "wa", "drain_over": False}),  # u0 again: its journal taken up
+    ("over_budget", {"name": "wa", "slot": 0}),
+    ("claim", {"name": "wa", "drain_over": False}),  # nothing of u0's before the day changes
+    ("new_day", {}),
+    ("work", {"name": "wa", "crash": False}),
+]
+
+
+@pytest.mark.parametrize(
+    "steps", [A_RUN_STOPPED_BY_ITS_BUDGET, A_REPLAY_STOPPED_BY_ITS_BUDGET], ids=["as-found", "replayed"]
+)
+@pytest.mark.parametrize("journaled", [True, False], ids=["journal", "no-journal"])
+def test_a_run_stopped_by_its_budget_waits_for_the_next_day(ledger, steps, journaled):
+    drive(ledger, [("run_journal", {"journaled": journaled}), *steps])
+
+
+# Issue 53, break 3, as the model found and shrank it with unjournaled_key reverted to the key
+# a run had without a journal before e777cc3 (fresh_key: `<run key>~<attempt>`, the first
+# attempt's bare): `(e) key u0:1:2 given to ('u0', (1,), 'act', 2) and before to ('u0', (1,),
+# 'act', 1)`. The model overloaded after the call gives the attempt back; the next claim is at
+# the same attempt, asks the model again, and its call got the first one's key.
+A_RUN_WITHOUT_A_JOURNAL_RETRIED_AT_THE_SAME_ATTEMPT = [
+    ("run_journal", {"journaled": False}),
+    ("record", {"poison": False, "user": "u0"}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("overloaded", {"name": "wa", "slot": 0}),
+]
+# The same after a graceful hand-over (released, nothing counted).
+ENDS_WITHOUT_COUNTING = {
+    "overloaded": ("overloaded", {"name": "wa", "slot": 0}),
+    "released": ("rebalance", {"key": P0, "to": "wb"}),
+}
+
+
+@pytest.mark.parametrize("end", sorted(ENDS_WITHOUT_COUNTING))
+def test_a_run_without_a_journal_gives_no_key_of_its_to_another_call(ledger, end):
+    drive(ledger, [*A_RUN_WITHOUT_A_JOURNAL_RETRIED_AT_THE_SAME_ATTEMPT[:-1], ENDS_WITHOUT_COUNTING[end]])
+
+
+# Issue 53, break 3 for background tasks, as the model found it (VIGIL_MODEL_SEED=1, 300
+# examples, shrunk) with task_key reverted to its key before c971bde (`task:<id>` whatever the
+# journal): `(e) key task:t1:2 given to ('task', 't1', 'act', 3) and before to ('task', 't1',
+# 'act', 2)`. Without a journal the holder whose lease the reaper took goes on and makes its
+# call; the next holder asks the model again, and its call got the same key.
+A_TASK_WITHOUT_A_JOURNAL_AS_FOUND = [
+    ("run_journal", {"journaled": False}),
+    ("task", {"move": "delegate", "name": "wa"}),
+    ("record", {"poison": False, "user": "u0"}),
+    ("work", {"crash": False, "name": "wa"}),
+    ("task", {"move": "reap", "name": "wa"}),
+    ("retry_dead", {}),
+]
+# By hand: the first holder dies in its call; the reaper gives the task to the next holder.
+A_TASK_WITHOUT_A_JOURNAL_AFTER_A_CRASH = [
+    ("run_journal", {"journaled": False}),
+    ("task", {"move": "delegate", "name": "wa"}),
+    ("task", {"move": "step", "name": "wa"}),  # leased
+    ("task", {"move": "step", "name": "wa"}),  # the model turn
+    ("task", {"move": "crash", "name": "wa"}),  # dies in its call
+    ("task", {"move": "reap", "name": "wb"}),
+    ("work", {"crash": False, "name": "wb"}),  # leased again
+    ("work", {"crash": False, "name": "wb"}),  # the model turn
+    ("work", {"crash": False, "name": "wb"}),  # its call
+]
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [A_TASK_WITHOUT_A_JOURNAL_AS_FOUND, A_TASK_WITHOUT_A_JOURNAL_AFTER_A_CRASH],
+    ids=["as-found", "after-a-crash"],
+)
+def test_a_task_holder_without_a_journal_gives_no_key_of_its_to_another_call(ledger, steps):
+    drive(ledger, steps)

@@ -34,11 +34,12 @@ from datetime import datetime
 import psycopg
 from psycopg.rows import DictRow
 
-from vigil.agent.base import NewTask, RunResult
+from vigil.agent.base import NewTask, OverBudget, RunResult
 from vigil.agent.run_ledger import session_rows
 from vigil.errors import VigilError
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import approvals as ledger_approvals
+from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger import db
 from vigil.ledger import finish as ledger_finish
 from vigil.ledger import journal as ledger_journal
@@ -78,6 +79,21 @@ class Finished:
     @property
     def outcome(self) -> RunOutcome:
         return self.result.outcome if self.error is None and self.result else RunOutcome.FAILED
+
+
+def stopped_by_budget(finished: Finished, exc: OverBudget) -> Finished:
+    """``finished``, a run the user's daily token budget stopped before its first model call
+    (the agent's :class:`OverBudget`), as it is committed: not started, so no runs row, no
+    attempt of any kind counted, the journal kept, and its events wait until the next UTC day
+    (``exc.retry_after``) with the reason (``ledger_budgets.WAITING_PREFIX``), where the daily
+    release finds them. Never done: no run processed them (stored done with outcome
+    ``nothing``, they were lost; 2fd0780). The ledger's model drives this (tests/test_ledger_model.py)."""
+    finished.result = None
+    finished.error = f"{ledger_budgets.WAITING_PREFIX}{exc.reason}"
+    finished.waiting = True
+    finished.transient = False
+    finished.backoff_s = exc.retry_after or 0.0
+    return finished
 
 
 def run_record(run: Finished) -> ledger_finish.RunRecord:

@@ -27,7 +27,6 @@ from vigil.agent.base import Agent, Delegation, OverBudget, RetryLater, RunConte
 from vigil.agent.journal import HandedOver
 from vigil.agent.run_ledger import load_context_parts, load_contexts
 from vigil.clock import Clock, utc
-from vigil.ledger import budgets as ledger_budgets
 from vigil.ledger import claims as ledger_claims
 from vigil.ledger.claims import Claim, claim_more
 from vigil.ledger.db import AsyncPool, is_outage
@@ -38,7 +37,7 @@ from vigil.retry import backoff
 from vigil.service import first_line
 from vigil.worker import journal as run_journal
 from vigil.worker import metrics, traces
-from vigil.worker.finish import Finished
+from vigil.worker.finish import Finished, stopped_by_budget
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
 
@@ -271,9 +270,7 @@ class Runs:
             finished.error = f"fenced: {exc}"
         except OverBudget as exc:
             # Not started: its events wait for the next UTC day, no attempt of any kind counted.
-            finished.error = f"{ledger_budgets.WAITING_PREFIX}{exc.reason}"
-            finished.waiting = True
-            finished.backoff_s = exc.retry_after or 0.0
+            stopped_by_budget(finished, exc)
         except RetryLater as exc:
             self._transient(finished, f"model unavailable: {exc.reason}", exc.retry_after)
         except Exception as exc:

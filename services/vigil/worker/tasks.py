@@ -49,7 +49,7 @@ from typing import Any
 import psycopg
 
 from vigil.agent.base import Agent, Delegation, TaskContext, TaskResult, TaskUsage
-from vigil.agent.journal import task_key
+from vigil.agent.journal import Journal, task_key
 from vigil.clock import Clock, SystemClock, utc
 from vigil.ledger import agent as ledger_agent
 from vigil.ledger import journal as ledger_journal
@@ -72,6 +72,22 @@ RELEASE = object()
 # What _supervise returns for an execution its holder stopped because the ledger did not take
 # its heartbeats for VIGIL_TASK_STALE_S / 2 (settings.task_fence_s).
 FENCED = object()
+
+
+async def open_task_journal(pool: AsyncPool, task: ledger.TaskRow, *, journaled: bool) -> Journal:
+    """The journal a holder of ``task`` (under its lease) runs it with. Journaled: ``task:<id>``,
+    its steps read back (what an earlier holder did is replayed, not done again) and appended
+    fenced by the lease. Without a journal (VIGIL_RUN_JOURNAL=false) nothing is read or
+    written, and the holder asks the model again and may make other calls at the same steps,
+    so its keys are its own (``task:<id>~<lease epoch>:<step>``). The ledger's model opens a
+    task's journal through this too (tests/test_ledger_model.py)."""
+    if not journaled:
+        return open_journal(task_key(task.id, task.lease_epoch, journaled=False), None)
+    key = task_key(task.id, task.lease_epoch, journaled=True)
+    async with pool.connection() as conn:
+        steps = await ledger_journal.live_task(conn, key)
+    writer = FencedWriter(pool, ledger_journal.TaskFence(task.id, task.lease_epoch), key)
+    return open_journal(key, writer, steps)
 
 
 @dataclass(slots=True)
@@ -259,22 +275,13 @@ class TaskExecutor:
         is replayed, not done again (vigil.worker.journal). False if it cannot be read: the
         task is handed back rather than run blind."""
         task, ctx = holding.task, holding.ctx
-        if not self.settings.run_journal:
-            # No journal to replay: this holder asks the model again and may make other calls
-            # at the same steps, so its keys are its own (task:<id>~<lease epoch>:<step>).
-            ctx.journal = open_journal(task_key(task.id, task.lease_epoch, journaled=False), None)
-            return True
-        key = task_key(task.id, task.lease_epoch, journaled=True)
         try:
-            async with self._pool(task).connection() as conn:
-                steps = await ledger_journal.live_task(conn, key)
+            ctx.journal = await open_task_journal(self._pool(task), task, journaled=self.settings.run_journal)
         except (psycopg.Error, OSError) as exc:
             log.warning("task %s: could not read its journal, handing it back: %s", task.id, exc)
             return False
-        writer = FencedWriter(self._pool(task), ledger_journal.TaskFence(task.id, task.lease_epoch), key)
-        ctx.journal = open_journal(key, writer, steps)
-        if steps:
-            log.info("task %s: replaying its journal (%d steps)", task.id, len(steps))
+        if ctx.journal.recorded:
+            log.info("task %s: replaying its journal (%d steps)", task.id, len(ctx.journal.recorded))
         return True
 
     async def _memory(self, holding: Holding) -> bool:
