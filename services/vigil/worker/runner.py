@@ -27,6 +27,7 @@ from vigil.clock import Clock, SystemClock
 from vigil.ledger.db import AsyncPool
 from vigil.worker.claim_loop import Claimer
 from vigil.worker.deadletters import DeadLetters
+from vigil.worker.finish import Finished
 from vigil.worker.finish_loop import Finisher
 from vigil.worker.runs import Runs
 from vigil.worker.settings import WorkerSettings
@@ -51,9 +52,21 @@ class Runner:
         self.clock = clock or SystemClock()
         self.shards = Shards.of(pool)  # where each partition's and run's ledger work goes
         self.wakeups = Wakeups(self.clock, settings.scan_interval_s)
-        self.runs = Runs(settings, agent, self.shards, self.clock)
+        # Each run hands its outcome to the finish loop's queue (the finisher, made below, owns it).
+        self.runs = Runs(settings, agent, self.shards, self.clock, finish=self._finished)
         self.claimer = Claimer(settings, self.shards, dead_letters, self.runs, self.wakeups, self.clock)
-        self.finisher = Finisher(settings, self.shards, self.runs, self.claimer, self.clock)
+        self.finisher = Finisher(
+            settings,
+            self.shards,
+            self.runs,
+            self.clock,
+            wake=self.wakeups.wake,
+            on_commit_unknown=self.claimer.heal_soon,
+        )
+
+    def _finished(self, run: Finished) -> None:
+        """A run's outcome, to the finish loop (:meth:`Finisher.put`)."""
+        self.finisher.put(run)
 
     # -- called from the consumer thread (through the event loop) ------------------------
 

@@ -3,8 +3,8 @@
 :class:`Runs` holds every run this process has claimed and not yet committed
 (``active``, one per user, claim rule 4), starts each on its own asyncio task, loads its
 context (:mod:`vigil.agent.run_ledger`; a claim pass's runs together, :meth:`Runs.preload`),
-runs the agent under ``VIGIL_RUN_TIMEOUT_S`` and puts the outcome, a result or an error
-with its backoff, on ``finished`` for :class:`vigil.worker.finish_loop.Finisher`. A run
+runs the agent under ``VIGIL_RUN_TIMEOUT_S`` and hands the outcome, a result or an error
+with its backoff, to ``finish`` (the queue of :class:`vigil.worker.finish_loop.Finisher`). A run
 leaves ``active`` only when its finish is committed (or it is cancelled and released), so
 the claim pass never claims a user twice. When to claim is :mod:`vigil.worker.claim_loop`'s.
 """
@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -62,9 +62,16 @@ class Active:
 
 
 class Runs:
-    """The runs in flight and their execution; ``finished`` hands outcomes to the finisher."""
+    """The runs in flight and their execution; ``finish`` hands outcomes to the finish loop."""
 
-    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool | Shards | None, clock: Clock) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        agent: Agent,
+        pool: AsyncPool | Shards | None,
+        clock: Clock,
+        finish: Callable[[Finished], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.agent = agent
         # A run's ledger work goes to the shard of its claim's home partition (where it was
@@ -73,7 +80,7 @@ class Runs:
         self.clock = clock
         self.active: dict[str, Active] = {}
         self.journal_groups: dict[int, run_journal.GroupAppend] = {}  # per shard: its runs' appends, grouped
-        self.finished: asyncio.Queue[Finished] = asyncio.Queue()
+        self.finish = finish or _no_finish  # the finish loop's queue (Finisher.put); None: tests that run no agent
         # The partitions whose runs a revoke waits for (:meth:`wait_gone`): a finish group
         # holding one of their runs does not wait for company (finish_loop.gather_s), and
         # ``hurry`` wakes a group already waiting when the revoke starts or when one of those
@@ -287,7 +294,7 @@ class Runs:
                 log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
                 finished.error = f"{type(exc).__name__}: {exc}"
                 finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
-        await self.finished.put(finished)
+        self.finish(finished)
         if c.home in self._hurrying:
             self.hurry.set()  # a group waiting for company takes this run and commits now
 
@@ -387,6 +394,10 @@ class Runs:
             ),
             tasks=self.shards.task_door(self.shards.shard_of(c.home.partition)),
         )
+
+
+def _no_finish(finished: Finished) -> None:
+    raise RuntimeError(f"a run of {finished.claim.user_id} finished with no finish loop to take it")
 
 
 def _claimed(victims: list[Active]) -> dict[tuple[PartitionKey, int], list[int]]:
