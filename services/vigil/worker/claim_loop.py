@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from datetime import datetime
 
 import psycopg
 from psycopg.rows import DictRow
@@ -33,7 +32,7 @@ from vigil.ledger.db import AsyncPool
 from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics
 from vigil.worker.deadletters import DeadLetters
-from vigil.worker.lone import LoneAttempt
+from vigil.worker.lone import Gate, LoneAttempt
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
@@ -70,6 +69,7 @@ class Claimer:
         runs: Runs,
         wakeups: Wakeups,
         clock: Clock,
+        lone: LoneAttempt | None = None,
     ) -> None:
         self.settings = settings
         self.shards = Shards.of(pool)  # each partition's claims on its shard
@@ -77,18 +77,16 @@ class Claimer:
         self.runs = runs
         self.wakeups = wakeups
         self.clock = clock
-        self.lone = LoneAttempt(settings, runs, wakeups, clock)
+        self.lone = lone or LoneAttempt(settings, runs, wakeups, clock)  # claim rule 3: its due time, its drain
         self.retry_policy = retry.worker_claim_pass()
         self.owned: dict[PartitionKey, int] = {}
         self.stopping = False
         self._claim_lock = asyncio.Lock()
         self._cursor: dict[int, str] = {}  # per shard, the round robin's position among waiting users (claims.claim)
-        self._lone_due: dict[int, datetime] = {}  # per shard, when a lone last attempt is due there
         self._first = 0  # the shard a pass starts with, turning: no shard's claims always come last
         self._shard_down_until: dict[int, float] = {}  # monotonic: a shard whose claims failed is skipped until then
         self._next_dead_check = 0.0
         self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
-        self._lone: Active | None = None  # the last lone last attempt this process started (claim rule 3)
         self._handovers: set[asyncio.Task[None]] = set()  # revoked partitions' runs finishing (hand_over)
 
     @property
@@ -328,7 +326,7 @@ class Claimer:
                         if check:
                             now = utc(self.clock.now())
                             dead += await mark_dead(conn, owned, self.settings.max_attempts, now=now)
-                            self._lone_at(shard, await alone_due(conn, owned, self.settings.max_attempts, now=now))
+                            self.lone.found(shard, await alone_due(conn, owned, self.settings.max_attempts, now=now))
                         if heal:
                             await self._heal(conn, owned)
                         claims, alone = await self._claim(conn, shard, owned, left) if left > 0 else ([], False)
@@ -358,7 +356,7 @@ class Claimer:
             attempts.update(str(event.attempts) if event.attempts < 3 else "3+" for event in c.events)
             self.runs.start(active)
             if active.alone:
-                self._lone = active
+                self.lone.started(active)
         for label, n in attempts.items():
             metrics.CLAIM_ATTEMPTS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
@@ -392,56 +390,26 @@ class Claimer:
             )
             self.wake(self.settings.backoff_base_s + BACKOFF_SLACK_S)
 
-    def tasks_hold_off(self) -> bool:
-        """Whether background tasks must not be claimed now: a lone last attempt is due (the
-        drain before it) or in flight (claim rule 3: nothing else runs in this process)."""
-        due = self.lone.due_at
-        return self._lone_in_flight() or (due is not None and due <= utc(self.clock.now()))
-
-    def _lone_in_flight(self) -> bool:
-        """Is the lone last attempt still in flight? (A look at one run, not at every run in
-        flight: with thousands of them, that walk was 0.5% of a model-bound worker's CPU.)"""
-        lone = self._lone
-        return lone is not None and self.active.get(lone.claim.user_id) is lone
-
-    def _lone_at(self, shard: int, due: datetime | None) -> None:
-        """What rule 2's look found on ``shard``: the earliest lone attempt of every shard is
-        the one the worker drains for (nothing runs beside it, whatever its shard)."""
-        if due is None:
-            self._lone_due.pop(shard, None)
-        else:
-            self._lone_due[shard] = due
-        self.lone.due_at = min(self._lone_due.values()) if self._lone_due else None
-        if self.lone.due_at is None:
-            self.lone.drain_until = None
-
     async def _claim(
         self, conn: psycopg.AsyncConnection[DictRow], shard: int, owned: dict[PartitionKey, int], take: int
     ) -> tuple[list[Claim], bool]:
         """Claim rule 3's lone last attempts before anything else, then the round robin for up
         to ``take`` users, on ``shard`` (``conn``) for its partitions ``owned``. Returns the
         claims and whether they are a lone attempt."""
-        if self._lone_in_flight():
-            return [], False  # nothing runs beside a lone attempt
-        if self.lone.due_at is not None:
-            wait_s = (self.lone.due_at - utc(self.clock.now())).total_seconds()
-            if wait_s > 0:
-                self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
-            elif self.lone.busy() and not await self.lone.drained():
-                return [], False  # draining: each finishing run wakes a pass, and so does the deadline
-            elif self._lone_due.get(shard) != self.lone.due_at:
-                return [], False  # drained for another shard's lone attempt: that shard claims it
-            else:
-                lone = await claim_alone(conn, owned, self.settings.max_attempts, now=utc(self.clock.now()))
-                self._next_dead_check = 0.0  # after it: dead? another one waiting?
-                self.lone.drain_until = None
-                if lone is not None:
-                    metrics.LONE_RUNS.inc()
-                    log.warning(
-                        "event %d runs alone: its last attempt, and a worker was lost with it before", lone.events[0].id
-                    )
-                    return [lone], True
-                self._lone_at(shard, None)
+        gate = await self.lone.gate(shard)
+        if gate is Gate.HOLD:
+            return [], False  # in flight, or the drain before it, or another shard's
+        if gate is Gate.ALONE:
+            lone = await claim_alone(conn, owned, self.settings.max_attempts, now=utc(self.clock.now()))
+            self._next_dead_check = 0.0  # after it: dead? another one waiting?
+            self.lone.end_drain()
+            if lone is not None:
+                metrics.LONE_RUNS.inc()
+                log.warning(
+                    "event %d runs alone: its last attempt, and a worker was lost with it before", lone.events[0].id
+                )
+                return [lone], True
+            self.lone.found(shard, None)
         claims, self._cursor[shard] = await claim(
             conn,
             owned=owned,

@@ -29,6 +29,7 @@ from vigil.worker.claim_loop import Claimer
 from vigil.worker.deadletters import DeadLetters
 from vigil.worker.finish import Finished
 from vigil.worker.finish_loop import Finisher
+from vigil.worker.lone import LoneAttempt
 from vigil.worker.runs import Runs
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
@@ -54,7 +55,10 @@ class Runner:
         self.wakeups = Wakeups(self.clock, settings.scan_interval_s)
         # Each run hands its outcome to the finish loop's queue (the finisher, made below, owns it).
         self.runs = Runs(settings, agent, self.shards, self.clock, finish=self._finished)
-        self.claimer = Claimer(settings, self.shards, dead_letters, self.runs, self.wakeups, self.clock)
+        # Claim rule 3's lone attempt: the claim pass tells it what it finds and starts, and
+        # asks it whether to claim; main.py has it drain the background tasks too.
+        self.lone = LoneAttempt(settings, self.runs, self.wakeups, self.clock)
+        self.claimer = Claimer(settings, self.shards, dead_letters, self.runs, self.wakeups, self.clock, self.lone)
         self.finisher = Finisher(
             settings,
             self.shards,
