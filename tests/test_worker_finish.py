@@ -18,7 +18,7 @@ from vigil.ledger.claims import Claim
 from vigil.ledger.db import async_pool
 from vigil.ledger.partitions import PartitionKey
 from vigil.ledger.states import RunOutcome
-from vigil.worker import claim_loop
+from vigil.worker import handover
 from vigil.worker.claim_loop import Claimer
 from vigil.worker.finish import Finished, commit_finished
 from vigil.worker.finish_loop import FINISH_GATHER_MAX_S, FINISH_GATHER_MIN_GROUP, Finisher, gather_s
@@ -259,7 +259,7 @@ def revoke_with(
                 assert not claimer.owned and "working" in runs.active  # returned at once
                 until = query(ledger, "SELECT handover_until > now() AS set FROM partitions")
                 assert until == [{"set": True}], "no hand-over deadline for the next owner to wait for"
-                while watch is not None and claimer._handovers:
+                while watch is not None and claimer.handovers._handovers:
                     watch.append(query(ledger, "SELECT handover_until > now() AS ahead FROM partitions")[0]["ahead"])
                     await asyncio.sleep(0.05)
                 await claimer.handovers_done(30.0)
@@ -325,8 +325,8 @@ def test_a_hand_over_returns_at_once_and_lets_runs_finish_behind_it(ledger):
 def test_a_hand_over_renews_its_lease_while_its_runs_last(ledger, monkeypatch):
     """The deadline is a lease (renewed while the runs last), so a revoking worker that dies
     holds the next owner back by a lease, not by the grace; a live one never lets it lapse."""
-    monkeypatch.setattr(claim_loop, "HANDOVER_LEASE_S", 0.3)
-    monkeypatch.setattr(claim_loop, "HANDOVER_RENEW_S", 0.1)
+    monkeypatch.setattr(handover, "HANDOVER_LEASE_S", 0.3)
+    monkeypatch.setattr(handover, "HANDOVER_RENEW_S", 0.1)
     ids = seed(ledger, ["returned", "working"])
     query(ledger, "UPDATE events SET attempts = 1")
     watch: list[bool] = []
