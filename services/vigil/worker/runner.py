@@ -13,9 +13,15 @@ consumer for a user whose home partition is ours, an operator's retry.
 ``worker/main.py`` and the consumer call:
 
 - when to claim: :mod:`vigil.worker.wakeups` (the wake-up heap), :mod:`vigil.worker.claim_loop`
-  (the claim loop and pass, the partitions held), :mod:`vigil.worker.lone` (the lone-attempt drain);
-- running: :mod:`vigil.worker.runs` (the runs in flight, their context, the agent's execution);
-- finishing: :mod:`vigil.worker.finish_loop` (the group finish, the backlog gauges).
+  (the claim loop and pass, the partitions held), :mod:`vigil.worker.lone` (the lone attempt:
+  its due time, its drain), :mod:`vigil.worker.handover` (a revoke's runs wound down);
+- running: :mod:`vigil.worker.runs` (the runs in flight, the agent's execution),
+  :mod:`vigil.worker.contexts` (what each run reads first);
+- finishing: :mod:`vigil.worker.finish_loop` (the finish queue, the group finish, the backlog gauges).
+
+They talk through narrow callbacks: each run hands its outcome to the finisher's queue
+(``finish``), and the finisher asks the claim loop for a pass (``wake``) or a heal
+(``on_commit_unknown``), never holding the claimer.
 """
 
 from __future__ import annotations
