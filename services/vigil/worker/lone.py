@@ -43,7 +43,7 @@ class Gate(Enum):
 
 
 class LoneAttempt:
-    """When a lone last attempt is due, and how long the runs in flight may still take."""
+    """When a lone last attempt is due, how long the runs in flight may still take, and the lone run."""
 
     def __init__(
         self, settings: WorkerSettings, runs: Runs, wakeups: Wakeups, clock: Clock, beside: Beside | None = None
