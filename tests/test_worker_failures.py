@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support import query, scalar, wait_for
-from vigil.worker.claim_loop import HANDOVER_LEASE_S
+from vigil.worker.handover import HANDOVER_LEASE_S
 from worker_support import FAST, Supervisor, assert_runs_consistent, chat, metric, produce, statuses, wait_all_done
 
 

@@ -18,7 +18,7 @@ from vigil.ledger.claims import Claim
 from vigil.ledger.db import async_pool
 from vigil.ledger.partitions import PartitionKey
 from vigil.ledger.states import RunOutcome
-from vigil.worker import claim_loop
+from vigil.worker import handover
 from vigil.worker.claim_loop import Claimer
 from vigil.worker.finish import Finished, commit_finished
 from vigil.worker.finish_loop import FINISH_GATHER_MAX_S, FINISH_GATHER_MIN_GROUP, Finisher, gather_s
@@ -150,14 +150,8 @@ def test_a_result_the_ledger_refuses_fails_that_run_only(ledger):
     assert query(ledger, "SELECT count(*) AS n FROM memory")[0]["n"] == 0
 
 
-class _Wakes:
-    """What the finish loop needs of the claim loop: to be woken, or asked to heal."""
-
-    def wake(self, delay: float = 0.0) -> None:
-        pass
-
-    def heal_soon(self) -> None:
-        pass
+def _nothing(*_args: object) -> None:
+    """What the finish loop's callbacks do here: no claim loop to wake or to heal."""
 
 
 def finish_groups(ledger: str, arrivals: list[list[Finished]], ran_s: float) -> list[int]:
@@ -176,18 +170,18 @@ def finish_groups(ledger: str, arrivals: list[list[Finished]], ran_s: float) -> 
         )
         clock = ManualClock(datetime.now(UTC).timestamp())
         slots = Runs(settings, None, pool, clock)
-        finisher = Finisher(settings, pool, slots, _Wakes(), clock)
+        finisher = Finisher(settings, pool, slots, clock, wake=_nothing, on_commit_unknown=_nothing)
         loop = asyncio.create_task(finisher.finish_loop())
         try:
             for runs in arrivals:
-                while not slots.finished.empty():
+                while not finisher.finished.empty():
                     # Ready before a gather's timer of the same loop pass: the arrivals are
                     # queued before a group that waits for company could time out.
                     await asyncio.sleep(0)
                 for run in runs:
                     run.started_at = utc(clock.now() - ran_s)
                     slots.active[run.claim.user_id] = Active(run.claim)
-                    slots.finished.put_nowait(run)
+                    finisher.put(run)
             while not finisher.idle:
                 await asyncio.sleep(0.01)
         finally:
@@ -242,7 +236,7 @@ def revoke_with(
         runs = Runs(settings, None, pool, clock)
         claimer = Claimer(settings, pool, None, runs, Wakeups(clock, 60.0), clock)
         claimer.owned = {HOME: 1}
-        finisher = Finisher(settings, pool, runs, claimer, clock)
+        finisher = Finisher(settings, pool, runs, clock, wake=claimer.wake, on_commit_unknown=claimer.heal_soon)
         loop = asyncio.create_task(finisher.finish_loop())
         try:
             done = finished("returned", ids["returned"], RunResult(RunOutcome.MESSAGE, messages=[OutMessage("hi")]))
@@ -253,11 +247,11 @@ def revoke_with(
 
             async def agent():  # waiting on its model, then its outcome goes to the finisher
                 await asyncio.sleep(model_s)
-                await runs.finished.put(late)
+                finisher.put(late)
 
             working = Active(late.claim, task=asyncio.create_task(agent()))
             runs.active.update({"returned": returned, "working": working})
-            runs.finished.put_nowait(done)
+            finisher.put(done)
             await asyncio.sleep(0.005)  # the finish loop has taken the run and waits for company
             assert finisher.committing == 1
             if hand_over:
@@ -265,7 +259,7 @@ def revoke_with(
                 assert not claimer.owned and "working" in runs.active  # returned at once
                 until = query(ledger, "SELECT handover_until > now() AS set FROM partitions")
                 assert until == [{"set": True}], "no hand-over deadline for the next owner to wait for"
-                while watch is not None and claimer._handovers:
+                while watch is not None and claimer.handovers._handovers:
                     watch.append(query(ledger, "SELECT handover_until > now() AS ahead FROM partitions")[0]["ahead"])
                     await asyncio.sleep(0.05)
                 await claimer.handovers_done(30.0)
@@ -331,8 +325,8 @@ def test_a_hand_over_returns_at_once_and_lets_runs_finish_behind_it(ledger):
 def test_a_hand_over_renews_its_lease_while_its_runs_last(ledger, monkeypatch):
     """The deadline is a lease (renewed while the runs last), so a revoking worker that dies
     holds the next owner back by a lease, not by the grace; a live one never lets it lapse."""
-    monkeypatch.setattr(claim_loop, "HANDOVER_LEASE_S", 0.3)
-    monkeypatch.setattr(claim_loop, "HANDOVER_RENEW_S", 0.1)
+    monkeypatch.setattr(handover, "HANDOVER_LEASE_S", 0.3)
+    monkeypatch.setattr(handover, "HANDOVER_RENEW_S", 0.1)
     ids = seed(ledger, ["returned", "working"])
     query(ledger, "UPDATE events SET attempts = 1")
     watch: list[bool] = []

@@ -190,7 +190,8 @@ def test_a_shard_probe_waits_for_the_batch_in_flight_on_its_connection(ledger, s
 
     from vigil.ledger.partitions import PartitionKey
     from vigil.settings import load
-    from vigil.worker.consumer import ConsumerLoop, InFlight, Recorded
+    from vigil.worker.consumer import ConsumerLoop, InFlight
+    from vigil.worker.recorder import Recorded
     from vigil.worker.settings import WorkerSettings
     from vigil.worker.shard_outage import Down
 

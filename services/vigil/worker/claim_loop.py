@@ -9,16 +9,15 @@ interval the heal of orphaned claims; then claims up to ``VIGIL_RUN_CONCURRENCY`
 runs in flight (at most ``VIGIL_CLAIM_PASS_MAX``, then another pass at once), round-robin
 from a cursor (:func:`vigil.ledger.claims.claim`), and starts them
 (:class:`vigil.worker.runs.Runs`). The claim lock keeps a pass and a rebalance apart:
-a revoked partition's claims are never started after its runs were cancelled.
+a revoked partition's claims are never started after its runs were cancelled. What a revoke
+then does with the partition's runs is :mod:`vigil.worker.handover`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
-from datetime import datetime
 
 import psycopg
 from psycopg.rows import DictRow
@@ -26,14 +25,14 @@ from psycopg.rows import DictRow
 from vigil import retry
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
-from vigil.ledger import partitions as ledger_partitions
 from vigil.ledger import recovery as ledger_recovery
 from vigil.ledger.claims import Claim, DeadEvent, alone_due, claim, claim_alone, mark_dead
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics
 from vigil.worker.deadletters import DeadLetters
-from vigil.worker.lone import LoneAttempt
+from vigil.worker.handover import HandOvers
+from vigil.worker.lone import Gate, LoneAttempt
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
@@ -41,22 +40,11 @@ from vigil.worker.wakeups import BACKOFF_SLACK_S, Wakeups
 
 log = logging.getLogger(__name__)
 
-# How long a revoke waits, after its grace, for runs that have returned to commit
-# (Runs.wait_gone) before it releases them too: a finish takes milliseconds; this bounds a
-# ledger outage.
-REVOKE_COMMIT_WAIT_S = 5.0
-# A hand-over's deadline is this far ahead, renewed every HANDOVER_RENEW_S while its runs
-# last (the grace, their commits, the releases): a revoking worker that dies holds its
-# partitions' next owner back by this much at most, not by the whole grace. A stall longer
-# than the lease (a frozen process) lets the next owner take over: the stalled runs' finishes
-# are then fenced out, as for a lost partition.
 # Several shards: a claim pass waits this long for a connection to one shard, and skips a
 # shard that failed for this long, so a shard that does not answer delays the others' claims
 # by at most SHARD_CONNECT_S now and then, never a pool timeout every pass.
 SHARD_CONNECT_S = 2.0
 SHARD_PAUSE_S = 5.0
-HANDOVER_LEASE_S = 5.0
-HANDOVER_RENEW_S = 1.0
 
 
 class Claimer:
@@ -70,6 +58,7 @@ class Claimer:
         runs: Runs,
         wakeups: Wakeups,
         clock: Clock,
+        lone: LoneAttempt | None = None,
     ) -> None:
         self.settings = settings
         self.shards = Shards.of(pool)  # each partition's claims on its shard
@@ -77,19 +66,17 @@ class Claimer:
         self.runs = runs
         self.wakeups = wakeups
         self.clock = clock
-        self.lone = LoneAttempt(settings, runs, wakeups, clock)
+        self.lone = lone or LoneAttempt(settings, runs, wakeups, clock)  # claim rule 3: its due time, its drain
         self.retry_policy = retry.worker_claim_pass()
         self.owned: dict[PartitionKey, int] = {}
         self.stopping = False
         self._claim_lock = asyncio.Lock()
         self._cursor: dict[int, str] = {}  # per shard, the round robin's position among waiting users (claims.claim)
-        self._lone_due: dict[int, datetime] = {}  # per shard, when a lone last attempt is due there
         self._first = 0  # the shard a pass starts with, turning: no shard's claims always come last
         self._shard_down_until: dict[int, float] = {}  # monotonic: a shard whose claims failed is skipped until then
         self._next_dead_check = 0.0
         self._next_heal = 0.0  # orphaned claims at our epochs: on assignment, then periodically
-        self._lone: Active | None = None  # the last lone last attempt this process started (claim rule 3)
-        self._handovers: set[asyncio.Task[None]] = set()  # revoked partitions' runs finishing (hand_over)
+        self.handovers = HandOvers(self.shards, runs, clock, self._drop)  # revoked partitions' runs wound down
 
     @property
     def active(self) -> dict[str, Active]:
@@ -129,94 +116,18 @@ class Claimer:
             self.wake((at - now).total_seconds() + BACKOFF_SLACK_S)
 
     async def revoke(self, keys: list[PartitionKey], release: bool = True, grace_s: float = 0.0) -> None:
-        """Stop claiming for ``keys``; give their runs ``grace_s`` to finish, then cancel the
-        rest and hand their claims back; return when that is done. A shutdown's drain (no
-        grace: it had its own), a lost partition, and a hand-over the ledger refused.
-
-        Runs that finish within the grace, and those whose agent has returned by its end,
-        commit (:meth:`Runs.wait_gone`), so a rebalance does not run finished work again.
-        A release is fenced like a finish: if the new owner already took over, it matches
-        nothing and the takeover's hand-back has done the job. A *lost* partition
-        (``release=False``) waits for nothing: its new owner may hold it already; its runs'
-        claims are given back in the background (:meth:`Runs.cancel`), so that a takeover that
-        came first does not make a lone last attempt of this live worker its event's death.
-        """
-        began = time.monotonic()  # a measurement, not a decision: the host's clock
-        await self._wind_down(await self._drop(keys), release, grace_s)
-        metrics.REVOKE_SECONDS.observe(time.monotonic() - began)
+        """Stop claiming for ``keys``, give their runs ``grace_s``, then cancel and release the
+        rest; return when that is done (:meth:`HandOvers.revoke`)."""
+        await self.handovers.revoke(keys, release, grace_s)
 
     async def hand_over(self, keys: list[PartitionKey], grace_s: float) -> None:
-        """The consumer's revoke (rule 4 of :mod:`vigil.ledger.partitions`): stop claiming for
-        ``keys`` and return at once, so the consumer goes on recording; the runs of ``keys``
-        in flight get ``grace_s`` to finish in the background, as :meth:`revoke` gives them.
-
-        Their epochs stay ours meanwhile: the partitions' rows carry a hand-over deadline that
-        the next owner's takeover waits for (until it passes or we clear it, once those runs
-        are gone). Without runs in flight, or without a grace, they are released at once; if
-        the ledger cannot take the deadline, the grace is waited here instead, as before
-        hand-overs (the group gives the partitions to nobody until this returns)."""
-        began = time.monotonic()
-        gone = await self._drop(keys)
-        moving = [a for a in self.active.values() if a.claim.home in gone]
-        handing = {a.claim.home: gone[a.claim.home] for a in moving}
-        log.info(
-            "partitions revoked: %s; %d run(s) of theirs in flight%s",
-            ", ".join(str(k.partition) for k in sorted(gone)) or "none held",
-            len(moving),
-            f", handed over for up to {grace_s:g}s" if handing and grace_s > 0 else "",
-        )
-        if not handing or grace_s <= 0:
-            await self._wind_down(gone, True, 0.0)
-        else:
-            try:
-                await self._begin_handover(handing)
-            except psycopg.Error as exc:
-                log.warning("could not leave a hand-over in the ledger (the revoke waits for its runs): %s", exc)
-                await self._wind_down(gone, True, grace_s)
-            else:
-                task = asyncio.create_task(self._hand_over(gone, handing, grace_s), name="hand-over")
-                self._handovers.add(task)
-                task.add_done_callback(self._handovers.discard)
-        metrics.REVOKE_SECONDS.observe(time.monotonic() - began)
+        """The consumer's revoke: stop claiming for ``keys`` and return at once; their runs get
+        ``grace_s`` in the background (:meth:`HandOvers.hand_over`)."""
+        await self.handovers.hand_over(keys, grace_s)
 
     async def handovers_done(self, within_s: float) -> None:
         """Shutdown: wait, at most ``within_s``, for hand-overs in progress to end."""
-        if self._handovers:
-            await asyncio.wait(set(self._handovers), timeout=max(within_s, 0.0))
-
-    async def _hand_over(self, gone: dict[PartitionKey, int], handing: dict[PartitionKey, int], grace_s: float) -> None:
-        """In the background: the runs' grace, the deadline renewed meanwhile, then cleared
-        (the next owner's takeover goes ahead at once). Not cleared, the deadline still ends
-        the wait."""
-        began = time.monotonic()
-        renewing = asyncio.create_task(self._renew_handover(handing), name="hand-over-lease")
-        try:
-            await self._wind_down(gone, True, grace_s)
-        finally:
-            renewing.cancel()
-            await asyncio.gather(renewing, return_exceptions=True)
-            try:
-                for shard, keys in self.shards.split(handing, _partition).items():
-                    async with self.shards.pool(shard).connection() as conn:
-                        await ledger_partitions.end_handover(conn, {k: handing[k] for k in keys})
-            except psycopg.Error as exc:
-                log.warning("could not end the hand-over (the next owner waits for its deadline): %s", exc)
-            took = time.monotonic() - began
-            metrics.HANDOVER_SECONDS.observe(took)
-            log.info(
-                "hand-over of partitions %s ended after %.1fs",
-                ", ".join(str(k.partition) for k in sorted(handing)),
-                took,
-            )
-
-    async def _renew_handover(self, handing: dict[PartitionKey, int]) -> None:
-        """Keep the hand-over's deadline HANDOVER_LEASE_S ahead while its runs last."""
-        while True:
-            await asyncio.sleep(HANDOVER_RENEW_S)
-            try:
-                await self._begin_handover(handing)
-            except psycopg.Error as exc:
-                log.warning("could not renew the hand-over (the next owner may take over first): %s", exc)
+        await self.handovers.done(within_s)
 
     def _count_held(self) -> None:
         """The partitions held, in all and per shard (on a rebalance only)."""
@@ -225,13 +136,6 @@ class Claimer:
         for shard in range(self.shards.count):
             metrics.SHARD_PARTITIONS.labels(str(shard)).set(per_shard[shard])
 
-    async def _begin_handover(self, handing: dict[PartitionKey, int]) -> None:
-        """The hand-over's deadline, HANDOVER_LEASE_S ahead, on each partition's shard."""
-        now = utc(self.clock.now())
-        for shard, keys in self.shards.split(handing, _partition).items():
-            async with self.shards.pool(shard).connection() as conn:
-                await ledger_partitions.begin_handover(conn, {k: handing[k] for k in keys}, HANDOVER_LEASE_S, now=now)
-
     async def _drop(self, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
         """No more claims for ``keys`` (under the claim lock: a pass in progress ends first);
         the epochs they were held at."""
@@ -239,37 +143,6 @@ class Claimer:
             gone = {key: self.owned.pop(key) for key in keys if key in self.owned}
         self._count_held()
         return gone
-
-    async def _wind_down(self, gone: dict[PartitionKey, int], release: bool, grace_s: float) -> None:
-        """The runs of ``gone`` in flight: ``grace_s`` to finish and commit, then cancelled
-        (``release``: their claims handed back)."""
-        victims = [a for a in self.active.values() if a.claim.home in gone]
-        held = victims
-        if release:
-            self.runs.stop_at_boundary(victims)
-            victims = await self.runs.wait_gone(victims, grace_s)
-            # Runs that have returned by then commit too, rather than run again on the next owner.
-            returned = [a for a in victims if a.task is not None and a.task.done()]
-            if returned:
-                await self.runs.wait_gone(returned, REVOKE_COMMIT_WAIT_S)
-                victims = [a for a in victims if self.active.get(a.claim.user_id) is a]
-        # Gone and not cancelled (a shutdown's drain may cancel some meanwhile): committed.
-        left = {id(a) for a in victims}  # identity: runs are not values to compare
-        gone_runs = [a for a in held if id(a) not in left and a.task is not None and not a.task.cancelled()]
-        handed = sum(1 for a in gone_runs if a.handed_over)
-        finished = len(gone_runs) - handed
-        metrics.REVOKE_FINISHED.inc(finished)
-        await self.runs.cancel(victims, release)
-        if held:
-            log.info(
-                "revoked %d partition(s): %d run(s) finished and committed first, %d handed over at a step"
-                " boundary, %d cancelled%s",
-                len(gone),
-                finished,
-                handed,
-                len(victims),
-                " and released" if release else " (partitions lost: given back unless taken over)",
-            )
 
     async def claim_loop(self) -> None:
         """A pass whenever one is due (:class:`Wakeups`), until shutdown; a ledger error
@@ -328,7 +201,7 @@ class Claimer:
                         if check:
                             now = utc(self.clock.now())
                             dead += await mark_dead(conn, owned, self.settings.max_attempts, now=now)
-                            self._lone_at(shard, await alone_due(conn, owned, self.settings.max_attempts, now=now))
+                            self.lone.found(shard, await alone_due(conn, owned, self.settings.max_attempts, now=now))
                         if heal:
                             await self._heal(conn, owned)
                         claims, alone = await self._claim(conn, shard, owned, left) if left > 0 else ([], False)
@@ -358,7 +231,7 @@ class Claimer:
             attempts.update(str(event.attempts) if event.attempts < 3 else "3+" for event in c.events)
             self.runs.start(active)
             if active.alone:
-                self._lone = active
+                self.lone.started(active)
         for label, n in attempts.items():
             metrics.CLAIM_ATTEMPTS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
@@ -392,56 +265,26 @@ class Claimer:
             )
             self.wake(self.settings.backoff_base_s + BACKOFF_SLACK_S)
 
-    def tasks_hold_off(self) -> bool:
-        """Whether background tasks must not be claimed now: a lone last attempt is due (the
-        drain before it) or in flight (claim rule 3: nothing else runs in this process)."""
-        due = self.lone.due_at
-        return self._lone_in_flight() or (due is not None and due <= utc(self.clock.now()))
-
-    def _lone_in_flight(self) -> bool:
-        """Is the lone last attempt still in flight? (A look at one run, not at every run in
-        flight: with thousands of them, that walk was 0.5% of a model-bound worker's CPU.)"""
-        lone = self._lone
-        return lone is not None and self.active.get(lone.claim.user_id) is lone
-
-    def _lone_at(self, shard: int, due: datetime | None) -> None:
-        """What rule 2's look found on ``shard``: the earliest lone attempt of every shard is
-        the one the worker drains for (nothing runs beside it, whatever its shard)."""
-        if due is None:
-            self._lone_due.pop(shard, None)
-        else:
-            self._lone_due[shard] = due
-        self.lone.due_at = min(self._lone_due.values()) if self._lone_due else None
-        if self.lone.due_at is None:
-            self.lone.drain_until = None
-
     async def _claim(
         self, conn: psycopg.AsyncConnection[DictRow], shard: int, owned: dict[PartitionKey, int], take: int
     ) -> tuple[list[Claim], bool]:
         """Claim rule 3's lone last attempts before anything else, then the round robin for up
         to ``take`` users, on ``shard`` (``conn``) for its partitions ``owned``. Returns the
         claims and whether they are a lone attempt."""
-        if self._lone_in_flight():
-            return [], False  # nothing runs beside a lone attempt
-        if self.lone.due_at is not None:
-            wait_s = (self.lone.due_at - utc(self.clock.now())).total_seconds()
-            if wait_s > 0:
-                self.wake(wait_s + BACKOFF_SLACK_S)  # claim as usual until then
-            elif self.lone.busy() and not await self.lone.drained():
-                return [], False  # draining: each finishing run wakes a pass, and so does the deadline
-            elif self._lone_due.get(shard) != self.lone.due_at:
-                return [], False  # drained for another shard's lone attempt: that shard claims it
-            else:
-                lone = await claim_alone(conn, owned, self.settings.max_attempts, now=utc(self.clock.now()))
-                self._next_dead_check = 0.0  # after it: dead? another one waiting?
-                self.lone.drain_until = None
-                if lone is not None:
-                    metrics.LONE_RUNS.inc()
-                    log.warning(
-                        "event %d runs alone: its last attempt, and a worker was lost with it before", lone.events[0].id
-                    )
-                    return [lone], True
-                self._lone_at(shard, None)
+        gate = await self.lone.gate(shard)
+        if gate is Gate.HOLD:
+            return [], False  # in flight, or the drain before it, or another shard's
+        if gate is Gate.ALONE:
+            lone = await claim_alone(conn, owned, self.settings.max_attempts, now=utc(self.clock.now()))
+            self._next_dead_check = 0.0  # after it: dead? another one waiting?
+            self.lone.end_drain()
+            if lone is not None:
+                metrics.LONE_RUNS.inc()
+                log.warning(
+                    "event %d runs alone: its last attempt, and a worker was lost with it before", lone.events[0].id
+                )
+                return [lone], True
+            self.lone.found(shard, None)
         claims, self._cursor[shard] = await claim(
             conn,
             owned=owned,

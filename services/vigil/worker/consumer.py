@@ -12,8 +12,9 @@ The commit order, which tests/test_worker_*.py pin down:
    recorder, while this thread polls and decodes the next batch: the two overlap, the
    decode on this core and the statement in PostgreSQL, instead of taking turns. Several
    ledger shards: one such transaction per shard, each holding its partitions' events and
-   positions; an event whose user's home partition is on another shard is produced again
-   there first (:meth:`ConsumerLoop._reroute`), not recorded here.
+   positions (:class:`vigil.worker.recorder.Recorder`); an event whose user's home
+   partition is on another shard is produced again there first
+   (:func:`vigil.worker.shards.reroute`), not recorded here.
 4. Only once that commit is done, store the batch's offsets (``enable.auto.offset.store=
    false``); the periodic auto-commit sends stored offsets to the broker. Batches are
    settled in the order they were polled, one in flight at a time, and the one in flight
@@ -41,25 +42,23 @@ import asyncio
 import json
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from psycopg.rows import DictRow
 
 from vigil import tracing
 from vigil.bus import kafka as bus_kafka
 from vigil.bus.codec import DecodeError, EventCodec
 from vigil.bus.kafka import ProduceError
 from vigil.clock import Clock
-from vigil.ledger import events as ledger_events
 from vigil.ledger.db import AsyncPool
 from vigil.ledger.events import PARTITION_COLUMN, USER_COLUMN
 from vigil.ledger.partitions import PartitionKey
 from vigil.worker import metrics, traces
 from vigil.worker.rebalance import Rebalancer
+from vigil.worker.recorder import Batch, Message, Recorded, Recorder, Row
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shard_outage import ShardOutages
 from vigil.worker.shards import CATALOG, RETRY_S, LedgerConnections, Shards, reroute
@@ -69,11 +68,6 @@ if TYPE_CHECKING:  # the worker's wiring (main.py) hands them in
     from vigil.worker.runner import Runner
 
 log = logging.getLogger(__name__)
-
-Row = tuple[Any, ...]  # a staging row (vigil.ledger.events: n, the event's fields, topic, partition, offset)
-# A polled confluent_kafka.Message: its stubs type every field Optional, where a polled
-# message without an error has them all.
-Message = Any
 
 
 def consumer_config(settings: WorkerSettings, on_stats: Any) -> dict[str, Any]:
@@ -98,16 +92,6 @@ IDLE_POLL_S = 0.2
 KNOWN_USERS_MAX = 500_000
 
 
-class Batch(NamedTuple):
-    """What one shard's transaction records of a polled batch."""
-
-    shard: int
-    rows: list[Row]
-    highest: dict[tuple[str, int], int]  # its partitions' highest offsets polled
-    unknown: list[str]  # its users this process has not seen committed there
-    lowest: dict[tuple[str, int], int] | None = None  # several shards: where to read again if it fails
-
-
 class InFlight(NamedTuple):
     """A batch handed to the recorder thread and not yet settled."""
 
@@ -116,11 +100,6 @@ class InFlight(NamedTuple):
     rows: int
     users: dict[int, set[str]]  # per shard, whose users row exists there once it is committed
     spans: traces.RecordSpans | None = None  # traces on: the events' record spans, ended at the commit
-
-
-class Recorded(NamedTuple):
-    new: int  # events recorded (not duplicates)
-    failed: list[Batch]  # several shards: the shards' batches that did not commit (their shard down)
 
 
 class ConsumerLoop(threading.Thread):
@@ -152,7 +131,7 @@ class ConsumerLoop(threading.Thread):
         # The recorder: one thread, so batches commit in the order they were polled. It and
         # the rebalance callbacks share self.conns; the callbacks settle the batch in flight
         # before they touch it.
-        self.recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder")
+        self.recorder = Recorder(self.shards, self.conns)
         # Users whose users row (home partition) a committed batch of ours has seen, per shard:
         # the upsert of home partitions cost each batch an index probe per event for nothing.
         self.known_users: dict[int, set[str]] = {}
@@ -277,70 +256,12 @@ class ConsumerLoop(threading.Thread):
             if self.shards.single:
                 batches = [Batch(CATALOG, rows, highest, [])]
             else:
-                batches = self._by_shard(rows, highest, messages)
+                batches = self.recorder.by_shard(rows, highest, messages)
             users: dict[int, set[str]] = {}
             for b in batches:
                 users[b.shard] = {row[USER_COLUMN] for row in b.rows}
                 b.unknown.extend(sorted(users[b.shard] - self.known_users.get(b.shard, set())))
-            self.in_flight = InFlight(self.recorder.submit(self._record, batches), highest, len(rows), users, spans)
-
-    def _by_shard(self, rows: list[Row], highest: dict[tuple[str, int], int], messages: list[Message]) -> list[Batch]:
-        """A polled batch split by the shard of each partition: its events and positions, and
-        each partition's first offset polled (where to read again if its shard fails)."""
-        batches: dict[int, Batch] = {}
-        for (topic, partition), offset in highest.items():
-            shard = self.shards.shard_of(partition)
-            batches.setdefault(shard, Batch(shard, [], {}, [], {})).highest[topic, partition] = offset
-        for m in reversed(messages):  # a partition's messages in offset order: the first one wins
-            b = batches.get(self.shards.shard_of(m.partition()))
-            if b is not None and b.lowest is not None and (m.topic(), m.partition()) in b.highest:
-                b.lowest[m.topic(), m.partition()] = m.offset()
-        for row in rows:
-            batches[self.shards.shard_of(row[PARTITION_COLUMN])].rows.append(row)
-        return [batches[shard] for shard in sorted(batches)]
-
-    def _record(self, batches: list[Batch]) -> Recorded | None:
-        """On the recorder thread: the batch recorded (``record_batch``), one transaction per
-        shard holding that shard's partitions' events and positions; how many events were
-        new, or None if the worker stopped while the ledger was unreachable. Home partitions
-        are written only for each shard's ``unknown`` users (those this process has not
-        seen committed there).
-
-        The same statement moves the ledger's consumer positions past the batch, so the
-        ledger's position and the events it covers commit or vanish together; a batch of
-        undecodable messages only (already on the dead-letter topic) moves the positions
-        alone. One shard: an outage is retried until it answers. Several: each shard's
-        transaction is tried once, and one that fails is returned in ``failed`` (its
-        partitions are paused and read again, :meth:`_settle`), so a shard down stops only
-        its own users. A shard committed before another failed stays committed."""
-        recorded, failed = 0, []
-        for b in batches:
-            positions = {PartitionKey(topic, partition): offset + 1 for (topic, partition), offset in b.highest.items()}
-
-            def record(
-                conn: psycopg.Connection[DictRow], b: Batch = b, positions: dict[PartitionKey, int] = positions
-            ) -> int:
-                with metrics.LEDGER_SECONDS.labels("record").time():
-                    return ledger_events.record_batch(conn, b.rows, b.unknown, positions)
-
-            if self.shards.single:
-                try:
-                    recorded += self.conns.retrying("recording events", record, b.shard)
-                except psycopg.OperationalError:
-                    return None
-                continue
-            try:
-                recorded += record(self.conns.get(b.shard))
-            except psycopg.OperationalError as exc:
-                log.warning(
-                    "recording events on ledger shard %d failed (unreachable?): its partitions pause: %s",
-                    b.shard,
-                    exc,
-                    extra={"event": "shard_down"},
-                )
-                self.conns.drop(b.shard)
-                failed.append(b)
-        return Recorded(recorded, failed)
+            self.in_flight = InFlight(self.recorder.submit(batches), highest, len(rows), users, spans)
 
     def _settle(self) -> None:
         """Wait for the batch in flight; once it is committed, count it, store its offsets and

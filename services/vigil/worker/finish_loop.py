@@ -1,9 +1,12 @@
 """Finishing: the group finish loop and the backlog gauges (docs/worker.md, "Finishing").
 
-:class:`Finisher` takes the runs :class:`vigil.worker.runs.Runs` put on ``finished`` and
-commits them together with :func:`vigil.worker.finish.commit_finished` (the fenced
-transaction, docs/architecture.md, "The finish"), then frees their users' slots and wakes
-the claim loop: at once for the slot, and when a failed run's backoff ends.
+:class:`Finisher` owns the finish queue: :class:`vigil.worker.runs.Runs` hands each run's
+outcome to :meth:`Finisher.put`, and the loop commits them together with
+:func:`vigil.worker.finish.commit_finished` (the fenced transaction, docs/architecture.md,
+"The finish"), then frees their users' slots and calls ``wake`` for a claim pass: at once
+for the slot, and when a failed run's backoff ends. A commit whose outcome is unknown calls
+``on_commit_unknown`` (the claim loop then looks for orphaned claims). The two callbacks are
+all it knows of the claim loop.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import psycopg
 
@@ -19,7 +23,6 @@ from vigil.clock import Clock, utc
 from vigil.ledger import events as ledger_events
 from vigil.ledger.db import AsyncPool
 from vigil.worker import metrics, traces
-from vigil.worker.claim_loop import Claimer
 from vigil.worker.finish import Finished, commit_finished
 from vigil.worker.runs import Active, Runs
 from vigil.worker.settings import WorkerSettings
@@ -55,16 +58,29 @@ def gather_s(group: int, ran_s: float) -> float:
 
 
 class Finisher:
-    """Group-commits finished runs; reports the ledger's backlog."""
+    """Group-commits finished runs; reports the ledger's backlog.
+
+    ``wake(delay)`` asks for a claim pass within ``delay`` seconds (a slot freed: 0; a failed
+    run's backoff: when it ends); ``on_commit_unknown()`` is called when a finish commit
+    failed and may have landed (the claim loop heals at its next pass)."""
 
     def __init__(
-        self, settings: WorkerSettings, pool: AsyncPool | Shards, runs: Runs, claimer: Claimer, clock: Clock
+        self,
+        settings: WorkerSettings,
+        pool: AsyncPool | Shards,
+        runs: Runs,
+        clock: Clock,
+        *,
+        wake: Callable[[float], None],
+        on_commit_unknown: Callable[[], None],
     ) -> None:
         self.settings = settings
         self.shards = Shards.of(pool)  # a group's runs commit on their shards, a transaction each
         self.runs = runs
-        self.claimer = claimer  # woken when a slot frees or a backoff ends; asked to heal
         self.clock = clock
+        self.wake = wake
+        self.on_commit_unknown = on_commit_unknown
+        self.finished: asyncio.Queue[Finished] = asyncio.Queue()  # each run's outcome (put), until committed
         self.stopping = False
         self.committing = 0  # groups taken off the queue and not yet committed (VIGIL_FINISH_CONCURRENCY loops)
         self._groups: set[asyncio.Task[None]] = set()  # several shards: each shard's part of a group, committing
@@ -79,9 +95,9 @@ class Finisher:
     def active(self) -> dict[str, Active]:
         return self.runs.active
 
-    @property
-    def finished(self) -> asyncio.Queue[Finished]:
-        return self.runs.finished
+    def put(self, finished: Finished) -> None:
+        """A run's outcome, for a finish loop to commit (the queue is unbounded: this never waits)."""
+        self.finished.put_nowait(finished)
 
     async def finish_loop(self) -> None:
         """Take up to ``VIGIL_FINISH_BATCH_MAX`` finished runs, commit them in one fenced
@@ -156,7 +172,7 @@ class Finisher:
         for run in batch:
             self.runs.forget(run.claim)
             if run.error is not None and id(run) in landed:
-                self.claimer.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
+                self.wake(run.backoff_s + BACKOFF_SLACK_S)  # its events are claimable again then
             if run.waiting and id(run) in landed:
                 continue  # refused for its budget, never started: vigil_budget_exhausted_total counts it
             label = "retry_later" if run.transient else run.outcome.value
@@ -165,7 +181,7 @@ class Finisher:
         for label, n in outcomes.items():
             metrics.RUNS.labels(label).inc(n)
         metrics.RUNS_IN_FLIGHT.set(len(self.active))
-        self.claimer.wake()
+        self.wake(0.0)  # their slots are free
 
     async def _commit_on(self, shard: int, runs: list[Finished]) -> list[Finished]:
         """``runs`` (all claimed on ``shard``) committed there; those whose finish stood."""
@@ -184,7 +200,7 @@ class Finisher:
                 log.warning("finish commit failed, retrying: %s", exc)
                 # Its outcome is unknown (the commit may have landed, or landed and then
                 # been lost): once the ledger answers again, look for orphaned claims.
-                self.claimer.heal_soon()
+                self.on_commit_unknown()
                 await asyncio.sleep(LEDGER_RETRY_S)
 
     async def gauge_loop(self) -> None:

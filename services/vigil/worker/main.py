@@ -101,8 +101,8 @@ async def run(settings: WorkerSettings, stopping: threading.Event) -> int:
     upkeep = TaskUpkeep(settings, shards, producer, runner.clock)
     executor = TaskExecutor(settings, agent, shards, runner.clock, wake_report=upkeep.wake_report)
     # A lone last attempt runs with nothing else in flight here, background tasks included.
-    executor.hold_off = runner.claimer.tasks_hold_off
-    runner.claimer.lone.beside = executor
+    executor.hold_off = runner.lone.tasks_hold_off
+    runner.lone.drain_beside(executor)
     tasks = [
         asyncio.create_task(runner.claimer.claim_loop(), name="claim-loop"),
         *(

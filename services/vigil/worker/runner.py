@@ -13,9 +13,15 @@ consumer for a user whose home partition is ours, an operator's retry.
 ``worker/main.py`` and the consumer call:
 
 - when to claim: :mod:`vigil.worker.wakeups` (the wake-up heap), :mod:`vigil.worker.claim_loop`
-  (the claim loop and pass, the partitions held), :mod:`vigil.worker.lone` (the lone-attempt drain);
-- running: :mod:`vigil.worker.runs` (the runs in flight, their context, the agent's execution);
-- finishing: :mod:`vigil.worker.finish_loop` (the group finish, the backlog gauges).
+  (the claim loop and pass, the partitions held), :mod:`vigil.worker.lone` (the lone attempt:
+  its due time, its drain), :mod:`vigil.worker.handover` (a revoke's runs wound down);
+- running: :mod:`vigil.worker.runs` (the runs in flight, the agent's execution),
+  :mod:`vigil.worker.contexts` (what each run reads first);
+- finishing: :mod:`vigil.worker.finish_loop` (the finish queue, the group finish, the backlog gauges).
+
+They talk through narrow callbacks: each run hands its outcome to the finisher's queue
+(``finish``), and the finisher asks the claim loop for a pass (``wake``) or a heal
+(``on_commit_unknown``), never holding the claimer.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from vigil.clock import Clock, SystemClock
 from vigil.ledger.db import AsyncPool
 from vigil.worker.claim_loop import Claimer
 from vigil.worker.deadletters import DeadLetters
+from vigil.worker.finish import Finished
 from vigil.worker.finish_loop import Finisher
+from vigil.worker.lone import LoneAttempt
 from vigil.worker.runs import Runs
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
@@ -51,9 +59,24 @@ class Runner:
         self.clock = clock or SystemClock()
         self.shards = Shards.of(pool)  # where each partition's and run's ledger work goes
         self.wakeups = Wakeups(self.clock, settings.scan_interval_s)
-        self.runs = Runs(settings, agent, self.shards, self.clock)
-        self.claimer = Claimer(settings, self.shards, dead_letters, self.runs, self.wakeups, self.clock)
-        self.finisher = Finisher(settings, self.shards, self.runs, self.claimer, self.clock)
+        # Each run hands its outcome to the finish loop's queue (the finisher, made below, owns it).
+        self.runs = Runs(settings, agent, self.shards, self.clock, finish=self._finished)
+        # Claim rule 3's lone attempt: the claim pass tells it what it finds and starts, and
+        # asks it whether to claim; main.py has it drain the background tasks too.
+        self.lone = LoneAttempt(settings, self.runs, self.wakeups, self.clock)
+        self.claimer = Claimer(settings, self.shards, dead_letters, self.runs, self.wakeups, self.clock, self.lone)
+        self.finisher = Finisher(
+            settings,
+            self.shards,
+            self.runs,
+            self.clock,
+            wake=self.wakeups.wake,
+            on_commit_unknown=self.claimer.heal_soon,
+        )
+
+    def _finished(self, run: Finished) -> None:
+        """A run's outcome, to the finish loop (:meth:`Finisher.put`)."""
+        self.finisher.put(run)
 
     # -- called from the consumer thread (through the event loop) ------------------------
 

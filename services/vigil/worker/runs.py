@@ -3,8 +3,8 @@
 :class:`Runs` holds every run this process has claimed and not yet committed
 (``active``, one per user, claim rule 4), starts each on its own asyncio task, loads its
 context (:mod:`vigil.agent.run_ledger`; a claim pass's runs together, :meth:`Runs.preload`),
-runs the agent under ``VIGIL_RUN_TIMEOUT_S`` and puts the outcome, a result or an error
-with its backoff, on ``finished`` for :class:`vigil.worker.finish_loop.Finisher`. A run
+runs the agent under ``VIGIL_RUN_TIMEOUT_S`` and hands the outcome, a result or an error
+with its backoff, to ``finish`` (the queue of :class:`vigil.worker.finish_loop.Finisher`). A run
 leaves ``active`` only when its finish is committed (or it is cancelled and released), so
 the claim pass never claims a user twice. When to claim is :mod:`vigil.worker.claim_loop`'s.
 """
@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,12 +23,11 @@ import psycopg
 from psycopg.rows import DictRow
 
 from vigil import logs
-from vigil.agent.base import Agent, Delegation, OverBudget, RetryLater, RunContext
+from vigil.agent.base import Agent, OverBudget, RetryLater, RunContext
 from vigil.agent.journal import HandedOver
-from vigil.agent.run_ledger import load_context_parts, load_contexts
 from vigil.clock import Clock, utc
 from vigil.ledger import claims as ledger_claims
-from vigil.ledger.claims import Claim, claim_more
+from vigil.ledger.claims import Claim
 from vigil.ledger.db import AsyncPool, is_outage
 from vigil.ledger.events import EventRow
 from vigil.ledger.journal import Fenced
@@ -37,15 +36,13 @@ from vigil.retry import backoff
 from vigil.service import first_line
 from vigil.worker import journal as run_journal
 from vigil.worker import metrics, traces
+from vigil.worker.contexts import Contexts
 from vigil.worker.finish import Finished, stopped_by_budget
 from vigil.worker.settings import WorkerSettings
 from vigil.worker.shards import Shards
 
 log = logging.getLogger(__name__)
 
-# For an agent that does not say how many past messages it wants (``agent.recent_messages``):
-# enough for it not to repeat itself, small enough for the prompt.
-RECENT_MESSAGES = 20
 GONE_POLL_S = 0.01  # how often wait_gone looks whether the finisher has committed
 
 
@@ -61,18 +58,26 @@ class Active:
 
 
 class Runs:
-    """The runs in flight and their execution; ``finished`` hands outcomes to the finisher."""
+    """The runs in flight and their execution; ``finish`` hands outcomes to the finish loop."""
 
-    def __init__(self, settings: WorkerSettings, agent: Agent, pool: AsyncPool | Shards | None, clock: Clock) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        agent: Agent,
+        pool: AsyncPool | Shards | None,
+        clock: Clock,
+        finish: Callable[[Finished], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.agent = agent
         # A run's ledger work goes to the shard of its claim's home partition (where it was
         # claimed): its context, journal, folds, tasks, release (and its finish, Finisher).
         self.shards = Shards.of(pool)  # type: ignore[arg-type]  # None: tests that touch no ledger
         self.clock = clock
+        self.contexts = Contexts(settings, agent, self.shards, clock)  # what each run reads before it runs
         self.active: dict[str, Active] = {}
         self.journal_groups: dict[int, run_journal.GroupAppend] = {}  # per shard: its runs' appends, grouped
-        self.finished: asyncio.Queue[Finished] = asyncio.Queue()
+        self.finish = finish or _no_finish  # the finish loop's queue (Finisher.put); None: tests that run no agent
         # The partitions whose runs a revoke waits for (:meth:`wait_gone`): a finish group
         # holding one of their runs does not wait for company (finish_loop.gather_s), and
         # ``hurry`` wakes a group already waiting when the revoke starts or when one of those
@@ -84,7 +89,15 @@ class Runs:
     @property
     def needs_context(self) -> bool:
         """False for an agent that reads no session, memory or messages (the echo agent)."""
-        return getattr(self.agent, "needs_context", True)
+        return self.contexts.needs_context
+
+    async def preload(self, conn: psycopg.AsyncConnection[DictRow], started: list[Active]) -> None:
+        """The contexts of a pass's runs, read together (:meth:`Contexts.preload`); if that
+        fails, each run reads its own."""
+        ctxs = await self.contexts.preload(conn, [(active.claim, active.folded) for active in started])
+        if ctxs is not None:
+            for active, ctx in zip(started, ctxs, strict=True):
+                active.ctx = ctx
 
     def start(self, active: Active) -> None:
         """Hold ``active`` as this user's run and start it on its own task."""
@@ -143,7 +156,7 @@ class Runs:
         """VIGIL_HANDOVER=step: ``victims`` stop at their next step boundary and leave (their
         claims released for the next owner, who replays them); they are gone once their model
         answer in flight is journaled, instead of after their whole run."""
-        if self.journaled and self.settings.handover == "step":
+        if self.contexts.journaled and self.settings.handover == "step":
             for active in victims:
                 active.handing_over = True
 
@@ -228,15 +241,15 @@ class Runs:
         started = utc(self.clock.now())
         finished = Finished(c, started, folded=active.folded)
         try:
-            ctx = await self._context(active)
-            if self.journaled:
+            ctx = active.ctx if active.ctx is not None else await self.contexts.load(c, active.folded)
+            if self.contexts.journaled:
                 pool = self.pool_of(c)
                 opened = await run_journal.open_run(
                     pool,
                     c,
                     ctx,
                     max_attempts=self.settings.max_attempts,
-                    reload=partial(self._reload, pool),
+                    reload=partial(self.contexts.reload, pool),
                     folded=active.folded,
                     stop=lambda: active.handing_over,
                     group=self._journal_group(c),
@@ -284,7 +297,7 @@ class Runs:
                 log.warning("run failed for a user (attempt %d): %s: %s", c.attempt, type(exc).__name__, exc)
                 finished.error = f"{type(exc).__name__}: {exc}"
                 finished.backoff_s = backoff(c.attempt, self.settings.backoff_base_s, self.settings.backoff_cap_s)
-        await self.finished.put(finished)
+        self.finish(finished)
         if c.home in self._hurrying:
             self.hurry.set()  # a group waiting for company takes this run and commits now
 
@@ -306,84 +319,9 @@ class Runs:
         if self.active.get(active.claim.user_id) is active:
             del self.active[active.claim.user_id]
 
-    async def preload(self, conn: psycopg.AsyncConnection[DictRow], started: list[Active]) -> None:
-        """The contexts of a pass's runs, read together: one pipeline on the claim's
-        connection instead of a pooled connection and round trips per run. If that fails,
-        each run reads its own (and fails as an attempt if it cannot either): the claims are
-        committed already, so the pass must still start their runs."""
-        ctxs = [self._new_context(active) for active in started]
-        try:
-            await load_contexts(conn, ctxs, self._recent_limit, self.journaled)
-        except psycopg.Error as exc:
-            log.warning("could not read %d runs' context together; each run reads its own: %s", len(ctxs), exc)
-            return
-        for active, ctx in zip(started, ctxs, strict=True):
-            active.ctx = ctx
 
-    async def _context(self, active: Active) -> RunContext:
-        if active.ctx is not None:
-            return active.ctx
-        ctx = self._new_context(active)
-        if self.needs_context:
-            async with self.pool_of(active.claim).connection() as conn:
-                await load_context_parts(conn, ctx, self._recent_limit, self.journaled)
-        return ctx
-
-    @property
-    def journaled(self) -> bool:
-        """Whether runs keep a journal: a Claude run does (VIGIL_RUN_JOURNAL); the echo agent
-        has no model or tool step to journal."""
-        return self.needs_context and self.settings.run_journal
-
-    async def _reload(self, pool: AsyncPool, ctx: RunContext) -> None:
-        """A replay's context read again for its events (vigil.worker.journal.open_run), on its shard's ``pool``."""
-        async with pool.connection() as conn:
-            await load_context_parts(conn, ctx, self._recent_limit)
-
-    @property
-    def _recent_limit(self) -> int:
-        """How many past messages the agent wants (VIGIL_RECENT_MESSAGES for the Claude agent)."""
-        return getattr(self.agent, "recent_messages", RECENT_MESSAGES)
-
-    def _new_context(self, active: Active) -> RunContext:
-        c = active.claim
-
-        async def fold(sources: Sequence[str], session_id: str | None = None) -> list[EventRow]:
-            async with self.pool_of(c).connection() as conn:
-                more = await claim_more(conn, c, sources, session_id)
-            active.folded.extend(more)
-            return more
-
-        # Without a journal a retry asks the model again and may call other tools at the same
-        # steps: each claim's calls get keys of its own (vigil.worker.journal.unjournaled_key),
-        # never one a tool already saw for another call. With one, open_run sets the key. The
-        # echo agent calls no tools.
-        unjournaled = self.needs_context and not self.journaled
-        run_key = run_journal.unjournaled_key(c) if unjournaled else run_journal.fresh_key(c)
-        return RunContext(
-            user_id=c.user_id,
-            run_key=run_key,
-            events=list(c.events),
-            session=None,
-            memory={},
-            recent_messages=[],
-            started_at=utc(self.clock.now()),
-            # The host's clock, not ours: the agent checks this against time.monotonic(), and
-            # asyncio enforces run_timeout_s on it too.
-            deadline=time.monotonic() + self.settings.run_timeout_s,
-            fold=fold,
-            delegation=Delegation(
-                depth=0,
-                max_depth=self.settings.max_delegation_depth,
-                token_budget=self.settings.task_token_budget,
-                timeout_s=self.settings.task_timeout_s,
-                max_attempts=self.settings.task_max_attempts,
-                owner_chain=(c.user_id, run_key),
-                max_tasks_per_run=self.settings.max_tasks_per_run,
-                max_open_tasks_per_user=self.settings.max_open_tasks_per_user,
-            ),
-            tasks=self.shards.task_door(self.shards.shard_of(c.home.partition)),
-        )
+def _no_finish(finished: Finished) -> None:
+    raise RuntimeError(f"a run of {finished.claim.user_id} finished with no finish loop to take it")
 
 
 def _claimed(victims: list[Active]) -> dict[tuple[PartitionKey, int], list[int]]:
