@@ -171,6 +171,39 @@ def test_the_poison_receiver_finds_its_caller_beside_a_closed_connection_on_the_
             s.close()
 
 
+def test_a_poison_calls_worker_is_found_by_its_connection_to_the_receiver_not_by_its_port_alone():
+    """Linux gives one ephemeral port to connections to different peers: the worker holding
+    the local port towards Kafka is not the one that called the receiver from the same port
+    (the short chaos run of 7 December killed the wrong worker so, and the poison event
+    was done)."""
+    import socket
+
+    from vigil_dev.chaos.stack import ChaosStack
+
+    receiver, elsewhere = socket.socket(), socket.socket()
+    for listener in (receiver, elsewhere):
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+    other = socket.socket()
+    other.connect(elsewhere.getsockname())  # another connection's port, to another peer
+    port = other.getsockname()[1]
+    accepted = elsewhere.accept()[0]
+
+    class OneWorker:
+        workers = ["worker"]
+
+        def pid(self, part: str) -> int:
+            return os.getpid()
+
+    try:
+        stack = OneWorker()
+        assert ChaosStack.caller(stack, port, receiver.getsockname()[1]) is None  # type: ignore[arg-type]
+        assert ChaosStack.caller(stack, port, elsewhere.getsockname()[1]) == "worker"  # type: ignore[arg-type]
+    finally:
+        for s in (other, accepted, receiver, elsewhere):
+            s.close()
+
+
 def test_the_supervisor_keeps_trying_a_worker_that_was_slow_to_come_up():
     """A loaded machine (four chaos stacks at once) made a restarted worker miss up()'s 60 s
     wait: StackError killed the supervisor's thread, no worker was brought back again and the

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         budgets(stack, args, cast, began)
         approval_profile(stack, args, cast)
         if receiver is not None:
-            receiver.poison = lambda port: poisoned(stack, supervisor, port, began)
+            receiver.poison = lambda port: poisoned(stack, supervisor, port, receiver.port, began)
         return run(args, rng, kinds, stack, began, receiver, cast, supervisor)
     finally:
         supervisor.stop()
@@ -244,14 +244,15 @@ def approval_profile(stack: ChaosStack, args: argparse.Namespace, cast: Cast) ->
         stack.vigil("profiles", "assign", f"chaos-{args.seed}-u{n:03d}", APPROVALS_PROFILE)
 
 
-def poisoned(stack: ChaosStack, supervisor: Supervisor, port: int, began: float) -> None:
-    """A poison call arrived from ``port``: its worker dies now, and the supervisor brings it back."""
-    worker = stack.caller(port)
+def poisoned(stack: ChaosStack, supervisor: Supervisor, port: int, peer: int, began: float) -> None:
+    """A poison call arrived from ``port`` at the receiver's ``peer``: its worker dies now, and
+    the supervisor brings it back."""
+    worker = stack.caller(port, peer)
     for _ in range(25):  # a worker restarted a moment ago: its pid file, its socket, in a moment
         if worker is not None:
             break
         time.sleep(0.2)
-        worker = stack.caller(port)
+        worker = stack.caller(port, peer)
     if worker is None:
         say(began, f"poison call from port {port}: no worker of ours holds it (not killed)")
         return

@@ -89,7 +89,8 @@ class Receiver:
             request_queue_size = 1024
 
         self.server = Server(("127.0.0.1", 0), Handler)
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        self.port: int = self.server.server_address[1]
+        self.host = f"127.0.0.1:{self.port}"
         threading.Thread(target=self.server.serve_forever, name="chaos-receiver", daemon=True).start()
 
     def close(self) -> None:

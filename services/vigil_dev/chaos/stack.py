@@ -282,17 +282,23 @@ class ChaosStack:
                 pass  # killed meanwhile (a poison call of a run it had: it woke first and died)
         return True
 
-    def caller(self, port: int) -> str | None:
-        """The worker whose TCP connection to 127.0.0.1 comes from local ``port`` (None: no
-        worker's): the sockets' inodes from /proc/net/tcp, then the worker holding one among
-        its descriptors. Every entry of that local port counts but those owned by no process
-        (inode 0: a closed connection's TIME_WAIT, which an ephemeral port can share with a
-        live one). Linux only, as the dev stack is."""
+    def caller(self, port: int, peer: int | None = None) -> str | None:
+        """The worker whose TCP connection to 127.0.0.1 comes from local ``port`` (to remote
+        port ``peer``, when given; None: no worker's): the sockets' inodes from /proc/net/tcp,
+        then the worker holding one among its descriptors. Entries owned by no process do not
+        count (inode 0: a closed connection's TIME_WAIT, which an ephemeral port can share with
+        a live one), nor, with ``peer``, those to another remote port: Linux gives one
+        ephemeral port to connections to different peers, so another worker's connection to
+        Kafka or PostgreSQL can share it (a short chaos run of 7 December killed the wrong
+        worker so). Linux only, as the dev stack is."""
         inodes = set()
         for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
             fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
-                inodes.add(f"socket:[{fields[9]}]")
+            if int(fields[1].rsplit(":", 1)[1], 16) != port or fields[9] == "0":
+                continue
+            if peer is not None and int(fields[2].rsplit(":", 1)[1], 16) != peer:
+                continue
+            inodes.add(f"socket:[{fields[9]}]")
         if not inodes:
             return None
         for worker in self.workers:
