@@ -42,21 +42,25 @@ logs: ## Follow the services' logs
 test: lint suite ## Run the linter, then every test (starts its own Kafka and PostgreSQL unless VIGIL_* name a stack)
 
 # Parallel test processes (pytest-xdist): measured on 2 cores, docs/architecture.md "Tests".
-TEST_WORKERS ?= 3
-# Both phases run, whatever the first's outcome; the target fails if either failed. pytest's
-# exit 5 (no test selected, e.g. PYTEST_ARGS naming only solo tests) fails neither. The Go
-# tools are built (or waited for, if `make tools` is building them in the background, as CI
-# does) between the phases: only the serial phase's `tools` tests use them.
-suite: $(STAMP) ## Every test without the linter: in parallel, then the solo and Go-tool tests (@pytest.mark.solo, .tools) one at a time
+TEST_WORKERS ?= 4
+# Three phases; each runs, whatever the others' outcome, and the target fails if any failed.
+# pytest's exit 5 (no test selected, e.g. PYTEST_ARGS naming only solo tests) fails none. The
+# Go tools are built (or waited for, if `make tools` is building them in the background, as CI
+# does) after the solo phase: only the last phase's `tools` tests use them, so a build still
+# under way when the parallel phase ends goes on beside the solo tests.
+suite: $(STAMP) ## Every test without the linter: in parallel, then the solo tests and the Go-tool tests (@pytest.mark.solo, .tools) one at a time
 	@status=0; started=$$SECONDS; \
 	echo "tests: parallel phase (-n $(TEST_WORKERS) --dist loadgroup -m 'not solo and not tools')"; \
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not solo and not tools" --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; parallel=$$((SECONDS - started)); \
-	$(MAKE) --no-print-directory tools || status=2; tools=$$((SECONDS - started - parallel)); \
-	echo "tests: serial phase (-m 'solo or tools', one at a time)"; \
-	$(BIN)/pytest -q -m "solo or tools" --durations=25 $(PYTEST_ARGS); rc=$$?; \
+	echo "tests: solo phase (-m 'solo and not tools', one at a time)"; \
+	$(BIN)/pytest -q -m "solo and not tools" --durations=10 $(PYTEST_ARGS); rc=$$?; \
+	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; solo=$$((SECONDS - started - parallel)); \
+	$(MAKE) --no-print-directory tools || status=2; tools=$$((SECONDS - started - parallel - solo)); \
+	echo "tests: tools phase (-m tools, one at a time)"; \
+	$(BIN)/pytest -q -m "tools" --durations=10 $(PYTEST_ARGS); rc=$$?; \
 	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; \
-	echo "tests: parallel phase $${parallel}s, waiting for the Go tools $${tools}s, serial phase $$((SECONDS - started - parallel - tools))s, total $$((SECONDS - started))s"; \
+	echo "tests: parallel phase $${parallel}s, solo phase $${solo}s, waiting for the Go tools $${tools}s, tools phase $$((SECONDS - started - parallel - solo - tools))s, total $$((SECONDS - started))s"; \
 	exit $$status
 
 test-fast: $(STAMP) tools ## The tests that start no Kafka and no PostgreSQL (pytest -m "not stack"), under two minutes

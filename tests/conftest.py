@@ -341,6 +341,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "stack" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.stack)
+    # The longest tests first: pytest-xdist hands tests out in this order, and a long one
+    # handed out last would run alone while the other workers sit idle.
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)
 
 
 _OWN_STACK = pytest.StashKey[OwnStack]()

@@ -22,6 +22,7 @@ from vigil_dev import devstack
 from vigil_dev.devstack import http_ok
 
 
+@pytest.mark.early
 @pytest.mark.slow
 @pytest.mark.stack  # starts a stack of its own
 # Two `up`s, a demo step and a `down` of a whole stack: four minutes on a busy 2-core machine.

@@ -938,6 +938,7 @@ def run_model(dsn: str, chosen: str = SEED, examples: int = EXAMPLES) -> None:
         world.close()
 
 
+@pytest.mark.early
 def test_the_ledger_keeps_its_promises(ledger):
     run_model(ledger)
 

@@ -111,6 +111,7 @@ class KillOnAsk(threading.Thread):
                     proc.kill()
 
 
+@pytest.mark.early
 @pytest.mark.partitions(1)
 @pytest.mark.parametrize("crash", ["after_its_first_step", "before_its_first_step"])
 def test_a_poison_event_in_a_journaled_batch_kills_no_batch_mate(crash, stack, topics, ledger, vigil_env, spawn):

@@ -65,3 +65,25 @@ def test_an_xdist_group_runs_on_one_worker_and_sets_its_module_up_once(tmp_path:
     workers = {worker for _, worker, _ in runs}
     assert len(workers) == 1, f"the group's tests ran on {sorted(workers)}"
     assert {setups for _, _, setups in runs} == {"1"}, f"the module-scoped fixture was set up again: {runs}"
+
+
+def test_the_longest_tests_are_handed_out_first():
+    """pytest-xdist hands tests out in collection order; a test of minutes handed out last
+    would run alone at the phase's end while the other workers sit idle. The ones marked
+    ``early`` come first (tests/conftest.py): the quick bench (minutes) and the few others
+    over a minute under load."""
+    repo = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-m", "not solo and not tools"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    ids = [line for line in result.stdout.splitlines() if "::" in line]
+    assert len(ids) > 1000, result.stdout[-2000:]
+    first = ids[:5]
+    assert "tests/test_bench.py::test_quick_bench_prints_every_figure_and_cleans_up" in first, first
+    assert "tests/test_ledger_model.py::test_the_ledger_keeps_its_promises" in first, first
