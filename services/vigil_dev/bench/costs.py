@@ -29,7 +29,7 @@ from psycopg.rows import dict_row
 
 from vigil_dev.bench.figures import Figure, Report
 from vigil_dev.bench.procs import Workers
-from vigil_dev.bench.sql import B
+from vigil_dev.bench.sql import B, wal_kept
 
 if TYPE_CHECKING:  # the workloads in pipeline.py call these with their EndToEnd
     from vigil_dev.bench.pipeline import EndToEnd
@@ -100,21 +100,22 @@ def measure_shards(e2e: EndToEnd, workers: Workers, rate: float) -> tuple[list[d
     postmasters = [postmaster_pid(dsn) for dsn in e2e.dsns]
     pid = workers.procs[0].pid
     time.sleep(plan.cost_settle_s)
-    before = [_snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
-    tables_before = [_by_table(dsn) for dsn in e2e.dsns]
-    source = e2e._source("cost")
-    produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, e2e.users, source).result()
-    time.sleep(0.3)
-    e2e._drain(workers, source, produced.count)
-    time.sleep(plan.cost_settle_s)
-    after = [_snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
-    tables_after = [_by_table(dsn) for dsn in e2e.dsns]  # before the bench's own reads below
-    grown = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
-    done = [_round_done(dsn, source) for dsn in e2e.dsns]
-    for shard, dsn in enumerate(e2e.dsns):
-        label = f" (shard {shard})" if len(e2e.dsns) > 1 else ""
-        _print_tables(tables_before[shard], tables_after[shard], done[shard], label)
-        _print_wal(dsn, before[shard]["wal_bytes"], after[shard]["wal_bytes"], done[shard][1], label)
+    with wal_kept(e2e.dsns):  # the pass's WAL, read back by _print_wal
+        before = [_snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
+        tables_before = [_by_table(dsn) for dsn in e2e.dsns]
+        source = e2e._source("cost")
+        produced = e2e.producer.in_thread(e2e.producer.paced, rate, plan.cost_seconds, e2e.users, source).result()
+        time.sleep(0.3)
+        e2e._drain(workers, source, produced.count)
+        time.sleep(plan.cost_settle_s)
+        after = [_snapshot(dsn, pid, pm) for dsn, pm in zip(e2e.dsns, postmasters)]
+        tables_after = [_by_table(dsn) for dsn in e2e.dsns]  # before the bench's own reads below
+        grown = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
+        done = [_round_done(dsn, source) for dsn in e2e.dsns]
+        for shard, dsn in enumerate(e2e.dsns):
+            label = f" (shard {shard})" if len(e2e.dsns) > 1 else ""
+            _print_tables(tables_before[shard], tables_after[shard], done[shard], label)
+            _print_wal(dsn, before[shard]["wal_bytes"], after[shard]["wal_bytes"], done[shard][1], label)
     return grown, [d[0] for d in done], [d[1] for d in done]
 
 

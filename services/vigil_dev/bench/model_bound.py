@@ -60,6 +60,7 @@ from vigil_dev.bench import load
 from vigil_dev.bench.figures import Figure, Report, fmt
 from vigil_dev.bench.plan import Plan
 from vigil_dev.bench.procs import START_TIMEOUT_S, STOP_TIMEOUT_S, ServiceDied, Workers
+from vigil_dev.bench.sql import wal_kept
 from vigil_dev.bench.stack import BenchStack
 from vigil_dev.devstack import free_port
 
@@ -278,6 +279,7 @@ def model_bound(stack: BenchStack, plan: Plan, report: Report) -> None:
         with (
             load.BenchProducer(stack.bootstrap, topics.events) as producer,
             psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn,
+            wal_kept([dsn]),  # the journal's WAL, read back by _journal_cost
         ):
             mark = conn.execute(M.model_bound_journal_mark).fetchone()
             producer.blast(messages)
@@ -322,7 +324,8 @@ def _journal_cost(conn, mark: dict) -> tuple[int, int | None]:
     try:
         conn.execute(M.model_bound_journal_walinspect)
         wal = conn.execute(M.model_bound_journal_wal, {"since": mark["lsn"], "until": now["lsn"]}).fetchone()["bytes"]
-    except psycopg.Error:
+    except psycopg.Error as exc:
+        print(f"model_bound: the journal's WAL not read back: {exc}".rstrip(), file=sys.stderr)
         wal = None
     return rows, wal
 

@@ -180,3 +180,7 @@ SELECT user_id, row_number() OVER (), 1, 'Your build finished: 212 tests passed,
 
 -- name: dispatch_delivered
 SELECT count(*) FROM outbox WHERE status = 'delivered'
+
+-- name: keep_wal
+-- From now until this session ends, the server keeps every WAL segment (a temporary physical replication slot, reserved at once): the WAL a workload reads back with pg_walinspect afterwards is not recycled by a checkpoint meanwhile (on a server other tests also write, one came within seconds and the read failed).
+SELECT pg_create_physical_replication_slot(%(name)s, true, true)
