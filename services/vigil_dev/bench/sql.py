@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import count
 from pathlib import Path
 
@@ -23,7 +23,7 @@ _slots = count()
 
 
 @contextlib.contextmanager
-def wal_kept(dsns: list[str]) -> Iterator[None]:
+def wal_kept(dsns: Iterable[str]) -> Iterator[None]:
     """Within the block, every server of ``dsns`` keeps the WAL written from its start
     (query ``keep_wal``), so that pg_walinspect can read it back at the end. A server or a
     role that cannot (no replication slots, no privilege) is said so on stderr; the reads then
