@@ -48,23 +48,27 @@ test: lint suite ## Run the linter, then every test (starts its own Kafka and Po
 # Parallel test processes (pytest-xdist): measured on 2 cores, docs/architecture.md "Tests".
 TEST_WORKERS ?= 4
 # Three phases; each runs, whatever the others' outcome, and the target fails if any failed.
-# pytest's exit 5 (no test selected, e.g. PYTEST_ARGS naming only solo tests) fails none. The
-# Go tools are built (or waited for, if `make tools` is building them in the background, as CI
-# does) after the solo phase: only the last phase's `tools` tests use them, so a build still
-# under way when the parallel phase ends goes on beside the solo tests.
-suite: $(STAMP) ## Every test without the linter: in parallel, then the solo tests and the Go-tool tests (@pytest.mark.solo, .tools) one at a time
+# pytest's exit 5 (no test selected, e.g. PYTEST_ARGS naming only solo tests) fails none. After
+# the parallel phase the solo phase runs beside the tools phase, which first builds the Go tools
+# (or waits for `make tools` building them in the background, as CI does): only its `tools`
+# tests use them, and they load the machine little. The tools phase's output follows the solo
+# phase's.
+suite: $(STAMP) ## Every test without the linter: in parallel, then the solo tests (@pytest.mark.solo) one at a time beside the Go-tool tests (.tools)
 	@status=0; started=$$SECONDS; \
 	echo "tests: parallel phase (-n $(TEST_WORKERS) --dist loadgroup -m 'not solo and not tools')"; \
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not solo and not tools" --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; parallel=$$((SECONDS - started)); \
-	echo "tests: solo phase (-m 'solo and not tools', one at a time)"; \
+	tools_out=$$(mktemp); \
+	( t0=$$SECONDS; $(MAKE) --no-print-directory tools || exit 2; built=$$((SECONDS - t0)); \
+	  echo "tests: tools phase (-m tools, one at a time; the Go tools waited for $${built}s)"; \
+	  $(BIN)/pytest -q -m "tools" --durations=10 $(PYTEST_ARGS); rc=$$?; \
+	  echo "tests: tools phase took $$((SECONDS - t0))s in all"; \
+	  [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc ) > $$tools_out 2>&1 & tools_pid=$$!; \
+	echo "tests: solo phase (-m 'solo and not tools', one at a time; the tools phase beside it)"; \
 	$(BIN)/pytest -q -m "solo and not tools" --durations=10 $(PYTEST_ARGS); rc=$$?; \
 	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; solo=$$((SECONDS - started - parallel)); \
-	$(MAKE) --no-print-directory tools || status=2; tools=$$((SECONDS - started - parallel - solo)); \
-	echo "tests: tools phase (-m tools, one at a time)"; \
-	$(BIN)/pytest -q -m "tools" --durations=10 $(PYTEST_ARGS); rc=$$?; \
-	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; \
-	echo "tests: parallel phase $${parallel}s, solo phase $${solo}s, waiting for the Go tools $${tools}s, tools phase $$((SECONDS - started - parallel - solo - tools))s, total $$((SECONDS - started))s"; \
+	wait $$tools_pid || status=$$?; cat $$tools_out; rm -f $$tools_out; \
+	echo "tests: parallel phase $${parallel}s, solo phase $${solo}s (the tools phase beside it), total $$((SECONDS - started))s"; \
 	exit $$status
 
 test-fast: $(STAMP) tools ## The tests that start no Kafka and no PostgreSQL (pytest -m "not stack"), under two minutes
