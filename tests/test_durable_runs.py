@@ -403,6 +403,15 @@ def test_a_task_retried_after_its_holder_died_does_not_act_again(stack, topics, 
         produce(stack.bootstrap, topics.events, [chat("tia", "please delegate")])
         wait_for(lambda: receiver.keys, 30, "the task's POST")
         wait_for(lambda: scalar(ledger, "SELECT count(*) FROM run_journal WHERE outcome IS NOT NULL"), 10)
+        # A dies waiting for the delayed answer, so it must have asked for it: killed before
+        # (a clean-clone run under heavy load), it left that answer to B, which then waited 60 s.
+        wait_for(
+            lambda: any(
+                "sub-agent" in json.dumps(b.get("system")) and len(b["messages"]) >= 3 for b in server.requests()
+            ),
+            30,
+            "the child's question after its POST",
+        )
         a.kill()
         _, _ = worker(spawn, vigil_env, server, receiver, "worker-b", **fast)
         wait_for(lambda: scalar(ledger, "SELECT status FROM tasks") == "succeeded", 60, "the task to succeed on B")

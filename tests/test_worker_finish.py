@@ -325,14 +325,17 @@ def test_a_hand_over_returns_at_once_and_lets_runs_finish_behind_it(ledger):
 def test_a_hand_over_renews_its_lease_while_its_runs_last(ledger, monkeypatch):
     """The deadline is a lease (renewed while the runs last), so a revoking worker that dies
     holds the next owner back by a lease, not by the grace; a live one never lets it lapse."""
-    monkeypatch.setattr(handover, "HANDOVER_LEASE_S", 0.3)
-    monkeypatch.setattr(handover, "HANDOVER_RENEW_S", 0.1)
+    # The product's proportions (a lease five renewals long), a fifth of its lengths: a lease
+    # of 0.3 s renewed every 0.1 s lapsed in a clean-clone run whose load stalled the loop
+    # for more than the 0.2 s between them.
+    monkeypatch.setattr(handover, "HANDOVER_LEASE_S", 1.0)
+    monkeypatch.setattr(handover, "HANDOVER_RENEW_S", 0.2)
     ids = seed(ledger, ["returned", "working"])
     query(ledger, "UPDATE events SET attempts = 1")
     watch: list[bool] = []
-    events = revoke_with(ledger, ids, model_s=1.2, grace_s=10.0, hand_over=True, watch=watch)
+    events = revoke_with(ledger, ids, model_s=2.5, grace_s=10.0, hand_over=True, watch=watch)
     assert events["working"]["status"] == "done"
-    assert len(watch) >= 15 and all(watch), watch  # 1.2 s of runs, four leases: never lapsed
+    assert len(watch) >= 15 and all(watch), watch  # 2.5 s of runs, two and a half leases: never lapsed
 
 
 def test_a_hand_over_releases_what_outlives_its_grace(ledger):
